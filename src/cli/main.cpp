@@ -1,0 +1,58 @@
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "cli/command.h"
+#include "core/error.h"
+
+namespace lathe::cli {
+
+std::map<std::string, Command>& commands() {
+  static std::map<std::string, Command> table;
+  return table;
+}
+
+Registrar::Registrar(const std::string& name, const std::string& help, CommandFn fn) {
+  auto [it, inserted] = commands().emplace(name, Command{help, std::move(fn)});
+  if (!inserted) {
+    std::fprintf(stderr, "internal error: lathe subcommand '%s' registered twice\n", name.c_str());
+    std::abort();
+  }
+}
+
+}  // namespace lathe::cli
+
+static void usage() {
+  fmt::print(stderr, "lathe {} - LLM pretraining engine\n\nusage: lathe <command> [args...]\n\ncommands:\n",
+             LATHE_VERSION);
+  for (auto& [name, cmd] : lathe::cli::commands()) fmt::print(stderr, "  {:<12} {}\n", name, cmd.help);
+  fmt::print(stderr, "\nRun 'lathe <command> --help' for the options of a command.\n");
+}
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
+    usage();
+    return argc < 2 ? 2 : 0;
+  }
+  if (!std::strcmp(argv[1], "--version")) {
+    fmt::print("lathe {}\n", LATHE_VERSION);
+    return 0;
+  }
+  auto& table = lathe::cli::commands();
+  auto it = table.find(argv[1]);
+  if (it == table.end()) {
+    fmt::print(stderr, "lathe: unknown command '{}'\n\n", argv[1]);
+    usage();
+    return 2;
+  }
+  std::string prog = std::string("lathe ") + argv[1];
+  argv[1] = prog.data();
+  try {
+    return it->second.fn(argc - 1, argv + 1);
+  } catch (const lathe::Error& e) {
+    fmt::print(stderr, "{}: error: {}\n", prog, e.what());
+    return 1;
+  }
+}

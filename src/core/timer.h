@@ -1,0 +1,11 @@
+#pragma once
+#include <chrono>
+
+namespace lathe {
+
+inline double now_seconds() {
+  using namespace std::chrono;
+  return duration<double>(steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace lathe

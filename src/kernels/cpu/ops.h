@@ -1,0 +1,115 @@
+// CPU kernels: forward and backward of every op a decoder-only transformer needs, fp32,
+// row-major, OpenMP across batch / heads / rows. Forward and backward live side by side in one
+// .cpp per op. Shapes are given in the comments; N = B*T rows.
+//
+// Gradient conventions (the model relies on these):
+//  * Parameter gradients (dweight, dbias, dwte, ...) always ACCUMULATE (+=): they collect over
+//    micro-batches and are zeroed by the trainer once per optimizer step.
+//  * Input gradients: "+=" or "=" as stated per function. LayerNorm/RMSNorm backward add into
+//    dinp because their input is the residual stream whose gradient already holds the skip path.
+//  * Nothing here allocates: scratch memory is passed in by the caller (sizes documented).
+//  * Results are deterministic for a fixed thread count (no atomics, fixed reduction order).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace lathe::cpu {
+
+// ---- matmul (OpenBLAS sgemm; PyTorch nn.Linear layout) -------------------------------------
+// out[M,N] = inp[M,K] @ weight[N,K]^T (+ bias[N] if bias != nullptr).
+// accumulate=true adds into out instead of overwriting it.
+void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t M,
+                    int64_t K, int64_t N, bool accumulate = false);
+// dinp[M,K] (= or += per accumulate_dinp) dout[M,N] @ weight[N,K]     (skipped if dinp == nullptr)
+// dweight[N,K] += dout^T @ inp                                          (skipped if dweight == nullptr)
+// dbias[N] += sum over rows of dout                                     (skipped if dbias == nullptr)
+void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int64_t M, int64_t K, int64_t N, bool accumulate_dinp = false);
+
+// ---- token + learned position embedding -----------------------------------------------------
+// out[B,T,C] = wte[tokens[b,t], :] (+ wpe[t, :] if wpe != nullptr). tokens are validated by the caller.
+void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B,
+                       int64_t T, int64_t C);
+// dwte[V,C] += scatter of dout by token; dwpe[T,C] += sum over batch (if dwpe != nullptr).
+// Deterministic: rows hit by several tokens are summed in (b,t) order (parallelise over C).
+void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B,
+                        int64_t T, int64_t C);
+
+// ---- LayerNorm (biased variance, eps inside sqrt, as torch.nn.LayerNorm) --------------------
+// out[N,C], mean[N], rstd[N] (saved for backward) from inp[N,C], weight[C], bias[C] (bias may be null).
+void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                       const float* bias, int64_t N, int64_t C, float eps);
+// dinp[N,C] += ..., dweight[C] += ..., dbias[C] += ... (dbias may be null).
+// Deterministic parameter-gradient reduction: per-thread partial sums in `scratch`
+// (at least layernorm_scratch_floats(C) floats), combined in thread order.
+void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                        const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
+                        float* scratch);
+size_t layernorm_scratch_floats(int64_t C);  // = 2 * C * max_threads
+
+// ---- RMSNorm (HF LlamaRMSNorm: x * rsqrt(mean(x^2) + eps) * weight) ---------------------------
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C,
+                     float eps);
+// dinp[N,C] += ..., dweight[C] += ... ; scratch: at least rmsnorm_scratch_floats(C).
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                      const float* rstd, int64_t N, int64_t C, float* scratch);
+size_t rmsnorm_scratch_floats(int64_t C);  // = C * max_threads
+
+// ---- pointwise ---------------------------------------------------------------------------------
+// GELU, tanh approximation (HF "gelu_new" / torch gelu(approximate="tanh")).
+void gelu_forward(float* out, const float* inp, int64_t n);
+// dinp = gelu'(inp) * dout; dinp may alias dout.
+void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n);
+
+// SwiGLU on a fused gate|up projection: inp[N, 2F] holds gate in columns [0,F) and up in [F,2F)
+// (gate_proj and up_proj weights sit next to each other in the flat parameter buffer, so one GEMM
+// produces both). out[N,F] = silu(gate) * up.
+void swiglu_forward(float* out, const float* inp, int64_t N, int64_t F);
+// dinp[N,2F] = (d gate | d up) from dout[N,F] (overwrites dinp).
+void swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F);
+
+// out[n] = a[n] + b[n]  (out may alias a or b)
+void residual_forward(float* out, const float* a, const float* b, int64_t n);
+
+// ---- rotary position embedding (HF rotate_half convention) ------------------------------------
+// cos/sin tables [T, D/2]: angle(t, i) = t * theta^(-2i/D).
+void rope_tables(float* cos_table, float* sin_table, int64_t T, int64_t D, double theta);
+// In place on x viewed as [B, T, row_stride] where each row holds `n_heads` heads of size D
+// starting at column 0 (pass a pointer to the q or k section of a fused qkv row):
+//   x1 = x[..., :D/2], x2 = x[..., D/2:];  x <- (x1*cos - x2*sin, x2*cos + x1*sin)
+void rope_forward(float* x, const float* cos_table, const float* sin_table, int64_t B, int64_t T,
+                  int64_t n_heads, int64_t D, int64_t row_stride);
+// Gradient of rope_forward, in place (rotation by -angle).
+void rope_backward(float* dx, const float* cos_table, const float* sin_table, int64_t B, int64_t T,
+                   int64_t n_heads, int64_t D, int64_t row_stride);
+
+// ---- causal self-attention with grouped-query heads -----------------------------------------
+// qkv[B, T, (H + 2*KVH) * D]: per row, H query heads, then KVH key heads, then KVH value heads.
+// Query head h uses kv head h / (H / KVH). Scale 1/sqrt(D), causal mask.
+// out[B, T, H*D]; lse[B, H, T] = logsumexp of each score row (saved for backward).
+// Never materialises more than one (T x T) score tile per thread: scratch must hold
+// attention_scratch_floats(T, D) floats.
+void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t H,
+                       int64_t KVH, int64_t D, float* scratch);
+// dqkv[B, T, (H+2*KVH)*D] = gradient w.r.t. qkv (overwrites). Recomputes probabilities from lse.
+// Parallel over (b, kv head) so that the dk/dv of a kv head shared by several query heads are
+// summed by one thread in a fixed order.
+void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
+                        int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, float* scratch);
+size_t attention_scratch_floats(int64_t T, int64_t D);  // per-call total (covers all threads)
+
+// ---- lm head + softmax + cross-entropy, fused and chunked over rows ---------------------------
+// For x[N,C] and the output embedding w[V,C] (tied wte or a separate lm_head):
+//   logits = x @ w^T; loss_n = logsumexp(logits_n) - logits_n[target_n]
+// computed `chunk_rows` rows at a time into scratch[chunk_rows, V] so the full N x V logits are
+// never held at once. losses[N] receives per-row losses (0 where target < 0: ignored).
+// If backward: dlogits = (softmax - onehot) * grad_scale computed in place in the chunk, then
+//   dx[N,C] = dlogits @ w (overwrites), dw[V,C] += dlogits^T @ x.
+// grad_scale is 1 / (number of target tokens in the whole global batch) so that accumulation over
+// micro-batches yields the mean over every token.
+// Returns the sum of the losses of this call (double accumulation).
+double lm_head_loss(float* losses, float* dx, float* dw, const float* x, const float* w, const int32_t* targets,
+                    int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, float* scratch,
+                    int64_t chunk_rows);
+
+}  // namespace lathe::cpu
