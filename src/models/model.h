@@ -1,0 +1,137 @@
+// A decoder-only language model on CPU: parameters and gradients in flat buffers described by a
+// ParamTable, activations preallocated for a maximum (B, T), forward and backward built from the
+// kernels in kernels/cpu/ops.h. Model code knows nothing of parallelism or optimizers.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "config/model_config.h"
+#include "core/buffer.h"
+#include "models/param_table.h"
+
+namespace lathe {
+
+// What distinguishes the families inside the shared transformer body.
+struct Arch {
+  bool layernorm = true;        // LayerNorm (with bias) vs RMSNorm
+  bool learned_pos = true;      // wpe vs rotary
+  bool gelu_mlp = true;         // GELU MLP (c_fc, c_proj) vs SwiGLU (gate|up, down)
+  bool qkv_bias = true;
+  bool o_bias = true;
+  bool mlp_bias = true;
+  bool tied_lm_head = true;
+};
+
+// Pointers to one layer's tensors inside a flat buffer (parameters or gradients).
+struct LayerPtrs {
+  float *ln1_w = nullptr, *ln1_b = nullptr;
+  float *qkv_w = nullptr, *qkv_b = nullptr;  // [(H+2KV)*D, C], q|k|v contiguous
+  float *o_w = nullptr, *o_b = nullptr;      // [C, H*D]
+  float *ln2_w = nullptr, *ln2_b = nullptr;
+  float *fc_w = nullptr, *fc_b = nullptr;    // gpt2: [F, C]; llama: gate|up [2F, C]
+  float *proj_w = nullptr, *proj_b = nullptr;  // [C, F]
+};
+struct ModelPtrs {
+  float *wte = nullptr, *wpe = nullptr, *lnf_w = nullptr, *lnf_b = nullptr, *lm_head = nullptr;
+  std::vector<LayerPtrs> layers;
+};
+
+// Names of each family's tensors, so the generic body can find them in the table.
+struct FamilyNames {
+  std::string wte, wpe, lnf_w, lnf_b, lm_head;
+  // per-layer names with "{}" for the layer index
+  std::string ln1_w, ln1_b, q_w, q_b, o_w, o_b, ln2_w, ln2_b, fc_w, fc_b, proj_w, proj_b;
+};
+
+class Model {
+ public:
+  Model(ModelConfig cfg, Arch arch, ParamTable table, FamilyNames names);
+  virtual ~Model() = default;
+
+  const ModelConfig& config() const { return cfg_; }
+  const Arch& arch() const { return arch_; }
+  const ParamTable& params() const { return table_; }
+  size_t num_params() const { return table_.total(); }
+  float* param_data() { return params_.data(); }
+  const float* param_data() const { return params_.data(); }
+  float* grad_data() { return grads_.data(); }
+  void zero_grad() { grads_.zero(); }
+  float* param(const std::string& name) { return params_.data() + table_.at(name).offset; }
+  float* grad(const std::string& name) { return grads_.data() + table_.at(name).offset; }
+
+  // Deterministic init: each tensor draws from its own stream seeded by (seed, name), so the
+  // values do not depend on the thread count or on the order tensors sit in the buffer.
+  void init_weights(uint64_t seed);
+
+  // Preallocates every activation for up to B x T tokens. Called once before training;
+  // forward/backward never allocate.
+  void allocate(int64_t B, int64_t T);
+  int64_t max_batch() const { return max_B_; }
+  int64_t max_seq() const { return max_T_; }
+
+  // tokens/targets [B, T] (targets < 0 are ignored). Returns the SUM of token losses.
+  // With backward, gradients ACCUMULATE into grad_data() scaled by grad_scale (pass 1 / number of
+  // target tokens of the whole global batch, so micro-batches add up to the mean loss).
+  double forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, float grad_scale,
+                          bool backward);
+  // logits [B, T, V] of every position (tests and parity checks).
+  void forward_logits(const int32_t* tokens, int64_t B, int64_t T, float* logits);
+  // logits [B, V] of the last position only (generation).
+  void forward_last_logits(const int32_t* tokens, int64_t B, int64_t T, float* logits);
+
+  size_t activation_bytes() const { return acts_.bytes(); }
+  // Parameters + gradients + activations + scratch (optimizer state is the trainer's).
+  size_t estimated_bytes() const { return 2 * params_.bytes() + acts_.bytes(); }
+
+  // 6*N + 12*L*C*T FLOP per token (N excludes position embeddings), the convention of the bench.
+  double flops_per_token(int64_t T) const;
+
+ private:
+  void forward_body(const int32_t* tokens, int64_t B, int64_t T);
+  ModelPtrs resolve(float* base) const;
+
+  ModelConfig cfg_;
+  Arch arch_;
+  ParamTable table_;
+  FamilyNames names_;
+  Buffer<float> params_, grads_;
+  ModelPtrs p_, g_;
+
+  // activations (offsets into acts_), sized for max_B_ x max_T_
+  int64_t max_B_ = 0, max_T_ = 0, chunk_rows_ = 0;
+  Buffer<float> acts_;
+  struct LayerActs {
+    float *ln1, *ln1_mean, *ln1_rstd, *qkv, *att, *lse, *res1, *ln2, *ln2_mean, *ln2_rstd, *fc, *act, *res2;
+  };
+  std::vector<LayerActs> la_;
+  float *emb_ = nullptr, *lnf_ = nullptr, *lnf_mean_ = nullptr, *lnf_rstd_ = nullptr, *losses_ = nullptr;
+  float *dres_ = nullptr, *dln_ = nullptr, *dqkv_ = nullptr, *datt_ = nullptr, *dfc_ = nullptr, *dact_ = nullptr;
+  float *scratch_ = nullptr, *rope_cos_ = nullptr, *rope_sin_ = nullptr;
+};
+
+// model_type -> builder. Registering a name twice is an error naming both registrants.
+using ModelBuilder = std::unique_ptr<Model> (*)(const ModelConfig&);
+class ModelRegistry {
+ public:
+  void add(const std::string& model_type, ModelBuilder builder, const std::string& registrant);
+  std::unique_ptr<Model> build(const ModelConfig& cfg) const;
+  std::vector<std::string> names() const;
+
+ private:
+  struct Entry {
+    ModelBuilder builder;
+    std::string registrant;
+  };
+  std::vector<std::pair<std::string, Entry>> entries_;
+};
+// The registry with the built-in families (gpt2; llama, qwen2, mistral).
+ModelRegistry& model_registry();
+std::unique_ptr<Model> build_model(const ModelConfig& cfg);
+
+// Family builders (src/models/gpt2.cpp, src/models/llama.cpp).
+std::unique_ptr<Model> build_gpt2(const ModelConfig& cfg);
+std::unique_ptr<Model> build_llama(const ModelConfig& cfg);
+
+}  // namespace lathe

@@ -1,0 +1,73 @@
+// The one table that describes a model's parameters. Parameters, gradients and optimizer moments
+// are flat fp32 buffers; every tensor is a (offset, shape) slice of them, in table order. The
+// table also carries how each tensor is initialised, whether weight decay applies, how a later
+// tensor-parallel wrapper would shard it, and how it maps to the Hugging Face state dict.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "core/error.h"
+#include "core/tensor.h"
+
+namespace lathe {
+
+enum class Init : uint8_t {
+  Normal,  // N(0, std)
+  Zeros,
+  Ones,
+};
+
+// How tensor parallelism splits a tensor (applied by src/parallel, never by model code).
+enum class ShardRule : uint8_t {
+  Replicated,  // norms, biases of row-parallel layers
+  Column,      // split dim 0 (output features) of a [out, in] weight, or a bias of such a layer
+  Row,         // split dim 1 (input features)
+  Vocab,       // split dim 0 of an embedding / lm_head over the vocabulary
+};
+
+struct ParamSpec {
+  std::string name;    // the Hugging Face state-dict name, e.g. "model.layers.0.self_attn.q_proj.weight"
+  Shape shape;         // lathe layout: linear weights are [out, in] (nn.Linear)
+  size_t offset = 0;   // in floats, into the flat buffers
+  Init init = Init::Normal;
+  float init_std = 0.02f;
+  ShardRule shard = ShardRule::Replicated;
+  bool decay = false;          // AdamW/LAMB weight decay applies (matrices yes; biases, norms no)
+  bool hf_transposed = false;  // HF stores it transposed (GPT-2 Conv1D keeps [in, out])
+  int64_t numel() const { return lathe::numel(shape); }
+};
+
+class ParamTable {
+ public:
+  // Appends a tensor right after the previous one (so tensors added one after another are
+  // contiguous: the model relies on this to run q/k/v or gate/up as one GEMM).
+  ParamSpec& add(std::string name, Shape shape, Init init, float init_std, ShardRule shard, bool decay,
+                 bool hf_transposed = false) {
+    LATHE_CHECK(!index_.count(name), "parameter '{}' defined twice in the model's table", name);
+    ParamSpec p{std::move(name), std::move(shape), total_, init, init_std, shard, decay, hf_transposed};
+    total_ += static_cast<size_t>(p.numel());
+    index_[p.name] = specs_.size();
+    specs_.push_back(std::move(p));
+    return specs_.back();
+  }
+  const std::vector<ParamSpec>& specs() const { return specs_; }
+  const ParamSpec* find(const std::string& name) const {
+    auto it = index_.find(name);
+    return it == index_.end() ? nullptr : &specs_[it->second];
+  }
+  const ParamSpec& at(const std::string& name) const {
+    const ParamSpec* p = find(name);
+    LATHE_CHECK(p != nullptr, "internal: no parameter named '{}'", name);
+    return *p;
+  }
+  size_t total() const { return total_; }
+
+ private:
+  std::vector<ParamSpec> specs_;
+  std::unordered_map<std::string, size_t> index_;
+  size_t total_ = 0;
+};
+
+}  // namespace lathe

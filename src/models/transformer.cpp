@@ -1,0 +1,304 @@
+// The decoder body shared by every family: pre-norm blocks of attention + MLP with residuals.
+// Arch switches select LayerNorm/RMSNorm, learned/rotary positions and GELU/SwiGLU MLPs.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "core/parallel.h"
+#include "core/rng.h"
+#include "kernels/cpu/ops.h"
+#include "models/model.h"
+
+namespace lathe {
+
+namespace {
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+std::string layer_name(const std::string& pattern, int64_t i) {
+  return fmt::format(fmt::runtime(pattern), i);
+}
+}  // namespace
+
+Model::Model(ModelConfig cfg, Arch arch, ParamTable table, FamilyNames names)
+    : cfg_(std::move(cfg)), arch_(arch), table_(std::move(table)), names_(std::move(names)) {
+  params_.resize(table_.total());
+  grads_.resize(table_.total());
+  p_ = resolve(params_.data());
+  g_ = resolve(grads_.data());
+}
+
+ModelPtrs Model::resolve(float* base) const {
+  auto get = [&](const std::string& name) -> float* {
+    if (name.empty()) return nullptr;
+    const ParamSpec* s = table_.find(name);
+    return s ? base + s->offset : nullptr;
+  };
+  ModelPtrs m;
+  m.wte = get(names_.wte);
+  m.wpe = arch_.learned_pos ? get(names_.wpe) : nullptr;
+  m.lnf_w = get(names_.lnf_w);
+  m.lnf_b = arch_.layernorm ? get(names_.lnf_b) : nullptr;
+  m.lm_head = arch_.tied_lm_head ? m.wte : get(names_.lm_head);
+  for (int64_t i = 0; i < cfg_.num_hidden_layers; ++i) {
+    LayerPtrs l;
+    l.ln1_w = get(layer_name(names_.ln1_w, i));
+    l.ln2_w = get(layer_name(names_.ln2_w, i));
+    if (arch_.layernorm) {
+      l.ln1_b = get(layer_name(names_.ln1_b, i));
+      l.ln2_b = get(layer_name(names_.ln2_b, i));
+    }
+    l.qkv_w = get(layer_name(names_.q_w, i));
+    if (arch_.qkv_bias) l.qkv_b = get(layer_name(names_.q_b, i));
+    l.o_w = get(layer_name(names_.o_w, i));
+    if (arch_.o_bias) l.o_b = get(layer_name(names_.o_b, i));
+    l.fc_w = get(layer_name(names_.fc_w, i));
+    if (arch_.mlp_bias) l.fc_b = get(layer_name(names_.fc_b, i));
+    l.proj_w = get(layer_name(names_.proj_w, i));
+    if (arch_.mlp_bias) l.proj_b = get(layer_name(names_.proj_b, i));
+    m.layers.push_back(l);
+  }
+  return m;
+}
+
+void Model::init_weights(uint64_t seed) {
+  for (const ParamSpec& s : table_.specs()) {
+    float* p = params_.data() + s.offset;
+    int64_t n = s.numel();
+    switch (s.init) {
+      case Init::Zeros: std::fill(p, p + n, 0.0f); break;
+      case Init::Ones: std::fill(p, p + n, 1.0f); break;
+      case Init::Normal: {
+        Rng rng(seed ^ fnv1a(s.name));
+        for (int64_t i = 0; i < n; ++i) p[i] = rng.normal() * s.init_std;
+        break;
+      }
+    }
+  }
+}
+
+double Model::flops_per_token(int64_t T) const {
+  double n = static_cast<double>(num_params());
+  if (arch_.learned_pos && p_.wpe) n -= static_cast<double>(cfg_.max_position_embeddings * cfg_.hidden_size);
+  return 6.0 * n + 12.0 * cfg_.num_hidden_layers * cfg_.hidden_size * static_cast<double>(T);
+}
+
+void Model::allocate(int64_t B, int64_t T) {
+  LATHE_CHECK(B >= 1 && T >= 1, "batch {} x seq_len {}: both must be >= 1", B, T);
+  LATHE_CHECK(!arch_.learned_pos || T <= cfg_.max_position_embeddings,
+              "seq_len {} exceeds the model's max_position_embeddings {}", T, cfg_.max_position_embeddings);
+  if (B == max_B_ && T == max_T_) return;
+  max_B_ = B;
+  max_T_ = T;
+  const int64_t N = B * T, C = cfg_.hidden_size, H = cfg_.num_attention_heads, KV = cfg_.num_key_value_heads,
+                D = cfg_.head_dim(), Q = (H + 2 * KV) * D, F = cfg_.intermediate_size,
+                FF = arch_.gelu_mlp ? F : 2 * F, V = cfg_.vocab_size, L = cfg_.num_hidden_layers;
+  // Logit chunks of up to 256 rows keep the lm-head GEMMs large while holding at most
+  // 256 x V floats of logits (51 MB at V=50257) instead of N x V.
+  chunk_rows_ = std::min<int64_t>(N, 256);
+  size_t scratch = std::max({cpu::attention_scratch_floats(T, D), cpu::layernorm_scratch_floats(C),
+                             cpu::rmsnorm_scratch_floats(C), static_cast<size_t>(chunk_rows_ * V)});
+  const size_t per_layer = static_cast<size_t>(N * C * 4 + N * 4 + N * Q + N * H * D + B * H * T + N * FF +
+                                               N * F);
+  const size_t total = per_layer * L + static_cast<size_t>(N * C * 2 + N * 3) +  // emb, lnf + stats, losses
+                       static_cast<size_t>(N * C * 2 + N * Q + N * H * D + N * FF + N * F) +  // backward
+                       scratch + static_cast<size_t>(T * D);                                   // rope tables
+  acts_.resize(total + 64 * 64);
+  float* cur = acts_.data();
+  auto take = [&](int64_t n) {
+    float* p = cur;
+    cur += (n + 15) / 16 * 16;  // keep 64-byte alignment
+    return p;
+  };
+  la_.assign(L, {});
+  for (auto& a : la_) {
+    a.ln1 = take(N * C);
+    a.ln1_mean = take(N);
+    a.ln1_rstd = take(N);
+    a.qkv = take(N * Q);
+    a.att = take(N * H * D);
+    a.lse = take(B * H * T);
+    a.res1 = take(N * C);
+    a.ln2 = take(N * C);
+    a.ln2_mean = take(N);
+    a.ln2_rstd = take(N);
+    a.fc = take(N * FF);
+    a.act = take(N * F);
+    a.res2 = take(N * C);
+  }
+  emb_ = take(N * C);
+  lnf_ = take(N * C);
+  lnf_mean_ = take(N);
+  lnf_rstd_ = take(N);
+  losses_ = take(N);
+  dres_ = take(N * C);
+  dln_ = take(N * C);
+  dqkv_ = take(N * Q);
+  datt_ = take(N * H * D);
+  dfc_ = take(N * FF);
+  dact_ = take(N * F);
+  scratch_ = take(static_cast<int64_t>(scratch));
+  rope_cos_ = take(T * D / 2);
+  rope_sin_ = take(T * D / 2);
+  LATHE_CHECK(cur <= acts_.data() + acts_.size(), "internal: activation arena overflow");
+  if (!arch_.learned_pos) cpu::rope_tables(rope_cos_, rope_sin_, T, D, cfg_.rope_theta);
+}
+
+void Model::forward_body(const int32_t* tokens, int64_t B, int64_t T) {
+  LATHE_CHECK(B <= max_B_ && T <= max_T_, "batch {}x{} exceeds the allocated {}x{}", B, T, max_B_, max_T_);
+  const int64_t N = B * T, C = cfg_.hidden_size, H = cfg_.num_attention_heads, KV = cfg_.num_key_value_heads,
+                D = cfg_.head_dim(), Q = (H + 2 * KV) * D, F = cfg_.intermediate_size,
+                FF = arch_.gelu_mlp ? F : 2 * F, V = cfg_.vocab_size;
+  const float eps = static_cast<float>(cfg_.norm_eps);
+  for (int64_t i = 0; i < N; ++i)
+    LATHE_CHECK(tokens[i] >= 0 && tokens[i] < V, "token id {} at position {} is outside the vocabulary [0, {})",
+                tokens[i], i, V);
+  // With T below the allocated length the RoPE tables still hold positions 0..T-1 in their
+  // first T rows, so they can be used as they are.
+  cpu::embedding_forward(emb_, tokens, p_.wte, p_.wpe, B, T, C);
+  const float* x = emb_;
+  for (size_t l = 0; l < la_.size(); ++l) {
+    const LayerPtrs& w = p_.layers[l];
+    LayerActs& a = la_[l];
+    if (arch_.layernorm)
+      cpu::layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1_w, w.ln1_b, N, C, eps);
+    else
+      cpu::rmsnorm_forward(a.ln1, a.ln1_rstd, x, w.ln1_w, N, C, eps);
+    cpu::matmul_forward(a.qkv, a.ln1, w.qkv_w, w.qkv_b, N, C, Q);
+    if (!arch_.learned_pos) {
+      cpu::rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, D, Q);
+      cpu::rope_forward(a.qkv + H * D, rope_cos_, rope_sin_, B, T, KV, D, Q);
+    }
+    cpu::attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D, scratch_);
+    cpu::matmul_forward(a.res1, a.att, w.o_w, w.o_b, N, H * D, C);
+    cpu::residual_forward(a.res1, a.res1, x, N * C);
+    if (arch_.layernorm)
+      cpu::layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res1, w.ln2_w, w.ln2_b, N, C, eps);
+    else
+      cpu::rmsnorm_forward(a.ln2, a.ln2_rstd, a.res1, w.ln2_w, N, C, eps);
+    cpu::matmul_forward(a.fc, a.ln2, w.fc_w, w.fc_b, N, C, FF);
+    if (arch_.gelu_mlp)
+      cpu::gelu_forward(a.act, a.fc, N * F);
+    else
+      cpu::swiglu_forward(a.act, a.fc, N, F);
+    cpu::matmul_forward(a.res2, a.act, w.proj_w, w.proj_b, N, F, C);
+    cpu::residual_forward(a.res2, a.res2, a.res1, N * C);
+    x = a.res2;
+  }
+  if (arch_.layernorm)
+    cpu::layernorm_forward(lnf_, lnf_mean_, lnf_rstd_, x, p_.lnf_w, p_.lnf_b, N, C, eps);
+  else
+    cpu::rmsnorm_forward(lnf_, lnf_rstd_, x, p_.lnf_w, N, C, eps);
+}
+
+double Model::forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T,
+                               float grad_scale, bool backward) {
+  forward_body(tokens, B, T);
+  const int64_t N = B * T, C = cfg_.hidden_size, H = cfg_.num_attention_heads, KV = cfg_.num_key_value_heads,
+                D = cfg_.head_dim(), Q = (H + 2 * KV) * D, F = cfg_.intermediate_size,
+                FF = arch_.gelu_mlp ? F : 2 * F, V = cfg_.vocab_size;
+  for (int64_t i = 0; i < N; ++i)
+    LATHE_CHECK(targets[i] < V, "target id {} at position {} is outside the vocabulary [0, {})", targets[i], i, V);
+  float* dlm = arch_.tied_lm_head ? g_.wte : g_.lm_head;
+  double loss_sum = cpu::lm_head_loss(losses_, dln_, dlm, lnf_, p_.lm_head, targets, N, C, V, grad_scale, backward,
+                                      scratch_, chunk_rows_);
+  if (!backward) return loss_sum;
+
+  // dres_ carries dL/d(residual stream) downwards; norms add into it.
+  std::memset(dres_, 0, sizeof(float) * N * C);
+  const float* x_last = la_.empty() ? emb_ : la_.back().res2;
+  if (arch_.layernorm)
+    cpu::layernorm_backward(dres_, g_.lnf_w, g_.lnf_b, dln_, x_last, p_.lnf_w, lnf_mean_, lnf_rstd_, N, C, scratch_);
+  else
+    cpu::rmsnorm_backward(dres_, g_.lnf_w, dln_, x_last, p_.lnf_w, lnf_rstd_, N, C, scratch_);
+
+  for (int64_t l = static_cast<int64_t>(la_.size()) - 1; l >= 0; --l) {
+    const LayerPtrs& w = p_.layers[l];
+    const LayerPtrs& gw = g_.layers[l];
+    LayerActs& a = la_[l];
+    const float* x = l == 0 ? emb_ : la_[l - 1].res2;
+    // MLP: res2 = res1 + proj(act(fc(norm2(res1))))
+    cpu::matmul_backward(dact_, gw.proj_w, gw.proj_b, dres_, a.act, w.proj_w, N, F, C);
+    if (arch_.gelu_mlp)
+      cpu::gelu_backward(dfc_, a.fc, dact_, N * F);
+    else
+      cpu::swiglu_backward(dfc_, a.fc, dact_, N, F);
+    cpu::matmul_backward(dln_, gw.fc_w, gw.fc_b, dfc_, a.ln2, w.fc_w, N, C, FF);
+    if (arch_.layernorm)
+      cpu::layernorm_backward(dres_, gw.ln2_w, gw.ln2_b, dln_, a.res1, w.ln2_w, a.ln2_mean, a.ln2_rstd, N, C,
+                              scratch_);
+    else
+      cpu::rmsnorm_backward(dres_, gw.ln2_w, dln_, a.res1, w.ln2_w, a.ln2_rstd, N, C, scratch_);
+    // Attention: res1 = x + o(attn(qkv(norm1(x))))
+    cpu::matmul_backward(datt_, gw.o_w, gw.o_b, dres_, a.att, w.o_w, N, H * D, C);
+    cpu::attention_backward(dqkv_, datt_, a.qkv, a.att, a.lse, B, T, H, KV, D, scratch_);
+    if (!arch_.learned_pos) {
+      cpu::rope_backward(dqkv_, rope_cos_, rope_sin_, B, T, H, D, Q);
+      cpu::rope_backward(dqkv_ + H * D, rope_cos_, rope_sin_, B, T, KV, D, Q);
+    }
+    cpu::matmul_backward(dln_, gw.qkv_w, gw.qkv_b, dqkv_, a.ln1, w.qkv_w, N, C, Q);
+    if (arch_.layernorm)
+      cpu::layernorm_backward(dres_, gw.ln1_w, gw.ln1_b, dln_, x, w.ln1_w, a.ln1_mean, a.ln1_rstd, N, C, scratch_);
+    else
+      cpu::rmsnorm_backward(dres_, gw.ln1_w, dln_, x, w.ln1_w, a.ln1_rstd, N, C, scratch_);
+  }
+  cpu::embedding_backward(g_.wte, g_.wpe, dres_, tokens, B, T, C);
+  return loss_sum;
+}
+
+void Model::forward_logits(const int32_t* tokens, int64_t B, int64_t T, float* logits) {
+  forward_body(tokens, B, T);
+  cpu::matmul_forward(logits, lnf_, p_.lm_head, nullptr, B * T, cfg_.hidden_size, cfg_.vocab_size);
+}
+
+void Model::forward_last_logits(const int32_t* tokens, int64_t B, int64_t T, float* logits) {
+  forward_body(tokens, B, T);
+  const int64_t C = cfg_.hidden_size;
+  for (int64_t b = 0; b < B; ++b)
+    cpu::matmul_forward(logits + b * cfg_.vocab_size, lnf_ + (b * T + T - 1) * C, p_.lm_head, nullptr, 1, C,
+                        cfg_.vocab_size);
+}
+
+// ---- registry ------------------------------------------------------------------------------
+
+void ModelRegistry::add(const std::string& model_type, ModelBuilder builder, const std::string& registrant) {
+  for (auto& [name, e] : entries_)
+    LATHE_CHECK(name != model_type, "model_type '{}' registered twice: first by {}, again by {}", model_type,
+                e.registrant, registrant);
+  entries_.push_back({model_type, Entry{builder, registrant}});
+}
+
+std::unique_ptr<Model> ModelRegistry::build(const ModelConfig& cfg) const {
+  for (auto& [name, e] : entries_)
+    if (name == cfg.model_type) return e.builder(cfg);
+  throw_error("model_type '{}' is not supported (known: {})", cfg.model_type, fmt::join(names(), ", "));
+}
+
+std::vector<std::string> ModelRegistry::names() const {
+  std::vector<std::string> out;
+  for (auto& [name, e] : entries_) out.push_back(name);
+  return out;
+}
+
+ModelRegistry& model_registry() {
+  static ModelRegistry reg = [] {
+    ModelRegistry r;
+    r.add("gpt2", build_gpt2, "src/models/gpt2.cpp");
+    r.add("llama", build_llama, "src/models/llama.cpp");
+    r.add("qwen2", build_llama, "src/models/llama.cpp (qwen2: q/k/v biases)");
+    r.add("mistral", build_llama, "src/models/llama.cpp (mistral)");
+    return r;
+  }();
+  return reg;
+}
+
+std::unique_ptr<Model> build_model(const ModelConfig& cfg) {
+  cfg.validate("model");
+  return model_registry().build(cfg);
+}
+
+}  // namespace lathe
