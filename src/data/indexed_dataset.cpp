@@ -1,0 +1,385 @@
+#include "data/indexed_dataset.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+
+#include "core/error.h"
+
+namespace lathe::data {
+namespace {
+
+constexpr unsigned char kMagic[9] = {'M', 'M', 'I', 'D', 'I', 'D', 'X', 0, 0};
+constexpr size_t kHeaderBytes = 34;  // magic 9 + version 8 + dtype 1 + S 8 + D 8
+
+// The index arrays start at byte 34, so they are not aligned: always memcpy.
+template <typename T>
+T load(const unsigned char* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+template <typename T>
+void append(std::vector<unsigned char>& out, T v) {
+  const auto* p = reinterpret_cast<const unsigned char*>(&v);
+  out.insert(out.end(), p, p + sizeof(T));
+}
+
+void write_all(std::FILE* f, const void* data, size_t n, const std::string& path) {
+  if (n && std::fwrite(data, 1, n, f) != n)
+    throw_error("{}: write failed ({}); check free disk space", path, std::strerror(errno));
+}
+
+void fsync_file(std::FILE* f, const std::string& path) {
+  if (std::fflush(f) != 0 || ::fsync(::fileno(f)) != 0)
+    throw_error("{}: flush/fsync failed ({})", path, std::strerror(errno));
+}
+
+void fsync_dir(const std::string& file_path) {
+  auto dir = std::filesystem::path(file_path).parent_path();
+  if (dir.empty()) dir = ".";
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd < 0) throw_error("{}: cannot open directory to fsync ({})", dir.string(), std::strerror(errno));
+  int rc = ::fsync(fd);
+  ::close(fd);
+  if (rc != 0) throw_error("{}: directory fsync failed ({})", dir.string(), std::strerror(errno));
+}
+
+// Maps a whole file read-only; returns nullptr for an empty file (mmap rejects length 0).
+const unsigned char* map_file(const std::string& path, size_t& size, const char* role) {
+  int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) {
+    if (errno == ENOENT)
+      throw_error("{}: {} file missing (an indexed dataset is the pair PREFIX.bin + PREFIX.idx; "
+                  "pass the prefix without extension)", path, role);
+    throw_error("{}: cannot open {} file ({})", path, role, std::strerror(errno));
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    ::close(fd);
+    throw_error("{}: stat failed ({})", path, std::strerror(errno));
+  }
+  size = static_cast<size_t>(st.st_size);
+  if (size == 0) {
+    ::close(fd);
+    return nullptr;
+  }
+  void* p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (p == MAP_FAILED) throw_error("{}: mmap failed ({})", path, std::strerror(errno));
+  return static_cast<const unsigned char*>(p);
+}
+
+// Converts `count` tokens of `dtype` at `src` to int32.
+void convert_tokens(const unsigned char* src, DType dtype, int64_t count, int32_t* out,
+                    const std::string& path) {
+  switch (dtype) {
+    case DType::U8:
+      for (int64_t i = 0; i < count; ++i) out[i] = src[i];
+      return;
+    case DType::U16:
+      for (int64_t i = 0; i < count; ++i) out[i] = load<uint16_t>(src + 2 * i);
+      return;
+    case DType::I32:
+      std::memcpy(out, src, static_cast<size_t>(count) * 4);
+      return;
+    case DType::I64:
+      for (int64_t i = 0; i < count; ++i) {
+        int64_t v = load<int64_t>(src + 8 * i);
+        LATHE_CHECK(v >= std::numeric_limits<int32_t>::min() && v <= std::numeric_limits<int32_t>::max(),
+                    "{}: token id {} does not fit in int32 (lathe token ids are int32)", path, v);
+        out[i] = static_cast<int32_t>(v);
+      }
+      return;
+    default:
+      throw_error("{}: unsupported token dtype {}", path, dtype_name(dtype));
+  }
+}
+
+}  // namespace
+
+uint8_t megatron_dtype_code(DType t) {
+  switch (t) {
+    case DType::U8: return 1;
+    case DType::I32: return 4;
+    case DType::I64: return 5;
+    case DType::U16: return 8;
+    default:
+      throw_error("indexed dataset: token dtype {} is not supported (use U16, I32, U8 or I64)",
+                  dtype_name(t));
+  }
+}
+
+DType dtype_from_megatron_code(uint8_t code, const std::string& what) {
+  switch (code) {
+    case 1: return DType::U8;
+    case 4: return DType::I32;
+    case 5: return DType::I64;
+    case 8: return DType::U16;
+    case 2: case 3: case 6: case 7:
+      throw_error("{}: dtype code {} ({}) is not a supported token dtype (lathe reads uint8=1, "
+                  "int32=4, int64=5, uint16=8)", what, code,
+                  code == 2 ? "int8" : code == 3 ? "int16" : code == 6 ? "float64" : "float32");
+    default:
+      throw_error("{}: invalid dtype code {} (Megatron codes are 1..8)", what, code);
+  }
+}
+
+DType optimal_token_dtype(int64_t vocab_size) {
+  LATHE_CHECK(vocab_size > 0, "optimal_token_dtype: vocab_size must be positive, got {}", vocab_size);
+  return vocab_size < 65500 ? DType::U16 : DType::I32;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writer
+
+IndexedDatasetWriter::IndexedDatasetWriter(const std::string& prefix, DType dtype)
+    : prefix_(prefix), bin_tmp_(prefix + ".bin.tmp"), idx_tmp_(prefix + ".idx.tmp"), dtype_(dtype) {
+  megatron_dtype_code(dtype);  // validates the dtype
+  bin_ = std::fopen(bin_tmp_.c_str(), "wb");
+  if (!bin_)
+    throw_error("{}: cannot create ({}); does the output directory exist?", bin_tmp_,
+                std::strerror(errno));
+}
+
+IndexedDatasetWriter::~IndexedDatasetWriter() {
+  if (!finalized_) cleanup_temp();
+}
+
+void IndexedDatasetWriter::cleanup_temp() noexcept {
+  if (bin_) {
+    std::fclose(bin_);
+    bin_ = nullptr;
+  }
+  ::unlink(bin_tmp_.c_str());
+  ::unlink(idx_tmp_.c_str());
+}
+
+void IndexedDatasetWriter::add_document(std::span<const int32_t> tokens) {
+  LATHE_CHECK(!finalized_, "{}: add_document after finalize()", prefix_);
+  LATHE_CHECK(tokens.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()),
+              "{}: document {} has {} tokens; the .idx stores lengths as int32", prefix_,
+              lengths_.size(), tokens.size());
+  int64_t hi = dtype_ == DType::U8 ? 255 : dtype_ == DType::U16 ? 65535
+                                                                 : std::numeric_limits<int32_t>::max();
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    int32_t t = tokens[i];
+    if (t < 0 || t > hi)
+      throw_error("{}: token id {} (document {}, position {}) does not fit the dataset dtype {} "
+                  "(valid ids 0..{}); use optimal_token_dtype(vocab_size) to pick the dtype",
+                  prefix_, t, lengths_.size(), i, dtype_name(dtype_), hi);
+  }
+  size_t item = dtype_size(dtype_);
+  scratch_.resize(tokens.size() * item);
+  unsigned char* dst = scratch_.data();
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    switch (dtype_) {
+      case DType::U8: dst[i] = static_cast<uint8_t>(tokens[i]); break;
+      case DType::U16: { uint16_t v = static_cast<uint16_t>(tokens[i]); std::memcpy(dst + 2 * i, &v, 2); break; }
+      case DType::I32: std::memcpy(dst + 4 * i, &tokens[i], 4); break;
+      case DType::I64: { int64_t v = tokens[i]; std::memcpy(dst + 8 * i, &v, 8); break; }
+      default: break;
+    }
+  }
+  write_all(bin_, scratch_.data(), scratch_.size(), bin_tmp_);
+  lengths_.push_back(static_cast<int32_t>(tokens.size()));
+  num_tokens_ += tokens.size();
+}
+
+void IndexedDatasetWriter::finalize() {
+  LATHE_CHECK(!finalized_, "{}: finalize() called twice", prefix_);
+  fsync_file(bin_, bin_tmp_);
+  if (std::fclose(bin_) != 0) {
+    bin_ = nullptr;
+    throw_error("{}: close failed ({})", bin_tmp_, std::strerror(errno));
+  }
+  bin_ = nullptr;
+
+  // .idx: header, lengths (int32), byte pointers (int64), document indices 0..S (int64).
+  const uint64_t S = lengths_.size(), D = S + 1;
+  std::vector<unsigned char> idx;
+  idx.reserve(kHeaderBytes + 12 * S + 8 * D);
+  idx.insert(idx.end(), kMagic, kMagic + 9);
+  append<uint64_t>(idx, 1);
+  append<uint8_t>(idx, megatron_dtype_code(dtype_));
+  append<uint64_t>(idx, S);
+  append<uint64_t>(idx, D);
+  for (int32_t len : lengths_) append<int32_t>(idx, len);
+  int64_t ptr = 0;
+  for (int32_t len : lengths_) {
+    append<int64_t>(idx, ptr);
+    ptr += static_cast<int64_t>(len) * static_cast<int64_t>(dtype_size(dtype_));
+  }
+  for (uint64_t d = 0; d < D; ++d) append<int64_t>(idx, static_cast<int64_t>(d));
+
+  std::FILE* f = std::fopen(idx_tmp_.c_str(), "wb");
+  if (!f) throw_error("{}: cannot create ({})", idx_tmp_, std::strerror(errno));
+  try {
+    write_all(f, idx.data(), idx.size(), idx_tmp_);
+    fsync_file(f, idx_tmp_);
+  } catch (...) {
+    std::fclose(f);
+    throw;
+  }
+  if (std::fclose(f) != 0) throw_error("{}: close failed ({})", idx_tmp_, std::strerror(errno));
+
+  // .bin first: a reader that finds the new .idx then always finds the matching .bin.
+  for (auto [tmp, fin] : {std::pair{bin_tmp_, prefix_ + ".bin"}, std::pair{idx_tmp_, prefix_ + ".idx"}})
+    if (std::rename(tmp.c_str(), fin.c_str()) != 0)
+      throw_error("{}: rename to {} failed ({})", tmp, fin, std::strerror(errno));
+  finalized_ = true;
+  fsync_dir(prefix_ + ".idx");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reader
+
+IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
+  const std::string idx_path = prefix + ".idx", bin_path = prefix + ".bin";
+  try {
+    idx_ = map_file(idx_path, idx_size_, "index (.idx)");
+    bin_ = map_file(bin_path, bin_size_, "token (.bin)");
+
+    LATHE_CHECK(idx_size_ >= kHeaderBytes,
+                "{}: truncated header: expected at least {} bytes got {}", idx_path, kHeaderBytes,
+                idx_size_);
+    LATHE_CHECK(std::memcmp(idx_, kMagic, 9) == 0,
+                "{}: bad magic (expected \"MMIDIDX\\0\\0\"); not a Megatron indexed dataset index "
+                "(regenerate it with Megatron's tools/preprocess_data.py or `lathe` preprocessing)",
+                idx_path);
+    uint64_t version = load<uint64_t>(idx_ + 9);
+    LATHE_CHECK(version == 1, "{}: unsupported version {} (only version 1 exists)", idx_path, version);
+    dtype_ = dtype_from_megatron_code(idx_[17], idx_path);
+    uint64_t S = load<uint64_t>(idx_ + 18), D = load<uint64_t>(idx_ + 26);
+    // Sizes beyond 2^40 entries cannot be real and would overflow the size arithmetic below.
+    LATHE_CHECK(S < (1ull << 40) && D < (1ull << 40),
+                "{}: corrupt header: sequence_count {} / document_count {}", idx_path, S, D);
+    LATHE_CHECK(D >= 1, "{}: corrupt header: document_count is 0 (must be number of documents + 1)",
+                idx_path);
+    uint64_t expected = kHeaderBytes + 12 * S + 8 * D;
+    if (idx_size_ == expected + S && S > 0)
+      throw_error("{}: {} bytes = expected size {} + {} sequence_modes bytes: multimodal indexed "
+                  "datasets are not supported", idx_path, idx_size_, expected, S);
+    LATHE_CHECK(idx_size_ >= expected,
+                "{}: truncated: expected {} bytes got {} (sequence_count {}, document_count {})",
+                idx_path, expected, idx_size_, S, D);
+    LATHE_CHECK(idx_size_ == expected,
+                "{}: size mismatch: expected {} bytes got {} (trailing data; sequence_count {}, "
+                "document_count {})", idx_path, expected, idx_size_, S, D);
+    num_sequences_ = S;
+    num_doc_indices_ = D;
+
+    // Lengths non-negative and pointers contiguous from 0: sequence i then starts at global token
+    // sequence_pointers[i] / itemsize, which read_global relies on.
+    const int64_t item = static_cast<int64_t>(dtype_size(dtype_));
+    const unsigned char* lens = idx_ + kHeaderBytes;
+    const unsigned char* ptrs = lens + 4 * S;
+    const unsigned char* docs = ptrs + 8 * S;
+    int64_t pos = 0;
+    for (uint64_t i = 0; i < S; ++i) {
+      int32_t len = load<int32_t>(lens + 4 * i);
+      int64_t p = load<int64_t>(ptrs + 8 * i);
+      LATHE_CHECK(len >= 0, "{}: sequence_lengths[{}] = {} is negative", idx_path, i, len);
+      LATHE_CHECK(p == pos,
+                  "{}: sequence_pointers[{}] = {} but the sequences before it end at byte {} "
+                  "(pointers must be contiguous)", idx_path, i, p, pos);
+      pos += static_cast<int64_t>(len) * item;
+    }
+    total_tokens_ = pos / item;
+    LATHE_CHECK(static_cast<uint64_t>(pos) <= bin_size_,
+                "{}: truncated: expected {} bytes got {} ({} tokens of {} per {})", bin_path, pos,
+                bin_size_, total_tokens_, dtype_name(dtype_), idx_path);
+    LATHE_CHECK(static_cast<uint64_t>(pos) == bin_size_,
+                "{}: size mismatch: expected {} bytes got {} ({} tokens of {} per {}); the .bin and "
+                ".idx do not belong together", bin_path, pos, bin_size_, total_tokens_,
+                dtype_name(dtype_), idx_path);
+
+    int64_t prev = load<int64_t>(docs);
+    LATHE_CHECK(prev == 0, "{}: document_indices[0] = {} (must be 0)", idx_path, prev);
+    for (uint64_t d = 1; d < D; ++d) {
+      int64_t v = load<int64_t>(docs + 8 * d);
+      LATHE_CHECK(v >= prev, "{}: document_indices[{}] = {} < document_indices[{}] = {} (must be "
+                  "non-decreasing)", idx_path, d, v, d - 1, prev);
+      prev = v;
+    }
+    LATHE_CHECK(static_cast<uint64_t>(prev) == S,
+                "{}: document_indices[-1] = {} but sequence_count = {} (must be equal)", idx_path,
+                prev, S);
+  } catch (...) {
+    if (idx_) ::munmap(const_cast<unsigned char*>(idx_), idx_size_);
+    if (bin_) ::munmap(const_cast<unsigned char*>(bin_), bin_size_);
+    throw;
+  }
+}
+
+IndexedDataset::~IndexedDataset() {
+  if (idx_) ::munmap(const_cast<unsigned char*>(idx_), idx_size_);
+  if (bin_) ::munmap(const_cast<unsigned char*>(bin_), bin_size_);
+}
+
+int64_t IndexedDataset::sequence_length(size_t i) const {
+  LATHE_CHECK(i < num_sequences_, "{}.idx: sequence {} out of range (dataset has {})", prefix_, i,
+              num_sequences_);
+  return load<int32_t>(idx_ + kHeaderBytes + 4 * i);
+}
+
+int64_t IndexedDataset::sequence_offset(size_t i) const {
+  LATHE_CHECK(i < num_sequences_, "{}.idx: sequence {} out of range (dataset has {})", prefix_, i,
+              num_sequences_);
+  return load<int64_t>(idx_ + kHeaderBytes + 4 * num_sequences_ + 8 * i) /
+         static_cast<int64_t>(dtype_size(dtype_));
+}
+
+void IndexedDataset::read_global(int64_t start, int64_t count, int32_t* out) const {
+  LATHE_CHECK(start >= 0 && count >= 0 && start + count <= total_tokens_,
+              "{}.bin: read of tokens [{}, {}) out of range (dataset has {} tokens)", prefix_, start,
+              start + count, total_tokens_);
+  if (count == 0) return;
+  convert_tokens(bin_ + start * static_cast<int64_t>(dtype_size(dtype_)), dtype_, count, out,
+                 prefix_ + ".bin");
+}
+
+void IndexedDataset::read_sequence(size_t i, int32_t* out) const {
+  read_global(sequence_offset(i), sequence_length(i), out);
+}
+
+int32_t IndexedDataset::max_token_id() const {
+  int64_t cached = max_token_.load(std::memory_order_acquire);
+  if (cached != -2) return static_cast<int32_t>(cached);
+  // Chunks of the stream are converted and reduced in parallel; max is order-independent.
+  const int64_t n = total_tokens_, chunk = 1 << 16;
+  const int64_t nchunks = (n + chunk - 1) / chunk;
+  int64_t best = -1;
+  bool overflow = false;
+#pragma omp parallel reduction(max : best) reduction(|| : overflow)
+  {
+    std::vector<int32_t> buf;
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < nchunks; ++c) {
+      int64_t s = c * chunk, m = std::min(chunk, n - s);
+      if (dtype_ == DType::I64) {
+        for (int64_t i = 0; i < m; ++i) {
+          int64_t v = load<int64_t>(bin_ + 8 * (s + i));
+          if (v > std::numeric_limits<int32_t>::max()) overflow = true;
+          best = std::max(best, v);
+        }
+      } else {
+        buf.resize(static_cast<size_t>(m));
+        convert_tokens(bin_ + s * static_cast<int64_t>(dtype_size(dtype_)), dtype_, m, buf.data(), "");
+        for (int64_t i = 0; i < m; ++i) best = std::max<int64_t>(best, buf[i]);
+      }
+    }
+  }
+  LATHE_CHECK(!overflow, "{}.bin: token id {} does not fit in int32", prefix_, best);
+  max_token_.store(best, std::memory_order_release);
+  return static_cast<int32_t>(best);
+}
+
+}  // namespace lathe::data

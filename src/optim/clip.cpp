@@ -1,0 +1,38 @@
+#include "optim/clip.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "optim/chunks.h"
+
+namespace lathe::optim {
+
+double global_grad_norm(const float* grads, size_t n) {
+  const int64_t nchunks = static_cast<int64_t>((n + kChunk - 1) / kChunk);
+  std::vector<double> partial(static_cast<size_t>(nchunks));
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const size_t b = static_cast<size_t>(c) * kChunk, e = std::min(b + kChunk, n);
+    double s = 0.0;
+#pragma omp simd reduction(+ : s)
+    for (size_t i = b; i < e; ++i) s += static_cast<double>(grads[i]) * grads[i];
+    partial[static_cast<size_t>(c)] = s;
+  }
+  double total = 0.0;
+  for (double s : partial) total += s;
+  return std::sqrt(total);
+}
+
+double clip_grad_norm(float* grads, size_t n, double max_norm) {
+  const double norm = global_grad_norm(grads, n);
+  if (max_norm > 0.0 && std::isfinite(norm) && norm > max_norm) {
+    const float scale = static_cast<float>(max_norm / (norm + 1e-6));
+    const int64_t nn = static_cast<int64_t>(n);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < nn; ++i) grads[i] *= scale;
+  }
+  return norm;
+}
+
+}  // namespace lathe::optim

@@ -1,0 +1,15 @@
+// Global gradient norm and clipping over the flat gradient buffer.
+#pragma once
+#include <cstddef>
+
+namespace lathe::optim {
+
+// L2 norm of grads[n], accumulated in double per fixed chunk and summed in chunk order:
+// deterministic for any thread count. NaN/Inf in the gradients give a NaN/Inf norm.
+double global_grad_norm(const float* grads, size_t n);
+// torch.nn.utils.clip_grad_norm_ semantics: if max_norm > 0 and norm > max_norm, grads *=
+// max_norm / (norm + 1e-6). Returns the pre-clip norm. A non-finite norm is returned without
+// touching the gradients: the caller's NaN/Inf guard decides (skip the step, stop), not clipping.
+double clip_grad_norm(float* grads, size_t n, double max_norm);
+
+}  // namespace lathe::optim

@@ -1,0 +1,52 @@
+// Optimizers over the flat fp32 parameter buffer. A model's parameters, gradients and optimizer
+// moments each live in one flat buffer of P floats; ParamRange says where each parameter tensor
+// sits and whether it gets weight decay (typically: matrices yes, norms/biases no).
+// Elements not covered by any range are left untouched.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/buffer.h"
+
+namespace lathe::optim {
+
+struct ParamRange {
+  size_t offset;
+  size_t size;
+  bool decay;
+};
+
+struct OptimConfig {
+  std::string name = "adamw";  // "adamw" | "lamb"
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
+};
+
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  // One update of params[P] with grads[P]. `step` counts from 1 (bias correction); `lr` is the
+  // already-scheduled learning rate.
+  virtual void step(float* params, const float* grads, std::span<const ParamRange> ranges, double lr,
+                    int64_t step) = 0;
+  // State for checkpoints: name -> flat buffer of P floats ("exp_avg", "exp_avg_sq").
+  virtual std::vector<std::pair<std::string, Buffer<float>*>> state_buffers() = 0;
+};
+
+// Checks the config (betas in [0,1), eps > 0, weight_decay >= 0); errors name the field.
+void validate(const OptimConfig& cfg);
+// "adamw" | "lamb"; an unknown name is an error listing the valid ones.
+std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& cfg, size_t num_params);
+
+// Shared helpers (optimizer.cpp).
+// Throws unless every range lies inside [0, num_params) and step >= 1.
+void check_step_args(const char* who, size_t num_params, std::span<const ParamRange> ranges,
+                     int64_t step);
+std::unique_ptr<Optimizer> make_adamw(const OptimConfig& cfg, size_t num_params);
+std::unique_ptr<Optimizer> make_lamb(const OptimConfig& cfg, size_t num_params);
+
+}  // namespace lathe::optim
