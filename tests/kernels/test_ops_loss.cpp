@@ -1,0 +1,221 @@
+// lm_head_loss against a naive double-precision reference (explicit logits and log-softmax), its
+// gradients against the analytic double reference and central finite differences, chunking
+// invariance, ignored targets, dw accumulation and bit-identical repeats.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "core/error.h"
+#include "kernels/cpu/ops.h"
+
+namespace {
+
+std::vector<float> randn(size_t n, uint32_t seed, float sd) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> dist(0.0f, sd);
+  std::vector<float> v(n);
+  for (auto& x : v) x = dist(gen);
+  return v;
+}
+
+std::vector<int32_t> make_targets(int64_t N, int64_t V, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::vector<int32_t> t(N);
+  for (int64_t n = 0; n < N; ++n) t[n] = static_cast<int32_t>(gen() % V);
+  // Ignore some rows (including the first when N > 1) to exercise the ignore path.
+  for (int64_t n = 0; n < N; n += 5) if (N > 1) t[n] = -1;
+  return t;
+}
+
+struct Ref {
+  std::vector<double> losses, dx, dw;  // dw is the gradient alone (no prefill)
+  double total = 0;
+};
+
+// Naive reference: logits, log-softmax and gradients in double.
+Ref reference(const std::vector<double>& x, const std::vector<double>& w, const std::vector<int32_t>& tg, int64_t N,
+              int64_t C, int64_t V, double grad_scale) {
+  Ref r;
+  r.losses.assign(N, 0.0);
+  r.dx.assign(N * C, 0.0);
+  r.dw.assign(V * C, 0.0);
+  std::vector<double> logits(V);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t v = 0; v < V; ++v) {
+      double acc = 0;
+      for (int64_t c = 0; c < C; ++c) acc += x[n * C + c] * w[v * C + c];
+      logits[v] = acc;
+    }
+    if (tg[n] < 0) continue;
+    const double m = *std::max_element(logits.begin(), logits.end());
+    double sum = 0;
+    for (double l : logits) sum += std::exp(l - m);
+    const double lse = m + std::log(sum);
+    r.losses[n] = lse - logits[tg[n]];
+    r.total += r.losses[n];
+    for (int64_t v = 0; v < V; ++v) {
+      const double g = (std::exp(logits[v] - lse) - (v == tg[n] ? 1.0 : 0.0)) * grad_scale;
+      for (int64_t c = 0; c < C; ++c) {
+        r.dx[n * C + c] += g * w[v * C + c];
+        r.dw[v * C + c] += g * x[n * C + c];
+      }
+    }
+  }
+  return r;
+}
+
+double max_abs(const std::vector<double>& v) {
+  double m = 0;
+  for (double x : v) m = std::max(m, std::fabs(x));
+  return m;
+}
+
+template <typename A>
+void expect_close(const A& got, const std::vector<double>& want, double rtol, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size());
+  const double tol = rtol * std::max(1.0, max_abs(want));
+  size_t bad = 0;
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double err = std::fabs(static_cast<double>(got[i]) - want[i]);
+    if (!(err <= tol)) ++bad;
+    worst = std::isnan(err) ? INFINITY : std::max(worst, err);
+  }
+  EXPECT_EQ(bad, 0u) << what << " worst abs err " << worst << " tol " << tol;
+}
+
+struct Out {
+  std::vector<float> losses, dx, dw;
+  double total;
+};
+
+Out run(const std::vector<float>& x, const std::vector<float>& w, const std::vector<int32_t>& tg, int64_t N, int64_t C,
+        int64_t V, float grad_scale, bool backward, int64_t chunk, const std::vector<float>& dw_prefill) {
+  Out o;
+  o.losses.assign(N, NAN);
+  o.dx.assign(N * C, NAN);  // must be overwritten
+  o.dw = dw_prefill;
+  std::vector<float> scratch(std::min(chunk, std::max<int64_t>(N, 1)) * V, NAN);
+  o.total = lathe::cpu::lm_head_loss(o.losses.data(), backward ? o.dx.data() : nullptr,
+                                     backward ? o.dw.data() : nullptr, x.data(), w.data(), tg.data(), N, C, V,
+                                     grad_scale, backward, scratch.data(), chunk);
+  return o;
+}
+
+TEST(LmHeadLoss, MatchesDoubleReferenceOverShapesAndChunks) {
+  for (int64_t N : {1, 3, 31, 67})
+    for (int64_t C : {3, 33})
+      for (int64_t V : {1, 3, 67, 1000}) {
+        const auto x = randn(N * C, 11 + N + C, 1.0f);
+        const auto w = randn(V * C, 17 + V, 0.5f);
+        const auto tg = make_targets(N, V, 3 + N + V);
+        int64_t count = 0;
+        for (auto t : tg) count += t >= 0;
+        const float gs = 1.0f / static_cast<float>(std::max<int64_t>(count, 1) + 2);  // as if global batch larger
+        std::vector<double> xd(x.begin(), x.end()), wd(w.begin(), w.end());
+        const Ref ref = reference(xd, wd, tg, N, C, V, gs);
+        const auto prefill = randn(V * C, 5, 1.0f);
+        std::vector<double> dw_want(V * C);
+        for (int64_t i = 0; i < V * C; ++i) dw_want[i] = prefill[i] + ref.dw[i];
+
+        std::vector<int64_t> chunks = {1, std::max<int64_t>(1, N / 2), N, N + 5};
+        const std::string tag = "N=" + std::to_string(N) + " C=" + std::to_string(C) + " V=" + std::to_string(V);
+              for (const int64_t ch : chunks) {
+          const std::string t2 = tag + " chunk=" + std::to_string(ch);
+          const Out o = run(x, w, tg, N, C, V, gs, true, ch, prefill);
+          expect_close(o.losses, ref.losses, 2e-6, t2 + " losses");
+          EXPECT_NEAR(o.total, ref.total, 2e-6 * std::max(1.0, std::fabs(ref.total)) * N) << t2;
+          expect_close(o.dx, ref.dx, 2e-5, t2 + " dx");
+          expect_close(o.dw, dw_want, 2e-5, t2 + " dw (+= prefill)");
+          for (int64_t n = 0; n < N; ++n) {
+            if (tg[n] >= 0) continue;
+            for (int64_t c = 0; c < C; ++c) ASSERT_EQ(o.dx[n * C + c], 0.0f) << t2 << " ignored row " << n;
+          }
+          // Forward only: same losses, dx/dw untouched (null).
+          const Out f = run(x, w, tg, N, C, V, gs, false, ch, prefill);
+          EXPECT_EQ(0, std::memcmp(f.losses.data(), o.losses.data(), N * sizeof(float))) << t2;
+          // Repeat: bit-identical.
+          const Out o2 = run(x, w, tg, N, C, V, gs, true, ch, prefill);
+          EXPECT_EQ(0, std::memcmp(o.losses.data(), o2.losses.data(), N * sizeof(float))) << t2;
+          EXPECT_EQ(0, std::memcmp(o.dx.data(), o2.dx.data(), o.dx.size() * sizeof(float))) << t2;
+          EXPECT_EQ(0, std::memcmp(o.dw.data(), o2.dw.data(), o.dw.size() * sizeof(float))) << t2;
+          EXPECT_EQ(o.total, o2.total) << t2;
+        }
+      }
+}
+
+// The analytic reference gradient checked against central finite differences of the double loss
+// (sum over rows of loss * grad_scale), and the float kernel checked against the same.
+TEST(LmHeadLoss, GradientsMatchFiniteDifferences) {
+  const int64_t N = 7, C = 5, V = 11;
+  const auto x = randn(N * C, 1, 1.0f);
+  const auto w = randn(V * C, 2, 1.0f);
+  auto tg = make_targets(N, V, 4);
+  const double gs = 0.25;
+  std::vector<double> xd(x.begin(), x.end()), wd(w.begin(), w.end());
+  const Ref ref = reference(xd, wd, tg, N, C, V, gs);
+  const Out o = run(x, w, tg, N, C, V, static_cast<float>(gs), true, 3, std::vector<float>(V * C, 0.0f));
+  auto loss = [&](const std::vector<double>& xx, const std::vector<double>& ww) {
+    return reference(xx, ww, tg, N, C, V, gs).total * gs;
+  };
+  const double eps = 1e-6;
+  for (int64_t i = 0; i < N * C; ++i) {
+    auto p = xd, m = xd;
+    p[i] += eps;
+    m[i] -= eps;
+    const double fd = (loss(p, wd) - loss(m, wd)) / (2 * eps);
+    EXPECT_NEAR(ref.dx[i], fd, 1e-7) << "dx ref " << i;
+    EXPECT_NEAR(o.dx[i], fd, 2e-6) << "dx kernel " << i;
+  }
+  for (int64_t i = 0; i < V * C; ++i) {
+    auto p = wd, m = wd;
+    p[i] += eps;
+    m[i] -= eps;
+    const double fd = (loss(xd, p) - loss(xd, m)) / (2 * eps);
+    EXPECT_NEAR(ref.dw[i], fd, 1e-7) << "dw ref " << i;
+    EXPECT_NEAR(o.dw[i], fd, 2e-6) << "dw kernel " << i;
+  }
+}
+
+// Large logits (|logit| ~ 1e3): max subtraction keeps loss and softmax finite and accurate.
+TEST(LmHeadLoss, LargeLogitsStable) {
+  const int64_t N = 9, C = 4, V = 300;
+  const auto x = randn(N * C, 21, 30.0f);
+  const auto w = randn(V * C, 22, 30.0f);
+  const auto tg = make_targets(N, V, 23);
+  std::vector<double> xd(x.begin(), x.end()), wd(w.begin(), w.end());
+  const Ref ref = reference(xd, wd, tg, N, C, V, 1.0);
+  const Out o = run(x, w, tg, N, C, V, 1.0f, true, 4, std::vector<float>(V * C, 0.0f));
+  for (int64_t n = 0; n < N; ++n) {
+    ASSERT_TRUE(std::isfinite(o.losses[n]));
+    // Losses are differences of logits of magnitude ~4000: float logits carry ~4e-4 abs error.
+    EXPECT_NEAR(o.losses[n], ref.losses[n], 1e-2 + 1e-5 * ref.losses[n]) << n;
+  }
+  expect_close(o.dx, ref.dx, 1e-3, "dx");
+}
+
+TEST(LmHeadLoss, RejectsOutOfRangeTarget) {
+  std::vector<float> x(4, 1.0f), w(8, 1.0f), losses(1), scratch(4);
+  std::vector<int32_t> tg = {4};
+  EXPECT_THROW(lathe::cpu::lm_head_loss(losses.data(), nullptr, nullptr, x.data(), w.data(), tg.data(), 1, 2, 4, 1.0f,
+                                        false, scratch.data(), 1),
+               lathe::Error);
+}
+
+TEST(LmHeadLoss, AllTargetsIgnored) {
+  const int64_t N = 4, C = 3, V = 5;
+  const auto x = randn(N * C, 1, 1.0f), w = randn(V * C, 2, 1.0f);
+  std::vector<int32_t> tg(N, -1);
+  const auto prefill = randn(V * C, 3, 1.0f);
+  const Out o = run(x, w, tg, N, C, V, 1.0f, true, 2, prefill);
+  EXPECT_EQ(o.total, 0.0);
+  for (float l : o.losses) EXPECT_EQ(l, 0.0f);
+  for (float d : o.dx) EXPECT_EQ(d, 0.0f);
+  EXPECT_EQ(0, std::memcmp(o.dw.data(), prefill.data(), prefill.size() * sizeof(float)));
+}
+
+}  // namespace
