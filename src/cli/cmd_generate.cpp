@@ -1,0 +1,80 @@
+// lathe generate --model DIR --prompt TEXT [--tokenizer PATH] [--max-new-tokens N]
+//                [--temperature T] [--top-k K] [--top-p P] [--seed S]
+#include <cstdio>
+#include <filesystem>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "cli/command.h"
+#include "io/fs.h"
+#include "models/hf_weights.h"
+#include "tokenizer/tokenizer.h"
+#include "train/generate.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// The tokenizer a model directory was trained with: tokenizer files in the directory, else the
+// one named in lathe.json (written by `lathe train`).
+std::string default_tokenizer(const std::string& dir) {
+  for (const char* f : {"tokenizer.json", "tokenizer.model", "vocab.json", "encoder.json"})
+    if (fs::exists(fs::path(dir) / f)) return dir;
+  const fs::path meta = fs::path(dir) / "lathe.json";
+  if (fs::exists(meta)) {
+    auto j = nlohmann::json::parse(lathe::io::read_file(meta.string()));
+    if (j.contains("tokenizer") && j["tokenizer"].is_string() && !j["tokenizer"].get<std::string>().empty())
+      return j["tokenizer"].get<std::string>();
+  }
+  lathe::throw_error("{}: no tokenizer files and no tokenizer recorded in lathe.json; pass --tokenizer PATH", dir);
+}
+
+int run_generate(int argc, char** argv) {
+  CLI::App app{"Sample text from a model", "lathe generate"};
+  std::string model_dir, prompt, tok_path;
+  lathe::SamplingOptions so;
+  so.max_new_tokens = 100;
+  so.temperature = 0.8f;
+  so.top_k = 50;
+  so.top_p = 0.95f;
+  app.add_option("--model", model_dir, "Hugging Face model directory")->required();
+  app.add_option("--prompt", prompt, "prompt text")->required();
+  app.add_option("--tokenizer", tok_path, "tokenizer (default: the model directory's)");
+  app.add_option("--max-new-tokens", so.max_new_tokens, "tokens to generate");
+  app.add_option("--temperature", so.temperature, "softmax temperature (0 = greedy)");
+  app.add_option("--top-k", so.top_k, "keep the k most likely tokens (0 = all)");
+  app.add_option("--top-p", so.top_p, "nucleus sampling mass (1 = off)");
+  app.add_option("--seed", so.seed, "random seed");
+  CLI11_PARSE(app, argc, argv);
+  auto model = lathe::load_hf_model(model_dir);
+  auto tokenizer = lathe::tok::load_tokenizer(tok_path.empty() ? default_tokenizer(model_dir) : tok_path);
+  LATHE_CHECK(tokenizer->vocab_size() <= model->config().vocab_size,
+              "tokenizer has {} tokens but the model's vocab_size is {}", tokenizer->vocab_size(),
+              model->config().vocab_size);
+  auto ids = tokenizer->encode(prompt);
+  LATHE_CHECK(!ids.empty(), "--prompt encodes to no tokens; give a non-empty prompt");
+  model->allocate(1, std::min<int64_t>(model->config().max_position_embeddings, 1024));
+  fmt::print("{}", prompt);
+  std::fflush(stdout);
+  // Byte-level tokens may split UTF-8 characters: decode the whole continuation each time and
+  // print what is new.
+  std::vector<int32_t> out;
+  std::string printed;
+  lathe::generate(*model, ids, so, [&](int32_t t) {
+    out.push_back(t);
+    std::string text = tokenizer->decode(out);
+    if (text.size() > printed.size() && text.compare(0, printed.size(), printed) == 0) {
+      fmt::print("{}", text.substr(printed.size()));
+      std::fflush(stdout);
+      printed = text;
+    }
+  });
+  fmt::print("\n");
+  return 0;
+}
+
+lathe::cli::Registrar reg("generate", "sample text from a model", run_generate);
+
+}  // namespace

@@ -1,0 +1,26 @@
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "models/model.h"
+
+namespace lathe {
+
+struct SamplingOptions {
+  int64_t max_new_tokens = 64;
+  float temperature = 1.0f;  // 0 = greedy
+  int64_t top_k = 0;         // 0 = off
+  float top_p = 1.0f;        // 1 = off
+  uint64_t seed = 0;
+};
+
+// Autoregressive sampling (no KV cache yet: each new token reruns the window of the last
+// model.max_seq() tokens). on_token is called with each new id as it is produced.
+std::vector<int32_t> generate(Model& model, const std::vector<int32_t>& prompt, const SamplingOptions& opts,
+                              const std::function<void(int32_t)>& on_token = {});
+
+// Picks one id from logits[V] with temperature, top-k and top-p (exposed for tests).
+int32_t sample_token(const float* logits, int64_t V, const SamplingOptions& opts, uint64_t& rng_state);
+
+}  // namespace lathe

@@ -1,0 +1,258 @@
+#include "train/trainer.h"
+
+#include <omp.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "core/timer.h"
+#include "io/fs.h"
+#include "models/hf_weights.h"
+#include "optim/clip.h"
+#include "optim/optimizer.h"
+#include "optim/schedule.h"
+#include "tokenizer/tokenizer.h"
+#include "train/generate.h"
+#include "train/peak.h"
+
+namespace lathe {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+int64_t peak_rss_bytes() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  return 0;
+}
+
+// Appends one JSON object per line and flushes, so a crash loses at most the current line.
+class MetricsWriter {
+ public:
+  explicit MetricsWriter(const std::string& path) : f_(std::fopen(path.c_str(), "w")) {
+    LATHE_CHECK(f_ != nullptr, "{}: cannot open for writing", path);
+  }
+  ~MetricsWriter() { std::fclose(f_); }
+  void write(const nlohmann::json& j) {
+    std::string s = j.dump() + "\n";
+    std::fwrite(s.data(), 1, s.size(), f_);
+    std::fflush(f_);
+  }
+
+ private:
+  std::FILE* f_;
+};
+
+void write_model_dir(const Model& model, const std::string& dir, const std::string& tokenizer) {
+  save_hf_model(model, dir);
+  // lathe's own note of which tokenizer the model was trained with (read by generate/eval).
+  nlohmann::json meta = {{"tokenizer", tokenizer}, {"lathe_version", LATHE_VERSION}};
+  io::atomic_write_file((fs::path(dir) / "lathe.json").string(), meta.dump(2) + "\n");
+}
+
+}  // namespace
+
+std::pair<double, int64_t> evaluate_samples(Model& model, const data::IndexedDataset& ds,
+                                            const std::vector<int64_t>& samples, int64_t B, int64_t T) {
+  std::vector<int32_t> window(static_cast<size_t>(T + 1)), in(static_cast<size_t>(B * T)),
+      tg(static_cast<size_t>(B * T));
+  double sum = 0;
+  int64_t tokens = 0;
+  for (size_t i = 0; i < samples.size(); i += static_cast<size_t>(B)) {
+    const int64_t b = std::min<int64_t>(B, static_cast<int64_t>(samples.size() - i));
+    for (int64_t r = 0; r < b; ++r) {
+      ds.read_global(samples[i + r] * T, T + 1, window.data());
+      std::copy(window.begin(), window.begin() + T, in.begin() + r * T);
+      std::copy(window.begin() + 1, window.end(), tg.begin() + r * T);
+    }
+    sum += model.forward_backward(in.data(), tg.data(), b, T, 0.0f, false);
+    tokens += b * T;
+  }
+  return {tokens ? sum / static_cast<double>(tokens) : 0.0, tokens};
+}
+
+TrainResult train(const Recipe& r, const TrainOptions& opts) {
+  auto log = [&](const std::string& s) {
+    if (!opts.quiet) fmt::print("{}\n", s);
+    std::fflush(stdout);
+  };
+  if (r.training.threads > 0) omp_set_num_threads(r.training.threads);
+  const int threads = omp_get_max_threads();
+  const int64_t B = r.training.micro_batch_size, T = r.training.seq_len, accum = r.training.grad_accum_steps;
+
+  // ---- everything that can fail on bad input is checked before any training work ----
+  auto train_ds = std::make_shared<const data::IndexedDataset>(r.data.train);
+  std::shared_ptr<const data::IndexedDataset> valid_ds;
+  std::vector<int64_t> train_samples, valid_samples;
+  if (!r.data.valid.empty()) {
+    valid_ds = std::make_shared<const data::IndexedDataset>(r.data.valid);
+    train_samples = data::all_samples(data::num_samples(train_ds->total_tokens(), T));
+    valid_samples = data::all_samples(data::num_samples(valid_ds->total_tokens(), T));
+  } else {
+    auto split = data::split_samples(data::num_samples(train_ds->total_tokens(), T), r.data.valid_fraction);
+    train_samples = std::move(split.train);
+    valid_samples = std::move(split.valid);
+    valid_ds = train_ds;
+  }
+  LATHE_CHECK(static_cast<int64_t>(train_samples.size()) >= B,
+              "data.train {}: {} tokens give only {} training samples of seq_len {}, fewer than "
+              "training.micro_batch_size {}",
+              r.data.train, train_ds->total_tokens(), train_samples.size(), T, B);
+  for (auto* ds : {train_ds.get(), r.data.valid.empty() ? nullptr : valid_ds.get()}) {
+    if (!ds) continue;
+    const int32_t mx = ds->max_token_id();
+    LATHE_CHECK(mx < r.model.vocab_size,
+                "{}: the dataset contains token id {} but model.vocab_size is {}; use a model with vocab_size "
+                ">= {} or re-tokenize the data with the model's tokenizer",
+                ds->prefix(), mx, r.model.vocab_size, static_cast<int64_t>(mx) + 1);
+  }
+  std::unique_ptr<tok::Tokenizer> tokenizer;
+  if (!r.data.tokenizer.empty()) {
+    tokenizer = tok::load_tokenizer(r.data.tokenizer);
+    LATHE_CHECK(tokenizer->vocab_size() <= r.model.vocab_size,
+                "data.tokenizer {} has {} tokens but model.vocab_size is {}: the model cannot represent every id; "
+                "set model.vocab_size >= {}",
+                r.data.tokenizer, tokenizer->vocab_size(), r.model.vocab_size, tokenizer->vocab_size());
+  }
+
+  std::unique_ptr<Model> model;
+  if (!r.init_from.empty()) {
+    std::string report;
+    model = load_hf_model(r.init_from, &report);
+    log(fmt::format("init_from {}: {}", r.init_from, report));
+  } else {
+    model = build_model(r.model);
+    model->init_weights(static_cast<uint64_t>(r.training.seed));
+  }
+  model->allocate(B, T);
+
+  optim::OptimConfig ocfg;
+  ocfg.name = r.optimizer.name;
+  ocfg.beta1 = r.optimizer.beta1;
+  ocfg.beta2 = r.optimizer.beta2;
+  ocfg.eps = r.optimizer.eps;
+  ocfg.weight_decay = r.optimizer.weight_decay;
+  auto optimizer = optim::make_optimizer(ocfg, model->num_params());
+  std::vector<optim::ParamRange> ranges;
+  for (const ParamSpec& s : model->params().specs())
+    ranges.push_back({s.offset, static_cast<size_t>(s.numel()), s.decay});
+  optim::ScheduleConfig sched;
+  sched.name = r.schedule.name;
+  sched.lr = r.optimizer.lr;
+  sched.min_lr = r.schedule.min_lr;
+  sched.warmup_steps = r.schedule.warmup_steps;
+  sched.total_steps = r.training.steps;
+  sched.decay_fraction = r.schedule.decay_fraction;
+  sched.decay_shape = r.schedule.decay_shape;
+  optim::validate(sched);
+
+  // ---- outputs ----
+  fs::create_directories(r.output.dir);
+  const std::string resolved = r.to_yaml();
+  io::atomic_write_file((fs::path(r.output.dir) / "recipe.yaml").string(), resolved);
+  log("resolved recipe (saved to " + (fs::path(r.output.dir) / "recipe.yaml").string() + "):\n" + resolved);
+
+  const double peak = r.training.peak_gflops > 0 ? r.training.peak_gflops : measure_peak_gflops();
+  const size_t P = model->num_params();
+  const double est = static_cast<double>(P) * 4 * 4 + static_cast<double>(model->activation_bytes());
+  log(fmt::format("model {}: {:.2f}M parameters; threads {}; peak {:.1f} GFLOP/s ({})", r.model.model_type,
+                  P / 1e6, threads, peak, r.training.peak_gflops > 0 ? "from recipe" : "measured by GEMM probe"));
+  log(fmt::format("memory estimate: params {:.1f} MB + grads {:.1f} MB + AdamW moments {:.1f} MB + activations "
+                  "{:.1f} MB = {:.1f} MB",
+                  P * 4 / 1e6, P * 4 / 1e6, P * 8 / 1e6, model->activation_bytes() / 1e6, est / 1e6));
+  log(fmt::format("data: {} train samples, {} validation samples of {} tokens", train_samples.size(),
+                  valid_samples.size(), T));
+
+  data::DataLoader loader(train_ds, train_samples, B, T, static_cast<uint64_t>(r.training.seed), true,
+                          r.data.prefetch);
+  std::vector<int64_t> eval_subset(
+      valid_samples.begin(),
+      valid_samples.begin() + std::min<int64_t>(static_cast<int64_t>(valid_samples.size()), r.training.eval_batches * B));
+  MetricsWriter metrics((fs::path(r.output.dir) / "metrics.jsonl").string());
+
+  std::vector<int32_t> inputs(static_cast<size_t>(B * T)), targets(static_cast<size_t>(B * T));
+  const float grad_scale = 1.0f / static_cast<float>(B * T * accum);
+  const double flops_per_step = model->flops_per_token(T) * static_cast<double>(B * T * accum);
+  TrainResult result;
+  double last_loss = NAN, last_norm = NAN, last_lr = NAN;
+  for (int64_t step = 0; step < r.training.steps; ++step) {
+    const double t0 = now_seconds();
+    double wait = 0, loss_sum = 0;
+    model->zero_grad();
+    for (int64_t m = 0; m < accum; ++m) {
+      wait += loader.next(inputs.data(), targets.data());
+      loss_sum += model->forward_backward(inputs.data(), targets.data(), B, T, grad_scale, true);
+    }
+    const double loss = loss_sum / static_cast<double>(B * T * accum);
+    const double norm = optim::clip_grad_norm(model->grad_data(), P, r.optimizer.grad_clip);
+    if (!std::isfinite(loss) || !std::isfinite(norm))
+      throw_error("step {}: {} is {} — training stopped, no weights written. Last finite values: loss {}, grad norm "
+                  "{}, lr {} (step {}). Try a lower optimizer.lr or a smaller optimizer.grad_clip.",
+                  step + 1, std::isfinite(loss) ? "the gradient norm" : "the loss",
+                  std::isfinite(loss) ? norm : loss, last_loss, last_norm, last_lr, step);
+    const double lr = optim::lr_at(sched, step);
+    optimizer->step(model->param_data(), model->grad_data(), ranges, lr, step + 1);
+    const double dt = now_seconds() - t0;
+    last_loss = loss;
+    last_norm = norm;
+    last_lr = lr;
+    result.losses.push_back(loss);
+    const double tok_s = static_cast<double>(B * T * accum) / dt;
+    const double mfu = flops_per_step / dt / (peak * 1e9);
+    metrics.write({{"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"tokens_per_s", tok_s},
+                   {"mfu", mfu}, {"ms_per_step", dt * 1e3}, {"data_wait_pct", 100.0 * wait / dt},
+                   {"tokens", (step + 1) * B * T * accum}});
+    if ((step + 1) % r.training.log_interval == 0 || step == 0 || step + 1 == r.training.steps)
+      log(fmt::format("step {:>6}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.4f} | {:.0f} tok/s | MFU {:.1f}% | "
+                      "{:.1f} ms | data wait {:.1f}%",
+                      step + 1, r.training.steps, loss, lr, norm, tok_s, 100 * mfu, dt * 1e3, 100.0 * wait / dt));
+    const bool last = step + 1 == r.training.steps;
+    if (!eval_subset.empty() && r.training.eval_interval > 0 && (step + 1) % r.training.eval_interval == 0 && !last) {
+      auto [vl, vt] = evaluate_samples(*model, *valid_ds, eval_subset, B, T);
+      metrics.write({{"step", step + 1}, {"val_loss", vl}, {"val_tokens", vt}});
+      log(fmt::format("step {:>6}/{} | validation loss {:.4f} ({} tokens)", step + 1, r.training.steps, vl, vt));
+    }
+    if (r.output.save_every > 0 && (step + 1) % r.output.save_every == 0 && !last) {
+      const std::string dir = (fs::path(r.output.dir) / fmt::format("step_{:08d}", step + 1)).string();
+      write_model_dir(*model, dir, r.data.tokenizer);
+      log("saved " + dir);
+    }
+  }
+
+  if (!valid_samples.empty()) {
+    // Final validation on (up to 256 batches of) the whole validation split.
+    std::vector<int64_t> final_set(valid_samples.begin(),
+                                   valid_samples.begin() + std::min<int64_t>(valid_samples.size(), 256 * B));
+    auto [vl, vt] = evaluate_samples(*model, *valid_ds, final_set, B, T);
+    result.final_val_loss = vl;
+    metrics.write({{"step", r.training.steps}, {"val_loss", vl}, {"val_tokens", vt}});
+    log(fmt::format("final validation loss {:.4f} over {} tokens", vl, vt));
+  }
+  result.model_dir = (fs::path(r.output.dir) / "model").string();
+  write_model_dir(*model, result.model_dir, r.data.tokenizer);
+  log(fmt::format("saved Hugging Face model directory {}", result.model_dir));
+  log(fmt::format("peak resident memory {:.1f} MB (estimate {:.1f} MB)", peak_rss_bytes() / 1e6, est / 1e6));
+
+  if (opts.sample_at_end && tokenizer) {
+    std::vector<int32_t> prompt = tokenizer->encode("\n");
+    if (prompt.empty()) prompt.push_back(0);
+    SamplingOptions so;
+    so.max_new_tokens = 200;
+    so.temperature = 0.8f;
+    so.top_k = 40;
+    so.seed = static_cast<uint64_t>(r.training.seed);
+    auto ids = generate(*model, prompt, so);
+    log("sample:\n" + tokenizer->decode(ids) + "\n");
+  }
+  return result;
+}
+
+}  // namespace lathe
