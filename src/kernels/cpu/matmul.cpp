@@ -1,0 +1,100 @@
+// Linear layer forward/backward on OpenBLAS sgemm (PyTorch nn.Linear layout: weight[N, K]).
+//
+// OpenBLAS is the OpenMP build, so its GEMMs run on the same OpenMP workers as the rest of the
+// kernels (and run single-threaded when called from inside a parallel region). OpenBLAS splits
+// the output (M, N) among threads, never K, so its results are deterministic for a fixed thread
+// count. The bias reduction here is split over columns, each column summed in row order, which
+// makes it independent of the thread count.
+#include <climits>
+#include <cstring>
+
+#include <cblas.h>
+
+#include "core/error.h"
+#include "kernels/cpu/ops.h"
+
+namespace lathe::cpu {
+
+namespace {
+
+// Below this many floats an OpenMP fork costs more than the loop itself.
+constexpr int64_t kParallelMin = 1 << 14;
+// Columns per bias-reduction block: a multiple of the cache line so that blocks owned by different
+// threads never share a line of dbias.
+constexpr int64_t kColBlock = 64;
+
+inline int as_blas_int(int64_t v, const char* what) {
+  LATHE_CHECK(v >= 0 && v <= INT_MAX,
+              "matmul: dimension {}={} does not fit OpenBLAS's 32-bit int; split the GEMM", what, v);
+  return static_cast<int>(v);
+}
+
+}  // namespace
+
+void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t M,
+                    int64_t K, int64_t N, bool accumulate) {
+  const int m = as_blas_int(M, "M"), k = as_blas_int(K, "K"), n = as_blas_int(N, "N");
+  if (M == 0 || N == 0) return;
+  float beta = accumulate ? 1.0f : 0.0f;
+  if (bias != nullptr && !accumulate) {
+    // Same as torch.addmm: out starts as the broadcast bias and the GEMM adds into it (beta = 1).
+#pragma omp parallel for schedule(static) if (M * N >= kParallelMin)
+    for (int64_t i = 0; i < M; ++i) std::memcpy(out + i * N, bias, sizeof(float) * N);
+    beta = 1.0f;
+  }
+  if (K == 0) {
+    if (beta == 0.0f) std::memset(out, 0, sizeof(float) * M * N);
+  } else {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, inp, k, weight, k, beta, out, n);
+  }
+  if (bias != nullptr && accumulate) {
+#pragma omp parallel for schedule(static) if (M * N >= kParallelMin)
+    for (int64_t i = 0; i < M; ++i) {
+      float* __restrict o = out + i * N;
+      for (int64_t j = 0; j < N; ++j) o[j] += bias[j];
+    }
+  }
+}
+
+void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int64_t M, int64_t K, int64_t N, bool accumulate_dinp) {
+  const int m = as_blas_int(M, "M"), k = as_blas_int(K, "K"), n = as_blas_int(N, "N");
+  if (dinp != nullptr && M > 0 && K > 0) {
+    // dinp[M,K] = dout[M,N] @ weight[N,K]
+    if (N == 0) {
+      if (!accumulate_dinp) std::memset(dinp, 0, sizeof(float) * M * K);
+    } else {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, k, n, 1.0f, dout, n, weight, k,
+                  accumulate_dinp ? 1.0f : 0.0f, dinp, k);
+    }
+  }
+  if (dweight != nullptr && M > 0 && N > 0 && K > 0) {
+    // dweight[N,K] += dout[M,N]^T @ inp[M,K]
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, k, m, 1.0f, dout, n, inp, k, 1.0f, dweight, k);
+  }
+  if (dbias != nullptr && M > 0 && N > 0) {
+    // dbias[N] += column sums of dout[M,N]; each block of columns is summed row by row in a local
+    // accumulator (vectorised over the block), then added once.
+    const int64_t nblocks = (N + kColBlock - 1) / kColBlock;
+#pragma omp parallel for schedule(static) if (M * N >= kParallelMin)
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      const int64_t j0 = blk * kColBlock;
+      const int64_t w = (N - j0 < kColBlock) ? N - j0 : kColBlock;
+      float acc[kColBlock] = {};
+      if (w == kColBlock) {
+        for (int64_t i = 0; i < M; ++i) {
+          const float* __restrict row = dout + i * N + j0;
+          for (int64_t j = 0; j < kColBlock; ++j) acc[j] += row[j];
+        }
+      } else {
+        for (int64_t i = 0; i < M; ++i) {
+          const float* __restrict row = dout + i * N + j0;
+          for (int64_t j = 0; j < w; ++j) acc[j] += row[j];
+        }
+      }
+      for (int64_t j = 0; j < w; ++j) dbias[j0 + j] += acc[j];
+    }
+  }
+}
+
+}  // namespace lathe::cpu
