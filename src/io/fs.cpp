@@ -1,0 +1,120 @@
+#include "io/fs.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "core/error.h"
+
+namespace lathe::io {
+
+namespace {
+std::string errno_str() { return std::strerror(errno); }
+
+void write_all(int fd, const char* p, size_t n, const std::string& what) {
+  while (n > 0) {
+    ssize_t w = ::write(fd, p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      throw_error("{}: write failed: {}", what, errno_str());
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+}  // namespace
+
+std::string parent_dir(const std::string& path) {
+  auto pos = path.find_last_of('/');
+  if (pos == std::string::npos) return ".";
+  if (pos == 0) return "/";
+  return path.substr(0, pos);
+}
+
+void fsync_dir(const std::string& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) throw_error("{}: cannot open directory to fsync it: {}", dir, errno_str());
+  int rc = ::fsync(fd);
+  int err = errno;
+  ::close(fd);
+  // Some filesystems (e.g. certain network/overlay mounts) refuse fsync on directories with
+  // EINVAL; the data itself was already fsync'ed, so that case is not an error.
+  if (rc != 0 && err != EINVAL) throw_error("{}: fsync of directory failed: {}", dir, std::strerror(err));
+}
+
+std::string read_file(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw_error("{}: cannot open file: {}", path, errno_str());
+  std::string out;
+  char buf[1 << 16];
+  for (;;) {
+    ssize_t r = ::read(fd, buf, sizeof(buf));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      int err = errno;
+      ::close(fd);
+      throw_error("{}: read failed: {}", path, std::strerror(err));
+    }
+    if (r == 0) break;
+    out.append(buf, static_cast<size_t>(r));
+  }
+  ::close(fd);
+  return out;
+}
+
+void atomic_write_file(const std::string& path, std::string_view contents) {
+  AtomicFileWriter w(path);
+  w.write(contents.data(), contents.size());
+  w.commit();
+}
+
+AtomicFileWriter::AtomicFileWriter(const std::string& path) : path_(path), tmp_(path + ".tmp") {
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0)
+    throw_error("{}: cannot create temporary file {}: {} (does the directory exist and is it writable?)",
+                path_, tmp_, errno_str());
+  buf_.reserve(1 << 20);
+}
+
+AtomicFileWriter::~AtomicFileWriter() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!committed_) ::unlink(tmp_.c_str());
+}
+
+void AtomicFileWriter::flush() {
+  if (!buf_.empty()) {
+    write_all(fd_, buf_.data(), buf_.size(), tmp_);
+    buf_.clear();
+  }
+}
+
+void AtomicFileWriter::write(const void* data, size_t n) {
+  LATHE_CHECK(fd_ >= 0 && !committed_, "{}: write after commit", path_);
+  const char* p = static_cast<const char*>(data);
+  written_ += n;
+  if (buf_.size() + n > buf_.capacity()) flush();
+  if (n >= buf_.capacity()) {
+    write_all(fd_, p, n, tmp_);
+  } else {
+    buf_.append(p, n);
+  }
+}
+
+void AtomicFileWriter::commit() {
+  LATHE_CHECK(fd_ >= 0 && !committed_, "{}: commit called twice", path_);
+  flush();
+  if (::fsync(fd_) != 0) throw_error("{}: fsync failed: {}", tmp_, errno_str());
+  int rc = ::close(fd_);
+  fd_ = -1;
+  if (rc != 0) throw_error("{}: close failed: {}", tmp_, errno_str());
+  if (::rename(tmp_.c_str(), path_.c_str()) != 0)
+    throw_error("{}: rename from {} failed: {}", path_, tmp_, errno_str());
+  committed_ = true;
+  fsync_dir(parent_dir(path_));
+}
+
+}  // namespace lathe::io

@@ -1,0 +1,46 @@
+// Small filesystem helpers shared by everything that writes files. Every file lathe produces is
+// written to "<path>.tmp", fsync'ed, renamed over <path>, and the directory is fsync'ed, so a crash
+// leaves either the old file or the new one, never a torn one.
+#pragma once
+#include <cstddef>
+#include <string>
+#include <string_view>
+
+namespace lathe::io {
+
+// Write `contents` to path atomically (tmp + fsync + rename + fsync dir). Errors name the path.
+void atomic_write_file(const std::string& path, std::string_view contents);
+// fsync a directory so that a rename inside it is durable. Errors name the directory.
+void fsync_dir(const std::string& dir);
+// Whole file as bytes. Errors name the path.
+std::string read_file(const std::string& path);
+// Directory part of a path ("." when there is none).
+std::string parent_dir(const std::string& path);
+
+// Streaming version of atomic_write_file for large outputs (safetensors, checkpoints):
+//   AtomicFileWriter w(path); w.write(p, n); ...; w.commit();
+// Writes are buffered; commit() flushes, fsyncs, renames and fsyncs the directory. If the writer
+// is destroyed without commit() (an exception unwound past it), the temporary file is removed and
+// `path` is left untouched.
+class AtomicFileWriter {
+ public:
+  explicit AtomicFileWriter(const std::string& path);
+  ~AtomicFileWriter();
+  AtomicFileWriter(const AtomicFileWriter&) = delete;
+  AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
+
+  void write(const void* data, size_t n);
+  void commit();
+  size_t bytes_written() const { return written_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  void flush();
+  std::string path_, tmp_;
+  int fd_ = -1;
+  std::string buf_;
+  size_t written_ = 0;
+  bool committed_ = false;
+};
+
+}  // namespace lathe::io

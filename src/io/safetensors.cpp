@@ -1,0 +1,385 @@
+#include "io/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "io/fs.h"
+
+namespace lathe::io {
+
+namespace {
+
+constexpr uint64_t kMaxHeader = 100'000'000;  // MAX_HEADER_SIZE of the reference reader
+
+// Every dtype code of the spec (§3) with its bit size; lathe maps the ones it can represent.
+struct DtypeCode {
+  const char* code;
+  int bits;
+};
+constexpr DtypeCode kCodes[] = {
+    {"BOOL", 8},     {"F4", 4},           {"F6_E2M3", 6},      {"F6_E3M2", 6}, {"U8", 8},
+    {"I8", 8},       {"F8_E5M2", 8},      {"F8_E4M3", 8},      {"F8_E8M0", 8}, {"F8_E4M3FNUZ", 8},
+    {"F8_E5M2FNUZ", 8}, {"I16", 16},      {"U16", 16},         {"F16", 16},    {"BF16", 16},
+    {"I32", 32},     {"U32", 32},         {"F32", 32},         {"C64", 64},    {"F64", 64},
+    {"I64", 64},     {"U64", 64}};
+
+int code_bits(std::string_view code) {
+  for (auto& c : kCodes)
+    if (code == c.code) return c.bits;
+  return 0;
+}
+
+bool lathe_dtype(std::string_view code, DType* out) {
+  static const std::pair<const char*, DType> m[] = {
+      {"F32", DType::F32}, {"BF16", DType::BF16}, {"F16", DType::F16}, {"I32", DType::I32},
+      {"U16", DType::U16}, {"I64", DType::I64},   {"U8", DType::U8},   {"F64", DType::F64}};
+  for (auto& [c, d] : m)
+    if (code == c) {
+      *out = d;
+      return true;
+    }
+  return false;
+}
+
+// Non-negative integer that fits in 64 bits (JSON numbers like 3.0 or -1 are rejected).
+bool as_u64(const nlohmann::json& v, uint64_t* out) {
+  if (v.is_number_unsigned()) {
+    *out = v.get<uint64_t>();
+    return true;
+  }
+  if (v.is_number_integer() && v.get<int64_t>() >= 0) {
+    *out = static_cast<uint64_t>(v.get<int64_t>());
+    return true;
+  }
+  return false;
+}
+
+std::string errno_str() { return std::strerror(errno); }
+
+}  // namespace
+
+SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw_error("{}: cannot open safetensors file: {}", path, errno_str());
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    int err = errno;
+    ::close(fd);
+    throw_error("{}: fstat failed: {}", path, std::strerror(err));
+  }
+  file_size_ = static_cast<size_t>(st.st_size);
+  if (file_size_ < 8) {
+    ::close(fd);
+    throw_error("{}: not a safetensors file: {} bytes, shorter than the 8-byte header length", path,
+                file_size_);
+  }
+  void* p = ::mmap(nullptr, file_size_, PROT_READ, MAP_PRIVATE, fd, 0);
+  int err = errno;
+  ::close(fd);
+  if (p == MAP_FAILED) throw_error("{}: mmap failed: {}", path, std::strerror(err));
+  base_ = static_cast<const unsigned char*>(p);
+
+  try {
+    uint64_t n = 0;
+    for (int i = 7; i >= 0; --i) n = (n << 8) | base_[i];  // little-endian u64
+    if (n > kMaxHeader)
+      throw_error("{}: header length {} exceeds the 100 MB limit of the format (corrupt file?)", path,
+                  n);
+    if (n > file_size_ - 8)
+      throw_error("{}: header length {} runs past the end of the file ({} bytes): truncated or not a "
+                  "safetensors file",
+                  path, n, file_size_);
+    header_len_ = static_cast<size_t>(n);
+    const char* hdr = reinterpret_cast<const char*>(base_ + 8);
+
+    // nlohmann::json keeps the last of duplicate keys silently; the format forbids duplicates
+    // (a lost entry could hide a polyglot payload), so track keys per object while parsing.
+    std::vector<std::set<std::string>> keys;
+    std::string dup;
+    auto cb = [&](int /*depth*/, nlohmann::json::parse_event_t ev, nlohmann::json& parsed) {
+      using E = nlohmann::json::parse_event_t;
+      if (ev == E::object_start) {
+        keys.emplace_back();
+      } else if (ev == E::object_end) {
+        if (!keys.empty()) keys.pop_back();
+      } else if (ev == E::key && !keys.empty()) {
+        auto k = parsed.get<std::string>();
+        if (!keys.back().insert(k).second && dup.empty()) dup = k;
+      }
+      return true;
+    };
+    nlohmann::json header;
+    try {
+      header = nlohmann::json::parse(hdr, hdr + header_len_, cb);
+    } catch (const nlohmann::json::exception& e) {
+      throw_error("{}: header is not valid JSON: {}", path, e.what());
+    }
+    if (!dup.empty()) throw_error("{}: header has the key '{}' more than once", path, dup);
+    if (!header.is_object()) throw_error("{}: header JSON must be an object", path);
+
+    for (auto it = header.begin(); it != header.end(); ++it) {
+      const std::string& name = it.key();
+      const auto& v = it.value();
+      if (name == "__metadata__") {
+        if (!v.is_object()) throw_error("{}: __metadata__ must be an object of strings", path);
+        for (auto m = v.begin(); m != v.end(); ++m) {
+          if (!m.value().is_string())
+            throw_error("{}: __metadata__['{}'] must be a string, got {}", path, m.key(),
+                        m.value().dump());
+          metadata_[m.key()] = m.value().get<std::string>();
+        }
+        continue;
+      }
+      if (!v.is_object() || v.size() != 3 || !v.contains("dtype") || !v.contains("shape") ||
+          !v.contains("data_offsets"))
+        throw_error("{}: tensor '{}': entry must be an object with exactly dtype, shape, "
+                    "data_offsets; got {}",
+                    path, name, v.dump());
+      StTensorInfo t;
+      t.name = name;
+      if (!v["dtype"].is_string())
+        throw_error("{}: tensor '{}': dtype must be a string, got {}", path, name, v["dtype"].dump());
+      t.dtype_code = v["dtype"].get<std::string>();
+      int bits = code_bits(t.dtype_code);
+      if (bits == 0)
+        throw_error("{}: tensor '{}': unknown dtype '{}' (not a safetensors dtype code)", path, name,
+                    t.dtype_code);
+      t.dtype_supported = lathe_dtype(t.dtype_code, &t.dtype);
+      if (!t.dtype_supported) t.dtype = DType::U8;
+      if (!v["shape"].is_array())
+        throw_error("{}: tensor '{}': shape must be an array, got {}", path, name, v["shape"].dump());
+      // numel * bits with overflow checks (the reference reader's ValidationOverflow).
+      unsigned __int128 total_bits = static_cast<unsigned __int128>(bits);
+      for (const auto& d : v["shape"]) {
+        uint64_t dim;
+        if (!as_u64(d, &dim) || dim > (uint64_t{1} << 48))
+          throw_error("{}: tensor '{}': shape entries must be non-negative integers, got {}", path,
+                      name, v["shape"].dump());
+        t.shape.push_back(static_cast<int64_t>(dim));
+        total_bits *= dim;
+        if (total_bits > (static_cast<unsigned __int128>(1) << 100))
+          throw_error("{}: tensor '{}': shape {} overflows", path, name, v["shape"].dump());
+      }
+      if (total_bits % 8 != 0)
+        throw_error("{}: tensor '{}': {} elements of {} bits is not a whole number of bytes", path,
+                    name, numel(t.shape), t.dtype_code);
+      const auto& off = v["data_offsets"];
+      uint64_t b, e;
+      if (!off.is_array() || off.size() != 2 || !as_u64(off[0], &b) || !as_u64(off[1], &e))
+        throw_error("{}: tensor '{}': data_offsets must be [BEGIN, END] non-negative integers, got {}",
+                    path, name, off.dump());
+      if (e < b)
+        throw_error("{}: tensor '{}': data_offsets [{}, {}] end before they begin", path, name, b, e);
+      uint64_t expect = static_cast<uint64_t>(total_bits / 8);
+      if (e - b != expect)
+        throw_error("{}: tensor '{}': data_offsets [{}, {}] hold {} bytes but dtype {} with shape {} "
+                    "needs {}",
+                    path, name, b, e, e - b, t.dtype_code, shape_str(t.shape), expect);
+      t.data_offset = static_cast<size_t>(b);
+      t.nbytes = static_cast<size_t>(e - b);
+      tensors_.push_back(std::move(t));
+    }
+
+    // Sort by offset and walk: the buffer must be covered exactly, no gap, no overlap.
+    std::stable_sort(tensors_.begin(), tensors_.end(), [](const StTensorInfo& a, const StTensorInfo& b) {
+      return a.data_offset != b.data_offset ? a.data_offset < b.data_offset : a.nbytes < b.nbytes;
+    });
+    size_t pos = 0;
+    for (const auto& t : tensors_) {
+      if (t.data_offset != pos) {
+        if (t.data_offset < pos)
+          throw_error("{}: tensor '{}': data_offsets [{}, {}] overlap the previous tensor, which ends "
+                      "at {}",
+                      path, t.name, t.data_offset, t.data_offset + t.nbytes, pos);
+        throw_error("{}: tensor '{}': data_offsets [{}, {}] leave a gap after byte {} of the data "
+                    "section",
+                    path, t.name, t.data_offset, t.data_offset + t.nbytes, pos);
+      }
+      pos += t.nbytes;
+    }
+    size_t data_size = file_size_ - 8 - header_len_;
+    if (pos != data_size) {
+      if (pos > data_size) {
+        // Name the first tensor that runs past the end.
+        for (const auto& t : tensors_)
+          if (t.data_offset + t.nbytes > data_size)
+            throw_error("{}: tensor '{}': data_offsets [{}, {}] run past the end of the data section "
+                        "({} bytes): the file is truncated",
+                        path, t.name, t.data_offset, t.data_offset + t.nbytes, data_size);
+      }
+      throw_error("{}: data section has {} bytes but the tensors cover {} (trailing bytes)", path,
+                  data_size, pos);
+    }
+    for (size_t i = 0; i < tensors_.size(); ++i) index_[tensors_[i].name] = i;
+  } catch (...) {
+    ::munmap(const_cast<unsigned char*>(base_), file_size_);
+    base_ = nullptr;
+    throw;
+  }
+}
+
+SafetensorsFile::~SafetensorsFile() {
+  if (base_) ::munmap(const_cast<unsigned char*>(base_), file_size_);
+}
+
+const StTensorInfo* SafetensorsFile::find(std::string_view name) const {
+  auto it = index_.find(std::string(name));
+  return it == index_.end() ? nullptr : &tensors_[it->second];
+}
+
+const void* SafetensorsFile::data(const StTensorInfo& t) const {
+  LATHE_CHECK(t.dtype_supported, "{}: tensor '{}': dtype {} is not supported by lathe", path_, t.name,
+              t.dtype_code);
+  LATHE_CHECK(t.data_offset + t.nbytes <= file_size_ - 8 - header_len_,
+              "{}: tensor '{}' does not belong to this file", path_, t.name);
+  return base_ + 8 + header_len_ + t.data_offset;
+}
+
+void SafetensorsFile::read_f32(const StTensorInfo& t, float* out) const {
+  const auto* src = static_cast<const unsigned char*>(data(t));
+  size_t n = static_cast<size_t>(numel(t.shape));
+  switch (t.dtype) {
+    case DType::F32:
+      std::memcpy(out, src, n * 4);
+      return;
+    case DType::BF16:
+      for (size_t i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, src + 2 * i, 2);
+        out[i] = bf16_to_fp32(h);
+      }
+      return;
+    case DType::F16:
+      for (size_t i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, src + 2 * i, 2);
+        out[i] = fp16_to_fp32(h);
+      }
+      return;
+    default:
+      throw_error("{}: tensor '{}': dtype {} cannot be read as fp32 (only F32, BF16, F16)", path_,
+                  t.name, t.dtype_code);
+  }
+}
+
+namespace {
+
+struct PlannedTensor {
+  std::string name;
+  DType dtype;
+  Shape shape;
+  size_t nbytes;
+};
+
+// Header JSON text (padded) for tensors laid out back to back in the given order.
+std::string build_header(const std::string& path, const std::vector<PlannedTensor>& ts,
+                         const std::map<std::string, std::string>& metadata) {
+  std::set<std::string> seen;
+  std::string h = "{";
+  std::map<std::string, std::string> meta = metadata;
+  if (!meta.count("format")) meta["format"] = "pt";
+  h += "\"__metadata__\":{";
+  bool first = true;
+  for (auto& [k, v] : meta) {
+    if (!first) h += ",";
+    first = false;
+    h += nlohmann::json(k).dump() + ":" + nlohmann::json(v).dump();
+  }
+  h += "}";
+  size_t off = 0;
+  for (const auto& t : ts) {
+    LATHE_CHECK(t.name != "__metadata__", "{}: '__metadata__' cannot be a tensor name", path);
+    LATHE_CHECK(!t.name.empty(), "{}: empty tensor name", path);
+    LATHE_CHECK(seen.insert(t.name).second, "{}: tensor '{}' given twice", path, t.name);
+    for (auto d : t.shape)
+      LATHE_CHECK(d >= 0, "{}: tensor '{}': negative dimension in shape {}", path, t.name,
+                  shape_str(t.shape));
+    h += ",";
+    h += nlohmann::json(t.name).dump();
+    h += ":{\"dtype\":\"";
+    h += dtype_name(t.dtype);
+    h += "\",\"shape\":[";
+    for (size_t i = 0; i < t.shape.size(); ++i) {
+      if (i) h += ",";
+      h += std::to_string(t.shape[i]);
+    }
+    h += "],\"data_offsets\":[" + std::to_string(off) + "," + std::to_string(off + t.nbytes) + "]}";
+    off += t.nbytes;
+  }
+  h += "}";
+  while (h.size() % 8 != 0) h += ' ';
+  LATHE_CHECK(h.size() <= kMaxHeader, "{}: header of {} bytes exceeds the 100 MB format limit", path,
+              h.size());
+  return h;
+}
+
+void write_prefix(AtomicFileWriter& w, const std::string& header) {
+  uint64_t n = header.size();
+  unsigned char len[8];
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
+  w.write(len, 8);
+  w.write(header.data(), header.size());
+}
+
+}  // namespace
+
+void write_safetensors(const std::string& path, const std::vector<StWriteEntry>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  std::vector<PlannedTensor> plan;
+  for (const auto& t : tensors) {
+    size_t nb = static_cast<size_t>(numel(t.shape)) * dtype_size(t.dtype);
+    LATHE_CHECK(t.data != nullptr || nb == 0, "{}: tensor '{}': null data", path, t.name);
+    plan.push_back({t.name, t.dtype, t.shape, nb});
+  }
+  std::string header = build_header(path, plan, metadata);
+  AtomicFileWriter w(path);
+  write_prefix(w, header);
+  for (size_t i = 0; i < tensors.size(); ++i)
+    if (plan[i].nbytes) w.write(tensors[i].data, plan[i].nbytes);
+  w.commit();
+}
+
+void write_safetensors_f32(const std::string& path, const std::vector<StWriteF32>& tensors,
+                           DType out_dtype, const std::map<std::string, std::string>& metadata) {
+  LATHE_CHECK(out_dtype == DType::F32 || out_dtype == DType::BF16 || out_dtype == DType::F16,
+              "{}: write_safetensors_f32 converts to F32, BF16 or F16 only, not {}", path,
+              dtype_name(out_dtype));
+  std::vector<PlannedTensor> plan;
+  for (const auto& t : tensors) {
+    size_t n = static_cast<size_t>(numel(t.shape));
+    LATHE_CHECK(t.data != nullptr || n == 0, "{}: tensor '{}': null data", path, t.name);
+    plan.push_back({t.name, out_dtype, t.shape, n * dtype_size(out_dtype)});
+  }
+  std::string header = build_header(path, plan, metadata);
+  AtomicFileWriter w(path);
+  write_prefix(w, header);
+  std::vector<uint16_t> chunk(1 << 16);
+  for (const auto& t : tensors) {
+    size_t n = static_cast<size_t>(numel(t.shape));
+    if (out_dtype == DType::F32) {
+      if (n) w.write(t.data, n * 4);
+      continue;
+    }
+    for (size_t i = 0; i < n; i += chunk.size()) {
+      size_t m = std::min(chunk.size(), n - i);
+      if (out_dtype == DType::BF16)
+        for (size_t j = 0; j < m; ++j) chunk[j] = fp32_to_bf16(t.data[i + j]);
+      else
+        for (size_t j = 0; j < m; ++j) chunk[j] = fp32_to_fp16(t.data[i + j]);
+      w.write(chunk.data(), m * 2);
+    }
+  }
+  w.commit();
+}
+
+}  // namespace lathe::io
