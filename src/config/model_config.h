@@ -1,0 +1,92 @@
+// Model architecture hyper-parameters, read from / written to HF transformers config.json.
+// Two families share the code paths: "gpt2" (LayerNorm, learned positions, GELU-tanh MLP, Conv1D
+// weights) and "llama" (RMSNorm, rotate_half RoPE, SwiGLU, GQA) which also covers qwen2 (q/k/v
+// biases) and mistral (sliding window). Field meanings: shared/reference/hf-model-configs.md.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace lathe {
+
+struct ModelConfig {
+  std::string model_type;  // as in HF: "gpt2", "llama", "qwen2", "mistral"
+  std::string family;      // "gpt2" or "llama" (qwen2, mistral -> llama)
+  int64_t vocab_size = 0, hidden_size = 0, num_hidden_layers = 0, num_attention_heads = 0,
+          num_key_value_heads = 0;     // gpt2: num_key_value_heads == num_attention_heads
+  int64_t intermediate_size = 0;        // gpt2: n_inner or 4*hidden
+  int64_t max_position_embeddings = 0;  // gpt2: n_positions
+  double norm_eps = 1e-5;               // gpt2 layer_norm_epsilon; llama rms_norm_eps
+  double rope_theta = 10000.0;          // llama family
+  bool tie_word_embeddings = true;      // gpt2 always true
+  // llama: attention_bias (q/k/v/o biases); qwen2: forced true and means q/k/v biases only (no
+  // o_proj bias); mistral: false; gpt2: false here, but GPT-2 always has all its biases.
+  bool attention_bias = false;
+  double initializer_range = 0.02;
+  // Normalized: gpt2 -> "gelu_new" (tanh GELU; HF's "gelu_pytorch_tanh" is the same function and
+  // is read as "gelu_new"); llama family -> "silu" ("swish" is read as "silu").
+  std::string hidden_act;
+  int64_t bos_token_id = -1, eos_token_id = -1, pad_token_id = -1;  // -1 = absent; eos list -> first
+  // Addition. mistral / qwen2 sliding-window attention width; 0 = none (full causal attention).
+  // lathe implements full attention only, so check_seq_len() refuses sequences longer than the
+  // window (there the two differ); a window >= the sequence length is the same math.
+  int64_t sliding_window = 0;
+
+  int64_t head_dim() const { return num_attention_heads > 0 ? hidden_size / num_attention_heads : 0; }
+  bool is_gpt2() const { return family == "gpt2"; }
+  bool is_llama() const { return family == "llama"; }
+  // Addition. q/k/v projections carry a bias (gpt2: inside c_attn; llama: attention_bias; qwen2).
+  bool qkv_bias() const { return is_gpt2() || attention_bias; }
+  // Addition. The attention output projection carries a bias (gpt2 c_proj; llama attention_bias;
+  // never for qwen2).
+  bool o_bias() const { return is_gpt2() || (attention_bias && model_type != "qwen2"); }
+  // Addition. Number of trainable parameters (tied lm_head counted once).
+  int64_t num_parameters() const;
+
+  // Parse an HF config.json object. `source` names the file/section in errors ("<source>: <key>:
+  // ..."). Missing keys take the HF class defaults of the model_type. Keys that change the math
+  // and are not supported -> error naming the key. Known harmless keys (architectures,
+  // torch_dtype, transformers_version, use_cache, dropout probabilities, token ids, ...) are
+  // accepted. strict_unknown=true (recipes): an unknown key is an error naming it and the closest
+  // valid key, and non-zero dropout is an error (lathe has no dropout); false (config.json files):
+  // unknown keys are accepted and listed in `ignored_keys`.
+  static ModelConfig from_hf_json(const nlohmann::json& j, std::string_view source,
+                                  bool strict_unknown = false);
+  // Same, with `key_prefix` put in front of key names in errors (recipes pass "model.").
+  static ModelConfig from_hf_json(const nlohmann::json& j, std::string_view source,
+                                  std::string_view key_prefix, bool strict_unknown);
+  std::vector<std::string> ignored_keys;
+
+  // A complete HF config.json that transformers 4.x loads: model_type, architectures
+  // (GPT2LMHeadModel / LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM), the family's
+  // field names, torch_dtype "float32".
+  nlohmann::json to_hf_json() const;
+  // Heads divide hidden, kv heads divide heads, sizes > 0, head_dim even for RoPE, ...
+  // Errors name the field and the values.
+  void validate(std::string_view source) const;
+  // Addition. seq_len <= max_position_embeddings and <= sliding_window (when set).
+  void check_seq_len(int64_t seq_len, std::string_view source) const;
+
+  // Presets (all validated):
+  //   gpt2-debug        L=2  C=48  H=4        V=96    P=128           (tiny, tests)
+  //   gpt2-124m         HF "gpt2": L=12 C=768 H=12 V=50257 P=1024
+  //   gpt2-small-bench  L=4  C=256 H=4        V=50257 P=1024
+  //   llama-debug       L=2  C=48  H=4 KV=2 I=96  V=96 P=128, untied
+  //   qwen2-debug       as llama-debug, q/k/v biases, tied, rope_theta 1e6
+  //   mistral-debug     as llama-debug, sliding_window 0 (none)
+  //   llama-small-bench L=4  C=256 H=4 KV=2 I=688 V=32000 P=1024
+  // Unknown name -> error listing the presets.
+  static ModelConfig preset(std::string_view name);
+  static std::vector<std::string> preset_names();
+
+  // Addition. Valid recipe/config.json key names for a model_type (family names, HF aliases,
+  // known harmless keys). Used for "did you mean" suggestions.
+  static std::vector<std::string> known_keys(std::string_view model_type);
+};
+
+bool operator==(const ModelConfig& a, const ModelConfig& b);  // ignores ignored_keys
+
+}  // namespace lathe

@@ -1,0 +1,97 @@
+// Training recipe: one YAML file with sections model / data / optimizer / schedule / training /
+// output. Everything is parsed and validated before any work starts, and every error names the
+// file, the key path and the offending value:
+//   recipe.yaml: unknown key 'optimizer.lrr' (did you mean 'optimizer.lr'?)
+//   recipe.yaml: training.seq_len: expected an integer, got 'abc'
+//   recipe.yaml: training.seq_len = 512 exceeds model.max_position_embeddings = 256
+//
+// Example:
+//   model:    {preset: gpt2-debug, n_layer: 4}     # or init_from: HF_DIR, or config: x.json,
+//                                                  # or model_type: gpt2 + HF field names
+//   data:     {train: data/shakespeare_byte, valid_fraction: 0.1, tokenizer: byte}
+//   optimizer:{name: adamw, lr: 1.0e-3, weight_decay: 0.1, grad_clip: 1.0}
+//   schedule: {name: cosine, warmup_steps: 20, min_lr: 1.0e-4}
+//   training: {micro_batch_size: 16, seq_len: 128, steps: 600}
+//   output:   {dir: runs/quickstart}
+//
+// model section: at most one base among `preset: NAME`, `init_from: HF_DIR` (reads
+// HF_DIR/config.json; the trainer loads HF_DIR's weights) and `config: path/to/config.json`;
+// explicit HF field names override the base. Without a base, `model_type` is required and missing
+// fields take the HF class defaults. Unknown model keys are errors (with a suggestion).
+//
+// Relative paths (data.train, data.valid, data.tokenizer, model.init_from, model.config,
+// output.dir) are resolved relative to the CURRENT WORKING DIRECTORY of the process, not the
+// recipe file's directory; they are stored as written.
+//
+// Overrides: "section.key=value" (e.g. "training.steps=10", "model.n_layer=2",
+// "optimizer.lr=1e-3"); the value is parsed as a YAML scalar and applied before validation. An
+// unknown key in an override is reported like one in the file, mentioning --set.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "config/model_config.h"
+
+namespace lathe {
+
+struct Recipe {
+  std::string source;  // file path (or the name given to parse_recipe)
+  ModelConfig model;
+  std::string init_from;  // HF dir whose weights initialize the model; "" = random init
+
+  struct Data {
+    std::string train;  // Megatron prefix (without .bin/.idx); required
+    std::string valid;  // Megatron prefix; empty -> hold out valid_fraction of train
+    double valid_fraction = 0.05;  // [0, 1)
+    std::string tokenizer;         // "byte", a tokenizer file path, or "" (none)
+    int prefetch = 2;              // batches prepared ahead, >= 0
+  } data;
+
+  struct Optimizer {
+    std::string name = "adamw";  // only "adamw"
+    double lr = 3e-4, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1,
+           grad_clip = 1.0;  // grad_clip 0 = no clipping
+  } optimizer;
+
+  struct Schedule {
+    // "cosine": linear warmup, cosine from lr to min_lr at `steps`.
+    // "linear": linear warmup, linear decay to min_lr at `steps`.
+    // "constant": linear warmup, then lr.
+    // "wsd": warmup, stable at lr, then the last decay_fraction of steps decays to min_lr with
+    //        decay_shape "linear", "cosine" or "1-sqrt".
+    std::string name = "cosine";
+    int64_t warmup_steps = 0;
+    double min_lr = 0.0;
+    double decay_fraction = 0.2;  // wsd only, (0, 1]
+    std::string decay_shape = "linear";
+  } schedule;
+
+  struct Training {
+    int64_t micro_batch_size = 4, seq_len = 64, grad_accum_steps = 1, steps = 100, seed = 1234,
+            eval_interval = 50,  // 0 = no periodic eval
+        eval_batches = 8, log_interval = 1;
+    int threads = 0;         // 0 = all cores
+    double peak_gflops = 0;  // 0 = measure with a GEMM probe at start
+  } training;
+
+  struct Output {
+    std::string dir = "runs/default";
+    int64_t save_every = 0;  // 0 = only at the end
+  } output;
+
+  nlohmann::json to_json() const;  // fully resolved (model as HF fields)
+  std::string to_yaml() const;     // resolved recipe, printable and re-loadable
+};
+
+Recipe load_recipe(const std::string& path, const std::vector<std::string>& overrides = {});
+Recipe parse_recipe(const std::string& yaml_text, const std::string& source,
+                    const std::vector<std::string>& overrides = {});
+// Closest candidate by Levenshtein distance (case-insensitive); "" if nothing is close (distance
+// above max(2, len/3)).
+std::string closest_match(std::string_view key, const std::vector<std::string>& candidates);
+
+}  // namespace lathe
