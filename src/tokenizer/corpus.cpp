@@ -1,0 +1,447 @@
+#include "tokenizer/corpus.h"
+
+#include <fcntl.h>
+#include <glob.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zlib.h>
+#include <zstd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "core/timer.h"
+
+namespace lathe::tok {
+
+InputFormat parse_input_format(std::string_view name) {
+  if (name == "auto") return InputFormat::Auto;
+  if (name == "text" || name == "txt") return InputFormat::Text;
+  if (name == "jsonl" || name == "json") return InputFormat::Jsonl;
+  throw_error("--format '{}': unknown input format; use auto, text or jsonl", name);
+}
+
+static bool ends_with(std::string_view s, std::string_view suf) {
+  return s.size() >= suf.size() && s.substr(s.size() - suf.size()) == suf;
+}
+
+static bool is_regular_file(const std::string& p, uint64_t* size = nullptr) {
+  struct stat st;
+  if (::stat(p.c_str(), &st) != 0) return false;
+  if (size) *size = static_cast<uint64_t>(st.st_size);
+  return S_ISREG(st.st_mode);
+}
+
+std::vector<std::string> expand_input_patterns(const std::vector<std::string>& patterns) {
+  std::vector<std::string> out;
+  for (const auto& pat : patterns) {
+    bool has_glob = pat.find_first_of("*?[") != std::string::npos;
+    if (!has_glob) {
+      struct stat st;
+      LATHE_CHECK(::stat(pat.c_str(), &st) == 0, "input '{}': {} (check the path)", pat, std::strerror(errno));
+      LATHE_CHECK(S_ISREG(st.st_mode), "input '{}' is not a regular file (pass the files, e.g. '{}/*.jsonl')",
+                  pat, pat);
+      out.push_back(pat);
+      continue;
+    }
+    glob_t g{};
+    int rc = ::glob(pat.c_str(), GLOB_ERR, nullptr, &g);
+    if (rc == GLOB_NOMATCH) {
+      ::globfree(&g);
+      throw_error("input pattern '{}' matches no file", pat);
+    }
+    if (rc != 0) {
+      ::globfree(&g);
+      throw_error("input pattern '{}': glob failed (code {})", pat, rc);
+    }
+    std::vector<std::string> m;
+    for (size_t i = 0; i < g.gl_pathc; ++i)
+      if (is_regular_file(g.gl_pathv[i])) m.emplace_back(g.gl_pathv[i]);
+    ::globfree(&g);
+    LATHE_CHECK(!m.empty(), "input pattern '{}' matches no regular file", pat);
+    std::sort(m.begin(), m.end());
+    out.insert(out.end(), m.begin(), m.end());
+  }
+  return out;
+}
+
+static std::string read_magic(const std::string& path, size_t n) {
+  std::string m(n, '\0');
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  LATHE_CHECK(f, "input '{}': cannot open: {}", path, std::strerror(errno));
+  size_t got = std::fread(m.data(), 1, n, f);
+  std::fclose(f);
+  m.resize(got);
+  return m;
+}
+
+Compression detect_compression(const std::string& path) {
+  if (ends_with(path, ".gz") || ends_with(path, ".gzip")) {
+    std::string m = read_magic(path, 2);
+    LATHE_CHECK(m.size() == 0 || m == "\x1f\x8b", "input '{}' is named .gz but is not gzip data (rename it)", path);
+    return Compression::Gzip;
+  }
+  if (ends_with(path, ".zst") || ends_with(path, ".zstd")) {
+    std::string m = read_magic(path, 4);
+    LATHE_CHECK(m.size() == 0 || m == std::string("\x28\xb5\x2f\xfd", 4),
+                "input '{}' is named .zst but is not zstd data (rename it)", path);
+    return Compression::Zstd;
+  }
+  return Compression::None;
+}
+
+InputFormat detect_format(const std::string& path, InputFormat requested) {
+  if (requested != InputFormat::Auto) return requested;
+  std::string_view p = path;
+  for (std::string_view suf : {".gz", ".gzip", ".zst", ".zstd"})
+    if (ends_with(p, suf)) {
+      p.remove_suffix(suf.size());
+      break;
+    }
+  if (ends_with(p, ".jsonl") || ends_with(p, ".ndjson") || ends_with(p, ".json")) return InputFormat::Jsonl;
+  return InputFormat::Text;
+}
+
+namespace {
+
+class PlainSource : public ByteSource {
+ public:
+  explicit PlainSource(const std::string& path) : path_(path) {
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    LATHE_CHECK(fd_ >= 0, "input '{}': cannot open: {}", path, std::strerror(errno));
+#ifdef POSIX_FADV_SEQUENTIAL
+    ::posix_fadvise(fd_, 0, 0, POSIX_FADV_SEQUENTIAL);
+#endif
+  }
+  ~PlainSource() override { ::close(fd_); }
+  size_t read(char* buf, size_t n) override {
+    for (;;) {
+      ssize_t r = ::read(fd_, buf, n);
+      if (r >= 0) {
+        pos_ += static_cast<uint64_t>(r);
+        return static_cast<size_t>(r);
+      }
+      if (errno != EINTR) throw_error("input '{}': read failed: {}", path_, std::strerror(errno));
+    }
+  }
+  uint64_t raw_position() const override { return pos_; }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  uint64_t pos_ = 0;
+};
+
+class GzipSource : public ByteSource {
+ public:
+  explicit GzipSource(const std::string& path) : path_(path) {
+    gz_ = ::gzopen(path.c_str(), "rb");
+    LATHE_CHECK(gz_, "input '{}': cannot open: {}", path, std::strerror(errno));
+    ::gzbuffer(gz_, 1 << 20);
+  }
+  ~GzipSource() override { ::gzclose(gz_); }
+  size_t read(char* buf, size_t n) override {
+    int r = ::gzread(gz_, buf, static_cast<unsigned>(std::min<size_t>(n, 1u << 30)));
+    if (r < 0) {
+      int err = 0;
+      const char* msg = ::gzerror(gz_, &err);
+      throw_error("input '{}': gzip decompression failed: {} (file truncated or corrupt?)", path_, msg);
+    }
+    return static_cast<size_t>(r);
+  }
+  uint64_t raw_position() const override {
+    auto off = ::gzoffset(gz_);
+    return off < 0 ? 0 : static_cast<uint64_t>(off);
+  }
+
+ private:
+  std::string path_;
+  gzFile gz_ = nullptr;
+};
+
+class ZstdSource : public ByteSource {
+ public:
+  explicit ZstdSource(const std::string& path) : path_(path), file_(path) {
+    dctx_ = ZSTD_createDCtx();
+    LATHE_CHECK(dctx_, "input '{}': ZSTD_createDCtx failed", path);
+    in_buf_.resize(ZSTD_DStreamInSize());
+  }
+  ~ZstdSource() override { ZSTD_freeDCtx(dctx_); }
+  size_t read(char* buf, size_t n) override {
+    ZSTD_outBuffer out{buf, n, 0};
+    while (out.pos == 0) {
+      if (in_.pos == in_.size) {
+        size_t got = file_.read(in_buf_.data(), in_buf_.size());
+        if (got == 0) {
+          LATHE_CHECK(last_ret_ == 0, "input '{}': zstd stream ends in the middle of a frame (file truncated?)",
+                      path_);
+          return 0;
+        }
+        in_ = ZSTD_inBuffer{in_buf_.data(), got, 0};
+      }
+      size_t ret = ZSTD_decompressStream(dctx_, &out, &in_);
+      LATHE_CHECK(!ZSTD_isError(ret), "input '{}': zstd decompression failed: {}", path_, ZSTD_getErrorName(ret));
+      last_ret_ = ret;
+    }
+    return out.pos;
+  }
+  uint64_t raw_position() const override { return file_.raw_position(); }
+
+ private:
+  std::string path_;
+  PlainSource file_;
+  ZSTD_DCtx* dctx_ = nullptr;
+  std::vector<char> in_buf_;
+  ZSTD_inBuffer in_{nullptr, 0, 0};
+  size_t last_ret_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<ByteSource> open_byte_source(const std::string& path) {
+  switch (detect_compression(path)) {
+    case Compression::Gzip: return std::make_unique<GzipSource>(path);
+    case Compression::Zstd: return std::make_unique<ZstdSource>(path);
+    case Compression::None: break;
+  }
+  return std::make_unique<PlainSource>(path);
+}
+
+LineReader::LineReader(std::unique_ptr<ByteSource> src) : src_(std::move(src)) {}
+
+bool LineReader::next(std::string& line) {
+  constexpr size_t kChunk = 1 << 20;
+  line.clear();
+  for (;;) {
+    size_t nl = buf_.find('\n', pos_);
+    if (nl != std::string::npos) {
+      line.append(buf_, pos_, nl + 1 - pos_);
+      pos_ = nl + 1;
+      return true;
+    }
+    line.append(buf_, pos_, std::string::npos);
+    buf_.clear();
+    pos_ = 0;
+    if (eof_) return !line.empty();
+    buf_.resize(kChunk);
+    size_t got = src_->read(buf_.data(), kChunk);
+    buf_.resize(got);
+    if (got == 0) eof_ = true;
+  }
+}
+
+RecordReader::RecordReader(std::vector<std::string> files, Options opt) : files_(std::move(files)), opt_(opt) {
+  for (auto& f : files_) {
+    uint64_t sz = 0;
+    LATHE_CHECK(is_regular_file(f, &sz), "input '{}' is not a readable regular file", f);
+    total_bytes_ += sz;
+  }
+}
+
+RecordReader::~RecordReader() = default;
+
+uint64_t RecordReader::raw_bytes_read() const { return done_bytes_ + (lines_ ? lines_->raw_position() : 0); }
+
+bool RecordReader::open_next_file() {
+  if (lines_) {
+    uint64_t sz = 0;
+    is_regular_file(files_[cur_index_], &sz);
+    done_bytes_ += sz;
+    lines_.reset();
+  }
+  if (next_file_ >= files_.size()) return false;
+  cur_index_ = static_cast<uint32_t>(next_file_++);
+  const std::string& path = files_[cur_index_];
+  cur_json_ = detect_format(path, opt_.format) == InputFormat::Jsonl;
+  whole_file_ = !cur_json_ && !opt_.split_lines;
+  cur_line_ = 0;
+  lines_ = std::make_unique<LineReader>(open_byte_source(path));
+  return true;
+}
+
+bool RecordReader::next(RawRecord& rec) {
+  for (;;) {
+    if (file_done_) {
+      file_done_ = false;
+      if (!open_next_file()) return false;
+    }
+    if (!lines_ && !open_next_file()) return false;
+    rec.file_index = cur_index_;
+    rec.is_json = cur_json_;
+    if (whole_file_) {
+      // One document per file: concatenate all lines, keeping every byte.
+      rec.data.clear();
+      std::string line;
+      while (lines_->next(line)) rec.data += line;
+      rec.line = 0;
+      file_done_ = true;  // the next call moves on to the next file
+      return true;
+    }
+    if (!lines_->next(rec.data)) {
+      if (!open_next_file()) return false;
+      continue;
+    }
+    rec.line = ++cur_line_;
+    if (!rec.data.empty() && rec.data.back() == '\n') rec.data.pop_back();
+    if (!rec.data.empty() && rec.data.back() == '\r') rec.data.pop_back();
+    return true;
+  }
+}
+
+const char* skip_reason_name(SkipReason r) {
+  switch (r) {
+    case SkipReason::Empty: return "empty";
+    case SkipReason::InvalidJson: return "invalid JSON";
+    case SkipReason::MissingKey: return "missing text key";
+    case SkipReason::NotString: return "text value is not a string";
+    case SkipReason::InvalidUtf8: return "invalid UTF-8";
+    case SkipReason::Count: break;
+  }
+  return "?";
+}
+
+bool extract_json_text(std::string_view line, const std::string& key, std::string& out, SkipReason& why,
+                       std::string& detail) {
+  nlohmann::json j = nlohmann::json::parse(line.begin(), line.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) {
+    why = SkipReason::InvalidJson;
+    // Re-parse with exceptions only on the (rare) failure path to get the parser's message.
+    try {
+      auto again = nlohmann::json::parse(line.begin(), line.end());
+      (void)again;
+    } catch (const std::exception& e) {
+      detail = e.what();
+    }
+    return false;
+  }
+  if (!j.is_object()) {
+    why = SkipReason::InvalidJson;
+    detail = fmt::format("line is a JSON {}, expected an object", j.type_name());
+    return false;
+  }
+  auto it = j.find(key);
+  if (it == j.end()) {
+    why = SkipReason::MissingKey;
+    detail = fmt::format("no key \"{}\" (set --text-key)", key);
+    return false;
+  }
+  if (!it->is_string()) {
+    why = SkipReason::NotString;
+    detail = fmt::format("\"{}\" is a JSON {}", key, it->type_name());
+    return false;
+  }
+  out = std::move(it->get_ref<std::string&>());
+  return true;
+}
+
+bool is_valid_utf8(std::string_view s) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  size_t n = s.size(), i = 0;
+  while (i < n) {
+    // Fast path: 8 ASCII bytes at a time.
+    if (i + 8 <= n) {
+      uint64_t w;
+      std::memcpy(&w, p + i, 8);
+      if ((w & 0x8080808080808080ull) == 0) {
+        i += 8;
+        continue;
+      }
+    }
+    unsigned char c = p[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    int len;
+    uint32_t cp;
+    if (c >= 0xC2 && c <= 0xDF) len = 2, cp = c & 0x1F;
+    else if (c >= 0xE0 && c <= 0xEF) len = 3, cp = c & 0x0F;
+    else if (c >= 0xF0 && c <= 0xF4) len = 4, cp = c & 0x07;
+    else return false;
+    if (i + len > n) return false;
+    for (int k = 1; k < len; ++k) {
+      if ((p[i + k] & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (p[i + k] & 0x3F);
+    }
+    if ((len == 3 && (cp < 0x800 || (cp >= 0xD800 && cp <= 0xDFFF))) || (len == 4 && (cp < 0x10000 || cp > 0x10FFFF)))
+      return false;
+    i += len;
+  }
+  return true;
+}
+
+uint64_t parse_byte_size(std::string_view s, std::string_view what) {
+  size_t i = 0;
+  while (i < s.size() && (std::isdigit(static_cast<unsigned char>(s[i])) || s[i] == '.')) ++i;
+  LATHE_CHECK(i > 0, "{} '{}': expected a size like 512MB, 1GiB or 4096", what, s);
+  double v = std::stod(std::string(s.substr(0, i)));
+  std::string unit(s.substr(i));
+  for (auto& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  double mult;
+  if (unit.empty() || unit == "B") mult = 1;
+  else if (unit == "K" || unit == "KB") mult = 1e3;
+  else if (unit == "KIB") mult = 1024.0;
+  else if (unit == "M" || unit == "MB") mult = 1e6;
+  else if (unit == "MIB") mult = 1024.0 * 1024;
+  else if (unit == "G" || unit == "GB") mult = 1e9;
+  else if (unit == "GIB") mult = 1024.0 * 1024 * 1024;
+  else if (unit == "T" || unit == "TB") mult = 1e12;
+  else if (unit == "TIB") mult = 1024.0 * 1024 * 1024 * 1024;
+  else throw_error("{} '{}': unknown unit '{}' (use B, KB, MB, GB, KiB, MiB, GiB)", what, s, s.substr(i));
+  double bytes = v * mult;
+  LATHE_CHECK(bytes >= 1, "{} '{}' must be at least 1 byte", what, s);
+  return static_cast<uint64_t>(bytes);
+}
+
+ProgressLine::ProgressLine(bool enabled, double plain_interval)
+    : enabled_(enabled), tty_(::isatty(2) != 0), interval_(tty_ ? 0.2 : plain_interval) {}
+
+bool ProgressLine::due(bool force) {
+  if (!enabled_) return false;
+  double t = now_seconds();
+  if (!force && t - last_ < interval_) return false;
+  last_ = t;
+  return true;
+}
+
+void ProgressLine::show(const std::string& line) {
+  if (!enabled_) return;
+  if (tty_) {
+    std::string pad = line.size() < last_len_ ? std::string(last_len_ - line.size(), ' ') : std::string();
+    std::fprintf(stderr, "\r%s%s", line.c_str(), pad.c_str());
+    last_len_ = line.size();
+    drawn_ = true;
+  } else {
+    std::fprintf(stderr, "%s\n", line.c_str());
+  }
+  std::fflush(stderr);
+}
+
+void ProgressLine::finish() {
+  if (enabled_ && tty_ && drawn_) std::fprintf(stderr, "\n");
+  drawn_ = false;
+  last_len_ = 0;
+}
+
+std::string format_duration(double s) {
+  if (!(s >= 0) || s > 1e8) return "?";
+  auto t = static_cast<uint64_t>(s + 0.5);
+  if (t >= 3600) return fmt::format("{}:{:02d}:{:02d}", t / 3600, (t / 60) % 60, t % 60);
+  return fmt::format("{}:{:02d}", t / 60, t % 60);
+}
+
+std::string format_count(double v) {
+  if (v >= 1e9) return fmt::format("{:.2f}G", v / 1e9);
+  if (v >= 1e6) return fmt::format("{:.2f}M", v / 1e6);
+  if (v >= 1e4) return fmt::format("{:.1f}K", v / 1e3);
+  return fmt::format("{}", static_cast<uint64_t>(v));
+}
+
+}  // namespace lathe::tok
