@@ -1,0 +1,594 @@
+#include "tokenizer/hf_components.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "tokenizer/utf8.h"
+
+namespace lathe::tok {
+
+using nlohmann::json;
+
+namespace {
+
+bool is_unicode_ws(uint32_t c) {
+  return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
+}
+
+std::string get_string(const json& j, const char* key, const std::string& where) {
+  auto it = j.find(key);
+  LATHE_CHECK(it != j.end() && it->is_string(), "{}: missing string field '{}' in {}", where, key, j.dump());
+  return it->get<std::string>();
+}
+bool get_bool(const json& j, const char* key, bool dflt) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return dflt;
+  return it->get<bool>();
+}
+
+// {"String": s} or {"Regex": r} -> PCRE2 pattern (String is matched literally).
+std::string pattern_of(const json& j, const std::string& where) {
+  LATHE_CHECK(j.is_object(), "{}: 'pattern' must be {{\"String\": ...}} or {{\"Regex\": ...}}, got {}", where, j.dump());
+  if (j.contains("String")) {
+    std::string s = j["String"].get<std::string>(), out;
+    for (char c : s) {
+      if (std::string_view("\\^$.|?*+()[]{}-#/ ").find(c) != std::string_view::npos && c != ' ') out += '\\';
+      out += c;
+    }
+    return out;
+  }
+  if (j.contains("Regex")) return j["Regex"].get<std::string>();
+  throw_error("{}: 'pattern' must be {{\"String\": ...}} or {{\"Regex\": ...}}, got {}", where, j.dump());
+}
+
+void replace_all(std::string& s, std::string_view from, std::string_view to) {
+  if (from.empty() || s.find(from) == std::string::npos) return;
+  std::string out;
+  out.reserve(s.size() + s.size() / 4);
+  size_t pos = 0;
+  while (true) {
+    size_t k = s.find(from, pos);
+    if (k == std::string::npos) break;
+    out.append(s, pos, k - pos);
+    out.append(to);
+    pos = k + from.size();
+  }
+  out.append(s, pos, std::string::npos);
+  s.swap(out);
+}
+
+// Replaces every regex match (or literal string) by `content`.
+struct Replacer {
+  std::string literal;
+  std::unique_ptr<Regex> re;
+  std::string content;
+  Replacer(const json& pat, std::string c, const std::string& where) : content(std::move(c)) {
+    if (pat.is_object() && pat.contains("String")) {
+      literal = pat["String"].get<std::string>();
+    } else {
+      re = std::make_unique<Regex>(pattern_of(pat, where));
+    }
+  }
+  void apply(std::string& s) const {
+    if (!re) {
+      replace_all(s, literal, content);
+      return;
+    }
+    std::vector<std::pair<size_t, size_t>> m;
+    re->find_all(s, m);
+    if (m.empty()) return;
+    std::string out;
+    size_t prev = 0;
+    for (auto [a, b] : m) {
+      out.append(s, prev, a - prev);
+      out += content;
+      prev = b;
+    }
+    out.append(s, prev, std::string::npos);
+    s.swap(out);
+  }
+};
+
+// ---------------------------------------------------------------- normalizers
+struct SequenceNormalizer : Normalizer {
+  std::vector<std::unique_ptr<Normalizer>> parts;
+  void apply(std::string& s) const override {
+    for (auto& p : parts) p->apply(s);
+  }
+};
+struct PrependNormalizer : Normalizer {
+  std::string prepend;
+  void apply(std::string& s) const override {
+    if (!s.empty()) s.insert(0, prepend);
+  }
+};
+struct ReplaceNormalizer : Normalizer {
+  Replacer r;
+  ReplaceNormalizer(const json& j, const std::string& where)
+      : r(j.at("pattern"), get_string(j, "content", where), where) {}
+  void apply(std::string& s) const override { r.apply(s); }
+};
+struct StripNormalizer : Normalizer {
+  bool left, right;
+  void apply(std::string& s) const override {
+    size_t b = 0, e = s.size();
+    if (left)
+      while (b < e) {
+        size_t len = utf8_char_len(s, b);
+        if (!utf8_valid_at(s, b) || !is_unicode_ws(utf8_decode(s, b, len))) break;
+        b += len;
+      }
+    if (right)
+      while (e > b) {
+        size_t k = e - 1;
+        while (k > b && (static_cast<unsigned char>(s[k]) & 0xC0) == 0x80) --k;
+        size_t len = utf8_char_len(s, k);
+        if (k + len != e || !utf8_valid_at(s, k) || !is_unicode_ws(utf8_decode(s, k, len))) break;
+        e = k;
+      }
+    s = s.substr(b, e - b);
+  }
+};
+
+// ---------------------------------------------------------------- pre-tokenizers
+enum class Behavior { Removed, Isolated, MergedWithPrevious, MergedWithNext, Contiguous };
+
+Behavior parse_behavior(const json& j, const std::string& where) {
+  std::string b = j.is_string() ? j.get<std::string>() : std::string("?");
+  if (b == "Removed") return Behavior::Removed;
+  if (b == "Isolated") return Behavior::Isolated;
+  if (b == "MergedWithPrevious") return Behavior::MergedWithPrevious;
+  if (b == "MergedWithNext") return Behavior::MergedWithNext;
+  if (b == "Contiguous") return Behavior::Contiguous;
+  throw_error("{}: unknown split behavior {} (expected Removed, Isolated, MergedWithPrevious, MergedWithNext, "
+              "Contiguous)",
+              where, j.dump());
+}
+
+// HF NormalizedString::split: segments (matches and the gaps between them) combined by behavior.
+void split_piece(const Piece& p, const std::vector<std::pair<size_t, size_t>>& matches, bool invert, Behavior bh,
+                 std::vector<Piece>& out) {
+  struct Seg {
+    size_t a, b;
+    bool m;
+  };
+  thread_local std::vector<Seg> segs, acc;
+  segs.clear();
+  acc.clear();
+  size_t prev = 0;
+  for (auto [a, b] : matches) {
+    if (prev != a) segs.push_back({prev, a, invert});
+    segs.push_back({a, b, !invert});
+    prev = b;
+  }
+  if (prev != p.s.size()) segs.push_back({prev, p.s.size(), invert});
+  switch (bh) {
+    case Behavior::Removed:
+      for (auto& s : segs)
+        if (!s.m) acc.push_back(s);
+      break;
+    case Behavior::Isolated:
+      acc = segs;
+      break;
+    case Behavior::MergedWithPrevious: {
+      bool prev_m = false;
+      for (auto& s : segs) {
+        if (s.m && !prev_m && !acc.empty()) acc.back().b = s.b;
+        else acc.push_back(s);
+        prev_m = s.m;
+      }
+      break;
+    }
+    case Behavior::MergedWithNext: {
+      bool prev_m = false;
+      for (size_t k = segs.size(); k-- > 0;) {
+        auto& s = segs[k];
+        if (s.m && !prev_m && !acc.empty()) acc.back().a = s.a;
+        else acc.push_back(s);
+        prev_m = s.m;
+      }
+      std::reverse(acc.begin(), acc.end());
+      break;
+    }
+    case Behavior::Contiguous: {
+      bool prev_m = false;
+      for (auto& s : segs) {
+        if (s.m == prev_m && !acc.empty()) acc.back().b = s.b;
+        else acc.push_back(s);
+        prev_m = s.m;
+      }
+      break;
+    }
+  }
+  for (auto& s : acc)
+    if (s.b > s.a) out.push_back({p.s.substr(s.a, s.b - s.a), p.origin && s.a == 0});
+}
+
+struct SplitPreTokenizer : PreTokenizer {
+  std::unique_ptr<Regex> re;
+  bool invert = false;
+  Behavior behavior = Behavior::Isolated;
+  void apply(PieceBuf& buf) const override {
+    buf.tmp.clear();
+    for (const Piece& p : buf.pieces) {
+      buf.matches.clear();
+      re->find_all(p.s, buf.matches);
+      split_piece(p, buf.matches, invert, behavior, buf.tmp);
+    }
+    buf.pieces.swap(buf.tmp);
+  }
+};
+
+const char* kGpt2Pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
+struct ByteLevelPreTokenizer : PreTokenizer {
+  bool add_prefix_space = false;
+  std::unique_ptr<Regex> re;  // null when use_regex=false
+  bool is_byte_level() const override { return true; }
+  void apply(PieceBuf& buf) const override {
+    if (add_prefix_space) {
+      for (Piece& p : buf.pieces)
+        if (p.s.empty() || p.s[0] != ' ') {
+          buf.owned.emplace_back(" ");
+          buf.owned.back() += p.s;
+          p.s = buf.owned.back();
+        }
+    }
+    if (!re) return;
+    buf.tmp.clear();
+    for (const Piece& p : buf.pieces) {
+      buf.matches.clear();
+      re->find_all(p.s, buf.matches);
+      split_piece(p, buf.matches, false, Behavior::Isolated, buf.tmp);
+    }
+    buf.pieces.swap(buf.tmp);
+    // The byte -> unicode mapping is implicit: the byte-level BPE model works on raw bytes.
+  }
+};
+
+struct MetaspacePreTokenizer : PreTokenizer {
+  std::string rep;
+  enum { Always, First, Never } scheme = Always;
+  bool split = true;
+  void apply(PieceBuf& buf) const override {
+    buf.tmp.clear();
+    for (const Piece& p : buf.pieces) {
+      std::string s(p.s);
+      replace_all(s, " ", rep);
+      bool starts = s.compare(0, rep.size(), rep) == 0;
+      if ((scheme == Always && !starts) || (scheme == First && !starts && p.origin)) s.insert(0, rep);
+      buf.owned.push_back(std::move(s));
+      Piece np{buf.owned.back(), p.origin};
+      if (!split) {
+        if (!np.s.empty()) buf.tmp.push_back(np);
+        continue;
+      }
+      buf.matches.clear();
+      for (size_t k = np.s.find(rep); k != std::string_view::npos; k = np.s.find(rep, k + rep.size()))
+        buf.matches.emplace_back(k, k + rep.size());
+      split_piece(np, buf.matches, false, Behavior::MergedWithNext, buf.tmp);
+    }
+    buf.pieces.swap(buf.tmp);
+  }
+};
+
+struct SequencePreTokenizer : PreTokenizer {
+  std::vector<std::unique_ptr<PreTokenizer>> parts;
+  void apply(PieceBuf& buf) const override {
+    for (auto& p : parts) p->apply(buf);
+  }
+};
+
+// ---------------------------------------------------------------- decoders
+struct SequenceDecoder : Decoder {
+  std::vector<std::unique_ptr<Decoder>> parts;
+  void apply(std::vector<std::string>& t) const override {
+    for (auto& p : parts) p->apply(t);
+  }
+};
+// Raw bytes, no lossy UTF-8 step: decode(encode(bytes)) == bytes for any bytes.
+struct ByteLevelDecoder : Decoder {
+  void apply(std::vector<std::string>& t) const override {
+    std::string out;
+    for (auto& s : t) bytelevel_to_bytes(s, out);
+    t.assign(1, std::move(out));
+  }
+};
+struct FuseDecoder : Decoder {
+  void apply(std::vector<std::string>& t) const override {
+    std::string out;
+    for (auto& s : t) out += s;
+    t.assign(1, std::move(out));
+  }
+};
+struct ReplaceDecoder : Decoder {
+  Replacer r;
+  ReplaceDecoder(const json& j, const std::string& where) : r(j.at("pattern"), get_string(j, "content", where), where) {}
+  void apply(std::vector<std::string>& t) const override {
+    for (auto& s : t) r.apply(s);
+  }
+};
+struct ByteFallbackDecoder : Decoder {
+  void apply(std::vector<std::string>& t) const override {
+    std::vector<std::string> out;
+    std::string bytes;
+    auto flush = [&] {
+      if (bytes.empty()) return;
+      if (is_valid_utf8(bytes)) out.push_back(bytes);
+      else
+        for (size_t i = 0; i < bytes.size(); ++i) out.emplace_back("\xEF\xBF\xBD");
+      bytes.clear();
+    };
+    auto hexval = [](char c) -> int {
+      if (c >= '0' && c <= '9') return c - '0';
+      if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+      if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+      return -1;
+    };
+    for (auto& s : t) {
+      if (s.size() == 6 && s.compare(0, 3, "<0x") == 0 && s[5] == '>' && hexval(s[3]) >= 0 && hexval(s[4]) >= 0) {
+        bytes += static_cast<char>(hexval(s[3]) * 16 + hexval(s[4]));
+      } else {
+        flush();
+        out.push_back(std::move(s));
+      }
+    }
+    flush();
+    t.swap(out);
+  }
+};
+struct StripDecoder : Decoder {
+  std::string content;  // one char
+  size_t start = 0, stop = 0;
+  void apply(std::vector<std::string>& t) const override {
+    for (auto& s : t) {
+      std::vector<std::string_view> chars;
+      for (size_t i = 0; i < s.size();) {
+        size_t len = utf8_char_len(s, i);
+        chars.push_back(std::string_view(s).substr(i, len));
+        i += len;
+      }
+      size_t sc = 0, ec = 0;
+      while (sc < chars.size() && sc < start && chars[sc] == content) ++sc;
+      while (ec < chars.size() && ec < stop && chars[chars.size() - 1 - ec] == content) ++ec;
+      // HF: chars().skip(start_cut).take(token.len() - start_cut - stop_cut) with len() in bytes.
+      size_t take = std::min(chars.size() - std::min(sc, chars.size()), s.size() - sc - ec);
+      std::string out;
+      for (size_t k = sc; k < sc + take && k < chars.size(); ++k) out += chars[k];
+      s.swap(out);
+    }
+  }
+};
+struct MetaspaceDecoder : Decoder {
+  std::string rep;
+  bool never = false;
+  void apply(std::vector<std::string>& t) const override {
+    for (size_t i = 0; i < t.size(); ++i) replace_all(t[i], rep, i == 0 && !never ? "" : " ");
+  }
+};
+
+std::string type_of(const json& j, const std::string& where) {
+  LATHE_CHECK(j.is_object() && j.contains("type") && j["type"].is_string(), "{}: component without a \"type\": {}",
+              where, j.dump().substr(0, 200));
+  return j["type"].get<std::string>();
+}
+
+}  // namespace
+
+std::unique_ptr<Normalizer> make_normalizer(const json& j, const std::string& where) {
+  std::string type = type_of(j, where);
+  std::string w = where + " normalizer " + type;
+  if (type == "Sequence") {
+    auto n = std::make_unique<SequenceNormalizer>();
+    for (auto& c : j.at("normalizers")) n->parts.push_back(make_normalizer(c, where));
+    return n;
+  }
+  if (type == "Prepend") {
+    auto n = std::make_unique<PrependNormalizer>();
+    n->prepend = get_string(j, "prepend", w);
+    return n;
+  }
+  if (type == "Replace") return std::make_unique<ReplaceNormalizer>(j, w);
+  if (type == "Strip") {
+    auto n = std::make_unique<StripNormalizer>();
+    n->left = get_bool(j, "strip_left", false);
+    n->right = get_bool(j, "strip_right", false);
+    return n;
+  }
+  throw_error("{}: normalizer type '{}' is not supported by lathe (supported: Sequence, Prepend, Replace, Strip)",
+              where, type);
+}
+
+std::unique_ptr<PreTokenizer> make_pre_tokenizer(const json& j, const std::string& where, bool* byte_level) {
+  std::string type = type_of(j, where);
+  std::string w = where + " pre_tokenizer " + type;
+  if (type == "Sequence") {
+    auto p = std::make_unique<SequencePreTokenizer>();
+    const json& parts = j.at("pretokenizers");
+    for (size_t i = 0; i < parts.size(); ++i) {
+      bool bl = false;
+      p->parts.push_back(make_pre_tokenizer(parts[i], where, &bl));
+      LATHE_CHECK(!bl || i + 1 == parts.size(),
+                  "{}: ByteLevel must be the last pre-tokenizer of the Sequence (lathe runs the byte-level "
+                  "model on raw bytes)",
+                  w);
+      if (bl) *byte_level = true;
+    }
+    return p;
+  }
+  if (type == "ByteLevel") {
+    auto p = std::make_unique<ByteLevelPreTokenizer>();
+    p->add_prefix_space = get_bool(j, "add_prefix_space", false);
+    if (get_bool(j, "use_regex", true)) p->re = std::make_unique<Regex>(kGpt2Pattern);
+    *byte_level = true;
+    return p;
+  }
+  if (type == "Split") {
+    auto p = std::make_unique<SplitPreTokenizer>();
+    p->re = std::make_unique<Regex>(pattern_of(j.at("pattern"), w));
+    p->invert = get_bool(j, "invert", false);
+    p->behavior = parse_behavior(j.at("behavior"), w);
+    return p;
+  }
+  if (type == "Metaspace") {
+    auto p = std::make_unique<MetaspacePreTokenizer>();
+    p->rep = j.contains("replacement") ? get_string(j, "replacement", w) : std::string("\xE2\x96\x81");
+    std::string scheme = j.contains("prepend_scheme") ? get_string(j, "prepend_scheme", w) : "always";
+    if (j.contains("add_prefix_space") && !get_bool(j, "add_prefix_space", true)) scheme = "never";
+    if (scheme == "always") p->scheme = MetaspacePreTokenizer::Always;
+    else if (scheme == "first") p->scheme = MetaspacePreTokenizer::First;
+    else if (scheme == "never") p->scheme = MetaspacePreTokenizer::Never;
+    else throw_error("{}: unknown prepend_scheme '{}' (always, first, never)", w, scheme);
+    p->split = get_bool(j, "split", true);
+    return p;
+  }
+  if (type == "Digits") {
+    auto p = std::make_unique<SplitPreTokenizer>();
+    p->re = std::make_unique<Regex>(R"(\p{N})");
+    p->behavior = get_bool(j, "individual_digits", false) ? Behavior::Isolated : Behavior::Contiguous;
+    return p;
+  }
+  if (type == "Whitespace") {
+    auto p = std::make_unique<SplitPreTokenizer>();
+    p->re = std::make_unique<Regex>(R"(\w+|[^\w\s]+)");
+    p->invert = true;
+    p->behavior = Behavior::Removed;
+    return p;
+  }
+  if (type == "WhitespaceSplit") {
+    auto p = std::make_unique<SplitPreTokenizer>();
+    p->re = std::make_unique<Regex>(R"(\s)");
+    p->behavior = Behavior::Removed;
+    return p;
+  }
+  throw_error("{}: pre_tokenizer type '{}' is not supported by lathe (supported: Sequence, ByteLevel, Split, "
+              "Metaspace, Digits, Whitespace, WhitespaceSplit)",
+              where, type);
+}
+
+std::unique_ptr<Decoder> make_decoder(const json& j, const std::string& where) {
+  std::string type = type_of(j, where);
+  std::string w = where + " decoder " + type;
+  if (type == "Sequence") {
+    auto d = std::make_unique<SequenceDecoder>();
+    for (auto& c : j.at("decoders")) d->parts.push_back(make_decoder(c, where));
+    return d;
+  }
+  if (type == "ByteLevel") return std::make_unique<ByteLevelDecoder>();
+  if (type == "Fuse") return std::make_unique<FuseDecoder>();
+  if (type == "ByteFallback") return std::make_unique<ByteFallbackDecoder>();
+  if (type == "Replace") return std::make_unique<ReplaceDecoder>(j, w);
+  if (type == "Strip") {
+    auto d = std::make_unique<StripDecoder>();
+    d->content = get_string(j, "content", w);
+    d->start = j.value("start", size_t{0});
+    d->stop = j.value("stop", size_t{0});
+    return d;
+  }
+  if (type == "Metaspace") {
+    auto d = std::make_unique<MetaspaceDecoder>();
+    d->rep = j.contains("replacement") ? get_string(j, "replacement", w) : std::string("\xE2\x96\x81");
+    std::string scheme = j.contains("prepend_scheme") ? get_string(j, "prepend_scheme", w) : "always";
+    if (j.contains("add_prefix_space") && !get_bool(j, "add_prefix_space", true)) scheme = "never";
+    d->never = scheme == "never";
+    return d;
+  }
+  throw_error("{}: decoder type '{}' is not supported by lathe (supported: Sequence, ByteLevel, Fuse, ByteFallback, "
+              "Replace, Strip, Metaspace)",
+              where, type);
+}
+
+// ---------------------------------------------------------------- added tokens
+void AddedTokenMatcher::add(const std::string& pattern, const AddedToken* tok) {
+  if (pattern.empty()) return;
+  int32_t n = 0;
+  for (unsigned char c : pattern) {
+    int32_t nxt = -1;
+    for (auto& [b, k] : nodes_[n].next)
+      if (b == c) nxt = k;
+    if (nxt < 0) {
+      nxt = static_cast<int32_t>(nodes_.size());
+      nodes_[n].next.emplace_back(c, nxt);
+      nodes_.emplace_back();
+    }
+    n = nxt;
+  }
+  if (!nodes_[n].tok) nodes_[n].tok = tok;
+  first_byte_[static_cast<unsigned char>(pattern[0])] = true;
+}
+
+void AddedTokenMatcher::find(std::string_view text, std::vector<Match>& out) const {
+  auto is_word = [](std::string_view s, size_t i) {
+    // Rust char::is_alphanumeric() || '_' on the char at i (ASCII exact; other letters/digits via
+    // a conservative "any non-space non-ASCII char" approximation).
+    unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c < 0x80) return std::isalnum(c) || c == '_';
+    size_t len = utf8_char_len(s, i);
+    return !is_unicode_ws(utf8_decode(s, i, len));
+  };
+  size_t n = text.size(), pos = 0, start_offset = 0;
+  while (pos < n) {
+    if (!first_byte_[static_cast<unsigned char>(text[pos])]) {
+      ++pos;
+      continue;
+    }
+    int32_t node = 0;
+    const AddedToken* best = nullptr;
+    size_t best_end = 0;
+    for (size_t k = pos; k < n; ++k) {
+      int32_t nxt = -1;
+      for (auto& [b, id] : nodes_[node].next)
+        if (b == static_cast<unsigned char>(text[k])) nxt = id;
+      if (nxt < 0) break;
+      node = nxt;
+      if (nodes_[node].tok) {
+        best = nodes_[node].tok;
+        best_end = k + 1;
+      }
+    }
+    if (!best) {
+      ++pos;
+      continue;
+    }
+    size_t s = pos, e = best_end;
+    if (best->single_word) {
+      bool ok_left = s == 0;
+      if (!ok_left) {
+        size_t k = s - 1;
+        while (k > 0 && (static_cast<unsigned char>(text[k]) & 0xC0) == 0x80) --k;
+        ok_left = !is_word(text, k);
+      }
+      bool ok_right = e == n || !is_word(text, e);
+      if (!ok_left || !ok_right) {
+        // HF's Aho-Corasick iterator moves past the whole discarded match.
+        pos = e;
+        continue;
+      }
+    }
+    if (best->lstrip) {
+      size_t k = s;
+      while (k > start_offset) {
+        size_t j = k - 1;
+        while (j > 0 && (static_cast<unsigned char>(text[j]) & 0xC0) == 0x80) --j;
+        size_t len = utf8_char_len(text, j);
+        if (j + len != k || !is_unicode_ws(utf8_decode(text, j, len))) break;
+        k = j;
+      }
+      s = std::max(k, start_offset);
+    }
+    size_t next_pos = e;
+    if (best->rstrip) {
+      while (e < n) {
+        size_t len = utf8_char_len(text, e);
+        if (!utf8_valid_at(text, e) || !is_unicode_ws(utf8_decode(text, e, len))) break;
+        e += len;
+      }
+    }
+    out.push_back({s, e, best});
+    start_offset = e;
+    pos = std::max(next_pos, e);
+  }
+}
+
+}  // namespace lathe::tok
