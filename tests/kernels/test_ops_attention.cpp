@@ -17,6 +17,9 @@ namespace {
 struct Shape {
   int64_t B, T, H, KVH, D;
 };
+void PrintTo(const Shape& s, std::ostream* os) {
+  *os << "B=" << s.B << " T=" << s.T << " H=" << s.H << " KVH=" << s.KVH << " D=" << s.D;
+}
 
 std::vector<float> randn(size_t n, uint32_t seed, float sd = 1.0f) {
   std::mt19937 gen(seed);

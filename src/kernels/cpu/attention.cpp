@@ -93,8 +93,9 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
       for (int64_t r = 0; r < nr; ++r) {
         float* s = S + r * nc;
         const int64_t n = i0 + r + 1;  // keys 0..i inclusive
-        float m = s[0];
-        for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
+        float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < n; ++j) {
