@@ -67,6 +67,7 @@ struct ModelConfig {
   // Heads divide hidden, kv heads divide heads, sizes > 0, head_dim even for RoPE, ...
   // Errors name the field and the values.
   void validate(std::string_view source) const;
+  void validate(std::string_view source, std::string_view key_prefix) const;  // addition
   // Addition. seq_len <= max_position_embeddings and <= sliding_window (when set).
   void check_seq_len(int64_t seq_len, std::string_view source) const;
 

@@ -1,0 +1,518 @@
+#include "config/model_config.h"
+
+#include <algorithm>
+#include <set>
+
+#include "config/recipe.h"  // closest_match
+#include "core/error.h"
+
+namespace lathe {
+
+namespace {
+
+using json = nlohmann::json;
+
+const std::vector<std::string> kModelTypes = {"gpt2", "llama", "qwen2", "mistral"};
+
+// Keys of every PretrainedConfig that never change the forward math.
+const std::vector<std::string> kCommonKeys = {
+    "model_type", "architectures", "torch_dtype", "dtype", "transformers_version", "use_cache",
+    "_name_or_path", "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
+    "decoder_start_token_id", "tie_word_embeddings", "initializer_range", "id2label", "label2id",
+    "return_dict", "output_hidden_states", "output_attentions", "torchscript", "pruned_heads",
+    "tokenizer_class", "prefix", "task_specific_params", "problem_type", "finetuning_task",
+    "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "add_cross_attention",
+    "tie_encoder_decoder", "use_return_dict", "_attn_implementation", "attn_implementation"};
+
+const std::vector<std::string> kGpt2Keys = {
+    "n_positions", "n_ctx", "n_embd", "n_layer", "n_head", "n_inner", "activation_function",
+    "layer_norm_epsilon", "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_type",
+    "summary_use_proj", "summary_activation", "summary_proj_to_labels", "summary_first_dropout",
+    "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
+    // HF attribute_map aliases
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"};
+
+const std::vector<std::string> kLlamaKeys = {
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
+    "rope_theta", "rope_scaling", "rope_parameters", "attention_bias", "mlp_bias",
+    "attention_dropout", "pretraining_tp"};
+const std::vector<std::string> kQwen2Extra = {"use_sliding_window", "sliding_window",
+                                              "max_window_layers", "layer_types"};
+const std::vector<std::string> kMistralExtra = {"sliding_window", "layer_types"};
+
+const std::vector<std::string> kDropoutKeys = {"resid_pdrop", "embd_pdrop", "attn_pdrop",
+                                               "summary_first_dropout", "attention_dropout"};
+
+std::string value_str(const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
+
+// Typed access with errors "<source>: <prefix><key>: expected ..., got '...'".
+struct Reader {
+  const json& j;
+  std::string_view source, prefix;
+
+  [[noreturn]] void fail(const std::string& key, const std::string& what) const {
+    throw_error("{}: {}{}: {}", source, prefix, key, what);
+  }
+  bool has(const std::string& k) const { return j.contains(k) && !j.at(k).is_null(); }
+  int64_t get_int(const std::string& k) const {
+    const json& v = j.at(k);
+    if (!v.is_number_integer()) fail(k, fmt::format("expected an integer, got '{}'", value_str(v)));
+    return v.get<int64_t>();
+  }
+  double get_double(const std::string& k) const {
+    const json& v = j.at(k);
+    if (!v.is_number()) fail(k, fmt::format("expected a number, got '{}'", value_str(v)));
+    return v.get<double>();
+  }
+  bool get_bool(const std::string& k) const {
+    const json& v = j.at(k);
+    if (!v.is_boolean()) fail(k, fmt::format("expected true or false, got '{}'", value_str(v)));
+    return v.get<bool>();
+  }
+  std::string get_string(const std::string& k) const {
+    const json& v = j.at(k);
+    if (!v.is_string()) fail(k, fmt::format("expected a string, got '{}'", value_str(v)));
+    return v.get<std::string>();
+  }
+  // Token ids: integer, null (absent) or a list of integers (first is used).
+  int64_t get_token(const std::string& k) const {
+    const json& v = j.at(k);
+    if (v.is_null()) return -1;
+    if (v.is_number_integer()) return v.get<int64_t>();
+    if (v.is_array() && !v.empty() && v[0].is_number_integer()) {
+      for (auto& e : v)
+        if (!e.is_number_integer()) fail(k, fmt::format("expected integers, got '{}'", v.dump()));
+      return v[0].get<int64_t>();
+    }
+    fail(k, fmt::format("expected an integer token id, got '{}'", value_str(v)));
+  }
+  // Set `out` from the first present key of `names`; two present with different values is an
+  // error (e.g. gpt2 "n_embd" and its alias "hidden_size").
+  bool int_alias(std::initializer_list<const char*> names, int64_t* out) const {
+    const char* found = nullptr;
+    for (const char* n : names) {
+      if (!has(n)) continue;
+      int64_t v = get_int(n);
+      if (found && v != *out)
+        fail(n, fmt::format("{} conflicts with {}{} = {}; give only one of them", v, prefix, found, *out));
+      if (!found) *out = v;
+      found = n;
+    }
+    return found != nullptr;
+  }
+};
+
+std::string family_of(const std::string& mt) { return mt == "gpt2" ? "gpt2" : "llama"; }
+
+}  // namespace
+
+std::vector<std::string> ModelConfig::known_keys(std::string_view model_type) {
+  std::vector<std::string> keys = kCommonKeys;
+  if (model_type == "gpt2") {
+    keys.insert(keys.end(), kGpt2Keys.begin(), kGpt2Keys.end());
+  } else {
+    keys.insert(keys.end(), kLlamaKeys.begin(), kLlamaKeys.end());
+    if (model_type == "qwen2") keys.insert(keys.end(), kQwen2Extra.begin(), kQwen2Extra.end());
+    if (model_type == "mistral") keys.insert(keys.end(), kMistralExtra.begin(), kMistralExtra.end());
+  }
+  return keys;
+}
+
+ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, bool strict_unknown) {
+  return from_hf_json(j, source, "", strict_unknown);
+}
+
+ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source,
+                                      std::string_view key_prefix, bool strict_unknown) {
+  if (!j.is_object()) throw_error("{}: model config must be a JSON object, got {}", source, j.dump());
+  Reader r{j, source, key_prefix};
+  ModelConfig c;
+  if (!j.contains("model_type"))
+    throw_error("{}: {}model_type is missing (one of gpt2, llama, qwen2, mistral)", source, key_prefix);
+  c.model_type = r.get_string("model_type");
+  if (std::find(kModelTypes.begin(), kModelTypes.end(), c.model_type) == kModelTypes.end())
+    r.fail("model_type", fmt::format("'{}' is not supported (supported: gpt2, llama, qwen2, mistral)",
+                                     c.model_type));
+  c.family = family_of(c.model_type);
+
+  // Unknown keys.
+  const auto known = known_keys(c.model_type);
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    if (std::find(known.begin(), known.end(), it.key()) != known.end()) continue;
+    if (strict_unknown) {
+      std::string near = closest_match(it.key(), known);
+      throw_error("{}: unknown key '{}{}' for model_type {}{}", source, key_prefix, it.key(),
+                  c.model_type,
+                  near.empty() ? std::string() : fmt::format(" (did you mean '{}{}'?)", key_prefix, near));
+    }
+    c.ignored_keys.push_back(it.key());
+  }
+  // Keys that would change the math if set: reject rather than silently compute something else.
+  auto require_bool = [&](const char* k, bool want, const char* why) {
+    if (r.has(k) && r.get_bool(k) != want)
+      r.fail(k, fmt::format("{} is not supported: {}", want ? "false" : "true", why));
+  };
+  require_bool("add_cross_attention", false, "lathe trains decoder-only models");
+  require_bool("is_encoder_decoder", false, "lathe trains decoder-only models");
+  for (const auto& k : kDropoutKeys) {
+    if (!r.has(k)) continue;
+    double p = r.get_double(k);
+    if (p < 0 || p >= 1) r.fail(k, fmt::format("dropout probability {} outside [0, 1)", p));
+    if (strict_unknown && p != 0)
+      r.fail(k, fmt::format("{} is not supported: lathe does not implement dropout (set 0 or remove)", p));
+  }
+
+  if (r.has("vocab_size")) c.vocab_size = r.get_int("vocab_size");
+  if (r.has("initializer_range")) c.initializer_range = r.get_double("initializer_range");
+  for (auto [k, dst] : {std::pair{"bos_token_id", &c.bos_token_id}, std::pair{"eos_token_id", &c.eos_token_id},
+                        std::pair{"pad_token_id", &c.pad_token_id}})
+    if (j.contains(k)) *dst = r.get_token(k);
+
+  if (c.is_gpt2()) {
+    // GPT2Config class defaults.
+    c.vocab_size = r.has("vocab_size") ? c.vocab_size : 50257;
+    c.max_position_embeddings = 1024;
+    c.hidden_size = 768;
+    c.num_hidden_layers = 12;
+    c.num_attention_heads = 12;
+    if (!j.contains("bos_token_id")) c.bos_token_id = 50256;
+    if (!j.contains("eos_token_id")) c.eos_token_id = 50256;
+    r.int_alias({"n_positions", "max_position_embeddings"}, &c.max_position_embeddings);
+    // Old configs carry n_ctx (same value as n_positions; transformers ignores it).
+    if (r.has("n_ctx") && r.get_int("n_ctx") != c.max_position_embeddings)
+      r.fail("n_ctx", fmt::format("{} differs from n_positions = {}; lathe uses n_positions (remove n_ctx or make "
+                                  "them equal)",
+                                  r.get_int("n_ctx"), c.max_position_embeddings));
+    r.int_alias({"n_embd", "hidden_size"}, &c.hidden_size);
+    r.int_alias({"n_layer", "num_hidden_layers"}, &c.num_hidden_layers);
+    r.int_alias({"n_head", "num_attention_heads"}, &c.num_attention_heads);
+    c.num_key_value_heads = c.num_attention_heads;
+    c.intermediate_size = r.has("n_inner") ? r.get_int("n_inner") : 4 * c.hidden_size;
+    c.norm_eps = r.has("layer_norm_epsilon") ? r.get_double("layer_norm_epsilon") : 1e-5;
+    std::string act = r.has("activation_function") ? r.get_string("activation_function") : "gelu_new";
+    if (act != "gelu_new" && act != "gelu_pytorch_tanh")
+      r.fail("activation_function",
+             fmt::format("'{}' is not supported (gelu_new or gelu_pytorch_tanh, both tanh-GELU)", act));
+    c.hidden_act = "gelu_new";
+    require_bool("scale_attn_weights", true, "lathe always scales scores by 1/sqrt(head_dim)");
+    require_bool("scale_attn_by_inverse_layer_idx", false, "the extra 1/(layer+1) scaling is not implemented");
+    require_bool("reorder_and_upcast_attn", false, "not implemented");
+    c.tie_word_embeddings = true;
+    require_bool("tie_word_embeddings", true, "GPT-2's lm_head is always tied to wte in lathe");
+    c.attention_bias = false;
+    c.rope_theta = 10000.0;
+  } else {
+    // LlamaConfig / Qwen2Config / MistralConfig class defaults.
+    const bool qwen = c.model_type == "qwen2", mistral = c.model_type == "mistral";
+    if (!r.has("vocab_size")) c.vocab_size = qwen ? 151936 : 32000;
+    c.hidden_size = r.has("hidden_size") ? r.get_int("hidden_size") : 4096;
+    c.intermediate_size = r.has("intermediate_size") ? r.get_int("intermediate_size")
+                          : qwen                     ? 22016
+                          : mistral                  ? 14336
+                                                     : 11008;
+    c.num_hidden_layers = r.has("num_hidden_layers") ? r.get_int("num_hidden_layers") : 32;
+    c.num_attention_heads = r.has("num_attention_heads") ? r.get_int("num_attention_heads") : 32;
+    c.num_key_value_heads = r.has("num_key_value_heads") ? r.get_int("num_key_value_heads")
+                            : mistral                      ? 8
+                                                           : c.num_attention_heads;
+    c.max_position_embeddings = r.has("max_position_embeddings") ? r.get_int("max_position_embeddings")
+                                : qwen                           ? 32768
+                                : mistral                        ? 131072
+                                                                 : 2048;
+    c.norm_eps = r.has("rms_norm_eps") ? r.get_double("rms_norm_eps") : 1e-6;
+    c.rope_theta = r.has("rope_theta") ? r.get_double("rope_theta") : 10000.0;
+    if (!j.contains("bos_token_id") && !qwen) c.bos_token_id = 1;
+    if (!j.contains("eos_token_id") && !qwen) c.eos_token_id = 2;
+    c.tie_word_embeddings = r.has("tie_word_embeddings") ? r.get_bool("tie_word_embeddings") : false;
+    std::string act = r.has("hidden_act") ? r.get_string("hidden_act") : "silu";
+    if (act != "silu" && act != "swish")
+      r.fail("hidden_act", fmt::format("'{}' is not supported for {} (only silu)", act, c.model_type));
+    c.hidden_act = "silu";
+    if (r.has("head_dim") && c.num_attention_heads > 0 &&
+        r.get_int("head_dim") * c.num_attention_heads != c.hidden_size)
+      r.fail("head_dim", fmt::format("{} != hidden_size / num_attention_heads = {} / {}: an explicit head "
+                                     "dimension is not supported",
+                                     r.get_int("head_dim"), c.hidden_size, c.num_attention_heads));
+    if (r.has("rope_scaling"))
+      r.fail("rope_scaling", fmt::format("'{}' is not supported (only null: plain RoPE)", j["rope_scaling"].dump()));
+    if (r.has("rope_parameters")) {
+      const json& rp = j["rope_parameters"];
+      if (!rp.is_object()) r.fail("rope_parameters", fmt::format("expected an object, got '{}'", rp.dump()));
+      for (auto it = rp.begin(); it != rp.end(); ++it) {
+        const std::string& k = it.key();
+        if (k == "rope_type" || k == "type") {
+          if (!it.value().is_string() || it.value().get<std::string>() != "default")
+            r.fail("rope_parameters." + k,
+                   fmt::format("'{}' is not supported (only 'default': plain RoPE)", value_str(it.value())));
+        } else if (k == "rope_theta") {
+          if (!it.value().is_number())
+            r.fail("rope_parameters.rope_theta", fmt::format("expected a number, got '{}'", value_str(it.value())));
+          double t = it.value().get<double>();
+          if (r.has("rope_theta") && t != c.rope_theta)
+            r.fail("rope_parameters.rope_theta", fmt::format("{} conflicts with rope_theta = {}", t, c.rope_theta));
+          c.rope_theta = t;
+        } else {
+          r.fail("rope_parameters." + k, "is not supported (RoPE scaling is not implemented)");
+        }
+      }
+    }
+    if (r.has("mlp_bias") && r.get_bool("mlp_bias")) r.fail("mlp_bias", "true is not supported (MLP without biases only)");
+    if (qwen) {
+      // Qwen2 always has q/k/v biases; there is no switch in its config class.
+      if (r.has("attention_bias") && !r.get_bool("attention_bias"))
+        r.fail("attention_bias", "qwen2 always has q/k/v biases; false is not supported");
+      c.attention_bias = true;
+      bool use_sw = r.has("use_sliding_window") && r.get_bool("use_sliding_window");
+      if (use_sw) {
+        if (!r.has("sliding_window")) r.fail("sliding_window", "missing while use_sliding_window is true");
+        c.sliding_window = r.get_int("sliding_window");
+      }
+      if (r.has("max_window_layers")) (void)r.get_int("max_window_layers");
+    } else if (mistral) {
+      if (r.has("attention_bias") && r.get_bool("attention_bias"))
+        r.fail("attention_bias", "mistral has no attention biases; true is not supported");
+      c.attention_bias = false;
+      // Absent means the class default 4096; null means full attention.
+      c.sliding_window = !j.contains("sliding_window") ? 4096
+                         : j["sliding_window"].is_null() ? 0
+                                                        : r.get_int("sliding_window");
+    } else {
+      c.attention_bias = r.has("attention_bias") && r.get_bool("attention_bias");
+    }
+    if (r.has("layer_types")) {
+      const json& lt = j["layer_types"];
+      if (!lt.is_array()) r.fail("layer_types", fmt::format("expected a list, got '{}'", lt.dump()));
+      for (const auto& t : lt) {
+        if (t == "full_attention") continue;
+        if (t == "sliding_attention" && c.sliding_window > 0) continue;
+        r.fail("layer_types", fmt::format("entry {} is not supported (full_attention, or sliding_attention with a "
+                                          "sliding_window)",
+                                          t.dump()));
+      }
+    }
+  }
+  if (r.has("pretraining_tp")) (void)r.get_int("pretraining_tp");
+  if (r.has("initializer_range") && c.initializer_range <= 0)
+    r.fail("initializer_range", fmt::format("{} must be > 0", c.initializer_range));
+  c.validate(source, key_prefix);
+  return c;
+}
+
+void ModelConfig::validate(std::string_view source) const { validate(source, ""); }
+
+void ModelConfig::validate(std::string_view source, std::string_view prefix) const {
+  // Name fields as the config.json of this family spells them, with the recipe prefix.
+  auto hf = [&](std::string_view f) -> std::string {
+    std::string p(prefix);
+    if (is_gpt2()) {
+      if (f == "hidden_size") return p + "n_embd";
+      if (f == "num_hidden_layers") return p + "n_layer";
+      if (f == "num_attention_heads") return p + "n_head";
+      if (f == "max_position_embeddings") return p + "n_positions";
+      if (f == "intermediate_size") return p + "n_inner";
+      if (f == "norm_eps") return p + "layer_norm_epsilon";
+    } else if (f == "norm_eps") {
+      return p + "rms_norm_eps";
+    }
+    return p + std::string(f);
+  };
+  auto positive = [&](const char* field, int64_t v) {
+    LATHE_CHECK(v > 0, "{}: {} = {} must be > 0", source, hf(field), v);
+  };
+  LATHE_CHECK(family == "gpt2" || family == "llama", "{}: family '{}' must be gpt2 or llama", source, family);
+  positive("vocab_size", vocab_size);
+  positive("hidden_size", hidden_size);
+  positive("num_hidden_layers", num_hidden_layers);
+  positive("num_attention_heads", num_attention_heads);
+  positive("num_key_value_heads", num_key_value_heads);
+  positive("intermediate_size", intermediate_size);
+  positive("max_position_embeddings", max_position_embeddings);
+  LATHE_CHECK(hidden_size % num_attention_heads == 0, "{}: {} = {} is not divisible by {} = {}", source,
+              hf("hidden_size"), hidden_size, hf("num_attention_heads"), num_attention_heads);
+  LATHE_CHECK(num_attention_heads % num_key_value_heads == 0, "{}: {} = {} is not divisible by {} = {}", source,
+              hf("num_attention_heads"), num_attention_heads, hf("num_key_value_heads"), num_key_value_heads);
+  if (is_gpt2())
+    LATHE_CHECK(num_key_value_heads == num_attention_heads,
+                "{}: gpt2 has no grouped-query attention: num_key_value_heads = {} must equal {} = {}", source,
+                num_key_value_heads, hf("num_attention_heads"), num_attention_heads);
+  if (is_llama()) {
+    LATHE_CHECK(head_dim() % 2 == 0, "{}: head_dim = {} / {} = {} / {} = {} must be even for RoPE", source,
+                hf("hidden_size"), hf("num_attention_heads"), hidden_size, num_attention_heads, head_dim());
+    LATHE_CHECK(rope_theta > 0, "{}: {} = {} must be > 0", source, hf("rope_theta"), rope_theta);
+  }
+  LATHE_CHECK(norm_eps > 0, "{}: {} = {} must be > 0", source, hf("norm_eps"), norm_eps);
+  LATHE_CHECK(initializer_range > 0, "{}: {} = {} must be > 0", source, hf("initializer_range"), initializer_range);
+  LATHE_CHECK(sliding_window >= 0, "{}: {} = {} must be >= 0 (0 = none)", source, hf("sliding_window"),
+              sliding_window);
+}
+
+void ModelConfig::check_seq_len(int64_t seq_len, std::string_view source) const {
+  LATHE_CHECK(seq_len <= max_position_embeddings,
+              "{}: seq_len = {} exceeds max_position_embeddings = {} of the model", source, seq_len,
+              max_position_embeddings);
+  LATHE_CHECK(sliding_window == 0 || seq_len <= sliding_window,
+              "{}: seq_len = {} exceeds the model's sliding_window = {}; lathe implements full attention "
+              "only, which differs from sliding-window attention beyond the window (use seq_len <= {})",
+              source, seq_len, sliding_window, sliding_window);
+}
+
+int64_t ModelConfig::num_parameters() const {
+  const int64_t C = hidden_size, V = vocab_size, F = intermediate_size, L = num_hidden_layers;
+  if (is_gpt2()) {
+    int64_t block = 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + 2 * C + (C * F + F) + (F * C + C);
+    return V * C + max_position_embeddings * C + L * block + 2 * C;
+  }
+  const int64_t hd = head_dim(), H = num_attention_heads, KV = num_key_value_heads;
+  int64_t block = 2 * C + C * H * hd + 2 * C * KV * hd + H * hd * C + 3 * C * F;
+  if (qkv_bias()) block += H * hd + 2 * KV * hd;
+  if (o_bias()) block += C;
+  return V * C + L * block + C + (tie_word_embeddings ? 0 : V * C);
+}
+
+json ModelConfig::to_hf_json() const {
+  json j;
+  j["model_type"] = model_type;
+  j["torch_dtype"] = "float32";
+  j["vocab_size"] = vocab_size;
+  j["initializer_range"] = initializer_range;
+  j["tie_word_embeddings"] = tie_word_embeddings;
+  j["use_cache"] = true;
+  for (auto [k, v] : {std::pair{"bos_token_id", bos_token_id}, std::pair{"eos_token_id", eos_token_id},
+                      std::pair{"pad_token_id", pad_token_id}})
+    j[k] = v >= 0 ? json(v) : json(nullptr);
+  if (is_gpt2()) {
+    j["architectures"] = {"GPT2LMHeadModel"};
+    j["n_positions"] = max_position_embeddings;
+    j["n_embd"] = hidden_size;
+    j["n_layer"] = num_hidden_layers;
+    j["n_head"] = num_attention_heads;
+    j["n_inner"] = intermediate_size;
+    j["activation_function"] = hidden_act.empty() ? "gelu_new" : hidden_act;
+    j["layer_norm_epsilon"] = norm_eps;
+    // lathe trains without dropout; writing 0 makes HF training from this config match.
+    j["resid_pdrop"] = 0.0;
+    j["embd_pdrop"] = 0.0;
+    j["attn_pdrop"] = 0.0;
+    j["scale_attn_weights"] = true;
+    j["scale_attn_by_inverse_layer_idx"] = false;
+    j["reorder_and_upcast_attn"] = false;
+    return j;
+  }
+  j["architectures"] = {model_type == "qwen2"     ? "Qwen2ForCausalLM"
+                        : model_type == "mistral" ? "MistralForCausalLM"
+                                                  : "LlamaForCausalLM"};
+  j["hidden_size"] = hidden_size;
+  j["intermediate_size"] = intermediate_size;
+  j["num_hidden_layers"] = num_hidden_layers;
+  j["num_attention_heads"] = num_attention_heads;
+  j["num_key_value_heads"] = num_key_value_heads;
+  j["head_dim"] = head_dim();
+  j["hidden_act"] = hidden_act.empty() ? "silu" : hidden_act;
+  j["max_position_embeddings"] = max_position_embeddings;
+  j["rms_norm_eps"] = norm_eps;
+  j["rope_theta"] = rope_theta;
+  j["rope_scaling"] = nullptr;
+  j["attention_dropout"] = 0.0;
+  if (model_type == "llama") {
+    j["attention_bias"] = attention_bias;
+    j["mlp_bias"] = false;
+    j["pretraining_tp"] = 1;
+  } else if (model_type == "qwen2") {
+    j["use_sliding_window"] = sliding_window > 0;
+    j["sliding_window"] = sliding_window > 0 ? json(sliding_window) : json(nullptr);
+    j["max_window_layers"] = sliding_window > 0 ? 0 : num_hidden_layers;
+  } else if (model_type == "mistral") {
+    j["sliding_window"] = sliding_window > 0 ? json(sliding_window) : json(nullptr);
+  }
+  return j;
+}
+
+namespace {
+
+ModelConfig make_gpt2(int64_t L, int64_t C, int64_t H, int64_t V, int64_t P) {
+  ModelConfig c;
+  c.model_type = c.family = "gpt2";
+  c.vocab_size = V;
+  c.hidden_size = C;
+  c.num_hidden_layers = L;
+  c.num_attention_heads = c.num_key_value_heads = H;
+  c.intermediate_size = 4 * C;
+  c.max_position_embeddings = P;
+  c.norm_eps = 1e-5;
+  c.tie_word_embeddings = true;
+  c.hidden_act = "gelu_new";
+  return c;
+}
+
+ModelConfig make_llama(const char* type, int64_t L, int64_t C, int64_t H, int64_t KV, int64_t I, int64_t V,
+                       int64_t P) {
+  ModelConfig c;
+  c.model_type = type;
+  c.family = "llama";
+  c.vocab_size = V;
+  c.hidden_size = C;
+  c.num_hidden_layers = L;
+  c.num_attention_heads = H;
+  c.num_key_value_heads = KV;
+  c.intermediate_size = I;
+  c.max_position_embeddings = P;
+  c.norm_eps = 1e-5;
+  c.rope_theta = 10000.0;
+  c.tie_word_embeddings = false;
+  c.hidden_act = "silu";
+  return c;
+}
+
+}  // namespace
+
+std::vector<std::string> ModelConfig::preset_names() {
+  return {"gpt2-debug",  "gpt2-124m",     "gpt2-small-bench", "llama-debug",
+          "qwen2-debug", "mistral-debug", "llama-small-bench"};
+}
+
+ModelConfig ModelConfig::preset(std::string_view name) {
+  ModelConfig c;
+  if (name == "gpt2-debug") {
+    c = make_gpt2(2, 48, 4, 96, 128);
+  } else if (name == "gpt2-124m") {
+    c = make_gpt2(12, 768, 12, 50257, 1024);
+    c.bos_token_id = c.eos_token_id = 50256;
+  } else if (name == "gpt2-small-bench") {
+    c = make_gpt2(4, 256, 4, 50257, 1024);
+    c.bos_token_id = c.eos_token_id = 50256;
+  } else if (name == "llama-debug") {
+    c = make_llama("llama", 2, 48, 4, 2, 96, 96, 128);
+  } else if (name == "qwen2-debug") {
+    c = make_llama("qwen2", 2, 48, 4, 2, 96, 96, 128);
+    c.attention_bias = true;
+    c.tie_word_embeddings = true;
+    c.rope_theta = 1000000.0;
+  } else if (name == "mistral-debug") {
+    c = make_llama("mistral", 2, 48, 4, 2, 96, 96, 128);
+  } else if (name == "llama-small-bench") {
+    c = make_llama("llama", 4, 256, 4, 2, 688, 32000, 1024);
+  } else {
+    std::string list;
+    for (auto& n : preset_names()) list += (list.empty() ? "" : ", ") + n;
+    std::string near = closest_match(name, preset_names());
+    throw_error("unknown model preset '{}'{} (presets: {})", name,
+                near.empty() ? std::string() : fmt::format(" (did you mean '{}'?)", near), list);
+  }
+  c.validate(fmt::format("preset {}", name));
+  return c;
+}
+
+bool operator==(const ModelConfig& a, const ModelConfig& b) {
+  return a.model_type == b.model_type && a.family == b.family && a.vocab_size == b.vocab_size &&
+         a.hidden_size == b.hidden_size && a.num_hidden_layers == b.num_hidden_layers &&
+         a.num_attention_heads == b.num_attention_heads && a.num_key_value_heads == b.num_key_value_heads &&
+         a.intermediate_size == b.intermediate_size && a.max_position_embeddings == b.max_position_embeddings &&
+         a.norm_eps == b.norm_eps && a.rope_theta == b.rope_theta &&
+         a.tie_word_embeddings == b.tie_word_embeddings && a.attention_bias == b.attention_bias &&
+         a.initializer_range == b.initializer_range && a.hidden_act == b.hidden_act &&
+         a.bos_token_id == b.bos_token_id && a.eos_token_id == b.eos_token_id &&
+         a.pad_token_id == b.pad_token_id && a.sliding_window == b.sliding_window;
+}
+
+}  // namespace lathe

@@ -1,0 +1,555 @@
+#include "config/recipe.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
+#include <map>
+#include <regex>
+#include <set>
+
+#include "core/error.h"
+#include "io/fs.h"
+
+namespace lathe {
+
+using json = nlohmann::json;
+
+std::string closest_match(std::string_view key, const std::vector<std::string>& candidates) {
+  auto lower = [](std::string_view s) {
+    std::string o(s);
+    for (auto& c : o) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return o;
+  };
+  const std::string k = lower(key);
+  std::string best;
+  size_t best_d = SIZE_MAX;
+  for (const auto& cand : candidates) {
+    const std::string c = lower(cand);
+    // Levenshtein distance, two rows.
+    std::vector<size_t> prev(c.size() + 1), cur(c.size() + 1);
+    for (size_t j = 0; j <= c.size(); ++j) prev[j] = j;
+    for (size_t i = 1; i <= k.size(); ++i) {
+      cur[0] = i;
+      for (size_t j = 1; j <= c.size(); ++j)
+        cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (k[i - 1] == c[j - 1] ? 0 : 1)});
+      std::swap(prev, cur);
+    }
+    if (prev[c.size()] < best_d) {
+      best_d = prev[c.size()];
+      best = cand;
+    }
+  }
+  // "Close": at most 2 edits, or a third of the key's length for long keys.
+  size_t limit = std::max<size_t>(2, k.size() / 3);
+  return best_d <= limit ? best : std::string();
+}
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// YAML -> JSON with YAML 1.2 core-schema typing of plain scalars; quoted scalars stay strings.
+
+json scalar_to_json(const YAML::Node& n) {
+  const std::string& s = n.Scalar();
+  if (n.Tag() == "!") return s;  // quoted
+  static const std::regex int_re("[-+]?[0-9]+");
+  static const std::regex float_re(R"([-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?)");
+  if (s.empty() || s == "~" || s == "null" || s == "Null" || s == "NULL") return nullptr;
+  if (s == "true" || s == "True" || s == "TRUE") return true;
+  if (s == "false" || s == "False" || s == "FALSE") return false;
+  if (std::regex_match(s, int_re)) {
+    errno = 0;
+    char* end = nullptr;
+    long long v = std::strtoll(s.c_str(), &end, 10);
+    if (errno == 0 && *end == '\0') return static_cast<int64_t>(v);
+    return s;  // out of range: keep the text, type checks report it
+  }
+  if (std::regex_match(s, float_re)) return std::strtod(s.c_str(), nullptr);
+  return s;
+}
+
+json yaml_to_json(const YAML::Node& n) {
+  switch (n.Type()) {
+    case YAML::NodeType::Null:
+    case YAML::NodeType::Undefined:
+      return nullptr;
+    case YAML::NodeType::Scalar:
+      return scalar_to_json(n);
+    case YAML::NodeType::Sequence: {
+      json a = json::array();
+      for (const auto& e : n) a.push_back(yaml_to_json(e));
+      return a;
+    }
+    case YAML::NodeType::Map: {
+      json o = json::object();
+      for (const auto& kv : n) o[kv.first.as<std::string>()] = yaml_to_json(kv.second);
+      return o;
+    }
+  }
+  return nullptr;
+}
+
+std::string value_str(const json& v) {
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_null()) return "null";
+  if (v.is_array()) return "a list";
+  if (v.is_object()) return "a mapping";
+  return v.dump();
+}
+
+// ---------------------------------------------------------------------------------------------
+
+const std::vector<std::string> kSections = {"model", "data", "optimizer", "schedule", "training", "output"};
+const std::map<std::string, std::vector<std::string>> kSectionKeys = {
+    {"data", {"train", "valid", "valid_fraction", "tokenizer", "prefetch"}},
+    {"optimizer", {"name", "lr", "beta1", "beta2", "eps", "weight_decay", "grad_clip"}},
+    {"schedule", {"name", "warmup_steps", "min_lr", "decay_fraction", "decay_shape"}},
+    {"training",
+     {"micro_batch_size", "seq_len", "grad_accum_steps", "steps", "seed", "eval_interval", "eval_batches",
+      "log_interval", "threads", "peak_gflops"}},
+    {"output", {"dir", "save_every"}},
+};
+const std::vector<std::string> kModelBaseKeys = {"preset", "init_from", "config"};
+const std::vector<std::string> kSchedules = {"cosine", "linear", "constant", "wsd"};
+const std::vector<std::string> kDecayShapes = {"linear", "cosine", "1-sqrt"};
+const std::vector<std::string> kOptimizers = {"adamw"};
+
+std::string join(const std::vector<std::string>& v) {
+  std::string o;
+  for (auto& s : v) o += (o.empty() ? "" : ", ") + s;
+  return o;
+}
+
+class Parser {
+ public:
+  Parser(const std::string& source, json root, std::map<std::string, std::string> set_paths)
+      : src_(source), root_(std::move(root)), set_(std::move(set_paths)) {}
+
+  Recipe parse() {
+    Recipe r;
+    r.source = src_;
+    check_unknown_sections();
+    json model = section("model");
+    parse_model(model, r);
+    for (auto& [sec, keys] : kSectionKeys) check_keys(sec, section(sec), keys);
+
+    json d = section("data");
+    get_str(d, "data", "train", &r.data.train);
+    get_str(d, "data", "valid", &r.data.valid);
+    get_double(d, "data", "valid_fraction", &r.data.valid_fraction);
+    get_str(d, "data", "tokenizer", &r.data.tokenizer);
+    get_int32(d, "data", "prefetch", &r.data.prefetch);
+
+    json o = section("optimizer");
+    get_str(o, "optimizer", "name", &r.optimizer.name);
+    get_double(o, "optimizer", "lr", &r.optimizer.lr);
+    get_double(o, "optimizer", "beta1", &r.optimizer.beta1);
+    get_double(o, "optimizer", "beta2", &r.optimizer.beta2);
+    get_double(o, "optimizer", "eps", &r.optimizer.eps);
+    get_double(o, "optimizer", "weight_decay", &r.optimizer.weight_decay);
+    get_double(o, "optimizer", "grad_clip", &r.optimizer.grad_clip);
+
+    json s = section("schedule");
+    get_str(s, "schedule", "name", &r.schedule.name);
+    get_int(s, "schedule", "warmup_steps", &r.schedule.warmup_steps);
+    get_double(s, "schedule", "min_lr", &r.schedule.min_lr);
+    get_double(s, "schedule", "decay_fraction", &r.schedule.decay_fraction);
+    get_str(s, "schedule", "decay_shape", &r.schedule.decay_shape);
+
+    json t = section("training");
+    auto& tr = r.training;
+    get_int(t, "training", "micro_batch_size", &tr.micro_batch_size);
+    get_int(t, "training", "seq_len", &tr.seq_len);
+    get_int(t, "training", "grad_accum_steps", &tr.grad_accum_steps);
+    get_int(t, "training", "steps", &tr.steps);
+    get_int(t, "training", "seed", &tr.seed);
+    get_int(t, "training", "eval_interval", &tr.eval_interval);
+    get_int(t, "training", "eval_batches", &tr.eval_batches);
+    get_int(t, "training", "log_interval", &tr.log_interval);
+    get_int32(t, "training", "threads", &tr.threads);
+    get_double(t, "training", "peak_gflops", &tr.peak_gflops);
+
+    json out = section("output");
+    get_str(out, "output", "dir", &r.output.dir);
+    get_int(out, "output", "save_every", &r.output.save_every);
+
+    validate(r);
+    return r;
+  }
+
+ private:
+  std::string src_;
+  json root_;
+  std::map<std::string, std::string> set_;  // key path -> the --set argument that wrote it
+
+  std::string origin(const std::string& path) const {
+    auto it = set_.find(path);
+    return it == set_.end() ? std::string() : fmt::format("--set {}: ", it->second);
+  }
+  [[noreturn]] void unknown(const std::string& path, const std::string& what,
+                            const std::vector<std::string>& candidates) const {
+    std::string near = closest_match(path, candidates);
+    throw_error("{}: {}unknown {} '{}'{}", src_, origin(path), what, path,
+                near.empty() ? std::string() : fmt::format(" (did you mean '{}'?)", near));
+  }
+  [[noreturn]] void bad(const std::string& path, const std::string& msg) const {
+    throw_error("{}: {}{}: {}", src_, origin(path), path, msg);
+  }
+
+  void check_unknown_sections() const {
+    if (root_.is_null()) return;
+    if (!root_.is_object()) throw_error("{}: a recipe must be a YAML mapping of sections ({})", src_, join(kSections));
+    for (auto it = root_.begin(); it != root_.end(); ++it)
+      if (std::find(kSections.begin(), kSections.end(), it.key()) == kSections.end())
+        unknown(it.key(), "section", kSections);
+  }
+  json section(const std::string& name) const {
+    if (root_.is_null() || !root_.contains(name) || root_[name].is_null()) return json::object();
+    const json& s = root_[name];
+    if (!s.is_object()) bad(name, fmt::format("expected a mapping of keys, got '{}'", value_str(s)));
+    return s;
+  }
+  void check_keys(const std::string& sec, const json& obj, const std::vector<std::string>& keys) const {
+    std::vector<std::string> full;
+    for (auto& k : keys) full.push_back(sec + "." + k);
+    for (auto it = obj.begin(); it != obj.end(); ++it)
+      if (std::find(keys.begin(), keys.end(), it.key()) == keys.end()) unknown(sec + "." + it.key(), "key", full);
+  }
+
+  void get_int(const json& o, const std::string& sec, const char* k, int64_t* out) const {
+    if (!o.contains(k)) return;
+    const json& v = o[k];
+    if (!v.is_number_integer()) bad(sec + "." + k, fmt::format("expected an integer, got '{}'", value_str(v)));
+    *out = v.get<int64_t>();
+  }
+  void get_int32(const json& o, const std::string& sec, const char* k, int* out) const {
+    int64_t v = *out;
+    get_int(o, sec, k, &v);
+    if (v < INT32_MIN || v > INT32_MAX) bad(sec + "." + k, fmt::format("{} is out of range", v));
+    *out = static_cast<int>(v);
+  }
+  void get_double(const json& o, const std::string& sec, const char* k, double* out) const {
+    if (!o.contains(k)) return;
+    const json& v = o[k];
+    if (!v.is_number()) bad(sec + "." + k, fmt::format("expected a number, got '{}'", value_str(v)));
+    *out = v.get<double>();
+  }
+  void get_str(const json& o, const std::string& sec, const char* k, std::string* out) const {
+    if (!o.contains(k)) return;
+    const json& v = o[k];
+    if (v.is_null()) {
+      *out = "";
+      return;
+    }
+    if (v.is_number()) {  // e.g. `dir: 2024` is a plain YAML int; treat it as the text
+      *out = v.dump();
+      return;
+    }
+    if (!v.is_string()) bad(sec + "." + k, fmt::format("expected a string, got '{}'", value_str(v)));
+    *out = v.get<std::string>();
+  }
+
+  // model: base (preset | init_from | config) + explicit HF fields.
+  void parse_model(const json& m, Recipe& r) {
+    std::vector<std::string> bases;
+    for (auto& k : kModelBaseKeys)
+      if (m.contains(k) && !m[k].is_null()) bases.push_back(k);
+    if (bases.size() > 1)
+      bad("model", fmt::format("give only one of model.preset, model.init_from, model.config (got {})", join(bases)));
+    json base;  // null = no base
+    std::string base_desc;
+    if (!bases.empty()) {
+      const std::string& k = bases[0];
+      std::string val;
+      get_str(m, "model", k.c_str(), &val);
+      if (val.empty()) bad("model." + k, "is empty");
+      if (k == "preset") {
+        try {
+          base = ModelConfig::preset(val).to_hf_json();
+        } catch (const Error& e) {
+          bad("model.preset", e.what());
+        }
+        base_desc = "preset " + val;
+      } else {
+        std::string file = k == "init_from" ? val + "/config.json" : val;
+        std::string text;
+        try {
+          text = io::read_file(file);
+        } catch (const Error& e) {
+          bad("model." + k, e.what());
+        }
+        try {
+          base = json::parse(text);
+        } catch (const json::exception& e) {
+          bad("model." + k, fmt::format("{}: not valid JSON: {}", file, e.what()));
+        }
+        // Validate the file on its own so that its errors name it; unknown keys there are fine.
+        ModelConfig::from_hf_json(base, file, false);
+        base_desc = file;
+        if (k == "init_from") r.init_from = val;
+      }
+    }
+    json explicit_ = json::object();
+    for (auto it = m.begin(); it != m.end(); ++it)
+      if (std::find(kModelBaseKeys.begin(), kModelBaseKeys.end(), it.key()) == kModelBaseKeys.end())
+        explicit_[it.key()] = it.value();
+
+    std::string mt;
+    if (explicit_.contains("model_type")) {
+      if (!explicit_["model_type"].is_string())
+        bad("model.model_type", fmt::format("expected a string, got '{}'", value_str(explicit_["model_type"])));
+      mt = explicit_["model_type"].get<std::string>();
+    } else if (!base.is_null()) {
+      mt = base.value("model_type", "");
+    } else {
+      bad("model", "give model.preset, model.init_from, model.config, or model.model_type (gpt2, llama, qwen2, "
+                   "mistral) with its HF fields");
+    }
+    static const std::vector<std::string> types = {"gpt2", "llama", "qwen2", "mistral"};
+    if (std::find(types.begin(), types.end(), mt) == types.end())
+      bad("model.model_type", fmt::format("'{}' is not supported (supported: {})", mt, join(types)));
+
+    // Explicit keys are checked strictly against the model_type's field names.
+    std::vector<std::string> known = ModelConfig::known_keys(mt);
+    std::vector<std::string> full;
+    for (auto& k : known) full.push_back("model." + k);
+    for (auto& k : kModelBaseKeys) full.push_back("model." + k);
+    for (auto it = explicit_.begin(); it != explicit_.end(); ++it) {
+      if (std::find(known.begin(), known.end(), it.key()) == known.end())
+        unknown("model." + it.key(), "key", full);
+      static const std::set<std::string> dropout = {"resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout",
+                                                    "summary_first_dropout"};
+      if (dropout.count(it.key()) && !(it.value().is_number() && it.value().get<double>() == 0.0))
+        bad("model." + it.key(), fmt::format("{} is not supported: lathe does not implement dropout (use 0)",
+                                             value_str(it.value())));
+    }
+
+    json merged = base.is_null() ? json::object() : base;
+    if (!base.is_null() && merged.value("model_type", "") != mt) {
+      std::string from = merged.value("model_type", "");
+      if ((from == "gpt2") != (mt == "gpt2"))
+        bad("model.model_type", fmt::format("'{}' cannot replace model_type '{}' of {} (different architecture "
+                                            "family); drop the base or use a matching one",
+                                            mt, from, base_desc));
+      // Same family (llama <-> qwen2 <-> mistral): keep only the fields the new type knows.
+      for (auto it = merged.begin(); it != merged.end();)
+        if (std::find(known.begin(), known.end(), it.key()) == known.end() || it.key() == "attention_bias" ||
+            it.key() == "architectures")
+          it = merged.erase(it);
+        else
+          ++it;
+    }
+    // GPT-2 field names and their HF aliases: an explicit one replaces all spellings of the base.
+    static const std::vector<std::vector<std::string>> groups = {
+        {"n_positions", "max_position_embeddings", "n_ctx"},
+        {"n_embd", "hidden_size"},
+        {"n_layer", "num_hidden_layers"},
+        {"n_head", "num_attention_heads"}};
+    if (mt == "gpt2")
+      for (const auto& g : groups)
+        for (const auto& k : g)
+          if (explicit_.contains(k))
+            for (const auto& other : g) merged.erase(other);
+    for (auto it = explicit_.begin(); it != explicit_.end(); ++it) merged[it.key()] = it.value();
+    merged["model_type"] = mt;
+    r.model = ModelConfig::from_hf_json(merged, src_, "model.", false);
+    // Unknown keys can only come from the base config.json (explicit ones were checked above).
+  }
+
+  void validate(const Recipe& r) const {
+    const auto& t = r.training;
+    const auto& o = r.optimizer;
+    const auto& s = r.schedule;
+    const auto& d = r.data;
+    auto need = [&](bool ok, const std::string& path, const std::string& msg) {
+      if (!ok) bad(path, msg);
+    };
+    // data
+    need(!d.train.empty(), "data.train",
+         "is missing: give the Megatron prefix of the tokenized training data (path without .bin/.idx)");
+    need(d.valid_fraction >= 0 && d.valid_fraction < 1, "data.valid_fraction",
+         fmt::format("{} must be in [0, 1)", d.valid_fraction));
+    need(d.prefetch >= 0, "data.prefetch", fmt::format("{} must be >= 0", d.prefetch));
+    if (d.tokenizer == "byte")
+      need(r.model.vocab_size >= 256, "data.tokenizer",
+           fmt::format("'byte' needs model vocab_size >= 256, got {}", r.model.vocab_size));
+    // training
+    need(t.micro_batch_size >= 1, "training.micro_batch_size", fmt::format("{} must be >= 1", t.micro_batch_size));
+    need(t.grad_accum_steps >= 1, "training.grad_accum_steps", fmt::format("{} must be >= 1", t.grad_accum_steps));
+    need(t.steps >= 1, "training.steps", fmt::format("{} must be >= 1", t.steps));
+    need(t.seq_len >= 1, "training.seq_len", fmt::format("{} must be >= 1", t.seq_len));
+    need(t.seq_len <= r.model.max_position_embeddings, "training.seq_len",
+         fmt::format("{} exceeds the model's max_position_embeddings{} = {}", t.seq_len,
+                     r.model.is_gpt2() ? " (n_positions)" : "", r.model.max_position_embeddings));
+    need(r.model.sliding_window == 0 || t.seq_len <= r.model.sliding_window, "training.seq_len",
+         fmt::format("{} exceeds model.sliding_window = {}; lathe implements full attention only, which differs "
+                     "from sliding-window attention beyond the window",
+                     t.seq_len, r.model.sliding_window));
+    need(t.eval_interval >= 0, "training.eval_interval", fmt::format("{} must be >= 0 (0 = no eval)", t.eval_interval));
+    need(t.eval_batches >= 1, "training.eval_batches", fmt::format("{} must be >= 1", t.eval_batches));
+    need(t.log_interval >= 1, "training.log_interval", fmt::format("{} must be >= 1", t.log_interval));
+    need(t.threads >= 0, "training.threads", fmt::format("{} must be >= 0 (0 = all cores)", t.threads));
+    need(t.peak_gflops >= 0 && std::isfinite(t.peak_gflops), "training.peak_gflops",
+         fmt::format("{} must be >= 0 (0 = measure)", t.peak_gflops));
+    if (t.eval_interval > 0)
+      need(!d.valid.empty() || d.valid_fraction > 0, "training.eval_interval",
+           fmt::format("{} needs validation data: set data.valid or data.valid_fraction > 0 (or eval_interval 0)",
+                       t.eval_interval));
+    // optimizer
+    need(std::find(kOptimizers.begin(), kOptimizers.end(), o.name) != kOptimizers.end(), "optimizer.name",
+         fmt::format("'{}' is not supported (supported: {})", o.name, join(kOptimizers)));
+    need(o.lr > 0 && std::isfinite(o.lr), "optimizer.lr", fmt::format("{} must be > 0", o.lr));
+    need(o.beta1 >= 0 && o.beta1 < 1, "optimizer.beta1", fmt::format("{} must be in [0, 1)", o.beta1));
+    need(o.beta2 >= 0 && o.beta2 < 1, "optimizer.beta2", fmt::format("{} must be in [0, 1)", o.beta2));
+    need(o.eps > 0 && std::isfinite(o.eps), "optimizer.eps", fmt::format("{} must be > 0", o.eps));
+    need(o.weight_decay >= 0 && std::isfinite(o.weight_decay), "optimizer.weight_decay",
+         fmt::format("{} must be >= 0", o.weight_decay));
+    need(o.grad_clip >= 0 && std::isfinite(o.grad_clip), "optimizer.grad_clip",
+         fmt::format("{} must be >= 0 (0 = no clipping)", o.grad_clip));
+    // schedule
+    need(std::find(kSchedules.begin(), kSchedules.end(), s.name) != kSchedules.end(), "schedule.name",
+         fmt::format("'{}' is not supported (supported: {})", s.name, join(kSchedules)));
+    need(std::find(kDecayShapes.begin(), kDecayShapes.end(), s.decay_shape) != kDecayShapes.end(),
+         "schedule.decay_shape", fmt::format("'{}' is not supported (supported: {})", s.decay_shape, join(kDecayShapes)));
+    need(s.warmup_steps >= 0, "schedule.warmup_steps", fmt::format("{} must be >= 0", s.warmup_steps));
+    need(s.warmup_steps <= t.steps, "schedule.warmup_steps",
+         fmt::format("{} exceeds training.steps = {}", s.warmup_steps, t.steps));
+    need(s.min_lr >= 0, "schedule.min_lr", fmt::format("{} must be >= 0", s.min_lr));
+    need(s.min_lr <= o.lr, "schedule.min_lr", fmt::format("{} exceeds optimizer.lr = {}", s.min_lr, o.lr));
+    need(s.decay_fraction > 0 && s.decay_fraction <= 1, "schedule.decay_fraction",
+         fmt::format("{} must be in (0, 1]", s.decay_fraction));
+    // output
+    need(!r.output.dir.empty(), "output.dir", "is empty");
+    need(r.output.save_every >= 0, "output.save_every", fmt::format("{} must be >= 0 (0 = only at the end)",
+                                                                    r.output.save_every));
+  }
+};
+
+// "a.b.c=value" applied to the JSON tree; returns the key path.
+std::string apply_override(json& root, const std::string& source, const std::string& ov) {
+  auto eq = ov.find('=');
+  if (eq == std::string::npos || eq == 0)
+    throw_error("{}: --set {}: expected KEY=VALUE, e.g. training.steps=10", source, ov);
+  std::string path = ov.substr(0, eq), value = ov.substr(eq + 1);
+  std::vector<std::string> parts;
+  size_t start = 0;
+  for (;;) {
+    auto dot = path.find('.', start);
+    parts.push_back(path.substr(start, dot == std::string::npos ? std::string::npos : dot - start));
+    if (dot == std::string::npos) break;
+    start = dot + 1;
+  }
+  for (auto& p : parts)
+    if (p.empty()) throw_error("{}: --set {}: empty component in key '{}'", source, ov, path);
+  if (parts.size() < 2)
+    throw_error("{}: --set {}: key '{}' needs a section, e.g. training.{}", source, ov, path, path);
+  json v;
+  try {
+    v = yaml_to_json(YAML::Load(value));
+  } catch (const YAML::Exception& e) {
+    throw_error("{}: --set {}: value '{}' is not a YAML scalar: {}", source, ov, value, e.what());
+  }
+  if (!root.is_object()) root = json::object();
+  json* node = &root;
+  for (size_t i = 0; i + 1 < parts.size(); ++i) {
+    json& child = (*node)[parts[i]];
+    if (!child.is_object()) child = json::object();
+    node = &child;
+  }
+  (*node)[parts.back()] = v;
+  return path;
+}
+
+// YAML text of a JSON value (flow style for lists/maps); doubles keep a '.' or exponent so that
+// they re-load as numbers of the same type, with the shortest round-trip digits.
+std::string yaml_value(const json& v) {
+  if (v.is_null()) return "null";
+  if (v.is_boolean()) return v.get<bool>() ? "true" : "false";
+  if (v.is_number_integer()) return v.dump();
+  if (v.is_number_float()) {
+    std::string s = fmt::format("{}", v.get<double>());
+    if (s.find_first_of(".en") == std::string::npos) s += ".0";
+    return s;
+  }
+  if (v.is_string()) return v.dump();  // JSON escapes are valid in YAML double-quoted scalars
+  if (v.is_array()) {
+    std::string o = "[";
+    for (size_t i = 0; i < v.size(); ++i) o += (i ? ", " : "") + yaml_value(v[i]);
+    return o + "]";
+  }
+  std::string o = "{";
+  bool first = true;
+  for (auto it = v.begin(); it != v.end(); ++it) {
+    o += (first ? "" : ", ") + json(it.key()).dump() + ": " + yaml_value(it.value());
+    first = false;
+  }
+  return o + "}";
+}
+
+}  // namespace
+
+Recipe parse_recipe(const std::string& yaml_text, const std::string& source,
+                    const std::vector<std::string>& overrides) {
+  json root;
+  try {
+    root = yaml_to_json(YAML::Load(yaml_text));
+  } catch (const YAML::Exception& e) {
+    throw_error("{}: invalid YAML: {}", source, e.what());
+  }
+  std::map<std::string, std::string> set_paths;
+  for (const auto& ov : overrides) set_paths[apply_override(root, source, ov)] = ov;
+  return Parser(source, std::move(root), std::move(set_paths)).parse();
+}
+
+Recipe load_recipe(const std::string& path, const std::vector<std::string>& overrides) {
+  return parse_recipe(io::read_file(path), path, overrides);
+}
+
+json Recipe::to_json() const {
+  json j;
+  json m = model.to_hf_json();
+  if (!init_from.empty()) m["init_from"] = init_from;
+  j["model"] = m;
+  j["data"] = {{"train", data.train},
+               {"valid", data.valid},
+               {"valid_fraction", data.valid_fraction},
+               {"tokenizer", data.tokenizer},
+               {"prefetch", data.prefetch}};
+  j["optimizer"] = {{"name", optimizer.name},     {"lr", optimizer.lr},
+                    {"beta1", optimizer.beta1},   {"beta2", optimizer.beta2},
+                    {"eps", optimizer.eps},       {"weight_decay", optimizer.weight_decay},
+                    {"grad_clip", optimizer.grad_clip}};
+  j["schedule"] = {{"name", schedule.name},
+                   {"warmup_steps", schedule.warmup_steps},
+                   {"min_lr", schedule.min_lr},
+                   {"decay_fraction", schedule.decay_fraction},
+                   {"decay_shape", schedule.decay_shape}};
+  j["training"] = {{"micro_batch_size", training.micro_batch_size},
+                   {"seq_len", training.seq_len},
+                   {"grad_accum_steps", training.grad_accum_steps},
+                   {"steps", training.steps},
+                   {"seed", training.seed},
+                   {"eval_interval", training.eval_interval},
+                   {"eval_batches", training.eval_batches},
+                   {"log_interval", training.log_interval},
+                   {"threads", training.threads},
+                   {"peak_gflops", training.peak_gflops}};
+  j["output"] = {{"dir", output.dir}, {"save_every", output.save_every}};
+  return j;
+}
+
+std::string Recipe::to_yaml() const {
+  json j = to_json();
+  std::string out = fmt::format("# resolved recipe (from {})\n", source);
+  for (const auto& sec : kSections) {
+    out += sec + ":\n";
+    for (auto it = j[sec].begin(); it != j[sec].end(); ++it)
+      out += fmt::format("  {}: {}\n", it.key(), yaml_value(it.value()));
+  }
+  return out;
+}
+
+}  // namespace lathe

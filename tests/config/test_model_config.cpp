@@ -1,0 +1,276 @@
+// ModelConfig: parsing real HF config.json texts (as published for gpt2, Llama-2-7b, Qwen2.5-0.5B,
+// Mistral-7B-v0.1; field list in shared/reference/hf-model-configs.md), round trips, unsupported
+// keys and validation errors. Expected values are read off the JSON texts below.
+#include <gtest/gtest.h>
+
+#include "config/model_config.h"
+#include "core/error.h"
+
+using namespace lathe;
+using json = nlohmann::json;
+
+namespace {
+
+const char* kGpt2 = R"({
+  "activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.1,
+  "bos_token_id": 50256, "embd_pdrop": 0.1, "eos_token_id": 50256, "initializer_range": 0.02,
+  "layer_norm_epsilon": 1e-05, "model_type": "gpt2", "n_ctx": 1024, "n_embd": 768, "n_head": 12,
+  "n_layer": 12, "n_positions": 1024, "resid_pdrop": 0.1, "summary_activation": null,
+  "summary_first_dropout": 0.1, "summary_proj_to_labels": true, "summary_type": "cls_index",
+  "summary_use_proj": true, "task_specific_params": {"text-generation": {"do_sample": true, "max_length": 50}},
+  "vocab_size": 50257})";
+
+const char* kLlama = R"({
+  "architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+  "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 11008, "max_position_embeddings": 4096,
+  "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
+  "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": null, "tie_word_embeddings": false,
+  "torch_dtype": "float16", "transformers_version": "4.31.0.dev0", "use_cache": true, "vocab_size": 32000})";
+
+const char* kQwen2 = R"({
+  "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+  "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
+  "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 24, "model_type": "qwen2",
+  "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+  "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+  "transformers_version": "4.40.1", "use_cache": true, "use_sliding_window": false, "vocab_size": 151936})";
+
+const char* kMistral = R"({
+  "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+  "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
+  "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+  "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16", "transformers_version": "4.34.0.dev0", "use_cache": true, "vocab_size": 32000})";
+
+// Parse `text` after replacing/adding `key` = `value`; expect an error whose message contains all subs.
+void expect_error(const char* text, const std::string& key, const json& value, std::vector<std::string> subs,
+                  bool strict = false) {
+  json j = json::parse(text);
+  j[key] = value;
+  try {
+    ModelConfig::from_hf_json(j, "cfg.json", strict);
+    FAIL() << "no error for " << key << " = " << value.dump();
+  } catch (const Error& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("cfg.json"), std::string::npos) << m;
+    for (auto& s : subs) EXPECT_NE(m.find(s), std::string::npos) << "message: " << m << "\nmissing: " << s;
+  }
+}
+
+}  // namespace
+
+TEST(ModelConfig, ParseGpt2) {
+  auto c = ModelConfig::from_hf_json(json::parse(kGpt2), "gpt2/config.json");
+  EXPECT_EQ(c.model_type, "gpt2");
+  EXPECT_EQ(c.family, "gpt2");
+  EXPECT_EQ(c.vocab_size, 50257);
+  EXPECT_EQ(c.hidden_size, 768);
+  EXPECT_EQ(c.num_hidden_layers, 12);
+  EXPECT_EQ(c.num_attention_heads, 12);
+  EXPECT_EQ(c.num_key_value_heads, 12);
+  EXPECT_EQ(c.intermediate_size, 4 * 768);  // n_inner absent
+  EXPECT_EQ(c.max_position_embeddings, 1024);
+  EXPECT_DOUBLE_EQ(c.norm_eps, 1e-5);
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_EQ(c.hidden_act, "gelu_new");
+  EXPECT_EQ(c.bos_token_id, 50256);
+  EXPECT_EQ(c.eos_token_id, 50256);
+  EXPECT_EQ(c.pad_token_id, -1);
+  EXPECT_EQ(c.head_dim(), 64);
+  EXPECT_TRUE(c.ignored_keys.empty());
+  // GPT-2 small: 124,439,808 parameters (reference §5: 137,022,720 minus 12 mask buffers of 1024^2).
+  EXPECT_EQ(c.num_parameters(), 137022720 - 12 * 1048576);
+  EXPECT_EQ(c, ModelConfig::preset("gpt2-124m"));
+}
+
+TEST(ModelConfig, ParseLlama) {
+  auto c = ModelConfig::from_hf_json(json::parse(kLlama), "llama/config.json");
+  EXPECT_EQ(c.family, "llama");
+  EXPECT_EQ(c.hidden_size, 4096);
+  EXPECT_EQ(c.intermediate_size, 11008);
+  EXPECT_EQ(c.num_key_value_heads, 32);
+  EXPECT_EQ(c.max_position_embeddings, 4096);
+  EXPECT_DOUBLE_EQ(c.norm_eps, 1e-5);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 10000.0);
+  EXPECT_FALSE(c.tie_word_embeddings);
+  EXPECT_FALSE(c.attention_bias);
+  EXPECT_FALSE(c.qkv_bias());
+  EXPECT_EQ(c.hidden_act, "silu");
+  EXPECT_EQ(c.bos_token_id, 1);
+  EXPECT_EQ(c.eos_token_id, 2);
+  // Llama-2-7B: 6,738,415,616 parameters (the published count).
+  EXPECT_EQ(c.num_parameters(), 6738415616LL);
+}
+
+TEST(ModelConfig, ParseQwen2) {
+  auto c = ModelConfig::from_hf_json(json::parse(kQwen2), "qwen/config.json");
+  EXPECT_EQ(c.model_type, "qwen2");
+  EXPECT_EQ(c.family, "llama");
+  EXPECT_EQ(c.hidden_size, 896);
+  EXPECT_EQ(c.num_attention_heads, 14);
+  EXPECT_EQ(c.num_key_value_heads, 2);
+  EXPECT_EQ(c.head_dim(), 64);
+  EXPECT_TRUE(c.attention_bias);
+  EXPECT_TRUE(c.qkv_bias());
+  EXPECT_FALSE(c.o_bias());
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 1e6);
+  EXPECT_DOUBLE_EQ(c.norm_eps, 1e-6);
+  EXPECT_EQ(c.sliding_window, 0);  // use_sliding_window false
+  EXPECT_EQ(c.bos_token_id, 151643);
+  // Qwen2.5-0.5B: 494,032,768 parameters (published).
+  EXPECT_EQ(c.num_parameters(), 494032768LL);
+}
+
+TEST(ModelConfig, ParseMistral) {
+  auto c = ModelConfig::from_hf_json(json::parse(kMistral), "mistral/config.json");
+  EXPECT_EQ(c.model_type, "mistral");
+  EXPECT_EQ(c.num_key_value_heads, 8);
+  EXPECT_EQ(c.intermediate_size, 14336);
+  EXPECT_EQ(c.sliding_window, 4096);
+  EXPECT_FALSE(c.attention_bias);
+  // Full attention == sliding window only while the sequence fits in the window.
+  EXPECT_NO_THROW(c.check_seq_len(4096, "x"));
+  try {
+    c.check_seq_len(4097, "x");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("sliding_window"), std::string::npos);
+  }
+  json j = json::parse(kMistral);
+  j["sliding_window"] = nullptr;
+  EXPECT_EQ(ModelConfig::from_hf_json(j, "m").sliding_window, 0);
+  // Mistral-7B-v0.1: 7,241,732,096 parameters (published).
+  EXPECT_EQ(c.num_parameters(), 7241732096LL);
+}
+
+TEST(ModelConfig, DefaultsAndAliases) {
+  // Missing keys take the HF class defaults.
+  auto g = ModelConfig::from_hf_json(json{{"model_type", "gpt2"}}, "x");
+  EXPECT_EQ(g.hidden_size, 768);
+  EXPECT_EQ(g.vocab_size, 50257);
+  auto m = ModelConfig::from_hf_json(json{{"model_type", "mistral"}}, "x");
+  EXPECT_EQ(m.num_key_value_heads, 8);
+  EXPECT_EQ(m.max_position_embeddings, 131072);
+  // GPT-2 aliases; conflicting spellings are an error naming both.
+  auto a = ModelConfig::from_hf_json(json{{"model_type", "gpt2"}, {"hidden_size", 64}, {"num_attention_heads", 4},
+                                          {"n_inner", 100}, {"activation_function", "gelu_pytorch_tanh"}},
+                                     "x");
+  EXPECT_EQ(a.hidden_size, 64);
+  EXPECT_EQ(a.intermediate_size, 100);
+  EXPECT_EQ(a.hidden_act, "gelu_new");
+  expect_error(kGpt2, "hidden_size", 512, {"hidden_size", "n_embd"});
+  // eos as a list: first id.
+  json l = json::parse(kLlama);
+  l["eos_token_id"] = {128001, 128009};
+  EXPECT_EQ(ModelConfig::from_hf_json(l, "x").eos_token_id, 128001);
+  // v5 rope_parameters form.
+  l = json::parse(kLlama);
+  l.erase("rope_scaling");
+  l["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 500000.0}};
+  l.erase("rope_theta");
+  EXPECT_DOUBLE_EQ(ModelConfig::from_hf_json(l, "x").rope_theta, 500000.0);
+}
+
+TEST(ModelConfig, RoundTrip) {
+  for (const char* text : {kGpt2, kLlama, kQwen2, kMistral}) {
+    auto c = ModelConfig::from_hf_json(json::parse(text), "a");
+    json out = c.to_hf_json();
+    EXPECT_EQ(out["torch_dtype"], "float32");
+    EXPECT_TRUE(out["architectures"].is_array());
+    auto back = ModelConfig::from_hf_json(out, "b", /*strict_unknown=*/true);
+    EXPECT_EQ(back, c) << out.dump();
+  }
+  for (const auto& name : ModelConfig::preset_names()) {
+    auto c = ModelConfig::preset(name);
+    EXPECT_EQ(ModelConfig::from_hf_json(c.to_hf_json(), name, true), c) << name;
+  }
+  EXPECT_EQ(ModelConfig::preset("gpt2-124m").to_hf_json()["architectures"][0], "GPT2LMHeadModel");
+  EXPECT_EQ(ModelConfig::preset("qwen2-debug").to_hf_json()["architectures"][0], "Qwen2ForCausalLM");
+  EXPECT_EQ(ModelConfig::preset("mistral-debug").to_hf_json()["architectures"][0], "MistralForCausalLM");
+  EXPECT_EQ(ModelConfig::preset("llama-debug").to_hf_json()["architectures"][0], "LlamaForCausalLM");
+}
+
+TEST(ModelConfig, UnknownKeys) {
+  json j = json::parse(kLlama);
+  j["some_future_key"] = 3;
+  auto c = ModelConfig::from_hf_json(j, "cfg.json");
+  ASSERT_EQ(c.ignored_keys.size(), 1u);
+  EXPECT_EQ(c.ignored_keys[0], "some_future_key");
+  expect_error(kLlama, "num_hiden_layers", 3, {"unknown key 'num_hiden_layers'", "did you mean 'num_hidden_layers'"},
+               /*strict=*/true);
+  expect_error(kGpt2, "n_layers", 3, {"'n_layers'", "'n_layer'"}, true);
+}
+
+TEST(ModelConfig, UnsupportedKeys) {
+  expect_error(kLlama, "rope_scaling", json{{"type", "linear"}, {"factor", 2.0}}, {"rope_scaling"});
+  expect_error(kLlama, "rope_parameters", json{{"rope_type", "llama3"}}, {"rope_parameters.rope_type", "llama3"});
+  expect_error(kLlama, "mlp_bias", true, {"mlp_bias"});
+  expect_error(kLlama, "head_dim", 256, {"head_dim", "256"});
+  expect_error(kLlama, "hidden_act", "gelu", {"hidden_act", "gelu"});
+  expect_error(kGpt2, "activation_function", "relu", {"activation_function", "relu"});
+  expect_error(kGpt2, "activation_function", "gelu", {"activation_function"});
+  expect_error(kGpt2, "scale_attn_by_inverse_layer_idx", true, {"scale_attn_by_inverse_layer_idx"});
+  expect_error(kGpt2, "reorder_and_upcast_attn", true, {"reorder_and_upcast_attn"});
+  expect_error(kGpt2, "scale_attn_weights", false, {"scale_attn_weights"});
+  expect_error(kGpt2, "tie_word_embeddings", false, {"tie_word_embeddings"});
+  expect_error(kGpt2, "n_ctx", 512, {"n_ctx", "n_positions"});
+  expect_error(kQwen2, "attention_bias", false, {"attention_bias"});
+  expect_error(kMistral, "attention_bias", true, {"attention_bias"});
+  expect_error(kGpt2, "model_type", "bert", {"model_type", "bert"});
+  expect_error(kGpt2, "add_cross_attention", true, {"add_cross_attention"});
+  expect_error(kGpt2, "resid_pdrop", 0.1, {"resid_pdrop", "dropout"}, /*strict=*/true);
+  // Wrong types name the key and the value.
+  expect_error(kGpt2, "n_layer", "abc", {"n_layer", "expected an integer, got 'abc'"});
+  expect_error(kLlama, "rms_norm_eps", "small", {"rms_norm_eps", "expected a number"});
+  expect_error(kLlama, "tie_word_embeddings", 1, {"tie_word_embeddings", "true or false"});
+}
+
+TEST(ModelConfig, ValidateErrors) {
+  expect_error(kGpt2, "n_head", 7, {"n_embd = 768", "n_head = 7", "not divisible"});
+  expect_error(kLlama, "num_key_value_heads", 5, {"num_attention_heads = 32", "num_key_value_heads = 5"});
+  expect_error(kLlama, "vocab_size", 0, {"vocab_size = 0"});
+  expect_error(kLlama, "num_hidden_layers", -1, {"num_hidden_layers = -1"});
+  expect_error(kGpt2, "layer_norm_epsilon", 0.0, {"layer_norm_epsilon"});
+  // Odd head_dim under RoPE: hidden 4096 / 4096 heads... use 12 / 4 = 3.
+  json j = json::parse(kLlama);
+  j["hidden_size"] = 12;
+  j["num_attention_heads"] = 4;
+  j["num_key_value_heads"] = 4;
+  try {
+    ModelConfig::from_hf_json(j, "cfg.json");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("must be even"), std::string::npos) << e.what();
+  }
+  ModelConfig c = ModelConfig::preset("llama-debug");
+  c.num_attention_heads = 5;
+  EXPECT_THROW(c.validate("x"), Error);
+}
+
+TEST(ModelConfig, Presets) {
+  auto names = ModelConfig::preset_names();
+  EXPECT_GE(names.size(), 6u);
+  for (auto& n : names) EXPECT_NO_THROW(ModelConfig::preset(n).validate(n));
+  auto d = ModelConfig::preset("llama-debug");
+  EXPECT_EQ(d.num_hidden_layers, 2);
+  EXPECT_EQ(d.hidden_size, 48);
+  EXPECT_EQ(d.num_attention_heads, 4);
+  EXPECT_EQ(d.num_key_value_heads, 2);
+  EXPECT_EQ(d.intermediate_size, 96);
+  EXPECT_EQ(d.vocab_size, 96);
+  auto b = ModelConfig::preset("gpt2-small-bench");
+  EXPECT_EQ(b.num_hidden_layers, 4);
+  EXPECT_EQ(b.hidden_size, 256);
+  EXPECT_EQ(b.vocab_size, 50257);
+  EXPECT_EQ(b.max_position_embeddings, 1024);
+  try {
+    ModelConfig::preset("gpt2-debgu");
+    FAIL();
+  } catch (const Error& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("gpt2-debgu"), std::string::npos);
+    EXPECT_NE(m.find("llama-debug"), std::string::npos);  // lists the presets
+    EXPECT_NE(m.find("did you mean 'gpt2-debug'"), std::string::npos) << m;
+  }
+}
