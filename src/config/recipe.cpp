@@ -186,8 +186,10 @@ class Parser {
   std::map<std::string, std::string> set_;  // key path -> the --set argument that wrote it
 
   std::string origin(const std::string& path) const {
-    auto it = set_.find(path);
-    return it == set_.end() ? std::string() : fmt::format("--set {}: ", it->second);
+    // The override wrote `path` itself or something below it (an unknown section).
+    for (const auto& [p, ov] : set_)
+      if (p == path || p.rfind(path + ".", 0) == 0) return fmt::format("--set {}: ", ov);
+    return {};
   }
   [[noreturn]] void unknown(const std::string& path, const std::string& what,
                             const std::vector<std::string>& candidates) const {
@@ -348,8 +350,9 @@ class Parser {
         {"n_embd", "hidden_size"},
         {"n_layer", "num_hidden_layers"},
         {"n_head", "num_attention_heads"}};
-    if (mt == "gpt2")
-      for (const auto& g : groups)
+    // Llama family: rope_theta also lives inside the v5 rope_parameters object.
+    static const std::vector<std::vector<std::string>> llama_groups = {{"rope_theta", "rope_parameters"}};
+    for (const auto& g : mt == "gpt2" ? groups : llama_groups)
         for (const auto& k : g)
           if (explicit_.contains(k))
             for (const auto& other : g) merged.erase(other);

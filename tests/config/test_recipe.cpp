@@ -1,0 +1,253 @@
+// Recipe loading: a good recipe, each error class with the exact key path in the message,
+// --set overrides, closest_match, to_yaml re-loading, and the shipped configs/*.yaml.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+
+#include "config/recipe.h"
+#include "core/error.h"
+#include "io/fs.h"
+
+using namespace lathe;
+namespace fs = std::filesystem;
+
+namespace {
+
+const char* kGood = R"(
+model:
+  preset: gpt2-debug
+  n_layer: 3
+  vocab_size: 256
+data:
+  train: data/shakespeare_byte
+  valid_fraction: 0.1
+  tokenizer: byte
+optimizer:
+  name: adamw
+  lr: 1.0e-3
+  weight_decay: 0.1
+  grad_clip: 1.0
+schedule:
+  name: cosine
+  warmup_steps: 20
+  min_lr: 1e-4
+training:
+  micro_batch_size: 16
+  seq_len: 128
+  steps: 600
+  eval_interval: 100
+output:
+  dir: runs/test
+)";
+
+// Replace `old` with `repl` in kGood (must occur).
+std::string edit(const std::string& old, const std::string& repl) {
+  std::string s = kGood;
+  auto p = s.find(old);
+  EXPECT_NE(p, std::string::npos) << old;
+  return s.replace(p, old.size(), repl);
+}
+
+void expect_error(const std::string& text, std::vector<std::string> subs, const std::vector<std::string>& ovs = {}) {
+  try {
+    parse_recipe(text, "recipe.yaml", ovs);
+    FAIL() << "no error; expected: " << subs[0];
+  } catch (const Error& e) {
+    std::string m = e.what();
+    EXPECT_EQ(m.rfind("recipe.yaml: ", 0), 0u) << m;
+    for (auto& s : subs) EXPECT_NE(m.find(s), std::string::npos) << "message: " << m << "\nmissing: " << s;
+  }
+}
+
+}  // namespace
+
+TEST(Recipe, GoodRecipe) {
+  Recipe r = parse_recipe(kGood, "recipe.yaml");
+  EXPECT_EQ(r.source, "recipe.yaml");
+  EXPECT_EQ(r.model.model_type, "gpt2");
+  EXPECT_EQ(r.model.num_hidden_layers, 3);   // override of the preset
+  EXPECT_EQ(r.model.hidden_size, 48);        // from the preset
+  EXPECT_EQ(r.model.vocab_size, 256);
+  EXPECT_EQ(r.data.train, "data/shakespeare_byte");
+  EXPECT_DOUBLE_EQ(r.data.valid_fraction, 0.1);
+  EXPECT_EQ(r.data.tokenizer, "byte");
+  EXPECT_DOUBLE_EQ(r.optimizer.lr, 1e-3);
+  EXPECT_DOUBLE_EQ(r.optimizer.beta2, 0.95);  // default
+  EXPECT_EQ(r.schedule.warmup_steps, 20);
+  EXPECT_DOUBLE_EQ(r.schedule.min_lr, 1e-4);
+  EXPECT_EQ(r.training.micro_batch_size, 16);
+  EXPECT_EQ(r.training.seq_len, 128);
+  EXPECT_EQ(r.training.steps, 600);
+  EXPECT_EQ(r.training.grad_accum_steps, 1);
+  EXPECT_EQ(r.output.dir, "runs/test");
+  EXPECT_TRUE(r.init_from.empty());
+}
+
+TEST(Recipe, ModelWithoutPreset) {
+  Recipe r = parse_recipe(R"(
+model: {model_type: llama, hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4,
+        num_key_value_heads: 2, intermediate_size: 128, vocab_size: 100, max_position_embeddings: 64}
+data: {train: x}
+training: {seq_len: 64}
+)", "r.yaml");
+  EXPECT_EQ(r.model.family, "llama");
+  EXPECT_EQ(r.model.num_key_value_heads, 2);
+  // Switching model_type within the llama family keeps the preset's sizes.
+  Recipe q = parse_recipe("model: {preset: llama-debug, model_type: qwen2}\ndata: {train: x}\n", "r.yaml");
+  EXPECT_EQ(q.model.model_type, "qwen2");
+  EXPECT_TRUE(q.model.attention_bias);
+  EXPECT_EQ(q.model.hidden_size, 48);
+}
+
+TEST(Recipe, UnknownKeys) {
+  expect_error(edit("  lr: 1.0e-3", "  lrr: 1.0e-3"), {"unknown key 'optimizer.lrr'", "did you mean 'optimizer.lr'"});
+  expect_error(edit("optimizer:", "optimiser:"), {"unknown section 'optimiser'", "did you mean 'optimizer'"});
+  expect_error(edit("  n_layer: 3", "  n_layers: 3"), {"unknown key 'model.n_layers'", "did you mean 'model.n_layer'"});
+  expect_error(edit("  seq_len: 128", "  seqlen: 128"), {"unknown key 'training.seqlen'", "'training.seq_len'"});
+  expect_error(edit("  seq_len: 128", "  zzzzzzzzzzzz: 128"), {"unknown key 'training.zzzzzzzzzzzz'"});
+  // A llama field on a gpt2 model is unknown for that model_type.
+  expect_error(edit("  n_layer: 3", "  rms_norm_eps: 1e-5"), {"unknown key 'model.rms_norm_eps'"});
+}
+
+TEST(Recipe, WrongTypes) {
+  expect_error(edit("seq_len: 128", "seq_len: abc"), {"training.seq_len: expected an integer, got 'abc'"});
+  expect_error(edit("seq_len: 128", "seq_len: 12.5"), {"training.seq_len: expected an integer"});
+  expect_error(edit("seq_len: 128", "seq_len: \"128\""), {"training.seq_len: expected an integer, got '128'"});
+  expect_error(edit("lr: 1.0e-3", "lr: fast"), {"optimizer.lr: expected a number, got 'fast'"});
+  expect_error(edit("n_layer: 3", "n_layer: three"), {"model.n_layer: expected an integer, got 'three'"});
+  expect_error(edit("name: cosine", "name: [a, b]"), {"schedule.name: expected a string"});
+  expect_error(edit("  dir: runs/test", "  dir: runs/test\n  save_every: {a: 1}"), {"output.save_every"});
+}
+
+TEST(Recipe, ImpossibleValues) {
+  expect_error(edit("  n_layer: 3", "  n_head: 5"), {"model.n_embd = 48", "model.n_head = 5"});
+  expect_error(edit("seq_len: 128", "seq_len: 129"), {"training.seq_len", "129", "128"});
+  expect_error(edit("micro_batch_size: 16", "micro_batch_size: 0"), {"training.micro_batch_size", "0"});
+  expect_error(edit("steps: 600", "steps: 600\n  grad_accum_steps: 0"), {"training.grad_accum_steps"});
+  expect_error(edit("steps: 600", "steps: 0"), {"training.steps"});
+  expect_error(edit("lr: 1.0e-3", "lr: 0"), {"optimizer.lr", "must be > 0"});
+  expect_error(edit("lr: 1.0e-3", "lr: -1e-3"), {"optimizer.lr"});
+  expect_error(edit("name: adamw", "name: adamw\n  beta1: 1.0"), {"optimizer.beta1", "[0, 1)"});
+  expect_error(edit("name: adamw", "name: adamw\n  beta2: -0.1"), {"optimizer.beta2"});
+  expect_error(edit("valid_fraction: 0.1", "valid_fraction: 1.0"), {"data.valid_fraction", "[0, 1)"});
+  expect_error(edit("name: cosine", "name: cosin"), {"schedule.name", "'cosin'", "cosine"});
+  expect_error(edit("name: cosine", "name: wsd\n  decay_shape: exp"), {"schedule.decay_shape", "'exp'"});
+  expect_error(edit("warmup_steps: 20", "warmup_steps: 601"), {"schedule.warmup_steps", "601", "training.steps = 600"});
+  expect_error(edit("min_lr: 1e-4", "min_lr: 1e-2"), {"schedule.min_lr", "optimizer.lr"});
+  expect_error(edit("name: adamw", "name: sgd"), {"optimizer.name", "'sgd'"});
+  expect_error(edit("  train: data/shakespeare_byte\n", ""), {"data.train", "missing"});
+  expect_error(edit("  vocab_size: 256\n", ""), {"data.tokenizer", "vocab_size"});
+  expect_error(edit("valid_fraction: 0.1", "valid_fraction: 0"), {"training.eval_interval", "validation"});
+  expect_error(edit("  preset: gpt2-debug\n", "  preset: gpt2-debug\n  config: x.json\n"), {"only one of"});
+  expect_error(edit("preset: gpt2-debug", "preset: gpt3"), {"model.preset", "gpt3"});
+  expect_error(edit("  n_layer: 3", "  resid_pdrop: 0.1"), {"model.resid_pdrop", "dropout"});
+  expect_error("model: {n_layer: 2}\ndata: {train: x}\n", {"model_type"});
+  expect_error("model: {preset: gpt2-debug, model_type: llama}\ndata: {train: x}\n", {"model.model_type", "family"});
+  expect_error("model: {preset: mistral-debug, sliding_window: 32}\ndata: {train: x}\ntraining: {seq_len: 64}\n",
+               {"training.seq_len", "sliding_window"});
+  expect_error("model: [1, 2]\n", {"model", "mapping"});
+  expect_error("model: {preset: gpt2-debug\n", {"invalid YAML"});
+}
+
+TEST(Recipe, Overrides) {
+  Recipe r = parse_recipe(kGood, "recipe.yaml",
+                          {"training.steps=10", "model.n_layer=2", "optimizer.lr=2e-3", "data.valid=data/v",
+                           "schedule.warmup_steps=5", "model.n_embd=64", "output.dir=runs/x y"});
+  EXPECT_EQ(r.training.steps, 10);
+  EXPECT_EQ(r.model.num_hidden_layers, 2);
+  EXPECT_EQ(r.model.hidden_size, 64);
+  EXPECT_DOUBLE_EQ(r.optimizer.lr, 2e-3);
+  EXPECT_EQ(r.data.valid, "data/v");
+  EXPECT_EQ(r.output.dir, "runs/x y");
+  // The alias replaces the preset's spelling instead of conflicting with it.
+  Recipe a = parse_recipe(kGood, "recipe.yaml", {"model.hidden_size=96"});
+  EXPECT_EQ(a.model.hidden_size, 96);
+  // Creates a section that the file does not have.
+  Recipe b = parse_recipe("model: {preset: llama-debug}\ndata: {train: x}\n", "r.yaml", {"output.save_every=7"});
+  EXPECT_EQ(b.output.save_every, 7);
+  // Nested key inside a model field (rope_parameters.rope_theta).
+  Recipe c = parse_recipe("model: {preset: llama-debug}\ndata: {train: x}\n", "r.yaml",
+                          {"model.rope_parameters.rope_theta=500000.0"});
+  EXPECT_DOUBLE_EQ(c.model.rope_theta, 500000.0);
+  expect_error(kGood, {"--set training.stpes=10", "unknown key 'training.stpes'", "did you mean 'training.steps'"},
+               {"training.stpes=10"});
+  expect_error(kGood, {"--set trainig.steps=10", "unknown section 'trainig'", "'training'"}, {"trainig.steps=10"});
+  expect_error(kGood, {"--set training.steps=abc", "training.steps: expected an integer, got 'abc'"},
+               {"training.steps=abc"});
+  expect_error(kGood, {"--set steps"}, {"steps"});
+  expect_error(kGood, {"--set steps=3", "needs a section"}, {"steps=3"});
+  expect_error(kGood, {"--set model.n_layr=3", "'model.n_layer'"}, {"model.n_layr=3"});
+}
+
+TEST(Recipe, ClosestMatch) {
+  std::vector<std::string> c = {"optimizer.lr", "optimizer.eps", "training.steps", "training.seq_len"};
+  EXPECT_EQ(closest_match("optimizer.lrr", c), "optimizer.lr");
+  EXPECT_EQ(closest_match("training.step", c), "training.steps");
+  EXPECT_EQ(closest_match("Training.Seq_Len", c), "training.seq_len");
+  EXPECT_EQ(closest_match("completely.different", c), "");
+  EXPECT_EQ(closest_match("x", {}), "");
+  EXPECT_EQ(closest_match("n_embed", {"n_embd", "n_head", "n_layer"}), "n_embd");
+}
+
+TEST(Recipe, ToYamlReloads) {
+  const std::string llama = "model: {preset: llama-debug}\ndata: {train: x}\n";
+  std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {kGood, {}},
+      {kGood, {"model.n_inner=100", "optimizer.eps=1e-10", "training.peak_gflops=12.5", "output.dir=a \"b\""}},
+      {llama, {"model.model_type=qwen2", "training.seq_len=64", "model.eos_token_id=5"}},
+      {llama, {"model.preset=mistral-debug", "data.tokenizer=tok.model", "schedule.name=wsd",
+               "schedule.decay_shape=1-sqrt", "training.seq_len=100", "model.sliding_window=100"}}};
+  for (auto& [text, ovs] : cases) {
+    Recipe r = parse_recipe(text, "recipe.yaml", ovs);
+    std::string y = r.to_yaml();
+    Recipe back = parse_recipe(y, "resolved.yaml");
+    EXPECT_EQ(back.to_json(), r.to_json()) << y;
+    EXPECT_EQ(back.model, r.model);
+  }
+}
+
+TEST(Recipe, ConfigAndInitFromFiles) {
+  std::string dir = (fs::temp_directory_path() / ("lathe_recipe_" + std::to_string(::getpid()))).string();
+  fs::create_directories(dir + "/hf");
+  io::atomic_write_file(dir + "/hf/config.json", ModelConfig::preset("llama-debug").to_hf_json().dump(2));
+  Recipe r = parse_recipe("model: {init_from: " + dir + "/hf, num_hidden_layers: 3}\ndata: {train: x}\n", "r.yaml");
+  EXPECT_EQ(r.init_from, dir + "/hf");
+  EXPECT_EQ(r.model.num_hidden_layers, 3);
+  EXPECT_EQ(r.model.hidden_size, 48);
+  Recipe back = parse_recipe(r.to_yaml(), "resolved.yaml");
+  EXPECT_EQ(back.to_json(), r.to_json());
+  Recipe c = parse_recipe("model: {config: " + dir + "/hf/config.json}\ndata: {train: x}\n", "r.yaml");
+  EXPECT_EQ(c.model, ModelConfig::preset("llama-debug"));
+  EXPECT_TRUE(c.init_from.empty());
+  expect_error("model: {init_from: " + dir + "/nope}\ndata: {train: x}\n", {"model.init_from", "nope/config.json"});
+  // An invalid config.json is reported against that file.
+  io::atomic_write_file(dir + "/bad.json", R"({"model_type": "llama", "mlp_bias": true})");
+  try {
+    parse_recipe("model: {config: " + dir + "/bad.json}\ndata: {train: x}\n", "r.yaml");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("bad.json: mlp_bias"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}
+
+TEST(Recipe, ShippedConfigsLoad) {
+  for (const char* name : {"quickstart.yaml", "gpt2-124m.yaml", "llama-debug.yaml"}) {
+    std::string path = std::string(LATHE_SOURCE_DIR) + "/configs/" + name;
+    Recipe r = load_recipe(path);
+    EXPECT_EQ(r.source, path);
+    EXPECT_EQ(parse_recipe(r.to_yaml(), "x").to_json(), r.to_json()) << name;
+  }
+  Recipe q = load_recipe(std::string(LATHE_SOURCE_DIR) + "/configs/quickstart.yaml");
+  EXPECT_EQ(q.model.model_type, "gpt2");
+  EXPECT_EQ(q.model.vocab_size, 256);
+  EXPECT_EQ(q.model.max_position_embeddings, 256);
+  EXPECT_EQ(q.model.hidden_size, 128);
+  EXPECT_EQ(q.model.num_hidden_layers, 4);
+  EXPECT_EQ(q.model.num_attention_heads, 4);
+  EXPECT_EQ(q.data.train, "data/shakespeare_byte");
+  EXPECT_EQ(q.data.tokenizer, "byte");
+  EXPECT_EQ(q.training.steps, 600);
+  EXPECT_EQ(q.output.dir, "runs/quickstart");
+}
