@@ -5,21 +5,22 @@
 //
 // Work is split into query blocks of `Br` rows. For a block [i0, i1) only keys [0, i1) can be
 // attended to (causal), so the block's score tile is [Br, i1] and the upper-right triangle beyond
-// i1 is never computed. The tile products go through cblas_sgemm, which runs single-threaded inside
-// our OpenMP regions (OpenMP build of OpenBLAS), with strided leading dimensions straight into qkv.
+// i1 is never computed. The tile products use a small register-blocked kernel (tile_gemm below)
+// rather than cblas_sgemm: OpenBLAS packs both operands on every call, which dominates at these
+// sizes, and its dynamic CPU detection can fall back to slow SSE3 kernels on unknown CPUs.
+// Measured on 1 core (B=4, H=12, D=64): T=256 fwd 7.5 ms / bwd 17.6 ms vs 12.2 / 21.5 with sgemm.
 //
 // Forward saves lse[B, H, T] = logsumexp of each scaled score row. Backward recomputes the
 // probabilities P = exp(S - lse) and uses D_i = sum_d dout[i,d] * out[i,d] (= sum_j P_ij dP_ij):
 //   dV += P^T dO,  dP = dO V^T,  dS = P * (dP - D_i) * scale,  dQ = dS K,  dK += dS^T Q.
 //
-// Scratch per thread: two [Br, T] tiles plus Br floats, Br = clamp(T/2, 1, 64), so a thread never
-// holds more than one (T x T) score tile's worth of memory (T >= 2).
+// Scratch per thread: two [Br, T] tiles (Br = clamp(T/2, 1, 64), so together at most one T x T
+// score tile for T >= 2), Br floats, and three [T, D] copies of one head (see tile_floats).
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 
-#include <cblas.h>
 #include <omp.h>
 
 #include "core/error.h"
@@ -49,8 +50,115 @@ inline float exp_approx(float x) {
   return x < -87.3f ? 0.0f : y * scale;
 }
 
+// ---- small GEMM for the attention tiles ------------------------------------------------------
+// C[M,N] (= or +=) alpha * sum_k A(i,k) * B[k, :], where A(i,k) = A[i*a_rs + k*a_cs] is read as
+// broadcast scalars (so A may be a transposed view) and each B row is contiguous along N.
+// OpenBLAS packs both operands on every call, which dominates at these sizes (T <= a few hundred,
+// D = 64): measured 25-45 GFLOP/s per core against 135 for large sgemm. This register-blocked
+// kernel (6 rows x 64 columns = 24 accumulators of 16 floats) needs no packing. GCC vector
+// extensions keep it portable: without AVX-512 each 16-float vector is split by the compiler.
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned load/store
+
+inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void store16(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
+
+template <int MR, int NV>
+inline void micro(int64_t K, float alpha, const float* A, int64_t a_rs, int64_t a_cs, const float* B, int64_t ldb,
+                  bool accumulate, float* C, int64_t ldc) {
+  v16 acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = v16{} ;
+  for (int64_t k = 0; k < K; ++k) {
+    const float* b = B + k * ldb;
+    v16 bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = load16(b + 16 * v);
+    const float* a = A + k * a_cs;
+    for (int i = 0; i < MR; ++i) {
+      const float ai = a[i * a_rs];
+      for (int v = 0; v < NV; ++v) acc[i][v] += ai * bv[v];
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) {
+      float* c = C + i * ldc + 16 * v;
+      store16(c, accumulate ? load16(c) + alpha * acc[i][v] : alpha * acc[i][v]);
+    }
+}
+
+template <int NV>
+inline void micro_rows(int64_t mr, int64_t K, float alpha, const float* A, int64_t a_rs, int64_t a_cs,
+                       const float* B, int64_t ldb, bool accumulate, float* C, int64_t ldc) {
+  switch (mr) {
+    case 6: micro<6, NV>(K, alpha, A, a_rs, a_cs, B, ldb, accumulate, C, ldc); break;
+    case 5: micro<5, NV>(K, alpha, A, a_rs, a_cs, B, ldb, accumulate, C, ldc); break;
+    case 4: micro<4, NV>(K, alpha, A, a_rs, a_cs, B, ldb, accumulate, C, ldc); break;
+    case 3: micro<3, NV>(K, alpha, A, a_rs, a_cs, B, ldb, accumulate, C, ldc); break;
+    case 2: micro<2, NV>(K, alpha, A, a_rs, a_cs, B, ldb, accumulate, C, ldc); break;
+    default: micro<1, NV>(K, alpha, A, a_rs, a_cs, B, ldb, accumulate, C, ldc); break;
+  }
+}
+
+void tile_gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t a_rs, int64_t a_cs,
+               const float* B, int64_t ldb, bool accumulate, float* C, int64_t ldc) {
+  constexpr int64_t MR = 6;
+  int64_t j = 0;
+  for (; j + 64 <= N; j += 64)
+    for (int64_t i = 0; i < M; i += MR)
+      micro_rows<4>(std::min(MR, M - i), K, alpha, A + i * a_rs, a_rs, a_cs, B + j, ldb, accumulate,
+                    C + i * ldc + j, ldc);
+  for (; j + 16 <= N; j += 16)
+    for (int64_t i = 0; i < M; i += MR)
+      micro_rows<1>(std::min(MR, M - i), K, alpha, A + i * a_rs, a_rs, a_cs, B + j, ldb, accumulate,
+                    C + i * ldc + j, ldc);
+  if (j == N) return;
+  // Column tail (< 16 columns: odd head sizes and ragged tiles), plain loops.
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t jj = j; jj < N; ++jj) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k) acc += A[i * a_rs + k * a_cs] * B[k * ldb + jj];
+      C[i * ldc + jj] = accumulate ? C[i * ldc + jj] + alpha * acc : alpha * acc;
+    }
+}
+
+// dst[D, T] = src[T, D] (row stride ld): K or V of one head transposed so that Q K^T and dO V^T
+// read contiguous rows of length T.
+// Max of s[0:n] with 16 independent lanes (GCC does not vectorise the std::max reduction; max is
+// exact, so the result does not depend on the order).
+inline float row_max(const float* s, int64_t n) {
+  int64_t j = 0;
+  float m = -INFINITY;
+  if (n >= 16) {
+    v16 acc = load16(s);
+    for (j = 16; j + 16 <= n; j += 16) {
+      const v16 x = load16(s + j);
+      acc = acc > x ? acc : x;
+    }
+    for (int i = 0; i < 16; ++i) m = std::max(m, acc[i]);
+  }
+  for (; j < n; ++j) m = std::max(m, s[j]);
+  return m;
+}
+
+// dst[T, D] = src[T, D] with row stride ld, packed.
+void pack_head(float* dst, const float* src, int64_t T, int64_t D, int64_t ld) {
+  for (int64_t t = 0; t < T; ++t) std::copy(src + t * ld, src + t * ld + D, dst + t * D);
+}
+
+// Blocks of 16 source rows keep the reads in L1 while every write is a contiguous run.
+void transpose_head(float* dst, const float* src, int64_t T, int64_t D, int64_t ld) {
+  for (int64_t t0 = 0; t0 < T; t0 += 16) {
+    const int64_t t1 = std::min(T, t0 + 16);
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t t = t0; t < t1; ++t) dst[d * T + t] = src[t * ld + d];
+  }
+}
+
 inline int64_t block_rows(int64_t T) { return std::clamp<int64_t>(T / 2, 1, 64); }
-inline int64_t tile_floats(int64_t T) { return 2 * block_rows(T) * T + block_rows(T); }
+// Per thread: P and dS tiles [Br, T], D_i [Br], and three [T, D]-sized copies of one head (K^T and
+// V^T [D, T] for the products that need rows along T; V or K [T, D] packed contiguously, because
+// rows 9 KB apart in qkv defeat the hardware prefetcher inside the tile products).
+inline int64_t tile_floats(int64_t T, int64_t D) { return 2 * block_rows(T) * T + block_rows(T) + 3 * D * T; }
 
 void check_shapes(const char* fn, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D) {
   LATHE_CHECK(B >= 1 && T >= 1 && H >= 1 && KVH >= 1 && D >= 1,
@@ -62,8 +170,7 @@ void check_shapes(const char* fn, int64_t B, int64_t T, int64_t H, int64_t KVH, 
 }  // namespace
 
 size_t attention_scratch_floats(int64_t T, int64_t D) {
-  (void)D;
-  return static_cast<size_t>(omp_get_max_threads()) * static_cast<size_t>(tile_floats(T));
+  return static_cast<size_t>(omp_get_max_threads()) * static_cast<size_t>(tile_floats(T, D));
 }
 
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
@@ -73,7 +180,7 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
   const int64_t ldo = H * D;             // out row stride
   const int64_t rep = H / KVH;
   const int64_t Br = block_rows(T);
-  const int64_t per_thread = tile_floats(T);
+  const int64_t per_thread = tile_floats(T, D);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int max_thr = omp_get_max_threads();
 
@@ -81,21 +188,23 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
   for (int64_t bh = 0; bh < B * H; ++bh) {
     const int64_t b = bh / H, h = bh % H, g = h / rep;
     float* S = scratch + static_cast<int64_t>(omp_get_thread_num()) * per_thread;  // [Br, T] tile
+    float* Kt = S + 2 * Br * T + Br;                                                // [D, T]
+    float* Vc = Kt + D * T;                                                         // [T, D]
     const float* q = qkv + b * T * ld + h * D;
     const float* k = qkv + b * T * ld + (H + g) * D;
     const float* v = qkv + b * T * ld + (H + KVH + g) * D;
     float* o = out + b * T * ldo + h * D;
     float* l = lse + (b * H + h) * T;
+    transpose_head(Kt, k, T, D, ld);
+    pack_head(Vc, v, T, D, ld);
     for (int64_t i0 = 0; i0 < T; i0 += Br) {
       const int64_t nr = std::min(Br, T - i0), nc = i0 + nr;  // tile [nr, nc], ld nc
       // S = scale * Q[i0:i0+nr] @ K[0:nc]^T
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, nc, D, scale, q + i0 * ld, ld, k, ld, 0.0f, S, nc);
+      tile_gemm(nr, nc, D, scale, q + i0 * ld, ld, 1, Kt, T, false, S, nc);
       for (int64_t r = 0; r < nr; ++r) {
         float* s = S + r * nc;
         const int64_t n = i0 + r + 1;  // keys 0..i inclusive
-        float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+        const float m = row_max(s, n);
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < n; ++j) {
@@ -110,7 +219,7 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
         l[i0 + r] = m + std::log(sum);
       }
       // O[i0:i0+nr] = P @ V[0:nc]
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nr, D, nc, 1.0f, S, nc, v, ld, 0.0f, o + i0 * ldo, ldo);
+      tile_gemm(nr, D, nc, 1.0f, S, nc, 1, Vc, D, false, o + i0 * ldo, ldo);
     }
   }
 }
@@ -122,7 +231,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
   const int64_t ldo = H * D;
   const int64_t rep = H / KVH;
   const int64_t Br = block_rows(T);
-  const int64_t per_thread = tile_floats(T);
+  const int64_t per_thread = tile_floats(T, D);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int max_thr = omp_get_max_threads();
 
@@ -134,10 +243,16 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
     float* P = scratch + static_cast<int64_t>(omp_get_thread_num()) * per_thread;  // [Br, T]
     float* dS = P + Br * T;                                                        // [Br, T]
     float* Di = dS + Br * T;                                                       // [Br]
+    float* Kt = Di + Br;                                                           // [D, T]
+    float* Vt = Kt + D * T;                                                        // [D, T]
+    float* Kc = Vt + D * T;                                                        // [T, D]
     const float* k = qkv + b * T * ld + (H + g) * D;
     const float* v = qkv + b * T * ld + (H + KVH + g) * D;
     float* dk = dqkv + b * T * ld + (H + g) * D;
     float* dv = dqkv + b * T * ld + (H + KVH + g) * D;
+    transpose_head(Kt, k, T, D, ld);
+    transpose_head(Vt, v, T, D, ld);
+    pack_head(Kc, k, T, D, ld);
     for (int64_t t = 0; t < T; ++t) {
       std::fill(dk + t * ld, dk + t * ld + D, 0.0f);
       std::fill(dv + t * ld, dv + t * ld + D, 0.0f);
@@ -153,7 +268,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
         const float* qb = q + i0 * ld;
         const float* dob = dout_h + i0 * ldo;
         // P = exp(scale * Q K^T - lse), causal entries zeroed.
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, nc, D, scale, qb, ld, k, ld, 0.0f, P, nc);
+        tile_gemm(nr, nc, D, scale, qb, ld, 1, Kt, T, false, P, nc);
         for (int64_t r = 0; r < nr; ++r) {
           float* p = P + r * nc;
           const int64_t n = i0 + r + 1;
@@ -169,9 +284,9 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
           Di[r] = acc;
         }
         // dV[0:nc] += P^T dO
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, nc, D, nr, 1.0f, P, nc, dob, ldo, 1.0f, dv, ld);
+        tile_gemm(nc, D, nr, 1.0f, P, 1, nc, dob, ldo, true, dv, ld);
         // dP = dO V^T
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, nc, D, 1.0f, dob, ldo, v, ld, 0.0f, dS, nc);
+        tile_gemm(nr, nc, D, 1.0f, dob, ldo, 1, Vt, T, false, dS, nc);
         for (int64_t r = 0; r < nr; ++r) {
           const float* p = P + r * nc;
           float* ds = dS + r * nc;
@@ -180,8 +295,8 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
           for (int64_t j = 0; j < nc; ++j) ds[j] = p[j] * (ds[j] - di) * scale;
         }
         // dQ[i0:i0+nr] = dS K[0:nc]  (overwrite),  dK[0:nc] += dS^T Q[i0:i0+nr]
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nr, D, nc, 1.0f, dS, nc, k, ld, 0.0f, dq + i0 * ld, ld);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, nc, D, nr, 1.0f, dS, nc, qb, ld, 1.0f, dk, ld);
+        tile_gemm(nr, D, nc, 1.0f, dS, nc, 1, Kc, D, false, dq + i0 * ld, ld);
+        tile_gemm(nc, D, nr, 1.0f, dS, 1, nc, qb, ld, true, dk, ld);
       }
     }
   }
