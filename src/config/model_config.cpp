@@ -176,8 +176,10 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source,
     c.hidden_size = 768;
     c.num_hidden_layers = 12;
     c.num_attention_heads = 12;
-    if (!j.contains("bos_token_id")) c.bos_token_id = 50256;
-    if (!j.contains("eos_token_id")) c.eos_token_id = 50256;
+    // HF's default <|endoftext|> id only exists in the GPT-2 vocabulary; a smaller (e.g. byte)
+    // vocabulary gets no default rather than an out-of-range id.
+    if (!j.contains("bos_token_id") && c.vocab_size > 50256) c.bos_token_id = 50256;
+    if (!j.contains("eos_token_id") && c.vocab_size > 50256) c.eos_token_id = 50256;
     r.int_alias({"n_positions", "max_position_embeddings"}, &c.max_position_embeddings);
     // Old configs carry n_ctx (same value as n_positions; transformers ignores it).
     if (r.has("n_ctx") && r.get_int("n_ctx") != c.max_position_embeddings)

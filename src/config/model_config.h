@@ -29,7 +29,8 @@ struct ModelConfig {
   // Normalized: gpt2 -> "gelu_new" (tanh GELU; HF's "gelu_pytorch_tanh" is the same function and
   // is read as "gelu_new"); llama family -> "silu" ("swish" is read as "silu").
   std::string hidden_act;
-  int64_t bos_token_id = -1, eos_token_id = -1, pad_token_id = -1;  // -1 = absent; eos list -> first
+  // -1 = absent; a list (eos) -> its first id. gpt2 defaults 50256 only when vocab_size > 50256.
+  int64_t bos_token_id = -1, eos_token_id = -1, pad_token_id = -1;
   // Addition. mistral / qwen2 sliding-window attention width; 0 = none (full causal attention).
   // lathe implements full attention only, so check_seq_len() refuses sequences longer than the
   // window (there the two differ); a window >= the sequence length is the same math.
