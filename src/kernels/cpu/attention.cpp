@@ -20,6 +20,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 
 #include <omp.h>
 
@@ -68,7 +69,7 @@ inline void micro(int64_t K, float alpha, const float* A, int64_t a_rs, int64_t 
                   bool accumulate, float* C, int64_t ldc) {
   v16 acc[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) acc[i][v] = v16{} ;
+    for (int v = 0; v < NV; ++v) acc[i][v] = v16{};
   for (int64_t k = 0; k < K; ++k) {
     const float* b = B + k * ldb;
     v16 bv[NV];
@@ -99,20 +100,40 @@ inline void micro_rows(int64_t mr, int64_t K, float alpha, const float* A, int64
   }
 }
 
+// Which causal structure of a tile product may be exploited (off = first query row i0 of the block,
+// so tile row r is query i0 + r and tile column j is key j; key j is visible to query i iff j <= i):
+enum class Causal {
+  kNone,
+  kN,   // C[i, j] is only needed for j <= off + i; other entries are left unwritten (garbage).
+  kK,   // A(i, k) == 0 for k > off + i (A = P or dS, k = key): sum stops there.
+  kKT,  // A(i, k) == 0 for k < i - off (A = P^T or dS^T, i = key, k = query row): sum starts there.
+};
+
 void tile_gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t a_rs, int64_t a_cs,
-               const float* B, int64_t ldb, bool accumulate, float* C, int64_t ldc) {
+               const float* B, int64_t ldb, bool accumulate, float* C, int64_t ldc, Causal causal = Causal::kNone,
+               int64_t off = 0) {
   constexpr int64_t MR = 6;
+  // k range of rows [i, i + mr) under the causal mode.
+  auto k_range = [&](int64_t i, int64_t mr) -> std::pair<int64_t, int64_t> {
+    if (causal == Causal::kK) return {0, std::min(K, off + i + mr)};
+    if (causal == Causal::kKT) return {std::clamp<int64_t>(i - off, 0, K), K};
+    return {0, K};
+  };
+  auto block = [&]<int NV>(int64_t j) {
+    const int64_t i_start = causal == Causal::kN ? std::max<int64_t>(0, j - off) : 0;
+    for (int64_t i = i_start; i < M; i += MR) {
+      const int64_t mr = std::min(MR, M - i);
+      const auto [k0, k1] = k_range(i, mr);
+      micro_rows<NV>(mr, k1 - k0, alpha, A + i * a_rs + k0 * a_cs, a_rs, a_cs, B + k0 * ldb + j, ldb, accumulate,
+                     C + i * ldc + j, ldc);
+    }
+  };
   int64_t j = 0;
-  for (; j + 64 <= N; j += 64)
-    for (int64_t i = 0; i < M; i += MR)
-      micro_rows<4>(std::min(MR, M - i), K, alpha, A + i * a_rs, a_rs, a_cs, B + j, ldb, accumulate,
-                    C + i * ldc + j, ldc);
-  for (; j + 16 <= N; j += 16)
-    for (int64_t i = 0; i < M; i += MR)
-      micro_rows<1>(std::min(MR, M - i), K, alpha, A + i * a_rs, a_rs, a_cs, B + j, ldb, accumulate,
-                    C + i * ldc + j, ldc);
+  for (; j + 64 <= N; j += 64) block.template operator()<4>(j);
+  for (; j + 16 <= N; j += 16) block.template operator()<1>(j);
   if (j == N) return;
-  // Column tail (< 16 columns: odd head sizes and ragged tiles), plain loops.
+  // Column tail (< 16 columns: odd head sizes and ragged tiles), plain loops over the full range
+  // (zero A entries contribute exact zeros).
   for (int64_t i = 0; i < M; ++i)
     for (int64_t jj = j; jj < N; ++jj) {
       float acc = 0.0f;
@@ -121,8 +142,6 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int
     }
 }
 
-// dst[D, T] = src[T, D] (row stride ld): K or V of one head transposed so that Q K^T and dO V^T
-// read contiguous rows of length T.
 // Max of s[0:n] with 16 independent lanes (GCC does not vectorise the std::max reduction; max is
 // exact, so the result does not depend on the order).
 inline float row_max(const float* s, int64_t n) {
@@ -145,7 +164,9 @@ void pack_head(float* dst, const float* src, int64_t T, int64_t D, int64_t ld) {
   for (int64_t t = 0; t < T; ++t) std::copy(src + t * ld, src + t * ld + D, dst + t * D);
 }
 
-// Blocks of 16 source rows keep the reads in L1 while every write is a contiguous run.
+// dst[D, T] = src[T, D] (row stride ld): K or V of one head transposed so that Q K^T and dO V^T
+// read contiguous rows of length T. Blocks of 16 source rows keep the reads in L1 while every
+// write is a contiguous run.
 void transpose_head(float* dst, const float* src, int64_t T, int64_t D, int64_t ld) {
   for (int64_t t0 = 0; t0 < T; t0 += 16) {
     const int64_t t1 = std::min(T, t0 + 16);
@@ -200,7 +221,7 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
     for (int64_t i0 = 0; i0 < T; i0 += Br) {
       const int64_t nr = std::min(Br, T - i0), nc = i0 + nr;  // tile [nr, nc], ld nc
       // S = scale * Q[i0:i0+nr] @ K[0:nc]^T
-      tile_gemm(nr, nc, D, scale, q + i0 * ld, ld, 1, Kt, T, false, S, nc);
+      tile_gemm(nr, nc, D, scale, q + i0 * ld, ld, 1, Kt, T, false, S, nc, Causal::kN, i0);
       for (int64_t r = 0; r < nr; ++r) {
         float* s = S + r * nc;
         const int64_t n = i0 + r + 1;  // keys 0..i inclusive
@@ -219,7 +240,7 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
         l[i0 + r] = m + std::log(sum);
       }
       // O[i0:i0+nr] = P @ V[0:nc]
-      tile_gemm(nr, D, nc, 1.0f, S, nc, 1, Vc, D, false, o + i0 * ldo, ldo);
+      tile_gemm(nr, D, nc, 1.0f, S, nc, 1, Vc, D, false, o + i0 * ldo, ldo, Causal::kK, i0);
     }
   }
 }
@@ -268,7 +289,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
         const float* qb = q + i0 * ld;
         const float* dob = dout_h + i0 * ldo;
         // P = exp(scale * Q K^T - lse), causal entries zeroed.
-        tile_gemm(nr, nc, D, scale, qb, ld, 1, Kt, T, false, P, nc);
+        tile_gemm(nr, nc, D, scale, qb, ld, 1, Kt, T, false, P, nc, Causal::kN, i0);
         for (int64_t r = 0; r < nr; ++r) {
           float* p = P + r * nc;
           const int64_t n = i0 + r + 1;
@@ -284,19 +305,21 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
           Di[r] = acc;
         }
         // dV[0:nc] += P^T dO
-        tile_gemm(nc, D, nr, 1.0f, P, 1, nc, dob, ldo, true, dv, ld);
+        tile_gemm(nc, D, nr, 1.0f, P, 1, nc, dob, ldo, true, dv, ld, Causal::kKT, i0);
         // dP = dO V^T
-        tile_gemm(nr, nc, D, 1.0f, dob, ldo, 1, Vt, T, false, dS, nc);
+        tile_gemm(nr, nc, D, 1.0f, dob, ldo, 1, Vt, T, false, dS, nc, Causal::kN, i0);
         for (int64_t r = 0; r < nr; ++r) {
           const float* p = P + r * nc;
           float* ds = dS + r * nc;
           const float di = Di[r];
+          const int64_t n = i0 + r + 1;  // dS beyond n is unwritten (Causal::kN): zero it
 #pragma omp simd
-          for (int64_t j = 0; j < nc; ++j) ds[j] = p[j] * (ds[j] - di) * scale;
+          for (int64_t j = 0; j < n; ++j) ds[j] = p[j] * (ds[j] - di) * scale;
+          for (int64_t j = n; j < nc; ++j) ds[j] = 0.0f;
         }
         // dQ[i0:i0+nr] = dS K[0:nc]  (overwrite),  dK[0:nc] += dS^T Q[i0:i0+nr]
-        tile_gemm(nr, D, nc, 1.0f, dS, nc, 1, Kc, D, false, dq + i0 * ld, ld);
-        tile_gemm(nc, D, nr, 1.0f, dS, 1, nc, qb, ld, true, dk, ld);
+        tile_gemm(nr, D, nc, 1.0f, dS, nc, 1, Kc, D, false, dq + i0 * ld, ld, Causal::kK, i0);
+        tile_gemm(nc, D, nr, 1.0f, dS, 1, nc, qb, ld, true, dk, ld, Causal::kKT, i0);
       }
     }
   }
