@@ -521,6 +521,18 @@ TEST(Gelu, ForwardBackward) {
   run_gelu_case(100003, 51);  // parallel path
 }
 
+TEST(Gelu, NaNPropagates) {
+  // The trainer detects divergence from NaN losses; the activation must not swallow them.
+  VecF x = {kNaN, 1.0f, -kNaN}, y(3), dx(3), g = {1.0f, kNaN, 1.0f};
+  cpu::gelu_forward(y.data(), x.data(), 3);
+  cpu::gelu_backward(dx.data(), x.data(), g.data(), 3);
+  EXPECT_TRUE(std::isnan(y[0]) && std::isnan(y[2]) && !std::isnan(y[1]));
+  EXPECT_TRUE(std::isnan(dx[0]) && std::isnan(dx[1]) && std::isnan(dx[2]));
+  VecF sx = {kNaN, 2.0f, 0.5f, kNaN}, so(2);  // N=2, F=1: NaN gate in row 0, NaN up in row 1
+  cpu::swiglu_forward(so.data(), sx.data(), 2, 1);
+  EXPECT_TRUE(std::isnan(so[0]) && std::isnan(so[1]));
+}
+
 // ============================================ SwiGLU ============================================
 
 void run_swiglu_case(int64_t N, int64_t F, bool fd, uint64_t seed) {

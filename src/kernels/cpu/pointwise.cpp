@@ -38,9 +38,11 @@ inline float exp_vec(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   const float y = p * r * r + r + 1.0f;
-  // Scale by 2^n through the exponent bits; n is in [-126, 127].
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  return y * std::bit_cast<float>(bits);
+  // Scale by 2^n through the exponent bits; n is in [-126, 127]. n is read from the mantissa of t
+  // (t = shifter + n exactly) rather than converted from float, so a NaN input has no undefined
+  // float-to-int conversion: it just propagates through y.
+  const int32_t ni = std::bit_cast<int32_t>(t) - std::bit_cast<int32_t>(shifter);
+  return y * std::bit_cast<float>((ni + 127) << 23);
 }
 
 inline float sigmoid_vec(float x) { return 1.0f / (1.0f + exp_vec(-x)); }
