@@ -248,6 +248,7 @@ const void* SafetensorsFile::data(const StTensorInfo& t) const {
 void SafetensorsFile::read_f32(const StTensorInfo& t, float* out) const {
   const auto* src = static_cast<const unsigned char*>(data(t));
   size_t n = static_cast<size_t>(numel(t.shape));
+  if (n == 0) return;  // `out` may be null for an empty tensor
   switch (t.dtype) {
     case DType::F32:
       std::memcpy(out, src, n * 4);
