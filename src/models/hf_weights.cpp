@@ -38,14 +38,13 @@ bool ignorable_file_tensor(const std::string& name) {
 
 }  // namespace
 
-void save_hf_model(const Model& model, const std::string& dir, DType dtype) {
-  fs::create_directories(dir);
+void save_hf_tensors(const Model& model, const float* flat, const std::string& path, DType dtype) {
   const ParamTable& table = model.params();
   // Transposed copies for GPT-2 Conv1D weights live here until the file is written.
   std::vector<std::vector<float>> transposed;
   std::vector<io::StWriteF32> entries;
   for (const ParamSpec& s : table.specs()) {
-    const float* src = model.param_data() + s.offset;
+    const float* src = flat + s.offset;
     if (s.hf_transposed) {
       const int64_t rows = s.shape[0], cols = s.shape[1];
       std::vector<float> t(static_cast<size_t>(rows * cols));
@@ -57,7 +56,12 @@ void save_hf_model(const Model& model, const std::string& dir, DType dtype) {
       entries.push_back({s.name, s.shape, src});
     }
   }
-  io::write_safetensors_f32((fs::path(dir) / "model.safetensors").string(), entries, dtype, {{"format", "pt"}});
+  io::write_safetensors_f32(path, entries, dtype, {{"format", "pt"}});
+}
+
+void save_hf_model(const Model& model, const std::string& dir, DType dtype) {
+  fs::create_directories(dir);
+  save_hf_tensors(model, model.param_data(), (fs::path(dir) / "model.safetensors").string(), dtype);
   nlohmann::json cfg = model.config().to_hf_json();
   cfg["torch_dtype"] = dtype == DType::F32 ? "float32" : dtype == DType::BF16 ? "bfloat16" : "float16";
   io::atomic_write_file((fs::path(dir) / "config.json").string(), cfg.dump(2) + "\n");

@@ -15,6 +15,10 @@ namespace lathe {
 // as HF does. Creates DIR if needed.
 void save_hf_model(const Model& model, const std::string& dir, DType dtype = DType::F32);
 
+// Writes any flat buffer laid out like the model's parameters (weights, gradients, optimizer
+// moments) as a safetensors file with HF names and layouts.
+void save_hf_tensors(const Model& model, const float* flat, const std::string& path, DType dtype = DType::F32);
+
 // Reads DIR/config.json (errors name the file and key).
 ModelConfig load_hf_config(const std::string& dir);
 

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The main job: install, build, tokenize the bundled corpus byte-level into a Megatron dataset,
+# train a small GPT-2 on it (configs/quickstart.yaml), evaluate and sample.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+bash scripts/build.sh
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)}
+./build/lathe tokenize --tokenizer byte --input data/tinyshakespeare.txt --output data/shakespeare_byte
+./build/lathe train configs/quickstart.yaml "$@"
+./build/lathe generate --model runs/quickstart/model --prompt "ROMEO:" --max-new-tokens 200 --seed 1

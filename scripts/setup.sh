@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs everything lathe needs to build and test on Debian 12 (idempotent; run as root or with sudo).
+set -euo pipefail
+SUDO=""
+[ "$(id -u)" = 0 ] || SUDO=sudo
+PKGS=(build-essential cmake pkg-config git
+      libopenblas-openmp-dev libyaml-cpp-dev nlohmann-json3-dev libcli11-dev libfmt-dev
+      libgtest-dev libgmock-dev libbenchmark-dev libsentencepiece-dev sentencepiece
+      libpcre2-dev libzstd-dev zlib1g-dev
+      python3 python3-pip python3-numpy python3-torch)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+# PyPI oracles for the tokenizer tests, installed into Debian's python3 (the one with torch).
+PY=/usr/bin/python3
+if ! $PY -c "import tokenizers, sentencepiece" 2>/dev/null; then
+  echo "setup: installing PyPI packages tokenizers, sentencepiece for $PY"
+  $PY -m pip install -q --break-system-packages -r "$(dirname "$0")/requirements-test.txt"
+fi
