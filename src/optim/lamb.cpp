@@ -46,6 +46,7 @@ class Lamb final : public Optimizer {
       const Chunk ch = chunks[static_cast<size_t>(c)];
       const float w = ranges[ch.range].decay ? wd : 0.0f;
       double ps = 0.0, us = 0.0;
+#pragma omp simd reduction(+ : ps, us)
       for (size_t i = ch.begin; i < ch.end; ++i) {
         const float g = grads[i];
         m[i] = m[i] * b1 + g * one_minus_b1;
@@ -77,6 +78,7 @@ class Lamb final : public Optimizer {
       const Chunk ch = chunks[static_cast<size_t>(c)];
       const float w = ranges[ch.range].decay ? wd : 0.0f;
       const float s = scale[ch.range];
+#pragma omp simd
       for (size_t i = ch.begin; i < ch.end; ++i) params[i] += s * update(i, w);
     }
   }

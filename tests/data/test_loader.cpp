@@ -26,8 +26,9 @@ struct TempDir {
   ~TempDir() { fs::remove_all(path); }
 };
 
-// Dataset of exactly ntokens tokens in short documents (lengths 1..6) so that most windows span boundaries. With
-// `positional`, token = its global position (I32), which identifies a sample from its first input.
+// Dataset of exactly ntokens tokens in short documents (lengths 1..6) so that most windows span
+// boundaries. With `positional`, token = its global position (I32), which identifies a sample
+// from its first input.
 struct Fixture {
   TempDir tmp;
   std::vector<int32_t> stream;
