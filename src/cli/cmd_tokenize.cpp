@@ -1,0 +1,93 @@
+// lathe tokenize --tokenizer PATH --input FILES/GLOBS... --output PREFIX [--workers N] [--append-eos]
+//                [--text-key text] [--split-lines] [--max-shard-size 512MB] [--strict] [--overwrite]
+// Corpus -> Megatron .bin/.idx shards; pipeline and naming rules in src/tokenizer/preprocess.h.
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "cli/command.h"
+#include "core/error.h"
+#include "tokenizer/preprocess.h"
+#include "tokenizer/tokenizer.h"
+
+namespace {
+
+extern "C" void on_interrupt(int) { lathe::tok::preprocess_cancel_flag().store(true); }
+
+int run_tokenize(int argc, char** argv) {
+  using namespace lathe::tok;
+  CLI::App app{"Tokenize a corpus into Megatron .bin/.idx shards (uint16 ids when the vocabulary fits, else int32)",
+               "lathe tokenize"};
+  PreprocessOptions opt;
+  std::string tokenizer, max_shard = "512MB", format = "auto", stats_json;
+  bool no_progress = false;
+  app.add_option("--tokenizer,-t", tokenizer, "tokenizer directory or file, or 'byte'")->required();
+  app.add_option("--input,-i", opt.inputs, "input files or globs: plain text, JSONL (.jsonl/.ndjson/.json), "
+                                           "optionally .gz/.zst")->required();
+  app.add_option("--output,-o", opt.output_prefix, "output prefix: PREFIX.bin/.idx, or PREFIX_00000.bin/.idx, ... "
+                                                   "when more than one shard is needed")->required();
+  app.add_option("--workers,-j", opt.workers, "encoding threads (output is identical for any value)")->capture_default_str();
+  app.add_flag("--append-eos", opt.append_eos, "append the tokenizer's EOS id to every document");
+  app.add_option("--text-key", opt.text_key, "JSONL key holding the document text")->capture_default_str();
+  app.add_flag("--split-lines", opt.split_lines, "plain text: one document per line (default: one per file)");
+  app.add_option("--max-shard-size", max_shard, "start a new shard before a .bin would exceed this (512MB, 1GiB, ...)")
+      ->capture_default_str();
+  app.add_option("--format", format, "auto (by file suffix), text or jsonl")->capture_default_str();
+  app.add_flag("--strict", opt.strict, "a bad record (invalid JSON, missing key, invalid UTF-8) is an error, not a skip");
+  app.add_flag("--overwrite", opt.overwrite, "replace outputs of an earlier run");
+  app.add_flag("--no-progress", no_progress, "no progress line on stderr");
+  app.add_option("--stats-json", stats_json, "also write the summary as JSON to this file");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  opt.max_shard_bytes = parse_byte_size(max_shard, "--max-shard-size");
+  opt.format = parse_input_format(format);
+  opt.progress = !no_progress;
+
+  auto tok = load_tokenizer(tokenizer);
+  preprocess_cancel_flag().store(false);
+  std::signal(SIGINT, on_interrupt);
+  std::signal(SIGTERM, on_interrupt);
+  PreprocessStats st = preprocess_corpus(*tok, opt);
+  std::signal(SIGINT, SIG_DFL);
+  std::signal(SIGTERM, SIG_DFL);
+  std::fputs(format_preprocess_summary(st).c_str(), stdout);
+  std::fflush(stdout);
+
+  if (!stats_json.empty()) {
+    nlohmann::ordered_json j;
+    j["outputs"] = st.outputs;
+    j["output_documents"] = st.output_documents;
+    j["dtype"] = st.dtype;
+    j["vocab_size"] = st.vocab_size;
+    j["documents"] = st.documents;
+    j["tokens"] = st.tokens;
+    j["records"] = st.records;
+    j["input_bytes"] = st.input_bytes;
+    j["text_bytes"] = st.text_bytes;
+    j["seconds"] = st.seconds;
+    nlohmann::ordered_json sk = nlohmann::ordered_json::object();
+    for (int r = 0; r < static_cast<int>(SkipReason::Count); ++r) sk[skip_reason_name(SkipReason(r))] = st.skipped[r];
+    j["skipped"] = sk;
+    nlohmann::ordered_json ex = nlohmann::ordered_json::array();
+    for (const auto& e : st.examples)
+      ex.push_back({{"file", e.file}, {"line", e.line}, {"reason", skip_reason_name(e.reason)}, {"detail", e.detail}});
+    j["examples"] = ex;
+    std::ofstream f(stats_json);
+    LATHE_CHECK(f.good(), "--stats-json '{}': cannot open for writing", stats_json);
+    f << j.dump(2) << "\n";
+    LATHE_CHECK(f.good(), "--stats-json '{}': write failed", stats_json);
+  }
+  return 0;
+}
+
+lathe::cli::Registrar reg("tokenize", "corpus (text/JSONL, .gz/.zst) -> Megatron .bin/.idx token shards",
+                          run_tokenize);
+
+}  // namespace

@@ -1,0 +1,388 @@
+#include "tokenizer/preprocess.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "core/timer.h"
+#include "data/indexed_dataset.h"
+
+namespace lathe::tok {
+
+std::atomic<bool>& preprocess_cancel_flag() {
+  static std::atomic<bool> flag{false};
+  return flag;
+}
+
+namespace {
+
+struct InBatch {
+  uint64_t seq = 0;
+  std::vector<RawRecord> recs;
+  uint64_t raw_pos = 0;  // on-disk bytes consumed when the batch was complete (for the ETA)
+};
+
+struct Skip {
+  uint32_t file_index;
+  uint64_t line;
+  SkipReason reason;
+  std::string detail;
+};
+
+struct OutBatch {
+  std::vector<int32_t> tokens;    // all kept documents back to back
+  std::vector<uint32_t> lengths;  // tokens per kept document
+  std::vector<Skip> skips;
+  uint64_t text_bytes = 0, input_bytes = 0, records = 0, raw_pos = 0;
+};
+
+bool file_exists(const std::string& p) {
+  struct stat st;
+  return ::stat(p.c_str(), &st) == 0;
+}
+
+void fsync_dir_of(const std::string& path) {
+  std::string dir = std::filesystem::path(path).parent_path().string();
+  if (dir.empty()) dir = ".";
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+std::string shard_name(const std::string& prefix, size_t k) { return fmt::format("{}_{:05d}", prefix, k); }
+
+// Encodes one batch (runs on a worker thread).
+OutBatch process_batch(InBatch& in, const Tokenizer& tok, const PreprocessOptions& opt, std::optional<int32_t> eos,
+                       bool check_utf8) {
+  OutBatch out;
+  out.raw_pos = in.raw_pos;
+  out.records = in.recs.size();
+  std::string text, detail;
+  for (RawRecord& r : in.recs) {
+    out.input_bytes += r.data.size();
+    const std::string* t = &r.data;
+    if (r.is_json) {
+      SkipReason why;
+      detail.clear();
+      if (r.data.find_first_not_of(" \t\r") == std::string::npos) {
+        out.skips.push_back({r.file_index, r.line, SkipReason::Empty, "blank line"});
+        continue;
+      }
+      if (!extract_json_text(r.data, opt.text_key, text, why, detail)) {
+        out.skips.push_back({r.file_index, r.line, why, detail});
+        continue;
+      }
+      t = &text;
+    }
+    if (t->empty()) {
+      out.skips.push_back({r.file_index, r.line, SkipReason::Empty, ""});
+      continue;
+    }
+    if (check_utf8 && !is_valid_utf8(*t)) {
+      out.skips.push_back({r.file_index, r.line, SkipReason::InvalidUtf8,
+                           fmt::format("tokenizer is not byte-level ({})", tok.kind())});
+      continue;
+    }
+    std::vector<int32_t> ids = tok.encode(*t, false);
+    if (ids.empty()) {
+      out.skips.push_back({r.file_index, r.line, SkipReason::Empty, "encodes to no tokens"});
+      continue;
+    }
+    out.text_bytes += t->size();
+    if (eos) ids.push_back(*eos);
+    out.tokens.insert(out.tokens.end(), ids.begin(), ids.end());
+    out.lengths.push_back(static_cast<uint32_t>(ids.size()));
+  }
+  return out;
+}
+
+}  // namespace
+
+PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions& opt) {
+  const double t0 = now_seconds();
+  LATHE_CHECK(!opt.output_prefix.empty(), "--output: empty prefix");
+  LATHE_CHECK(opt.workers >= 1 && opt.workers <= 1024, "--workers {}: must be between 1 and 1024", opt.workers);
+  LATHE_CHECK(opt.max_shard_bytes >= 1, "--max-shard-size must be at least 1 byte");
+  std::optional<int32_t> eos;
+  if (opt.append_eos) {
+    eos = tok.eos_id();
+    LATHE_CHECK(eos.has_value(),
+                "--append-eos: tokenizer '{}' has no EOS token (declare eos_token in tokenizer_config.json, or drop "
+                "--append-eos)",
+                tok.kind());
+  }
+  const bool check_utf8 = !tok.is_byte_level();
+  const DType dtype = data::optimal_token_dtype(tok.vocab_size());
+  const std::string& prefix = opt.output_prefix;
+
+  // Refuse to mix with an earlier run's outputs.
+  std::vector<std::string> existing;
+  for (const std::string& p : {prefix, shard_name(prefix, 0)})
+    for (const char* ext : {".bin", ".idx"})
+      if (file_exists(p + ext)) existing.push_back(p + ext);
+  if (!existing.empty() && !opt.overwrite)
+    throw_error("output '{}' already exists; pass --overwrite to replace it, or choose another --output",
+                existing.front());
+  {
+    std::string dir = std::filesystem::path(prefix).parent_path().string();
+    if (!dir.empty()) {
+      std::error_code ec;
+      std::filesystem::create_directories(dir, ec);
+      LATHE_CHECK(!ec, "--output '{}': cannot create directory '{}': {}", prefix, dir, ec.message());
+    }
+  }
+
+  std::vector<std::string> files = expand_input_patterns(opt.inputs);
+  RecordReader reader(files, RecordReader::Options{opt.format, opt.split_lines});
+
+  // ---- shared state (one mutex: batches are ~1 MB so contention is negligible)
+  std::mutex mu;
+  std::condition_variable cv;  // any state change
+  std::deque<InBatch> work;
+  std::map<uint64_t, OutBatch> done;
+  uint64_t batches_read = 0, next_write = 0;
+  bool reader_finished = false;
+  bool stop = false;
+  std::exception_ptr error;
+  const uint64_t max_inflight = static_cast<uint64_t>(opt.workers) * 2 + 4;
+  auto fail = [&](std::exception_ptr e) {
+    std::lock_guard<std::mutex> lk(mu);
+    if (!error) error = e;
+    stop = true;
+    cv.notify_all();
+  };
+
+  std::thread reader_thread([&] {
+    try {
+      InBatch b;
+      size_t bytes = 0;
+      RawRecord rec;
+      auto flush = [&]() -> bool {
+        std::unique_lock<std::mutex> lk(mu);
+        cv.wait(lk, [&] { return stop || batches_read - next_write < max_inflight; });
+        if (stop) return false;
+        b.seq = batches_read++;
+        b.raw_pos = reader.raw_bytes_read();
+        work.push_back(std::move(b));
+        cv.notify_all();
+        b = InBatch{};
+        bytes = 0;
+        return true;
+      };
+      while (reader.next(rec)) {
+        if (preprocess_cancel_flag().load(std::memory_order_relaxed)) break;
+        bytes += rec.data.size() + 64;
+        b.recs.push_back(std::move(rec));
+        rec = RawRecord{};
+        if (bytes >= opt.batch_bytes && !flush()) return;
+      }
+      if (!b.recs.empty() && !flush()) return;
+      std::lock_guard<std::mutex> lk(mu);
+      reader_finished = true;
+      cv.notify_all();
+    } catch (...) {
+      fail(std::current_exception());
+    }
+  });
+
+  std::vector<std::thread> workers;
+  for (int w = 0; w < opt.workers; ++w) {
+    workers.emplace_back([&] {
+      try {
+        for (;;) {
+          InBatch b;
+          {
+            std::unique_lock<std::mutex> lk(mu);
+            cv.wait(lk, [&] { return stop || !work.empty() || reader_finished; });
+            if (stop || work.empty()) return;
+            b = std::move(work.front());
+            work.pop_front();
+          }
+          OutBatch o = process_batch(b, tok, opt, eos, check_utf8);
+          std::lock_guard<std::mutex> lk(mu);
+          done.emplace(b.seq, std::move(o));
+          cv.notify_all();
+        }
+      } catch (...) {
+        fail(std::current_exception());
+      }
+    });
+  }
+
+  // ---- writer (this thread)
+  PreprocessStats st;
+  st.vocab_size = tok.vocab_size();
+  st.dtype = std::string(dtype_name(dtype));
+  std::vector<std::string> incomplete;  // finalized shards under temporary names
+  std::unique_ptr<data::IndexedDatasetWriter> writer;
+  const size_t itemsize = dtype_size(dtype);
+  auto open_shard = [&] {
+    incomplete.push_back(shard_name(prefix, incomplete.size()) + ".incomplete");
+    writer = std::make_unique<data::IndexedDatasetWriter>(incomplete.back(), dtype);
+  };
+  auto remove_incomplete = [&] {
+    writer.reset();  // removes its temp files
+    for (const auto& p : incomplete)
+      for (const char* ext : {".bin", ".idx"}) ::unlink((p + ext).c_str());
+  };
+  ProgressLine bar(opt.progress);
+  const uint64_t total_file_bytes = std::max<uint64_t>(1, reader.total_file_bytes());
+  auto draw = [&](uint64_t raw_pos, bool force) {
+    if (!bar.due(force)) return;
+    double el = std::max(now_seconds() - t0, 1e-9);
+    double frac = std::min(1.0, double(raw_pos) / double(total_file_bytes));
+    int filled = static_cast<int>(frac * 20);
+    bar.show(fmt::format("[{}{}] {:5.1f}%  {:.1f} MB/s  {} docs  {} tokens  ETA {}", std::string(filled, '#'),
+                         std::string(20 - filled, ' '), 100 * frac, st.input_bytes / 1e6 / el,
+                         format_count(double(st.documents)), format_count(double(st.tokens)),
+                         frac > 0 ? format_duration(el / frac - el) : "?"));
+  };
+
+  try {
+    open_shard();
+    for (;;) {
+      OutBatch o;
+      {
+        std::unique_lock<std::mutex> lk(mu);
+        cv.wait_for(lk, std::chrono::milliseconds(200), [&] {
+          return stop || done.count(next_write) || (reader_finished && next_write == batches_read);
+        });
+        if (preprocess_cancel_flag().load()) throw_error("interrupted; partial outputs removed");
+        if (stop) break;
+        auto it = done.find(next_write);
+        if (it == done.end()) {
+          if (reader_finished && next_write == batches_read) break;
+          continue;
+        }
+        o = std::move(it->second);
+        done.erase(it);
+        ++next_write;
+        cv.notify_all();
+      }
+      for (const Skip& s : o.skips) {
+        if (opt.strict && s.reason != SkipReason::Empty)
+          throw_error("{}:{}: {}{}{} (--strict; drop it to skip such records)", files[s.file_index], s.line,
+                      skip_reason_name(s.reason), s.detail.empty() ? "" : ": ", s.detail);
+        ++st.skipped[static_cast<int>(s.reason)];
+        if (st.examples.size() < opt.max_examples && s.reason != SkipReason::Empty)
+          st.examples.push_back({files[s.file_index], s.line, s.reason, s.detail});
+      }
+      size_t off = 0;
+      for (uint32_t len : o.lengths) {
+        uint64_t bytes = uint64_t(len) * itemsize;
+        if (writer->num_documents() > 0 && writer->bin_bytes() + bytes > opt.max_shard_bytes) {
+          writer->finalize();
+          st.output_documents.push_back(writer->num_documents());
+          open_shard();
+        }
+        writer->add_document(std::span<const int32_t>(o.tokens.data() + off, len));
+        off += len;
+        ++st.documents;
+        st.tokens += len;
+      }
+      st.text_bytes += o.text_bytes;
+      st.input_bytes += o.input_bytes;
+      st.records += o.records;
+      draw(o.raw_pos, false);
+    }
+  } catch (...) {
+    fail(std::current_exception());
+  }
+  reader_thread.join();
+  for (auto& t : workers) t.join();
+  if (error || preprocess_cancel_flag().load()) {
+    bar.finish();
+    remove_incomplete();
+    if (error) std::rethrow_exception(error);
+    throw_error("interrupted; partial outputs removed");
+  }
+  draw(reader.total_file_bytes(), true);
+  bar.finish();
+
+  if (st.documents == 0) {
+    remove_incomplete();
+    std::string why;
+    for (int r = 0; r < static_cast<int>(SkipReason::Count); ++r)
+      if (st.skipped[r]) why += fmt::format("{}{} {}", why.empty() ? "" : ", ", st.skipped[r], skip_reason_name(SkipReason(r)));
+    throw_error("no document was written from {} records{}{}; check --text-key / --split-lines / the inputs",
+                st.records, why.empty() ? "" : ": ", why);
+  }
+  try {
+    writer->finalize();
+    st.output_documents.push_back(writer->num_documents());
+    writer.reset();
+  } catch (...) {
+    remove_incomplete();
+    throw;
+  }
+
+  // Final names: .bin before .idx so that a visible .idx always has its complete .bin.
+  const size_t n = incomplete.size();
+  for (size_t k = 0; k < n; ++k) st.outputs.push_back(n == 1 ? prefix : shard_name(prefix, k));
+  for (size_t k = 0; k < n; ++k)
+    for (const char* ext : {".bin", ".idx"}) {
+      std::string from = incomplete[k] + ext, to = st.outputs[k] + ext;
+      if (::rename(from.c_str(), to.c_str()) != 0)
+        throw_error("renaming '{}' to '{}' failed: {}", from, to, std::strerror(errno));
+    }
+  // With --overwrite, drop outputs of an earlier run that this run did not replace.
+  if (opt.overwrite) {
+    if (n > 1)
+      for (const char* ext : {".bin", ".idx"}) ::unlink((prefix + ext).c_str());
+    for (size_t k = (n == 1 ? 0 : n);; ++k) {
+      bool any = false;
+      for (const char* ext : {".bin", ".idx"}) any |= ::unlink((shard_name(prefix, k) + ext).c_str()) == 0;
+      if (!any) break;
+    }
+  }
+  fsync_dir_of(prefix);
+  st.seconds = now_seconds() - t0;
+  return st;
+}
+
+std::string format_preprocess_summary(const PreprocessStats& s) {
+  std::string o;
+  if (s.outputs.size() == 1) {
+    o += fmt::format("wrote {}.bin/.idx ({}, vocabulary {})\n", s.outputs[0], s.dtype, s.vocab_size);
+  } else {
+    o += fmt::format("wrote {} shards ({}, vocabulary {}):\n", s.outputs.size(), s.dtype, s.vocab_size);
+    for (size_t k = 0; k < s.outputs.size(); ++k)
+      o += fmt::format("  {}.bin/.idx  {} documents\n", s.outputs[k], s.output_documents[k]);
+  }
+  uint64_t skipped = 0;
+  for (uint64_t c : s.skipped) skipped += c;
+  o += fmt::format("documents : {} written, {} records read, {} skipped\n", s.documents, s.records, skipped);
+  o += fmt::format("tokens    : {}\n", s.tokens);
+  double el = std::max(s.seconds, 1e-9);
+  o += fmt::format("input     : {:.2f} MB in {:.2f} s ({:.2f} MB/s); {:.3f} bytes per token\n", s.input_bytes / 1e6,
+                   s.seconds, s.input_bytes / 1e6 / el,
+                   s.tokens ? double(s.text_bytes) / double(s.tokens) : 0.0);
+  if (skipped) {
+    std::string parts;
+    for (int r = 0; r < static_cast<int>(SkipReason::Count); ++r)
+      if (s.skipped[r]) parts += fmt::format("{}{} {}", parts.empty() ? "" : ", ", s.skipped[r], skip_reason_name(SkipReason(r)));
+    o += fmt::format("skipped   : {}\n", parts);
+    for (const auto& e : s.examples)
+      o += fmt::format("  {}:{}: {}{}{}\n", e.file, e.line, skip_reason_name(e.reason), e.detail.empty() ? "" : ": ",
+                       e.detail);
+  }
+  return o;
+}
+
+}  // namespace lathe::tok
