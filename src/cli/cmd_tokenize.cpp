@@ -40,6 +40,8 @@ int run_tokenize(int argc, char** argv) {
   app.add_flag("--strict", opt.strict, "a bad record (invalid JSON, missing key, invalid UTF-8) is an error, not a skip");
   app.add_flag("--overwrite", opt.overwrite, "replace outputs of an earlier run");
   app.add_flag("--no-progress", no_progress, "no progress line on stderr");
+  app.add_option("--batch-bytes", opt.batch_bytes, "input bytes per work batch (tuning; tests use small values)")
+      ->capture_default_str();
   app.add_option("--stats-json", stats_json, "also write the summary as JSON to this file");
   try {
     app.parse(argc, argv);
@@ -49,6 +51,7 @@ int run_tokenize(int argc, char** argv) {
   opt.max_shard_bytes = parse_byte_size(max_shard, "--max-shard-size");
   opt.format = parse_input_format(format);
   opt.progress = !no_progress;
+  LATHE_CHECK(opt.batch_bytes >= 1, "--batch-bytes must be at least 1");
 
   auto tok = load_tokenizer(tokenizer);
   preprocess_cancel_flag().store(false);

@@ -401,7 +401,10 @@ uint64_t parse_byte_size(std::string_view s, std::string_view what) {
 }
 
 ProgressLine::ProgressLine(bool enabled, double plain_interval)
-    : enabled_(enabled), tty_(::isatty(2) != 0), interval_(tty_ ? 0.2 : plain_interval) {}
+    : enabled_(enabled), tty_(::isatty(2) != 0), interval_(tty_ ? 0.2 : plain_interval) {
+  // Off a terminal, the first line comes after one interval (short runs print only the final one).
+  if (!tty_) last_ = now_seconds();
+}
 
 bool ProgressLine::due(bool force) {
   if (!enabled_) return false;
