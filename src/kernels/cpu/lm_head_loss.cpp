@@ -82,17 +82,18 @@ double lm_head_loss(float* losses, float* dx, float* dw, const float* x, const f
       }
       const float target_logit = s[t];
       const float m = row_max(s, V);
-      float sum = 0.0f;
+      // The sum of up to ~10^5 terms is accumulated in double (lanes of the vector loop), so the
+      // loss does not drift with the vocabulary size; the exps themselves stay fp32.
+      double sum = 0.0;
 #pragma omp simd reduction(+ : sum)
       for (int64_t j = 0; j < V; ++j) {
         const float e = exp_approx(s[j] - m);
         s[j] = e;
-        sum += e;
+        sum += static_cast<double>(e);
       }
-      losses[n0 + r] = static_cast<float>(static_cast<double>(m) + std::log(static_cast<double>(sum)) -
-                                          static_cast<double>(target_logit));
+      losses[n0 + r] = static_cast<float>(static_cast<double>(m) + std::log(sum) - static_cast<double>(target_logit));
       if (backward) {
-        const float f = grad_scale / sum;
+        const float f = static_cast<float>(static_cast<double>(grad_scale) / sum);
 #pragma omp simd
         for (int64_t j = 0; j < V; ++j) s[j] *= f;
         s[t] -= grad_scale;
