@@ -115,7 +115,7 @@ const std::map<std::string, std::vector<std::string>> kSectionKeys = {
 const std::vector<std::string> kModelBaseKeys = {"preset", "init_from", "config"};
 const std::vector<std::string> kSchedules = {"cosine", "linear", "constant", "wsd"};
 const std::vector<std::string> kDecayShapes = {"linear", "cosine", "1-sqrt"};
-const std::vector<std::string> kOptimizers = {"adamw"};
+const std::vector<std::string> kOptimizers = {"adamw", "lamb"};
 
 std::string join(const std::vector<std::string>& v) {
   std::string o;

@@ -52,7 +52,7 @@ struct Recipe {
   } data;
 
   struct Optimizer {
-    std::string name = "adamw";  // only "adamw"
+    std::string name = "adamw";  // "adamw" or "lamb"
     double lr = 3e-4, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1,
            grad_clip = 1.0;  // grad_clip 0 = no clipping
   } optimizer;

@@ -12,8 +12,8 @@ constexpr double kPi = 3.14159265358979323846;
 double decay_factor(const std::string& shape, double p) {  // 1 at p=0 -> 0 at p=1
   if (shape == "linear") return 1.0 - p;
   if (shape == "cosine") return 0.5 * (1.0 + std::cos(kPi * p));
-  if (shape == "sqrt") return 1.0 - std::sqrt(p);
-  throw_error("schedule.decay_shape '{}' is unknown (valid: linear, cosine, sqrt)", shape);
+  if (shape == "1-sqrt") return 1.0 - std::sqrt(p);
+  throw_error("schedule.decay_shape '{}' is unknown (valid: linear, cosine, 1-sqrt)", shape);
 }
 }  // namespace
 

@@ -138,7 +138,7 @@ def schedule_ref(c, step):
     if step < start:
         return lr
     p = min((step - start) / d, 1.0) if d > 0 else 1.0
-    f = {"linear": 1 - p, "cosine": 0.5 * (1 + math.cos(math.pi * p)), "sqrt": 1 - math.sqrt(p)}[c["decay_shape"]]
+    f = {"linear": 1 - p, "cosine": 0.5 * (1 + math.cos(math.pi * p)), "1-sqrt": 1 - math.sqrt(p)}[c["decay_shape"]]
     return mn + (lr - mn) * f
 
 

@@ -135,8 +135,8 @@ json run_schedules() {
   add({"cosine", 3e-4, 3e-5, 20, 200, 0.1, "linear"});
   add({"cosine", 3e-4, 0.0, 0, 37, 0.1, "linear"});
   add({"cosine", 1e-3, 1e-4, 10, 10, 0.1, "linear"});  // warmup only
-  for (const char* shape : {"linear", "cosine", "sqrt"}) add({"wsd", 2e-3, 2e-4, 10, 100, 0.2, shape});
-  add({"wsd", 2e-3, 0.0, 5, 33, 0.1, "sqrt"});
+  for (const char* shape : {"linear", "cosine", "1-sqrt"}) add({"wsd", 2e-3, 2e-4, 10, 100, 0.2, shape});
+  add({"wsd", 2e-3, 0.0, 5, 33, 0.1, "1-sqrt"});
   add({"wsd", 2e-3, 0.0, 0, 20, 0.0, "linear"});  // no decay phase
   add({"wsd", 2e-3, 1e-5, 0, 20, 1.0, "cosine"});  // all decay
   return out;
