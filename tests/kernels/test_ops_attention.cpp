@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <omp.h>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -221,6 +222,24 @@ TEST(Attention, LargeScoresStayFinite) {
   expect_close(r.out, out_ref, 1e-4, "out", s);
   expect_close(r.lse, lse_ref, 1e-5, "lse", s);
   expect_close(r.dqkv, ref_backward(qkv_d, dout_d, s), 1e-3, "dqkv", s);
+}
+
+// Every (b, h) / (b, kv head) task is computed the same way whichever thread runs it, so results
+// are bit-identical across thread counts (not only across repeats).
+TEST(Attention, BitIdenticalAcrossThreadCounts) {
+  const Shape s{2, 67, 6, 2, 8};
+  const int64_t ld = (s.H + 2 * s.KVH) * s.D;
+  const auto qkv = randn(s.B * s.T * ld, 41, 1.0f);
+  const auto dout = randn(s.B * s.T * s.H * s.D, 42, 1.0f);
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const AttnResult one = run_kernel(qkv, dout, s);
+  omp_set_num_threads(3);
+  const AttnResult three = run_kernel(qkv, dout, s);
+  omp_set_num_threads(saved);
+  EXPECT_EQ(0, std::memcmp(one.out.data(), three.out.data(), one.out.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(one.lse.data(), three.lse.data(), one.lse.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(one.dqkv.data(), three.dqkv.data(), one.dqkv.size() * sizeof(float)));
 }
 
 TEST(Attention, RejectsBadHeadCounts) {
