@@ -3,10 +3,23 @@
 // 2048^3 problem with the current OpenMP thread count (the ceiling the matmuls can reach), and
 // milliseconds for the memory-bound kernels. Each figure is the best of several repetitions.
 // Runtime: ~10-30 s depending on the machine.
+//
+// OpenBLAS 0.3.21 (Debian 12) with DYNAMIC_ARCH does not recognise recent Intel CPUs (e.g.
+// Sapphire Rapids under a hypervisor) and falls back to its generic "Prescott" SSE3 kernels, which
+// are ~5x slower than the AVX-512 "SkylakeX" ones (OpenBLAS issue #4267, fixed in 0.3.25). The
+// kernel table is chosen when the library loads, so the only clean fix is the documented
+// OPENBLAS_CORETYPE environment variable: when the CPU has AVX-512 but OpenBLAS picked Prescott and
+// the user did not set OPENBLAS_CORETYPE, this benchmark says so and re-executes itself with
+// OPENBLAS_CORETYPE=SkylakeX. Pass --no-coretype-fix to measure the misdetected configuration.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
 
+#include <cblas.h>
 #include <omp.h>
 
 #include "core/buffer.h"
@@ -59,9 +72,29 @@ void bench_matmul(const char* name, int64_t M, int64_t K, int64_t N, Rng& rng) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  bool coretype_fix = true;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--no-coretype-fix") == 0) {
+      coretype_fix = false;
+    } else {
+      std::fprintf(stderr, "bench_kernels: unknown argument '%s' (only --no-coretype-fix)\n", argv[i]);
+      return 2;
+    }
+  }
+  const char* core = openblas_get_corename();
+  if (coretype_fix && std::getenv("OPENBLAS_CORETYPE") == nullptr && std::strcmp(core, "Prescott") == 0 &&
+      __builtin_cpu_supports("avx512f")) {
+    std::printf("bench_kernels: OpenBLAS picked the generic Prescott kernels on an AVX-512 CPU; "
+                "re-running with OPENBLAS_CORETYPE=SkylakeX\n");
+    std::fflush(stdout);
+    setenv("OPENBLAS_CORETYPE", "SkylakeX", 1);
+    execv("/proc/self/exe", argv);
+    std::perror("bench_kernels: execv /proc/self/exe failed");
+    return 1;
+  }
   const int threads = omp_get_max_threads();
-  std::printf("bench_kernels: %d OpenMP threads\n", threads);
+  std::printf("bench_kernels: %d OpenMP threads, OpenBLAS core %s (%s)\n", threads, core, openblas_get_config());
   Rng rng(1234);
 
   {
