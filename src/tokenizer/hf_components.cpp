@@ -519,13 +519,13 @@ void AddedTokenMatcher::add(const std::string& pattern, const AddedToken* tok) {
 }
 
 void AddedTokenMatcher::find(std::string_view text, std::vector<Match>& out) const {
+  // HF: Rust regex \w (Unicode) on the char before / after the match.
+  static const Regex word_re(R"(^[\p{Alphabetic}\p{M}\p{Nd}\p{Pc}\x{200C}\x{200D}])");
   auto is_word = [](std::string_view s, size_t i) {
-    // Rust char::is_alphanumeric() || '_' on the char at i (ASCII exact; other letters/digits via
-    // a conservative "any non-space non-ASCII char" approximation).
-    unsigned char c = static_cast<unsigned char>(s[i]);
-    if (c < 0x80) return std::isalnum(c) || c == '_';
-    size_t len = utf8_char_len(s, i);
-    return !is_unicode_ws(utf8_decode(s, i, len));
+    thread_local std::vector<std::pair<size_t, size_t>> m;
+    m.clear();
+    word_re.find_all(s.substr(i, utf8_char_len(s, i)), m);
+    return !m.empty();
   };
   size_t n = text.size(), pos = 0, start_offset = 0;
   while (pos < n) {
