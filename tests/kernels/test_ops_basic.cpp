@@ -320,6 +320,28 @@ TEST(Matmul, LargeParallelDeterministic) {
   EXPECT_TRUE(bit_equal(db1, db2));
 }
 
+TEST(Matmul, SingleRowLargeN) {
+  // M = 1 takes the sgemv path (generation); large N exercises its threading.
+  const int64_t M = 1, K = 257, N = 5003;
+  Rng rng(8);
+  VecF x = randn(M * K, rng), w = randn(N * K, rng), b = randn(N, rng);
+  VecD bd = to_double(b), ref;
+  ref_matmul_fwd(ref, to_double(x), to_double(w), &bd, M, K, N);
+  VecF o1(M * N, kNaN), o2(M * N, kNaN);
+  matmul_forward(o1.data(), x.data(), w.data(), b.data(), M, K, N);
+  matmul_forward(o2.data(), x.data(), w.data(), b.data(), M, K, N);
+  expect_close(o1, ref, atol_for(ref), 1e-5, "M=1 forward bias");
+  EXPECT_TRUE(bit_equal(o1, o2));
+  ref_matmul_fwd(ref, to_double(x), to_double(w), nullptr, M, K, N);
+  VecF o3(M * N, kNaN);
+  matmul_forward(o3.data(), x.data(), w.data(), nullptr, M, K, N);
+  expect_close(o3, ref, atol_for(ref), 1e-5, "M=1 forward nobias");
+  VecF acc = randn(M * N, rng);
+  VecD want = add(acc, ref);
+  matmul_forward(acc.data(), x.data(), w.data(), nullptr, M, K, N, true);
+  expect_close(acc, want, atol_for(want), 1e-5, "M=1 forward accumulate");
+}
+
 // ========================================== embedding ==========================================
 
 void run_embedding_case(int64_t B, int64_t T, int64_t C, int64_t V, bool with_wpe, bool fd, uint64_t seed) {

@@ -44,6 +44,13 @@ void matmul_forward(float* out, const float* inp, const float* weight, const flo
   }
   if (K == 0) {
     if (beta == 0.0f) std::memset(out, 0, sizeof(float) * M * N);
+  } else if (M == 1) {
+    // One row (token-by-token generation): sgemv streams the weight once, where OpenBLAS 0.3.21's
+    // sgemm would first pack it (~2x slower at the lm head). out[N] = weight[N,K] @ inp[K].
+    // beta = 0 is spelled as zero-fill + beta = 1 so that stale NaNs in out never survive,
+    // whatever the OpenBLAS version does for ?scal by zero.
+    if (beta == 0.0f) std::memset(out, 0, sizeof(float) * N);
+    cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, weight, k, inp, 1, 1.0f, out, 1);
   } else {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, inp, k, weight, k, beta, out, n);
   }
