@@ -30,9 +30,19 @@ std::atomic<bool>& preprocess_cancel_flag() {
 
 namespace {
 
+// Records of one batch share one buffer (an allocation per record cost more than the
+// reading itself for one-line documents).
+struct RecordRef {
+  size_t off;
+  size_t len;
+  uint64_t line;
+  uint32_t file_index;
+  bool is_json;
+};
 struct InBatch {
   uint64_t seq = 0;
-  std::vector<RawRecord> recs;
+  std::string buf;
+  std::vector<RecordRef> recs;
   uint64_t raw_pos = 0;  // on-disk bytes consumed when the batch was complete (for the ETA)
 };
 
@@ -56,8 +66,9 @@ bool file_exists(const std::string& p) {
 }
 
 void fsync_dir_of(const std::string& path) {
-  std::string dir = std::filesystem::path(path).parent_path().string();
-  if (dir.empty()) dir = ".";
+  std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  if (parent.empty()) parent = std::filesystem::path(".");
+  const std::string dir = parent.string();
   int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd >= 0) {
     ::fsync(fd);
@@ -74,22 +85,24 @@ OutBatch process_batch(InBatch& in, const Tokenizer& tok, const PreprocessOption
   out.raw_pos = in.raw_pos;
   out.records = in.recs.size();
   std::string text, detail;
-  for (RawRecord& r : in.recs) {
-    out.input_bytes += r.data.size();
-    const std::string* t = &r.data;
+  for (const RecordRef& r : in.recs) {
+    out.input_bytes += r.len;
+    std::string_view data(in.buf.data() + r.off, r.len);
+    std::string_view tv = data;
     if (r.is_json) {
       SkipReason why;
       detail.clear();
-      if (r.data.find_first_not_of(" \t\r") == std::string::npos) {
+      if (data.find_first_not_of(" \t\r") == std::string_view::npos) {
         out.skips.push_back({r.file_index, r.line, SkipReason::Empty, "blank line"});
         continue;
       }
-      if (!extract_json_text(r.data, opt.text_key, text, why, detail)) {
+      if (!extract_json_text(data, opt.text_key, text, why, detail)) {
         out.skips.push_back({r.file_index, r.line, why, detail});
         continue;
       }
-      t = &text;
+      tv = text;
     }
+    const std::string_view* t = &tv;
     if (t->empty()) {
       out.skips.push_back({r.file_index, r.line, SkipReason::Empty, ""});
       continue;
@@ -188,8 +201,8 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
       while (reader.next(rec)) {
         if (preprocess_cancel_flag().load(std::memory_order_relaxed)) break;
         bytes += rec.data.size() + 64;
-        b.recs.push_back(std::move(rec));
-        rec = RawRecord{};
+        b.recs.push_back(RecordRef{b.buf.size(), rec.data.size(), rec.line, rec.file_index, rec.is_json});
+        b.buf += rec.data;
         if (bytes >= opt.batch_bytes && !flush()) return;
       }
       if (!b.recs.empty() && !flush()) return;
