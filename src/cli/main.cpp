@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "cli/command.h"
+#include "core/blas_env.h"
 #include "core/error.h"
 
 namespace lathe::cli {
@@ -32,6 +33,7 @@ static void usage() {
 }
 
 int main(int argc, char** argv) {
+  lathe::ensure_fast_blas_kernel(argc, argv);
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     usage();
     return argc < 2 ? 2 : 0;

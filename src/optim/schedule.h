@@ -7,7 +7,7 @@
 //             with progress = (step - warmup) / (total - warmup), clamped to [0, 1]
 //   wsd:      warmup-stable-decay: lr until the last decay_steps = round(decay_fraction * total)
 //             steps, then from lr to min_lr with progress = (step - (total - decay_steps)) /
-//             decay_steps and decay_shape linear (1-p) | cosine (0.5(1+cos(pi p))) | sqrt (1-sqrt(p))
+//             decay_steps and decay_shape linear (1-p) | cosine (0.5(1+cos(pi p))) | 1-sqrt (1-sqrt(p))
 // Steps at or past total_steps get the end value (min_lr, or lr for constant).
 #pragma once
 #include <cstdint>
@@ -22,7 +22,7 @@ struct ScheduleConfig {
   int64_t warmup_steps = 0;
   int64_t total_steps = 1;
   double decay_fraction = 0.1;         // wsd only
-  std::string decay_shape = "linear";  // wsd only: linear | cosine | sqrt
+  std::string decay_shape = "linear";  // wsd only: linear | cosine | 1-sqrt
 };
 
 double lr_at(const ScheduleConfig& cfg, int64_t step);

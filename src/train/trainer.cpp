@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "core/blas_env.h"
 #include "core/timer.h"
 #include "io/fs.h"
 #include "models/hf_weights.h"
@@ -163,8 +164,9 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
   const double peak = r.training.peak_gflops > 0 ? r.training.peak_gflops : measure_peak_gflops();
   const size_t P = model->num_params();
   const double est = static_cast<double>(P) * 4 * 4 + static_cast<double>(model->activation_bytes());
-  log(fmt::format("model {}: {:.2f}M parameters; threads {}; peak {:.1f} GFLOP/s ({})", r.model.model_type,
-                  P / 1e6, threads, peak, r.training.peak_gflops > 0 ? "from recipe" : "measured by GEMM probe"));
+  log(fmt::format("model {}: {:.2f}M parameters; threads {}; peak {:.1f} GFLOP/s ({}; OpenBLAS kernel {})",
+                  r.model.model_type, P / 1e6, threads, peak,
+                  r.training.peak_gflops > 0 ? "from recipe" : "measured by GEMM probe", blas_kernel_name()));
   log(fmt::format("memory estimate: params {:.1f} MB + grads {:.1f} MB + AdamW moments {:.1f} MB + activations "
                   "{:.1f} MB = {:.1f} MB",
                   P * 4 / 1e6, P * 4 / 1e6, P * 8 / 1e6, model->activation_bytes() / 1e6, est / 1e6));
