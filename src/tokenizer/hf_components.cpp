@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "tokenizer/nfc.h"
 #include "tokenizer/utf8.h"
 
 namespace lathe::tok {
@@ -108,6 +109,9 @@ struct ReplaceNormalizer : Normalizer {
   ReplaceNormalizer(const json& j, const std::string& where)
       : r(j.at("pattern"), get_string(j, "content", where), where) {}
   void apply(std::string& s) const override { r.apply(s); }
+};
+struct NfcNormalizer : Normalizer {
+  void apply(std::string& s) const override { nfc_normalize(s); }
 };
 struct StripNormalizer : Normalizer {
   bool left, right;
@@ -390,13 +394,14 @@ std::unique_ptr<Normalizer> make_normalizer(const json& j, const std::string& wh
     return n;
   }
   if (type == "Replace") return std::make_unique<ReplaceNormalizer>(j, w);
+  if (type == "NFC") return std::make_unique<NfcNormalizer>();
   if (type == "Strip") {
     auto n = std::make_unique<StripNormalizer>();
     n->left = get_bool(j, "strip_left", false);
     n->right = get_bool(j, "strip_right", false);
     return n;
   }
-  throw_error("{}: normalizer type '{}' is not supported by lathe (supported: Sequence, Prepend, Replace, Strip)",
+  throw_error("{}: normalizer type '{}' is not supported by lathe (supported: Sequence, Prepend, Replace, Strip, NFC)",
               where, type);
 }
 

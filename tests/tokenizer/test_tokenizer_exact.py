@@ -177,6 +177,21 @@ l3.post_processor = processors.Sequence([
     processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bot)])])
 check_hf("llama3-style", save(l3, "llama3"), l3, special=True, byte_level=True)
 
+# 2b. Qwen2 style: NFC normalizer, Split(Qwen2 regex: single digits) + ByteLevel(use_regex=false).
+QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+         r"\s*[\r\n]+|\s+(?!\S)|\s+")
+q2 = Tokenizer.from_str(g.to_str())
+q2.normalizer = normalizers.NFC()
+q2.pre_tokenizer = pre_tokenizers.Sequence([
+    pre_tokenizers.Split(tokenizers.Regex(QWEN2), behavior="isolated", invert=False),
+    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+MARKS = [chr(c) for c in range(0x300, 0x370)] + ["\u0323", "\u031b", "\u0302", "\u3099", "\u309a", "\u05b4"]
+BASES = list("aeiouAEIOUnNcCsSzZ") + ["\u1100", "\u1161", "\u11a8", "\uac00", "\u304b", "\u30cf", "\u212b",
+                                      "\u00c5", "\u1e9b", "\u0fb2", "\u0f80", " "]
+combining = ["".join(rng.choice(BASES + MARKS * 2) for _ in range(rng.randint(1, 25))) for _ in range(1500)]
+check_hf("qwen2-style-nfc", save(q2, "qwen2"), q2, corpora=[
+    ("shakespeare-lines", shakes_lines), ("mixed", mixed), ("random-utf8", rand_utf8), ("combining-marks", combining)])
+
 # 3. Byte-level BPE trained by HF on tinyshakespeare (add_prefix_space, added tokens with
 #    lstrip/rstrip/single_word/normalized).
 bl = Tokenizer(models.BPE())
