@@ -73,6 +73,14 @@ def main():
         sp = outs[2][0] / outs[1][0]
         results[name] = sp
         print(f"{name:18s} speedup 2 workers / 1: {sp:.2f}x (target >= 1.8x); outputs byte-identical: {same}")
+        # Load-independent view: CPU seconds per stage of the 2-worker run. With 2 free cores the
+        # wall time is about max(workers / 2, (workers + reader + writer) / 2) against ~workers for 1
+        # worker (reader and writer overlap it on the second core).
+        c1, c2 = outs[1][2]["cpu_seconds"], outs[2][2]["cpu_seconds"]
+        bound = c1["workers"] / max(c2["workers"] / 2, (c2["workers"] + c2["reader"] + c2["writer"]) / 2)
+        print(f"{name:18s} CPU s: reader {c2['reader']:.2f}, workers {c2['workers']:.2f}, writer {c2['writer']:.2f}; "
+              f"speedup bound on 2 idle cores {bound:.2f}x; CPU share this run got: "
+              f"{(c2['workers'] + c2['reader'] + c2['writer']) / outs[2][2]['seconds']:.2f} cores")
     subprocess.run(["rm", "-rf", tmp])
 
 

@@ -75,6 +75,8 @@ int run_tokenize(int argc, char** argv) {
     j["input_bytes"] = st.input_bytes;
     j["text_bytes"] = st.text_bytes;
     j["seconds"] = st.seconds;
+    j["cpu_seconds"] = {{"reader", st.reader_cpu_seconds}, {"workers", st.workers_cpu_seconds},
+                        {"writer", st.writer_cpu_seconds}};
     nlohmann::ordered_json sk = nlohmann::ordered_json::object();
     for (int r = 0; r < static_cast<int>(SkipReason::Count); ++r) sk[skip_reason_name(SkipReason(r))] = st.skipped[r];
     j["skipped"] = sk;

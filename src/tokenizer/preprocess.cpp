@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -59,6 +60,12 @@ struct OutBatch {
   std::vector<Skip> skips;
   uint64_t text_bytes = 0, input_bytes = 0, records = 0, raw_pos = 0;
 };
+
+double thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
 
 bool file_exists(const std::string& p) {
   struct stat st;
@@ -181,6 +188,7 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
     cv.notify_all();
   };
 
+  double reader_cpu = 0, workers_cpu = 0;
   std::thread reader_thread([&] {
     try {
       InBatch b;
@@ -207,6 +215,7 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
       }
       if (!b.recs.empty() && !flush()) return;
       std::lock_guard<std::mutex> lk(mu);
+      reader_cpu = thread_cpu_seconds();
       reader_finished = true;
       cv.notify_all();
     } catch (...) {
@@ -223,7 +232,10 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
           {
             std::unique_lock<std::mutex> lk(mu);
             cv.wait(lk, [&] { return stop || !work.empty() || reader_finished; });
-            if (stop || work.empty()) return;
+            if (stop || work.empty()) {
+              workers_cpu += thread_cpu_seconds();
+              return;
+            }
             b = std::move(work.front());
             work.pop_front();
           }
@@ -254,6 +266,7 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
     for (const auto& p : incomplete)
       for (const char* ext : {".bin", ".idx"}) ::unlink((p + ext).c_str());
   };
+  const double writer_cpu0 = thread_cpu_seconds();
   ProgressLine bar(opt.progress);
   const uint64_t total_file_bytes = std::max<uint64_t>(1, reader.total_file_bytes());
   auto draw = [&](uint64_t raw_pos, bool force) {
@@ -319,6 +332,9 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
   }
   reader_thread.join();
   for (auto& t : workers) t.join();
+  st.reader_cpu_seconds = reader_cpu;
+  st.workers_cpu_seconds = workers_cpu;
+  st.writer_cpu_seconds = thread_cpu_seconds() - writer_cpu0;
   if (error || preprocess_cancel_flag().load()) {
     bar.finish();
     remove_incomplete();

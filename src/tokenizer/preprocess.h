@@ -62,6 +62,9 @@ struct PreprocessStats {
   std::string dtype;
   int64_t vocab_size = 0;
   double seconds = 0;
+  // CPU time per pipeline stage: with P cores and reader + writer running beside the workers,
+  // the best wall time is about max(workers/min(N, P), (workers + reader + writer) / P).
+  double reader_cpu_seconds = 0, workers_cpu_seconds = 0, writer_cpu_seconds = 0;
 };
 
 // Set from a signal handler to stop a run cleanly (outputs removed, lathe::Error thrown).
