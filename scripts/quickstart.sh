@@ -6,6 +6,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/build.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)}
-./build/lathe tokenize --tokenizer byte --input data/tinyshakespeare.txt --output data/shakespeare_byte
+./build/lathe tokenize --tokenizer byte --input data/tinyshakespeare.txt --output data/shakespeare_byte --overwrite
 ./build/lathe train configs/quickstart.yaml "$@"
 ./build/lathe generate --model runs/quickstart/model --prompt "ROMEO:" --max-new-tokens 200 --seed 1
