@@ -65,7 +65,8 @@ void Regex::find_all(std::string_view text, std::vector<std::pair<size_t, size_t
   while (pos <= n) {
     int rc = pcre2_jit_match(code, subject, n, pos, 0, st.md, st.mctx);
     if (rc == PCRE2_ERROR_NOMATCH) break;
-    LATHE_CHECK(rc > 0, "tokenizer regex '{}': PCRE2 match error {} at byte {}", pattern_, rc, pos);
+    LATHE_CHECK(rc >= 0, "tokenizer regex '{}': PCRE2 match error {} at byte {}", pattern_, rc, pos);
+    // rc == 0: more capture groups than the ovector holds; the whole-match pair is still set.
     PCRE2_SIZE* ov = pcre2_get_ovector_pointer(st.md);
     size_t s = ov[0], e = ov[1];
     if (e > s) {

@@ -225,3 +225,48 @@ TEST(Gpt2Legacy, SpecialsAndThreads) {
   for (auto& x : th) x.join();
   EXPECT_EQ(bad.load(), 0);
 }
+
+TEST(Gpt2Legacy, VocabJsonMergesTxtPairAndFiles) {
+  std::string dir = gpt2_dir();
+  if (dir.empty()) GTEST_SKIP() << "shared GPT-2 files not found";
+  auto d = temp_dir("vocab_merges");
+  fs::copy_file(fs::path(dir) / "encoder.json", d / "vocab.json", fs::copy_options::overwrite_existing);
+  fs::copy_file(fs::path(dir) / "vocab.bpe", d / "merges.txt", fs::copy_options::overwrite_existing);
+  auto a = load_tokenizer(dir);
+  auto b = load_tokenizer(d.string());
+  auto c = load_tokenizer((d / "merges.txt").string());
+  std::string text = "The quick brown fox, 1234 times!\n\n  It's 東京.";
+  EXPECT_EQ(a->encode(text), b->encode(text));
+  EXPECT_EQ(a->encode(text), c->encode(text));
+}
+
+TEST(HfJson, SpecialsFromTokenizerConfigAndTemplate) {
+  auto d = temp_dir("specials");
+  json j = json::parse(R"({
+    "model": {"type": "BPE", "vocab": {"<s>": 0, "</s>": 1, "a": 2, "b": 3, "ab": 4}, "merges": [["a", "b"]]},
+    "added_tokens": [{"id": 0, "content": "<s>", "special": true}, {"id": 1, "content": "</s>", "special": true}],
+    "post_processor": {"type": "TemplateProcessing",
+      "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                 {"SpecialToken": {"id": "</s>", "type_id": 0}}],
+      "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]},
+                         "</s>": {"id": "</s>", "ids": [1], "tokens": ["</s>"]}}}})");
+  write(d / "tokenizer.json", j.dump());
+  auto t = load_tokenizer(d.string());
+  EXPECT_EQ(t->bos_id(), 0);  // from the template
+  EXPECT_EQ(t->eos_id(), 1);
+  EXPECT_EQ(t->encode("abab</s>a", true), (std::vector<int32_t>{0, 4, 4, 1, 2, 1}));
+  EXPECT_EQ(t->decode(t->encode("abab</s>a", true), true), "ab ab a");
+  EXPECT_EQ(t->vocab_size(), 5);
+
+  write(d / "tokenizer_config.json", R"({"bos_token": {"content": "</s>"}, "eos_token": "<s>", "pad_token": null})");
+  t = load_tokenizer(d.string());
+  EXPECT_EQ(t->bos_id(), 1);  // tokenizer_config.json wins
+  EXPECT_EQ(t->eos_id(), 0);
+  EXPECT_FALSE(t->pad_id().has_value());
+  EXPECT_EQ(t->source_files().size(), 2u);
+
+  write(d / "tokenizer_config.json", R"({"eos_token": "<|eot|>"})");
+  std::string msg = load_error(d.string());
+  EXPECT_NE(msg.find("<|eot|>"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("tokenizer_config.json"), std::string::npos) << msg;
+}
