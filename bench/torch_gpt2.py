@@ -47,7 +47,7 @@ class GPT(nn.Module):
         for b in self.h:
             x = b(x, self.mask)
         logits = self.ln_f(x) @ self.wte.weight.T
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def main():
