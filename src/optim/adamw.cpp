@@ -18,7 +18,7 @@ class AdamW final : public Optimizer {
   AdamW(const OptimConfig& cfg, size_t n) : cfg_(cfg), n_(n), m_(n), v_(n) {}
 
   void step(float* params, const float* grads, std::span<const ParamRange> ranges, double lr,
-            int64_t step) override {
+            int64_t step, float grad_scale) override {
     check_step_args("adamw", n_, ranges, step);
     const double bc1 = 1.0 - std::pow(cfg_.beta1, static_cast<double>(step));
     const double bc2 = 1.0 - std::pow(cfg_.beta2, static_cast<double>(step));
@@ -38,7 +38,7 @@ class AdamW final : public Optimizer {
       const float dm = ranges[ch.range].decay ? decay_mul : 1.0f;
 #pragma omp simd
       for (size_t i = ch.begin; i < ch.end; ++i) {
-        const float g = grads[i];
+        const float g = grads[i] * grad_scale;  // x * 1.0f == x exactly
         const float p = params[i] * dm;
         const float mi = m[i] * b1 + g * one_minus_b1;
         const float vi = v[i] * b2 + g * g * one_minus_b2;

@@ -24,10 +24,15 @@ double global_grad_norm(const float* grads, size_t n) {
   return std::sqrt(total);
 }
 
+float clip_coefficient(double norm, double max_norm) {
+  if (max_norm > 0.0 && std::isfinite(norm) && norm > max_norm) return static_cast<float>(max_norm / (norm + 1e-6));
+  return 1.0f;
+}
+
 double clip_grad_norm(float* grads, size_t n, double max_norm) {
   const double norm = global_grad_norm(grads, n);
   if (max_norm > 0.0 && std::isfinite(norm) && norm > max_norm) {
-    const float scale = static_cast<float>(max_norm / (norm + 1e-6));
+    const float scale = clip_coefficient(norm, max_norm);
     const int64_t nn = static_cast<int64_t>(n);
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < nn; ++i) grads[i] *= scale;

@@ -11,5 +11,8 @@ double global_grad_norm(const float* grads, size_t n);
 // max_norm / (norm + 1e-6). Returns the pre-clip norm. A non-finite norm is returned without
 // touching the gradients: the caller's NaN/Inf guard decides (skip the step, stop), not clipping.
 double clip_grad_norm(float* grads, size_t n, double max_norm);
+// The factor clip_grad_norm would scale the gradients by (1 when no clipping applies), for
+// optimizers that apply it on the fly (Optimizer::step's grad_scale).
+float clip_coefficient(double norm, double max_norm);
 
 }  // namespace lathe::optim

@@ -21,7 +21,7 @@ class Lamb final : public Optimizer {
   Lamb(const OptimConfig& cfg, size_t n) : cfg_(cfg), n_(n), m_(n), v_(n) {}
 
   void step(float* params, const float* grads, std::span<const ParamRange> ranges, double lr,
-            int64_t step) override {
+            int64_t step, float grad_scale) override {
     check_step_args("lamb", n_, ranges, step);
     const float inv_bc1 = static_cast<float>(1.0 / (1.0 - std::pow(cfg_.beta1, static_cast<double>(step))));
     const float inv_bc2 = static_cast<float>(1.0 / (1.0 - std::pow(cfg_.beta2, static_cast<double>(step))));
@@ -48,7 +48,7 @@ class Lamb final : public Optimizer {
       double ps = 0.0, us = 0.0;
 #pragma omp simd reduction(+ : ps, us)
       for (size_t i = ch.begin; i < ch.end; ++i) {
-        const float g = grads[i];
+        const float g = grads[i] * grad_scale;  // x * 1.0f == x exactly
         m[i] = m[i] * b1 + g * one_minus_b1;
         v[i] = v[i] * b2 + g * g * one_minus_b2;
         const float u = update(i, w);

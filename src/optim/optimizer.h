@@ -30,9 +30,11 @@ class Optimizer {
  public:
   virtual ~Optimizer() = default;
   // One update of params[P] with grads[P]. `step` counts from 1 (bias correction); `lr` is the
-  // already-scheduled learning rate.
+  // already-scheduled learning rate. grad_scale multiplies every gradient as it is read (the
+  // clipping coefficient), which saves a separate read-modify-write pass over the gradients;
+  // the result is bit-identical to scaling the gradients first.
   virtual void step(float* params, const float* grads, std::span<const ParamRange> ranges, double lr,
-                    int64_t step) = 0;
+                    int64_t step, float grad_scale = 1.0f) = 0;
   // State for checkpoints: name -> flat buffer of P floats ("exp_avg", "exp_avg_sq").
   virtual std::vector<std::pair<std::string, Buffer<float>*>> state_buffers() = 0;
 };

@@ -243,3 +243,32 @@ TEST(Optim, ClipNonFiniteLeavesGradients) {
   EXPECT_EQ(g[0], 1.0f);
   EXPECT_EQ(g[2], 2.0f);
 }
+
+// Clipping applied on the fly (Optimizer::step's grad_scale) must equal clipping the gradients
+// first, bit for bit, for both optimizers.
+TEST(Optim, FusedClipEqualsClipThenStep) {
+  for (const char* name : {"adamw", "lamb"}) {
+    const size_t n = 20001;
+    std::mt19937 gen(5);
+    std::normal_distribution<float> d(0.0f, 1.0f);
+    std::vector<float> p0(n), g0(n);
+    for (auto& x : p0) x = d(gen);
+    for (auto& x : g0) x = d(gen);
+    std::vector<ParamRange> ranges{{0, 12000, true}, {12000, n - 12000, false}};
+    OptimConfig cfg;
+    cfg.name = name;
+    auto a = make_optimizer(cfg, n), b = make_optimizer(cfg, n);
+    std::vector<float> pa = p0, pb = p0;
+    for (int step = 1; step <= 3; ++step) {
+      std::vector<float> ga = g0, gb = g0;
+      for (size_t i = 0; i < n; ++i) ga[i] = gb[i] = g0[i] * static_cast<float>(step);
+      const double norm = clip_grad_norm(ga.data(), n, 0.5);
+      a->step(pa.data(), ga.data(), ranges, 1e-2, step);
+      ASSERT_EQ(norm, global_grad_norm(gb.data(), n));
+      const float scale = clip_coefficient(norm, 0.5);
+      ASSERT_LT(scale, 1.0f);
+      b->step(pb.data(), gb.data(), ranges, 1e-2, step, scale);
+    }
+    for (size_t i = 0; i < n; ++i) ASSERT_EQ(pa[i], pb[i]) << name << " element " << i;
+  }
+}
