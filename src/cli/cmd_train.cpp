@@ -1,4 +1,7 @@
-// lathe train RECIPE.yaml [--set key.path=value ...] [--save-every N]
+// lathe train RECIPE.yaml [--set key.path=value ...] [--save-every N] [--resume auto|PATH]
+//                         [--force-resume-changes] [--stop-after N]
+// Exit codes: 0 done (or stopped by --stop-after), 1 error, 75 (kExitInterrupted) stopped by
+// SIGTERM/SIGINT after saving a checkpoint.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
@@ -10,21 +13,37 @@ namespace {
 
 int run_train(int argc, char** argv) {
   CLI::App app{"Train a model from a YAML recipe", "lathe train"};
-  std::string recipe_path;
+  std::string recipe_path, resume;
   std::vector<std::string> sets;
-  int64_t save_every = -1;
-  bool quiet = false;
+  int64_t save_every = -1, checkpoint_every = -1, stop_after = 0;
+  bool quiet = false, force = false;
   app.add_option("recipe", recipe_path, "recipe file (YAML)")->required();
   app.add_option("--set", sets, "override a recipe value: --set training.steps=10 (repeatable)");
   app.add_option("--save-every", save_every, "write a Hugging Face model directory every N steps");
+  app.add_option("--checkpoint-every", checkpoint_every,
+                 "write a full training-state checkpoint every N steps (output.checkpoint_every)");
+  app.add_option("--resume", resume,
+                 "continue a run: 'auto' = newest complete checkpoint of output.dir (fresh start if none), "
+                 "or a checkpoint directory");
+  app.add_flag("--force-resume-changes", force,
+               "resume even if the recipe changed in ways that break exactness (the differences are logged)");
+  app.add_option("--stop-after", stop_after,
+                 "save a checkpoint after this many optimizer steps and exit 0 (as a preemption would)");
   app.add_flag("--quiet", quiet, "no per-step log lines");
+  app.footer("On SIGTERM or SIGINT a checkpoint is saved at the next step boundary and lathe exits with code 75; "
+             "a second signal stops immediately.");
   CLI11_PARSE(app, argc, argv);
   if (save_every >= 0) sets.push_back(fmt::format("output.save_every={}", save_every));
+  if (checkpoint_every >= 0) sets.push_back(fmt::format("output.checkpoint_every={}", checkpoint_every));
   lathe::Recipe recipe = lathe::load_recipe(recipe_path, sets);
   lathe::TrainOptions opts;
   opts.quiet = quiet;
-  lathe::train(recipe, opts);
-  return 0;
+  opts.resume = resume;
+  opts.force_resume_changes = force;
+  opts.stop_after_steps = stop_after;
+  opts.handle_signals = true;
+  lathe::TrainResult res = lathe::train(recipe, opts);
+  return res.interrupted ? lathe::kExitInterrupted : 0;
 }
 
 lathe::cli::Registrar reg("train", "train a model from a YAML recipe", run_train);

@@ -109,8 +109,8 @@ const std::map<std::string, std::vector<std::string>> kSectionKeys = {
     {"schedule", {"name", "warmup_steps", "min_lr", "decay_fraction", "decay_shape"}},
     {"training",
      {"micro_batch_size", "seq_len", "grad_accum_steps", "steps", "seed", "eval_interval", "eval_batches",
-      "log_interval", "threads", "peak_gflops"}},
-    {"output", {"dir", "save_every"}},
+      "log_interval", "threads", "peak_gflops", "resume"}},
+    {"output", {"dir", "save_every", "checkpoint_every", "keep_last"}},
 };
 const std::vector<std::string> kModelBaseKeys = {"preset", "init_from", "config"};
 const std::vector<std::string> kSchedules = {"cosine", "linear", "constant", "wsd"};
@@ -171,10 +171,13 @@ class Parser {
     get_int(t, "training", "log_interval", &tr.log_interval);
     get_int32(t, "training", "threads", &tr.threads);
     get_double(t, "training", "peak_gflops", &tr.peak_gflops);
+    get_str(t, "training", "resume", &tr.resume);
 
     json out = section("output");
     get_str(out, "output", "dir", &r.output.dir);
     get_int(out, "output", "save_every", &r.output.save_every);
+    get_int(out, "output", "checkpoint_every", &r.output.checkpoint_every);
+    get_int(out, "output", "keep_last", &r.output.keep_last);
 
     validate(r);
     return r;
@@ -428,6 +431,10 @@ class Parser {
     need(!r.output.dir.empty(), "output.dir", "is empty");
     need(r.output.save_every >= 0, "output.save_every", fmt::format("{} must be >= 0 (0 = only at the end)",
                                                                     r.output.save_every));
+    need(r.output.checkpoint_every >= 0, "output.checkpoint_every",
+         fmt::format("{} must be >= 0 (0 = no periodic checkpoints)", r.output.checkpoint_every));
+    need(r.output.keep_last >= 0 && r.output.keep_last <= 1000000, "output.keep_last",
+         fmt::format("{} must be >= 0 (0 = keep every checkpoint)", r.output.keep_last));
   }
 };
 
@@ -539,8 +546,12 @@ json Recipe::to_json() const {
                    {"eval_batches", training.eval_batches},
                    {"log_interval", training.log_interval},
                    {"threads", training.threads},
-                   {"peak_gflops", training.peak_gflops}};
-  j["output"] = {{"dir", output.dir}, {"save_every", output.save_every}};
+                   {"peak_gflops", training.peak_gflops},
+                   {"resume", training.resume}};
+  j["output"] = {{"dir", output.dir},
+                 {"save_every", output.save_every},
+                 {"checkpoint_every", output.checkpoint_every},
+                 {"keep_last", output.keep_last}};
   return j;
 }
 

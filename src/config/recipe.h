@@ -76,11 +76,18 @@ struct Recipe {
         eval_batches = 8, log_interval = 1;
     int threads = 0;         // 0 = all cores
     double peak_gflops = 0;  // 0 = measure with a GEMM probe at start
+    // "" = start fresh; "auto" = newest complete checkpoint of output.dir (fresh if none);
+    // otherwise a checkpoint directory. `lathe train --resume` overrides it.
+    std::string resume;
   } training;
 
   struct Output {
     std::string dir = "runs/default";
-    int64_t save_every = 0;  // 0 = only at the end
+    int64_t save_every = 0;  // HF model dir every N steps; 0 = only at the end
+    // Full training-state checkpoint (src/train/checkpoint.h) into dir/checkpoints/ every N steps
+    // and at the end; 0 = none (a SIGTERM/SIGINT still writes one).
+    int64_t checkpoint_every = 0;
+    int64_t keep_last = 0;  // keep the newest N checkpoints; 0 = keep all
   } output;
 
   nlohmann::json to_json() const;  // fully resolved (model as HF fields)

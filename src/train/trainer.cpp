@@ -2,8 +2,11 @@
 
 #include <omp.h>
 
+#include <atomic>
+#include <csignal>
 #include <cmath>
 #include <cstdio>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 
@@ -18,6 +21,7 @@
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "tokenizer/tokenizer.h"
+#include "train/checkpoint.h"
 #include "train/generate.h"
 #include "train/peak.h"
 
@@ -38,7 +42,7 @@ int64_t peak_rss_bytes() {
 // Appends one JSON object per line and flushes, so a crash loses at most the current line.
 class MetricsWriter {
  public:
-  explicit MetricsWriter(const std::string& path) : f_(std::fopen(path.c_str(), "w")) {
+  MetricsWriter(const std::string& path, bool append) : f_(std::fopen(path.c_str(), append ? "a" : "w")) {
     LATHE_CHECK(f_ != nullptr, "{}: cannot open for writing", path);
   }
   ~MetricsWriter() { std::fclose(f_); }
@@ -57,6 +61,55 @@ void write_model_dir(const Model& model, const std::string& dir, const std::stri
   // lathe's own note of which tokenizer the model was trained with (read by generate/eval).
   nlohmann::json meta = {{"tokenizer", tokenizer}, {"lathe_version", LATHE_VERSION}};
   io::atomic_write_file((fs::path(dir) / "lathe.json").string(), meta.dump(2) + "\n");
+}
+
+// SIGTERM/SIGINT: the first one sets the flag (checked at step boundaries) and restores the
+// default action, so a second one terminates the process as usual.
+std::atomic<int> g_stop_signal{0};
+extern "C" void on_stop_signal(int sig) {
+  g_stop_signal.store(sig);
+  std::signal(sig, SIG_DFL);
+}
+
+class SignalGuard {
+ public:
+  explicit SignalGuard(bool on) : on_(on) {
+    if (!on_) return;
+    g_stop_signal.store(0);
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, &old_term_);
+    sigaction(SIGINT, &sa, &old_int_);
+  }
+  ~SignalGuard() {
+    if (!on_) return;
+    sigaction(SIGTERM, &old_term_, nullptr);
+    sigaction(SIGINT, &old_int_, nullptr);
+  }
+
+ private:
+  bool on_;
+  struct sigaction old_term_ {}, old_int_ {};
+};
+
+// Keeps the records of steps <= `step` (a resumed run rewrites what came after its checkpoint).
+void trim_metrics(const std::string& path, int64_t step) {
+  if (!fs::exists(path)) return;
+  std::string text = io::read_file(path), kept;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t nl = text.find('\n', pos);
+    if (nl == std::string::npos) break;  // a torn last line from a crash
+    const std::string line = text.substr(pos, nl - pos);
+    pos = nl + 1;
+    try {
+      auto j = nlohmann::json::parse(line);
+      if (j.value("step", int64_t{0}) <= step) kept += line + "\n";
+    } catch (const nlohmann::json::exception&) {
+    }
+  }
+  io::atomic_write_file(path, kept);
 }
 
 }  // namespace
@@ -85,6 +138,12 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
     if (!opts.quiet) fmt::print("{}\n", s);
     std::fflush(stdout);
   };
+  // Resume decisions are printed even with --quiet: they say which state the run continues from.
+  auto say = [&](const std::string& s) {
+    fmt::print("{}\n", s);
+    std::fflush(stdout);
+  };
+  SignalGuard signals(opts.handle_signals);
   if (r.training.threads > 0) omp_set_num_threads(r.training.threads);
   const int threads = omp_get_max_threads();
   const int64_t B = r.training.micro_batch_size, T = r.training.seq_len, accum = r.training.grad_accum_steps;
@@ -124,8 +183,54 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
                 r.data.tokenizer, tokenizer->vocab_size(), r.model.vocab_size, tokenizer->vocab_size());
   }
 
+  // ---- which checkpoint (if any) this run continues from; the recipe check comes first ----
+  const std::string resume = opts.resume.empty() ? r.training.resume : opts.resume;
+  std::string ckpt;
+  if (resume == "auto") {
+    std::string notes;
+    ckpt = find_latest_checkpoint(r.output.dir, &notes);
+    size_t a = 0;
+    while (a < notes.size()) {
+      size_t b = notes.find('\n', a);
+      say("resume auto: " + notes.substr(a, b - a));
+      a = b + 1;
+    }
+    if (ckpt.empty())
+      say(fmt::format("resume auto: no complete checkpoint in {}/checkpoints; starting fresh", r.output.dir));
+    else
+      say(fmt::format("resume auto: resuming from {}{}", ckpt,
+                      notes.find("skipping") != std::string::npos ? " (falling back past the corrupt ones above)" : ""));
+  } else if (!resume.empty()) {
+    ckpt = resume;
+  }
+  CheckpointState cs;
+  if (!ckpt.empty()) {
+    cs = read_checkpoint_state(ckpt);
+    const auto changes = diff_recipes(cs.recipe, r.to_json());
+    std::string breaking, harmless;
+    for (const auto& c : changes)
+      (c.breaks_exactness ? breaking : harmless) += fmt::format("\n  {}: {} -> {}", c.key, c.before, c.after);
+    if (!harmless.empty()) say("resume: recipe changes that keep the run exact (allowed):" + harmless);
+    if (!breaking.empty()) {
+      if (!opts.force_resume_changes)
+        throw_error("{}: the recipe differs from the checkpoint's in ways that change the training results:{}\n"
+                    "Resume with the checkpoint's recipe ({}/recipe.yaml), or pass --force-resume-changes to "
+                    "continue anyway with these differences.",
+                    ckpt, breaking, ckpt);
+      say("resume: --force-resume-changes: continuing with changes that make this run differ from an "
+          "uninterrupted one:" + breaking);
+    }
+    if (r.training.steps != cs.recipe["training"].value("steps", r.training.steps))
+      say("resume: training.steps changed: the learning-rate schedule is recomputed for the new total");
+    LATHE_CHECK(cs.step <= r.training.steps,
+                "{}: the checkpoint is at step {}, beyond training.steps = {}; raise training.steps to continue",
+                ckpt, cs.step, r.training.steps);
+  }
+
   std::unique_ptr<Model> model;
-  if (!r.init_from.empty()) {
+  if (!ckpt.empty()) {
+    model = build_model(r.model);  // weights come from the checkpoint below
+  } else if (!r.init_from.empty()) {
     std::string report;
     model = load_hf_model(r.init_from, &report);
     log(fmt::format("init_from {}: {}", r.init_from, report));
@@ -155,8 +260,34 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
   sched.decay_shape = r.schedule.decay_shape;
   optim::validate(sched);
 
+  int64_t start_step = 0;
+  if (!ckpt.empty()) {
+    load_checkpoint(ckpt, *model, optimizer.get());
+    start_step = cs.step;
+    LATHE_CHECK(cs.consumed_samples == cs.step * B * accum,
+                "{}: consumed_samples {} != step {} x micro_batch_size {} x grad_accum_steps {}", ckpt,
+                cs.consumed_samples, cs.step, B, accum);
+    say(fmt::format("resume: loaded {} (step {}, epoch {}, position {}, {} samples consumed)", ckpt, cs.step,
+                    cs.loader.epoch, cs.loader.position, cs.consumed_samples));
+    if (cs.threads != threads)
+      say(fmt::format("resume: WARNING: the checkpoint was written with {} threads, this run uses {}: losses will "
+                      "not be bit-identical to an uninterrupted run (float sums change order)",
+                      cs.threads, threads));
+    // Newer checkpoints in this run directory belong to an abandoned timeline (corrupt ones that
+    // auto skipped, or a deliberate resume from an older step): move them aside so that a later
+    // --resume auto cannot pick them and keep_last does not count them.
+    for (auto& [s, dir] : list_checkpoints(r.output.dir)) {
+      if (s <= start_step || fs::equivalent(dir, ckpt)) continue;
+      const std::string aside = dir + fmt::format(".abandoned-{}", static_cast<int64_t>(std::time(nullptr)));
+      fs::rename(dir, aside);
+      say(fmt::format("resume: moved newer checkpoint {} aside to {}", dir, aside));
+    }
+  }
+
   // ---- outputs ----
   fs::create_directories(r.output.dir);
+  const std::string metrics_path = (fs::path(r.output.dir) / "metrics.jsonl").string();
+  if (!ckpt.empty()) trim_metrics(metrics_path, start_step);
   const std::string resolved = r.to_yaml();
   io::atomic_write_file((fs::path(r.output.dir) / "recipe.yaml").string(), resolved);
   log("resolved recipe (saved to " + (fs::path(r.output.dir) / "recipe.yaml").string() + "):\n" + resolved);
@@ -175,17 +306,42 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
 
   data::DataLoader loader(train_ds, train_samples, B, T, static_cast<uint64_t>(r.training.seed), true,
                           r.data.prefetch);
+  if (!ckpt.empty()) loader.restore(cs.loader);  // restarts the prefetcher at the saved position
   std::vector<int64_t> eval_subset(
       valid_samples.begin(),
       valid_samples.begin() + std::min<int64_t>(static_cast<int64_t>(valid_samples.size()), r.training.eval_batches * B));
-  MetricsWriter metrics((fs::path(r.output.dir) / "metrics.jsonl").string());
+  MetricsWriter metrics(metrics_path, !ckpt.empty());
 
   std::vector<int32_t> inputs(static_cast<size_t>(B * T)), targets(static_cast<size_t>(B * T));
   const float grad_scale = 1.0f / static_cast<float>(B * T * accum);
   const double flops_per_step = model->flops_per_token(T) * static_cast<double>(B * T * accum);
   TrainResult result;
+  result.start_step = result.end_step = start_step;
+  result.resumed_from = ckpt;
+  auto checkpoint = [&](int64_t done, double lr) {
+    const double t0 = now_seconds();
+    CheckpointState st;
+    st.step = done;
+    st.consumed_samples = done * B * accum;
+    st.loader = loader.state();
+    st.rng = {static_cast<uint64_t>(r.training.seed)};  // no other RNG: the loader derives its order from it
+    st.recipe = r.to_json();
+    st.lathe_version = LATHE_VERSION;
+    st.lr = lr;
+    st.threads = threads;
+    st.optimizer = r.optimizer.name;
+    save_checkpoint(r.output.dir, *model, optimizer.get(), st, static_cast<int>(r.output.keep_last));
+    const double dt = now_seconds() - t0;
+    result.last_checkpoint = (fs::path(r.output.dir) / "checkpoints" / fmt::format("step_{:08d}", done)).string();
+    const double mb = static_cast<double>(P) * 4 * 3 / 1e6;
+    log(fmt::format("saved checkpoint {} ({:.1f} MB in {:.2f} s, {:.0f} MB/s)", result.last_checkpoint, mb, dt,
+                    mb / std::max(dt, 1e-9)));
+    metrics.write({{"step", done}, {"checkpoint_s", dt}, {"checkpoint_mb", mb}});
+  };
+  if (start_step == r.training.steps && start_step > 0)
+    say(fmt::format("resume: the checkpoint is at the final step {}; only the end-of-run outputs remain", start_step));
   double last_loss = NAN, last_norm = NAN, last_lr = NAN;
-  for (int64_t step = 0; step < r.training.steps; ++step) {
+  for (int64_t step = start_step; step < r.training.steps; ++step) {
     const double t0 = now_seconds();
     double wait = 0, loss_sum = 0;
     model->zero_grad();
@@ -226,6 +382,21 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
       const std::string dir = (fs::path(r.output.dir) / fmt::format("step_{:08d}", step + 1)).string();
       write_model_dir(*model, dir, r.data.tokenizer);
       log("saved " + dir);
+    }
+    result.end_step = step + 1;
+    const int sig = opts.handle_signals ? g_stop_signal.load() : 0;
+    const bool stop_here = !last && opts.stop_after_steps > 0 && step + 1 >= opts.stop_after_steps;
+    const bool periodic = r.output.checkpoint_every > 0 && ((step + 1) % r.output.checkpoint_every == 0 || last);
+    if (periodic || ((sig || stop_here) && !last)) checkpoint(step + 1, lr);
+    if (sig && !last) {
+      say(fmt::format("received {}: saved a checkpoint at step {} and stopped; continue with --resume auto "
+                      "(exit code {})", sig == SIGTERM ? "SIGTERM" : "SIGINT", step + 1, kExitInterrupted));
+      result.interrupted = true;
+      return result;
+    }
+    if (stop_here) {
+      say(fmt::format("stopped after step {} as requested (--stop-after); continue with --resume auto", step + 1));
+      return result;
     }
   }
 

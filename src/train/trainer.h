@@ -1,6 +1,8 @@
 // The single-process training loop: recipe -> model, data, optimizer, schedule; per step
 // gradient accumulation over micro-batches, global-norm clipping, the optimizer update, a log
-// line and a JSONL metrics record; periodic validation; HF model directory at the end.
+// line and a JSONL metrics record; periodic validation; full-state checkpoints (checkpoint.h)
+// every output.checkpoint_every steps, on SIGTERM/SIGINT and at --stop-after; bit-exact resume;
+// HF model directory at the end.
 #pragma once
 #include <memory>
 #include <string>
@@ -16,12 +18,33 @@ namespace lathe {
 struct TrainResult {
   std::vector<double> losses;  // per optimizer step
   double final_val_loss = -1;  // -1 when there is no validation data
-  std::string model_dir;       // HF directory written at the end
+  std::string model_dir;       // HF directory written at the end ("" when stopped early)
+  int64_t start_step = 0;      // optimizer steps already done when this process started
+  int64_t end_step = 0;        // optimizer steps done when it returned
+  std::string resumed_from;    // checkpoint directory, "" for a fresh start
+  std::string last_checkpoint; // newest checkpoint written by this process
+  bool interrupted = false;    // stopped by SIGTERM/SIGINT after saving a checkpoint
 };
+
+// `lathe train` exits with this code after a SIGTERM/SIGINT stop (checkpoint saved; resume with
+// --resume auto). EX_TEMPFAIL from sysexits.h: "try again later".
+constexpr int kExitInterrupted = 75;
 
 struct TrainOptions {
   bool quiet = false;        // no per-step log lines (tests)
   bool sample_at_end = true; // print a short generated sample when a tokenizer is known
+  // "" = recipe's training.resume; "auto" = newest complete checkpoint of output.dir (fresh start
+  // when there is none); otherwise a checkpoint directory.
+  std::string resume;
+  // Resume even when the recipe changed in ways that break exactness (each change is logged).
+  bool force_resume_changes = false;
+  // > 0: after this many optimizer steps (counted from step 0), save a checkpoint and return
+  // without the end-of-run outputs (as a preemption would; for tests and time-sliced jobs).
+  int64_t stop_after_steps = 0;
+  // Install SIGTERM/SIGINT handlers for the duration of train(): the first signal makes the loop
+  // save a checkpoint at the next step boundary and return with interrupted = true; a second one
+  // kills the process as usual.
+  bool handle_signals = false;
 };
 
 TrainResult train(const Recipe& recipe, const TrainOptions& opts = {});

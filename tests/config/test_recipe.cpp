@@ -251,3 +251,25 @@ TEST(Recipe, ShippedConfigsLoad) {
   EXPECT_EQ(q.training.steps, 600);
   EXPECT_EQ(q.output.dir, "runs/quickstart");
 }
+
+TEST(Recipe, CheckpointKeys) {
+  Recipe d = parse_recipe(kGood, "recipe.yaml");
+  EXPECT_EQ(d.output.checkpoint_every, 0);
+  EXPECT_EQ(d.output.keep_last, 0);
+  EXPECT_EQ(d.training.resume, "");
+  Recipe r = parse_recipe(kGood, "recipe.yaml",
+                          {"output.checkpoint_every=25", "output.keep_last=3", "training.resume=auto"});
+  EXPECT_EQ(r.output.checkpoint_every, 25);
+  EXPECT_EQ(r.output.keep_last, 3);
+  EXPECT_EQ(r.training.resume, "auto");
+  // The resolved recipe carries them and re-loads to the same values.
+  Recipe again = parse_recipe(r.to_yaml(), "resolved.yaml");
+  EXPECT_EQ(again.output.checkpoint_every, 25);
+  EXPECT_EQ(again.output.keep_last, 3);
+  EXPECT_EQ(again.training.resume, "auto");
+  expect_error(kGood, {"output.checkpoint_every", "-1", ">= 0"}, {"output.checkpoint_every=-1"});
+  expect_error(kGood, {"output.keep_last", "-2"}, {"output.keep_last=-2"});
+  expect_error(kGood, {"output.keep_last: expected an integer"}, {"output.keep_last=many"});
+  expect_error(kGood, {"unknown key 'output.checkpoint_evry'", "did you mean 'output.checkpoint_every'"},
+               {"output.checkpoint_evry=5"});
+}

@@ -1,0 +1,567 @@
+#include "train/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "io/fs.h"
+#include "io/safetensors.h"
+
+namespace lathe {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+// ---------------------------------------------------------------------------------------------
+// XXH64, from the xxHash specification (doc/xxhash_spec.md of github.com/Cyan4973/xxHash).
+
+namespace {
+constexpr uint64_t P1 = 0x9E3779B185EBCA87ull, P2 = 0xC2B2AE3D27D4EB4Full, P3 = 0x165667B19E3779F9ull,
+                   P4 = 0x85EBCA77C2B2AE63ull, P5 = 0x27D4EB2F165667C5ull;
+inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+inline uint64_t rd64(const unsigned char* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);  // little-endian hosts only (x86-64, aarch64)
+  return v;
+}
+inline uint32_t rd32(const unsigned char* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+inline uint64_t xround(uint64_t acc, uint64_t in) { return rotl(acc + in * P2, 31) * P1; }
+inline uint64_t xmerge(uint64_t acc, uint64_t v) { return (acc ^ xround(0, v)) * P1 + P4; }
+}  // namespace
+
+Xxh64::Xxh64(uint64_t seed) : seed_(seed) {
+  v_[0] = seed + P1 + P2;
+  v_[1] = seed + P2;
+  v_[2] = seed;
+  v_[3] = seed - P1;
+}
+
+void Xxh64::update(const void* data, size_t n) {
+  const unsigned char* p = static_cast<const unsigned char*>(data);
+  total_ += n;
+  if (buf_len_ + n < 32) {
+    if (n) std::memcpy(buf_ + buf_len_, p, n);
+    buf_len_ += n;
+    return;
+  }
+  if (buf_len_) {
+    const size_t fill = 32 - buf_len_;
+    std::memcpy(buf_ + buf_len_, p, fill);
+    for (int i = 0; i < 4; ++i) v_[i] = xround(v_[i], rd64(buf_ + 8 * i));
+    p += fill;
+    n -= fill;
+    buf_len_ = 0;
+  }
+  uint64_t a = v_[0], b = v_[1], c = v_[2], d = v_[3];
+  for (; n >= 32; p += 32, n -= 32) {
+    a = xround(a, rd64(p));
+    b = xround(b, rd64(p + 8));
+    c = xround(c, rd64(p + 16));
+    d = xround(d, rd64(p + 24));
+  }
+  v_[0] = a, v_[1] = b, v_[2] = c, v_[3] = d;
+  if (n) std::memcpy(buf_, p, n);
+  buf_len_ = n;
+}
+
+uint64_t Xxh64::digest() const {
+  uint64_t h;
+  if (total_ >= 32) {
+    h = rotl(v_[0], 1) + rotl(v_[1], 7) + rotl(v_[2], 12) + rotl(v_[3], 18);
+    for (int i = 0; i < 4; ++i) h = xmerge(h, v_[i]);
+  } else {
+    h = seed_ + P5;
+  }
+  h += total_;
+  const unsigned char* p = buf_;
+  size_t n = buf_len_;
+  for (; n >= 8; p += 8, n -= 8) h = rotl(h ^ xround(0, rd64(p)), 27) * P1 + P4;
+  if (n >= 4) {
+    h = rotl(h ^ (static_cast<uint64_t>(rd32(p)) * P1), 23) * P2 + P3;
+    p += 4;
+    n -= 4;
+  }
+  for (; n > 0; ++p, --n) h = rotl(h ^ (*p * P5), 11) * P1;
+  h ^= h >> 33;
+  h *= P2;
+  h ^= h >> 29;
+  h *= P3;
+  h ^= h >> 32;
+  return h;
+}
+
+uint64_t Xxh64::hash(const void* data, size_t n, uint64_t seed) {
+  Xxh64 x(seed);
+  x.update(data, n);
+  return x.digest();
+}
+
+std::string hex64(uint64_t v) { return fmt::format("{:016x}", v); }
+
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+constexpr const char* kFormat = "lathe-checkpoint";
+constexpr int kFormatVersion = 1;
+constexpr const char* kModelFile = "model.safetensors";
+constexpr const char* kOptimFile = "optimizer.safetensors";
+constexpr const char* kRecipeFile = "recipe.yaml";
+constexpr const char* kStateFile = "state.json";
+constexpr size_t kChunk = 8u << 20;  // hash and write in 8 MB pieces (hash while it is in cache)
+
+std::string step_name(int64_t step) { return fmt::format("step_{:08d}", step); }
+
+// "step_00000120" -> 120; -1 for anything else (tmp dirs, `latest`, stray files).
+int64_t parse_step_name(const std::string& s) {
+  if (s.size() != 13 || s.rfind("step_", 0) != 0) return -1;
+  int64_t v = 0;
+  for (size_t i = 5; i < s.size(); ++i) {
+    if (s[i] < '0' || s[i] > '9') return -1;
+    v = v * 10 + (s[i] - '0');
+  }
+  return v;
+}
+
+void test_sleep() {
+  static const int ms = [] {
+    const char* e = std::getenv("LATHE_TEST_CKPT_SLEEP_MS");
+    return e ? std::atoi(e) : 0;
+  }();
+  if (ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+}
+
+// AtomicFileWriter that also hashes what it writes.
+class HashedWriter {
+ public:
+  explicit HashedWriter(const std::string& path) : w_(path) {}
+  void write(const void* p, size_t n) {
+    const char* c = static_cast<const char*>(p);
+    for (size_t i = 0; i < n; i += kChunk) {
+      const size_t m = std::min(kChunk, n - i);
+      h_.update(c + i, m);
+      w_.write(c + i, m);
+    }
+  }
+  json commit() {
+    w_.commit();
+    return {{"bytes", w_.bytes_written()}, {"xxh64", hex64(h_.digest())}};
+  }
+
+ private:
+  io::AtomicFileWriter w_;
+  Xxh64 h_;
+};
+
+struct StTensor {
+  std::string name;
+  Shape shape;
+  const float* data;
+};
+
+// fp32 safetensors written in one pass with its checksum. Returns {file entry, tensor entries}.
+std::pair<json, json> write_st(const std::string& path, const std::vector<StTensor>& ts) {
+  std::string h = R"({"__metadata__":{"format":"pt","lathe_layout":"lathe"})";
+  json tensors = json::array();
+  size_t off = 0;
+  for (const auto& t : ts) {
+    const size_t nb = static_cast<size_t>(numel(t.shape)) * 4;
+    json shape = t.shape, slice = json::array();
+    for (int64_t d : t.shape) slice.push_back({0, d});
+    // Appended piece by piece (gcc 12 warns falsely about "," + std::string temporaries).
+    h += ',';
+    h += json(t.name).dump();
+    h += R"(:{"dtype":"F32","shape":)";
+    h += shape.dump();
+    h += R"(,"data_offsets":[)";
+    h += std::to_string(off);
+    h += ',';
+    h += std::to_string(off + nb);
+    h += "]}";
+    tensors.push_back({{"name", t.name}, {"dtype", "F32"}, {"global_shape", shape}, {"slice", slice}});
+    off += nb;
+  }
+  h += "}";
+  while (h.size() % 8) h += ' ';
+  HashedWriter w(path);
+  unsigned char len[8];
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(static_cast<uint64_t>(h.size()) >> (8 * i));
+  w.write(len, 8);
+  w.write(h.data(), h.size());
+  for (const auto& t : ts) w.write(t.data, static_cast<size_t>(numel(t.shape)) * 4);
+  return {w.commit(), tensors};
+}
+
+std::string state_path(const std::string& dir) { return (fs::path(dir) / kStateFile).string(); }
+
+// Parses state.json and checks its own checksum; returns the body.
+json read_state_body(const std::string& dir) {
+  const std::string path = state_path(dir);
+  LATHE_CHECK(fs::exists(path), "{}: missing (not a complete lathe checkpoint directory)", path);
+  json j;
+  try {
+    j = json::parse(io::read_file(path));
+  } catch (const json::exception& e) {
+    throw_error("{}: corrupt: not valid JSON ({})", path, e.what());
+  }
+  LATHE_CHECK(j.is_object() && j.contains("body") && j["body"].is_object() && j.contains("body_xxh64") &&
+                  j["body_xxh64"].is_string(),
+              "{}: corrupt: expected {{\"body\": {{...}}, \"body_xxh64\": \"...\"}}", path);
+  const std::string text = j["body"].dump();
+  const std::string got = hex64(Xxh64::hash(text.data(), text.size()));
+  LATHE_CHECK(got == j["body_xxh64"].get<std::string>(),
+              "{}: corrupt: checksum mismatch (recorded xxh64 {}, computed {})", path,
+              j["body_xxh64"].get<std::string>(), got);
+  json& b = j["body"];
+  LATHE_CHECK(b.value("format", "") == kFormat, "{}: not a lathe checkpoint (format '{}')", path,
+              b.value("format", ""));
+  LATHE_CHECK(b.value("format_version", 0) == kFormatVersion,
+              "{}: checkpoint format version {} is not supported by lathe {} (reads version {})", path,
+              b.value("format_version", 0), LATHE_VERSION, kFormatVersion);
+  return b;
+}
+
+uint64_t hash_file(const std::string& path, size_t* size) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw_error("{}: cannot open: {}", path, std::strerror(errno));
+  std::vector<char> buf(kChunk);
+  Xxh64 h;
+  size_t total = 0;
+  for (;;) {
+    ssize_t r = ::read(fd, buf.data(), buf.size());
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      int err = errno;
+      ::close(fd);
+      throw_error("{}: read failed: {}", path, std::strerror(err));
+    }
+    if (r == 0) break;
+    h.update(buf.data(), static_cast<size_t>(r));
+    total += static_cast<size_t>(r);
+  }
+  ::close(fd);
+  *size = total;
+  return h.digest();
+}
+
+void verify_files(const std::string& dir, const json& body) {
+  const std::string sp = state_path(dir);
+  LATHE_CHECK(body.contains("files") && body["files"].is_object() && body["files"].contains(kModelFile),
+              "{}: corrupt: no 'files' entry for {}", sp, kModelFile);
+  for (auto& [name, meta] : body["files"].items()) {
+    const std::string path = (fs::path(dir) / name).string();
+    LATHE_CHECK(fs::exists(path), "{}: missing (listed in {}; the checkpoint is incomplete)", path, sp);
+    size_t size = 0;
+    const std::string got = hex64(hash_file(path, &size));
+    const size_t want_size = meta.value("bytes", size_t{0});
+    LATHE_CHECK(size == want_size, "{}: corrupt or truncated: {} bytes, {} records {}", path, size, sp, want_size);
+    LATHE_CHECK(got == meta.value("xxh64", ""), "{}: corrupt: checksum mismatch (recorded xxh64 {}, computed {})",
+                path, meta.value("xxh64", ""), got);
+  }
+}
+
+CheckpointState state_from_body(const json& b, const std::string& path) {
+  CheckpointState st;
+  try {
+    st.step = b.at("step").get<int64_t>();
+    st.consumed_samples = b.at("consumed_samples").get<int64_t>();
+    st.loader.epoch = b.at("loader").at("epoch").get<int64_t>();
+    st.loader.position = b.at("loader").at("position").get<int64_t>();
+    st.rng = b.at("rng").get<std::vector<uint64_t>>();
+    st.loss_scale = b.at("loss_scale").get<double>();
+    st.recipe = b.at("recipe");
+    st.lathe_version = b.at("lathe_version").get<std::string>();
+    st.lr = b.value("lr", 0.0);
+    st.threads = b.value("threads", 0);
+    st.optimizer = b.value("optimizer", "");
+  } catch (const json::exception& e) {
+    throw_error("{}: missing or mistyped field: {}", path, e.what());
+  }
+  return st;
+}
+
+// Checks the state.json tensor entries of `file` against the file itself: a single-rank load needs
+// every tensor whole.
+void check_slices(const json& body, const std::string& file, const io::SafetensorsFile& st, const std::string& sp) {
+  LATHE_CHECK(body.contains("tensors") && body["tensors"].contains(file), "{}: no 'tensors' entry for {}", sp, file);
+  for (const json& t : body["tensors"][file]) {
+    const std::string name = t.value("name", "");
+    const io::StTensorInfo* info = st.find(name);
+    LATHE_CHECK(info != nullptr, "{}: tensor '{}' listed in {} is missing from the file", st.path(), name, sp);
+    const Shape global = t.at("global_shape").get<Shape>();
+    LATHE_CHECK(global == info->shape, "{}: tensor '{}' has shape {} but {} records global shape {}", st.path(), name,
+                shape_str(info->shape), sp, shape_str(global));
+    const json& slice = t.at("slice");
+    bool whole = slice.size() == global.size();
+    for (size_t d = 0; whole && d < global.size(); ++d)
+      whole = slice[d].at(0).get<int64_t>() == 0 && slice[d].at(1).get<int64_t>() == global[d];
+    LATHE_CHECK(whole,
+                "{}: tensor '{}' holds the slice {} of a sharded checkpoint; reassembling shards is not "
+                "implemented yet",
+                st.path(), name, slice.dump());
+  }
+}
+
+// Copies every parameter-shaped tensor "<prefix><param name>" of `path` into flat[P].
+void load_flat(const std::string& path, const Model& model, const std::string& prefix, float* flat,
+               std::set<std::string>* used) {
+  io::SafetensorsFile st(path);
+  for (const ParamSpec& s : model.params().specs()) {
+    const std::string name = prefix + s.name;
+    const io::StTensorInfo* info = st.find(name);
+    LATHE_CHECK(info != nullptr,
+                "{}: tensor '{}' is missing (the checkpoint was written for another model; its recipe is in "
+                "recipe.yaml beside it)",
+                path, name);
+    LATHE_CHECK(info->dtype == DType::F32 && info->dtype_supported, "{}: tensor '{}' has dtype {}, expected F32",
+                path, name, info->dtype_code);
+    LATHE_CHECK(info->shape == s.shape,
+                "{}: tensor '{}' has shape {} but the model expects {} (the checkpoint was written for another "
+                "model configuration)",
+                path, name, shape_str(info->shape), shape_str(s.shape));
+    st.read_f32(*info, flat + s.offset);
+    used->insert(name);
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+
+std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string& run_dir) {
+  std::vector<std::pair<int64_t, std::string>> out;
+  const fs::path root = fs::path(run_dir) / "checkpoints";
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return out;
+  for (const auto& e : fs::directory_iterator(root)) {
+    const int64_t s = parse_step_name(e.path().filename().string());
+    if (s >= 0 && e.is_directory()) out.push_back({s, e.path().string()});
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void save_checkpoint(const std::string& run_dir, const Model& model, optim::Optimizer* opt,
+                     const CheckpointState& st, int keep_last) {
+  const fs::path root = fs::path(run_dir) / "checkpoints";
+  fs::create_directories(root);
+  // Leftovers of interrupted saves (ours or a killed process's) are never complete checkpoints.
+  for (const auto& e : fs::directory_iterator(root)) {
+    const std::string n = e.path().filename().string();
+    if (n.size() > 4 && n.compare(n.size() - 4, 4, ".tmp") == 0) fs::remove_all(e.path());
+  }
+  const std::string name = step_name(st.step);
+  const fs::path final_dir = root / name, tmp = root / (name + ".tmp");
+  fs::create_directories(tmp);
+
+  json files = json::object(), tensors = json::object();
+  {
+    std::vector<StTensor> ts;
+    for (const ParamSpec& s : model.params().specs()) ts.push_back({s.name, s.shape, model.param_data() + s.offset});
+    auto [f, t] = write_st((tmp / kModelFile).string(), ts);
+    files[kModelFile] = f;
+    tensors[kModelFile] = t;
+    test_sleep();
+  }
+  std::string opt_name = st.optimizer;
+  if (opt) {
+    std::vector<StTensor> ts;
+    auto bufs = opt->state_buffers();
+    for (auto& [bname, buf] : bufs) {
+      LATHE_CHECK(buf->size() == model.num_params(),
+                  "internal: optimizer state '{}' has {} floats, the model {} parameters", bname, buf->size(),
+                  model.num_params());
+      for (const ParamSpec& s : model.params().specs())
+        ts.push_back({bname + "/" + s.name, s.shape, buf->data() + s.offset});
+    }
+    auto [f, t] = write_st((tmp / kOptimFile).string(), ts);
+    files[kOptimFile] = f;
+    tensors[kOptimFile] = t;
+    test_sleep();
+  }
+  {
+    HashedWriter w((tmp / kRecipeFile).string());
+    const std::string text = "# resolved recipe of this checkpoint (JSON, which is valid YAML)\n" + st.recipe.dump(2) + "\n";
+    w.write(text.data(), text.size());
+    files[kRecipeFile] = w.commit();
+    test_sleep();
+  }
+  json body = {{"format", kFormat},
+               {"format_version", kFormatVersion},
+               {"lathe_version", st.lathe_version.empty() ? std::string(LATHE_VERSION) : st.lathe_version},
+               {"step", st.step},
+               {"consumed_samples", st.consumed_samples},
+               {"loader", {{"epoch", st.loader.epoch}, {"position", st.loader.position}}},
+               {"rng", st.rng},
+               {"loss_scale", st.loss_scale},
+               {"lr", st.lr},
+               {"threads", st.threads},
+               {"optimizer", opt ? opt_name : std::string()},
+               {"recipe", st.recipe},
+               {"world", {{"world_size", 1}, {"rank", 0}}},
+               {"files", files},
+               {"tensors", tensors}};
+  const std::string text = body.dump();
+  json doc = {{"body", body}, {"body_xxh64", hex64(Xxh64::hash(text.data(), text.size()))}};
+  io::atomic_write_file((tmp / kStateFile).string(), doc.dump() + "\n");
+  io::fsync_dir(tmp.string());
+  test_sleep();
+
+  // Into place. A checkpoint of the same step (from an abandoned timeline) is moved aside first.
+  std::error_code ec;
+  const fs::path aside = root / (name + ".replaced.tmp");
+  if (fs::exists(final_dir)) fs::rename(final_dir, aside);
+  fs::rename(tmp, final_dir);
+  io::fsync_dir(root.string());
+  if (fs::exists(aside)) fs::remove_all(aside, ec);
+  io::atomic_write_file((root / "latest").string(), name + "\n");
+
+  if (keep_last > 0) {
+    // Only checkpoints up to this one count; the newest keep_last of them survive.
+    std::vector<std::string> older;
+    for (auto& [s, dir] : list_checkpoints(run_dir))
+      if (s < st.step) older.push_back(dir);
+    const size_t keep_older = static_cast<size_t>(keep_last - 1);
+    for (size_t i = 0; i + keep_older < older.size(); ++i) fs::remove_all(older[i]);
+  }
+}
+
+CheckpointState read_checkpoint_state(const std::string& ckpt_dir) {
+  return state_from_body(read_state_body(ckpt_dir), state_path(ckpt_dir));
+}
+
+void verify_checkpoint(const std::string& ckpt_dir) {
+  LATHE_CHECK(fs::is_directory(ckpt_dir), "{}: not a directory (expected a checkpoint directory such as "
+              "RUN_DIR/checkpoints/step_00000100)", ckpt_dir);
+  json b = read_state_body(ckpt_dir);
+  verify_files(ckpt_dir, b);
+  state_from_body(b, state_path(ckpt_dir));
+}
+
+std::string find_latest_checkpoint(const std::string& run_dir, std::string* log) {
+  auto note = [&](const std::string& s) {
+    if (log) *log += s + "\n";
+  };
+  const fs::path root = fs::path(run_dir) / "checkpoints";
+  std::error_code ec;
+  if (fs::is_directory(root, ec))
+    for (const auto& e : fs::directory_iterator(root)) {
+      const std::string n = e.path().filename().string();
+      if (n.size() > 4 && n.compare(n.size() - 4, 4, ".tmp") == 0)
+        note(fmt::format("ignoring {}: incomplete (a save was interrupted)", e.path().string()));
+    }
+  auto all = list_checkpoints(run_dir);
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    try {
+      verify_checkpoint(it->second);
+      return it->second;
+    } catch (const Error& e) {
+      note(fmt::format("skipping checkpoint {}: {}", it->second, e.what()));
+    }
+  }
+  return "";
+}
+
+CheckpointState load_checkpoint(const std::string& ckpt_dir, Model& model, optim::Optimizer* opt) {
+  LATHE_CHECK(fs::is_directory(ckpt_dir), "{}: not a directory (expected a checkpoint directory such as "
+              "RUN_DIR/checkpoints/step_00000100)", ckpt_dir);
+  const std::string sp = state_path(ckpt_dir);
+  json body = read_state_body(ckpt_dir);
+  verify_files(ckpt_dir, body);
+  CheckpointState st = state_from_body(body, sp);
+
+  const std::string mpath = (fs::path(ckpt_dir) / kModelFile).string();
+  {
+    std::set<std::string> used;
+    load_flat(mpath, model, "", model.param_data(), &used);
+    io::SafetensorsFile f(mpath);
+    check_slices(body, kModelFile, f, sp);
+    for (const auto& t : f.tensors())
+      LATHE_CHECK(used.count(t.name), "{}: unexpected tensor '{}' (not a parameter of this model)", mpath, t.name);
+  }
+  if (opt) {
+    const std::string opath = (fs::path(ckpt_dir) / kOptimFile).string();
+    LATHE_CHECK(body["files"].contains(kOptimFile) && fs::exists(opath),
+                "{}: no optimizer state in this checkpoint (it was saved without one); resuming needs the moments",
+                opath);
+    std::set<std::string> used;
+    for (auto& [bname, buf] : opt->state_buffers()) {
+      LATHE_CHECK(buf->size() == model.num_params(), "internal: optimizer state '{}' has {} floats, the model {}",
+                  bname, buf->size(), model.num_params());
+      load_flat(opath, model, bname + "/", buf->data(), &used);
+    }
+    io::SafetensorsFile f(opath);
+    check_slices(body, kOptimFile, f, sp);
+    for (const auto& t : f.tensors())
+      LATHE_CHECK(used.count(t.name), "{}: unexpected tensor '{}' (state of another optimizer? the checkpoint "
+                  "was written by '{}')", opath, t.name, st.optimizer);
+  }
+  return st;
+}
+
+ModelConfig checkpoint_model_config(const std::string& ckpt_dir) {
+  CheckpointState st = read_checkpoint_state(ckpt_dir);
+  const std::string sp = state_path(ckpt_dir);
+  LATHE_CHECK(st.recipe.is_object() && st.recipe.contains("model") && st.recipe["model"].is_object(),
+              "{}: the saved recipe has no model section", sp);
+  json m = st.recipe["model"];
+  m.erase("init_from");
+  return ModelConfig::from_hf_json(m, sp + " recipe", "model.", false);
+}
+
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+void flatten(const json& j, const std::string& prefix, std::map<std::string, json>* out) {
+  if (j.is_object()) {
+    for (auto it = j.begin(); it != j.end(); ++it)
+      flatten(it.value(), prefix.empty() ? it.key() : prefix + "." + it.key(), out);
+    if (j.empty() && !prefix.empty()) (*out)[prefix] = j;
+    return;
+  }
+  (*out)[prefix] = j;
+}
+
+bool harmless_key(const std::string& k) {
+  static const std::set<std::string> keys = {
+      "training.steps",     "training.eval_interval", "training.eval_batches", "training.log_interval",
+      "training.threads",   "training.peak_gflops",   "training.resume",       "data.tokenizer",
+      "data.prefetch",      "model.init_from"};
+  return keys.count(k) || k.rfind("output.", 0) == 0;
+}
+}  // namespace
+
+std::vector<RecipeChange> diff_recipes(const json& before, const json& after) {
+  std::map<std::string, json> a, b;
+  flatten(before, "", &a);
+  flatten(after, "", &b);
+  std::set<std::string> keys;
+  for (auto& [k, v] : a) keys.insert(k);
+  for (auto& [k, v] : b) keys.insert(k);
+  std::vector<RecipeChange> out;
+  for (const auto& k : keys) {
+    auto ia = a.find(k), ib = b.find(k);
+    const json va = ia == a.end() ? json() : ia->second, vb = ib == b.end() ? json() : ib->second;
+    if (va == vb) continue;
+    auto str = [](const json& v, bool present) { return present ? v.dump() : std::string("(absent)"); };
+    out.push_back({k, str(va, ia != a.end()), str(vb, ib != b.end()), !harmless_key(k)});
+  }
+  return out;
+}
+
+}  // namespace lathe

@@ -1,0 +1,113 @@
+// Full training-state checkpoints that survive crashes and resume bit-exactly.
+//
+// Layout of RUN_DIR/checkpoints/ (format "lathe-checkpoint", version 1):
+//   step_00000120/             one complete checkpoint (8-digit optimizer step)
+//     model.safetensors        fp32 parameters, HF names, LATHE layout: every tensor has the shape
+//                              of its ParamSpec (linear weights [out, in]; GPT-2 Conv1D weights are
+//                              therefore the transpose of HF's file layout). Tensors in table order.
+//     optimizer.safetensors    fp32 moments "exp_avg/<param name>", "exp_avg_sq/<param name>"
+//                              (same shapes as the parameters); absent keys are an error on load.
+//     recipe.yaml              the resolved recipe (JSON text, which is valid YAML), for humans
+//                              and `lathe train recipe.yaml`
+//     state.json               {"body": {...}, "body_xxh64": "<16 hex>"}; body holds format,
+//                              version, step, consumed_samples, loader {epoch, position}, rng,
+//                              loss_scale, lr, threads, recipe, lathe_version, optimizer name,
+//                              "files": {file: {"bytes", "xxh64"}} for the three files above, and
+//                              "tensors": {file: [{"name", "dtype", "global_shape",
+//                              "slice": [[start, end) per dim]}]} — per-rank ready: a sharded run
+//                              writes one file per rank and lists the slice each holds. body_xxh64
+//                              is XXH64 (seed 0) of body.dump() (compact, sorted keys), so a flipped
+//                              byte anywhere in state.json is detected too.
+//   step_00000120.tmp/         a checkpoint being written (ignored, removed by the next save)
+//   latest                     "step_00000120\n", replaced atomically after each complete save
+//
+// Save order: files into step_X.tmp/ (each fsync'ed; state.json with the checksums last), fsync
+// the tmp dir, rename to step_X/, fsync checkpoints/, write `latest` atomically, then delete
+// older checkpoints beyond keep_last. A crash at any point leaves every step_X/ complete.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "config/model_config.h"
+#include "data/loader.h"
+#include "models/model.h"
+#include "optim/optimizer.h"
+
+namespace lathe {
+
+struct CheckpointState {
+  int64_t step = 0;  // optimizer steps completed
+  int64_t consumed_samples = 0;
+  data::LoaderState loader;    // epoch, position
+  std::vector<uint64_t> rng;   // any RNG state the trainer keeps (now: the seed)
+  double loss_scale = 1.0;     // for fp16 later
+  nlohmann::json recipe;       // resolved recipe (Recipe::to_json())
+  std::string lathe_version;
+  // Additions (informational; the trainer warns when they differ on resume).
+  double lr = 0;         // learning rate used by the last step
+  int threads = 0;       // OpenMP threads of the run that wrote it
+  std::string optimizer;  // "adamw" | "lamb" | "" (no optimizer state)
+};
+
+// Writes RUN_DIR/checkpoints/step_XXXXXXXX/ atomically (tmp dir, fsync files + dir, rename), then
+// updates RUN_DIR/checkpoints/latest atomically; keep_last > 0 deletes older complete checkpoints
+// only after the new one is complete. An existing step_XXXXXXXX/ of the same step is replaced.
+// Test hook: env LATHE_TEST_CKPT_SLEEP_MS=N sleeps N ms after each file and before the rename.
+void save_checkpoint(const std::string& run_dir, const Model& model, optim::Optimizer* opt,
+                     const CheckpointState& st, int keep_last);
+
+// Newest complete checkpoint dir under RUN_DIR/checkpoints (verifying checksums); skipped
+// corrupt/partial ones are described in *log (one line each). "" if none.
+std::string find_latest_checkpoint(const std::string& run_dir, std::string* log = nullptr);
+
+// Verifies checksums and shapes, fills model params (and optimizer moments if opt != nullptr).
+// Errors name the file and what is wrong.
+CheckpointState load_checkpoint(const std::string& ckpt_dir, Model& model, optim::Optimizer* opt);
+
+ModelConfig checkpoint_model_config(const std::string& ckpt_dir);  // from the saved recipe
+
+// ---- additions ----
+
+// state.json only (its own checksum verified, the data files not read).
+CheckpointState read_checkpoint_state(const std::string& ckpt_dir);
+// Throws unless state.json is intact and every file it lists exists with the recorded size and
+// XXH64. The message names the file and what is wrong.
+void verify_checkpoint(const std::string& ckpt_dir);
+// Complete checkpoints (step_XXXXXXXX dirs, not verified) of RUN_DIR, ascending by step.
+std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string& run_dir);
+
+// One differing key between a checkpoint's recipe and the new one ("training.seq_len").
+struct RecipeChange {
+  std::string key, before, after;
+  bool breaks_exactness = false;
+};
+// Compares two Recipe::to_json() trees key by key. Breaking (resume would not continue the same
+// run): model.* (except model.init_from, which only matters at initialisation), data.train,
+// data.valid, data.valid_fraction, optimizer.* (including lr: it changes every later update),
+// schedule.*, training.{micro_batch_size, seq_len, grad_accum_steps, seed}, and any key not
+// listed as harmless. Harmless: training.{steps, eval_interval, eval_batches, log_interval,
+// threads, peak_gflops, resume}, output.*, data.{tokenizer, prefetch}. (training.steps is allowed
+// by design even though decaying schedules are recomputed for the new total; threads changes the
+// float summation order, the trainer warns about it.)
+std::vector<RecipeChange> diff_recipes(const nlohmann::json& before, const nlohmann::json& after);
+
+// XXH64 (Yann Collet's xxHash, 64-bit), streaming. Matches XXH64() of the reference library.
+class Xxh64 {
+ public:
+  explicit Xxh64(uint64_t seed = 0);
+  void update(const void* data, size_t n);
+  uint64_t digest() const;
+  static uint64_t hash(const void* data, size_t n, uint64_t seed = 0);
+
+ private:
+  uint64_t v_[4];
+  uint64_t seed_, total_ = 0;
+  unsigned char buf_[32];
+  size_t buf_len_ = 0;
+};
+std::string hex64(uint64_t v);  // 16 lowercase hex digits
+
+}  // namespace lathe
