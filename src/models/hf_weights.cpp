@@ -1,9 +1,10 @@
 #include "models/hf_weights.h"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <map>
+#include <regex>
 #include <set>
 #include <vector>
 
@@ -11,119 +12,320 @@
 #include <nlohmann/json.hpp>
 
 #include "io/fs.h"
+#include "io/gguf.h"
 #include "io/safetensors.h"
 
 namespace lathe {
 
 namespace fs = std::filesystem;
+using nlohmann::json;
 
 namespace {
 
-// HF names of a parameter: the canonical one and, for GPT-2, the unprefixed base-model form
-// that the Hub's gpt2 checkpoint uses ("h.0.attn.c_attn.weight").
-std::vector<std::string> accepted_names(const std::string& name) {
-  std::vector<std::string> v{name};
-  const std::string prefix = "transformer.";
-  if (name.rfind(prefix, 0) == 0) v.push_back(name.substr(prefix.size()));
-  return v;
+// ---------------------------------------------------------------------------------------------
+// THE name table. The model's ParamTable names already are the canonical HF state-dict names;
+// this table holds only what differs between checkpoints of one family: name aliases, buffers
+// that hold no parameters, the lm_head that a tied model may carry as a copy, and the tensors
+// whose rows are the vocabulary.
+struct FamilyRules {
+  std::vector<std::string> model_types;
+  // {file prefix, canonical prefix}: the Hub's base-model gpt2 checkpoint has no "transformer.".
+  std::vector<std::pair<std::string, std::string>> prefix_aliases;
+  // Non-parameter buffers (suffix match; only for names that are not parameters).
+  std::vector<std::string> ignored_suffixes;
+  std::string embedding;                   // canonical token embedding
+  std::string tied_head_in_file;           // lm_head a tied model's file may carry as a copy
+  std::vector<std::string> vocab_tensors;  // rows = vocabulary, resized by resize_vocab
+};
+
+const std::vector<FamilyRules>& family_rules() {
+  static const std::vector<FamilyRules> rules = {
+      {{"gpt2"},
+       {{"h.", "transformer.h."}, {"wte.", "transformer.wte."}, {"wpe.", "transformer.wpe."},
+        {"ln_f.", "transformer.ln_f."}},
+       {".attn.bias", ".attn.masked_bias"},  // causal-mask buffers of old checkpoints
+       "transformer.wte.weight",
+       "lm_head.weight",
+       {"transformer.wte.weight"}},
+      {{"llama", "qwen2", "mistral"},
+       {},
+       {".rotary_emb.inv_freq"},  // rotary buffer of older checkpoints
+       "model.embed_tokens.weight",
+       "lm_head.weight",
+       {"model.embed_tokens.weight", "lm_head.weight"}},
+  };
+  return rules;
 }
 
-bool ignorable_file_tensor(const std::string& name) {
-  // Causal-mask and rotary buffers that older checkpoints carry; they hold no parameters.
-  auto ends_with = [&](const std::string& s) {
-    return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
-  };
-  return ends_with(".attn.bias") || ends_with(".attn.masked_bias") || ends_with("rotary_emb.inv_freq");
+const FamilyRules& rules_for(const ModelConfig& cfg) {
+  for (const auto& r : family_rules())
+    if (std::find(r.model_types.begin(), r.model_types.end(), cfg.model_type) != r.model_types.end()) return r;
+  throw_error("internal: no Hugging Face name rules for model_type '{}'", cfg.model_type);
+}
+
+bool ends_with(const std::string& s, const std::string& suf) {
+  return s.size() >= suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0;
+}
+
+// File tensor name -> parameter, or nullptr.
+const ParamSpec* canonical(const ParamTable& table, const FamilyRules& rules, const std::string& name) {
+  if (const ParamSpec* p = table.find(name)) return p;
+  for (const auto& [from, to] : rules.prefix_aliases)
+    if (name.rfind(from, 0) == 0)
+      if (const ParamSpec* p = table.find(to + name.substr(from.size()))) return p;
+  return nullptr;
+}
+
+std::string file_name(const std::string& path) { return fs::path(path).filename().string(); }
+
+const char* torch_dtype_name(DType d) {
+  return d == DType::F32 ? "float32" : d == DType::BF16 ? "bfloat16" : "float16";
+}
+
+// One tensor to write: HF name, HF shape, fp32 data (pointing into the model or into `keep`).
+struct OutTensor {
+  std::string name;
+  Shape shape;
+  const float* data;
+};
+
+std::vector<OutTensor> hf_layout(const Model& model, const float* flat, std::vector<std::vector<float>>& keep) {
+  std::vector<OutTensor> out;
+  keep.reserve(model.params().specs().size());
+  for (const ParamSpec& s : model.params().specs()) {
+    const float* src = flat + s.offset;
+    if (s.hf_transposed) {
+      const int64_t rows = s.shape[0], cols = s.shape[1];  // lathe [out, in] -> HF Conv1D [in, out]
+      std::vector<float> t(static_cast<size_t>(rows * cols));
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) t[c * rows + r] = src[r * cols + c];
+      keep.push_back(std::move(t));
+      out.push_back({s.name, Shape{cols, rows}, keep.back().data()});
+    } else {
+      out.push_back({s.name, s.shape, src});
+    }
+  }
+  return out;
+}
+
+void write_tensors(const std::vector<OutTensor>& ts, const std::string& path, DType dtype) {
+  std::vector<io::StWriteF32> entries;
+  for (const auto& t : ts) entries.push_back({t.name, t.shape, t.data});
+  io::write_safetensors_f32(path, entries, dtype, {{"format", "pt"}});
 }
 
 }  // namespace
 
+// ------------------------------------------------------------------------------------- saving
+
 void save_hf_tensors(const Model& model, const float* flat, const std::string& path, DType dtype) {
-  const ParamTable& table = model.params();
-  // Transposed copies for GPT-2 Conv1D weights live here until the file is written.
-  std::vector<std::vector<float>> transposed;
-  std::vector<io::StWriteF32> entries;
-  for (const ParamSpec& s : table.specs()) {
-    const float* src = flat + s.offset;
-    if (s.hf_transposed) {
-      const int64_t rows = s.shape[0], cols = s.shape[1];
-      std::vector<float> t(static_cast<size_t>(rows * cols));
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < cols; ++c) t[c * rows + r] = src[r * cols + c];
-      transposed.push_back(std::move(t));
-      entries.push_back({s.name, Shape{cols, rows}, transposed.back().data()});
-    } else {
-      entries.push_back({s.name, s.shape, src});
-    }
-  }
-  io::write_safetensors_f32(path, entries, dtype, {{"format", "pt"}});
+  std::vector<std::vector<float>> keep;
+  write_tensors(hf_layout(model, flat, keep), path, dtype);
 }
 
 void save_hf_model(const Model& model, const std::string& dir, DType dtype) {
-  fs::create_directories(dir);
-  save_hf_tensors(model, model.param_data(), (fs::path(dir) / "model.safetensors").string(), dtype);
-  nlohmann::json cfg = model.config().to_hf_json();
-  cfg["torch_dtype"] = dtype == DType::F32 ? "float32" : dtype == DType::BF16 ? "bfloat16" : "float16";
-  io::atomic_write_file((fs::path(dir) / "config.json").string(), cfg.dump(2) + "\n");
+  HfSaveOptions o;
+  o.dtype = dtype;
+  save_hf_model(model, dir, o);
 }
+
+void save_hf_model(const Model& model, const std::string& dir, const HfSaveOptions& opts) {
+  LATHE_CHECK(opts.dtype == DType::F32 || opts.dtype == DType::BF16 || opts.dtype == DType::F16,
+              "export dtype must be fp32, bf16 or fp16, not {}", dtype_name(opts.dtype));
+  LATHE_CHECK(opts.max_shard_bytes > 0, "max shard size must be > 0");
+  for (const auto& f : opts.extra_files)
+    LATHE_CHECK(fs::is_regular_file(f), "{}: file to copy into {} not found", f, dir);
+  fs::create_directories(dir);
+  std::vector<std::vector<float>> keep;
+  const std::vector<OutTensor> ts = hf_layout(model, model.param_data(), keep);
+
+  // Greedy shards in state-dict order, as transformers' save_pretrained does.
+  const size_t esize = dtype_size(opts.dtype);
+  std::vector<std::vector<OutTensor>> shards(1);
+  uint64_t cur = 0, total = 0;
+  for (const auto& t : ts) {
+    const uint64_t nb = static_cast<uint64_t>(lathe::numel(t.shape)) * esize;
+    if (cur > 0 && cur + nb > opts.max_shard_bytes) {
+      shards.emplace_back();
+      cur = 0;
+    }
+    shards.back().push_back(t);
+    cur += nb;
+    total += nb;
+  }
+  // Stale weight files of another layout would make the directory ambiguous to loaders.
+  static const std::regex shard_re(R"(model-\d{5}-of-\d{5}\.safetensors)");
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string n = e.path().filename().string();
+    if (n == "model.safetensors" || n == "model.safetensors.index.json" || std::regex_match(n, shard_re))
+      fs::remove(e.path());
+  }
+  if (shards.size() == 1) {
+    write_tensors(shards[0], (fs::path(dir) / "model.safetensors").string(), opts.dtype);
+  } else {
+    json wm = json::object();
+    for (size_t i = 0; i < shards.size(); ++i) {
+      const std::string name = fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, shards.size());
+      write_tensors(shards[i], (fs::path(dir) / name).string(), opts.dtype);
+      for (const auto& t : shards[i]) wm[t.name] = name;
+    }
+    json index = {{"metadata", {{"total_size", total}}}, {"weight_map", wm}};
+    io::atomic_write_file((fs::path(dir) / "model.safetensors.index.json").string(), index.dump(2) + "\n");
+  }
+  json cfg = model.config().to_hf_json();
+  cfg["torch_dtype"] = torch_dtype_name(opts.dtype);
+  io::atomic_write_file((fs::path(dir) / "config.json").string(), cfg.dump(2) + "\n");
+  json gen = {{"_from_model_config", true}};
+  const ModelConfig& c = model.config();
+  if (c.bos_token_id >= 0) gen["bos_token_id"] = c.bos_token_id;
+  if (c.eos_token_id >= 0) gen["eos_token_id"] = c.eos_token_id;
+  if (c.pad_token_id >= 0) gen["pad_token_id"] = c.pad_token_id;
+  io::atomic_write_file((fs::path(dir) / "generation_config.json").string(), gen.dump(2) + "\n");
+  for (const auto& f : opts.extra_files) {
+    const fs::path dst = fs::path(dir) / fs::path(f).filename();
+    if (fs::exists(dst) && fs::equivalent(dst, f)) continue;
+    io::atomic_write_file(dst.string(), io::read_file(f));
+  }
+}
+
+// ------------------------------------------------------------------------------------ loading
 
 ModelConfig load_hf_config(const std::string& dir) {
   const std::string path = (fs::path(dir) / "config.json").string();
   LATHE_CHECK(fs::exists(path), "{}: not found (a Hugging Face model directory needs config.json)", path);
-  nlohmann::json j;
+  json j;
   try {
-    j = nlohmann::json::parse(io::read_file(path));
-  } catch (const nlohmann::json::exception& e) {
+    j = json::parse(io::read_file(path));
+  } catch (const json::exception& e) {
     throw_error("{}: invalid JSON: {}", path, e.what());
   }
   return ModelConfig::from_hf_json(j, path, false);
 }
 
-std::string load_hf_weights(Model& model, const std::string& dir) {
-  std::vector<std::string> files;
+std::vector<std::string> hf_weight_files(const std::string& dir) {
   const fs::path single = fs::path(dir) / "model.safetensors";
   const fs::path index = fs::path(dir) / "model.safetensors.index.json";
+  LATHE_CHECK(fs::is_directory(dir), "{}: not a directory (expected a Hugging Face model directory)", dir);
   if (fs::exists(single)) {
-    files.push_back(single.string());
-  } else if (fs::exists(index)) {
-    nlohmann::json j = nlohmann::json::parse(io::read_file(index.string()));
-    std::set<std::string> uniq;
-    for (auto& [k, v] : j.at("weight_map").items()) uniq.insert(v.get<std::string>());
-    for (auto& f : uniq) files.push_back((fs::path(dir) / f).string());
-  } else if (fs::exists(fs::path(dir) / "pytorch_model.bin")) {
-    throw_error("{}: only pytorch_model.bin found; lathe reads safetensors. Convert it with: python3 -c \"import "
-                "transformers as t; t.AutoModelForCausalLM.from_pretrained('{}').save_pretrained('{}', "
-                "safe_serialization=True)\"",
-                dir, dir, dir);
-  } else {
-    throw_error("{}: no model.safetensors or model.safetensors.index.json", dir);
+    LATHE_CHECK(!fs::exists(index),
+                "{}: both model.safetensors and model.safetensors.index.json exist; it is ambiguous which holds "
+                "the weights (remove the stale one)",
+                dir);
+    return {single.string()};
   }
+  if (fs::exists(index)) {
+    json j;
+    try {
+      j = json::parse(io::read_file(index.string()));
+    } catch (const json::exception& e) {
+      throw_error("{}: invalid JSON: {}", index.string(), e.what());
+    }
+    LATHE_CHECK(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(),
+                "{}: no \"weight_map\" object", index.string());
+    std::set<std::string> uniq;
+    for (auto& [k, v] : j["weight_map"].items()) {
+      LATHE_CHECK(v.is_string(), "{}: weight_map[\"{}\"] is not a file name", index.string(), k);
+      uniq.insert(v.get<std::string>());
+    }
+    LATHE_CHECK(!uniq.empty(), "{}: weight_map is empty", index.string());
+    std::vector<std::string> files;
+    for (const auto& f : uniq) {
+      const fs::path p = fs::path(dir) / f;
+      LATHE_CHECK(fs::exists(p), "{}: shard {} listed in weight_map does not exist", index.string(), p.string());
+      files.push_back(p.string());
+    }
+    return files;
+  }
+  for (const char* bin : {"pytorch_model.bin", "pytorch_model.bin.index.json"})
+    if (fs::exists(fs::path(dir) / bin))
+      throw_error("{}: only {} found; lathe reads safetensors only (pickle files can run code). Convert it "
+                  "with: /usr/bin/python3 -c \"import transformers as t; "
+                  "t.AutoModelForCausalLM.from_pretrained('{}').save_pretrained('{}', safe_serialization=True)\"",
+                  dir, bin, dir, dir);
+  throw_error("{}: no model.safetensors or model.safetensors.index.json", dir);
+}
+
+std::string load_hf_weights(Model& model, const std::string& dir, const HfLoadOptions& opts) {
+  const ModelConfig& cfg = model.config();
+  const FamilyRules& rules = rules_for(cfg);
+  const std::vector<std::string> files = hf_weight_files(dir);
+  // Sharded: the tensor -> file map of the index, checked against what each file holds.
+  std::map<std::string, std::string> weight_map;
+  const fs::path index = fs::path(dir) / "model.safetensors.index.json";
+  const bool sharded = files.size() > 1 || file_name(files[0]) != "model.safetensors";
+  if (sharded)
+    for (auto& [k, v] : json::parse(io::read_file(index.string()))["weight_map"].items())
+      weight_map[k] = v.get<std::string>();
 
   const ParamTable& table = model.params();
-  std::map<std::string, const ParamSpec*> by_file_name;
-  for (const ParamSpec& s : table.specs())
-    for (auto& n : accepted_names(s.name)) by_file_name[n] = &s;
+  const int64_t C = cfg.hidden_size, Vm = cfg.vocab_size;
+  // The file's vocabulary: the model's unless resizing.
+  int64_t Vf = Vm;
   std::map<std::string, int> loaded;
-  std::vector<std::string> unexpected, misshaped;
-  std::map<std::string, int64_t> conversions;
+  std::vector<std::string> unexpected, misshaped, index_errors;
+  std::map<std::string, std::pair<int64_t, size_t>> conversions;  // dtype -> (tensors, bytes)
+  std::vector<std::string> ignored;
   size_t bytes = 0;
+  std::vector<float> tied_copy;  // a tied model's lm_head.weight found in the file
+  std::string tied_copy_file;
+  std::set<std::string> seen_in_files;
+
   for (const std::string& f : files) {
     io::SafetensorsFile st(f);
     for (const io::StTensorInfo& info : st.tensors()) {
-      auto it = by_file_name.find(info.name);
-      if (it == by_file_name.end()) {
-        if (!ignorable_file_tensor(info.name)) unexpected.push_back(fmt::format("{} (in {})", info.name, f));
+      seen_in_files.insert(info.name);
+      if (sharded) {
+        auto it = weight_map.find(info.name);
+        if (it == weight_map.end())
+          index_errors.push_back(fmt::format("{} is in {} but not in the index's weight_map", info.name, file_name(f)));
+        else if (it->second != file_name(f))
+          index_errors.push_back(
+              fmt::format("{} is in {} but the index says {}", info.name, file_name(f), it->second));
+      }
+      const ParamSpec* sp = canonical(table, rules, info.name);
+      if (!sp) {
+        if (cfg.tie_word_embeddings && info.name == rules.tied_head_in_file) {
+          // Checked against the embedding once everything is loaded.
+          tied_copy.resize(static_cast<size_t>(lathe::numel(info.shape)));
+          if (info.shape.size() == 2 && info.shape[1] == C) {
+            st.read_f32(info, tied_copy.data());
+            tied_copy_file = f;
+          } else {
+            misshaped.push_back(fmt::format("{}: file has {}, the tied embedding is [V, {}]", info.name,
+                                            shape_str(info.shape), C));
+          }
+          continue;
+        }
+        bool ign = false;
+        for (const auto& suf : rules.ignored_suffixes) ign = ign || ends_with(info.name, suf);
+        if (ign)
+          ignored.push_back(info.name);
+        else
+          unexpected.push_back(fmt::format("{} (in {})", info.name, file_name(f)));
         continue;
       }
-      const ParamSpec& s = *it->second;
+      const ParamSpec& s = *sp;
+      const bool vocab = std::find(rules.vocab_tensors.begin(), rules.vocab_tensors.end(), s.name) !=
+                         rules.vocab_tensors.end();
       Shape want = s.shape;
       if (s.hf_transposed) std::reverse(want.begin(), want.end());
+      if (vocab && opts.resize_vocab > 0 && info.shape.size() == 2 && info.shape[1] == C) {
+        // The file's vocabulary may be smaller than the model's when resizing.
+        if (info.shape[0] > Vm)
+          throw_error("{}: {} has {} rows but --resize-vocab is {}: shrinking the vocabulary would drop tokens",
+                      dir, info.name, info.shape[0], Vm);
+        Vf = info.shape[0];
+        want[0] = Vf;
+      }
       if (info.shape != want) {
         misshaped.push_back(fmt::format("{}: file has {}, model needs {}", info.name, shape_str(info.shape),
                                         shape_str(want)));
         continue;
       }
-      if (++loaded[s.name] > 1) throw_error("{}: parameter {} appears more than once in the files", dir, s.name);
+      if (++loaded[s.name] > 1) {
+        misshaped.push_back(fmt::format("{}: appears more than once in the files (as {})", s.name, info.name));
+        continue;
+      }
       float* dst = model.param_data() + s.offset;
       if (s.hf_transposed) {
         std::vector<float> tmp(static_cast<size_t>(s.numel()));
@@ -132,18 +334,33 @@ std::string load_hf_weights(Model& model, const std::string& dir) {
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t c = 0; c < cols; ++c) dst[r * cols + c] = tmp[c * rows + r];
       } else {
-        st.read_f32(info, dst);
+        st.read_f32(info, dst);  // for a resized vocabulary: the first Vf rows
+      }
+      if (vocab && want[0] < s.shape[0]) {
+        // New rows = mean of the loaded rows (keeps the new tokens' logits near the average).
+        std::vector<double> mean(static_cast<size_t>(C), 0.0);
+        for (int64_t r = 0; r < want[0]; ++r)
+          for (int64_t c = 0; c < C; ++c) mean[c] += dst[r * C + c];
+        for (int64_t r = want[0]; r < s.shape[0]; ++r)
+          for (int64_t c = 0; c < C; ++c) dst[r * C + c] = static_cast<float>(mean[c] / static_cast<double>(want[0]));
       }
       bytes += info.nbytes;
-      if (info.dtype != DType::F32) conversions[std::string(dtype_name(info.dtype))] += 1;
+      if (info.dtype != DType::F32) {
+        auto& cv = conversions[std::string(dtype_name(info.dtype))];
+        cv.first += 1;
+        cv.second += info.nbytes;
+      }
     }
   }
+  for (const auto& [k, v] : weight_map)
+    if (!seen_in_files.count(k)) index_errors.push_back(fmt::format("{} is listed in the index ({}) but not in that file", k, v));
+
   std::vector<std::string> missing;
   for (const ParamSpec& s : table.specs())
     if (!loaded.count(s.name)) missing.push_back(s.name);
-  if (!missing.empty() || !unexpected.empty() || !misshaped.empty()) {
-    std::string msg = fmt::format("{}: weights do not match the model ({} from config.json)", dir,
-                                  model.config().model_type);
+  if (!missing.empty() || !unexpected.empty() || !misshaped.empty() || !index_errors.empty()) {
+    std::string msg = fmt::format("{}: weights do not match the model (model_type {} from config.json)", dir,
+                                  cfg.model_type);
     auto list = [&](const char* what, const std::vector<std::string>& v) {
       if (v.empty()) return;
       msg += fmt::format("\n  {} ({}):", what, v.size());
@@ -152,21 +369,202 @@ std::string load_hf_weights(Model& model, const std::string& dir) {
     };
     list("missing from the files", missing);
     list("unexpected in the files", unexpected);
-    list("wrong shape", misshaped);
+    list("wrong shape or duplicated", misshaped);
+    list("inconsistent with model.safetensors.index.json", index_errors);
     throw Error(msg);
   }
+
+  std::string tied_note;
+  if (!tied_copy_file.empty()) {
+    // A tied model computes logits with the embedding; a different lm_head in the file would be
+    // silently ignored, so it must be an exact copy.
+    const float* emb = model.param(rules.embedding);
+    const int64_t rows = static_cast<int64_t>(tied_copy.size()) / C;
+    LATHE_CHECK(rows == Vf, "{}: {} in {} has {} rows but the embedding {} has {}", dir, rules.tied_head_in_file,
+                tied_copy_file, rows, rules.embedding, Vf);
+    double maxd = 0;
+    for (size_t i = 0; i < tied_copy.size(); ++i) maxd = std::max(maxd, std::fabs(double(tied_copy[i]) - emb[i]));
+    LATHE_CHECK(maxd == 0,
+                "{}: config.json says tie_word_embeddings = true but {} in {} differs from {} (max abs diff {:.6g}); "
+                "a tied model would ignore it. Set \"tie_word_embeddings\": false in config.json if the head is "
+                "trained separately",
+                dir, rules.tied_head_in_file, file_name(tied_copy_file), rules.embedding, maxd);
+    tied_note = fmt::format(" tied {} present in the file and equal to {};", rules.tied_head_in_file, rules.embedding);
+  } else if (cfg.tie_word_embeddings) {
+    tied_note = fmt::format(" {} tied to {};", rules.tied_head_in_file, rules.embedding);
+  }
   std::string conv;
-  for (auto& [k, n] : conversions) conv += fmt::format(" {} tensors {}->F32;", n, k);
-  return fmt::format("loaded {} tensors ({:.1f} MB) from {} file(s);{}", loaded.size(), bytes / 1e6, files.size(),
-                     conv.empty() ? " no dtype conversion" : conv);
+  for (auto& [k, n] : conversions) conv += fmt::format(" {} tensors ({:.1f} MB) {}->F32;", n.first, n.second / 1e6, k);
+  std::string rep = fmt::format("loaded {} tensors ({:.1f} MB) from {} file(s);{}{}", loaded.size(), bytes / 1e6,
+                                files.size(), conv.empty() ? " no dtype conversion;" : conv, tied_note);
+  if (!ignored.empty()) rep += fmt::format(" ignored {} non-parameter buffers (e.g. {});", ignored.size(), ignored[0]);
+  if (opts.resize_vocab > 0) {
+    if (Vf < Vm)
+      rep += fmt::format(" vocabulary resized {} -> {}: {} new rows initialized to the mean embedding;", Vf, Vm,
+                         Vm - Vf);
+    else
+      rep += fmt::format(" vocabulary already {} (no resize needed);", Vm);
+  }
+  rep.pop_back();
+  return rep;
 }
 
-std::unique_ptr<Model> load_hf_model(const std::string& dir, std::string* report) {
+std::unique_ptr<Model> load_hf_model(const std::string& dir, std::string* report, const HfLoadOptions& opts) {
   ModelConfig cfg = load_hf_config(dir);
+  if (opts.resize_vocab > 0) {
+    LATHE_CHECK(opts.resize_vocab >= cfg.vocab_size,
+                "--resize-vocab {} is smaller than the vocab_size {} of {}: shrinking would drop tokens",
+                opts.resize_vocab, cfg.vocab_size, dir);
+    cfg.vocab_size = opts.resize_vocab;
+  }
   auto model = build_model(cfg);
-  std::string r = load_hf_weights(*model, dir);
+  std::string r = load_hf_weights(*model, dir, opts);
   if (report) *report = r;
   return model;
+}
+
+// --------------------------------------------------------------------------------------- GGUF
+
+namespace {
+
+// HF rotate_half order -> llama.cpp interleaved order, per head: new row 2j = old row j,
+// new row 2j+1 = old row j + hd/2. W: [n_head*hd, cols] (cols = 1 for a bias).
+std::vector<float> permute_rope_rows(const float* w, int64_t n_head, int64_t hd, int64_t cols) {
+  std::vector<float> out(static_cast<size_t>(n_head * hd * cols));
+  for (int64_t h = 0; h < n_head; ++h)
+    for (int64_t j = 0; j < hd / 2; ++j)
+      for (int64_t half = 0; half < 2; ++half) {
+        const float* src = w + ((h * hd) + half * (hd / 2) + j) * cols;
+        std::copy(src, src + cols, out.begin() + ((h * hd) + 2 * j + half) * cols);
+      }
+  return out;
+}
+
+// tokenizer.json (BPE) -> tokenizer.ggml.* keys.
+void add_gguf_tokenizer(io::GgufWriter& w, const std::string& path, int64_t vocab_size, const ModelConfig& cfg) {
+  json j;
+  try {
+    j = json::parse(io::read_file(path));
+  } catch (const json::exception& e) {
+    throw_error("{}: invalid JSON: {}", path, e.what());
+  }
+  LATHE_CHECK(j.contains("model") && j["model"].value("type", "") == "BPE",
+              "{}: GGUF export writes BPE tokenizers only (model.type is '{}')", path,
+              j.contains("model") ? j["model"].value("type", "") : "");
+  std::vector<std::string> tokens(static_cast<size_t>(vocab_size));
+  std::vector<int32_t> types(static_cast<size_t>(vocab_size), 1);  // NORMAL
+  std::vector<bool> set(static_cast<size_t>(vocab_size), false);
+  for (auto& [tok, id] : j["model"]["vocab"].items()) {
+    const int64_t i = id.get<int64_t>();
+    LATHE_CHECK(i >= 0 && i < vocab_size, "{}: token id {} of '{}' is outside the model's vocab_size {}", path, i,
+                tok, vocab_size);
+    tokens[i] = tok;
+    set[i] = true;
+  }
+  if (j.contains("added_tokens"))
+    for (const auto& a : j["added_tokens"]) {
+      const int64_t i = a.at("id").get<int64_t>();
+      LATHE_CHECK(i >= 0 && i < vocab_size, "{}: added token id {} is outside the model's vocab_size {}", path, i,
+                  vocab_size);
+      tokens[i] = a.at("content").get<std::string>();
+      set[i] = true;
+      types[i] = a.value("special", false) ? 3 : 4;  // CONTROL : USER_DEFINED
+    }
+  for (int64_t i = 0; i < vocab_size; ++i)
+    if (!set[i]) {
+      tokens[i] = fmt::format("[PAD{}]", i);
+      types[i] = 5;  // UNUSED
+    }
+  std::vector<std::string> merges;
+  for (const auto& m : j["model"].value("merges", json::array()))
+    merges.push_back(m.is_array() ? m[0].get<std::string>() + " " + m[1].get<std::string>() : m.get<std::string>());
+  w.add_string("tokenizer.ggml.model", "gpt2");
+  w.add_string("tokenizer.ggml.pre", "default");
+  w.add_string_array("tokenizer.ggml.tokens", tokens);
+  w.add_i32_array("tokenizer.ggml.token_type", types);
+  w.add_string_array("tokenizer.ggml.merges", merges);
+  if (cfg.bos_token_id >= 0) w.add_u32("tokenizer.ggml.bos_token_id", static_cast<uint32_t>(cfg.bos_token_id));
+  if (cfg.eos_token_id >= 0) w.add_u32("tokenizer.ggml.eos_token_id", static_cast<uint32_t>(cfg.eos_token_id));
+  if (cfg.pad_token_id >= 0) w.add_u32("tokenizer.ggml.padding_token_id", static_cast<uint32_t>(cfg.pad_token_id));
+}
+
+}  // namespace
+
+std::string save_gguf(const Model& model, const std::string& path, DType dtype, const std::string& tokenizer_json,
+                      const std::string& name) {
+  const ModelConfig& c = model.config();
+  LATHE_CHECK(c.is_llama(), "--to-gguf: GGUF export supports the llama family (llama, qwen2, mistral), not {}",
+              c.model_type);
+  LATHE_CHECK(dtype == DType::F32 || dtype == DType::F16, "--to-gguf: dtype must be f32 or f16, not {}",
+              dtype_name(dtype));
+  LATHE_CHECK(c.sliding_window == 0 || c.sliding_window >= c.max_position_embeddings,
+              "--to-gguf: sliding_window {} < context {}: llama.cpp's llama architecture would attend to the full "
+              "context; refusing rather than writing a model that computes something else",
+              c.sliding_window, c.max_position_embeddings);
+  // llama.cpp: llama (and mistral, converted as llama) use NORM RoPE -> q/k rows permuted;
+  // qwen2 uses NEOX RoPE (HF's rotate_half) natively.
+  const bool qwen = c.model_type == "qwen2";
+  const std::string arch = qwen ? "qwen2" : "llama";
+  const bool permute = !qwen;
+  const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim(), C = c.hidden_size;
+
+  io::GgufWriter w;
+  w.add_string("general.architecture", arch);
+  w.add_string("general.name", name);
+  w.add_u32("general.file_type", dtype == DType::F16 ? 1 : 0);
+  auto u32 = [](int64_t v) { return static_cast<uint32_t>(v); };
+  w.add_u32(arch + ".context_length", u32(c.max_position_embeddings));
+  w.add_u32(arch + ".embedding_length", u32(C));
+  w.add_u32(arch + ".block_count", u32(c.num_hidden_layers));
+  w.add_u32(arch + ".feed_forward_length", u32(c.intermediate_size));
+  w.add_u32(arch + ".attention.head_count", u32(H));
+  w.add_u32(arch + ".attention.head_count_kv", u32(KV));
+  w.add_f32(arch + ".rope.freq_base", static_cast<float>(c.rope_theta));
+  w.add_f32(arch + ".attention.layer_norm_rms_epsilon", static_cast<float>(c.norm_eps));
+  w.add_u32(arch + ".rope.dimension_count", u32(D));
+  w.add_u32(arch + ".vocab_size", u32(c.vocab_size));
+  if (!tokenizer_json.empty())
+    add_gguf_tokenizer(w, tokenizer_json, c.vocab_size, c);
+  else
+    w.add_string("tokenizer.ggml.model", "no_vocab");
+
+  // HF suffix -> GGUF block tensor name; q/k rows permuted for NORM RoPE.
+  static const std::vector<std::pair<std::string, std::string>> block_map = {
+      {"input_layernorm.weight", "attn_norm.weight"},  {"self_attn.q_proj.weight", "attn_q.weight"},
+      {"self_attn.k_proj.weight", "attn_k.weight"},    {"self_attn.v_proj.weight", "attn_v.weight"},
+      {"self_attn.q_proj.bias", "attn_q.bias"},        {"self_attn.k_proj.bias", "attn_k.bias"},
+      {"self_attn.v_proj.bias", "attn_v.bias"},        {"self_attn.o_proj.weight", "attn_output.weight"},
+      {"self_attn.o_proj.bias", "attn_output.bias"},   {"post_attention_layernorm.weight", "ffn_norm.weight"},
+      {"mlp.gate_proj.weight", "ffn_gate.weight"},     {"mlp.up_proj.weight", "ffn_up.weight"},
+      {"mlp.down_proj.weight", "ffn_down.weight"},
+  };
+  static const std::regex layer_re(R"(model\.layers\.(\d+)\.(.+))");
+  for (const ParamSpec& s : model.params().specs()) {
+    const float* data = model.param_data() + s.offset;
+    std::string gname, suffix;
+    std::smatch m;
+    if (s.name == "model.embed_tokens.weight") gname = "token_embd.weight";
+    else if (s.name == "model.norm.weight") gname = "output_norm.weight";
+    else if (s.name == "lm_head.weight") gname = "output.weight";
+    else if (std::regex_match(s.name, m, layer_re)) {
+      suffix = m[2].str();
+      for (const auto& [hf, gg] : block_map)
+        if (hf == suffix) gname = fmt::format("blk.{}.{}", m[1].str(), gg);
+    }
+    LATHE_CHECK(!gname.empty(), "internal: no GGUF name for parameter {}", s.name);
+    const DType t = s.shape.size() >= 2 ? dtype : DType::F32;  // 1-D tensors stay F32
+    const bool is_q = suffix.rfind("self_attn.q_proj.", 0) == 0, is_k = suffix.rfind("self_attn.k_proj.", 0) == 0;
+    if (permute && (is_q || is_k)) {
+      const int64_t cols = s.shape.size() == 2 ? s.shape[1] : 1;
+      w.add_tensor_owned(gname, s.shape, permute_rope_rows(data, is_q ? H : KV, D, cols), t);
+    } else {
+      w.add_tensor(gname, s.shape, data, t);
+    }
+  }
+  const size_t n = w.write(path);
+  return fmt::format("wrote {} ({} tensors, {} metadata keys, {:.1f} MB, architecture {}{}, {})", path,
+                     w.num_tensors(), w.num_kv(), n / 1e6, arch, permute ? ", q/k rows permuted for NORM RoPE" : "",
+                     tokenizer_json.empty() ? "no tokenizer (tokenizer.ggml.model = no_vocab)" : "tokenizer from " + tokenizer_json);
 }
 
 }  // namespace lathe

@@ -1,32 +1,68 @@
-// Hugging Face model directories in and out: config.json + model.safetensors with HF names and
-// layouts (GPT-2 Conv1D weights transposed), so `transformers` loads what lathe writes and lathe
-// loads what `transformers` saves. Loading is strict: every parameter must be found exactly once
-// with the right shape, and every tensor of the file must be used.
+// Hugging Face model directories in and out: config.json + model.safetensors (or shards with
+// model.safetensors.index.json) with HF names and layouts (GPT-2 Conv1D weights transposed), so
+// `transformers` loads what lathe writes and lathe loads what `transformers` saves.
+//
+// Loading is strict: every parameter must be found exactly once with the right shape, and every
+// tensor of the files must be used (or be a known non-parameter buffer, listed in the one name
+// table in hf_weights.cpp). Otherwise the error lists the missing, unexpected and mis-shaped names.
+// A tied model's file may carry lm_head.weight only as an exact copy of the embedding.
 #pragma once
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/dtype.h"
 #include "models/model.h"
 
 namespace lathe {
 
-// Writes DIR/config.json and DIR/model.safetensors (each atomically). Tied lm_head is omitted,
-// as HF does. Creates DIR if needed.
+struct HfLoadOptions {
+  // 0: the model's vocabulary is the file's. N > 0: build the model with vocab_size N and load the
+  // file's V rows of the embedding (and untied lm_head) into the first V rows; rows V..N-1 are set
+  // to the mean of the loaded rows. N < V is refused (it would drop tokens). Reported.
+  int64_t resize_vocab = 0;
+};
+
+struct HfSaveOptions {
+  DType dtype = DType::F32;                     // F32, BF16 or F16
+  uint64_t max_shard_bytes = 5'000'000'000ull;  // above this: model-0000i-of-0000n.safetensors + index
+  // Files copied into the directory next to the weights (tokenizer files); each must exist.
+  std::vector<std::string> extra_files;
+};
+
+// Writes DIR/config.json, DIR/model.safetensors (or shards + model.safetensors.index.json) and
+// DIR/generation_config.json, each atomically. Tied lm_head is omitted, as HF does. Creates DIR.
+// Stale weight files of the other layout (single vs sharded) in DIR are removed.
+void save_hf_model(const Model& model, const std::string& dir, const HfSaveOptions& opts);
 void save_hf_model(const Model& model, const std::string& dir, DType dtype = DType::F32);
 
 // Writes any flat buffer laid out like the model's parameters (weights, gradients, optimizer
-// moments) as a safetensors file with HF names and layouts.
+// moments) as one safetensors file with HF names and layouts.
 void save_hf_tensors(const Model& model, const float* flat, const std::string& path, DType dtype = DType::F32);
 
 // Reads DIR/config.json (errors name the file and key).
 ModelConfig load_hf_config(const std::string& dir);
 
-// Loads DIR/model.safetensors (or the shards listed in model.safetensors.index.json) into the
-// model's parameters. Returns a one-line load report (tensors, bytes, dtype conversions).
-std::string load_hf_weights(Model& model, const std::string& dir);
+// The weight files of DIR: model.safetensors, or the shards of model.safetensors.index.json
+// (every listed file must exist). pytorch_model.bin alone is refused with a conversion command.
+std::vector<std::string> hf_weight_files(const std::string& dir);
+
+// Loads the weights of DIR into the model's parameters. Returns the load report (tensors, bytes,
+// files, dtype conversions, ignored buffers, tied-head check, vocabulary resize).
+std::string load_hf_weights(Model& model, const std::string& dir, const HfLoadOptions& opts = {});
 
 // config.json -> built model with the weights loaded.
-std::unique_ptr<Model> load_hf_model(const std::string& dir, std::string* report = nullptr);
+std::unique_ptr<Model> load_hf_model(const std::string& dir, std::string* report = nullptr,
+                                     const HfLoadOptions& opts = {});
+
+// GGUF export for llama.cpp (shared/reference/gguf.md). llama and mistral -> architecture
+// "llama" with q/k rows permuted from HF's rotate_half order to llama.cpp's interleaved RoPE
+// order; qwen2 -> architecture "qwen2" (NEOX RoPE, no permutation, q/k/v biases). gpt2 is refused.
+// dtype F32 or F16 (1-D tensors stay F32, as llama.cpp's converter does). tokenizer_json: an HF
+// tokenizer.json with a BPE model, written as tokenizer.ggml.* ("gpt2" byte-level BPE); "" ->
+// tokenizer.ggml.model = "no_vocab". Returns a one-line summary.
+std::string save_gguf(const Model& model, const std::string& path, DType dtype = DType::F32,
+                      const std::string& tokenizer_json = "", const std::string& name = "lathe");
 
 }  // namespace lathe

@@ -1,0 +1,139 @@
+// lathe export CHECKPOINT_OR_RUN_OR_MODEL_DIR --to DIR [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]
+//              [--to-gguf FILE]
+// Source, in this order:
+//   * a checkpoint directory (state.json: checksums verified, weights loaded by load_checkpoint);
+//   * a run directory (its newest complete checkpoint; corrupt ones are skipped and said so;
+//     without checkpoints, RUN/model written at the end of training);
+//   * a Hugging Face model directory (config.json + safetensors, e.g. RUN/model).
+// Writes config.json, model.safetensors (sharded with an index above --max-shard-size),
+// generation_config.json and the tokenizer files of the run's data.tokenizer (none for "byte").
+#include <filesystem>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "cli/command.h"
+#include "io/fs.h"
+#include "models/hf_weights.h"
+#include "tokenizer/tokenizer.h"
+#include "train/checkpoint.h"
+
+namespace lathe::cli {
+
+// Defined in cmd_convert.cpp.
+DType parse_dtype(const std::string& s, const std::string& flag);
+uint64_t parse_size(const std::string& s);
+std::vector<std::string> tokenizer_files_in(const std::string& dir);
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Source {
+  std::unique_ptr<Model> model;
+  std::string tokenizer;  // data.tokenizer of the run ("", "byte" or a path)
+  std::string hf_dir;     // set when the source is an HF directory (its tokenizer files are copied)
+  std::string desc;
+};
+
+bool is_checkpoint_dir(const fs::path& p) { return fs::is_regular_file(p / "state.json"); }
+bool is_hf_dir(const fs::path& p) {
+  return fs::is_regular_file(p / "config.json") &&
+         (fs::exists(p / "model.safetensors") || fs::exists(p / "model.safetensors.index.json"));
+}
+
+Source load_source(const std::string& path) {
+  Source s;
+  fs::path p(path);
+  LATHE_CHECK(fs::is_directory(p), "{}: not a directory (expected a checkpoint, run or Hugging Face model directory)",
+              path);
+  std::string ckpt;
+  if (is_checkpoint_dir(p)) {
+    ckpt = p.string();
+  } else if (fs::is_directory(p / "checkpoints")) {
+    std::string log;
+    ckpt = find_latest_checkpoint(p.string(), &log);
+    if (!log.empty()) fmt::print("{}", log.back() == '\n' ? log : log + "\n");
+    LATHE_CHECK(!ckpt.empty() || is_hf_dir(p / "model"),
+                "{}: no complete checkpoint under {}/checkpoints and no final model directory {}/model", path, path,
+                path);
+  }
+  if (!ckpt.empty()) {
+    CheckpointState st = read_checkpoint_state(ckpt);
+    auto model = build_model(checkpoint_model_config(ckpt));
+    load_checkpoint(ckpt, *model, nullptr);
+    s.model = std::move(model);
+    if (st.recipe.contains("data") && st.recipe["data"].contains("tokenizer") &&
+        st.recipe["data"]["tokenizer"].is_string())
+      s.tokenizer = st.recipe["data"]["tokenizer"].get<std::string>();
+    s.desc = fmt::format("checkpoint {} (step {})", ckpt, st.step);
+    return s;
+  }
+  const fs::path hf = is_hf_dir(p) ? p : p / "model";
+  LATHE_CHECK(is_hf_dir(hf),
+              "{}: neither a checkpoint (state.json), a run directory (checkpoints/ or model/) nor a Hugging Face "
+              "model directory (config.json + model.safetensors)",
+              path);
+  std::string report;
+  s.model = load_hf_model(hf.string(), &report);
+  s.hf_dir = hf.string();
+  const fs::path meta = hf / "lathe.json";
+  if (fs::exists(meta)) {
+    auto j = nlohmann::json::parse(io::read_file(meta.string()));
+    if (j.contains("tokenizer") && j["tokenizer"].is_string()) s.tokenizer = j["tokenizer"].get<std::string>();
+  }
+  s.desc = fmt::format("Hugging Face directory {} ({})", hf.string(), report);
+  return s;
+}
+
+int run_export(int argc, char** argv) {
+  CLI::App app{"Checkpoint or run -> Hugging Face directory (and GGUF)", "lathe export"};
+  std::string src, to, dtype_s = "fp32", shard_s = "5GB", gguf;
+  app.add_option("source", src, "checkpoint directory, run directory or HF model directory")->required();
+  app.add_option("--to", to, "output Hugging Face directory");
+  app.add_option("--dtype", dtype_s, "fp32, bf16 or fp16 (GGUF: fp32 or fp16)");
+  app.add_option("--max-shard-size", shard_s, "shard model.safetensors above this size (default 5GB)");
+  app.add_option("--to-gguf", gguf, "also write a GGUF file for llama.cpp (llama family)");
+  CLI11_PARSE(app, argc, argv);
+  LATHE_CHECK(!to.empty() || !gguf.empty(), "nothing to do: give --to DIR and/or --to-gguf FILE");
+  const DType dtype = parse_dtype(dtype_s, "--dtype");
+  Source s = load_source(src);
+  fmt::print("source: {}\n", s.desc);
+
+  // Tokenizer files: the run's data.tokenizer, else those beside an HF source.
+  std::vector<std::string> tok_files;
+  std::string tok_note = "no tokenizer recorded";
+  if (!s.tokenizer.empty()) {
+    auto tok = tok::load_tokenizer(s.tokenizer);
+    tok_files = tok->source_files();
+    tok_note = tok_files.empty() ? fmt::format("tokenizer '{}' has no files to copy", s.tokenizer)
+                                 : fmt::format("{} tokenizer file(s) from {}", tok_files.size(), s.tokenizer);
+  } else if (!s.hf_dir.empty()) {
+    tok_files = tokenizer_files_in(s.hf_dir);
+    if (!tok_files.empty()) tok_note = fmt::format("{} tokenizer file(s) from {}", tok_files.size(), s.hf_dir);
+  }
+  if (!to.empty()) {
+    HfSaveOptions so;
+    so.dtype = dtype;
+    so.max_shard_bytes = parse_size(shard_s);
+    so.extra_files = tok_files;
+    if (!s.hf_dir.empty() && fs::exists(to) && fs::equivalent(to, s.hf_dir))
+      throw_error("--to {} is the source directory; write to another directory", to);
+    save_hf_model(*s.model, to, so);
+    fmt::print("wrote {} ({}, {})\n", to, dtype_name(dtype), tok_note);
+  }
+  if (!gguf.empty()) {
+    LATHE_CHECK(dtype == DType::F32 || dtype == DType::F16, "--to-gguf writes f32 or f16; --dtype is {}", dtype_s);
+    std::string tj;
+    for (const auto& f : tok_files)
+      if (fs::path(f).filename() == "tokenizer.json") tj = f;
+    fmt::print("{}\n", save_gguf(*s.model, gguf, dtype, tj));
+  }
+  return 0;
+}
+
+Registrar reg("export", "checkpoint or run -> Hugging Face directory (safetensors) and GGUF", run_export);
+
+}  // namespace
+}  // namespace lathe::cli
