@@ -1,0 +1,291 @@
+// Unit tests of src/train/checkpoint: XXH64 against the reference library (when its header is
+// installed) and published vectors, save/load round trip of weights + moments + state, atomic
+// layout (tmp dirs, latest, keep_last), corruption of each file kind, shape mismatches, sharded
+// slices, recipe diff classification.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "core/error.h"
+#include "io/fs.h"
+#include "train/checkpoint.h"
+
+#if __has_include(<xxhash.h>)
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+#define HAVE_REF_XXHASH 1
+#endif
+
+namespace fs = std::filesystem;
+using namespace lathe;
+using nlohmann::json;
+
+namespace {
+
+std::string tmpdir(const std::string& tag) {
+  fs::path p = fs::temp_directory_path() / fmt::format("lathe_ckpt_{}_{}", tag, ::getpid());
+  fs::remove_all(p);
+  fs::create_directories(p);
+  return p.string();
+}
+
+std::unique_ptr<Model> debug_model(uint64_t seed, int64_t n_embd = 48) {
+  ModelConfig c = ModelConfig::preset("gpt2-debug");
+  c.hidden_size = n_embd;
+  auto m = build_model(c);
+  m->init_weights(seed);
+  return m;
+}
+
+std::unique_ptr<optim::Optimizer> random_adamw(size_t P, uint32_t seed) {
+  optim::OptimConfig oc;
+  auto opt = optim::make_optimizer(oc, P);
+  std::mt19937 g(seed);
+  std::normal_distribution<float> d;
+  for (auto& [name, buf] : opt->state_buffers())
+    for (size_t i = 0; i < buf->size(); ++i) buf->data()[i] = d(g);
+  return opt;
+}
+
+CheckpointState some_state(int64_t step) {
+  CheckpointState st;
+  st.step = step;
+  st.consumed_samples = step * 8;
+  st.loader = {2, 24};
+  st.rng = {7, 0xfedcba9876543210ull};
+  st.loss_scale = 65536.0;
+  st.recipe = {{"model", ModelConfig::preset("gpt2-debug").to_hf_json()}, {"training", {{"steps", 100}}}};
+  st.lathe_version = "test";
+  st.lr = 1.5e-3;
+  st.threads = 3;
+  st.optimizer = "adamw";
+  return st;
+}
+
+void flip_byte(const std::string& path, size_t at) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  ASSERT_TRUE(f.good()) << path;
+  f.seekg(static_cast<std::streamoff>(at));
+  char c;
+  f.get(c);
+  c = static_cast<char>(c ^ 0x10);
+  f.seekp(static_cast<std::streamoff>(at));
+  f.put(c);
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(Xxh64, PublishedVectors) {
+  // From the xxHash repository's sanity checks / spec.
+  EXPECT_EQ(Xxh64::hash("", 0), 0xEF46DB3751D8E999ull);
+  EXPECT_EQ(hex64(Xxh64::hash("", 0)), "ef46db3751d8e999");
+}
+
+#ifdef HAVE_REF_XXHASH
+TEST(Xxh64, MatchesReferenceLibrary) {
+  std::mt19937_64 g(1);
+  std::vector<unsigned char> data(5000);
+  for (auto& b : data) b = static_cast<unsigned char>(g());
+  for (size_t n : {0, 1, 3, 4, 7, 8, 15, 31, 32, 33, 63, 64, 65, 100, 1000, 4999, 5000}) {
+    for (uint64_t seed : {0ull, 1ull, 0x9E3779B185EBCA87ull}) {
+      const uint64_t ref = XXH64(data.data(), n, seed);
+      EXPECT_EQ(Xxh64::hash(data.data(), n, seed), ref) << "n=" << n << " seed=" << seed;
+      // Streaming in uneven pieces gives the same digest.
+      Xxh64 s(seed);
+      size_t i = 0, piece = 1;
+      while (i < n) {
+        const size_t m = std::min(piece, n - i);
+        s.update(data.data() + i, m);
+        i += m;
+        piece = piece * 3 % 41 + 1;
+      }
+      EXPECT_EQ(s.digest(), ref) << "streaming n=" << n;
+    }
+  }
+}
+#endif
+
+TEST(Checkpoint, RoundTripWeightsMomentsState) {
+  const std::string run = tmpdir("rt");
+  auto m = debug_model(1);
+  auto opt = random_adamw(m->num_params(), 5);
+  save_checkpoint(run, *m, opt.get(), some_state(12), 0);
+  const std::string dir = run + "/checkpoints/step_00000012";
+  ASSERT_TRUE(fs::is_directory(dir));
+  for (const char* f : {"model.safetensors", "optimizer.safetensors", "recipe.yaml", "state.json"})
+    EXPECT_TRUE(fs::exists(dir + "/" + f)) << f;
+  EXPECT_EQ(io::read_file(run + "/checkpoints/latest"), "step_00000012\n");
+  EXPECT_EQ(find_latest_checkpoint(run), dir);
+
+  auto m2 = debug_model(99);  // different weights, overwritten by the load
+  optim::OptimConfig oc;
+  auto opt2 = optim::make_optimizer(oc, m2->num_params());
+  CheckpointState st = load_checkpoint(dir, *m2, opt2.get());
+  EXPECT_EQ(0, std::memcmp(m->param_data(), m2->param_data(), m->num_params() * 4));
+  auto a = opt->state_buffers(), b = opt2->state_buffers();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i)
+    EXPECT_EQ(0, std::memcmp(a[i].second->data(), b[i].second->data(), m->num_params() * 4)) << a[i].first;
+  const CheckpointState want = some_state(12);
+  EXPECT_EQ(st.step, 12);
+  EXPECT_EQ(st.consumed_samples, want.consumed_samples);
+  EXPECT_EQ(st.loader.epoch, 2);
+  EXPECT_EQ(st.loader.position, 24);
+  EXPECT_EQ(st.rng, want.rng);
+  EXPECT_EQ(st.loss_scale, 65536.0);
+  EXPECT_EQ(st.recipe, want.recipe);
+  EXPECT_EQ(st.lathe_version, "test");
+  EXPECT_EQ(st.lr, 1.5e-3);
+  EXPECT_EQ(st.threads, 3);
+  EXPECT_EQ(st.optimizer, "adamw");
+  ModelConfig mc = checkpoint_model_config(dir);
+  EXPECT_EQ(mc.hidden_size, 48);
+  EXPECT_EQ(mc.num_hidden_layers, m->config().num_hidden_layers);
+
+  // Weights only (export path): no optimizer needed.
+  auto m3 = debug_model(3);
+  load_checkpoint(dir, *m3, nullptr);
+  EXPECT_EQ(0, std::memcmp(m->param_data(), m3->param_data(), m->num_params() * 4));
+  fs::remove_all(run);
+}
+
+TEST(Checkpoint, KeepLastTmpDirsAndReplace) {
+  const std::string run = tmpdir("keep");
+  auto m = debug_model(1);
+  auto opt = random_adamw(m->num_params(), 5);
+  // A leftover of a killed save is ignored by the search and removed by the next save.
+  fs::create_directories(run + "/checkpoints/step_00000009.tmp");
+  std::string log;
+  EXPECT_EQ(find_latest_checkpoint(run, &log), "");
+  EXPECT_NE(log.find("step_00000009.tmp"), std::string::npos) << log;
+  for (int s = 1; s <= 5; ++s) save_checkpoint(run, *m, opt.get(), some_state(s), 2);
+  auto all = list_checkpoints(run);
+  ASSERT_EQ(all.size(), 2u);
+  EXPECT_EQ(all[0].first, 4);
+  EXPECT_EQ(all[1].first, 5);
+  EXPECT_FALSE(fs::exists(run + "/checkpoints/step_00000009.tmp"));
+  EXPECT_EQ(io::read_file(run + "/checkpoints/latest"), "step_00000005\n");
+  // Saving a step that exists replaces it.
+  m->param_data()[0] += 1.0f;
+  save_checkpoint(run, *m, opt.get(), some_state(5), 2);
+  auto m2 = debug_model(2);
+  load_checkpoint(run + "/checkpoints/step_00000005", *m2, nullptr);
+  EXPECT_EQ(m2->param_data()[0], m->param_data()[0]);
+  EXPECT_EQ(list_checkpoints(run).size(), 2u);
+  fs::remove_all(run);
+}
+
+TEST(Checkpoint, CorruptionOfEachFileIsNamedAndSkipped) {
+  for (const std::string f : {"model.safetensors", "optimizer.safetensors", "recipe.yaml", "state.json"}) {
+    for (double where : {0.02, 0.5, 0.97}) {
+      const std::string run = tmpdir("corrupt");
+      auto m = debug_model(1);
+      auto opt = random_adamw(m->num_params(), 5);
+      save_checkpoint(run, *m, opt.get(), some_state(1), 0);
+      save_checkpoint(run, *m, opt.get(), some_state(2), 0);
+      const std::string dir = run + "/checkpoints/step_00000002", path = dir + "/" + f;
+      flip_byte(path, static_cast<size_t>(where * static_cast<double>(fs::file_size(path))));
+      auto m2 = debug_model(2);
+      optim::OptimConfig oc;
+      auto opt2 = optim::make_optimizer(oc, m2->num_params());
+      const std::string err = error_of([&] { load_checkpoint(dir, *m2, opt2.get()); });
+      EXPECT_NE(err.find(path), std::string::npos) << f << " at " << where << ": " << err;
+      EXPECT_NE(err.find("corrupt"), std::string::npos) << err;
+      std::string log;
+      EXPECT_EQ(find_latest_checkpoint(run, &log), run + "/checkpoints/step_00000001") << f;
+      EXPECT_NE(log.find(path), std::string::npos) << log;
+      fs::remove_all(run);
+    }
+  }
+}
+
+TEST(Checkpoint, MissingAndTruncatedFiles) {
+  const std::string run = tmpdir("missing");
+  auto m = debug_model(1);
+  auto opt = random_adamw(m->num_params(), 5);
+  save_checkpoint(run, *m, opt.get(), some_state(1), 0);
+  const std::string dir = run + "/checkpoints/step_00000001";
+  fs::resize_file(dir + "/optimizer.safetensors", 1000);
+  std::string err = error_of([&] { verify_checkpoint(dir); });
+  EXPECT_NE(err.find("optimizer.safetensors"), std::string::npos) << err;
+  EXPECT_NE(err.find("truncated"), std::string::npos) << err;
+  fs::remove(dir + "/optimizer.safetensors");
+  err = error_of([&] { verify_checkpoint(dir); });
+  EXPECT_NE(err.find("optimizer.safetensors: missing"), std::string::npos) << err;
+  fs::remove(dir + "/state.json");
+  err = error_of([&] { verify_checkpoint(dir); });
+  EXPECT_NE(err.find("state.json: missing"), std::string::npos) << err;
+  fs::remove_all(run);
+}
+
+TEST(Checkpoint, ShapeMismatchNamesTensor) {
+  const std::string run = tmpdir("shape");
+  auto m = debug_model(1);
+  save_checkpoint(run, *m, nullptr, some_state(1), 0);
+  auto other = debug_model(1, 64);
+  const std::string err = error_of([&] { load_checkpoint(run + "/checkpoints/step_00000001", *other, nullptr); });
+  EXPECT_NE(err.find("transformer.wte.weight"), std::string::npos) << err;
+  EXPECT_NE(err.find("[96, 48]"), std::string::npos) << err;
+  // No optimizer state saved -> resuming with an optimizer is refused.
+  auto opt = random_adamw(m->num_params(), 1);
+  const std::string err2 = error_of([&] { load_checkpoint(run + "/checkpoints/step_00000001", *m, opt.get()); });
+  EXPECT_NE(err2.find("no optimizer state"), std::string::npos) << err2;
+  fs::remove_all(run);
+}
+
+TEST(Checkpoint, ShardedSliceIsRefusedClearly) {
+  const std::string run = tmpdir("slice");
+  auto m = debug_model(1);
+  save_checkpoint(run, *m, nullptr, some_state(1), 0);
+  const std::string sp = run + "/checkpoints/step_00000001/state.json";
+  json doc = json::parse(io::read_file(sp));
+  doc["body"]["tensors"]["model.safetensors"][0]["slice"][0] = {0, 128};  // "this file holds half of dim 0"
+  const std::string text = doc["body"].dump();
+  doc["body_xxh64"] = hex64(Xxh64::hash(text.data(), text.size()));
+  io::atomic_write_file(sp, doc.dump());
+  const std::string err = error_of([&] { load_checkpoint(run + "/checkpoints/step_00000001", *m, nullptr); });
+  EXPECT_NE(err.find("sharded"), std::string::npos) << err;
+  fs::remove_all(run);
+}
+
+TEST(Checkpoint, RecipeDiffClassification) {
+  json a = {{"model", {{"n_embd", 48}, {"init_from", "x"}}},
+            {"training", {{"steps", 10}, {"seq_len", 32}, {"log_interval", 1}, {"threads", 0}}},
+            {"optimizer", {{"lr", 1e-3}}},
+            {"output", {{"dir", "a"}}}};
+  json b = a;
+  EXPECT_TRUE(diff_recipes(a, b).empty());
+  b["training"]["steps"] = 20;
+  b["training"]["log_interval"] = 5;
+  b["output"]["dir"] = "b";
+  b["model"]["init_from"] = "y";
+  for (auto& c : diff_recipes(a, b)) EXPECT_FALSE(c.breaks_exactness) << c.key;
+  EXPECT_EQ(diff_recipes(a, b).size(), 4u);
+  b["training"]["seq_len"] = 64;
+  b["optimizer"]["lr"] = 2e-3;
+  b["model"]["n_embd"] = 64;
+  b["data"] = {{"train", "x"}};  // a key the checkpoint did not have
+  std::map<std::string, bool> got;
+  for (auto& c : diff_recipes(a, b)) got[c.key] = c.breaks_exactness;
+  EXPECT_TRUE(got.at("training.seq_len"));
+  EXPECT_TRUE(got.at("optimizer.lr"));
+  EXPECT_TRUE(got.at("model.n_embd"));
+  EXPECT_TRUE(got.at("data.train"));
+  EXPECT_FALSE(got.at("training.steps"));
+  for (auto& c : diff_recipes(a, b))
+    if (c.key == "training.seq_len") {
+      EXPECT_EQ(c.before, "32");
+      EXPECT_EQ(c.after, "64");
+    }
+}
