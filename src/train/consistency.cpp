@@ -1,0 +1,67 @@
+#include "train/consistency.h"
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "data/indexed_dataset.h"
+#include "tokenizer/tokenizer.h"
+
+namespace lathe {
+
+ConsistencyReport check_consistency(const Recipe& r) {
+  ConsistencyReport rep;
+  const int64_t V = r.model.vocab_size;
+  auto result = [&](bool ok, std::string line) { (ok ? rep.passed : rep.failures).push_back(std::move(line)); };
+
+  if (!r.data.tokenizer.empty()) {
+    auto tok = tok::load_tokenizer(r.data.tokenizer);
+    const int64_t tv = tok->vocab_size();
+    result(tv <= V, tv <= V ? fmt::format("tokenizer {} has {} tokens <= model.vocab_size {}", r.data.tokenizer, tv, V)
+                            : fmt::format("tokenizer {} has {} tokens but model.vocab_size is {}: set model.vocab_size "
+                                          ">= {} (a multiple of 64 is faster) or use the model's own tokenizer",
+                                          r.data.tokenizer, tv, V, tv));
+    struct Special {
+      const char* key;
+      int64_t model_id;
+      std::optional<int32_t> tok_id;
+    };
+    for (const Special& s : {Special{"bos_token_id", r.model.bos_token_id, tok->bos_id()},
+                             Special{"eos_token_id", r.model.eos_token_id, tok->eos_id()},
+                             Special{"pad_token_id", r.model.pad_token_id, tok->pad_id()}}) {
+      if (s.model_id >= 0)
+        result(s.model_id < tv,
+               s.model_id < tv ? fmt::format("model.{} {} exists in the tokenizer ({} tokens)", s.key, s.model_id, tv)
+                               : fmt::format("model.{} is {} but the tokenizer {} has only {} tokens: set model.{} to "
+                                             "the tokenizer's id{}",
+                                             s.key, s.model_id, r.data.tokenizer, tv, s.key,
+                                             s.tok_id ? fmt::format(" ({})", *s.tok_id) : std::string()));
+      if (s.tok_id)
+        result(*s.tok_id < V, *s.tok_id < V
+                                  ? fmt::format("tokenizer {} id {} < model.vocab_size {}", s.key, *s.tok_id, V)
+                                  : fmt::format("the tokenizer's {} is {} but model.vocab_size is {}: raise "
+                                                "model.vocab_size to at least {}",
+                                                s.key, *s.tok_id, V, *s.tok_id + 1));
+    }
+  }
+  for (const std::string& prefix : {r.data.train, r.data.valid}) {
+    if (prefix.empty()) continue;
+    data::IndexedDataset ds(prefix);
+    const int32_t mx = ds.max_token_id();
+    result(mx < V, mx < V ? fmt::format("dataset {}: largest token id {} < model.vocab_size {} ({} tokens)", prefix, mx,
+                                        V, ds.total_tokens())
+                          : fmt::format("dataset {}: contains token id {} but model.vocab_size is {}; use a model with "
+                                        "vocab_size >= {} or re-tokenize the data with the model's tokenizer",
+                                        prefix, mx, V, static_cast<int64_t>(mx) + 1));
+  }
+  return rep;
+}
+
+void require_consistency(const Recipe& r) {
+  ConsistencyReport rep = check_consistency(r);
+  if (rep.failures.empty()) return;
+  std::string msg = fmt::format("{}: model, tokenizer and data disagree:", r.source);
+  for (auto& f : rep.failures) msg += "\n  - " + f;
+  throw Error(msg);
+}
+
+}  // namespace lathe
