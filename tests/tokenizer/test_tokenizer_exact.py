@@ -21,7 +21,7 @@ try:
     import sentencepiece as spm
 except ImportError as e:  # the oracle is a hard requirement: CI installs it
     sys.exit(f"missing oracle package ({e}); install: /usr/bin/python3 -m pip install --break-system-packages "
-             "tokenizers==0.20.3 sentencepiece==0.2.0")
+             "tokenizers==0.20.3 sentencepiece==0.2.3")
 
 LATHE = os.environ.get("LATHE_BIN", "lathe")
 SRC = os.environ.get("LATHE_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
