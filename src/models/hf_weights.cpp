@@ -253,9 +253,10 @@ std::string load_hf_weights(Model& model, const std::string& dir, const HfLoadOp
   std::map<std::string, std::string> weight_map;
   const fs::path index = fs::path(dir) / "model.safetensors.index.json";
   const bool sharded = files.size() > 1 || file_name(files[0]) != "model.safetensors";
-  if (sharded)
-    for (auto& [k, v] : json::parse(io::read_file(index.string()))["weight_map"].items())
-      weight_map[k] = v.get<std::string>();
+  if (sharded) {
+    const json ij = json::parse(io::read_file(index.string()));  // validated by hf_weight_files
+    for (auto& [k, v] : ij["weight_map"].items()) weight_map[k] = v.get<std::string>();
+  }
 
   const ParamTable& table = model.params();
   const int64_t C = cfg.hidden_size, Vm = cfg.vocab_size;
