@@ -50,7 +50,7 @@ def check(cond, what):
 
 
 def run(args, ok=True, env=None):
-    p = subprocess.run([LATHE] + args, capture_output=True, text=True, env=env)
+    p = subprocess.run([LATHE] + args, capture_output=True, text=True, errors="replace", env=env)
     if ok and p.returncode != 0:
         raise RuntimeError(f"lathe {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     return p
