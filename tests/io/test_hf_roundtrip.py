@@ -190,6 +190,18 @@ def main():
     p = run(["convert", "--from-hf", llama, "--to", out, "--verify"], ok=False)
     check(p.returncode == 0 and p.stdout.count("-> PASS") == 2 and "transformers " + transformers.__version__ in p.stdout,
           "convert --verify: import and export PASS against transformers " + transformers.__version__)
+    # a reference that differs by 1e-3 in one logit: the check fails (exit 1) and says where
+    wrap = os.path.join(tmp, "perturbing_python.py")
+    open(wrap, "w").write(
+        "#!/usr/bin/python3\nimport json, subprocess, sys\nimport numpy as np\n"
+        "if sys.argv[1:2] == ['-c']:\n    sys.exit(subprocess.call(['/usr/bin/python3'] + sys.argv[1:]))\n"
+        "rc = subprocess.call(['/usr/bin/python3'] + sys.argv[1:])\n"
+        "out = json.load(open(sys.argv[2]))['out']\n"
+        "a = np.fromfile(out, dtype='<f4'); a[1000] += 1e-3; a.tofile(out)\nsys.exit(rc)\n")
+    os.chmod(wrap, 0o755)
+    p = run(["convert", "--from-hf", llama, "--verify"], ok=False, env=dict(os.environ, LATHE_PYTHON=wrap))
+    check(p.returncode == 1 and "-> FAIL" in p.stdout and "position" in p.stdout,
+          "convert --verify fails (exit 1) on a 1e-3 logit difference and locates it")
     # without transformers: said, not passed
     env = dict(os.environ, LATHE_PYTHON="/bin/false")
     p = run(["convert", "--from-hf", llama, "--verify"], ok=False, env=env)
