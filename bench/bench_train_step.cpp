@@ -62,8 +62,8 @@ int main(int argc, char** argv) {
     model->zero_grad();
     model->forward_backward(tok.data(), tgt.data(), B, T, 1.0f / (B * T), true);
     const double t1 = now_seconds();
-    optim::clip_grad_norm(model->grad_data(), model->num_params(), 1.0);
-    opt->step(model->param_data(), model->grad_data(), ranges, 1e-4, s + 1);
+    const double norm = optim::global_grad_norm(model->grad_data(), model->num_params());
+    opt->step(model->param_data(), model->grad_data(), ranges, 1e-4, s + 1, optim::clip_coefficient(norm, 1.0));
     const double t2 = now_seconds();
     if (s > 0) {  // first step is warm-up
       total += t2 - t0;

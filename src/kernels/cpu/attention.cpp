@@ -26,30 +26,10 @@
 
 #include "core/error.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/vec_math.h"
 
 namespace lathe::cpu {
 namespace {
-
-// exp(x) for float, about 1-2 ulp (Cephes expf polynomial), written so that gcc vectorises loops
-// calling it (no libm call, round-to-nearest via the 1.5*2^23 trick). Returns 0 below -87.3 where
-// the float result would be denormal; inputs here are <= 0 after max subtraction.
-inline float exp_approx(float x) {
-  const float xc = std::min(std::max(x, -87.3f), 88.3f);
-  const float big = 12582912.0f;  // 1.5 * 2^23
-  const float n = (xc * 1.44269504088896341f + big) - big;
-  float r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  const float scale = std::bit_cast<float>(e);
-  return x < -87.3f ? 0.0f : y * scale;
-}
 
 // ---- small GEMM for the attention tiles ------------------------------------------------------
 // C[M,N] (= or +=) alpha * sum_k A(i,k) * B[k, :], where A(i,k) = A[i*a_rs + k*a_cs] is read as
@@ -226,16 +206,8 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
         float* s = S + r * nc;
         const int64_t n = i0 + r + 1;  // keys 0..i inclusive
         const float m = row_max(s, n);
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; ++j) {
-          const float e = exp_approx(s[j] - m);
-          s[j] = e;
-          sum += e;
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+        const float sum = static_cast<float>(vec::exp_shift_sum(s, n, m));
+        vec::scale(s, n, 1.0f / sum);
         for (int64_t j = n; j < nc; ++j) s[j] = 0.0f;
         l[i0 + r] = m + std::log(sum);
       }
@@ -294,8 +266,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
           float* p = P + r * nc;
           const int64_t n = i0 + r + 1;
           const float li = l[i0 + r];
-#pragma omp simd
-          for (int64_t j = 0; j < n; ++j) p[j] = exp_approx(p[j] - li);
+          vec::exp_shift(p, n, li);
           for (int64_t j = n; j < nc; ++j) p[j] = 0.0f;
           const float* orow = o + (i0 + r) * ldo;
           const float* drow = dob + r * ldo;

@@ -19,38 +19,9 @@
 
 #include "core/error.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/vec_math.h"
 
 namespace lathe::cpu {
-namespace {
-
-// exp(x) for float, about 1-2 ulp (Cephes expf polynomial), vectorisable (no libm call). Returns
-// 0 below -87.3; inputs here are <= 0 after max subtraction. Same as in attention.cpp.
-inline float exp_approx(float x) {
-  const float xc = std::min(std::max(x, -87.3f), 88.3f);
-  const float big = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
-  const float n = (xc * 1.44269504088896341f + big) - big;
-  float r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  return x < -87.3f ? 0.0f : y * std::bit_cast<float>(e);
-}
-
-// Max of a row with several independent lanes (vectorised; max is exact so order is irrelevant).
-inline float row_max(const float* s, int64_t n) {
-  float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-  for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
-  return m;
-}
-
-}  // namespace
 
 double lm_head_loss(float* losses, float* dx, float* dw, const float* x, const float* w, const int32_t* targets,
                     int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, float* scratch,
@@ -81,21 +52,13 @@ double lm_head_loss(float* losses, float* dx, float* dw, const float* x, const f
         continue;
       }
       const float target_logit = s[t];
-      const float m = row_max(s, V);
-      // The sum of up to ~10^5 terms is accumulated in double (lanes of the vector loop), so the
-      // loss does not drift with the vocabulary size; the exps themselves stay fp32.
-      double sum = 0.0;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < V; ++j) {
-        const float e = exp_approx(s[j] - m);
-        s[j] = e;
-        sum += static_cast<double>(e);
-      }
+      const float m = vec::row_max(s, V);
+      // exps stay fp32; their sum is taken in double across blocks so the loss does not drift
+      // with the vocabulary size.
+      const double sum = vec::exp_shift_sum(s, V, m);
       losses[n0 + r] = static_cast<float>(static_cast<double>(m) + std::log(sum) - static_cast<double>(target_logit));
       if (backward) {
-        const float f = static_cast<float>(static_cast<double>(grad_scale) / sum);
-#pragma omp simd
-        for (int64_t j = 0; j < V; ++j) s[j] *= f;
+        vec::scale(s, V, static_cast<float>(static_cast<double>(grad_scale) / sum));
         s[t] -= grad_scale;
       }
     }
