@@ -185,6 +185,19 @@ def main():
     dirs = {k: roundtrip(k, tmp, data) for k in ("gpt2", "llama", "qwen2")}
     llama = dirs["llama"]
 
+    # mistral (llama math, its own config class and default sliding window): import only
+    torch.manual_seed(4)
+    mi = transformers.MistralForCausalLM(transformers.MistralConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        vocab_size=256, max_position_embeddings=64, sliding_window=32))
+    with torch.no_grad():
+        for p_ in mi.parameters():
+            p_.add_(0.05 * torch.randn_like(p_))
+    md = os.path.join(tmp, "mistral")
+    mi.save_pretrained(md)
+    diff = maxdiff(lathe_logits(md, tmp)[0], hf_logits(mi))
+    check(diff < 1e-4, f"mistral: imported logits equal transformers (max abs diff {diff:.2e})")
+
     # built-in parity check, import and export
     out = os.path.join(tmp, "conv")
     p = run(["convert", "--from-hf", llama, "--to", out, "--verify"], ok=False)
