@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <future>
 #include <map>
 #include <set>
 #include <thread>
@@ -123,7 +124,11 @@ constexpr const char* kModelFile = "model.safetensors";
 constexpr const char* kOptimFile = "optimizer.safetensors";
 constexpr const char* kRecipeFile = "recipe.yaml";
 constexpr const char* kStateFile = "state.json";
-constexpr size_t kChunk = 8u << 20;  // hash and write in 8 MB pieces (hash while it is in cache)
+constexpr size_t kChunk = 8u << 20;  // read size when verifying
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
 
 std::string step_name(int64_t step) { return fmt::format("step_{:08d}", step); }
 
@@ -146,25 +151,116 @@ void test_sleep() {
   if (ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
 }
 
-// AtomicFileWriter that also hashes what it writes.
+// Writes a checkpoint file and hashes it on the way. The file lives inside the checkpoint's tmp
+// directory, whose rename is the atomic step, so it is written in place (no per-file rename).
+// Speed: the data goes through O_DIRECT with two 16 MB aligned staging buffers: the caller's
+// thread copies + hashes into one while a helper thread writes the other, so the disk sees one
+// sequential stream and the page cache (which halves throughput on large writes) is bypassed.
+// The tail is padded to the 4 KB block size and the file truncated back to its length. Where the
+// filesystem refuses O_DIRECT (tmpfs, some network mounts) the same code writes buffered.
 class HashedWriter {
  public:
-  explicit HashedWriter(const std::string& path) : w_(path) {}
-  void write(const void* p, size_t n) {
-    const char* c = static_cast<const char*>(p);
-    for (size_t i = 0; i < n; i += kChunk) {
-      const size_t m = std::min(kChunk, n - i);
-      h_.update(c + i, m);
-      w_.write(c + i, m);
+  explicit HashedWriter(const std::string& path) : path_(path) {
+    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
+    if (fd_ < 0 && errno == EINVAL) {
+      direct_ = false;
+      fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    }
+    if (fd_ < 0) throw_error("{}: cannot create: {}", path, std::strerror(errno));
+    for (auto& b : bufs_) {
+      b = static_cast<char*>(std::aligned_alloc(kAlign, kStage));
+      LATHE_CHECK(b != nullptr, "{}: out of memory for a {} byte staging buffer", path, kStage);
     }
   }
+  ~HashedWriter() {
+    if (pending_.valid()) pending_.wait();
+    for (auto& b : bufs_) std::free(b);
+    if (fd_ >= 0) ::close(fd_);
+    if (!committed_) ::unlink(path_.c_str());
+  }
+  HashedWriter(const HashedWriter&) = delete;
+  HashedWriter& operator=(const HashedWriter&) = delete;
+
+  void write(const void* p, size_t n) {
+    const char* c = static_cast<const char*>(p);
+    while (n > 0) {
+      const size_t m = std::min(n, kStage - fill_);
+      std::memcpy(bufs_[cur_] + fill_, c, m);
+      fill_ += m;
+      c += m;
+      n -= m;
+      if (fill_ == kStage) submit(kStage);
+    }
+  }
+
   json commit() {
-    w_.commit();
-    return {{"bytes", w_.bytes_written()}, {"xxh64", hex64(h_.digest())}};
+    const size_t tail = fill_;  // may be 0: submit() below is skipped, nothing is pending twice
+    if (tail) {
+      const size_t padded = (tail + kAlign - 1) / kAlign * kAlign;
+      std::memset(bufs_[cur_] + tail, 0, padded - tail);
+      submit(padded);
+    }
+    wait();
+    if (::ftruncate(fd_, static_cast<off_t>(total_)) != 0)
+      throw_error("{}: ftruncate failed: {}", path_, std::strerror(errno));
+    if (::fsync(fd_) != 0) throw_error("{}: fsync failed: {}", path_, std::strerror(errno));
+    const int rc = ::close(fd_);
+    fd_ = -1;
+    if (rc != 0) throw_error("{}: close failed: {}", path_, std::strerror(errno));
+    committed_ = true;
+    return {{"bytes", total_}, {"xxh64", hex64(h_.digest())}};
   }
 
  private:
-  io::AtomicFileWriter w_;
+  static constexpr size_t kAlign = 4096, kStage = 16u << 20;
+
+  // Hands the current buffer (n bytes, a multiple of kAlign) to the writer thread and switches.
+  void submit(size_t n) {
+    wait();  // the other buffer must be free before we fill it
+    const size_t logical = fill_;
+    const off_t at = static_cast<off_t>(offset_);
+    char* buf = bufs_[cur_];
+    // The helper hashes (in order: one task at a time) and writes, so the copy above and the hash
+    // run on two cores.
+    pending_ = std::async(std::launch::async, [this, buf, n, logical, at] {
+      h_.update(buf, logical);
+      return pwrite_all(buf, n, at);
+    });
+    offset_ += n;
+    total_ += logical;
+    cur_ ^= 1;
+    fill_ = 0;
+  }
+  void wait() {
+    if (!pending_.valid()) return;
+    const std::string err = pending_.get();
+    if (!err.empty()) throw Error(err);
+  }
+  std::string pwrite_all(const char* p, size_t n, off_t at) {
+    while (n > 0) {
+      ssize_t w = ::pwrite(fd_, p, n, at);
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0 && errno == EINVAL && direct_) {
+        // The filesystem accepted O_DIRECT at open but refuses the I/O: continue buffered.
+        direct_ = false;
+        ::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL) & ~O_DIRECT);
+        continue;
+      }
+      if (w < 0) return fmt::format("{}: write failed: {}", path_, std::strerror(errno));
+      p += w;
+      n -= static_cast<size_t>(w);
+      at += w;
+    }
+    return {};
+  }
+
+  std::string path_;
+  int fd_ = -1;
+  bool direct_ = true, committed_ = false;
+  char* bufs_[2] = {nullptr, nullptr};
+  int cur_ = 0;
+  size_t fill_ = 0, offset_ = 0, total_ = 0;
+  std::future<std::string> pending_;
   Xxh64 h_;
 };
 
@@ -357,7 +453,9 @@ std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string&
 }
 
 void save_checkpoint(const std::string& run_dir, const Model& model, optim::Optimizer* opt,
-                     const CheckpointState& st, int keep_last) {
+                     const CheckpointState& st, int keep_last, CheckpointSaveInfo* info) {
+  const auto t_start = std::chrono::steady_clock::now();
+  if (info) *info = {};
   const fs::path root = fs::path(run_dir) / "checkpoints";
   fs::create_directories(root);
   // Leftovers of interrupted saves (ours or a killed process's) are never complete checkpoints.
@@ -370,14 +468,12 @@ void save_checkpoint(const std::string& run_dir, const Model& model, optim::Opti
   fs::create_directories(tmp);
 
   json files = json::object(), tensors = json::object();
-  {
-    std::vector<StTensor> ts;
-    for (const ParamSpec& s : model.params().specs()) ts.push_back({s.name, s.shape, model.param_data() + s.offset});
-    auto [f, t] = write_st((tmp / kModelFile).string(), ts);
-    files[kModelFile] = f;
-    tensors[kModelFile] = t;
-    test_sleep();
-  }
+  // The model file is written on a second thread while this one writes the optimizer file: two
+  // streams keep the disk busier and spread the copies over two cores.
+  std::vector<StTensor> model_ts;
+  for (const ParamSpec& s : model.params().specs())
+    model_ts.push_back({s.name, s.shape, model.param_data() + s.offset});
+  auto model_job = std::async(std::launch::async, [&] { return write_st((tmp / kModelFile).string(), model_ts); });
   std::string opt_name = st.optimizer;
   if (opt) {
     std::vector<StTensor> ts;
@@ -392,6 +488,11 @@ void save_checkpoint(const std::string& run_dir, const Model& model, optim::Opti
     auto [f, t] = write_st((tmp / kOptimFile).string(), ts);
     files[kOptimFile] = f;
     tensors[kOptimFile] = t;
+  }
+  {
+    auto [f, t] = model_job.get();
+    files[kModelFile] = f;
+    tensors[kModelFile] = t;
     test_sleep();
   }
   {
@@ -431,14 +532,25 @@ void save_checkpoint(const std::string& run_dir, const Model& model, optim::Opti
   if (fs::exists(aside)) fs::remove_all(aside, ec);
   io::atomic_write_file((root / "latest").string(), name + "\n");
 
+  if (info) {
+    info->seconds_complete = seconds_since(t_start);
+    for (auto& [n, f] : files.items()) info->bytes += f["bytes"].get<int64_t>();
+  }
   if (keep_last > 0) {
     // Only checkpoints up to this one count; the newest keep_last of them survive.
     std::vector<std::string> older;
     for (auto& [s, dir] : list_checkpoints(run_dir))
       if (s < st.step) older.push_back(dir);
     const size_t keep_older = static_cast<size_t>(keep_last - 1);
-    for (size_t i = 0; i + keep_older < older.size(); ++i) fs::remove_all(older[i]);
+    for (size_t i = 0; i + keep_older < older.size(); ++i) {
+      // Renamed first (atomic), so a crash mid-delete leaves a *.tmp leftover, never a step_X that
+      // looks like a damaged checkpoint.
+      const fs::path doomed = older[i] + ".deleting.tmp";
+      fs::rename(older[i], doomed);
+      fs::remove_all(doomed);
+    }
   }
+  if (info) info->seconds_total = seconds_since(t_start);
 }
 
 CheckpointState read_checkpoint_state(const std::string& ckpt_dir) {

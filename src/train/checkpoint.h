@@ -52,12 +52,21 @@ struct CheckpointState {
   std::string optimizer;  // "adamw" | "lamb" | "" (no optimizer state)
 };
 
+struct CheckpointSaveInfo {
+  int64_t bytes = 0;              // all files of the checkpoint
+  double seconds_complete = 0;    // until the checkpoint is complete, fsynced and `latest` points to it
+  double seconds_total = 0;       // including the removal of old checkpoints (keep_last)
+};
+
 // Writes RUN_DIR/checkpoints/step_XXXXXXXX/ atomically (tmp dir, fsync files + dir, rename), then
 // updates RUN_DIR/checkpoints/latest atomically; keep_last > 0 deletes older complete checkpoints
 // only after the new one is complete. An existing step_XXXXXXXX/ of the same step is replaced.
-// Test hook: env LATHE_TEST_CKPT_SLEEP_MS=N sleeps N ms after each file and before the rename.
+// Data files go through O_DIRECT (buffered where the filesystem refuses it); model and optimizer
+// files are written concurrently. Extra memory: 4 staging buffers of 16 MB.
+// Test hook: env LATHE_TEST_CKPT_SLEEP_MS=N sleeps N ms after the data files, after recipe.yaml
+// and before the rename.
 void save_checkpoint(const std::string& run_dir, const Model& model, optim::Optimizer* opt,
-                     const CheckpointState& st, int keep_last);
+                     const CheckpointState& st, int keep_last, CheckpointSaveInfo* info = nullptr);
 
 // Newest complete checkpoint dir under RUN_DIR/checkpoints (verifying checksums); skipped
 // corrupt/partial ones are described in *log (one line each). "" if none.

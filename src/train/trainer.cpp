@@ -319,7 +319,6 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
   result.start_step = result.end_step = start_step;
   result.resumed_from = ckpt;
   auto checkpoint = [&](int64_t done, double lr) {
-    const double t0 = now_seconds();
     CheckpointState st;
     st.step = done;
     st.consumed_samples = done * B * accum;
@@ -330,13 +329,17 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
     st.lr = lr;
     st.threads = threads;
     st.optimizer = r.optimizer.name;
-    save_checkpoint(r.output.dir, *model, optimizer.get(), st, static_cast<int>(r.output.keep_last));
-    const double dt = now_seconds() - t0;
+    CheckpointSaveInfo info;
+    save_checkpoint(r.output.dir, *model, optimizer.get(), st, static_cast<int>(r.output.keep_last), &info);
     result.last_checkpoint = (fs::path(r.output.dir) / "checkpoints" / fmt::format("step_{:08d}", done)).string();
-    const double mb = static_cast<double>(P) * 4 * 3 / 1e6;
-    log(fmt::format("saved checkpoint {} ({:.1f} MB in {:.2f} s, {:.0f} MB/s)", result.last_checkpoint, mb, dt,
-                    mb / std::max(dt, 1e-9)));
-    metrics.write({{"step", done}, {"checkpoint_s", dt}, {"checkpoint_mb", mb}});
+    const double mb = static_cast<double>(info.bytes) / 1e6;
+    log(fmt::format("saved checkpoint {} ({:.1f} MB in {:.2f} s, {:.0f} MB/s{})", result.last_checkpoint, mb,
+                    info.seconds_complete, mb / std::max(info.seconds_complete, 1e-9),
+                    info.seconds_total - info.seconds_complete > 0.01
+                        ? fmt::format("; older checkpoints removed in {:.2f} s", info.seconds_total - info.seconds_complete)
+                        : std::string()));
+    metrics.write({{"step", done}, {"checkpoint_s", info.seconds_complete}, {"checkpoint_total_s", info.seconds_total},
+                   {"checkpoint_mb", mb}});
   };
   if (start_step == r.training.steps && start_step > 0)
     say(fmt::format("resume: the checkpoint is at the final step {}; only the end-of-run outputs remain", start_step));
