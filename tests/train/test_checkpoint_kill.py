@@ -79,10 +79,13 @@ def main():
     check(len(seen) >= KILLS // 2 and finished_early <= 2,
           f"the kills hit {len(seen)} different points of the run (newest checkpoints {sorted(seen)})")
     check(torn >= 3, f"{torn} kills interrupted a checkpoint write (left a step_X.tmp)")
-    check(len(step_dirs(out)) <= 3, f"keep_last 3 holds through kills ({step_dirs(out)})")
+    # A kill between a checkpoint's completion and the removal of the oldest one leaves one extra
+    # until the next save.
+    check(len(step_dirs(out)) <= 4, f"keep_last 3 holds through kills, +1 at most ({step_dirs(out)})")
 
     p = run(["train", recipe, "--quiet", "--resume", "auto"])
     check("resume auto:" in p.stdout, "final run resumes")
+    check(step_dirs(out) == [STEPS - 4, STEPS - 2, STEPS], f"keep_last 3 at the end ({step_dirs(out)})")
     la, lb = losses(ref), losses(out)
     check(sorted(lb) == list(range(1, STEPS + 1)) and la == lb,
           f"loss of every step equals the uninterrupted run's "
