@@ -53,6 +53,7 @@ int run_generate(int argc, char** argv) {
   LATHE_CHECK(tokenizer->vocab_size() <= model->config().vocab_size,
               "tokenizer has {} tokens but the model's vocab_size is {}", tokenizer->vocab_size(),
               model->config().vocab_size);
+  so.vocab_limit = tokenizer->vocab_size();
   auto ids = tokenizer->encode(prompt);
   LATHE_CHECK(!ids.empty(), "--prompt encodes to no tokens; give a non-empty prompt");
   model->allocate(1, std::min<int64_t>(model->config().max_position_embeddings, 1024));

@@ -60,7 +60,8 @@ std::vector<int32_t> generate(Model& model, const std::vector<int32_t>& prompt, 
     const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(seq.size()) - window);
     const int64_t T = static_cast<int64_t>(seq.size()) - start;
     model.forward_last_logits(seq.data() + start, 1, T, logits.data());
-    int32_t tok = sample_token(logits.data(), V, opts, rng_state);
+    const int64_t limit = opts.vocab_limit > 0 ? std::min(opts.vocab_limit, V) : V;
+    int32_t tok = sample_token(logits.data(), limit, opts, rng_state);
     seq.push_back(tok);
     if (on_token) on_token(tok);
   }

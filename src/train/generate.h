@@ -13,6 +13,9 @@ struct SamplingOptions {
   int64_t top_k = 0;         // 0 = off
   float top_p = 1.0f;        // 1 = off
   uint64_t seed = 0;
+  // Only ids below this are sampled (0 = the whole vocabulary). A model's vocab_size is often
+  // padded beyond its tokenizer's size; ids past the tokenizer cannot be decoded.
+  int64_t vocab_limit = 0;
 };
 
 // Autoregressive sampling (no KV cache yet: each new token reruns the window of the last
