@@ -153,13 +153,18 @@ void test_sleep() {
 
 // Writes a checkpoint file and hashes it on the way. The file lives inside the checkpoint's tmp
 // directory, whose rename is the atomic step, so it is written in place (no per-file rename).
-// Speed: the data goes through O_DIRECT with two 16 MB aligned staging buffers: the caller's
-// thread copies + hashes into one while a helper thread writes the other, so the disk sees one
-// sequential stream and the page cache (which halves throughput on large writes) is bypassed.
-// The tail is padded to the 4 KB block size and the file truncated back to its length. Where the
-// filesystem refuses O_DIRECT (tmpfs, some network mounts) the same code writes buffered.
+// Speed (the disk, not the CPU, should be the limit): data goes through O_DIRECT, bypassing the
+// page cache, which halves large-write throughput. Large page-aligned stretches of the caller's
+// memory are written straight from it (zero-copy: write_st lays the file out so that file offset
+// and address agree modulo the page size); everything else goes through two 16 MB aligned
+// staging buffers. One helper thread does the pwrite()s while this thread hashes the next piece,
+// so hashing overlaps the disk. The tail is padded to the 4 KB block and the file truncated back
+// to its length. Where the filesystem refuses O_DIRECT (tmpfs, some network mounts) the same code
+// writes buffered.
 class HashedWriter {
  public:
+  static constexpr size_t kAlign = 4096;
+
   explicit HashedWriter(const std::string& path) : path_(path) {
     fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
     if (fd_ < 0 && errno == EINVAL) {
@@ -181,24 +186,45 @@ class HashedWriter {
   HashedWriter(const HashedWriter&) = delete;
   HashedWriter& operator=(const HashedWriter&) = delete;
 
+  size_t position() const { return offset_ + fill_; }
+
   void write(const void* p, size_t n) {
     const char* c = static_cast<const char*>(p);
     while (n > 0) {
+      // Zero-copy when the address and the file position share their offset within a page and
+      // the stretch is long enough to be worth it.
+      const size_t head = (kAlign - position() % kAlign) % kAlign;
+      if (n >= head + kDirectMin && (reinterpret_cast<uintptr_t>(c) + head) % kAlign == 0 &&
+          fill_ + head <= kStage) {
+        stage(c, head);
+        c += head;
+        n -= head;
+        if (fill_) submit(bufs_[cur_], fill_, true);  // fill_ is a multiple of kAlign here
+        const size_t body = n / kAlign * kAlign;
+        for (size_t i = 0; i < body; i += kDirectChunk) {
+          const size_t m = std::min(kDirectChunk, body - i);
+          h_.update(c + i, m);  // while the previous piece is being written
+          submit(c + i, m, false);
+        }
+        c += body;
+        n -= body;
+        continue;
+      }
       const size_t m = std::min(n, kStage - fill_);
-      std::memcpy(bufs_[cur_] + fill_, c, m);
-      fill_ += m;
+      stage(c, m);
       c += m;
       n -= m;
-      if (fill_ == kStage) submit(kStage);
+      if (fill_ == kStage) submit(bufs_[cur_], kStage, true);
     }
   }
 
   json commit() {
-    const size_t tail = fill_;  // may be 0: submit() below is skipped, nothing is pending twice
+    const size_t tail = fill_;
     if (tail) {
       const size_t padded = (tail + kAlign - 1) / kAlign * kAlign;
       std::memset(bufs_[cur_] + tail, 0, padded - tail);
-      submit(padded);
+      submit(bufs_[cur_], padded, true);
+      total_ -= padded - tail;
     }
     wait();
     if (::ftruncate(fd_, static_cast<off_t>(total_)) != 0)
@@ -212,24 +238,26 @@ class HashedWriter {
   }
 
  private:
-  static constexpr size_t kAlign = 4096, kStage = 16u << 20;
+  static constexpr size_t kStage = 16u << 20, kDirectChunk = 32u << 20, kDirectMin = 1u << 20;
 
-  // Hands the current buffer (n bytes, a multiple of kAlign) to the writer thread and switches.
-  void submit(size_t n) {
-    wait();  // the other buffer must be free before we fill it
-    const size_t logical = fill_;
+  void stage(const char* c, size_t m) {
+    if (!m) return;
+    std::memcpy(bufs_[cur_] + fill_, c, m);
+    h_.update(bufs_[cur_] + fill_, m);
+    fill_ += m;
+  }
+  // Hands n bytes (a multiple of kAlign, already hashed) to the writer thread. One write is in
+  // flight at a time, so a staging buffer is free again once the next submit() returns.
+  void submit(const char* buf, size_t n, bool staging) {
+    wait();
     const off_t at = static_cast<off_t>(offset_);
-    char* buf = bufs_[cur_];
-    // The helper hashes (in order: one task at a time) and writes, so the copy above and the hash
-    // run on two cores.
-    pending_ = std::async(std::launch::async, [this, buf, n, logical, at] {
-      h_.update(buf, logical);
-      return pwrite_all(buf, n, at);
-    });
+    pending_ = std::async(std::launch::async, [this, buf, n, at] { return pwrite_all(buf, n, at); });
     offset_ += n;
-    total_ += logical;
-    cur_ ^= 1;
-    fill_ = 0;
+    total_ += n;
+    if (staging) {
+      cur_ ^= 1;
+      fill_ = 0;
+    }
   }
   void wait() {
     if (!pending_.valid()) return;
@@ -270,36 +298,73 @@ struct StTensor {
   const float* data;
 };
 
+constexpr const char* kPadPrefix = "__lathe_pad__/";
+bool is_pad(const std::string& name) { return name.rfind(kPadPrefix, 0) == 0; }
+
 // fp32 safetensors written in one pass with its checksum. Returns {file entry, tensor entries}.
+// For zero-copy direct I/O, the data section starts at a file offset congruent to the first
+// tensor's address modulo 4096 (the JSON header is padded with spaces), and where a tensor does
+// not follow the previous one in memory (exp_avg -> exp_avg_sq) a U8 tensor
+// "__lathe_pad__/<next name>" of < 4096 bytes restores that congruence. Readers ignore the pads;
+// state.json does not list them. (So the file bytes depend on buffer addresses; the tensors do not.)
 std::pair<json, json> write_st(const std::string& path, const std::vector<StTensor>& ts) {
+  constexpr size_t A = HashedWriter::kAlign;
+  struct Entry {
+    std::string name;
+    const char* dtype;
+    Shape shape;
+    const void* data;
+    size_t bytes;
+  };
+  std::vector<Entry> entries;
+  std::vector<char> zeros(A, 0);
+  const uintptr_t first = ts.empty() ? 0 : reinterpret_cast<uintptr_t>(ts[0].data);
+  size_t off = 0;  // data-section offset
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const auto& t = ts[i];
+    const size_t nb = static_cast<size_t>(numel(t.shape)) * 4;
+    if (i > 0 && t.data != ts[i - 1].data + numel(ts[i - 1].shape)) {
+      // Want (data_start + off) % A == addr % A with data_start % A == first % A.
+      const size_t pad = (reinterpret_cast<uintptr_t>(t.data) - first - off) % A;
+      if (pad) {
+        entries.push_back({kPadPrefix + t.name, "U8", Shape{static_cast<int64_t>(pad)}, zeros.data(), pad});
+        off += pad;
+      }
+    }
+    entries.push_back({t.name, "F32", t.shape, t.data, nb});
+    off += nb;
+  }
   std::string h = R"({"__metadata__":{"format":"pt","lathe_layout":"lathe"})";
   json tensors = json::array();
-  size_t off = 0;
-  for (const auto& t : ts) {
-    const size_t nb = static_cast<size_t>(numel(t.shape)) * 4;
-    json shape = t.shape, slice = json::array();
-    for (int64_t d : t.shape) slice.push_back({0, d});
+  off = 0;
+  for (const auto& e : entries) {
+    json shape = e.shape;
     // Appended piece by piece (gcc 12 warns falsely about "," + std::string temporaries).
     h += ',';
-    h += json(t.name).dump();
-    h += R"(:{"dtype":"F32","shape":)";
+    h += json(e.name).dump();
+    h += R"(:{"dtype":")";
+    h += e.dtype;
+    h += R"(","shape":)";
     h += shape.dump();
     h += R"(,"data_offsets":[)";
     h += std::to_string(off);
     h += ',';
-    h += std::to_string(off + nb);
+    h += std::to_string(off + e.bytes);
     h += "]}";
-    tensors.push_back({{"name", t.name}, {"dtype", "F32"}, {"global_shape", shape}, {"slice", slice}});
-    off += nb;
+    off += e.bytes;
+    if (is_pad(e.name)) continue;
+    json slice = json::array();
+    for (int64_t d : e.shape) slice.push_back({0, d});
+    tensors.push_back({{"name", e.name}, {"dtype", "F32"}, {"global_shape", shape}, {"slice", slice}});
   }
   h += "}";
-  while (h.size() % 8) h += ' ';
+  while ((8 + h.size()) % A != first % A) h += ' ';  // first is 8-aligned, so this ends
   HashedWriter w(path);
   unsigned char len[8];
   for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(static_cast<uint64_t>(h.size()) >> (8 * i));
   w.write(len, 8);
   w.write(h.data(), h.size());
-  for (const auto& t : ts) w.write(t.data, static_cast<size_t>(numel(t.shape)) * 4);
+  for (const auto& e : entries) w.write(e.data, e.bytes);
   return {w.commit(), tensors};
 }
 
@@ -604,7 +669,8 @@ CheckpointState load_checkpoint(const std::string& ckpt_dir, Model& model, optim
     io::SafetensorsFile f(mpath);
     check_slices(body, kModelFile, f, sp);
     for (const auto& t : f.tensors())
-      LATHE_CHECK(used.count(t.name), "{}: unexpected tensor '{}' (not a parameter of this model)", mpath, t.name);
+      LATHE_CHECK(used.count(t.name) || is_pad(t.name), "{}: unexpected tensor '{}' (not a parameter of this model)",
+                  mpath, t.name);
   }
   if (opt) {
     const std::string opath = (fs::path(ckpt_dir) / kOptimFile).string();
@@ -620,7 +686,7 @@ CheckpointState load_checkpoint(const std::string& ckpt_dir, Model& model, optim
     io::SafetensorsFile f(opath);
     check_slices(body, kOptimFile, f, sp);
     for (const auto& t : f.tensors())
-      LATHE_CHECK(used.count(t.name), "{}: unexpected tensor '{}' (state of another optimizer? the checkpoint "
+      LATHE_CHECK(used.count(t.name) || is_pad(t.name), "{}: unexpected tensor '{}' (state of another optimizer? the checkpoint "
                   "was written by '{}')", opath, t.name, st.optimizer);
   }
   return st;

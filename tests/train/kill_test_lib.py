@@ -134,3 +134,18 @@ def verify_independently(ckpt_dir):
         assert len(blob) == meta["bytes"], f"{ckpt_dir}/{name}: size {len(blob)} != {meta['bytes']}"
         assert format(xxh64(blob), "016x") == meta["xxh64"], f"{ckpt_dir}/{name}: xxh64 mismatch"
     return body
+
+
+def read_tensors(path):
+    """name -> (dtype, shape, raw bytes) of a safetensors file, without lathe's alignment pads."""
+    import struct
+    blob = open(path, "rb").read()
+    n = struct.unpack("<Q", blob[:8])[0]
+    header = json.loads(blob[8:8 + n])
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__" or name.startswith("__lathe_pad__/"):
+            continue
+        a, b = t["data_offsets"]
+        out[name] = (t["dtype"], t["shape"], blob[8 + n + a:8 + n + b])
+    return out
