@@ -7,6 +7,10 @@
 //                              therefore the transpose of HF's file layout). Tensors in table order.
 //     optimizer.safetensors    fp32 moments "exp_avg/<param name>", "exp_avg_sq/<param name>"
 //                              (same shapes as the parameters); absent keys are an error on load.
+//                              Both files may hold U8 tensors "__lathe_pad__/<next tensor>" of
+//                              < 4 KB (and a space-padded JSON header) that align file offsets
+//                              with buffer addresses for zero-copy O_DIRECT writes; readers skip
+//                              them, state.json does not list them.
 //     recipe.yaml              the resolved recipe (JSON text, which is valid YAML), for humans
 //                              and `lathe train recipe.yaml`
 //     state.json               {"body": {...}, "body_xxh64": "<16 hex>"}; body holds format,
