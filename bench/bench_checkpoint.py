@@ -9,8 +9,8 @@
 2. lathe: `lathe train` of GPT-2 124M (seq_len 64, micro_batch 1) with output.checkpoint_every 1,
    so every step writes a complete, fsynced checkpoint of weights + AdamW moments (3 x 124.4M fp32
    = 1.49 GB). The seconds per save come from metrics.jsonl ("checkpoint_s": from the first byte
-   to the updated `latest` pointer, fsyncs and renames included; removing the previous checkpoint
-   for keep_last is reported separately as checkpoint_total_s).
+   to the updated `latest` pointer, fsyncs and renames included; keep_last 1 renames
+   the previous checkpoint away (checkpoint_total_s) and a background thread deletes it).
 dd and lathe alternate (--rounds times) because shared disks vary by 2x from one minute to the
 next. Prints best and median of both and the ratios (target >= 70% of the O_DIRECT figure).
 """
@@ -80,7 +80,7 @@ output: {{dir: {work}/run, checkpoint_every: 1, keep_last: 1}}
           f"page cache+fsync: best {max(cached):.0f}, median {med(cached):.0f} (runs {fmt(cached)})")
     print(f"lathe checkpoint GPT-2 124M + AdamW: {size / 1e6:.0f} MB; seconds to a complete checkpoint: "
           f"{', '.join(f'{s:.2f}' for s in saves)} -> best {min(saves):.2f} s ({max(mbps):.0f} MB/s), median "
-          f"{med(saves):.2f} s ({med(mbps):.0f} MB/s); with removal of the previous one: median {med(totals):.2f} s")
+          f"{med(saves):.2f} s ({med(mbps):.0f} MB/s); including moving the previous one away (deleted in the background): median {med(totals):.2f} s")
     print(f"ratio vs dd O_DIRECT: best/best {100 * max(mbps) / max(direct):.0f}%, median/median "
           f"{100 * med(mbps) / med(direct):.0f}% (target >= 70%)")
     print(json.dumps({"save_s": saves, "total_s": totals, "bytes": size, "dd_direct_mb_s": direct,

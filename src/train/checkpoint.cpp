@@ -130,6 +130,32 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// Removes old checkpoints on a background thread; joined by the next save, by
+// wait_for_checkpoint_cleanup() and at exit.
+class Cleaner {
+ public:
+  ~Cleaner() { join(); }
+  void start(std::vector<fs::path> dirs) {
+    join();
+    thread_ = std::thread([dirs = std::move(dirs)] {
+      for (const auto& d : dirs) {
+        std::error_code ec;  // a leftover *.tmp is removed by the next save anyway
+        fs::remove_all(d, ec);
+      }
+    });
+  }
+  void join() {
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::thread thread_;
+};
+Cleaner& cleaner() {
+  static Cleaner c;
+  return c;
+}
+
 std::string step_name(int64_t step) { return fmt::format("step_{:08d}", step); }
 
 // "step_00000120" -> 120; -1 for anything else (tmp dirs, `latest`, stray files).
@@ -504,6 +530,8 @@ void load_flat(const std::string& path, const Model& model, const std::string& p
 
 // ---------------------------------------------------------------------------------------------
 
+void wait_for_checkpoint_cleanup() { cleaner().join(); }
+
 std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string& run_dir) {
   std::vector<std::pair<int64_t, std::string>> out;
   const fs::path root = fs::path(run_dir) / "checkpoints";
@@ -523,6 +551,7 @@ void save_checkpoint(const std::string& run_dir, const Model& model, optim::Opti
   if (info) *info = {};
   const fs::path root = fs::path(run_dir) / "checkpoints";
   fs::create_directories(root);
+  wait_for_checkpoint_cleanup();  // the previous save's removals touch the same directory
   // Leftovers of interrupted saves (ours or a killed process's) are never complete checkpoints.
   for (const auto& e : fs::directory_iterator(root)) {
     const std::string n = e.path().filename().string();
@@ -607,13 +636,15 @@ void save_checkpoint(const std::string& run_dir, const Model& model, optim::Opti
     for (auto& [s, dir] : list_checkpoints(run_dir))
       if (s < st.step) older.push_back(dir);
     const size_t keep_older = static_cast<size_t>(keep_last - 1);
+    std::vector<fs::path> doomed;
     for (size_t i = 0; i + keep_older < older.size(); ++i) {
       // Renamed first (atomic), so a crash mid-delete leaves a *.tmp leftover, never a step_X that
-      // looks like a damaged checkpoint.
-      const fs::path doomed = older[i] + ".deleting.tmp";
-      fs::rename(older[i], doomed);
-      fs::remove_all(doomed);
+      // looks like a damaged checkpoint. Freeing GBs of extents takes a while: a background
+      // thread does it while training continues.
+      doomed.push_back(older[i] + ".deleting.tmp");
+      fs::rename(older[i], doomed.back());
     }
+    if (!doomed.empty()) cleaner().start(std::move(doomed));
   }
   if (info) info->seconds_total = seconds_since(t_start);
 }

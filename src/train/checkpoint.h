@@ -59,12 +59,13 @@ struct CheckpointState {
 struct CheckpointSaveInfo {
   int64_t bytes = 0;              // all files of the checkpoint
   double seconds_complete = 0;    // until the checkpoint is complete, fsynced and `latest` points to it
-  double seconds_total = 0;       // including the removal of old checkpoints (keep_last)
+  double seconds_total = 0;       // including renaming old checkpoints away (keep_last)
 };
 
 // Writes RUN_DIR/checkpoints/step_XXXXXXXX/ atomically (tmp dir, fsync files + dir, rename), then
 // updates RUN_DIR/checkpoints/latest atomically; keep_last > 0 deletes older complete checkpoints
-// only after the new one is complete. An existing step_XXXXXXXX/ of the same step is replaced.
+// only after the new one is complete (renamed to *.deleting.tmp at once, deleted by a background
+// thread; see wait_for_checkpoint_cleanup). An existing step_XXXXXXXX/ of the same step is replaced.
 // Data files go through O_DIRECT (buffered where the filesystem refuses it); model and optimizer
 // files are written concurrently. Extra memory: 4 staging buffers of 16 MB.
 // Test hook: env LATHE_TEST_CKPT_SLEEP_MS=N sleeps N ms after the data files, after recipe.yaml
@@ -83,6 +84,9 @@ CheckpointState load_checkpoint(const std::string& ckpt_dir, Model& model, optim
 ModelConfig checkpoint_model_config(const std::string& ckpt_dir);  // from the saved recipe
 
 // ---- additions ----
+
+// Joins the background removal of old checkpoints (also done by the next save and at exit).
+void wait_for_checkpoint_cleanup();
 
 // state.json only (its own checksum verified, the data files not read).
 CheckpointState read_checkpoint_state(const std::string& ckpt_dir);

@@ -144,6 +144,9 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
     std::fflush(stdout);
   };
   SignalGuard signals(opts.handle_signals);
+  struct CleanupJoin {  // old checkpoints are removed in the background; done before returning
+    ~CleanupJoin() { wait_for_checkpoint_cleanup(); }
+  } cleanup_join;
   if (r.training.threads > 0) omp_set_num_threads(r.training.threads);
   const int threads = omp_get_max_threads();
   const int64_t B = r.training.micro_batch_size, T = r.training.seq_len, accum = r.training.grad_accum_steps;
@@ -336,7 +339,7 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
     log(fmt::format("saved checkpoint {} ({:.1f} MB in {:.2f} s, {:.0f} MB/s{})", result.last_checkpoint, mb,
                     info.seconds_complete, mb / std::max(info.seconds_complete, 1e-9),
                     info.seconds_total - info.seconds_complete > 0.01
-                        ? fmt::format("; older checkpoints removed in {:.2f} s", info.seconds_total - info.seconds_complete)
+                        ? fmt::format("; older checkpoints moved away in {:.2f} s", info.seconds_total - info.seconds_complete)
                         : std::string()));
     metrics.write({{"step", done}, {"checkpoint_s", info.seconds_complete}, {"checkpoint_total_s", info.seconds_total},
                    {"checkpoint_mb", mb}});

@@ -11,6 +11,7 @@ Checked:
 """
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -72,7 +73,7 @@ def main():
             else:
                 check(False, f"kill {i}: expected '{want}', log:\n{text[-800:]}")
         ck = os.path.join(out, "checkpoints")
-        if os.path.isdir(ck) and any(n.endswith(".tmp") for n in os.listdir(ck)):
+        if os.path.isdir(ck) and any(re.fullmatch(r"step_\d{8}\.tmp", n) for n in os.listdir(ck)):
             torn += 1
     check(checked >= KILLS // 2 and resumed_ok == checked,
           f"{resumed_ok}/{checked} starts that logged their choice resumed from the newest complete checkpoint "
