@@ -33,7 +33,7 @@ static int64_t peak_rss() {
 }
 
 int main(int argc, char** argv) {
-  ensure_fast_blas_kernel(argc, argv);
+  ensure_fast_runtime(argc, argv);
   if (argc < 4) {
     std::fprintf(stderr, "usage: %s PRESET B T [STEPS]\n", argv[0]);
     return 2;

@@ -33,7 +33,7 @@ static void usage() {
 }
 
 int main(int argc, char** argv) {
-  lathe::ensure_fast_blas_kernel(argc, argv);
+  lathe::ensure_fast_runtime(argc, argv);
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     usage();
     return argc < 2 ? 2 : 0;

@@ -15,15 +15,25 @@ std::string blas_kernel_name() {
   return name ? name : "unknown";
 }
 
-void ensure_fast_blas_kernel(int argc, char** argv) {
+void ensure_fast_runtime(int argc, char** argv) {
   (void)argc;
-  if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return;
-  if (std::strcmp(openblas_get_corename(), "Prescott") != 0) return;
-  __builtin_cpu_init();
-  if (!__builtin_cpu_supports("avx512f")) return;
-  setenv("OPENBLAS_CORETYPE", "SkylakeX", 1);
+  if (std::getenv("LATHE_RUNTIME_SET") != nullptr) return;  // already re-executed once
+  bool changed = false;
+  if (std::getenv("OPENBLAS_CORETYPE") == nullptr && std::strcmp(openblas_get_corename(), "Prescott") == 0) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) {
+      setenv("OPENBLAS_CORETYPE", "SkylakeX", 1);
+      changed = true;
+    }
+  }
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr && std::getenv("GOMP_SPINCOUNT") == nullptr) {
+    setenv("OMP_WAIT_POLICY", "ACTIVE", 1);
+    changed = true;
+  }
+  if (!changed) return;
+  setenv("LATHE_RUNTIME_SET", "1", 1);
   execv("/proc/self/exe", argv);
-  std::fprintf(stderr, "lathe: note: could not re-execute with OPENBLAS_CORETYPE=SkylakeX; GEMMs will be slow\n");
+  std::fprintf(stderr, "lathe: note: could not re-execute with the tuned OpenBLAS/OpenMP settings; running as is\n");
 }
 
 }  // namespace lathe
