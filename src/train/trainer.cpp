@@ -22,6 +22,7 @@
 #include "optim/schedule.h"
 #include "tokenizer/tokenizer.h"
 #include "train/checkpoint.h"
+#include "train/consistency.h"
 #include "train/generate.h"
 #include "train/peak.h"
 
@@ -169,22 +170,10 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
               "data.train {}: {} tokens give only {} training samples of seq_len {}, fewer than "
               "training.micro_batch_size {}",
               r.data.train, train_ds->total_tokens(), train_samples.size(), T, B);
-  for (auto* ds : {train_ds.get(), r.data.valid.empty() ? nullptr : valid_ds.get()}) {
-    if (!ds) continue;
-    const int32_t mx = ds->max_token_id();
-    LATHE_CHECK(mx < r.model.vocab_size,
-                "{}: the dataset contains token id {} but model.vocab_size is {}; use a model with vocab_size "
-                ">= {} or re-tokenize the data with the model's tokenizer",
-                ds->prefix(), mx, r.model.vocab_size, static_cast<int64_t>(mx) + 1);
-  }
+  // vocab sizes, special ids and the datasets' largest ids (the same checks as `lathe check`)
+  require_consistency(r);
   std::unique_ptr<tok::Tokenizer> tokenizer;
-  if (!r.data.tokenizer.empty()) {
-    tokenizer = tok::load_tokenizer(r.data.tokenizer);
-    LATHE_CHECK(tokenizer->vocab_size() <= r.model.vocab_size,
-                "data.tokenizer {} has {} tokens but model.vocab_size is {}: the model cannot represent every id; "
-                "set model.vocab_size >= {}",
-                r.data.tokenizer, tokenizer->vocab_size(), r.model.vocab_size, tokenizer->vocab_size());
-  }
+  if (!r.data.tokenizer.empty()) tokenizer = tok::load_tokenizer(r.data.tokenizer);
 
   // ---- which checkpoint (if any) this run continues from; the recipe check comes first ----
   const std::string resume = opts.resume.empty() ? r.training.resume : opts.resume;
@@ -356,14 +345,17 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
       loss_sum += model->forward_backward(inputs.data(), targets.data(), B, T, grad_scale, true);
     }
     const double loss = loss_sum / static_cast<double>(B * T * accum);
-    const double norm = optim::clip_grad_norm(model->grad_data(), P, r.optimizer.grad_clip);
+    // The clipping coefficient is applied inside the optimizer update (one pass less over the
+    // gradients; bit-identical to scaling them first).
+    const double norm = optim::global_grad_norm(model->grad_data(), P);
     if (!std::isfinite(loss) || !std::isfinite(norm))
       throw_error("step {}: {} is {} — training stopped, no weights written. Last finite values: loss {}, grad norm "
                   "{}, lr {} (step {}). Try a lower optimizer.lr or a smaller optimizer.grad_clip.",
                   step + 1, std::isfinite(loss) ? "the gradient norm" : "the loss",
                   std::isfinite(loss) ? norm : loss, last_loss, last_norm, last_lr, step);
     const double lr = optim::lr_at(sched, step);
-    optimizer->step(model->param_data(), model->grad_data(), ranges, lr, step + 1);
+    optimizer->step(model->param_data(), model->grad_data(), ranges, lr, step + 1,
+                    optim::clip_coefficient(norm, r.optimizer.grad_clip));
     const double dt = now_seconds() - t0;
     last_loss = loss;
     last_norm = norm;
@@ -428,6 +420,7 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
     so.temperature = 0.8f;
     so.top_k = 40;
     so.seed = static_cast<uint64_t>(r.training.seed);
+    so.vocab_limit = tokenizer->vocab_size();
     auto ids = generate(*model, prompt, so);
     log("sample:\n" + tokenizer->decode(ids) + "\n");
   }
