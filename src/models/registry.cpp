@@ -1,0 +1,45 @@
+// model_type -> builder. The built-in families register here, explicitly (no static
+// initialisers), so the set of model types is visible in one place.
+#include <fmt/format.h>
+
+#include "models/model.h"
+
+namespace lathe {
+
+void ModelRegistry::add(const std::string& model_type, ModelBuilder builder, const std::string& registrant) {
+  for (auto& [name, e] : entries_)
+    LATHE_CHECK(name != model_type, "model_type '{}' registered twice: first by {}, again by {}", model_type,
+                e.registrant, registrant);
+  entries_.push_back({model_type, Entry{builder, registrant}});
+}
+
+std::unique_ptr<Model> ModelRegistry::build(const ModelConfig& cfg) const {
+  for (auto& [name, e] : entries_)
+    if (name == cfg.model_type) return e.builder(cfg);
+  throw_error("model_type '{}' is not supported (known: {})", cfg.model_type, fmt::join(names(), ", "));
+}
+
+std::vector<std::string> ModelRegistry::names() const {
+  std::vector<std::string> out;
+  for (auto& [name, e] : entries_) out.push_back(name);
+  return out;
+}
+
+ModelRegistry& model_registry() {
+  static ModelRegistry reg = [] {
+    ModelRegistry r;
+    r.add("gpt2", build_gpt2, "src/models/gpt2.cpp");
+    r.add("llama", build_llama, "src/models/llama.cpp");
+    r.add("qwen2", build_llama, "src/models/llama.cpp (qwen2: q/k/v biases)");
+    r.add("mistral", build_llama, "src/models/llama.cpp (mistral)");
+    return r;
+  }();
+  return reg;
+}
+
+std::unique_ptr<Model> build_model(const ModelConfig& cfg) {
+  cfg.validate("model");
+  return model_registry().build(cfg);
+}
+
+}  // namespace lathe
