@@ -16,6 +16,7 @@
 #include "config/model_config.h"
 #include "core/blas_env.h"
 #include "core/rng.h"
+#include "core/sysinfo.h"
 #include "core/timer.h"
 #include "models/model.h"
 #include "optim/clip.h"
@@ -23,14 +24,6 @@
 #include "train/peak.h"
 
 using namespace lathe;
-
-static int64_t peak_rss() {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  while (std::getline(f, line))
-    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
-  return 0;
-}
 
 int main(int argc, char** argv) {
   ensure_fast_runtime(argc, argv);
@@ -88,7 +81,7 @@ int main(int argc, char** argv) {
                       {"tokens_per_s", tok_s},
                       {"peak_gflops", peak},
                       {"mfu", mfu},
-                      {"peak_rss_mb", peak_rss() / 1e6},
+                      {"peak_rss_mb", peak_rss_bytes() / 1e6},
                       {"estimate_mb", est / 1e6}};
   fmt::print("{}\n", j.dump());
   return 0;

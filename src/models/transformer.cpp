@@ -201,8 +201,7 @@ double Model::forward_backward(const int32_t* tokens, const int32_t* targets, in
   const int64_t N = B * T, C = cfg_.hidden_size, H = cfg_.num_attention_heads, KV = cfg_.num_key_value_heads,
                 D = cfg_.head_dim(), Q = (H + 2 * KV) * D, F = cfg_.intermediate_size,
                 FF = arch_.gelu_mlp ? F : 2 * F, V = cfg_.vocab_size;
-  for (int64_t i = 0; i < N; ++i)
-    LATHE_CHECK(targets[i] < V, "target id {} at position {} is outside the vocabulary [0, {})", targets[i], i, V);
+  // targets are range-checked by lm_head_loss
   float* dlm = arch_.tied_lm_head ? g_.wte : g_.lm_head;
   double loss_sum = cpu::lm_head_loss(losses_, dln_, dlm, lnf_, p_.lm_head, targets, N, C, V, grad_scale, backward,
                                       scratch_, chunk_rows_);

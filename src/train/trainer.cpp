@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/blas_env.h"
+#include "core/sysinfo.h"
 #include "core/timer.h"
 #include "io/fs.h"
 #include "models/hf_weights.h"
@@ -31,14 +32,6 @@ namespace lathe {
 namespace fs = std::filesystem;
 
 namespace {
-
-int64_t peak_rss_bytes() {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  while (std::getline(f, line))
-    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
-  return 0;
-}
 
 // Appends one JSON object per line and flushes, so a crash loses at most the current line.
 class MetricsWriter {
