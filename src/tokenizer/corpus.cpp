@@ -18,6 +18,7 @@
 
 #include "core/error.h"
 #include "core/timer.h"
+#include "tokenizer/json_scan.h"
 
 namespace lathe::tok {
 
@@ -309,6 +310,7 @@ const char* skip_reason_name(SkipReason r) {
 
 bool extract_json_text(std::string_view line, const std::string& key, std::string& out, SkipReason& why,
                        std::string& detail) {
+  if (fast_extract_json_string(line, key, out)) return true;
   nlohmann::json j = nlohmann::json::parse(line.begin(), line.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) {
     why = SkipReason::InvalidJson;
