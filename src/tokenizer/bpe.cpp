@@ -13,7 +13,7 @@ namespace lathe::tok {
 
 namespace {
 
-inline uint64_t load_u64(const char *p, size_t n) {
+inline uint64_t load_u64(const char* p, size_t n) {
   uint64_t v = 0;
   std::memcpy(&v, p, n < 8 ? n : 8);
   return v;
@@ -22,7 +22,7 @@ inline uint64_t load_u64(const char *p, size_t n) {
 inline uint64_t hash_bytes(std::string_view s) {
   // 8 bytes per step multiply-xorshift; good enough for a hash table of words.
   uint64_t h = 0x9E3779B97F4A7C15ull ^ (s.size() * 0xC2B2AE3D27D4EB4Full);
-  const char *p = s.data();
+  const char* p = s.data();
   size_t n = s.size();
   while (n >= 8) {
     h = (h ^ load_u64(p, 8)) * 0x100000001B3ull;
@@ -47,28 +47,27 @@ std::atomic<uint64_t> g_next_instance{1};
 // words) stays within a core's L2. With several workers the shared L3 is the
 // bottleneck, so every miss there costs parallel speedup.
 class WordCache {
-public:
+ public:
   static constexpr size_t kMaxSlots = 1 << 17;
   static constexpr size_t kMaxEntries = kMaxSlots / 2;
   static constexpr size_t kMaxWordBytes = 256;
-  static constexpr size_t kMaxArenaWords = 4u << 20; // 16 MB of entries at most
+  static constexpr size_t kMaxArenaWords = 4u << 20;  // 16 MB of entries at most
 
   WordCache() : slots_(kMinSlots, 0) {}
 
   // Returns true and appends ids when `w` is cached.
-  bool lookup(std::string_view w, uint64_t h, std::vector<int32_t> &out) const {
+  bool lookup(std::string_view w, uint64_t h, std::vector<int32_t>& out) const {
     const uint32_t tag = static_cast<uint32_t>(h >> 32);
     size_t i = h & (slots_.size() - 1);
     while (true) {
       const uint64_t s = slots_[i];
-      if (s == 0)
-        return false;
+      if (s == 0) return false;
       if (static_cast<uint32_t>(s >> 32) == tag) {
         // Entry: [key_len | n_ids << 16] [ids ...] [key bytes, padded to 4]
-        const uint32_t *e = arena_.data() + (static_cast<uint32_t>(s) - 1);
+        const uint32_t* e = arena_.data() + (static_cast<uint32_t>(s) - 1);
         const uint32_t len = e[0] & 0xffff, n = e[0] >> 16;
         if (len == w.size() && std::memcmp(e + 1 + n, w.data(), len) == 0) {
-          const int32_t *ids = reinterpret_cast<const int32_t *>(e + 1);
+          const int32_t* ids = reinterpret_cast<const int32_t*>(e + 1);
           out.insert(out.end(), ids, ids + n);
           return true;
         }
@@ -76,17 +75,14 @@ public:
       i = (i + 1) & (slots_.size() - 1);
     }
   }
-  void insert(std::string_view w, uint64_t h, const int32_t *ids, size_t n) {
-    if (n > 0xffff || w.size() > 0xffff)
-      return; // not cacheable (callers never pass such words)
+  void insert(std::string_view w, uint64_t h, const int32_t* ids, size_t n) {
+    if (n > 0xffff || w.size() > 0xffff) return;  // not cacheable (callers never pass such words)
     const size_t words = 1 + n + (w.size() + 3) / 4;
-    if (entries_ >= kMaxEntries || arena_.size() + words > kMaxArenaWords)
-      clear();
-    if ((entries_ + 1) * 2 > slots_.size())
-      grow();
+    if (entries_ >= kMaxEntries || arena_.size() + words > kMaxArenaWords) clear();
+    if ((entries_ + 1) * 2 > slots_.size()) grow();
     const uint32_t off = static_cast<uint32_t>(arena_.size());
     arena_.resize(arena_.size() + words, 0);
-    uint32_t *e = arena_.data() + off;
+    uint32_t* e = arena_.data() + off;
     e[0] = static_cast<uint32_t>(w.size()) | static_cast<uint32_t>(n) << 16;
     std::memcpy(e + 1, ids, n * sizeof(int32_t));
     std::memcpy(e + 1 + n, w.data(), w.size());
@@ -94,12 +90,11 @@ public:
     ++entries_;
   }
 
-private:
+ private:
   static constexpr size_t kMinSlots = 1 << 12;
   void place(uint64_t h, uint32_t off) {
     size_t i = h & (slots_.size() - 1);
-    while (slots_[i] != 0)
-      i = (i + 1) & (slots_.size() - 1);
+    while (slots_[i] != 0) i = (i + 1) & (slots_.size() - 1);
     slots_[i] = (h >> 32) << 32 | (uint64_t(off) + 1);
   }
   void grow() {
@@ -107,8 +102,7 @@ private:
     slots_.assign(std::min(slots_.size() * 2, kMaxSlots), 0);
     for (size_t off = 0; off < arena_.size();) {
       const uint32_t len = arena_[off] & 0xffff, n = arena_[off] >> 16;
-      std::string_view key(
-          reinterpret_cast<const char *>(arena_.data() + off + 1 + n), len);
+      std::string_view key(reinterpret_cast<const char*>(arena_.data() + off + 1 + n), len);
       place(hash_bytes(key), static_cast<uint32_t>(off));
       off += 1 + n + (len + 3) / 4;
     }
@@ -118,13 +112,12 @@ private:
     arena_.clear();
     entries_ = 0;
   }
-  std::vector<uint64_t>
-      slots_; // (hash >> 32) << 32 | (arena offset + 1); 0 = empty
+  std::vector<uint64_t> slots_;  // (hash >> 32) << 32 | (arena offset + 1); 0 = empty
   std::vector<uint32_t> arena_;
   size_t entries_ = 0;
 };
 
-WordCache &thread_cache(uint64_t instance) {
+WordCache& thread_cache(uint64_t instance) {
   // A few models may be used by one thread; the instance counter (never a
   // pointer) keys them, so a new model at a freed model's address cannot see
   // stale entries.
@@ -134,30 +127,25 @@ WordCache &thread_cache(uint64_t instance) {
   };
   thread_local std::vector<Entry> caches;
   thread_local size_t last = 0;
-  if (last < caches.size() && caches[last].instance == instance)
-    return *caches[last].cache;
+  if (last < caches.size() && caches[last].instance == instance) return *caches[last].cache;
   for (size_t i = 0; i < caches.size(); ++i)
     if (caches[i].instance == instance) {
       last = i;
       return *caches[i].cache;
     }
-  if (caches.size() >= 4)
-    caches.erase(caches.begin());
+  if (caches.size() >= 4) caches.erase(caches.begin());
   caches.push_back({instance, std::make_unique<WordCache>()});
   last = caches.size() - 1;
   return *caches.back().cache;
 }
 
-} // namespace
+}  // namespace
 
-size_t StringHash::operator()(std::string_view s) const noexcept {
-  return hash_bytes(s);
-}
+size_t StringHash::operator()(std::string_view s) const noexcept { return hash_bytes(s); }
 
 void PairMap::reserve(size_t n) {
   size_t cap = 16;
-  while (cap < n * 2)
-    cap <<= 1;
+  while (cap < n * 2) cap <<= 1;
   slots_.assign(cap, Slot{});
   mask_ = cap - 1;
   size_ = 0;
@@ -165,60 +153,48 @@ void PairMap::reserve(size_t n) {
 
 void PairMap::grow() {
   std::vector<Slot> old = std::move(slots_);
-  reserve(old.size()); // doubles: reserve(n) allocates >= 2n
-  for (const Slot &s : old)
-    if (s.key != kEmpty)
-      insert_or_assign(s.key, s.val[0], s.val[1]);
+  reserve(old.size());  // doubles: reserve(n) allocates >= 2n
+  for (const Slot& s : old)
+    if (s.key != kEmpty) insert_or_assign(s.key, s.val[0], s.val[1]);
 }
 
 void PairMap::insert_or_assign(uint64_t key, int32_t rank, int32_t id) {
-  if (slots_.empty() || (size_ + 1) * 2 > slots_.size())
-    grow();
+  if (slots_.empty() || (size_ + 1) * 2 > slots_.size()) grow();
   size_t i = mix(key) & mask_;
-  while (slots_[i].key != kEmpty && slots_[i].key != key)
-    i = (i + 1) & mask_;
-  if (slots_[i].key == kEmpty)
-    ++size_;
+  while (slots_[i].key != kEmpty && slots_[i].key != key) i = (i + 1) & mask_;
+  if (slots_[i].key == kEmpty) ++size_;
   slots_[i].key = key;
   slots_[i].val[0] = rank;
   slots_[i].val[1] = id;
 }
 
-BpeModel::BpeModel(
-    StringIdMap vocab,
-    const std::vector<std::pair<std::string, std::string>> &merges,
-    BpeOptions opt, const std::string &where)
-    : opt_(std::move(opt)), vocab_(std::move(vocab)),
-      instance_(g_next_instance.fetch_add(1)) {
+BpeModel::BpeModel(StringIdMap vocab, const std::vector<std::pair<std::string, std::string>>& merges, BpeOptions opt,
+                   const std::string& where)
+    : opt_(std::move(opt)), vocab_(std::move(vocab)), instance_(g_next_instance.fetch_add(1)) {
   int32_t max_id = -1;
-  for (auto &[t, id] : vocab_) {
-    LATHE_CHECK(id >= 0, "{}: vocab token '{}' has negative id {}", where, t,
-                id);
+  for (auto& [t, id] : vocab_) {
+    LATHE_CHECK(id >= 0, "{}: vocab token '{}' has negative id {}", where, t, id);
     max_id = std::max(max_id, id);
   }
   id_to_tok_.assign(static_cast<size_t>(max_id + 1), std::string());
   id_present_.assign(static_cast<size_t>(max_id + 1), 0);
-  for (auto &[t, id] : vocab_) {
+  for (auto& [t, id] : vocab_) {
     id_to_tok_[id] = t;
     id_present_[id] = 1;
   }
   if (opt_.byte_units) {
-    for (auto &[t, id] : vocab_) {
+    for (auto& [t, id] : vocab_) {
       std::string raw;
-      if (bytelevel_to_bytes(t, raw))
-        lookup_.emplace(std::move(raw), id);
+      if (bytelevel_to_bytes(t, raw)) lookup_.emplace(std::move(raw), id);
     }
     std::string tmp;
     if (!opt_.continuing_subword_prefix.empty()) {
-      LATHE_CHECK(
-          bytelevel_to_bytes(opt_.continuing_subword_prefix, raw_prefix_),
-          "{}: continuing_subword_prefix '{}' is not byte-level text", where,
-          opt_.continuing_subword_prefix);
+      LATHE_CHECK(bytelevel_to_bytes(opt_.continuing_subword_prefix, raw_prefix_),
+                  "{}: continuing_subword_prefix '{}' is not byte-level text", where, opt_.continuing_subword_prefix);
     }
     if (!opt_.end_of_word_suffix.empty()) {
       LATHE_CHECK(bytelevel_to_bytes(opt_.end_of_word_suffix, raw_suffix_),
-                  "{}: end_of_word_suffix '{}' is not byte-level text", where,
-                  opt_.end_of_word_suffix);
+                  "{}: end_of_word_suffix '{}' is not byte-level text", where, opt_.end_of_word_suffix);
     }
   } else {
     lookup_ = vocab_;
@@ -226,70 +202,55 @@ BpeModel::BpeModel(
     raw_suffix_ = opt_.end_of_word_suffix;
   }
   for (int b = 0; b < 256; ++b) {
-    auto it =
-        lookup_.find(std::string_view(reinterpret_cast<const char *>(&b), 1));
+    auto it = lookup_.find(std::string_view(reinterpret_cast<const char*>(&b), 1));
     byte_id_[b] = it == lookup_.end() ? -1 : it->second;
   }
   if (opt_.unk_token) {
     auto it = vocab_.find(*opt_.unk_token);
-    LATHE_CHECK(it != vocab_.end(), "{}: unk_token '{}' is not in the vocab",
-                where, *opt_.unk_token);
+    LATHE_CHECK(it != vocab_.end(), "{}: unk_token '{}' is not in the vocab", where, *opt_.unk_token);
     unk_id_ = it->second;
   }
   merges_.reserve(merges.size() + 16);
-  const std::string &pfx = opt_.continuing_subword_prefix;
+  const std::string& pfx = opt_.continuing_subword_prefix;
   for (size_t r = 0; r < merges.size(); ++r) {
-    const auto &[a, b] = merges[r];
+    const auto& [a, b] = merges[r];
     auto ia = vocab_.find(a);
     auto ib = vocab_.find(b);
-    LATHE_CHECK(ia != vocab_.end(),
-                "{}: merge {} ('{}' '{}'): '{}' is not in the vocab", where, r,
-                a, b, a);
-    LATHE_CHECK(ib != vocab_.end(),
-                "{}: merge {} ('{}' '{}'): '{}' is not in the vocab", where, r,
-                a, b, b);
+    LATHE_CHECK(ia != vocab_.end(), "{}: merge {} ('{}' '{}'): '{}' is not in the vocab", where, r, a, b, a);
+    LATHE_CHECK(ib != vocab_.end(), "{}: merge {} ('{}' '{}'): '{}' is not in the vocab", where, r, a, b, b);
     std::string merged = a;
     if (!pfx.empty() && b.compare(0, pfx.size(), pfx) == 0)
       merged += b.substr(pfx.size());
     else
       merged += b;
     auto im = vocab_.find(merged);
-    LATHE_CHECK(
-        im != vocab_.end(),
-        "{}: merge {} ('{}' '{}'): the merged token '{}' is not in the vocab",
-        where, r, a, b, merged);
+    LATHE_CHECK(im != vocab_.end(), "{}: merge {} ('{}' '{}'): the merged token '{}' is not in the vocab", where, r, a,
+                b, merged);
     // HF collects merges into a HashMap: a repeated pair keeps its last rank.
-    merges_.insert_or_assign(PairMap::key(ia->second, ib->second),
-                             static_cast<int32_t>(r), im->second);
+    merges_.insert_or_assign(PairMap::key(ia->second, ib->second), static_cast<int32_t>(r), im->second);
   }
 }
 
 std::optional<int32_t> BpeModel::token_to_id(std::string_view tok) const {
   auto it = vocab_.find(tok);
-  if (it == vocab_.end())
-    return std::nullopt;
+  if (it == vocab_.end()) return std::nullopt;
   return it->second;
 }
 
-const std::string *BpeModel::id_to_token(int32_t id) const {
-  if (id < 0 || static_cast<size_t>(id) >= id_to_tok_.size() ||
-      !id_present_[id])
-    return nullptr;
+const std::string* BpeModel::id_to_token(int32_t id) const {
+  if (id < 0 || static_cast<size_t>(id) >= id_to_tok_.size() || !id_present_[id]) return nullptr;
   return &id_to_tok_[id];
 }
 
-void BpeModel::encode_word(std::string_view word,
-                           std::vector<int32_t> &out) const {
-  if (word.empty())
-    return;
+void BpeModel::encode_word(std::string_view word, std::vector<int32_t>& out) const {
+  if (word.empty()) return;
   if (word.size() >= WordCache::kMaxWordBytes) {
     merge_word(word, out);
     return;
   }
-  WordCache &cache = thread_cache(instance_);
+  WordCache& cache = thread_cache(instance_);
   uint64_t h = hash_bytes(word);
-  if (cache.lookup(word, h, out))
-    return;
+  if (cache.lookup(word, h, out)) return;
   size_t start = out.size();
   merge_word(word, out);
   cache.insert(word, h, out.data() + start, out.size() - start);
@@ -297,9 +258,8 @@ void BpeModel::encode_word(std::string_view word,
 
 // One unit (char, or byte in byte mode) -> symbols, following HF
 // BPE::merge_word.
-void BpeModel::add_unit(std::string_view key, std::string_view fallback_chars,
-                        std::vector<int32_t> &syms,
-                        std::optional<int32_t> &unk) const {
+void BpeModel::add_unit(std::string_view key, std::string_view fallback_chars, std::vector<int32_t>& syms,
+                        std::optional<int32_t>& unk) const {
   auto it = lookup_.find(key);
   if (it != lookup_.end()) {
     if (unk) {
@@ -317,8 +277,7 @@ void BpeModel::add_unit(std::string_view key, std::string_view fallback_chars,
     bool ok = fallback_chars.size() <= 64;
     for (size_t i = 0; ok && i < fallback_chars.size(); ++i) {
       char buf[8];
-      std::snprintf(buf, sizeof(buf), "<0x%02X>",
-                    static_cast<unsigned char>(fallback_chars[i]));
+      std::snprintf(buf, sizeof(buf), "<0x%02X>", static_cast<unsigned char>(fallback_chars[i]));
       auto bt = vocab_.find(std::string_view(buf, 6));
       if (bt == vocab_.end())
         ok = false;
@@ -333,17 +292,14 @@ void BpeModel::add_unit(std::string_view key, std::string_view fallback_chars,
     }
   }
   if (unk_id_ >= 0) {
-    if (unk && opt_.fuse_unk)
-      return; // fused into the pending unk
-    if (unk)
-      syms.push_back(*unk);
+    if (unk && opt_.fuse_unk) return;  // fused into the pending unk
+    if (unk) syms.push_back(*unk);
     unk = unk_id_;
   }
   // No unk token: HF silently drops the unit.
 }
 
-void BpeModel::merge_word(std::string_view word,
-                          std::vector<int32_t> &out) const {
+void BpeModel::merge_word(std::string_view word, std::vector<int32_t>& out) const {
   if (opt_.ignore_merges) {
     auto it = lookup_.find(word);
     if (it != lookup_.end()) {
@@ -372,18 +328,15 @@ void BpeModel::merge_word(std::string_view word,
       std::string_view unit = word.substr(i, len);
       bool first = i == 0, last = i + len == word.size();
       key.clear();
-      if (!first)
-        key += raw_prefix_;
+      if (!first) key += raw_prefix_;
       key += unit;
-      if (last)
-        key += raw_suffix_;
+      if (last) key += raw_suffix_;
       std::string fb = opt_.byte_units ? bytes_to_bytelevel(key) : key;
       add_unit(key, fb, syms, unk);
       i += len;
     }
   }
-  if (unk)
-    syms.push_back(*unk);
+  if (unk) syms.push_back(*unk);
 
   size_t n = syms.size();
   if (n <= 1) {
@@ -402,15 +355,14 @@ void BpeModel::merge_word(std::string_view word,
   }
   struct Cand {
     int32_t rank, pos, new_id;
-    bool operator<(const Cand &o)
-        const { // max-heap on "priority": lowest rank, then lowest pos
+    bool operator<(const Cand& o) const {  // max-heap on "priority": lowest rank, then lowest pos
       return rank != o.rank ? rank > o.rank : pos > o.pos;
     }
   };
   thread_local std::vector<Cand> heap;
   heap.clear();
   for (size_t i = 0; i + 1 < n; ++i)
-    if (const int32_t *m = merges_.find(PairMap::key(syms[i], syms[i + 1])))
+    if (const int32_t* m = merges_.find(PairMap::key(syms[i], syms[i + 1])))
       heap.push_back({m[0], static_cast<int32_t>(i), m[1]});
   std::make_heap(heap.begin(), heap.end());
   while (!heap.empty()) {
@@ -418,34 +370,28 @@ void BpeModel::merge_word(std::string_view word,
     Cand top = heap.back();
     heap.pop_back();
     int32_t p = top.pos;
-    if (!alive[p] || next[p] < 0)
-      continue;
+    if (!alive[p] || next[p] < 0) continue;
     int32_t q = next[p];
-    const int32_t *cur = merges_.find(PairMap::key(syms[p], syms[q]));
-    if (!cur || cur[1] != top.new_id)
-      continue; // stale entry
+    const int32_t* cur = merges_.find(PairMap::key(syms[p], syms[q]));
+    if (!cur || cur[1] != top.new_id) continue;  // stale entry
     syms[p] = top.new_id;
     alive[q] = 0;
     next[p] = next[q];
-    if (next[q] >= 0)
-      prev[next[q]] = p;
+    if (next[q] >= 0) prev[next[q]] = p;
     if (prev[p] >= 0) {
-      if (const int32_t *m =
-              merges_.find(PairMap::key(syms[prev[p]], syms[p]))) {
+      if (const int32_t* m = merges_.find(PairMap::key(syms[prev[p]], syms[p]))) {
         heap.push_back({m[0], prev[p], m[1]});
         std::push_heap(heap.begin(), heap.end());
       }
     }
     if (next[p] >= 0) {
-      if (const int32_t *m =
-              merges_.find(PairMap::key(syms[p], syms[next[p]]))) {
+      if (const int32_t* m = merges_.find(PairMap::key(syms[p], syms[next[p]]))) {
         heap.push_back({m[0], p, m[1]});
         std::push_heap(heap.begin(), heap.end());
       }
     }
   }
-  for (int32_t i = 0; i >= 0; i = next[i])
-    out.push_back(syms[i]);
+  for (int32_t i = 0; i >= 0; i = next[i]) out.push_back(syms[i]);
 }
 
-} // namespace lathe::tok
+}  // namespace lathe::tok

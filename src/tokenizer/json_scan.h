@@ -26,7 +26,6 @@
 
 namespace lathe::tok {
 
-bool fast_extract_json_string(std::string_view line, std::string_view key,
-                              std::string &out);
+bool fast_extract_json_string(std::string_view line, std::string_view key, std::string& out);
 
-} // namespace lathe::tok
+}  // namespace lathe::tok

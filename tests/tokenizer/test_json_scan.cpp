@@ -3,11 +3,11 @@
 // the line as an object whose member is a string with exactly the same bytes;
 // on valid generated lines the scanner must answer (else the fast path would
 // silently never run).
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
 #include <random>
 #include <string>
-
-#include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 
 #include "tokenizer/corpus.h"
 #include "tokenizer/json_scan.h"
@@ -16,7 +16,7 @@ using lathe::tok::fast_extract_json_string;
 
 namespace {
 
-std::string escaped(const std::string &s) {
+std::string escaped(const std::string& s) {
   static const char hex[] = "0123456789abcdef";
   std::string o;
   for (unsigned char c : s) {
@@ -33,26 +33,21 @@ std::string escaped(const std::string &s) {
 
 // nlohmann's verdict: the string under `key`, or nullopt when extract_json_text
 // would skip.
-std::optional<std::string> reference(const std::string &line,
-                                     const std::string &key) {
-  nlohmann::json j =
-      nlohmann::json::parse(line.begin(), line.end(), nullptr, false);
-  if (j.is_discarded() || !j.is_object())
-    return std::nullopt;
+std::optional<std::string> reference(const std::string& line, const std::string& key) {
+  nlohmann::json j = nlohmann::json::parse(line.begin(), line.end(), nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return std::nullopt;
   auto it = j.find(key);
-  if (it == j.end() || !it->is_string())
-    return std::nullopt;
+  if (it == j.end() || !it->is_string()) return std::nullopt;
   return it->get<std::string>();
 }
 
 // Checks the contract on one line; returns whether the fast path answered.
-bool check_line(const std::string &line, const std::string &key) {
+bool check_line(const std::string& line, const std::string& key) {
   std::string fast;
   bool answered = fast_extract_json_string(line, key, fast);
   if (answered) {
     auto ref = reference(line, key);
-    EXPECT_TRUE(ref.has_value())
-        << "fast path accepted a line nlohmann rejects: " << escaped(line);
+    EXPECT_TRUE(ref.has_value()) << "fast path accepted a line nlohmann rejects: " << escaped(line);
     if (ref) {
       EXPECT_EQ(fast, *ref) << "line: " << escaped(line);
     }
@@ -77,8 +72,7 @@ TEST(JsonScan, HandPickedLinesMatchNlohmann) {
       {R"({"text":"caf\u00e9 \u00E9 \ud83d\ude00 \u0000 end"})", true},
       {R"({"te\u0078t":"escaped key"})", true},
       {R"({"text":"first","text":"second"})", true},
-      {R"({"meta":{"a":[1,-2.5,0,true,false,null,{"x":[]}],"b":{}},"text":"nested","z":[[[]]]})",
-       true},
+      {R"({"meta":{"a":[1,-2.5,0,true,false,null,{"x":[]}],"b":{}},"text":"nested","z":[[[]]]})", true},
       {"{\"text\":\"raw utf8 \xc3\xa9 \xe4\xb8\xad \xf0\x9f\x98\x80\"}", true},
       {"{\"text\":\"\"}", true},
       {R"({"text":"x","n":-0})", true},
@@ -107,7 +101,7 @@ TEST(JsonScan, HandPickedLinesMatchNlohmann) {
       {R"({"text":"x","n":1e5})", false},
       {"\xef\xbb\xbf{\"text\":\"bom\"}", false},
   };
-  for (const auto &[line, answers] : cases) {
+  for (const auto& [line, answers] : cases) {
     SCOPED_TRACE(escaped(line));
     EXPECT_EQ(check_line(line, "text"), answers);
   }
@@ -121,7 +115,7 @@ struct Gen {
   int uni(int n) { return static_cast<int>(rng() % static_cast<uint64_t>(n)); }
 
   std::string ws() {
-    static const char *w[] = {"", "", "", " ", "\t", "  ", "\r\n "};
+    static const char* w[] = {"", "", "", " ", "\t", "  ", "\r\n "};
     return w[uni(7)];
   }
   std::string str() {
@@ -129,33 +123,33 @@ struct Gen {
     int n = uni(12);
     for (int i = 0; i < n; ++i) {
       switch (uni(12)) {
-      case 0:
-        s += "\\n";
-        break;
-      case 1:
-        s += "\\\"";
-        break;
-      case 2:
-        s += "\\\\";
-        break;
-      case 3:
-        s += "\\u00e9";
-        break;
-      case 4:
-        s += "\\ud83d\\ude00";
-        break;
-      case 5:
-        s += "\xe4\xb8\xad";
-        break;
-      case 6:
-        s += "\\/\\b\\f\\r\\t";
-        break;
-      case 7:
-        s += "\\u0041";
-        break;
-      default:
-        s += static_cast<char>('a' + uni(26));
-        break;
+        case 0:
+          s += "\\n";
+          break;
+        case 1:
+          s += "\\\"";
+          break;
+        case 2:
+          s += "\\\\";
+          break;
+        case 3:
+          s += "\\u00e9";
+          break;
+        case 4:
+          s += "\\ud83d\\ude00";
+          break;
+        case 5:
+          s += "\xe4\xb8\xad";
+          break;
+        case 6:
+          s += "\\/\\b\\f\\r\\t";
+          break;
+        case 7:
+          s += "\\u0041";
+          break;
+        default:
+          s += static_cast<char>('a' + uni(26));
+          break;
       }
     }
     s += '"';
@@ -173,38 +167,37 @@ struct Gen {
   std::string value(int depth) {
     int k = depth > 3 ? uni(4) : uni(7);
     switch (k) {
-    case 0:
-      return str();
-    case 1:
-      return number();
-    case 2: {
-      static const char *l[] = {"true", "false", "null"};
-      return l[uni(3)];
-    }
-    case 3:
-      return str();
-    case 4: {
-      std::string s = "[";
-      s += ws();
-      int n = uni(4);
-      for (int i = 0; i < n; ++i) {
-        if (i) {
-          s += ',';
+      case 0:
+        return str();
+      case 1:
+        return number();
+      case 2: {
+        static const char* l[] = {"true", "false", "null"};
+        return l[uni(3)];
+      }
+      case 3:
+        return str();
+      case 4: {
+        std::string s = "[";
+        s += ws();
+        int n = uni(4);
+        for (int i = 0; i < n; ++i) {
+          if (i) {
+            s += ',';
+            s += ws();
+          }
+          s += value(depth + 1);
           s += ws();
         }
-        s += value(depth + 1);
-        s += ws();
+        s += ']';
+        return s;
       }
-      s += ']';
-      return s;
-    }
-    default:
-      return object(depth + 1, false);
+      default:
+        return object(depth + 1, false);
     }
   }
   std::string object(int depth, bool with_text) {
-    static const char *keys[] = {"text",       "id",  "meta",
-                                 "te\\u0078t", "txt", "url"};
+    static const char* keys[] = {"text", "id", "meta", "te\\u0078t", "txt", "url"};
     std::string s = "{";
     s += ws();
     int n = uni(4) + (with_text ? 1 : 0);
@@ -264,15 +257,15 @@ TEST(JsonScan, MutatedLinesNeverDisagree) {
       size_t pos = static_cast<size_t>(g.uni(static_cast<int>(line.size())));
       char c = alphabet[g.uni(sizeof(alphabet) - 1)];
       switch (g.uni(3)) {
-      case 0:
-        line.erase(pos, 1);
-        break;
-      case 1:
-        line.insert(pos, 1, c);
-        break;
-      default:
-        line[pos] = c;
-        break;
+        case 0:
+          line.erase(pos, 1);
+          break;
+        case 1:
+          line.insert(pos, 1, c);
+          break;
+        default:
+          line[pos] = c;
+          break;
       }
     }
     answered += check_line(line, "text");
@@ -282,7 +275,7 @@ TEST(JsonScan, MutatedLinesNeverDisagree) {
     }
   }
   EXPECT_GT(answered,
-            1000); // mutations that stay valid still take the fast path
+            1000);  // mutations that stay valid still take the fast path
 }
 
-} // namespace
+}  // namespace
