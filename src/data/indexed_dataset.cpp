@@ -57,8 +57,10 @@ const unsigned char* map_file(const std::string& path, size_t& size, const char*
   int fd = ::open(path.c_str(), O_RDONLY);
   if (fd < 0) {
     if (errno == ENOENT)
-      throw_error("{}: {} file missing (an indexed dataset is the pair PREFIX.bin + PREFIX.idx; "
-                  "pass the prefix without extension)", path, role);
+      throw_error(
+          "{}: {} file missing (an indexed dataset is the pair PREFIX.bin + PREFIX.idx; "
+          "pass the prefix without extension)",
+          path, role);
     throw_error("{}: cannot open {} file ({})", path, role, std::strerror(errno));
   }
   struct stat st;
@@ -78,8 +80,7 @@ const unsigned char* map_file(const std::string& path, size_t& size, const char*
 }
 
 // Converts `count` tokens of `dtype` at `src` to int32.
-void convert_tokens(const unsigned char* src, DType dtype, int64_t count, int32_t* out,
-                    const std::string& path) {
+void convert_tokens(const unsigned char* src, DType dtype, int64_t count, int32_t* out, const std::string& path) {
   switch (dtype) {
     case DType::U8:
       for (int64_t i = 0; i < count; ++i) out[i] = src[i];
@@ -107,26 +108,41 @@ void convert_tokens(const unsigned char* src, DType dtype, int64_t count, int32_
 
 uint8_t megatron_dtype_code(DType t) {
   switch (t) {
-    case DType::U8: return 1;
-    case DType::I32: return 4;
-    case DType::I64: return 5;
-    case DType::U16: return 8;
+    case DType::U8:
+      return 1;
+    case DType::I32:
+      return 4;
+    case DType::I64:
+      return 5;
+    case DType::U16:
+      return 8;
     default:
-      throw_error("indexed dataset: token dtype {} is not supported (use U16, I32, U8 or I64)",
-                  dtype_name(t));
+      throw_error("indexed dataset: token dtype {} is not supported (use U16, I32, U8 or I64)", dtype_name(t));
   }
 }
 
 DType dtype_from_megatron_code(uint8_t code, const std::string& what) {
   switch (code) {
-    case 1: return DType::U8;
-    case 4: return DType::I32;
-    case 5: return DType::I64;
-    case 8: return DType::U16;
-    case 2: case 3: case 6: case 7:
-      throw_error("{}: dtype code {} ({}) is not a supported token dtype (lathe reads uint8=1, "
-                  "int32=4, int64=5, uint16=8)", what, code,
-                  code == 2 ? "int8" : code == 3 ? "int16" : code == 6 ? "float64" : "float32");
+    case 1:
+      return DType::U8;
+    case 4:
+      return DType::I32;
+    case 5:
+      return DType::I64;
+    case 8:
+      return DType::U16;
+    case 2:
+    case 3:
+    case 6:
+    case 7:
+      throw_error(
+          "{}: dtype code {} ({}) is not a supported token dtype (lathe reads uint8=1, "
+          "int32=4, int64=5, uint16=8)",
+          what, code,
+          code == 2   ? "int8"
+          : code == 3 ? "int16"
+          : code == 6 ? "float64"
+                      : "float32");
     default:
       throw_error("{}: invalid dtype code {} (Megatron codes are 1..8)", what, code);
   }
@@ -144,9 +160,7 @@ IndexedDatasetWriter::IndexedDatasetWriter(const std::string& prefix, DType dtyp
     : prefix_(prefix), bin_tmp_(prefix + ".bin.tmp"), idx_tmp_(prefix + ".idx.tmp"), dtype_(dtype) {
   megatron_dtype_code(dtype);  // validates the dtype
   bin_ = std::fopen(bin_tmp_.c_str(), "wb");
-  if (!bin_)
-    throw_error("{}: cannot create ({}); does the output directory exist?", bin_tmp_,
-                std::strerror(errno));
+  if (!bin_) throw_error("{}: cannot create ({}); does the output directory exist?", bin_tmp_, std::strerror(errno));
 }
 
 IndexedDatasetWriter::~IndexedDatasetWriter() {
@@ -163,33 +177,70 @@ void IndexedDatasetWriter::cleanup_temp() noexcept {
 }
 
 void IndexedDatasetWriter::add_document(std::span<const int32_t> tokens) {
-  LATHE_CHECK(!finalized_, "{}: add_document after finalize()", prefix_);
+  const uint32_t len = static_cast<uint32_t>(std::min<size_t>(tokens.size(), std::numeric_limits<uint32_t>::max()));
   LATHE_CHECK(tokens.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()),
-              "{}: document {} has {} tokens; the .idx stores lengths as int32", prefix_,
-              lengths_.size(), tokens.size());
-  int64_t hi = dtype_ == DType::U8 ? 255 : dtype_ == DType::U16 ? 65535
-                                                                 : std::numeric_limits<int32_t>::max();
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    int32_t t = tokens[i];
-    if (t < 0 || t > hi)
-      throw_error("{}: token id {} (document {}, position {}) does not fit the dataset dtype {} "
-                  "(valid ids 0..{}); use optimal_token_dtype(vocab_size) to pick the dtype",
-                  prefix_, t, lengths_.size(), i, dtype_name(dtype_), hi);
+              "{}: document {} has {} tokens; the .idx stores lengths as int32", prefix_, lengths_.size(),
+              tokens.size());
+  add_documents(tokens, std::span<const uint32_t>(&len, 1));
+}
+
+namespace {
+template <typename T>
+void narrow_tokens(const int32_t* src, size_t n, unsigned char* dst) {
+  T* d = reinterpret_cast<T*>(dst);  // dst comes from a vector<unsigned char>: malloc-aligned
+  for (size_t i = 0; i < n; ++i) d[i] = static_cast<T>(src[i]);
+}
+}  // namespace
+
+void IndexedDatasetWriter::add_documents(std::span<const int32_t> tokens, std::span<const uint32_t> lengths) {
+  LATHE_CHECK(!finalized_, "{}: add_document after finalize()", prefix_);
+  uint64_t total = 0;
+  for (uint32_t len : lengths) {
+    LATHE_CHECK(len <= static_cast<uint32_t>(std::numeric_limits<int32_t>::max()),
+                "{}: a document has {} tokens; the .idx stores lengths as int32", prefix_, len);
+    total += len;
   }
-  size_t item = dtype_size(dtype_);
-  scratch_.resize(tokens.size() * item);
-  unsigned char* dst = scratch_.data();
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    switch (dtype_) {
-      case DType::U8: dst[i] = static_cast<uint8_t>(tokens[i]); break;
-      case DType::U16: { uint16_t v = static_cast<uint16_t>(tokens[i]); std::memcpy(dst + 2 * i, &v, 2); break; }
-      case DType::I32: std::memcpy(dst + 4 * i, &tokens[i], 4); break;
-      case DType::I64: { int64_t v = tokens[i]; std::memcpy(dst + 8 * i, &v, 8); break; }
-      default: break;
+  LATHE_CHECK(total == tokens.size(), "{}: add_documents: lengths sum to {} but {} tokens were given", prefix_, total,
+              tokens.size());
+  const int64_t hi = dtype_ == DType::U8 ? 255 : dtype_ == DType::U16 ? 65535 : std::numeric_limits<int32_t>::max();
+  int32_t lo_seen = 0, hi_seen = 0;
+  for (int32_t t : tokens) {  // vectorised min/max; the slow search below runs only on an error
+    lo_seen = std::min(lo_seen, t);
+    hi_seen = std::max(hi_seen, t);
+  }
+  if (lo_seen < 0 || hi_seen > hi) {
+    size_t doc = 0, start = 0;
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      while (i >= start + lengths[doc]) start += lengths[doc++];
+      const int32_t t = tokens[i];
+      if (t < 0 || t > hi)
+        throw_error(
+            "{}: token id {} (document {}, position {}) does not fit the dataset dtype {} "
+            "(valid ids 0..{}); use optimal_token_dtype(vocab_size) to pick the dtype",
+            prefix_, t, lengths_.size() + doc, i - start, dtype_name(dtype_), hi);
     }
   }
+  const size_t item = dtype_size(dtype_);
+  scratch_.resize(tokens.size() * item);
+  unsigned char* dst = scratch_.data();
+  switch (dtype_) {
+    case DType::U8:
+      narrow_tokens<uint8_t>(tokens.data(), tokens.size(), dst);
+      break;
+    case DType::U16:
+      narrow_tokens<uint16_t>(tokens.data(), tokens.size(), dst);
+      break;
+    case DType::I32:
+      narrow_tokens<int32_t>(tokens.data(), tokens.size(), dst);
+      break;
+    case DType::I64:
+      narrow_tokens<int64_t>(tokens.data(), tokens.size(), dst);
+      break;
+    default:
+      break;
+  }
   write_all(bin_, scratch_.data(), scratch_.size(), bin_tmp_);
-  lengths_.push_back(static_cast<int32_t>(tokens.size()));
+  for (uint32_t len : lengths) lengths_.push_back(static_cast<int32_t>(len));
   num_tokens_ += tokens.size();
 }
 
@@ -247,9 +298,8 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
     idx_ = map_file(idx_path, idx_size_, "index (.idx)");
     bin_ = map_file(bin_path, bin_size_, "token (.bin)");
 
-    LATHE_CHECK(idx_size_ >= kHeaderBytes,
-                "{}: truncated header: expected at least {} bytes got {}", idx_path, kHeaderBytes,
-                idx_size_);
+    LATHE_CHECK(idx_size_ >= kHeaderBytes, "{}: truncated header: expected at least {} bytes got {}", idx_path,
+                kHeaderBytes, idx_size_);
     LATHE_CHECK(std::memcmp(idx_, kMagic, 9) == 0,
                 "{}: bad magic (expected \"MMIDIDX\\0\\0\"); not a Megatron indexed dataset index "
                 "(regenerate it with Megatron's tools/preprocess_data.py or `lathe` preprocessing)",
@@ -259,20 +309,21 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
     dtype_ = dtype_from_megatron_code(idx_[17], idx_path);
     uint64_t S = load<uint64_t>(idx_ + 18), D = load<uint64_t>(idx_ + 26);
     // Sizes beyond 2^40 entries cannot be real and would overflow the size arithmetic below.
-    LATHE_CHECK(S < (1ull << 40) && D < (1ull << 40),
-                "{}: corrupt header: sequence_count {} / document_count {}", idx_path, S, D);
-    LATHE_CHECK(D >= 1, "{}: corrupt header: document_count is 0 (must be number of documents + 1)",
-                idx_path);
+    LATHE_CHECK(S < (1ull << 40) && D < (1ull << 40), "{}: corrupt header: sequence_count {} / document_count {}",
+                idx_path, S, D);
+    LATHE_CHECK(D >= 1, "{}: corrupt header: document_count is 0 (must be number of documents + 1)", idx_path);
     uint64_t expected = kHeaderBytes + 12 * S + 8 * D;
     if (idx_size_ == expected + S && S > 0)
-      throw_error("{}: {} bytes = expected size {} + {} sequence_modes bytes: multimodal indexed "
-                  "datasets are not supported", idx_path, idx_size_, expected, S);
-    LATHE_CHECK(idx_size_ >= expected,
-                "{}: truncated: expected {} bytes got {} (sequence_count {}, document_count {})",
+      throw_error(
+          "{}: {} bytes = expected size {} + {} sequence_modes bytes: multimodal indexed "
+          "datasets are not supported",
+          idx_path, idx_size_, expected, S);
+    LATHE_CHECK(idx_size_ >= expected, "{}: truncated: expected {} bytes got {} (sequence_count {}, document_count {})",
                 idx_path, expected, idx_size_, S, D);
     LATHE_CHECK(idx_size_ == expected,
                 "{}: size mismatch: expected {} bytes got {} (trailing data; sequence_count {}, "
-                "document_count {})", idx_path, expected, idx_size_, S, D);
+                "document_count {})",
+                idx_path, expected, idx_size_, S, D);
     num_sequences_ = S;
     num_doc_indices_ = D;
 
@@ -289,29 +340,31 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
       LATHE_CHECK(len >= 0, "{}: sequence_lengths[{}] = {} is negative", idx_path, i, len);
       LATHE_CHECK(p == pos,
                   "{}: sequence_pointers[{}] = {} but the sequences before it end at byte {} "
-                  "(pointers must be contiguous)", idx_path, i, p, pos);
+                  "(pointers must be contiguous)",
+                  idx_path, i, p, pos);
       pos += static_cast<int64_t>(len) * item;
     }
     total_tokens_ = pos / item;
     LATHE_CHECK(static_cast<uint64_t>(pos) <= bin_size_,
-                "{}: truncated: expected {} bytes got {} ({} tokens of {} per {})", bin_path, pos,
-                bin_size_, total_tokens_, dtype_name(dtype_), idx_path);
+                "{}: truncated: expected {} bytes got {} ({} tokens of {} per {})", bin_path, pos, bin_size_,
+                total_tokens_, dtype_name(dtype_), idx_path);
     LATHE_CHECK(static_cast<uint64_t>(pos) == bin_size_,
                 "{}: size mismatch: expected {} bytes got {} ({} tokens of {} per {}); the .bin and "
-                ".idx do not belong together", bin_path, pos, bin_size_, total_tokens_,
-                dtype_name(dtype_), idx_path);
+                ".idx do not belong together",
+                bin_path, pos, bin_size_, total_tokens_, dtype_name(dtype_), idx_path);
 
     int64_t prev = load<int64_t>(docs);
     LATHE_CHECK(prev == 0, "{}: document_indices[0] = {} (must be 0)", idx_path, prev);
     for (uint64_t d = 1; d < D; ++d) {
       int64_t v = load<int64_t>(docs + 8 * d);
-      LATHE_CHECK(v >= prev, "{}: document_indices[{}] = {} < document_indices[{}] = {} (must be "
-                  "non-decreasing)", idx_path, d, v, d - 1, prev);
+      LATHE_CHECK(v >= prev,
+                  "{}: document_indices[{}] = {} < document_indices[{}] = {} (must be "
+                  "non-decreasing)",
+                  idx_path, d, v, d - 1, prev);
       prev = v;
     }
     LATHE_CHECK(static_cast<uint64_t>(prev) == S,
-                "{}: document_indices[-1] = {} but sequence_count = {} (must be equal)", idx_path,
-                prev, S);
+                "{}: document_indices[-1] = {} but sequence_count = {} (must be equal)", idx_path, prev, S);
   } catch (...) {
     if (idx_) ::munmap(const_cast<unsigned char*>(idx_), idx_size_);
     if (bin_) ::munmap(const_cast<unsigned char*>(bin_), bin_size_);
@@ -325,25 +378,21 @@ IndexedDataset::~IndexedDataset() {
 }
 
 int64_t IndexedDataset::sequence_length(size_t i) const {
-  LATHE_CHECK(i < num_sequences_, "{}.idx: sequence {} out of range (dataset has {})", prefix_, i,
-              num_sequences_);
+  LATHE_CHECK(i < num_sequences_, "{}.idx: sequence {} out of range (dataset has {})", prefix_, i, num_sequences_);
   return load<int32_t>(idx_ + kHeaderBytes + 4 * i);
 }
 
 int64_t IndexedDataset::sequence_offset(size_t i) const {
-  LATHE_CHECK(i < num_sequences_, "{}.idx: sequence {} out of range (dataset has {})", prefix_, i,
-              num_sequences_);
-  return load<int64_t>(idx_ + kHeaderBytes + 4 * num_sequences_ + 8 * i) /
-         static_cast<int64_t>(dtype_size(dtype_));
+  LATHE_CHECK(i < num_sequences_, "{}.idx: sequence {} out of range (dataset has {})", prefix_, i, num_sequences_);
+  return load<int64_t>(idx_ + kHeaderBytes + 4 * num_sequences_ + 8 * i) / static_cast<int64_t>(dtype_size(dtype_));
 }
 
 void IndexedDataset::read_global(int64_t start, int64_t count, int32_t* out) const {
   LATHE_CHECK(start >= 0 && count >= 0 && start + count <= total_tokens_,
-              "{}.bin: read of tokens [{}, {}) out of range (dataset has {} tokens)", prefix_, start,
-              start + count, total_tokens_);
+              "{}.bin: read of tokens [{}, {}) out of range (dataset has {} tokens)", prefix_, start, start + count,
+              total_tokens_);
   if (count == 0) return;
-  convert_tokens(bin_ + start * static_cast<int64_t>(dtype_size(dtype_)), dtype_, count, out,
-                 prefix_ + ".bin");
+  convert_tokens(bin_ + start * static_cast<int64_t>(dtype_size(dtype_)), dtype_, count, out, prefix_ + ".bin");
 }
 
 void IndexedDataset::read_sequence(size_t i, int32_t* out) const {

@@ -17,7 +17,7 @@ namespace lathe::data {
 
 // Megatron's DType enum codes (.idx byte 17). Only integer token dtypes lathe has a DType for are
 // accepted: uint8 (1), int32 (4), int64 (5), uint16 (8).
-uint8_t megatron_dtype_code(DType t);                        // throws for non-token dtypes
+uint8_t megatron_dtype_code(DType t);                                   // throws for non-token dtypes
 DType dtype_from_megatron_code(uint8_t code, const std::string& what);  // `what` names the file
 
 // Megatron's rule (DType.optimal_dtype): uint16 if vocab_size < 65500, else int32.
@@ -36,6 +36,9 @@ class IndexedDatasetWriter {
   // One document = one sequence (GPT preprocessing without sentence splitting). Token ids are
   // range-checked for the dtype; the error names the id, its position and the document.
   void add_document(std::span<const int32_t> tokens);
+  // Several documents at once (same checks and bytes as one add_document per document):
+  // `tokens` holds them back to back, lengths[i] tokens each. One write for the whole block.
+  void add_documents(std::span<const int32_t> tokens, std::span<const uint32_t> lengths);
   void finalize();
 
   uint64_t num_documents() const { return lengths_.size(); }

@@ -8,16 +8,11 @@
 
 #include "core/error.h"
 #include "tokenizer/utf8.h"
+#include "tokenizer/word_cache.h"
 
 namespace lathe::tok {
 
 namespace {
-
-inline uint64_t load_u64(const char* p, size_t n) {
-  uint64_t v = 0;
-  std::memcpy(&v, p, n < 8 ? n : 8);
-  return v;
-}
 
 inline uint64_t hash_bytes(std::string_view s) {
   // 8 bytes per step multiply-xorshift; good enough for a hash table of words.
@@ -25,13 +20,13 @@ inline uint64_t hash_bytes(std::string_view s) {
   const char* p = s.data();
   size_t n = s.size();
   while (n >= 8) {
-    h = (h ^ load_u64(p, 8)) * 0x100000001B3ull;
+    h = (h ^ detail::load_u64(p, 8)) * 0x100000001B3ull;
     h ^= h >> 29;
     p += 8;
     n -= 8;
   }
   if (n) {
-    h = (h ^ load_u64(p, n)) * 0x100000001B3ull;
+    h = (h ^ detail::load_u64(p, n)) * 0x100000001B3ull;
     h ^= h >> 29;
   }
   h *= 0xff51afd7ed558ccdull;
@@ -40,82 +35,6 @@ inline uint64_t hash_bytes(std::string_view s) {
 }
 
 std::atomic<uint64_t> g_next_instance{1};
-
-// Bounded pre-token -> ids cache (per thread, per model). Cleared when full.
-// Kept small on purpose: a lookup touches one 8-byte slot and one contiguous
-// arena entry, and the whole cache of a typical corpus (tens of thousands of
-// words) stays within a core's L2. With several workers the shared L3 is the
-// bottleneck, so every miss there costs parallel speedup.
-class WordCache {
- public:
-  static constexpr size_t kMaxSlots = 1 << 17;
-  static constexpr size_t kMaxEntries = kMaxSlots / 2;
-  static constexpr size_t kMaxWordBytes = 256;
-  static constexpr size_t kMaxArenaWords = 4u << 20;  // 16 MB of entries at most
-
-  WordCache() : slots_(kMinSlots, 0) {}
-
-  // Returns true and appends ids when `w` is cached.
-  bool lookup(std::string_view w, uint64_t h, std::vector<int32_t>& out) const {
-    const uint32_t tag = static_cast<uint32_t>(h >> 32);
-    size_t i = h & (slots_.size() - 1);
-    while (true) {
-      const uint64_t s = slots_[i];
-      if (s == 0) return false;
-      if (static_cast<uint32_t>(s >> 32) == tag) {
-        // Entry: [key_len | n_ids << 16] [ids ...] [key bytes, padded to 4]
-        const uint32_t* e = arena_.data() + (static_cast<uint32_t>(s) - 1);
-        const uint32_t len = e[0] & 0xffff, n = e[0] >> 16;
-        if (len == w.size() && std::memcmp(e + 1 + n, w.data(), len) == 0) {
-          const int32_t* ids = reinterpret_cast<const int32_t*>(e + 1);
-          out.insert(out.end(), ids, ids + n);
-          return true;
-        }
-      }
-      i = (i + 1) & (slots_.size() - 1);
-    }
-  }
-  void insert(std::string_view w, uint64_t h, const int32_t* ids, size_t n) {
-    if (n > 0xffff || w.size() > 0xffff) return;  // not cacheable (callers never pass such words)
-    const size_t words = 1 + n + (w.size() + 3) / 4;
-    if (entries_ >= kMaxEntries || arena_.size() + words > kMaxArenaWords) clear();
-    if ((entries_ + 1) * 2 > slots_.size()) grow();
-    const uint32_t off = static_cast<uint32_t>(arena_.size());
-    arena_.resize(arena_.size() + words, 0);
-    uint32_t* e = arena_.data() + off;
-    e[0] = static_cast<uint32_t>(w.size()) | static_cast<uint32_t>(n) << 16;
-    std::memcpy(e + 1, ids, n * sizeof(int32_t));
-    std::memcpy(e + 1 + n, w.data(), w.size());
-    place(h, off);
-    ++entries_;
-  }
-
- private:
-  static constexpr size_t kMinSlots = 1 << 12;
-  void place(uint64_t h, uint32_t off) {
-    size_t i = h & (slots_.size() - 1);
-    while (slots_[i] != 0) i = (i + 1) & (slots_.size() - 1);
-    slots_[i] = (h >> 32) << 32 | (uint64_t(off) + 1);
-  }
-  void grow() {
-    // Rehash from the arena (the slot only keeps 32 bits of the hash).
-    slots_.assign(std::min(slots_.size() * 2, kMaxSlots), 0);
-    for (size_t off = 0; off < arena_.size();) {
-      const uint32_t len = arena_[off] & 0xffff, n = arena_[off] >> 16;
-      std::string_view key(reinterpret_cast<const char*>(arena_.data() + off + 1 + n), len);
-      place(hash_bytes(key), static_cast<uint32_t>(off));
-      off += 1 + n + (len + 3) / 4;
-    }
-  }
-  void clear() {
-    slots_.assign(kMinSlots, 0);
-    arena_.clear();
-    entries_ = 0;
-  }
-  std::vector<uint64_t> slots_;  // (hash >> 32) << 32 | (arena offset + 1); 0 = empty
-  std::vector<uint32_t> arena_;
-  size_t entries_ = 0;
-};
 
 WordCache& thread_cache(uint64_t instance) {
   // A few models may be used by one thread; the instance counter (never a
@@ -134,7 +53,7 @@ WordCache& thread_cache(uint64_t instance) {
       return *caches[i].cache;
     }
   if (caches.size() >= 4) caches.erase(caches.begin());
-  caches.push_back({instance, std::make_unique<WordCache>()});
+  caches.push_back({instance, std::make_unique<WordCache>(&hash_bytes)});
   last = caches.size() - 1;
   return *caches.back().cache;
 }

@@ -10,6 +10,7 @@
 // A bounded thread-local cache maps pre-token -> ids (results are identical with or without it).
 #pragma once
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -18,6 +19,28 @@
 #include <vector>
 
 namespace lathe::tok {
+
+namespace detail {
+// The first min(n, 8) bytes at p, little-endian, zero padded; never reads past p + n. Built from
+// whole loads in registers: memcpy with a variable length compiles to byte stores followed by an
+// 8-byte load, a failed store-to-load forwarding that cost more than the rest of a cache lookup.
+inline uint64_t load_u64(const char* p, size_t n) {
+  uint64_t v;
+  if (n >= 8) {
+    std::memcpy(&v, p, 8);
+    return v;
+  }
+  if (n >= 4) {
+    uint32_t lo, hi;
+    std::memcpy(&lo, p, 4);
+    std::memcpy(&hi, p + n - 4, 4);  // bytes n-4 .. n-1; the top n-4 of them are bytes 4 .. n-1
+    return lo | (static_cast<uint64_t>(hi) >> (8 * (8 - n)) << 32);
+  }
+  if (n == 0) return 0;
+  const auto* u = reinterpret_cast<const unsigned char*>(p);
+  return u[0] | static_cast<uint64_t>(u[n / 2]) << (8 * (n / 2)) | static_cast<uint64_t>(u[n - 1]) << (8 * (n - 1));
+}
+}  // namespace detail
 
 struct StringHash {
   using is_transparent = void;
@@ -76,8 +99,8 @@ class BpeModel {
  public:
   // vocab: token (as spelled in the file) -> id; merges: pairs of tokens, rank = index.
   // `where` names the source file for error messages.
-  BpeModel(StringIdMap vocab, const std::vector<std::pair<std::string, std::string>>& merges,
-           BpeOptions opt, const std::string& where);
+  BpeModel(StringIdMap vocab, const std::vector<std::pair<std::string, std::string>>& merges, BpeOptions opt,
+           const std::string& where);
 
   // Appends the ids of one pre-token (raw bytes in byte mode, UTF-8 in char mode).
   void encode_word(std::string_view word, std::vector<int32_t>& out) const;
@@ -95,15 +118,15 @@ class BpeModel {
                 std::optional<int32_t>& unk) const;
 
   BpeOptions opt_;
-  StringIdMap vocab_;       // file spelling -> id
-  StringIdMap lookup_;      // encode-space spelling (raw bytes in byte mode) -> id
+  StringIdMap vocab_;   // file spelling -> id
+  StringIdMap lookup_;  // encode-space spelling (raw bytes in byte mode) -> id
   std::vector<std::string> id_to_tok_;
   std::vector<uint8_t> id_present_;
   PairMap merges_;
-  int32_t byte_id_[256];    // byte mode: id of each single byte, -1 if absent
+  int32_t byte_id_[256];  // byte mode: id of each single byte, -1 if absent
   int32_t unk_id_ = -1;
   std::string raw_prefix_, raw_suffix_;
-  uint64_t instance_;       // key of this model's thread-local caches
+  uint64_t instance_;  // key of this model's thread-local caches
 };
 
 }  // namespace lathe::tok

@@ -1,6 +1,7 @@
 #include "tokenizer/corpus.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <glob.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -12,8 +13,6 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -47,8 +46,8 @@ std::vector<std::string> expand_input_patterns(const std::vector<std::string>& p
     if (!has_glob) {
       struct stat st;
       LATHE_CHECK(::stat(pat.c_str(), &st) == 0, "input '{}': {} (check the path)", pat, std::strerror(errno));
-      LATHE_CHECK(S_ISREG(st.st_mode), "input '{}' is not a regular file (pass the files, e.g. '{}/*.jsonl')",
-                  pat, pat);
+      LATHE_CHECK(S_ISREG(st.st_mode), "input '{}' is not a regular file (pass the files, e.g. '{}/*.jsonl')", pat,
+                  pat);
       out.push_back(pat);
       continue;
     }
@@ -181,8 +180,7 @@ class ZstdSource : public ByteSource {
       if (in_.pos == in_.size) {
         size_t got = file_.read(in_buf_.data(), in_buf_.size());
         if (got == 0) {
-          LATHE_CHECK(last_ret_ == 0, "input '{}': zstd stream ends in the middle of a frame (file truncated?)",
-                      path_);
+          LATHE_CHECK(last_ret_ == 0, "input '{}': zstd stream ends in the middle of a frame (file truncated?)", path_);
           return 0;
         }
         in_ = ZSTD_inBuffer{in_buf_.data(), got, 0};
@@ -208,9 +206,12 @@ class ZstdSource : public ByteSource {
 
 std::unique_ptr<ByteSource> open_byte_source(const std::string& path) {
   switch (detect_compression(path)) {
-    case Compression::Gzip: return std::make_unique<GzipSource>(path);
-    case Compression::Zstd: return std::make_unique<ZstdSource>(path);
-    case Compression::None: break;
+    case Compression::Gzip:
+      return std::make_unique<GzipSource>(path);
+    case Compression::Zstd:
+      return std::make_unique<ZstdSource>(path);
+    case Compression::None:
+      break;
   }
   return std::make_unique<PlainSource>(path);
 }
@@ -248,62 +249,88 @@ RecordReader::RecordReader(std::vector<std::string> files, Options opt) : files_
 
 RecordReader::~RecordReader() = default;
 
-uint64_t RecordReader::raw_bytes_read() const { return done_bytes_ + (lines_ ? lines_->raw_position() : 0); }
+uint64_t RecordReader::raw_bytes_read() const { return done_bytes_ + (src_ ? src_->raw_position() : 0); }
+
+void RecordReader::close_file() {
+  if (!src_) return;
+  uint64_t sz = 0;
+  is_regular_file(files_[cur_index_], &sz);
+  done_bytes_ += sz;
+  src_.reset();
+}
 
 bool RecordReader::open_next_file() {
-  if (lines_) {
-    uint64_t sz = 0;
-    is_regular_file(files_[cur_index_], &sz);
-    done_bytes_ += sz;
-    lines_.reset();
-  }
+  close_file();
   if (next_file_ >= files_.size()) return false;
   cur_index_ = static_cast<uint32_t>(next_file_++);
   const std::string& path = files_[cur_index_];
   cur_json_ = detect_format(path, opt_.format) == InputFormat::Jsonl;
   whole_file_ = !cur_json_ && !opt_.split_lines;
-  cur_line_ = 0;
-  lines_ = std::make_unique<LineReader>(open_byte_source(path));
+  next_line_ = 1;
+  carry_.clear();
+  src_ = open_byte_source(path);
   return true;
 }
 
-bool RecordReader::next(RawRecord& rec) {
+bool RecordReader::next_chunk(InputChunk& c, size_t target) {
+  target = std::max<size_t>(target, 1);
+  const size_t block = std::clamp<size_t>(target, 4096, 1 << 20);  // read() size
   for (;;) {
-    if (file_done_) {
-      file_done_ = false;
-      if (!open_next_file()) return false;
+    if (!src_ && !open_next_file()) return false;
+    c.file_index = cur_index_;
+    c.is_json = cur_json_;
+    c.lines = !whole_file_;
+    c.first_line = whole_file_ ? 0 : next_line_;
+    c.data.assign(carry_);  // keeps the capacity of a recycled c.data
+    carry_.clear();
+    bool eof = false;
+    size_t scanned = 0;  // bytes of c.data already known to hold no '\n'
+    size_t cut = std::string::npos;
+    for (;;) {
+      if (!whole_file_ && c.data.size() >= target) {
+        // Only the bytes read since the last look (a very long line must not be rescanned).
+        const void* nl = ::memrchr(c.data.data() + scanned, '\n', c.data.size() - scanned);
+        if (nl) {
+          cut = static_cast<size_t>(static_cast<const char*>(nl) - c.data.data()) + 1;
+          break;
+        }
+        scanned = c.data.size();
+      }
+      const size_t have = c.data.size();
+      c.data.resize(have + block);
+      const size_t got = src_->read(c.data.data() + have, block);
+      c.data.resize(have + got);
+      if (got == 0) {
+        eof = true;
+        break;
+      }
     }
-    if (!lines_ && !open_next_file()) return false;
-    rec.file_index = cur_index_;
-    rec.is_json = cur_json_;
-    if (whole_file_) {
-      // One document per file: concatenate all lines, keeping every byte.
-      rec.data.clear();
-      std::string line;
-      while (lines_->next(line)) rec.data += line;
-      rec.line = 0;
-      file_done_ = true;  // the next call moves on to the next file
-      return true;
+    if (cut != std::string::npos) {
+      carry_.assign(c.data, cut, std::string::npos);
+      c.data.resize(cut);
     }
-    if (!lines_->next(rec.data)) {
-      if (!open_next_file()) return false;
-      continue;
-    }
-    rec.line = ++cur_line_;
-    if (!rec.data.empty() && rec.data.back() == '\n') rec.data.pop_back();
-    if (!rec.data.empty() && rec.data.back() == '\r') rec.data.pop_back();
+    if (eof) close_file();
+    if (c.data.empty() && whole_file_) return true;  // an empty file is an (empty) document
+    if (c.data.empty()) continue;
+    if (!whole_file_) next_line_ += static_cast<uint64_t>(std::count(c.data.begin(), c.data.end(), '\n'));
     return true;
   }
 }
 
 const char* skip_reason_name(SkipReason r) {
   switch (r) {
-    case SkipReason::Empty: return "empty";
-    case SkipReason::InvalidJson: return "invalid JSON";
-    case SkipReason::MissingKey: return "missing text key";
-    case SkipReason::NotString: return "text value is not a string";
-    case SkipReason::InvalidUtf8: return "invalid UTF-8";
-    case SkipReason::Count: break;
+    case SkipReason::Empty:
+      return "empty";
+    case SkipReason::InvalidJson:
+      return "invalid JSON";
+    case SkipReason::MissingKey:
+      return "missing text key";
+    case SkipReason::NotString:
+      return "text value is not a string";
+    case SkipReason::InvalidUtf8:
+      return "invalid UTF-8";
+    case SkipReason::Count:
+      break;
   }
   return "?";
 }
@@ -363,10 +390,14 @@ bool is_valid_utf8(std::string_view s) {
     }
     int len;
     uint32_t cp;
-    if (c >= 0xC2 && c <= 0xDF) len = 2, cp = c & 0x1F;
-    else if (c >= 0xE0 && c <= 0xEF) len = 3, cp = c & 0x0F;
-    else if (c >= 0xF0 && c <= 0xF4) len = 4, cp = c & 0x07;
-    else return false;
+    if (c >= 0xC2 && c <= 0xDF)
+      len = 2, cp = c & 0x1F;
+    else if (c >= 0xE0 && c <= 0xEF)
+      len = 3, cp = c & 0x0F;
+    else if (c >= 0xF0 && c <= 0xF4)
+      len = 4, cp = c & 0x07;
+    else
+      return false;
     if (i + len > n) return false;
     for (int k = 1; k < len; ++k) {
       if ((p[i + k] & 0xC0) != 0x80) return false;
@@ -387,16 +418,26 @@ uint64_t parse_byte_size(std::string_view s, std::string_view what) {
   std::string unit(s.substr(i));
   for (auto& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
   double mult;
-  if (unit.empty() || unit == "B") mult = 1;
-  else if (unit == "K" || unit == "KB") mult = 1e3;
-  else if (unit == "KIB") mult = 1024.0;
-  else if (unit == "M" || unit == "MB") mult = 1e6;
-  else if (unit == "MIB") mult = 1024.0 * 1024;
-  else if (unit == "G" || unit == "GB") mult = 1e9;
-  else if (unit == "GIB") mult = 1024.0 * 1024 * 1024;
-  else if (unit == "T" || unit == "TB") mult = 1e12;
-  else if (unit == "TIB") mult = 1024.0 * 1024 * 1024 * 1024;
-  else throw_error("{} '{}': unknown unit '{}' (use B, KB, MB, GB, KiB, MiB, GiB)", what, s, s.substr(i));
+  if (unit.empty() || unit == "B")
+    mult = 1;
+  else if (unit == "K" || unit == "KB")
+    mult = 1e3;
+  else if (unit == "KIB")
+    mult = 1024.0;
+  else if (unit == "M" || unit == "MB")
+    mult = 1e6;
+  else if (unit == "MIB")
+    mult = 1024.0 * 1024;
+  else if (unit == "G" || unit == "GB")
+    mult = 1e9;
+  else if (unit == "GIB")
+    mult = 1024.0 * 1024 * 1024;
+  else if (unit == "T" || unit == "TB")
+    mult = 1e12;
+  else if (unit == "TIB")
+    mult = 1024.0 * 1024 * 1024 * 1024;
+  else
+    throw_error("{} '{}': unknown unit '{}' (use B, KB, MB, GB, KiB, MiB, GiB)", what, s, s.substr(i));
   double bytes = v * mult;
   LATHE_CHECK(bytes >= 1, "{} '{}' must be at least 1 byte", what, s);
   return static_cast<uint64_t>(bytes);

@@ -101,8 +101,8 @@ class HfTokenizer : public Tokenizer {
       added_.reserve(at.size());
       for (const json& t : at) {
         AddedToken a;
-        LATHE_CHECK(t.contains("id") && t.contains("content"), "{}: added token {} needs \"id\" and \"content\"",
-                    where, t.dump());
+        LATHE_CHECK(t.contains("id") && t.contains("content"), "{}: added token {} needs \"id\" and \"content\"", where,
+                    t.dump());
         a.id = t["id"].get<int32_t>();
         a.content = t["content"].get<std::string>();
         a.special = t.value("special", false);
@@ -130,8 +130,7 @@ class HfTokenizer : public Tokenizer {
     }
 
     // --- post-processor (BOS/EOS around the single sequence)
-    if (cfg.contains("post_processor") && !cfg["post_processor"].is_null())
-      parse_post(cfg["post_processor"], where);
+    if (cfg.contains("post_processor") && !cfg["post_processor"].is_null()) parse_post(cfg["post_processor"], where);
 
     kind_ = !kind_override.empty() ? kind_override : byte_level_ ? "hf-bpe-bytelevel" : "hf-bpe-sentencepiece";
     resolve_specials(dir, where);
@@ -140,6 +139,11 @@ class HfTokenizer : public Tokenizer {
   std::vector<int32_t> encode(std::string_view text, bool add_special_tokens) const override {
     std::vector<int32_t> out;
     out.reserve(text.size() / 3 + 4);
+    encode_append(text, out, add_special_tokens);
+    return out;
+  }
+
+  void encode_append(std::string_view text, std::vector<int32_t>& out, bool add_special_tokens) const override {
     if (add_special_tokens) out.insert(out.end(), prefix_.begin(), prefix_.end());
     if (raw_matcher_.empty()) {
       encode_gap(text, true, out);
@@ -155,7 +159,6 @@ class HfTokenizer : public Tokenizer {
       if (prev < text.size()) encode_gap(text.substr(prev), prev == 0, out);
     }
     if (add_special_tokens) out.insert(out.end(), suffix_.begin(), suffix_.end());
-    return out;
   }
 
   std::string decode(std::span<const int32_t> ids, bool skip_special_tokens) const override {
@@ -263,8 +266,8 @@ class HfTokenizer : public Tokenizer {
           seen_a = true;
           continue;
         }
-        LATHE_CHECK(piece.contains("SpecialToken"), "{}: TemplateProcessing piece {} is neither Sequence nor SpecialToken",
-                    where, piece.dump());
+        LATHE_CHECK(piece.contains("SpecialToken"),
+                    "{}: TemplateProcessing piece {} is neither Sequence nor SpecialToken", where, piece.dump());
         std::string key = piece["SpecialToken"].at("id").get<std::string>();
         LATHE_CHECK(specials.contains(key), "{}: TemplateProcessing special token '{}' is missing from special_tokens",
                     where, key);
@@ -282,9 +285,10 @@ class HfTokenizer : public Tokenizer {
       suffix_.insert(suffix_.begin(), sep.at(1).get<int32_t>());
       return;
     }
-    throw_error("{}: post_processor type '{}' is not supported by lathe (supported: TemplateProcessing, ByteLevel, "
-                "RobertaProcessing, BertProcessing, Sequence)",
-                where, type);
+    throw_error(
+        "{}: post_processor type '{}' is not supported by lathe (supported: TemplateProcessing, ByteLevel, "
+        "RobertaProcessing, BertProcessing, Sequence)",
+        where, type);
   }
 
   // BOS/EOS/PAD: tokenizer_config.json next to the tokenizer if present; else the post-processor
@@ -367,8 +371,8 @@ std::unique_ptr<Tokenizer> load_gpt2_legacy(const std::string& vocab_path, const
     if (line.empty() || line.rfind("#version", 0) == 0) continue;
     size_t sp = line.find(' ');
     LATHE_CHECK(sp != std::string::npos && line.find(' ', sp + 1) == std::string::npos,
-                "tokenizer file {} line {}: a merge must be two tokens separated by one space, got \"{}\"",
-                merges_path, line_no, line);
+                "tokenizer file {} line {}: a merge must be two tokens separated by one space, got \"{}\"", merges_path,
+                line_no, line);
     merges.push_back(line);
   }
   json cfg;
@@ -378,8 +382,8 @@ std::unique_ptr<Tokenizer> load_gpt2_legacy(const std::string& vocab_path, const
   cfg["added_tokens"] = json::array();
   // GPT-2's <|endoftext|> is a special token in transformers' GPT2Tokenizer(Fast).
   if (vocab.contains("<|endoftext|>"))
-    cfg["added_tokens"].push_back({{"id", vocab["<|endoftext|>"]}, {"content", "<|endoftext|>"}, {"special", true},
-                                   {"normalized", false}});
+    cfg["added_tokens"].push_back(
+        {{"id", vocab["<|endoftext|>"]}, {"content", "<|endoftext|>"}, {"special", true}, {"normalized", false}});
   fs::path dir = fs::path(vocab_path).parent_path();
   return make_hf_tokenizer(cfg, vocab_path + " + " + merges_path, "gpt2-legacy", {vocab_path, merges_path},
                            dir.string());

@@ -1,6 +1,7 @@
 #include "tokenizer/preprocess.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -16,8 +17,6 @@
 #include <mutex>
 #include <thread>
 
-#include <fmt/format.h>
-
 #include "core/error.h"
 #include "core/timer.h"
 #include "data/indexed_dataset.h"
@@ -31,19 +30,10 @@ std::atomic<bool>& preprocess_cancel_flag() {
 
 namespace {
 
-// Records of one batch share one buffer (an allocation per record cost more than the
-// reading itself for one-line documents).
-struct RecordRef {
-  size_t off;
-  size_t len;
-  uint64_t line;
-  uint32_t file_index;
-  bool is_json;
-};
+// Chunks of input (whole-line blocks of ~batch_bytes, or whole files) numbered in input order.
 struct InBatch {
   uint64_t seq = 0;
-  std::string buf;
-  std::vector<RecordRef> recs;
+  std::vector<InputChunk> chunks;
   uint64_t raw_pos = 0;  // on-disk bytes consumed when the batch was complete (for the ETA)
 };
 
@@ -85,51 +75,59 @@ void fsync_dir_of(const std::string& path) {
 
 std::string shard_name(const std::string& prefix, size_t k) { return fmt::format("{}_{:05d}", prefix, k); }
 
-// Encodes one batch (runs on a worker thread).
-OutBatch process_batch(InBatch& in, const Tokenizer& tok, const PreprocessOptions& opt, std::optional<int32_t> eos,
-                       bool check_utf8) {
-  OutBatch out;
+// Encodes one batch into `out` (runs on a worker thread). `out` is a recycled batch: its vectors
+// are cleared, not freed.
+void process_batch(const InBatch& in, const Tokenizer& tok, const PreprocessOptions& opt, std::optional<int32_t> eos,
+                   bool check_utf8, OutBatch& out) {
+  out.tokens.clear();
+  out.lengths.clear();
+  out.skips.clear();
+  out.text_bytes = out.input_bytes = out.records = 0;
   out.raw_pos = in.raw_pos;
-  out.records = in.recs.size();
   std::string text, detail;
-  for (const RecordRef& r : in.recs) {
-    out.input_bytes += r.len;
-    std::string_view data(in.buf.data() + r.off, r.len);
-    std::string_view tv = data;
-    if (r.is_json) {
+  auto record = [&](std::string_view data, bool is_json, uint32_t file_index, uint64_t line) {
+    ++out.records;
+    out.input_bytes += data.size();
+    std::string_view t = data;
+    if (is_json) {
       SkipReason why;
       detail.clear();
       if (data.find_first_not_of(" \t\r") == std::string_view::npos) {
-        out.skips.push_back({r.file_index, r.line, SkipReason::Empty, "blank line"});
-        continue;
+        out.skips.push_back({file_index, line, SkipReason::Empty, "blank line"});
+        return;
       }
       if (!extract_json_text(data, opt.text_key, text, why, detail)) {
-        out.skips.push_back({r.file_index, r.line, why, detail});
-        continue;
+        out.skips.push_back({file_index, line, why, detail});
+        return;
       }
-      tv = text;
+      t = text;
     }
-    const std::string_view* t = &tv;
-    if (t->empty()) {
-      out.skips.push_back({r.file_index, r.line, SkipReason::Empty, ""});
+    if (t.empty()) {
+      out.skips.push_back({file_index, line, SkipReason::Empty, ""});
+      return;
+    }
+    if (check_utf8 && !is_valid_utf8(t)) {
+      out.skips.push_back(
+          {file_index, line, SkipReason::InvalidUtf8, fmt::format("tokenizer is not byte-level ({})", tok.kind())});
+      return;
+    }
+    const size_t start = out.tokens.size();
+    tok.encode_append(t, out.tokens, false);
+    if (out.tokens.size() == start) {
+      out.skips.push_back({file_index, line, SkipReason::Empty, "encodes to no tokens"});
+      return;
+    }
+    out.text_bytes += t.size();
+    if (eos) out.tokens.push_back(*eos);
+    out.lengths.push_back(static_cast<uint32_t>(out.tokens.size() - start));
+  };
+  for (const InputChunk& c : in.chunks) {
+    if (!c.lines) {
+      record(c.data, c.is_json, c.file_index, 0);
       continue;
     }
-    if (check_utf8 && !is_valid_utf8(*t)) {
-      out.skips.push_back({r.file_index, r.line, SkipReason::InvalidUtf8,
-                           fmt::format("tokenizer is not byte-level ({})", tok.kind())});
-      continue;
-    }
-    std::vector<int32_t> ids = tok.encode(*t, false);
-    if (ids.empty()) {
-      out.skips.push_back({r.file_index, r.line, SkipReason::Empty, "encodes to no tokens"});
-      continue;
-    }
-    out.text_bytes += t->size();
-    if (eos) ids.push_back(*eos);
-    out.tokens.insert(out.tokens.end(), ids.begin(), ids.end());
-    out.lengths.push_back(static_cast<uint32_t>(ids.size()));
+    for_each_line(c, [&](std::string_view line, uint64_t no) { record(line, c.is_json, c.file_index, no); });
   }
-  return out;
 }
 
 }  // namespace
@@ -180,6 +178,12 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
   bool reader_finished = false;
   bool stop = false;
   std::exception_ptr error;
+  // Buffers go round instead of being freed: a fresh megabyte-sized block is an mmap, page faults
+  // on first touch and an munmap (a TLB shootdown across the cores running the other threads)
+  // when freed. That cost parallel speedup; recycled buffers stay mapped and warm. At most
+  // max_inflight batches exist, so the pools stay small.
+  std::vector<std::string> spare_text;  // chunk buffers, back from the workers to the reader
+  std::vector<OutBatch> spare_out;      // token batches, back from the writer to the workers
   const uint64_t max_inflight = static_cast<uint64_t>(opt.workers) * 2 + 4;
   auto fail = [&](std::exception_ptr e) {
     std::lock_guard<std::mutex> lk(mu);
@@ -193,7 +197,6 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
     try {
       InBatch b;
       size_t bytes = 0;
-      RawRecord rec;
       auto flush = [&]() -> bool {
         std::unique_lock<std::mutex> lk(mu);
         cv.wait(lk, [&] { return stop || batches_read - next_write < max_inflight; });
@@ -206,14 +209,23 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
         bytes = 0;
         return true;
       };
-      while (reader.next(rec)) {
+      InputChunk chunk;
+      auto fresh_chunk = [&] {
+        chunk = InputChunk{};
+        std::lock_guard<std::mutex> lk(mu);
+        if (!spare_text.empty()) {
+          chunk.data = std::move(spare_text.back());
+          spare_text.pop_back();
+        }
+      };
+      while (reader.next_chunk(chunk, opt.batch_bytes)) {
         if (preprocess_cancel_flag().load(std::memory_order_relaxed)) break;
-        bytes += rec.data.size() + 64;
-        b.recs.push_back(RecordRef{b.buf.size(), rec.data.size(), rec.line, rec.file_index, rec.is_json});
-        b.buf += rec.data;
+        bytes += chunk.data.size() + 64;
+        b.chunks.push_back(std::move(chunk));
         if (bytes >= opt.batch_bytes && !flush()) return;
+        fresh_chunk();
       }
-      if (!b.recs.empty() && !flush()) return;
+      if (!b.chunks.empty() && !flush()) return;
       std::lock_guard<std::mutex> lk(mu);
       reader_cpu = thread_cpu_seconds();
       reader_finished = true;
@@ -229,6 +241,7 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
       try {
         for (;;) {
           InBatch b;
+          OutBatch o;
           {
             std::unique_lock<std::mutex> lk(mu);
             cv.wait(lk, [&] { return stop || !work.empty() || reader_finished; });
@@ -238,9 +251,14 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
             }
             b = std::move(work.front());
             work.pop_front();
+            if (!spare_out.empty()) {
+              o = std::move(spare_out.back());
+              spare_out.pop_back();
+            }
           }
-          OutBatch o = process_batch(b, tok, opt, eos, check_utf8);
+          process_batch(b, tok, opt, eos, check_utf8, o);
           std::lock_guard<std::mutex> lk(mu);
+          for (InputChunk& c : b.chunks) spare_text.push_back(std::move(c.data));
           done.emplace(b.seq, std::move(o));
           cv.notify_all();
         }
@@ -282,13 +300,14 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
 
   try {
     open_shard();
+    OutBatch o;
     for (;;) {
-      OutBatch o;
       {
         std::unique_lock<std::mutex> lk(mu);
-        cv.wait_for(lk, std::chrono::milliseconds(200), [&] {
-          return stop || done.count(next_write) || (reader_finished && next_write == batches_read);
-        });
+        if (o.tokens.capacity() > 0) spare_out.push_back(std::move(o));  // the batch written last round
+        o = OutBatch{};
+        cv.wait_for(lk, std::chrono::milliseconds(200),
+                    [&] { return stop || done.count(next_write) || (reader_finished && next_write == batches_read); });
         if (preprocess_cancel_flag().load()) throw_error("interrupted; partial outputs removed");
         if (stop) break;
         auto it = done.find(next_write);
@@ -309,18 +328,32 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
         if (st.examples.size() < opt.max_examples && s.reason != SkipReason::Empty)
           st.examples.push_back({files[s.file_index], s.line, s.reason, s.detail});
       }
-      size_t off = 0;
-      for (uint32_t len : o.lengths) {
-        uint64_t bytes = uint64_t(len) * itemsize;
-        if (writer->num_documents() > 0 && writer->bin_bytes() + bytes > opt.max_shard_bytes) {
+      // Documents go to the current shard in blocks; a new shard starts when the next document
+      // would push the .bin past the limit (a document larger than the limit gets its own).
+      const size_t n_docs = o.lengths.size();
+      size_t i = 0, off = 0;
+      while (i < n_docs) {
+        uint64_t bin = writer->bin_bytes();
+        size_t j = i, end = off;
+        while (j < n_docs) {
+          const uint64_t bytes = uint64_t(o.lengths[j]) * itemsize;
+          if ((writer->num_documents() > 0 || j > i) && bin + bytes > opt.max_shard_bytes) break;
+          bin += bytes;
+          end += o.lengths[j];
+          ++j;
+        }
+        if (j == i) {
           writer->finalize();
           st.output_documents.push_back(writer->num_documents());
           open_shard();
+          continue;
         }
-        writer->add_document(std::span<const int32_t>(o.tokens.data() + off, len));
-        off += len;
-        ++st.documents;
-        st.tokens += len;
+        writer->add_documents(std::span<const int32_t>(o.tokens.data() + off, end - off),
+                              std::span<const uint32_t>(o.lengths.data() + i, j - i));
+        st.documents += j - i;
+        st.tokens += end - off;
+        i = j;
+        off = end;
       }
       st.text_bytes += o.text_bytes;
       st.input_bytes += o.input_bytes;
@@ -348,7 +381,8 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
     remove_incomplete();
     std::string why;
     for (int r = 0; r < static_cast<int>(SkipReason::Count); ++r)
-      if (st.skipped[r]) why += fmt::format("{}{} {}", why.empty() ? "" : ", ", st.skipped[r], skip_reason_name(SkipReason(r)));
+      if (st.skipped[r])
+        why += fmt::format("{}{} {}", why.empty() ? "" : ", ", st.skipped[r], skip_reason_name(SkipReason(r)));
     throw_error("no document was written from {} records{}{}; check --text-key / --split-lines / the inputs",
                 st.records, why.empty() ? "" : ": ", why);
   }
@@ -400,12 +434,12 @@ std::string format_preprocess_summary(const PreprocessStats& s) {
   o += fmt::format("tokens    : {}\n", s.tokens);
   double el = std::max(s.seconds, 1e-9);
   o += fmt::format("input     : {:.2f} MB in {:.2f} s ({:.2f} MB/s); {:.3f} bytes per token\n", s.input_bytes / 1e6,
-                   s.seconds, s.input_bytes / 1e6 / el,
-                   s.tokens ? double(s.text_bytes) / double(s.tokens) : 0.0);
+                   s.seconds, s.input_bytes / 1e6 / el, s.tokens ? double(s.text_bytes) / double(s.tokens) : 0.0);
   if (skipped) {
     std::string parts;
     for (int r = 0; r < static_cast<int>(SkipReason::Count); ++r)
-      if (s.skipped[r]) parts += fmt::format("{}{} {}", parts.empty() ? "" : ", ", s.skipped[r], skip_reason_name(SkipReason(r)));
+      if (s.skipped[r])
+        parts += fmt::format("{}{} {}", parts.empty() ? "" : ", ", s.skipped[r], skip_reason_name(SkipReason(r)));
     o += fmt::format("skipped   : {}\n", parts);
     for (const auto& e : s.examples)
       o += fmt::format("  {}:{}: {}{}{}\n", e.file, e.line, skip_reason_name(e.reason), e.detail.empty() ? "" : ": ",

@@ -1,8 +1,9 @@
 // Corpus preprocessing: text / JSONL (optionally .gz/.zst) -> Megatron .bin/.idx token shards.
 //
 // Pipeline (preprocess_corpus):
-//   reader thread  : RecordReader -> batches of raw records (~1 MB), numbered in input order
-//   N worker threads: JSON parse, UTF-8 check, Tokenizer::encode (+EOS) -> token batches
+//   reader thread  : RecordReader -> batches of ~1 MB of whole lines (or whole files), numbered
+//                    in input order
+//   N worker threads: split lines, JSON parse, UTF-8 check, Tokenizer::encode (+EOS) -> token batches
 //   calling thread : takes batches strictly in number order and writes them, so the output is
 //                    byte-identical for any N; draws the progress line.
 // Memory is bounded: at most 2N+4 batches are between the reader and the writer.
@@ -35,7 +36,7 @@ struct PreprocessOptions {
   bool split_lines = false;  // plain text: one document per line (else one per file)
   InputFormat format = InputFormat::Auto;
   uint64_t max_shard_bytes = 512ull * 1000 * 1000;
-  bool strict = false;      // first bad record is an error instead of a counted skip
+  bool strict = false;  // first bad record is an error instead of a counted skip
   bool overwrite = false;
   bool progress = true;
   size_t batch_bytes = 1 << 20;
@@ -50,11 +51,11 @@ struct SkipExample {
 };
 
 struct PreprocessStats {
-  uint64_t documents = 0;       // written
-  uint64_t tokens = 0;          // written (EOS included)
-  uint64_t text_bytes = 0;      // bytes of text encoded
-  uint64_t input_bytes = 0;     // bytes of records read (decompressed)
-  uint64_t records = 0;         // records read
+  uint64_t documents = 0;    // written
+  uint64_t tokens = 0;       // written (EOS included)
+  uint64_t text_bytes = 0;   // bytes of text encoded
+  uint64_t input_bytes = 0;  // bytes of records read (decompressed)
+  uint64_t records = 0;      // records read
   uint64_t skipped[static_cast<int>(SkipReason::Count)] = {};
   std::vector<SkipExample> examples;
   std::vector<std::string> outputs;  // final prefixes (without .bin/.idx)

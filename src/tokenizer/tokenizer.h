@@ -24,6 +24,11 @@ class Tokenizer {
   // Token ids of `text`. add_special_tokens=true applies the post-processor template (BOS/EOS)
   // as HF's encode() does by default.
   virtual std::vector<int32_t> encode(std::string_view text, bool add_special_tokens = false) const = 0;
+  // encode() appended to `out` (the preprocessing workers encode a whole batch into one vector).
+  virtual void encode_append(std::string_view text, std::vector<int32_t>& out, bool add_special_tokens = false) const {
+    std::vector<int32_t> ids = encode(text, add_special_tokens);
+    out.insert(out.end(), ids.begin(), ids.end());
+  }
   virtual std::string decode(std::span<const int32_t> ids, bool skip_special_tokens = false) const = 0;
   // Including added tokens (max id + 1).
   virtual int64_t vocab_size() const = 0;

@@ -1,17 +1,19 @@
 // Unit tests of src/tokenizer: the byte tokenizer, load errors (each names the path and what is
 // missing or wrong), BPE merging against a naive reference loop, added tokens, thread safety.
 // Exactness against HF tokenizers / libsentencepiece is in test_tokenizer_exact.py.
+#include <gtest/gtest.h>
+
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
 
-#include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
-
 #include "core/error.h"
+#include "tokenizer/bpe.h"
 #include "tokenizer/tokenizer.h"
+#include "tokenizer/word_cache.h"
 
 namespace fs = std::filesystem;
 using lathe::tok::load_tokenizer;
@@ -125,7 +127,8 @@ TEST(LoadErrors, UnknownComponentAndBadMerge) {
 
 // Naive GPT-2 style BPE (openai encoder.py `bpe`): repeatedly take the lowest-ranked adjacent pair
 // and merge all its occurrences left to right.
-static std::vector<std::string> naive_bpe(const std::string& w, const std::map<std::pair<std::string, std::string>, int>& ranks) {
+static std::vector<std::string> naive_bpe(const std::string& w,
+                                          const std::map<std::pair<std::string, std::string>, int>& ranks) {
   std::vector<std::string> word;
   for (char c : w) word.push_back(std::string(1, c));
   while (word.size() > 1) {
@@ -197,6 +200,108 @@ TEST(Bpe, MatchesNaiveMergeLoop) {
   }
 }
 
+TEST(Bpe, LoadU64IsTheZeroPaddedLittleEndianPrefix) {
+  std::mt19937_64 g(3);
+  for (int trial = 0; trial < 2000; ++trial) {
+    unsigned char buf[16];
+    for (auto& b : buf) b = static_cast<unsigned char>(g());
+    for (size_t n = 0; n <= 12; ++n) {
+      uint64_t want = 0;
+      for (size_t i = 0; i < std::min<size_t>(n, 8); ++i) want |= static_cast<uint64_t>(buf[i]) << (8 * i);
+      ASSERT_EQ(lathe::tok::detail::load_u64(reinterpret_cast<const char*>(buf), n), want) << "n=" << n;
+    }
+  }
+}
+
+// WordCache with every word hashing alike (one probe chain, equal tags): only the length, the
+// 8-byte head and the arena tail tell the words apart. Also across growth and a clear when full.
+TEST(Bpe, WordCacheTellsCollidingWordsApart) {
+  lathe::tok::WordCache cache([](std::string_view) -> uint64_t { return 0x1234567890abcdefull; });
+  std::vector<std::string> words;
+  for (const std::string head : {"", "a", "abcdefg", "abcdefgh", "abcdefgi"})
+    for (const std::string tail : {"", "x", "xy", "xyz1234567", "xyz1234568"}) words.push_back(head + tail);
+  words.push_back(std::string(255, 'q'));  // the longest cacheable word
+  std::sort(words.begin(), words.end());
+  words.erase(std::unique(words.begin(), words.end()), words.end());
+  words.erase(std::remove(words.begin(), words.end(), std::string()), words.end());
+  auto ids_of = [](size_t i) {  // 1 id for some words (inline slots), several for others
+    std::vector<int32_t> v;
+    for (size_t k = 0; k <= i % 3; ++k) v.push_back(static_cast<int32_t>(1000 * i + k));
+    return v;
+  };
+  for (size_t i = 0; i < words.size(); ++i) {
+    auto v = ids_of(i);
+    cache.insert(words[i], 0x1234567890abcdefull, v.data(), v.size());
+  }
+  for (size_t i = 0; i < words.size(); ++i) {
+    std::vector<int32_t> out = {-1};
+    ASSERT_TRUE(cache.lookup(words[i], 0x1234567890abcdefull, out)) << words[i];
+    auto want = ids_of(i);
+    want.insert(want.begin(), -1);  // appends
+    EXPECT_EQ(out, want) << words[i];
+  }
+  std::vector<int32_t> out;
+  EXPECT_FALSE(cache.lookup("abcdefgh-", 0x1234567890abcdefull, out));
+  EXPECT_FALSE(cache.lookup("xyz1234569", 0x1234567890abcdefull, out));
+  EXPECT_TRUE(out.empty());
+
+  // Real hashes, enough words to grow to the largest table and clear it.
+  lathe::tok::WordCache big(
+      [](std::string_view s) -> uint64_t { return std::hash<std::string_view>{}(s)*0x9E3779B97F4A7C15ull; });
+  auto h = [](const std::string& s) { return std::hash<std::string_view>{}(s)*0x9E3779B97F4A7C15ull; };
+  const size_t n = lathe::tok::WordCache::kMaxEntries + 1000;
+  for (size_t i = 0; i < n; ++i) {
+    std::string w = "word" + std::to_string(i);
+    int32_t id = static_cast<int32_t>(i);
+    big.insert(w, h(w), &id, 1);
+    if (i % 997 == 0 || i + 1 == lathe::tok::WordCache::kMaxEntries) {  // before the clear
+      std::vector<int32_t> o;
+      ASSERT_TRUE(big.lookup(w, h(w), o));
+      ASSERT_EQ(o, std::vector<int32_t>{id});
+      std::string first = "word0";
+      ASSERT_EQ(big.lookup(first, h(first), o), i < lathe::tok::WordCache::kMaxEntries) << i;
+    }
+  }
+  std::vector<int32_t> o;
+  EXPECT_FALSE(big.lookup("word5", h("word5"), o));  // cleared when it was full
+  std::string last = "word" + std::to_string(n - 1);
+  EXPECT_TRUE(big.lookup(last, h(last), o));
+}
+
+// The per-thread word cache must return exactly what merging computes, also after it grew and
+// after it was cleared for being full (65536 entries): 150k distinct words, many sharing their
+// first 8 bytes, each encoded uncached first and compared with a cached encode later.
+TEST(Bpe, WordCacheReturnsTheMergedIdsAcrossGrowthAndClears) {
+  std::vector<std::string> toks = {"a", "b", "c", "d"};
+  for (size_t k = 0; k < toks.size() && toks.size() < 300; ++k)
+    for (const char* c : {"a", "b", "c", "d"})
+      if (toks[k].size() < 4) toks.push_back(toks[k] + c);
+  json vocab = json::object();
+  for (size_t i = 0; i < toks.size(); ++i) vocab[toks[i]] = static_cast<int>(i);
+  json jm = json::array();
+  for (auto& t : toks)
+    if (t.size() >= 2) jm.push_back({t.substr(0, t.size() - 1), t.substr(t.size() - 1)});
+  auto d = temp_dir("cache");
+  write(d / "tokenizer.json", json{{"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", jm}}}}.dump());
+  auto t = load_tokenizer(d.string());
+  std::mt19937 g(5);
+  std::uniform_int_distribution<int> len(1, 40), ch(0, 3);
+  std::vector<std::string> words;
+  std::vector<std::vector<int32_t>> first;
+  std::map<std::string, size_t> seen;
+  while (words.size() < 150000) {
+    std::string w = words.empty() || g() % 2 ? std::string() : words[g() % words.size()].substr(0, 8);
+    for (int i = 0, n = len(g); i < n; ++i) w += static_cast<char>('a' + ch(g));
+    if (!seen.emplace(w, words.size()).second) continue;
+    words.push_back(w);
+    first.push_back(t->encode(w));
+  }
+  for (size_t i = 0; i < words.size(); i += 7) {
+    ASSERT_EQ(t->encode(words[i]), first[i]) << words[i];  // cached now, or recomputed after a clear
+    ASSERT_EQ(t->encode(words[i]), first[i]) << words[i];  // certainly cached
+  }
+}
+
 TEST(Gpt2Legacy, SpecialsAndThreads) {
   std::string dir = gpt2_dir();
   if (dir.empty()) GTEST_SKIP() << "shared GPT-2 files not found";
@@ -211,7 +316,9 @@ TEST(Gpt2Legacy, SpecialsAndThreads) {
   EXPECT_EQ(ids, (std::vector<int32_t>{15496, 995, 50256}));  // GPT-2's published ids for these words
   // Concurrent encodes of different texts agree with the single-threaded result.
   std::vector<std::string> texts;
-  for (int i = 0; i < 64; ++i) texts.push_back("Thread " + std::to_string(i * 7919) + " says: héllo wörld 你好 " + std::string(i % 5, ' ') + "end");
+  for (int i = 0; i < 64; ++i)
+    texts.push_back("Thread " + std::to_string(i * 7919) + " says: héllo wörld 你好 " + std::string(i % 5, ' ') +
+                    "end");
   std::vector<std::vector<int32_t>> want;
   for (auto& s : texts) want.push_back(t->encode(s));
   std::vector<std::thread> th;
