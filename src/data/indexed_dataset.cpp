@@ -26,12 +26,6 @@ T load(const unsigned char* p) {
   std::memcpy(&v, p, sizeof(T));
   return v;
 }
-template <typename T>
-void append(std::vector<unsigned char>& out, T v) {
-  const auto* p = reinterpret_cast<const unsigned char*>(&v);
-  out.insert(out.end(), p, p + sizeof(T));
-}
-
 void write_all(std::FILE* f, const void* data, size_t n, const std::string& path) {
   if (n && std::fwrite(data, 1, n, f) != n)
     throw_error("{}: write failed ({}); check free disk space", path, std::strerror(errno));
@@ -240,46 +234,79 @@ void IndexedDatasetWriter::add_documents(std::span<const int32_t> tokens, std::s
       break;
   }
   write_all(bin_, scratch_.data(), scratch_.size(), bin_tmp_);
+  start_writeback(false);
   for (uint32_t len : lengths) lengths_.push_back(static_cast<int32_t>(len));
   num_tokens_ += tokens.size();
 }
 
+// Hands written .bin bytes to the kernel's writeback every 16 MB (sync_file_range, no waiting), so
+// the fsync in finalize() waits for the tail only instead of the whole file: with small documents
+// finalize() was a tenth of a preprocessing run, on one thread while the others idle.
+void IndexedDatasetWriter::start_writeback(bool all) {
+  constexpr uint64_t kStep = 16ull << 20;
+  const uint64_t written = num_tokens_ * dtype_size(dtype_);
+  if (!all && written < writeback_start_ + kStep) return;
+  if (std::fflush(bin_) != 0)
+    throw_error("{}: write failed ({}); check free disk space", bin_tmp_, std::strerror(errno));
+#ifdef SYNC_FILE_RANGE_WRITE
+  // Advisory: an error here (e.g. a file system without support) is left to the final fsync.
+  ::sync_file_range(::fileno(bin_), static_cast<off64_t>(writeback_start_),
+                    static_cast<off64_t>(written - writeback_start_), SYNC_FILE_RANGE_WRITE);
+#endif
+  writeback_start_ = written;
+}
+
 void IndexedDatasetWriter::finalize() {
   LATHE_CHECK(!finalized_, "{}: finalize() called twice", prefix_);
-  fsync_file(bin_, bin_tmp_);
-  if (std::fclose(bin_) != 0) {
-    bin_ = nullptr;
-    throw_error("{}: close failed ({})", bin_tmp_, std::strerror(errno));
-  }
-  bin_ = nullptr;
+  start_writeback(true);  // the .bin tail goes to disk while the .idx is built and written
 
   // .idx: header, lengths (int32), byte pointers (int64), document indices 0..S (int64).
   const uint64_t S = lengths_.size(), D = S + 1;
-  std::vector<unsigned char> idx;
-  idx.reserve(kHeaderBytes + 12 * S + 8 * D);
-  idx.insert(idx.end(), kMagic, kMagic + 9);
-  append<uint64_t>(idx, 1);
-  append<uint8_t>(idx, megatron_dtype_code(dtype_));
-  append<uint64_t>(idx, S);
-  append<uint64_t>(idx, D);
-  for (int32_t len : lengths_) append<int32_t>(idx, len);
+  std::vector<unsigned char> idx(kHeaderBytes + 12 * S + 8 * D);
+  unsigned char* o = idx.data();
+  auto put = [&o](const void* src, size_t n) {
+    std::memcpy(o, src, n);
+    o += n;
+  };
+  const uint64_t version = 1, s64 = S, d64 = D;
+  const uint8_t code = megatron_dtype_code(dtype_);
+  put(kMagic, 9);
+  put(&version, 8);
+  put(&code, 1);
+  put(&s64, 8);
+  put(&d64, 8);
+  put(lengths_.data(), 4 * S);
+  std::vector<int64_t> tmp(std::max<uint64_t>(S, D));
+  const int64_t item = static_cast<int64_t>(dtype_size(dtype_));
   int64_t ptr = 0;
-  for (int32_t len : lengths_) {
-    append<int64_t>(idx, ptr);
-    ptr += static_cast<int64_t>(len) * static_cast<int64_t>(dtype_size(dtype_));
+  for (uint64_t i = 0; i < S; ++i) {
+    tmp[i] = ptr;
+    ptr += static_cast<int64_t>(lengths_[i]) * item;
   }
-  for (uint64_t d = 0; d < D; ++d) append<int64_t>(idx, static_cast<int64_t>(d));
+  put(tmp.data(), 8 * S);
+  for (uint64_t d = 0; d < D; ++d) tmp[d] = static_cast<int64_t>(d);
+  put(tmp.data(), 8 * D);
 
   std::FILE* f = std::fopen(idx_tmp_.c_str(), "wb");
   if (!f) throw_error("{}: cannot create ({})", idx_tmp_, std::strerror(errno));
   try {
     write_all(f, idx.data(), idx.size(), idx_tmp_);
+    if (std::fflush(f) != 0) throw_error("{}: write failed ({})", idx_tmp_, std::strerror(errno));
+#ifdef SYNC_FILE_RANGE_WRITE
+    ::sync_file_range(::fileno(f), 0, 0, SYNC_FILE_RANGE_WRITE);  // in flight beside the .bin
+#endif
+    fsync_file(bin_, bin_tmp_);
     fsync_file(f, idx_tmp_);
   } catch (...) {
     std::fclose(f);
     throw;
   }
   if (std::fclose(f) != 0) throw_error("{}: close failed ({})", idx_tmp_, std::strerror(errno));
+  if (std::fclose(bin_) != 0) {
+    bin_ = nullptr;
+    throw_error("{}: close failed ({})", bin_tmp_, std::strerror(errno));
+  }
+  bin_ = nullptr;
 
   // .bin first: a reader that finds the new .idx then always finds the matching .bin.
   for (auto [tmp, fin] : {std::pair{bin_tmp_, prefix_ + ".bin"}, std::pair{idx_tmp_, prefix_ + ".idx"}})

@@ -47,6 +47,7 @@ class IndexedDatasetWriter {
 
  private:
   void cleanup_temp() noexcept;
+  void start_writeback(bool all);
 
   std::string prefix_, bin_tmp_, idx_tmp_;
   DType dtype_;
@@ -54,6 +55,7 @@ class IndexedDatasetWriter {
   std::vector<int32_t> lengths_;
   std::vector<unsigned char> scratch_;  // one document converted to the on-disk dtype
   uint64_t num_tokens_ = 0;
+  uint64_t writeback_start_ = 0;  // .bin bytes already handed to writeback
   bool finalized_ = false;
 };
 

@@ -218,11 +218,22 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
           spare_text.pop_back();
         }
       };
-      while (reader.next_chunk(chunk, opt.batch_bytes)) {
+      // Smaller chunks towards the end of the input, so that the workers finish together instead of
+      // one of them encoding the last full batch alone (the output does not depend on batching).
+      const uint64_t total_bytes = reader.total_file_bytes();
+      auto chunk_target = [&]() -> size_t {
+        const uint64_t pos = reader.raw_bytes_read();
+        const uint64_t left = total_bytes > pos ? total_bytes - pos : 0;
+        const uint64_t share = left / (4 * static_cast<uint64_t>(opt.workers));
+        return static_cast<size_t>(std::min<uint64_t>(opt.batch_bytes, std::max<uint64_t>(share, 64 << 10)));
+      };
+      while (reader.next_chunk(chunk, chunk_target())) {
         if (preprocess_cancel_flag().load(std::memory_order_relaxed)) break;
         bytes += chunk.data.size() + 64;
         b.chunks.push_back(std::move(chunk));
-        if (bytes >= opt.batch_bytes && !flush()) return;
+        // A block of lines is a batch of its own (sized by chunk_target); whole files are
+        // grouped up to batch_bytes.
+        if ((b.chunks.back().lines || bytes >= opt.batch_bytes) && !flush()) return;
         fresh_chunk();
       }
       if (!b.chunks.empty() && !flush()) return;
