@@ -265,7 +265,7 @@ void IndexedDatasetWriter::finalize() {
   std::vector<unsigned char> idx(kHeaderBytes + 12 * S + 8 * D);
   unsigned char* o = idx.data();
   auto put = [&o](const void* src, size_t n) {
-    std::memcpy(o, src, n);
+    if (n) std::memcpy(o, src, n);  // src may be null for an empty dataset
     o += n;
   };
   const uint64_t version = 1, s64 = S, d64 = D;
