@@ -18,6 +18,8 @@
 #include <string_view>
 #include <vector>
 
+#include "tokenizer/utf8.h"  // is_valid_utf8
+
 namespace lathe::tok {
 
 enum class Compression { None, Gzip, Zstd };
@@ -128,8 +130,6 @@ const char* skip_reason_name(SkipReason r);
 // carrying the parser message (for InvalidJson).
 bool extract_json_text(std::string_view line, const std::string& key, std::string& out, SkipReason& why,
                        std::string& detail);
-
-bool is_valid_utf8(std::string_view s);
 
 // "512MB" (10^6), "512MiB" (2^20), "1G", "1GiB", "4096" (bytes), "64K". Throws naming `what`.
 uint64_t parse_byte_size(std::string_view s, std::string_view what);

@@ -3,6 +3,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "tokenizer/utf8.h"
+
 namespace lathe::tok {
 
 namespace {
@@ -49,27 +51,12 @@ struct Scanner {
     return v;
   }
 
-  // One UTF-8 sequence at p (first byte >= 0x80), RFC 3629 ranges as nlohmann
-  // checks them.
+  // One UTF-8 sequence at p (first byte >= 0x80): valid, complete and shortest-form, as nlohmann
+  // checks (RFC 3629).
   bool skip_utf8() {
-    const unsigned char c = *p;
-    int len;
-    uint32_t cp;
-    if (c >= 0xC2 && c <= 0xDF)
-      len = 2, cp = c & 0x1F;
-    else if (c >= 0xE0 && c <= 0xEF)
-      len = 3, cp = c & 0x0F;
-    else if (c >= 0xF0 && c <= 0xF4)
-      len = 4, cp = c & 0x07;
-    else
-      return false;
-    if (end - p < len) return false;
-    for (int k = 1; k < len; ++k) {
-      if ((p[k] & 0xC0) != 0x80) return false;
-      cp = cp << 6 | (p[k] & 0x3F);
-    }
-    if ((len == 3 && (cp < 0x800 || (cp >= 0xD800 && cp <= 0xDFFF))) || (len == 4 && (cp < 0x10000 || cp > 0x10FFFF)))
-      return false;
+    const size_t len =
+        utf8_char_len(std::string_view(reinterpret_cast<const char*>(p), static_cast<size_t>(end - p)), 0);
+    if (len == 1) return false;  // an invalid byte
     p += len;
     return true;
   }
@@ -214,24 +201,6 @@ struct Scanner {
   }
 };
 
-void append_utf8(uint32_t cp, std::string& out) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | cp >> 6);
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | cp >> 12);
-    out += static_cast<char>(0x80 | (cp >> 6 & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | cp >> 18);
-    out += static_cast<char>(0x80 | (cp >> 12 & 0x3F));
-    out += static_cast<char>(0x80 | (cp >> 6 & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-}
-
 // Decodes the body of an already validated string (between the quotes).
 void decode_string(const unsigned char* p, const unsigned char* end, std::string& out) {
   out.clear();
@@ -273,7 +242,7 @@ void decode_string(const unsigned char* p, const unsigned char* end, std::string
           uint32_t lo = hex4();
           cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
         }
-        append_utf8(cp, out);
+        utf8_append(out, cp);
         break;
       }
       default:

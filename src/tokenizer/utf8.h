@@ -2,6 +2,7 @@
 #pragma once
 #include <array>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <string_view>
 
@@ -36,7 +37,16 @@ inline bool utf8_valid_at(std::string_view s, size_t i) {
 }
 
 inline bool is_valid_utf8(std::string_view s) {
-  for (size_t i = 0; i < s.size();) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  for (size_t i = 0, n = s.size(); i < n;) {
+    if (i + 8 <= n) {  // 8 ASCII bytes at a time
+      uint64_t w;
+      std::memcpy(&w, p + i, 8);
+      if ((w & 0x8080808080808080ull) == 0) {
+        i += 8;
+        continue;
+      }
+    }
     if (!utf8_valid_at(s, i)) return false;
     i += utf8_char_len(s, i);
   }
