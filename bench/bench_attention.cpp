@@ -4,13 +4,13 @@
 //   the same three GEMMs (logits, dx, dw) done once over all N rows.
 // GFLOP/s counts causal attention as half of the dense products (what is actually needed):
 //   forward 2 GEMMs, backward 4 GEMMs (+1 recomputed QK^T), each 2*T*T*D/2 per (b,h).
+#include <cblas.h>
+
 #include <algorithm>
 #include <cstdio>
-#include <random>
 #include <cstring>
+#include <random>
 #include <vector>
-
-#include <cblas.h>
 
 #include "core/buffer.h"
 #include "core/parallel.h"
@@ -49,14 +49,19 @@ void bench_attention(int64_t B, int64_t T, int64_t H, int64_t D) {
       scratch(cpu::attention_scratch_floats(T, D));
   fill(qkv.data(), qkv.size(), 1, 1.0f);
   fill(dout.data(), dout.size(), 2, 1.0f);
-  const double fwd = time_ms([&] { cpu::attention_forward(out.data(), lse.data(), qkv.data(), B, T, H, KVH, D,
-                                                          scratch.data()); }, 1.0, 50);
-  const double bwd = time_ms([&] { cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(),
-                                                           lse.data(), B, T, H, KVH, D, scratch.data()); }, 1.0, 50);
+  const double fwd = time_ms(
+      [&] { cpu::attention_forward(out.data(), lse.data(), qkv.data(), B, T, H, KVH, D, scratch.data()); }, 1.0, 50);
+  const double bwd = time_ms(
+      [&] {
+        cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, H, KVH, D,
+                                scratch.data());
+      },
+      1.0, 50);
   const double pair = 2.0 * T * T * D / 2.0 * B * H;  // one causal T x T x D product
-  std::printf("attention B=%ld T=%ld H=%ld D=%ld: fwd %.3f ms (%.1f GFLOP/s)  bwd %.3f ms (%.1f GFLOP/s)  "
-              "fwd+bwd %.3f ms\n",
-              (long)B, (long)T, (long)H, (long)D, fwd, 2 * pair / fwd * 1e-6, bwd, 5 * pair / bwd * 1e-6, fwd + bwd);
+  std::printf(
+      "attention B=%ld T=%ld H=%ld D=%ld: fwd %.3f ms (%.1f GFLOP/s)  bwd %.3f ms (%.1f GFLOP/s)  "
+      "fwd+bwd %.3f ms\n",
+      (long)B, (long)T, (long)H, (long)D, fwd, 2 * pair / fwd * 1e-6, bwd, 5 * pair / bwd * 1e-6, fwd + bwd);
 }
 
 void bench_loss(int64_t N, int64_t C, int64_t V) {
@@ -67,25 +72,31 @@ void bench_loss(int64_t N, int64_t C, int64_t V) {
   for (int64_t n = 0; n < N; ++n) tg[n] = static_cast<int32_t>((n * 7919) % V);
   const double flop = 3 * 2.0 * N * C * V;
 
-  const double gemm = time_ms([&] {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, V, C, 1.0f, x.data(), C, w.data(), C, 0.0f,
-                scratch.data(), V);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, V, 1.0f, scratch.data(), V, w.data(), C, 0.0f,
-                dx.data(), C);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, V, C, N, 1.0f, scratch.data(), V, x.data(), C, 1.0f,
-                dw.data(), C);
-  }, 2.0, 4);
+  const double gemm = time_ms(
+      [&] {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, V, C, 1.0f, x.data(), C, w.data(), C, 0.0f,
+                    scratch.data(), V);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, V, 1.0f, scratch.data(), V, w.data(), C, 0.0f,
+                    dx.data(), C);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, V, C, N, 1.0f, scratch.data(), V, x.data(), C, 1.0f,
+                    dw.data(), C);
+      },
+      2.0, 4);
   std::printf("lm_head N=%ld C=%ld V=%ld: plain 3 sgemms %.1f ms (%.1f GFLOP/s)\n", (long)N, (long)C, (long)V, gemm,
               flop / gemm * 1e-6);
   for (int64_t chunk : {64, 128, 256}) {
-    const double fwd = time_ms([&] {
-      cpu::lm_head_loss(losses.data(), nullptr, nullptr, x.data(), w.data(), tg.data(), N, C, V, 1.0f / N, false,
-                        scratch.data(), chunk);
-    }, 1.0, 3);
-    const double fb = time_ms([&] {
-      cpu::lm_head_loss(losses.data(), dx.data(), dw.data(), x.data(), w.data(), tg.data(), N, C, V, 1.0f / N, true,
-                        scratch.data(), chunk);
-    }, 2.0, 4);
+    const double fwd = time_ms(
+        [&] {
+          cpu::lm_head_loss(losses.data(), nullptr, nullptr, x.data(), w.data(), tg.data(), N, C, V, 1.0f / N, false,
+                            scratch.data(), chunk);
+        },
+        1.0, 3);
+    const double fb = time_ms(
+        [&] {
+          cpu::lm_head_loss(losses.data(), dx.data(), dw.data(), x.data(), w.data(), tg.data(), N, C, V, 1.0f / N, true,
+                            scratch.data(), chunk);
+        },
+        2.0, 4);
     std::printf("  chunk_rows=%ld: fwd %.1f ms (%.1f GFLOP/s)  fwd+bwd %.1f ms (%.1f GFLOP/s, %.0f%% of plain sgemm)\n",
                 (long)chunk, fwd, flop / 3 / fwd * 1e-6, fb, flop / fb * 1e-6, 100.0 * gemm / fb);
   }
@@ -99,7 +110,8 @@ int main() {
   std::printf("threads: %d, OpenBLAS core: %s (times are the fastest of several runs)\n", max_threads(),
               openblas_get_corename());
   if (std::strcmp(openblas_get_corename(), "Prescott") == 0)
-    std::printf("WARNING: OpenBLAS fell back to its SSE3 kernels; rerun with OPENBLAS_CORETYPE=SkylakeX (or Haswell)\n");
+    std::printf(
+        "WARNING: OpenBLAS fell back to its SSE3 kernels; rerun with OPENBLAS_CORETYPE=SkylakeX (or Haswell)\n");
   bench_attention(4, 64, 12, 64);
   bench_attention(4, 256, 12, 64);
   bench_loss(256, 768, 50257);

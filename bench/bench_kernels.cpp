@@ -11,6 +11,8 @@
 // OPENBLAS_CORETYPE environment variable: when the CPU has AVX-512 but OpenBLAS picked Prescott and
 // the user did not set OPENBLAS_CORETYPE, this benchmark says so and re-executes itself with
 // OPENBLAS_CORETYPE=SkylakeX. Pass --no-coretype-fix to measure the misdetected configuration.
+#include <cblas.h>
+#include <omp.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,9 +20,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-
-#include <cblas.h>
-#include <omp.h>
 
 #include "core/buffer.h"
 #include "core/rng.h"
@@ -60,8 +59,8 @@ void bench_matmul(const char* name, int64_t M, int64_t K, int64_t N, Rng& rng) {
   // Large shapes get a smaller time budget so the whole bench stays short.
   const double budget = flops_f > 5e9 ? 0.0 : 0.4;
   const int reps = flops_f > 5e9 ? 2 : 3;
-  const double tf = best_seconds([&] { cpu::matmul_forward(out.data(), x.data(), w.data(), b.data(), M, K, N); },
-                                 reps, budget);
+  const double tf =
+      best_seconds([&] { cpu::matmul_forward(out.data(), x.data(), w.data(), b.data(), M, K, N); }, reps, budget);
   const double tb = best_seconds(
       [&] { cpu::matmul_backward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), w.data(), M, K, N); }, reps,
       budget);
@@ -85,8 +84,9 @@ int main(int argc, char** argv) {
   const char* core = openblas_get_corename();
   if (coretype_fix && std::getenv("OPENBLAS_CORETYPE") == nullptr && std::strcmp(core, "Prescott") == 0 &&
       __builtin_cpu_supports("avx512f")) {
-    std::printf("bench_kernels: OpenBLAS picked the generic Prescott kernels on an AVX-512 CPU; "
-                "re-running with OPENBLAS_CORETYPE=SkylakeX\n");
+    std::printf(
+        "bench_kernels: OpenBLAS picked the generic Prescott kernels on an AVX-512 CPU; "
+        "re-running with OPENBLAS_CORETYPE=SkylakeX\n");
     std::fflush(stdout);
     setenv("OPENBLAS_CORETYPE", "SkylakeX", 1);
     execv("/proc/self/exe", argv);
@@ -102,7 +102,8 @@ int main(int argc, char** argv) {
     Buffer<float> a(S * S), bm(S * S), c(S * S);
     fill(a, rng);
     fill(bm, rng);
-    const double t = best_seconds([&] { cpu::matmul_forward(c.data(), a.data(), bm.data(), nullptr, S, S, S); }, 3, 0.0);
+    const double t =
+        best_seconds([&] { cpu::matmul_forward(c.data(), a.data(), bm.data(), nullptr, S, S, S); }, 3, 0.0);
     std::printf("sgemm peak 2048^3 (NT)                        %8.2f ms %7.1f GFLOP/s  (%.1f GFLOP/s/thread)\n",
                 t * 1e3, 2.0 * S * S * S / t * 1e-9, 2.0 * S * S * S / t * 1e-9 / threads);
   }
@@ -117,16 +118,16 @@ int main(int argc, char** argv) {
   // Memory-bound kernels at N=256, C=768 (GELU also at the MLP width 4C where the model uses it).
   const int64_t F = 2048;  // Llama-style SwiGLU width for C=768 (its input holds gate|up: 2F columns)
   const int64_t big = N * std::max(4 * C, 2 * F);
-  Buffer<float> x(big), y(big), g(big), dx(big), w(C), bias(C), dw(C), db(C), mean(N),
-      rstd(N);
+  Buffer<float> x(big), y(big), g(big), dx(big), w(C), bias(C), dw(C), db(C), mean(N), rstd(N);
   fill(x, rng);
   fill(g, rng);
   fill(w, rng);
   fill(bias, rng);
   Buffer<float> scratch(std::max(cpu::layernorm_scratch_floats(C), cpu::rmsnorm_scratch_floats(C)));
   auto ms = [](double s) { return s * 1e3; };
-  const double ln_f = best_seconds(
-      [&] { cpu::layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), bias.data(), N, C, 1e-5f); });
+  const double ln_f = best_seconds([&] {
+    cpu::layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), bias.data(), N, C, 1e-5f);
+  });
   const double ln_b = best_seconds([&] {
     cpu::layernorm_backward(dx.data(), dw.data(), db.data(), g.data(), x.data(), w.data(), mean.data(), rstd.data(), N,
                             C, scratch.data());
@@ -158,10 +159,8 @@ int main(int argc, char** argv) {
     const int64_t B = 4, T = 64, H = 12, D = 64;
     Buffer<float> cs(T * D / 2), sn(T * D / 2);
     cpu::rope_tables(cs.data(), sn.data(), T, D, 10000.0);
-    const double rf =
-        best_seconds([&] { cpu::rope_forward(x.data(), cs.data(), sn.data(), B, T, H, D, 3 * H * D); });
-    const double rb =
-        best_seconds([&] { cpu::rope_backward(x.data(), cs.data(), sn.data(), B, T, H, D, 3 * H * D); });
+    const double rf = best_seconds([&] { cpu::rope_forward(x.data(), cs.data(), sn.data(), B, T, H, D, 3 * H * D); });
+    const double rb = best_seconds([&] { cpu::rope_backward(x.data(), cs.data(), sn.data(), B, T, H, D, 3 * H * D); });
     std::printf("rope      B*T=256 H=12 D=64  fwd %7.3f ms   bwd %7.3f ms\n", ms(rf), ms(rb));
   }
   {
@@ -170,10 +169,10 @@ int main(int argc, char** argv) {
     Buffer<int32_t> tok(B * T);
     for (int64_t i = 0; i < B * T; ++i) tok[i] = static_cast<int32_t>(rng.below(V));
     fill(wte, rng);
-    const double ef = best_seconds(
-        [&] { cpu::embedding_forward(y.data(), tok.data(), wte.data(), wpe.data(), B, T, C); });
-    const double eb = best_seconds(
-        [&] { cpu::embedding_backward(dwte.data(), dwpe.data(), g.data(), tok.data(), B, T, C); });
+    const double ef =
+        best_seconds([&] { cpu::embedding_forward(y.data(), tok.data(), wte.data(), wpe.data(), B, T, C); });
+    const double eb =
+        best_seconds([&] { cpu::embedding_backward(dwte.data(), dwpe.data(), g.data(), tok.data(), B, T, C); });
     std::printf("embedding B*T=256 C=768      fwd %7.3f ms   bwd %7.3f ms\n", ms(ef), ms(eb));
   }
   return 0;

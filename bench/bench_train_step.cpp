@@ -2,16 +2,15 @@
 // Prints one JSON line: ms/step (mean after warm-up), tokens/s, MFU against a GEMM probe, peak
 // RSS and lathe's analytical memory estimate.
 //   bench_train_step PRESET B T [STEPS] [--set key=value]  e.g. bench_train_step gpt2-124m 4 64 10
+#include <fmt/format.h>
 #include <omp.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "config/model_config.h"
 #include "core/blas_env.h"

@@ -1,7 +1,8 @@
 // lathe check RECIPE.yaml [--set key=value ...]: validates the recipe and the consistency of its
 // model, tokenizer and data (train/consistency.h) without training. Exit code 1 on any failure.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
 
 #include "cli/command.h"
 #include "config/recipe.h"

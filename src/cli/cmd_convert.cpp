@@ -8,20 +8,19 @@
 //
 // The helpers below (parse_dtype, parse_size, tokenizer_files_in, verify_against_transformers) are
 // also used by cmd_export.cpp, which declares them.
+#include <fmt/format.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
-
-#include <sys/wait.h>
-#include <unistd.h>
-
-#include <CLI/CLI.hpp>
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "cli/command.h"
 #include "io/fs.h"
@@ -50,14 +49,22 @@ uint64_t parse_size(const std::string& s) {
   std::string unit = s.substr(pos);
   for (auto& ch : unit) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
   double mul = 1;
-  if (unit == "" || unit == "B") mul = 1;
-  else if (unit == "KB") mul = 1e3;
-  else if (unit == "MB") mul = 1e6;
-  else if (unit == "GB") mul = 1e9;
-  else if (unit == "KIB") mul = 1024.0;
-  else if (unit == "MIB") mul = 1024.0 * 1024;
-  else if (unit == "GIB") mul = 1024.0 * 1024 * 1024;
-  else throw_error("--max-shard-size '{}': unknown unit '{}' (B, KB, MB, GB, KiB, MiB, GiB)", s, unit);
+  if (unit == "" || unit == "B")
+    mul = 1;
+  else if (unit == "KB")
+    mul = 1e3;
+  else if (unit == "MB")
+    mul = 1e6;
+  else if (unit == "GB")
+    mul = 1e9;
+  else if (unit == "KIB")
+    mul = 1024.0;
+  else if (unit == "MIB")
+    mul = 1024.0 * 1024;
+  else if (unit == "GIB")
+    mul = 1024.0 * 1024 * 1024;
+  else
+    throw_error("--max-shard-size '{}': unknown unit '{}' (B, KB, MB, GB, KiB, MiB, GiB)", s, unit);
   LATHE_CHECK(v > 0, "--max-shard-size '{}' must be > 0", s);
   return static_cast<uint64_t>(v * mul);
 }
@@ -155,9 +162,10 @@ bool verify_against_transformers(Model& model, const std::string& hf_dir, double
   const std::string py = python_bin();
   auto probe = run_capture(shell_quote(py) + " -c 'import transformers, torch, numpy'");
   if (probe.first != 0) {
-    fmt::print("verify {}: NOT RUN - {} cannot import transformers/torch/numpy, so lathe's logits were NOT compared "
-               "with a reference (this is not a pass). Install with: {} -m pip install transformers\n",
-               what, py, py);
+    fmt::print(
+        "verify {}: NOT RUN - {} cannot import transformers/torch/numpy, so lathe's logits were NOT compared "
+        "with a reference (this is not a pass). Install with: {} -m pip install transformers\n",
+        what, py, py);
     return true;
   }
   const auto seqs = verify_sequences(model.config());
@@ -177,8 +185,10 @@ bool verify_against_transformers(Model& model, const std::string& hf_dir, double
   }
   std::string raw = io::read_file(out);
   fs::remove_all(tmp);
-  LATHE_CHECK(raw.size() == ours.size() * 4, "verify {}: transformers returned {} logits, lathe {} (vocab or length "
-              "differ)", what, raw.size() / 4, ours.size());
+  LATHE_CHECK(raw.size() == ours.size() * 4,
+              "verify {}: transformers returned {} logits, lathe {} (vocab or length "
+              "differ)",
+              what, raw.size() / 4, ours.size());
   std::vector<float> ref(ours.size());
   std::memcpy(ref.data(), raw.data(), raw.size());
   double maxd = 0, maxref = 0;
@@ -195,9 +205,10 @@ bool verify_against_transformers(Model& model, const std::string& hf_dir, double
   std::string ver = r.second;
   while (!ver.empty() && (ver.back() == '\n' || ver.back() == '\r')) ver.pop_back();
   if (auto nl = ver.rfind('\n'); nl != std::string::npos) ver = ver.substr(nl + 1);
-  fmt::print("verify {}: {} sequences x {} tokens vs {} ({}): max |logit diff| = {:.3g} (max |logit| {:.3g}, "
-             "tolerance {:.3g}) -> {}\n",
-             what, seqs.size(), seqs[0].size(), hf_dir, ver, maxd, maxref, bound, ok ? "PASS" : "FAIL");
+  fmt::print(
+      "verify {}: {} sequences x {} tokens vs {} ({}): max |logit diff| = {:.3g} (max |logit| {:.3g}, "
+      "tolerance {:.3g}) -> {}\n",
+      what, seqs.size(), seqs[0].size(), hf_dir, ver, maxd, maxref, bound, ok ? "PASS" : "FAIL");
   if (!ok) {
     const size_t V = static_cast<size_t>(model.config().vocab_size), T = seqs[0].size();
     fmt::print("  largest difference at sequence {}, position {}, token id {}: lathe {:.6g} vs transformers {:.6g}\n",

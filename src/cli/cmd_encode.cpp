@@ -1,6 +1,8 @@
 // lathe encode / lathe decode: text <-> token ids through a tokenizer (src/tokenizer).
 //   lathe encode --tokenizer PATH [--add-special-tokens] [--lines | --nul] [--bench]
 //   lathe decode --tokenizer PATH [--skip-special-tokens] [--lines | --nul]
+#include <fmt/format.h>
+
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -8,8 +10,6 @@
 #include <iterator>
 #include <string>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "cli/command.h"
 #include "core/error.h"

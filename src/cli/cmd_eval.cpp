@@ -1,11 +1,11 @@
 // lathe eval --model DIR --data PREFIX [--seq-len S] [--batch B] [--json]
 // Mean next-token loss over every full sample of the dataset in file order: sample i covers
 // tokens [i*S, i*S+S] of the concatenated sequences (Megatron's sample windows), no shuffling.
-#include <algorithm>
-#include <cmath>
+#include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
-#include <fmt/format.h>
+#include <algorithm>
+#include <cmath>
 #include <nlohmann/json.hpp>
 
 #include "cli/command.h"
@@ -46,9 +46,14 @@ int run_eval(int argc, char** argv) {
   auto [loss, tokens] = lathe::evaluate_samples(*model, ds, samples, batch, seq_len);
   const double dt = lathe::now_seconds() - t0;
   if (json) {
-    nlohmann::json j = {{"loss", loss},         {"tokens", tokens},          {"samples", samples.size()},
-                        {"seq_len", seq_len},   {"perplexity", std::exp(loss)}, {"seconds", dt},
-                        {"model", model_dir},   {"data", prefix}};
+    nlohmann::json j = {{"loss", loss},
+                        {"tokens", tokens},
+                        {"samples", samples.size()},
+                        {"seq_len", seq_len},
+                        {"perplexity", std::exp(loss)},
+                        {"seconds", dt},
+                        {"model", model_dir},
+                        {"data", prefix}};
     fmt::print("{}\n", j.dump());
   } else {
     fmt::print("{}\n", report);

@@ -7,10 +7,10 @@
 //   * a Hugging Face model directory (config.json + safetensors, e.g. RUN/model).
 // Writes config.json, model.safetensors (sharded with an index above --max-shard-size),
 // generation_config.json and the tokenizer files of the run's data.tokenizer (none for "byte").
-#include <filesystem>
+#include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
-#include <fmt/format.h>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "cli/command.h"

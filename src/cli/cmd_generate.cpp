@@ -1,10 +1,10 @@
 // lathe generate --model DIR --prompt TEXT [--tokenizer PATH] [--max-new-tokens N]
 //                [--temperature T] [--top-k K] [--top-p P] [--seed S]
-#include <cstdio>
-#include <filesystem>
+#include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
-#include <fmt/format.h>
+#include <cstdio>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "cli/command.h"

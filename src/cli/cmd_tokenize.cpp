@@ -1,12 +1,12 @@
 // lathe tokenize --tokenizer PATH --input FILES/GLOBS... --output PREFIX [--workers N] [--append-eos]
 //                [--text-key text] [--split-lines] [--max-shard-size 512MB] [--strict] [--overwrite]
 // Corpus -> Megatron .bin/.idx shards; pipeline and naming rules in src/tokenizer/preprocess.h.
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
 #include <csignal>
 #include <cstdio>
 #include <fstream>
-
-#include <CLI/CLI.hpp>
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "cli/command.h"
@@ -26,18 +26,24 @@ int run_tokenize(int argc, char** argv) {
   std::string tokenizer, max_shard = "512MB", format = "auto", stats_json;
   bool no_progress = false;
   app.add_option("--tokenizer,-t", tokenizer, "tokenizer directory or file, or 'byte'")->required();
-  app.add_option("--input,-i", opt.inputs, "input files or globs: plain text, JSONL (.jsonl/.ndjson/.json), "
-                                           "optionally .gz/.zst")->required();
-  app.add_option("--output,-o", opt.output_prefix, "output prefix: PREFIX.bin/.idx, or PREFIX_00000.bin/.idx, ... "
-                                                   "when more than one shard is needed")->required();
-  app.add_option("--workers,-j", opt.workers, "encoding threads (output is identical for any value)")->capture_default_str();
+  app.add_option("--input,-i", opt.inputs,
+                 "input files or globs: plain text, JSONL (.jsonl/.ndjson/.json), "
+                 "optionally .gz/.zst")
+      ->required();
+  app.add_option("--output,-o", opt.output_prefix,
+                 "output prefix: PREFIX.bin/.idx, or PREFIX_00000.bin/.idx, ... "
+                 "when more than one shard is needed")
+      ->required();
+  app.add_option("--workers,-j", opt.workers, "encoding threads (output is identical for any value)")
+      ->capture_default_str();
   app.add_flag("--append-eos", opt.append_eos, "append the tokenizer's EOS id to every document");
   app.add_option("--text-key", opt.text_key, "JSONL key holding the document text")->capture_default_str();
   app.add_flag("--split-lines", opt.split_lines, "plain text: one document per line (default: one per file)");
   app.add_option("--max-shard-size", max_shard, "start a new shard before a .bin would exceed this (512MB, 1GiB, ...)")
       ->capture_default_str();
   app.add_option("--format", format, "auto (by file suffix), text or jsonl")->capture_default_str();
-  app.add_flag("--strict", opt.strict, "a bad record (invalid JSON, missing key, invalid UTF-8) is an error, not a skip");
+  app.add_flag("--strict", opt.strict,
+               "a bad record (invalid JSON, missing key, invalid UTF-8) is an error, not a skip");
   app.add_flag("--overwrite", opt.overwrite, "replace outputs of an earlier run");
   app.add_flag("--no-progress", no_progress, "no progress line on stderr");
   app.add_option("--batch-bytes", opt.batch_bytes, "input bytes per work batch (tuning; tests use small values)")
@@ -75,8 +81,8 @@ int run_tokenize(int argc, char** argv) {
     j["input_bytes"] = st.input_bytes;
     j["text_bytes"] = st.text_bytes;
     j["seconds"] = st.seconds;
-    j["cpu_seconds"] = {{"reader", st.reader_cpu_seconds}, {"workers", st.workers_cpu_seconds},
-                        {"writer", st.writer_cpu_seconds}};
+    j["cpu_seconds"] = {
+        {"reader", st.reader_cpu_seconds}, {"workers", st.workers_cpu_seconds}, {"writer", st.writer_cpu_seconds}};
     nlohmann::ordered_json sk = nlohmann::ordered_json::object();
     for (int r = 0; r < static_cast<int>(SkipReason::Count); ++r) sk[skip_reason_name(SkipReason(r))] = st.skipped[r];
     j["skipped"] = sk;
@@ -92,7 +98,6 @@ int run_tokenize(int argc, char** argv) {
   return 0;
 }
 
-lathe::cli::Registrar reg("tokenize", "corpus (text/JSONL, .gz/.zst) -> Megatron .bin/.idx token shards",
-                          run_tokenize);
+lathe::cli::Registrar reg("tokenize", "corpus (text/JSONL, .gz/.zst) -> Megatron .bin/.idx token shards", run_tokenize);
 
 }  // namespace

@@ -1,8 +1,9 @@
 // lathe tokenizer train --input FILES... --vocab-size N --out DIR [--pretokenizer gpt2|llama3]
 //                       [--special-tokens "<|endoftext|>,..."] [--min-frequency 2] [--threads 2]
 // Byte-level BPE training equal to HF tokenizers' BpeTrainer (see src/tokenizer/bpe_trainer.h).
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
 
 #include "cli/command.h"
 #include "core/error.h"
@@ -35,8 +36,11 @@ int run_tokenizer(int argc, char** argv) {
   uint64_t min_freq = 2;
   int threads = 2;
   bool no_progress = false;
-  train->add_option("--input,-i", inputs, "input files or globs: plain text (one sequence per line, like HF "
-                                          "train(files)) or JSONL, optionally .gz/.zst")->required();
+  train
+      ->add_option("--input,-i", inputs,
+                   "input files or globs: plain text (one sequence per line, like HF "
+                   "train(files)) or JSONL, optionally .gz/.zst")
+      ->required();
   train->add_option("--vocab-size", vocab_size, "target vocabulary size, special tokens included")->required();
   train->add_option("--out,-o", out, "output directory (tokenizer.json, tokenizer_config.json)")->required();
   train->add_option("--pretokenizer", pretok, "pre-tokenization regex: gpt2 or llama3")->capture_default_str();
@@ -72,8 +76,8 @@ int run_tokenizer(int argc, char** argv) {
 
   auto files = expand_input_patterns(inputs);
   WordCounts wc = count_words(files, opt);
-  fmt::print(stderr, "counted {} words ({} distinct) in {:.1f} MB, {} sequences, {:.2f} s{}\n",
-             wc.total_words, wc.words.size(), wc.bytes / 1e6, wc.sequences, wc.seconds,
+  fmt::print(stderr, "counted {} words ({} distinct) in {:.1f} MB, {} sequences, {:.2f} s{}\n", wc.total_words,
+             wc.words.size(), wc.bytes / 1e6, wc.sequences, wc.seconds,
              wc.skipped ? fmt::format(" ({} JSONL lines without a usable \"{}\" skipped)", wc.skipped, text_key) : "");
   BpeModel m = train_bpe(wc, opt);
   save_hf_tokenizer(m, out);

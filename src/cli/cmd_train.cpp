@@ -2,8 +2,9 @@
 //                         [--force-resume-changes] [--stop-after N]
 // Exit codes: 0 done (or stopped by --stop-after), 1 error, 75 (kExitInterrupted) stopped by
 // SIGTERM/SIGINT after saving a checkpoint.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
 
 #include "cli/command.h"
 #include "config/recipe.h"
@@ -30,8 +31,9 @@ int run_train(int argc, char** argv) {
   app.add_option("--stop-after", stop_after,
                  "save a checkpoint after this many optimizer steps and exit 0 (as a preemption would)");
   app.add_flag("--quiet", quiet, "no per-step log lines");
-  app.footer("On SIGTERM or SIGINT a checkpoint is saved at the next step boundary and lathe exits with code 75; "
-             "a second signal stops immediately.");
+  app.footer(
+      "On SIGTERM or SIGINT a checkpoint is saved at the next step boundary and lathe exits with code 75; "
+      "a second signal stops immediately.");
   CLI11_PARSE(app, argc, argv);
   if (save_every >= 0) sets.push_back(fmt::format("output.save_every={}", save_every));
   if (checkpoint_every >= 0) sets.push_back(fmt::format("output.checkpoint_every={}", checkpoint_every));

@@ -1,8 +1,8 @@
+#include <fmt/format.h>
+
 #include <cstdio>
 #include <cstring>
 #include <string>
-
-#include <fmt/format.h>
 
 #include "cli/command.h"
 #include "core/blas_env.h"

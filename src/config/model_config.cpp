@@ -15,34 +15,61 @@ using json = nlohmann::json;
 const std::vector<std::string> kModelTypes = {"gpt2", "llama", "qwen2", "mistral"};
 
 // Keys of every PretrainedConfig that never change the forward math.
-const std::vector<std::string> kCommonKeys = {
-    "model_type", "architectures", "torch_dtype", "dtype", "transformers_version", "use_cache",
-    "_name_or_path", "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
-    "decoder_start_token_id", "tie_word_embeddings", "initializer_range", "id2label", "label2id",
-    "return_dict", "output_hidden_states", "output_attentions", "torchscript", "pruned_heads",
-    "tokenizer_class", "prefix", "task_specific_params", "problem_type", "finetuning_task",
-    "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "add_cross_attention",
-    "tie_encoder_decoder", "use_return_dict", "_attn_implementation", "attn_implementation"};
+const std::vector<std::string> kCommonKeys = {"model_type",
+                                              "architectures",
+                                              "torch_dtype",
+                                              "dtype",
+                                              "transformers_version",
+                                              "use_cache",
+                                              "_name_or_path",
+                                              "vocab_size",
+                                              "bos_token_id",
+                                              "eos_token_id",
+                                              "pad_token_id",
+                                              "sep_token_id",
+                                              "decoder_start_token_id",
+                                              "tie_word_embeddings",
+                                              "initializer_range",
+                                              "id2label",
+                                              "label2id",
+                                              "return_dict",
+                                              "output_hidden_states",
+                                              "output_attentions",
+                                              "torchscript",
+                                              "pruned_heads",
+                                              "tokenizer_class",
+                                              "prefix",
+                                              "task_specific_params",
+                                              "problem_type",
+                                              "finetuning_task",
+                                              "chunk_size_feed_forward",
+                                              "is_encoder_decoder",
+                                              "is_decoder",
+                                              "add_cross_attention",
+                                              "tie_encoder_decoder",
+                                              "use_return_dict",
+                                              "_attn_implementation",
+                                              "attn_implementation"};
 
 const std::vector<std::string> kGpt2Keys = {
-    "n_positions", "n_ctx", "n_embd", "n_layer", "n_head", "n_inner", "activation_function",
-    "layer_norm_epsilon", "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_type",
-    "summary_use_proj", "summary_activation", "summary_proj_to_labels", "summary_first_dropout",
-    "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
+    "n_positions", "n_ctx", "n_embd", "n_layer", "n_head", "n_inner", "activation_function", "layer_norm_epsilon",
+    "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_type", "summary_use_proj", "summary_activation",
+    "summary_proj_to_labels", "summary_first_dropout", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
+    "reorder_and_upcast_attn",
     // HF attribute_map aliases
     "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"};
 
 const std::vector<std::string> kLlamaKeys = {
-    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
-    "rope_theta", "rope_scaling", "rope_parameters", "attention_bias", "mlp_bias",
-    "attention_dropout", "pretraining_tp"};
-const std::vector<std::string> kQwen2Extra = {"use_sliding_window", "sliding_window",
-                                              "max_window_layers", "layer_types"};
+    "hidden_size",         "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim",          "hidden_act",        "max_position_embeddings",
+    "rms_norm_eps",        "rope_theta",        "rope_scaling",      "rope_parameters",
+    "attention_bias",      "mlp_bias",          "attention_dropout", "pretraining_tp"};
+const std::vector<std::string> kQwen2Extra = {"use_sliding_window", "sliding_window", "max_window_layers",
+                                              "layer_types"};
 const std::vector<std::string> kMistralExtra = {"sliding_window", "layer_types"};
 
-const std::vector<std::string> kDropoutKeys = {"resid_pdrop", "embd_pdrop", "attn_pdrop",
-                                               "summary_first_dropout", "attention_dropout"};
+const std::vector<std::string> kDropoutKeys = {"resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout",
+                                               "attention_dropout"};
 
 std::string value_str(const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
 
@@ -123,8 +150,8 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, bo
   return from_hf_json(j, source, "", strict_unknown);
 }
 
-ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source,
-                                      std::string_view key_prefix, bool strict_unknown) {
+ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, std::string_view key_prefix,
+                                      bool strict_unknown) {
   if (!j.is_object()) throw_error("{}: model config must be a JSON object, got {}", source, j.dump());
   Reader r{j, source, key_prefix};
   ModelConfig c;
@@ -132,8 +159,7 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source,
     throw_error("{}: {}model_type is missing (one of gpt2, llama, qwen2, mistral)", source, key_prefix);
   c.model_type = r.get_string("model_type");
   if (std::find(kModelTypes.begin(), kModelTypes.end(), c.model_type) == kModelTypes.end())
-    r.fail("model_type", fmt::format("'{}' is not supported (supported: gpt2, llama, qwen2, mistral)",
-                                     c.model_type));
+    r.fail("model_type", fmt::format("'{}' is not supported (supported: gpt2, llama, qwen2, mistral)", c.model_type));
   c.family = family_of(c.model_type);
 
   // Unknown keys.
@@ -142,8 +168,7 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source,
     if (std::find(known.begin(), known.end(), it.key()) != known.end()) continue;
     if (strict_unknown) {
       std::string near = closest_match(it.key(), known);
-      throw_error("{}: unknown key '{}{}' for model_type {}{}", source, key_prefix, it.key(),
-                  c.model_type,
+      throw_error("{}: unknown key '{}{}' for model_type {}{}", source, key_prefix, it.key(), c.model_type,
                   near.empty() ? std::string() : fmt::format(" (did you mean '{}{}'?)", key_prefix, near));
     }
     c.ignored_keys.push_back(it.key());
@@ -216,8 +241,8 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source,
     c.num_hidden_layers = r.has("num_hidden_layers") ? r.get_int("num_hidden_layers") : 32;
     c.num_attention_heads = r.has("num_attention_heads") ? r.get_int("num_attention_heads") : 32;
     c.num_key_value_heads = r.has("num_key_value_heads") ? r.get_int("num_key_value_heads")
-                            : mistral                      ? 8
-                                                           : c.num_attention_heads;
+                            : mistral                    ? 8
+                                                         : c.num_attention_heads;
     c.max_position_embeddings = r.has("max_position_embeddings") ? r.get_int("max_position_embeddings")
                                 : qwen                           ? 32768
                                 : mistral                        ? 131072
@@ -259,7 +284,8 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source,
         }
       }
     }
-    if (r.has("mlp_bias") && r.get_bool("mlp_bias")) r.fail("mlp_bias", "true is not supported (MLP without biases only)");
+    if (r.has("mlp_bias") && r.get_bool("mlp_bias"))
+      r.fail("mlp_bias", "true is not supported (MLP without biases only)");
     if (qwen) {
       // Qwen2 always has q/k/v biases; there is no switch in its config class.
       if (r.has("attention_bias") && !r.get_bool("attention_bias"))
@@ -276,9 +302,9 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source,
         r.fail("attention_bias", "mistral has no attention biases; true is not supported");
       c.attention_bias = false;
       // Absent means the class default 4096; null means full attention.
-      c.sliding_window = !j.contains("sliding_window") ? 4096
+      c.sliding_window = !j.contains("sliding_window")   ? 4096
                          : j["sliding_window"].is_null() ? 0
-                                                        : r.get_int("sliding_window");
+                                                         : r.get_int("sliding_window");
     } else {
       c.attention_bias = r.has("attention_bias") && r.get_bool("attention_bias");
     }
@@ -345,14 +371,12 @@ void ModelConfig::validate(std::string_view source, std::string_view prefix) con
   }
   LATHE_CHECK(norm_eps > 0, "{}: {} = {} must be > 0", source, hf("norm_eps"), norm_eps);
   LATHE_CHECK(initializer_range > 0, "{}: {} = {} must be > 0", source, hf("initializer_range"), initializer_range);
-  LATHE_CHECK(sliding_window >= 0, "{}: {} = {} must be >= 0 (0 = none)", source, hf("sliding_window"),
-              sliding_window);
+  LATHE_CHECK(sliding_window >= 0, "{}: {} = {} must be >= 0 (0 = none)", source, hf("sliding_window"), sliding_window);
 }
 
 void ModelConfig::check_seq_len(int64_t seq_len, std::string_view source) const {
-  LATHE_CHECK(seq_len <= max_position_embeddings,
-              "{}: seq_len = {} exceeds max_position_embeddings = {} of the model", source, seq_len,
-              max_position_embeddings);
+  LATHE_CHECK(seq_len <= max_position_embeddings, "{}: seq_len = {} exceeds max_position_embeddings = {} of the model",
+              source, seq_len, max_position_embeddings);
   LATHE_CHECK(sliding_window == 0 || seq_len <= sliding_window,
               "{}: seq_len = {} exceeds the model's sliding_window = {}; lathe implements full attention "
               "only, which differs from sliding-window attention beyond the window (use seq_len <= {})",
@@ -447,8 +471,7 @@ ModelConfig make_gpt2(int64_t L, int64_t C, int64_t H, int64_t V, int64_t P) {
   return c;
 }
 
-ModelConfig make_llama(const char* type, int64_t L, int64_t C, int64_t H, int64_t KV, int64_t I, int64_t V,
-                       int64_t P) {
+ModelConfig make_llama(const char* type, int64_t L, int64_t C, int64_t H, int64_t KV, int64_t I, int64_t V, int64_t P) {
   ModelConfig c;
   c.model_type = type;
   c.family = "llama";
@@ -510,10 +533,9 @@ bool operator==(const ModelConfig& a, const ModelConfig& b) {
          a.hidden_size == b.hidden_size && a.num_hidden_layers == b.num_hidden_layers &&
          a.num_attention_heads == b.num_attention_heads && a.num_key_value_heads == b.num_key_value_heads &&
          a.intermediate_size == b.intermediate_size && a.max_position_embeddings == b.max_position_embeddings &&
-         a.norm_eps == b.norm_eps && a.rope_theta == b.rope_theta &&
-         a.tie_word_embeddings == b.tie_word_embeddings && a.attention_bias == b.attention_bias &&
-         a.initializer_range == b.initializer_range && a.hidden_act == b.hidden_act &&
-         a.bos_token_id == b.bos_token_id && a.eos_token_id == b.eos_token_id &&
+         a.norm_eps == b.norm_eps && a.rope_theta == b.rope_theta && a.tie_word_embeddings == b.tie_word_embeddings &&
+         a.attention_bias == b.attention_bias && a.initializer_range == b.initializer_range &&
+         a.hidden_act == b.hidden_act && a.bos_token_id == b.bos_token_id && a.eos_token_id == b.eos_token_id &&
          a.pad_token_id == b.pad_token_id && a.sliding_window == b.sliding_window;
 }
 

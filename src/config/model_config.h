@@ -4,11 +4,10 @@
 // biases) and mistral (sliding window). Field meanings: shared/reference/hf-model-configs.md.
 #pragma once
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 namespace lathe {
 
@@ -16,7 +15,7 @@ struct ModelConfig {
   std::string model_type;  // as in HF: "gpt2", "llama", "qwen2", "mistral"
   std::string family;      // "gpt2" or "llama" (qwen2, mistral -> llama)
   int64_t vocab_size = 0, hidden_size = 0, num_hidden_layers = 0, num_attention_heads = 0,
-          num_key_value_heads = 0;     // gpt2: num_key_value_heads == num_attention_heads
+          num_key_value_heads = 0;      // gpt2: num_key_value_heads == num_attention_heads
   int64_t intermediate_size = 0;        // gpt2: n_inner or 4*hidden
   int64_t max_position_embeddings = 0;  // gpt2: n_positions
   double norm_eps = 1e-5;               // gpt2 layer_norm_epsilon; llama rms_norm_eps
@@ -54,11 +53,10 @@ struct ModelConfig {
   // accepted. strict_unknown=true (recipes): an unknown key is an error naming it and the closest
   // valid key, and non-zero dropout is an error (lathe has no dropout); false (config.json files):
   // unknown keys are accepted and listed in `ignored_keys`.
-  static ModelConfig from_hf_json(const nlohmann::json& j, std::string_view source,
-                                  bool strict_unknown = false);
+  static ModelConfig from_hf_json(const nlohmann::json& j, std::string_view source, bool strict_unknown = false);
   // Same, with `key_prefix` put in front of key names in errors (recipes pass "model.").
-  static ModelConfig from_hf_json(const nlohmann::json& j, std::string_view source,
-                                  std::string_view key_prefix, bool strict_unknown);
+  static ModelConfig from_hf_json(const nlohmann::json& j, std::string_view source, std::string_view key_prefix,
+                                  bool strict_unknown);
   std::vector<std::string> ignored_keys;
 
   // A complete HF config.json that transformers 4.x loads: model_type, architectures

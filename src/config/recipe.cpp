@@ -310,8 +310,9 @@ class Parser {
     } else if (!base.is_null()) {
       mt = base.value("model_type", "");
     } else {
-      bad("model", "give model.preset, model.init_from, model.config, or model.model_type (gpt2, llama, qwen2, "
-                   "mistral) with its HF fields");
+      bad("model",
+          "give model.preset, model.init_from, model.config, or model.model_type (gpt2, llama, qwen2, "
+          "mistral) with its HF fields");
     }
     static const std::vector<std::string> types = {"gpt2", "llama", "qwen2", "mistral"};
     if (std::find(types.begin(), types.end(), mt) == types.end())
@@ -323,13 +324,12 @@ class Parser {
     for (auto& k : known) full.push_back("model." + k);
     for (auto& k : kModelBaseKeys) full.push_back("model." + k);
     for (auto it = explicit_.begin(); it != explicit_.end(); ++it) {
-      if (std::find(known.begin(), known.end(), it.key()) == known.end())
-        unknown("model." + it.key(), "key", full);
+      if (std::find(known.begin(), known.end(), it.key()) == known.end()) unknown("model." + it.key(), "key", full);
       static const std::set<std::string> dropout = {"resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout",
                                                     "summary_first_dropout"};
       if (dropout.count(it.key()) && !(it.value().is_number() && it.value().get<double>() == 0.0))
-        bad("model." + it.key(), fmt::format("{} is not supported: lathe does not implement dropout (use 0)",
-                                             value_str(it.value())));
+        bad("model." + it.key(),
+            fmt::format("{} is not supported: lathe does not implement dropout (use 0)", value_str(it.value())));
     }
 
     json merged = base.is_null() ? json::object() : base;
@@ -348,17 +348,16 @@ class Parser {
           ++it;
     }
     // GPT-2 field names and their HF aliases: an explicit one replaces all spellings of the base.
-    static const std::vector<std::vector<std::string>> groups = {
-        {"n_positions", "max_position_embeddings", "n_ctx"},
-        {"n_embd", "hidden_size"},
-        {"n_layer", "num_hidden_layers"},
-        {"n_head", "num_attention_heads"}};
+    static const std::vector<std::vector<std::string>> groups = {{"n_positions", "max_position_embeddings", "n_ctx"},
+                                                                 {"n_embd", "hidden_size"},
+                                                                 {"n_layer", "num_hidden_layers"},
+                                                                 {"n_head", "num_attention_heads"}};
     // Llama family: rope_theta also lives inside the v5 rope_parameters object.
     static const std::vector<std::vector<std::string>> llama_groups = {{"rope_theta", "rope_parameters"}};
     for (const auto& g : mt == "gpt2" ? groups : llama_groups)
-        for (const auto& k : g)
-          if (explicit_.contains(k))
-            for (const auto& other : g) merged.erase(other);
+      for (const auto& k : g)
+        if (explicit_.contains(k))
+          for (const auto& other : g) merged.erase(other);
     for (auto it = explicit_.begin(); it != explicit_.end(); ++it) merged[it.key()] = it.value();
     merged["model_type"] = mt;
     r.model = ModelConfig::from_hf_json(merged, src_, "model.", false);
@@ -419,7 +418,8 @@ class Parser {
     need(std::find(kSchedules.begin(), kSchedules.end(), s.name) != kSchedules.end(), "schedule.name",
          fmt::format("'{}' is not supported (supported: {})", s.name, join(kSchedules)));
     need(std::find(kDecayShapes.begin(), kDecayShapes.end(), s.decay_shape) != kDecayShapes.end(),
-         "schedule.decay_shape", fmt::format("'{}' is not supported (supported: {})", s.decay_shape, join(kDecayShapes)));
+         "schedule.decay_shape",
+         fmt::format("'{}' is not supported (supported: {})", s.decay_shape, join(kDecayShapes)));
     need(s.warmup_steps >= 0, "schedule.warmup_steps", fmt::format("{} must be >= 0", s.warmup_steps));
     need(s.warmup_steps <= t.steps, "schedule.warmup_steps",
          fmt::format("{} exceeds training.steps = {}", s.warmup_steps, t.steps));
@@ -429,8 +429,8 @@ class Parser {
          fmt::format("{} must be in (0, 1]", s.decay_fraction));
     // output
     need(!r.output.dir.empty(), "output.dir", "is empty");
-    need(r.output.save_every >= 0, "output.save_every", fmt::format("{} must be >= 0 (0 = only at the end)",
-                                                                    r.output.save_every));
+    need(r.output.save_every >= 0, "output.save_every",
+         fmt::format("{} must be >= 0 (0 = only at the end)", r.output.save_every));
     need(r.output.checkpoint_every >= 0, "output.checkpoint_every",
          fmt::format("{} must be >= 0 (0 = no periodic checkpoints)", r.output.checkpoint_every));
     need(r.output.keep_last >= 0 && r.output.keep_last <= 1000000, "output.keep_last",
@@ -454,8 +454,7 @@ std::string apply_override(json& root, const std::string& source, const std::str
   }
   for (auto& p : parts)
     if (p.empty()) throw_error("{}: --set {}: empty component in key '{}'", source, ov, path);
-  if (parts.size() < 2)
-    throw_error("{}: --set {}: key '{}' needs a section, e.g. training.{}", source, ov, path, path);
+  if (parts.size() < 2) throw_error("{}: --set {}: key '{}' needs a section, e.g. training.{}", source, ov, path, path);
   json v;
   try {
     v = yaml_to_json(YAML::Load(value));
@@ -528,9 +527,8 @@ json Recipe::to_json() const {
                {"valid_fraction", data.valid_fraction},
                {"tokenizer", data.tokenizer},
                {"prefetch", data.prefetch}};
-  j["optimizer"] = {{"name", optimizer.name},     {"lr", optimizer.lr},
-                    {"beta1", optimizer.beta1},   {"beta2", optimizer.beta2},
-                    {"eps", optimizer.eps},       {"weight_decay", optimizer.weight_decay},
+  j["optimizer"] = {{"name", optimizer.name},          {"lr", optimizer.lr},   {"beta1", optimizer.beta1},
+                    {"beta2", optimizer.beta2},        {"eps", optimizer.eps}, {"weight_decay", optimizer.weight_decay},
                     {"grad_clip", optimizer.grad_clip}};
   j["schedule"] = {{"name", schedule.name},
                    {"warmup_steps", schedule.warmup_steps},

@@ -28,11 +28,10 @@
 // unknown key in an override is reported like one in the file, mentioning --set.
 #pragma once
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "config/model_config.h"
 
@@ -44,8 +43,8 @@ struct Recipe {
   std::string init_from;  // HF dir whose weights initialize the model; "" = random init
 
   struct Data {
-    std::string train;  // Megatron prefix (without .bin/.idx); required
-    std::string valid;  // Megatron prefix; empty -> hold out valid_fraction of train
+    std::string train;             // Megatron prefix (without .bin/.idx); required
+    std::string valid;             // Megatron prefix; empty -> hold out valid_fraction of train
     double valid_fraction = 0.05;  // [0, 1)
     std::string tokenizer;         // "byte", a tokenizer file path, or "" (none)
     int prefetch = 2;              // batches prepared ahead, >= 0

@@ -1,12 +1,11 @@
 #include "core/blas_env.h"
 
+#include <cblas.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-
-#include <cblas.h>
 
 namespace lathe {
 

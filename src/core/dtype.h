@@ -13,14 +13,22 @@ enum class DType : uint8_t { F32, BF16, F16, I32, U16, I64, U8, F64 };
 
 constexpr size_t dtype_size(DType t) {
   switch (t) {
-    case DType::F32: return 4;
-    case DType::BF16: return 2;
-    case DType::F16: return 2;
-    case DType::I32: return 4;
-    case DType::U16: return 2;
-    case DType::I64: return 8;
-    case DType::U8: return 1;
-    case DType::F64: return 8;
+    case DType::F32:
+      return 4;
+    case DType::BF16:
+      return 2;
+    case DType::F16:
+      return 2;
+    case DType::I32:
+      return 4;
+    case DType::U16:
+      return 2;
+    case DType::I64:
+      return 8;
+    case DType::U8:
+      return 1;
+    case DType::F64:
+      return 8;
   }
   return 0;
 }

@@ -1,10 +1,10 @@
 // Errors that reach the user. Every message names the file, key or value at fault and, where
 // possible, says how to fix it. Never catch-and-continue: lathe does not fall back silently.
 #pragma once
+#include <fmt/format.h>
+
 #include <stdexcept>
 #include <string>
-
-#include <fmt/format.h>
 
 namespace lathe {
 
@@ -19,8 +19,8 @@ template <typename... Args>
   throw Error(fmt::format(f, std::forward<Args>(args)...));
 }
 
-#define LATHE_CHECK(cond, ...)                 \
-  do {                                         \
+#define LATHE_CHECK(cond, ...)                      \
+  do {                                              \
     if (!(cond)) ::lathe::throw_error(__VA_ARGS__); \
   } while (0)
 

@@ -10,16 +10,18 @@
 namespace lathe::data {
 
 SampleSplit split_samples(int64_t num_samples, double valid_fraction) {
-  LATHE_CHECK(valid_fraction >= 0.0 && valid_fraction < 1.0,
-              "data.valid_fraction ({}) must be in [0, 1)", valid_fraction);
-  LATHE_CHECK(num_samples > 0, "split_samples: the dataset has no samples (num_samples = {}); it "
-              "needs more than seq_len + 1 tokens", num_samples);
+  LATHE_CHECK(valid_fraction >= 0.0 && valid_fraction < 1.0, "data.valid_fraction ({}) must be in [0, 1)",
+              valid_fraction);
+  LATHE_CHECK(num_samples > 0,
+              "split_samples: the dataset has no samples (num_samples = {}); it "
+              "needs more than seq_len + 1 tokens",
+              num_samples);
   int64_t nvalid = std::llround(valid_fraction * static_cast<double>(num_samples));
   LATHE_CHECK(valid_fraction == 0.0 || nvalid > 0,
               "data.valid_fraction ({}) of {} samples rounds to 0 validation samples; raise it to at "
-              "least {} or set it to 0", valid_fraction, num_samples, 0.5 / num_samples);
-  LATHE_CHECK(nvalid < num_samples,
-              "data.valid_fraction ({}) leaves no training samples out of {}", valid_fraction,
+              "least {} or set it to 0",
+              valid_fraction, num_samples, 0.5 / num_samples);
+  LATHE_CHECK(nvalid < num_samples, "data.valid_fraction ({}) leaves no training samples out of {}", valid_fraction,
               num_samples);
   SampleSplit s;
   s.train.reserve(static_cast<size_t>(num_samples - nvalid));
@@ -35,24 +37,28 @@ std::vector<int64_t> all_samples(int64_t num_samples) {
   return v;
 }
 
-DataLoader::DataLoader(std::shared_ptr<const IndexedDataset> ds, std::vector<int64_t> sample_ids,
-                       int64_t batch_size, int64_t seq_len, uint64_t seed, bool shuffle, int prefetch)
-    : ds_(std::move(ds)), sample_ids_(std::move(sample_ids)), batch_size_(batch_size),
-      seq_len_(seq_len), seed_(seed), shuffle_(shuffle), prefetch_(prefetch) {
+DataLoader::DataLoader(std::shared_ptr<const IndexedDataset> ds, std::vector<int64_t> sample_ids, int64_t batch_size,
+                       int64_t seq_len, uint64_t seed, bool shuffle, int prefetch)
+    : ds_(std::move(ds)),
+      sample_ids_(std::move(sample_ids)),
+      batch_size_(batch_size),
+      seq_len_(seq_len),
+      seed_(seed),
+      shuffle_(shuffle),
+      prefetch_(prefetch) {
   LATHE_CHECK(ds_ != nullptr, "DataLoader: no dataset");
   LATHE_CHECK(batch_size_ > 0, "DataLoader: batch_size must be positive, got {}", batch_size_);
   LATHE_CHECK(seq_len_ > 0, "DataLoader: seq_len must be positive, got {}", seq_len_);
   LATHE_CHECK(prefetch_ >= 0, "DataLoader: prefetch must be >= 0, got {}", prefetch_);
   const int64_t n = num_samples(ds_->total_tokens(), seq_len_);
   for (int64_t id : sample_ids_)
-    LATHE_CHECK(id >= 0 && id < n,
-                "DataLoader: sample id {} out of range: {} ({} tokens) has {} samples of seq_len {}",
+    LATHE_CHECK(id >= 0 && id < n, "DataLoader: sample id {} out of range: {} ({} tokens) has {} samples of seq_len {}",
                 id, ds_->prefix(), ds_->total_tokens(), n, seq_len_);
   batches_per_epoch_ = static_cast<int64_t>(sample_ids_.size()) / batch_size_;
   LATHE_CHECK(batches_per_epoch_ > 0,
               "DataLoader: {} samples of seq_len {} from {} do not fill one batch of {}; use a "
-              "smaller batch size or seq_len, or more data", sample_ids_.size(), seq_len_,
-              ds_->prefix(), batch_size_);
+              "smaller batch size or seq_len, or more data",
+              sample_ids_.size(), seq_len_, ds_->prefix(), batch_size_);
   window_.resize(static_cast<size_t>(seq_len_ + 1));
   start_worker();
 }
@@ -181,8 +187,7 @@ LoaderState DataLoader::state() const {
 }
 
 void DataLoader::restore(const LoaderState& st) {
-  LATHE_CHECK(st.epoch >= 0 && st.position >= 0 &&
-                  st.position <= static_cast<int64_t>(sample_ids_.size()),
+  LATHE_CHECK(st.epoch >= 0 && st.position >= 0 && st.position <= static_cast<int64_t>(sample_ids_.size()),
               "DataLoader::restore: invalid state epoch {} position {} ({} samples per epoch); the "
               "checkpoint's data settings (dataset, seq_len, split) must match this run",
               st.epoch, st.position, sample_ids_.size());

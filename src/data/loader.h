@@ -45,8 +45,8 @@ class DataLoader {
   // lathe::Rng (Fisher-Yates) seeded from (seed, epoch). The tail that does not fill a batch is
   // dropped for that epoch (a different tail every epoch when shuffled).
   // prefetch: batches prepared ahead on a background thread (0 = prepared in next()).
-  DataLoader(std::shared_ptr<const IndexedDataset> ds, std::vector<int64_t> sample_ids,
-             int64_t batch_size, int64_t seq_len, uint64_t seed, bool shuffle, int prefetch);
+  DataLoader(std::shared_ptr<const IndexedDataset> ds, std::vector<int64_t> sample_ids, int64_t batch_size,
+             int64_t seq_len, uint64_t seed, bool shuffle, int prefetch);
   ~DataLoader();
   DataLoader(const DataLoader&) = delete;
   DataLoader& operator=(const DataLoader&) = delete;
@@ -86,7 +86,7 @@ class DataLoader {
   // Producer side (worker thread, or next() when prefetch == 0).
   LoaderState prod_state_;
   int64_t order_epoch_ = -1;
-  std::vector<int64_t> order_;  // sample order of order_epoch_
+  std::vector<int64_t> order_;   // sample order of order_epoch_
   std::vector<int32_t> window_;  // S+1 tokens
 
   // Consumer side and the queue between them.

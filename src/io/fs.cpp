@@ -75,8 +75,8 @@ void atomic_write_file(const std::string& path, std::string_view contents) {
 AtomicFileWriter::AtomicFileWriter(const std::string& path) : path_(path), tmp_(path + ".tmp") {
   fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd_ < 0)
-    throw_error("{}: cannot create temporary file {}: {} (does the directory exist and is it writable?)",
-                path_, tmp_, errno_str());
+    throw_error("{}: cannot create temporary file {}: {} (does the directory exist and is it writable?)", path_, tmp_,
+                errno_str());
   buf_.reserve(1 << 20);
 }
 

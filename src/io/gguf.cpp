@@ -1,9 +1,9 @@
 #include "io/gguf.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cstring>
-
-#include <fmt/format.h>
 
 #include "core/error.h"
 #include "io/fs.h"
@@ -81,8 +81,7 @@ size_t GgufWriter::TensorEntry::nbytes() const {
 
 void GgufWriter::add_tensor(const std::string& name, const Shape& shape, const float* data, DType type) {
   LATHE_CHECK(!name.empty() && name.size() <= 63, "gguf: tensor name '{}' must be 1..63 bytes (GGML_MAX_NAME)", name);
-  LATHE_CHECK(!shape.empty() && shape.size() <= 4, "gguf: tensor {} has {} dims; ggml allows 1..4", name,
-              shape.size());
+  LATHE_CHECK(!shape.empty() && shape.size() <= 4, "gguf: tensor {} has {} dims; ggml allows 1..4", name, shape.size());
   LATHE_CHECK(type == DType::F32 || type == DType::F16, "gguf: tensor {}: only F32 and F16 are written, not {}", name,
               dtype_name(type));
   for (const auto& t : tensors_) LATHE_CHECK(t.name != name, "gguf: tensor '{}' added twice", name);
@@ -90,8 +89,8 @@ void GgufWriter::add_tensor(const std::string& name, const Shape& shape, const f
 }
 
 void GgufWriter::add_tensor_owned(const std::string& name, const Shape& shape, std::vector<float> data, DType type) {
-  LATHE_CHECK(static_cast<int64_t>(data.size()) == lathe::numel(shape), "gguf: tensor {}: {} values for shape {}",
-              name, data.size(), shape_str(shape));
+  LATHE_CHECK(static_cast<int64_t>(data.size()) == lathe::numel(shape), "gguf: tensor {}: {} values for shape {}", name,
+              data.size(), shape_str(shape));
   owned_.push_back(std::move(data));
   add_tensor(name, shape, nullptr, type);
   tensors_.back().owned = owned_.size();
@@ -108,7 +107,8 @@ size_t GgufWriter::write(const std::string& path) const {
   for (const auto& t : tensors_) {
     put_str(head, t.name);
     put<uint32_t>(head, static_cast<uint32_t>(t.shape.size()));
-    for (size_t i = 0; i < t.shape.size(); ++i) put<uint64_t>(head, static_cast<uint64_t>(t.shape[t.shape.size() - 1 - i]));
+    for (size_t i = 0; i < t.shape.size(); ++i)
+      put<uint64_t>(head, static_cast<uint64_t>(t.shape[t.shape.size() - 1 - i]));
     put<uint32_t>(head, t.type == DType::F16 ? kGgmlTypeF16 : kGgmlTypeF32);
     put<uint64_t>(head, off);
     off += align_up(t.nbytes());

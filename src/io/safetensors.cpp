@@ -8,9 +8,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <set>
-
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "core/error.h"
 #include "io/fs.h"
@@ -26,12 +25,11 @@ struct DtypeCode {
   const char* code;
   int bits;
 };
-constexpr DtypeCode kCodes[] = {
-    {"BOOL", 8},     {"F4", 4},           {"F6_E2M3", 6},      {"F6_E3M2", 6}, {"U8", 8},
-    {"I8", 8},       {"F8_E5M2", 8},      {"F8_E4M3", 8},      {"F8_E8M0", 8}, {"F8_E4M3FNUZ", 8},
-    {"F8_E5M2FNUZ", 8}, {"I16", 16},      {"U16", 16},         {"F16", 16},    {"BF16", 16},
-    {"I32", 32},     {"U32", 32},         {"F32", 32},         {"C64", 64},    {"F64", 64},
-    {"I64", 64},     {"U64", 64}};
+constexpr DtypeCode kCodes[] = {{"BOOL", 8},        {"F4", 4},      {"F6_E2M3", 6}, {"F6_E3M2", 6}, {"U8", 8},
+                                {"I8", 8},          {"F8_E5M2", 8}, {"F8_E4M3", 8}, {"F8_E8M0", 8}, {"F8_E4M3FNUZ", 8},
+                                {"F8_E5M2FNUZ", 8}, {"I16", 16},    {"U16", 16},    {"F16", 16},    {"BF16", 16},
+                                {"I32", 32},        {"U32", 32},    {"F32", 32},    {"C64", 64},    {"F64", 64},
+                                {"I64", 64},        {"U64", 64}};
 
 int code_bits(std::string_view code) {
   for (auto& c : kCodes)
@@ -40,9 +38,9 @@ int code_bits(std::string_view code) {
 }
 
 bool lathe_dtype(std::string_view code, DType* out) {
-  static const std::pair<const char*, DType> m[] = {
-      {"F32", DType::F32}, {"BF16", DType::BF16}, {"F16", DType::F16}, {"I32", DType::I32},
-      {"U16", DType::U16}, {"I64", DType::I64},   {"U8", DType::U8},   {"F64", DType::F64}};
+  static const std::pair<const char*, DType> m[] = {{"F32", DType::F32}, {"BF16", DType::BF16}, {"F16", DType::F16},
+                                                    {"I32", DType::I32}, {"U16", DType::U16},   {"I64", DType::I64},
+                                                    {"U8", DType::U8},   {"F64", DType::F64}};
   for (auto& [c, d] : m)
     if (code == c) {
       *out = d;
@@ -80,8 +78,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   file_size_ = static_cast<size_t>(st.st_size);
   if (file_size_ < 8) {
     ::close(fd);
-    throw_error("{}: not a safetensors file: {} bytes, shorter than the 8-byte header length", path,
-                file_size_);
+    throw_error("{}: not a safetensors file: {} bytes, shorter than the 8-byte header length", path, file_size_);
   }
   void* p = ::mmap(nullptr, file_size_, PROT_READ, MAP_PRIVATE, fd, 0);
   int err = errno;
@@ -93,12 +90,12 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     uint64_t n = 0;
     for (int i = 7; i >= 0; --i) n = (n << 8) | base_[i];  // little-endian u64
     if (n > kMaxHeader)
-      throw_error("{}: header length {} exceeds the 100 MB limit of the format (corrupt file?)", path,
-                  n);
+      throw_error("{}: header length {} exceeds the 100 MB limit of the format (corrupt file?)", path, n);
     if (n > file_size_ - 8)
-      throw_error("{}: header length {} runs past the end of the file ({} bytes): truncated or not a "
-                  "safetensors file",
-                  path, n, file_size_);
+      throw_error(
+          "{}: header length {} runs past the end of the file ({} bytes): truncated or not a "
+          "safetensors file",
+          path, n, file_size_);
     header_len_ = static_cast<size_t>(n);
     const char* hdr = reinterpret_cast<const char*>(base_ + 8);
 
@@ -134,17 +131,17 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
         if (!v.is_object()) throw_error("{}: __metadata__ must be an object of strings", path);
         for (auto m = v.begin(); m != v.end(); ++m) {
           if (!m.value().is_string())
-            throw_error("{}: __metadata__['{}'] must be a string, got {}", path, m.key(),
-                        m.value().dump());
+            throw_error("{}: __metadata__['{}'] must be a string, got {}", path, m.key(), m.value().dump());
           metadata_[m.key()] = m.value().get<std::string>();
         }
         continue;
       }
       if (!v.is_object() || v.size() != 3 || !v.contains("dtype") || !v.contains("shape") ||
           !v.contains("data_offsets"))
-        throw_error("{}: tensor '{}': entry must be an object with exactly dtype, shape, "
-                    "data_offsets; got {}",
-                    path, name, v.dump());
+        throw_error(
+            "{}: tensor '{}': entry must be an object with exactly dtype, shape, "
+            "data_offsets; got {}",
+            path, name, v.dump());
       StTensorInfo t;
       t.name = name;
       if (!v["dtype"].is_string())
@@ -152,8 +149,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
       t.dtype_code = v["dtype"].get<std::string>();
       int bits = code_bits(t.dtype_code);
       if (bits == 0)
-        throw_error("{}: tensor '{}': unknown dtype '{}' (not a safetensors dtype code)", path, name,
-                    t.dtype_code);
+        throw_error("{}: tensor '{}': unknown dtype '{}' (not a safetensors dtype code)", path, name, t.dtype_code);
       t.dtype_supported = lathe_dtype(t.dtype_code, &t.dtype);
       if (!t.dtype_supported) t.dtype = DType::U8;
       if (!v["shape"].is_array())
@@ -163,28 +159,28 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
       for (const auto& d : v["shape"]) {
         uint64_t dim;
         if (!as_u64(d, &dim) || dim > (uint64_t{1} << 48))
-          throw_error("{}: tensor '{}': shape entries must be non-negative integers, got {}", path,
-                      name, v["shape"].dump());
+          throw_error("{}: tensor '{}': shape entries must be non-negative integers, got {}", path, name,
+                      v["shape"].dump());
         t.shape.push_back(static_cast<int64_t>(dim));
         total_bits *= dim;
         if (total_bits > (static_cast<unsigned __int128>(1) << 100))
           throw_error("{}: tensor '{}': shape {} overflows", path, name, v["shape"].dump());
       }
       if (total_bits % 8 != 0)
-        throw_error("{}: tensor '{}': {} elements of {} bits is not a whole number of bytes", path,
-                    name, numel(t.shape), t.dtype_code);
+        throw_error("{}: tensor '{}': {} elements of {} bits is not a whole number of bytes", path, name,
+                    numel(t.shape), t.dtype_code);
       const auto& off = v["data_offsets"];
       uint64_t b, e;
       if (!off.is_array() || off.size() != 2 || !as_u64(off[0], &b) || !as_u64(off[1], &e))
-        throw_error("{}: tensor '{}': data_offsets must be [BEGIN, END] non-negative integers, got {}",
-                    path, name, off.dump());
-      if (e < b)
-        throw_error("{}: tensor '{}': data_offsets [{}, {}] end before they begin", path, name, b, e);
+        throw_error("{}: tensor '{}': data_offsets must be [BEGIN, END] non-negative integers, got {}", path, name,
+                    off.dump());
+      if (e < b) throw_error("{}: tensor '{}': data_offsets [{}, {}] end before they begin", path, name, b, e);
       uint64_t expect = static_cast<uint64_t>(total_bits / 8);
       if (e - b != expect)
-        throw_error("{}: tensor '{}': data_offsets [{}, {}] hold {} bytes but dtype {} with shape {} "
-                    "needs {}",
-                    path, name, b, e, e - b, t.dtype_code, shape_str(t.shape), expect);
+        throw_error(
+            "{}: tensor '{}': data_offsets [{}, {}] hold {} bytes but dtype {} with shape {} "
+            "needs {}",
+            path, name, b, e, e - b, t.dtype_code, shape_str(t.shape), expect);
       t.data_offset = static_cast<size_t>(b);
       t.nbytes = static_cast<size_t>(e - b);
       tensors_.push_back(std::move(t));
@@ -198,12 +194,14 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     for (const auto& t : tensors_) {
       if (t.data_offset != pos) {
         if (t.data_offset < pos)
-          throw_error("{}: tensor '{}': data_offsets [{}, {}] overlap the previous tensor, which ends "
-                      "at {}",
-                      path, t.name, t.data_offset, t.data_offset + t.nbytes, pos);
-        throw_error("{}: tensor '{}': data_offsets [{}, {}] leave a gap after byte {} of the data "
-                    "section",
-                    path, t.name, t.data_offset, t.data_offset + t.nbytes, pos);
+          throw_error(
+              "{}: tensor '{}': data_offsets [{}, {}] overlap the previous tensor, which ends "
+              "at {}",
+              path, t.name, t.data_offset, t.data_offset + t.nbytes, pos);
+        throw_error(
+            "{}: tensor '{}': data_offsets [{}, {}] leave a gap after byte {} of the data "
+            "section",
+            path, t.name, t.data_offset, t.data_offset + t.nbytes, pos);
       }
       pos += t.nbytes;
     }
@@ -213,12 +211,12 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
         // Name the first tensor that runs past the end.
         for (const auto& t : tensors_)
           if (t.data_offset + t.nbytes > data_size)
-            throw_error("{}: tensor '{}': data_offsets [{}, {}] run past the end of the data section "
-                        "({} bytes): the file is truncated",
-                        path, t.name, t.data_offset, t.data_offset + t.nbytes, data_size);
+            throw_error(
+                "{}: tensor '{}': data_offsets [{}, {}] run past the end of the data section "
+                "({} bytes): the file is truncated",
+                path, t.name, t.data_offset, t.data_offset + t.nbytes, data_size);
       }
-      throw_error("{}: data section has {} bytes but the tensors cover {} (trailing bytes)", path,
-                  data_size, pos);
+      throw_error("{}: data section has {} bytes but the tensors cover {} (trailing bytes)", path, data_size, pos);
     }
     for (size_t i = 0; i < tensors_.size(); ++i) index_[tensors_[i].name] = i;
   } catch (...) {
@@ -238,10 +236,9 @@ const StTensorInfo* SafetensorsFile::find(std::string_view name) const {
 }
 
 const void* SafetensorsFile::data(const StTensorInfo& t) const {
-  LATHE_CHECK(t.dtype_supported, "{}: tensor '{}': dtype {} is not supported by lathe", path_, t.name,
-              t.dtype_code);
-  LATHE_CHECK(t.data_offset + t.nbytes <= file_size_ - 8 - header_len_,
-              "{}: tensor '{}' does not belong to this file", path_, t.name);
+  LATHE_CHECK(t.dtype_supported, "{}: tensor '{}': dtype {} is not supported by lathe", path_, t.name, t.dtype_code);
+  LATHE_CHECK(t.data_offset + t.nbytes <= file_size_ - 8 - header_len_, "{}: tensor '{}' does not belong to this file",
+              path_, t.name);
   return base_ + 8 + header_len_ + t.data_offset;
 }
 
@@ -268,8 +265,8 @@ void SafetensorsFile::read_f32(const StTensorInfo& t, float* out) const {
       }
       return;
     default:
-      throw_error("{}: tensor '{}': dtype {} cannot be read as fp32 (only F32, BF16, F16)", path_,
-                  t.name, t.dtype_code);
+      throw_error("{}: tensor '{}': dtype {} cannot be read as fp32 (only F32, BF16, F16)", path_, t.name,
+                  t.dtype_code);
   }
 }
 
@@ -303,8 +300,7 @@ std::string build_header(const std::string& path, const std::vector<PlannedTenso
     LATHE_CHECK(!t.name.empty(), "{}: empty tensor name", path);
     LATHE_CHECK(seen.insert(t.name).second, "{}: tensor '{}' given twice", path, t.name);
     for (auto d : t.shape)
-      LATHE_CHECK(d >= 0, "{}: tensor '{}': negative dimension in shape {}", path, t.name,
-                  shape_str(t.shape));
+      LATHE_CHECK(d >= 0, "{}: tensor '{}': negative dimension in shape {}", path, t.name, shape_str(t.shape));
     h += ",";
     h += nlohmann::json(t.name).dump();
     h += ":{\"dtype\":\"";
@@ -319,8 +315,7 @@ std::string build_header(const std::string& path, const std::vector<PlannedTenso
   }
   h += "}";
   while (h.size() % 8 != 0) h += ' ';
-  LATHE_CHECK(h.size() <= kMaxHeader, "{}: header of {} bytes exceeds the 100 MB format limit", path,
-              h.size());
+  LATHE_CHECK(h.size() <= kMaxHeader, "{}: header of {} bytes exceeds the 100 MB format limit", path, h.size());
   return h;
 }
 
@@ -350,11 +345,10 @@ void write_safetensors(const std::string& path, const std::vector<StWriteEntry>&
   w.commit();
 }
 
-void write_safetensors_f32(const std::string& path, const std::vector<StWriteF32>& tensors,
-                           DType out_dtype, const std::map<std::string, std::string>& metadata) {
+void write_safetensors_f32(const std::string& path, const std::vector<StWriteF32>& tensors, DType out_dtype,
+                           const std::map<std::string, std::string>& metadata) {
   LATHE_CHECK(out_dtype == DType::F32 || out_dtype == DType::BF16 || out_dtype == DType::F16,
-              "{}: write_safetensors_f32 converts to F32, BF16 or F16 only, not {}", path,
-              dtype_name(out_dtype));
+              "{}: write_safetensors_f32 converts to F32, BF16 or F16 only, not {}", path, dtype_name(out_dtype));
   std::vector<PlannedTensor> plan;
   for (const auto& t : tensors) {
     size_t n = static_cast<size_t>(numel(t.shape));

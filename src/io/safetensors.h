@@ -85,7 +85,6 @@ struct StWriteF32 {
   const float* data;
 };
 void write_safetensors_f32(const std::string& path, const std::vector<StWriteF32>& tensors,
-                           DType out_dtype = DType::F32,
-                           const std::map<std::string, std::string>& metadata = {});
+                           DType out_dtype = DType::F32, const std::map<std::string, std::string>& metadata = {});
 
 }  // namespace lathe::io

@@ -1,9 +1,9 @@
 // GPT-2 (HF GPT2LMHeadModel): learned positions, pre-LayerNorm with biases, GELU(tanh) MLP,
 // lm_head tied to wte. Tensor names are the HF state-dict names; HF's Conv1D weights are [in, out]
 // and are kept here as [out, in] (marked hf_transposed, transposed on import/export).
-#include <cmath>
-
 #include <fmt/format.h>
+
+#include <cmath>
 
 #include "models/model.h"
 
@@ -13,8 +13,8 @@ std::unique_ptr<Model> build_gpt2(const ModelConfig& cfg) {
   LATHE_CHECK(cfg.num_key_value_heads == cfg.num_attention_heads,
               "model: gpt2 has no grouped-query attention (num_key_value_heads {} != n_head {})",
               cfg.num_key_value_heads, cfg.num_attention_heads);
-  const int64_t C = cfg.hidden_size, V = cfg.vocab_size, P = cfg.max_position_embeddings,
-                F = cfg.intermediate_size, L = cfg.num_hidden_layers;
+  const int64_t C = cfg.hidden_size, V = cfg.vocab_size, P = cfg.max_position_embeddings, F = cfg.intermediate_size,
+                L = cfg.num_hidden_layers;
   const float std = static_cast<float>(cfg.initializer_range);
   // GPT-2 scales the init of the projections that write into the residual stream by 1/sqrt(2L).
   const float proj_std = std / std::sqrt(2.0f * static_cast<float>(L));

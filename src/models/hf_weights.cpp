@@ -1,15 +1,15 @@
 #include "models/hf_weights.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
 #include <vector>
-
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "io/fs.h"
 #include "io/gguf.h"
@@ -41,7 +41,9 @@ struct FamilyRules {
 const std::vector<FamilyRules>& family_rules() {
   static const std::vector<FamilyRules> rules = {
       {{"gpt2"},
-       {{"h.", "transformer.h."}, {"wte.", "transformer.wte."}, {"wpe.", "transformer.wpe."},
+       {{"h.", "transformer.h."},
+        {"wte.", "transformer.wte."},
+        {"wpe.", "transformer.wpe."},
         {"ln_f.", "transformer.ln_f."}},
        {".attn.bias", ".attn.masked_bias"},  // causal-mask buffers of old checkpoints
        "transformer.wte.weight",
@@ -238,10 +240,11 @@ std::vector<std::string> hf_weight_files(const std::string& dir) {
   }
   for (const char* bin : {"pytorch_model.bin", "pytorch_model.bin.index.json"})
     if (fs::exists(fs::path(dir) / bin))
-      throw_error("{}: only {} found; lathe reads safetensors only (pickle files can run code). Convert it "
-                  "with: /usr/bin/python3 -c \"import transformers as t; "
-                  "t.AutoModelForCausalLM.from_pretrained('{}').save_pretrained('{}', safe_serialization=True)\"",
-                  dir, bin, dir, dir);
+      throw_error(
+          "{}: only {} found; lathe reads safetensors only (pickle files can run code). Convert it "
+          "with: /usr/bin/python3 -c \"import transformers as t; "
+          "t.AutoModelForCausalLM.from_pretrained('{}').save_pretrained('{}', safe_serialization=True)\"",
+          dir, bin, dir, dir);
   throw_error("{}: no model.safetensors or model.safetensors.index.json", dir);
 }
 
@@ -280,8 +283,7 @@ std::string load_hf_weights(Model& model, const std::string& dir, const HfLoadOp
         if (it == weight_map.end())
           index_errors.push_back(fmt::format("{} is in {} but not in the index's weight_map", info.name, file_name(f)));
         else if (it->second != file_name(f))
-          index_errors.push_back(
-              fmt::format("{} is in {} but the index says {}", info.name, file_name(f), it->second));
+          index_errors.push_back(fmt::format("{} is in {} but the index says {}", info.name, file_name(f), it->second));
       }
       const ParamSpec* sp = canonical(table, rules, info.name);
       if (!sp) {
@@ -292,8 +294,8 @@ std::string load_hf_weights(Model& model, const std::string& dir, const HfLoadOp
             st.read_f32(info, tied_copy.data());
             tied_copy_file = f;
           } else {
-            misshaped.push_back(fmt::format("{}: file has {}, the tied embedding is [V, {}]", info.name,
-                                            shape_str(info.shape), C));
+            misshaped.push_back(
+                fmt::format("{}: file has {}, the tied embedding is [V, {}]", info.name, shape_str(info.shape), C));
           }
           continue;
         }
@@ -306,21 +308,21 @@ std::string load_hf_weights(Model& model, const std::string& dir, const HfLoadOp
         continue;
       }
       const ParamSpec& s = *sp;
-      const bool vocab = std::find(rules.vocab_tensors.begin(), rules.vocab_tensors.end(), s.name) !=
-                         rules.vocab_tensors.end();
+      const bool vocab =
+          std::find(rules.vocab_tensors.begin(), rules.vocab_tensors.end(), s.name) != rules.vocab_tensors.end();
       Shape want = s.shape;
       if (s.hf_transposed) std::reverse(want.begin(), want.end());
       if (vocab && opts.resize_vocab > 0 && info.shape.size() == 2 && info.shape[1] == C) {
         // The file's vocabulary may be smaller than the model's when resizing.
         if (info.shape[0] > Vm)
-          throw_error("{}: {} has {} rows but --resize-vocab is {}: shrinking the vocabulary would drop tokens",
-                      dir, info.name, info.shape[0], Vm);
+          throw_error("{}: {} has {} rows but --resize-vocab is {}: shrinking the vocabulary would drop tokens", dir,
+                      info.name, info.shape[0], Vm);
         Vf = info.shape[0];
         want[0] = Vf;
       }
       if (info.shape != want) {
-        misshaped.push_back(fmt::format("{}: file has {}, model needs {}", info.name, shape_str(info.shape),
-                                        shape_str(want)));
+        misshaped.push_back(
+            fmt::format("{}: file has {}, model needs {}", info.name, shape_str(info.shape), shape_str(want)));
         continue;
       }
       if (++loaded[s.name] > 1) {
@@ -354,14 +356,15 @@ std::string load_hf_weights(Model& model, const std::string& dir, const HfLoadOp
     }
   }
   for (const auto& [k, v] : weight_map)
-    if (!seen_in_files.count(k)) index_errors.push_back(fmt::format("{} is listed in the index ({}) but not in that file", k, v));
+    if (!seen_in_files.count(k))
+      index_errors.push_back(fmt::format("{} is listed in the index ({}) but not in that file", k, v));
 
   std::vector<std::string> missing;
   for (const ParamSpec& s : table.specs())
     if (!loaded.count(s.name)) missing.push_back(s.name);
   if (!missing.empty() || !unexpected.empty() || !misshaped.empty() || !index_errors.empty()) {
-    std::string msg = fmt::format("{}: weights do not match the model (model_type {} from config.json)", dir,
-                                  cfg.model_type);
+    std::string msg =
+        fmt::format("{}: weights do not match the model (model_type {} from config.json)", dir, cfg.model_type);
     auto list = [&](const char* what, const std::vector<std::string>& v) {
       if (v.empty()) return;
       msg += fmt::format("\n  {} ({}):", what, v.size());
@@ -401,8 +404,8 @@ std::string load_hf_weights(Model& model, const std::string& dir, const HfLoadOp
   if (!ignored.empty()) rep += fmt::format(" ignored {} non-parameter buffers (e.g. {});", ignored.size(), ignored[0]);
   if (opts.resize_vocab > 0) {
     if (Vf < Vm)
-      rep += fmt::format(" vocabulary resized {} -> {}: {} new rows initialized to the mean embedding;", Vf, Vm,
-                         Vm - Vf);
+      rep +=
+          fmt::format(" vocabulary resized {} -> {}: {} new rows initialized to the mean embedding;", Vf, Vm, Vm - Vf);
     else
       rep += fmt::format(" vocabulary already {} (no resize needed);", Vm);
   }
@@ -457,8 +460,8 @@ void add_gguf_tokenizer(io::GgufWriter& w, const std::string& path, int64_t voca
   std::vector<bool> set(static_cast<size_t>(vocab_size), false);
   for (auto& [tok, id] : j["model"]["vocab"].items()) {
     const int64_t i = id.get<int64_t>();
-    LATHE_CHECK(i >= 0 && i < vocab_size, "{}: token id {} of '{}' is outside the model's vocab_size {}", path, i,
-                tok, vocab_size);
+    LATHE_CHECK(i >= 0 && i < vocab_size, "{}: token id {} of '{}' is outside the model's vocab_size {}", path, i, tok,
+                vocab_size);
     tokens[i] = tok;
     set[i] = true;
   }
@@ -531,12 +534,12 @@ std::string save_gguf(const Model& model, const std::string& path, DType dtype, 
 
   // HF suffix -> GGUF block tensor name; q/k rows permuted for NORM RoPE.
   static const std::vector<std::pair<std::string, std::string>> block_map = {
-      {"input_layernorm.weight", "attn_norm.weight"},  {"self_attn.q_proj.weight", "attn_q.weight"},
-      {"self_attn.k_proj.weight", "attn_k.weight"},    {"self_attn.v_proj.weight", "attn_v.weight"},
-      {"self_attn.q_proj.bias", "attn_q.bias"},        {"self_attn.k_proj.bias", "attn_k.bias"},
-      {"self_attn.v_proj.bias", "attn_v.bias"},        {"self_attn.o_proj.weight", "attn_output.weight"},
-      {"self_attn.o_proj.bias", "attn_output.bias"},   {"post_attention_layernorm.weight", "ffn_norm.weight"},
-      {"mlp.gate_proj.weight", "ffn_gate.weight"},     {"mlp.up_proj.weight", "ffn_up.weight"},
+      {"input_layernorm.weight", "attn_norm.weight"}, {"self_attn.q_proj.weight", "attn_q.weight"},
+      {"self_attn.k_proj.weight", "attn_k.weight"},   {"self_attn.v_proj.weight", "attn_v.weight"},
+      {"self_attn.q_proj.bias", "attn_q.bias"},       {"self_attn.k_proj.bias", "attn_k.bias"},
+      {"self_attn.v_proj.bias", "attn_v.bias"},       {"self_attn.o_proj.weight", "attn_output.weight"},
+      {"self_attn.o_proj.bias", "attn_output.bias"},  {"post_attention_layernorm.weight", "ffn_norm.weight"},
+      {"mlp.gate_proj.weight", "ffn_gate.weight"},    {"mlp.up_proj.weight", "ffn_up.weight"},
       {"mlp.down_proj.weight", "ffn_down.weight"},
   };
   static const std::regex layer_re(R"(model\.layers\.(\d+)\.(.+))");
@@ -544,9 +547,12 @@ std::string save_gguf(const Model& model, const std::string& path, DType dtype, 
     const float* data = model.param_data() + s.offset;
     std::string gname, suffix;
     std::smatch m;
-    if (s.name == "model.embed_tokens.weight") gname = "token_embd.weight";
-    else if (s.name == "model.norm.weight") gname = "output_norm.weight";
-    else if (s.name == "lm_head.weight") gname = "output.weight";
+    if (s.name == "model.embed_tokens.weight")
+      gname = "token_embd.weight";
+    else if (s.name == "model.norm.weight")
+      gname = "output_norm.weight";
+    else if (s.name == "lm_head.weight")
+      gname = "output.weight";
     else if (std::regex_match(s.name, m, layer_re)) {
       suffix = m[2].str();
       for (const auto& [hf, gg] : block_map)
@@ -563,9 +569,10 @@ std::string save_gguf(const Model& model, const std::string& path, DType dtype, 
     }
   }
   const size_t n = w.write(path);
-  return fmt::format("wrote {} ({} tensors, {} metadata keys, {:.1f} MB, architecture {}{}, {})", path,
-                     w.num_tensors(), w.num_kv(), n / 1e6, arch, permute ? ", q/k rows permuted for NORM RoPE" : "",
-                     tokenizer_json.empty() ? "no tokenizer (tokenizer.ggml.model = no_vocab)" : "tokenizer from " + tokenizer_json);
+  return fmt::format(
+      "wrote {} ({} tensors, {} metadata keys, {:.1f} MB, architecture {}{}, {})", path, w.num_tensors(), w.num_kv(),
+      n / 1e6, arch, permute ? ", q/k rows permuted for NORM RoPE" : "",
+      tokenizer_json.empty() ? "no tokenizer (tokenizer.ggml.model = no_vocab)" : "tokenizer from " + tokenizer_json);
 }
 
 }  // namespace lathe

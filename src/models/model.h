@@ -15,9 +15,9 @@ namespace lathe {
 
 // What distinguishes the families inside the shared transformer body.
 struct Arch {
-  bool layernorm = true;        // LayerNorm (with bias) vs RMSNorm
-  bool learned_pos = true;      // wpe vs rotary
-  bool gelu_mlp = true;         // GELU MLP (c_fc, c_proj) vs SwiGLU (gate|up, down)
+  bool layernorm = true;    // LayerNorm (with bias) vs RMSNorm
+  bool learned_pos = true;  // wpe vs rotary
+  bool gelu_mlp = true;     // GELU MLP (c_fc, c_proj) vs SwiGLU (gate|up, down)
   bool qkv_bias = true;
   bool o_bias = true;
   bool mlp_bias = true;
@@ -30,7 +30,7 @@ struct LayerPtrs {
   float *qkv_w = nullptr, *qkv_b = nullptr;  // [(H+2KV)*D, C], q|k|v contiguous
   float *o_w = nullptr, *o_b = nullptr;      // [C, H*D]
   float *ln2_w = nullptr, *ln2_b = nullptr;
-  float *fc_w = nullptr, *fc_b = nullptr;    // gpt2: [F, C]; llama: gate|up [2F, C]
+  float *fc_w = nullptr, *fc_b = nullptr;      // gpt2: [F, C]; llama: gate|up [2F, C]
   float *proj_w = nullptr, *proj_b = nullptr;  // [C, F]
 };
 struct ModelPtrs {

@@ -28,9 +28,9 @@ enum class ShardRule : uint8_t {
 };
 
 struct ParamSpec {
-  std::string name;    // the Hugging Face state-dict name, e.g. "model.layers.0.self_attn.q_proj.weight"
-  Shape shape;         // lathe layout: linear weights are [out, in] (nn.Linear)
-  size_t offset = 0;   // in floats, into the flat buffers
+  std::string name;   // the Hugging Face state-dict name, e.g. "model.layers.0.self_attn.q_proj.weight"
+  Shape shape;        // lathe layout: linear weights are [out, in] (nn.Linear)
+  size_t offset = 0;  // in floats, into the flat buffers
   Init init = Init::Normal;
   float init_std = 0.02f;
   ShardRule shard = ShardRule::Replicated;

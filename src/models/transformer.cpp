@@ -1,10 +1,10 @@
 // The decoder body shared by every family: pre-norm blocks of attention + MLP with residuals.
 // Arch switches select LayerNorm/RMSNorm, learned/rotary positions and GELU/SwiGLU MLPs.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-
-#include <fmt/format.h>
 
 #include "core/parallel.h"
 #include "core/rng.h"
@@ -19,9 +19,7 @@ uint64_t fnv1a(const std::string& s) {
   for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
   return h;
 }
-std::string layer_name(const std::string& pattern, int64_t i) {
-  return fmt::format(fmt::runtime(pattern), i);
-}
+std::string layer_name(const std::string& pattern, int64_t i) { return fmt::format(fmt::runtime(pattern), i); }
 }  // namespace
 
 Model::Model(ModelConfig cfg, Arch arch, ParamTable table, FamilyNames names)
@@ -70,8 +68,12 @@ void Model::init_weights(uint64_t seed) {
     float* p = params_.data() + s.offset;
     int64_t n = s.numel();
     switch (s.init) {
-      case Init::Zeros: std::fill(p, p + n, 0.0f); break;
-      case Init::Ones: std::fill(p, p + n, 1.0f); break;
+      case Init::Zeros:
+        std::fill(p, p + n, 0.0f);
+        break;
+      case Init::Ones:
+        std::fill(p, p + n, 1.0f);
+        break;
       case Init::Normal: {
         Rng rng(seed ^ fnv1a(s.name));
         for (int64_t i = 0; i < n; ++i) p[i] = rng.normal() * s.init_std;
@@ -95,18 +97,17 @@ void Model::allocate(int64_t B, int64_t T) {
   max_B_ = B;
   max_T_ = T;
   const int64_t N = B * T, C = cfg_.hidden_size, H = cfg_.num_attention_heads, KV = cfg_.num_key_value_heads,
-                D = cfg_.head_dim(), Q = (H + 2 * KV) * D, F = cfg_.intermediate_size,
-                FF = arch_.gelu_mlp ? F : 2 * F, V = cfg_.vocab_size, L = cfg_.num_hidden_layers;
+                D = cfg_.head_dim(), Q = (H + 2 * KV) * D, F = cfg_.intermediate_size, FF = arch_.gelu_mlp ? F : 2 * F,
+                V = cfg_.vocab_size, L = cfg_.num_hidden_layers;
   // Logit chunks of up to 256 rows keep the lm-head GEMMs large while holding at most
   // 256 x V floats of logits (51 MB at V=50257) instead of N x V.
   chunk_rows_ = std::min<int64_t>(N, 256);
   size_t scratch = std::max({cpu::attention_scratch_floats(T, D), cpu::layernorm_scratch_floats(C),
                              cpu::rmsnorm_scratch_floats(C), static_cast<size_t>(chunk_rows_ * V)});
-  const size_t per_layer = static_cast<size_t>(N * C * 4 + N * 4 + N * Q + N * H * D + B * H * T + N * FF +
-                                               N * F);
+  const size_t per_layer = static_cast<size_t>(N * C * 4 + N * 4 + N * Q + N * H * D + B * H * T + N * FF + N * F);
   const size_t total = per_layer * L + static_cast<size_t>(N * C * 2 + N * 3) +  // emb, lnf + stats, losses
                        static_cast<size_t>(N * C * 2 + N * Q + N * H * D + N * FF + N * F) +  // backward
-                       scratch + static_cast<size_t>(T * D);                                   // rope tables
+                       scratch + static_cast<size_t>(T * D);                                  // rope tables
   acts_.resize(total + 64 * 64);
   float* cur = acts_.data();
   auto take = [&](int64_t n) {
@@ -151,8 +152,8 @@ void Model::allocate(int64_t B, int64_t T) {
 void Model::forward_body(const int32_t* tokens, int64_t B, int64_t T) {
   LATHE_CHECK(B <= max_B_ && T <= max_T_, "batch {}x{} exceeds the allocated {}x{}", B, T, max_B_, max_T_);
   const int64_t N = B * T, C = cfg_.hidden_size, H = cfg_.num_attention_heads, KV = cfg_.num_key_value_heads,
-                D = cfg_.head_dim(), Q = (H + 2 * KV) * D, F = cfg_.intermediate_size,
-                FF = arch_.gelu_mlp ? F : 2 * F, V = cfg_.vocab_size;
+                D = cfg_.head_dim(), Q = (H + 2 * KV) * D, F = cfg_.intermediate_size, FF = arch_.gelu_mlp ? F : 2 * F,
+                V = cfg_.vocab_size;
   const float eps = static_cast<float>(cfg_.norm_eps);
   for (int64_t i = 0; i < N; ++i)
     LATHE_CHECK(tokens[i] >= 0 && tokens[i] < V, "token id {} at position {} is outside the vocabulary [0, {})",
@@ -195,12 +196,12 @@ void Model::forward_body(const int32_t* tokens, int64_t B, int64_t T) {
     cpu::rmsnorm_forward(lnf_, lnf_rstd_, x, p_.lnf_w, N, C, eps);
 }
 
-double Model::forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T,
-                               float grad_scale, bool backward) {
+double Model::forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, float grad_scale,
+                               bool backward) {
   forward_body(tokens, B, T);
   const int64_t N = B * T, C = cfg_.hidden_size, H = cfg_.num_attention_heads, KV = cfg_.num_key_value_heads,
-                D = cfg_.head_dim(), Q = (H + 2 * KV) * D, F = cfg_.intermediate_size,
-                FF = arch_.gelu_mlp ? F : 2 * F, V = cfg_.vocab_size;
+                D = cfg_.head_dim(), Q = (H + 2 * KV) * D, F = cfg_.intermediate_size, FF = arch_.gelu_mlp ? F : 2 * F,
+                V = cfg_.vocab_size;
   // targets are range-checked by lm_head_loss
   float* dlm = arch_.tied_lm_head ? g_.wte : g_.lm_head;
   double loss_sum = cpu::lm_head_loss(losses_, dln_, dlm, lnf_, p_.lm_head, targets, N, C, V, grad_scale, backward,
@@ -228,8 +229,7 @@ double Model::forward_backward(const int32_t* tokens, const int32_t* targets, in
       cpu::swiglu_backward(dfc_, a.fc, dact_, N, F);
     cpu::matmul_backward(dln_, gw.fc_w, gw.fc_b, dfc_, a.ln2, w.fc_w, N, C, FF);
     if (arch_.layernorm)
-      cpu::layernorm_backward(dres_, gw.ln2_w, gw.ln2_b, dln_, a.res1, w.ln2_w, a.ln2_mean, a.ln2_rstd, N, C,
-                              scratch_);
+      cpu::layernorm_backward(dres_, gw.ln2_w, gw.ln2_b, dln_, a.res1, w.ln2_w, a.ln2_mean, a.ln2_rstd, N, C, scratch_);
     else
       cpu::rmsnorm_backward(dres_, gw.ln2_w, dln_, a.res1, w.ln2_w, a.ln2_rstd, N, C, scratch_);
     // Attention: res1 = x + o(attn(qkv(norm1(x))))

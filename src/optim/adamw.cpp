@@ -17,8 +17,8 @@ class AdamW final : public Optimizer {
  public:
   AdamW(const OptimConfig& cfg, size_t n) : cfg_(cfg), n_(n), m_(n), v_(n) {}
 
-  void step(float* params, const float* grads, std::span<const ParamRange> ranges, double lr,
-            int64_t step, float grad_scale) override {
+  void step(float* params, const float* grads, std::span<const ParamRange> ranges, double lr, int64_t step,
+            float grad_scale) override {
     check_step_args("adamw", n_, ranges, step);
     const double bc1 = 1.0 - std::pow(cfg_.beta1, static_cast<double>(step));
     const double bc2 = 1.0 - std::pow(cfg_.beta2, static_cast<double>(step));

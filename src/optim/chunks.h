@@ -14,7 +14,7 @@ namespace lathe::optim {
 constexpr size_t kChunk = 8192;
 
 struct Chunk {
-  size_t range;  // index into the ranges
+  size_t range;       // index into the ranges
   size_t begin, end;  // element offsets in the flat buffer
 };
 

@@ -20,8 +20,8 @@ class Lamb final : public Optimizer {
  public:
   Lamb(const OptimConfig& cfg, size_t n) : cfg_(cfg), n_(n), m_(n), v_(n) {}
 
-  void step(float* params, const float* grads, std::span<const ParamRange> ranges, double lr,
-            int64_t step, float grad_scale) override {
+  void step(float* params, const float* grads, std::span<const ParamRange> ranges, double lr, int64_t step,
+            float grad_scale) override {
     check_step_args("lamb", n_, ranges, step);
     const float inv_bc1 = static_cast<float>(1.0 / (1.0 - std::pow(cfg_.beta1, static_cast<double>(step))));
     const float inv_bc2 = static_cast<float>(1.0 / (1.0 - std::pow(cfg_.beta2, static_cast<double>(step))));

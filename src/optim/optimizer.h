@@ -33,8 +33,8 @@ class Optimizer {
   // already-scheduled learning rate. grad_scale multiplies every gradient as it is read (the
   // clipping coefficient), which saves a separate read-modify-write pass over the gradients;
   // the result is bit-identical to scaling the gradients first.
-  virtual void step(float* params, const float* grads, std::span<const ParamRange> ranges, double lr,
-                    int64_t step, float grad_scale = 1.0f) = 0;
+  virtual void step(float* params, const float* grads, std::span<const ParamRange> ranges, double lr, int64_t step,
+                    float grad_scale = 1.0f) = 0;
   // State for checkpoints: name -> flat buffer of P floats ("exp_avg", "exp_avg_sq").
   virtual std::vector<std::pair<std::string, Buffer<float>*>> state_buffers() = 0;
 };
@@ -46,8 +46,7 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& cfg, size_t num_par
 
 // Shared helpers (optimizer.cpp).
 // Throws unless every range lies inside [0, num_params) and step >= 1.
-void check_step_args(const char* who, size_t num_params, std::span<const ParamRange> ranges,
-                     int64_t step);
+void check_step_args(const char* who, size_t num_params, std::span<const ParamRange> ranges, int64_t step);
 std::unique_ptr<Optimizer> make_adamw(const OptimConfig& cfg, size_t num_params);
 std::unique_ptr<Optimizer> make_lamb(const OptimConfig& cfg, size_t num_params);
 

@@ -2,6 +2,7 @@
 #include "tokenizer/bpe_trainer.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <pcre2.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -14,11 +15,9 @@
 #include <exception>
 #include <filesystem>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <thread>
 #include <unordered_map>
-
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "core/timer.h"
@@ -118,7 +117,7 @@ class Pretokenizer {
       PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
       size_t s = ov[0], e = ov[1];
       if (s > pos) fn(text.substr(pos, s - pos));  // invalid UTF-8 bytes
-      if (e == s) {                                 // cannot happen with our patterns; be safe
+      if (e == s) {                                // cannot happen with our patterns; be safe
         e = s + 1;
         fn(text.substr(s, 1));
       } else {
@@ -254,8 +253,8 @@ WordCounts count_words(const std::vector<std::string>& files, const BpeTrainerOp
   // threads pre-tokenize them into private counters that are summed at the end.
   struct Chunk {
     std::string data;
-    std::vector<uint32_t> ends;     // end offset of each sequence in data
-    std::vector<uint8_t> is_json;   // per sequence
+    std::vector<uint32_t> ends;    // end offset of each sequence in data
+    std::vector<uint8_t> is_json;  // per sequence
   };
   std::mutex mu;
   std::condition_variable cv_work, cv_space;
@@ -343,7 +342,8 @@ WordCounts count_words(const std::vector<std::string>& files, const BpeTrainerOp
           cur = Chunk{};
           if (error) break;
           if (bar.due()) {
-            double el = now_seconds() - t0, frac = double(done_file_bytes + lr.raw_position()) / std::max<uint64_t>(1, total_file_bytes);
+            double el = now_seconds() - t0,
+                   frac = double(done_file_bytes + lr.raw_position()) / std::max<uint64_t>(1, total_file_bytes);
             bar.show(fmt::format("counting words: {:5.1f}%  {:.1f} MB/s  {} sequences  ETA {}", 100 * frac,
                                  bytes / 1e6 / std::max(el, 1e-9), format_count(double(sequences)),
                                  format_duration(el / std::max(frac, 1e-9) - el)));
@@ -368,7 +368,8 @@ WordCounts count_words(const std::vector<std::string>& files, const BpeTrainerOp
   bar.finish();
   if (error) std::rethrow_exception(error);
 
-  for (int t = 1; t < nthreads; ++t) counters[t].for_each([&](std::string_view w, uint64_t c) { counters[0].add(w, c); });
+  for (int t = 1; t < nthreads; ++t)
+    counters[t].for_each([&](std::string_view w, uint64_t c) { counters[0].add(w, c); });
   WordCounts out = to_word_counts(counters[0]);
   for (int t = 0; t < nthreads; ++t) {
     out.total_words += totals[t];
@@ -715,8 +716,10 @@ std::string hf_tokenizer_config_json(const BpeModel& m) {
   j["tokenizer_class"] = "PreTrainedTokenizerFast";
   j["clean_up_tokenization_spaces"] = false;
   auto role = [&](const char* key, const std::string& v) {
-    if (v.empty()) j[key] = nullptr;
-    else j[key] = v;
+    if (v.empty())
+      j[key] = nullptr;
+    else
+      j[key] = v;
   };
   role("bos_token", m.bos_token);
   role("eos_token", m.eos_token);
@@ -724,8 +727,9 @@ std::string hf_tokenizer_config_json(const BpeModel& m) {
   j["unk_token"] = nullptr;
   nlohmann::ordered_json dec = nlohmann::ordered_json::object();
   for (size_t i = 0; i < m.special_tokens.size(); ++i)
-    dec[std::to_string(i)] = {{"content", m.special_tokens[i]}, {"lstrip", false}, {"normalized", false},
-                              {"rstrip", false}, {"single_word", false}, {"special", true}};
+    dec[std::to_string(i)] = {
+        {"content", m.special_tokens[i]}, {"lstrip", false}, {"normalized", false}, {"rstrip", false},
+        {"single_word", false},           {"special", true}};
   j["added_tokens_decoder"] = dec;
   j["lathe_pretokenizer"] = m.pretokenizer;
   return j.dump(2) + "\n";

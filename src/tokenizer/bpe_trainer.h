@@ -56,10 +56,10 @@ std::string bytes_to_token_string(std::string_view bytes);
 struct WordCounts {
   std::vector<std::string> words;
   std::vector<uint64_t> counts;
-  uint64_t total_words = 0;     // pre-tokens seen (with repetition)
-  uint64_t bytes = 0;           // text bytes pre-tokenized
-  uint64_t sequences = 0;       // lines / documents
-  uint64_t skipped = 0;         // JSONL lines without a usable text value
+  uint64_t total_words = 0;  // pre-tokens seen (with repetition)
+  uint64_t bytes = 0;        // text bytes pre-tokenized
+  uint64_t sequences = 0;    // lines / documents
+  uint64_t skipped = 0;      // JSONL lines without a usable text value
   double seconds = 0;
 };
 
@@ -70,8 +70,8 @@ WordCounts count_words(const std::vector<std::string>& files, const BpeTrainerOp
 
 struct BpeModel {
   std::string pretokenizer;
-  std::vector<std::string> special_tokens;   // ids 0..special_tokens.size()-1
-  std::vector<std::string> vocab;            // id -> token: specials verbatim, others as raw bytes
+  std::vector<std::string> special_tokens;          // ids 0..special_tokens.size()-1
+  std::vector<std::string> vocab;                   // id -> token: specials verbatim, others as raw bytes
   std::vector<std::pair<int32_t, int32_t>> merges;  // rank order; pair of ids
   std::string bos_token, eos_token, pad_token;
   double seconds = 0;

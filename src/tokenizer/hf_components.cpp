@@ -30,7 +30,8 @@ bool get_bool(const json& j, const char* key, bool dflt) {
 
 // {"String": s} or {"Regex": r} -> PCRE2 pattern (String is matched literally).
 std::string pattern_of(const json& j, const std::string& where) {
-  LATHE_CHECK(j.is_object(), "{}: 'pattern' must be {{\"String\": ...}} or {{\"Regex\": ...}}, got {}", where, j.dump());
+  LATHE_CHECK(j.is_object(), "{}: 'pattern' must be {{\"String\": ...}} or {{\"Regex\": ...}}, got {}", where,
+              j.dump());
   if (j.contains("String")) {
     std::string s = j["String"].get<std::string>(), out;
     for (char c : s) {
@@ -145,9 +146,10 @@ Behavior parse_behavior(const json& j, const std::string& where) {
   if (b == "MergedWithPrevious") return Behavior::MergedWithPrevious;
   if (b == "MergedWithNext") return Behavior::MergedWithNext;
   if (b == "Contiguous") return Behavior::Contiguous;
-  throw_error("{}: unknown split behavior {} (expected Removed, Isolated, MergedWithPrevious, MergedWithNext, "
-              "Contiguous)",
-              where, j.dump());
+  throw_error(
+      "{}: unknown split behavior {} (expected Removed, Isolated, MergedWithPrevious, MergedWithNext, "
+      "Contiguous)",
+      where, j.dump());
 }
 
 // HF NormalizedString::split: segments (matches and the gaps between them) combined by behavior.
@@ -178,8 +180,10 @@ void split_piece(const Piece& p, const std::vector<std::pair<size_t, size_t>>& m
     case Behavior::MergedWithPrevious: {
       bool prev_m = false;
       for (auto& s : segs) {
-        if (s.m && !prev_m && !acc.empty()) acc.back().b = s.b;
-        else acc.push_back(s);
+        if (s.m && !prev_m && !acc.empty())
+          acc.back().b = s.b;
+        else
+          acc.push_back(s);
         prev_m = s.m;
       }
       break;
@@ -188,8 +192,10 @@ void split_piece(const Piece& p, const std::vector<std::pair<size_t, size_t>>& m
       bool prev_m = false;
       for (size_t k = segs.size(); k-- > 0;) {
         auto& s = segs[k];
-        if (s.m && !prev_m && !acc.empty()) acc.back().a = s.a;
-        else acc.push_back(s);
+        if (s.m && !prev_m && !acc.empty())
+          acc.back().a = s.a;
+        else
+          acc.push_back(s);
         prev_m = s.m;
       }
       std::reverse(acc.begin(), acc.end());
@@ -198,8 +204,10 @@ void split_piece(const Piece& p, const std::vector<std::pair<size_t, size_t>>& m
     case Behavior::Contiguous: {
       bool prev_m = false;
       for (auto& s : segs) {
-        if (s.m == prev_m && !acc.empty()) acc.back().b = s.b;
-        else acc.push_back(s);
+        if (s.m == prev_m && !acc.empty())
+          acc.back().b = s.b;
+        else
+          acc.push_back(s);
         prev_m = s.m;
       }
       break;
@@ -308,7 +316,8 @@ struct FuseDecoder : Decoder {
 };
 struct ReplaceDecoder : Decoder {
   Replacer r;
-  ReplaceDecoder(const json& j, const std::string& where) : r(j.at("pattern"), get_string(j, "content", where), where) {}
+  ReplaceDecoder(const json& j, const std::string& where)
+      : r(j.at("pattern"), get_string(j, "content", where), where) {}
   void apply(std::vector<std::string>& t) const override {
     for (auto& s : t) r.apply(s);
   }
@@ -319,7 +328,8 @@ struct ByteFallbackDecoder : Decoder {
     std::string bytes;
     auto flush = [&] {
       if (bytes.empty()) return;
-      if (is_valid_utf8(bytes)) out.push_back(bytes);
+      if (is_valid_utf8(bytes))
+        out.push_back(bytes);
       else
         for (size_t i = 0; i < bytes.size(); ++i) out.emplace_back("\xEF\xBF\xBD");
       bytes.clear();
@@ -441,10 +451,14 @@ std::unique_ptr<PreTokenizer> make_pre_tokenizer(const json& j, const std::strin
     p->rep = j.contains("replacement") ? get_string(j, "replacement", w) : std::string("\xE2\x96\x81");
     std::string scheme = j.contains("prepend_scheme") ? get_string(j, "prepend_scheme", w) : "always";
     if (j.contains("add_prefix_space") && !get_bool(j, "add_prefix_space", true)) scheme = "never";
-    if (scheme == "always") p->scheme = MetaspacePreTokenizer::Always;
-    else if (scheme == "first") p->scheme = MetaspacePreTokenizer::First;
-    else if (scheme == "never") p->scheme = MetaspacePreTokenizer::Never;
-    else throw_error("{}: unknown prepend_scheme '{}' (always, first, never)", w, scheme);
+    if (scheme == "always")
+      p->scheme = MetaspacePreTokenizer::Always;
+    else if (scheme == "first")
+      p->scheme = MetaspacePreTokenizer::First;
+    else if (scheme == "never")
+      p->scheme = MetaspacePreTokenizer::Never;
+    else
+      throw_error("{}: unknown prepend_scheme '{}' (always, first, never)", w, scheme);
     p->split = get_bool(j, "split", true);
     return p;
   }
@@ -467,9 +481,10 @@ std::unique_ptr<PreTokenizer> make_pre_tokenizer(const json& j, const std::strin
     p->behavior = Behavior::Removed;
     return p;
   }
-  throw_error("{}: pre_tokenizer type '{}' is not supported by lathe (supported: Sequence, ByteLevel, Split, "
-              "Metaspace, Digits, Whitespace, WhitespaceSplit)",
-              where, type);
+  throw_error(
+      "{}: pre_tokenizer type '{}' is not supported by lathe (supported: Sequence, ByteLevel, Split, "
+      "Metaspace, Digits, Whitespace, WhitespaceSplit)",
+      where, type);
 }
 
 std::unique_ptr<Decoder> make_decoder(const json& j, const std::string& where) {
@@ -499,9 +514,10 @@ std::unique_ptr<Decoder> make_decoder(const json& j, const std::string& where) {
     d->never = scheme == "never";
     return d;
   }
-  throw_error("{}: decoder type '{}' is not supported by lathe (supported: Sequence, ByteLevel, Fuse, ByteFallback, "
-              "Replace, Strip, Metaspace)",
-              where, type);
+  throw_error(
+      "{}: decoder type '{}' is not supported by lathe (supported: Sequence, ByteLevel, Fuse, ByteFallback, "
+      "Replace, Strip, Metaspace)",
+      where, type);
 }
 
 // ---------------------------------------------------------------- added tokens

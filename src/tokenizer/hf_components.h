@@ -6,12 +6,11 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "tokenizer/regex.h"
 
@@ -51,8 +50,7 @@ class PreTokenizer {
   // True for ByteLevel: pieces are raw bytes for a byte-level model (must be the last stage).
   virtual bool is_byte_level() const { return false; }
 };
-std::unique_ptr<PreTokenizer> make_pre_tokenizer(const nlohmann::json& j, const std::string& where,
-                                                 bool* byte_level);
+std::unique_ptr<PreTokenizer> make_pre_tokenizer(const nlohmann::json& j, const std::string& where, bool* byte_level);
 
 // ---- decoders ----------------------------------------------------------------------------
 class Decoder {

@@ -2,10 +2,9 @@
 // in-memory configuration (as transformers' converters do).
 #pragma once
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "tokenizer/tokenizer.h"
 

@@ -119,8 +119,10 @@ void nfc_normalize(std::string& s) {
   std::string r;
   r.reserve(s.size());
   for (uint32_t c : cps) {
-    if (c & kInvalidTag) r += static_cast<char>(c & 0xFF);
-    else utf8_append(r, c);
+    if (c & kInvalidTag)
+      r += static_cast<char>(c & 0xFF);
+    else
+      utf8_append(r, c);
   }
   s.swap(r);
 }

@@ -3,6 +3,8 @@
 #pragma once
 #include <cstdint>
 
+// generated tables: not formatted
+// clang-format off
 namespace lathe::tok::nfc_data {
 
 struct Decomp { uint32_t cp, a, b; };  // cp -> a (+ b if non-zero), sorted by cp

@@ -2,10 +2,10 @@
 // through libsentencepiece.
 #include "tokenizer/tokenizer.h"
 
+#include <sentencepiece_processor.h>
+
 #include <filesystem>
 #include <fstream>
-
-#include <sentencepiece_processor.h>
 
 #include "core/error.h"
 #include "tokenizer/hf_tokenizer.h"
@@ -110,9 +110,10 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& path) {
                   hv ? v : m, hv ? m : v);
     }
     if (fs::exists(p / "tokenizer.model")) return std::make_unique<SpmTokenizer>((p / "tokenizer.model").string());
-    throw_error("tokenizer directory {}: contains none of tokenizer.json, encoder.json + vocab.bpe, "
-                "vocab.json + merges.txt, tokenizer.model",
-                path);
+    throw_error(
+        "tokenizer directory {}: contains none of tokenizer.json, encoder.json + vocab.bpe, "
+        "vocab.json + merges.txt, tokenizer.model",
+        path);
   }
   std::string ext = p.extension().string();
   std::string name = p.filename().string();
@@ -128,9 +129,10 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& path) {
     LATHE_CHECK(fs::exists(v), "tokenizer {}: the vocabulary file {} is missing next to it", path, v.string());
     return load_gpt2_legacy(v.string(), path);
   }
-  throw_error("tokenizer {}: unrecognized file (expected tokenizer.json, a .model SentencePiece file, "
-              "encoder.json/vocab.bpe or vocab.json/merges.txt, or a directory holding them)",
-              path);
+  throw_error(
+      "tokenizer {}: unrecognized file (expected tokenizer.json, a .model SentencePiece file, "
+      "encoder.json/vocab.bpe or vocab.json/merges.txt, or a directory holding them)",
+      path);
 }
 
 }  // namespace lathe::tok

@@ -1,6 +1,7 @@
 #include "train/checkpoint.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,8 +13,6 @@
 #include <map>
 #include <set>
 #include <thread>
-
-#include <fmt/format.h>
 
 #include "core/error.h"
 #include "io/fs.h"
@@ -220,8 +219,7 @@ class HashedWriter {
       // Zero-copy when the address and the file position share their offset within a page and
       // the stretch is long enough to be worth it.
       const size_t head = (kAlign - position() % kAlign) % kAlign;
-      if (n >= head + kDirectMin && (reinterpret_cast<uintptr_t>(c) + head) % kAlign == 0 &&
-          fill_ + head <= kStage) {
+      if (n >= head + kDirectMin && (reinterpret_cast<uintptr_t>(c) + head) % kAlign == 0 && fill_ + head <= kStage) {
         stage(c, head);
         c += head;
         n -= head;
@@ -457,8 +455,8 @@ void verify_files(const std::string& dir, const json& body) {
     const std::string got = hex64(hash_file(path, &size));
     const size_t want_size = meta.value("bytes", size_t{0});
     LATHE_CHECK(size == want_size, "{}: corrupt or truncated: {} bytes, {} records {}", path, size, sp, want_size);
-    LATHE_CHECK(got == meta.value("xxh64", ""), "{}: corrupt: checksum mismatch (recorded xxh64 {}, computed {})",
-                path, meta.value("xxh64", ""), got);
+    LATHE_CHECK(got == meta.value("xxh64", ""), "{}: corrupt: checksum mismatch (recorded xxh64 {}, computed {})", path,
+                meta.value("xxh64", ""), got);
   }
 }
 
@@ -515,8 +513,8 @@ void load_flat(const std::string& path, const Model& model, const std::string& p
                 "{}: tensor '{}' is missing (the checkpoint was written for another model; its recipe is in "
                 "recipe.yaml beside it)",
                 path, name);
-    LATHE_CHECK(info->dtype == DType::F32 && info->dtype_supported, "{}: tensor '{}' has dtype {}, expected F32",
-                path, name, info->dtype_code);
+    LATHE_CHECK(info->dtype == DType::F32 && info->dtype_supported, "{}: tensor '{}' has dtype {}, expected F32", path,
+                name, info->dtype_code);
     LATHE_CHECK(info->shape == s.shape,
                 "{}: tensor '{}' has shape {} but the model expects {} (the checkpoint was written for another "
                 "model configuration)",
@@ -545,8 +543,8 @@ std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string&
   return out;
 }
 
-void save_checkpoint(const std::string& run_dir, const Model& model, optim::Optimizer* opt,
-                     const CheckpointState& st, int keep_last, CheckpointSaveInfo* info) {
+void save_checkpoint(const std::string& run_dir, const Model& model, optim::Optimizer* opt, const CheckpointState& st,
+                     int keep_last, CheckpointSaveInfo* info) {
   const auto t_start = std::chrono::steady_clock::now();
   if (info) *info = {};
   const fs::path root = fs::path(run_dir) / "checkpoints";
@@ -591,7 +589,8 @@ void save_checkpoint(const std::string& run_dir, const Model& model, optim::Opti
   }
   {
     HashedWriter w((tmp / kRecipeFile).string());
-    const std::string text = "# resolved recipe of this checkpoint (JSON, which is valid YAML)\n" + st.recipe.dump(2) + "\n";
+    const std::string text =
+        "# resolved recipe of this checkpoint (JSON, which is valid YAML)\n" + st.recipe.dump(2) + "\n";
     w.write(text.data(), text.size());
     files[kRecipeFile] = w.commit();
     test_sleep();
@@ -654,8 +653,10 @@ CheckpointState read_checkpoint_state(const std::string& ckpt_dir) {
 }
 
 void verify_checkpoint(const std::string& ckpt_dir) {
-  LATHE_CHECK(fs::is_directory(ckpt_dir), "{}: not a directory (expected a checkpoint directory such as "
-              "RUN_DIR/checkpoints/step_00000100)", ckpt_dir);
+  LATHE_CHECK(fs::is_directory(ckpt_dir),
+              "{}: not a directory (expected a checkpoint directory such as "
+              "RUN_DIR/checkpoints/step_00000100)",
+              ckpt_dir);
   json b = read_state_body(ckpt_dir);
   verify_files(ckpt_dir, b);
   state_from_body(b, state_path(ckpt_dir));
@@ -686,8 +687,10 @@ std::string find_latest_checkpoint(const std::string& run_dir, std::string* log)
 }
 
 CheckpointState load_checkpoint(const std::string& ckpt_dir, Model& model, optim::Optimizer* opt) {
-  LATHE_CHECK(fs::is_directory(ckpt_dir), "{}: not a directory (expected a checkpoint directory such as "
-              "RUN_DIR/checkpoints/step_00000100)", ckpt_dir);
+  LATHE_CHECK(fs::is_directory(ckpt_dir),
+              "{}: not a directory (expected a checkpoint directory such as "
+              "RUN_DIR/checkpoints/step_00000100)",
+              ckpt_dir);
   const std::string sp = state_path(ckpt_dir);
   json body = read_state_body(ckpt_dir);
   verify_files(ckpt_dir, body);
@@ -717,8 +720,10 @@ CheckpointState load_checkpoint(const std::string& ckpt_dir, Model& model, optim
     io::SafetensorsFile f(opath);
     check_slices(body, kOptimFile, f, sp);
     for (const auto& t : f.tensors())
-      LATHE_CHECK(used.count(t.name) || is_pad(t.name), "{}: unexpected tensor '{}' (state of another optimizer? the checkpoint "
-                  "was written by '{}')", opath, t.name, st.optimizer);
+      LATHE_CHECK(used.count(t.name) || is_pad(t.name),
+                  "{}: unexpected tensor '{}' (state of another optimizer? the checkpoint "
+                  "was written by '{}')",
+                  opath, t.name, st.optimizer);
   }
   return st;
 }
@@ -747,10 +752,10 @@ void flatten(const json& j, const std::string& prefix, std::map<std::string, jso
 }
 
 bool harmless_key(const std::string& k) {
-  static const std::set<std::string> keys = {
-      "training.steps",     "training.eval_interval", "training.eval_batches", "training.log_interval",
-      "training.threads",   "training.peak_gflops",   "training.resume",       "data.tokenizer",
-      "data.prefetch",      "model.init_from"};
+  static const std::set<std::string> keys = {"training.steps",        "training.eval_interval", "training.eval_batches",
+                                             "training.log_interval", "training.threads",       "training.peak_gflops",
+                                             "training.resume",       "data.tokenizer",         "data.prefetch",
+                                             "model.init_from"};
   return keys.count(k) || k.rfind("output.", 0) == 0;
 }
 }  // namespace

@@ -30,10 +30,9 @@
 // older checkpoints beyond keep_last. A crash at any point leaves every step_X/ complete.
 #pragma once
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "config/model_config.h"
 #include "data/loader.h"
@@ -45,21 +44,21 @@ namespace lathe {
 struct CheckpointState {
   int64_t step = 0;  // optimizer steps completed
   int64_t consumed_samples = 0;
-  data::LoaderState loader;    // epoch, position
-  std::vector<uint64_t> rng;   // any RNG state the trainer keeps (now: the seed)
-  double loss_scale = 1.0;     // for fp16 later
-  nlohmann::json recipe;       // resolved recipe (Recipe::to_json())
+  data::LoaderState loader;   // epoch, position
+  std::vector<uint64_t> rng;  // any RNG state the trainer keeps (now: the seed)
+  double loss_scale = 1.0;    // for fp16 later
+  nlohmann::json recipe;      // resolved recipe (Recipe::to_json())
   std::string lathe_version;
   // Additions (informational; the trainer warns when they differ on resume).
-  double lr = 0;         // learning rate used by the last step
-  int threads = 0;       // OpenMP threads of the run that wrote it
+  double lr = 0;          // learning rate used by the last step
+  int threads = 0;        // OpenMP threads of the run that wrote it
   std::string optimizer;  // "adamw" | "lamb" | "" (no optimizer state)
 };
 
 struct CheckpointSaveInfo {
-  int64_t bytes = 0;              // all files of the checkpoint
-  double seconds_complete = 0;    // until the checkpoint is complete, fsynced and `latest` points to it
-  double seconds_total = 0;       // including renaming old checkpoints away (keep_last)
+  int64_t bytes = 0;            // all files of the checkpoint
+  double seconds_complete = 0;  // until the checkpoint is complete, fsynced and `latest` points to it
+  double seconds_total = 0;     // including renaming old checkpoints away (keep_last)
 };
 
 // Writes RUN_DIR/checkpoints/step_XXXXXXXX/ atomically (tmp dir, fsync files + dir, rename), then
@@ -70,8 +69,8 @@ struct CheckpointSaveInfo {
 // files are written concurrently. Extra memory: 4 staging buffers of 16 MB.
 // Test hook: env LATHE_TEST_CKPT_SLEEP_MS=N sleeps N ms after the data files, after recipe.yaml
 // and before the rename.
-void save_checkpoint(const std::string& run_dir, const Model& model, optim::Optimizer* opt,
-                     const CheckpointState& st, int keep_last, CheckpointSaveInfo* info = nullptr);
+void save_checkpoint(const std::string& run_dir, const Model& model, optim::Optimizer* opt, const CheckpointState& st,
+                     int keep_last, CheckpointSaveInfo* info = nullptr);
 
 // Newest complete checkpoint dir under RUN_DIR/checkpoints (verifying checksums); skipped
 // corrupt/partial ones are described in *log (one line each). "" if none.

@@ -1,9 +1,9 @@
 #include "train/peak.h"
 
+#include <cblas.h>
+
 #include <algorithm>
 #include <vector>
-
-#include <cblas.h>
 
 #include "core/rng.h"
 #include "core/timer.h"

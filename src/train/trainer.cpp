@@ -1,16 +1,15 @@
 #include "train/trainer.h"
 
+#include <fmt/format.h>
 #include <omp.h>
 
 #include <atomic>
-#include <csignal>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "core/blas_env.h"
@@ -84,7 +83,8 @@ class SignalGuard {
 
  private:
   bool on_;
-  struct sigaction old_term_ {}, old_int_ {};
+  struct sigaction old_term_ {
+  }, old_int_{};
 };
 
 // Keeps the records of steps <= `step` (a resumed run rewrites what came after its checkpoint).
@@ -183,8 +183,9 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
     if (ckpt.empty())
       say(fmt::format("resume auto: no complete checkpoint in {}/checkpoints; starting fresh", r.output.dir));
     else
-      say(fmt::format("resume auto: resuming from {}{}", ckpt,
-                      notes.find("skipping") != std::string::npos ? " (falling back past the corrupt ones above)" : ""));
+      say(fmt::format(
+          "resume auto: resuming from {}{}", ckpt,
+          notes.find("skipping") != std::string::npos ? " (falling back past the corrupt ones above)" : ""));
   } else if (!resume.empty()) {
     ckpt = resume;
   }
@@ -198,18 +199,20 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
     if (!harmless.empty()) say("resume: recipe changes that keep the run exact (allowed):" + harmless);
     if (!breaking.empty()) {
       if (!opts.force_resume_changes)
-        throw_error("{}: the recipe differs from the checkpoint's in ways that change the training results:{}\n"
-                    "Resume with the checkpoint's recipe ({}/recipe.yaml), or pass --force-resume-changes to "
-                    "continue anyway with these differences.",
-                    ckpt, breaking, ckpt);
+        throw_error(
+            "{}: the recipe differs from the checkpoint's in ways that change the training results:{}\n"
+            "Resume with the checkpoint's recipe ({}/recipe.yaml), or pass --force-resume-changes to "
+            "continue anyway with these differences.",
+            ckpt, breaking, ckpt);
       say("resume: --force-resume-changes: continuing with changes that make this run differ from an "
-          "uninterrupted one:" + breaking);
+          "uninterrupted one:" +
+          breaking);
     }
     if (r.training.steps != cs.recipe["training"].value("steps", r.training.steps))
       say("resume: training.steps changed: the learning-rate schedule is recomputed for the new total");
     LATHE_CHECK(cs.step <= r.training.steps,
-                "{}: the checkpoint is at step {}, beyond training.steps = {}; raise training.steps to continue",
-                ckpt, cs.step, r.training.steps);
+                "{}: the checkpoint is at step {}, beyond training.steps = {}; raise training.steps to continue", ckpt,
+                cs.step, r.training.steps);
   }
 
   std::unique_ptr<Model> model;
@@ -255,7 +258,8 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
     say(fmt::format("resume: loaded {} (step {}, epoch {}, position {}, {} samples consumed)", ckpt, cs.step,
                     cs.loader.epoch, cs.loader.position, cs.consumed_samples));
     if (cs.threads != threads)
-      say(fmt::format("resume: WARNING: the checkpoint was written with {} threads, this run uses {}: losses will "
+      say(
+          fmt::format("resume: WARNING: the checkpoint was written with {} threads, this run uses {}: losses will "
                       "not be bit-identical to an uninterrupted run (float sums change order)",
                       cs.threads, threads));
     // Newer checkpoints in this run directory belong to an abandoned timeline (corrupt ones that
@@ -283,18 +287,18 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
   log(fmt::format("model {}: {:.2f}M parameters; threads {}; peak {:.1f} GFLOP/s ({}; OpenBLAS kernel {})",
                   r.model.model_type, P / 1e6, threads, peak,
                   r.training.peak_gflops > 0 ? "from recipe" : "measured by GEMM probe", blas_kernel_name()));
-  log(fmt::format("memory estimate: params {:.1f} MB + grads {:.1f} MB + AdamW moments {:.1f} MB + activations "
+  log(
+      fmt::format("memory estimate: params {:.1f} MB + grads {:.1f} MB + AdamW moments {:.1f} MB + activations "
                   "{:.1f} MB = {:.1f} MB",
                   P * 4 / 1e6, P * 4 / 1e6, P * 8 / 1e6, model->activation_bytes() / 1e6, est / 1e6));
   log(fmt::format("data: {} train samples, {} validation samples of {} tokens", train_samples.size(),
                   valid_samples.size(), T));
 
-  data::DataLoader loader(train_ds, train_samples, B, T, static_cast<uint64_t>(r.training.seed), true,
-                          r.data.prefetch);
+  data::DataLoader loader(train_ds, train_samples, B, T, static_cast<uint64_t>(r.training.seed), true, r.data.prefetch);
   if (!ckpt.empty()) loader.restore(cs.loader);  // restarts the prefetcher at the saved position
-  std::vector<int64_t> eval_subset(
-      valid_samples.begin(),
-      valid_samples.begin() + std::min<int64_t>(static_cast<int64_t>(valid_samples.size()), r.training.eval_batches * B));
+  std::vector<int64_t> eval_subset(valid_samples.begin(),
+                                   valid_samples.begin() + std::min<int64_t>(static_cast<int64_t>(valid_samples.size()),
+                                                                             r.training.eval_batches * B));
   MetricsWriter metrics(metrics_path, !ckpt.empty());
 
   std::vector<int32_t> inputs(static_cast<size_t>(B * T)), targets(static_cast<size_t>(B * T));
@@ -318,12 +322,15 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
     save_checkpoint(r.output.dir, *model, optimizer.get(), st, static_cast<int>(r.output.keep_last), &info);
     result.last_checkpoint = (fs::path(r.output.dir) / "checkpoints" / fmt::format("step_{:08d}", done)).string();
     const double mb = static_cast<double>(info.bytes) / 1e6;
-    log(fmt::format("saved checkpoint {} ({:.1f} MB in {:.2f} s, {:.0f} MB/s{})", result.last_checkpoint, mb,
-                    info.seconds_complete, mb / std::max(info.seconds_complete, 1e-9),
-                    info.seconds_total - info.seconds_complete > 0.01
-                        ? fmt::format("; older checkpoints moved away in {:.2f} s", info.seconds_total - info.seconds_complete)
-                        : std::string()));
-    metrics.write({{"step", done}, {"checkpoint_s", info.seconds_complete}, {"checkpoint_total_s", info.seconds_total},
+    log(fmt::format(
+        "saved checkpoint {} ({:.1f} MB in {:.2f} s, {:.0f} MB/s{})", result.last_checkpoint, mb, info.seconds_complete,
+        mb / std::max(info.seconds_complete, 1e-9),
+        info.seconds_total - info.seconds_complete > 0.01
+            ? fmt::format("; older checkpoints moved away in {:.2f} s", info.seconds_total - info.seconds_complete)
+            : std::string()));
+    metrics.write({{"step", done},
+                   {"checkpoint_s", info.seconds_complete},
+                   {"checkpoint_total_s", info.seconds_total},
                    {"checkpoint_mb", mb}});
   };
   if (start_step == r.training.steps && start_step > 0)
@@ -342,10 +349,11 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
     // gradients; bit-identical to scaling them first).
     const double norm = optim::global_grad_norm(model->grad_data(), P);
     if (!std::isfinite(loss) || !std::isfinite(norm))
-      throw_error("step {}: {} is {} — training stopped, no weights written. Last finite values: loss {}, grad norm "
-                  "{}, lr {} (step {}). Try a lower optimizer.lr or a smaller optimizer.grad_clip.",
-                  step + 1, std::isfinite(loss) ? "the gradient norm" : "the loss",
-                  std::isfinite(loss) ? norm : loss, last_loss, last_norm, last_lr, step);
+      throw_error(
+          "step {}: {} is {} — training stopped, no weights written. Last finite values: loss {}, grad norm "
+          "{}, lr {} (step {}). Try a lower optimizer.lr or a smaller optimizer.grad_clip.",
+          step + 1, std::isfinite(loss) ? "the gradient norm" : "the loss", std::isfinite(loss) ? norm : loss,
+          last_loss, last_norm, last_lr, step);
     const double lr = optim::lr_at(sched, step);
     optimizer->step(model->param_data(), model->grad_data(), ranges, lr, step + 1,
                     optim::clip_coefficient(norm, r.optimizer.grad_clip));
@@ -356,11 +364,18 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
     result.losses.push_back(loss);
     const double tok_s = static_cast<double>(B * T * accum) / dt;
     const double mfu = flops_per_step / dt / (peak * 1e9);
-    metrics.write({{"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"tokens_per_s", tok_s},
-                   {"mfu", mfu}, {"ms_per_step", dt * 1e3}, {"data_wait_pct", 100.0 * wait / dt},
+    metrics.write({{"step", step + 1},
+                   {"loss", loss},
+                   {"lr", lr},
+                   {"grad_norm", norm},
+                   {"tokens_per_s", tok_s},
+                   {"mfu", mfu},
+                   {"ms_per_step", dt * 1e3},
+                   {"data_wait_pct", 100.0 * wait / dt},
                    {"tokens", (step + 1) * B * T * accum}});
     if ((step + 1) % r.training.log_interval == 0 || step == 0 || step + 1 == r.training.steps)
-      log(fmt::format("step {:>6}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.4f} | {:.0f} tok/s | MFU {:.1f}% | "
+      log(
+          fmt::format("step {:>6}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.4f} | {:.0f} tok/s | MFU {:.1f}% | "
                       "{:.1f} ms | data wait {:.1f}%",
                       step + 1, r.training.steps, loss, lr, norm, tok_s, 100 * mfu, dt * 1e3, 100.0 * wait / dt));
     const bool last = step + 1 == r.training.steps;
@@ -380,8 +395,10 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
     const bool periodic = r.output.checkpoint_every > 0 && ((step + 1) % r.output.checkpoint_every == 0 || last);
     if (periodic || ((sig || stop_here) && !last)) checkpoint(step + 1, lr);
     if (sig && !last) {
-      say(fmt::format("received {}: saved a checkpoint at step {} and stopped; continue with --resume auto "
-                      "(exit code {})", sig == SIGTERM ? "SIGTERM" : "SIGINT", step + 1, kExitInterrupted));
+      say(
+          fmt::format("received {}: saved a checkpoint at step {} and stopped; continue with --resume auto "
+                      "(exit code {})",
+                      sig == SIGTERM ? "SIGTERM" : "SIGINT", step + 1, kExitInterrupted));
       result.interrupted = true;
       return result;
     }

@@ -16,14 +16,14 @@
 namespace lathe {
 
 struct TrainResult {
-  std::vector<double> losses;  // per optimizer step
-  double final_val_loss = -1;  // -1 when there is no validation data
-  std::string model_dir;       // HF directory written at the end ("" when stopped early)
-  int64_t start_step = 0;      // optimizer steps already done when this process started
-  int64_t end_step = 0;        // optimizer steps done when it returned
-  std::string resumed_from;    // checkpoint directory, "" for a fresh start
-  std::string last_checkpoint; // newest checkpoint written by this process
-  bool interrupted = false;    // stopped by SIGTERM/SIGINT after saving a checkpoint
+  std::vector<double> losses;   // per optimizer step
+  double final_val_loss = -1;   // -1 when there is no validation data
+  std::string model_dir;        // HF directory written at the end ("" when stopped early)
+  int64_t start_step = 0;       // optimizer steps already done when this process started
+  int64_t end_step = 0;         // optimizer steps done when it returned
+  std::string resumed_from;     // checkpoint directory, "" for a fresh start
+  std::string last_checkpoint;  // newest checkpoint written by this process
+  bool interrupted = false;     // stopped by SIGTERM/SIGINT after saving a checkpoint
 };
 
 // `lathe train` exits with this code after a SIGTERM/SIGINT stop (checkpoint saved; resume with
@@ -31,8 +31,8 @@ struct TrainResult {
 constexpr int kExitInterrupted = 75;
 
 struct TrainOptions {
-  bool quiet = false;        // no per-step log lines (tests)
-  bool sample_at_end = true; // print a short generated sample when a tokenizer is known
+  bool quiet = false;         // no per-step log lines (tests)
+  bool sample_at_end = true;  // print a short generated sample when a tokenizer is known
   // "" = recipe's training.resume; "auto" = newest complete checkpoint of output.dir (fresh start
   // when there is none); otherwise a checkpoint directory.
   std::string resume;

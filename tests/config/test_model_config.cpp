@@ -153,8 +153,11 @@ TEST(ModelConfig, DefaultsAndAliases) {
   EXPECT_EQ(m.num_key_value_heads, 8);
   EXPECT_EQ(m.max_position_embeddings, 131072);
   // GPT-2 aliases; conflicting spellings are an error naming both.
-  auto a = ModelConfig::from_hf_json(json{{"model_type", "gpt2"}, {"hidden_size", 64}, {"num_attention_heads", 4},
-                                          {"n_inner", 100}, {"activation_function", "gelu_pytorch_tanh"}},
+  auto a = ModelConfig::from_hf_json(json{{"model_type", "gpt2"},
+                                          {"hidden_size", 64},
+                                          {"num_attention_heads", 4},
+                                          {"n_inner", 100},
+                                          {"activation_function", "gelu_pytorch_tanh"}},
                                      "x");
   EXPECT_EQ(a.hidden_size, 64);
   EXPECT_EQ(a.intermediate_size, 100);

@@ -66,8 +66,8 @@ TEST(Recipe, GoodRecipe) {
   Recipe r = parse_recipe(kGood, "recipe.yaml");
   EXPECT_EQ(r.source, "recipe.yaml");
   EXPECT_EQ(r.model.model_type, "gpt2");
-  EXPECT_EQ(r.model.num_hidden_layers, 3);   // override of the preset
-  EXPECT_EQ(r.model.hidden_size, 48);        // from the preset
+  EXPECT_EQ(r.model.num_hidden_layers, 3);  // override of the preset
+  EXPECT_EQ(r.model.hidden_size, 48);       // from the preset
   EXPECT_EQ(r.model.vocab_size, 256);
   EXPECT_EQ(r.data.train, "data/shakespeare_byte");
   EXPECT_DOUBLE_EQ(r.data.valid_fraction, 0.1);
@@ -90,7 +90,8 @@ model: {model_type: llama, hidden_size: 64, num_hidden_layers: 2, num_attention_
         num_key_value_heads: 2, intermediate_size: 128, vocab_size: 100, max_position_embeddings: 64}
 data: {train: x}
 training: {seq_len: 64}
-)", "r.yaml");
+)",
+                          "r.yaml");
   EXPECT_EQ(r.model.family, "llama");
   EXPECT_EQ(r.model.num_key_value_heads, 2);
   // Switching model_type within the llama family keeps the preset's sizes.
@@ -196,8 +197,9 @@ TEST(Recipe, ToYamlReloads) {
       {kGood, {}},
       {kGood, {"model.n_inner=100", "optimizer.eps=1e-10", "training.peak_gflops=12.5", "output.dir=a \"b\""}},
       {llama, {"model.model_type=qwen2", "training.seq_len=64", "model.eos_token_id=5"}},
-      {llama, {"model.preset=mistral-debug", "data.tokenizer=tok.model", "schedule.name=wsd",
-               "schedule.decay_shape=1-sqrt", "training.seq_len=100", "model.sliding_window=100"}}};
+      {llama,
+       {"model.preset=mistral-debug", "data.tokenizer=tok.model", "schedule.name=wsd", "schedule.decay_shape=1-sqrt",
+        "training.seq_len=100", "model.sliding_window=100"}}};
   for (auto& [text, ovs] : cases) {
     Recipe r = parse_recipe(text, "recipe.yaml", ovs);
     std::string y = r.to_yaml();
@@ -257,8 +259,8 @@ TEST(Recipe, CheckpointKeys) {
   EXPECT_EQ(d.output.checkpoint_every, 0);
   EXPECT_EQ(d.output.keep_last, 0);
   EXPECT_EQ(d.training.resume, "");
-  Recipe r = parse_recipe(kGood, "recipe.yaml",
-                          {"output.checkpoint_every=25", "output.keep_last=3", "training.resume=auto"});
+  Recipe r =
+      parse_recipe(kGood, "recipe.yaml", {"output.checkpoint_every=25", "output.keep_last=3", "training.resume=auto"});
   EXPECT_EQ(r.output.checkpoint_every, 25);
   EXPECT_EQ(r.output.keep_last, 3);
   EXPECT_EQ(r.training.resume, "auto");

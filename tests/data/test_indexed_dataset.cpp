@@ -157,11 +157,11 @@ TEST(IndexedDataset, SpecWorkedExampleBytes) {
   write_dataset(tmp / "ex", DType::U16, {{10, 11, 12}, {20, 21}});
   const std::vector<unsigned char> bin = {0x0A, 0, 0x0B, 0, 0x0C, 0, 0x14, 0, 0x15, 0};
   std::vector<unsigned char> idx = {0x4D, 0x4D, 0x49, 0x44, 0x49, 0x44, 0x58, 0x00, 0x00,  // magic
-                                    1, 0, 0, 0, 0, 0, 0, 0,                                  // version
-                                    8,                                                       // uint16
-                                    2, 0, 0, 0, 0, 0, 0, 0,                                  // S
-                                    3, 0, 0, 0, 0, 0, 0, 0,                                  // D
-                                    3, 0, 0, 0, 2, 0, 0, 0};                                 // lengths
+                                    1,    0,    0,    0,    0,    0,    0,    0,           // version
+                                    8,                                                     // uint16
+                                    2,    0,    0,    0,    0,    0,    0,    0,           // S
+                                    3,    0,    0,    0,    0,    0,    0,    0,           // D
+                                    3,    0,    0,    0,    2,    0,    0,    0};          // lengths
   for (int64_t v : {0, 6, 0, 1, 2})  // pointers [0, 6], document_indices [0, 1, 2]
     for (int b = 0; b < 8; ++b) idx.push_back(static_cast<unsigned char>((v >> (8 * b)) & 0xff));
   ASSERT_EQ(idx.size(), 82u);
@@ -282,11 +282,11 @@ TEST(IndexedDataset, NumpyReadsLatheOutput) {
 // numpy writes (several sequences per document, as --split-sentences output), lathe reads.
 TEST(IndexedDataset, LatheReadsNumpyOutput) {
   TempDir tmp;
-  for (auto [dt, code] : {std::pair{DType::U16, 8}, std::pair{DType::I32, 4}, std::pair{DType::U8, 1},
-                          std::pair{DType::I64, 5}}) {
+  for (auto [dt, code] :
+       {std::pair{DType::U16, 8}, std::pair{DType::I32, 4}, std::pair{DType::U8, 1}, std::pair{DType::I64, 5}}) {
     const std::string prefix = tmp / ("np" + std::to_string(code));
-    const std::string cmd = python() + " " + script() + " write " + prefix + " " +
-                            std::to_string(100 + code) + " " + std::to_string(code);
+    const std::string cmd =
+        python() + " " + script() + " write " + prefix + " " + std::to_string(100 + code) + " " + std::to_string(code);
     ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
     auto tokens = read_raw<int32_t>(prefix + ".expected.tokens");
     auto lengths = read_raw<int32_t>(prefix + ".expected.lengths");

@@ -127,8 +127,7 @@ TEST(Loader, ShuffleIsPermutationPerEpochAndReproducible) {
   const int64_t S = 8, B = 5;
   const int64_t n = num_samples(f.ds->total_tokens(), S);
   auto ids = split_samples(n, 0.1).train;
-  DataLoader a(f.ds, ids, B, S, 1234, true, 0), b(f.ds, ids, B, S, 1234, true, 0),
-      c(f.ds, ids, B, S, 99, true, 0);
+  DataLoader a(f.ds, ids, B, S, 1234, true, 0), b(f.ds, ids, B, S, 1234, true, 0), c(f.ds, ids, B, S, 99, true, 0);
   const int64_t bpe = a.batches_per_epoch();
   EXPECT_EQ(bpe, static_cast<int64_t>(ids.size()) / B);
   auto ba = take(a, static_cast<int>(2 * bpe)), bb = take(b, static_cast<int>(2 * bpe)),

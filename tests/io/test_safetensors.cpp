@@ -72,8 +72,7 @@ TEST(Safetensors, RoundTripF32Bf16F16) {
   std::vector<float> empty;
   for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
     std::string path = tmpdir() + "/rt_" + std::string(dtype_name(dt)) + ".safetensors";
-    write_safetensors_f32(path,
-                          {{"layer.a", {2, 3, 5}, a.data()}, {"b", {7}, b.data()}, {"e", {0, 4}, empty.data()}},
+    write_safetensors_f32(path, {{"layer.a", {2, 3, 5}, a.data()}, {"b", {7}, b.data()}, {"e", {0, 4}, empty.data()}},
                           dt, {{"note", "hello \"q\""}});
     SafetensorsFile f(path);
     ASSERT_EQ(f.tensors().size(), 3u);
@@ -140,9 +139,8 @@ TEST(Safetensors, HeaderBytesMatchSpec) {
   std::string hdr =
       R"({"__metadata__":{"format":"pt"},"attn0":{"dtype":"F32","shape":[1,1,2,3],"data_offsets":[0,24]}})";
   while (hdr.size() % 8) hdr += ' ';
-  std::string data =
-      std::string("\x00\x00\x00\x00\x00\x00\x80\x3F\x00\x00\x00\x40\x00\x00\x40\x40\x00\x00\x80\x40\x00\x00\xA0\x40",
-                  24);
+  std::string data = std::string(
+      "\x00\x00\x00\x00\x00\x00\x80\x3F\x00\x00\x00\x40\x00\x00\x40\x40\x00\x00\x80\x40\x00\x00\xA0\x40", 24);
   EXPECT_EQ(got, raw_file(hdr, data));
   EXPECT_EQ(got.size(), 8 + hdr.size() + 24);
   EXPECT_EQ(static_cast<unsigned char>(got[0]), hdr.size());
@@ -201,8 +199,11 @@ TEST(Safetensors, MalformedFiles) {
   put_file(p, raw_file(hdr2("[0,8]", "[8,12]", "F33"), d12));
   expect_open_error(p, {p, "'a'", "F33"});
   // Duplicate key.
-  put_file(p, raw_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
-                       std::string(8, '\0')));
+  put_file(
+      p,
+      raw_file(
+          R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+          std::string(8, '\0')));
   expect_open_error(p, {p, "'a'", "more than once"});
   // Non-string metadata.
   put_file(p, raw_file(R"({"__metadata__":{"n":1}})", ""));
@@ -228,7 +229,8 @@ TEST(Safetensors, MalformedFiles) {
 // A spec-valid dtype lathe cannot represent is listed but refused on access.
 TEST(Safetensors, UnsupportedDtypeListedButRefused) {
   std::string p = tmpdir() + "/bool.safetensors";
-  put_file(p, raw_file(R"({"mask":{"dtype":"BOOL","shape":[3],"data_offsets":[0,3]}})", std::string("\x01\x00\x01", 3)));
+  put_file(p,
+           raw_file(R"({"mask":{"dtype":"BOOL","shape":[3],"data_offsets":[0,3]}})", std::string("\x01\x00\x01", 3)));
   SafetensorsFile f(p);
   ASSERT_EQ(f.tensors().size(), 1u);
   EXPECT_FALSE(f.tensors()[0].dtype_supported);

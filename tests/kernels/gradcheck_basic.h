@@ -7,6 +7,8 @@
 //   3. double reference backward vs central finite differences of the double forward
 // so the analytic reference is itself verified, and the kernel is verified against it.
 #pragma once
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -15,8 +17,6 @@
 #include <limits>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "core/rng.h"
 
@@ -50,8 +50,8 @@ inline void expect_close(const float* got, const double* want, size_t n, double 
       bad = true;
     }
   }
-  EXPECT_FALSE(bad) << what << ": element " << worst_i << " got " << got[worst_i] << " want "
-                    << want[worst_i] << " (n=" << n << ", atol=" << atol << ", rtol=" << rtol << ")";
+  EXPECT_FALSE(bad) << what << ": element " << worst_i << " got " << got[worst_i] << " want " << want[worst_i]
+                    << " (n=" << n << ", atol=" << atol << ", rtol=" << rtol << ")";
 }
 inline void expect_close(const VecF& got, const VecD& want, double atol, double rtol, const std::string& what) {
   ASSERT_EQ(got.size(), want.size()) << what;
@@ -94,8 +94,8 @@ inline std::vector<size_t> probe_indices(size_t n, Rng& rng, size_t k = 24) {
 
 // Checks the analytic gradient `grad` of the scalar `loss(x)` against central finite differences
 // at the probe indices of x. `x` is modified during the check and restored.
-inline void check_fd(const std::function<double()>& loss, VecD& x, const VecD& grad, Rng& rng,
-                     const std::string& what, double h = 1e-5, double tol = 1e-6) {
+inline void check_fd(const std::function<double()>& loss, VecD& x, const VecD& grad, Rng& rng, const std::string& what,
+                     double h = 1e-5, double tol = 1e-6) {
   ASSERT_EQ(x.size(), grad.size()) << what;
   for (size_t i : probe_indices(x.size(), rng)) {
     const double x0 = x[i];

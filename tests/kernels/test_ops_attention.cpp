@@ -2,10 +2,10 @@
 // materialises the full causal softmax, and the reference's gradient against central finite
 // differences (so the reference itself is checked, not trusted).
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
-#include <omp.h>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -135,8 +135,10 @@ void expect_close(const std::vector<float>& got, const std::vector<double>& want
   for (size_t i = 0; i < got.size(); ++i) {
     const double err = std::fabs(static_cast<double>(got[i]) - want[i]);
     if (!(err <= tol)) ++bad;  // NaN counts as bad
-    if (std::isnan(got[i])) worst = INFINITY;
-    else worst = std::max(worst, err);
+    if (std::isnan(got[i]))
+      worst = INFINITY;
+    else
+      worst = std::max(worst, err);
   }
   EXPECT_EQ(bad, 0u) << what << " B=" << s.B << " T=" << s.T << " H=" << s.H << " KVH=" << s.KVH << " D=" << s.D
                      << " worst abs err " << worst << " tol " << tol;

@@ -6,15 +6,15 @@
 //   * the double analytic backward vs central finite differences of the double forward;
 //   * two identical calls give bit-identical results (at sizes large enough to take the OpenMP paths).
 // Sizes include 1, 3, 31, 33, 67 so that vector tails and thread splits are exercised.
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <limits>
 #include <string>
 #include <vector>
 
-#include <gtest/gtest.h>
-
-#include "kernels/cpu/ops.h"
 #include "gradcheck_basic.h"
+#include "kernels/cpu/ops.h"
 
 using namespace lathe;
 using namespace lathe::test;
@@ -53,8 +53,8 @@ void ref_matmul_fwd(VecD& out, const VecD& x, const VecD& w, const VecD* b, int6
       out[i * N + j] = s;
     }
 }
-void ref_matmul_bwd(VecD& dx, VecD& dw, VecD& db, const VecD& g, const VecD& x, const VecD& w, int64_t M,
-                    int64_t K, int64_t N) {
+void ref_matmul_bwd(VecD& dx, VecD& dw, VecD& db, const VecD& g, const VecD& x, const VecD& w, int64_t M, int64_t K,
+                    int64_t N) {
   dx.assign(M * K, 0.0);
   dw.assign(N * K, 0.0);
   db.assign(N, 0.0);
@@ -77,8 +77,8 @@ void ref_embedding_fwd(VecD& out, const std::vector<int32_t>& tok, const VecD& w
       for (int64_t c = 0; c < C; ++c)
         out[(b * T + t) * C + c] = wte[tok[b * T + t] * C + c] + (wpe ? (*wpe)[t * C + c] : 0.0);
 }
-void ref_embedding_bwd(VecD& dwte, VecD& dwpe, const VecD& g, const std::vector<int32_t>& tok, int64_t V,
-                       int64_t B, int64_t T, int64_t C) {
+void ref_embedding_bwd(VecD& dwte, VecD& dwpe, const VecD& g, const std::vector<int32_t>& tok, int64_t V, int64_t B,
+                       int64_t T, int64_t C) {
   dwte.assign(V * C, 0.0);
   dwpe.assign(T * C, 0.0);
   for (int64_t b = 0; b < B; ++b)
@@ -89,8 +89,8 @@ void ref_embedding_bwd(VecD& dwte, VecD& dwpe, const VecD& g, const std::vector<
       }
 }
 
-void ref_layernorm_fwd(VecD& out, VecD& mean, VecD& rstd, const VecD& x, const VecD& w, const VecD* b,
-                       int64_t N, int64_t C, double eps) {
+void ref_layernorm_fwd(VecD& out, VecD& mean, VecD& rstd, const VecD& x, const VecD& w, const VecD* b, int64_t N,
+                       int64_t C, double eps) {
   out.assign(N * C, 0.0);
   mean.assign(N, 0.0);
   rstd.assign(N, 0.0);
@@ -106,8 +106,8 @@ void ref_layernorm_fwd(VecD& out, VecD& mean, VecD& rstd, const VecD& x, const V
     rstd[n] = r;
   }
 }
-void ref_layernorm_bwd(VecD& dx, VecD& dw, VecD& db, const VecD& g, const VecD& x, const VecD& w, int64_t N,
-                       int64_t C, double eps) {
+void ref_layernorm_bwd(VecD& dx, VecD& dw, VecD& db, const VecD& g, const VecD& x, const VecD& w, int64_t N, int64_t C,
+                       double eps) {
   VecD out, mean, rstd;
   ref_layernorm_fwd(out, mean, rstd, x, w, nullptr, N, C, eps);
   dx.assign(N * C, 0.0);
@@ -157,8 +157,7 @@ void ref_rmsnorm_bwd(VecD& dx, VecD& dw, const VecD& g, const VecD& x, const Vec
       dw[c] += g[n * C + c] * xh;
     }
     s /= C;
-    for (int64_t c = 0; c < C; ++c)
-      dx[n * C + c] = (g[n * C + c] * w[c] - x[n * C + c] * rstd[n] * s) * rstd[n];
+    for (int64_t c = 0; c < C; ++c) dx[n * C + c] = (g[n * C + c] * w[c] - x[n * C + c] * rstd[n] * s) * rstd[n];
   }
 }
 
@@ -195,8 +194,8 @@ void ref_swiglu_bwd(VecD& dinp, const VecD& inp, const VecD& dout, int64_t N, in
 }
 
 // RoPE reference on x[B, T, stride], heads at column h*D; tables given as [T, D/2] doubles.
-void ref_rope_fwd(VecD& y, const VecD& x, const VecD& cs, const VecD& sn, int64_t B, int64_t T, int64_t H,
-                  int64_t D, int64_t stride, int64_t offset) {
+void ref_rope_fwd(VecD& y, const VecD& x, const VecD& cs, const VecD& sn, int64_t B, int64_t T, int64_t H, int64_t D,
+                  int64_t stride, int64_t offset) {
   y = x;
   const int64_t half = D / 2;
   for (int64_t b = 0; b < B; ++b)
@@ -210,8 +209,8 @@ void ref_rope_fwd(VecD& y, const VecD& x, const VecD& cs, const VecD& sn, int64_
           y[base + half + i] = x2 * c + x1 * s;
         }
 }
-void ref_rope_bwd(VecD& dx, const VecD& dy, const VecD& cs, const VecD& sn, int64_t B, int64_t T, int64_t H,
-                  int64_t D, int64_t stride, int64_t offset) {
+void ref_rope_bwd(VecD& dx, const VecD& dy, const VecD& cs, const VecD& sn, int64_t B, int64_t T, int64_t H, int64_t D,
+                  int64_t stride, int64_t offset) {
   dx = dy;
   const int64_t half = D / 2;
   for (int64_t b = 0; b < B; ++b)
@@ -233,7 +232,7 @@ void ref_rope_bwd(VecD& dx, const VecD& dy, const VecD& cs, const VecD& sn, int6
 struct MMShape {
   int64_t M, K, N;
 };
-const MMShape kMMShapes[] = {{1, 1, 1},   {1, 3, 31},   {3, 33, 67}, {33, 67, 1},
+const MMShape kMMShapes[] = {{1, 1, 1},    {1, 3, 31},  {3, 33, 67},  {33, 67, 1},
                              {67, 31, 33}, {31, 67, 3}, {67, 67, 67}, {3, 1, 33}};
 
 TEST(Matmul, ForwardBackwardVsReferenceAndFD) {
@@ -264,8 +263,7 @@ TEST(Matmul, ForwardBackwardVsReferenceAndFD) {
       // dinp overwritten (NaN pre-fill), dweight/dbias accumulate onto random pre-fill.
       VecF dx(M * K, kNaN), dw = randn(N * K, rng), db = randn(N, rng);
       VecD want_dw = add(dw, rdw), want_db = add(db, rdb);
-      matmul_backward(dx.data(), dw.data(), with_bias ? db.data() : nullptr, g.data(), x.data(), w.data(), M, K,
-                      N);
+      matmul_backward(dx.data(), dw.data(), with_bias ? db.data() : nullptr, g.data(), x.data(), w.data(), M, K, N);
       expect_close(dx, rdx, atol_for(rdx), 1e-5, tag + " dinp");
       expect_close(dw, want_dw, atol_for(want_dw), 1e-5, tag + " dweight");
       if (with_bias) expect_close(db, want_db, atol_for(want_db), 1e-5, tag + " dbias");
@@ -405,8 +403,8 @@ void run_layernorm_case(int64_t N, int64_t C, bool with_bias, bool fd, uint64_t 
   VecD ref, rmean, rrstd;
   ref_layernorm_fwd(ref, rmean, rrstd, xd, wd, with_bias ? &bd : nullptr, N, C, eps);
   VecF out(N * C, kNaN), mean(N, kNaN), rstd(N, kNaN);
-  cpu::layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), with_bias ? b.data() : nullptr,
-                         N, C, eps);
+  cpu::layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), with_bias ? b.data() : nullptr, N, C,
+                         eps);
   expect_close(out, ref, atol_for(ref), 1e-5, tag + " forward out");
   expect_close(mean, rmean, atol_for(rmean), 1e-5, tag + " forward mean");
   expect_close(rstd, rrstd, 1e-6, 2e-5, tag + " forward rstd");
@@ -423,8 +421,8 @@ void run_layernorm_case(int64_t N, int64_t C, bool with_bias, bool fd, uint64_t 
   expect_close(dx, want_dx, atol_for(want_dx, 3e-5), 3e-5, tag + " dinp");
   expect_close(dw, want_dw, atol_for(want_dw), 1e-5, tag + " dweight");
   if (with_bias) expect_close(db, want_db, atol_for(want_db), 1e-5, tag + " dbias");
-  cpu::layernorm_backward(dx2.data(), dw2.data(), with_bias ? db2.data() : nullptr, g.data(), x.data(),
-                          w.data(), mean.data(), rstd.data(), N, C, scratch.data());
+  cpu::layernorm_backward(dx2.data(), dw2.data(), with_bias ? db2.data() : nullptr, g.data(), x.data(), w.data(),
+                          mean.data(), rstd.data(), N, C, scratch.data());
   EXPECT_TRUE(bit_equal(dx, dx2) && bit_equal(dw, dw2) && bit_equal(db, db2)) << tag << " determinism";
 
   if (fd) {

@@ -27,7 +27,8 @@ std::vector<int32_t> make_targets(int64_t N, int64_t V, uint32_t seed) {
   std::vector<int32_t> t(N);
   for (int64_t n = 0; n < N; ++n) t[n] = static_cast<int32_t>(gen() % V);
   // Ignore some rows (including the first when N > 1) to exercise the ignore path.
-  for (int64_t n = 0; n < N; n += 5) if (N > 1) t[n] = -1;
+  for (int64_t n = 0; n < N; n += 5)
+    if (N > 1) t[n] = -1;
   return t;
 }
 
@@ -100,9 +101,9 @@ Out run(const std::vector<float>& x, const std::vector<float>& w, const std::vec
   o.dx.assign(N * C, NAN);  // must be overwritten
   o.dw = dw_prefill;
   std::vector<float> scratch(std::min(chunk, std::max<int64_t>(N, 1)) * V, NAN);
-  o.total = lathe::cpu::lm_head_loss(o.losses.data(), backward ? o.dx.data() : nullptr,
-                                     backward ? o.dw.data() : nullptr, x.data(), w.data(), tg.data(), N, C, V,
-                                     grad_scale, backward, scratch.data(), chunk);
+  o.total =
+      lathe::cpu::lm_head_loss(o.losses.data(), backward ? o.dx.data() : nullptr, backward ? o.dw.data() : nullptr,
+                               x.data(), w.data(), tg.data(), N, C, V, grad_scale, backward, scratch.data(), chunk);
   return o;
 }
 
@@ -124,7 +125,7 @@ TEST(LmHeadLoss, MatchesDoubleReferenceOverShapesAndChunks) {
 
         std::vector<int64_t> chunks = {1, std::max<int64_t>(1, N / 2), N, N + 5};
         const std::string tag = "N=" + std::to_string(N) + " C=" + std::to_string(C) + " V=" + std::to_string(V);
-              for (const int64_t ch : chunks) {
+        for (const int64_t ch : chunks) {
           const std::string t2 = tag + " chunk=" + std::to_string(ch);
           const Out o = run(x, w, tg, N, C, V, gs, true, ch, prefill);
           expect_close(o.losses, ref.losses, 2e-6, t2 + " losses");

@@ -3,13 +3,12 @@
 // gradient accumulation 2, and writes everything as safetensors. torch_reference.py rebuilds the
 // same model in PyTorch (float64) from the written weights and tokens and compares; it exits
 // non-zero when any tensor's error max|lathe - torch| / max|torch| exceeds 1e-4.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-
-#include <fmt/format.h>
 
 #include "config/model_config.h"
 #include "core/rng.h"
@@ -49,18 +48,16 @@ std::string run_case(const Case& c, int64_t B, int64_t T) {
   std::vector<int32_t> toks(static_cast<size_t>(7 * N)), tgts(toks.size());
   for (auto& t : toks) t = static_cast<int32_t>(rng.below(V));
   for (auto& t : tgts) t = static_cast<int32_t>(rng.below(V));
-  io::write_safetensors(
-      (dir / "batches.safetensors").string(),
-      {{"tokens", DType::I32, Shape{7, B, T}, toks.data()}, {"targets", DType::I32, Shape{7, B, T}, tgts.data()}});
+  io::write_safetensors((dir / "batches.safetensors").string(), {{"tokens", DType::I32, Shape{7, B, T}, toks.data()},
+                                                                 {"targets", DType::I32, Shape{7, B, T}, tgts.data()}});
 
   std::vector<float> logits(static_cast<size_t>(N * V));
   model->forward_logits(toks.data(), B, T, logits.data());
   model->zero_grad();
   double loss = model->forward_backward(toks.data(), tgts.data(), B, T, 1.0f / N, true) / N;
   float loss_f = static_cast<float>(loss);
-  io::write_safetensors((dir / "outputs.safetensors").string(),
-                        {{"logits", DType::F32, Shape{B, T, V}, logits.data()},
-                         {"loss", DType::F32, Shape{}, &loss_f}});
+  io::write_safetensors((dir / "outputs.safetensors").string(), {{"logits", DType::F32, Shape{B, T, V}, logits.data()},
+                                                                 {"loss", DType::F32, Shape{}, &loss_f}});
   save_hf_tensors(*model, model->grad_data(), (dir / "grads.safetensors").string());
 
   optim::OptimConfig oc;

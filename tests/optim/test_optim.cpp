@@ -8,9 +8,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <random>
-
 #include <nlohmann/json.hpp>
+#include <random>
 
 #include "core/error.h"
 #include "optim/clip.h"
@@ -48,8 +47,8 @@ std::vector<float> normal(std::mt19937& g, size_t n, float scale) {
 // Parameter layout with a decay mask, a gap no range covers (must stay untouched), tensors of odd
 // sizes and one larger than a chunk (8192) so chunked reductions span several chunks.
 std::vector<ParamRange> layout(size_t& P) {
-  std::vector<ParamRange> r = {{0, 1000, true}, {1000, 37, false}, {1042, 20000, true}, {21042, 1, false},
-                               {21043, 300, true}};
+  std::vector<ParamRange> r = {
+      {0, 1000, true}, {1000, 37, false}, {1042, 20000, true}, {21042, 1, false}, {21043, 300, true}};
   P = 21350;
   return r;
 }
@@ -92,9 +91,9 @@ json run_optimizer(const fs::path& dir, const std::string& name, bool zero_range
     write_floats(dir / name / ("out_" + sname + ".f32"), buf->data(), buf->size());
     state[sname] = "out_" + sname + ".f32";
   }
-  return {{"name", name}, {"dir", name}, {"P", P}, {"ranges", ranges_json(ranges)},
+  return {{"name", name},       {"dir", name},        {"P", P},         {"ranges", ranges_json(ranges)},
           {"beta1", cfg.beta1}, {"beta2", cfg.beta2}, {"eps", cfg.eps}, {"weight_decay", cfg.weight_decay},
-          {"steps", steps}, {"state", state}};
+          {"steps", steps},     {"state", state}};
 }
 
 json run_clip(const fs::path& dir) {
@@ -124,9 +123,14 @@ json run_schedules() {
     validate(c);
     std::vector<double> lrs;
     for (int64_t s = 0; s < c.total_steps + 3; ++s) lrs.push_back(lr_at(c, s));
-    out.push_back({{"name", c.name}, {"lr", c.lr}, {"min_lr", c.min_lr}, {"warmup_steps", c.warmup_steps},
-                   {"total_steps", c.total_steps}, {"decay_fraction", c.decay_fraction},
-                   {"decay_shape", c.decay_shape}, {"lrs", lrs}});
+    out.push_back({{"name", c.name},
+                   {"lr", c.lr},
+                   {"min_lr", c.min_lr},
+                   {"warmup_steps", c.warmup_steps},
+                   {"total_steps", c.total_steps},
+                   {"decay_fraction", c.decay_fraction},
+                   {"decay_shape", c.decay_shape},
+                   {"lrs", lrs}});
   };
   add({"constant", 1e-3, 0.0, 10, 50, 0.1, "linear"});
   add({"constant", 1e-3, 0.0, 0, 5, 0.1, "linear"});
@@ -137,7 +141,7 @@ json run_schedules() {
   add({"cosine", 1e-3, 1e-4, 10, 10, 0.1, "linear"});  // warmup only
   for (const char* shape : {"linear", "cosine", "1-sqrt"}) add({"wsd", 2e-3, 2e-4, 10, 100, 0.2, shape});
   add({"wsd", 2e-3, 0.0, 5, 33, 0.1, "1-sqrt"});
-  add({"wsd", 2e-3, 0.0, 0, 20, 0.0, "linear"});  // no decay phase
+  add({"wsd", 2e-3, 0.0, 0, 20, 0.0, "linear"});   // no decay phase
   add({"wsd", 2e-3, 1e-5, 0, 20, 1.0, "cosine"});  // all decay
   return out;
 }
@@ -161,8 +165,8 @@ TEST(Optim, MatchesPythonOracle) {
   manifest["clip"] = run_clip(tmp.path);
   manifest["schedules"] = run_schedules();
   std::ofstream(tmp.path / "manifest.json") << manifest.dump(1);
-  const std::string cmd = std::string("/usr/bin/python3 ") + LATHE_SOURCE_DIR +
-                          "/tests/optim/optim_oracle.py " + tmp.path.string();
+  const std::string cmd =
+      std::string("/usr/bin/python3 ") + LATHE_SOURCE_DIR + "/tests/optim/optim_oracle.py " + tmp.path.string();
   EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
 }
 

@@ -16,13 +16,13 @@
 //
 // Scratch per thread: two [Br, T] tiles (Br = clamp(T/2, 1, 64), so together at most one T x T
 // score tile for T >= 2), Br floats, and three [T, D] copies of one head (see tile_floats).
+#include <omp.h>
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <utility>
-
-#include <omp.h>
 
 #include "core/error.h"
 #include "kernels/cpu/ops.h"
@@ -68,15 +68,27 @@ inline void micro(int64_t K, float alpha, const float* A, int64_t a_rs, int64_t 
 }
 
 template <int NV>
-inline void micro_rows(int64_t mr, int64_t K, float alpha, const float* A, int64_t a_rs, int64_t a_cs,
-                       const float* B, int64_t ldb, bool accumulate, float* C, int64_t ldc) {
+inline void micro_rows(int64_t mr, int64_t K, float alpha, const float* A, int64_t a_rs, int64_t a_cs, const float* B,
+                       int64_t ldb, bool accumulate, float* C, int64_t ldc) {
   switch (mr) {
-    case 6: micro<6, NV>(K, alpha, A, a_rs, a_cs, B, ldb, accumulate, C, ldc); break;
-    case 5: micro<5, NV>(K, alpha, A, a_rs, a_cs, B, ldb, accumulate, C, ldc); break;
-    case 4: micro<4, NV>(K, alpha, A, a_rs, a_cs, B, ldb, accumulate, C, ldc); break;
-    case 3: micro<3, NV>(K, alpha, A, a_rs, a_cs, B, ldb, accumulate, C, ldc); break;
-    case 2: micro<2, NV>(K, alpha, A, a_rs, a_cs, B, ldb, accumulate, C, ldc); break;
-    default: micro<1, NV>(K, alpha, A, a_rs, a_cs, B, ldb, accumulate, C, ldc); break;
+    case 6:
+      micro<6, NV>(K, alpha, A, a_rs, a_cs, B, ldb, accumulate, C, ldc);
+      break;
+    case 5:
+      micro<5, NV>(K, alpha, A, a_rs, a_cs, B, ldb, accumulate, C, ldc);
+      break;
+    case 4:
+      micro<4, NV>(K, alpha, A, a_rs, a_cs, B, ldb, accumulate, C, ldc);
+      break;
+    case 3:
+      micro<3, NV>(K, alpha, A, a_rs, a_cs, B, ldb, accumulate, C, ldc);
+      break;
+    case 2:
+      micro<2, NV>(K, alpha, A, a_rs, a_cs, B, ldb, accumulate, C, ldc);
+      break;
+    default:
+      micro<1, NV>(K, alpha, A, a_rs, a_cs, B, ldb, accumulate, C, ldc);
+      break;
   }
 }
 
@@ -89,9 +101,8 @@ enum class Causal {
   kKT,  // A(i, k) == 0 for k < i - off (A = P^T or dS^T, i = key, k = query row): sum starts there.
 };
 
-void tile_gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t a_rs, int64_t a_cs,
-               const float* B, int64_t ldb, bool accumulate, float* C, int64_t ldc, Causal causal = Causal::kNone,
-               int64_t off = 0) {
+void tile_gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t a_rs, int64_t a_cs, const float* B,
+               int64_t ldb, bool accumulate, float* C, int64_t ldc, Causal causal = Causal::kNone, int64_t off = 0) {
   constexpr int64_t MR = 6;
   // k range of rows [i, i + mr) under the causal mode.
   auto k_range = [&](int64_t i, int64_t mr) -> std::pair<int64_t, int64_t> {
@@ -164,8 +175,8 @@ inline int64_t tile_floats(int64_t T, int64_t D) { return 2 * block_rows(T) * T 
 void check_shapes(const char* fn, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D) {
   LATHE_CHECK(B >= 1 && T >= 1 && H >= 1 && KVH >= 1 && D >= 1,
               "{}: invalid shape B={} T={} H={} KVH={} D={} (all must be >= 1)", fn, B, T, H, KVH, D);
-  LATHE_CHECK(H % KVH == 0, "{}: n_head {} is not a multiple of n_kv_head {}; set n_kv_head to a divisor of n_head",
-              fn, H, KVH);
+  LATHE_CHECK(H % KVH == 0, "{}: n_head {} is not a multiple of n_kv_head {}; set n_kv_head to a divisor of n_head", fn,
+              H, KVH);
 }
 
 }  // namespace
@@ -189,8 +200,8 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
   for (int64_t bh = 0; bh < B * H; ++bh) {
     const int64_t b = bh / H, h = bh % H, g = h / rep;
     float* S = scratch + static_cast<int64_t>(omp_get_thread_num()) * per_thread;  // [Br, T] tile
-    float* Kt = S + 2 * Br * T + Br;                                                // [D, T]
-    float* Vc = Kt + D * T;                                                         // [T, D]
+    float* Kt = S + 2 * Br * T + Br;                                               // [D, T]
+    float* Vc = Kt + D * T;                                                        // [T, D]
     const float* q = qkv + b * T * ld + h * D;
     const float* k = qkv + b * T * ld + (H + g) * D;
     const float* v = qkv + b * T * ld + (H + KVH + g) * D;
@@ -217,8 +228,8 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
   }
 }
 
-void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
-                        int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, float* scratch) {
+void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int64_t B,
+                        int64_t T, int64_t H, int64_t KVH, int64_t D, float* scratch) {
   check_shapes("attention_backward", B, T, H, KVH, D);
   const int64_t ld = (H + 2 * KVH) * D;
   const int64_t ldo = H * D;

@@ -5,9 +5,9 @@
 // The scatter-add is parallelised over column blocks, not over tokens: every thread walks all B*T
 // tokens in (b,t) order but owns a disjoint range of columns, so rows hit by several tokens are
 // summed in a fixed order with no atomics and the result does not depend on the thread count.
-#include <cstring>
-
 #include <omp.h>
+
+#include <cstring>
 
 #include "kernels/cpu/ops.h"
 
@@ -19,8 +19,8 @@ constexpr int64_t kParallelMin = 1 << 14;
 constexpr int64_t kColBlock = 16;
 }  // namespace
 
-void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B,
-                       int64_t T, int64_t C) {
+void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B, int64_t T,
+                       int64_t C) {
   const int64_t rows = B * T;
 #pragma omp parallel for schedule(static) if (rows * C >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
@@ -35,8 +35,8 @@ void embedding_forward(float* out, const int32_t* tokens, const float* wte, cons
   }
 }
 
-void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B,
-                        int64_t T, int64_t C) {
+void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
+                        int64_t C) {
   const int64_t rows = B * T;
   const int64_t nblocks = (C + kColBlock - 1) / kColBlock;
   const bool par = rows * C >= kParallelMin;

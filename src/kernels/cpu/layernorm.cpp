@@ -5,9 +5,9 @@
 // Rows are split among threads in fixed contiguous ranges. The parameter-gradient sums over rows
 // go to per-thread partials in the caller's scratch, then are combined in thread order, so the
 // result is deterministic for a fixed thread count.
-#include <cmath>
-
 #include <omp.h>
+
+#include <cmath>
 
 #include "kernels/cpu/ops.h"
 
@@ -19,8 +19,8 @@ constexpr int64_t kParallelMin = 1 << 14;
 
 size_t layernorm_scratch_floats(int64_t C) { return static_cast<size_t>(2 * C * omp_get_max_threads()); }
 
-void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                       const float* bias, int64_t N, int64_t C, float eps) {
+void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
+                       int64_t N, int64_t C, float eps) {
   const float inv_c = 1.0f / static_cast<float>(C);
 #pragma omp parallel for schedule(static) if (N * C >= kParallelMin)
   for (int64_t n = 0; n < N; ++n) {

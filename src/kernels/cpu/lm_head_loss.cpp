@@ -9,13 +9,13 @@
 // Each V-wide row is read from memory once after the GEMM wrote it; the later passes hit L2
 // (a 50257-wide row is 200 KB). Larger chunk_rows keep the GEMMs large and stream w (and dw)
 // fewer times: each chunk reads w twice and reads+writes dw once.
+#include <cblas.h>
+#include <omp.h>
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
-
-#include <cblas.h>
-#include <omp.h>
 
 #include "core/error.h"
 #include "kernels/cpu/ops.h"
@@ -30,8 +30,10 @@ double lm_head_loss(float* losses, float* dx, float* dw, const float* x, const f
   LATHE_CHECK(chunk_rows >= 1, "lm_head_loss: chunk_rows must be >= 1, got {}", chunk_rows);
   LATHE_CHECK(!backward || (dx != nullptr && dw != nullptr), "lm_head_loss: backward needs dx and dw buffers");
   for (int64_t n = 0; n < N; ++n) {
-    LATHE_CHECK(targets[n] < V, "lm_head_loss: target {} at row {} is out of range for vocab size {}; "
-                "check that the tokenizer's vocabulary matches model.vocab_size", targets[n], n, V);
+    LATHE_CHECK(targets[n] < V,
+                "lm_head_loss: target {} at row {} is out of range for vocab size {}; "
+                "check that the tokenizer's vocabulary matches model.vocab_size",
+                targets[n], n, V);
   }
 
   double total = 0.0;

@@ -5,10 +5,10 @@
 // the output (M, N) among threads, never K, so its results are deterministic for a fixed thread
 // count. The bias reduction here is split over columns, each column summed in row order, which
 // makes it independent of the thread count.
+#include <cblas.h>
+
 #include <climits>
 #include <cstring>
-
-#include <cblas.h>
 
 #include "core/error.h"
 #include "kernels/cpu/ops.h"
@@ -24,15 +24,15 @@ constexpr int64_t kParallelMin = 1 << 14;
 constexpr int64_t kColBlock = 64;
 
 inline int as_blas_int(int64_t v, const char* what) {
-  LATHE_CHECK(v >= 0 && v <= INT_MAX,
-              "matmul: dimension {}={} does not fit OpenBLAS's 32-bit int; split the GEMM", what, v);
+  LATHE_CHECK(v >= 0 && v <= INT_MAX, "matmul: dimension {}={} does not fit OpenBLAS's 32-bit int; split the GEMM",
+              what, v);
   return static_cast<int>(v);
 }
 
 }  // namespace
 
-void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t M,
-                    int64_t K, int64_t N, bool accumulate) {
+void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t M, int64_t K,
+                    int64_t N, bool accumulate) {
   const int m = as_blas_int(M, "M"), k = as_blas_int(K, "K"), n = as_blas_int(N, "N");
   if (M == 0 || N == 0) return;
   float beta = accumulate ? 1.0f : 0.0f;

@@ -18,8 +18,8 @@ namespace lathe::cpu {
 // ---- matmul (OpenBLAS sgemm; PyTorch nn.Linear layout) -------------------------------------
 // out[M,N] = inp[M,K] @ weight[N,K]^T (+ bias[N] if bias != nullptr).
 // accumulate=true adds into out instead of overwriting it.
-void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t M,
-                    int64_t K, int64_t N, bool accumulate = false);
+void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t M, int64_t K,
+                    int64_t N, bool accumulate = false);
 // dinp[M,K] (= or += per accumulate_dinp) dout[M,N] @ weight[N,K]     (skipped if dinp == nullptr)
 // dweight[N,K] += dout^T @ inp                                          (skipped if dweight == nullptr)
 // dbias[N] += sum over rows of dout                                     (skipped if dbias == nullptr)
@@ -28,17 +28,17 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
 
 // ---- token + learned position embedding -----------------------------------------------------
 // out[B,T,C] = wte[tokens[b,t], :] (+ wpe[t, :] if wpe != nullptr). tokens are validated by the caller.
-void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B,
-                       int64_t T, int64_t C);
+void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B, int64_t T,
+                       int64_t C);
 // dwte[V,C] += scatter of dout by token; dwpe[T,C] += sum over batch (if dwpe != nullptr).
 // Deterministic: rows hit by several tokens are summed in (b,t) order (parallelise over C).
-void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B,
-                        int64_t T, int64_t C);
+void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
+                        int64_t C);
 
 // ---- LayerNorm (biased variance, eps inside sqrt, as torch.nn.LayerNorm) --------------------
 // out[N,C], mean[N], rstd[N] (saved for backward) from inp[N,C], weight[C], bias[C] (bias may be null).
-void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                       const float* bias, int64_t N, int64_t C, float eps);
+void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
+                       int64_t N, int64_t C, float eps);
 // dinp[N,C] += ..., dweight[C] += ..., dbias[C] += ... (dbias may be null).
 // Deterministic parameter-gradient reduction: per-thread partial sums in `scratch`
 // (at least layernorm_scratch_floats(C) floats), combined in thread order.
@@ -48,8 +48,7 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
 size_t layernorm_scratch_floats(int64_t C);  // = 2 * C * max_threads
 
 // ---- RMSNorm (HF LlamaRMSNorm: x * rsqrt(mean(x^2) + eps) * weight) ---------------------------
-void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C,
-                     float eps);
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C, float eps);
 // dinp[N,C] += ..., dweight[C] += ... ; scratch: at least rmsnorm_scratch_floats(C).
 void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
                       const float* rstd, int64_t N, int64_t C, float* scratch);
@@ -77,11 +76,11 @@ void rope_tables(float* cos_table, float* sin_table, int64_t T, int64_t D, doubl
 // In place on x viewed as [B, T, row_stride] where each row holds `n_heads` heads of size D
 // starting at column 0 (pass a pointer to the q or k section of a fused qkv row):
 //   x1 = x[..., :D/2], x2 = x[..., D/2:];  x <- (x1*cos - x2*sin, x2*cos + x1*sin)
-void rope_forward(float* x, const float* cos_table, const float* sin_table, int64_t B, int64_t T,
-                  int64_t n_heads, int64_t D, int64_t row_stride);
+void rope_forward(float* x, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
+                  int64_t D, int64_t row_stride);
 // Gradient of rope_forward, in place (rotation by -angle).
-void rope_backward(float* dx, const float* cos_table, const float* sin_table, int64_t B, int64_t T,
-                   int64_t n_heads, int64_t D, int64_t row_stride);
+void rope_backward(float* dx, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
+                   int64_t D, int64_t row_stride);
 
 // ---- causal self-attention with grouped-query heads -----------------------------------------
 // qkv[B, T, (H + 2*KVH) * D]: per row, H query heads, then KVH key heads, then KVH value heads.
@@ -89,13 +88,13 @@ void rope_backward(float* dx, const float* cos_table, const float* sin_table, in
 // out[B, T, H*D]; lse[B, H, T] = logsumexp of each score row (saved for backward).
 // Never materialises more than one (T x T) score tile per thread: scratch must hold
 // attention_scratch_floats(T, D) floats.
-void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t H,
-                       int64_t KVH, int64_t D, float* scratch);
+void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
+                       int64_t D, float* scratch);
 // dqkv[B, T, (H+2*KVH)*D] = gradient w.r.t. qkv (overwrites). Recomputes probabilities from lse.
 // Parallel over (b, kv head) so that the dk/dv of a kv head shared by several query heads are
 // summed by one thread in a fixed order.
-void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
-                        int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, float* scratch);
+void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int64_t B,
+                        int64_t T, int64_t H, int64_t KVH, int64_t D, float* scratch);
 size_t attention_scratch_floats(int64_t T, int64_t D);  // per-call total (covers all threads)
 
 // ---- lm head + softmax + cross-entropy, fused and chunked over rows ---------------------------

@@ -4,9 +4,9 @@
 //             dinp[N,C] += rstd * (dxhat - xhat * mean(dxhat * xhat)),  dweight[C] += sum_n dout * xhat.
 // Parameter-gradient partials per thread in the caller's scratch, combined in thread order
 // (deterministic for a fixed thread count).
-#include <cmath>
-
 #include <omp.h>
+
+#include <cmath>
 
 #include "kernels/cpu/ops.h"
 
@@ -18,8 +18,7 @@ constexpr int64_t kParallelMin = 1 << 14;
 
 size_t rmsnorm_scratch_floats(int64_t C) { return static_cast<size_t>(C * omp_get_max_threads()); }
 
-void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C,
-                     float eps) {
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C, float eps) {
   const float inv_c = 1.0f / static_cast<float>(C);
 #pragma omp parallel for schedule(static) if (N * C >= kParallelMin)
   for (int64_t n = 0; n < N; ++n) {

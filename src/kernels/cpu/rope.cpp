@@ -21,7 +21,8 @@ void rope_tables(float* cos_table, float* sin_table, int64_t T, int64_t D, doubl
   for (int64_t i = 0; i < half; ++i) {
     // fp32 exponent (2i)/D, fp32 power, fp32 reciprocal, as torch does it.
     const float e = static_cast<float>(2 * i) / static_cast<float>(D);
-    const float p = static_cast<float>(std::pow(static_cast<double>(static_cast<float>(theta)), static_cast<double>(e)));
+    const float p =
+        static_cast<float>(std::pow(static_cast<double>(static_cast<float>(theta)), static_cast<double>(e)));
     const float inv_freq = 1.0f / p;
     for (int64_t t = 0; t < T; ++t) {
       const float angle = static_cast<float>(t) * inv_freq;  // one fp32 rounding, as torch's outer()
@@ -31,8 +32,8 @@ void rope_tables(float* cos_table, float* sin_table, int64_t T, int64_t D, doubl
   }
 }
 
-void rope_forward(float* x, const float* cos_table, const float* sin_table, int64_t B, int64_t T,
-                  int64_t n_heads, int64_t D, int64_t row_stride) {
+void rope_forward(float* x, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
+                  int64_t D, int64_t row_stride) {
   const int64_t half = D / 2;
   const int64_t rows = B * T;
 #pragma omp parallel for schedule(static) if (rows * n_heads * D >= kParallelMin)
@@ -53,8 +54,8 @@ void rope_forward(float* x, const float* cos_table, const float* sin_table, int6
   }
 }
 
-void rope_backward(float* dx, const float* cos_table, const float* sin_table, int64_t B, int64_t T,
-                   int64_t n_heads, int64_t D, int64_t row_stride) {
+void rope_backward(float* dx, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
+                   int64_t D, int64_t row_stride) {
   const int64_t half = D / 2;
   const int64_t rows = B * T;
 #pragma omp parallel for schedule(static) if (rows * n_heads * D >= kParallelMin)
