@@ -90,6 +90,8 @@ int run_tokenize(int argc, char** argv) {
     for (const auto& e : st.examples)
       ex.push_back({{"file", e.file}, {"line", e.line}, {"reason", skip_reason_name(e.reason)}, {"detail", e.detail}});
     j["examples"] = ex;
+    j["largest_single_document"] = st.largest_single_document;
+    j["largest_single_document_bytes"] = st.largest_single_document_bytes;
     std::ofstream f(stats_json);
     LATHE_CHECK(f.good(), "--stats-json '{}': cannot open for writing", stats_json);
     f << j.dump(2) << "\n";

@@ -217,6 +217,21 @@ void split_piece(const Piece& p, const std::vector<std::pair<size_t, size_t>>& m
     if (s.b > s.a) out.push_back({p.s.substr(s.a, s.b - s.a), p.origin && s.a == 0});
 }
 
+// One window of a regex split (see PreTokenizer::apply_window). The scan runs over all of s and
+// is cut right after a match: from there the whole-text scan restarts, so every match is the same.
+// Only behaviours that keep each segment on its own are cut (Isolated, Removed); merging ones
+// could join the segments on both sides of a cut.
+size_t regex_split_window(const Regex& re, bool invert, Behavior behavior, std::string_view s, size_t pos,
+                          size_t min_len, bool origin, PieceBuf& buf) {
+  if (behavior != Behavior::Isolated && behavior != Behavior::Removed) return 0;
+  buf.matches.clear();
+  const size_t end = re.find_window(s, pos, pos + min_len, buf.matches);
+  for (auto& m : buf.matches) m.first -= pos, m.second -= pos;
+  buf.pieces.clear();
+  split_piece(Piece{s.substr(pos, end - pos), origin && pos == 0}, buf.matches, invert, behavior, buf.pieces);
+  return end;
+}
+
 struct SplitPreTokenizer : PreTokenizer {
   std::unique_ptr<Regex> re;
   bool invert = false;
@@ -229,6 +244,9 @@ struct SplitPreTokenizer : PreTokenizer {
       split_piece(p, buf.matches, invert, behavior, buf.tmp);
     }
     buf.pieces.swap(buf.tmp);
+  }
+  size_t apply_window(std::string_view s, size_t pos, size_t min_len, bool origin, PieceBuf& buf) const override {
+    return regex_split_window(*re, invert, behavior, s, pos, min_len, origin, buf);
   }
 };
 
@@ -256,6 +274,10 @@ struct ByteLevelPreTokenizer : PreTokenizer {
     }
     buf.pieces.swap(buf.tmp);
     // The byte -> unicode mapping is implicit: the byte-level BPE model works on raw bytes.
+  }
+  size_t apply_window(std::string_view s, size_t pos, size_t min_len, bool origin, PieceBuf& buf) const override {
+    if (add_prefix_space || !re) return 0;  // the prefix space would change the text scanned
+    return regex_split_window(*re, false, Behavior::Isolated, s, pos, min_len, origin, buf);
   }
 };
 
@@ -289,6 +311,13 @@ struct SequencePreTokenizer : PreTokenizer {
   std::vector<std::unique_ptr<PreTokenizer>> parts;
   void apply(PieceBuf& buf) const override {
     for (auto& p : parts) p->apply(buf);
+  }
+  size_t apply_window(std::string_view s, size_t pos, size_t min_len, bool origin, PieceBuf& buf) const override {
+    if (parts.empty()) return 0;
+    const size_t end = parts[0]->apply_window(s, pos, min_len, origin, buf);
+    if (end == 0) return 0;
+    for (size_t i = 1; i < parts.size(); ++i) parts[i]->apply(buf);  // later stages act per piece
+    return end;
   }
 };
 

@@ -49,6 +49,15 @@ class PreTokenizer {
   virtual void apply(PieceBuf& buf) const = 0;
   // True for ByteLevel: pieces are raw bytes for a byte-level model (must be the last stage).
   virtual bool is_byte_level() const { return false; }
+  // Long text in bounded windows: sets buf.pieces to the pieces of s[pos, end) exactly as
+  // applying this pre-tokenizer to all of s (one piece, `origin` as given) would produce them,
+  // and returns end, a cut no piece crosses and nothing merges across, with
+  // end >= min(pos + min_len, s.size()). pos is 0 or an end returned before. Returns 0 when this
+  // pre-tokenizer cannot cut (the caller applies it to the whole text instead).
+  virtual size_t apply_window(std::string_view s, size_t pos, size_t min_len, bool origin, PieceBuf& buf) const {
+    (void)s, (void)pos, (void)min_len, (void)origin, (void)buf;
+    return 0;
+  }
 };
 std::unique_ptr<PreTokenizer> make_pre_tokenizer(const nlohmann::json& j, const std::string& where, bool* byte_level);
 

@@ -193,6 +193,8 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
   };
 
   double reader_cpu = 0, workers_cpu = 0;
+  std::string largest_doc;  // see PreprocessStats::largest_single_document (reader thread only)
+  uint64_t largest_doc_bytes = 0;
   std::thread reader_thread([&] {
     try {
       InBatch b;
@@ -230,6 +232,11 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
       while (reader.next_chunk(chunk, chunk_target())) {
         if (preprocess_cancel_flag().load(std::memory_order_relaxed)) break;
         bytes += chunk.data.size() + 64;
+        if (!chunk.lines && opt.workers > 1 && chunk.data.size() >= 8 * opt.batch_bytes &&
+            chunk.data.size() > largest_doc_bytes) {
+          largest_doc_bytes = chunk.data.size();
+          largest_doc = files[chunk.file_index];
+        }
         b.chunks.push_back(std::move(chunk));
         // A block of lines is a batch of its own (sized by chunk_target); whole files are
         // grouped up to batch_bytes.
@@ -377,6 +384,8 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
   reader_thread.join();
   for (auto& t : workers) t.join();
   st.reader_cpu_seconds = reader_cpu;
+  st.largest_single_document = largest_doc;
+  st.largest_single_document_bytes = largest_doc_bytes;
   st.workers_cpu_seconds = workers_cpu;
   st.writer_cpu_seconds = thread_cpu_seconds() - writer_cpu0;
   if (error || preprocess_cancel_flag().load()) {
@@ -446,6 +455,11 @@ std::string format_preprocess_summary(const PreprocessStats& s) {
   double el = std::max(s.seconds, 1e-9);
   o += fmt::format("input     : {:.2f} MB in {:.2f} s ({:.2f} MB/s); {:.3f} bytes per token\n", s.input_bytes / 1e6,
                    s.seconds, s.input_bytes / 1e6 / el, s.tokens ? double(s.text_bytes) / double(s.tokens) : 0.0);
+  if (!s.largest_single_document.empty())
+    o += fmt::format(
+        "note      : '{}' is one document of {:.1f} MB (plain text is one document per file), encoded by "
+        "one worker while the others idled; pass --split-lines for one document per line, or split the file\n",
+        s.largest_single_document, s.largest_single_document_bytes / 1e6);
   if (skipped) {
     std::string parts;
     for (int r = 0; r < static_cast<int>(SkipReason::Count); ++r)

@@ -66,6 +66,11 @@ struct PreprocessStats {
   // CPU time per pipeline stage: with P cores and reader + writer running beside the workers,
   // the best wall time is about max(workers/min(N, P), (workers + reader + writer) / P).
   double reader_cpu_seconds = 0, workers_cpu_seconds = 0, writer_cpu_seconds = 0;
+  // Work is shared by document: a plain-text file read as one document (no --split-lines) is
+  // encoded by one worker. The largest such file, when it was big enough to matter (>= 8 batches
+  // and more than one worker), so the summary can say why the workers idled.
+  std::string largest_single_document;
+  uint64_t largest_single_document_bytes = 0;
 };
 
 // Set from a signal handler to stop a run cleanly (outputs removed, lathe::Error thrown).

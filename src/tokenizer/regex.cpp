@@ -57,11 +57,16 @@ Regex::Regex(const std::string& pattern) : pattern_(pattern) {
 Regex::~Regex() { pcre2_code_free(static_cast<pcre2_code*>(code_)); }
 
 void Regex::find_all(std::string_view text, std::vector<std::pair<size_t, size_t>>& out) const {
+  find_window(text, 0, text.size() + 1, out);
+}
+
+size_t Regex::find_window(std::string_view text, size_t start, size_t stop_after,
+                          std::vector<std::pair<size_t, size_t>>& out) const {
   auto& st = thread_state();
   auto* code = static_cast<pcre2_code*>(code_);
   auto subject = reinterpret_cast<PCRE2_SPTR>(text.data());
   size_t n = text.size();
-  size_t pos = 0;
+  size_t pos = start;
   while (pos <= n) {
     int rc = pcre2_jit_match(code, subject, n, pos, 0, st.md, st.mctx);
     if (rc == PCRE2_ERROR_NOMATCH) break;
@@ -71,6 +76,7 @@ void Regex::find_all(std::string_view text, std::vector<std::pair<size_t, size_t
     size_t s = ov[0], e = ov[1];
     if (e > s) {
       out.emplace_back(s, e);
+      if (e >= stop_after) return e;
       pos = e;
     } else {
       // Empty match: advance one character (or one invalid byte).
@@ -78,6 +84,7 @@ void Regex::find_all(std::string_view text, std::vector<std::pair<size_t, size_t
       pos = e + utf8_char_len(text, e);
     }
   }
+  return n;
 }
 
 }  // namespace lathe::tok

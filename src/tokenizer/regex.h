@@ -20,6 +20,12 @@ class Regex {
   Regex& operator=(const Regex&) = delete;
   // Non-overlapping matches [start, end) in order, leftmost first; empty matches are skipped.
   void find_all(std::string_view text, std::vector<std::pair<size_t, size_t>>& out) const;
+  // The same scan over the whole of `text` (lookarounds see all of it), but starting at `start`
+  // (which must be 0 or a value this function returned) and stopping after the first match that
+  // ends at or beyond `stop_after`. Returns that match's end (a point where the whole-text scan
+  // restarts), or text.size() when no such match exists. Appends matches as absolute offsets.
+  size_t find_window(std::string_view text, size_t start, size_t stop_after,
+                     std::vector<std::pair<size_t, size_t>>& out) const;
   const std::string& pattern() const { return pattern_; }
 
  private:

@@ -117,6 +117,16 @@ def main():
         dt, docs = read_megatron(T("byte"))
         assert dt == np.uint16, dt
         assert len(docs) == 1 and docs[0] == list(text), "byte ids != file bytes"
+        # Several workers cannot share one document: the summary says so (and how to fix it) ...
+        p = run(["tokenize", "-t", "byte", "-i", SHAKESPEARE, "-o", T("byte2"), "--no-progress", "-j", "2",
+                 "--batch-bytes", "65536", "--stats-json", T("byte2.json")])
+        assert "is one document of 1.1 MB" in p.stdout and "--split-lines" in p.stdout, p.stdout
+        assert json.load(open(T("byte2.json")))["largest_single_document"] == SHAKESPEARE
+        # ... but not when the document is small against the batch size, or with one worker.
+        for extra in (["-j", "2"], ["-j", "1", "--batch-bytes", "65536"]):
+            p = run(["tokenize", "-t", "byte", "-i", SHAKESPEARE, "-o", T("byte3"), "--no-progress", "--overwrite"]
+                    + extra)
+            assert "one document of" not in p.stdout, (extra, p.stdout)
     check("byte tokenizer, whole file", byte_whole_file)
 
     # 2. GPT-2, one document per line, EOS appended; HF oracle

@@ -105,9 +105,16 @@ rand_bytes = [bytes(rng.choice([rng.randint(1, 255), rng.randint(0x80, 0xFF), 0x
                     for _ in range(rng.randint(0, 60))) for _ in range(1500)]
 
 
+# Long single documents: lathe pre-tokenizes text over 64 KB in windows cut where the regex scan
+# restarts; whitespace runs, mixed scripts and random characters put those cuts everywhere.
+long_mixed = "".join(t + rng.choice(["", " ", "  ", "\n", "\n\n", "\t", " \n ", "   "]) for t in mixed) * 3
+long_random = "".join(rand_utf8)
+
+
 def check_hf(name, tok_path, hf, special=False, corpora=None, byte_level=False):
     corpora = corpora or [("shakespeare-lines", shakes_lines), ("shakespeare-whole", [shakes]),
-                          ("mixed", mixed), ("random-utf8", rand_utf8)]
+                          ("mixed", mixed), ("random-utf8", rand_utf8), ("long-mixed", [long_mixed]),
+                          ("long-random-utf8", [long_random])]
     for cname, texts in corpora:
         want = [e.ids for e in hf.encode_batch(texts, add_special_tokens=special)]
         got = lathe_encode(tok_path, texts, special)
