@@ -27,7 +27,7 @@ class WordCache {
   static constexpr size_t kMaxWordBytes = 256;        // longer words are not cached (len is a uint8)
   static constexpr size_t kMaxArenaWords = 4u << 20;  // 16 MB of entries at most
 
-  explicit WordCache(HashFn hash) : hash(hash), slots_(kMinSlots) {}
+  explicit WordCache(HashFn hash) : hash_(hash), slots_(kMinSlots) {}
 
   // Returns true and appends ids when `w` (1..kMaxWordBytes-1 bytes) is cached.
   bool lookup(std::string_view w, uint64_t h, std::vector<int32_t>& out) const {
@@ -101,7 +101,7 @@ class WordCache {
       if (s.len == 0) continue;
       word.assign(reinterpret_cast<const char*>(&s.head), std::min<size_t>(s.len, 8));
       if (s.len > 8) word.append(reinterpret_cast<const char*>(arena_.data() + s.data + s.n_ids), s.len - 8);
-      place(hash(word), s);
+      place(hash_(word), s);
     }
   }
   void clear() {
@@ -109,7 +109,7 @@ class WordCache {
     arena_.clear();
     entries_ = 0;
   }
-  HashFn hash;
+  HashFn hash_;
   std::vector<Slot> slots_;
   std::vector<uint32_t> arena_;
   size_t entries_ = 0;
