@@ -8,10 +8,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
 #include <limits>
 
 #include "core/error.h"
+#include "io/fs.h"
 
 namespace lathe::data {
 namespace {
@@ -34,16 +34,6 @@ void write_all(std::FILE* f, const void* data, size_t n, const std::string& path
 void fsync_file(std::FILE* f, const std::string& path) {
   if (std::fflush(f) != 0 || ::fsync(::fileno(f)) != 0)
     throw_error("{}: flush/fsync failed ({})", path, std::strerror(errno));
-}
-
-void fsync_dir(const std::string& file_path) {
-  auto dir = std::filesystem::path(file_path).parent_path();
-  if (dir.empty()) dir = ".";
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (fd < 0) throw_error("{}: cannot open directory to fsync ({})", dir.string(), std::strerror(errno));
-  int rc = ::fsync(fd);
-  ::close(fd);
-  if (rc != 0) throw_error("{}: directory fsync failed ({})", dir.string(), std::strerror(errno));
 }
 
 // Maps a whole file read-only; returns nullptr for an empty file (mmap rejects length 0).
@@ -313,7 +303,7 @@ void IndexedDatasetWriter::finalize() {
     if (std::rename(tmp.c_str(), fin.c_str()) != 0)
       throw_error("{}: rename to {} failed ({})", tmp, fin, std::strerror(errno));
   finalized_ = true;
-  fsync_dir(prefix_ + ".idx");
+  io::fsync_dir(io::parent_dir(prefix_ + ".idx"));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@
 #include "core/error.h"
 #include "core/timer.h"
 #include "data/indexed_dataset.h"
+#include "io/fs.h"
 
 namespace lathe::tok {
 
@@ -60,17 +61,6 @@ double thread_cpu_seconds() {
 bool file_exists(const std::string& p) {
   struct stat st;
   return ::stat(p.c_str(), &st) == 0;
-}
-
-void fsync_dir_of(const std::string& path) {
-  std::filesystem::path parent = std::filesystem::path(path).parent_path();
-  if (parent.empty()) parent = std::filesystem::path(".");
-  const std::string dir = parent.string();
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
 }
 
 std::string shard_name(const std::string& prefix, size_t k) { return fmt::format("{}_{:05d}", prefix, k); }
@@ -434,7 +424,7 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
       if (!any) break;
     }
   }
-  fsync_dir_of(prefix);
+  io::fsync_dir(io::parent_dir(prefix));
   st.seconds = now_seconds() - t0;
   return st;
 }
