@@ -16,7 +16,7 @@ int run_check(int argc, char** argv) {
   std::vector<std::string> sets;
   app.add_option("recipe", path, "recipe file (YAML)")->required();
   app.add_option("--set", sets, "override a recipe value (repeatable)");
-  CLI11_PARSE(app, argc, argv);
+  LATHE_CLI_PARSE(app, argc, argv);
   lathe::Recipe r = lathe::load_recipe(path, sets);
   fmt::print("ok   recipe {} is valid\n", path);
   auto rep = lathe::check_consistency(r);

@@ -234,7 +234,7 @@ int run_convert(int argc, char** argv) {
   app.add_option("--to-gguf", gguf, "also write a GGUF file for llama.cpp (llama family)");
   app.add_flag("--verify", verify, "compare logits with transformers on fixed token sequences");
   app.add_option("--tol", tol, "--verify tolerance on the max abs logit difference (x max(1, max|logit|))");
-  CLI11_PARSE(app, argc, argv);
+  LATHE_CLI_PARSE(app, argc, argv);
   LATHE_CHECK(!to.empty() || !gguf.empty() || verify, "nothing to do: give --to DIR, --to-gguf FILE and/or --verify");
   const DType dtype = parse_dtype(dtype_s, "--dtype");
   HfLoadOptions lo;
@@ -285,7 +285,7 @@ int run_logits(int argc, char** argv) {
   app.add_option("--model", model_dir, "Hugging Face model directory")->required();
   app.add_option("--tokens", toks, "comma-separated token ids (repeat for more sequences)")->required();
   app.add_option("--out", out, "output file: float32 [n_seq, T, V] concatenated")->required();
-  CLI11_PARSE(app, argc, argv);
+  LATHE_CLI_PARSE(app, argc, argv);
   std::string report;
   auto model = load_hf_model(model_dir, &report);
   std::vector<std::vector<int32_t>> seqs;

@@ -26,7 +26,7 @@ int run_eval(int argc, char** argv) {
   app.add_option("--seq-len", seq_len, "tokens per sample (default: min(1024, max_position_embeddings))");
   app.add_option("--batch", batch, "samples per forward pass");
   app.add_flag("--json", json, "print one JSON object");
-  CLI11_PARSE(app, argc, argv);
+  LATHE_CLI_PARSE(app, argc, argv);
   std::string report;
   auto model = lathe::load_hf_model(model_dir, &report);
   const auto& cfg = model->config();

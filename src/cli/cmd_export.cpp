@@ -95,7 +95,7 @@ int run_export(int argc, char** argv) {
   app.add_option("--dtype", dtype_s, "fp32, bf16 or fp16 (GGUF: fp32 or fp16)");
   app.add_option("--max-shard-size", shard_s, "shard model.safetensors above this size (default 5GB)");
   app.add_option("--to-gguf", gguf, "also write a GGUF file for llama.cpp (llama family)");
-  CLI11_PARSE(app, argc, argv);
+  LATHE_CLI_PARSE(app, argc, argv);
   LATHE_CHECK(!to.empty() || !gguf.empty(), "nothing to do: give --to DIR and/or --to-gguf FILE");
   const DType dtype = parse_dtype(dtype_s, "--dtype");
   Source s = load_source(src);

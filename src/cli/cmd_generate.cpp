@@ -47,7 +47,7 @@ int run_generate(int argc, char** argv) {
   app.add_option("--top-k", so.top_k, "keep the k most likely tokens (0 = all)");
   app.add_option("--top-p", so.top_p, "nucleus sampling mass (1 = off)");
   app.add_option("--seed", so.seed, "random seed");
-  CLI11_PARSE(app, argc, argv);
+  LATHE_CLI_PARSE(app, argc, argv);
   auto model = lathe::load_hf_model(model_dir);
   auto tokenizer = lathe::tok::load_tokenizer(tok_path.empty() ? default_tokenizer(model_dir) : tok_path);
   LATHE_CHECK(tokenizer->vocab_size() <= model->config().vocab_size,

@@ -49,11 +49,7 @@ int run_tokenize(int argc, char** argv) {
   app.add_option("--batch-bytes", opt.batch_bytes, "input bytes per work batch (tuning; tests use small values)")
       ->capture_default_str();
   app.add_option("--stats-json", stats_json, "also write the summary as JSON to this file");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  LATHE_CLI_PARSE(app, argc, argv);
   opt.max_shard_bytes = parse_byte_size(max_shard, "--max-shard-size");
   opt.format = parse_input_format(format);
   opt.progress = !no_progress;

@@ -53,11 +53,7 @@ int run_tokenizer(int argc, char** argv) {
   train->add_option("--eos-token", eos, "EOS token for tokenizer_config.json (default: guessed)");
   train->add_option("--pad-token", pad, "PAD token for tokenizer_config.json (default: guessed)");
   train->add_flag("--no-progress", no_progress, "no progress bar");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  LATHE_CLI_PARSE(app, argc, argv);
 
   BpeTrainerOptions opt;
   opt.vocab_size = vocab_size;

@@ -34,7 +34,7 @@ int run_train(int argc, char** argv) {
   app.footer(
       "On SIGTERM or SIGINT a checkpoint is saved at the next step boundary and lathe exits with code 75; "
       "a second signal stops immediately.");
-  CLI11_PARSE(app, argc, argv);
+  LATHE_CLI_PARSE(app, argc, argv);
   if (save_every >= 0) sets.push_back(fmt::format("output.save_every={}", save_every));
   if (checkpoint_every >= 0) sets.push_back(fmt::format("output.checkpoint_every={}", checkpoint_every));
   lathe::Recipe recipe = lathe::load_recipe(recipe_path, sets);

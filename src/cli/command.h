@@ -1,12 +1,24 @@
 // Subcommands of the `lathe` binary register themselves:
 //   static lathe::cli::Registrar reg("encode", "text on stdin -> token ids", run_encode);
 // main() dispatches argv[1] to the command; the function receives the remaining arguments
-// (argv[0] is "lathe <name>") and returns the process exit code. lathe::Error thrown from a
-// command is printed as "lathe <name>: error: <message>" with exit code 1.
+// (argv[0] is "lathe <name>") and returns the process exit code. Any exception thrown from a
+// command (lathe::Error, and also std::bad_alloc, filesystem or JSON library errors) is printed as
+// "lathe <name>: error: <message>" with exit code 1; a usage error (LATHE_CLI_PARSE) exits 2.
 #pragma once
 #include <functional>
 #include <map>
 #include <string>
+
+// Parses a CLI11 command line inside a command function: --help prints the help and returns 0,
+// a usage error (unknown option, "--seq-len 12abc", missing argument) prints it and returns 2.
+#define LATHE_CLI_PARSE(app, argc, argv)        \
+  do {                                          \
+    try {                                       \
+      (app).parse((argc), (argv));              \
+    } catch (const CLI::ParseError& e_) {       \
+      return (app).exit(e_) == 0 ? 0 : 2;       \
+    }                                           \
+  } while (0)
 
 namespace lathe::cli {
 

@@ -2,6 +2,9 @@
 
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <new>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "cli/command.h"
@@ -54,6 +57,22 @@ int main(int argc, char** argv) {
   try {
     return it->second.fn(argc - 1, argv + 1);
   } catch (const lathe::Error& e) {
+    fmt::print(stderr, "{}: error: {}\n", prog, e.what());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr,
+               "{}: error: out of memory: an allocation failed (a dimension, batch or file too large for this "
+               "machine's memory; lower it or free memory)\n",
+               prog);
+    return 1;
+  } catch (const std::filesystem::filesystem_error& e) {
+    // e.what() already names the operation and the path(s).
+    fmt::print(stderr, "{}: error: {}\n", prog, e.what());
+    return 1;
+  } catch (const nlohmann::json::exception& e) {
+    fmt::print(stderr, "{}: error: unexpected JSON value: {} (a file field has the wrong type)\n", prog, e.what());
+    return 1;
+  } catch (const std::exception& e) {
     fmt::print(stderr, "{}: error: {}\n", prog, e.what());
     return 1;
   }

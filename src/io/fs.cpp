@@ -46,10 +46,48 @@ void fsync_dir(const std::string& dir) {
   if (rc != 0 && err != EINVAL) throw_error("{}: fsync of directory failed: {}", dir, std::strerror(err));
 }
 
+const char* file_kind(unsigned mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISREG(mode)) return "a regular file";
+  return "not a regular file";
+}
+
+int open_input(const std::string& path, size_t* size) {
+  // O_NONBLOCK: opening a FIFO with no writer would otherwise block here forever.
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    int err = errno;
+    if (err == ELOOP) throw_error("{}: cannot open: too many levels of symbolic links (a symlink loop?)", path);
+    if (err == ENOENT) throw_error("{}: no such file", path);
+    throw_error("{}: cannot open: {}", path, std::strerror(err));
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    int err = errno;
+    ::close(fd);
+    throw_error("{}: fstat failed: {}", path, std::strerror(err));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw_error("{}: is {}, not a regular file; give the path of a file", path, file_kind(st.st_mode));
+  }
+  int flags = ::fcntl(fd, F_GETFL);
+  if (flags >= 0) ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+  if (size) *size = static_cast<size_t>(st.st_size);
+  return fd;
+}
+
+void require_regular_file(const std::string& path) { ::close(open_input(path)); }
+
 std::string read_file(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw_error("{}: cannot open file: {}", path, errno_str());
+  size_t size = 0;
+  int fd = open_input(path, &size);
   std::string out;
+  out.reserve(size);
   char buf[1 << 16];
   for (;;) {
     ssize_t r = ::read(fd, buf, sizeof(buf));

@@ -12,8 +12,17 @@ namespace lathe::io {
 void atomic_write_file(const std::string& path, std::string_view contents);
 // fsync a directory so that a rename inside it is durable. Errors name the directory.
 void fsync_dir(const std::string& dir);
-// Whole file as bytes. Errors name the path.
+// Whole file as bytes (only a regular file, see open_input). Errors name the path.
 std::string read_file(const std::string& path);
+// Opens an input file read-only and returns the fd (O_CLOEXEC, blocking). Only a regular file is
+// accepted: a FIFO (which would block forever), a directory, a device or a socket is refused with
+// its kind named; a symlink loop, a missing file or a permission problem names the path. `size`
+// receives the file size when non-null. Every reader of user-supplied files opens through this.
+int open_input(const std::string& path, size_t* size = nullptr);
+// The same check without keeping the file open (for paths handed to libraries that open them).
+void require_regular_file(const std::string& path);
+// "a directory", "a FIFO (named pipe)", ... for a st_mode that is not a regular file.
+const char* file_kind(unsigned mode);
 // Directory part of a path ("." when there is none).
 std::string parent_dir(const std::string& path);
 
