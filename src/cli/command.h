@@ -5,19 +5,23 @@
 // command (lathe::Error, and also std::bad_alloc, filesystem or JSON library errors) is printed as
 // "lathe <name>: error: <message>" with exit code 1; a usage error (LATHE_CLI_PARSE) exits 2.
 #pragma once
+#include <cstdio>
 #include <functional>
 #include <map>
 #include <string>
 
 // Parses a CLI11 command line inside a command function: --help prints the help and returns 0,
 // a usage error (unknown option, "--seq-len 12abc", missing argument) prints it and returns 2.
-#define LATHE_CLI_PARSE(app, argc, argv)        \
-  do {                                          \
-    try {                                       \
-      (app).parse((argc), (argv));              \
-    } catch (const CLI::ParseError& e_) {       \
-      return (app).exit(e_) == 0 ? 0 : 2;       \
-    }                                           \
+#define LATHE_CLI_PARSE(app, argc, argv)                                                          \
+  do {                                                                                            \
+    try {                                                                                         \
+      (app).parse((argc), (argv));                                                                \
+    } catch (const CLI::ParseError& e_) {                                                         \
+      if (e_.get_exit_code() == 0) return (app).exit(e_); /* --help */                            \
+      std::fprintf(stderr, "%s: usage error: %s\nRun '%s --help' for the options.\n",              \
+                   (app).get_name().c_str(), e_.what(), (app).get_name().c_str());                \
+      return 2;                                                                                   \
+    }                                                                                             \
   } while (0)
 
 namespace lathe::cli {

@@ -48,7 +48,7 @@ int main(int argc, char** argv) {
   auto& table = lathe::cli::commands();
   auto it = table.find(argv[1]);
   if (it == table.end()) {
-    fmt::print(stderr, "lathe: unknown command '{}'\n\n", argv[1]);
+    fmt::print(stderr, "lathe: error: unknown command '{}'\n\n", argv[1]);
     usage();
     return 2;
   }
