@@ -1,0 +1,168 @@
+// Checks of the Communicator contract, shared by the thread test (test_comm.cpp) and the MPI test
+// (test_comm_mpi.cpp, run under mpirun). Each is called on every rank of `c`. The expected value of
+// every reduction is computed here in plain loops, summing the ranks' contributions in rank order
+// in the same type: bit equality is required (comm.h promises rank-ordered reductions).
+#pragma once
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "dist/comm.h"
+
+namespace testing_checks {
+using namespace lathe;
+using namespace lathe::dist;
+
+// A value with varied magnitude, so that summation order matters in float.
+inline float value(int rank, size_t i) {
+  return static_cast<float>(std::sin(0.37 * static_cast<double>(i) + rank) *
+                            std::pow(10.0, static_cast<int>((i + static_cast<size_t>(rank)) % 7) - 3));
+}
+
+inline void all_reduce(Communicator& c) {
+  const int n = c.size();
+  for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{1000}, size_t{4097}}) {
+    std::vector<float> x(count), want(count);
+    for (size_t i = 0; i < count; ++i) {
+      x[i] = value(c.rank(), i);
+      want[i] = value(0, i);
+      for (int r = 1; r < n; ++r) want[i] += value(r, i);
+    }
+    c.all_reduce(x.data(), count, DType::F32);
+    EXPECT_EQ(0, count ? std::memcmp(x.data(), want.data(), count * 4) : 0) << "sum of " << count << " floats";
+    std::vector<float> mx(count), mn(count);
+    for (size_t i = 0; i < count; ++i) mx[i] = mn[i] = value(c.rank(), i);
+    c.all_reduce(mx.data(), count, DType::F32, ReduceOp::Max);
+    c.all_reduce(mn.data(), count, DType::F32, ReduceOp::Min);
+    for (size_t i = 0; i < count; ++i) {
+      float hi = value(0, i), lo = hi;
+      for (int r = 1; r < n; ++r) hi = std::max(hi, value(r, i)), lo = std::min(lo, value(r, i));
+      EXPECT_EQ(mx[i], hi);
+      EXPECT_EQ(mn[i], lo);
+    }
+  }
+  std::vector<int64_t> k = {c.rank() + 1, int64_t{1} << 40};
+  c.all_reduce(k.data(), 2, DType::I64);
+  EXPECT_EQ(k[0], int64_t{n} * (n + 1) / 2);
+  EXPECT_EQ(k[1], int64_t{n} << 40);
+  std::vector<double> d = {1e-17 * c.rank(), 1.0};
+  c.all_reduce(d.data(), 2, DType::F64);
+  double want = 0;
+  for (int r = 0; r < n; ++r) want += 1e-17 * r;
+  EXPECT_EQ(d[0], want);
+  EXPECT_EQ(d[1], static_cast<double>(n));
+}
+
+inline std::vector<size_t> uneven(int n) {
+  std::vector<size_t> counts(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) counts[static_cast<size_t>(r)] = static_cast<size_t>((r * 3 + 1) % 4) * 37;
+  return counts;  // 37, 0, 111, 74, 37, ...: includes an empty segment from 2 ranks on
+}
+
+inline void reduce_scatter(Communicator& c) {
+  const auto counts = uneven(c.size());
+  const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
+  size_t off = 0;
+  for (int r = 0; r < c.rank(); ++r) off += counts[static_cast<size_t>(r)];
+  std::vector<float> send(total), recv(counts[static_cast<size_t>(c.rank())], -1.0f);
+  for (size_t i = 0; i < total; ++i) send[i] = value(c.rank(), i);
+  c.reduce_scatter(send.data(), recv.data(), counts, DType::F32);
+  for (size_t i = 0; i < recv.size(); ++i) {
+    float want = value(0, off + i);
+    for (int r = 1; r < c.size(); ++r) want += value(r, off + i);
+    EXPECT_EQ(recv[i], want) << "element " << i;
+  }
+}
+
+inline void all_gather(Communicator& c) {
+  std::vector<size_t> counts(static_cast<size_t>(c.size()));
+  for (int r = 0; r < c.size(); ++r) counts[static_cast<size_t>(r)] = static_cast<size_t>((r * 2 + 1) % 3);
+  const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
+  size_t off = 0;
+  for (int r = 0; r < c.rank(); ++r) off += counts[static_cast<size_t>(r)];
+  std::vector<int64_t> want;
+  for (int r = 0; r < c.size(); ++r)
+    for (size_t i = 0; i < counts[static_cast<size_t>(r)]; ++i) want.push_back(r * 100 + static_cast<int64_t>(i));
+  std::vector<int64_t> mine(counts[static_cast<size_t>(c.rank())]), out(total, -1);
+  for (size_t i = 0; i < mine.size(); ++i) mine[i] = c.rank() * 100 + static_cast<int64_t>(i);
+  c.all_gather(mine.data(), out.data(), counts, DType::I64);
+  EXPECT_EQ(out, want);
+  // In place: this rank's contribution already sits in its segment of the output.
+  std::vector<int64_t> inplace(total, -1);
+  std::copy(mine.begin(), mine.end(), inplace.begin() + static_cast<ptrdiff_t>(off));
+  c.all_gather(inplace.data() + off, inplace.data(), counts, DType::I64);
+  EXPECT_EQ(inplace, want);
+}
+
+inline void broadcast(Communicator& c) {
+  for (int root = 0; root < c.size(); ++root) {
+    std::vector<int32_t> b(13, c.rank() == root ? root + 1000 : -1);
+    c.broadcast(b.data(), b.size() * 4, root);
+    EXPECT_EQ(b, std::vector<int32_t>(13, root + 1000));
+  }
+}
+
+inline void send_recv(Communicator& c) {
+  const int n = c.size();
+  if (n < 2) return;
+  const int next = (c.rank() + 1) % n, prev = (c.rank() + n - 1) % n;
+  int32_t a = c.rank(), b = c.rank() + 10, t = c.rank() + 20;
+  auto w1 = c.send_async(&a, 4, next, 5);
+  auto w2 = c.send_async(&b, 4, next, 5);
+  auto w3 = c.send_async(&t, 4, next, 6);
+  int32_t got = -1;
+  c.recv(&got, 4, prev, 6);  // the tag-6 message first, although it was sent last
+  EXPECT_EQ(got, prev + 20);
+  c.recv(&got, 4, prev, 5);
+  EXPECT_EQ(got, prev);  // same tag: in send order
+  c.recv(&got, 4, prev, 5);
+  EXPECT_EQ(got, prev + 10);
+  w1->wait(), w2->wait(), w3->wait();
+}
+
+inline void split(Communicator& c) {
+  const int n = c.size();
+  auto g = c.split(c.rank() % 2, -c.rank(), "parity");  // reversed order inside each parity group
+  ASSERT_TRUE(g);
+  std::vector<int> members;
+  for (int r = n - 1; r >= 0; --r)
+    if (r % 2 == c.rank() % 2) members.push_back(r);
+  EXPECT_EQ(g->size(), static_cast<int>(members.size()));
+  EXPECT_EQ(members[static_cast<size_t>(g->rank())], c.rank());
+  EXPECT_EQ(g->name(), "parity");
+  int64_t v = c.rank();
+  g->all_reduce(&v, 1, DType::I64);
+  EXPECT_EQ(v, std::accumulate(members.begin(), members.end(), int64_t{0}));
+  // A rank with a negative color joins no group; the others still form theirs.
+  auto h = c.split(c.rank() == 0 && n > 1 ? -1 : 0, 0, "rest");
+  if (c.rank() == 0 && n > 1) {
+    EXPECT_FALSE(h);
+  } else {
+    ASSERT_TRUE(h);
+    EXPECT_EQ(h->size(), n > 1 ? n - 1 : 1);
+    h->barrier();
+  }
+}
+
+inline void async_order(Communicator& c) {
+  std::vector<std::vector<float>> bufs(3, std::vector<float>(257));
+  std::vector<WorkPtr> works;
+  for (size_t k = 0; k < bufs.size(); ++k) {
+    for (size_t i = 0; i < bufs[k].size(); ++i) bufs[k][i] = value(c.rank(), i + 1000 * k);
+    works.push_back(c.all_reduce_async(bufs[k].data(), bufs[k].size(), DType::F32));
+  }
+  for (size_t k = bufs.size(); k-- > 0;) works[k]->wait();
+  for (auto& w : works) EXPECT_TRUE(w->done());
+  for (size_t k = 0; k < bufs.size(); ++k)
+    for (size_t i = 0; i < bufs[k].size(); ++i) {
+      float want = value(0, i + 1000 * k);
+      for (int r = 1; r < c.size(); ++r) want += value(r, i + 1000 * k);
+      EXPECT_EQ(bufs[k][i], want);
+    }
+  EXPECT_GE(c.issued(), 3u);
+}
+
+}  // namespace testing_checks
