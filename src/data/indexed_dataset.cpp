@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 
+#include "core/checked.h"
 #include "core/error.h"
 #include "io/fs.h"
 
@@ -36,30 +37,25 @@ void fsync_file(std::FILE* f, const std::string& path) {
     throw_error("{}: flush/fsync failed ({})", path, std::strerror(errno));
 }
 
-// Maps a whole file read-only; returns nullptr for an empty file (mmap rejects length 0).
+// Maps a whole file read-only; returns nullptr for an empty file (mmap rejects length 0). Opened
+// through io::open_input: a FIFO in place of the .bin/.idx is refused instead of blocking, a
+// directory or a symlink loop is named.
 const unsigned char* map_file(const std::string& path, size_t& size, const char* role) {
-  int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0) {
-    if (errno == ENOENT)
-      throw_error(
-          "{}: {} file missing (an indexed dataset is the pair PREFIX.bin + PREFIX.idx; "
-          "pass the prefix without extension)",
-          path, role);
-    throw_error("{}: cannot open {} file ({})", path, role, std::strerror(errno));
-  }
   struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    ::close(fd);
-    throw_error("{}: stat failed ({})", path, std::strerror(errno));
-  }
-  size = static_cast<size_t>(st.st_size);
+  if (::lstat(path.c_str(), &st) != 0 && errno == ENOENT)
+    throw_error(
+        "{}: {} file missing (an indexed dataset is the pair PREFIX.bin + PREFIX.idx; "
+        "pass the prefix without extension)",
+        path, role);
+  int fd = io::open_input(path, &size);
   if (size == 0) {
     ::close(fd);
     return nullptr;
   }
   void* p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  const int err = errno;
   ::close(fd);
-  if (p == MAP_FAILED) throw_error("{}: mmap failed ({})", path, std::strerror(errno));
+  if (p == MAP_FAILED) throw_error("{}: mmap failed ({})", path, std::strerror(err));
   return static_cast<const unsigned char*>(p);
 }
 
@@ -329,7 +325,13 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
     LATHE_CHECK(S < (1ull << 40) && D < (1ull << 40), "{}: corrupt header: sequence_count {} / document_count {}",
                 idx_path, S, D);
     LATHE_CHECK(D >= 1, "{}: corrupt header: document_count is 0 (must be number of documents + 1)", idx_path);
-    uint64_t expected = kHeaderBytes + 12 * S + 8 * D;
+    // S, D < 2^40: no overflow here, but every size derived from the header goes through the
+    // checked helpers so that a future change of the bounds above cannot wrap silently.
+    const auto expected = static_cast<uint64_t>(
+        checked_add(static_cast<int64_t>(kHeaderBytes),
+                    checked_add(checked_mul(12, static_cast<int64_t>(S), "sequence_count x 12 bytes"),
+                                checked_mul(8, static_cast<int64_t>(D), "document_count x 8 bytes"), "index size"),
+                    "index size"));
     if (idx_size_ == expected + S && S > 0)
       throw_error(
           "{}: {} bytes = expected size {} + {} sequence_modes bytes: multimodal indexed "
@@ -359,7 +361,8 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
                   "{}: sequence_pointers[{}] = {} but the sequences before it end at byte {} "
                   "(pointers must be contiguous)",
                   idx_path, i, p, pos);
-      pos += static_cast<int64_t>(len) * item;
+      pos = checked_add(pos, checked_mul(len, item, idx_path + ": sequence length x item size"),
+                        idx_path + ": end of the sequences");
     }
     total_tokens_ = pos / item;
     LATHE_CHECK(static_cast<uint64_t>(pos) <= bin_size_,
@@ -419,12 +422,14 @@ void IndexedDataset::read_sequence(size_t i, int32_t* out) const {
 int32_t IndexedDataset::max_token_id() const {
   int64_t cached = max_token_.load(std::memory_order_acquire);
   if (cached != -2) return static_cast<int32_t>(cached);
-  // Chunks of the stream are converted and reduced in parallel; max is order-independent.
+  // Chunks of the stream are converted and reduced in parallel; max and min are order-independent.
+  // The minimum matters for signed dtypes (int32/int64): a negative id passes a max-only check
+  // (lathe check, eval) and fails only in the model's forward pass, without naming the file.
   const int64_t n = total_tokens_, chunk = 1 << 16;
   const int64_t nchunks = (n + chunk - 1) / chunk;
-  int64_t best = -1;
+  int64_t best = -1, lowest = 0;
   bool overflow = false;
-#pragma omp parallel reduction(max : best) reduction(|| : overflow)
+#pragma omp parallel reduction(max : best) reduction(min : lowest) reduction(|| : overflow)
   {
     std::vector<int32_t> buf;
 #pragma omp for schedule(static)
@@ -435,15 +440,29 @@ int32_t IndexedDataset::max_token_id() const {
           int64_t v = load<int64_t>(bin_ + 8 * (s + i));
           if (v > std::numeric_limits<int32_t>::max()) overflow = true;
           best = std::max(best, v);
+          lowest = std::min(lowest, v);
         }
       } else {
         buf.resize(static_cast<size_t>(m));
         convert_tokens(bin_ + s * static_cast<int64_t>(dtype_size(dtype_)), dtype_, m, buf.data(), "");
-        for (int64_t i = 0; i < m; ++i) best = std::max<int64_t>(best, buf[i]);
+        for (int64_t i = 0; i < m; ++i) {
+          best = std::max<int64_t>(best, buf[i]);
+          lowest = std::min<int64_t>(lowest, buf[i]);
+        }
       }
     }
   }
   LATHE_CHECK(!overflow, "{}.bin: token id {} does not fit in int32", prefix_, best);
+  if (lowest < 0) {
+    int64_t at = 0;  // the error path only: find the first one for the message
+    for (std::vector<int32_t> one(1); at < n; ++at) {
+      if (dtype_ == DType::I64 ? load<int64_t>(bin_ + 8 * at) < 0 : (read_global(at, 1, one.data()), one[0] < 0)) break;
+    }
+    throw_error(
+        "{}.bin: holds negative token ids (the smallest is {}, the first at token {} of the dataset); token ids "
+        "index the vocabulary: the file is corrupt or was written with a wrong dtype",
+        prefix_, lowest, at);
+  }
   max_token_.store(best, std::memory_order_release);
   return static_cast<int32_t>(best);
 }

@@ -80,7 +80,8 @@ class IndexedDataset {
   void read_global(int64_t start, int64_t count, int32_t* out) const;
   // All sequence_length(i) tokens of sequence i.
   void read_sequence(size_t i, int32_t* out) const;
-  // Largest token id (full scan with OpenMP, cached); -1 for an empty dataset.
+  // Largest token id (full scan with OpenMP, cached); -1 for an empty dataset. Throws naming the
+  // .bin when an id is negative or does not fit int32 (the token-range check of check/train/eval).
   int32_t max_token_id() const;
 
  private:

@@ -1,8 +1,6 @@
 #include "io/safetensors.h"
 
-#include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -13,6 +11,7 @@
 
 #include "core/error.h"
 #include "io/fs.h"
+#include "io/json.h"
 
 namespace lathe::io {
 
@@ -62,20 +61,40 @@ bool as_u64(const nlohmann::json& v, uint64_t* out) {
   return false;
 }
 
-std::string errno_str() { return std::strerror(errno); }
+// A name or code from the header for an error message (a hostile header can hold a 100 MB key).
+std::string excerpt(std::string_view s, size_t max_chars = 120) {
+  if (s.size() <= max_chars) return std::string(s);
+  return std::string(s.substr(0, max_chars)) + "...";
+}
+
+// The bytes around the JSON object. The format pads the header with spaces (0x20); the reference
+// reader (serde_json) also accepts the other JSON whitespace around the object (\t \n \r), so
+// lathe does too. Anything else is refused with its offset: nlohmann stops at a NUL byte, so
+// before this check "{...}\0<anything>" loaded, with the bytes after the NUL silently ignored
+// (hidden data in a file that looks valid).
+void check_header_bytes(const std::string& path, std::string_view h) {
+  const size_t nul = h.find('\0');
+  if (nul != std::string_view::npos)
+    throw_error(
+        "{}: header byte {} (file offset {}) is a NUL byte; a safetensors header is JSON padded with spaces "
+        "(0x20) only: the file is corrupt or hides data in its header",
+        path, nul, 8 + nul);
+  const size_t close = h.find_last_of('}');
+  if (close == std::string_view::npos) return;  // not an object: the parser says so
+  const size_t junk = h.find_first_not_of(" \t\n\r", close + 1);
+  if (junk != std::string_view::npos)
+    throw_error(
+        "{}: header byte {} (file offset {}) is 0x{:02x} after the end of the JSON object; only spaces (0x20) "
+        "may pad the header: the file is corrupt or hides data in its header",
+        path, junk, 8 + junk, static_cast<unsigned char>(h[junk]));
+}
 
 }  // namespace
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw_error("{}: cannot open safetensors file: {}", path, errno_str());
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    int err = errno;
-    ::close(fd);
-    throw_error("{}: fstat failed: {}", path, std::strerror(err));
-  }
-  file_size_ = static_cast<size_t>(st.st_size);
+  // open_input: only a regular file (a FIFO in place of model.safetensors would block forever,
+  // a directory fails later in mmap with "No such device"); symlink loops are named.
+  int fd = open_input(path, &file_size_);
   if (file_size_ < 8) {
     ::close(fd);
     throw_error("{}: not a safetensors file: {} bytes, shorter than the 8-byte header length", path, file_size_);
@@ -98,6 +117,11 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
           path, n, file_size_);
     header_len_ = static_cast<size_t>(n);
     const char* hdr = reinterpret_cast<const char*>(base_ + 8);
+    const std::string_view text(hdr, header_len_);
+    check_header_bytes(path, text);
+    // Before parsing: nlohmann parses iteratively, but the excerpts in the messages below and the
+    // callers' copies recurse (a 60,000-level array in __metadata__ overflowed the stack).
+    check_json_depth(text, path + " (safetensors header)");
 
     // nlohmann::json keeps the last of duplicate keys silently; the format forbids duplicates
     // (a lost entry could hide a polyglot payload), so track keys per object while parsing.
@@ -119,19 +143,25 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     try {
       header = nlohmann::json::parse(hdr, hdr + header_len_, cb);
     } catch (const nlohmann::json::exception& e) {
-      throw_error("{}: header is not valid JSON: {}", path, e.what());
+      // nlohmann quotes the whole last token ("last read: ..."), which can be megabytes long.
+      std::string m = e.what();
+      if (m.size() > 400) m = m.substr(0, 250) + " ... " + m.substr(m.size() - 100);
+      throw_error("{}: header is not valid JSON: {}", path, m);
     }
-    if (!dup.empty()) throw_error("{}: header has the key '{}' more than once", path, dup);
-    if (!header.is_object()) throw_error("{}: header JSON must be an object", path);
+    if (!dup.empty()) throw_error("{}: header has the key '{}' more than once", path, excerpt(dup));
+    if (!header.is_object()) throw_error("{}: header JSON must be an object, got {}", path, json_type_name(header));
 
     for (auto it = header.begin(); it != header.end(); ++it) {
       const std::string& name = it.key();
+      const std::string shown = excerpt(name);  // a name can be megabytes long
       const auto& v = it.value();
       if (name == "__metadata__") {
-        if (!v.is_object()) throw_error("{}: __metadata__ must be an object of strings", path);
+        if (!v.is_object())
+          throw_error("{}: __metadata__ must be an object of strings, got {}", path, json_type_name(v));
         for (auto m = v.begin(); m != v.end(); ++m) {
           if (!m.value().is_string())
-            throw_error("{}: __metadata__['{}'] must be a string, got {}", path, m.key(), m.value().dump());
+            throw_error("{}: __metadata__['{}'] must be a string, got {}", path, excerpt(m.key()),
+                        json_excerpt(m.value()));
           metadata_[m.key()] = m.value().get<std::string>();
         }
         continue;
@@ -141,46 +171,54 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
         throw_error(
             "{}: tensor '{}': entry must be an object with exactly dtype, shape, "
             "data_offsets; got {}",
-            path, name, v.dump());
+            path, shown, json_excerpt(v));
       StTensorInfo t;
       t.name = name;
       if (!v["dtype"].is_string())
-        throw_error("{}: tensor '{}': dtype must be a string, got {}", path, name, v["dtype"].dump());
+        throw_error("{}: tensor '{}': dtype must be a string, got {}", path, shown, json_excerpt(v["dtype"]));
       t.dtype_code = v["dtype"].get<std::string>();
       int bits = code_bits(t.dtype_code);
       if (bits == 0)
-        throw_error("{}: tensor '{}': unknown dtype '{}' (not a safetensors dtype code)", path, name, t.dtype_code);
+        throw_error("{}: tensor '{}': unknown dtype '{}' (not a safetensors dtype code)", path, shown,
+                    excerpt(t.dtype_code));
       t.dtype_supported = lathe_dtype(t.dtype_code, &t.dtype);
       if (!t.dtype_supported) t.dtype = DType::U8;
       if (!v["shape"].is_array())
-        throw_error("{}: tensor '{}': shape must be an array, got {}", path, name, v["shape"].dump());
-      // numel * bits with overflow checks (the reference reader's ValidationOverflow).
-      unsigned __int128 total_bits = static_cast<unsigned __int128>(bits);
+        throw_error("{}: tensor '{}': shape must be an array, got {}", path, shown, json_excerpt(v["shape"]));
+      // numel * bits with overflow checks (the reference reader's ValidationOverflow). The product
+      // of the non-zero dimensions is bounded too: numel() multiplies left to right in int64, so
+      // [2^48, 2^48, 0] (0 bytes, valid offsets) would overflow there.
+      unsigned __int128 total_bits = static_cast<unsigned __int128>(bits), nonzero = 1;
       for (const auto& d : v["shape"]) {
         uint64_t dim;
         if (!as_u64(d, &dim) || dim > (uint64_t{1} << 48))
-          throw_error("{}: tensor '{}': shape entries must be non-negative integers, got {}", path, name,
-                      v["shape"].dump());
+          throw_error("{}: tensor '{}': shape entries must be non-negative integers up to 2^48, got {}", path, shown,
+                      json_excerpt(v["shape"]));
         t.shape.push_back(static_cast<int64_t>(dim));
         total_bits *= dim;
-        if (total_bits > (static_cast<unsigned __int128>(1) << 100))
-          throw_error("{}: tensor '{}': shape {} overflows", path, name, v["shape"].dump());
+        if (dim) nonzero *= dim;
+        if (nonzero > (static_cast<unsigned __int128>(1) << 62))
+          throw_error("{}: tensor '{}': shape {} has more than 2^62 elements", path, shown, json_excerpt(v["shape"]));
       }
+      // Also bounds the byte count below 2^64 before it is narrowed.
+      if (total_bits / 8 > file_size_)
+        throw_error("{}: tensor '{}': dtype {} with shape {} needs more bytes than the whole file ({} bytes)", path,
+                    shown, t.dtype_code, json_excerpt(v["shape"]), file_size_);
       if (total_bits % 8 != 0)
-        throw_error("{}: tensor '{}': {} elements of {} bits is not a whole number of bytes", path, name,
+        throw_error("{}: tensor '{}': {} elements of {} bits is not a whole number of bytes", path, shown,
                     numel(t.shape), t.dtype_code);
       const auto& off = v["data_offsets"];
       uint64_t b, e;
       if (!off.is_array() || off.size() != 2 || !as_u64(off[0], &b) || !as_u64(off[1], &e))
-        throw_error("{}: tensor '{}': data_offsets must be [BEGIN, END] non-negative integers, got {}", path, name,
-                    off.dump());
-      if (e < b) throw_error("{}: tensor '{}': data_offsets [{}, {}] end before they begin", path, name, b, e);
+        throw_error("{}: tensor '{}': data_offsets must be [BEGIN, END] non-negative integers, got {}", path, shown,
+                    json_excerpt(off));
+      if (e < b) throw_error("{}: tensor '{}': data_offsets [{}, {}] end before they begin", path, shown, b, e);
       uint64_t expect = static_cast<uint64_t>(total_bits / 8);
       if (e - b != expect)
         throw_error(
             "{}: tensor '{}': data_offsets [{}, {}] hold {} bytes but dtype {} with shape {} "
             "needs {}",
-            path, name, b, e, e - b, t.dtype_code, shape_str(t.shape), expect);
+            path, shown, b, e, e - b, t.dtype_code, shape_str(t.shape), expect);
       t.data_offset = static_cast<size_t>(b);
       t.nbytes = static_cast<size_t>(e - b);
       tensors_.push_back(std::move(t));

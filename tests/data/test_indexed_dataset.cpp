@@ -2,6 +2,7 @@
 // validation error, and cross-checks against an independent numpy implementation of the format
 // (tests/data/megatron_numpy.py) in both directions.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -254,6 +255,39 @@ TEST_F(Corrupt, BinTooLong) {
   bin.push_back(0);
   write_bytes(prefix + ".bin", bin);
   expect_error([&] { IndexedDataset ds(prefix); }, {prefix + ".bin", "expected 12 bytes got 14"});
+}
+
+// Issue 14. Negative ids in an int32/int64 .bin passed max_token_id() (lathe check, eval) and
+// failed only in the model's forward pass, without naming the file.
+TEST(IndexedDatasetHostile, NegativeTokenIds) {
+  TempDir tmp;
+  for (DType dt : {DType::I32, DType::I64}) {
+    const std::string prefix = tmp / ("neg" + std::string(dtype_name(dt)));
+    write_dataset(prefix, dt, {{1, 2, 3}, {4, 5}});
+    auto bin = read_bytes(prefix + ".bin");
+    const size_t item = dtype_size(dt);
+    for (size_t b = 0; b < item; ++b) bin[3 * item + b] = 0xff;  // token 3 (first of document 1) = -1
+    write_bytes(prefix + ".bin", bin);
+    IndexedDataset ds(prefix);
+    expect_error([&] { ds.max_token_id(); }, {prefix + ".bin", "negative", "-1", "at token 3"});
+  }
+}
+
+// A FIFO in place of the .bin/.idx blocked open() forever; a directory failed in mmap with "No
+// such device"; a symlink loop is named as one.
+TEST(IndexedDatasetHostile, NotRegularFiles) {
+  TempDir tmp;
+  const std::string prefix = tmp / "d";
+  write_dataset(prefix, DType::U16, {{1, 2, 3}});
+  fs::remove(prefix + ".bin");
+  ASSERT_EQ(::mkfifo((prefix + ".bin").c_str(), 0600), 0);
+  expect_error([&] { IndexedDataset ds(prefix); }, {prefix + ".bin", "FIFO"});
+  fs::remove(prefix + ".bin");
+  fs::create_directories(prefix + ".bin");
+  expect_error([&] { IndexedDataset ds(prefix); }, {prefix + ".bin", "is a directory"});
+  fs::remove(prefix + ".idx");
+  fs::create_symlink("d.idx", prefix + ".idx");
+  expect_error([&] { IndexedDataset ds(prefix); }, {prefix + ".idx", "symbolic links"});
 }
 
 // lathe writes, numpy (independent implementation of the spec) reads.

@@ -2,6 +2,7 @@
 // malformed-file class the reference reader rejects. The StPyBridge tests exchange files with the
 // independent numpy implementation in test_safetensors_py.py (they skip unless it drives them).
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -253,6 +254,68 @@ TEST(Safetensors, WriterRejectsBadInput) {
   EXPECT_FALSE(fs::exists(p));
   EXPECT_FALSE(fs::exists(p + ".tmp"));
   EXPECT_THROW(write_safetensors_f32(tmpdir() + "/no/such/dir/x.safetensors", {{"a", {1}, &x}}), Error);
+}
+
+// Issue 14: headers a hostile writer can produce. Each case crashed, hung or loaded silently before.
+TEST(Safetensors, HostileHeaders) {
+  std::string p = tmpdir() + "/hostile.safetensors";
+  const std::string one = R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})";
+  const std::string four(4, '\0');
+  // Bytes after a NUL were ignored (nlohmann stops at NUL): hidden data in a file that loads.
+  put_file(p, raw_file(one + std::string("\0hidden payload", 15), four));
+  expect_open_error(p, {p, "NUL byte", "header byte 54", "file offset 62"});
+  put_file(p, raw_file(one + std::string("  \0", 3), four));
+  expect_open_error(p, {p, "NUL byte"});
+  // Other bytes after the object are named with their offset.
+  put_file(p, raw_file(one + "  x ", four));
+  expect_open_error(p, {p, "header byte 56", "0x78"});
+  // JSON whitespace around the object stays valid (the reference reader accepts it).
+  put_file(p, raw_file(" \n" + one + " \t\r\n  ", four));
+  EXPECT_EQ(SafetensorsFile(p).tensors().size(), 1u);
+  // 60,000 levels in __metadata__ / a tensor entry: the error message dumped the value recursively.
+  const std::string deep = std::string(60000, '[') + std::string(60000, ']');
+  put_file(p, raw_file(R"({"__metadata__":{"k":)" + deep + "}}", ""));
+  expect_open_error(p, {p, "nests deeper than 64"});
+  put_file(p, raw_file(R"({"a":)" + deep + "}", ""));
+  expect_open_error(p, {p, "nests deeper than 64"});
+  // Wide values and long tokens are cut to an excerpt in messages (a 1 MB header made a 1 MB message).
+  std::string wide = "[1";
+  for (int i = 0; i < 200000; ++i) wide += ",1";
+  for (const std::string& h : {R"({"a":)" + wide + "]}", R"({"a":[)" + std::string(1 << 20, '1') + "]}",
+                               R"({"a":")" + std::string(1 << 20, 'x') + "\\q\"}"}) {
+    put_file(p, raw_file(h, ""));
+    try {
+      SafetensorsFile f(p);
+      FAIL();
+    } catch (const Error& e) {
+      EXPECT_LT(std::string(e.what()).size(), 1000u) << std::string(e.what()).substr(0, 300);
+    }
+  }
+  // Byte counts that wrap 64 bits: [2^31, 2^31] F64 needs 2^65 bytes, which narrowed to 0 matched
+  // data_offsets [0, 0]; [2^33, 2^31] U8 has 2^64 elements (numel() wraps to 0); [2^48, 2^48, 0]
+  // is empty but numel() overflows on the way.
+  put_file(p, raw_file(R"({"a":{"dtype":"F64","shape":[2147483648,2147483648],"data_offsets":[0,0]}})", ""));
+  expect_open_error(p, {p, "'a'", "more bytes than the whole file"});
+  put_file(p, raw_file(R"({"a":{"dtype":"U8","shape":[8589934592,2147483648],"data_offsets":[0,0]}})", ""));
+  expect_open_error(p, {p, "'a'", "more than 2^62 elements"});
+  put_file(p, raw_file(R"({"a":{"dtype":"U8","shape":[281474976710656,281474976710656,0],"data_offsets":[0,0]}})", ""));
+  expect_open_error(p, {p, "'a'", "more than 2^62 elements"});
+}
+
+// Inputs that are not regular files: a FIFO blocked forever in open(); a directory failed in mmap
+// ("No such device"); a symlink loop is named as one.
+TEST(Safetensors, NotARegularFile) {
+  const std::string fifo = tmpdir() + "/fifo.safetensors";
+  fs::remove(fifo);
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  expect_open_error(fifo, {fifo, "FIFO"});
+  const std::string dir = tmpdir() + "/dir.safetensors";
+  fs::create_directories(dir);
+  expect_open_error(dir, {dir, "is a directory"});
+  const std::string loop = tmpdir() + "/loop.safetensors";
+  fs::remove(loop);
+  fs::create_symlink("loop.safetensors", loop);
+  expect_open_error(loop, {loop, "symbolic links"});
 }
 
 TEST(Fs, AtomicWriteAndRead) {
