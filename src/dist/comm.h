@@ -92,7 +92,8 @@ class Communicator {
   void all_reduce(void* buf, size_t count, DType dtype, ReduceOp op = ReduceOp::Sum);
   WorkPtr all_reduce_async(void* buf, size_t count, DType dtype, ReduceOp op = ReduceOp::Sum);
   // send holds sum(counts) elements; rank r receives the reduction of segment r (counts[r]
-  // elements, segments back to back in rank order) into recv. Uneven counts allowed.
+  // elements, segments back to back in rank order) into recv. Uneven counts allowed. recv may
+  // overlap send (the data are exchanged before any output is written).
   void reduce_scatter(const void* send, void* recv, const std::vector<size_t>& counts, DType dtype,
                       ReduceOp op = ReduceOp::Sum);
   WorkPtr reduce_scatter_async(const void* send, void* recv, const std::vector<size_t>& counts, DType dtype,

@@ -8,20 +8,28 @@
 
 namespace lathe::optim {
 
-double global_grad_norm(const float* grads, size_t n) {
+void grad_sq_chunk_sums(const float* grads, size_t n, double* out) {
   const int64_t nchunks = static_cast<int64_t>((n + kChunk - 1) / kChunk);
-  std::vector<double> partial(static_cast<size_t>(nchunks));
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < nchunks; ++c) {
     const size_t b = static_cast<size_t>(c) * kChunk, e = std::min(b + kChunk, n);
     double s = 0.0;
 #pragma omp simd reduction(+ : s)
     for (size_t i = b; i < e; ++i) s += static_cast<double>(grads[i]) * grads[i];
-    partial[static_cast<size_t>(c)] = s;
+    out[static_cast<size_t>(c)] = s;
   }
+}
+
+double norm_from_chunk_sums(const double* sums, size_t nchunks) {
   double total = 0.0;
-  for (double s : partial) total += s;
+  for (size_t c = 0; c < nchunks; ++c) total += sums[c];
   return std::sqrt(total);
+}
+
+double global_grad_norm(const float* grads, size_t n) {
+  std::vector<double> partial((n + kChunk - 1) / kChunk);
+  grad_sq_chunk_sums(grads, n, partial.data());
+  return norm_from_chunk_sums(partial.data(), partial.size());
 }
 
 float clip_coefficient(double norm, double max_norm) {

@@ -1,0 +1,113 @@
+#include "parallel/grad_sync.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "core/error.h"
+#include "optim/chunks.h"
+#include "optim/clip.h"
+
+namespace lathe::parallel {
+
+GradSync::GradSync(dist::Communicator& dp, float* grads, const FlatShards& shards, int zero, size_t bucket_elems)
+    : dp_(dp), grads_(grads), shards_(shards), zero_(zero) {
+  LATHE_CHECK(zero >= 0 && zero <= 2, "parallel.zero must be 0, 1 or 2, got {}", zero);
+  LATHE_CHECK(bucket_elems > 0, "GradSync: bucket of 0 elements");
+  LATHE_CHECK(shards.ranks() == dp.size(), "GradSync: {} shards for a data-parallel group of {}", shards.ranks(),
+              dp.size());
+  const size_t P = shards.total();
+  for (size_t e = P; e > 0;) {
+    const size_t b = e > bucket_elems ? e - bucket_elems : 0;
+    buckets_.push_back({b, e});
+    e = b;
+  }
+  std::reverse(buckets_.begin(), buckets_.end());
+}
+
+GradSync::~GradSync() {
+  for (auto& w : inflight_) try {
+      w->wait();
+    } catch (...) {  // the error was (or will be) reported by finish(); nothing to add while unwinding
+    }
+}
+
+void GradSync::issue(Bucket& b) {
+  b.issued = true;
+  if (dp_.size() == 1) return;
+  float* p = grads_ + b.begin;
+  if (zero_ == 0) {
+    inflight_.push_back(dp_.all_reduce_async(p, b.end - b.begin, DType::F32));
+  } else {
+    // In place: this rank's part of the bucket receives the reduced values (comm.h allows recv to
+    // overlap send: the data are exchanged before any output is written).
+    const size_t mine = std::max(b.begin, std::min(b.end, shards_.begin(dp_.rank())));
+    inflight_.push_back(dp_.reduce_scatter_async(p, grads_ + mine, shards_.overlap(b.begin, b.end), DType::F32));
+  }
+}
+
+void GradSync::ready(size_t begin, size_t end) {
+  LATHE_CHECK(begin <= end && end <= shards_.total(), "GradSync::ready: range [{}, {}) outside the buffer of {}", begin,
+              end, shards_.total());
+  if (begin == end) return;
+  // A range reported twice would be counted twice and its bucket reduced before it is complete.
+  auto next = reported_.lower_bound(begin);
+  const bool overlaps_next = next != reported_.end() && next->first < end;
+  const bool overlaps_prev = next != reported_.begin() && std::prev(next)->second > begin;
+  LATHE_CHECK(!overlaps_next && !overlaps_prev, "GradSync::ready: [{}, {}) overlaps a range already reported this step",
+              begin, end);
+  reported_.emplace(begin, end);
+  // Buckets are sorted; find the first that ends after begin.
+  auto it =
+      std::upper_bound(buckets_.begin(), buckets_.end(), begin, [](size_t v, const Bucket& b) { return v < b.end; });
+  for (; it != buckets_.end() && it->begin < end; ++it) {
+    it->ready += std::min(end, it->end) - std::max(begin, it->begin);
+    if (it->ready == it->end - it->begin && !it->issued) issue(*it);
+  }
+}
+
+double GradSync::finish() {
+  for (auto& b : buckets_)
+    if (!b.issued) issue(b);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<dist::WorkPtr> works;
+  works.swap(inflight_);
+  for (auto& w : works) w->wait();
+  for (auto& b : buckets_) b.ready = 0, b.issued = false;
+  reported_.clear();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+double sharded_grad_norm(dist::Communicator& dp, const float* grads, const FlatShards& shards) {
+  const size_t k = optim::kChunk;
+  std::vector<size_t> chunks(static_cast<size_t>(dp.size()));
+  for (int r = 0; r < dp.size(); ++r) {
+    LATHE_CHECK(shards.begin(r) % k == 0, "sharded_grad_norm: shard {} starts at {}, not a multiple of {}", r,
+                shards.begin(r), k);
+    chunks[static_cast<size_t>(r)] = (shards.size(r) + k - 1) / k;
+  }
+  size_t total = 0, before = 0;
+  for (int r = 0; r < dp.size(); ++r) {
+    if (r < dp.rank()) before += chunks[static_cast<size_t>(r)];
+    total += chunks[static_cast<size_t>(r)];
+  }
+  std::vector<double> partial(total);
+  const int me = dp.rank();
+  optim::grad_sq_chunk_sums(grads + shards.begin(me), shards.size(me), partial.data() + before);
+  dp.all_gather(partial.data() + before, partial.data(), chunks, DType::F64);
+  return optim::norm_from_chunk_sums(partial.data(), total);
+}
+
+std::vector<optim::ParamRange> ranges_in_shard(const std::vector<optim::ParamRange>& ranges, size_t b, size_t e) {
+  std::vector<optim::ParamRange> out;
+  for (const auto& r : ranges) {
+    const size_t lo = std::max(b, r.offset), hi = std::min(e, r.offset + r.size);
+    if (hi > lo) out.push_back({lo - b, hi - lo, r.decay});
+  }
+  return out;
+}
+
+void gather_shards(dist::Communicator& dp, float* params, const FlatShards& shards) {
+  dp.all_gather(params + shards.begin(dp.rank()), params, shards.sizes(), DType::F32);
+}
+
+}  // namespace lathe::parallel

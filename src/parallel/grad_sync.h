@@ -1,0 +1,67 @@
+// Data-parallel gradient reduction, in buckets issued while backward is still running.
+//
+// Every rank holds the full flat gradient buffer [P] (its own micro-batches' sum). Backward
+// reports ranges whose gradients are final for the step (GradSync::ready, e.g. from a "layer l
+// gradients ready" hook); as soon as every element of a bucket has been reported, the bucket is
+// reduced on the data-parallel communicator's progress thread while backward continues:
+//   zero 0:      all_reduce of the bucket (every rank ends with the sum of all ranks)
+//   zero 1, 2:   reduce_scatter of the bucket over the ZeRO shards (FlatShards): each rank ends
+//                with the sum only in the part of the bucket that its shard covers.
+// Every element is summed over ranks in rank order (dist/comm.h) whatever the bucket size or
+// stage, so ZeRO 0/1/2 give bit-identical reduced gradients. Buckets are cut from the end of the
+// buffer backwards (the head's and last layers' gradients are ready first).
+#pragma once
+#include <cstddef>
+#include <map>
+#include <vector>
+
+#include "dist/comm.h"
+#include "optim/optimizer.h"
+#include "parallel/flat_shards.h"
+
+namespace lathe::parallel {
+
+class GradSync {
+ public:
+  // bucket_elems: elements per bucket (parallel.bucket_mb * 2^20 / 4 for fp32); the bucket at
+  // offset 0 takes the remainder.
+  GradSync(dist::Communicator& dp, float* grads, const FlatShards& shards, int zero, size_t bucket_elems);
+  ~GradSync();  // waits for buckets still in flight (their buffers must outlive them)
+
+  // [begin, end) is final for this step. Ranges reported within one step must not overlap.
+  void ready(size_t begin, size_t end);
+  // Reduces every bucket not yet issued, waits for all, resets for the next step. Returns the
+  // seconds spent waiting here: communication that backward did not hide.
+  double finish();
+
+  size_t num_buckets() const { return buckets_.size(); }
+
+ private:
+  struct Bucket {
+    size_t begin, end, ready = 0;
+    bool issued = false;
+  };
+  void issue(Bucket& b);
+
+  dist::Communicator& dp_;
+  float* grads_;
+  const FlatShards& shards_;
+  int zero_;
+  std::vector<Bucket> buckets_;  // ascending offsets
+  std::vector<dist::WorkPtr> inflight_;
+  std::map<size_t, size_t> reported_;  // begin -> end of the ranges reported this step
+};
+
+// Global L2 norm of the reduced gradients when each rank holds only its shard (zero >= 1):
+// chunk partial sums of the shard, all-gathered and summed in chunk order. Bit-identical to
+// optim::global_grad_norm over the whole reduced buffer (the shards hold whole chunks).
+double sharded_grad_norm(dist::Communicator& dp, const float* grads, const FlatShards& shards);
+
+// The parameter ranges clipped to the shard [b, e) and rebased to b: what a ZeRO rank passes to
+// Optimizer::step together with params + b, grads + b and moments sized e - b.
+std::vector<optim::ParamRange> ranges_in_shard(const std::vector<optim::ParamRange>& ranges, size_t b, size_t e);
+
+// After each rank updated its shard of params[P]: every rank receives every shard (in place).
+void gather_shards(dist::Communicator& dp, float* params, const FlatShards& shards);
+
+}  // namespace lathe::parallel

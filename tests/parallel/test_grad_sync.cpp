@@ -1,0 +1,132 @@
+// Data-parallel gradient reduction and ZeRO on the in-process thread communicator, against the
+// single-process computation (the oracle): every rank's gradients are known functions of (rank,
+// element); the reference sums them in rank order (as a single process accumulating the ranks'
+// micro-batches one after another does), takes optim::global_grad_norm and one AdamW step with
+// clipping over the whole buffer. Required: bit-identical reduced gradients, norm and updated
+// parameters for every data degree 1..4, every ZeRO stage and bucket size, with ranges reported
+// in backward order.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <tuple>
+
+#include "dist/comm.h"
+#include "optim/chunks.h"
+#include "optim/clip.h"
+#include "optim/optimizer.h"
+#include "parallel/flat_shards.h"
+#include "parallel/grad_sync.h"
+
+using namespace lathe;
+using namespace lathe::parallel;
+
+namespace {
+
+constexpr size_t kP = 3 * optim::kChunk + 4321;  // not a multiple of the chunk
+
+float grad_of(int rank, size_t i) {
+  return static_cast<float>(std::sin(0.001 * static_cast<double>(i) * (rank + 1)) *
+                            std::pow(10.0, static_cast<int>((i * 7 + static_cast<size_t>(rank)) % 5) - 2));
+}
+float param_of(size_t i) { return static_cast<float>(std::cos(0.01 * static_cast<double>(i))); }
+
+// Tensor ranges of a pretend model: "layers" of uneven sizes, some without weight decay.
+std::vector<optim::ParamRange> model_ranges() {
+  std::vector<optim::ParamRange> r;
+  size_t off = 0, k = 0;
+  while (off < kP) {
+    const size_t n = std::min(kP - off, size_t{1000} + (k * 2711) % 9000);
+    r.push_back({off, n, k % 3 != 0});
+    off += n, ++k;
+  }
+  return r;
+}
+
+struct Reference {
+  std::vector<float> grads, params;
+  double norm;
+};
+
+Reference reference(int dp, double clip) {
+  Reference ref;
+  ref.grads.assign(kP, 0.0f);
+  for (int r = 0; r < dp; ++r)
+    for (size_t i = 0; i < kP; ++i) ref.grads[i] += grad_of(r, i);
+  ref.norm = optim::global_grad_norm(ref.grads.data(), kP);
+  ref.params.resize(kP);
+  for (size_t i = 0; i < kP; ++i) ref.params[i] = param_of(i);
+  auto opt = optim::make_adamw(optim::OptimConfig{}, kP);
+  const auto ranges = model_ranges();
+  opt->step(ref.params.data(), ref.grads.data(), ranges, 1e-3, 1, optim::clip_coefficient(ref.norm, clip));
+  return ref;
+}
+
+}  // namespace
+
+class GradSyncLayouts : public ::testing::TestWithParam<std::tuple<int, int, size_t>> {};
+
+TEST_P(GradSyncLayouts, BitIdenticalToSingleProcess) {
+  const auto [dp, zero, bucket] = GetParam();
+  const double clip = 0.5;
+  const Reference ref = reference(dp, clip);
+  const auto ranges = model_ranges();
+  dist::run_threads(dp, [&](dist::Communicator& comm) {
+    const int me = comm.rank();
+    std::vector<float> grads(kP), params(kP);
+    for (size_t i = 0; i < kP; ++i) grads[i] = grad_of(me, i), params[i] = param_of(i);
+    FlatShards shards(kP, dp, optim::kChunk);
+    GradSync sync(comm, grads.data(), shards, zero, bucket);
+    // Backward order: the last tensors' gradients are final first.
+    for (size_t k = ranges.size(); k-- > 0;) sync.ready(ranges[k].offset, ranges[k].offset + ranges[k].size);
+    const double waited = sync.finish();
+    EXPECT_GE(waited, 0.0);
+    const size_t b = zero == 0 ? 0 : shards.begin(me), e = zero == 0 ? kP : shards.end(me);
+    EXPECT_EQ(0, std::memcmp(grads.data() + b, ref.grads.data() + b, (e - b) * sizeof(float)))
+        << "reduced gradients differ, rank " << me;
+
+    const double norm =
+        zero == 0 ? optim::global_grad_norm(grads.data(), kP) : sharded_grad_norm(comm, grads.data(), shards);
+    EXPECT_EQ(norm, ref.norm);
+
+    // The optimizer: whole buffer (zero 0) or this rank's shard with shard-sized moments.
+    const float coef = optim::clip_coefficient(norm, clip);
+    if (zero == 0) {
+      auto opt = optim::make_adamw(optim::OptimConfig{}, kP);
+      opt->step(params.data(), grads.data(), ranges, 1e-3, 1, coef);
+    } else {
+      auto opt = optim::make_adamw(optim::OptimConfig{}, e - b);
+      opt->step(params.data() + b, grads.data() + b, ranges_in_shard(ranges, b, e), 1e-3, 1, coef);
+      EXPECT_EQ(opt->state_buffers()[0].second->size(), e - b);  // moments shrink with the data degree
+      gather_shards(comm, params.data(), shards);
+    }
+    EXPECT_EQ(0, std::memcmp(params.data(), ref.params.data(), kP * sizeof(float))) << "params differ, rank " << me;
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(DpZeroBucket, GradSyncLayouts,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4), ::testing::Values(0, 1, 2),
+                                            ::testing::Values(size_t{5000}, size_t{1} << 20)));
+
+TEST(FlatShards, CutsAtChunkMultiplesAndCoverTheBuffer) {
+  FlatShards s(kP, 3, optim::kChunk);  // 4 chunks over 3 ranks: 2, 1, 1
+  EXPECT_EQ(s.begin(0), 0u);
+  EXPECT_EQ(s.end(0), 2 * optim::kChunk);
+  EXPECT_EQ(s.end(1), 3 * optim::kChunk);
+  EXPECT_EQ(s.end(2), kP);
+  FlatShards tiny(10, 4, optim::kChunk);  // one chunk, four ranks: three empty shards
+  EXPECT_EQ(tiny.size(0), 10u);
+  EXPECT_EQ(tiny.size(3), 0u);
+  auto o = s.overlap(optim::kChunk + 5, 3 * optim::kChunk + 7);
+  EXPECT_EQ(o, (std::vector<size_t>{optim::kChunk - 5, optim::kChunk, 7}));
+}
+
+TEST(GradSync, RangeReportedTwiceIsAnError) {
+  dist::run_threads(1, [](dist::Communicator& comm) {
+    std::vector<float> g(100);
+    FlatShards shards(100, 1, optim::kChunk);
+    GradSync sync(comm, g.data(), shards, 0, 64);
+    sync.ready(0, 50);
+    EXPECT_THROW(sync.ready(40, 60), Error);
+  });
+}
