@@ -17,6 +17,7 @@
 #include "optim/optimizer.h"
 #include "parallel/flat_shards.h"
 #include "parallel/grad_sync.h"
+#include "parallel/sharded_optimizer.h"
 
 using namespace lathe;
 using namespace lathe::parallel;
@@ -85,21 +86,12 @@ TEST_P(GradSyncLayouts, BitIdenticalToSingleProcess) {
     EXPECT_EQ(0, std::memcmp(grads.data() + b, ref.grads.data() + b, (e - b) * sizeof(float)))
         << "reduced gradients differ, rank " << me;
 
-    const double norm =
-        zero == 0 ? optim::global_grad_norm(grads.data(), kP) : sharded_grad_norm(comm, grads.data(), shards);
+    ShardedOptimizer opt(comm, optim::OptimConfig{}, kP, ranges, zero);
+    const double norm = opt.grad_norm(grads.data());
     EXPECT_EQ(norm, ref.norm);
-
-    // The optimizer: whole buffer (zero 0) or this rank's shard with shard-sized moments.
-    const float coef = optim::clip_coefficient(norm, clip);
-    if (zero == 0) {
-      auto opt = optim::make_adamw(optim::OptimConfig{}, kP);
-      opt->step(params.data(), grads.data(), ranges, 1e-3, 1, coef);
-    } else {
-      auto opt = optim::make_adamw(optim::OptimConfig{}, e - b);
-      opt->step(params.data() + b, grads.data() + b, ranges_in_shard(ranges, b, e), 1e-3, 1, coef);
-      EXPECT_EQ(opt->state_buffers()[0].second->size(), e - b);  // moments shrink with the data degree
-      gather_shards(comm, params.data(), shards);
-    }
+    opt.step(params.data(), grads.data(), 1e-3, 1, optim::clip_coefficient(norm, clip));
+    // Moments shrink with the data degree under ZeRO.
+    EXPECT_EQ(opt.local().state_buffers()[0].second->size(), zero ? shards.size(me) : kP);
     EXPECT_EQ(0, std::memcmp(params.data(), ref.params.data(), kP * sizeof(float))) << "params differ, rank " << me;
   });
 }
@@ -119,6 +111,19 @@ TEST(FlatShards, CutsAtChunkMultiplesAndCoverTheBuffer) {
   EXPECT_EQ(tiny.size(3), 0u);
   auto o = s.overlap(optim::kChunk + 5, 3 * optim::kChunk + 7);
   EXPECT_EQ(o, (std::vector<size_t>{optim::kChunk - 5, optim::kChunk, 7}));
+}
+
+TEST(ShardedOptimizer, LambWithZeroIsRefusedWithTheReason) {
+  dist::run_threads(2, [](dist::Communicator& comm) {
+    optim::OptimConfig cfg;
+    cfg.name = "lamb";
+    try {
+      ShardedOptimizer opt(comm, cfg, kP, model_ranges(), 1);
+      ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("parallel.zero 0"), std::string::npos) << e.what();
+    }
+  });
 }
 
 TEST(GradSync, RangeReportedTwiceIsAnError) {

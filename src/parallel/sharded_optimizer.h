@@ -1,0 +1,45 @@
+// The optimizer of a data-parallel group, over the flat parameter buffer [P]:
+//   zero 0: every rank keeps full moments and applies the whole update (replicated);
+//   zero 1, 2: rank r keeps moments only for its FlatShards shard, updates that part of the
+//            parameters and the shards are all-gathered, so moment memory shrinks by the data
+//            degree. Stage 2 differs from 1 in the gradient reduction (GradSync keeps only the
+//            shard valid), not here.
+// The gradient norm is summed in chunk order in every stage and the update is elementwise, so the
+// parameters after a step are bit-identical for zero 0, 1 and 2 (tests/parallel).
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "dist/comm.h"
+#include "optim/optimizer.h"
+#include "parallel/flat_shards.h"
+
+namespace lathe::parallel {
+
+class ShardedOptimizer {
+ public:
+  ShardedOptimizer(dist::Communicator& dp, const optim::OptimConfig& cfg, size_t num_params,
+                   std::vector<optim::ParamRange> ranges, int zero);
+
+  int zero() const { return zero_; }
+  const FlatShards& shards() const { return shards_; }
+  // [state_begin, state_end) of the flat buffer whose moments this rank holds.
+  size_t state_begin() const { return zero_ ? shards_.begin(dp_.rank()) : 0; }
+  size_t state_end() const { return zero_ ? shards_.end(dp_.rank()) : shards_.total(); }
+  optim::Optimizer& local() { return *opt_; }
+
+  // L2 norm of the reduced gradients (GradSync::finish done): whole buffer for zero 0, shards
+  // summed across ranks otherwise.
+  double grad_norm(const float* grads);
+  // One update; grad_scale is the clipping coefficient. Parameters are complete on every rank after.
+  void step(float* params, const float* grads, double lr, int64_t step, float grad_scale);
+
+ private:
+  dist::Communicator& dp_;
+  int zero_;
+  FlatShards shards_;
+  std::vector<optim::ParamRange> ranges_;  // this rank's ranges, relative to state_begin()
+  std::unique_ptr<optim::Optimizer> opt_;
+};
+
+}  // namespace lathe::parallel
