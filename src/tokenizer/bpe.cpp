@@ -90,10 +90,13 @@ void PairMap::insert_or_assign(uint64_t key, int32_t rank, int32_t id) {
 BpeModel::BpeModel(StringIdMap vocab, const std::vector<std::pair<std::string, std::string>>& merges, BpeOptions opt,
                    const std::string& where)
     : opt_(std::move(opt)), vocab_(std::move(vocab)), instance_(g_next_instance.fetch_add(1)) {
-  int32_t max_id = -1;
+  // Callers bound ids by the size of their file (token_id_limit); this only keeps max_id + 1
+  // from overflowing.
+  int64_t max_id = -1;
   for (auto& [t, id] : vocab_) {
-    LATHE_CHECK(id >= 0, "{}: vocab token '{}' has negative id {}", where, t, id);
-    max_id = std::max(max_id, id);
+    LATHE_CHECK(id >= 0 && id < INT32_MAX, "{}: vocab token '{}' has id {}, outside [0, 2^31 - 1)", where,
+                t.substr(0, 80), id);
+    max_id = std::max<int64_t>(max_id, id);
   }
   id_to_tok_.assign(static_cast<size_t>(max_id + 1), std::string());
   id_present_.assign(static_cast<size_t>(max_id + 1), 0);

@@ -42,6 +42,16 @@ inline uint64_t load_u64(const char* p, size_t n) {
 }
 }  // namespace detail
 
+// Token ids read from files lie in [0, token_id_limit(entries)), entries = the file's vocabulary
+// entries + added tokens. Real tokenizers number their tokens densely (GPT-2 0..50256, Llama-3
+// 0..128255, Qwen2 0..151664); the slack allows holes while keeping the id -> token table (sized
+// max id + 1) proportional to the file, and ids + 1 never overflow int32.
+constexpr int64_t kTokenIdSlack = int64_t{1} << 16;
+inline int64_t token_id_limit(int64_t entries) {
+  const int64_t lim = entries + kTokenIdSlack;
+  return lim < INT32_MAX ? lim : INT32_MAX;
+}
+
 struct StringHash {
   using is_transparent = void;
   size_t operator()(std::string_view s) const noexcept;

@@ -1,8 +1,11 @@
 #include "tokenizer/hf_components.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "core/error.h"
+#include "io/json.h"
+#include "tokenizer/bpe.h"
 #include "tokenizer/nfc.h"
 #include "tokenizer/utf8.h"
 
@@ -10,38 +13,151 @@ namespace lathe::tok {
 
 using nlohmann::json;
 
+// ---------------------------------------------------------------- typed JSON access
+namespace json_field {
+
+std::string join(const std::string& path, std::string_view key) {
+  return path.empty() ? std::string(key) : path + "." + std::string(key);
+}
+std::string index(const std::string& path, size_t i) { return fmt::format("{}[{}]", path, i); }
+std::string member(const std::string& path, std::string_view key) { return path + "[" + quote(key) + "]"; }
+
+std::string quote(std::string_view s) {
+  // json_excerpt escapes control bytes and replaces invalid UTF-8, and bounds the length.
+  return io::json_excerpt(json(std::string(s.substr(0, 200))), 80);
+}
+
+const json* find(const json& obj, std::string_view key) {
+  if (!obj.is_object()) return nullptr;
+  auto it = obj.find(std::string(key));
+  if (it == obj.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+void type_error(const std::string& file, const std::string& path, const char* what, const json& got) {
+  throw_error("{}: {} must be {}, got {}{}{}", file, path.empty() ? "the top level" : path, what,
+              io::json_type_name(got), got.is_null() ? "" : ": ", got.is_null() ? "" : io::json_excerpt(got, 60));
+}
+
+void require_object(const json& v, const std::string& file, const std::string& path) {
+  if (!v.is_object()) type_error(file, path, "an object", v);
+}
+
 namespace {
+const json& required(const json& obj, std::string_view key, const std::string& file, const std::string& path,
+                     const char* what) {
+  require_object(obj, file, path);
+  const json* v = find(obj, key);
+  if (!v) throw_error("{}: {} is missing (it must be {})", file, join(path, key), what);
+  return *v;
+}
+}  // namespace
+
+const json& object(const json& obj, std::string_view key, const std::string& file, const std::string& path) {
+  const json& v = required(obj, key, file, path, "an object");
+  if (!v.is_object()) type_error(file, join(path, key), "an object", v);
+  return v;
+}
+const json& array(const json& obj, std::string_view key, const std::string& file, const std::string& path) {
+  const json& v = required(obj, key, file, path, "a list");
+  if (!v.is_array()) type_error(file, join(path, key), "a list", v);
+  return v;
+}
+std::string string(const json& obj, std::string_view key, const std::string& file, const std::string& path) {
+  const json& v = required(obj, key, file, path, "a string");
+  if (!v.is_string()) type_error(file, join(path, key), "a string", v);
+  return v.get<std::string>();
+}
+std::optional<std::string> opt_string(const json& obj, std::string_view key, const std::string& file,
+                                      const std::string& path) {
+  const json* v = find(obj, key);
+  if (!v) return std::nullopt;
+  if (!v->is_string()) type_error(file, join(path, key), "a string", *v);
+  return v->get<std::string>();
+}
+bool opt_bool(const json& obj, std::string_view key, bool dflt, const std::string& file, const std::string& path) {
+  const json* v = find(obj, key);
+  if (!v) return dflt;
+  if (!v->is_boolean()) type_error(file, join(path, key), "a boolean (true or false)", *v);
+  return v->get<bool>();
+}
+int64_t opt_int(const json& obj, std::string_view key, int64_t dflt, int64_t lo, int64_t hi, const std::string& file,
+                const std::string& path) {
+  const json* v = find(obj, key);
+  if (!v) return dflt;
+  const std::string what = fmt::format("an integer in [{}, {}]", lo, hi);
+  if (!v->is_number_integer()) type_error(file, join(path, key), what.c_str(), *v);
+  if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(hi))
+    type_error(file, join(path, key), what.c_str(), *v);
+  const int64_t x = v->get<int64_t>();
+  if (x < lo || x > hi) type_error(file, join(path, key), what.c_str(), *v);
+  return x;
+}
+
+int32_t token_id(const json& v, int64_t limit, const std::string& file, const std::string& path) {
+  if (!v.is_number_integer()) type_error(file, path, "an integer token id", v);
+  const bool too_big = v.is_number_unsigned() && v.get<uint64_t>() >= static_cast<uint64_t>(limit);
+  if (too_big || v.get<int64_t>() < 0 || v.get<int64_t>() >= limit)
+    throw_error(
+        "{}: {}: token id {} is out of range: ids must lie in [0, {}) for this file (its number of vocabulary "
+        "entries and added tokens + {}; real tokenizers number their tokens densely from 0): the file is corrupt",
+        file, path, io::json_excerpt(v, 40), limit, kTokenIdSlack);
+  return static_cast<int32_t>(v.get<int64_t>());
+}
+
+}  // namespace json_field
+
+GrowthBudget::GrowthBudget(size_t input_bytes) : input(input_bytes) {
+  limit = input_bytes > (std::numeric_limits<size_t>::max() - kGrowthSlack) / kMaxGrowth
+              ? std::numeric_limits<size_t>::max()
+              : input_bytes * kMaxGrowth + kGrowthSlack;
+}
+
+void GrowthBudget::check(size_t n, const std::string& where, const char* kind) const {
+  if (n > limit)
+    throw_error(
+        "{}: this {} would grow the text to {} bytes from {} bytes of input (the limit is {}x the input + 1 MiB): "
+        "the {}s of this tokenizer expand text without bound (e.g. chained Replace stages that each lengthen "
+        "their match); fix or remove this stage",
+        where, kind, n, input, kMaxGrowth, kind);
+}
+
+namespace {
+
+using namespace json_field;
 
 bool is_unicode_ws(uint32_t c) {
   return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 ||
          (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
 }
 
-std::string get_string(const json& j, const char* key, const std::string& where) {
-  auto it = j.find(key);
-  LATHE_CHECK(it != j.end() && it->is_string(), "{}: missing string field '{}' in {}", where, key, j.dump());
-  return it->get<std::string>();
-}
-bool get_bool(const json& j, const char* key, bool dflt) {
-  auto it = j.find(key);
-  if (it == j.end() || it->is_null()) return dflt;
-  return it->get<bool>();
+// "FILE: PATH (TYPE)": the prefix of runtime messages of one component.
+std::string component_where(const std::string& file, const std::string& path, const std::string& type) {
+  return fmt::format("{}: {} ({})", file, path, type);
 }
 
-// {"String": s} or {"Regex": r} -> PCRE2 pattern (String is matched literally).
-std::string pattern_of(const json& j, const std::string& where) {
-  LATHE_CHECK(j.is_object(), "{}: 'pattern' must be {{\"String\": ...}} or {{\"Regex\": ...}}, got {}", where,
-              j.dump());
-  if (j.contains("String")) {
-    std::string s = j["String"].get<std::string>(), out;
+// {"String": s} or {"Regex": r} at `path` -> PCRE2 pattern (String is matched literally).
+std::string pattern_of(const json& j, const std::string& file, const std::string& path) {
+  if (j.is_object() && find(j, "String")) {
+    std::string s = string(j, "String", file, path), out;
     for (char c : s) {
       if (std::string_view("\\^$.|?*+()[]{}-#/ ").find(c) != std::string_view::npos && c != ' ') out += '\\';
       out += c;
     }
     return out;
   }
-  if (j.contains("Regex")) return j["Regex"].get<std::string>();
-  throw_error("{}: 'pattern' must be {{\"String\": ...}} or {{\"Regex\": ...}}, got {}", where, j.dump());
+  if (j.is_object() && find(j, "Regex")) return string(j, "Regex", file, path);
+  type_error(file, path, "{\"String\": ...} or {\"Regex\": ...}", j);
+}
+
+// Metaspace's replacement is a Rust `char` in HF tokenizers: exactly one character. An empty one
+// made the split loop below spin forever (find("") never advances).
+std::string one_char(const json& j, const std::string& file, const std::string& path) {
+  std::string r = opt_string(j, "replacement", file, path).value_or("\xE2\x96\x81");
+  if (r.empty() || !utf8_valid_at(r, 0) || utf8_char_len(r, 0) != r.size())
+    throw_error("{}: {} must be exactly one character (as in HF tokenizers, default \"\u2581\"), got {}", file,
+                join(path, "replacement"), quote(r));
+  return r;
 }
 
 void replace_all(std::string& s, std::string_view from, std::string_view to) {
@@ -60,27 +176,40 @@ void replace_all(std::string& s, std::string_view from, std::string_view to) {
   s.swap(out);
 }
 
-// Replaces every regex match (or literal string) by `content`.
+// Replaces every regex match (or literal string) by `content`. The output size is computed
+// before it is built, so a growing replacement is refused by the GrowthBudget, not allocated.
 struct Replacer {
   std::string literal;
   std::unique_ptr<Regex> re;
   std::string content;
-  Replacer(const json& pat, std::string c, const std::string& where) : content(std::move(c)) {
-    if (pat.is_object() && pat.contains("String")) {
-      literal = pat["String"].get<std::string>();
-    } else {
-      re = std::make_unique<Regex>(pattern_of(pat, where));
-    }
+  std::string where;  // component_where(), for the growth message
+  Replacer(const json& j, const std::string& file, const std::string& path, const std::string& type)
+      : content(string(j, "content", file, path)), where(component_where(file, path, type)) {
+    const json& pat = object(j, "pattern", file, path);
+    const std::string ppath = join(path, "pattern");
+    if (find(pat, "String"))
+      literal = string(pat, "String", file, ppath);
+    else
+      re = std::make_unique<Regex>(pattern_of(pat, file, ppath));
   }
-  void apply(std::string& s) const {
-    if (!re) {
-      replace_all(s, literal, content);
-      return;
-    }
+  // `other`: bytes of the text outside s that count against the same budget (other tokens).
+  void apply(std::string& s, const GrowthBudget& budget, const char* kind, size_t other = 0) const {
     std::vector<std::pair<size_t, size_t>> m;
-    re->find_all(s, m);
+    if (!re) {
+      // An empty literal never matches (as HF's &str Pattern, which returns no match for "").
+      if (literal.empty()) return;
+      for (size_t k = s.find(literal); k != std::string::npos; k = s.find(literal, k + literal.size()))
+        m.emplace_back(k, k + literal.size());
+    } else {
+      re->find_all(s, m);  // empty matches are skipped
+    }
     if (m.empty()) return;
+    size_t removed = 0;
+    for (auto [a, b] : m) removed += b - a;
+    const size_t n = s.size() - removed + m.size() * content.size();
+    if (content.size() * m.size() > removed) budget.check(other + n, where, kind);
     std::string out;
+    out.reserve(n);
     size_t prev = 0;
     for (auto [a, b] : m) {
       out.append(s, prev, a - prev);
@@ -95,28 +224,30 @@ struct Replacer {
 // ---------------------------------------------------------------- normalizers
 struct SequenceNormalizer : Normalizer {
   std::vector<std::unique_ptr<Normalizer>> parts;
-  void apply(std::string& s) const override {
-    for (auto& p : parts) p->apply(s);
+  void run(std::string& s, const GrowthBudget& b) const override {
+    for (auto& p : parts) p->run(s, b);
   }
 };
 struct PrependNormalizer : Normalizer {
-  std::string prepend;
-  void apply(std::string& s) const override {
-    if (!s.empty()) s.insert(0, prepend);
+  std::string prepend, where;
+  void run(std::string& s, const GrowthBudget& b) const override {
+    if (s.empty()) return;
+    b.check(s.size() + prepend.size(), where, "normalizer");
+    s.insert(0, prepend);
   }
 };
 struct ReplaceNormalizer : Normalizer {
   Replacer r;
-  ReplaceNormalizer(const json& j, const std::string& where)
-      : r(j.at("pattern"), get_string(j, "content", where), where) {}
-  void apply(std::string& s) const override { r.apply(s); }
+  ReplaceNormalizer(const json& j, const std::string& file, const std::string& path) : r(j, file, path, "Replace") {}
+  void run(std::string& s, const GrowthBudget& b) const override { r.apply(s, b, "normalizer"); }
 };
 struct NfcNormalizer : Normalizer {
-  void apply(std::string& s) const override { nfc_normalize(s); }
+  // NFC output is at most 3x its input (a Unicode stability guarantee): no budget check needed.
+  void run(std::string& s, const GrowthBudget&) const override { nfc_normalize(s); }
 };
 struct StripNormalizer : Normalizer {
   bool left, right;
-  void apply(std::string& s) const override {
+  void run(std::string& s, const GrowthBudget&) const override {
     size_t b = 0, e = s.size();
     if (left)
       while (b < e) {
@@ -138,19 +269,6 @@ struct StripNormalizer : Normalizer {
 
 // ---------------------------------------------------------------- pre-tokenizers
 enum class Behavior { Removed, Isolated, MergedWithPrevious, MergedWithNext, Contiguous };
-
-Behavior parse_behavior(const json& j, const std::string& where) {
-  std::string b = j.is_string() ? j.get<std::string>() : std::string("?");
-  if (b == "Removed") return Behavior::Removed;
-  if (b == "Isolated") return Behavior::Isolated;
-  if (b == "MergedWithPrevious") return Behavior::MergedWithPrevious;
-  if (b == "MergedWithNext") return Behavior::MergedWithNext;
-  if (b == "Contiguous") return Behavior::Contiguous;
-  throw_error(
-      "{}: unknown split behavior {} (expected Removed, Isolated, MergedWithPrevious, MergedWithNext, "
-      "Contiguous)",
-      where, j.dump());
-}
 
 // HF NormalizedString::split: segments (matches and the gaps between them) combined by behavior.
 void split_piece(const Piece& p, const std::vector<std::pair<size_t, size_t>>& matches, bool invert, Behavior bh,
@@ -324,20 +442,20 @@ struct SequencePreTokenizer : PreTokenizer {
 // ---------------------------------------------------------------- decoders
 struct SequenceDecoder : Decoder {
   std::vector<std::unique_ptr<Decoder>> parts;
-  void apply(std::vector<std::string>& t) const override {
-    for (auto& p : parts) p->apply(t);
+  void run(std::vector<std::string>& t, const GrowthBudget& b) const override {
+    for (auto& p : parts) p->run(t, b);
   }
 };
 // Raw bytes, no lossy UTF-8 step: decode(encode(bytes)) == bytes for any bytes.
 struct ByteLevelDecoder : Decoder {
-  void apply(std::vector<std::string>& t) const override {
+  void run(std::vector<std::string>& t, const GrowthBudget& b) const override {
     std::string out;
     for (auto& s : t) bytelevel_to_bytes(s, out);
     t.assign(1, std::move(out));
   }
 };
 struct FuseDecoder : Decoder {
-  void apply(std::vector<std::string>& t) const override {
+  void run(std::vector<std::string>& t, const GrowthBudget& b) const override {
     std::string out;
     for (auto& s : t) out += s;
     t.assign(1, std::move(out));
@@ -345,14 +463,19 @@ struct FuseDecoder : Decoder {
 };
 struct ReplaceDecoder : Decoder {
   Replacer r;
-  ReplaceDecoder(const json& j, const std::string& where)
-      : r(j.at("pattern"), get_string(j, "content", where), where) {}
-  void apply(std::vector<std::string>& t) const override {
-    for (auto& s : t) r.apply(s);
+  ReplaceDecoder(const json& j, const std::string& file, const std::string& path) : r(j, file, path, "Replace") {}
+  void run(std::vector<std::string>& t, const GrowthBudget& b) const override {
+    size_t total = 0;
+    for (auto& s : t) total += s.size();
+    for (auto& s : t) {
+      const size_t other = total - s.size();
+      r.apply(s, b, "decoder", other);
+      total = other + s.size();
+    }
   }
 };
 struct ByteFallbackDecoder : Decoder {
-  void apply(std::vector<std::string>& t) const override {
+  void run(std::vector<std::string>& t, const GrowthBudget& b) const override {
     std::vector<std::string> out;
     std::string bytes;
     auto flush = [&] {
@@ -384,7 +507,7 @@ struct ByteFallbackDecoder : Decoder {
 struct StripDecoder : Decoder {
   std::string content;  // one char
   size_t start = 0, stop = 0;
-  void apply(std::vector<std::string>& t) const override {
+  void run(std::vector<std::string>& t, const GrowthBudget& b) const override {
     for (auto& s : t) {
       std::vector<std::string_view> chars;
       for (size_t i = 0; i < s.size();) {
@@ -406,95 +529,115 @@ struct StripDecoder : Decoder {
 struct MetaspaceDecoder : Decoder {
   std::string rep;
   bool never = false;
-  void apply(std::vector<std::string>& t) const override {
+  void run(std::vector<std::string>& t, const GrowthBudget& b) const override {
     for (size_t i = 0; i < t.size(); ++i) replace_all(t[i], rep, i == 0 && !never ? "" : " ");
   }
 };
 
-std::string type_of(const json& j, const std::string& where) {
-  LATHE_CHECK(j.is_object() && j.contains("type") && j["type"].is_string(), "{}: component without a \"type\": {}",
-              where, j.dump().substr(0, 200));
-  return j["type"].get<std::string>();
+// The "type" of the component at `path`.
+std::string type_of(const json& j, const std::string& file, const std::string& path) {
+  require_object(j, file, path);
+  return string(j, "type", file, path);
+}
+
+Behavior parse_behavior(const json& j, const std::string& file, const std::string& path) {
+  std::string b = string(j, "behavior", file, path);
+  if (b == "Removed") return Behavior::Removed;
+  if (b == "Isolated") return Behavior::Isolated;
+  if (b == "MergedWithPrevious") return Behavior::MergedWithPrevious;
+  if (b == "MergedWithNext") return Behavior::MergedWithNext;
+  if (b == "Contiguous") return Behavior::Contiguous;
+  throw_error(
+      "{}: {} {} is unknown (expected Removed, Isolated, MergedWithPrevious, MergedWithNext, "
+      "Contiguous)",
+      file, join(path, "behavior"), quote(b));
+}
+
+// Metaspace pre-tokenizer and decoder: prepend_scheme (and the older add_prefix_space).
+std::string prepend_scheme(const json& j, const std::string& file, const std::string& path) {
+  std::string scheme = opt_string(j, "prepend_scheme", file, path).value_or("always");
+  if (!opt_bool(j, "add_prefix_space", true, file, path)) scheme = "never";
+  if (scheme != "always" && scheme != "first" && scheme != "never")
+    throw_error("{}: {} {} is unknown (always, first, never)", file, join(path, "prepend_scheme"), quote(scheme));
+  return scheme;
 }
 
 }  // namespace
 
-std::unique_ptr<Normalizer> make_normalizer(const json& j, const std::string& where) {
-  std::string type = type_of(j, where);
-  std::string w = where + " normalizer " + type;
+std::unique_ptr<Normalizer> make_normalizer(const json& j, const std::string& file, const std::string& path) {
+  std::string type = type_of(j, file, path);
   if (type == "Sequence") {
     auto n = std::make_unique<SequenceNormalizer>();
-    for (auto& c : j.at("normalizers")) n->parts.push_back(make_normalizer(c, where));
+    const json& parts = array(j, "normalizers", file, path);
+    for (size_t i = 0; i < parts.size(); ++i)
+      n->parts.push_back(make_normalizer(parts[i], file, json_field::index(join(path, "normalizers"), i)));
     return n;
   }
   if (type == "Prepend") {
     auto n = std::make_unique<PrependNormalizer>();
-    n->prepend = get_string(j, "prepend", w);
+    n->prepend = string(j, "prepend", file, path);
+    n->where = component_where(file, path, type);
     return n;
   }
-  if (type == "Replace") return std::make_unique<ReplaceNormalizer>(j, w);
+  if (type == "Replace") return std::make_unique<ReplaceNormalizer>(j, file, path);
   if (type == "NFC") return std::make_unique<NfcNormalizer>();
   if (type == "Strip") {
     auto n = std::make_unique<StripNormalizer>();
-    n->left = get_bool(j, "strip_left", false);
-    n->right = get_bool(j, "strip_right", false);
+    n->left = opt_bool(j, "strip_left", false, file, path);
+    n->right = opt_bool(j, "strip_right", false, file, path);
     return n;
   }
-  throw_error("{}: normalizer type '{}' is not supported by lathe (supported: Sequence, Prepend, Replace, Strip, NFC)",
-              where, type);
+  throw_error(
+      "{}: {}: normalizer type {} is not supported by lathe (supported: Sequence, Prepend, Replace, Strip, NFC)", file,
+      path, quote(type));
 }
 
-std::unique_ptr<PreTokenizer> make_pre_tokenizer(const json& j, const std::string& where, bool* byte_level) {
-  std::string type = type_of(j, where);
-  std::string w = where + " pre_tokenizer " + type;
+std::unique_ptr<PreTokenizer> make_pre_tokenizer(const json& j, const std::string& file, bool* byte_level,
+                                                 const std::string& path) {
+  std::string type = type_of(j, file, path);
   if (type == "Sequence") {
     auto p = std::make_unique<SequencePreTokenizer>();
-    const json& parts = j.at("pretokenizers");
+    const json& parts = array(j, "pretokenizers", file, path);
     for (size_t i = 0; i < parts.size(); ++i) {
       bool bl = false;
-      p->parts.push_back(make_pre_tokenizer(parts[i], where, &bl));
+      p->parts.push_back(make_pre_tokenizer(parts[i], file, &bl, json_field::index(join(path, "pretokenizers"), i)));
       LATHE_CHECK(!bl || i + 1 == parts.size(),
-                  "{}: ByteLevel must be the last pre-tokenizer of the Sequence (lathe runs the byte-level "
+                  "{}: {}: ByteLevel must be the last pre-tokenizer of the Sequence (lathe runs the byte-level "
                   "model on raw bytes)",
-                  w);
+                  file, path);
       if (bl) *byte_level = true;
     }
     return p;
   }
   if (type == "ByteLevel") {
     auto p = std::make_unique<ByteLevelPreTokenizer>();
-    p->add_prefix_space = get_bool(j, "add_prefix_space", false);
-    if (get_bool(j, "use_regex", true)) p->re = std::make_unique<Regex>(kGpt2Pattern);
+    p->add_prefix_space = opt_bool(j, "add_prefix_space", false, file, path);
+    if (opt_bool(j, "use_regex", true, file, path)) p->re = std::make_unique<Regex>(kGpt2Pattern);
     *byte_level = true;
     return p;
   }
   if (type == "Split") {
     auto p = std::make_unique<SplitPreTokenizer>();
-    p->re = std::make_unique<Regex>(pattern_of(j.at("pattern"), w));
-    p->invert = get_bool(j, "invert", false);
-    p->behavior = parse_behavior(j.at("behavior"), w);
+    if (!find(j, "pattern")) throw_error("{}: {} is missing", file, join(path, "pattern"));
+    p->re = std::make_unique<Regex>(pattern_of(j["pattern"], file, join(path, "pattern")));
+    p->invert = opt_bool(j, "invert", false, file, path);
+    p->behavior = parse_behavior(j, file, path);
     return p;
   }
   if (type == "Metaspace") {
     auto p = std::make_unique<MetaspacePreTokenizer>();
-    p->rep = j.contains("replacement") ? get_string(j, "replacement", w) : std::string("\xE2\x96\x81");
-    std::string scheme = j.contains("prepend_scheme") ? get_string(j, "prepend_scheme", w) : "always";
-    if (j.contains("add_prefix_space") && !get_bool(j, "add_prefix_space", true)) scheme = "never";
-    if (scheme == "always")
-      p->scheme = MetaspacePreTokenizer::Always;
-    else if (scheme == "first")
-      p->scheme = MetaspacePreTokenizer::First;
-    else if (scheme == "never")
-      p->scheme = MetaspacePreTokenizer::Never;
-    else
-      throw_error("{}: unknown prepend_scheme '{}' (always, first, never)", w, scheme);
-    p->split = get_bool(j, "split", true);
+    p->rep = one_char(j, file, path);
+    std::string scheme = prepend_scheme(j, file, path);
+    p->scheme = scheme == "always"  ? MetaspacePreTokenizer::Always
+                : scheme == "first" ? MetaspacePreTokenizer::First
+                                    : MetaspacePreTokenizer::Never;
+    p->split = opt_bool(j, "split", true, file, path);
     return p;
   }
   if (type == "Digits") {
     auto p = std::make_unique<SplitPreTokenizer>();
     p->re = std::make_unique<Regex>(R"(\p{N})");
-    p->behavior = get_bool(j, "individual_digits", false) ? Behavior::Isolated : Behavior::Contiguous;
+    p->behavior = opt_bool(j, "individual_digits", false, file, path) ? Behavior::Isolated : Behavior::Contiguous;
     return p;
   }
   if (type == "Whitespace") {
@@ -511,42 +654,42 @@ std::unique_ptr<PreTokenizer> make_pre_tokenizer(const json& j, const std::strin
     return p;
   }
   throw_error(
-      "{}: pre_tokenizer type '{}' is not supported by lathe (supported: Sequence, ByteLevel, Split, "
+      "{}: {}: pre_tokenizer type {} is not supported by lathe (supported: Sequence, ByteLevel, Split, "
       "Metaspace, Digits, Whitespace, WhitespaceSplit)",
-      where, type);
+      file, path, quote(type));
 }
 
-std::unique_ptr<Decoder> make_decoder(const json& j, const std::string& where) {
-  std::string type = type_of(j, where);
-  std::string w = where + " decoder " + type;
+std::unique_ptr<Decoder> make_decoder(const json& j, const std::string& file, const std::string& path) {
+  std::string type = type_of(j, file, path);
   if (type == "Sequence") {
     auto d = std::make_unique<SequenceDecoder>();
-    for (auto& c : j.at("decoders")) d->parts.push_back(make_decoder(c, where));
+    const json& parts = array(j, "decoders", file, path);
+    for (size_t i = 0; i < parts.size(); ++i)
+      d->parts.push_back(make_decoder(parts[i], file, json_field::index(join(path, "decoders"), i)));
     return d;
   }
   if (type == "ByteLevel") return std::make_unique<ByteLevelDecoder>();
   if (type == "Fuse") return std::make_unique<FuseDecoder>();
   if (type == "ByteFallback") return std::make_unique<ByteFallbackDecoder>();
-  if (type == "Replace") return std::make_unique<ReplaceDecoder>(j, w);
+  if (type == "Replace") return std::make_unique<ReplaceDecoder>(j, file, path);
   if (type == "Strip") {
     auto d = std::make_unique<StripDecoder>();
-    d->content = get_string(j, "content", w);
-    d->start = j.value("start", size_t{0});
-    d->stop = j.value("stop", size_t{0});
+    d->content = string(j, "content", file, path);
+    constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+    d->start = static_cast<size_t>(opt_int(j, "start", 0, 0, kMax, file, path));
+    d->stop = static_cast<size_t>(opt_int(j, "stop", 0, 0, kMax, file, path));
     return d;
   }
   if (type == "Metaspace") {
     auto d = std::make_unique<MetaspaceDecoder>();
-    d->rep = j.contains("replacement") ? get_string(j, "replacement", w) : std::string("\xE2\x96\x81");
-    std::string scheme = j.contains("prepend_scheme") ? get_string(j, "prepend_scheme", w) : "always";
-    if (j.contains("add_prefix_space") && !get_bool(j, "add_prefix_space", true)) scheme = "never";
-    d->never = scheme == "never";
+    d->rep = one_char(j, file, path);
+    d->never = prepend_scheme(j, file, path) == "never";
     return d;
   }
   throw_error(
-      "{}: decoder type '{}' is not supported by lathe (supported: Sequence, ByteLevel, Fuse, ByteFallback, "
+      "{}: {}: decoder type {} is not supported by lathe (supported: Sequence, ByteLevel, Fuse, ByteFallback, "
       "Replace, Strip, Metaspace)",
-      where, type);
+      file, path, quote(type));
 }
 
 // ---------------------------------------------------------------- added tokens

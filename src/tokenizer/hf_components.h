@@ -16,14 +16,72 @@
 
 namespace lathe::tok {
 
+// ---- typed access to untrusted JSON ------------------------------------------------------
+// tokenizer.json is untrusted input: every field is read through these, so a wrong type is a
+// lathe::Error naming the file and the JSON path of the field ("tokenizer.json: model.vocab["x"]
+// must be an integer, got a string"), never an nlohmann type_error; quoted values are bounded
+// excerpts. `file` is the path for messages, `path` the JSON path of the field ("" = top level).
+namespace json_field {
+// path + "." + key (just key at the top level).
+std::string join(const std::string& path, std::string_view key);
+// path + "[i]".
+std::string index(const std::string& path, size_t i);
+// path + "[\"key\"]" with the key quoted as a bounded JSON excerpt.
+std::string member(const std::string& path, std::string_view key);
+// The field, or nullptr when `obj` has no such key or it is null.
+const nlohmann::json* find(const nlohmann::json& obj, std::string_view key);
+// Throws "FILE: PATH must be WHAT, got TYPE (EXCERPT)".
+[[noreturn]] void type_error(const std::string& file, const std::string& path, const char* what,
+                             const nlohmann::json& got);
+void require_object(const nlohmann::json& v, const std::string& file, const std::string& path);
+const nlohmann::json& object(const nlohmann::json& obj, std::string_view key, const std::string& file,
+                             const std::string& path);
+const nlohmann::json& array(const nlohmann::json& obj, std::string_view key, const std::string& file,
+                            const std::string& path);
+std::string string(const nlohmann::json& obj, std::string_view key, const std::string& file, const std::string& path);
+std::optional<std::string> opt_string(const nlohmann::json& obj, std::string_view key, const std::string& file,
+                                      const std::string& path);
+bool opt_bool(const nlohmann::json& obj, std::string_view key, bool dflt, const std::string& file,
+              const std::string& path);
+// An integer in [lo, hi]; absent or null -> dflt.
+int64_t opt_int(const nlohmann::json& obj, std::string_view key, int64_t dflt, int64_t lo, int64_t hi,
+                const std::string& file, const std::string& path);
+// `v` (at `path`) as an integer in [0, limit): the rule for every token id read from a file.
+int32_t token_id(const nlohmann::json& v, int64_t limit, const std::string& file, const std::string& path);
+// A string quoted for a message, cut to a bounded excerpt.
+std::string quote(std::string_view s);
+}  // namespace json_field
+
+// ---- growth budget -----------------------------------------------------------------------
+// Normalizers and decoders that insert text (Replace, Prepend) can be chained so that the text
+// grows geometrically (30 Replace "a" -> "aa" would need 2^30 times the input). Rule: the output
+// of a normalizer chain (or a decoder chain) may be at most kMaxGrowth times its input plus
+// kGrowthSlack bytes; every stage that can grow the text computes its output size first and
+// throws (naming the stage) instead of allocating more. Real tokenizers stay far below it
+// (Llama's Replace " " -> "\u2581" triples a text of spaces at most).
+struct GrowthBudget {
+  static constexpr size_t kMaxGrowth = 64;
+  static constexpr size_t kGrowthSlack = 1 << 20;
+  size_t input = 0, limit = 0;
+  explicit GrowthBudget(size_t input_bytes);
+  // Throws "WHERE: ... would grow the text to N bytes ..." when n > limit.
+  void check(size_t n, const std::string& where, const char* kind) const;
+};
+
 // ---- normalizers -------------------------------------------------------------------------
 class Normalizer {
  public:
   virtual ~Normalizer() = default;
-  virtual void apply(std::string& s) const = 0;
+  // Normalizes s; throws lathe::Error when the chain would exceed its GrowthBudget.
+  void apply(std::string& s) const {
+    GrowthBudget b(s.size());
+    run(s, b);
+  }
+  virtual void run(std::string& s, const GrowthBudget& budget) const = 0;
 };
-// `where` prefixes error messages (file and JSON path).
-std::unique_ptr<Normalizer> make_normalizer(const nlohmann::json& j, const std::string& where);
+// `file` names the tokenizer file in messages, `path` the JSON path of this component.
+std::unique_ptr<Normalizer> make_normalizer(const nlohmann::json& j, const std::string& file,
+                                            const std::string& path = "normalizer");
 
 // ---- pre-tokenizers ----------------------------------------------------------------------
 // A piece of (normalized) text; `origin` is true when it starts at offset 0 of the input
@@ -59,15 +117,24 @@ class PreTokenizer {
     return 0;
   }
 };
-std::unique_ptr<PreTokenizer> make_pre_tokenizer(const nlohmann::json& j, const std::string& where, bool* byte_level);
+std::unique_ptr<PreTokenizer> make_pre_tokenizer(const nlohmann::json& j, const std::string& file, bool* byte_level,
+                                                 const std::string& path = "pre_tokenizer");
 
 // ---- decoders ----------------------------------------------------------------------------
 class Decoder {
  public:
   virtual ~Decoder() = default;
-  virtual void apply(std::vector<std::string>& tokens) const = 0;
+  // Decodes tokens in place; throws lathe::Error when the chain would exceed its GrowthBudget.
+  void apply(std::vector<std::string>& tokens) const {
+    size_t n = 0;
+    for (const std::string& t : tokens) n += t.size();
+    GrowthBudget b(n);
+    run(tokens, b);
+  }
+  virtual void run(std::vector<std::string>& tokens, const GrowthBudget& budget) const = 0;
 };
-std::unique_ptr<Decoder> make_decoder(const nlohmann::json& j, const std::string& where);
+std::unique_ptr<Decoder> make_decoder(const nlohmann::json& j, const std::string& file,
+                                      const std::string& path = "decoder");
 
 // ---- added tokens ------------------------------------------------------------------------
 struct AddedToken {

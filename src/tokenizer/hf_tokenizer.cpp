@@ -1,11 +1,11 @@
 #include "tokenizer/hf_tokenizer.h"
 
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <unordered_map>
 
 #include "core/error.h"
+#include "io/fs.h"
+#include "io/json.h"
 #include "tokenizer/bpe.h"
 #include "tokenizer/hf_components.h"
 #include "tokenizer/utf8.h"
@@ -13,82 +13,77 @@
 namespace lathe::tok {
 
 using nlohmann::json;
+using namespace json_field;
 namespace fs = std::filesystem;
 
 namespace {
 
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  LATHE_CHECK(f.good(), "tokenizer file {}: cannot be opened", path);
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-json parse_json_file(const std::string& path) {
-  std::string text = read_file(path);
-  try {
-    return json::parse(text);
-  } catch (const json::exception& e) {
-    throw_error("tokenizer file {}: invalid JSON: {}", path, e.what());
-  }
+// True when something (a file, a directory, a FIFO, a dangling link or a link loop) is at p: the
+// reader then names what is wrong with it instead of "missing".
+bool present(const fs::path& p) {
+  std::error_code ec;
+  auto st = fs::symlink_status(p, ec);
+  return !ec && st.type() != fs::file_type::not_found;
 }
 
 class HfTokenizer : public Tokenizer {
  public:
+  // `where` names the file(s) in messages; every field is read through json_field, so a wrong
+  // type or a bad id names its JSON path.
   HfTokenizer(const json& cfg, const std::string& where, const std::string& kind_override,
               std::vector<std::string> files, const std::string& dir)
       : files_(std::move(files)) {
-    LATHE_CHECK(cfg.is_object(), "{}: the top level must be a JSON object", where);
-    LATHE_CHECK(cfg.contains("model") && cfg["model"].is_object(), "{}: missing the \"model\" object", where);
-    const json& m = cfg["model"];
-    std::string mtype = m.value("type", std::string());
-    if (mtype.empty() && m.contains("merges")) mtype = "BPE";  // very old files omit the type
+    require_object(cfg, where, "");
+    const json& m = object(cfg, "model", where, "");
+    std::string mtype = opt_string(m, "type", where, "model").value_or("");
+    if (mtype.empty() && find(m, "merges")) mtype = "BPE";  // very old files omit the type
     LATHE_CHECK(mtype == "BPE",
-                "{}: model type '{}' is not supported by lathe (only BPE; Unigram/WordPiece/WordLevel "
+                "{}: model.type {} is not supported by lathe (only BPE; Unigram/WordPiece/WordLevel "
                 "tokenizer.json files are not implemented)",
-                where, mtype);
+                where, quote(mtype));
+    const json& vj = object(m, "vocab", where, "model");
+    const json* atj = find(cfg, "added_tokens");
+    if (atj && !atj->is_array()) type_error(where, "added_tokens", "a list", *atj);
+    // Every id of the file is bounded by its number of entries (see token_id_limit).
+    const int64_t id_limit = token_id_limit(static_cast<int64_t>(vj.size() + (atj ? atj->size() : 0)));
 
-    if (cfg.contains("pre_tokenizer") && !cfg["pre_tokenizer"].is_null())
-      pre_ = make_pre_tokenizer(cfg["pre_tokenizer"], where, &byte_level_);
-    if (cfg.contains("normalizer") && !cfg["normalizer"].is_null())
-      normalizer_ = make_normalizer(cfg["normalizer"], where);
-    if (cfg.contains("decoder") && !cfg["decoder"].is_null()) decoder_ = make_decoder(cfg["decoder"], where);
+    if (const json* p = find(cfg, "pre_tokenizer")) pre_ = make_pre_tokenizer(*p, where, &byte_level_);
+    if (const json* n = find(cfg, "normalizer")) normalizer_ = make_normalizer(*n, where);
+    if (const json* d = find(cfg, "decoder")) decoder_ = make_decoder(*d, where);
 
     // --- model
     BpeOptions opt;
     opt.byte_units = byte_level_;
-    if (m.contains("unk_token") && m["unk_token"].is_string()) opt.unk_token = m["unk_token"].get<std::string>();
-    if (m.contains("continuing_subword_prefix") && m["continuing_subword_prefix"].is_string())
-      opt.continuing_subword_prefix = m["continuing_subword_prefix"].get<std::string>();
-    if (m.contains("end_of_word_suffix") && m["end_of_word_suffix"].is_string())
-      opt.end_of_word_suffix = m["end_of_word_suffix"].get<std::string>();
-    opt.fuse_unk = m.value("fuse_unk", false);
-    opt.byte_fallback = m.value("byte_fallback", false);
-    opt.ignore_merges = m.value("ignore_merges", false);
-    LATHE_CHECK(!m.contains("dropout") || m["dropout"].is_null() || m["dropout"].get<double>() == 0.0,
-                "{}: model.dropout is set (BPE-dropout is for training only); set it to null for encoding", where);
-    LATHE_CHECK(m.contains("vocab") && m["vocab"].is_object(), "{}: model.vocab must be an object token -> id", where);
-    StringIdMap vocab;
-    vocab.reserve(m["vocab"].size());
-    for (auto it = m["vocab"].begin(); it != m["vocab"].end(); ++it) {
-      LATHE_CHECK(it.value().is_number_integer(), "{}: model.vocab['{}'] is not an integer id", where, it.key());
-      vocab.emplace(it.key(), it.value().get<int32_t>());
+    opt.unk_token = opt_string(m, "unk_token", where, "model");
+    opt.continuing_subword_prefix = opt_string(m, "continuing_subword_prefix", where, "model").value_or("");
+    opt.end_of_word_suffix = opt_string(m, "end_of_word_suffix", where, "model").value_or("");
+    opt.fuse_unk = opt_bool(m, "fuse_unk", false, where, "model");
+    opt.byte_fallback = opt_bool(m, "byte_fallback", false, where, "model");
+    opt.ignore_merges = opt_bool(m, "ignore_merges", false, where, "model");
+    if (const json* d = find(m, "dropout")) {
+      if (!d->is_number()) type_error(where, "model.dropout", "null or a number", *d);
+      LATHE_CHECK(d->get<double>() == 0.0,
+                  "{}: model.dropout is set (BPE-dropout is for training only); set it to null for encoding", where);
     }
-    LATHE_CHECK(m.contains("merges") && m["merges"].is_array(), "{}: model.merges must be a list", where);
+    StringIdMap vocab;
+    vocab.reserve(vj.size());
+    for (auto it = vj.begin(); it != vj.end(); ++it)
+      vocab.emplace(it.key(), token_id(it.value(), id_limit, where, member("model.vocab", it.key())));
+    const json& mj = array(m, "merges", where, "model");
     std::vector<std::pair<std::string, std::string>> merges;
-    merges.reserve(m["merges"].size());
-    for (const json& e : m["merges"]) {
+    merges.reserve(mj.size());
+    for (size_t i = 0; i < mj.size(); ++i) {
+      const json& e = mj[i];
       if (e.is_string()) {
-        std::string s = e.get<std::string>();
+        const std::string& s = e.get_ref<const std::string&>();
         if (s.rfind("#version", 0) == 0) continue;
         size_t sp = s.find(' ');
         LATHE_CHECK(sp != std::string::npos && s.find(' ', sp + 1) == std::string::npos,
-                    "{}: merge \"{}\" must be two tokens separated by one space", where, s);
+                    "{}: model.merges[{}] {} must be two tokens separated by one space", where, i, quote(s));
         merges.emplace_back(s.substr(0, sp), s.substr(sp + 1));
       } else {
-        LATHE_CHECK(e.is_array() && e.size() == 2 && e[0].is_string() && e[1].is_string(),
-                    "{}: merge {} must be \"a b\" or [\"a\", \"b\"]", where, e.dump());
+        if (!(e.is_array() && e.size() == 2 && e[0].is_string() && e[1].is_string()))
+          type_error(where, index("model.merges", i), "\"a b\" or [\"a\", \"b\"]", e);
         merges.emplace_back(e[0].get<std::string>(), e[1].get<std::string>());
       }
     }
@@ -96,27 +91,28 @@ class HfTokenizer : public Tokenizer {
     vocab_size_ = model_->size();
 
     // --- added tokens
-    if (cfg.contains("added_tokens") && cfg["added_tokens"].is_array()) {
-      const json& at = cfg["added_tokens"];
-      added_.reserve(at.size());
-      for (const json& t : at) {
+    if (atj) {
+      added_.reserve(atj->size());
+      for (size_t i = 0; i < atj->size(); ++i) {
+        const json& t = (*atj)[i];
+        const std::string path = index("added_tokens", i);
+        require_object(t, where, path);
+        LATHE_CHECK(find(t, "id"), "{}: {}.id is missing (each added token needs \"id\" and \"content\")", where, path);
         AddedToken a;
-        LATHE_CHECK(t.contains("id") && t.contains("content"), "{}: added token {} needs \"id\" and \"content\"", where,
-                    t.dump());
-        a.id = t["id"].get<int32_t>();
-        a.content = t["content"].get<std::string>();
-        a.special = t.value("special", false);
-        a.lstrip = t.value("lstrip", false);
-        a.rstrip = t.value("rstrip", false);
-        a.single_word = t.value("single_word", false);
-        a.normalized = t.value("normalized", !a.special);
+        a.id = token_id(t["id"], id_limit, where, join(path, "id"));
+        a.content = string(t, "content", where, path);
+        a.special = opt_bool(t, "special", false, where, path);
+        a.lstrip = opt_bool(t, "lstrip", false, where, path);
+        a.rstrip = opt_bool(t, "rstrip", false, where, path);
+        a.single_word = opt_bool(t, "single_word", false, where, path);
+        a.normalized = opt_bool(t, "normalized", !a.special, where, path);
         if (a.content.empty()) continue;
         added_.push_back(std::move(a));
       }
       for (const AddedToken& a : added_) {
         added_by_id_[a.id] = &a;
         added_by_content_.emplace(a.content, a.id);
-        vocab_size_ = std::max<int64_t>(vocab_size_, a.id + 1);
+        vocab_size_ = std::max<int64_t>(vocab_size_, int64_t{a.id} + 1);
         if (a.normalized && normalizer_) {
           std::string n = a.content;
           normalizer_->apply(n);
@@ -130,10 +126,10 @@ class HfTokenizer : public Tokenizer {
     }
 
     // --- post-processor (BOS/EOS around the single sequence)
-    if (cfg.contains("post_processor") && !cfg["post_processor"].is_null()) parse_post(cfg["post_processor"], where);
+    if (const json* p = find(cfg, "post_processor")) parse_post(*p, where, "post_processor");
 
     kind_ = !kind_override.empty() ? kind_override : byte_level_ ? "hf-bpe-bytelevel" : "hf-bpe-sentencepiece";
-    resolve_specials(dir, where);
+    resolve_specials(dir);
   }
 
   std::vector<int32_t> encode(std::string_view text, bool add_special_tokens) const override {
@@ -256,74 +252,102 @@ class HfTokenizer : public Tokenizer {
     for (const Piece& p : buf.pieces) model_->encode_word(p.s, out);
   }
 
-  // Ids of a special token referenced by a post-processor.
-  int32_t special_id(const std::string& tok, const std::string& where) const {
-    auto id = token_to_id(tok);
-    LATHE_CHECK(id.has_value(), "{}: post_processor token '{}' is not in the vocabulary", where, tok);
-    return *id;
+  // A token id the post-processor emits (at `path`): it must be a token of this tokenizer, or
+  // encode() would hand the model an id it has no embedding for.
+  int32_t special_id(const json& v, const std::string& where, const std::string& path) const {
+    if (!v.is_number_integer()) type_error(where, path, "an integer token id", v);
+    const bool in_range = !(v.is_number_unsigned() && v.get<uint64_t>() >= static_cast<uint64_t>(vocab_size_)) &&
+                          v.get<int64_t>() >= 0 && v.get<int64_t>() < vocab_size_;
+    const int32_t id = in_range ? static_cast<int32_t>(v.get<int64_t>()) : -1;
+    LATHE_CHECK(in_range && (added_by_id_.count(id) || model_->id_to_token(id)),
+                "{}: {}: token id {} is not a token of this tokenizer (ids 0..{}): the post-processor would emit "
+                "it for every sequence; fix the id",
+                where, path, io::json_excerpt(v, 40), vocab_size_ - 1);
+    return id;
   }
 
-  void parse_post(const json& p, const std::string& where) {
-    std::string type = p.value("type", std::string());
+  void parse_post(const json& p, const std::string& where, const std::string& path) {
+    require_object(p, where, path);
+    std::string type = string(p, "type", where, path);
     if (type == "Sequence") {
-      for (const json& q : p.at("processors")) parse_post(q, where);
+      const json& procs = array(p, "processors", where, path);
+      for (size_t i = 0; i < procs.size(); ++i) parse_post(procs[i], where, index(join(path, "processors"), i));
       return;
     }
     if (type == "ByteLevel") return;  // offsets only
     if (type == "TemplateProcessing") {
-      const json& single = p.at("single");
-      const json& specials = p.at("special_tokens");
+      const json& single = array(p, "single", where, path);
+      const json& specials = object(p, "special_tokens", where, path);
+      const std::string spath = join(path, "special_tokens");
       std::vector<int32_t> pre, post;
       bool seen_a = false;
-      for (const json& piece : single) {
-        if (piece.contains("Sequence")) {
-          LATHE_CHECK(!seen_a, "{}: TemplateProcessing 'single' has two sequences", where);
+      for (size_t i = 0; i < single.size(); ++i) {
+        const json& piece = single[i];
+        const std::string ppath = index(join(path, "single"), i);
+        require_object(piece, where, ppath);
+        if (find(piece, "Sequence")) {
+          LATHE_CHECK(!seen_a, "{}: {}: TemplateProcessing 'single' has two sequences", where, ppath);
           seen_a = true;
           continue;
         }
-        LATHE_CHECK(piece.contains("SpecialToken"),
-                    "{}: TemplateProcessing piece {} is neither Sequence nor SpecialToken", where, piece.dump());
-        std::string key = piece["SpecialToken"].at("id").get<std::string>();
-        LATHE_CHECK(specials.contains(key), "{}: TemplateProcessing special token '{}' is missing from special_tokens",
-                    where, key);
-        auto ids = specials[key].at("ids").get<std::vector<int32_t>>();
-        (seen_a ? post : pre).insert((seen_a ? post : pre).end(), ids.begin(), ids.end());
+        LATHE_CHECK(find(piece, "SpecialToken"),
+                    "{}: {} {} is neither {{\"Sequence\": ...}} nor {{\"SpecialToken\": ...}}", where, ppath,
+                    io::json_excerpt(piece));
+        std::string key = string(object(piece, "SpecialToken", where, ppath), "id", where, join(ppath, "SpecialToken"));
+        LATHE_CHECK(find(specials, key), "{}: {}: special token {} is missing from {}", where, ppath, quote(key),
+                    spath);
+        const std::string epath = member(spath, key);
+        const json& ids = array(specials[key], "ids", where, epath);
+        std::vector<int32_t>& dst = seen_a ? post : pre;
+        for (size_t k = 0; k < ids.size(); ++k) dst.push_back(special_id(ids[k], where, index(join(epath, "ids"), k)));
       }
       prefix_.insert(prefix_.end(), pre.begin(), pre.end());
       suffix_.insert(suffix_.begin(), post.begin(), post.end());
       return;
     }
     if (type == "RobertaProcessing" || type == "BertProcessing") {
-      const json& cls = p.at("cls");
-      const json& sep = p.at("sep");
-      prefix_.push_back(cls.at(1).get<int32_t>());
-      suffix_.insert(suffix_.begin(), sep.at(1).get<int32_t>());
+      auto pair_id = [&](const char* key) {
+        const std::string kpath = join(path, key);
+        LATHE_CHECK(find(p, key), "{}: {} is missing (it must be [\"token\", id])", where, kpath);
+        const json& c = p[key];
+        if (!(c.is_array() && c.size() == 2 && c[0].is_string())) type_error(where, kpath, "[\"token\", id]", c);
+        return special_id(c[1], where, kpath + "[1]");
+      };
+      prefix_.push_back(pair_id("cls"));
+      suffix_.insert(suffix_.begin(), pair_id("sep"));
       return;
     }
     throw_error(
-        "{}: post_processor type '{}' is not supported by lathe (supported: TemplateProcessing, ByteLevel, "
+        "{}: {}: post_processor type {} is not supported by lathe (supported: TemplateProcessing, ByteLevel, "
         "RobertaProcessing, BertProcessing, Sequence)",
-        where, type);
+        where, path, quote(type));
   }
 
   // BOS/EOS/PAD: tokenizer_config.json next to the tokenizer if present; else the post-processor
   // template (first prefix token = BOS, last suffix token = EOS); else well-known special names.
-  void resolve_specials(const std::string& dir, const std::string& where) {
-    auto from_cfg = [&](const json& c, const char* key) -> std::optional<int32_t> {
-      if (!c.contains(key) || c[key].is_null()) return std::nullopt;
-      std::string name = c[key].is_string() ? c[key].get<std::string>() : c[key].value("content", std::string());
-      auto id = token_to_id(name);
-      LATHE_CHECK(id.has_value(), "{}/tokenizer_config.json: {} '{}' is not in the tokenizer vocabulary", dir, key,
-                  name);
-      return id;
-    };
+  void resolve_specials(const std::string& dir) {
     bool have_cfg = false;
-    if (!dir.empty() && fs::exists(fs::path(dir) / "tokenizer_config.json")) {
-      std::string p = (fs::path(dir) / "tokenizer_config.json").string();
-      json c = parse_json_file(p);
-      bos_ = from_cfg(c, "bos_token");
-      eos_ = from_cfg(c, "eos_token");
-      pad_ = from_cfg(c, "pad_token");
+    if (!dir.empty() && present(fs::path(dir) / "tokenizer_config.json")) {
+      const std::string p = (fs::path(dir) / "tokenizer_config.json").string();
+      const json c = io::read_json_file(p);
+      require_object(c, p, "");
+      auto from_cfg = [&](const char* key) -> std::optional<int32_t> {
+        const json* v = find(c, key);
+        if (!v) return std::nullopt;
+        std::string name;
+        if (v->is_string())
+          name = v->get<std::string>();
+        else if (v->is_object())
+          name = string(*v, "content", p, key);
+        else
+          type_error(p, key, "a token string or an object with \"content\"", *v);
+        auto id = token_to_id(name);
+        LATHE_CHECK(id.has_value(), "{}: {} {} is not in the tokenizer vocabulary", p, key, quote(name));
+        return id;
+      };
+      bos_ = from_cfg("bos_token");
+      eos_ = from_cfg("eos_token");
+      pad_ = from_cfg("pad_token");
       have_cfg = true;
       files_.push_back(p);
     }
@@ -371,34 +395,39 @@ std::unique_ptr<Tokenizer> make_hf_tokenizer(const json& config, const std::stri
 }
 
 std::unique_ptr<Tokenizer> load_gpt2_legacy(const std::string& vocab_path, const std::string& merges_path) {
-  json vocab = parse_json_file(vocab_path);
-  LATHE_CHECK(vocab.is_object(), "tokenizer file {}: expected a JSON object token -> id", vocab_path);
-  std::string mtext = read_file(merges_path);
+  json vocab = io::read_json_file(vocab_path);
+  if (!vocab.is_object()) type_error(vocab_path, "", "an object token -> id", vocab);
+  // Validated here so that messages name encoder.json and the token (not the converted config).
+  const int64_t limit = token_id_limit(static_cast<int64_t>(vocab.size()));
+  for (auto it = vocab.begin(); it != vocab.end(); ++it)
+    token_id(it.value(), limit, vocab_path, "entry " + quote(it.key()));
+  const std::string mtext = io::read_file(merges_path);
   json merges = json::array();
   size_t pos = 0, line_no = 0;
   while (pos < mtext.size()) {
     size_t e = mtext.find('\n', pos);
     if (e == std::string::npos) e = mtext.size();
-    std::string line = mtext.substr(pos, e - pos);
+    std::string_view line(mtext.data() + pos, e - pos);
     pos = e + 1;
     ++line_no;
-    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
     if (line.empty() || line.rfind("#version", 0) == 0) continue;
     size_t sp = line.find(' ');
     LATHE_CHECK(sp != std::string::npos && line.find(' ', sp + 1) == std::string::npos,
-                "tokenizer file {} line {}: a merge must be two tokens separated by one space, got \"{}\"", merges_path,
-                line_no, line);
-    merges.push_back(line);
+                "{} line {}: a merge must be two tokens separated by one space, got {}", merges_path, line_no,
+                quote(line));
+    merges.push_back(std::string(line));
   }
   json cfg;
-  cfg["model"] = {{"type", "BPE"}, {"vocab", vocab}, {"merges", merges}};
-  cfg["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}};
-  cfg["decoder"] = {{"type", "ByteLevel"}};
   cfg["added_tokens"] = json::array();
   // GPT-2's <|endoftext|> is a special token in transformers' GPT2Tokenizer(Fast).
   if (vocab.contains("<|endoftext|>"))
     cfg["added_tokens"].push_back(
         {{"id", vocab["<|endoftext|>"]}, {"content", "<|endoftext|>"}, {"special", true}, {"normalized", false}});
+  cfg["model"] = {{"type", "BPE"}, {"merges", std::move(merges)}};
+  cfg["model"]["vocab"] = std::move(vocab);
+  cfg["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}};
+  cfg["decoder"] = {{"type", "ByteLevel"}};
   fs::path dir = fs::path(vocab_path).parent_path();
   return make_hf_tokenizer(cfg, vocab_path + " + " + merges_path, "gpt2-legacy", {vocab_path, merges_path},
                            dir.string());
@@ -406,7 +435,7 @@ std::unique_ptr<Tokenizer> load_gpt2_legacy(const std::string& vocab_path, const
 
 // Exposed for load_tokenizer in tokenizer.cpp.
 std::unique_ptr<Tokenizer> load_hf_json(const std::string& path) {
-  json cfg = parse_json_file(path);
+  json cfg = io::read_json_file(path);
   return make_hf_tokenizer(cfg, path, "", {path}, fs::path(path).parent_path().string());
 }
 

@@ -5,9 +5,9 @@
 #include <sentencepiece_processor.h>
 
 #include <filesystem>
-#include <fstream>
 
 #include "core/error.h"
+#include "io/fs.h"
 #include "tokenizer/hf_tokenizer.h"
 
 namespace lathe::tok {
@@ -46,9 +46,25 @@ class ByteTokenizer : public Tokenizer {
 
 class SpmTokenizer : public Tokenizer {
  public:
+  // The bytes are read by io::read_file (a regular file only: a FIFO would block libsentencepiece's
+  // ifstream forever) and handed over from memory; library statuses become messages that say
+  // what is wrong with the file.
   explicit SpmTokenizer(const std::string& path) : path_(path) {
-    auto st = sp_.Load(path);
-    LATHE_CHECK(st.ok(), "SentencePiece model {}: cannot be loaded: {}", path, st.ToString());
+    const std::string bytes = io::read_file(path);
+    LATHE_CHECK(!bytes.empty(),
+                "SentencePiece model {}: the file is empty (a .model file is a serialized SentencePiece "
+                "ModelProto; re-download it or re-train it with spm_train)",
+                path);
+    auto st = sp_.LoadFromSerializedProto(bytes);
+    if (!st.ok()) {
+      std::string why = st.error_message();
+      if (why.find("ParseFromArray") != std::string::npos) why = "the bytes do not parse as a ModelProto";
+      throw_error(
+          "SentencePiece model {}: not a valid SentencePiece model ({}); the file is corrupt or not a .model "
+          "file: re-download it or re-train it with spm_train",
+          path, why);
+    }
+    LATHE_CHECK(sp_.GetPieceSize() > 0, "SentencePiece model {}: not a valid SentencePiece model (no pieces)", path);
   }
   std::vector<int32_t> encode(std::string_view text, bool add_special_tokens) const override {
     std::vector<int> ids;
@@ -93,23 +109,36 @@ class SpmTokenizer : public Tokenizer {
 
 }  // namespace
 
+// True when something is at p (a file, a directory, a FIFO, a dangling link or a link loop), so
+// that the reader names what is wrong with it instead of calling it missing. No exceptions:
+// std::filesystem's throwing overloads abort on a symlink loop.
+static bool present(const fs::path& p) {
+  std::error_code ec;
+  auto st = fs::symlink_status(p, ec);
+  return !ec && st.type() != fs::file_type::not_found;
+}
+
+static bool is_dir(const fs::path& p) {
+  std::error_code ec;
+  return fs::is_directory(p, ec);
+}
+
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& path) {
   if (path == "byte") return std::make_unique<ByteTokenizer>();
   fs::path p(path);
-  std::error_code ec;
-  LATHE_CHECK(fs::exists(p, ec),
+  LATHE_CHECK(present(p),
               "tokenizer {}: no such file or directory (give 'byte', a directory with tokenizer.json, "
               "encoder.json + vocab.bpe, vocab.json + merges.txt or tokenizer.model, or one of those files)",
               path);
-  if (fs::is_directory(p)) {
-    if (fs::exists(p / "tokenizer.json")) return load_hf_json((p / "tokenizer.json").string());
+  if (is_dir(p)) {
+    if (present(p / "tokenizer.json")) return load_hf_json((p / "tokenizer.json").string());
     for (auto [v, m] : {std::pair{"encoder.json", "vocab.bpe"}, std::pair{"vocab.json", "merges.txt"}}) {
-      bool hv = fs::exists(p / v), hm = fs::exists(p / m);
+      bool hv = present(p / v), hm = present(p / m);
       if (hv && hm) return load_gpt2_legacy((p / v).string(), (p / m).string());
       LATHE_CHECK(!(hv || hm), "tokenizer directory {}: has {} but not {} (GPT-2 style BPE needs both files)", path,
                   hv ? v : m, hv ? m : v);
     }
-    if (fs::exists(p / "tokenizer.model")) return std::make_unique<SpmTokenizer>((p / "tokenizer.model").string());
+    if (present(p / "tokenizer.model")) return std::make_unique<SpmTokenizer>((p / "tokenizer.model").string());
     throw_error(
         "tokenizer directory {}: contains none of tokenizer.json, encoder.json + vocab.bpe, "
         "vocab.json + merges.txt, tokenizer.model",
@@ -120,13 +149,13 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& path) {
   if (ext == ".model") return std::make_unique<SpmTokenizer>(path);
   if (name == "encoder.json" || name == "vocab.json") {
     fs::path m = p.parent_path() / (name == "encoder.json" ? "vocab.bpe" : "merges.txt");
-    LATHE_CHECK(fs::exists(m), "tokenizer {}: the merges file {} is missing next to it", path, m.string());
+    LATHE_CHECK(present(m), "tokenizer {}: the merges file {} is missing next to it", path, m.string());
     return load_gpt2_legacy(path, m.string());
   }
   if (ext == ".json") return load_hf_json(path);
   if (name == "vocab.bpe" || name == "merges.txt") {
     fs::path v = p.parent_path() / (name == "vocab.bpe" ? "encoder.json" : "vocab.json");
-    LATHE_CHECK(fs::exists(v), "tokenizer {}: the vocabulary file {} is missing next to it", path, v.string());
+    LATHE_CHECK(present(v), "tokenizer {}: the vocabulary file {} is missing next to it", path, v.string());
     return load_gpt2_legacy(v.string(), path);
   }
   throw_error(

@@ -94,7 +94,7 @@ TEST(LoadErrors, BadJson) {
   write(d / "tokenizer.json", "{\"model\": {\"type\": \"BPE\", ");
   std::string msg = load_error(d.string());
   EXPECT_NE(msg.find((d / "tokenizer.json").string()), std::string::npos) << msg;
-  EXPECT_NE(msg.find("invalid JSON"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("not valid JSON"), std::string::npos) << msg;
 }
 
 TEST(LoadErrors, UnknownModelType) {
