@@ -3,11 +3,14 @@
 //   lathe decode --tokenizer PATH [--skip-special-tokens] [--lines | --nul]
 #include <fmt/format.h>
 
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <iostream>
 #include <iterator>
+#include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -38,13 +41,23 @@ const char* kDecodeHelp =
     "  --lines                 every input line is one sequence; each output text is followed by a newline\n"
     "  --nul                   as --lines, each output text is followed by a NUL byte\n";
 
-Opts parse(int argc, char** argv, bool encode) {
+// Usage errors (unknown or incomplete option, missing --tokenizer) print the usage and return 2,
+// like the CLI11-parsed commands; --help returns 0. `rc` is set when the command must stop.
+std::optional<Opts> parse(int argc, char** argv, bool encode, int& rc) {
+  const char* help = encode ? kEncodeHelp : kDecodeHelp;
+  const char* name = encode ? "lathe encode" : "lathe decode";
+  auto usage_error = [&](const std::string& what) -> std::optional<Opts> {
+    std::fprintf(stderr, "%s: usage error: %s\n%s", name, what.c_str(), help);
+    rc = 2;
+    return std::nullopt;
+  };
   Opts o;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--help" || a == "-h") {
-      fmt::print("{}", encode ? kEncodeHelp : kDecodeHelp);
-      std::exit(0);
+      fmt::print("{}", help);
+      rc = 0;
+      return std::nullopt;
     } else if (a == "--tokenizer" && i + 1 < argc) {
       o.tokenizer = argv[++i];
     } else if (a.rfind("--tokenizer=", 0) == 0) {
@@ -60,11 +73,11 @@ Opts parse(int argc, char** argv, bool encode) {
     } else if (encode && a == "--bench") {
       o.bench = true;
     } else {
-      lathe::throw_error("unknown or incomplete argument '{}'\n{}", a, encode ? kEncodeHelp : kDecodeHelp);
+      return usage_error(fmt::format("unknown or incomplete argument '{}'", a));
     }
   }
-  LATHE_CHECK(!o.tokenizer.empty(), "--tokenizer PATH is required\n{}", encode ? kEncodeHelp : kDecodeHelp);
-  LATHE_CHECK(!(o.lines && o.nul), "--lines and --nul are exclusive");
+  if (o.tokenizer.empty()) return usage_error("--tokenizer PATH is required");
+  if (o.lines && o.nul) return usage_error("--lines and --nul are exclusive");
   return o;
 }
 
@@ -92,7 +105,10 @@ void flush(std::string& out, bool force) {
 }
 
 int run_encode(int argc, char** argv) {
-  Opts o = parse(argc, argv, true);
+  int rc = 0;
+  const auto parsed = parse(argc, argv, true, rc);
+  if (!parsed) return rc;
+  const Opts& o = *parsed;
   auto tok = lathe::tok::load_tokenizer(o.tokenizer);
   std::string text = read_stdin();
   std::string out;
@@ -138,17 +154,28 @@ std::vector<int32_t> parse_ids(std::string_view s, size_t line) {
     size_t j = i;
     if (s[j] == '-') ++j;
     while (j < s.size() && std::isdigit(static_cast<unsigned char>(s[j]))) ++j;
+    const std::string tok(s.substr(i, std::min<size_t>(j - i, 40)));
     LATHE_CHECK(j > i && (j == s.size() || std::isspace(static_cast<unsigned char>(s[j]))),
                 "stdin line {}: '{}' is not a token id (expected integers separated by spaces)", line,
                 std::string(s.substr(i, std::min<size_t>(20, s.size() - i))));
-    ids.push_back(static_cast<int32_t>(std::stol(std::string(s.substr(i, j - i)))));
+    // from_chars into int64 and an explicit range check: std::stol threw std::out_of_range for
+    // 20 digits and the int32 cast wrapped 4294967296 to id 0 silently.
+    int64_t v = 0;
+    const auto [end, ec] = std::from_chars(s.data() + i, s.data() + j, v);
+    LATHE_CHECK(ec == std::errc() && end == s.data() + j && v >= 0 && v <= std::numeric_limits<int32_t>::max(),
+                "stdin line {}: token id '{}' is out of range (ids are 0 .. {})", line, tok,
+                std::numeric_limits<int32_t>::max());
+    ids.push_back(static_cast<int32_t>(v));
     i = j;
   }
   return ids;
 }
 
 int run_decode(int argc, char** argv) {
-  Opts o = parse(argc, argv, false);
+  int rc = 0;
+  const auto parsed = parse(argc, argv, false, rc);
+  if (!parsed) return rc;
+  const Opts& o = *parsed;
   auto tok = lathe::tok::load_tokenizer(o.tokenizer);
   std::string text = read_stdin();
   std::string out;

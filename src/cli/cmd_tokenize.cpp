@@ -18,6 +18,20 @@ namespace {
 
 extern "C" void on_interrupt(int) { lathe::tok::preprocess_cancel_flag().store(true); }
 
+// Value errors of --max-shard-size are usage errors (exit 2) like the other options' (CLI11 checks).
+CLI::Validator byte_size_validator() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        try {
+          lathe::tok::parse_byte_size(s, "size");
+          return "";
+        } catch (const lathe::Error& e) {
+          return e.what();
+        }
+      },
+      "SIZE");
+}
+
 int run_tokenize(int argc, char** argv) {
   using namespace lathe::tok;
   CLI::App app{"Tokenize a corpus into Megatron .bin/.idx shards (uint16 ids when the vocabulary fits, else int32)",
@@ -35,19 +49,24 @@ int run_tokenize(int argc, char** argv) {
                  "when more than one shard is needed")
       ->required();
   app.add_option("--workers,-j", opt.workers, "encoding threads (output is identical for any value)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1024));
   app.add_flag("--append-eos", opt.append_eos, "append the tokenizer's EOS id to every document");
   app.add_option("--text-key", opt.text_key, "JSONL key holding the document text")->capture_default_str();
   app.add_flag("--split-lines", opt.split_lines, "plain text: one document per line (default: one per file)");
   app.add_option("--max-shard-size", max_shard, "start a new shard before a .bin would exceed this (512MB, 1GiB, ...)")
-      ->capture_default_str();
-  app.add_option("--format", format, "auto (by file suffix), text or jsonl")->capture_default_str();
+      ->capture_default_str()
+      ->check(byte_size_validator());
+  app.add_option("--format", format, "auto (by file suffix), text or jsonl")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "text", "txt", "jsonl", "json"}));
   app.add_flag("--strict", opt.strict,
                "a bad record (invalid JSON, missing key, invalid UTF-8) is an error, not a skip");
   app.add_flag("--overwrite", opt.overwrite, "replace outputs of an earlier run");
   app.add_flag("--no-progress", no_progress, "no progress line on stderr");
   app.add_option("--batch-bytes", opt.batch_bytes, "input bytes per work batch (tuning; tests use small values)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::Range(size_t{1}, size_t{1} << 40));
   app.add_option("--stats-json", stats_json, "also write the summary as JSON to this file");
   LATHE_CLI_PARSE(app, argc, argv);
   opt.max_shard_bytes = parse_byte_size(max_shard, "--max-shard-size");

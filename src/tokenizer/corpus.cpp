@@ -12,14 +12,19 @@
 #include <cctype>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "core/timer.h"
+#include "io/fs.h"
+#include "io/json.h"
 #include "tokenizer/json_scan.h"
 
 namespace lathe::tok {
+
+using io::json_nesting_depth;
 
 InputFormat parse_input_format(std::string_view name) {
   if (name == "auto") return InputFormat::Auto;
@@ -46,8 +51,9 @@ std::vector<std::string> expand_input_patterns(const std::vector<std::string>& p
     if (!has_glob) {
       struct stat st;
       LATHE_CHECK(::stat(pat.c_str(), &st) == 0, "input '{}': {} (check the path)", pat, std::strerror(errno));
-      LATHE_CHECK(S_ISREG(st.st_mode), "input '{}' is not a regular file (pass the files, e.g. '{}/*.jsonl')", pat,
-                  pat);
+      if (S_ISDIR(st.st_mode)) throw_error("input '{}' is a directory (pass the files, e.g. '{}/*.jsonl')", pat, pat);
+      LATHE_CHECK(S_ISREG(st.st_mode), "input '{}' is {}, not a regular file; pass regular files", pat,
+                  io::file_kind(st.st_mode));
       out.push_back(pat);
       continue;
     }
@@ -74,10 +80,15 @@ std::vector<std::string> expand_input_patterns(const std::vector<std::string>& p
 
 static std::string read_magic(const std::string& path, size_t n) {
   std::string m(n, '\0');
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  LATHE_CHECK(f, "input '{}': cannot open: {}", path, std::strerror(errno));
-  size_t got = std::fread(m.data(), 1, n, f);
-  std::fclose(f);
+  const int fd = io::open_input(path);  // regular files only: a FIFO would block here
+  size_t got = 0;
+  while (got < n) {
+    const ssize_t r = ::read(fd, m.data() + got, n - got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) break;
+    got += static_cast<size_t>(r);
+  }
+  ::close(fd);
   m.resize(got);
   return m;
 }
@@ -114,8 +125,7 @@ namespace {
 class PlainSource : public ByteSource {
  public:
   explicit PlainSource(const std::string& path) : path_(path) {
-    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    LATHE_CHECK(fd_ >= 0, "input '{}': cannot open: {}", path, std::strerror(errno));
+    fd_ = io::open_input(path);  // regular files only; FIFOs, directories, symlink loops named
 #ifdef POSIX_FADV_SEQUENTIAL
     ::posix_fadvise(fd_, 0, 0, POSIX_FADV_SEQUENTIAL);
 #endif
@@ -139,31 +149,73 @@ class PlainSource : public ByteSource {
   uint64_t pos_ = 0;
 };
 
+// gzip through zlib's inflate rather than gzread: gzread reports a stream cut short only through
+// gzerror() after returning end-of-file (a file cut in half "tokenized successfully" with part of
+// its documents) and silently ignores bytes after the last member. Here a stream that ends inside
+// a member, a corrupt member (bad CRC or length, invalid deflate data) and trailing bytes that are
+// not another gzip member are all errors naming the file and the compressed byte offset.
+// Concatenated members (gzip a b > c; pigz) are one stream, as gzip -d reads them.
 class GzipSource : public ByteSource {
  public:
-  explicit GzipSource(const std::string& path) : path_(path) {
-    gz_ = ::gzopen(path.c_str(), "rb");
-    LATHE_CHECK(gz_, "input '{}': cannot open: {}", path, std::strerror(errno));
-    ::gzbuffer(gz_, 1 << 20);
+  explicit GzipSource(const std::string& path) : path_(path), file_(path) {
+    std::memset(&zs_, 0, sizeof(zs_));
+    LATHE_CHECK(::inflateInit2(&zs_, 15 + 16) == Z_OK, "input '{}': zlib inflateInit2 failed", path);  // 16: gzip
+    in_buf_.resize(1 << 20);
   }
-  ~GzipSource() override { ::gzclose(gz_); }
+  ~GzipSource() override { ::inflateEnd(&zs_); }
   size_t read(char* buf, size_t n) override {
-    int r = ::gzread(gz_, buf, static_cast<unsigned>(std::min<size_t>(n, 1u << 30)));
-    if (r < 0) {
-      int err = 0;
-      const char* msg = ::gzerror(gz_, &err);
-      throw_error("input '{}': gzip decompression failed: {} (file truncated or corrupt?)", path_, msg);
+    zs_.next_out = reinterpret_cast<Bytef*>(buf);
+    zs_.avail_out = static_cast<uInt>(std::min<size_t>(n, 1u << 30));
+    const uInt want = zs_.avail_out;
+    while (zs_.avail_out > 0) {
+      if (zs_.avail_in == 0 && !eof_) {
+        const size_t got = file_.read(in_buf_.data(), in_buf_.size());
+        if (got == 0) eof_ = true;
+        zs_.next_in = reinterpret_cast<Bytef*>(in_buf_.data());
+        zs_.avail_in = static_cast<uInt>(got);
+      }
+      if (zs_.avail_in == 0) {  // end of the file
+        if (in_member_)
+          throw_error(
+              "input '{}': truncated gzip stream: the file ends inside compressed member {} after {} bytes read "
+              "({} bytes decompressed); the file was cut short: re-download or re-compress it",
+              path_, members_, file_.raw_position(), decompressed_ + (want - zs_.avail_out));
+        break;
+      }
+      if (!in_member_) {  // a new member starts here (the first, or one after a complete member)
+        if (members_ > 0) LATHE_CHECK(::inflateReset(&zs_) == Z_OK, "input '{}': zlib inflateReset failed", path_);
+        in_member_ = true;
+        member_out_ = zs_.total_out;
+        member_start_ = file_.raw_position() - zs_.avail_in;
+        ++members_;
+      }
+      const int ret = ::inflate(&zs_, Z_NO_FLUSH);
+      if (ret == Z_STREAM_END) {
+        in_member_ = false;
+      } else if (ret != Z_OK && ret != Z_BUF_ERROR) {
+        const uint64_t at = file_.raw_position() - zs_.avail_in;
+        if (members_ > 1 && zs_.total_out == member_out_ && ret == Z_DATA_ERROR)
+          throw_error(
+              "input '{}': the bytes after the end of the gzip stream (from byte {}) are not a gzip member: "
+              "trailing garbage, the file is corrupt",
+              path_, member_start_);
+        throw_error("input '{}': gzip decompression failed near compressed byte {}: {} (the file is corrupt)", path_,
+                    at, zs_.msg ? zs_.msg : (ret == Z_MEM_ERROR ? "out of memory" : "zlib error"));
+      }
     }
-    return static_cast<size_t>(r);
+    const size_t produced = want - zs_.avail_out;
+    decompressed_ += produced;
+    return produced;
   }
-  uint64_t raw_position() const override {
-    auto off = ::gzoffset(gz_);
-    return off < 0 ? 0 : static_cast<uint64_t>(off);
-  }
+  uint64_t raw_position() const override { return file_.raw_position(); }
 
  private:
   std::string path_;
-  gzFile gz_ = nullptr;
+  PlainSource file_;
+  z_stream zs_;
+  std::vector<char> in_buf_;
+  bool eof_ = false, in_member_ = false;
+  uint64_t members_ = 0, member_out_ = 0, member_start_ = 0, decompressed_ = 0;
 };
 
 class ZstdSource : public ByteSource {
@@ -175,20 +227,31 @@ class ZstdSource : public ByteSource {
   }
   ~ZstdSource() override { ZSTD_freeDCtx(dctx_); }
   size_t read(char* buf, size_t n) override {
+    if (n == 0) return 0;
     ZSTD_outBuffer out{buf, n, 0};
     while (out.pos == 0) {
-      if (in_.pos == in_.size) {
+      // When the last call filled the output, the decoder may still hold decoded bytes: call it
+      // again before reading more input (or deciding that the stream ended).
+      if (in_.pos == in_.size && !output_was_full_) {
         size_t got = file_.read(in_buf_.data(), in_buf_.size());
         if (got == 0) {
-          LATHE_CHECK(last_ret_ == 0, "input '{}': zstd stream ends in the middle of a frame (file truncated?)", path_);
+          LATHE_CHECK(last_ret_ == 0,
+                      "input '{}': truncated zstd stream: the file ends inside a frame after {} bytes read ({} bytes "
+                      "decompressed); the file was cut short: re-download or re-compress it",
+                      path_, file_.raw_position(), decompressed_);
           return 0;
         }
         in_ = ZSTD_inBuffer{in_buf_.data(), got, 0};
       }
       size_t ret = ZSTD_decompressStream(dctx_, &out, &in_);
-      LATHE_CHECK(!ZSTD_isError(ret), "input '{}': zstd decompression failed: {}", path_, ZSTD_getErrorName(ret));
+      LATHE_CHECK(!ZSTD_isError(ret),
+                  "input '{}': zstd decompression failed near compressed byte {}: {} (the file is "
+                  "corrupt)",
+                  path_, file_.raw_position() - (in_.size - in_.pos), ZSTD_getErrorName(ret));
       last_ret_ = ret;
+      output_was_full_ = out.pos == out.size;
     }
+    decompressed_ += out.pos;
     return out.pos;
   }
   uint64_t raw_position() const override { return file_.raw_position(); }
@@ -200,6 +263,8 @@ class ZstdSource : public ByteSource {
   std::vector<char> in_buf_;
   ZSTD_inBuffer in_{nullptr, 0, 0};
   size_t last_ret_ = 0;
+  bool output_was_full_ = false;
+  uint64_t decompressed_ = 0;
 };
 
 }  // namespace
@@ -335,9 +400,25 @@ const char* skip_reason_name(SkipReason r) {
   return "?";
 }
 
+namespace {
+// nlohmann's messages quote the whole last token ("last read: ..."), which can be the whole line.
+std::string bounded_detail(std::string m) {
+  if (m.size() > 300) m = m.substr(0, 200) + " ... " + m.substr(m.size() - 80);
+  return m;
+}
+}  // namespace
+
 bool extract_json_text(std::string_view line, const std::string& key, std::string& out, SkipReason& why,
                        std::string& detail) {
   if (fast_extract_json_string(line, key, out)) return true;
+  // The fast scanner gives up beyond kMaxJsonLineDepth levels; nlohmann would build the whole DOM
+  // of a line of megabytes of '[' (1.5 GB for 20 MB, per worker) before failing, so such a line is
+  // refused by the depth scan first.
+  if (json_nesting_depth(line, kMaxJsonLineDepth) > kMaxJsonLineDepth) {
+    why = SkipReason::InvalidJson;
+    detail = fmt::format("JSON nests deeper than {} levels", kMaxJsonLineDepth);
+    return false;
+  }
   nlohmann::json j = nlohmann::json::parse(line.begin(), line.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) {
     why = SkipReason::InvalidJson;
@@ -346,7 +427,7 @@ bool extract_json_text(std::string_view line, const std::string& key, std::strin
       auto again = nlohmann::json::parse(line.begin(), line.end());
       (void)again;
     } catch (const std::exception& e) {
-      detail = e.what();
+      detail = bounded_detail(e.what());
     }
     return false;
   }
@@ -373,8 +454,13 @@ bool extract_json_text(std::string_view line, const std::string& key, std::strin
 uint64_t parse_byte_size(std::string_view s, std::string_view what) {
   size_t i = 0;
   while (i < s.size() && (std::isdigit(static_cast<unsigned char>(s[i])) || s[i] == '.')) ++i;
-  LATHE_CHECK(i > 0, "{} '{}': expected a size like 512MB, 1GiB or 4096", what, s);
-  double v = std::stod(std::string(s.substr(0, i)));
+  // strtod must consume the whole number: "1.2.3MB" or "." are errors, not 1.2 or an exception
+  // escaping from std::stod.
+  const std::string num(s.substr(0, i));
+  char* num_end = nullptr;
+  const double v = i > 0 ? std::strtod(num.c_str(), &num_end) : 0.0;
+  LATHE_CHECK(i > 0 && num_end == num.c_str() + num.size(), "{} '{}': expected a size like 512MB, 1GiB or 4096", what,
+              s);
   std::string unit(s.substr(i));
   for (auto& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
   double mult;
@@ -400,6 +486,8 @@ uint64_t parse_byte_size(std::string_view s, std::string_view what) {
     throw_error("{} '{}': unknown unit '{}' (use B, KB, MB, GB, KiB, MiB, GiB)", what, s, s.substr(i));
   double bytes = v * mult;
   LATHE_CHECK(bytes >= 1, "{} '{}' must be at least 1 byte", what, s);
+  // Converting a double beyond 2^64 to uint64_t is undefined; 1 PB is far beyond any shard.
+  LATHE_CHECK(bytes <= 1e15, "{} '{}' is larger than 1 PB", what, s);
   return static_cast<uint64_t>(bytes);
 }
 

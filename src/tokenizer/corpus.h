@@ -127,7 +127,9 @@ enum class SkipReason : int { Empty = 0, InvalidJson, MissingKey, NotString, Inv
 const char* skip_reason_name(SkipReason r);
 
 // Extracts obj[key] from one JSONL line. On failure returns false with `why` set and `detail`
-// carrying the parser message (for InvalidJson).
+// carrying the parser message (for InvalidJson). A line nesting deeper than kMaxJsonLineDepth is
+// InvalidJson without being parsed (the fast scanner's own limit; no corpus line comes close).
+constexpr int kMaxJsonLineDepth = 512;
 bool extract_json_text(std::string_view line, const std::string& key, std::string& out, SkipReason& why,
                        std::string& detail);
 

@@ -97,8 +97,12 @@ void process_batch(const InBatch& in, const Tokenizer& tok, const PreprocessOpti
       return;
     }
     if (check_utf8 && !is_valid_utf8(t)) {
-      out.skips.push_back(
-          {file_index, line, SkipReason::InvalidUtf8, fmt::format("tokenizer is not byte-level ({})", tok.kind())});
+      size_t at = 0;
+      while (at < t.size() && utf8_valid_at(t, at)) at += utf8_char_len(t, at);
+      out.skips.push_back({file_index, line, SkipReason::InvalidUtf8,
+                           tok.is_byte_level() ? fmt::format("byte {} of the record", at)
+                                               : fmt::format("byte {} of the record; tokenizer is not byte-level ({})",
+                                                             at, tok.kind())});
       return;
     }
     const size_t start = out.tokens.size();
@@ -135,7 +139,9 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
                 "--append-eos)",
                 tok.kind());
   }
-  const bool check_utf8 = !tok.is_byte_level();
+  // A byte-level tokenizer encodes any bytes, so invalid UTF-8 is only skipped for the others;
+  // --strict promises that invalid UTF-8 is an error whatever the tokenizer.
+  const bool check_utf8 = !tok.is_byte_level() || opt.strict;
   const DType dtype = data::optimal_token_dtype(tok.vocab_size());
   const std::string& prefix = opt.output_prefix;
 
@@ -330,8 +336,9 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
       }
       for (const Skip& s : o.skips) {
         if (opt.strict && s.reason != SkipReason::Empty)
-          throw_error("{}:{}: {}{}{} (--strict; drop it to skip such records)", files[s.file_index], s.line,
-                      skip_reason_name(s.reason), s.detail.empty() ? "" : ": ", s.detail);
+          throw_error("{}{}: {}{}{} (--strict; drop it to skip such records)", files[s.file_index],
+                      s.line ? fmt::format(":{}", s.line) : std::string(), skip_reason_name(s.reason),
+                      s.detail.empty() ? "" : ": ", s.detail);
         ++st.skipped[static_cast<int>(s.reason)];
         if (st.examples.size() < opt.max_examples && s.reason != SkipReason::Empty)
           st.examples.push_back({files[s.file_index], s.line, s.reason, s.detail});

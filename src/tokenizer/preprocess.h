@@ -36,7 +36,8 @@ struct PreprocessOptions {
   bool split_lines = false;  // plain text: one document per line (else one per file)
   InputFormat format = InputFormat::Auto;
   uint64_t max_shard_bytes = 512ull * 1000 * 1000;
-  bool strict = false;  // first bad record is an error instead of a counted skip
+  bool strict = false;  // first bad record (invalid JSON, missing key, invalid UTF-8 for any tokenizer) is an
+                        // error instead of a counted skip
   bool overwrite = false;
   bool progress = true;
   size_t batch_bytes = 1 << 20;
