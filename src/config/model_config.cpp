@@ -1,10 +1,13 @@
 #include "config/model_config.h"
 
 #include <algorithm>
+#include <cmath>
 #include <set>
 
 #include "config/recipe.h"  // closest_match
+#include "core/checked.h"
 #include "core/error.h"
+#include "io/json.h"
 
 namespace lathe {
 
@@ -71,7 +74,13 @@ const std::vector<std::string> kMistralExtra = {"sliding_window", "layer_types"}
 const std::vector<std::string> kDropoutKeys = {"resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout",
                                                "attention_dropout"};
 
-std::string value_str(const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
+// A value quoted in an error message, bounded (config.json is untrusted: a 1 MB string or a deep
+// array must not be copied into the message whole).
+std::string value_str(const json& v) {
+  if (!v.is_string()) return io::json_excerpt(v);
+  const std::string& s = v.get_ref<const std::string&>();
+  return s.size() <= 120 ? s : s.substr(0, 120) + "...";
+}
 
 // Typed access with errors "<source>: <prefix><key>: expected ..., got '...'".
 struct Reader {
@@ -85,12 +94,23 @@ struct Reader {
   int64_t get_int(const std::string& k) const {
     const json& v = j.at(k);
     if (!v.is_number_integer()) fail(k, fmt::format("expected an integer, got '{}'", value_str(v)));
+    if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+      fail(k, fmt::format("{} does not fit a 64-bit integer", value_str(v)));
     return v.get<int64_t>();
   }
   double get_double(const std::string& k) const {
     const json& v = j.at(k);
     if (!v.is_number()) fail(k, fmt::format("expected a number, got '{}'", value_str(v)));
-    return v.get<double>();
+    const double d = v.get<double>();
+    // A recipe's 1e999 arrives as inf; it would pass every "> 0" check.
+    if (!std::isfinite(d)) fail(k, fmt::format("{} is not a finite number", d));
+    return d;
+  }
+  // Size fields: null is not "absent" (HF would crash on it); say so rather than take a default.
+  bool has_size(const std::string& k) const {
+    if (j.contains(k) && j.at(k).is_null())
+      fail(k, "expected an integer, got null (remove the key to use the default, or give the value)");
+    return has(k);
   }
   bool get_bool(const std::string& k) const {
     const json& v = j.at(k);
@@ -103,23 +123,33 @@ struct Reader {
     return v.get<std::string>();
   }
   // Token ids: integer, null (absent) or a list of integers (first is used).
+  // Ids are int32 tokens; -1 is the old "none" spelling (written back as null).
   int64_t get_token(const std::string& k) const {
     const json& v = j.at(k);
     if (v.is_null()) return -1;
-    if (v.is_number_integer()) return v.get<int64_t>();
-    if (v.is_array() && !v.empty() && v[0].is_number_integer()) {
+    int64_t id = 0;
+    if (v.is_number_integer()) {
+      id = v.get<int64_t>();
+    } else if (v.is_array() && !v.empty() && v[0].is_number_integer()) {
       for (auto& e : v)
-        if (!e.is_number_integer()) fail(k, fmt::format("expected integers, got '{}'", v.dump()));
-      return v[0].get<int64_t>();
+        if (!e.is_number_integer()) fail(k, fmt::format("expected integers, got '{}'", value_str(v)));
+      id = v[0].get<int64_t>();
+    } else {
+      fail(k, fmt::format("expected an integer token id, got '{}'", value_str(v)));
     }
-    fail(k, fmt::format("expected an integer token id, got '{}'", value_str(v)));
+    if (v.is_number_unsigned() || (v.is_array() && v[0].is_number_unsigned()))
+      if (id < 0) id = INT64_MAX;  // above 2^63: reported below as out of range
+    if (id < -1 || id > INT32_MAX)
+      fail(k, fmt::format("token id {} is out of range (0 .. {}, or null for none)", value_str(v.is_array() ? v[0] : v),
+                          INT32_MAX));
+    return id;
   }
   // Set `out` from the first present key of `names`; two present with different values is an
   // error (e.g. gpt2 "n_embd" and its alias "hidden_size").
   bool int_alias(std::initializer_list<const char*> names, int64_t* out) const {
     const char* found = nullptr;
     for (const char* n : names) {
-      if (!has(n)) continue;
+      if (!has_size(n)) continue;
       int64_t v = get_int(n);
       if (found && v != *out)
         fail(n, fmt::format("{} conflicts with {}{} = {}; give only one of them", v, prefix, found, *out));
@@ -152,7 +182,9 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, bo
 
 ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, std::string_view key_prefix,
                                       bool strict_unknown) {
-  if (!j.is_object()) throw_error("{}: model config must be a JSON object, got {}", source, j.dump());
+  if (!j.is_object())
+    throw_error("{}: model config must be a JSON object, got {} '{}'", source, io::json_type_name(j),
+                io::json_excerpt(j));
   Reader r{j, source, key_prefix};
   ModelConfig c;
   if (!j.contains("model_type"))
@@ -168,7 +200,7 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
     if (std::find(known.begin(), known.end(), it.key()) != known.end()) continue;
     if (strict_unknown) {
       std::string near = closest_match(it.key(), known);
-      throw_error("{}: unknown key '{}{}' for model_type {}{}", source, key_prefix, it.key(), c.model_type,
+      throw_error("{}: unknown key '{}{}' for model_type {}{}", source, key_prefix, value_str(it.key()), c.model_type,
                   near.empty() ? std::string() : fmt::format(" (did you mean '{}{}'?)", key_prefix, near));
     }
     c.ignored_keys.push_back(it.key());
@@ -188,7 +220,7 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
       r.fail(k, fmt::format("{} is not supported: lathe does not implement dropout (set 0 or remove)", p));
   }
 
-  if (r.has("vocab_size")) c.vocab_size = r.get_int("vocab_size");
+  if (r.has_size("vocab_size")) c.vocab_size = r.get_int("vocab_size");
   if (r.has("initializer_range")) c.initializer_range = r.get_double("initializer_range");
   for (auto [k, dst] : {std::pair{"bos_token_id", &c.bos_token_id}, std::pair{"eos_token_id", &c.eos_token_id},
                         std::pair{"pad_token_id", &c.pad_token_id}})
@@ -215,7 +247,8 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
     r.int_alias({"n_layer", "num_hidden_layers"}, &c.num_hidden_layers);
     r.int_alias({"n_head", "num_attention_heads"}, &c.num_attention_heads);
     c.num_key_value_heads = c.num_attention_heads;
-    c.intermediate_size = r.has("n_inner") ? r.get_int("n_inner") : 4 * c.hidden_size;
+    c.intermediate_size =
+        r.has("n_inner") ? r.get_int("n_inner") : checked_mul(4, c.hidden_size, fmt::format("{}: 4 x n_embd", source));
     c.norm_eps = r.has("layer_norm_epsilon") ? r.get_double("layer_norm_epsilon") : 1e-5;
     std::string act = r.has("activation_function") ? r.get_string("activation_function") : "gelu_new";
     if (act != "gelu_new" && act != "gelu_pytorch_tanh")
@@ -233,20 +266,20 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
     // LlamaConfig / Qwen2Config / MistralConfig class defaults.
     const bool qwen = c.model_type == "qwen2", mistral = c.model_type == "mistral";
     if (!r.has("vocab_size")) c.vocab_size = qwen ? 151936 : 32000;
-    c.hidden_size = r.has("hidden_size") ? r.get_int("hidden_size") : 4096;
-    c.intermediate_size = r.has("intermediate_size") ? r.get_int("intermediate_size")
-                          : qwen                     ? 22016
-                          : mistral                  ? 14336
-                                                     : 11008;
-    c.num_hidden_layers = r.has("num_hidden_layers") ? r.get_int("num_hidden_layers") : 32;
-    c.num_attention_heads = r.has("num_attention_heads") ? r.get_int("num_attention_heads") : 32;
+    c.hidden_size = r.has_size("hidden_size") ? r.get_int("hidden_size") : 4096;
+    c.intermediate_size = r.has_size("intermediate_size") ? r.get_int("intermediate_size")
+                          : qwen                          ? 22016
+                          : mistral                       ? 14336
+                                                          : 11008;
+    c.num_hidden_layers = r.has_size("num_hidden_layers") ? r.get_int("num_hidden_layers") : 32;
+    c.num_attention_heads = r.has_size("num_attention_heads") ? r.get_int("num_attention_heads") : 32;
     c.num_key_value_heads = r.has("num_key_value_heads") ? r.get_int("num_key_value_heads")
                             : mistral                    ? 8
                                                          : c.num_attention_heads;
-    c.max_position_embeddings = r.has("max_position_embeddings") ? r.get_int("max_position_embeddings")
-                                : qwen                           ? 32768
-                                : mistral                        ? 131072
-                                                                 : 2048;
+    c.max_position_embeddings = r.has_size("max_position_embeddings") ? r.get_int("max_position_embeddings")
+                                : qwen                                ? 32768
+                                : mistral                             ? 131072
+                                                                      : 2048;
     c.norm_eps = r.has("rms_norm_eps") ? r.get_double("rms_norm_eps") : 1e-6;
     c.rope_theta = r.has("rope_theta") ? r.get_double("rope_theta") : 10000.0;
     if (!j.contains("bos_token_id") && !qwen) c.bos_token_id = 1;
@@ -257,15 +290,17 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
       r.fail("hidden_act", fmt::format("'{}' is not supported for {} (only silu)", act, c.model_type));
     c.hidden_act = "silu";
     if (r.has("head_dim") && c.num_attention_heads > 0 &&
-        r.get_int("head_dim") * c.num_attention_heads != c.hidden_size)
+        checked_mul(r.get_int("head_dim"), c.num_attention_heads,
+                    fmt::format("{}: head_dim x num_attention_heads", source)) != c.hidden_size)
       r.fail("head_dim", fmt::format("{} != hidden_size / num_attention_heads = {} / {}: an explicit head "
                                      "dimension is not supported",
                                      r.get_int("head_dim"), c.hidden_size, c.num_attention_heads));
     if (r.has("rope_scaling"))
-      r.fail("rope_scaling", fmt::format("'{}' is not supported (only null: plain RoPE)", j["rope_scaling"].dump()));
+      r.fail("rope_scaling",
+             fmt::format("'{}' is not supported (only null: plain RoPE)", value_str(j["rope_scaling"])));
     if (r.has("rope_parameters")) {
       const json& rp = j["rope_parameters"];
-      if (!rp.is_object()) r.fail("rope_parameters", fmt::format("expected an object, got '{}'", rp.dump()));
+      if (!rp.is_object()) r.fail("rope_parameters", fmt::format("expected an object, got '{}'", value_str(rp)));
       for (auto it = rp.begin(); it != rp.end(); ++it) {
         const std::string& k = it.key();
         if (k == "rope_type" || k == "type") {
@@ -276,11 +311,12 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
           if (!it.value().is_number())
             r.fail("rope_parameters.rope_theta", fmt::format("expected a number, got '{}'", value_str(it.value())));
           double t = it.value().get<double>();
+          if (!std::isfinite(t)) r.fail("rope_parameters.rope_theta", fmt::format("{} is not a finite number", t));
           if (r.has("rope_theta") && t != c.rope_theta)
             r.fail("rope_parameters.rope_theta", fmt::format("{} conflicts with rope_theta = {}", t, c.rope_theta));
           c.rope_theta = t;
         } else {
-          r.fail("rope_parameters." + k, "is not supported (RoPE scaling is not implemented)");
+          r.fail("rope_parameters." + value_str(k), "is not supported (RoPE scaling is not implemented)");
         }
       }
     }
@@ -310,13 +346,13 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
     }
     if (r.has("layer_types")) {
       const json& lt = j["layer_types"];
-      if (!lt.is_array()) r.fail("layer_types", fmt::format("expected a list, got '{}'", lt.dump()));
+      if (!lt.is_array()) r.fail("layer_types", fmt::format("expected a list, got '{}'", value_str(lt)));
       for (const auto& t : lt) {
         if (t == "full_attention") continue;
         if (t == "sliding_attention" && c.sliding_window > 0) continue;
         r.fail("layer_types", fmt::format("entry {} is not supported (full_attention, or sliding_attention with a "
                                           "sliding_window)",
-                                          t.dump()));
+                                          io::json_excerpt(t)));
       }
     }
   }
@@ -345,17 +381,24 @@ void ModelConfig::validate(std::string_view source, std::string_view prefix) con
     }
     return p + std::string(f);
   };
-  auto positive = [&](const char* field, int64_t v) {
+  // Bounds before anything is sized from these values (the products below, the parameter table,
+  // buffers): a hostile config.json must be refused here, not by an allocation that never ends.
+  auto bounded = [&](const char* field, int64_t v, int64_t hi) {
     LATHE_CHECK(v > 0, "{}: {} = {} must be > 0", source, hf(field), v);
+    LATHE_CHECK(v <= hi, "{}: {} = {} exceeds lathe's maximum {} (see config/model_config.h)", source, hf(field), v,
+                hi);
+  };
+  auto finite_positive = [&](const char* field, double v) {
+    LATHE_CHECK(std::isfinite(v) && v > 0, "{}: {} = {} must be a finite number > 0", source, hf(field), v);
   };
   LATHE_CHECK(family == "gpt2" || family == "llama", "{}: family '{}' must be gpt2 or llama", source, family);
-  positive("vocab_size", vocab_size);
-  positive("hidden_size", hidden_size);
-  positive("num_hidden_layers", num_hidden_layers);
-  positive("num_attention_heads", num_attention_heads);
-  positive("num_key_value_heads", num_key_value_heads);
-  positive("intermediate_size", intermediate_size);
-  positive("max_position_embeddings", max_position_embeddings);
+  bounded("vocab_size", vocab_size, kMaxVocabSize);
+  bounded("hidden_size", hidden_size, kMaxHiddenSize);
+  bounded("num_hidden_layers", num_hidden_layers, kMaxLayers);
+  bounded("num_attention_heads", num_attention_heads, kMaxHiddenSize);
+  bounded("num_key_value_heads", num_key_value_heads, kMaxHiddenSize);
+  bounded("intermediate_size", intermediate_size, kMaxIntermediateSize);
+  bounded("max_position_embeddings", max_position_embeddings, kMaxPositions);
   LATHE_CHECK(hidden_size % num_attention_heads == 0, "{}: {} = {} is not divisible by {} = {}", source,
               hf("hidden_size"), hidden_size, hf("num_attention_heads"), num_attention_heads);
   LATHE_CHECK(num_attention_heads % num_key_value_heads == 0, "{}: {} = {} is not divisible by {} = {}", source,
@@ -367,11 +410,18 @@ void ModelConfig::validate(std::string_view source, std::string_view prefix) con
   if (is_llama()) {
     LATHE_CHECK(head_dim() % 2 == 0, "{}: head_dim = {} / {} = {} / {} = {} must be even for RoPE", source,
                 hf("hidden_size"), hf("num_attention_heads"), hidden_size, num_attention_heads, head_dim());
-    LATHE_CHECK(rope_theta > 0, "{}: {} = {} must be > 0", source, hf("rope_theta"), rope_theta);
+    finite_positive("rope_theta", rope_theta);
   }
-  LATHE_CHECK(norm_eps > 0, "{}: {} = {} must be > 0", source, hf("norm_eps"), norm_eps);
-  LATHE_CHECK(initializer_range > 0, "{}: {} = {} must be > 0", source, hf("initializer_range"), initializer_range);
-  LATHE_CHECK(sliding_window >= 0, "{}: {} = {} must be >= 0 (0 = none)", source, hf("sliding_window"), sliding_window);
+  finite_positive("norm_eps", norm_eps);
+  finite_positive("initializer_range", initializer_range);
+  LATHE_CHECK(sliding_window >= 0 && sliding_window <= kMaxPositions, "{}: {} = {} must be in [0, {}] (0 = none)",
+              source, hf("sliding_window"), sliding_window, kMaxPositions);
+  for (auto [name, id] : {std::pair{"bos_token_id", bos_token_id}, std::pair{"eos_token_id", eos_token_id},
+                          std::pair{"pad_token_id", pad_token_id}})
+    LATHE_CHECK(id >= -1 && id <= INT32_MAX, "{}: {}{} = {} is out of range (0 .. {}, or -1 / null for none)", source,
+                prefix, name, id, INT32_MAX);
+  // The parameter count is the largest product formed from these fields; it must fit 64 bits.
+  (void)num_parameters();
 }
 
 void ModelConfig::check_seq_len(int64_t seq_len, std::string_view source) const {
@@ -384,16 +434,26 @@ void ModelConfig::check_seq_len(int64_t seq_len, std::string_view source) const 
 }
 
 int64_t ModelConfig::num_parameters() const {
+  // Checked: a hostile config would otherwise wrap the count and size buffers from it.
+  const std::string what = fmt::format("parameter count of {} (n_layer {}, hidden {}, vocab {})", model_type,
+                                       num_hidden_layers, hidden_size, vocab_size);
+  auto mul = [&](std::initializer_list<int64_t> f) { return checked_product(f, what); };
+  auto sum = [&](std::initializer_list<int64_t> f) {
+    int64_t r = 0;
+    for (int64_t x : f) r = checked_add(r, x, what);
+    return r;
+  };
   const int64_t C = hidden_size, V = vocab_size, F = intermediate_size, L = num_hidden_layers;
   if (is_gpt2()) {
-    int64_t block = 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + 2 * C + (C * F + F) + (F * C + C);
-    return V * C + max_position_embeddings * C + L * block + 2 * C;
+    int64_t block =
+        sum({mul({2, C}), mul({C, 3, C}), mul({3, C}), mul({C, C}), C, mul({2, C}), mul({C, F}), F, mul({F, C}), C});
+    return sum({mul({V, C}), mul({max_position_embeddings, C}), mul({L, block}), mul({2, C})});
   }
   const int64_t hd = head_dim(), H = num_attention_heads, KV = num_key_value_heads;
-  int64_t block = 2 * C + C * H * hd + 2 * C * KV * hd + H * hd * C + 3 * C * F;
-  if (qkv_bias()) block += H * hd + 2 * KV * hd;
-  if (o_bias()) block += C;
-  return V * C + L * block + C + (tie_word_embeddings ? 0 : V * C);
+  int64_t block = sum({mul({2, C}), mul({C, H, hd}), mul({2, C, KV, hd}), mul({H, hd, C}), mul({3, C, F})});
+  if (qkv_bias()) block = sum({block, mul({H, hd}), mul({2, KV, hd})});
+  if (o_bias()) block = sum({block, C});
+  return sum({mul({V, C}), mul({L, block}), C, tie_word_embeddings ? 0 : mul({V, C})});
 }
 
 json ModelConfig::to_hf_json() const {

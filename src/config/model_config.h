@@ -11,6 +11,15 @@
 
 namespace lathe {
 
+// Documented bounds of the dimensions (validate() refuses larger values naming the field). They are
+// far above any published model and keep every size product (parameter count, activations, the
+// int32 token ids) inside 64 bits; whether a model fits the machine is models/memory.h's check.
+constexpr int64_t kMaxVocabSize = INT32_MAX;          // token ids are int32
+constexpr int64_t kMaxHiddenSize = int64_t{1} << 20;  // hidden_size / n_embd, heads
+constexpr int64_t kMaxLayers = int64_t{1} << 16;      // num_hidden_layers / n_layer
+constexpr int64_t kMaxIntermediateSize = int64_t{1} << 24;
+constexpr int64_t kMaxPositions = int64_t{1} << 26;  // max_position_embeddings, sliding_window
+
 struct ModelConfig {
   std::string model_type;  // as in HF: "gpt2", "llama", "qwen2", "mistral"
   std::string family;      // "gpt2" or "llama" (qwen2, mistral -> llama)
@@ -43,7 +52,8 @@ struct ModelConfig {
   // Addition. The attention output projection carries a bias (gpt2 c_proj; llama attention_bias;
   // never for qwen2).
   bool o_bias() const { return is_gpt2() || (attention_bias && model_type != "qwen2"); }
-  // Addition. Number of trainable parameters (tied lm_head counted once).
+  // Addition. Number of trainable parameters (tied lm_head counted once). Checked arithmetic:
+  // throws lathe::Error instead of wrapping.
   int64_t num_parameters() const;
 
   // Parse an HF config.json object. `source` names the file/section in errors ("<source>: <key>:
@@ -63,8 +73,8 @@ struct ModelConfig {
   // (GPT2LMHeadModel / LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM), the family's
   // field names, torch_dtype "float32".
   nlohmann::json to_hf_json() const;
-  // Heads divide hidden, kv heads divide heads, sizes > 0, head_dim even for RoPE, ...
-  // Errors name the field and the values.
+  // Heads divide hidden, kv heads divide heads, sizes in (0, kMax...], head_dim even for RoPE,
+  // finite positive floats, parameter count within 64 bits. Errors name the field and the values.
   void validate(std::string_view source) const;
   void validate(std::string_view source, std::string_view key_prefix) const;  // addition
   // Addition. seq_len <= max_position_embeddings and <= sliding_window (when set).

@@ -1,17 +1,20 @@
 #include "config/recipe.h"
 
+#include <yaml-cpp/depthguard.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <map>
-#include <regex>
 #include <set>
 
+#include "core/checked.h"
 #include "core/error.h"
 #include "io/fs.h"
+#include "io/json.h"
 
 namespace lathe {
 
@@ -24,10 +27,15 @@ std::string closest_match(std::string_view key, const std::vector<std::string>& 
     return o;
   };
   const std::string k = lower(key);
+  // "Close": at most 2 edits, or a third of the key's length for long keys.
+  const size_t limit = std::max<size_t>(2, k.size() / 3);
   std::string best;
   size_t best_d = SIZE_MAX;
   for (const auto& cand : candidates) {
     const std::string c = lower(cand);
+    // The distance is at least the length difference: skip hopeless pairs (a 100 KB key would
+    // otherwise cost 100 KB x |candidate| steps per candidate).
+    if (std::max(k.size(), c.size()) - std::min(k.size(), c.size()) > limit) continue;
     // Levenshtein distance, two rows.
     std::vector<size_t> prev(c.size() + 1), cur(c.size() + 1);
     for (size_t j = 0; j <= c.size(); ++j) prev[j] = j;
@@ -42,8 +50,6 @@ std::string closest_match(std::string_view key, const std::vector<std::string>& 
       best = cand;
     }
   }
-  // "Close": at most 2 edits, or a third of the key's length for long keys.
-  size_t limit = std::max<size_t>(2, k.size() / 3);
   return best_d <= limit ? best : std::string();
 }
 
@@ -51,49 +57,186 @@ namespace {
 
 // ---------------------------------------------------------------------------------------------
 // YAML -> JSON with YAML 1.2 core-schema typing of plain scalars; quoted scalars stay strings.
+// The input is untrusted: the conversion is bounded (depth, total nodes after alias expansion,
+// alias cycles) and refuses what a recipe never needs but could silently change its meaning
+// (duplicate keys, a second document, explicit tags, non-scalar keys).
+
+// A recipe nests 3 levels (section, key, rope_parameters.rope_theta); anything deeper is not one.
+constexpr int kMaxYamlDepth = 32;
+// Nodes after alias expansion: a recipe has ~100; "billion laughs" expands 10 aliases of 10.
+constexpr int64_t kMaxYamlNodes = 100000;
+
+// The plain-scalar grammars of the core schema, scanned by hand (std::regex recurses once per
+// character and overflows the stack on a 100,000-digit scalar):
+//   integer: [-+]?[0-9]+
+//   float:   [-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?
+size_t skip_digits(std::string_view s, size_t i) {
+  while (i < s.size() && s[i] >= '0' && s[i] <= '9') ++i;
+  return i;
+}
+bool is_int_text(std::string_view s) {
+  size_t i = !s.empty() && (s[0] == '+' || s[0] == '-') ? 1 : 0;
+  const size_t d = skip_digits(s, i);
+  return d > i && d == s.size();
+}
+bool is_float_text(std::string_view s) {
+  size_t i = !s.empty() && (s[0] == '+' || s[0] == '-') ? 1 : 0;
+  const size_t int_end = skip_digits(s, i);
+  const bool int_digits = int_end > i;
+  i = int_end;
+  if (i < s.size() && s[i] == '.') {
+    const size_t frac_end = skip_digits(s, i + 1);
+    if (!int_digits && frac_end == i + 1) return false;  // "." or ".e5": no digit at all
+    i = frac_end;
+  } else if (!int_digits) {
+    return false;
+  }
+  if (i < s.size() && (s[i] == 'e' || s[i] == 'E')) {
+    ++i;
+    if (i < s.size() && (s[i] == '+' || s[i] == '-')) ++i;
+    const size_t exp_end = skip_digits(s, i);
+    if (exp_end == i) return false;
+    i = exp_end;
+  }
+  return i == s.size();
+}
+
+// An integer literal beyond int64 (scalar_to_json keeps it as text).
+bool int_out_of_range(const std::string& s) {
+  if (!is_int_text(s)) return false;
+  errno = 0;
+  char* end = nullptr;
+  (void)std::strtoll(s.c_str(), &end, 10);
+  return errno == ERANGE;
+}
 
 json scalar_to_json(const YAML::Node& n) {
   const std::string& s = n.Scalar();
   if (n.Tag() == "!") return s;  // quoted
-  static const std::regex int_re("[-+]?[0-9]+");
-  static const std::regex float_re(R"([-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?)");
   if (s.empty() || s == "~" || s == "null" || s == "Null" || s == "NULL") return nullptr;
   if (s == "true" || s == "True" || s == "TRUE") return true;
   if (s == "false" || s == "False" || s == "FALSE") return false;
-  if (std::regex_match(s, int_re)) {
+  if (is_int_text(s)) {
     errno = 0;
     char* end = nullptr;
     long long v = std::strtoll(s.c_str(), &end, 10);
     if (errno == 0 && *end == '\0') return static_cast<int64_t>(v);
-    return s;  // out of range: keep the text, type checks report it
+    return s;  // out of range: keep the text, the typed getters report it
   }
-  if (std::regex_match(s, float_re)) return std::strtod(s.c_str(), nullptr);
+  // An overflowing float (1e999) becomes inf; every float field requires a finite value.
+  if (is_float_text(s)) return std::strtod(s.c_str(), nullptr);
   return s;
 }
 
-json yaml_to_json(const YAML::Node& n) {
-  switch (n.Type()) {
-    case YAML::NodeType::Null:
-    case YAML::NodeType::Undefined:
-      return nullptr;
-    case YAML::NodeType::Scalar:
-      return scalar_to_json(n);
-    case YAML::NodeType::Sequence: {
-      json a = json::array();
-      for (const auto& e : n) a.push_back(yaml_to_json(e));
-      return a;
-    }
-    case YAML::NodeType::Map: {
-      json o = json::object();
-      for (const auto& kv : n) o[kv.first.as<std::string>()] = yaml_to_json(kv.second);
-      return o;
-    }
+// Text quoted in an error message, cut so that a 100 KB scalar does not flood the terminal.
+std::string excerpt(std::string_view s, size_t max_chars = 80) {
+  if (s.size() <= max_chars) return std::string(s);
+  return fmt::format("{}... ({} characters)", s.substr(0, max_chars), s.size());
+}
+
+class YamlConverter {
+ public:
+  // `what`: "recipe.yaml" or "recipe.yaml: --set k=v", the prefix of every error.
+  explicit YamlConverter(std::string what) : what_(std::move(what)) {}
+
+  json convert(const YAML::Node& root) { return node(root, ""); }
+
+ private:
+  std::string what_;
+  int64_t nodes_ = 0;
+  std::vector<YAML::Node> stack_;  // ancestors, to tell an alias cycle from deep nesting
+
+  static int line(const YAML::Node& n) { return n.Mark().line + 1; }
+  std::string at(const std::string& path) const { return path.empty() ? "the top level" : "'" + path + "'"; }
+
+  void check_tag(const YAML::Node& n, const std::string& path) const {
+    // "?" = no tag (plain scalar or collection); "!" = quoted scalar / non-specific tag.
+    const std::string& tag = n.Tag();
+    if (tag.empty() || tag == "?" || tag == "!") return;
+    throw_error(
+        "{}: line {}: explicit YAML tag '{}' at {} is not supported: recipes hold plain values (quote a value "
+        "to make it a string, e.g. \"123\")",
+        what_, line(n), excerpt(tag), at(path));
   }
-  return nullptr;
+
+  json node(const YAML::Node& n, const std::string& path) {
+    if (++nodes_ > kMaxYamlNodes)
+      throw_error("{}: the YAML expands to more than {} values (aliases repeating aliases?); a recipe has a few dozen",
+                  what_, kMaxYamlNodes);
+    for (const auto& a : stack_)
+      if (a.is(n))
+        throw_error(
+            "{}: line {}: the alias at {} refers to a node that contains it (a cycle); a recipe cannot be "
+            "infinite",
+            what_, line(n), at(path));
+    if (static_cast<int>(stack_.size()) >= kMaxYamlDepth)
+      throw_error("{}: line {}: YAML nests deeper than {} levels at {}; a recipe nests 3", what_, line(n),
+                  kMaxYamlDepth, at(path));
+    check_tag(n, path);
+    switch (n.Type()) {
+      case YAML::NodeType::Null:
+      case YAML::NodeType::Undefined:
+        return nullptr;
+      case YAML::NodeType::Scalar:
+        return scalar_to_json(n);
+      case YAML::NodeType::Sequence: {
+        stack_.push_back(n);
+        json a = json::array();
+        size_t i = 0;
+        for (const auto& e : n) a.push_back(node(e, fmt::format("{}[{}]", path, i++)));
+        stack_.pop_back();
+        return a;
+      }
+      case YAML::NodeType::Map: {
+        stack_.push_back(n);
+        json o = json::object();
+        std::map<std::string, int> key_lines;
+        for (const auto& kv : n) {
+          const YAML::Node& k = kv.first;
+          if (!k.IsScalar())
+            throw_error("{}: line {}: a key at {} is a {}; keys must be plain names", what_, line(k), at(path),
+                        k.IsSequence() ? "list"
+                        : k.IsMap()    ? "mapping"
+                                       : "null");
+          check_tag(k, path);
+          const std::string key = k.Scalar();
+          const std::string sub = path.empty() ? key : path + "." + key;
+          auto [it, fresh] = key_lines.emplace(key, line(k));
+          if (!fresh)
+            throw_error("{}: duplicate {} '{}' (lines {} and {}); YAML keeps only one of them, so give it once", what_,
+                        path.empty() ? "section" : "key", excerpt(sub), it->second, line(k));
+          o[key] = node(kv.second, sub);
+        }
+        stack_.pop_back();
+        return o;
+      }
+    }
+    return nullptr;
+  }
+};
+
+// The one entry point for YAML text (recipe files and --set values): one document, bounded.
+json load_yaml(const std::string& text, const std::string& what) {
+  std::vector<YAML::Node> docs;
+  try {
+    docs = YAML::LoadAll(text);
+  } catch (const YAML::DeepRecursion& e) {
+    throw_error("{}: YAML nests too deeply (more than {} levels at line {}, column {}); a recipe nests 3", what,
+                e.depth(), e.mark.line + 1, e.mark.column + 1);
+  } catch (const YAML::Exception& e) {
+    throw_error("{}: invalid YAML: {}", what, e.what());
+  }
+  if (docs.size() > 1)
+    throw_error(
+        "{}: holds {} YAML documents (a second one starts at line {}); a recipe is one document: remove the "
+        "'---' and what follows, or merge it into the first",
+        what, docs.size(), docs[1].Mark().line + 1);
+  if (docs.empty()) return nullptr;
+  return YamlConverter(what).convert(docs[0]);
 }
 
 std::string value_str(const json& v) {
-  if (v.is_string()) return v.get<std::string>();
+  if (v.is_string()) return excerpt(v.get_ref<const std::string&>());
   if (v.is_null()) return "null";
   if (v.is_array()) return "a list";
   if (v.is_object()) return "a mapping";
@@ -191,17 +334,17 @@ class Parser {
   std::string origin(const std::string& path) const {
     // The override wrote `path` itself or something below it (an unknown section).
     for (const auto& [p, ov] : set_)
-      if (p == path || p.rfind(path + ".", 0) == 0) return fmt::format("--set {}: ", ov);
+      if (p == path || p.rfind(path + ".", 0) == 0) return fmt::format("--set {}: ", excerpt(ov));
     return {};
   }
   [[noreturn]] void unknown(const std::string& path, const std::string& what,
                             const std::vector<std::string>& candidates) const {
     std::string near = closest_match(path, candidates);
-    throw_error("{}: {}unknown {} '{}'{}", src_, origin(path), what, path,
+    throw_error("{}: {}unknown {} '{}'{}", src_, origin(path), what, excerpt(path),
                 near.empty() ? std::string() : fmt::format(" (did you mean '{}'?)", near));
   }
   [[noreturn]] void bad(const std::string& path, const std::string& msg) const {
-    throw_error("{}: {}{}: {}", src_, origin(path), path, msg);
+    throw_error("{}: {}{}: {}", src_, origin(path), excerpt(path), msg);
   }
 
   void check_unknown_sections() const {
@@ -227,6 +370,8 @@ class Parser {
   void get_int(const json& o, const std::string& sec, const char* k, int64_t* out) const {
     if (!o.contains(k)) return;
     const json& v = o[k];
+    if (v.is_string() && int_out_of_range(v.get_ref<const std::string&>()))  // kept as text by scalar_to_json
+      bad(sec + "." + k, fmt::format("{} does not fit a 64-bit integer", value_str(v)));
     if (!v.is_number_integer()) bad(sec + "." + k, fmt::format("expected an integer, got '{}'", value_str(v)));
     *out = v.get<int64_t>();
   }
@@ -236,11 +381,14 @@ class Parser {
     if (v < INT32_MIN || v > INT32_MAX) bad(sec + "." + k, fmt::format("{} is out of range", v));
     *out = static_cast<int>(v);
   }
+  // Every float field must be finite: 1e999 reads as inf, which passes "> 0" and "<= x" checks.
   void get_double(const json& o, const std::string& sec, const char* k, double* out) const {
     if (!o.contains(k)) return;
     const json& v = o[k];
     if (!v.is_number()) bad(sec + "." + k, fmt::format("expected a number, got '{}'", value_str(v)));
-    *out = v.get<double>();
+    const double d = v.get<double>();
+    if (!std::isfinite(d)) bad(sec + "." + k, fmt::format("{} is not a finite number", d));
+    *out = d;
   }
   void get_str(const json& o, const std::string& sec, const char* k, std::string* out) const {
     if (!o.contains(k)) return;
@@ -280,16 +428,10 @@ class Parser {
         base_desc = "preset " + val;
       } else {
         std::string file = k == "init_from" ? val + "/config.json" : val;
-        std::string text;
         try {
-          text = io::read_file(file);
+          base = io::read_json_file(file);  // regular file only, depth-checked
         } catch (const Error& e) {
           bad("model." + k, e.what());
-        }
-        try {
-          base = json::parse(text);
-        } catch (const json::exception& e) {
-          bad("model." + k, fmt::format("{}: not valid JSON: {}", file, e.what()));
         }
         // Validate the file on its own so that its errors name it; unknown keys there are fine.
         ModelConfig::from_hf_json(base, file, false);
@@ -372,20 +514,24 @@ class Parser {
     auto need = [&](bool ok, const std::string& path, const std::string& msg) {
       if (!ok) bad(path, msg);
     };
+    auto in_range = [&](const std::string& path, int64_t v, int64_t lo, int64_t hi, const char* note = "") {
+      if (v < lo) bad(path, fmt::format("{} must be >= {}{}", v, lo, note));
+      if (v > hi) bad(path, fmt::format("{} exceeds the maximum {}{}", v, hi, note));
+    };
     // data
     need(!d.train.empty(), "data.train",
          "is missing: give the Megatron prefix of the tokenized training data (path without .bin/.idx)");
     need(d.valid_fraction >= 0 && d.valid_fraction < 1, "data.valid_fraction",
          fmt::format("{} must be in [0, 1)", d.valid_fraction));
-    need(d.prefetch >= 0, "data.prefetch", fmt::format("{} must be >= 0", d.prefetch));
+    in_range("data.prefetch", d.prefetch, 0, kMaxPrefetch);
     if (d.tokenizer == "byte")
       need(r.model.vocab_size >= 256, "data.tokenizer",
            fmt::format("'byte' needs model vocab_size >= 256, got {}", r.model.vocab_size));
     // training
-    need(t.micro_batch_size >= 1, "training.micro_batch_size", fmt::format("{} must be >= 1", t.micro_batch_size));
-    need(t.grad_accum_steps >= 1, "training.grad_accum_steps", fmt::format("{} must be >= 1", t.grad_accum_steps));
-    need(t.steps >= 1, "training.steps", fmt::format("{} must be >= 1", t.steps));
-    need(t.seq_len >= 1, "training.seq_len", fmt::format("{} must be >= 1", t.seq_len));
+    in_range("training.micro_batch_size", t.micro_batch_size, 1, kMaxMicroBatch);
+    in_range("training.grad_accum_steps", t.grad_accum_steps, 1, kMaxGradAccum);
+    in_range("training.steps", t.steps, 1, kMaxSteps);
+    in_range("training.seq_len", t.seq_len, 1, kMaxSeqLen);
     need(t.seq_len <= r.model.max_position_embeddings, "training.seq_len",
          fmt::format("{} exceeds the model's max_position_embeddings{} = {}", t.seq_len,
                      r.model.is_gpt2() ? " (n_positions)" : "", r.model.max_position_embeddings));
@@ -393,10 +539,15 @@ class Parser {
          fmt::format("{} exceeds model.sliding_window = {}; lathe implements full attention only, which differs "
                      "from sliding-window attention beyond the window",
                      t.seq_len, r.model.sliding_window));
-    need(t.eval_interval >= 0, "training.eval_interval", fmt::format("{} must be >= 0 (0 = no eval)", t.eval_interval));
-    need(t.eval_batches >= 1, "training.eval_batches", fmt::format("{} must be >= 1", t.eval_batches));
-    need(t.log_interval >= 1, "training.log_interval", fmt::format("{} must be >= 1", t.log_interval));
-    need(t.threads >= 0, "training.threads", fmt::format("{} must be >= 0 (0 = all cores)", t.threads));
+    in_range("training.eval_interval", t.eval_interval, 0, kMaxSteps, " (0 = no eval)");
+    in_range("training.eval_batches", t.eval_batches, 1, kMaxEvalBatches);
+    in_range("training.log_interval", t.log_interval, 1, kMaxSteps);
+    in_range("training.threads", t.threads, 0, kMaxThreads, " (0 = all cores)");
+    // Sample and token counters of the run (consumed_samples, tokens seen) must fit 64 bits.
+    checked_product({t.steps, t.micro_batch_size, t.grad_accum_steps, t.seq_len},
+                    fmt::format("{}: training.steps x micro_batch_size x grad_accum_steps x seq_len (tokens of "
+                                "the run)",
+                                src_));
     need(t.peak_gflops >= 0 && std::isfinite(t.peak_gflops), "training.peak_gflops",
          fmt::format("{} must be >= 0 (0 = measure)", t.peak_gflops));
     if (t.eval_interval > 0)
@@ -420,7 +571,7 @@ class Parser {
     need(std::find(kDecayShapes.begin(), kDecayShapes.end(), s.decay_shape) != kDecayShapes.end(),
          "schedule.decay_shape",
          fmt::format("'{}' is not supported (supported: {})", s.decay_shape, join(kDecayShapes)));
-    need(s.warmup_steps >= 0, "schedule.warmup_steps", fmt::format("{} must be >= 0", s.warmup_steps));
+    in_range("schedule.warmup_steps", s.warmup_steps, 0, kMaxSteps);
     need(s.warmup_steps <= t.steps, "schedule.warmup_steps",
          fmt::format("{} exceeds training.steps = {}", s.warmup_steps, t.steps));
     need(s.min_lr >= 0, "schedule.min_lr", fmt::format("{} must be >= 0", s.min_lr));
@@ -429,20 +580,17 @@ class Parser {
          fmt::format("{} must be in (0, 1]", s.decay_fraction));
     // output
     need(!r.output.dir.empty(), "output.dir", "is empty");
-    need(r.output.save_every >= 0, "output.save_every",
-         fmt::format("{} must be >= 0 (0 = only at the end)", r.output.save_every));
-    need(r.output.checkpoint_every >= 0, "output.checkpoint_every",
-         fmt::format("{} must be >= 0 (0 = no periodic checkpoints)", r.output.checkpoint_every));
-    need(r.output.keep_last >= 0 && r.output.keep_last <= 1000000, "output.keep_last",
-         fmt::format("{} must be >= 0 (0 = keep every checkpoint)", r.output.keep_last));
+    in_range("output.save_every", r.output.save_every, 0, kMaxSteps, " (0 = only at the end)");
+    in_range("output.checkpoint_every", r.output.checkpoint_every, 0, kMaxSteps, " (0 = no periodic checkpoints)");
+    in_range("output.keep_last", r.output.keep_last, 0, kMaxKeepLast, " (0 = keep every checkpoint)");
   }
 };
 
 // "a.b.c=value" applied to the JSON tree; returns the key path.
 std::string apply_override(json& root, const std::string& source, const std::string& ov) {
+  const std::string what = fmt::format("{}: --set {}", source, excerpt(ov));
   auto eq = ov.find('=');
-  if (eq == std::string::npos || eq == 0)
-    throw_error("{}: --set {}: expected KEY=VALUE, e.g. training.steps=10", source, ov);
+  if (eq == std::string::npos || eq == 0) throw_error("{}: expected KEY=VALUE, e.g. training.steps=10", what);
   std::string path = ov.substr(0, eq), value = ov.substr(eq + 1);
   std::vector<std::string> parts;
   size_t start = 0;
@@ -453,14 +601,13 @@ std::string apply_override(json& root, const std::string& source, const std::str
     start = dot + 1;
   }
   for (auto& p : parts)
-    if (p.empty()) throw_error("{}: --set {}: empty component in key '{}'", source, ov, path);
-  if (parts.size() < 2) throw_error("{}: --set {}: key '{}' needs a section, e.g. training.{}", source, ov, path, path);
-  json v;
-  try {
-    v = yaml_to_json(YAML::Load(value));
-  } catch (const YAML::Exception& e) {
-    throw_error("{}: --set {}: value '{}' is not a YAML scalar: {}", source, ov, value, e.what());
-  }
+    if (p.empty()) throw_error("{}: empty component in key '{}'", what, excerpt(path));
+  if (parts.size() < 2)
+    throw_error("{}: key '{}' needs a section, e.g. training.{}", what, excerpt(path), excerpt(path));
+  // The key path nests like the YAML it overrides, under the same bound.
+  if (static_cast<int>(parts.size()) > kMaxYamlDepth)
+    throw_error("{}: key '{}' has {} components; a recipe nests 3", what, excerpt(path), parts.size());
+  json v = load_yaml(value, what);
   if (!root.is_object()) root = json::object();
   json* node = &root;
   for (size_t i = 0; i + 1 < parts.size(); ++i) {
@@ -502,12 +649,7 @@ std::string yaml_value(const json& v) {
 
 Recipe parse_recipe(const std::string& yaml_text, const std::string& source,
                     const std::vector<std::string>& overrides) {
-  json root;
-  try {
-    root = yaml_to_json(YAML::Load(yaml_text));
-  } catch (const YAML::Exception& e) {
-    throw_error("{}: invalid YAML: {}", source, e.what());
-  }
+  json root = load_yaml(yaml_text, source);
   std::map<std::string, std::string> set_paths;
   for (const auto& ov : overrides) set_paths[apply_override(root, source, ov)] = ov;
   return Parser(source, std::move(root), std::move(set_paths)).parse();

@@ -23,6 +23,10 @@
 // output.dir) are resolved relative to the CURRENT WORKING DIRECTORY of the process, not the
 // recipe file's directory; they are stored as written.
 //
+// The YAML is untrusted: one document only, no explicit tags (quoted scalars are strings), no
+// duplicate keys or sections, at most 32 levels of nesting and 100,000 values after alias
+// expansion (alias cycles are named). Every float field must be finite.
+//
 // Overrides: "section.key=value" (e.g. "training.steps=10", "model.n_layer=2",
 // "optimizer.lr=1e-3"); the value is parsed as a YAML scalar and applied before validation. An
 // unknown key in an override is reported like one in the file, mentioning --set.
@@ -36,6 +40,19 @@
 #include "config/model_config.h"
 
 namespace lathe {
+
+// Documented bounds of the recipe's integer fields. Beyond them a value is a typo or hostile, and
+// the products the trainer forms (steps x micro_batch_size x grad_accum_steps x seq_len) must fit
+// 64 bits; the check refuses them naming the field. training.seed takes any 64-bit value; the
+// model's dimensions are bounded in config/model_config.h.
+constexpr int64_t kMaxMicroBatch = 65536;         // training.micro_batch_size in [1, 65536]
+constexpr int64_t kMaxGradAccum = 65536;          // training.grad_accum_steps in [1, 65536]
+constexpr int64_t kMaxSteps = 1'000'000'000'000;  // steps, warmup_steps, *_interval, *_every
+constexpr int64_t kMaxSeqLen = int64_t{1} << 26;  // training.seq_len (also <= the model's positions)
+constexpr int64_t kMaxEvalBatches = 1'000'000;    // training.eval_batches in [1, 1e6]
+constexpr int64_t kMaxThreads = 4096;             // training.threads in [0, 4096]
+constexpr int64_t kMaxPrefetch = 64;              // data.prefetch in [0, 64]
+constexpr int64_t kMaxKeepLast = 1'000'000;       // output.keep_last in [0, 1e6]
 
 struct Recipe {
   std::string source;  // file path (or the name given to parse_recipe)

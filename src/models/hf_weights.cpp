@@ -13,7 +13,9 @@
 
 #include "io/fs.h"
 #include "io/gguf.h"
+#include "io/json.h"
 #include "io/safetensors.h"
+#include "models/memory.h"
 
 namespace lathe {
 
@@ -80,6 +82,48 @@ const ParamSpec* canonical(const ParamTable& table, const FamilyRules& rules, co
 
 std::string file_name(const std::string& path) { return fs::path(path).filename().string(); }
 
+// Whether anything is at `p` (a file, a directory, a dangling or looping symlink). Never throws:
+// std::filesystem::exists throws on a symlink loop; opening it (io::open_input) names the loop.
+bool entry_exists(const fs::path& p) {
+  std::error_code ec;
+  return fs::symlink_status(p, ec).type() != fs::file_type::not_found && !ec;
+}
+
+// A name from an untrusted file, bounded for an error message.
+std::string short_text(const std::string& s) { return s.size() <= 120 ? s : s.substr(0, 120) + "..."; }
+
+// std::filesystem errors (directory not creatable, permission, ...) as lathe::Error naming `what`.
+template <typename Fn>
+auto fs_op(const std::string& what, Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const fs::filesystem_error& e) {
+    throw_error("{}: {}", what, e.code().message());
+  }
+}
+
+// model.safetensors.index.json: the tensor -> shard file map. Shard names must be plain file names
+// inside the directory (an index is untrusted: "../x" or "/dev/zero" must not be opened).
+std::map<std::string, std::string> read_weight_map(const std::string& index) {
+  const json j = io::read_json_file(index);
+  LATHE_CHECK(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(),
+              "{}: no \"weight_map\" object (expected {{\"weight_map\": {{\"tensor name\": \"shard file\", ...}}}})",
+              index);
+  std::map<std::string, std::string> wm;
+  for (auto& [k, v] : j["weight_map"].items()) {
+    LATHE_CHECK(v.is_string(), "{}: weight_map[\"{}\"] must be a shard file name, got {} '{}'", index, short_text(k),
+                io::json_type_name(v), io::json_excerpt(v));
+    const std::string& f = v.get_ref<const std::string&>();
+    LATHE_CHECK(
+        !f.empty() && f != "." && f != ".." && f.find('/') == std::string::npos && f.find('\0') == std::string::npos,
+        "{}: weight_map[\"{}\"] = '{}' is not a file name in the model directory (no '/', '..')", index, short_text(k),
+        short_text(f));
+    wm[k] = f;
+  }
+  LATHE_CHECK(!wm.empty(), "{}: weight_map is empty", index);
+  return wm;
+}
+
 const char* torch_dtype_name(DType d) {
   return d == DType::F32 ? "float32" : d == DType::BF16 ? "bfloat16" : "float16";
 }
@@ -135,9 +179,8 @@ void save_hf_model(const Model& model, const std::string& dir, const HfSaveOptio
   LATHE_CHECK(opts.dtype == DType::F32 || opts.dtype == DType::BF16 || opts.dtype == DType::F16,
               "export dtype must be fp32, bf16 or fp16, not {}", dtype_name(opts.dtype));
   LATHE_CHECK(opts.max_shard_bytes > 0, "max shard size must be > 0");
-  for (const auto& f : opts.extra_files)
-    LATHE_CHECK(fs::is_regular_file(f), "{}: file to copy into {} not found", f, dir);
-  fs::create_directories(dir);
+  for (const auto& f : opts.extra_files) io::require_regular_file(f);  // names a missing file, FIFO, loop
+  fs_op(fmt::format("{}: cannot create the output directory", dir), [&] { fs::create_directories(dir); });
   std::vector<std::vector<float>> keep;
   const std::vector<OutTensor> ts = hf_layout(model, model.param_data(), keep);
 
@@ -157,11 +200,13 @@ void save_hf_model(const Model& model, const std::string& dir, const HfSaveOptio
   }
   // Stale weight files of another layout would make the directory ambiguous to loaders.
   static const std::regex shard_re(R"(model-\d{5}-of-\d{5}\.safetensors)");
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const std::string n = e.path().filename().string();
-    if (n == "model.safetensors" || n == "model.safetensors.index.json" || std::regex_match(n, shard_re))
-      fs::remove(e.path());
-  }
+  fs_op(fmt::format("{}: cannot remove stale weight files", dir), [&] {
+    for (const auto& e : fs::directory_iterator(dir)) {
+      const std::string n = e.path().filename().string();
+      if (n == "model.safetensors" || n == "model.safetensors.index.json" || std::regex_match(n, shard_re))
+        fs::remove(e.path());
+    }
+  });
   if (shards.size() == 1) {
     write_tensors(shards[0], (fs::path(dir) / "model.safetensors").string(), opts.dtype);
   } else {
@@ -185,7 +230,8 @@ void save_hf_model(const Model& model, const std::string& dir, const HfSaveOptio
   io::atomic_write_file((fs::path(dir) / "generation_config.json").string(), gen.dump(2) + "\n");
   for (const auto& f : opts.extra_files) {
     const fs::path dst = fs::path(dir) / fs::path(f).filename();
-    if (fs::exists(dst) && fs::equivalent(dst, f)) continue;
+    std::error_code ec;
+    if (fs::equivalent(dst, f, ec) && !ec) continue;
     io::atomic_write_file(dst.string(), io::read_file(f));
   }
 }
@@ -194,52 +240,36 @@ void save_hf_model(const Model& model, const std::string& dir, const HfSaveOptio
 
 ModelConfig load_hf_config(const std::string& dir) {
   const std::string path = (fs::path(dir) / "config.json").string();
-  LATHE_CHECK(fs::exists(path), "{}: not found (a Hugging Face model directory needs config.json)", path);
-  json j;
-  try {
-    j = json::parse(io::read_file(path));
-  } catch (const json::exception& e) {
-    throw_error("{}: invalid JSON: {}", path, e.what());
-  }
-  return ModelConfig::from_hf_json(j, path, false);
+  LATHE_CHECK(entry_exists(path), "{}: not found (a Hugging Face model directory needs config.json)", path);
+  // Regular file only (a FIFO, a directory, a symlink loop is named), depth-checked JSON.
+  return ModelConfig::from_hf_json(io::read_json_file(path), path, false);
 }
 
 std::vector<std::string> hf_weight_files(const std::string& dir) {
   const fs::path single = fs::path(dir) / "model.safetensors";
   const fs::path index = fs::path(dir) / "model.safetensors.index.json";
-  LATHE_CHECK(fs::is_directory(dir), "{}: not a directory (expected a Hugging Face model directory)", dir);
-  if (fs::exists(single)) {
-    LATHE_CHECK(!fs::exists(index),
+  std::error_code ec;
+  LATHE_CHECK(fs::is_directory(dir, ec), "{}: not a directory (expected a Hugging Face model directory)", dir);
+  if (entry_exists(single)) {
+    LATHE_CHECK(!entry_exists(index),
                 "{}: both model.safetensors and model.safetensors.index.json exist; it is ambiguous which holds "
                 "the weights (remove the stale one)",
                 dir);
     return {single.string()};
   }
-  if (fs::exists(index)) {
-    json j;
-    try {
-      j = json::parse(io::read_file(index.string()));
-    } catch (const json::exception& e) {
-      throw_error("{}: invalid JSON: {}", index.string(), e.what());
-    }
-    LATHE_CHECK(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(),
-                "{}: no \"weight_map\" object", index.string());
+  if (entry_exists(index)) {
     std::set<std::string> uniq;
-    for (auto& [k, v] : j["weight_map"].items()) {
-      LATHE_CHECK(v.is_string(), "{}: weight_map[\"{}\"] is not a file name", index.string(), k);
-      uniq.insert(v.get<std::string>());
-    }
-    LATHE_CHECK(!uniq.empty(), "{}: weight_map is empty", index.string());
+    for (const auto& [k, f] : read_weight_map(index.string())) uniq.insert(f);
     std::vector<std::string> files;
     for (const auto& f : uniq) {
       const fs::path p = fs::path(dir) / f;
-      LATHE_CHECK(fs::exists(p), "{}: shard {} listed in weight_map does not exist", index.string(), p.string());
+      LATHE_CHECK(entry_exists(p), "{}: shard {} listed in weight_map does not exist", index.string(), p.string());
       files.push_back(p.string());
     }
     return files;
   }
   for (const char* bin : {"pytorch_model.bin", "pytorch_model.bin.index.json"})
-    if (fs::exists(fs::path(dir) / bin))
+    if (entry_exists(fs::path(dir) / bin))
       throw_error(
           "{}: only {} found; lathe reads safetensors only (pickle files can run code). Convert it "
           "with: /usr/bin/python3 -c \"import transformers as t; "
@@ -256,10 +286,7 @@ std::string load_hf_weights(Model& model, const std::string& dir, const HfLoadOp
   std::map<std::string, std::string> weight_map;
   const fs::path index = fs::path(dir) / "model.safetensors.index.json";
   const bool sharded = files.size() > 1 || file_name(files[0]) != "model.safetensors";
-  if (sharded) {
-    const json ij = json::parse(io::read_file(index.string()));  // validated by hf_weight_files
-    for (auto& [k, v] : ij["weight_map"].items()) weight_map[k] = v.get<std::string>();
-  }
+  if (sharded) weight_map = read_weight_map(index.string());
 
   const ParamTable& table = model.params();
   const int64_t C = cfg.hidden_size, Vm = cfg.vocab_size;
@@ -289,8 +316,8 @@ std::string load_hf_weights(Model& model, const std::string& dir, const HfLoadOp
       if (!sp) {
         if (cfg.tie_word_embeddings && info.name == rules.tied_head_in_file) {
           // Checked against the embedding once everything is loaded.
-          tied_copy.resize(static_cast<size_t>(lathe::numel(info.shape)));
           if (info.shape.size() == 2 && info.shape[1] == C) {
+            tied_copy.resize(static_cast<size_t>(lathe::numel(info.shape)));
             st.read_f32(info, tied_copy.data());
             tied_copy_file = f;
           } else {
@@ -415,12 +442,16 @@ std::string load_hf_weights(Model& model, const std::string& dir, const HfLoadOp
 
 std::unique_ptr<Model> load_hf_model(const std::string& dir, std::string* report, const HfLoadOptions& opts) {
   ModelConfig cfg = load_hf_config(dir);
+  const std::string cfg_path = (fs::path(dir) / "config.json").string();
   if (opts.resize_vocab > 0) {
     LATHE_CHECK(opts.resize_vocab >= cfg.vocab_size,
                 "--resize-vocab {} is smaller than the vocab_size {} of {}: shrinking would drop tokens",
                 opts.resize_vocab, cfg.vocab_size, dir);
     cfg.vocab_size = opts.resize_vocab;
+    cfg.validate(fmt::format("{} with --resize-vocab {}", cfg_path, opts.resize_vocab));
   }
+  // Before any allocation, naming the file the dimensions came from.
+  check_memory_fits(estimate_memory(cfg, 0, 0, 0), cfg, cfg_path);
   auto model = build_model(cfg);
   std::string r = load_hf_weights(*model, dir, opts);
   if (report) *report = r;
@@ -444,44 +475,71 @@ std::vector<float> permute_rope_rows(const float* w, int64_t n_head, int64_t hd,
   return out;
 }
 
-// tokenizer.json (BPE) -> tokenizer.ggml.* keys.
+// tokenizer.json (BPE) -> tokenizer.ggml.* keys. The file is untrusted: every field is
+// type-checked here so that a malformed one is named instead of escaping as a JSON type error.
 void add_gguf_tokenizer(io::GgufWriter& w, const std::string& path, int64_t vocab_size, const ModelConfig& cfg) {
-  json j;
-  try {
-    j = json::parse(io::read_file(path));
-  } catch (const json::exception& e) {
-    throw_error("{}: invalid JSON: {}", path, e.what());
-  }
-  LATHE_CHECK(j.contains("model") && j["model"].value("type", "") == "BPE",
-              "{}: GGUF export writes BPE tokenizers only (model.type is '{}')", path,
-              j.contains("model") ? j["model"].value("type", "") : "");
+  const json j = io::read_json_file(path);
+  auto fail = [&](const std::string& field, const json& v, const char* want) {
+    throw_error("{}: {} must be {}, got {} '{}'", path, field, want, io::json_type_name(v), io::json_excerpt(v));
+  };
+  if (!j.is_object()) fail("the top level", j, "an object");
+  const json* model = j.contains("model") ? &j["model"] : nullptr;
+  if (!model || !model->is_object()) fail("model", model ? *model : json(), "an object");
+  const json* type = model->contains("type") ? &(*model)["type"] : nullptr;
+  LATHE_CHECK(type && type->is_string() && *type == "BPE",
+              "{}: GGUF export writes BPE tokenizers only (model.type is {})", path,
+              type ? io::json_excerpt(*type) : "missing");
+  if (!model->contains("vocab") || !(*model)["vocab"].is_object())
+    fail("model.vocab", model->value("vocab", json()), "an object");
   std::vector<std::string> tokens(static_cast<size_t>(vocab_size));
   std::vector<int32_t> types(static_cast<size_t>(vocab_size), 1);  // NORMAL
   std::vector<bool> set(static_cast<size_t>(vocab_size), false);
-  for (auto& [tok, id] : j["model"]["vocab"].items()) {
-    const int64_t i = id.get<int64_t>();
-    LATHE_CHECK(i >= 0 && i < vocab_size, "{}: token id {} of '{}' is outside the model's vocab_size {}", path, i, tok,
-                vocab_size);
+  for (auto& [tok, id] : (*model)["vocab"].items()) {
+    if (!id.is_number_integer()) fail(fmt::format("model.vocab[\"{}\"]", short_text(tok)), id, "an integer id");
+    const int64_t i = id.is_number_unsigned() && id.get<uint64_t>() > INT64_MAX ? -1 : id.get<int64_t>();
+    LATHE_CHECK(i >= 0 && i < vocab_size, "{}: token id {} of '{}' is outside the model's vocab_size {}", path,
+                io::json_excerpt(id), short_text(tok), vocab_size);
     tokens[i] = tok;
     set[i] = true;
   }
-  if (j.contains("added_tokens"))
+  if (j.contains("added_tokens") && !j["added_tokens"].is_null()) {
+    if (!j["added_tokens"].is_array()) fail("added_tokens", j["added_tokens"], "a list");
+    size_t n = 0;
     for (const auto& a : j["added_tokens"]) {
-      const int64_t i = a.at("id").get<int64_t>();
-      LATHE_CHECK(i >= 0 && i < vocab_size, "{}: added token id {} is outside the model's vocab_size {}", path, i,
-                  vocab_size);
-      tokens[i] = a.at("content").get<std::string>();
+      const std::string where = fmt::format("added_tokens[{}]", n++);
+      if (!a.is_object()) fail(where, a, "an object");
+      const json id = a.value("id", json());
+      const json content = a.value("content", json());
+      if (!id.is_number_integer()) fail(where + ".id", id, "an integer");
+      if (!content.is_string()) fail(where + ".content", content, "a string");
+      const int64_t i = id.is_number_unsigned() && id.get<uint64_t>() > INT64_MAX ? -1 : id.get<int64_t>();
+      LATHE_CHECK(i >= 0 && i < vocab_size, "{}: added token id {} is outside the model's vocab_size {}", path,
+                  io::json_excerpt(id), vocab_size);
+      const json special = a.value("special", json(false));
+      if (!special.is_boolean()) fail(where + ".special", special, "true or false");
+      tokens[i] = content.get<std::string>();
       set[i] = true;
-      types[i] = a.value("special", false) ? 3 : 4;  // CONTROL : USER_DEFINED
+      types[i] = special.get<bool>() ? 3 : 4;  // CONTROL : USER_DEFINED
     }
+  }
   for (int64_t i = 0; i < vocab_size; ++i)
     if (!set[i]) {
       tokens[i] = fmt::format("[PAD{}]", i);
       types[i] = 5;  // UNUSED
     }
   std::vector<std::string> merges;
-  for (const auto& m : j["model"].value("merges", json::array()))
-    merges.push_back(m.is_array() ? m[0].get<std::string>() + " " + m[1].get<std::string>() : m.get<std::string>());
+  const json merges_j = model->value("merges", json::array());
+  if (!merges_j.is_array()) fail("model.merges", merges_j, "a list");
+  size_t n = 0;
+  for (const auto& m : merges_j) {
+    const std::string where = fmt::format("model.merges[{}]", n++);
+    if (m.is_string())
+      merges.push_back(m.get<std::string>());
+    else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string())
+      merges.push_back(m[0].get<std::string>() + " " + m[1].get<std::string>());
+    else
+      fail(where, m, "a string \"a b\" or a pair [\"a\", \"b\"]");
+  }
   w.add_string("tokenizer.ggml.model", "gpt2");
   w.add_string("tokenizer.ggml.pre", "default");
   w.add_string_array("tokenizer.ggml.tokens", tokens);

@@ -66,8 +66,10 @@ class Model {
   void init_weights(uint64_t seed);
 
   // Preallocates every activation for up to B x T tokens. Called once before training;
-  // forward/backward never allocate.
-  void allocate(int64_t B, int64_t T);
+  // forward/backward never allocate. First checks (models/memory.h) that parameters, gradients,
+  // `optimizer_moments` fp32 copies of the parameters (the trainer passes 2 for AdamW/LAMB) and the
+  // activations fit the machine, and refuses with the figures otherwise.
+  void allocate(int64_t B, int64_t T, int optimizer_moments = 0);
   int64_t max_batch() const { return max_B_; }
   int64_t max_seq() const { return max_T_; }
 
@@ -85,11 +87,18 @@ class Model {
   // Parameters + gradients + activations + scratch (optimizer state is the trainer's).
   size_t estimated_bytes() const { return 2 * params_.bytes() + acts_.bytes(); }
 
+  // Floats of the activation arena allocate(B, T) reserves for `cfg` (the same layout walk);
+  // overflow-checked, throws lathe::Error for sizes beyond 64 bits.
+  static int64_t activation_floats(const ModelConfig& cfg, int64_t B, int64_t T);
+
   // 6*N + 12*L*C*T FLOP per token (N excludes position embeddings), the convention of the bench.
   double flops_per_token(int64_t T) const;
 
  private:
   void forward_body(const int32_t* tokens, int64_t B, int64_t T);
+  // The activation arena's layout: returns its size in floats; with `m` also points m's
+  // activations into `base` (m->la_ sized to the layer count by the caller).
+  static int64_t layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, Model* m, float* base);
   ModelPtrs resolve(float* base) const;
 
   ModelConfig cfg_;

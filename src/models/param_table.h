@@ -8,6 +8,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/checked.h"
 #include "core/error.h"
 #include "core/tensor.h"
 
@@ -46,8 +47,16 @@ class ParamTable {
   ParamSpec& add(std::string name, Shape shape, Init init, float init_std, ShardRule shard, bool decay,
                  bool hf_transposed = false) {
     LATHE_CHECK(!index_.count(name), "parameter '{}' defined twice in the model's table", name);
+    // Shapes come from config.json / recipes: element counts and offsets are checked, so a wrapped
+    // product can never make the table disagree with the buffers sized from total().
+    int64_t n = 1;
+    for (int64_t d : shape) {
+      LATHE_CHECK(d >= 0, "parameter '{}': negative dimension {}", name, d);
+      n = checked_mul(n, d, fmt::format("parameter '{}' element count", name));
+    }
+    const int64_t end = checked_add(static_cast<int64_t>(total_), n, "parameter table size");
     ParamSpec p{std::move(name), std::move(shape), total_, init, init_std, shard, decay, hf_transposed};
-    total_ += static_cast<size_t>(p.numel());
+    total_ = static_cast<size_t>(end);
     index_[p.name] = specs_.size();
     specs_.push_back(std::move(p));
     return specs_.back();

@@ -2,6 +2,7 @@
 // initialisers), so the set of model types is visible in one place.
 #include <fmt/format.h>
 
+#include "models/memory.h"
 #include "models/model.h"
 
 namespace lathe {
@@ -39,6 +40,9 @@ ModelRegistry& model_registry() {
 
 std::unique_ptr<Model> build_model(const ModelConfig& cfg) {
   cfg.validate("model");
+  // Parameters and gradients are allocated by the Model constructor: refuse what cannot fit
+  // before building the table (a config with n_layer 2^16 of width 2^20 must not be tried).
+  check_memory_fits(estimate_memory(cfg, 0, 0, 0), cfg, "model");
   return model_registry().build(cfg);
 }
 

@@ -6,9 +6,11 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/checked.h"
 #include "core/parallel.h"
 #include "core/rng.h"
 #include "kernels/cpu/ops.h"
+#include "models/memory.h"
 #include "models/model.h"
 
 namespace lathe {
@@ -89,64 +91,83 @@ double Model::flops_per_token(int64_t T) const {
   return 6.0 * n + 12.0 * cfg_.num_hidden_layers * cfg_.hidden_size * static_cast<double>(T);
 }
 
-void Model::allocate(int64_t B, int64_t T) {
+int64_t Model::layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, Model* m, float* base) {
+  // Every size below is a product of config fields and (B, T): checked, so that a hostile config or
+  // --batch/--seq-len is refused instead of wrapping into a small arena that kernels overrun.
+  const std::string what = fmt::format("activations of {} for batch {} x seq_len {}", cfg.model_type, B, T);
+  auto mul = [&](std::initializer_list<int64_t> f) { return checked_product(f, what); };
+  const bool gelu_mlp = cfg.is_gpt2();  // the Arch of each family (gpt2.cpp, llama.cpp)
+  const int64_t N = mul({B, T}), C = cfg.hidden_size, H = cfg.num_attention_heads, KV = cfg.num_key_value_heads,
+                D = cfg.head_dim(), Q = mul({checked_add(H, mul({2, KV}), what), D}), F = cfg.intermediate_size,
+                FF = gelu_mlp ? F : mul({2, F}), V = cfg.vocab_size, L = cfg.num_hidden_layers;
+  // Logit chunks of up to 256 rows keep the lm-head GEMMs large while holding at most
+  // 256 x V floats of logits (51 MB at V=50257) instead of N x V.
+  const int64_t chunk_rows = std::min<int64_t>(N, 256);
+  const int64_t scratch = std::max({static_cast<int64_t>(cpu::attention_scratch_floats(T, D)),
+                                    static_cast<int64_t>(cpu::layernorm_scratch_floats(C)),
+                                    static_cast<int64_t>(cpu::rmsnorm_scratch_floats(C)), mul({chunk_rows, V})});
+  int64_t off = 0;
+  auto take = [&](int64_t n) -> float* {
+    float* p = base ? base + off : nullptr;
+    off = checked_add(off, checked_add(n, 15, what) / 16 * 16, what);  // keep 64-byte alignment
+    return p;
+  };
+  LayerActs unused{};
+  for (int64_t l = 0; l < L; ++l) {
+    LayerActs& a = m ? m->la_[static_cast<size_t>(l)] : unused;
+    a.ln1 = take(mul({N, C}));
+    a.ln1_mean = take(N);
+    a.ln1_rstd = take(N);
+    a.qkv = take(mul({N, Q}));
+    a.att = take(mul({N, H, D}));
+    a.lse = take(mul({B, H, T}));
+    a.res1 = take(mul({N, C}));
+    a.ln2 = take(mul({N, C}));
+    a.ln2_mean = take(N);
+    a.ln2_rstd = take(N);
+    a.fc = take(mul({N, FF}));
+    a.act = take(mul({N, F}));
+    a.res2 = take(mul({N, C}));
+  }
+  float* sink = nullptr;
+  (m ? m->emb_ : sink) = take(mul({N, C}));
+  (m ? m->lnf_ : sink) = take(mul({N, C}));
+  (m ? m->lnf_mean_ : sink) = take(N);
+  (m ? m->lnf_rstd_ : sink) = take(N);
+  (m ? m->losses_ : sink) = take(N);
+  (m ? m->dres_ : sink) = take(mul({N, C}));
+  (m ? m->dln_ : sink) = take(mul({N, C}));
+  (m ? m->dqkv_ : sink) = take(mul({N, Q}));
+  (m ? m->datt_ : sink) = take(mul({N, H, D}));
+  (m ? m->dfc_ : sink) = take(mul({N, FF}));
+  (m ? m->dact_ : sink) = take(mul({N, F}));
+  (m ? m->scratch_ : sink) = take(scratch);
+  (m ? m->rope_cos_ : sink) = take(mul({T, D}) / 2);  // rope tables
+  (m ? m->rope_sin_ : sink) = take(mul({T, D}) / 2);
+  if (m) m->chunk_rows_ = chunk_rows;
+  return off;
+}
+
+int64_t Model::activation_floats(const ModelConfig& cfg, int64_t B, int64_t T) {
+  LATHE_CHECK(B >= 1 && T >= 1, "batch {} x seq_len {}: both must be >= 1", B, T);
+  return layout_activations(cfg, B, T, nullptr, nullptr);
+}
+
+void Model::allocate(int64_t B, int64_t T, int optimizer_moments) {
   LATHE_CHECK(B >= 1 && T >= 1, "batch {} x seq_len {}: both must be >= 1", B, T);
   LATHE_CHECK(!arch_.learned_pos || T <= cfg_.max_position_embeddings,
               "seq_len {} exceeds the model's max_position_embeddings {}", T, cfg_.max_position_embeddings);
+  LATHE_CHECK(T <= kMaxPositions, "seq_len {} exceeds lathe's maximum {}", T, kMaxPositions);
   if (B == max_B_ && T == max_T_) return;
+  // Before any allocation: refuse what cannot fit, with the figures (models/memory.h).
+  check_memory_fits(estimate_memory(cfg_, B, T, optimizer_moments), cfg_, "model");
+  const int64_t total = layout_activations(cfg_, B, T, nullptr, nullptr);
   max_B_ = B;
   max_T_ = T;
-  const int64_t N = B * T, C = cfg_.hidden_size, H = cfg_.num_attention_heads, KV = cfg_.num_key_value_heads,
-                D = cfg_.head_dim(), Q = (H + 2 * KV) * D, F = cfg_.intermediate_size, FF = arch_.gelu_mlp ? F : 2 * F,
-                V = cfg_.vocab_size, L = cfg_.num_hidden_layers;
-  // Logit chunks of up to 256 rows keep the lm-head GEMMs large while holding at most
-  // 256 x V floats of logits (51 MB at V=50257) instead of N x V.
-  chunk_rows_ = std::min<int64_t>(N, 256);
-  size_t scratch = std::max({cpu::attention_scratch_floats(T, D), cpu::layernorm_scratch_floats(C),
-                             cpu::rmsnorm_scratch_floats(C), static_cast<size_t>(chunk_rows_ * V)});
-  const size_t per_layer = static_cast<size_t>(N * C * 4 + N * 4 + N * Q + N * H * D + B * H * T + N * FF + N * F);
-  const size_t total = per_layer * L + static_cast<size_t>(N * C * 2 + N * 3) +  // emb, lnf + stats, losses
-                       static_cast<size_t>(N * C * 2 + N * Q + N * H * D + N * FF + N * F) +  // backward
-                       scratch + static_cast<size_t>(T * D);                                  // rope tables
-  acts_.resize(total + 64 * 64);
-  float* cur = acts_.data();
-  auto take = [&](int64_t n) {
-    float* p = cur;
-    cur += (n + 15) / 16 * 16;  // keep 64-byte alignment
-    return p;
-  };
-  la_.assign(L, {});
-  for (auto& a : la_) {
-    a.ln1 = take(N * C);
-    a.ln1_mean = take(N);
-    a.ln1_rstd = take(N);
-    a.qkv = take(N * Q);
-    a.att = take(N * H * D);
-    a.lse = take(B * H * T);
-    a.res1 = take(N * C);
-    a.ln2 = take(N * C);
-    a.ln2_mean = take(N);
-    a.ln2_rstd = take(N);
-    a.fc = take(N * FF);
-    a.act = take(N * F);
-    a.res2 = take(N * C);
-  }
-  emb_ = take(N * C);
-  lnf_ = take(N * C);
-  lnf_mean_ = take(N);
-  lnf_rstd_ = take(N);
-  losses_ = take(N);
-  dres_ = take(N * C);
-  dln_ = take(N * C);
-  dqkv_ = take(N * Q);
-  datt_ = take(N * H * D);
-  dfc_ = take(N * FF);
-  dact_ = take(N * F);
-  scratch_ = take(static_cast<int64_t>(scratch));
-  rope_cos_ = take(T * D / 2);
-  rope_sin_ = take(T * D / 2);
-  LATHE_CHECK(cur <= acts_.data() + acts_.size(), "internal: activation arena overflow");
-  if (!arch_.learned_pos) cpu::rope_tables(rope_cos_, rope_sin_, T, D, cfg_.rope_theta);
+  acts_.resize(static_cast<size_t>(total));
+  la_.assign(static_cast<size_t>(cfg_.num_hidden_layers), {});
+  layout_activations(cfg_, B, T, this, acts_.data());
+  if (!arch_.learned_pos) cpu::rope_tables(rope_cos_, rope_sin_, T, cfg_.head_dim(), cfg_.rope_theta);
 }
 
 void Model::forward_body(const int32_t* tokens, int64_t B, int64_t T) {

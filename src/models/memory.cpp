@@ -1,0 +1,119 @@
+#include "models/memory.h"
+
+#include <fmt/format.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+
+#include "core/checked.h"
+#include "core/error.h"
+#include "models/model.h"
+
+namespace lathe {
+
+std::string format_bytes(int64_t bytes) {
+  const double b = static_cast<double>(bytes);
+  if (b >= 1e12) return fmt::format("{:.1f} TB", b / 1e12);
+  if (b >= 1e9) return fmt::format("{:.1f} GB", b / 1e9);
+  if (b >= 1e6) return fmt::format("{:.1f} MB", b / 1e6);
+  return fmt::format("{:.1f} KB", b / 1e3);
+}
+
+namespace {
+std::string format_count(int64_t n) {
+  const double d = static_cast<double>(n);
+  if (d >= 1e12) return fmt::format("{:.1f}T", d / 1e12);
+  if (d >= 1e9) return fmt::format("{:.1f}B", d / 1e9);
+  if (d >= 1e6) return fmt::format("{:.1f}M", d / 1e6);
+  return fmt::format("{}", n);
+}
+}  // namespace
+
+std::string MemoryEstimate::breakdown() const {
+  std::string s = fmt::format("params {} + grads {}", format_bytes(param_bytes), format_bytes(grad_bytes));
+  if (optimizer_moments > 0)
+    s += fmt::format(" + optimizer moments ({}) {}", optimizer_moments, format_bytes(optimizer_bytes));
+  if (batch > 0)
+    s += fmt::format(" + activations (batch {} x seq_len {}) {}", batch, seq_len, format_bytes(activation_bytes));
+  return s + fmt::format(" = {}", format_bytes(total_bytes()));
+}
+
+MemoryEstimate estimate_memory(const ModelConfig& cfg, int64_t B, int64_t T, int optimizer_moments) {
+  cfg.validate("model");  // bounds first: the products below assume them
+  LATHE_CHECK(optimizer_moments >= 0 && optimizer_moments <= 8, "internal: {} optimizer moments", optimizer_moments);
+  LATHE_CHECK(B >= 0 && T >= 0, "batch {} x seq_len {} must not be negative", B, T);
+  const std::string what = fmt::format("memory of {} (batch {} x seq_len {})", cfg.model_type, B, T);
+  MemoryEstimate e;
+  e.num_params = cfg.num_parameters();
+  e.param_bytes = checked_mul(e.num_params, 4, what);
+  e.grad_bytes = e.param_bytes;
+  e.optimizer_moments = optimizer_moments;
+  e.optimizer_bytes = checked_mul(e.param_bytes, optimizer_moments, what);
+  if (B > 0 && T > 0) {
+    e.batch = B;
+    e.seq_len = T;
+    e.activation_bytes = checked_mul(Model::activation_floats(cfg, B, T), 4, what);
+  }
+  int64_t total = 0;
+  for (int64_t part : {e.param_bytes, e.grad_bytes, e.optimizer_bytes, e.activation_bytes})
+    total = checked_add(total, part, what);
+  (void)total;  // total_bytes() recomputes it; this proves it fits
+  return e;
+}
+
+namespace {
+
+// First number in a small kernel-provided file; -1 if absent or not a number ("max").
+int64_t read_number(const std::string& path, const std::string& key = "") {
+  std::ifstream f(path);
+  if (!f) return -1;
+  std::string line;
+  while (std::getline(f, line)) {
+    if (!key.empty() && line.rfind(key, 0) != 0) continue;
+    std::istringstream is(key.empty() ? line : line.substr(key.size()));
+    int64_t v = -1;
+    if (is >> v) return v;
+    return -1;
+  }
+  return -1;
+}
+
+}  // namespace
+
+MachineMemory machine_memory() {
+  MachineMemory m;
+  auto consider = [&](int64_t bytes, std::string source) {
+    if (bytes <= 0) return;
+    if (m.bytes == 0 || bytes < m.bytes) {
+      m.bytes = bytes;
+      m.source = std::move(source);
+    }
+  };
+  const int64_t kb = read_number("/proc/meminfo", "MemTotal:");
+  if (kb > 0 && kb < (int64_t{1} << 52)) consider(kb * 1024, "this machine's memory (MemTotal in /proc/meminfo)");
+  const int64_t cg = read_number("/sys/fs/cgroup/memory.max");  // cgroup v2; "max" = none
+  if (cg > 0) consider(cg, "the cgroup's memory limit (/sys/fs/cgroup/memory.max)");
+  const int64_t cg1 = read_number("/sys/fs/cgroup/memory/memory.limit_in_bytes");  // cgroup v1
+  if (cg1 > 0 && cg1 < (int64_t{1} << 60)) consider(cg1, "the cgroup's memory limit (memory.limit_in_bytes)");
+  struct rlimit rl {};
+  if (getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < (rlim_t{1} << 62))
+    consider(static_cast<int64_t>(rl.rlim_cur), "the address-space limit (ulimit -v)");
+  return m;
+}
+
+void check_memory_fits(const MemoryEstimate& est, const ModelConfig& cfg, std::string_view what) {
+  const MachineMemory mm = machine_memory();
+  if (mm.bytes == 0 || est.total_bytes() <= mm.bytes) return;
+  const bool g = cfg.is_gpt2();
+  throw_error(
+      "{}: the model ({} {} = {}, {} = {}, {} = {}, intermediate_size = {}; {} parameters) needs {} but {} is "
+      "{}: reduce the model's dimensions{}",
+      what, cfg.model_type, g ? "n_layer" : "num_hidden_layers", cfg.num_hidden_layers, g ? "n_embd" : "hidden_size",
+      cfg.hidden_size, "vocab_size", cfg.vocab_size, cfg.intermediate_size, format_count(est.num_params),
+      est.breakdown(), mm.source, format_bytes(mm.bytes),
+      est.batch > 0 ? " or training.micro_batch_size / seq_len" : "");
+}
+
+}  // namespace lathe

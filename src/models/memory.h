@@ -1,0 +1,49 @@
+// How much memory a model needs, computed from its config before anything is allocated, and the
+// refusal when that exceeds the machine. A config.json or recipe with n_layer 2^31 or a vocabulary
+// of 2^40 must be answered with the number and the fields, not by an allocation that swaps the
+// machine to death or aborts. Every product is overflow-checked (core/checked.h).
+//
+// build_model() checks parameters + gradients, Model::allocate(B, T, moments) adds activations and
+// optimizer moments, so every command path is covered; `lathe check` / `lathe train` call
+// estimate_memory + check_memory_fits with the recipe's B, T and optimizer to print and enforce the
+// whole figure before the first step.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "config/model_config.h"
+
+namespace lathe {
+
+struct MemoryEstimate {
+  int64_t num_params = 0;  // floats of the parameter table (tied lm_head counted once)
+  int64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0, activation_bytes = 0;
+  int64_t batch = 0, seq_len = 0;  // the (B, T) the activations are sized for; 0 = none
+  int optimizer_moments = 0;
+  int64_t total_bytes() const { return param_bytes + grad_bytes + optimizer_bytes + activation_bytes; }
+  // "params 0.5 MB + grads 0.5 MB + optimizer moments (2) 1.0 MB + activations (B=8, T=128) 3.2 MB = 5.2 MB"
+  std::string breakdown() const;
+};
+
+// fp32 parameters + gradients + `optimizer_moments` fp32 copies (AdamW and LAMB keep 2) + the
+// activation arena Model::allocate(B, T) reserves (exactly: the same layout walk). B = T = 0: no
+// activations. Validates `cfg` first; throws lathe::Error when a size does not fit 64 bits.
+MemoryEstimate estimate_memory(const ModelConfig& cfg, int64_t B, int64_t T, int optimizer_moments);
+
+// Memory this process can use: the smallest of physical RAM (MemTotal in /proc/meminfo), the
+// cgroup limit (memory.max) and RLIMIT_AS. `source` says which one bounds it.
+struct MachineMemory {
+  int64_t bytes = 0;  // 0 = unknown (then nothing is refused)
+  std::string source;
+};
+MachineMemory machine_memory();
+
+// Throws lathe::Error "WHAT: <model fields> needs X (breakdown) but <source> is Y; reduce ..." when
+// est.total_bytes() exceeds machine_memory(). `what` names the file / recipe the config came from.
+void check_memory_fits(const MemoryEstimate& est, const ModelConfig& cfg, std::string_view what);
+
+// "1.5 GB" / "340.0 MB" / "12.0 KB" (decimal units, as the trainer's log).
+std::string format_bytes(int64_t bytes);
+
+}  // namespace lathe
