@@ -1,30 +1,46 @@
-// lathe check RECIPE.yaml [--set key=value ...]: validates the recipe and the consistency of its
-// model, tokenizer and data (train/consistency.h) without training. Exit code 1 on any failure.
+// lathe check RECIPE.yaml [--set key=value ...] [--resume auto|PATH] [--force-resume-changes]:
+// runs exactly the checks `lathe train` runs before its first step (train/preflight.h: recipe,
+// datasets and their token ranges, model/tokenizer consistency, optimizer and schedule, output
+// directory writable, model dimensions and memory, init_from weights, resume checkpoint) without
+// training, printing each check that held. Exit code 0 when train would start, 1 on the first
+// failure (the same message `lathe train` prints), 2 for a usage error.
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
+#include <cstdio>
 
 #include "cli/command.h"
 #include "config/recipe.h"
-#include "train/consistency.h"
+#include "train/preflight.h"
 
 namespace {
 
 int run_check(int argc, char** argv) {
-  CLI::App app{"Check a recipe: keys, values, and model/tokenizer/data consistency", "lathe check"};
+  CLI::App app{"Check a recipe: everything `lathe train` checks before its first step", "lathe check"};
   std::string path;
   std::vector<std::string> sets;
+  lathe::TrainOptions opts;
   app.add_option("recipe", path, "recipe file (YAML)")->required();
   app.add_option("--set", sets, "override a recipe value (repeatable)");
+  app.add_option("--resume", opts.resume, "check resuming as `lathe train --resume` would: 'auto' or a checkpoint");
+  app.add_flag("--force-resume-changes", opts.force_resume_changes, "as for `lathe train`");
   LATHE_CLI_PARSE(app, argc, argv);
   lathe::Recipe r = lathe::load_recipe(path, sets);
-  fmt::print("ok   recipe {} is valid\n", path);
-  auto rep = lathe::check_consistency(r);
-  for (auto& l : rep.passed) fmt::print("ok   {}\n", l);
-  for (auto& l : rep.failures) fmt::print("FAIL {}\n", l);
-  return rep.failures.empty() ? 0 : 1;
+  auto ok = [](const std::string& l) {
+    fmt::print("ok   {}\n", l);
+    std::fflush(stdout);
+  };
+  ok(fmt::format("recipe {} is valid", path));
+  auto note = [](const std::string& l) {
+    fmt::print("note {}\n", l);
+    std::fflush(stdout);
+  };
+  lathe::preflight(r, opts, lathe::PreflightLog{ok, note}, /*check_only=*/true);
+  fmt::print("ok   lathe train {} can start\n", path);
+  return 0;
 }
 
-lathe::cli::Registrar reg("check", "validate a recipe and its model/tokenizer/data consistency", run_check);
+lathe::cli::Registrar reg("check", "run every check of `lathe train` before its first step, without training",
+                          run_check);
 
 }  // namespace

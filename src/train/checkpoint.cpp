@@ -2,10 +2,12 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -16,7 +18,9 @@
 
 #include "core/error.h"
 #include "io/fs.h"
+#include "io/json.h"
 #include "io/safetensors.h"
+#include "train/checkpoint_format.h"
 
 namespace lathe {
 
@@ -117,12 +121,7 @@ std::string hex64(uint64_t v) { return fmt::format("{:016x}", v); }
 
 namespace {
 
-constexpr const char* kFormat = "lathe-checkpoint";
-constexpr int kFormatVersion = 1;
-constexpr const char* kModelFile = "model.safetensors";
-constexpr const char* kOptimFile = "optimizer.safetensors";
-constexpr const char* kRecipeFile = "recipe.yaml";
-constexpr const char* kStateFile = "state.json";
+using namespace ckpt_format;
 constexpr size_t kChunk = 8u << 20;  // read size when verifying
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -394,36 +393,15 @@ std::pair<json, json> write_st(const std::string& path, const std::vector<StTens
 
 std::string state_path(const std::string& dir) { return (fs::path(dir) / kStateFile).string(); }
 
-// Parses state.json and checks its own checksum; returns the body.
-json read_state_body(const std::string& dir) {
-  const std::string path = state_path(dir);
-  LATHE_CHECK(fs::exists(path), "{}: missing (not a complete lathe checkpoint directory)", path);
-  json j;
-  try {
-    j = json::parse(io::read_file(path));
-  } catch (const json::exception& e) {
-    throw_error("{}: corrupt: not valid JSON ({})", path, e.what());
-  }
-  LATHE_CHECK(j.is_object() && j.contains("body") && j["body"].is_object() && j.contains("body_xxh64") &&
-                  j["body_xxh64"].is_string(),
-              "{}: corrupt: expected {{\"body\": {{...}}, \"body_xxh64\": \"...\"}}", path);
-  const std::string text = j["body"].dump();
-  const std::string got = hex64(Xxh64::hash(text.data(), text.size()));
-  LATHE_CHECK(got == j["body_xxh64"].get<std::string>(),
-              "{}: corrupt: checksum mismatch (recorded xxh64 {}, computed {})", path,
-              j["body_xxh64"].get<std::string>(), got);
-  json& b = j["body"];
-  LATHE_CHECK(b.value("format", "") == kFormat, "{}: not a lathe checkpoint (format '{}')", path,
-              b.value("format", ""));
-  LATHE_CHECK(b.value("format_version", 0) == kFormatVersion,
-              "{}: checkpoint format version {} is not supported by lathe {} (reads version {})", path,
-              b.value("format_version", 0), LATHE_VERSION, kFormatVersion);
-  return b;
+// True when something (even a broken or looping symlink) is at `path`; "missing" errors are only
+// given when nothing is there, the rest is named by io::open_input.
+bool present(const std::string& path) {
+  struct stat sb;
+  return ::lstat(path.c_str(), &sb) == 0 || errno != ENOENT;
 }
 
 uint64_t hash_file(const std::string& path, size_t* size) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw_error("{}: cannot open: {}", path, std::strerror(errno));
+  int fd = io::open_input(path);  // regular files only: a FIFO would block forever
   std::vector<char> buf(kChunk);
   Xxh64 h;
   size_t total = 0;
@@ -444,68 +422,76 @@ uint64_t hash_file(const std::string& path, size_t* size) {
   return h.digest();
 }
 
-void verify_files(const std::string& dir, const json& body) {
+void require_checkpoint_dir(const std::string& dir) {
+  std::error_code ec;
+  const bool is_dir = fs::is_directory(dir, ec);
+  if (ec && ec != std::errc::no_such_file_or_directory)
+    throw_error("{}: cannot read the checkpoint directory: {}", dir, ec.message());
+  LATHE_CHECK(is_dir,
+              "{}: not a directory (expected a checkpoint directory such as "
+              "RUN_DIR/checkpoints/step_00000100)",
+              dir);
+}
+
+// state.json parsed and validated field by field (checkpoint_state.cpp).
+CheckpointState read_state(const std::string& dir) {
+  const std::string path = state_path(dir);
+  LATHE_CHECK(present(path), "{}: missing (not a complete lathe checkpoint directory)", path);
+  return parse_checkpoint_state(io::read_file(path), path);
+}
+
+void verify_files(const std::string& dir, const CheckpointState& cs) {
   const std::string sp = state_path(dir);
-  LATHE_CHECK(body.contains("files") && body["files"].is_object() && body["files"].contains(kModelFile),
-              "{}: corrupt: no 'files' entry for {}", sp, kModelFile);
-  for (auto& [name, meta] : body["files"].items()) {
-    const std::string path = (fs::path(dir) / name).string();
-    LATHE_CHECK(fs::exists(path), "{}: missing (listed in {}; the checkpoint is incomplete)", path, sp);
+  for (const CheckpointFile& cf : cs.files) {
+    const std::string path = (fs::path(dir) / cf.name).string();
+    LATHE_CHECK(present(path), "{}: missing (listed in {}; the checkpoint is incomplete)", path, sp);
     size_t size = 0;
     const std::string got = hex64(hash_file(path, &size));
-    const size_t want_size = meta.value("bytes", size_t{0});
-    LATHE_CHECK(size == want_size, "{}: corrupt or truncated: {} bytes, {} records {}", path, size, sp, want_size);
-    LATHE_CHECK(got == meta.value("xxh64", ""), "{}: corrupt: checksum mismatch (recorded xxh64 {}, computed {})", path,
-                meta.value("xxh64", ""), got);
+    LATHE_CHECK(size == static_cast<size_t>(cf.bytes), "{}: corrupt or truncated: {} bytes, {} records {}", path, size,
+                sp, cf.bytes);
+    LATHE_CHECK(got == cf.xxh64, "{}: corrupt: checksum mismatch (recorded xxh64 {}, computed {})", path, cf.xxh64,
+                got);
   }
 }
 
-CheckpointState state_from_body(const json& b, const std::string& path) {
-  CheckpointState st;
-  try {
-    st.step = b.at("step").get<int64_t>();
-    st.consumed_samples = b.at("consumed_samples").get<int64_t>();
-    st.loader.epoch = b.at("loader").at("epoch").get<int64_t>();
-    st.loader.position = b.at("loader").at("position").get<int64_t>();
-    st.rng = b.at("rng").get<std::vector<uint64_t>>();
-    st.loss_scale = b.at("loss_scale").get<double>();
-    st.recipe = b.at("recipe");
-    st.lathe_version = b.at("lathe_version").get<std::string>();
-    st.lr = b.value("lr", 0.0);
-    st.threads = b.value("threads", 0);
-    st.optimizer = b.value("optimizer", "");
-  } catch (const json::exception& e) {
-    throw_error("{}: missing or mistyped field: {}", path, e.what());
-  }
-  return st;
-}
-
-// Checks the state.json tensor entries of `file` against the file itself: a single-rank load needs
-// every tensor whole.
-void check_slices(const json& body, const std::string& file, const io::SafetensorsFile& st, const std::string& sp) {
-  LATHE_CHECK(body.contains("tensors") && body["tensors"].contains(file), "{}: no 'tensors' entry for {}", sp, file);
-  for (const json& t : body["tensors"][file]) {
-    const std::string name = t.value("name", "");
-    const io::StTensorInfo* info = st.find(name);
-    LATHE_CHECK(info != nullptr, "{}: tensor '{}' listed in {} is missing from the file", st.path(), name, sp);
-    const Shape global = t.at("global_shape").get<Shape>();
-    LATHE_CHECK(global == info->shape, "{}: tensor '{}' has shape {} but {} records global shape {}", st.path(), name,
-                shape_str(info->shape), sp, shape_str(global));
-    const json& slice = t.at("slice");
-    bool whole = slice.size() == global.size();
-    for (size_t d = 0; whole && d < global.size(); ++d)
-      whole = slice[d].at(0).get<int64_t>() == 0 && slice[d].at(1).get<int64_t>() == global[d];
+// Checks the state.json tensor table of `file` against the file itself: it must list exactly the
+// file's tensors (alignment pads aside), each whole (a single-rank load) and of the file's shape.
+void check_slices(const CheckpointState& cs, const std::string& file, const io::SafetensorsFile& st,
+                  const std::string& sp) {
+  auto it = cs.tensors.find(file);
+  LATHE_CHECK(it != cs.tensors.end(), "{}: field 'tensors.{}' is missing", sp, file);
+  std::set<std::string> listed;
+  for (const CheckpointTensor& t : it->second) {
+    const io::StTensorInfo* info = st.find(t.name);
+    LATHE_CHECK(info != nullptr, "{}: tensor '{}' listed in {} (field 'tensors.{}') is missing from the file",
+                st.path(), t.name, sp, file);
+    LATHE_CHECK(t.global_shape == info->shape, "{}: tensor '{}' has shape {} but {} records global shape {}", st.path(),
+                t.name, shape_str(info->shape), sp, shape_str(t.global_shape));
+    bool whole = true;
+    std::string slice;
+    for (size_t d = 0; d < t.slice.size(); ++d) {
+      whole = whole && t.slice[d].first == 0 && t.slice[d].second == t.global_shape[d];
+      slice += fmt::format("{}[{}, {}]", d ? ", " : "", t.slice[d].first, t.slice[d].second);
+    }
     LATHE_CHECK(whole,
-                "{}: tensor '{}' holds the slice {} of a sharded checkpoint; reassembling shards is not "
+                "{}: tensor '{}' holds the slice [{}] of a sharded checkpoint; reassembling shards is not "
                 "implemented yet",
-                st.path(), name, slice.dump());
+                st.path(), t.name, slice);
+    listed.insert(t.name);
   }
+  for (const auto& t : st.tensors())
+    LATHE_CHECK(listed.count(t.name) || is_pad(t.name),
+                "{}: field 'tensors.{}' does not list tensor '{}' of the file (the table and the file disagree)", sp,
+                file, t.name);
 }
 
-// Copies every parameter-shaped tensor "<prefix><param name>" of `path` into flat[P].
-void load_flat(const std::string& path, const Model& model, const std::string& prefix, float* flat,
+// Copies every parameter-shaped tensor "<prefix><param name>" of `path` into flat[P]. Every value
+// must be finite (a NaN weight or moment would poison the first step), and second moments >= 0
+// (their square root is taken).
+void load_flat(const io::SafetensorsFile& st, const Model& model, const std::string& prefix, float* flat,
                std::set<std::string>* used) {
-  io::SafetensorsFile st(path);
+  const std::string& path = st.path();
+  const bool nonneg = prefix == "exp_avg_sq/";
   for (const ParamSpec& s : model.params().specs()) {
     const std::string name = prefix + s.name;
     const io::StTensorInfo* info = st.find(name);
@@ -519,7 +505,15 @@ void load_flat(const std::string& path, const Model& model, const std::string& p
                 "{}: tensor '{}' has shape {} but the model expects {} (the checkpoint was written for another "
                 "model configuration)",
                 path, name, shape_str(info->shape), shape_str(s.shape));
-    st.read_f32(*info, flat + s.offset);
+    float* dst = flat + s.offset;
+    st.read_f32(*info, dst);
+    const int64_t n = s.numel();
+    for (int64_t i = 0; i < n; ++i)
+      if (!std::isfinite(dst[i]) || (nonneg && dst[i] < 0))
+        throw_error(
+            "{}: tensor '{}' holds {} at element {}{} (the checkpoint is damaged or the run had diverged; "
+            "resume from an earlier checkpoint)",
+            path, name, dst[i], i, nonneg ? " (second moments must be finite and >= 0)" : "");
     used->insert(name);
   }
 }
@@ -534,17 +528,29 @@ std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string&
   std::vector<std::pair<int64_t, std::string>> out;
   const fs::path root = fs::path(run_dir) / "checkpoints";
   std::error_code ec;
-  if (!fs::is_directory(root, ec)) return out;
-  for (const auto& e : fs::directory_iterator(root)) {
+  const bool is_dir = fs::is_directory(root, ec);
+  if (ec && ec != std::errc::no_such_file_or_directory)
+    throw_error("{}: cannot read the checkpoint directory: {} (fix or remove it; output.dir is {})", root.string(),
+                ec.message(), run_dir);
+  if (!is_dir) {
+    LATHE_CHECK(!present(root.string()), "{}: is not a directory (output.dir {} holds a file named checkpoints)",
+                root.string(), run_dir);
+    return out;
+  }
+  fs::directory_iterator dit(root, ec);
+  if (ec) throw_error("{}: cannot list the checkpoint directory: {}", root.string(), ec.message());
+  for (const auto& e : dit) {
     const int64_t s = parse_step_name(e.path().filename().string());
-    if (s >= 0 && e.is_directory()) out.push_back({s, e.path().string()});
+    std::error_code ec2;  // an entry that cannot be stat'ed (a symlink loop) is not a checkpoint
+    if (s >= 0 && e.is_directory(ec2)) out.push_back({s, e.path().string()});
   }
   std::sort(out.begin(), out.end());
   return out;
 }
 
-void save_checkpoint(const std::string& run_dir, const Model& model, optim::Optimizer* opt, const CheckpointState& st,
-                     int keep_last, CheckpointSaveInfo* info) {
+namespace {
+void save_checkpoint_impl(const std::string& run_dir, const Model& model, optim::Optimizer* opt,
+                          const CheckpointState& st, int keep_last, CheckpointSaveInfo* info) {
   const auto t_start = std::chrono::steady_clock::now();
   if (info) *info = {};
   const fs::path root = fs::path(run_dir) / "checkpoints";
@@ -647,78 +653,116 @@ void save_checkpoint(const std::string& run_dir, const Model& model, optim::Opti
   }
   if (info) info->seconds_total = seconds_since(t_start);
 }
+}  // namespace
+
+void save_checkpoint(const std::string& run_dir, const Model& model, optim::Optimizer* opt, const CheckpointState& st,
+                     int keep_last, CheckpointSaveInfo* info) {
+  try {
+    save_checkpoint_impl(run_dir, model, opt, st, keep_last, info);
+  } catch (const fs::filesystem_error& e) {
+    // Which checkpoint and where: the library message names only the failing operation.
+    throw_error("saving the checkpoint of step {} under {}/checkpoints (output.dir): {}", st.step, run_dir, e.what());
+  }
+}
 
 CheckpointState read_checkpoint_state(const std::string& ckpt_dir) {
-  return state_from_body(read_state_body(ckpt_dir), state_path(ckpt_dir));
+  require_checkpoint_dir(ckpt_dir);
+  return read_state(ckpt_dir);
 }
 
 void verify_checkpoint(const std::string& ckpt_dir) {
-  LATHE_CHECK(fs::is_directory(ckpt_dir),
-              "{}: not a directory (expected a checkpoint directory such as "
-              "RUN_DIR/checkpoints/step_00000100)",
-              ckpt_dir);
-  json b = read_state_body(ckpt_dir);
-  verify_files(ckpt_dir, b);
-  state_from_body(b, state_path(ckpt_dir));
+  require_checkpoint_dir(ckpt_dir);
+  verify_files(ckpt_dir, read_state(ckpt_dir));
 }
+
+namespace {
+// What checkpoints/latest says, checked: "" when it is absent or names the step_XXXXXXXX directory
+// `newest`; otherwise a note saying why it is ignored. It is never followed as a path: the scan of
+// step_XXXXXXXX directories decides (see find_latest_checkpoint).
+std::string latest_note(const fs::path& root, const std::string& newest) {
+  const fs::path p = root / "latest";
+  if (!present(p.string())) return "";
+  std::string text;
+  try {
+    text = io::read_file(p.string());
+  } catch (const Error& e) {
+    return fmt::format("ignored {}: {}", p.string(), e.what());
+  }
+  std::string name = text.size() > 64 ? text.substr(0, 64) : text;
+  while (!name.empty() && (name.back() == '\n' || name.back() == '\r' || name.back() == ' ')) name.pop_back();
+  const std::string shown = io::json_excerpt(nlohmann::json(name), 70);  // quoted, bounded, bytes escaped
+  if (parse_step_name(name) < 0)
+    return fmt::format(
+        "ignored {}: it holds {}, not the name of a step_XXXXXXXX directory inside checkpoints/ (lathe "
+        "never follows it as a path; the newest complete checkpoint is found by scanning)",
+        p.string(), shown);
+  if (name != fs::path(newest).filename().string())
+    return fmt::format(
+        "ignored {}: it names {} but the newest complete checkpoint is {} (a save or a cleanup was "
+        "interrupted; the scan decides)",
+        p.string(), shown, newest.empty() ? std::string("(none)") : fs::path(newest).filename().string());
+  return "";
+}
+}  // namespace
 
 std::string find_latest_checkpoint(const std::string& run_dir, std::string* log) {
   auto note = [&](const std::string& s) {
     if (log) *log += s + "\n";
   };
   const fs::path root = fs::path(run_dir) / "checkpoints";
+  auto all = list_checkpoints(run_dir);  // an unreadable checkpoints/ is an error, not "none"
   std::error_code ec;
   if (fs::is_directory(root, ec))
-    for (const auto& e : fs::directory_iterator(root)) {
+    for (const auto& e : fs::directory_iterator(root, ec)) {
       const std::string n = e.path().filename().string();
       if (n.size() > 4 && n.compare(n.size() - 4, 4, ".tmp") == 0)
         note(fmt::format("ignoring {}: incomplete (a save was interrupted)", e.path().string()));
     }
-  auto all = list_checkpoints(run_dir);
-  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+  std::string found;
+  for (auto it = all.rbegin(); it != all.rend() && found.empty(); ++it) {
     try {
       verify_checkpoint(it->second);
-      return it->second;
+      found = it->second;
     } catch (const Error& e) {
       note(fmt::format("skipping checkpoint {}: {}", it->second, e.what()));
     }
   }
-  return "";
+  const std::string ln = latest_note(root, found);
+  if (!ln.empty()) note(ln);
+  return found;
 }
 
 CheckpointState load_checkpoint(const std::string& ckpt_dir, Model& model, optim::Optimizer* opt) {
-  LATHE_CHECK(fs::is_directory(ckpt_dir),
-              "{}: not a directory (expected a checkpoint directory such as "
-              "RUN_DIR/checkpoints/step_00000100)",
-              ckpt_dir);
+  require_checkpoint_dir(ckpt_dir);
   const std::string sp = state_path(ckpt_dir);
-  json body = read_state_body(ckpt_dir);
-  verify_files(ckpt_dir, body);
-  CheckpointState st = state_from_body(body, sp);
+  CheckpointState st = read_state(ckpt_dir);
+  verify_files(ckpt_dir, st);
 
   const std::string mpath = (fs::path(ckpt_dir) / kModelFile).string();
   {
-    std::set<std::string> used;
-    load_flat(mpath, model, "", model.param_data(), &used);
     io::SafetensorsFile f(mpath);
-    check_slices(body, kModelFile, f, sp);
+    check_slices(st, kModelFile, f, sp);
+    std::set<std::string> used;
+    load_flat(f, model, "", model.param_data(), &used);
     for (const auto& t : f.tensors())
       LATHE_CHECK(used.count(t.name) || is_pad(t.name), "{}: unexpected tensor '{}' (not a parameter of this model)",
                   mpath, t.name);
   }
   if (opt) {
     const std::string opath = (fs::path(ckpt_dir) / kOptimFile).string();
-    LATHE_CHECK(body["files"].contains(kOptimFile) && fs::exists(opath),
+    bool listed = false;
+    for (const auto& cf : st.files) listed = listed || cf.name == kOptimFile;
+    LATHE_CHECK(listed,
                 "{}: no optimizer state in this checkpoint (it was saved without one); resuming needs the moments",
                 opath);
+    io::SafetensorsFile f(opath);
+    check_slices(st, kOptimFile, f, sp);
     std::set<std::string> used;
     for (auto& [bname, buf] : opt->state_buffers()) {
       LATHE_CHECK(buf->size() == model.num_params(), "internal: optimizer state '{}' has {} floats, the model {}",
                   bname, buf->size(), model.num_params());
-      load_flat(opath, model, bname + "/", buf->data(), &used);
+      load_flat(f, model, bname + "/", buf->data(), &used);
     }
-    io::SafetensorsFile f(opath);
-    check_slices(body, kOptimFile, f, sp);
     for (const auto& t : f.tensors())
       LATHE_CHECK(used.count(t.name) || is_pad(t.name),
                   "{}: unexpected tensor '{}' (state of another optimizer? the checkpoint "

@@ -30,8 +30,10 @@
 // older checkpoints beyond keep_last. A crash at any point leaves every step_X/ complete.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "config/model_config.h"
@@ -40,6 +42,20 @@
 #include "optim/optimizer.h"
 
 namespace lathe {
+
+// One entry of state.json's "files" table (filled when a checkpoint is read; save computes it).
+struct CheckpointFile {
+  std::string name;  // a file of the checkpoint directory (model.safetensors, optimizer.safetensors, recipe.yaml)
+  int64_t bytes = 0;
+  std::string xxh64;  // 16 lowercase hex digits
+};
+// One entry of state.json's "tensors" table: which part of which global tensor a file holds.
+struct CheckpointTensor {
+  std::string name;
+  std::string dtype;  // "F32" (the only dtype of format version 1)
+  Shape global_shape;
+  std::vector<std::pair<int64_t, int64_t>> slice;  // [start, end) per dimension
+};
 
 struct CheckpointState {
   int64_t step = 0;  // optimizer steps completed
@@ -53,6 +69,10 @@ struct CheckpointState {
   double lr = 0;          // learning rate used by the last step
   int threads = 0;        // OpenMP threads of the run that wrote it
   std::string optimizer;  // "adamw" | "lamb" | "" (no optimizer state)
+  // Filled when a checkpoint is read (save writes world 1/0 and computes the tables itself).
+  int64_t world_size = 1, rank = 0;
+  std::vector<CheckpointFile> files;
+  std::map<std::string, std::vector<CheckpointTensor>> tensors;  // file -> entries, in file order
 };
 
 struct CheckpointSaveInfo {
@@ -73,11 +93,16 @@ void save_checkpoint(const std::string& run_dir, const Model& model, optim::Opti
                      int keep_last, CheckpointSaveInfo* info = nullptr);
 
 // Newest complete checkpoint dir under RUN_DIR/checkpoints (verifying checksums); skipped
-// corrupt/partial ones are described in *log (one line each). "" if none.
+// corrupt/partial ones are described in *log (one line each). "" if none. The scan decides, not
+// `latest` (a crash between the rename and its update leaves it one checkpoint behind): a
+// `latest` that does not hold the name of a step_XXXXXXXX directory inside checkpoints/ (garbage,
+// "../..", an absolute path, a missing step) is ignored with a note in *log, never followed.
+// A checkpoints/ that exists but cannot be read (symlink loop, permissions) is an error.
 std::string find_latest_checkpoint(const std::string& run_dir, std::string* log = nullptr);
 
 // Verifies checksums and shapes, fills model params (and optimizer moments if opt != nullptr).
-// Errors name the file and what is wrong.
+// The tensor table must list exactly the file's tensors, whole, with the model's shapes; every
+// loaded value must be finite (and exp_avg_sq >= 0). Errors name the file and what is wrong.
 CheckpointState load_checkpoint(const std::string& ckpt_dir, Model& model, optim::Optimizer* opt);
 
 ModelConfig checkpoint_model_config(const std::string& ckpt_dir);  // from the saved recipe
@@ -89,6 +114,14 @@ void wait_for_checkpoint_cleanup();
 
 // state.json only (its own checksum verified, the data files not read).
 CheckpointState read_checkpoint_state(const std::string& ckpt_dir);
+// The text of a state.json -> its state, or lathe::Error naming `path` and the field. Checked in
+// this order: nesting depth (before anything recurses on the value), the envelope, body_xxh64,
+// then every field by type and range (integers in int64, finite numbers, non-empty rng, world
+// 1/0, "files" limited to the checkpoint's own file names with sizes and 16-hex checksums,
+// "tensors" entries with a string name listed once, dtype F32, non-negative global_shape and
+// [start, end) slices inside it). What needs the model or the recipe is checked by
+// load_checkpoint and by the trainer's resume checks.
+CheckpointState parse_checkpoint_state(std::string_view text, const std::string& path);
 // Throws unless state.json is intact and every file it lists exists with the recorded size and
 // XXH64. The message names the file and what is wrong.
 void verify_checkpoint(const std::string& ckpt_dir);

@@ -25,6 +25,7 @@
 #include "train/consistency.h"
 #include "train/generate.h"
 #include "train/peak.h"
+#include "train/preflight.h"
 
 namespace lathe {
 
@@ -145,116 +146,29 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
   const int threads = omp_get_max_threads();
   const int64_t B = r.training.micro_batch_size, T = r.training.seq_len, accum = r.training.grad_accum_steps;
 
-  // ---- everything that can fail on bad input is checked before any training work ----
-  auto train_ds = std::make_shared<const data::IndexedDataset>(r.data.train);
-  std::shared_ptr<const data::IndexedDataset> valid_ds;
-  std::vector<int64_t> train_samples, valid_samples;
-  if (!r.data.valid.empty()) {
-    valid_ds = std::make_shared<const data::IndexedDataset>(r.data.valid);
-    train_samples = data::all_samples(data::num_samples(train_ds->total_tokens(), T));
-    valid_samples = data::all_samples(data::num_samples(valid_ds->total_tokens(), T));
-  } else {
-    auto split = data::split_samples(data::num_samples(train_ds->total_tokens(), T), r.data.valid_fraction);
-    train_samples = std::move(split.train);
-    valid_samples = std::move(split.valid);
-    valid_ds = train_ds;
-  }
-  LATHE_CHECK(static_cast<int64_t>(train_samples.size()) >= B,
-              "data.train {}: {} tokens give only {} training samples of seq_len {}, fewer than "
-              "training.micro_batch_size {}",
-              r.data.train, train_ds->total_tokens(), train_samples.size(), T, B);
-  // vocab sizes, special ids and the datasets' largest ids (the same checks as `lathe check`)
-  require_consistency(r);
+  // ---- everything that can fail on bad input is checked before any training work, by the same
+  // function `lathe check` runs (train/preflight.h) ----
+  PreflightLog plog{log, say};
+  Preflight pf = preflight(r, opts, plog, /*check_only=*/false);
+  const std::string& ckpt = pf.ckpt;
+  const CheckpointState& cs = pf.cs;
+  std::unique_ptr<Model> model = std::move(pf.model);
+  std::unique_ptr<optim::Optimizer> optimizer = std::move(pf.optimizer);
+  auto train_ds = pf.train_ds;
+  auto valid_ds = pf.valid_ds;
+  const std::vector<int64_t>& train_samples = pf.train_samples;
+  const std::vector<int64_t>& valid_samples = pf.valid_samples;
   std::unique_ptr<tok::Tokenizer> tokenizer;
   if (!r.data.tokenizer.empty()) tokenizer = tok::load_tokenizer(r.data.tokenizer);
-
-  // ---- which checkpoint (if any) this run continues from; the recipe check comes first ----
-  const std::string resume = opts.resume.empty() ? r.training.resume : opts.resume;
-  std::string ckpt;
-  if (resume == "auto") {
-    std::string notes;
-    ckpt = find_latest_checkpoint(r.output.dir, &notes);
-    size_t a = 0;
-    while (a < notes.size()) {
-      size_t b = notes.find('\n', a);
-      say("resume auto: " + notes.substr(a, b - a));
-      a = b + 1;
-    }
-    if (ckpt.empty())
-      say(fmt::format("resume auto: no complete checkpoint in {}/checkpoints; starting fresh", r.output.dir));
-    else
-      say(fmt::format(
-          "resume auto: resuming from {}{}", ckpt,
-          notes.find("skipping") != std::string::npos ? " (falling back past the corrupt ones above)" : ""));
-  } else if (!resume.empty()) {
-    ckpt = resume;
-  }
-  CheckpointState cs;
-  if (!ckpt.empty()) {
-    cs = read_checkpoint_state(ckpt);
-    const auto changes = diff_recipes(cs.recipe, r.to_json());
-    std::string breaking, harmless;
-    for (const auto& c : changes)
-      (c.breaks_exactness ? breaking : harmless) += fmt::format("\n  {}: {} -> {}", c.key, c.before, c.after);
-    if (!harmless.empty()) say("resume: recipe changes that keep the run exact (allowed):" + harmless);
-    if (!breaking.empty()) {
-      if (!opts.force_resume_changes)
-        throw_error(
-            "{}: the recipe differs from the checkpoint's in ways that change the training results:{}\n"
-            "Resume with the checkpoint's recipe ({}/recipe.yaml), or pass --force-resume-changes to "
-            "continue anyway with these differences.",
-            ckpt, breaking, ckpt);
-      say("resume: --force-resume-changes: continuing with changes that make this run differ from an "
-          "uninterrupted one:" +
-          breaking);
-    }
-    if (r.training.steps != cs.recipe["training"].value("steps", r.training.steps))
-      say("resume: training.steps changed: the learning-rate schedule is recomputed for the new total");
-    LATHE_CHECK(cs.step <= r.training.steps,
-                "{}: the checkpoint is at step {}, beyond training.steps = {}; raise training.steps to continue", ckpt,
-                cs.step, r.training.steps);
-  }
-
-  std::unique_ptr<Model> model;
-  if (!ckpt.empty()) {
-    model = build_model(r.model);  // weights come from the checkpoint below
-  } else if (!r.init_from.empty()) {
-    std::string report;
-    model = load_hf_model(r.init_from, &report);
-    log(fmt::format("init_from {}: {}", r.init_from, report));
-  } else {
-    model = build_model(r.model);
-    model->init_weights(static_cast<uint64_t>(r.training.seed));
-  }
-  model->allocate(B, T);
-
-  optim::OptimConfig ocfg;
-  ocfg.name = r.optimizer.name;
-  ocfg.beta1 = r.optimizer.beta1;
-  ocfg.beta2 = r.optimizer.beta2;
-  ocfg.eps = r.optimizer.eps;
-  ocfg.weight_decay = r.optimizer.weight_decay;
-  auto optimizer = optim::make_optimizer(ocfg, model->num_params());
+  if (ckpt.empty() && r.init_from.empty()) model->init_weights(static_cast<uint64_t>(r.training.seed));
   std::vector<optim::ParamRange> ranges;
   for (const ParamSpec& s : model->params().specs())
     ranges.push_back({s.offset, static_cast<size_t>(s.numel()), s.decay});
-  optim::ScheduleConfig sched;
-  sched.name = r.schedule.name;
-  sched.lr = r.optimizer.lr;
-  sched.min_lr = r.schedule.min_lr;
-  sched.warmup_steps = r.schedule.warmup_steps;
-  sched.total_steps = r.training.steps;
-  sched.decay_fraction = r.schedule.decay_fraction;
-  sched.decay_shape = r.schedule.decay_shape;
-  optim::validate(sched);
+  const optim::ScheduleConfig sched = schedule_config(r);
 
   int64_t start_step = 0;
   if (!ckpt.empty()) {
-    load_checkpoint(ckpt, *model, optimizer.get());
     start_step = cs.step;
-    LATHE_CHECK(cs.consumed_samples == cs.step * B * accum,
-                "{}: consumed_samples {} != step {} x micro_batch_size {} x grad_accum_steps {}", ckpt,
-                cs.consumed_samples, cs.step, B, accum);
     say(fmt::format("resume: loaded {} (step {}, epoch {}, position {}, {} samples consumed)", ckpt, cs.step,
                     cs.loader.epoch, cs.loader.position, cs.consumed_samples));
     if (cs.threads != threads)
@@ -266,15 +180,18 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
     // auto skipped, or a deliberate resume from an older step): move them aside so that a later
     // --resume auto cannot pick them and keep_last does not count them.
     for (auto& [s, dir] : list_checkpoints(r.output.dir)) {
-      if (s <= start_step || fs::equivalent(dir, ckpt)) continue;
+      std::error_code ec;
+      if (s <= start_step || fs::equivalent(dir, ckpt, ec)) continue;
       const std::string aside = dir + fmt::format(".abandoned-{}", static_cast<int64_t>(std::time(nullptr)));
-      fs::rename(dir, aside);
+      fs::rename(dir, aside, ec);
+      if (ec) throw_error("{}: cannot move this newer checkpoint aside to {}: {}", dir, aside, ec.message());
       say(fmt::format("resume: moved newer checkpoint {} aside to {}", dir, aside));
     }
+  } else if (!r.init_from.empty()) {
+    log(fmt::format("init_from {}: {}", r.init_from, pf.init_report));
   }
 
-  // ---- outputs ----
-  fs::create_directories(r.output.dir);
+  // ---- outputs (output.dir exists and is writable: preflight) ----
   const std::string metrics_path = (fs::path(r.output.dir) / "metrics.jsonl").string();
   if (!ckpt.empty()) trim_metrics(metrics_path, start_step);
   const std::string resolved = r.to_yaml();

@@ -4,6 +4,7 @@
 // slices, recipe diff classification.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -45,8 +46,8 @@ std::unique_ptr<optim::Optimizer> random_adamw(size_t P, uint32_t seed) {
   auto opt = optim::make_optimizer(oc, P);
   std::mt19937 g(seed);
   std::normal_distribution<float> d;
-  for (auto& [name, buf] : opt->state_buffers())
-    for (size_t i = 0; i < buf->size(); ++i) buf->data()[i] = d(g);
+  for (auto& [name, buf] : opt->state_buffers())  // second moments are >= 0 (load checks it)
+    for (size_t i = 0; i < buf->size(); ++i) buf->data()[i] = name == "exp_avg_sq" ? std::fabs(d(g)) : d(g);
   return opt;
 }
 
@@ -292,7 +293,7 @@ TEST(Checkpoint, ShardedSliceIsRefusedClearly) {
   save_checkpoint(run, *m, nullptr, some_state(1), 0);
   const std::string sp = run + "/checkpoints/step_00000001/state.json";
   json doc = json::parse(io::read_file(sp));
-  doc["body"]["tensors"]["model.safetensors"][0]["slice"][0] = {0, 128};  // "this file holds half of dim 0"
+  doc["body"]["tensors"]["model.safetensors"][0]["slice"][0] = {0, 48};  // "this file holds half of dim 0"
   const std::string text = doc["body"].dump();
   doc["body_xxh64"] = hex64(Xxh64::hash(text.data(), text.size()));
   io::atomic_write_file(sp, doc.dump());
@@ -330,4 +331,81 @@ TEST(Checkpoint, RecipeDiffClassification) {
       EXPECT_EQ(c.before, "32");
       EXPECT_EQ(c.after, "64");
     }
+}
+
+// ---- issue 14: state.json is untrusted input ----
+
+TEST(CheckpointState, ParsesWhatSaveWrites) {
+  const std::string run = tmpdir("parse");
+  auto m = debug_model(1);
+  auto opt = random_adamw(m->num_params(), 5);
+  save_checkpoint(run, *m, opt.get(), some_state(3), 0);
+  const std::string sp = run + "/checkpoints/step_00000003/state.json";
+  const CheckpointState st = parse_checkpoint_state(io::read_file(sp), sp);
+  EXPECT_EQ(st.step, 3);
+  EXPECT_EQ(st.rng, some_state(3).rng);
+  EXPECT_EQ(st.world_size, 1);
+  EXPECT_EQ(st.files.size(), 3u);
+  ASSERT_EQ(st.tensors.at("model.safetensors").size(), m->params().specs().size());
+  EXPECT_EQ(st.tensors.at("optimizer.safetensors").size(), 2 * m->params().specs().size());
+  const CheckpointTensor& t = st.tensors.at("model.safetensors")[0];
+  EXPECT_EQ(t.name, m->params().specs()[0].name);
+  EXPECT_EQ(t.global_shape, m->params().specs()[0].shape);
+  EXPECT_EQ(t.dtype, "F32");
+  fs::remove_all(run);
+}
+
+TEST(CheckpointState, DeepNestingIsRefusedBeforeTheChecksum) {
+  // 60,000 levels overflowed the stack in body.dump() (the checksum) before the depth check.
+  std::string text = R"({"body":{"x":)" + std::string(60000, '[') + std::string(60000, ']') + R"(},"body_xxh64":"0"})";
+  const std::string err = error_of([&] { parse_checkpoint_state(text, "ck/state.json"); });
+  EXPECT_NE(err.find("ck/state.json"), std::string::npos) << err;
+  EXPECT_NE(err.find("nests deeper"), std::string::npos) << err;
+}
+
+TEST(CheckpointState, FieldsAreNamed) {
+  const std::string run = tmpdir("fields");
+  auto m = debug_model(1);
+  save_checkpoint(run, *m, nullptr, some_state(1), 0);
+  const std::string sp = run + "/checkpoints/step_00000001/state.json";
+  const json doc = json::parse(io::read_file(sp));
+  auto reseal = [&](const std::function<void(json&)>& edit) {
+    json d = doc;
+    edit(d["body"]);
+    const std::string text = d["body"].dump();
+    d["body_xxh64"] = hex64(Xxh64::hash(text.data(), text.size()));
+    return error_of([&] { parse_checkpoint_state(d.dump(), sp); });
+  };
+  EXPECT_NE(reseal([](json& b) {
+              b["tensors"]["model.safetensors"][0]["slice"] = 5;
+            }).find("'tensors.model.safetensors[0].slice' must be an array"),
+            std::string::npos);
+  EXPECT_NE(reseal([](json& b) {
+              b["tensors"]["model.safetensors"][1]["name"] = 3;
+            }).find("'tensors.model.safetensors[1].name' must be a string"),
+            std::string::npos);
+  EXPECT_NE(reseal([](json& b) { b["rng"] = json::array(); }).find("'rng' is empty"), std::string::npos);
+  EXPECT_NE(reseal([](json& b) { b["world"]["world_size"] = 2; }).find("'world'"), std::string::npos);
+  EXPECT_NE(reseal([](json& b) { b["files"]["../x"] = b["files"]["recipe.yaml"]; }).find("'files.../x'"),
+            std::string::npos);
+  EXPECT_NE(reseal([](json& b) { b["step"] = -1; }).find("'step' is -1"), std::string::npos);
+  EXPECT_EQ(reseal([](json&) {}), "");  // the unedited body passes
+  fs::remove_all(run);
+}
+
+TEST(Checkpoint, LatestIsAHintNeverAPath) {
+  const std::string run = tmpdir("latest");
+  auto m = debug_model(1);
+  save_checkpoint(run, *m, nullptr, some_state(1), 0);
+  for (const char* bad : {"../..\n", "/etc\n", "garbage", "step_00000007\n"}) {
+    io::atomic_write_file(run + "/checkpoints/latest", bad);
+    std::string log;
+    EXPECT_EQ(find_latest_checkpoint(run, &log), run + "/checkpoints/step_00000001");
+    EXPECT_NE(log.find("ignored"), std::string::npos) << bad << ": " << log;
+  }
+  io::atomic_write_file(run + "/checkpoints/latest", "step_00000001\n");
+  std::string log;
+  EXPECT_EQ(find_latest_checkpoint(run, &log), run + "/checkpoints/step_00000001");
+  EXPECT_EQ(log, "");
+  fs::remove_all(run);
 }

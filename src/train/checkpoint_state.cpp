@@ -1,0 +1,229 @@
+// state.json reader: the text of an untrusted file -> CheckpointState, every field checked by type
+// and range and named in the error ("state.json: field 'tensors.model.safetensors[3].slice' must
+// be ..."), so no nlohmann type error, no recursion on a hostile value, no out-of-range integer
+// reaches the trainer. See parse_checkpoint_state in checkpoint.h for the order of the checks.
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <set>
+
+#include "core/error.h"
+#include "io/json.h"
+#include "train/checkpoint.h"
+#include "train/checkpoint_format.h"
+
+namespace lathe {
+
+using json = nlohmann::json;
+using namespace ckpt_format;
+
+namespace {
+
+// Largest dimension a checkpoint tensor may declare: 2^40 elements per dimension is far beyond any
+// model and keeps products of two dimensions inside int64 for the messages below.
+constexpr int64_t kMaxDim = int64_t{1} << 40;
+// Largest step / sample count accepted: 2^53 (exact in a double, far beyond any run).
+constexpr int64_t kMaxCount = int64_t{1} << 53;
+
+// Field-by-field access to the body with errors naming the file and the field path.
+class Fields {
+ public:
+  explicit Fields(const std::string& path) : path_(path) {}
+
+  [[noreturn]] void fail(const std::string& field, const std::string& what) const {
+    throw_error(
+        "{}: field '{}' {} (the checkpoint is damaged or was edited by hand; resume from another "
+        "checkpoint, or start fresh)",
+        path_, field, what);
+  }
+  [[noreturn]] void wrong(const std::string& field, const json& v, std::string_view want) const {
+    fail(field, fmt::format("must be {}, got {} {}", want, io::json_type_name(v), io::json_excerpt(v, 60)));
+  }
+
+  const json& member(const json& obj, const std::string& key, const std::string& field) const {
+    auto it = obj.find(key);
+    if (it == obj.end()) fail(field, "is missing");
+    return *it;
+  }
+  const json& object(const json& v, const std::string& field) const {
+    if (!v.is_object()) wrong(field, v, "an object");
+    return v;
+  }
+  const json& array(const json& v, const std::string& field) const {
+    if (!v.is_array()) wrong(field, v, "an array");
+    return v;
+  }
+  int64_t integer(const json& v, const std::string& field, int64_t lo, int64_t hi) const {
+    int64_t x = 0;
+    if (v.is_number_unsigned()) {
+      const uint64_t u = v.get<uint64_t>();
+      if (u > static_cast<uint64_t>(hi)) fail(field, fmt::format("is {}, above the largest allowed {}", u, hi));
+      x = static_cast<int64_t>(u);
+    } else if (v.is_number_integer()) {
+      x = v.get<int64_t>();
+    } else {
+      wrong(field, v, "an integer");
+    }
+    if (x < lo || x > hi) fail(field, fmt::format("is {}, outside [{}, {}]", x, lo, hi));
+    return x;
+  }
+  uint64_t uint64(const json& v, const std::string& field) const {
+    if (!v.is_number_unsigned()) wrong(field, v, "an unsigned 64-bit integer");
+    return v.get<uint64_t>();
+  }
+  // A finite number >= lo (or > lo when strict).
+  double number(const json& v, const std::string& field, double lo, bool strict) const {
+    if (!v.is_number()) wrong(field, v, "a number");
+    const double x = v.get<double>();
+    if (!std::isfinite(x) || x < lo || (strict && x == lo))
+      fail(field, fmt::format("is {}, must be finite and {} {}", x, strict ? ">" : ">=", lo));
+    return x;
+  }
+  std::string string(const json& v, const std::string& field) const {
+    if (!v.is_string()) wrong(field, v, "a string");
+    return v.get<std::string>();
+  }
+
+ private:
+  const std::string& path_;
+};
+
+bool is_hex16(const std::string& s) {
+  if (s.size() != 16) return false;
+  for (char c : s)
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  return true;
+}
+
+std::vector<CheckpointFile> read_files(const Fields& f, const json& body) {
+  const json& files = f.object(f.member(body, "files", "files"), "files");
+  static const std::set<std::string> known = {kModelFile, kOptimFile, kRecipeFile};
+  std::vector<CheckpointFile> out;
+  for (auto it = files.begin(); it != files.end(); ++it) {
+    const std::string field = "files." + it.key();
+    // Only the checkpoint's own files: a listed "../../x" or "/etc/x" would be opened and hashed.
+    if (!known.count(it.key()))
+      f.fail(field, fmt::format("names a file that is not part of a lathe checkpoint (expected {}, {} or {})",
+                                kModelFile, kOptimFile, kRecipeFile));
+    const json& meta = f.object(it.value(), field);
+    CheckpointFile cf;
+    cf.name = it.key();
+    cf.bytes =
+        f.integer(f.member(meta, "bytes", field + ".bytes"), field + ".bytes", 0, std::numeric_limits<int64_t>::max());
+    cf.xxh64 = f.string(f.member(meta, "xxh64", field + ".xxh64"), field + ".xxh64");
+    if (!is_hex16(cf.xxh64)) f.fail(field + ".xxh64", "must be 16 lowercase hex digits");
+    out.push_back(std::move(cf));
+  }
+  bool has_model = false;
+  for (const auto& cf : out) has_model = has_model || cf.name == kModelFile;
+  if (!has_model) f.fail("files", fmt::format("has no entry for {}", kModelFile));
+  return out;
+}
+
+std::map<std::string, std::vector<CheckpointTensor>> read_tensors(const Fields& f, const json& body,
+                                                                  const std::vector<CheckpointFile>& files) {
+  const json& tensors = f.object(f.member(body, "tensors", "tensors"), "tensors");
+  std::map<std::string, std::vector<CheckpointTensor>> out;
+  for (auto it = tensors.begin(); it != tensors.end(); ++it) {
+    const std::string fkey = "tensors." + it.key();
+    bool listed = false;
+    for (const auto& cf : files) listed = listed || cf.name == it.key();
+    if (!listed || it.key() == kRecipeFile) f.fail(fkey, "names a file that is not a tensor file listed in 'files'");
+    const json& entries = f.array(it.value(), fkey);
+    std::vector<CheckpointTensor>& v = out[it.key()];
+    std::set<std::string> seen;
+    for (size_t i = 0; i < entries.size(); ++i) {
+      const std::string field = fmt::format("{}[{}]", fkey, i);
+      const json& e = f.object(entries[i], field);
+      CheckpointTensor t;
+      t.name = f.string(f.member(e, "name", field + ".name"), field + ".name");
+      if (t.name.empty()) f.fail(field + ".name", "is empty");
+      if (!seen.insert(t.name).second)
+        f.fail(field + ".name", fmt::format("lists tensor {} twice", io::json_excerpt(json(t.name), 80)));
+      t.dtype = f.string(f.member(e, "dtype", field + ".dtype"), field + ".dtype");
+      if (t.dtype != kTensorDtype)
+        f.fail(field + ".dtype", fmt::format("is {}; checkpoint format version {} holds {} tensors only",
+                                             io::json_excerpt(json(t.dtype), 40), kFormatVersion, kTensorDtype));
+      const json& gs = f.array(f.member(e, "global_shape", field + ".global_shape"), field + ".global_shape");
+      if (gs.size() > 8) f.fail(field + ".global_shape", fmt::format("has {} dimensions (at most 8)", gs.size()));
+      for (size_t d = 0; d < gs.size(); ++d)
+        t.global_shape.push_back(f.integer(gs[d], fmt::format("{}.global_shape[{}]", field, d), 0, kMaxDim));
+      const std::string sfield = field + ".slice";
+      const json& sl = f.array(f.member(e, "slice", sfield), sfield);
+      if (sl.size() != gs.size())
+        f.fail(sfield,
+               fmt::format("has {} [start, end) pairs for a {}-dimensional global_shape", sl.size(), gs.size()));
+      for (size_t d = 0; d < sl.size(); ++d) {
+        const std::string pf = fmt::format("{}[{}]", sfield, d);
+        if (!sl[d].is_array() || sl[d].size() != 2) f.wrong(pf, sl[d], "a [start, end) pair");
+        const int64_t a = f.integer(sl[d][0], pf + "[0]", 0, t.global_shape[d]);
+        const int64_t b = f.integer(sl[d][1], pf + "[1]", a, t.global_shape[d]);
+        t.slice.push_back({a, b});
+      }
+      v.push_back(std::move(t));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+CheckpointState parse_checkpoint_state(std::string_view text, const std::string& path) {
+  // Depth first: body.dump() (the checksum) and the error excerpts recurse on the value.
+  const json doc = io::parse_json(text, path);
+  if (!doc.is_object() || !doc.contains("body") || !doc["body"].is_object() || !doc.contains("body_xxh64") ||
+      !doc["body_xxh64"].is_string())
+    throw_error("{}: corrupt: expected {{\"body\": {{...}}, \"body_xxh64\": \"...\"}}", path);
+  const json& body = doc["body"];
+  // body_xxh64 is XXH64 of the compact, key-sorted dump (nlohmann's std::map objects are sorted).
+  const std::string canon = body.dump(-1, ' ', false, json::error_handler_t::replace);
+  const std::string got = hex64(Xxh64::hash(canon.data(), canon.size()));
+  const std::string want = doc["body_xxh64"].get<std::string>();
+  LATHE_CHECK(got == want, "{}: corrupt: checksum mismatch (recorded xxh64 {}, computed {})", path,
+              io::json_excerpt(json(want), 40), got);
+
+  const Fields f(path);
+  const std::string format =
+      body.contains("format") && body["format"].is_string() ? body["format"].get<std::string>() : std::string();
+  LATHE_CHECK(format == kFormat, "{}: not a lathe checkpoint (field 'format' is {}, expected \"{}\")", path,
+              body.contains("format") ? io::json_excerpt(body["format"], 60) : std::string("missing"), kFormat);
+  const int64_t version = f.integer(f.member(body, "format_version", "format_version"), "format_version", 0, 1 << 30);
+  LATHE_CHECK(version == kFormatVersion,
+              "{}: checkpoint format version {} is not supported by lathe {} (reads version {})", path, version,
+              LATHE_VERSION, kFormatVersion);
+
+  CheckpointState st;
+  st.step = f.integer(f.member(body, "step", "step"), "step", 0, kMaxCount);
+  st.consumed_samples =
+      f.integer(f.member(body, "consumed_samples", "consumed_samples"), "consumed_samples", 0, kMaxCount);
+  const json& loader = f.object(f.member(body, "loader", "loader"), "loader");
+  st.loader.epoch = f.integer(f.member(loader, "epoch", "loader.epoch"), "loader.epoch", 0, kMaxCount);
+  st.loader.position = f.integer(f.member(loader, "position", "loader.position"), "loader.position", 0, kMaxCount);
+  const json& rng = f.array(f.member(body, "rng", "rng"), "rng");
+  if (rng.empty()) f.fail("rng", "is empty (a checkpoint always records the trainer's RNG state)");
+  if (rng.size() > 1024) f.fail("rng", fmt::format("has {} values (at most 1024)", rng.size()));
+  for (size_t i = 0; i < rng.size(); ++i) st.rng.push_back(f.uint64(rng[i], fmt::format("rng[{}]", i)));
+  st.loss_scale = f.number(f.member(body, "loss_scale", "loss_scale"), "loss_scale", 0.0, true);
+  st.recipe = f.object(f.member(body, "recipe", "recipe"), "recipe");
+  st.lathe_version = f.string(f.member(body, "lathe_version", "lathe_version"), "lathe_version");
+  // lr, threads and optimizer are informational additions: absent means "not recorded".
+  if (body.contains("lr")) st.lr = f.number(body["lr"], "lr", 0.0, false);
+  if (body.contains("threads")) st.threads = static_cast<int>(f.integer(body["threads"], "threads", 0, 1 << 20));
+  if (body.contains("optimizer")) st.optimizer = f.string(body["optimizer"], "optimizer");
+  if (body.contains("world")) {
+    const json& w = f.object(body["world"], "world");
+    st.world_size = f.integer(f.member(w, "world_size", "world.world_size"), "world.world_size", 1, 1 << 20);
+    st.rank = f.integer(f.member(w, "rank", "world.rank"), "world.rank", 0, st.world_size - 1);
+    if (st.world_size != 1 || st.rank != 0)
+      f.fail("world", fmt::format("is world_size {} rank {}: this lathe resumes single-process checkpoints only "
+                                  "(world_size 1, rank 0)",
+                                  st.world_size, st.rank));
+  }
+  st.files = read_files(f, body);
+  st.tensors = read_tensors(f, body, st.files);
+  return st;
+}
+
+}  // namespace lathe

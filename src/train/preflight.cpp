@@ -1,0 +1,261 @@
+#include "train/preflight.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include "core/checked.h"
+#include "core/error.h"
+#include "data/loader.h"
+#include "io/json.h"
+#include "models/hf_weights.h"
+#include "optim/schedule.h"
+#include "train/consistency.h"
+
+namespace lathe {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// Path as the user wrote it in output.dir, for messages.
+std::string out_field(const Recipe& r) { return fmt::format("output.dir {}", r.output.dir); }
+
+// Creates output.dir when missing and proves that files can be created in it (the checkpoint,
+// metrics and model directory all go there): a probe file created with O_EXCL and removed at once.
+// check_only: the directories created here are removed again (deepest first, only if empty).
+void probe_output_dir(const Recipe& r, bool check_only) {
+  const fs::path dir = r.output.dir.empty() ? fs::path(".") : fs::path(r.output.dir);
+  std::vector<fs::path> created;
+  // Which ancestors are missing (to undo in check mode); a component that is a file is named.
+  for (fs::path p = dir; !p.empty(); p = p.parent_path()) {
+    std::error_code ec;
+    const fs::file_status s = fs::status(p, ec);
+    // ENOTDIR: a component above is a file; the walk up reaches it and names it.
+    if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory)
+      throw_error("{}: cannot use {}: {} (fix output.dir or the directory above it)", out_field(r), p.string(),
+                  ec.message());
+    if (fs::exists(s)) {
+      LATHE_CHECK(fs::is_directory(s), "{}: {} is a file, not a directory (set output.dir to a directory path)",
+                  out_field(r), p.string());
+      break;
+    }
+    created.push_back(p);
+    if (p == p.parent_path()) break;
+  }
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec)
+    throw_error("{}: cannot create the directory: {} (set output.dir to a writable location)", out_field(r),
+                ec.message());
+  const std::string probe = (dir / fmt::format(".lathe_write_probe.{}", ::getpid())).string();
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  const int err = errno;
+  if (fd >= 0) {
+    ::close(fd);
+    ::unlink(probe.c_str());
+  }
+  if (check_only)
+    for (const fs::path& p : created) fs::remove(p, ec);  // deepest first; a non-empty one stays
+  if (fd < 0)
+    throw_error("{}: cannot create files in it: {} (set output.dir to a writable directory)", out_field(r),
+                std::strerror(err));
+}
+
+// Which checkpoint, if any, this run continues from; notes say why (auto).
+std::string resolve_checkpoint(const Recipe& r, const TrainOptions& opts, const PreflightLog& log) {
+  const std::string resume = opts.resume.empty() ? r.training.resume : opts.resume;
+  if (resume != "auto") return resume;
+  std::string notes;
+  const std::string ckpt = find_latest_checkpoint(r.output.dir, &notes);
+  size_t a = 0;
+  while (a < notes.size()) {
+    const size_t b = notes.find('\n', a);
+    log.note("resume auto: " + notes.substr(a, b - a));
+    a = b == std::string::npos ? notes.size() : b + 1;
+  }
+  if (ckpt.empty())
+    log.note(fmt::format("resume auto: no complete checkpoint in {}/checkpoints; starting fresh", r.output.dir));
+  else
+    log.note(
+        fmt::format("resume auto: resuming from {}{}", ckpt,
+                    notes.find("skipping") != std::string::npos ? " (falling back past the corrupt ones above)" : ""));
+  return ckpt;
+}
+
+// The recipe diff: harmless changes are noted, breaking ones refused unless forced. Returns
+// whether the run continues exactly (no breaking change).
+bool check_recipe_changes(const Recipe& r, const TrainOptions& opts, const Preflight& pf, const PreflightLog& log) {
+  const auto changes = diff_recipes(pf.cs.recipe, r.to_json());
+  std::string breaking, harmless;
+  for (const auto& c : changes)
+    (c.breaks_exactness ? breaking : harmless) += fmt::format("\n  {}: {} -> {}", c.key, c.before, c.after);
+  if (!harmless.empty()) log.note("resume: recipe changes that keep the run exact (allowed):" + harmless);
+  if (!breaking.empty()) {
+    if (!opts.force_resume_changes)
+      throw_error(
+          "{}: the recipe differs from the checkpoint's in ways that change the training results:{}\n"
+          "Resume with the checkpoint's recipe ({}/recipe.yaml), or pass --force-resume-changes to "
+          "continue anyway with these differences.",
+          pf.ckpt, breaking, pf.ckpt);
+    log.note(
+        "resume: --force-resume-changes: continuing with changes that make this run differ from an "
+        "uninterrupted one:" +
+        breaking);
+  }
+  const nlohmann::json& tr = pf.cs.recipe.contains("training") ? pf.cs.recipe["training"] : nlohmann::json();
+  if (tr.is_object() && tr.contains("steps") && tr["steps"] != nlohmann::json(r.training.steps))
+    log.note("resume: training.steps changed: the learning-rate schedule is recomputed for the new total");
+  return breaking.empty();
+}
+
+}  // namespace
+
+optim::OptimConfig optimizer_config(const Recipe& r) {
+  optim::OptimConfig c;
+  c.name = r.optimizer.name;
+  c.beta1 = r.optimizer.beta1;
+  c.beta2 = r.optimizer.beta2;
+  c.eps = r.optimizer.eps;
+  c.weight_decay = r.optimizer.weight_decay;
+  return c;
+}
+
+optim::ScheduleConfig schedule_config(const Recipe& r) {
+  optim::ScheduleConfig s;
+  s.name = r.schedule.name;
+  s.lr = r.optimizer.lr;
+  s.min_lr = r.schedule.min_lr;
+  s.warmup_steps = r.schedule.warmup_steps;
+  s.total_steps = r.training.steps;
+  s.decay_fraction = r.schedule.decay_fraction;
+  s.decay_shape = r.schedule.decay_shape;
+  return s;
+}
+
+void check_resume_state(const CheckpointState& cs, const Recipe& r, int64_t train_samples, bool exact,
+                        const std::string& ckpt) {
+  const std::string sp = (fs::path(ckpt) / "state.json").string();
+  const int64_t B = r.training.micro_batch_size, accum = r.training.grad_accum_steps;
+  LATHE_CHECK(cs.step <= r.training.steps,
+              "{}: field 'step' is {}, beyond training.steps = {}; raise training.steps to continue", sp, cs.step,
+              r.training.steps);
+  const int64_t batches = checked_mul(cs.step, accum, "state.json step x training.grad_accum_steps");
+  const int64_t consumed = checked_mul(batches, B, "state.json step x grad_accum_steps x micro_batch_size");
+  LATHE_CHECK(cs.consumed_samples == consumed,
+              "{}: field 'consumed_samples' is {} but step {} x training.micro_batch_size {} x "
+              "training.grad_accum_steps {} = {}",
+              sp, cs.consumed_samples, cs.step, B, accum, consumed);
+  // The loader hands out whole batches and starts a new epoch when the next batch would not fit,
+  // so `batches` batches put it at exactly one (epoch, position).
+  const int64_t per_epoch = train_samples / B;
+  if (exact && per_epoch > 0) {
+    const int64_t epoch = batches / per_epoch, position = (batches % per_epoch) * B;
+    LATHE_CHECK(cs.loader.epoch == epoch && cs.loader.position == position,
+                "{}: field 'loader' is epoch {} position {} but {} batches of {} samples over {} training samples "
+                "end at epoch {} position {} (the checkpoint belongs to other data or was edited)",
+                sp, cs.loader.epoch, cs.loader.position, batches, B, train_samples, epoch, position);
+  } else {
+    LATHE_CHECK(cs.loader.position <= train_samples,
+                "{}: field 'loader.position' is {} but this data has {} training samples per epoch", sp,
+                cs.loader.position, train_samples);
+  }
+  // The trainer's only RNG state is the seed (the loader derives every epoch's order from it).
+  LATHE_CHECK(cs.rng.size() == 1, "{}: field 'rng' holds {} values; lathe's trainer records exactly 1 (the seed)", sp,
+              cs.rng.size());
+  int64_t seed = r.training.seed;
+  const nlohmann::json& tr = cs.recipe.contains("training") ? cs.recipe["training"] : nlohmann::json();
+  if (tr.is_object() && tr.contains("seed") && tr["seed"].is_number_integer()) seed = tr["seed"].get<int64_t>();
+  LATHE_CHECK(cs.rng[0] == static_cast<uint64_t>(seed),
+              "{}: field 'rng' is [{}] but the checkpoint's training.seed is {} (the state was edited)", sp, cs.rng[0],
+              seed);
+  LATHE_CHECK(!cs.optimizer.empty(),
+              "{}: field 'optimizer' is empty: the checkpoint holds no optimizer state, and resuming needs the "
+              "moments",
+              sp);
+  const std::string name = io::json_excerpt(nlohmann::json(cs.optimizer), 40);
+  LATHE_CHECK(cs.optimizer == r.optimizer.name,
+              "{}: field 'optimizer' is {} but the recipe's optimizer.name is '{}': the saved moments belong to "
+              "another optimizer (resume with optimizer.name: {}, or start fresh)",
+              sp, name, r.optimizer.name, name);
+}
+
+Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLog& log, bool check_only) {
+  Preflight pf;
+  const int64_t B = r.training.micro_batch_size, T = r.training.seq_len;
+
+  // 1. datasets
+  pf.train_ds = std::make_shared<const data::IndexedDataset>(r.data.train);
+  if (!r.data.valid.empty()) {
+    pf.valid_ds = std::make_shared<const data::IndexedDataset>(r.data.valid);
+    pf.train_samples = data::all_samples(data::num_samples(pf.train_ds->total_tokens(), T));
+    pf.valid_samples = data::all_samples(data::num_samples(pf.valid_ds->total_tokens(), T));
+  } else {
+    auto split = data::split_samples(data::num_samples(pf.train_ds->total_tokens(), T), r.data.valid_fraction);
+    pf.train_samples = std::move(split.train);
+    pf.valid_samples = std::move(split.valid);
+    pf.valid_ds = pf.train_ds;
+  }
+  LATHE_CHECK(static_cast<int64_t>(pf.train_samples.size()) >= B,
+              "data.train {}: {} tokens give only {} training samples of seq_len {}, fewer than "
+              "training.micro_batch_size {}",
+              r.data.train, pf.train_ds->total_tokens(), pf.train_samples.size(), T, B);
+  log.ok(fmt::format("data.train {}: {} tokens, {} training samples of seq_len {} (>= micro_batch_size {})",
+                     r.data.train, pf.train_ds->total_tokens(), pf.train_samples.size(), T, B));
+  log.ok(fmt::format("validation: {} samples ({})", pf.valid_samples.size(),
+                     r.data.valid.empty() ? fmt::format("data.valid_fraction {} of data.train", r.data.valid_fraction)
+                                          : "data.valid " + r.data.valid));
+
+  // 2. model / tokenizer / data consistency
+  ConsistencyReport rep = check_consistency(r);
+  if (!rep.failures.empty()) {
+    std::string msg = fmt::format("{}: model, tokenizer and data disagree:", r.source);
+    for (auto& f : rep.failures) msg += "\n  - " + f;
+    throw Error(msg);
+  }
+  for (auto& l : rep.passed) log.ok(l);
+
+  // 3. optimizer and schedule settings
+  const optim::OptimConfig ocfg = optimizer_config(r);
+  optim::validate(ocfg);
+  optim::ScheduleConfig sched = schedule_config(r);
+  optim::validate(sched);
+  log.ok(fmt::format("optimizer {} and schedule {} settings are valid", r.optimizer.name, r.schedule.name));
+
+  // 4. output directory
+  probe_output_dir(r, check_only);
+  log.ok(fmt::format("output.dir {} is writable", r.output.dir));
+
+  // 5. the checkpoint to resume from
+  pf.ckpt = resolve_checkpoint(r, opts, log);
+  bool exact = true;
+  if (!pf.ckpt.empty()) {
+    pf.cs = read_checkpoint_state(pf.ckpt);
+    exact = check_recipe_changes(r, opts, pf, log);
+    check_resume_state(pf.cs, r, static_cast<int64_t>(pf.train_samples.size()), exact, pf.ckpt);
+  }
+
+  // 6. the model (and the optimizer it comes with)
+  if (!pf.ckpt.empty()) {
+    pf.model = build_model(r.model);  // weights come from the checkpoint below
+  } else if (!r.init_from.empty()) {
+    pf.model = load_hf_model(r.init_from, &pf.init_report);
+    log.ok(fmt::format("model.init_from {}: {}", r.init_from, pf.init_report));
+  } else {
+    pf.model = build_model(r.model);
+  }
+  log.ok(fmt::format("model {}: {} parameters", r.model.model_type, pf.model->num_params()));
+  if (!check_only) pf.model->allocate(B, T);
+  pf.optimizer = optim::make_optimizer(ocfg, pf.model->num_params());
+  if (!pf.ckpt.empty()) {
+    load_checkpoint(pf.ckpt, *pf.model, pf.optimizer.get());
+    log.ok(fmt::format("checkpoint {}: step {}, files, tensor table, weights and moments valid", pf.ckpt, pf.cs.step));
+  }
+  return pf;
+}
+
+}  // namespace lathe

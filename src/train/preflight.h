@@ -1,0 +1,67 @@
+// The one validation path: everything `lathe train` checks before its first step, in one function
+// that `lathe check` runs too, so that a recipe check passes is a recipe train starts on (issue 14).
+// In order, each failure a lathe::Error naming the file / field and the fix:
+//   1. datasets: data.train / data.valid open (headers, sizes, dtype), enough samples of seq_len
+//      for one micro-batch;
+//   2. consistency of model, tokenizer and data (train/consistency.h): vocabulary sizes, special
+//      ids, every dataset's largest token id < model.vocab_size;
+//   3. optimizer and schedule settings (optim::validate);
+//   4. the output directory: output.dir created when missing and proven writable with a probe
+//      file (check removes the probe and the directories it created), checkpoints/ readable;
+//   5. resume (training.resume or --resume): the checkpoint found (auto: newest complete one,
+//      `latest` only as a hint), state.json valid field by field, the recipe diff (breaking
+//      changes refused unless forced), the checkpoint's state against this run (step <=
+//      training.steps, consumed_samples = step x micro_batch_size x grad_accum_steps, loader
+//      epoch/position where this data puts them, rng = training.seed, optimizer name, world),
+//      every file's checksum;
+//   6. the model: built from the recipe (dimensions; the memory check of build_model), or loaded
+//      from model.init_from (the strict HF loader: every tensor name, shape and dtype), or with a
+//      checkpoint its tensor table matched and its weights and moments loaded (finite values).
+// Train continues from the returned state (model, optimizer, datasets, checkpoint); check prints
+// each line passed to `ok` and discards the rest.
+#pragma once
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "config/recipe.h"
+#include "data/indexed_dataset.h"
+#include "models/model.h"
+#include "optim/optimizer.h"
+#include "optim/schedule.h"
+#include "train/checkpoint.h"
+#include "train/trainer.h"
+
+namespace lathe {
+
+struct Preflight {
+  std::shared_ptr<const data::IndexedDataset> train_ds, valid_ds;
+  std::vector<int64_t> train_samples, valid_samples;
+  std::string ckpt;              // checkpoint this run continues from; "" = fresh start
+  CheckpointState cs;            // its state (when ckpt is set)
+  std::unique_ptr<Model> model;  // built; weights from init_from or the checkpoint (else to be initialised)
+  std::unique_ptr<optim::Optimizer> optimizer;  // moments from the checkpoint when resuming
+  std::string init_report;                      // load report of model.init_from ("" otherwise)
+};
+
+struct PreflightLog {
+  std::function<void(const std::string&)> ok;    // a check that held, with its figures
+  std::function<void(const std::string&)> note;  // resume decisions (train prints them even when quiet)
+};
+
+// The recipe's optimizer and schedule sections in optim's terms.
+optim::OptimConfig optimizer_config(const Recipe& r);
+optim::ScheduleConfig schedule_config(const Recipe& r);
+
+// check_only: `lathe check` — no activations allocated (their size is still checked), and the
+// output directory is left as it was found.
+Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLog& log, bool check_only);
+
+// The checkpoint's state against the run that resumes it (step 5 above); `ckpt` names it in errors.
+// exact: the recipe has no breaking changes, so the loader position must be exactly where
+// `train_samples` samples per epoch put it (with forced changes only its range is checked).
+void check_resume_state(const CheckpointState& cs, const Recipe& r, int64_t train_samples, bool exact,
+                        const std::string& ckpt);
+
+}  // namespace lathe
