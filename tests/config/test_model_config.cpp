@@ -3,6 +3,8 @@
 // keys and validation errors. Expected values are read off the JSON texts below.
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include "config/model_config.h"
 #include "core/error.h"
 
@@ -276,4 +278,87 @@ TEST(ModelConfig, Presets) {
     EXPECT_NE(m.find("llama-debug"), std::string::npos);  // lists the presets
     EXPECT_NE(m.find("did you mean 'gpt2-debug'"), std::string::npos) << m;
   }
+}
+
+// ------------------------------------------------------- hostile config.json values (issue 14)
+
+TEST(ModelConfigHostile, DimensionBounds) {
+  expect_error(kGpt2, "n_layer", int64_t{1} << 31, {"n_layer = 2147483648", "exceeds lathe's maximum 65536"});
+  expect_error(kLlama, "vocab_size", int64_t{1} << 40, {"vocab_size", "exceeds"});
+  expect_error(kLlama, "hidden_size", int64_t{1} << 31, {"hidden_size", "exceeds"});
+  expect_error(kLlama, "intermediate_size", int64_t{1} << 40, {"intermediate_size", "exceeds"});
+  expect_error(kLlama, "max_position_embeddings", int64_t{1} << 40, {"max_position_embeddings", "exceeds"});
+  expect_error(kMistral, "sliding_window", int64_t{1} << 40, {"sliding_window"});
+  expect_error(kGpt2, "n_positions", json::parse("18446744073709551615"), {"n_positions", "does not fit"});
+  // 4 * n_embd for the default n_inner, head_dim * heads: checked, not wrapped.
+  json j = json::parse(kGpt2);
+  j["n_embd"] = int64_t{1} << 62;
+  j["n_head"] = 1;
+  EXPECT_THROW(ModelConfig::from_hf_json(j, "cfg.json"), Error);
+  expect_error(kLlama, "head_dim", int64_t{1} << 62, {"head_dim"});
+  // Every bound at its maximum still has a parameter count within 64 bits (models/memory.h then
+  // refuses it against the machine, and its byte count x 4 is checked there).
+  json m = json::parse(kLlama);
+  m["vocab_size"] = kMaxVocabSize;
+  m["hidden_size"] = kMaxHiddenSize;
+  m["num_attention_heads"] = 8;
+  m["num_key_value_heads"] = 8;
+  m["num_hidden_layers"] = kMaxLayers;
+  m["intermediate_size"] = kMaxIntermediateSize;
+  EXPECT_GT(ModelConfig::from_hf_json(m, "cfg.json").num_parameters(), int64_t{1} << 61);
+}
+
+TEST(ModelConfigHostile, NullsTokenIdsAndFloats) {
+  for (const char* k : {"vocab_size", "n_embd", "n_layer", "n_head", "n_positions"})
+    expect_error(kGpt2, k, nullptr, {k, "got null"});
+  for (const char* k : {"hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"})
+    expect_error(kLlama, k, nullptr, {k, "got null"});
+  // null keeps meaning "default" where HF reads it so.
+  json j = json::parse(kGpt2);
+  j["n_inner"] = nullptr;
+  EXPECT_EQ(ModelConfig::from_hf_json(j, "cfg.json").intermediate_size, 4 * 768);
+  json l = json::parse(kLlama);
+  l["num_key_value_heads"] = nullptr;
+  EXPECT_EQ(ModelConfig::from_hf_json(l, "cfg.json").num_key_value_heads, 32);
+  expect_error(kLlama, "eos_token_id", int64_t{1} << 40, {"eos_token_id", "out of range"});
+  expect_error(kLlama, "bos_token_id", -5, {"bos_token_id", "out of range"});
+  expect_error(kLlama, "eos_token_id", json::array({int64_t{1} << 33, 2}), {"eos_token_id", "out of range"});
+  l = json::parse(kLlama);
+  l["pad_token_id"] = -1;  // old spelling of "none"
+  EXPECT_EQ(ModelConfig::from_hf_json(l, "cfg.json").pad_token_id, -1);
+  // Float fields are finite (a recipe's 1e999 arrives as inf).
+  expect_error(kLlama, "rms_norm_eps", std::numeric_limits<double>::infinity(), {"rms_norm_eps", "finite"});
+  expect_error(kLlama, "rope_theta", std::numeric_limits<double>::infinity(), {"rope_theta", "finite"});
+  expect_error(kGpt2, "initializer_range", std::numeric_limits<double>::infinity(), {"initializer_range", "finite"});
+  expect_error(kLlama, "rope_parameters", json{{"rope_theta", std::numeric_limits<double>::infinity()}},
+               {"rope_parameters.rope_theta", "finite"});
+  ModelConfig c = ModelConfig::preset("gpt2-debug");
+  c.norm_eps = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_THROW(c.validate("x"), Error);
+}
+
+TEST(ModelConfigHostile, ValuesInMessagesAreBounded) {
+  const std::string big(100000, 'x');
+  json j = json::parse(kLlama);
+  j["rope_scaling"] = json{{"type", big}};
+  try {
+    ModelConfig::from_hf_json(j, "cfg.json");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_LT(std::string(e.what()).size(), 1000u);
+  }
+  expect_error(kGpt2, "n_layer", big, {"n_layer", "expected an integer"});
+  try {
+    ModelConfig::from_hf_json(json::array({big}), "cfg.json");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_LT(std::string(e.what()).size(), 1000u);
+  }
+}
+
+TEST(ModelConfigHostile, ParameterCountIsChecked) {
+  // Known values stay exact (see the Parse* tests); a wrap is an error, not a small number.
+  ModelConfig c = ModelConfig::preset("gpt2-124m");
+  c.vocab_size = INT64_MAX / 2;
+  EXPECT_THROW(c.num_parameters(), Error);
 }

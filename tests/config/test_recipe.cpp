@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <regex>
 
 #include "config/recipe.h"
 #include "core/error.h"
@@ -274,4 +275,146 @@ TEST(Recipe, CheckpointKeys) {
   expect_error(kGood, {"output.keep_last: expected an integer"}, {"output.keep_last=many"});
   expect_error(kGood, {"unknown key 'output.checkpoint_evry'", "did you mean 'output.checkpoint_every'"},
                {"output.checkpoint_evry=5"});
+}
+
+// ------------------------------------------------------------------- hostile YAML (issue 14)
+
+// The hand-written scanner accepts exactly the language of the regexes it replaced (std::regex
+// overflowed the stack on a 100,000-digit scalar): every string of length <= 5 over the
+// characters that matter, through --set (a plain YAML scalar).
+TEST(RecipeHostile, ScalarScannerMatchesTheOldRegexes) {
+  const std::regex int_re("[-+]?[0-9]+");
+  const std::regex float_re(R"([-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?)");
+  const std::string alphabet = "01.e+-";
+  const std::string base = "model: {preset: gpt2-debug}\ndata: {train: x}\n";
+  std::vector<std::string> all = {""};
+  for (size_t len = 1, begin = 0; len <= 5; ++len) {
+    const size_t end = all.size();
+    for (size_t i = begin; i < end; ++i)
+      for (char c : alphabet) all.push_back(all[i] + c);
+    begin = end;
+  }
+  int numbers = 0;
+  for (const std::string& s : all) {
+    if (s.empty() || s[0] == '-' || s[0] == '.') continue;  // YAML indicators: a list, not a scalar
+    const bool number = std::regex_match(s, int_re) || std::regex_match(s, float_re);
+    std::string err;
+    try {
+      parse_recipe(base, "r.yaml", {"training.peak_gflops=" + s});
+    } catch (const Error& e) {
+      err = e.what();
+    }
+    const bool typed =
+        err.find("expected a number") == std::string::npos && err.find("invalid YAML") == std::string::npos;
+    EXPECT_EQ(typed, number) << "'" << s << "': " << err;
+    numbers += number;
+  }
+  EXPECT_GT(numbers, 100);
+}
+
+TEST(RecipeHostile, LongScalars) {
+  const std::string digits(100000, '7');
+  expect_error(edit("seq_len: 128", "seq_len: " + digits),
+               {"training.seq_len", "does not fit a 64-bit integer", "(100000 characters)"});
+  expect_error(kGood, {"--set training.steps=", "does not fit"}, {"training.steps=" + digits});
+  // A long float is a float (strtod copes); a long word is a string, quoted bounded in errors.
+  Recipe r = parse_recipe(kGood, "recipe.yaml", {"training.peak_gflops=1." + digits});
+  EXPECT_DOUBLE_EQ(r.training.peak_gflops, 1.7777777777777777);
+  expect_error(kGood, {"optimizer.lr: expected a number", "(100000 characters)"},
+               {"optimizer.lr=" + std::string(100000, 'x')});
+}
+
+TEST(RecipeHostile, AliasesCyclesAndDepth) {
+  expect_error("x: &a [*a]\n", {"line 1", "cycle"});
+  expect_error("x: &a {k: *a}\n", {"cycle"});
+  expect_error(kGood, {"--set model.n_layer", "cycle"}, {"model.n_layer=&a [*a]"});
+  std::string laughs = "a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n";
+  for (int i = 1; i < 10; ++i) {
+    laughs += fmt::format("a{}: &a{} [", i, i);
+    for (int k = 0; k < 10; ++k) laughs += fmt::format("{}*a{}", k ? ", " : "", i - 1);
+    laughs += "]\n";
+  }
+  expect_error(laughs, {"more than 100000 values"});
+  expect_error("model: " + std::string(40, '[') + std::string(40, ']') + "\n", {"nests deeper than 32"});
+  expect_error("model: " + std::string(100000, '[') + std::string(100000, ']') + "\n", {"nests too deeply", "line 1"});
+  // Aliases that expand a little still work.
+  Recipe r = parse_recipe(edit("  lr: 1.0e-3", "  lr: &lr 1.0e-3") + "", "recipe.yaml");
+  Recipe a = parse_recipe(
+      "model: {preset: gpt2-debug}\ndata: {train: x}\noptimizer: {lr: &lr 2.0e-3}\n"
+      "schedule: {min_lr: *lr}\n",
+      "recipe.yaml");
+  EXPECT_DOUBLE_EQ(a.schedule.min_lr, 2e-3);
+  EXPECT_DOUBLE_EQ(r.optimizer.lr, 1e-3);
+}
+
+TEST(RecipeHostile, DuplicatesDocumentsTags) {
+  expect_error(std::string(kGood) + "training: {steps: 5}\n", {"duplicate section 'training'", "lines 19 and 26"});
+  expect_error(edit("  steps: 600", "  steps: 600\n  steps: 700"), {"duplicate key 'training.steps'"});
+  expect_error("model: {preset: gpt2-debug, preset: llama-debug}\ndata: {train: x}\n",
+               {"duplicate key 'model.preset'"});
+  expect_error(std::string(kGood) + "---\nmodel: {preset: llama-debug}\n", {"2 YAML documents", "line 27"});
+  expect_error(kGood, {"--set training.steps", "2 YAML documents"}, {"training.steps=1\n---\n2"});
+  expect_error(edit("seq_len: 128", "seq_len: !!str 128"), {"explicit YAML tag", "training.seq_len"});
+  expect_error(edit("seq_len: 128", "seq_len: !!python/object/apply:os.system [ls]"), {"explicit YAML tag"});
+  expect_error(edit("seq_len: 128", "seq_len: !!int 128"), {"explicit YAML tag"});
+  expect_error(std::string(kGood) + "? [a, b]\n: 1\n", {"keys must be plain names"});
+  // Quoted scalars are strings; "---" as a leading document marker and "..." are fine.
+  Recipe r = parse_recipe("---\n" + edit("dir: runs/test", "dir: \"2024\"") + "...\n", "recipe.yaml");
+  EXPECT_EQ(r.output.dir, "2024");
+  expect_error(edit("seq_len: 128", "seq_len: '128'"), {"expected an integer, got '128'"});
+}
+
+TEST(RecipeHostile, FloatsMustBeFinite) {
+  for (const char* k : {"optimizer.lr", "optimizer.eps", "optimizer.weight_decay", "optimizer.grad_clip",
+                        "optimizer.beta1", "schedule.min_lr", "schedule.decay_fraction", "data.valid_fraction",
+                        "training.peak_gflops", "model.layer_norm_epsilon", "model.initializer_range"})
+    for (const char* v : {"1e999", "-1e999"})
+      expect_error(kGood, {k, "is not a finite number"}, {fmt::format("{}={}", k, v)});
+  const std::string llama = "model: {preset: llama-debug}\ndata: {train: x}\n";
+  for (const char* k : {"model.rms_norm_eps", "model.rope_theta", "model.rope_parameters.rope_theta"}) {
+    try {
+      parse_recipe(llama, "r.yaml", {fmt::format("{}=1e999", k)});
+      ADD_FAILURE() << k;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("finite"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(RecipeHostile, IntegerBounds) {
+  struct B {
+    const char* key;
+    int64_t max;
+  };
+  for (const B& b :
+       {B{"training.micro_batch_size", kMaxMicroBatch}, B{"training.grad_accum_steps", kMaxGradAccum},
+        B{"training.steps", kMaxSteps}, B{"training.eval_batches", kMaxEvalBatches}, B{"training.threads", kMaxThreads},
+        B{"data.prefetch", kMaxPrefetch}, B{"output.save_every", kMaxSteps}, B{"output.checkpoint_every", kMaxSteps},
+        B{"output.keep_last", kMaxKeepLast}, B{"training.log_interval", kMaxSteps}}) {
+    std::vector<std::string> ok = {fmt::format("{}={}", b.key, b.max)};
+    if (std::string(b.key) != "training.steps") ok.push_back("training.steps=100");  // keep the product small
+    try {
+      parse_recipe(kGood, "recipe.yaml", ok);
+    } catch (const Error& e) {
+      ADD_FAILURE() << b.key << ": " << e.what();
+    }
+    expect_error(kGood, {b.key, "exceeds the maximum"}, {fmt::format("{}={}", b.key, b.max + 1)});
+  }
+  expect_error(kGood, {"training.steps x micro_batch_size x grad_accum_steps x seq_len", "overflows"},
+               {"training.steps=1000000000000", "training.micro_batch_size=65536", "training.grad_accum_steps=65536"});
+  // training.seed takes any 64-bit value.
+  EXPECT_EQ(parse_recipe(kGood, "r.yaml", {"training.seed=-9223372036854775808"}).training.seed, INT64_MIN);
+  expect_error(edit("  n_layer: 3", "  n_layer: 2147483648"), {"model.n_layer", "exceeds lathe's maximum 65536"});
+  expect_error(edit("  vocab_size: 256", "  vocab_size: 4611686018427387904"), {"model.vocab_size", "exceeds"});
+  expect_error(edit("  n_layer: 3", "  n_layer: 3\n  n_embd: 2147483648\n  n_head: 1"), {"model.n_embd", "exceeds"});
+}
+
+TEST(RecipeHostile, BaseConfigFileIsDepthChecked) {
+  std::string dir = (fs::temp_directory_path() / ("lathe_recipe_deep_" + std::to_string(::getpid()))).string();
+  fs::create_directories(dir);
+  io::atomic_write_file(dir + "/deep.json", "{\"model_type\": \"gpt2\", \"n_layer\": " + std::string(100000, '[') +
+                                                std::string(100000, ']') + "}");
+  expect_error("model: {config: " + dir + "/deep.json}\ndata: {train: x}\n",
+               {"model.config", "deep.json", "nests deeper"});
+  fs::remove_all(dir);
 }

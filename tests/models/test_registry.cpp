@@ -1,6 +1,11 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <functional>
+#include <vector>
+
 #include "config/model_config.h"
+#include "models/memory.h"
 #include "models/model.h"
 
 using namespace lathe;
@@ -44,4 +49,77 @@ TEST(ModelRegistry, EveryFamilyBuildsItsDebugPreset) {
     auto m = build_model(c);
     EXPECT_EQ(static_cast<int64_t>(m->num_params()), c.num_parameters()) << p;
   }
+}
+
+// ------------------------------------------------------ sizes from untrusted configs (issue 14)
+
+TEST(ModelMemory, EstimateMatchesWhatTheModelAllocates) {
+  for (const char* p : {"gpt2-debug", "llama-debug", "qwen2-debug", "mistral-debug"}) {
+    ModelConfig c = ModelConfig::preset(p);
+    for (auto [B, T] : {std::pair<int64_t, int64_t>{1, 1}, {2, 7}, {3, 128}}) {
+      auto m = build_model(c);
+      m->allocate(B, T);
+      const MemoryEstimate e = estimate_memory(c, B, T, 2);
+      EXPECT_EQ(e.num_params, static_cast<int64_t>(m->num_params())) << p;
+      EXPECT_EQ(e.param_bytes, static_cast<int64_t>(m->num_params()) * 4) << p;
+      EXPECT_EQ(e.optimizer_bytes, 2 * e.param_bytes) << p;
+      EXPECT_EQ(e.activation_bytes, static_cast<int64_t>(m->activation_bytes())) << p << " " << B << "x" << T;
+      EXPECT_NE(e.breakdown().find("activations (batch"), std::string::npos) << e.breakdown();
+    }
+  }
+}
+
+// The arena used to be sized as the sum of the unrounded sizes + 4096 floats of slack while each
+// slice was rounded up to 16 floats: with many layers and an odd token count the slices outgrew
+// it ("internal: activation arena overflow"). It is now sized by the same walk that cuts it.
+TEST(ModelMemory, ArenaFitsManyLayersAndOddTokenCounts) {
+  ModelConfig c = ModelConfig::preset("llama-debug");
+  c.num_hidden_layers = 120;
+  auto m = build_model(c);
+  EXPECT_NO_THROW(m->allocate(1, 7));
+  std::vector<int32_t> tok(7, 3), tgt(7, 4);
+  EXPECT_TRUE(std::isfinite(m->forward_backward(tok.data(), tgt.data(), 1, 7, 1.0f / 7, true)));
+}
+
+TEST(ModelMemory, RefusedBeforeAllocationWithTheFields) {
+  ModelConfig c = ModelConfig::preset("gpt2-debug");
+  c.num_hidden_layers = 60000;
+  c.hidden_size = 4096;
+  c.num_attention_heads = c.num_key_value_heads = 32;
+  c.intermediate_size = 16384;
+  const std::string msg = error_of([&] { build_model(c); });
+  for (const char* s : {"n_layer = 60000", "n_embd = 4096", "needs params", "TB", "reduce"})
+    EXPECT_NE(msg.find(s), std::string::npos) << msg;
+  // Activations: a batch far beyond the machine is refused by allocate() with the batch named.
+  auto m = build_model(ModelConfig::preset("gpt2-debug"));
+  const std::string act = error_of([&] { m->allocate(int64_t{1} << 40, 128); });
+  EXPECT_NE(act.find("batch"), std::string::npos) << act;
+  EXPECT_EQ(m->max_batch(), 0);  // nothing was allocated
+  // Products beyond 64 bits are refused, not wrapped.
+  EXPECT_NE(error_of([&] { (void)estimate_memory(ModelConfig::preset("gpt2-124m"), INT64_MAX / 2, 1024, 2); }), "");
+  ModelConfig maxed = ModelConfig::preset("llama-debug");
+  maxed.vocab_size = kMaxVocabSize;
+  maxed.hidden_size = kMaxHiddenSize;
+  maxed.num_attention_heads = maxed.num_key_value_heads = 8;
+  maxed.num_hidden_layers = kMaxLayers;
+  maxed.intermediate_size = kMaxIntermediateSize;
+  EXPECT_NE(error_of([&] { (void)estimate_memory(maxed, 0, 0, 2); }).find("overflows"), std::string::npos);
+  EXPECT_NE(error_of([&] { build_model(maxed); }), "");
+}
+
+TEST(ModelMemory, ParamTableOffsetsAreChecked) {
+  ParamTable t;
+  t.add("a", {int64_t{1} << 40, int64_t{1} << 20}, Init::Zeros, 0, ShardRule::Replicated, false);
+  EXPECT_NE(error_of([&] {
+              t.add("b", {int64_t{1} << 40, int64_t{1} << 30}, Init::Zeros, 0, ShardRule::Replicated, false);
+            }),
+            "");
+  EXPECT_NE(error_of([&] { t.add("c", {-1, 5}, Init::Zeros, 0, ShardRule::Replicated, false); }), "");
+  EXPECT_EQ(t.total(), size_t{1} << 60);
+}
+
+TEST(ModelMemory, MachineMemoryIsKnown) {
+  const MachineMemory mm = machine_memory();
+  EXPECT_GT(mm.bytes, 0);
+  EXPECT_FALSE(mm.source.empty());
 }
