@@ -75,7 +75,10 @@ std::vector<std::string> tokenizer_files_in(const std::string& dir) {
   for (const char* f : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                         "merges.txt", "tokenizer.model", "added_tokens.json"}) {
     const fs::path p = fs::path(dir) / f;
-    if (fs::is_regular_file(p)) out.push_back(p.string());
+    std::error_code ec;
+    if (!fs::exists(fs::symlink_status(p, ec))) continue;
+    io::require_regular_file(p.string());  // a FIFO, directory or symlink loop is named, not skipped
+    out.push_back(p.string());
   }
   return out;
 }
@@ -246,7 +249,8 @@ int run_convert(int argc, char** argv) {
     HfSaveOptions so;
     so.dtype = dtype;
     so.max_shard_bytes = parse_size(shard_s);
-    if (fs::exists(to) && fs::exists(from) && fs::equivalent(to, from))
+    std::error_code ec;
+    if (fs::equivalent(to, from, ec))  // false (with ec) when either is missing
       throw_error("--to {} is the --from-hf directory; write to another directory", to);
     so.extra_files = tokenizer_files_in(from);
     save_hf_model(*model, to, so);
@@ -257,7 +261,8 @@ int run_convert(int argc, char** argv) {
   if (!gguf.empty()) {
     LATHE_CHECK(dtype == DType::F32 || dtype == DType::F16, "--to-gguf writes f32 or f16; --dtype is {}", dtype_s);
     const fs::path tj = fs::path(from) / "tokenizer.json";
-    fmt::print("{}\n", save_gguf(*model, gguf, dtype, fs::exists(tj) ? tj.string() : "",
+    std::error_code tj_ec;
+    fmt::print("{}\n", save_gguf(*model, gguf, dtype, fs::exists(tj, tj_ec) ? tj.string() : "",
                                  fs::path(fs::absolute(from)).filename().string()));
   }
   if (!verify) return 0;

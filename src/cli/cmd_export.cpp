@@ -15,6 +15,7 @@
 
 #include "cli/command.h"
 #include "io/fs.h"
+#include "io/json.h"
 #include "models/hf_weights.h"
 #include "tokenizer/tokenizer.h"
 #include "train/checkpoint.h"
@@ -37,21 +38,42 @@ struct Source {
   std::string desc;
 };
 
-bool is_checkpoint_dir(const fs::path& p) { return fs::is_regular_file(p / "state.json"); }
+// Non-throwing probes (a symlink loop or an unreadable entry answers "no"; the reader that
+// opens the file afterwards names the problem).
+bool regular(const fs::path& p) {
+  std::error_code ec;
+  return fs::is_regular_file(p, ec);
+}
+bool present(const fs::path& p) {
+  std::error_code ec;
+  return fs::exists(p, ec);
+}
+bool is_checkpoint_dir(const fs::path& p) { return present(p / "state.json"); }
 bool is_hf_dir(const fs::path& p) {
-  return fs::is_regular_file(p / "config.json") &&
-         (fs::exists(p / "model.safetensors") || fs::exists(p / "model.safetensors.index.json"));
+  return regular(p / "config.json") &&
+         (present(p / "model.safetensors") || present(p / "model.safetensors.index.json"));
+}
+
+// data.tokenizer recorded by `lathe train` in DIR/lathe.json ("" when absent).
+std::string recorded_tokenizer(const fs::path& meta) {
+  if (!present(meta)) return "";
+  const nlohmann::json j = io::read_json_file(meta.string());  // depth-checked, errors name the file
+  if (!j.is_object() || !j.contains("tokenizer")) return "";
+  LATHE_CHECK(j["tokenizer"].is_string(), "{}: field 'tokenizer' must be a string, got {}", meta.string(),
+              io::json_type_name(j["tokenizer"]));
+  return j["tokenizer"].get<std::string>();
 }
 
 Source load_source(const std::string& path) {
   Source s;
   fs::path p(path);
-  LATHE_CHECK(fs::is_directory(p), "{}: not a directory (expected a checkpoint, run or Hugging Face model directory)",
-              path);
+  std::error_code dir_ec;
+  LATHE_CHECK(fs::is_directory(p, dir_ec),
+              "{}: not a directory (expected a checkpoint, run or Hugging Face model directory)", path);
   std::string ckpt;
   if (is_checkpoint_dir(p)) {
     ckpt = p.string();
-  } else if (fs::is_directory(p / "checkpoints")) {
+  } else if (present(p / "checkpoints")) {
     std::string log;
     ckpt = find_latest_checkpoint(p.string(), &log);
     if (!log.empty()) fmt::print("{}", log.back() == '\n' ? log : log + "\n");
@@ -78,11 +100,7 @@ Source load_source(const std::string& path) {
   std::string report;
   s.model = load_hf_model(hf.string(), &report);
   s.hf_dir = hf.string();
-  const fs::path meta = hf / "lathe.json";
-  if (fs::exists(meta)) {
-    auto j = nlohmann::json::parse(io::read_file(meta.string()));
-    if (j.contains("tokenizer") && j["tokenizer"].is_string()) s.tokenizer = j["tokenizer"].get<std::string>();
-  }
+  s.tokenizer = recorded_tokenizer(hf / "lathe.json");
   s.desc = fmt::format("Hugging Face directory {} ({})", hf.string(), report);
   return s;
 }
@@ -118,7 +136,8 @@ int run_export(int argc, char** argv) {
     so.dtype = dtype;
     so.max_shard_bytes = parse_size(shard_s);
     so.extra_files = tok_files;
-    if (!s.hf_dir.empty() && fs::exists(to) && fs::equivalent(to, s.hf_dir))
+    std::error_code ec;
+    if (!s.hf_dir.empty() && present(to) && fs::equivalent(to, s.hf_dir, ec))
       throw_error("--to {} is the source directory; write to another directory", to);
     save_hf_model(*s.model, to, so);
     fmt::print("wrote {} ({}, {})\n", to, dtype_name(dtype), tok_note);

@@ -9,6 +9,7 @@
 
 #include "cli/command.h"
 #include "io/fs.h"
+#include "io/json.h"
 #include "models/hf_weights.h"
 #include "tokenizer/tokenizer.h"
 #include "train/generate.h"
@@ -20,13 +21,17 @@ namespace fs = std::filesystem;
 // The tokenizer a model directory was trained with: tokenizer files in the directory, else the
 // one named in lathe.json (written by `lathe train`).
 std::string default_tokenizer(const std::string& dir) {
+  std::error_code ec;  // non-throwing probes: the tokenizer loader names an unreadable file
   for (const char* f : {"tokenizer.json", "tokenizer.model", "vocab.json", "encoder.json"})
-    if (fs::exists(fs::path(dir) / f)) return dir;
+    if (fs::exists(fs::path(dir) / f, ec)) return dir;
   const fs::path meta = fs::path(dir) / "lathe.json";
-  if (fs::exists(meta)) {
-    auto j = nlohmann::json::parse(lathe::io::read_file(meta.string()));
-    if (j.contains("tokenizer") && j["tokenizer"].is_string() && !j["tokenizer"].get<std::string>().empty())
-      return j["tokenizer"].get<std::string>();
+  if (fs::exists(meta, ec)) {
+    const nlohmann::json j = lathe::io::read_json_file(meta.string());  // depth-checked, errors name it
+    if (j.is_object() && j.contains("tokenizer")) {
+      LATHE_CHECK(j["tokenizer"].is_string(), "{}: field 'tokenizer' must be a string, got {}", meta.string(),
+                  lathe::io::json_type_name(j["tokenizer"]));
+      if (!j["tokenizer"].get<std::string>().empty()) return j["tokenizer"].get<std::string>();
+    }
   }
   lathe::throw_error("{}: no tokenizer files and no tokenizer recorded in lathe.json; pass --tokenizer PATH", dir);
 }

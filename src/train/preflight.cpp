@@ -13,6 +13,7 @@
 #include "data/loader.h"
 #include "io/json.h"
 #include "models/hf_weights.h"
+#include "models/memory.h"
 #include "optim/schedule.h"
 #include "train/consistency.h"
 
@@ -21,6 +22,8 @@ namespace lathe {
 namespace fs = std::filesystem;
 
 namespace {
+
+constexpr int kMoments = 2;  // AdamW and LAMB keep two fp32 moments per parameter
 
 // Path as the user wrote it in output.dir, for messages.
 std::string out_field(const Recipe& r) { return fmt::format("output.dir {}", r.output.dir); }
@@ -239,7 +242,14 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
     check_resume_state(pf.cs, r, static_cast<int64_t>(pf.train_samples.size()), exact, pf.ckpt);
   }
 
-  // 6. the model (and the optimizer it comes with)
+  // 6. the model (and the optimizer it comes with): the whole memory figure first (parameters,
+  // gradients, two moments, activations for micro_batch_size x seq_len), refused with the numbers
+  // before anything is allocated.
+  const MemoryEstimate est = estimate_memory(r.model, B, T, kMoments);
+  check_memory_fits(est, r.model, r.source);
+  const MachineMemory mm = machine_memory();
+  log.ok(fmt::format("memory: {} fits ({} {})", est.breakdown(), mm.source,
+                     mm.bytes > 0 ? format_bytes(mm.bytes) : std::string("unknown")));
   if (!pf.ckpt.empty()) {
     pf.model = build_model(r.model);  // weights come from the checkpoint below
   } else if (!r.init_from.empty()) {
@@ -249,7 +259,7 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
     pf.model = build_model(r.model);
   }
   log.ok(fmt::format("model {}: {} parameters", r.model.model_type, pf.model->num_params()));
-  if (!check_only) pf.model->allocate(B, T);
+  if (!check_only) pf.model->allocate(B, T, kMoments);
   pf.optimizer = optim::make_optimizer(ocfg, pf.model->num_params());
   if (!pf.ckpt.empty()) {
     load_checkpoint(pf.ckpt, *pf.model, pf.optimizer.get());

@@ -92,7 +92,7 @@ with cases.case("data.train too small for one micro-batch"):
 
 # ---- model dimensions and memory ----
 with cases.case("model dimensions beyond the machine's memory"):
-    both_fail(recipe("huge"), ["memory"], extra=["--set", "model.n_embd=16384", "--set", "model.n_layer=96",
+    both_fail(recipe("huge"), ["huge.yaml", "n_layer = 96", "needs"], extra=["--set", "model.n_embd=16384", "--set", "model.n_layer=96",
                                                  "--set", "model.n_head=128"], mem_mb=2048)
 
 # ---- init_from weights that do not fit the model ----
