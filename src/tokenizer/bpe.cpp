@@ -138,16 +138,19 @@ BpeModel::BpeModel(StringIdMap vocab, const std::vector<std::pair<std::string, s
     const auto& [a, b] = merges[r];
     auto ia = vocab_.find(a);
     auto ib = vocab_.find(b);
-    LATHE_CHECK(ia != vocab_.end(), "{}: merge {} ('{}' '{}'): '{}' is not in the vocab", where, r, a, b, a);
-    LATHE_CHECK(ib != vocab_.end(), "{}: merge {} ('{}' '{}'): '{}' is not in the vocab", where, r, a, b, b);
+    auto cut = [](const std::string& t) { return t.size() <= 80 ? t : t.substr(0, 80) + "..."; };  // messages
+    LATHE_CHECK(ia != vocab_.end(), "{}: merge {} ('{}' '{}'): '{}' is not in the vocab", where, r, cut(a), cut(b),
+                cut(a));
+    LATHE_CHECK(ib != vocab_.end(), "{}: merge {} ('{}' '{}'): '{}' is not in the vocab", where, r, cut(a), cut(b),
+                cut(b));
     std::string merged = a;
     if (!pfx.empty() && b.compare(0, pfx.size(), pfx) == 0)
       merged += b.substr(pfx.size());
     else
       merged += b;
     auto im = vocab_.find(merged);
-    LATHE_CHECK(im != vocab_.end(), "{}: merge {} ('{}' '{}'): the merged token '{}' is not in the vocab", where, r, a,
-                b, merged);
+    LATHE_CHECK(im != vocab_.end(), "{}: merge {} ('{}' '{}'): the merged token '{}' is not in the vocab", where, r,
+                cut(a), cut(b), cut(merged));
     // HF collects merges into a HashMap: a repeated pair keeps its last rank.
     merges_.insert_or_assign(PairMap::key(ia->second, ib->second), static_cast<int32_t>(r), im->second);
   }

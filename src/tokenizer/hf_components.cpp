@@ -194,15 +194,28 @@ struct Replacer {
   }
   // `other`: bytes of the text outside s that count against the same budget (other tokens).
   void apply(std::string& s, const GrowthBudget& budget, const char* kind, size_t other = 0) const {
-    std::vector<std::pair<size_t, size_t>> m;
     if (!re) {
       // An empty literal never matches (as HF's &str Pattern, which returns no match for "").
       if (literal.empty()) return;
-      for (size_t k = s.find(literal); k != std::string::npos; k = s.find(literal, k + literal.size()))
-        m.emplace_back(k, k + literal.size());
-    } else {
-      re->find_all(s, m);  // empty matches are skipped
+      size_t count = 0;  // counted first (no vector of matches on this hot path of Llama-style tokenizers)
+      for (size_t k = s.find(literal); k != std::string::npos; k = s.find(literal, k + literal.size())) ++count;
+      if (count == 0) return;
+      const size_t n = s.size() - count * literal.size() + count * content.size();
+      if (content.size() > literal.size()) budget.check(other + n, where, kind);
+      std::string out;
+      out.reserve(n);
+      size_t pos = 0;
+      for (size_t k = s.find(literal); k != std::string::npos; k = s.find(literal, pos)) {
+        out.append(s, pos, k - pos);
+        out += content;
+        pos = k + literal.size();
+      }
+      out.append(s, pos, std::string::npos);
+      s.swap(out);
+      return;
     }
+    std::vector<std::pair<size_t, size_t>> m;
+    re->find_all(s, m);  // empty matches are skipped
     if (m.empty()) return;
     size_t removed = 0;
     for (auto [a, b] : m) removed += b - a;

@@ -4,6 +4,7 @@
 
 #include <sentencepiece_processor.h>
 
+#include <exception>
 #include <filesystem>
 
 #include "core/error.h"
@@ -55,7 +56,16 @@ class SpmTokenizer : public Tokenizer {
                 "SentencePiece model {}: the file is empty (a .model file is a serialized SentencePiece "
                 "ModelProto; re-download it or re-train it with spm_train)",
                 path);
-    auto st = sp_.LoadFromSerializedProto(bytes);
+    sentencepiece::util::Status st;
+    try {
+      st = sp_.LoadFromSerializedProto(bytes);
+    } catch (const std::exception& e) {
+      // libsentencepiece's bundled darts-clone throws (e.g. "zero-length key" for an empty piece).
+      throw_error(
+          "SentencePiece model {}: not a valid SentencePiece model ({}); the file is corrupt: re-download it or "
+          "re-train it with spm_train",
+          path, e.what());
+    }
     if (!st.ok()) {
       std::string why = st.error_message();
       if (why.find("ParseFromArray") != std::string::npos) why = "the bytes do not parse as a ModelProto";
