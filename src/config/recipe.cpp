@@ -15,6 +15,7 @@
 #include "core/error.h"
 #include "io/fs.h"
 #include "io/json.h"
+#include "tokenizer/utf8.h"  // header-only: the one UTF-8 validator
 
 namespace lathe {
 
@@ -178,6 +179,9 @@ class YamlConverter {
       case YAML::NodeType::Undefined:
         return nullptr;
       case YAML::NodeType::Scalar:
+        // Strings end up in JSON (recipe.yaml, checkpoints), which requires UTF-8.
+        if (!tok::is_valid_utf8(n.Scalar()))
+          throw_error("{}: line {}: the value at {} is not valid UTF-8", what_, line(n), at(path));
         return scalar_to_json(n);
       case YAML::NodeType::Sequence: {
         stack_.push_back(n);
@@ -200,6 +204,8 @@ class YamlConverter {
                                        : "null");
           check_tag(k, path);
           const std::string key = k.Scalar();
+          if (!tok::is_valid_utf8(key))
+            throw_error("{}: line {}: a key at {} is not valid UTF-8", what_, line(k), at(path));
           const std::string sub = path.empty() ? key : path + "." + key;
           auto [it, fresh] = key_lines.emplace(key, line(k));
           if (!fresh)

@@ -93,6 +93,10 @@ with cases.case("explicit tag on a key"):
 with cases.case("mapping as a key"):
     check([recipe("mapkey.yaml", BASE + "? [a, b]\n: 1\n")], ["mapkey.yaml", "keys must be plain names"])
 
+with cases.case("invalid UTF-8 in output.dir (train wrote recipe.yaml through a JSON type error)"):
+    r = cases.write("utf8.yaml", BASE.encode().replace(b"output: {dir: ", b"output: {dir: \xff\xfe"))
+    run_lathe(["train", r], rc=1, must=["utf8.yaml", "output.dir", "not valid UTF-8"], timeout=60, cwd=cases.tmp)
+
 # ---------------------------------------------------------------------------------- float fields
 for key, model in (("model.layer_norm_epsilon", "gpt2-debug"), ("model.initializer_range", "gpt2-debug"),
                    ("model.rms_norm_eps", "llama-debug"), ("model.rope_theta", "llama-debug"),
@@ -179,14 +183,13 @@ with cases.case("config.json field nested 100,000 levels (recursive dump in the 
 with cases.case("config.json vocab_size null"):
     eval_(hf_dir("hf_null", lambda c: c.update(vocab_size=None)), ["config.json", "vocab_size", "null"])
 
-with cases.case("config.json n_layer '12' (string)"):
-    eval_(hf_dir("hf_str", lambda c: c.update(n_layer="12")), ["config.json", "n_layer", "expected an integer"])
+with cases.case("config.json rope_scaling a 1 MB string: the message quotes a bounded excerpt"):
+    d = hf_dir("hf_rope", raw=json.dumps(dict(good_cfg, model_type="llama", rope_scaling="x" * 1000000)))
+    p = eval_(d, ["config.json", "rope_scaling"])
+    assert len(p.stderr) < 2000, len(p.stderr)
 
 with cases.case("config.json eos_token_id 2^40"):
     eval_(hf_dir("hf_eos", lambda c: c.update(eos_token_id=2**40)), ["config.json", "eos_token_id", "out of range"])
-
-with cases.case("config.json layer_norm_epsilon 1e308 * 10 (inf is not JSON) and 0"):
-    eval_(hf_dir("hf_eps", lambda c: c.update(layer_norm_epsilon=0)), ["config.json", "layer_norm_epsilon", "> 0"])
 
 with cases.case("config.json as a symlink loop"):
     d = hf_dir("hf_cfgloop")
@@ -201,12 +204,6 @@ with cases.case("model.safetensors as a symlink loop"):
     os.symlink("s2", os.path.join(d, "model.safetensors"))
     os.symlink("model.safetensors", os.path.join(d, "s2"))
     eval_(d, ["model.safetensors", "symlink loop"])
-
-with cases.case("model.safetensors as a FIFO"):
-    d = hf_dir("hf_fifo")
-    os.remove(os.path.join(d, "model.safetensors"))
-    os.mkfifo(os.path.join(d, "model.safetensors"))
-    eval_(d, ["model.safetensors", "FIFO"], timeout=20)
 
 with cases.case("init_from directory with a symlink-loop model.safetensors (check)"):
     check([base, "--set", "model.preset=null", "--set", f"model.init_from={cases.path('hf_stloop')}"],

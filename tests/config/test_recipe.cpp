@@ -362,6 +362,11 @@ TEST(RecipeHostile, DuplicatesDocumentsTags) {
   Recipe r = parse_recipe("---\n" + edit("dir: runs/test", "dir: \"2024\"") + "...\n", "recipe.yaml");
   EXPECT_EQ(r.output.dir, "2024");
   expect_error(edit("seq_len: 128", "seq_len: '128'"), {"expected an integer, got '128'"});
+  // Strings go into JSON (recipe.yaml, checkpoint state), which needs UTF-8: refused here, not by
+  // a JSON type error when the trainer writes the resolved recipe.
+  expect_error(edit("dir: runs/test", "dir: runs/\xff\xfe"), {"output.dir", "not valid UTF-8"});
+  expect_error(std::string(kGood) + "bad\xc3: 1\n", {"key", "not valid UTF-8"});
+  EXPECT_EQ(parse_recipe(edit("dir: runs/test", "dir: runs/t\xc3\xa9st"), "r.yaml").output.dir, "runs/t\xc3\xa9st");
 }
 
 TEST(RecipeHostile, FloatsMustBeFinite) {
