@@ -10,6 +10,7 @@
 #include "cli/command.h"
 #include "core/blas_env.h"
 #include "core/error.h"
+#include "dist/comm.h"
 
 namespace lathe::cli {
 
@@ -54,26 +55,27 @@ int main(int argc, char** argv) {
   }
   std::string prog = std::string("lathe ") + argv[1];
   argv[1] = prog.data();
+  // Every failure ends as "lathe CMD: error: ..." and exit code 1; in an MPI job the line names the
+  // rank and the whole job is ended, so that no other rank waits for this one.
+  auto fail = [&](const std::string& msg) {
+    fmt::print(stderr, "{}: error: {}{}\n", prog, lathe::dist::job_rank_prefix(), msg);
+    std::fflush(stderr);
+    lathe::dist::end_job_after_error(1);
+    return 1;
+  };
   try {
     return it->second.fn(argc - 1, argv + 1);
   } catch (const lathe::Error& e) {
-    fmt::print(stderr, "{}: error: {}\n", prog, e.what());
-    return 1;
+    return fail(e.what());
   } catch (const std::bad_alloc&) {
-    fmt::print(stderr,
-               "{}: error: out of memory: an allocation failed (a dimension, batch or file too large for this "
-               "machine's memory; lower it or free memory)\n",
-               prog);
-    return 1;
+    return fail(
+        "out of memory: an allocation failed (a dimension, batch or file too large for this machine's memory; lower "
+        "it or free memory)");
   } catch (const std::filesystem::filesystem_error& e) {
-    // e.what() already names the operation and the path(s).
-    fmt::print(stderr, "{}: error: {}\n", prog, e.what());
-    return 1;
+    return fail(e.what());  // names the operation and the path(s)
   } catch (const nlohmann::json::exception& e) {
-    fmt::print(stderr, "{}: error: unexpected JSON value: {} (a file field has the wrong type)\n", prog, e.what());
-    return 1;
+    return fail(fmt::format("unexpected JSON value: {} (a file field has the wrong type)", e.what()));
   } catch (const std::exception& e) {
-    fmt::print(stderr, "{}: error: {}\n", prog, e.what());
-    return 1;
+    return fail(e.what());
   }
 }

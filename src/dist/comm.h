@@ -171,6 +171,11 @@ bool launched_by_mpi();
 // Ends the whole job: MPI_Abort when MPI is running with more than one rank (so the other ranks do
 // not wait forever for this one), else _Exit. Print the error before calling it.
 [[noreturn]] void abort_job(int exit_code);
+// "rank R of N: " while an MPI job of several ranks is running, else "" (for error lines).
+std::string job_rank_prefix();
+// After an error was printed: in an MPI job of several ranks, ends every rank (abort_job) so that
+// none waits forever in a collective for this one; otherwise returns and the caller exits normally.
+void end_job_after_error(int exit_code);
 
 // Segment sizes for splitting `total` elements over n ranks: the first total % n get one more.
 std::vector<size_t> even_counts(size_t total, int n);

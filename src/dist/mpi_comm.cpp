@@ -174,7 +174,33 @@ void abort_job(int exit_code) {
   std::_Exit(exit_code);
 }
 
+namespace {
+int running_world_size(int* rank) {
+  int init = 0, fin = 0, size = 1;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  if (!init || fin) return 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  MPI_Comm_rank(MPI_COMM_WORLD, rank);
+  return size;
+}
+}  // namespace
+
+std::string job_rank_prefix() {
+  int rank = 0;
+  const int size = running_world_size(&rank);
+  return size > 1 ? fmt::format("rank {} of {}: ", rank, size) : std::string();
+}
+
+void end_job_after_error(int exit_code) {
+  int rank = 0;
+  if (running_world_size(&rank) > 1) abort_job(exit_code);
+}
+
 #else  // built without MPI
+
+std::string job_rank_prefix() { return {}; }
+void end_job_after_error(int) {}
 
 std::unique_ptr<Communicator> make_world_communicator(double timeout_s) {
   if (launched_by_mpi())
