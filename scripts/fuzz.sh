@@ -29,7 +29,7 @@ for t in "${targets[@]}"; do
   cp -n tests/fuzz/corpus/$t/* build-fuzz/corpus/$t/ 2>/dev/null || true
   dict=(); [ -f tests/fuzz/dict/$t.dict ] && dict=(-dict=tests/fuzz/dict/$t.dict)
   echo "== fuzz_$t: ${SECONDS_EACH} s"
-  if ./build-fuzz/fuzz_$t build-fuzz/corpus/$t "${dict[@]}" -max_total_time="$SECONDS_EACH" -timeout=10 \
+  if ./build-fuzz/tests/fuzz/fuzz_$t build-fuzz/corpus/$t "${dict[@]}" -max_total_time="$SECONDS_EACH" -timeout=10 \
       -rss_limit_mb=2048 -max_len=65536 -artifact_prefix=build-fuzz/findings/$t/ -print_final_stats=1 \
       > build-fuzz/fuzz_$t.log 2>&1; then
     echo "   no finding: $(grep -E 'stat::number_of_executed_units' build-fuzz/fuzz_$t.log | awk '{print $2}') runs, corpus $(ls build-fuzz/corpus/$t | wc -l) inputs"

@@ -3,6 +3,7 @@
 //   fuzz_replay_<target> DIR_OR_FILE...
 // Each file is passed to LLVMFuzzerTestOneInput once; a crash, a sanitizer report or an uncaught
 // exception fails the test (the target itself catches the lathe::Error its parser throws).
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
