@@ -4,6 +4,7 @@
 
 #include <sentencepiece_processor.h>
 
+#include <cstring>
 #include <exception>
 #include <filesystem>
 
@@ -45,6 +46,115 @@ class ByteTokenizer : public Tokenizer {
   std::vector<std::string> source_files() const override { return {}; }
 };
 
+// ---- SentencePiece charsmap check
+// libsentencepiece (0.1.97) trusts the precompiled normalization table inside a .model file: a
+// darts-clone double-array trie whose leaves are offsets into a blob of NUL-terminated strings,
+// read without bounds checks (and already during Load, which encodes the model's self-test
+// samples). A corrupt table is an out-of-bounds read. So before the bytes reach the library the
+// table(s) are located with a minimal protobuf wire reader and checked: every trie transition and
+// every leaf offset must stay inside its blob.
+
+// One field of a protobuf message: number, wire type, payload (length-delimited fields only).
+struct PbField {
+  uint32_t number, wire;
+  std::string_view bytes;
+};
+
+bool pb_varint(std::string_view& s, uint64_t& v) {
+  v = 0;
+  for (int shift = 0; shift < 64 && !s.empty(); shift += 7) {
+    const auto b = static_cast<uint8_t>(s[0]);
+    s.remove_prefix(1);
+    v |= static_cast<uint64_t>(b & 0x7F) << shift;
+    if (!(b & 0x80)) return true;
+  }
+  return false;
+}
+
+// Splits a message into fields; false when the wire format is malformed (or uses groups, which no
+// SentencePiece model does).
+bool pb_fields(std::string_view s, std::vector<PbField>& out) {
+  while (!s.empty()) {
+    uint64_t key = 0, v = 0;
+    if (!pb_varint(s, key)) return false;
+    PbField f{static_cast<uint32_t>(key >> 3), static_cast<uint32_t>(key & 7), {}};
+    if (f.wire == 0) {
+      if (!pb_varint(s, v)) return false;
+    } else if (f.wire == 1 || f.wire == 5) {
+      const size_t n = f.wire == 1 ? 8 : 4;
+      if (s.size() < n) return false;
+      s.remove_prefix(n);
+    } else if (f.wire == 2) {
+      if (!pb_varint(s, v) || v > s.size()) return false;
+      f.bytes = s.substr(0, v);
+      s.remove_prefix(v);
+    } else {
+      return false;
+    }
+    out.push_back(f);
+  }
+  return true;
+}
+
+uint32_t le32(const char* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Why the precompiled_charsmap `blob` would make libsentencepiece read out of bounds, "" if it is sound.
+std::string charsmap_problem(std::string_view blob) {
+  if (blob.empty()) return "";  // no table: the library skips the trie
+  if (blob.size() < 4) return "shorter than its 4-byte header";
+  const uint64_t trie_bytes = le32(blob.data());
+  if (trie_bytes + 4 > blob.size()) return fmt::format("its trie ({} bytes) exceeds the table", trie_bytes);
+  if (trie_bytes == 0 || trie_bytes % 4)
+    return fmt::format("its trie size {} is not a positive multiple of 4", trie_bytes);
+  const char* units = blob.data() + 4;
+  const uint64_t n = trie_bytes / 4;
+  const std::string_view strings = blob.substr(4 + trie_bytes);
+  for (uint64_t i = 0; i < n; ++i) {
+    const uint32_t u = le32(units + 4 * i);
+    if (u >> 31) continue;  // a leaf (value) unit: never a transition source
+    const uint64_t pos = i ^ ((u >> 10) << ((u & (1u << 9)) >> 6));
+    // The next unit read is pos ^ c for an input byte c, and pos itself for a leaf.
+    if ((pos | 0xFF) >= n) return fmt::format("trie unit {} points outside the trie", i);
+    if ((u >> 8) & 1) {
+      const uint32_t v = le32(units + 4 * pos) & 0x7FFFFFFFu;
+      if (v >= strings.size() || std::memchr(strings.data() + v, 0, strings.size() - v) == nullptr)
+        return fmt::format("trie unit {} maps to offset {}, outside its {} bytes of strings", i, v, strings.size());
+    }
+  }
+  return "";
+}
+
+// Checks the normalizer_spec (field 3) and denormalizer_spec (field 5) tables of a ModelProto.
+// Repeated occurrences of a message field merge and a bytes field keeps its last value, as protobuf does.
+void check_spm_charsmaps(std::string_view model, const std::string& path) {
+  std::vector<PbField> top, spec;
+  LATHE_CHECK(pb_fields(model, top),
+              "SentencePiece model {}: not a valid SentencePiece model (the bytes are not a well-formed protobuf "
+              "message); the file is corrupt or not a .model file",
+              path);
+  for (uint32_t which : {3u, 5u}) {
+    std::optional<std::string_view> blob;
+    for (const PbField& f : top) {
+      if (f.number != which || f.wire != 2) continue;
+      spec.clear();
+      LATHE_CHECK(pb_fields(f.bytes, spec), "SentencePiece model {}: {} is not a well-formed protobuf message", path,
+                  which == 3 ? "normalizer_spec" : "denormalizer_spec");
+      for (const PbField& g : spec)
+        if (g.number == 2 && g.wire == 2) blob = g.bytes;
+    }
+    if (!blob) continue;
+    const std::string why = charsmap_problem(*blob);
+    LATHE_CHECK(why.empty(),
+                "SentencePiece model {}: {}.precompiled_charsmap is corrupt ({}); libsentencepiece would read out "
+                "of bounds with it: re-download the model or re-train it with spm_train",
+                path, which == 3 ? "normalizer_spec" : "denormalizer_spec", why);
+  }
+}
+
 class SpmTokenizer : public Tokenizer {
  public:
   // The bytes are read by io::read_file (a regular file only: a FIFO would block libsentencepiece's
@@ -56,6 +166,7 @@ class SpmTokenizer : public Tokenizer {
                 "SentencePiece model {}: the file is empty (a .model file is a serialized SentencePiece "
                 "ModelProto; re-download it or re-train it with spm_train)",
                 path);
+    check_spm_charsmaps(bytes, path);
     sentencepiece::util::Status st;
     try {
       st = sp_.LoadFromSerializedProto(bytes);

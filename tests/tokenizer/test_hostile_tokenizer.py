@@ -209,6 +209,17 @@ with cases.case("empty SentencePiece .model"):
     p = cases.write("spm_empty/tokenizer.model", b"")
     encode(p, ["tokenizer.model", "the file is empty"], must_not=["Internal:"])
 
+# Inputs found by fuzz_sentencepiece (tests/fuzz/regressions/sentencepiece): a corrupt normalization
+# table was read out of bounds by libsentencepiece (silent garbage in Release, a crash under ASan),
+# an empty piece made its darts-clone builder throw a foreign exception.
+REG = os.path.join(os.environ.get("LATHE_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", "..")),
+                   "tests", "fuzz", "regressions", "sentencepiece")
+for fn, must in (("charsmap_offset_out_of_trie.model", "precompiled_charsmap is corrupt"),
+                 ("charsmap_bad_leaf.model", "precompiled_charsmap is corrupt"),
+                 ("darts_zero_length_key.model", "not a valid SentencePiece model")):
+    with cases.case(f"SentencePiece {fn}"):
+        encode(os.path.join(REG, fn), [fn, must], text="Hello world! It's 2024: caf\u00e9 \u2581x <s></s>")
+
 with cases.case("FIFO in place of tokenizer.model"):
     d = cases.path("spm_fifo", "x")[:-2]
     os.makedirs(d, exist_ok=True)
