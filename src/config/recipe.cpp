@@ -1,6 +1,7 @@
 #include "config/recipe.h"
 
 #include <yaml-cpp/depthguard.h>
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <cstdlib>
 #include <map>
 #include <set>
+#include <sstream>
 
 #include "core/checked.h"
 #include "core/error.h"
@@ -221,24 +223,53 @@ class YamlConverter {
   }
 };
 
+// Records where each document starts; builds nothing (pass 1 of load_yaml).
+class DocumentStarts : public YAML::EventHandler {
+ public:
+  std::vector<YAML::Mark> starts;
+  void OnDocumentStart(const YAML::Mark& m) override { starts.push_back(m); }
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t, const std::string&) override {}
+  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {}
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {}
+  void OnMapEnd() override {}
+};
+
 // The one entry point for YAML text (recipe files and --set values): one document, bounded.
 json load_yaml(const std::string& text, const std::string& what) {
-  std::vector<YAML::Node> docs;
+  YAML::Node doc;
   try {
-    docs = YAML::LoadAll(text);
+    // Pass 1 counts documents, stopping at the second. Not YAML::LoadAll: on a stray ',' at the
+    // top level yaml-cpp 0.7 returns an empty document at the same place forever, and LoadAll
+    // collects them until memory runs out (found by fuzz_recipe).
+    std::istringstream in(text);
+    YAML::Parser parser(in);
+    DocumentStarts docs;
+    while (docs.starts.size() < 2 && parser.HandleNextDocument(docs)) {
+    }
+    if (docs.starts.size() >= 2) {
+      const YAML::Mark &a = docs.starts[0], &b = docs.starts[1];
+      if (b.pos == a.pos)
+        throw_error(
+            "{}: invalid YAML at line {}, column {}: the parser cannot get past this point (a stray ',' "
+            "outside [ ] or {{ }}?)",
+            what, a.line + 1, a.column + 1);
+      throw_error(
+          "{}: holds more than one YAML document (a second one starts at line {}); a recipe is one document: "
+          "remove the '---' and what follows, or merge it into the first",
+          what, b.line + 1);
+    }
+    doc = YAML::Load(text);
   } catch (const YAML::DeepRecursion& e) {
     throw_error("{}: YAML nests too deeply (more than {} levels at line {}, column {}); a recipe nests 3", what,
                 e.depth(), e.mark.line + 1, e.mark.column + 1);
   } catch (const YAML::Exception& e) {
     throw_error("{}: invalid YAML: {}", what, e.what());
   }
-  if (docs.size() > 1)
-    throw_error(
-        "{}: holds {} YAML documents (a second one starts at line {}); a recipe is one document: remove the "
-        "'---' and what follows, or merge it into the first",
-        what, docs.size(), docs[1].Mark().line + 1);
-  if (docs.empty()) return nullptr;
-  return YamlConverter(what).convert(docs[0]);
+  return YamlConverter(what).convert(doc);
 }
 
 std::string value_str(const json& v) {

@@ -77,10 +77,10 @@ with cases.case("duplicate key"):
 
 with cases.case("second YAML document"):
     check([recipe("two_docs.yaml", BASE + "---\nmodel: {preset: llama-debug}\n")],
-          ["two_docs.yaml", "2 YAML documents", "line 7"])
+          ["two_docs.yaml", "more than one YAML document", "line 6"])
 
 with cases.case("second YAML document in --set"):
-    check([base, "--set", "training.steps=3\n---\n4"], ["--set training.steps", "2 YAML documents"])
+    check([base, "--set", "training.steps=3\n---\n4"], ["--set training.steps", "more than one YAML document"])
 
 for tag in ("!!str", "!!python/object:os.system", "!custom"):
     with cases.case(f"explicit tag {tag}"):
