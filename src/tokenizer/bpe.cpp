@@ -87,8 +87,8 @@ void PairMap::insert_or_assign(uint64_t key, int32_t rank, int32_t id) {
   slots_[i].val[1] = id;
 }
 
-BpeModel::BpeModel(StringIdMap vocab, const std::vector<std::pair<std::string, std::string>>& merges, BpeOptions opt,
-                   const std::string& where)
+BpeEncoder::BpeEncoder(StringIdMap vocab, const std::vector<std::pair<std::string, std::string>>& merges,
+                       BpeOptions opt, const std::string& where)
     : opt_(std::move(opt)), vocab_(std::move(vocab)), instance_(g_next_instance.fetch_add(1)) {
   // Callers bound ids by the size of their file (token_id_limit); this only keeps max_id + 1
   // from overflowing.
@@ -156,18 +156,18 @@ BpeModel::BpeModel(StringIdMap vocab, const std::vector<std::pair<std::string, s
   }
 }
 
-std::optional<int32_t> BpeModel::token_to_id(std::string_view tok) const {
+std::optional<int32_t> BpeEncoder::token_to_id(std::string_view tok) const {
   auto it = vocab_.find(tok);
   if (it == vocab_.end()) return std::nullopt;
   return it->second;
 }
 
-const std::string* BpeModel::id_to_token(int32_t id) const {
+const std::string* BpeEncoder::id_to_token(int32_t id) const {
   if (id < 0 || static_cast<size_t>(id) >= id_to_tok_.size() || !id_present_[id]) return nullptr;
   return &id_to_tok_[id];
 }
 
-void BpeModel::encode_word(std::string_view word, std::vector<int32_t>& out) const {
+void BpeEncoder::encode_word(std::string_view word, std::vector<int32_t>& out) const {
   if (word.empty()) return;
   if (word.size() >= WordCache::kMaxWordBytes) {
     merge_word(word, out);
@@ -183,8 +183,8 @@ void BpeModel::encode_word(std::string_view word, std::vector<int32_t>& out) con
 
 // One unit (char, or byte in byte mode) -> symbols, following HF
 // BPE::merge_word.
-void BpeModel::add_unit(std::string_view key, std::string_view fallback_chars, std::vector<int32_t>& syms,
-                        std::optional<int32_t>& unk) const {
+void BpeEncoder::add_unit(std::string_view key, std::string_view fallback_chars, std::vector<int32_t>& syms,
+                          std::optional<int32_t>& unk) const {
   auto it = lookup_.find(key);
   if (it != lookup_.end()) {
     if (unk) {
@@ -224,7 +224,7 @@ void BpeModel::add_unit(std::string_view key, std::string_view fallback_chars, s
   // No unk token: HF silently drops the unit.
 }
 
-void BpeModel::merge_word(std::string_view word, std::vector<int32_t>& out) const {
+void BpeEncoder::merge_word(std::string_view word, std::vector<int32_t>& out) const {
   if (opt_.ignore_merges) {
     auto it = lookup_.find(word);
     if (it != lookup_.end()) {

@@ -105,12 +105,15 @@ struct BpeOptions {
   bool ignore_merges = false;
 };
 
-class BpeModel {
+// (Named BpeEncoder, not BpeModel: bpe_trainer.h's struct BpeModel is another type in this
+// namespace, and two classes of one name are an ODR violation: the linker kept one implicit
+// destructor for both, and HfTokenizer freed its model with the trainer's under clang -O2.)
+class BpeEncoder {
  public:
   // vocab: token (as spelled in the file) -> id; merges: pairs of tokens, rank = index.
   // `where` names the source file for error messages.
-  BpeModel(StringIdMap vocab, const std::vector<std::pair<std::string, std::string>>& merges, BpeOptions opt,
-           const std::string& where);
+  BpeEncoder(StringIdMap vocab, const std::vector<std::pair<std::string, std::string>>& merges, BpeOptions opt,
+             const std::string& where);
 
   // Appends the ids of one pre-token (raw bytes in byte mode, UTF-8 in char mode).
   void encode_word(std::string_view word, std::vector<int32_t>& out) const;

@@ -87,7 +87,7 @@ class HfTokenizer : public Tokenizer {
         merges.emplace_back(e[0].get<std::string>(), e[1].get<std::string>());
       }
     }
-    model_ = std::make_unique<BpeModel>(std::move(vocab), merges, opt, where);
+    model_ = std::make_unique<BpeEncoder>(std::move(vocab), merges, opt, where);
     vocab_size_ = model_->size();
 
     // --- added tokens
@@ -366,7 +366,7 @@ class HfTokenizer : public Tokenizer {
     if (!pad_) pad_ = first_special({"<pad>", "<|pad|>", "[PAD]"});
   }
 
-  std::unique_ptr<BpeModel> model_;
+  std::unique_ptr<BpeEncoder> model_;
   std::unique_ptr<Normalizer> normalizer_;
   std::unique_ptr<PreTokenizer> pre_;
   std::unique_ptr<Decoder> decoder_;
