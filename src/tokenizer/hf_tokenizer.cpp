@@ -50,6 +50,7 @@ class HfTokenizer : public Tokenizer {
     if (const json* p = find(cfg, "pre_tokenizer")) pre_ = make_pre_tokenizer(*p, where, &byte_level_);
     if (const json* n = find(cfg, "normalizer")) normalizer_ = make_normalizer(*n, where);
     if (const json* d = find(cfg, "decoder")) decoder_ = make_decoder(*d, where);
+    probe_growth();
 
     // --- model
     BpeOptions opt;
@@ -250,6 +251,25 @@ class HfTokenizer : public Tokenizer {
     buf.pieces.push_back({s, origin});
     pre_->apply(buf);
     for (const Piece& p : buf.pieces) model_->encode_word(p.s, out);
+  }
+
+  // Runs the normalizer and the decoder once on a short probe text at load, so that a chain that
+  // expands ordinary text without bound (see GrowthBudget) is refused when the file is loaded (and
+  // by `lathe check`), not at the first document that triggers it. Text-specific growth is still
+  // caught at run time by the same budget.
+  void probe_growth() const {
+    static const std::string kProbe =
+        " !\"#$%&'()*+,-./0123456789:;<=>?@ABCDEFGHIJKLMNOPQRSTUVWXYZ[\\]^_`abcdefghijklmnopqrstuvwxyz{|}~ \t\n"
+        "\xC3\xA9\xC3\x9F\xE2\x96\x81\xE4\xB8\xAD\xF0\x9F\x98\x80";
+    if (normalizer_) {
+      std::string s = kProbe;
+      normalizer_->apply(s);
+    }
+    if (decoder_) {
+      std::vector<std::string> toks;
+      for (size_t i = 0; i < kProbe.size(); i += 4) toks.push_back(kProbe.substr(i, 4));
+      decoder_->apply(toks);
+    }
   }
 
   // A token id the post-processor emits (at `path`): it must be a token of this tokenizer, or

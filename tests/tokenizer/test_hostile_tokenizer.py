@@ -171,6 +171,13 @@ with cases.case("30 chained Replace normalizers a -> aa"):
     d = write_dir("replace_chain", {"tokenizer.json": tok_json(normalizer={"type": "Sequence", "normalizers": reps})})
     encode(d, ["tokenizer.json", "normalizer", "Replace", "grow"], text="banana " * 100, mem_mb=1024)
 
+with cases.case("30 chained Replace normalizers on a rare character (caught at run time)"):
+    reps = [{"type": "Replace", "pattern": {"String": "\u2603"}, "content": "\u2603\u2603"}] * 30
+    d = write_dir("replace_chain_rare", {"tokenizer.json": tok_json(normalizer={"type": "Sequence",
+                                                                                "normalizers": reps})})
+    encode(d, [], text="plain text loads and encodes", rc=0)
+    encode(d, ["tokenizer.json", "normalizer", "Replace", "grow"], text="snow \u2603 man", mem_mb=1024)
+
 with cases.case("30 chained Replace decoders a -> aa"):
     reps = [{"type": "Replace", "pattern": {"String": "a"}, "content": "aa"}] * 30
     d = write_dir("replace_dec_chain", {"tokenizer.json": tok_json(decoder={"type": "Sequence", "decoders": reps})})
