@@ -377,3 +377,39 @@ TEST(HfJson, SpecialsFromTokenizerConfigAndTemplate) {
   EXPECT_NE(msg.find("<|eot|>"), std::string::npos) << msg;
   EXPECT_NE(msg.find("tokenizer_config.json"), std::string::npos) << msg;
 }
+
+// The token id rule (bpe.h token_id_limit): ids lie in [0, entries + 65536), entries = vocabulary
+// entries + added tokens of the file. A hole just inside the bound loads (and the id table is
+// sized by it); one id past it is refused with the field and the id.
+TEST(HfJson, TokenIdBoundIsEntriesPlusSlack) {
+  auto d = temp_dir("idbound");
+  auto make = [&](int64_t added_id) {
+    json j = {{"model", {{"type", "BPE"}, {"vocab", {{"a", 0}, {"b", 1}, {"ab", 2}}}, {"merges", {"a b"}}}},
+              {"added_tokens", {{{"id", added_id}, {"content", "<x>"}, {"special", true}}}}};
+    write(d / "tokenizer.json", j.dump());
+  };
+  const int64_t limit = 3 + 1 + 65536;  // 3 vocab entries + 1 added token + slack
+  make(limit - 1);
+  auto t = load_tokenizer(d.string());
+  EXPECT_EQ(t->vocab_size(), limit);
+  EXPECT_EQ(t->encode("ab<x>"), (std::vector<int32_t>{2, static_cast<int32_t>(limit - 1)}));
+  make(limit);
+  std::string msg = load_error(d.string());
+  EXPECT_NE(msg.find("added_tokens[0].id"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(std::to_string(limit)), std::string::npos) << msg;
+}
+
+// A chain of normalizers that doubles the text is refused (at load, by the probe) with the stage
+// named, instead of growing until memory runs out.
+TEST(HfJson, GrowingNormalizerChainIsRefused) {
+  auto d = temp_dir("growth");
+  json reps = json::array();
+  for (int i = 0; i < 30; ++i) reps.push_back({{"type", "Replace"}, {"pattern", {{"String", "a"}}}, {"content", "aa"}});
+  json j = {{"model", {{"type", "BPE"}, {"vocab", {{"a", 0}}}, {"merges", json::array()}}},
+            {"normalizer", {{"type", "Sequence"}, {"normalizers", reps}}}};
+  write(d / "tokenizer.json", j.dump());
+  std::string msg = load_error(d.string());
+  EXPECT_NE(msg.find("normalizer.normalizers["), std::string::npos) << msg;
+  EXPECT_NE(msg.find("(Replace)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("grow"), std::string::npos) << msg;
+}
