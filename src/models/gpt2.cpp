@@ -19,45 +19,28 @@ std::unique_ptr<Model> build_gpt2(const ModelConfig& cfg) {
   // GPT-2 scales the init of the projections that write into the residual stream by 1/sqrt(2L).
   const float proj_std = std / std::sqrt(2.0f * static_cast<float>(L));
   ParamTable t;
-  t.add("transformer.wte.weight", {V, C}, Init::Normal, std, ShardRule::Vocab, true);
-  t.add("transformer.wpe.weight", {P, C}, Init::Normal, std, ShardRule::Replicated, true);
+  t.add("transformer.wte.weight", {V, C}, Init::Normal, std, ShardRule::Vocab, true).as(Role::Wte);
+  t.add("transformer.wpe.weight", {P, C}, Init::Normal, std, ShardRule::Replicated, true).as(Role::Wpe);
   for (int64_t i = 0; i < L; ++i) {
     auto n = [&](const char* s) { return fmt::format("transformer.h.{}.{}", i, s); };
-    t.add(n("ln_1.weight"), {C}, Init::Ones, 0, ShardRule::Replicated, false);
-    t.add(n("ln_1.bias"), {C}, Init::Zeros, 0, ShardRule::Replicated, false);
-    t.add(n("attn.c_attn.weight"), {3 * C, C}, Init::Normal, std, ShardRule::Column, true, true);
-    t.add(n("attn.c_attn.bias"), {3 * C}, Init::Zeros, 0, ShardRule::Column, false);
-    t.add(n("attn.c_proj.weight"), {C, C}, Init::Normal, proj_std, ShardRule::Row, true, true);
-    t.add(n("attn.c_proj.bias"), {C}, Init::Zeros, 0, ShardRule::Replicated, false);
-    t.add(n("ln_2.weight"), {C}, Init::Ones, 0, ShardRule::Replicated, false);
-    t.add(n("ln_2.bias"), {C}, Init::Zeros, 0, ShardRule::Replicated, false);
-    t.add(n("mlp.c_fc.weight"), {F, C}, Init::Normal, std, ShardRule::Column, true, true);
-    t.add(n("mlp.c_fc.bias"), {F}, Init::Zeros, 0, ShardRule::Column, false);
-    t.add(n("mlp.c_proj.weight"), {C, F}, Init::Normal, proj_std, ShardRule::Row, true, true);
-    t.add(n("mlp.c_proj.bias"), {C}, Init::Zeros, 0, ShardRule::Replicated, false);
+    t.add(n("ln_1.weight"), {C}, Init::Ones, 0, ShardRule::Replicated, false).as(Role::Ln1W, i);
+    t.add(n("ln_1.bias"), {C}, Init::Zeros, 0, ShardRule::Replicated, false).as(Role::Ln1B, i);
+    t.add(n("attn.c_attn.weight"), {3 * C, C}, Init::Normal, std, ShardRule::Column, true, true).as(Role::QkvW, i);
+    t.add(n("attn.c_attn.bias"), {3 * C}, Init::Zeros, 0, ShardRule::Column, false).as(Role::QkvB, i);
+    t.add(n("attn.c_proj.weight"), {C, C}, Init::Normal, proj_std, ShardRule::Row, true, true).as(Role::OW, i);
+    t.add(n("attn.c_proj.bias"), {C}, Init::Zeros, 0, ShardRule::Replicated, false).as(Role::OB, i);
+    t.add(n("ln_2.weight"), {C}, Init::Ones, 0, ShardRule::Replicated, false).as(Role::Ln2W, i);
+    t.add(n("ln_2.bias"), {C}, Init::Zeros, 0, ShardRule::Replicated, false).as(Role::Ln2B, i);
+    t.add(n("mlp.c_fc.weight"), {F, C}, Init::Normal, std, ShardRule::Column, true, true).as(Role::FcW, i);
+    t.add(n("mlp.c_fc.bias"), {F}, Init::Zeros, 0, ShardRule::Column, false).as(Role::FcB, i);
+    t.add(n("mlp.c_proj.weight"), {C, F}, Init::Normal, proj_std, ShardRule::Row, true, true).as(Role::ProjW, i);
+    t.add(n("mlp.c_proj.bias"), {C}, Init::Zeros, 0, ShardRule::Replicated, false).as(Role::ProjB, i);
   }
-  t.add("transformer.ln_f.weight", {C}, Init::Ones, 0, ShardRule::Replicated, false);
-  t.add("transformer.ln_f.bias", {C}, Init::Zeros, 0, ShardRule::Replicated, false);
+  t.add("transformer.ln_f.weight", {C}, Init::Ones, 0, ShardRule::Replicated, false).as(Role::LnfW);
+  t.add("transformer.ln_f.bias", {C}, Init::Zeros, 0, ShardRule::Replicated, false).as(Role::LnfB);
 
   Arch arch;  // defaults are GPT-2
-  FamilyNames names;
-  names.wte = "transformer.wte.weight";
-  names.wpe = "transformer.wpe.weight";
-  names.lnf_w = "transformer.ln_f.weight";
-  names.lnf_b = "transformer.ln_f.bias";
-  names.ln1_w = "transformer.h.{}.ln_1.weight";
-  names.ln1_b = "transformer.h.{}.ln_1.bias";
-  names.q_w = "transformer.h.{}.attn.c_attn.weight";
-  names.q_b = "transformer.h.{}.attn.c_attn.bias";
-  names.o_w = "transformer.h.{}.attn.c_proj.weight";
-  names.o_b = "transformer.h.{}.attn.c_proj.bias";
-  names.ln2_w = "transformer.h.{}.ln_2.weight";
-  names.ln2_b = "transformer.h.{}.ln_2.bias";
-  names.fc_w = "transformer.h.{}.mlp.c_fc.weight";
-  names.fc_b = "transformer.h.{}.mlp.c_fc.bias";
-  names.proj_w = "transformer.h.{}.mlp.c_proj.weight";
-  names.proj_b = "transformer.h.{}.mlp.c_proj.bias";
-  return std::make_unique<Model>(cfg, arch, std::move(t), names);
+  return std::make_unique<Model>(cfg, arch, std::move(t));
 }
 
 }  // namespace lathe

@@ -15,28 +15,29 @@ std::unique_ptr<Model> build_llama(const ModelConfig& cfg) {
   const bool qkv_bias = cfg.attention_bias || cfg.model_type == "qwen2";
   const bool o_bias = cfg.attention_bias && cfg.model_type != "qwen2";
   ParamTable t;
-  t.add("model.embed_tokens.weight", {V, C}, Init::Normal, std, ShardRule::Vocab, true);
+  t.add("model.embed_tokens.weight", {V, C}, Init::Normal, std, ShardRule::Vocab, true).as(Role::Wte);
   for (int64_t i = 0; i < L; ++i) {
     auto n = [&](const char* s) { return fmt::format("model.layers.{}.{}", i, s); };
-    t.add(n("input_layernorm.weight"), {C}, Init::Ones, 0, ShardRule::Replicated, false);
+    t.add(n("input_layernorm.weight"), {C}, Init::Ones, 0, ShardRule::Replicated, false).as(Role::Ln1W, i);
     // q, k, v weights then q, k, v biases: each triple contiguous.
-    t.add(n("self_attn.q_proj.weight"), {H * D, C}, Init::Normal, std, ShardRule::Column, true);
-    t.add(n("self_attn.k_proj.weight"), {KV * D, C}, Init::Normal, std, ShardRule::Column, true);
-    t.add(n("self_attn.v_proj.weight"), {KV * D, C}, Init::Normal, std, ShardRule::Column, true);
+    t.add(n("self_attn.q_proj.weight"), {H * D, C}, Init::Normal, std, ShardRule::Column, true).as(Role::QkvW, i);
+    t.add(n("self_attn.k_proj.weight"), {KV * D, C}, Init::Normal, std, ShardRule::Column, true).as(Role::Continues, i);
+    t.add(n("self_attn.v_proj.weight"), {KV * D, C}, Init::Normal, std, ShardRule::Column, true).as(Role::Continues, i);
     if (qkv_bias) {
-      t.add(n("self_attn.q_proj.bias"), {H * D}, Init::Zeros, 0, ShardRule::Column, false);
-      t.add(n("self_attn.k_proj.bias"), {KV * D}, Init::Zeros, 0, ShardRule::Column, false);
-      t.add(n("self_attn.v_proj.bias"), {KV * D}, Init::Zeros, 0, ShardRule::Column, false);
+      t.add(n("self_attn.q_proj.bias"), {H * D}, Init::Zeros, 0, ShardRule::Column, false).as(Role::QkvB, i);
+      t.add(n("self_attn.k_proj.bias"), {KV * D}, Init::Zeros, 0, ShardRule::Column, false).as(Role::Continues, i);
+      t.add(n("self_attn.v_proj.bias"), {KV * D}, Init::Zeros, 0, ShardRule::Column, false).as(Role::Continues, i);
     }
-    t.add(n("self_attn.o_proj.weight"), {C, H * D}, Init::Normal, std, ShardRule::Row, true);
-    if (o_bias) t.add(n("self_attn.o_proj.bias"), {C}, Init::Zeros, 0, ShardRule::Replicated, false);
-    t.add(n("post_attention_layernorm.weight"), {C}, Init::Ones, 0, ShardRule::Replicated, false);
-    t.add(n("mlp.gate_proj.weight"), {F, C}, Init::Normal, std, ShardRule::Column, true);
-    t.add(n("mlp.up_proj.weight"), {F, C}, Init::Normal, std, ShardRule::Column, true);
-    t.add(n("mlp.down_proj.weight"), {C, F}, Init::Normal, std, ShardRule::Row, true);
+    t.add(n("self_attn.o_proj.weight"), {C, H * D}, Init::Normal, std, ShardRule::Row, true).as(Role::OW, i);
+    if (o_bias) t.add(n("self_attn.o_proj.bias"), {C}, Init::Zeros, 0, ShardRule::Replicated, false).as(Role::OB, i);
+    t.add(n("post_attention_layernorm.weight"), {C}, Init::Ones, 0, ShardRule::Replicated, false).as(Role::Ln2W, i);
+    t.add(n("mlp.gate_proj.weight"), {F, C}, Init::Normal, std, ShardRule::Column, true).as(Role::FcW, i);
+    t.add(n("mlp.up_proj.weight"), {F, C}, Init::Normal, std, ShardRule::Column, true).as(Role::Continues, i);
+    t.add(n("mlp.down_proj.weight"), {C, F}, Init::Normal, std, ShardRule::Row, true).as(Role::ProjW, i);
   }
-  t.add("model.norm.weight", {C}, Init::Ones, 0, ShardRule::Replicated, false);
-  if (!cfg.tie_word_embeddings) t.add("lm_head.weight", {V, C}, Init::Normal, std, ShardRule::Vocab, true);
+  t.add("model.norm.weight", {C}, Init::Ones, 0, ShardRule::Replicated, false).as(Role::LnfW);
+  if (!cfg.tie_word_embeddings)
+    t.add("lm_head.weight", {V, C}, Init::Normal, std, ShardRule::Vocab, true).as(Role::LmHead);
 
   Arch arch;
   arch.layernorm = false;
@@ -46,19 +47,7 @@ std::unique_ptr<Model> build_llama(const ModelConfig& cfg) {
   arch.o_bias = o_bias;
   arch.mlp_bias = false;
   arch.tied_lm_head = cfg.tie_word_embeddings;
-  FamilyNames names;
-  names.wte = "model.embed_tokens.weight";
-  names.lnf_w = "model.norm.weight";
-  names.lm_head = "lm_head.weight";
-  names.ln1_w = "model.layers.{}.input_layernorm.weight";
-  names.q_w = "model.layers.{}.self_attn.q_proj.weight";
-  names.q_b = "model.layers.{}.self_attn.q_proj.bias";
-  names.o_w = "model.layers.{}.self_attn.o_proj.weight";
-  names.o_b = "model.layers.{}.self_attn.o_proj.bias";
-  names.ln2_w = "model.layers.{}.post_attention_layernorm.weight";
-  names.fc_w = "model.layers.{}.mlp.gate_proj.weight";
-  names.proj_w = "model.layers.{}.mlp.down_proj.weight";
-  return std::make_unique<Model>(cfg, arch, std::move(t), names);
+  return std::make_unique<Model>(cfg, arch, std::move(t));
 }
 
 }  // namespace lathe

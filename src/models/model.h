@@ -3,6 +3,7 @@
 // kernels in kernels/cpu/ops.h. Model code knows nothing of parallelism or optimizers.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -38,17 +39,21 @@ struct ModelPtrs {
   std::vector<LayerPtrs> layers;
 };
 
-// Names of each family's tensors, so the generic body can find them in the table.
-struct FamilyNames {
-  std::string wte, wpe, lnf_w, lnf_b, lm_head;
-  // per-layer names with "{}" for the layer index
-  std::string ln1_w, ln1_b, q_w, q_b, o_w, o_b, ln2_w, ln2_b, fc_w, fc_b, proj_w, proj_b;
+// Called by the model at fixed points of a pass (all optional). Parallelism, recompute and
+// pipeline schedules attach here from outside; the model itself knows nothing of them.
+struct StepHooks {
+  // Before block `block` runs forward or backward: 0 = embedding, 1..L = decoder layers, L+1 = head.
+  std::function<void(int64_t block, bool backward)> before_block;
+  // The gradients in [begin, end) of the flat buffer are complete for this backward pass (every
+  // tensor is reported once, after the last block that adds to it: a tied wte after the embedding).
+  std::function<void(size_t begin, size_t end)> grads_ready;
 };
 
 class Model {
  public:
-  Model(ModelConfig cfg, Arch arch, ParamTable table, FamilyNames names);
-  virtual ~Model() = default;
+  // Finds every tensor the Arch needs by role in the table; a missing or duplicated required role
+  // is an error naming the role and layer (a misspelt bias cannot be dropped silently).
+  Model(ModelConfig cfg, Arch arch, ParamTable table);
 
   const ModelConfig& config() const { return cfg_; }
   const Arch& arch() const { return arch_; }
@@ -76,8 +81,21 @@ class Model {
   // tokens/targets [B, T] (targets < 0 are ignored). Returns the SUM of token losses.
   // With backward, gradients ACCUMULATE into grad_data() scaled by grad_scale (pass 1 / number of
   // target tokens of the whole global batch, so micro-batches add up to the mean loss).
+  // Composes the per-block passes below and calls the hooks.
   double forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, float grad_scale,
                           bool backward);
+  void set_hooks(StepHooks hooks) { hooks_ = std::move(hooks); }
+
+  // Per-block passes over the activations of (B, T) (block numbering as in StepHooks). Forward
+  // runs embedding, layers 0..L-1, head_loss in order; backward the reverse, after head_loss with
+  // backward = true. Gradients accumulate (+=).
+  void embedding_forward(const int32_t* tokens, int64_t B, int64_t T);
+  void layer_forward(int64_t l, int64_t B, int64_t T);
+  // Final norm, lm head and loss: returns the SUM of token losses; with backward also the head's
+  // gradients and d(final norm input), the start of layer_backward(L-1).
+  double head_loss(const int32_t* targets, int64_t B, int64_t T, float grad_scale, bool backward);
+  void layer_backward(int64_t l, int64_t B, int64_t T);
+  void embedding_backward(const int32_t* tokens, int64_t B, int64_t T);
   // logits [B, T, V] of every position (tests and parity checks).
   void forward_logits(const int32_t* tokens, int64_t B, int64_t T, float* logits);
   // logits [B, V] of the last position only (generation).
@@ -96,15 +114,19 @@ class Model {
 
  private:
   void forward_body(const int32_t* tokens, int64_t B, int64_t T);
+  void final_norm_forward(int64_t B, int64_t T);
+  void report_grads(int64_t block);
   // The activation arena's layout: returns its size in floats; with `m` also points m's
   // activations into `base` (m->la_ sized to the layer count by the caller).
   static int64_t layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, Model* m, float* base);
   ModelPtrs resolve(float* base) const;
+  // Tensors whose gradients are complete after each block's backward (block numbering of StepHooks).
+  std::vector<std::vector<std::pair<size_t, size_t>>> grad_ranges_by_block_;
+  StepHooks hooks_;
 
   ModelConfig cfg_;
   Arch arch_;
   ParamTable table_;
-  FamilyNames names_;
   Buffer<float> params_, grads_;
   ModelPtrs p_, g_;
 

@@ -28,6 +28,38 @@ enum class ShardRule : uint8_t {
   Vocab,       // split dim 0 of an embedding / lm_head over the vocabulary
 };
 
+// What a tensor is to the model body. The body finds its tensors by role (and layer) in the table,
+// never by name, and a required role that is missing is an error (models/transformer.cpp). Fused
+// GEMMs read several adjacent tensors as one: the first carries the role (QkvW = q, or GPT-2's
+// c_attn), the ones that continue it carry Role::Continues (llama's k, v, up).
+enum class Role : uint8_t {
+  None,
+  Continues,  // adjacent continuation of the previous tensor's role (k_proj/v_proj after q_proj, up after gate)
+  Wte,
+  Wpe,
+  Ln1W,
+  Ln1B,
+  QkvW,
+  QkvB,
+  OW,
+  OB,
+  Ln2W,
+  Ln2B,
+  FcW,  // GPT-2 c_fc; llama gate (gate|up fused)
+  FcB,
+  ProjW,
+  ProjB,
+  LnfW,
+  LnfB,
+  LmHead,
+};
+inline const char* role_name(Role r) {
+  static const char* const names[] = {"none",   "continues", "wte",   "wpe",   "ln1_w",  "ln1_b", "qkv_w",
+                                      "qkv_b",  "o_w",       "o_b",   "ln2_w", "ln2_b",  "fc_w",  "fc_b",
+                                      "proj_w", "proj_b",    "lnf_w", "lnf_b", "lm_head"};
+  return names[static_cast<size_t>(r)];
+}
+
 struct ParamSpec {
   std::string name;   // the Hugging Face state-dict name, e.g. "model.layers.0.self_attn.q_proj.weight"
   Shape shape;        // lathe layout: linear weights are [out, in] (nn.Linear)
@@ -37,7 +69,15 @@ struct ParamSpec {
   ShardRule shard = ShardRule::Replicated;
   bool decay = false;          // AdamW/LAMB weight decay applies (matrices yes; biases, norms no)
   bool hf_transposed = false;  // HF stores it transposed (GPT-2 Conv1D keeps [in, out])
+  Role role = Role::None;
+  int64_t layer = -1;  // decoder layer, -1 for the embedding and the head
   int64_t numel() const { return lathe::numel(shape); }
+  // t.add(...).as(Role::QkvW, i)
+  ParamSpec& as(Role r, int64_t layer_index = -1) {
+    role = r;
+    layer = layer_index;
+    return *this;
+  }
 };
 
 class ParamTable {

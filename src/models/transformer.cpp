@@ -21,47 +21,149 @@ uint64_t fnv1a(const std::string& s) {
   for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
   return h;
 }
-std::string layer_name(const std::string& pattern, int64_t i) { return fmt::format(fmt::runtime(pattern), i); }
 }  // namespace
 
-Model::Model(ModelConfig cfg, Arch arch, ParamTable table, FamilyNames names)
-    : cfg_(std::move(cfg)), arch_(arch), table_(std::move(table)), names_(std::move(names)) {
+Model::Model(ModelConfig cfg, Arch arch, ParamTable table)
+    : cfg_(std::move(cfg)), arch_(arch), table_(std::move(table)) {
   params_.resize(table_.total());
   grads_.resize(table_.total());
   p_ = resolve(params_.data());
   g_ = resolve(grads_.data());
+  // Which block's backward completes each tensor's gradient (StepHooks numbering).
+  const int64_t L = cfg_.num_hidden_layers;
+  grad_ranges_by_block_.assign(static_cast<size_t>(L + 2), {});
+  for (const ParamSpec& s : table_.specs()) {
+    const int64_t block = s.layer >= 0 ? s.layer + 1 : (s.role == Role::Wte || s.role == Role::Wpe) ? 0 : L + 1;
+    auto& ranges = grad_ranges_by_block_[static_cast<size_t>(block)];
+    const size_t b = s.offset, e = s.offset + static_cast<size_t>(s.numel());
+    if (!ranges.empty() && ranges.back().second == b)
+      ranges.back().second = e;  // adjacent tensors: one range
+    else
+      ranges.push_back({b, e});
+  }
 }
 
 ModelPtrs Model::resolve(float* base) const {
-  auto get = [&](const std::string& name) -> float* {
-    if (name.empty()) return nullptr;
-    const ParamSpec* s = table_.find(name);
-    return s ? base + s->offset : nullptr;
-  };
+  const int64_t L = cfg_.num_hidden_layers;
+  const int64_t C = cfg_.hidden_size, Q = (cfg_.num_attention_heads + 2 * cfg_.num_key_value_heads) * cfg_.head_dim(),
+                FF = arch_.gelu_mlp ? cfg_.intermediate_size : 2 * cfg_.intermediate_size;
   ModelPtrs m;
-  m.wte = get(names_.wte);
-  m.wpe = arch_.learned_pos ? get(names_.wpe) : nullptr;
-  m.lnf_w = get(names_.lnf_w);
-  m.lnf_b = arch_.layernorm ? get(names_.lnf_b) : nullptr;
-  m.lm_head = arch_.tied_lm_head ? m.wte : get(names_.lm_head);
-  for (int64_t i = 0; i < cfg_.num_hidden_layers; ++i) {
-    LayerPtrs l;
-    l.ln1_w = get(layer_name(names_.ln1_w, i));
-    l.ln2_w = get(layer_name(names_.ln2_w, i));
-    if (arch_.layernorm) {
-      l.ln1_b = get(layer_name(names_.ln1_b, i));
-      l.ln2_b = get(layer_name(names_.ln2_b, i));
+  m.layers.assign(static_cast<size_t>(L), {});
+  // Where each role's pointer goes, and whether this Arch needs it (a role present but unused
+  // would be ignored silently, so it is an error too).
+  auto slot = [&](Role r, int64_t layer, bool* needed) -> float** {
+    LayerPtrs* lp = layer >= 0 && layer < L ? &m.layers[static_cast<size_t>(layer)] : nullptr;
+    *needed = true;
+    switch (r) {
+      case Role::Wte:
+        return layer < 0 ? &m.wte : nullptr;
+      case Role::Wpe:
+        *needed = arch_.learned_pos;
+        return layer < 0 ? &m.wpe : nullptr;
+      case Role::LnfW:
+        return layer < 0 ? &m.lnf_w : nullptr;
+      case Role::LnfB:
+        *needed = arch_.layernorm;
+        return layer < 0 ? &m.lnf_b : nullptr;
+      case Role::LmHead:
+        *needed = !arch_.tied_lm_head;
+        return layer < 0 ? &m.lm_head : nullptr;
+      case Role::Ln1W:
+        return lp ? &lp->ln1_w : nullptr;
+      case Role::Ln1B:
+        *needed = arch_.layernorm;
+        return lp ? &lp->ln1_b : nullptr;
+      case Role::QkvW:
+        return lp ? &lp->qkv_w : nullptr;
+      case Role::QkvB:
+        *needed = arch_.qkv_bias;
+        return lp ? &lp->qkv_b : nullptr;
+      case Role::OW:
+        return lp ? &lp->o_w : nullptr;
+      case Role::OB:
+        *needed = arch_.o_bias;
+        return lp ? &lp->o_b : nullptr;
+      case Role::Ln2W:
+        return lp ? &lp->ln2_w : nullptr;
+      case Role::Ln2B:
+        *needed = arch_.layernorm;
+        return lp ? &lp->ln2_b : nullptr;
+      case Role::FcW:
+        return lp ? &lp->fc_w : nullptr;
+      case Role::FcB:
+        *needed = arch_.mlp_bias;
+        return lp ? &lp->fc_b : nullptr;
+      case Role::ProjW:
+        return lp ? &lp->proj_w : nullptr;
+      case Role::ProjB:
+        *needed = arch_.mlp_bias;
+        return lp ? &lp->proj_b : nullptr;
+      default:
+        return nullptr;
     }
-    l.qkv_w = get(layer_name(names_.q_w, i));
-    if (arch_.qkv_bias) l.qkv_b = get(layer_name(names_.q_b, i));
-    l.o_w = get(layer_name(names_.o_w, i));
-    if (arch_.o_bias) l.o_b = get(layer_name(names_.o_b, i));
-    l.fc_w = get(layer_name(names_.fc_w, i));
-    if (arch_.mlp_bias) l.fc_b = get(layer_name(names_.fc_b, i));
-    l.proj_w = get(layer_name(names_.proj_w, i));
-    if (arch_.mlp_bias) l.proj_b = get(layer_name(names_.proj_b, i));
-    m.layers.push_back(l);
+  };
+  // Fused groups (q|k|v, gate|up) are a role tensor followed by its Continues tensors: their
+  // total size must be what the body reads as one GEMM operand.
+  const ParamSpec* group = nullptr;
+  int64_t group_numel = 0;
+  auto close_group = [&]() {
+    if (!group) return;
+    int64_t want = -1;
+    if (group->role == Role::QkvW) want = Q * C;
+    if (group->role == Role::QkvB) want = Q;
+    if (group->role == Role::FcW) want = FF * C;
+    if (want >= 0 && group_numel != want)
+      throw_error("model table: '{}' ({} of layer {}) and the tensors continuing it hold {} values; the body reads {}",
+                  group->name, role_name(group->role), group->layer, group_numel, want);
+    group = nullptr;
+  };
+  const ParamSpec* prev = nullptr;
+  for (const ParamSpec& s : table_.specs()) {
+    if (s.role == Role::Continues) {
+      LATHE_CHECK(
+          group && prev && prev->offset + static_cast<size_t>(prev->numel()) == s.offset && s.layer == group->layer,
+          "model table: '{}' continues a fused tensor but does not directly follow one in its layer", s.name);
+      group_numel += s.numel();
+      prev = &s;
+      continue;
+    }
+    close_group();
+    prev = &s;
+    if (s.role == Role::None) continue;
+    bool needed = true;
+    float** p = slot(s.role, s.layer, &needed);
+    LATHE_CHECK(p != nullptr, "model table: '{}' has role {} with layer {}, which this body has no place for", s.name,
+                role_name(s.role), s.layer);
+    LATHE_CHECK(needed, "model table: '{}' has role {}, which this {} architecture does not use", s.name,
+                role_name(s.role), cfg_.model_type);
+    LATHE_CHECK(*p == nullptr, "model table: role {} of layer {} is given twice (second: '{}')", role_name(s.role),
+                s.layer, s.name);
+    *p = base + s.offset;
+    if (s.role == Role::QkvW || s.role == Role::QkvB || s.role == Role::FcW) group = &s, group_numel = s.numel();
   }
+  close_group();
+  // Every role this Arch needs must be present.
+  auto require = [&](float* ptr, Role r, int64_t layer) {
+    bool needed = true;
+    float** unused = slot(r, layer, &needed);
+    (void)unused;
+    LATHE_CHECK(!needed || ptr != nullptr, "model table has no tensor with role {}{} ({} needs one)", role_name(r),
+                layer >= 0 ? fmt::format(" for layer {}", layer) : std::string(), cfg_.model_type);
+  };
+  require(m.wte, Role::Wte, -1);
+  require(m.wpe, Role::Wpe, -1);
+  require(m.lnf_w, Role::LnfW, -1);
+  require(m.lnf_b, Role::LnfB, -1);
+  require(m.lm_head, Role::LmHead, -1);
+  for (int64_t i = 0; i < L; ++i) {
+    const LayerPtrs& l = m.layers[static_cast<size_t>(i)];
+    const std::pair<float*, Role> roles[] = {{l.ln1_w, Role::Ln1W}, {l.ln1_b, Role::Ln1B},   {l.qkv_w, Role::QkvW},
+                                             {l.qkv_b, Role::QkvB}, {l.o_w, Role::OW},       {l.o_b, Role::OB},
+                                             {l.ln2_w, Role::Ln2W}, {l.ln2_b, Role::Ln2B},   {l.fc_w, Role::FcW},
+                                             {l.fc_b, Role::FcB},   {l.proj_w, Role::ProjW}, {l.proj_b, Role::ProjB}};
+    for (auto& [ptr, role] : roles) require(ptr, role, i);
+  }
+  if (arch_.tied_lm_head) m.lm_head = m.wte;
   return m;
 }
 
@@ -170,65 +272,83 @@ void Model::allocate(int64_t B, int64_t T, int optimizer_moments) {
   if (!arch_.learned_pos) cpu::rope_tables(rope_cos_, rope_sin_, T, cfg_.head_dim(), cfg_.rope_theta);
 }
 
-void Model::forward_body(const int32_t* tokens, int64_t B, int64_t T) {
+// Shapes used below (per micro-batch): N = B*T rows; C hidden; H query heads, KV key/value heads
+// of D dims; Q = (H + 2KV) * D the fused q|k|v width; F the MLP width (FF = 2F for gate|up).
+#define LATHE_DIMS                                                                                            \
+  const int64_t N = B * T, C = cfg_.hidden_size, H = cfg_.num_attention_heads, KV = cfg_.num_key_value_heads, \
+                D = cfg_.head_dim(), Q = (H + 2 * KV) * D, F = cfg_.intermediate_size,                        \
+                FF = arch_.gelu_mlp ? F : 2 * F;                                                              \
+  (void)N, (void)C, (void)H, (void)KV, (void)D, (void)Q, (void)F, (void)FF
+
+void Model::embedding_forward(const int32_t* tokens, int64_t B, int64_t T) {
   LATHE_CHECK(B <= max_B_ && T <= max_T_, "batch {}x{} exceeds the allocated {}x{}", B, T, max_B_, max_T_);
-  const int64_t N = B * T, C = cfg_.hidden_size, H = cfg_.num_attention_heads, KV = cfg_.num_key_value_heads,
-                D = cfg_.head_dim(), Q = (H + 2 * KV) * D, F = cfg_.intermediate_size, FF = arch_.gelu_mlp ? F : 2 * F,
-                V = cfg_.vocab_size;
-  const float eps = static_cast<float>(cfg_.norm_eps);
+  LATHE_DIMS;
+  const int64_t V = cfg_.vocab_size;
   for (int64_t i = 0; i < N; ++i)
     LATHE_CHECK(tokens[i] >= 0 && tokens[i] < V, "token id {} at position {} is outside the vocabulary [0, {})",
                 tokens[i], i, V);
   // With T below the allocated length the RoPE tables still hold positions 0..T-1 in their
   // first T rows, so they can be used as they are.
   cpu::embedding_forward(emb_, tokens, p_.wte, p_.wpe, B, T, C);
-  const float* x = emb_;
-  for (size_t l = 0; l < la_.size(); ++l) {
-    const LayerPtrs& w = p_.layers[l];
-    LayerActs& a = la_[l];
-    if (arch_.layernorm)
-      cpu::layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1_w, w.ln1_b, N, C, eps);
-    else
-      cpu::rmsnorm_forward(a.ln1, a.ln1_rstd, x, w.ln1_w, N, C, eps);
-    cpu::matmul_forward(a.qkv, a.ln1, w.qkv_w, w.qkv_b, N, C, Q);
-    if (!arch_.learned_pos) {
-      cpu::rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, D, Q);
-      cpu::rope_forward(a.qkv + H * D, rope_cos_, rope_sin_, B, T, KV, D, Q);
-    }
-    cpu::attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D, scratch_);
-    cpu::matmul_forward(a.res1, a.att, w.o_w, w.o_b, N, H * D, C);
-    cpu::residual_forward(a.res1, a.res1, x, N * C);
-    if (arch_.layernorm)
-      cpu::layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res1, w.ln2_w, w.ln2_b, N, C, eps);
-    else
-      cpu::rmsnorm_forward(a.ln2, a.ln2_rstd, a.res1, w.ln2_w, N, C, eps);
-    cpu::matmul_forward(a.fc, a.ln2, w.fc_w, w.fc_b, N, C, FF);
-    if (arch_.gelu_mlp)
-      cpu::gelu_forward(a.act, a.fc, N * F);
-    else
-      cpu::swiglu_forward(a.act, a.fc, N, F);
-    cpu::matmul_forward(a.res2, a.act, w.proj_w, w.proj_b, N, F, C);
-    cpu::residual_forward(a.res2, a.res2, a.res1, N * C);
-    x = a.res2;
+}
+
+void Model::layer_forward(int64_t l, int64_t B, int64_t T) {
+  LATHE_DIMS;
+  const float eps = static_cast<float>(cfg_.norm_eps);
+  const LayerPtrs& w = p_.layers[static_cast<size_t>(l)];
+  LayerActs& a = la_[static_cast<size_t>(l)];
+  const float* x = l == 0 ? emb_ : la_[static_cast<size_t>(l) - 1].res2;  // [N, C] residual stream in
+  if (arch_.layernorm)
+    cpu::layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1_w, w.ln1_b, N, C, eps);
+  else
+    cpu::rmsnorm_forward(a.ln1, a.ln1_rstd, x, w.ln1_w, N, C, eps);
+  cpu::matmul_forward(a.qkv, a.ln1, w.qkv_w, w.qkv_b, N, C, Q);
+  if (!arch_.learned_pos) {
+    cpu::rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, D, Q);
+    cpu::rope_forward(a.qkv + H * D, rope_cos_, rope_sin_, B, T, KV, D, Q);
   }
+  cpu::attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D, scratch_);
+  cpu::matmul_forward(a.res1, a.att, w.o_w, w.o_b, N, H * D, C);
+  cpu::residual_forward(a.res1, a.res1, x, N * C);
+  if (arch_.layernorm)
+    cpu::layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res1, w.ln2_w, w.ln2_b, N, C, eps);
+  else
+    cpu::rmsnorm_forward(a.ln2, a.ln2_rstd, a.res1, w.ln2_w, N, C, eps);
+  cpu::matmul_forward(a.fc, a.ln2, w.fc_w, w.fc_b, N, C, FF);
+  if (arch_.gelu_mlp)
+    cpu::gelu_forward(a.act, a.fc, N * F);
+  else
+    cpu::swiglu_forward(a.act, a.fc, N, F);
+  cpu::matmul_forward(a.res2, a.act, w.proj_w, w.proj_b, N, F, C);
+  cpu::residual_forward(a.res2, a.res2, a.res1, N * C);
+}
+
+void Model::final_norm_forward(int64_t B, int64_t T) {
+  LATHE_DIMS;
+  const float eps = static_cast<float>(cfg_.norm_eps);
+  const float* x = la_.empty() ? emb_ : la_.back().res2;
   if (arch_.layernorm)
     cpu::layernorm_forward(lnf_, lnf_mean_, lnf_rstd_, x, p_.lnf_w, p_.lnf_b, N, C, eps);
   else
     cpu::rmsnorm_forward(lnf_, lnf_rstd_, x, p_.lnf_w, N, C, eps);
 }
 
-double Model::forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, float grad_scale,
-                               bool backward) {
-  forward_body(tokens, B, T);
-  const int64_t N = B * T, C = cfg_.hidden_size, H = cfg_.num_attention_heads, KV = cfg_.num_key_value_heads,
-                D = cfg_.head_dim(), Q = (H + 2 * KV) * D, F = cfg_.intermediate_size, FF = arch_.gelu_mlp ? F : 2 * F,
-                V = cfg_.vocab_size;
+// Forward up to the final norm (logits and generation use it without the loss).
+void Model::forward_body(const int32_t* tokens, int64_t B, int64_t T) {
+  embedding_forward(tokens, B, T);
+  for (int64_t l = 0; l < static_cast<int64_t>(la_.size()); ++l) layer_forward(l, B, T);
+  final_norm_forward(B, T);
+}
+
+double Model::head_loss(const int32_t* targets, int64_t B, int64_t T, float grad_scale, bool backward) {
+  LATHE_DIMS;
+  const int64_t V = cfg_.vocab_size;
+  final_norm_forward(B, T);
   // targets are range-checked by lm_head_loss
   float* dlm = arch_.tied_lm_head ? g_.wte : g_.lm_head;
-  double loss_sum = cpu::lm_head_loss(losses_, dln_, dlm, lnf_, p_.lm_head, targets, N, C, V, grad_scale, backward,
-                                      scratch_, chunk_rows_);
+  const double loss_sum = cpu::lm_head_loss(losses_, dln_, dlm, lnf_, p_.lm_head, targets, N, C, V, grad_scale,
+                                            backward, scratch_, chunk_rows_);
   if (!backward) return loss_sum;
-
   // dres_ carries dL/d(residual stream) downwards; norms add into it.
   std::memset(dres_, 0, sizeof(float) * N * C);
   const float* x_last = la_.empty() ? emb_ : la_.back().res2;
@@ -236,37 +356,74 @@ double Model::forward_backward(const int32_t* tokens, const int32_t* targets, in
     cpu::layernorm_backward(dres_, g_.lnf_w, g_.lnf_b, dln_, x_last, p_.lnf_w, lnf_mean_, lnf_rstd_, N, C, scratch_);
   else
     cpu::rmsnorm_backward(dres_, g_.lnf_w, dln_, x_last, p_.lnf_w, lnf_rstd_, N, C, scratch_);
+  return loss_sum;
+}
 
-  for (int64_t l = static_cast<int64_t>(la_.size()) - 1; l >= 0; --l) {
-    const LayerPtrs& w = p_.layers[l];
-    const LayerPtrs& gw = g_.layers[l];
-    LayerActs& a = la_[l];
-    const float* x = l == 0 ? emb_ : la_[l - 1].res2;
-    // MLP: res2 = res1 + proj(act(fc(norm2(res1))))
-    cpu::matmul_backward(dact_, gw.proj_w, gw.proj_b, dres_, a.act, w.proj_w, N, F, C);
-    if (arch_.gelu_mlp)
-      cpu::gelu_backward(dfc_, a.fc, dact_, N * F);
-    else
-      cpu::swiglu_backward(dfc_, a.fc, dact_, N, F);
-    cpu::matmul_backward(dln_, gw.fc_w, gw.fc_b, dfc_, a.ln2, w.fc_w, N, C, FF);
-    if (arch_.layernorm)
-      cpu::layernorm_backward(dres_, gw.ln2_w, gw.ln2_b, dln_, a.res1, w.ln2_w, a.ln2_mean, a.ln2_rstd, N, C, scratch_);
-    else
-      cpu::rmsnorm_backward(dres_, gw.ln2_w, dln_, a.res1, w.ln2_w, a.ln2_rstd, N, C, scratch_);
-    // Attention: res1 = x + o(attn(qkv(norm1(x))))
-    cpu::matmul_backward(datt_, gw.o_w, gw.o_b, dres_, a.att, w.o_w, N, H * D, C);
-    cpu::attention_backward(dqkv_, datt_, a.qkv, a.att, a.lse, B, T, H, KV, D, scratch_);
-    if (!arch_.learned_pos) {
-      cpu::rope_backward(dqkv_, rope_cos_, rope_sin_, B, T, H, D, Q);
-      cpu::rope_backward(dqkv_ + H * D, rope_cos_, rope_sin_, B, T, KV, D, Q);
-    }
-    cpu::matmul_backward(dln_, gw.qkv_w, gw.qkv_b, dqkv_, a.ln1, w.qkv_w, N, C, Q);
-    if (arch_.layernorm)
-      cpu::layernorm_backward(dres_, gw.ln1_w, gw.ln1_b, dln_, x, w.ln1_w, a.ln1_mean, a.ln1_rstd, N, C, scratch_);
-    else
-      cpu::rmsnorm_backward(dres_, gw.ln1_w, dln_, x, w.ln1_w, a.ln1_rstd, N, C, scratch_);
+void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
+  LATHE_DIMS;
+  const LayerPtrs& w = p_.layers[static_cast<size_t>(l)];
+  const LayerPtrs& gw = g_.layers[static_cast<size_t>(l)];
+  LayerActs& a = la_[static_cast<size_t>(l)];
+  const float* x = l == 0 ? emb_ : la_[static_cast<size_t>(l) - 1].res2;
+  // MLP: res2 = res1 + proj(act(fc(norm2(res1))))
+  cpu::matmul_backward(dact_, gw.proj_w, gw.proj_b, dres_, a.act, w.proj_w, N, F, C);
+  if (arch_.gelu_mlp)
+    cpu::gelu_backward(dfc_, a.fc, dact_, N * F);
+  else
+    cpu::swiglu_backward(dfc_, a.fc, dact_, N, F);
+  cpu::matmul_backward(dln_, gw.fc_w, gw.fc_b, dfc_, a.ln2, w.fc_w, N, C, FF);
+  if (arch_.layernorm)
+    cpu::layernorm_backward(dres_, gw.ln2_w, gw.ln2_b, dln_, a.res1, w.ln2_w, a.ln2_mean, a.ln2_rstd, N, C, scratch_);
+  else
+    cpu::rmsnorm_backward(dres_, gw.ln2_w, dln_, a.res1, w.ln2_w, a.ln2_rstd, N, C, scratch_);
+  // Attention: res1 = x + o(attn(qkv(norm1(x))))
+  cpu::matmul_backward(datt_, gw.o_w, gw.o_b, dres_, a.att, w.o_w, N, H * D, C);
+  cpu::attention_backward(dqkv_, datt_, a.qkv, a.att, a.lse, B, T, H, KV, D, scratch_);
+  if (!arch_.learned_pos) {
+    cpu::rope_backward(dqkv_, rope_cos_, rope_sin_, B, T, H, D, Q);
+    cpu::rope_backward(dqkv_ + H * D, rope_cos_, rope_sin_, B, T, KV, D, Q);
   }
-  cpu::embedding_backward(g_.wte, g_.wpe, dres_, tokens, B, T, C);
+  cpu::matmul_backward(dln_, gw.qkv_w, gw.qkv_b, dqkv_, a.ln1, w.qkv_w, N, C, Q);
+  if (arch_.layernorm)
+    cpu::layernorm_backward(dres_, gw.ln1_w, gw.ln1_b, dln_, x, w.ln1_w, a.ln1_mean, a.ln1_rstd, N, C, scratch_);
+  else
+    cpu::rmsnorm_backward(dres_, gw.ln1_w, dln_, x, w.ln1_w, a.ln1_rstd, N, C, scratch_);
+}
+
+void Model::embedding_backward(const int32_t* tokens, int64_t B, int64_t T) {
+  cpu::embedding_backward(g_.wte, g_.wpe, dres_, tokens, B, T, cfg_.hidden_size);
+}
+#undef LATHE_DIMS
+
+void Model::report_grads(int64_t block) {
+  if (!hooks_.grads_ready) return;
+  for (const auto& [b, e] : grad_ranges_by_block_[static_cast<size_t>(block)]) hooks_.grads_ready(b, e);
+}
+
+double Model::forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, float grad_scale,
+                               bool backward) {
+  const int64_t L = static_cast<int64_t>(la_.size());
+  auto before = [&](int64_t block, bool bwd) {
+    if (hooks_.before_block) hooks_.before_block(block, bwd);
+  };
+  before(0, false);
+  embedding_forward(tokens, B, T);
+  for (int64_t l = 0; l < L; ++l) {
+    before(l + 1, false);
+    layer_forward(l, B, T);
+  }
+  before(L + 1, false);
+  const double loss_sum = head_loss(targets, B, T, grad_scale, backward);
+  if (!backward) return loss_sum;
+  report_grads(L + 1);
+  for (int64_t l = L - 1; l >= 0; --l) {
+    before(l + 1, true);
+    layer_backward(l, B, T);
+    report_grads(l + 1);
+  }
+  before(0, true);
+  embedding_backward(tokens, B, T);
+  report_grads(0);
   return loss_sum;
 }
 

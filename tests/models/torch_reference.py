@@ -16,6 +16,11 @@ import numpy as np
 import torch
 
 TOL = 1e-4
+# Parameters after 3 AdamW steps: Adam divides by sqrt(v), so an element whose gradient is near
+# zero turns fp32 summation noise into a visible step. Which OpenBLAS kernel runs decides that
+# noise: 1.4e-5 with the SkylakeX/default kernels, 1.53e-4 for llama untied+bias (v_proj) with
+# OPENBLAS_CORETYPE=Haswell or Zen (measured 2026-11-30, gradients themselves within 4.2e-6).
+TOL_AFTER_STEPS = 3e-4
 DTYPES = {"F32": np.float32, "I32": np.int32, "F64": np.float64, "BF16": None, "F16": np.float16}
 
 
@@ -131,13 +136,13 @@ class Model(torch.nn.Module):
 failures = []
 
 
-def compare(what, lathe_t, torch_t):
+def compare(what, lathe_t, torch_t, tol=TOL):
     lathe_t = lathe_t.double()
     torch_t = torch_t.detach().double()
     assert lathe_t.shape == torch_t.shape, f"{what}: shape {tuple(lathe_t.shape)} vs {tuple(torch_t.shape)}"
     scale = torch_t.abs().max().item()
     err = (lathe_t - torch_t).abs().max().item() / (scale if scale > 0 else 1.0)
-    if not (err <= TOL):
+    if not (err <= tol):
         failures.append(f"{what}: relative error {err:.3e} (max |torch| {scale:.3e})")
     return err
 
@@ -185,9 +190,9 @@ def main(d):
         opt.step()
     pmax = 0.0
     for name in sd:
-        pmax = max(pmax, compare(f"param after 3 steps {name}", after[name], model.w(name)))
+        pmax = max(pmax, compare(f"param after 3 steps {name}", after[name], model.w(name), TOL_AFTER_STEPS))
     worst["params_after_3_steps"] = pmax
-    print(f"{cfg['model_type']}: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()) + f" (tolerance {TOL})")
+    print(f"{cfg['model_type']}: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()) + f" (tolerance {TOL}; {TOL_AFTER_STEPS} after steps)")
     if failures:
         print("MISMATCH:\n  " + "\n  ".join(failures[:30]))
         return 1
