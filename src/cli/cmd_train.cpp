@@ -8,6 +8,7 @@
 
 #include "cli/command.h"
 #include "config/recipe.h"
+#include "dist/comm.h"
 #include "train/trainer.h"
 
 namespace {
@@ -38,7 +39,10 @@ int run_train(int argc, char** argv) {
   if (save_every >= 0) sets.push_back(fmt::format("output.save_every={}", save_every));
   if (checkpoint_every >= 0) sets.push_back(fmt::format("output.checkpoint_every={}", checkpoint_every));
   lathe::Recipe recipe = lathe::load_recipe(recipe_path, sets);
+  // Under mpirun/srun every process runs this; alone it is a one-rank world (no MPI needed).
+  auto world = lathe::dist::make_world_communicator(recipe.parallel.timeout_s);
   lathe::TrainOptions opts;
+  opts.world = world.get();
   opts.quiet = quiet;
   opts.resume = resume;
   opts.force_resume_changes = force;

@@ -282,7 +282,8 @@ std::string value_str(const json& v) {
 
 // ---------------------------------------------------------------------------------------------
 
-const std::vector<std::string> kSections = {"model", "data", "optimizer", "schedule", "training", "output"};
+const std::vector<std::string> kSections = {"model",    "data",     "optimizer", "schedule",
+                                            "training", "parallel", "output"};
 const std::map<std::string, std::vector<std::string>> kSectionKeys = {
     {"data", {"train", "valid", "valid_fraction", "tokenizer", "prefetch"}},
     {"optimizer", {"name", "lr", "beta1", "beta2", "eps", "weight_decay", "grad_clip"}},
@@ -291,6 +292,7 @@ const std::map<std::string, std::vector<std::string>> kSectionKeys = {
      {"micro_batch_size", "seq_len", "grad_accum_steps", "steps", "seed", "eval_interval", "eval_batches",
       "log_interval", "threads", "peak_gflops", "resume"}},
     {"output", {"dir", "save_every", "checkpoint_every", "keep_last"}},
+    {"parallel", {"data", "tensor", "pipeline", "zero", "bucket_mb", "timeout_s"}},
 };
 const std::vector<std::string> kModelBaseKeys = {"preset", "init_from", "config"};
 const std::vector<std::string> kSchedules = {"cosine", "linear", "constant", "wsd"};
@@ -358,6 +360,14 @@ class Parser {
     get_int(out, "output", "save_every", &r.output.save_every);
     get_int(out, "output", "checkpoint_every", &r.output.checkpoint_every);
     get_int(out, "output", "keep_last", &r.output.keep_last);
+
+    json par = section("parallel");
+    get_int(par, "parallel", "data", &r.parallel.data);
+    get_int(par, "parallel", "tensor", &r.parallel.tensor);
+    get_int(par, "parallel", "pipeline", &r.parallel.pipeline);
+    get_int(par, "parallel", "zero", &r.parallel.zero);
+    get_double(par, "parallel", "bucket_mb", &r.parallel.bucket_mb);
+    get_double(par, "parallel", "timeout_s", &r.parallel.timeout_s);
 
     validate(r);
     return r;
@@ -581,9 +591,10 @@ class Parser {
     in_range("training.log_interval", t.log_interval, 1, kMaxSteps);
     in_range("training.threads", t.threads, 0, kMaxThreads, " (0 = all cores)");
     // Sample and token counters of the run (consumed_samples, tokens seen) must fit 64 bits.
-    checked_product({t.steps, t.micro_batch_size, t.grad_accum_steps, t.seq_len},
-                    fmt::format("{}: training.steps x micro_batch_size x grad_accum_steps x seq_len (tokens of "
-                                "the run)",
+    checked_product({t.steps, t.micro_batch_size, t.grad_accum_steps, t.seq_len,
+                     std::max<int64_t>(1, std::min<int64_t>(r.parallel.data, kMaxRanks))},
+                    fmt::format("{}: training.steps x micro_batch_size x grad_accum_steps x seq_len x parallel.data "
+                                "(tokens of the run)",
                                 src_));
     need(t.peak_gflops >= 0 && std::isfinite(t.peak_gflops), "training.peak_gflops",
          fmt::format("{} must be >= 0 (0 = measure)", t.peak_gflops));
@@ -620,6 +631,17 @@ class Parser {
     in_range("output.save_every", r.output.save_every, 0, kMaxSteps, " (0 = only at the end)");
     in_range("output.checkpoint_every", r.output.checkpoint_every, 0, kMaxSteps, " (0 = no periodic checkpoints)");
     in_range("output.keep_last", r.output.keep_last, 0, kMaxKeepLast, " (0 = keep every checkpoint)");
+    // parallel (the degrees against the world size: when training starts, train/trainer.cpp)
+    const auto& p = r.parallel;
+    in_range("parallel.data", p.data, 0, kMaxRanks, " (0 = all processes not used by tensor/pipeline)");
+    need(p.tensor == 1, "parallel.tensor",
+         fmt::format("{}: tensor parallelism is not implemented yet; use 1 (data parallelism: parallel.data)", p.tensor));
+    need(p.pipeline == 1, "parallel.pipeline",
+         fmt::format("{}: pipeline parallelism is not implemented yet; use 1 (data parallelism: parallel.data)",
+                     p.pipeline));
+    in_range("parallel.zero", p.zero, 0, 2, " (0: replicated optimizer, 1: sharded moments, 2: also gradients)");
+    need(p.bucket_mb > 0 && p.bucket_mb <= 65536, "parallel.bucket_mb", fmt::format("{} must be in (0, 65536]", p.bucket_mb));
+    need(p.timeout_s >= 0, "parallel.timeout_s", fmt::format("{} must be >= 0 (0 = no watchdog)", p.timeout_s));
   }
 };
 
@@ -725,6 +747,9 @@ json Recipe::to_json() const {
                    {"threads", training.threads},
                    {"peak_gflops", training.peak_gflops},
                    {"resume", training.resume}};
+  j["parallel"] = {{"data", parallel.data},         {"tensor", parallel.tensor},
+                   {"pipeline", parallel.pipeline}, {"zero", parallel.zero},
+                   {"bucket_mb", parallel.bucket_mb}, {"timeout_s", parallel.timeout_s}};
   j["output"] = {{"dir", output.dir},
                  {"save_every", output.save_every},
                  {"checkpoint_every", output.checkpoint_every},

@@ -31,6 +31,7 @@
 // "optimizer.lr=1e-3"); the value is parsed as a YAML scalar and applied before validation. An
 // unknown key in an override is reported like one in the file, mentioning --set.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -53,6 +54,7 @@ constexpr int64_t kMaxEvalBatches = 1'000'000;    // training.eval_batches in [1
 constexpr int64_t kMaxThreads = 4096;             // training.threads in [0, 4096]
 constexpr int64_t kMaxPrefetch = 64;              // data.prefetch in [0, 64]
 constexpr int64_t kMaxKeepLast = 1'000'000;       // output.keep_last in [0, 1e6]
+constexpr int64_t kMaxRanks = 1 << 20;            // parallel degrees
 
 struct Recipe {
   std::string source;  // file path (or the name given to parse_recipe)
@@ -97,6 +99,16 @@ struct Recipe {
     std::string resume;
   } training;
 
+  // Multi-process layout (issue 8). The product of the degrees is the number of processes
+  // (mpirun -np); checked against the world size when training starts.
+  struct Parallel {
+    int64_t data = 0;        // data-parallel degree; 0 = world size / (tensor x pipeline)
+    int64_t tensor = 1;      // must be 1 until tensor parallelism lands
+    int64_t pipeline = 1;    // must be 1 until pipeline parallelism lands
+    int64_t zero = 0;        // 0: replicated optimizer; 1: moments sharded; 2: also gradients
+    double bucket_mb = 25;   // gradient reduction bucket size (fp32 MB), > 0
+    double timeout_s = 300;  // a collective not done after this long aborts the job (0 = never)
+  } parallel;
   struct Output {
     std::string dir = "runs/default";
     int64_t save_every = 0;  // HF model dir every N steps; 0 = only at the end
@@ -109,6 +121,12 @@ struct Recipe {
   nlohmann::json to_json() const;  // fully resolved (model as HF fields)
   std::string to_yaml() const;     // resolved recipe, printable and re-loadable
 };
+
+// Samples per optimizer step: micro_batch_size x grad_accum_steps x parallel.data (0 counts as 1:
+// the degree is resolved against the world size when training starts).
+inline int64_t global_batch_samples(const Recipe& r) {
+  return r.training.micro_batch_size * r.training.grad_accum_steps * std::max<int64_t>(1, r.parallel.data);
+}
 
 Recipe load_recipe(const std::string& path, const std::vector<std::string>& overrides = {});
 Recipe parse_recipe(const std::string& yaml_text, const std::string& source,

@@ -38,16 +38,20 @@ std::vector<int64_t> all_samples(int64_t num_samples) {
 }
 
 DataLoader::DataLoader(std::shared_ptr<const IndexedDataset> ds, std::vector<int64_t> sample_ids, int64_t batch_size,
-                       int64_t seq_len, uint64_t seed, bool shuffle, int prefetch)
+                       int64_t seq_len, uint64_t seed, bool shuffle, int prefetch, int64_t row_begin, int64_t row_count)
     : ds_(std::move(ds)),
       sample_ids_(std::move(sample_ids)),
       batch_size_(batch_size),
       seq_len_(seq_len),
+      row_begin_(row_begin),
+      row_count_(row_count > 0 ? row_count : batch_size),
       seed_(seed),
       shuffle_(shuffle),
       prefetch_(prefetch) {
   LATHE_CHECK(ds_ != nullptr, "DataLoader: no dataset");
   LATHE_CHECK(batch_size_ > 0, "DataLoader: batch_size must be positive, got {}", batch_size_);
+  LATHE_CHECK(row_begin_ >= 0 && row_begin_ + row_count_ <= batch_size_,
+              "DataLoader: rows [{}, {}) outside a batch of {}", row_begin_, row_begin_ + row_count_, batch_size_);
   LATHE_CHECK(seq_len_ > 0, "DataLoader: seq_len must be positive, got {}", seq_len_);
   LATHE_CHECK(prefetch_ >= 0, "DataLoader: prefetch must be >= 0, got {}", prefetch_);
   const int64_t n = num_samples(ds_->total_tokens(), seq_len_);
@@ -90,10 +94,10 @@ void DataLoader::produce(LoaderState& st, Batch& b) {
     order_epoch_ = st.epoch;
   }
   const int64_t S = seq_len_;
-  b.inputs.resize(static_cast<size_t>(batch_size_ * S));
-  b.targets.resize(static_cast<size_t>(batch_size_ * S));
-  for (int64_t r = 0; r < batch_size_; ++r) {
-    int64_t sample = order_[static_cast<size_t>(st.position + r)];
+  b.inputs.resize(static_cast<size_t>(row_count_ * S));
+  b.targets.resize(static_cast<size_t>(row_count_ * S));
+  for (int64_t r = 0; r < row_count_; ++r) {
+    int64_t sample = order_[static_cast<size_t>(st.position + row_begin_ + r)];
     ds_->read_global(sample * S, S + 1, window_.data());
     std::memcpy(b.inputs.data() + r * S, window_.data(), S * sizeof(int32_t));
     std::memcpy(b.targets.data() + r * S, window_.data() + 1, S * sizeof(int32_t));
@@ -152,7 +156,7 @@ void DataLoader::worker_loop() {
 }
 
 double DataLoader::next(int32_t* inputs, int32_t* targets) {
-  const size_t n = static_cast<size_t>(batch_size_ * seq_len_);
+  const size_t n = static_cast<size_t>(row_count_ * seq_len_);
   if (prefetch_ == 0) {
     double t0 = now_seconds();
     produce(prod_state_, sync_batch_);

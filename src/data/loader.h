@@ -45,14 +45,17 @@ class DataLoader {
   // lathe::Rng (Fisher-Yates) seeded from (seed, epoch). The tail that does not fill a batch is
   // dropped for that epoch (a different tail every epoch when shuffled).
   // prefetch: batches prepared ahead on a background thread (0 = prepared in next()).
+  // rows: [row_begin, row_begin + row_count) of every batch are read and handed out (a data-parallel
+  // rank's part of the global batch); row_count 0 = the whole batch. The sample order, epochs and
+  // LoaderState are those of the whole batch, so they do not depend on how it is split.
   DataLoader(std::shared_ptr<const IndexedDataset> ds, std::vector<int64_t> sample_ids, int64_t batch_size,
-             int64_t seq_len, uint64_t seed, bool shuffle, int prefetch);
+             int64_t seq_len, uint64_t seed, bool shuffle, int prefetch, int64_t row_begin = 0, int64_t row_count = 0);
   ~DataLoader();
   DataLoader(const DataLoader&) = delete;
   DataLoader& operator=(const DataLoader&) = delete;
 
-  // inputs, targets: [B, S] row-major int32. Moves to the next (reshuffled) epoch when the current
-  // one is exhausted. Returns the seconds spent waiting for data.
+  // inputs, targets: [rows, S] row-major int32 (rows = row_count, or batch_size). Moves to the next (reshuffled) epoch
+  // when the current one is exhausted. Returns the seconds spent waiting for data.
   double next(int32_t* inputs, int32_t* targets);
   LoaderState state() const;  // batches handed out so far, not what the prefetcher is working on
   void restore(const LoaderState& st);
@@ -77,7 +80,7 @@ class DataLoader {
 
   std::shared_ptr<const IndexedDataset> ds_;
   std::vector<int64_t> sample_ids_;
-  int64_t batch_size_, seq_len_;
+  int64_t batch_size_, seq_len_, row_begin_, row_count_;
   uint64_t seed_;
   bool shuffle_;
   int prefetch_;

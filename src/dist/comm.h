@@ -113,6 +113,9 @@ class Communicator {
   WorkPtr recv_async(void* buf, size_t bytes, int src, int tag);
   void barrier();
 
+  // Training step shown by the watchdog when an operation of this group times out.
+  void set_step(int64_t step) { watchdog_->set_step(step); }
+
   // Waits for every operation issued so far.
   void synchronize();
   // Operations issued so far (the sequence number the watchdog reports).

@@ -28,6 +28,13 @@ class ShardedOptimizer {
   size_t state_end() const { return zero_ ? shards_.end(dp_.rank()) : shards_.total(); }
   optim::Optimizer& local() { return *opt_; }
 
+  // Takes this rank's part [state_begin, state_end) of full-size moments (a checkpoint loaded into
+  // an unsharded optimizer of the same kind): the checkpoint format is independent of the layout.
+  void adopt_state(optim::Optimizer& full);
+  // The inverse, for saving: rank 0 receives every rank's moments into `full` (a full-size
+  // optimizer of the same kind; nullptr on other ranks). Collective over the data-parallel group.
+  void gather_state(optim::Optimizer* full);
+
   // L2 norm of the reduced gradients (GradSync::finish done): whole buffer for zero 0, shards
   // summed across ranks otherwise.
   double grad_norm(const float* grads);

@@ -143,25 +143,26 @@ optim::ScheduleConfig schedule_config(const Recipe& r) {
 void check_resume_state(const CheckpointState& cs, const Recipe& r, int64_t train_samples, bool exact,
                         const std::string& ckpt) {
   const std::string sp = (fs::path(ckpt) / "state.json").string();
-  const int64_t B = r.training.micro_batch_size, accum = r.training.grad_accum_steps;
+  const int64_t G = global_batch_samples(r);
   LATHE_CHECK(cs.step <= r.training.steps,
               "{}: field 'step' is {}, beyond training.steps = {}; raise training.steps to continue", sp, cs.step,
               r.training.steps);
-  const int64_t batches = checked_mul(cs.step, accum, "state.json step x training.grad_accum_steps");
-  const int64_t consumed = checked_mul(batches, B, "state.json step x grad_accum_steps x micro_batch_size");
+  // One loader batch is one global batch (micro_batch_size x grad_accum_steps x parallel.data).
+  const int64_t batches = cs.step;
+  const int64_t consumed = checked_mul(batches, G, "state.json step x global batch");
   LATHE_CHECK(cs.consumed_samples == consumed,
-              "{}: field 'consumed_samples' is {} but step {} x training.micro_batch_size {} x "
-              "training.grad_accum_steps {} = {}",
-              sp, cs.consumed_samples, cs.step, B, accum, consumed);
+              "{}: field 'consumed_samples' is {} but step {} x global batch {} (training.micro_batch_size x "
+              "grad_accum_steps x parallel.data) = {}",
+              sp, cs.consumed_samples, cs.step, G, consumed);
   // The loader hands out whole batches and starts a new epoch when the next batch would not fit,
   // so `batches` batches put it at exactly one (epoch, position).
-  const int64_t per_epoch = train_samples / B;
+  const int64_t per_epoch = train_samples / G;
   if (exact && per_epoch > 0) {
-    const int64_t epoch = batches / per_epoch, position = (batches % per_epoch) * B;
+    const int64_t epoch = batches / per_epoch, position = (batches % per_epoch) * G;
     LATHE_CHECK(cs.loader.epoch == epoch && cs.loader.position == position,
                 "{}: field 'loader' is epoch {} position {} but {} batches of {} samples over {} training samples "
                 "end at epoch {} position {} (the checkpoint belongs to other data or was edited)",
-                sp, cs.loader.epoch, cs.loader.position, batches, B, train_samples, epoch, position);
+                sp, cs.loader.epoch, cs.loader.position, batches, G, train_samples, epoch, position);
   } else {
     LATHE_CHECK(cs.loader.position <= train_samples,
                 "{}: field 'loader.position' is {} but this data has {} training samples per epoch", sp,
@@ -203,12 +204,14 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
     pf.valid_samples = std::move(split.valid);
     pf.valid_ds = pf.train_ds;
   }
-  LATHE_CHECK(static_cast<int64_t>(pf.train_samples.size()) >= B,
-              "data.train {}: {} tokens give only {} training samples of seq_len {}, fewer than "
-              "training.micro_batch_size {}",
-              r.data.train, pf.train_ds->total_tokens(), pf.train_samples.size(), T, B);
-  log.ok(fmt::format("data.train {}: {} tokens, {} training samples of seq_len {} (>= micro_batch_size {})",
-                     r.data.train, pf.train_ds->total_tokens(), pf.train_samples.size(), T, B));
+  const int64_t G = global_batch_samples(r);
+  LATHE_CHECK(static_cast<int64_t>(pf.train_samples.size()) >= G,
+              "data.train {}: {} tokens give only {} training samples of seq_len {}, fewer than one global batch: "
+              "training.micro_batch_size {} x grad_accum_steps {} x parallel.data {} = {}",
+              r.data.train, pf.train_ds->total_tokens(), pf.train_samples.size(), T, B, r.training.grad_accum_steps,
+              std::max<int64_t>(1, r.parallel.data), G);
+  log.ok(fmt::format("data.train {}: {} tokens, {} training samples of seq_len {} (>= global batch {})", r.data.train,
+                     pf.train_ds->total_tokens(), pf.train_samples.size(), T, G));
   log.ok(fmt::format("validation: {} samples ({})", pf.valid_samples.size(),
                      r.data.valid.empty() ? fmt::format("data.valid_fraction {} of data.train", r.data.valid_fraction)
                                           : "data.valid " + r.data.valid));

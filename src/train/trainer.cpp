@@ -4,13 +4,16 @@
 #include <omp.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "core/blas_env.h"
 #include "core/sysinfo.h"
@@ -20,6 +23,8 @@
 #include "optim/clip.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
+#include "parallel/grad_sync.h"
+#include "parallel/sharded_optimizer.h"
 #include "tokenizer/tokenizer.h"
 #include "train/checkpoint.h"
 #include "train/consistency.h"
@@ -107,6 +112,35 @@ void trim_metrics(const std::string& path, int64_t step) {
   io::atomic_write_file(path, kept);
 }
 
+// The layout every rank must agree on before any work: the degrees against the number of processes,
+// and the same recipe on every rank (a different --set on one host would otherwise train nonsense).
+void check_layout(Recipe& r, dist::Communicator& world) {
+  const int64_t n = world.size(), t = r.parallel.tensor, p = r.parallel.pipeline;
+  const int64_t data = r.parallel.data ? r.parallel.data : n / (t * p);
+  LATHE_CHECK(data * t * p == n,
+              "parallel.data {} x parallel.tensor {} x parallel.pipeline {} = {} but the job has {} process{} "
+              "(mpirun -np): make the product equal the number of processes (parallel.data 0 = the rest)",
+              data, t, p, data * t * p, n, n == 1 ? "" : "es");
+  r.parallel.data = data;
+  if (n == 1) return;
+  std::string mine = r.to_json().dump();
+  int64_t len = static_cast<int64_t>(mine.size());
+  world.broadcast(&len, sizeof(len), 0);
+  std::string first(static_cast<size_t>(len), '\0');
+  if (world.rank() == 0) first = mine;
+  world.broadcast(first.data(), first.size(), 0);
+  std::string differs;
+  if (first != mine)
+    for (const auto& c : diff_recipes(nlohmann::json::parse(first), r.to_json()))
+      differs += fmt::format("\n  {}: rank 0 has {}, rank {} has {}", c.key, c.before, world.rank(), c.after);
+  int64_t bad = differs.empty() ? 0 : 1;
+  world.all_reduce(&bad, 1, DType::I64, dist::ReduceOp::Max);
+  if (!differs.empty())
+    throw_error("the recipe differs between ranks (every process must load the same recipe and --set values):{}",
+                differs);
+  LATHE_CHECK(bad == 0, "the recipe differs between ranks; see the error of the rank that reports the keys");
+}
+
 }  // namespace
 
 std::pair<double, int64_t> evaluate_samples(Model& model, const data::IndexedDataset& ds,
@@ -128,16 +162,27 @@ std::pair<double, int64_t> evaluate_samples(Model& model, const data::IndexedDat
   return {tokens ? sum / static_cast<double>(tokens) : 0.0, tokens};
 }
 
-TrainResult train(const Recipe& r, const TrainOptions& opts) {
+TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
+  std::unique_ptr<dist::Communicator> own_world;
+  dist::Communicator* world = opts.world;
+  if (!world) {
+    own_world = dist::make_local_communicator();
+    world = own_world.get();
+  }
+  const bool rank0 = world->rank() == 0;
+  // Only rank 0 prints, writes metrics, recipe.yaml, checkpoints' state and the HF model.
   auto log = [&](const std::string& s) {
-    if (!opts.quiet) fmt::print("{}\n", s);
+    if (rank0 && !opts.quiet) fmt::print("{}\n", s);
     std::fflush(stdout);
   };
   // Resume decisions are printed even with --quiet: they say which state the run continues from.
   auto say = [&](const std::string& s) {
-    fmt::print("{}\n", s);
+    if (rank0) fmt::print("{}\n", s);
     std::fflush(stdout);
   };
+  Recipe r = recipe;
+  check_layout(r, *world);
+  const int dp = world->size(), rank = world->rank();
   SignalGuard signals(opts.handle_signals);
   struct CleanupJoin {  // old checkpoints are removed in the background; done before returning
     ~CleanupJoin() { wait_for_checkpoint_cleanup(); }
@@ -145,6 +190,9 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
   if (r.training.threads > 0) omp_set_num_threads(r.training.threads);
   const int threads = omp_get_max_threads();
   const int64_t B = r.training.micro_batch_size, T = r.training.seq_len, accum = r.training.grad_accum_steps;
+  // Every step consumes one global batch of G samples; rank r takes rows [r*B*accum, (r+1)*B*accum)
+  // of it, as `accum` micro-batches of B. The sample order does not depend on the layout.
+  const int64_t G = B * accum * dp;
 
   // ---- everything that can fail on bad input is checked before any training work, by the same
   // function `lathe check` runs (train/preflight.h) ----
@@ -153,7 +201,7 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
   const std::string& ckpt = pf.ckpt;
   const CheckpointState& cs = pf.cs;
   std::unique_ptr<Model> model = std::move(pf.model);
-  std::unique_ptr<optim::Optimizer> optimizer = std::move(pf.optimizer);
+  std::unique_ptr<optim::Optimizer> loaded_optimizer = std::move(pf.optimizer);
   auto train_ds = pf.train_ds;
   auto valid_ds = pf.valid_ds;
   const std::vector<int64_t>& train_samples = pf.train_samples;
@@ -165,6 +213,24 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
   for (const ParamSpec& s : model->params().specs())
     ranges.push_back({s.offset, static_cast<size_t>(s.numel()), s.decay});
   const optim::ScheduleConfig sched = schedule_config(r);
+  const size_t P = model->num_params();
+  // The optimizer over this rank's part of the flat buffer (ZeRO) and the data-parallel gradient
+  // reduction, fed by the model's grads_ready hook during the last micro-batch's backward.
+  parallel::ShardedOptimizer opt(*world, optimizer_config(r), P, ranges, static_cast<int>(r.parallel.zero));
+  if (loaded_optimizer) opt.adopt_state(*loaded_optimizer);
+  loaded_optimizer.reset();  // the checkpoint's full-size moments are not kept
+  const size_t bucket_elems = static_cast<size_t>(std::max(1.0, r.parallel.bucket_mb * (1 << 20) / 4));
+  std::unique_ptr<parallel::GradSync> sync;
+  bool sync_this_pass = false;
+  if (dp > 1) {
+    sync = std::make_unique<parallel::GradSync>(*world, model->grad_data(), opt.shards(),
+                                                static_cast<int>(r.parallel.zero), bucket_elems);
+    StepHooks hooks;
+    hooks.grads_ready = [&](size_t b, size_t e) {
+      if (sync_this_pass) sync->ready(b, e);
+    };
+    model->set_hooks(hooks);
+  }
 
   int64_t start_step = 0;
   if (!ckpt.empty()) {
@@ -179,7 +245,7 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
     // Newer checkpoints in this run directory belong to an abandoned timeline (corrupt ones that
     // auto skipped, or a deliberate resume from an older step): move them aside so that a later
     // --resume auto cannot pick them and keep_last does not count them.
-    for (auto& [s, dir] : list_checkpoints(r.output.dir)) {
+    for (auto& [s, dir] : rank0 ? list_checkpoints(r.output.dir) : decltype(list_checkpoints(r.output.dir)){}) {
       std::error_code ec;
       if (s <= start_step || fs::equivalent(dir, ckpt, ec)) continue;
       const std::string aside = dir + fmt::format(".abandoned-{}", static_cast<int64_t>(std::time(nullptr)));
@@ -193,41 +259,51 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
 
   // ---- outputs (output.dir exists and is writable: preflight) ----
   const std::string metrics_path = (fs::path(r.output.dir) / "metrics.jsonl").string();
-  if (!ckpt.empty()) trim_metrics(metrics_path, start_step);
+  if (rank0 && !ckpt.empty()) trim_metrics(metrics_path, start_step);
   const std::string resolved = r.to_yaml();
-  io::atomic_write_file((fs::path(r.output.dir) / "recipe.yaml").string(), resolved);
+  if (rank0) io::atomic_write_file((fs::path(r.output.dir) / "recipe.yaml").string(), resolved);
   log("resolved recipe (saved to " + (fs::path(r.output.dir) / "recipe.yaml").string() + "):\n" + resolved);
 
   const double peak = r.training.peak_gflops > 0 ? r.training.peak_gflops : measure_peak_gflops();
-  const size_t P = model->num_params();
-  const double est = static_cast<double>(P) * 4 * 4 + static_cast<double>(model->activation_bytes());
+  // Per rank: parameters and gradients whole, moments of this rank's shard (ZeRO).
+  const double moments = 2.0 * 4 * static_cast<double>(opt.state_end() - opt.state_begin());
+  const double est = static_cast<double>(P) * 4 * 2 + moments + static_cast<double>(model->activation_bytes());
   log(fmt::format("model {}: {:.2f}M parameters; threads {}; peak {:.1f} GFLOP/s ({}; OpenBLAS kernel {})",
                   r.model.model_type, P / 1e6, threads, peak,
                   r.training.peak_gflops > 0 ? "from recipe" : "measured by GEMM probe", blas_kernel_name()));
-  log(
-      fmt::format("memory estimate: params {:.1f} MB + grads {:.1f} MB + AdamW moments {:.1f} MB + activations "
-                  "{:.1f} MB = {:.1f} MB",
-                  P * 4 / 1e6, P * 4 / 1e6, P * 8 / 1e6, model->activation_bytes() / 1e6, est / 1e6));
+  if (dp > 1)
+    log(fmt::format(
+        "data parallel: {} ranks, global batch {} samples ({} per rank as {} x {}), ZeRO {}, buckets of {:.1f} MB", dp,
+        G, B * accum, accum, B, r.parallel.zero, bucket_elems * 4 / 1e6));
+  log(fmt::format(
+      "memory estimate per rank: params {:.1f} MB + grads {:.1f} MB + {} moments {:.1f} MB + activations "
+      "{:.1f} MB = {:.1f} MB",
+      P * 4 / 1e6, P * 4 / 1e6, r.optimizer.name, moments / 1e6, model->activation_bytes() / 1e6, est / 1e6));
   log(fmt::format("data: {} train samples, {} validation samples of {} tokens", train_samples.size(),
                   valid_samples.size(), T));
 
-  data::DataLoader loader(train_ds, train_samples, B, T, static_cast<uint64_t>(r.training.seed), true, r.data.prefetch);
+  data::DataLoader loader(train_ds, train_samples, G, T, static_cast<uint64_t>(r.training.seed), true, r.data.prefetch,
+                          rank * B * accum, B * accum);
   if (!ckpt.empty()) loader.restore(cs.loader);  // restarts the prefetcher at the saved position
   std::vector<int64_t> eval_subset(valid_samples.begin(),
                                    valid_samples.begin() + std::min<int64_t>(static_cast<int64_t>(valid_samples.size()),
                                                                              r.training.eval_batches * B));
-  MetricsWriter metrics(metrics_path, !ckpt.empty());
+  std::unique_ptr<MetricsWriter> metrics_file;
+  if (rank0) metrics_file = std::make_unique<MetricsWriter>(metrics_path, !ckpt.empty());
+  auto write_metrics = [&](const nlohmann::json& j) {
+    if (metrics_file) metrics_file->write(j);
+  };
 
-  std::vector<int32_t> inputs(static_cast<size_t>(B * T)), targets(static_cast<size_t>(B * T));
-  const float grad_scale = 1.0f / static_cast<float>(B * T * accum);
-  const double flops_per_step = model->flops_per_token(T) * static_cast<double>(B * T * accum);
+  std::vector<int32_t> inputs(static_cast<size_t>(B * accum * T)), targets(static_cast<size_t>(B * accum * T));
+  const float grad_scale = 1.0f / static_cast<float>(G * T);
+  const double flops_per_step = model->flops_per_token(T) * static_cast<double>(G * T);
   TrainResult result;
   result.start_step = result.end_step = start_step;
   result.resumed_from = ckpt;
   auto checkpoint = [&](int64_t done, double lr) {
     CheckpointState st;
     st.step = done;
-    st.consumed_samples = done * B * accum;
+    st.consumed_samples = done * G;
     st.loader = loader.state();
     st.rng = {static_cast<uint64_t>(r.training.seed)};  // no other RNG: the loader derives its order from it
     st.recipe = r.to_json();
@@ -236,7 +312,14 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
     st.threads = threads;
     st.optimizer = r.optimizer.name;
     CheckpointSaveInfo info;
-    save_checkpoint(r.output.dir, *model, optimizer.get(), st, static_cast<int>(r.output.keep_last), &info);
+    // The checkpoint holds the global state whatever the layout: rank 0 collects the moments of every
+    // shard and writes it; the other ranks wait for it (a failed save ends the job through main).
+    std::unique_ptr<optim::Optimizer> full;
+    if (rank0) full = optim::make_optimizer(optimizer_config(r), P);
+    opt.gather_state(full.get());
+    if (rank0) save_checkpoint(r.output.dir, *model, full.get(), st, static_cast<int>(r.output.keep_last), &info);
+    full.reset();
+    world->barrier();
     result.last_checkpoint = (fs::path(r.output.dir) / "checkpoints" / fmt::format("step_{:08d}", done)).string();
     const double mb = static_cast<double>(info.bytes) / 1e6;
     log(fmt::format(
@@ -245,26 +328,52 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
         info.seconds_total - info.seconds_complete > 0.01
             ? fmt::format("; older checkpoints moved away in {:.2f} s", info.seconds_total - info.seconds_complete)
             : std::string()));
-    metrics.write({{"step", done},
+    write_metrics({{"step", done},
                    {"checkpoint_s", info.seconds_complete},
                    {"checkpoint_total_s", info.seconds_total},
                    {"checkpoint_mb", mb}});
   };
+  // Validation: each rank takes every dp-th sample of the set; sums and token counts are all-reduced.
+  auto evaluate = [&](const std::vector<int64_t>& set) -> std::pair<double, int64_t> {
+    std::vector<int64_t> mine;
+    for (size_t i = static_cast<size_t>(rank); i < set.size(); i += static_cast<size_t>(dp)) mine.push_back(set[i]);
+    auto [mean, tokens] = evaluate_samples(*model, *valid_ds, mine, B, T);
+    double st[2] = {mean * static_cast<double>(tokens), static_cast<double>(tokens)};
+    if (dp > 1) world->all_reduce(st, 2, DType::F64);
+    return {st[1] > 0 ? st[0] / st[1] : 0.0, static_cast<int64_t>(st[1])};
+  };
   if (start_step == r.training.steps && start_step > 0)
     say(fmt::format("resume: the checkpoint is at the final step {}; only the end-of-run outputs remain", start_step));
   double last_loss = NAN, last_norm = NAN, last_lr = NAN;
+  // Test hook (tests/parallel): rank LATHE_TEST_STALL_RANK stops before the gradient reduction of
+  // step LATHE_TEST_STALL_STEP, as a hung process would; the others' watchdog must end the job.
+  const char* stall_rank = std::getenv("LATHE_TEST_STALL_RANK");
+  const char* stall_step = std::getenv("LATHE_TEST_STALL_STEP");
+  double comm_total = 0;
   for (int64_t step = start_step; step < r.training.steps; ++step) {
     const double t0 = now_seconds();
+    world->set_step(step + 1);
     double wait = 0, loss_sum = 0;
     model->zero_grad();
+    wait += loader.next(inputs.data(), targets.data());  // this rank's B * accum rows of the global batch
     for (int64_t m = 0; m < accum; ++m) {
-      wait += loader.next(inputs.data(), targets.data());
-      loss_sum += model->forward_backward(inputs.data(), targets.data(), B, T, grad_scale, true);
+      sync_this_pass = m + 1 == accum;  // gradients are final during the last micro-batch's backward
+      loss_sum +=
+          model->forward_backward(inputs.data() + m * B * T, targets.data() + m * B * T, B, T, grad_scale, true);
     }
-    const double loss = loss_sum / static_cast<double>(B * T * accum);
+    sync_this_pass = false;
+    if (stall_rank && stall_step && std::atoi(stall_rank) == rank && std::atoll(stall_step) == step + 1)
+      std::this_thread::sleep_for(std::chrono::hours(1));
+    double comm_wait = 0;
+    if (sync) {
+      comm_wait = sync->finish();  // reduction not hidden behind backward
+      world->all_reduce(&loss_sum, 1, DType::F64);
+    }
+    comm_total += comm_wait;
+    const double loss = loss_sum / static_cast<double>(G * T);
     // The clipping coefficient is applied inside the optimizer update (one pass less over the
     // gradients; bit-identical to scaling them first).
-    const double norm = optim::global_grad_norm(model->grad_data(), P);
+    const double norm = opt.grad_norm(model->grad_data());
     if (!std::isfinite(loss) || !std::isfinite(norm))
       throw_error(
           "step {}: {} is {} — training stopped, no weights written. Last finite values: loss {}, grad norm "
@@ -272,16 +381,16 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
           step + 1, std::isfinite(loss) ? "the gradient norm" : "the loss", std::isfinite(loss) ? norm : loss,
           last_loss, last_norm, last_lr, step);
     const double lr = optim::lr_at(sched, step);
-    optimizer->step(model->param_data(), model->grad_data(), ranges, lr, step + 1,
-                    optim::clip_coefficient(norm, r.optimizer.grad_clip));
+    opt.step(model->param_data(), model->grad_data(), lr, step + 1,
+             optim::clip_coefficient(norm, r.optimizer.grad_clip));
     const double dt = now_seconds() - t0;
     last_loss = loss;
     last_norm = norm;
     last_lr = lr;
     result.losses.push_back(loss);
-    const double tok_s = static_cast<double>(B * T * accum) / dt;
+    const double tok_s = static_cast<double>(G * T) / dt;
     const double mfu = flops_per_step / dt / (peak * 1e9);
-    metrics.write({{"step", step + 1},
+    write_metrics({{"step", step + 1},
                    {"loss", loss},
                    {"lr", lr},
                    {"grad_norm", norm},
@@ -289,25 +398,33 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
                    {"mfu", mfu},
                    {"ms_per_step", dt * 1e3},
                    {"data_wait_pct", 100.0 * wait / dt},
-                   {"tokens", (step + 1) * B * T * accum}});
+                   {"comm_exposed_ms", comm_wait * 1e3},
+                   {"comm_exposed_pct", 100.0 * comm_wait / dt},
+                   {"world_size", dp},
+                   {"tokens", (step + 1) * G * T}});
     if ((step + 1) % r.training.log_interval == 0 || step == 0 || step + 1 == r.training.steps)
-      log(
-          fmt::format("step {:>6}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.4f} | {:.0f} tok/s | MFU {:.1f}% | "
-                      "{:.1f} ms | data wait {:.1f}%",
-                      step + 1, r.training.steps, loss, lr, norm, tok_s, 100 * mfu, dt * 1e3, 100.0 * wait / dt));
+      log(fmt::format(
+          "step {:>6}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.4f} | {:.0f} tok/s | MFU {:.1f}% | "
+          "{:.1f} ms | data wait {:.1f}%{}",
+          step + 1, r.training.steps, loss, lr, norm, tok_s, 100 * mfu, dt * 1e3, 100.0 * wait / dt,
+          dp > 1 ? fmt::format(" | comm exposed {:.1f} ms ({:.1f}%)", comm_wait * 1e3, 100.0 * comm_wait / dt)
+                 : std::string()));
     const bool last = step + 1 == r.training.steps;
     if (!eval_subset.empty() && r.training.eval_interval > 0 && (step + 1) % r.training.eval_interval == 0 && !last) {
-      auto [vl, vt] = evaluate_samples(*model, *valid_ds, eval_subset, B, T);
-      metrics.write({{"step", step + 1}, {"val_loss", vl}, {"val_tokens", vt}});
+      auto [vl, vt] = evaluate(eval_subset);
+      write_metrics({{"step", step + 1}, {"val_loss", vl}, {"val_tokens", vt}});
       log(fmt::format("step {:>6}/{} | validation loss {:.4f} ({} tokens)", step + 1, r.training.steps, vl, vt));
     }
-    if (r.output.save_every > 0 && (step + 1) % r.output.save_every == 0 && !last) {
+    if (rank0 && r.output.save_every > 0 && (step + 1) % r.output.save_every == 0 && !last) {
       const std::string dir = (fs::path(r.output.dir) / fmt::format("step_{:08d}", step + 1)).string();
       write_model_dir(*model, dir, r.data.tokenizer);
       log("saved " + dir);
     }
     result.end_step = step + 1;
-    const int sig = opts.handle_signals ? g_stop_signal.load() : 0;
+    // Every rank stops at the same step: a signal seen by any rank counts for all.
+    int64_t sig64 = opts.handle_signals ? g_stop_signal.load() : 0;
+    if (dp > 1) world->all_reduce(&sig64, 1, DType::I64, dist::ReduceOp::Max);
+    const int sig = static_cast<int>(sig64);
     const bool stop_here = !last && opts.stop_after_steps > 0 && step + 1 >= opts.stop_after_steps;
     const bool periodic = r.output.checkpoint_every > 0 && ((step + 1) % r.output.checkpoint_every == 0 || last);
     if (periodic || ((sig || stop_here) && !last)) checkpoint(step + 1, lr);
@@ -329,17 +446,25 @@ TrainResult train(const Recipe& r, const TrainOptions& opts) {
     // Final validation on (up to 256 batches of) the whole validation split.
     std::vector<int64_t> final_set(valid_samples.begin(),
                                    valid_samples.begin() + std::min<int64_t>(valid_samples.size(), 256 * B));
-    auto [vl, vt] = evaluate_samples(*model, *valid_ds, final_set, B, T);
+    auto [vl, vt] = evaluate(final_set);
     result.final_val_loss = vl;
-    metrics.write({{"step", r.training.steps}, {"val_loss", vl}, {"val_tokens", vt}});
+    write_metrics({{"step", r.training.steps}, {"val_loss", vl}, {"val_tokens", vt}});
     log(fmt::format("final validation loss {:.4f} over {} tokens", vl, vt));
   }
   result.model_dir = (fs::path(r.output.dir) / "model").string();
-  write_model_dir(*model, result.model_dir, r.data.tokenizer);
+  if (rank0) write_model_dir(*model, result.model_dir, r.data.tokenizer);
   log(fmt::format("saved Hugging Face model directory {}", result.model_dir));
-  log(fmt::format("peak resident memory {:.1f} MB (estimate {:.1f} MB)", peak_rss_bytes() / 1e6, est / 1e6));
+  int64_t peak_rss = static_cast<int64_t>(peak_rss_bytes());
+  if (dp > 1) world->all_reduce(&peak_rss, 1, DType::I64, dist::ReduceOp::Max);
+  log(fmt::format("peak resident memory {:.1f} MB{} (estimate {:.1f} MB per rank)", peak_rss / 1e6,
+                  dp > 1 ? " (largest rank)" : "", est / 1e6));
+  write_metrics({{"step", r.training.steps},
+                 {"world_size", dp},
+                 {"peak_rss_mb_max_rank", peak_rss / 1e6},
+                 {"comm_exposed_s_total", comm_total}});
+  world->barrier();  // the model directory is complete before any rank returns
 
-  if (opts.sample_at_end && tokenizer) {
+  if (rank0 && opts.sample_at_end && tokenizer) {
     std::vector<int32_t> prompt = tokenizer->encode("\n");
     if (prompt.empty()) prompt.push_back(0);
     SamplingOptions so;

@@ -1,4 +1,5 @@
-// The single-process training loop: recipe -> model, data, optimizer, schedule; per step
+// The training loop, one process or a data-parallel group of processes (opts.world; ranks split
+// every global batch and reduce gradients, parallel/): recipe -> model, data, optimizer, schedule; per step
 // gradient accumulation over micro-batches, global-norm clipping, the optimizer update, a log
 // line and a JSONL metrics record; periodic validation; full-state checkpoints (checkpoint.h)
 // every output.checkpoint_every steps, on SIGTERM/SIGINT and at --stop-after; bit-exact resume;
@@ -11,6 +12,7 @@
 #include "config/recipe.h"
 #include "data/indexed_dataset.h"
 #include "data/loader.h"
+#include "dist/comm.h"
 #include "models/model.h"
 
 namespace lathe {
@@ -45,6 +47,9 @@ struct TrainOptions {
   // save a checkpoint at the next step boundary and return with interrupted = true; a second one
   // kills the process as usual.
   bool handle_signals = false;
+  // The processes of this job (dist::make_world_communicator); nullptr = this process alone. Every
+  // rank runs train() with the same recipe; the data-parallel degree is the world size.
+  dist::Communicator* world = nullptr;
 };
 
 TrainResult train(const Recipe& recipe, const TrainOptions& opts = {});
