@@ -51,7 +51,10 @@ nlohmann::json parse_json(std::string_view text, const std::string& what, int ma
   try {
     return nlohmann::json::parse(text.begin(), text.end());
   } catch (const nlohmann::json::exception& e) {
-    throw_error("{}: not valid JSON: {}", what, e.what());
+    // nlohmann quotes the whole last token: a 1 MB string would make a 1 MB message.
+    std::string msg = e.what();
+    if (msg.size() > 300) msg = msg.substr(0, 300) + "...";
+    throw_error("{}: not valid JSON: {}", what, msg);
   }
 }
 
