@@ -282,8 +282,7 @@ std::string value_str(const json& v) {
 
 // ---------------------------------------------------------------------------------------------
 
-const std::vector<std::string> kSections = {"model",    "data",     "optimizer", "schedule",
-                                            "training", "parallel", "output"};
+const std::vector<std::string> kSections = {"model", "data", "optimizer", "schedule", "training", "parallel", "output"};
 const std::map<std::string, std::vector<std::string>> kSectionKeys = {
     {"data", {"train", "valid", "valid_fraction", "tokenizer", "prefetch"}},
     {"optimizer", {"name", "lr", "beta1", "beta2", "eps", "weight_decay", "grad_clip"}},
@@ -635,12 +634,14 @@ class Parser {
     const auto& p = r.parallel;
     in_range("parallel.data", p.data, 0, kMaxRanks, " (0 = all processes not used by tensor/pipeline)");
     need(p.tensor == 1, "parallel.tensor",
-         fmt::format("{}: tensor parallelism is not implemented yet; use 1 (data parallelism: parallel.data)", p.tensor));
+         fmt::format("{}: tensor parallelism is not implemented yet; use 1 (data parallelism: parallel.data)",
+                     p.tensor));
     need(p.pipeline == 1, "parallel.pipeline",
          fmt::format("{}: pipeline parallelism is not implemented yet; use 1 (data parallelism: parallel.data)",
                      p.pipeline));
     in_range("parallel.zero", p.zero, 0, 2, " (0: replicated optimizer, 1: sharded moments, 2: also gradients)");
-    need(p.bucket_mb > 0 && p.bucket_mb <= 65536, "parallel.bucket_mb", fmt::format("{} must be in (0, 65536]", p.bucket_mb));
+    need(p.bucket_mb > 0 && p.bucket_mb <= 65536, "parallel.bucket_mb",
+         fmt::format("{} must be in (0, 65536]", p.bucket_mb));
     need(p.timeout_s >= 0, "parallel.timeout_s", fmt::format("{} must be >= 0 (0 = no watchdog)", p.timeout_s));
   }
 };
@@ -747,9 +748,8 @@ json Recipe::to_json() const {
                    {"threads", training.threads},
                    {"peak_gflops", training.peak_gflops},
                    {"resume", training.resume}};
-  j["parallel"] = {{"data", parallel.data},         {"tensor", parallel.tensor},
-                   {"pipeline", parallel.pipeline}, {"zero", parallel.zero},
-                   {"bucket_mb", parallel.bucket_mb}, {"timeout_s", parallel.timeout_s}};
+  j["parallel"] = {{"data", parallel.data}, {"tensor", parallel.tensor},       {"pipeline", parallel.pipeline},
+                   {"zero", parallel.zero}, {"bucket_mb", parallel.bucket_mb}, {"timeout_s", parallel.timeout_s}};
   j["output"] = {{"dir", output.dir},
                  {"save_every", output.save_every},
                  {"checkpoint_every", output.checkpoint_every},
