@@ -10,7 +10,8 @@
 namespace lathe::parallel {
 
 ShardedOptimizer::ShardedOptimizer(dist::Communicator& dp, const optim::OptimConfig& cfg, size_t num_params,
-                                   std::vector<optim::ParamRange> ranges, int zero)
+                                   std::vector<optim::ParamRange> ranges, int zero,
+                                   std::unique_ptr<optim::Optimizer> loaded)
     : dp_(dp), zero_(zero), shards_(num_params, dp.size(), optim::kChunk) {
   LATHE_CHECK(zero >= 0 && zero <= 2, "parallel.zero must be 0, 1 or 2, got {}", zero);
   // LAMB's trust ratio needs each tensor's whole-tensor norms; with tensors cut across shards that
@@ -20,7 +21,12 @@ ShardedOptimizer::ShardedOptimizer(dist::Communicator& dp, const optim::OptimCon
               "reduced across ZeRO shards; use parallel.zero 0 with LAMB, or adamw",
               zero);
   ranges_ = zero ? ranges_in_shard(ranges, state_begin(), state_end()) : std::move(ranges);
+  if (loaded && zero == 0) {
+    opt_ = std::move(loaded);
+    return;
+  }
   opt_ = optim::make_optimizer(cfg, state_end() - state_begin());
+  if (loaded) adopt_state(*loaded);
 }
 
 void ShardedOptimizer::adopt_state(optim::Optimizer& full) {

@@ -18,8 +18,11 @@ namespace lathe::parallel {
 
 class ShardedOptimizer {
  public:
+  // loaded: a full-size optimizer holding a checkpoint's moments (the checkpoint format does not
+  // depend on the layout), or null for fresh moments. Zero 0 keeps it as is; ZeRO takes this
+  // rank's part and frees it, so at most one full copy of the moments exists at any time.
   ShardedOptimizer(dist::Communicator& dp, const optim::OptimConfig& cfg, size_t num_params,
-                   std::vector<optim::ParamRange> ranges, int zero);
+                   std::vector<optim::ParamRange> ranges, int zero, std::unique_ptr<optim::Optimizer> loaded = nullptr);
 
   int zero() const { return zero_; }
   const FlatShards& shards() const { return shards_; }
@@ -28,11 +31,8 @@ class ShardedOptimizer {
   size_t state_end() const { return zero_ ? shards_.end(dp_.rank()) : shards_.total(); }
   optim::Optimizer& local() { return *opt_; }
 
-  // Takes this rank's part [state_begin, state_end) of full-size moments (a checkpoint loaded into
-  // an unsharded optimizer of the same kind): the checkpoint format is independent of the layout.
-  void adopt_state(optim::Optimizer& full);
-  // The inverse, for saving: rank 0 receives every rank's moments into `full` (a full-size
-  // optimizer of the same kind; nullptr on other ranks). Collective over the data-parallel group.
+  // The inverse of `loaded`, for saving: rank 0 receives every rank's moments into `full` (a
+  // full-size optimizer of the same kind; nullptr on other ranks). Collective over the group.
   void gather_state(optim::Optimizer* full);
 
   // L2 norm of the reduced gradients (GradSync::finish done): whole buffer for zero 0, shards
@@ -42,6 +42,9 @@ class ShardedOptimizer {
   void step(float* params, const float* grads, double lr, int64_t step, float grad_scale);
 
  private:
+  // Copies this rank's part [state_begin, state_end) of full-size moments into opt_.
+  void adopt_state(optim::Optimizer& full);
+
   dist::Communicator& dp_;
   int zero_;
   FlatShards shards_;

@@ -263,8 +263,9 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   }
   log.ok(fmt::format("model {}: {} parameters", r.model.model_type, pf.model->num_params()));
   if (!check_only) pf.model->allocate(B, T, kMoments);
-  pf.optimizer = optim::make_optimizer(ocfg, pf.model->num_params());
   if (!pf.ckpt.empty()) {
+    // Full-size moments only to receive the checkpoint's (the trainer shards them, ZeRO).
+    pf.optimizer = optim::make_optimizer(ocfg, pf.model->num_params());
     load_checkpoint(pf.ckpt, *pf.model, pf.optimizer.get());
     log.ok(fmt::format("checkpoint {}: step {}, files, tensor table, weights and moments valid", pf.ckpt, pf.cs.step));
   }

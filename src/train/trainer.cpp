@@ -216,9 +216,8 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   const size_t P = model->num_params();
   // The optimizer over this rank's part of the flat buffer (ZeRO) and the data-parallel gradient
   // reduction, fed by the model's grads_ready hook during the last micro-batch's backward.
-  parallel::ShardedOptimizer opt(*world, optimizer_config(r), P, ranges, static_cast<int>(r.parallel.zero));
-  if (loaded_optimizer) opt.adopt_state(*loaded_optimizer);
-  loaded_optimizer.reset();  // the checkpoint's full-size moments are not kept
+  parallel::ShardedOptimizer opt(*world, optimizer_config(r), P, ranges, static_cast<int>(r.parallel.zero),
+                                 std::move(loaded_optimizer));
   const size_t bucket_elems = static_cast<size_t>(std::max(1.0, r.parallel.bucket_mb * (1 << 20) / 4));
   std::unique_ptr<parallel::GradSync> sync;
   bool sync_this_pass = false;
