@@ -154,7 +154,7 @@ void Watchdog::run() {
       if (!s.active || now - s.start < limit) continue;
       const int64_t step = step_.load();
       std::string msg = fmt::format(
-          "lathe: watchdog: {}: {} #{} has not finished after {:.0f} s{} (parallel.timeout_s = {}); another rank "
+          "lathe: watchdog: {}: {} #{} has not finished after {:.1f} s{} (parallel.timeout_s = {}); another rank "
           "is stuck, died or issued a different operation. Aborting the job.",
           s.description, s.op, s.seq, std::chrono::duration<double>(now - s.start).count(),
           step >= 0 ? fmt::format(" at step {}", step) : std::string(), timeout_s_);
@@ -270,12 +270,12 @@ WorkPtr Communicator::all_reduce_async(void* buf, size_t count, DType dtype, Red
     size_t offset = 0;
     for (int r = 0; r < rank_; ++r) offset += counts[static_cast<size_t>(r)];
     const size_t es = dtype_size(dtype);
-    std::vector<char> mine(counts[static_cast<size_t>(rank_)] * es);
-    reduce_scatter_now(buf, mine.data(), counts, dtype, op);
-    (void)offset;
+    // Reduce this rank's segment in place, then gather every segment in place.
+    char* mine = static_cast<char*>(buf) + offset * es;
+    reduce_scatter_now(buf, mine, counts, dtype, op);
     std::vector<size_t> bytes(counts.size());
     for (size_t j = 0; j < counts.size(); ++j) bytes[j] = counts[j] * es;
-    do_all_gather(mine.data(), buf, bytes);
+    do_all_gather(mine, buf, bytes);
   });
 }
 
@@ -290,18 +290,10 @@ WorkPtr Communicator::all_gather_async(const void* send, void* recv, const std::
   return issue("all_gather", [=, this] {
     const size_t es = dtype_size(dtype);
     std::vector<size_t> bytes(counts.size());
-    size_t offset = 0;
-    for (size_t j = 0; j < counts.size(); ++j) {
-      bytes[j] = counts[j] * es;
-      if (j < static_cast<size_t>(rank_)) offset += bytes[j];
-    }
-    // send may alias this rank's own segment of recv: gather from a private copy then.
+    for (size_t j = 0; j < counts.size(); ++j) bytes[j] = counts[j] * es;
+    // send may alias this rank's own segment of recv (implementations then skip that copy: MPI
+    // with MPI_IN_PLACE), so no private copy of a possibly large shard is made.
     const char* own = static_cast<const char*>(send);
-    std::vector<char> copy;
-    if (own == static_cast<const char*>(recv) + offset) {
-      copy.assign(own, own + bytes[static_cast<size_t>(rank_)]);
-      own = copy.data();
-    }
     do_all_gather(own, recv, bytes);
   });
 }
