@@ -141,6 +141,71 @@ void check_layout(Recipe& r, dist::Communicator& world) {
   LATHE_CHECK(bad == 0, "the recipe differs between ranks; see the error of the rank that reports the keys");
 }
 
+// What one optimizer step works on (owned by train()).
+struct StepParts {
+  Model& model;
+  data::DataLoader& loader;  // hands out this rank's B x accum rows of each global batch
+  parallel::ShardedOptimizer& opt;
+  parallel::GradSync* sync;  // null with one rank
+  bool& sync_this_pass;      // read by the model's grads_ready hook
+  dist::Communicator& world;
+  const optim::ScheduleConfig& sched;
+  double grad_clip;
+  int64_t B, T, accum, G;  // micro-batch, seq_len, accumulation, global batch (samples)
+  std::vector<int32_t>& inputs;
+  std::vector<int32_t>& targets;
+};
+
+struct StepStats {
+  double loss = NAN, norm = NAN, lr = NAN;
+  double data_wait_s = 0, comm_wait_s = 0, seconds = 0;
+};
+
+// One optimizer step of this rank: its micro-batches (gradients accumulate), the data-parallel
+// reduction (buckets issued during the last backward; the wait that backward did not hide is
+// comm_wait_s), the loss summed over ranks, the global norm, a stop on non-finite values naming the
+// last finite ones (`prev`), and the update.
+StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
+  // Test hook (tests/parallel): rank LATHE_TEST_STALL_RANK stops before the gradient reduction of
+  // step LATHE_TEST_STALL_STEP, as a hung process would; the others' watchdog must end the job.
+  static const char* stall_rank = std::getenv("LATHE_TEST_STALL_RANK");
+  static const char* stall_step = std::getenv("LATHE_TEST_STALL_STEP");
+  StepStats st;
+  const double t0 = now_seconds();
+  p.world.set_step(step + 1);
+  const int64_t B = p.B, T = p.T;
+  const float grad_scale = 1.0f / static_cast<float>(p.G * T);  // mean over the global batch's tokens
+  double loss_sum = 0;
+  p.model.zero_grad();
+  st.data_wait_s = p.loader.next(p.inputs.data(), p.targets.data());
+  for (int64_t m = 0; m < p.accum; ++m) {
+    p.sync_this_pass = m + 1 == p.accum;  // gradients are final during the last micro-batch's backward
+    loss_sum +=
+        p.model.forward_backward(p.inputs.data() + m * B * T, p.targets.data() + m * B * T, B, T, grad_scale, true);
+  }
+  p.sync_this_pass = false;
+  if (stall_rank && stall_step && std::atoi(stall_rank) == p.world.rank() && std::atoll(stall_step) == step + 1)
+    std::this_thread::sleep_for(std::chrono::hours(1));
+  if (p.sync) {
+    st.comm_wait_s = p.sync->finish();
+    p.world.all_reduce(&loss_sum, 1, DType::F64);
+  }
+  st.loss = loss_sum / static_cast<double>(p.G * T);
+  // The clipping coefficient is applied inside the optimizer update (one pass less over the
+  // gradients; bit-identical to scaling them first).
+  st.norm = p.opt.grad_norm(p.model.grad_data());
+  if (!std::isfinite(st.loss) || !std::isfinite(st.norm))
+    throw_error(
+        "step {}: {} is {} — training stopped, no weights written. Last finite values: loss {}, grad norm "
+        "{}, lr {} (step {}). Try a lower optimizer.lr or a smaller optimizer.grad_clip.",
+        step + 1, std::isfinite(st.loss) ? "the gradient norm" : "the loss", std::isfinite(st.loss) ? st.norm : st.loss,
+        prev.loss, prev.norm, prev.lr, step);
+  st.lr = optim::lr_at(p.sched, step);
+  p.opt.step(p.model.param_data(), p.model.grad_data(), st.lr, step + 1, optim::clip_coefficient(st.norm, p.grad_clip));
+  st.seconds = now_seconds() - t0;
+  return st;
+}
+
 }  // namespace
 
 std::pair<double, int64_t> evaluate_samples(Model& model, const data::IndexedDataset& ds,
@@ -294,7 +359,6 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   };
 
   std::vector<int32_t> inputs(static_cast<size_t>(B * accum * T)), targets(static_cast<size_t>(B * accum * T));
-  const float grad_scale = 1.0f / static_cast<float>(G * T);
   const double flops_per_step = model->flops_per_token(T) * static_cast<double>(G * T);
   TrainResult result;
   result.start_step = result.end_step = start_step;
@@ -343,49 +407,16 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   };
   if (start_step == r.training.steps && start_step > 0)
     say(fmt::format("resume: the checkpoint is at the final step {}; only the end-of-run outputs remain", start_step));
-  double last_loss = NAN, last_norm = NAN, last_lr = NAN;
-  // Test hook (tests/parallel): rank LATHE_TEST_STALL_RANK stops before the gradient reduction of
-  // step LATHE_TEST_STALL_STEP, as a hung process would; the others' watchdog must end the job.
-  const char* stall_rank = std::getenv("LATHE_TEST_STALL_RANK");
-  const char* stall_step = std::getenv("LATHE_TEST_STALL_STEP");
+  StepParts parts{*model, loader, opt,   sync.get(), sync_this_pass, *world, sched, r.optimizer.grad_clip,
+                  B,      T,      accum, G,          inputs,         targets};
+  StepStats prev;
   double comm_total = 0;
   for (int64_t step = start_step; step < r.training.steps; ++step) {
-    const double t0 = now_seconds();
-    world->set_step(step + 1);
-    double wait = 0, loss_sum = 0;
-    model->zero_grad();
-    wait += loader.next(inputs.data(), targets.data());  // this rank's B * accum rows of the global batch
-    for (int64_t m = 0; m < accum; ++m) {
-      sync_this_pass = m + 1 == accum;  // gradients are final during the last micro-batch's backward
-      loss_sum +=
-          model->forward_backward(inputs.data() + m * B * T, targets.data() + m * B * T, B, T, grad_scale, true);
-    }
-    sync_this_pass = false;
-    if (stall_rank && stall_step && std::atoi(stall_rank) == rank && std::atoll(stall_step) == step + 1)
-      std::this_thread::sleep_for(std::chrono::hours(1));
-    double comm_wait = 0;
-    if (sync) {
-      comm_wait = sync->finish();  // reduction not hidden behind backward
-      world->all_reduce(&loss_sum, 1, DType::F64);
-    }
+    const StepStats st = train_step(parts, step, prev);
+    prev = st;
+    const double loss = st.loss, norm = st.norm, lr = st.lr, dt = st.seconds, wait = st.data_wait_s,
+                 comm_wait = st.comm_wait_s;
     comm_total += comm_wait;
-    const double loss = loss_sum / static_cast<double>(G * T);
-    // The clipping coefficient is applied inside the optimizer update (one pass less over the
-    // gradients; bit-identical to scaling them first).
-    const double norm = opt.grad_norm(model->grad_data());
-    if (!std::isfinite(loss) || !std::isfinite(norm))
-      throw_error(
-          "step {}: {} is {} — training stopped, no weights written. Last finite values: loss {}, grad norm "
-          "{}, lr {} (step {}). Try a lower optimizer.lr or a smaller optimizer.grad_clip.",
-          step + 1, std::isfinite(loss) ? "the gradient norm" : "the loss", std::isfinite(loss) ? norm : loss,
-          last_loss, last_norm, last_lr, step);
-    const double lr = optim::lr_at(sched, step);
-    opt.step(model->param_data(), model->grad_data(), lr, step + 1,
-             optim::clip_coefficient(norm, r.optimizer.grad_clip));
-    const double dt = now_seconds() - t0;
-    last_loss = loss;
-    last_norm = norm;
-    last_lr = lr;
     result.losses.push_back(loss);
     const double tok_s = static_cast<double>(G * T) / dt;
     const double mfu = flops_per_step / dt / (peak * 1e9);
