@@ -30,6 +30,18 @@ output: {{dir: {out}, checkpoint_every: {every}, keep_last: {keep}}}
 """
 
 
+# A 4-step gpt2-debug run (str.format with data=PREFIX, out=DIR) that the hostile-input tests of
+# train and checkpoints start from.
+HOSTILE_RECIPE = """
+model: {{preset: gpt2-debug, vocab_size: 256}}
+data: {{train: {data}, valid_fraction: 0.1, prefetch: 0}}
+optimizer: {{name: adamw, lr: 3.0e-3}}
+schedule: {{name: constant}}
+training: {{micro_batch_size: 2, seq_len: 16, steps: 4, seed: 7, eval_interval: 0, peak_gflops: 100, threads: 1}}
+output: {{dir: {out}}}
+"""
+
+
 def make_data(tmp, name, nbytes):
     text = open(os.path.join(SRC, "data", "tinyshakespeare.txt"), "rb").read()[:nbytes]
     prefix = os.path.join(tmp, name)

@@ -18,16 +18,8 @@ sys.path.insert(0, os.path.join(os.environ.get("LATHE_SOURCE_DIR", os.path.join(
 sys.path.insert(0, HERE)
 import megatron_writer  # noqa: E402
 from hostile import Cases, Failure, run_lathe  # noqa: E402
-from kill_test_lib import make_data, xxh64  # noqa: E402
+from kill_test_lib import HOSTILE_RECIPE as RECIPE, make_data, xxh64  # noqa: E402
 
-RECIPE = """
-model: {{preset: gpt2-debug, vocab_size: 256}}
-data: {{train: {data}, valid_fraction: 0.1, prefetch: 0}}
-optimizer: {{name: adamw, lr: 3.0e-3}}
-schedule: {{name: constant}}
-training: {{micro_batch_size: 2, seq_len: 16, steps: 4, seed: 7, eval_interval: 0, peak_gflops: 100, threads: 1}}
-output: {{dir: {out}}}
-"""
 
 cases = Cases()
 tmp = cases.tmp
