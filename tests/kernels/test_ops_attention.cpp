@@ -12,15 +12,13 @@
 
 #include "core/error.h"
 #include "kernels/cpu/ops.h"
+#include "reference_ops.h"
 
 namespace {
 
-struct Shape {
-  int64_t B, T, H, KVH, D;
-};
-void PrintTo(const Shape& s, std::ostream* os) {
-  *os << "B=" << s.B << " T=" << s.T << " H=" << s.H << " KVH=" << s.KVH << " D=" << s.D;
-}
+using Shape = lathe::test::AttnShape;
+using lathe::test::ref_attention_bwd;
+using lathe::test::ref_attention_fwd;
 
 std::vector<float> randn(size_t n, uint32_t seed, float sd = 1.0f) {
   std::mt19937 gen(seed);
@@ -28,80 +26,6 @@ std::vector<float> randn(size_t n, uint32_t seed, float sd = 1.0f) {
   std::vector<float> v(n);
   for (auto& x : v) x = dist(gen);
   return v;
-}
-
-// Naive causal GQA attention in double. out[B,T,H*D].
-void ref_forward(std::vector<double>& out, std::vector<double>& lse, const std::vector<double>& qkv, const Shape& s) {
-  const int64_t ld = (s.H + 2 * s.KVH) * s.D, rep = s.H / s.KVH;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(s.D));
-  out.assign(s.B * s.T * s.H * s.D, 0.0);
-  lse.assign(s.B * s.H * s.T, 0.0);
-  std::vector<double> p(s.T);
-  for (int64_t b = 0; b < s.B; ++b)
-    for (int64_t h = 0; h < s.H; ++h) {
-      const int64_t g = h / rep;
-      for (int64_t i = 0; i < s.T; ++i) {
-        double m = -INFINITY;
-        for (int64_t j = 0; j <= i; ++j) {
-          double acc = 0;
-          for (int64_t d = 0; d < s.D; ++d)
-            acc += qkv[(b * s.T + i) * ld + h * s.D + d] * qkv[(b * s.T + j) * ld + (s.H + g) * s.D + d];
-          p[j] = acc * scale;
-          m = std::max(m, p[j]);
-        }
-        double sum = 0;
-        for (int64_t j = 0; j <= i; ++j) sum += std::exp(p[j] - m);
-        lse[(b * s.H + h) * s.T + i] = m + std::log(sum);
-        for (int64_t j = 0; j <= i; ++j) {
-          const double pj = std::exp(p[j] - m) / sum;
-          for (int64_t d = 0; d < s.D; ++d)
-            out[(b * s.T + i) * s.H * s.D + h * s.D + d] += pj * qkv[(b * s.T + j) * ld + (s.H + s.KVH + g) * s.D + d];
-        }
-      }
-    }
-}
-
-// Analytic gradient of L = sum(out * dout) w.r.t. qkv, double, with the full softmax matrix.
-std::vector<double> ref_backward(const std::vector<double>& qkv, const std::vector<double>& dout, const Shape& s) {
-  const int64_t ld = (s.H + 2 * s.KVH) * s.D, rep = s.H / s.KVH, T = s.T, D = s.D;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  std::vector<double> dqkv(qkv.size(), 0.0), P(T * T), dP(T * T);
-  auto Q = [&](int64_t b, int64_t t, int64_t h, int64_t d) { return qkv[(b * T + t) * ld + h * D + d]; };
-  for (int64_t b = 0; b < s.B; ++b)
-    for (int64_t h = 0; h < s.H; ++h) {
-      const int64_t g = h / rep, kc = (s.H + g) * D, vc = (s.H + s.KVH + g) * D;
-      for (int64_t i = 0; i < T; ++i) {
-        double m = -INFINITY;
-        for (int64_t j = 0; j <= i; ++j) {
-          double acc = 0;
-          for (int64_t d = 0; d < D; ++d) acc += Q(b, i, h, d) * qkv[(b * T + j) * ld + kc + d];
-          P[i * T + j] = acc * scale;
-          m = std::max(m, P[i * T + j]);
-        }
-        double sum = 0;
-        for (int64_t j = 0; j <= i; ++j) sum += std::exp(P[i * T + j] - m);
-        for (int64_t j = 0; j <= i; ++j) P[i * T + j] = std::exp(P[i * T + j] - m) / sum;
-      }
-      for (int64_t i = 0; i < T; ++i) {
-        const double* dO = &dout[(b * T + i) * s.H * D + h * D];
-        double rowdot = 0;
-        for (int64_t j = 0; j <= i; ++j) {
-          double acc = 0;
-          for (int64_t d = 0; d < D; ++d) acc += dO[d] * qkv[(b * T + j) * ld + vc + d];
-          dP[i * T + j] = acc;
-          rowdot += acc * P[i * T + j];
-        }
-        for (int64_t j = 0; j <= i; ++j) {
-          const double ds = P[i * T + j] * (dP[i * T + j] - rowdot) * scale;
-          for (int64_t d = 0; d < D; ++d) {
-            dqkv[(b * T + i) * ld + h * D + d] += ds * qkv[(b * T + j) * ld + kc + d];
-            dqkv[(b * T + j) * ld + kc + d] += ds * Q(b, i, h, d);
-            dqkv[(b * T + j) * ld + vc + d] += P[i * T + j] * dO[d];
-          }
-        }
-      }
-    }
-  return dqkv;
 }
 
 double max_abs(const std::vector<double>& v) {
@@ -154,10 +78,10 @@ TEST_P(AttentionShapes, MatchesDoubleReference) {
   const AttnResult r = run_kernel(qkv, dout, s);
 
   std::vector<double> qkv_d(qkv.begin(), qkv.end()), dout_d(dout.begin(), dout.end()), out_ref, lse_ref;
-  ref_forward(out_ref, lse_ref, qkv_d, s);
+  ref_attention_fwd(out_ref, lse_ref, qkv_d, s);
   expect_close(r.out, out_ref, 2e-5, "out", s);
   expect_close(r.lse, lse_ref, 2e-5, "lse", s);
-  expect_close(r.dqkv, ref_backward(qkv_d, dout_d, s), 5e-5, "dqkv", s);
+  expect_close(r.dqkv, ref_attention_bwd(qkv_d, dout_d, s), 5e-5, "dqkv", s);
 
   // Bit-identical on repeat.
   const AttnResult r2 = run_kernel(qkv, dout, s);
@@ -191,11 +115,11 @@ TEST(Attention, ReferenceGradientMatchesFiniteDifferences) {
     const auto qkvf = randn(s.B * s.T * ld, 7 + s.T, 1.0f);
     const auto doutf = randn(s.B * s.T * s.H * s.D, 8 + s.T, 1.0f);
     std::vector<double> qkv(qkvf.begin(), qkvf.end()), dout(doutf.begin(), doutf.end());
-    const auto grad = ref_backward(qkv, dout, s);
+    const auto grad = ref_attention_bwd(qkv, dout, s);
     const AttnResult r = run_kernel(qkvf, doutf, s);
     auto loss = [&](const std::vector<double>& in) {
       std::vector<double> o, l;
-      ref_forward(o, l, in, s);
+      ref_attention_fwd(o, l, in, s);
       double acc = 0;
       for (size_t i = 0; i < o.size(); ++i) acc += o[i] * dout[i];
       return acc;
@@ -220,10 +144,10 @@ TEST(Attention, LargeScoresStayFinite) {
   const auto dout = randn(s.B * s.T * s.H * s.D, 6, 1.0f);
   const AttnResult r = run_kernel(qkv, dout, s);
   std::vector<double> qkv_d(qkv.begin(), qkv.end()), dout_d(dout.begin(), dout.end()), out_ref, lse_ref;
-  ref_forward(out_ref, lse_ref, qkv_d, s);
+  ref_attention_fwd(out_ref, lse_ref, qkv_d, s);
   expect_close(r.out, out_ref, 1e-4, "out", s);
   expect_close(r.lse, lse_ref, 1e-5, "lse", s);
-  expect_close(r.dqkv, ref_backward(qkv_d, dout_d, s), 1e-3, "dqkv", s);
+  expect_close(r.dqkv, ref_attention_bwd(qkv_d, dout_d, s), 1e-3, "dqkv", s);
 }
 
 // Every (b, h) / (b, kv head) task is computed the same way whichever thread runs it, so results

@@ -11,8 +11,12 @@
 
 #include "core/error.h"
 #include "kernels/cpu/ops.h"
+#include "reference_ops.h"
 
 namespace {
+
+using Ref = lathe::test::LossRef;
+using lathe::test::ref_lm_head_loss;
 
 std::vector<float> randn(size_t n, uint32_t seed, float sd) {
   std::mt19937 gen(seed);
@@ -30,43 +34,6 @@ std::vector<int32_t> make_targets(int64_t N, int64_t V, uint32_t seed) {
   for (int64_t n = 0; n < N; n += 5)
     if (N > 1) t[n] = -1;
   return t;
-}
-
-struct Ref {
-  std::vector<double> losses, dx, dw;  // dw is the gradient alone (no prefill)
-  double total = 0;
-};
-
-// Naive reference: logits, log-softmax and gradients in double.
-Ref reference(const std::vector<double>& x, const std::vector<double>& w, const std::vector<int32_t>& tg, int64_t N,
-              int64_t C, int64_t V, double grad_scale) {
-  Ref r;
-  r.losses.assign(N, 0.0);
-  r.dx.assign(N * C, 0.0);
-  r.dw.assign(V * C, 0.0);
-  std::vector<double> logits(V);
-  for (int64_t n = 0; n < N; ++n) {
-    for (int64_t v = 0; v < V; ++v) {
-      double acc = 0;
-      for (int64_t c = 0; c < C; ++c) acc += x[n * C + c] * w[v * C + c];
-      logits[v] = acc;
-    }
-    if (tg[n] < 0) continue;
-    const double m = *std::max_element(logits.begin(), logits.end());
-    double sum = 0;
-    for (double l : logits) sum += std::exp(l - m);
-    const double lse = m + std::log(sum);
-    r.losses[n] = lse - logits[tg[n]];
-    r.total += r.losses[n];
-    for (int64_t v = 0; v < V; ++v) {
-      const double g = (std::exp(logits[v] - lse) - (v == tg[n] ? 1.0 : 0.0)) * grad_scale;
-      for (int64_t c = 0; c < C; ++c) {
-        r.dx[n * C + c] += g * w[v * C + c];
-        r.dw[v * C + c] += g * x[n * C + c];
-      }
-    }
-  }
-  return r;
 }
 
 double max_abs(const std::vector<double>& v) {
@@ -118,7 +85,7 @@ TEST(LmHeadLoss, MatchesDoubleReferenceOverShapesAndChunks) {
         for (auto t : tg) count += t >= 0;
         const float gs = 1.0f / static_cast<float>(std::max<int64_t>(count, 1) + 2);  // as if global batch larger
         std::vector<double> xd(x.begin(), x.end()), wd(w.begin(), w.end());
-        const Ref ref = reference(xd, wd, tg, N, C, V, gs);
+        const Ref ref = ref_lm_head_loss(xd, wd, tg, N, C, V, gs);
         const auto prefill = randn(V * C, 5, 1.0f);
         std::vector<double> dw_want(V * C);
         for (int64_t i = 0; i < V * C; ++i) dw_want[i] = prefill[i] + ref.dw[i];
@@ -158,10 +125,10 @@ TEST(LmHeadLoss, GradientsMatchFiniteDifferences) {
   auto tg = make_targets(N, V, 4);
   const double gs = 0.25;
   std::vector<double> xd(x.begin(), x.end()), wd(w.begin(), w.end());
-  const Ref ref = reference(xd, wd, tg, N, C, V, gs);
+  const Ref ref = ref_lm_head_loss(xd, wd, tg, N, C, V, gs);
   const Out o = run(x, w, tg, N, C, V, static_cast<float>(gs), true, 3, std::vector<float>(V * C, 0.0f));
   auto loss = [&](const std::vector<double>& xx, const std::vector<double>& ww) {
-    return reference(xx, ww, tg, N, C, V, gs).total * gs;
+    return ref_lm_head_loss(xx, ww, tg, N, C, V, gs).total * gs;
   };
   const double eps = 1e-6;
   for (int64_t i = 0; i < N * C; ++i) {
@@ -189,7 +156,7 @@ TEST(LmHeadLoss, LargeLogitsStable) {
   const auto w = randn(V * C, 22, 30.0f);
   const auto tg = make_targets(N, V, 23);
   std::vector<double> xd(x.begin(), x.end()), wd(w.begin(), w.end());
-  const Ref ref = reference(xd, wd, tg, N, C, V, 1.0);
+  const Ref ref = ref_lm_head_loss(xd, wd, tg, N, C, V, 1.0);
   const Out o = run(x, w, tg, N, C, V, 1.0f, true, 4, std::vector<float>(V * C, 0.0f));
   for (int64_t n = 0; n < N; ++n) {
     ASSERT_TRUE(std::isfinite(o.losses[n]));

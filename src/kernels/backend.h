@@ -1,0 +1,207 @@
+// The kernel backend seam: a Backend owns a kind of memory (alloc/free/memset/copy/synchronize) and
+// one op table per compute dtype it implements. The model body calls kernels only through an `Ops`
+// table, so a bf16 path and a CUDA backend plug in as new tables without touching the body.
+//
+// One table per (backend, compute dtype), as ggml's backend vtables: `Ops` is a struct of function
+// pointers with the operations of kernels/cpu/ops.h (same argument order, same gradient conventions,
+// read that file for the math and the shapes) plus their scratch sizes, so no caller needs to know
+// a backend's thread count. The CPU fp32 table is the reference implementation; others are checked
+// against the same double references (tests/kernels/test_backend_ops.cpp).
+//
+// Element types in a table's signatures say which buffers follow its compute dtype:
+//  * `void*` / `const void*` buffers hold elements of the table's dtype: activations, activation
+//    gradients, and the weight operands of GEMMs and the embedding (a bf16 table reads bf16 copies
+//    of the fp32 master weights).
+//  * `float*` buffers are fp32 in every table: norm statistics (mean, rstd), attention's lse, the
+//    losses, parameter gradients (dweight, dbias, dwte, ...: they accumulate into the fp32 gradient
+//    buffer), biases and norm weights, the RoPE tables.
+//  * `scratch` is untyped backend memory of at least the size the table's *_scratch_bytes returns.
+// Every pointer is in the backend's memory (on the CPU backend: host memory).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "core/dtype.h"
+
+namespace lathe {
+
+struct Ops {
+  // Which table this is (errors and test names): backend name ("cpu") and compute dtype.
+  const char* backend = "";
+  DType dtype = DType::F32;
+
+  // ---- matmul: out[M,N] = inp[M,K] @ weight[N,K]^T (+ bias[N]) ---------------------------------
+  void (*matmul_forward)(void* out, const void* inp, const void* weight, const float* bias, int64_t M, int64_t K,
+                         int64_t N, bool accumulate) = nullptr;
+  void (*matmul_backward)(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
+                          const void* weight, int64_t M, int64_t K, int64_t N, bool accumulate_dinp) = nullptr;
+
+  // ---- token + learned position embedding -----------------------------------------------------
+  void (*embedding_forward)(void* out, const int32_t* tokens, const void* wte, const void* wpe, int64_t B, int64_t T,
+                            int64_t C) = nullptr;
+  void (*embedding_backward)(float* dwte, float* dwpe, const void* dout, const int32_t* tokens, int64_t B, int64_t T,
+                             int64_t C) = nullptr;
+
+  // ---- LayerNorm / RMSNorm -------------------------------------------------------------------
+  void (*layernorm_forward)(void* out, float* mean, float* rstd, const void* inp, const float* weight,
+                            const float* bias, int64_t N, int64_t C, float eps) = nullptr;
+  void (*layernorm_backward)(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
+                             const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
+                             void* scratch) = nullptr;
+  size_t (*layernorm_scratch_bytes)(int64_t C) = nullptr;
+  void (*rmsnorm_forward)(void* out, float* rstd, const void* inp, const float* weight, int64_t N, int64_t C,
+                          float eps) = nullptr;
+  void (*rmsnorm_backward)(void* dinp, float* dweight, const void* dout, const void* inp, const float* weight,
+                           const float* rstd, int64_t N, int64_t C, void* scratch) = nullptr;
+  size_t (*rmsnorm_scratch_bytes)(int64_t C) = nullptr;
+
+  // ---- pointwise -------------------------------------------------------------------------------
+  void (*gelu_forward)(void* out, const void* inp, int64_t n) = nullptr;
+  void (*gelu_backward)(void* dinp, const void* inp, const void* dout, int64_t n) = nullptr;
+  void (*swiglu_forward)(void* out, const void* inp, int64_t N, int64_t F) = nullptr;
+  void (*swiglu_backward)(void* dinp, const void* inp, const void* dout, int64_t N, int64_t F) = nullptr;
+  void (*residual_forward)(void* out, const void* a, const void* b, int64_t n) = nullptr;
+
+  // ---- rotary position embedding (tables fp32 [T, D/2]) ------------------------------------------
+  void (*rope_tables)(float* cos_table, float* sin_table, int64_t T, int64_t D, double theta) = nullptr;
+  void (*rope_forward)(void* x, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
+                       int64_t D, int64_t row_stride) = nullptr;
+  void (*rope_backward)(void* dx, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
+                        int64_t D, int64_t row_stride) = nullptr;
+
+  // ---- causal grouped-query attention ----------------------------------------------------------
+  void (*attention_forward)(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
+                            int64_t D, void* scratch) = nullptr;
+  void (*attention_backward)(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
+                             int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch) = nullptr;
+  size_t (*attention_scratch_bytes)(int64_t T, int64_t D) = nullptr;
+
+  // ---- lm head + softmax + cross-entropy, chunked over rows ------------------------------------
+  double (*lm_head_loss)(float* losses, void* dx, float* dw, const void* x, const void* w, const int32_t* targets,
+                         int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, void* scratch,
+                         int64_t chunk_rows) = nullptr;
+  size_t (*lm_head_loss_scratch_bytes)(int64_t chunk_rows, int64_t V) = nullptr;
+};
+
+// Calls f(name, implemented) for every operation slot of `ops`, in declaration order.
+template <typename F>
+void for_each_op(const Ops& ops, F&& f);
+
+enum class DeviceKind : uint8_t { Host, Cuda };
+std::string_view device_kind_name(DeviceKind k);
+
+enum class CopyKind : uint8_t { HostToDevice, DeviceToHost, DeviceToDevice };
+
+// A backend: its memory and its op tables. Backends are process-lifetime singletons.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string_view name() const = 0;  // "cpu", "cuda"
+  virtual DeviceKind device() const = 0;
+  // `bytes` of backend memory, 64-byte aligned, NOT initialised; throws lathe::Error when it cannot.
+  virtual void* alloc(size_t bytes) const = 0;
+  virtual void free(void* p) const = 0;
+  virtual void memset(void* dst, int value, size_t bytes) const = 0;
+  virtual void copy(void* dst, const void* src, size_t bytes, CopyKind kind) const = 0;
+  // Waits until every operation issued on this backend has finished (a no-op on the CPU).
+  virtual void synchronize() const = 0;
+  // The op tables of this backend, complete or not (one per compute dtype).
+  virtual std::vector<const Ops*> op_tables() const = 0;
+};
+
+const Backend& cpu_backend();
+// A backend named "cuda" for builds without CUDA: it links everywhere, implements no dtype, and
+// every memory call throws "[alloc] no CUDA implementation: ...".
+const Backend& no_cuda_backend();
+// Every backend of this build (cpu first); backend_by_name throws naming the known ones.
+const std::vector<const Backend*>& backends();
+const Backend& backend_by_name(std::string_view name);
+
+// "fp32", "bf16", "fp16": the spelling of a compute dtype in recipes and messages.
+std::string compute_dtype_name(DType t);
+
+// The complete op table of (backend, compute dtype). If the backend has no table for the dtype, or
+// its table lacks an op, throws lathe::Error naming the first missing op, the dtype, the backend and
+// the dtypes that implement that op there: "[matmul_forward] no bf16 implementation on cpu;
+// implemented: fp32".
+const Ops& ops_for(const Backend& backend, DType compute);
+// The table of (backend, dtype) as registered (possibly partial), or nullptr.
+const Ops* find_ops(const Backend& backend, DType compute);
+// Every (backend, compute dtype) with a complete table.
+std::vector<std::pair<const Backend*, DType>> implemented_ops();
+
+// Owning, zero-initialised backend memory holding `count` elements of `dtype` (64-byte aligned).
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(const Backend& backend, size_t count, DType dtype) { resize(backend, count, dtype); }
+  ~DeviceBuffer() { release(); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept { swap(o); }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    swap(o);
+    return *this;
+  }
+
+  void resize(const Backend& backend, size_t count, DType dtype);
+  void zero();
+  void* data() { return ptr_; }
+  const void* data() const { return ptr_; }
+  size_t size() const { return count_; }
+  size_t bytes() const { return count_ * dtype_size(dtype_); }
+  DType dtype() const { return dtype_; }
+  const Backend* backend() const { return backend_; }
+
+ private:
+  void release();
+  void swap(DeviceBuffer& o) noexcept {
+    std::swap(backend_, o.backend_);
+    std::swap(ptr_, o.ptr_);
+    std::swap(count_, o.count_);
+    std::swap(dtype_, o.dtype_);
+  }
+  const Backend* backend_ = nullptr;
+  void* ptr_ = nullptr;
+  size_t count_ = 0;
+  DType dtype_ = DType::F32;
+};
+
+// ---- implementation of for_each_op -------------------------------------------------------------
+template <typename F>
+void for_each_op(const Ops& o, F&& f) {
+#define LATHE_OP(name) f(#name, o.name != nullptr)
+  LATHE_OP(matmul_forward);
+  LATHE_OP(matmul_backward);
+  LATHE_OP(embedding_forward);
+  LATHE_OP(embedding_backward);
+  LATHE_OP(layernorm_forward);
+  LATHE_OP(layernorm_backward);
+  LATHE_OP(layernorm_scratch_bytes);
+  LATHE_OP(rmsnorm_forward);
+  LATHE_OP(rmsnorm_backward);
+  LATHE_OP(rmsnorm_scratch_bytes);
+  LATHE_OP(gelu_forward);
+  LATHE_OP(gelu_backward);
+  LATHE_OP(swiglu_forward);
+  LATHE_OP(swiglu_backward);
+  LATHE_OP(residual_forward);
+  LATHE_OP(rope_tables);
+  LATHE_OP(rope_forward);
+  LATHE_OP(rope_backward);
+  LATHE_OP(attention_forward);
+  LATHE_OP(attention_backward);
+  LATHE_OP(attention_scratch_bytes);
+  LATHE_OP(lm_head_loss);
+  LATHE_OP(lm_head_loss_scratch_bytes);
+#undef LATHE_OP
+}
+// A slot added to Ops but not to the list above would escape the completeness check of ops_for.
+static_assert(sizeof(Ops) == offsetof(Ops, matmul_forward) + 23 * sizeof(void (*)()),
+              "Ops gained or lost a slot: update for_each_op");
+
+}  // namespace lathe

@@ -1,0 +1,162 @@
+// The CPU backend: host memory and the CPU op tables. The fp32 table forwards each slot to the
+// kernel of kernels/cpu/ops.h with the same name and argument order (only the pointer types differ:
+// the table's void* buffers are fp32 here), so results are those of the direct calls, bit for bit.
+#include <cstdlib>
+#include <cstring>
+
+#include "core/error.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/cpu/tables.h"
+
+namespace lathe {
+
+namespace cpu {
+namespace {
+
+float* f(void* p) { return static_cast<float*>(p); }
+const float* f(const void* p) { return static_cast<const float*>(p); }
+
+void matmul_forward_f32(void* out, const void* inp, const void* weight, const float* bias, int64_t M, int64_t K,
+                        int64_t N, bool accumulate) {
+  matmul_forward(f(out), f(inp), f(weight), bias, M, K, N, accumulate);
+}
+void matmul_backward_f32(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
+                         const void* weight, int64_t M, int64_t K, int64_t N, bool accumulate_dinp) {
+  matmul_backward(f(dinp), dweight, dbias, f(dout), f(inp), f(weight), M, K, N, accumulate_dinp);
+}
+void embedding_forward_f32(void* out, const int32_t* tokens, const void* wte, const void* wpe, int64_t B, int64_t T,
+                           int64_t C) {
+  embedding_forward(f(out), tokens, f(wte), f(wpe), B, T, C);
+}
+void embedding_backward_f32(float* dwte, float* dwpe, const void* dout, const int32_t* tokens, int64_t B, int64_t T,
+                            int64_t C) {
+  embedding_backward(dwte, dwpe, f(dout), tokens, B, T, C);
+}
+void layernorm_forward_f32(void* out, float* mean, float* rstd, const void* inp, const float* weight, const float* bias,
+                           int64_t N, int64_t C, float eps) {
+  layernorm_forward(f(out), mean, rstd, f(inp), weight, bias, N, C, eps);
+}
+void layernorm_backward_f32(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
+                            const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
+                            void* scratch) {
+  layernorm_backward(f(dinp), dweight, dbias, f(dout), f(inp), weight, mean, rstd, N, C, f(scratch));
+}
+size_t layernorm_scratch_bytes_f32(int64_t C) { return layernorm_scratch_floats(C) * sizeof(float); }
+void rmsnorm_forward_f32(void* out, float* rstd, const void* inp, const float* weight, int64_t N, int64_t C,
+                         float eps) {
+  rmsnorm_forward(f(out), rstd, f(inp), weight, N, C, eps);
+}
+void rmsnorm_backward_f32(void* dinp, float* dweight, const void* dout, const void* inp, const float* weight,
+                          const float* rstd, int64_t N, int64_t C, void* scratch) {
+  rmsnorm_backward(f(dinp), dweight, f(dout), f(inp), weight, rstd, N, C, f(scratch));
+}
+size_t rmsnorm_scratch_bytes_f32(int64_t C) { return rmsnorm_scratch_floats(C) * sizeof(float); }
+void gelu_forward_f32(void* out, const void* inp, int64_t n) { gelu_forward(f(out), f(inp), n); }
+void gelu_backward_f32(void* dinp, const void* inp, const void* dout, int64_t n) {
+  gelu_backward(f(dinp), f(inp), f(dout), n);
+}
+void swiglu_forward_f32(void* out, const void* inp, int64_t N, int64_t F) { swiglu_forward(f(out), f(inp), N, F); }
+void swiglu_backward_f32(void* dinp, const void* inp, const void* dout, int64_t N, int64_t F) {
+  swiglu_backward(f(dinp), f(inp), f(dout), N, F);
+}
+void residual_forward_f32(void* out, const void* a, const void* b, int64_t n) {
+  residual_forward(f(out), f(a), f(b), n);
+}
+void rope_forward_f32(void* x, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
+                      int64_t D, int64_t row_stride) {
+  rope_forward(f(x), cos_table, sin_table, B, T, n_heads, D, row_stride);
+}
+void rope_backward_f32(void* dx, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
+                       int64_t D, int64_t row_stride) {
+  rope_backward(f(dx), cos_table, sin_table, B, T, n_heads, D, row_stride);
+}
+void attention_forward_f32(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
+                           int64_t D, void* scratch) {
+  attention_forward(f(out), lse, f(qkv), B, T, H, KVH, D, f(scratch));
+}
+void attention_backward_f32(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse, int64_t B,
+                            int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch) {
+  attention_backward(f(dqkv), f(dout), f(qkv), f(out), lse, B, T, H, KVH, D, f(scratch));
+}
+size_t attention_scratch_bytes_f32(int64_t T, int64_t D) { return attention_scratch_floats(T, D) * sizeof(float); }
+double lm_head_loss_f32(float* losses, void* dx, float* dw, const void* x, const void* w, const int32_t* targets,
+                        int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, void* scratch,
+                        int64_t chunk_rows) {
+  return lm_head_loss(losses, f(dx), dw, f(x), f(w), targets, N, C, V, grad_scale, backward, f(scratch), chunk_rows);
+}
+// The logits of one chunk: chunk_rows x V floats.
+size_t lm_head_loss_scratch_bytes_f32(int64_t chunk_rows, int64_t V) {
+  return static_cast<size_t>(chunk_rows) * static_cast<size_t>(V) * sizeof(float);
+}
+
+Ops make_fp32_ops() {
+  Ops o;
+  o.backend = "cpu";
+  o.dtype = DType::F32;
+  o.matmul_forward = matmul_forward_f32;
+  o.matmul_backward = matmul_backward_f32;
+  o.embedding_forward = embedding_forward_f32;
+  o.embedding_backward = embedding_backward_f32;
+  o.layernorm_forward = layernorm_forward_f32;
+  o.layernorm_backward = layernorm_backward_f32;
+  o.layernorm_scratch_bytes = layernorm_scratch_bytes_f32;
+  o.rmsnorm_forward = rmsnorm_forward_f32;
+  o.rmsnorm_backward = rmsnorm_backward_f32;
+  o.rmsnorm_scratch_bytes = rmsnorm_scratch_bytes_f32;
+  o.gelu_forward = gelu_forward_f32;
+  o.gelu_backward = gelu_backward_f32;
+  o.swiglu_forward = swiglu_forward_f32;
+  o.swiglu_backward = swiglu_backward_f32;
+  o.residual_forward = residual_forward_f32;
+  o.rope_tables = rope_tables;  // fp32 tables in every dtype: the kernel itself
+  o.rope_forward = rope_forward_f32;
+  o.rope_backward = rope_backward_f32;
+  o.attention_forward = attention_forward_f32;
+  o.attention_backward = attention_backward_f32;
+  o.attention_scratch_bytes = attention_scratch_bytes_f32;
+  o.lm_head_loss = lm_head_loss_f32;
+  o.lm_head_loss_scratch_bytes = lm_head_loss_scratch_bytes_f32;
+  return o;
+}
+
+}  // namespace
+
+const Ops& fp32_ops() {
+  static const Ops table = make_fp32_ops();
+  return table;
+}
+
+}  // namespace cpu
+
+namespace {
+
+class CpuBackend final : public Backend {
+ public:
+  std::string_view name() const override { return "cpu"; }
+  DeviceKind device() const override { return DeviceKind::Host; }
+  void* alloc(size_t bytes) const override {
+    const size_t rounded = (bytes + 63) / 64 * 64;  // aligned_alloc wants a multiple of the alignment
+    LATHE_CHECK(rounded >= bytes, "cpu backend: allocation of {} bytes overflows", bytes);
+    void* p = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
+    LATHE_CHECK(p != nullptr, "out of memory allocating {} bytes", rounded);
+    return p;
+  }
+  void free(void* p) const override { std::free(p); }
+  void memset(void* dst, int value, size_t bytes) const override {
+    if (bytes) std::memset(dst, value, bytes);
+  }
+  void copy(void* dst, const void* src, size_t bytes, CopyKind) const override {
+    if (bytes) std::memcpy(dst, src, bytes);
+  }
+  void synchronize() const override {}
+  std::vector<const Ops*> op_tables() const override { return {&cpu::fp32_ops()}; }
+};
+
+}  // namespace
+
+const Backend& cpu_backend() {
+  static const CpuBackend backend;
+  return backend;
+}
+
+}  // namespace lathe

@@ -1,0 +1,323 @@
+// Plain-loop double references of every kernel op, shared by the per-op tests (test_ops_*.cpp) and
+// the backend op test (test_backend_ops.cpp). Each is checked against central finite differences
+// of its own forward in test_ops_*.cpp, so the references are verified, not trusted.
+// Shapes as in kernels/cpu/ops.h; gradients are returned alone (callers add any += prefill).
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <ostream>
+#include <vector>
+
+namespace lathe::test {
+
+using VecD = std::vector<double>;
+
+// ---- matmul, embedding, layernorm, rmsnorm, gelu, swiglu, rope --------------------------------
+
+inline void ref_matmul_fwd(VecD& out, const VecD& x, const VecD& w, const VecD* b, int64_t M, int64_t K, int64_t N) {
+  out.assign(M * N, 0.0);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      double s = b ? (*b)[j] : 0.0;
+      for (int64_t k = 0; k < K; ++k) s += x[i * K + k] * w[j * K + k];
+      out[i * N + j] = s;
+    }
+}
+inline void ref_matmul_bwd(VecD& dx, VecD& dw, VecD& db, const VecD& g, const VecD& x, const VecD& w, int64_t M,
+                           int64_t K, int64_t N) {
+  dx.assign(M * K, 0.0);
+  dw.assign(N * K, 0.0);
+  db.assign(N, 0.0);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      const double gij = g[i * N + j];
+      db[j] += gij;
+      for (int64_t k = 0; k < K; ++k) {
+        dx[i * K + k] += gij * w[j * K + k];
+        dw[j * K + k] += gij * x[i * K + k];
+      }
+    }
+}
+
+inline void ref_embedding_fwd(VecD& out, const std::vector<int32_t>& tok, const VecD& wte, const VecD* wpe, int64_t B,
+                              int64_t T, int64_t C) {
+  out.assign(B * T * C, 0.0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t c = 0; c < C; ++c)
+        out[(b * T + t) * C + c] = wte[tok[b * T + t] * C + c] + (wpe ? (*wpe)[t * C + c] : 0.0);
+}
+inline void ref_embedding_bwd(VecD& dwte, VecD& dwpe, const VecD& g, const std::vector<int32_t>& tok, int64_t V,
+                              int64_t B, int64_t T, int64_t C) {
+  dwte.assign(V * C, 0.0);
+  dwpe.assign(T * C, 0.0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t c = 0; c < C; ++c) {
+        dwte[tok[b * T + t] * C + c] += g[(b * T + t) * C + c];
+        dwpe[t * C + c] += g[(b * T + t) * C + c];
+      }
+}
+
+inline void ref_layernorm_fwd(VecD& out, VecD& mean, VecD& rstd, const VecD& x, const VecD& w, const VecD* b, int64_t N,
+                              int64_t C, double eps) {
+  out.assign(N * C, 0.0);
+  mean.assign(N, 0.0);
+  rstd.assign(N, 0.0);
+  for (int64_t n = 0; n < N; ++n) {
+    double m = 0.0, v = 0.0;
+    for (int64_t c = 0; c < C; ++c) m += x[n * C + c];
+    m /= C;
+    for (int64_t c = 0; c < C; ++c) v += (x[n * C + c] - m) * (x[n * C + c] - m);
+    v /= C;
+    const double r = 1.0 / std::sqrt(v + eps);
+    for (int64_t c = 0; c < C; ++c) out[n * C + c] = (x[n * C + c] - m) * r * w[c] + (b ? (*b)[c] : 0.0);
+    mean[n] = m;
+    rstd[n] = r;
+  }
+}
+inline void ref_layernorm_bwd(VecD& dx, VecD& dw, VecD& db, const VecD& g, const VecD& x, const VecD& w, int64_t N,
+                              int64_t C, double eps) {
+  VecD out, mean, rstd;
+  ref_layernorm_fwd(out, mean, rstd, x, w, nullptr, N, C, eps);
+  dx.assign(N * C, 0.0);
+  dw.assign(C, 0.0);
+  db.assign(C, 0.0);
+  for (int64_t n = 0; n < N; ++n) {
+    double a = 0.0, bb = 0.0;
+    for (int64_t c = 0; c < C; ++c) {
+      const double xh = (x[n * C + c] - mean[n]) * rstd[n];
+      const double dxh = g[n * C + c] * w[c];
+      a += dxh;
+      bb += dxh * xh;
+      dw[c] += g[n * C + c] * xh;
+      db[c] += g[n * C + c];
+    }
+    a /= C;
+    bb /= C;
+    for (int64_t c = 0; c < C; ++c) {
+      const double xh = (x[n * C + c] - mean[n]) * rstd[n];
+      dx[n * C + c] = (g[n * C + c] * w[c] - a - xh * bb) * rstd[n];
+    }
+  }
+}
+
+inline void ref_rmsnorm_fwd(VecD& out, VecD& rstd, const VecD& x, const VecD& w, int64_t N, int64_t C, double eps) {
+  out.assign(N * C, 0.0);
+  rstd.assign(N, 0.0);
+  for (int64_t n = 0; n < N; ++n) {
+    double ss = 0.0;
+    for (int64_t c = 0; c < C; ++c) ss += x[n * C + c] * x[n * C + c];
+    const double r = 1.0 / std::sqrt(ss / C + eps);
+    for (int64_t c = 0; c < C; ++c) out[n * C + c] = w[c] * x[n * C + c] * r;
+    rstd[n] = r;
+  }
+}
+inline void ref_rmsnorm_bwd(VecD& dx, VecD& dw, const VecD& g, const VecD& x, const VecD& w, int64_t N, int64_t C,
+                            double eps) {
+  VecD out, rstd;
+  ref_rmsnorm_fwd(out, rstd, x, w, N, C, eps);
+  dx.assign(N * C, 0.0);
+  dw.assign(C, 0.0);
+  for (int64_t n = 0; n < N; ++n) {
+    double s = 0.0;
+    for (int64_t c = 0; c < C; ++c) {
+      const double xh = x[n * C + c] * rstd[n];
+      s += g[n * C + c] * w[c] * xh;
+      dw[c] += g[n * C + c] * xh;
+    }
+    s /= C;
+    for (int64_t c = 0; c < C; ++c) dx[n * C + c] = (g[n * C + c] * w[c] - x[n * C + c] * rstd[n] * s) * rstd[n];
+  }
+}
+
+// GELU tanh approximation, written as torch does: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+inline double ref_gelu(double x) {
+  const double s = std::sqrt(2.0 / M_PI);
+  return 0.5 * x * (1.0 + std::tanh(s * (x + 0.044715 * x * x * x)));
+}
+inline double ref_gelu_grad(double x) {
+  const double s = std::sqrt(2.0 / M_PI);
+  const double u = s * (x + 0.044715 * x * x * x);
+  const double t = std::tanh(u);
+  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * s * (1.0 + 3.0 * 0.044715 * x * x);
+}
+
+inline double ref_sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+inline void ref_swiglu_fwd(VecD& out, const VecD& inp, int64_t N, int64_t F) {
+  out.assign(N * F, 0.0);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t f = 0; f < F; ++f) {
+      const double g = inp[n * 2 * F + f], u = inp[n * 2 * F + F + f];
+      out[n * F + f] = g * ref_sigmoid(g) * u;
+    }
+}
+inline void ref_swiglu_bwd(VecD& dinp, const VecD& inp, const VecD& dout, int64_t N, int64_t F) {
+  dinp.assign(N * 2 * F, 0.0);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t f = 0; f < F; ++f) {
+      const double g = inp[n * 2 * F + f], u = inp[n * 2 * F + F + f], d = dout[n * F + f];
+      const double sg = ref_sigmoid(g);
+      dinp[n * 2 * F + f] = d * u * (sg + g * sg * (1.0 - sg));
+      dinp[n * 2 * F + F + f] = d * g * sg;
+    }
+}
+
+// RoPE reference on x[B, T, stride], heads at column h*D; tables given as [T, D/2] doubles.
+inline void ref_rope_fwd(VecD& y, const VecD& x, const VecD& cs, const VecD& sn, int64_t B, int64_t T, int64_t H,
+                         int64_t D, int64_t stride, int64_t offset) {
+  y = x;
+  const int64_t half = D / 2;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < half; ++i) {
+          const int64_t base = (b * T + t) * stride + offset + h * D;
+          const double x1 = x[base + i], x2 = x[base + half + i];
+          const double c = cs[t * half + i], s = sn[t * half + i];
+          y[base + i] = x1 * c - x2 * s;
+          y[base + half + i] = x2 * c + x1 * s;
+        }
+}
+inline void ref_rope_bwd(VecD& dx, const VecD& dy, const VecD& cs, const VecD& sn, int64_t B, int64_t T, int64_t H,
+                         int64_t D, int64_t stride, int64_t offset) {
+  dx = dy;
+  const int64_t half = D / 2;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < half; ++i) {
+          const int64_t base = (b * T + t) * stride + offset + h * D;
+          const double g1 = dy[base + i], g2 = dy[base + half + i];
+          const double c = cs[t * half + i], s = sn[t * half + i];
+          dx[base + i] = g1 * c + g2 * s;
+          dx[base + half + i] = g2 * c - g1 * s;
+        }
+}
+
+// ---- attention ------------------------------------------------------------------------------
+
+struct AttnShape {
+  int64_t B, T, H, KVH, D;
+};
+inline void PrintTo(const AttnShape& s, std::ostream* os) {
+  *os << "B=" << s.B << " T=" << s.T << " H=" << s.H << " KVH=" << s.KVH << " D=" << s.D;
+}
+
+// Naive causal GQA attention in double. out[B,T,H*D].
+inline void ref_attention_fwd(std::vector<double>& out, std::vector<double>& lse, const std::vector<double>& qkv,
+                              const AttnShape& s) {
+  const int64_t ld = (s.H + 2 * s.KVH) * s.D, rep = s.H / s.KVH;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(s.D));
+  out.assign(s.B * s.T * s.H * s.D, 0.0);
+  lse.assign(s.B * s.H * s.T, 0.0);
+  std::vector<double> p(s.T);
+  for (int64_t b = 0; b < s.B; ++b)
+    for (int64_t h = 0; h < s.H; ++h) {
+      const int64_t g = h / rep;
+      for (int64_t i = 0; i < s.T; ++i) {
+        double m = -INFINITY;
+        for (int64_t j = 0; j <= i; ++j) {
+          double acc = 0;
+          for (int64_t d = 0; d < s.D; ++d)
+            acc += qkv[(b * s.T + i) * ld + h * s.D + d] * qkv[(b * s.T + j) * ld + (s.H + g) * s.D + d];
+          p[j] = acc * scale;
+          m = std::max(m, p[j]);
+        }
+        double sum = 0;
+        for (int64_t j = 0; j <= i; ++j) sum += std::exp(p[j] - m);
+        lse[(b * s.H + h) * s.T + i] = m + std::log(sum);
+        for (int64_t j = 0; j <= i; ++j) {
+          const double pj = std::exp(p[j] - m) / sum;
+          for (int64_t d = 0; d < s.D; ++d)
+            out[(b * s.T + i) * s.H * s.D + h * s.D + d] += pj * qkv[(b * s.T + j) * ld + (s.H + s.KVH + g) * s.D + d];
+        }
+      }
+    }
+}
+
+// Analytic gradient of L = sum(out * dout) w.r.t. qkv, double, with the full softmax matrix.
+inline std::vector<double> ref_attention_bwd(const std::vector<double>& qkv, const std::vector<double>& dout,
+                                             const AttnShape& s) {
+  const int64_t ld = (s.H + 2 * s.KVH) * s.D, rep = s.H / s.KVH, T = s.T, D = s.D;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  std::vector<double> dqkv(qkv.size(), 0.0), P(T * T), dP(T * T);
+  auto Q = [&](int64_t b, int64_t t, int64_t h, int64_t d) { return qkv[(b * T + t) * ld + h * D + d]; };
+  for (int64_t b = 0; b < s.B; ++b)
+    for (int64_t h = 0; h < s.H; ++h) {
+      const int64_t g = h / rep, kc = (s.H + g) * D, vc = (s.H + s.KVH + g) * D;
+      for (int64_t i = 0; i < T; ++i) {
+        double m = -INFINITY;
+        for (int64_t j = 0; j <= i; ++j) {
+          double acc = 0;
+          for (int64_t d = 0; d < D; ++d) acc += Q(b, i, h, d) * qkv[(b * T + j) * ld + kc + d];
+          P[i * T + j] = acc * scale;
+          m = std::max(m, P[i * T + j]);
+        }
+        double sum = 0;
+        for (int64_t j = 0; j <= i; ++j) sum += std::exp(P[i * T + j] - m);
+        for (int64_t j = 0; j <= i; ++j) P[i * T + j] = std::exp(P[i * T + j] - m) / sum;
+      }
+      for (int64_t i = 0; i < T; ++i) {
+        const double* dO = &dout[(b * T + i) * s.H * D + h * D];
+        double rowdot = 0;
+        for (int64_t j = 0; j <= i; ++j) {
+          double acc = 0;
+          for (int64_t d = 0; d < D; ++d) acc += dO[d] * qkv[(b * T + j) * ld + vc + d];
+          dP[i * T + j] = acc;
+          rowdot += acc * P[i * T + j];
+        }
+        for (int64_t j = 0; j <= i; ++j) {
+          const double ds = P[i * T + j] * (dP[i * T + j] - rowdot) * scale;
+          for (int64_t d = 0; d < D; ++d) {
+            dqkv[(b * T + i) * ld + h * D + d] += ds * qkv[(b * T + j) * ld + kc + d];
+            dqkv[(b * T + j) * ld + kc + d] += ds * Q(b, i, h, d);
+            dqkv[(b * T + j) * ld + vc + d] += P[i * T + j] * dO[d];
+          }
+        }
+      }
+    }
+  return dqkv;
+}
+
+// ---- lm head + cross-entropy ------------------------------------------------------------------
+
+struct LossRef {
+  std::vector<double> losses, dx, dw;  // dw is the gradient alone (no prefill)
+  double total = 0;
+};
+
+// Naive reference: logits, log-softmax and gradients in double.
+inline LossRef ref_lm_head_loss(const std::vector<double>& x, const std::vector<double>& w,
+                                const std::vector<int32_t>& tg, int64_t N, int64_t C, int64_t V, double grad_scale) {
+  LossRef r;
+  r.losses.assign(N, 0.0);
+  r.dx.assign(N * C, 0.0);
+  r.dw.assign(V * C, 0.0);
+  std::vector<double> logits(V);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t v = 0; v < V; ++v) {
+      double acc = 0;
+      for (int64_t c = 0; c < C; ++c) acc += x[n * C + c] * w[v * C + c];
+      logits[v] = acc;
+    }
+    if (tg[n] < 0) continue;
+    const double m = *std::max_element(logits.begin(), logits.end());
+    double sum = 0;
+    for (double l : logits) sum += std::exp(l - m);
+    const double lse = m + std::log(sum);
+    r.losses[n] = lse - logits[tg[n]];
+    r.total += r.losses[n];
+    for (int64_t v = 0; v < V; ++v) {
+      const double g = (std::exp(logits[v] - lse) - (v == tg[n] ? 1.0 : 0.0)) * grad_scale;
+      for (int64_t c = 0; c < C; ++c) {
+        r.dx[n * C + c] += g * w[v * C + c];
+        r.dw[v * C + c] += g * x[n * C + c];
+      }
+    }
+  }
+  return r;
+}
+
+}  // namespace lathe::test

@@ -1,0 +1,638 @@
+// Every op of every backend op table against the double references (as ggml's test-backend-ops):
+// ONE case list, run for each (backend, compute dtype) table the registry reports. A table that
+// lacks an op reports that case as skipped ("not supported"), never as passed.
+//
+// How a case runs: inputs are drawn in fp32, rounded to the table's dtype where the table reads
+// them in that dtype (so the double reference sees exactly the kernel's inputs), copied into
+// backend memory with guard elements behind every buffer, the op runs forward and backward, the
+// results come back through Backend::copy and are compared with the reference (parameter
+// gradients onto random prefills: the += contract; "=" outputs pre-filled with NaN). The guard
+// elements must be unchanged afterwards (no write past a buffer).
+//
+// Tolerance per dtype, per element: |got - want| <= tol * (1 + max|want|) + tol * |want|.
+//   fp32 5e-5: the bound of the per-op tests (test_ops_*.cpp; attention's dqkv needs 5e-5, the
+//        others are within 1e-5..3e-5): fp32 rounding of sums over up to 67 terms.
+//   bf16 3e-2: outputs and saved activations are rounded to bf16 (relative 2^-8 = 3.9e-3 each);
+//        a backward reads up to ~4 rounded intermediates (e.g. layernorm dinp: out, mean-centred
+//        input, dout) and the error of a difference of rounded terms is relative to the larger
+//        term, so 8 x 2^-8 (MLX and ggml use ~1e-2 for single bf16 ops).
+//   fp16 4e-3: the same with 2^-11 = 4.9e-4 per rounding (8 x 2^-11).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/rng.h"
+#include "gradcheck_basic.h"
+#include "kernels/backend.h"
+#include "reference_ops.h"
+
+using namespace lathe;
+using namespace lathe::test;
+
+namespace {
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+const int64_t kOdd[] = {1, 3, 31, 33, 67};
+
+double tolerance(DType dt) {
+  switch (dt) {
+    case DType::F32:
+      return 5e-5;
+    case DType::BF16:
+      return 3e-2;
+    case DType::F16:
+      return 4e-3;
+    default:
+      return 0.0;
+  }
+}
+
+// ---- conversions between fp32 host values and a table's element type ---------------------------
+
+void to_dtype(const float* src, void* dst, size_t n, DType dt) {
+  switch (dt) {
+    case DType::F32:
+      std::memcpy(dst, src, n * sizeof(float));
+      return;
+    case DType::BF16:
+      for (size_t i = 0; i < n; ++i) static_cast<uint16_t*>(dst)[i] = fp32_to_bf16(src[i]);
+      return;
+    case DType::F16:
+      for (size_t i = 0; i < n; ++i) static_cast<uint16_t*>(dst)[i] = fp32_to_fp16(src[i]);
+      return;
+    default:
+      throw_error("test_backend_ops: no conversion to {}", dtype_name(dt));
+  }
+}
+void from_dtype(const void* src, float* dst, size_t n, DType dt) {
+  switch (dt) {
+    case DType::F32:
+      std::memcpy(dst, src, n * sizeof(float));
+      return;
+    case DType::BF16:
+      for (size_t i = 0; i < n; ++i) dst[i] = bf16_to_fp32(static_cast<const uint16_t*>(src)[i]);
+      return;
+    case DType::F16:
+      for (size_t i = 0; i < n; ++i) dst[i] = fp16_to_fp32(static_cast<const uint16_t*>(src)[i]);
+      return;
+    default:
+      throw_error("test_backend_ops: no conversion from {}", dtype_name(dt));
+  }
+}
+// The values a buffer of `dt` can hold: what the kernel really reads.
+VecF rounded(VecF v, DType dt) {
+  std::vector<uint8_t> tmp(v.size() * dtype_size(dt));
+  to_dtype(v.data(), tmp.data(), v.size(), dt);
+  from_dtype(tmp.data(), v.data(), v.size(), dt);
+  return v;
+}
+
+// ---- a table under test and its memory ---------------------------------------------------------
+
+struct Target {
+  const Backend* backend;
+  const Ops* ops;
+  std::string name() const { return std::string(backend->name()) + "_" + compute_dtype_name(ops->dtype); }
+};
+
+// Every table of every backend, complete or partial (a partial table's missing ops are skipped).
+std::vector<Target> all_targets() {
+  std::vector<Target> v;
+  for (const Backend* b : backends())
+    for (const Ops* t : b->op_tables())
+      if (t) v.push_back({b, t});
+  return v;
+}
+
+constexpr size_t kGuardBytes = 64;
+constexpr uint8_t kGuardByte = 0xA5;
+
+// A buffer of `n` elements of `dt` in backend memory, followed by guard bytes that must survive
+// (checked at every read-back and when the buffer is freed).
+class Dev {
+ public:
+  Dev(const Backend& b, const VecF& host, DType dt, std::string what)
+      : b_(&b), n_(host.size()), dt_(dt), what_(std::move(what)) {
+    const size_t bytes = n_ * dtype_size(dt_);
+    p_ = b_->alloc(bytes + kGuardBytes);
+    std::vector<uint8_t> stage(bytes + kGuardBytes, kGuardByte);
+    to_dtype(host.data(), stage.data(), n_, dt_);
+    b_->copy(p_, stage.data(), stage.size(), CopyKind::HostToDevice);
+  }
+  ~Dev() {
+    down();  // checks the guard bytes of every buffer, also those never read back (scratch)
+    b_->free(p_);
+  }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+
+  void* p() { return p_; }
+  float* f() { return static_cast<float*>(p_); }  // only for fp32 buffers
+  VecF down() const {
+    const size_t bytes = n_ * dtype_size(dt_);
+    std::vector<uint8_t> stage(bytes + kGuardBytes);
+    b_->synchronize();
+    b_->copy(stage.data(), p_, stage.size(), CopyKind::DeviceToHost);
+    for (size_t i = bytes; i < stage.size(); ++i)
+      if (stage[i] != kGuardByte) {
+        ADD_FAILURE() << what_ << ": write past the end of the buffer (guard byte " << i - bytes << ")";
+        break;
+      }
+    VecF out(n_);
+    from_dtype(stage.data(), out.data(), n_, dt_);
+    return out;
+  }
+
+ private:
+  const Backend* b_;
+  void* p_ = nullptr;
+  size_t n_;
+  DType dt_;
+  std::string what_;
+};
+
+// Per-case helper: act() buffers are in the table's dtype, f32() buffers fp32 in every table.
+struct Run {
+  const Target& t;
+  std::string tag;
+  DType act_dt() const { return t.ops->dtype; }
+  double tol() const { return tolerance(act_dt()); }
+  VecF act_in(VecF v) const { return rounded(std::move(v), act_dt()); }
+  std::unique_ptr<Dev> act(const VecF& host, const char* what) const {
+    return std::make_unique<Dev>(*t.backend, host, act_dt(), tag + " " + what);
+  }
+  std::unique_ptr<Dev> f32(const VecF& host, const char* what) const {
+    return std::make_unique<Dev>(*t.backend, host, DType::F32, tag + " " + what);
+  }
+  std::unique_ptr<Dev> scratch(size_t bytes) const {
+    return std::make_unique<Dev>(*t.backend, VecF((bytes + 3) / 4 + 1, kNaN), DType::F32, tag + " scratch");
+  }
+  void check(const Dev& got, const VecD& want, const std::string& what) const {
+    const double tl = tol();
+    expect_close(got.down(), want, tl * (1.0 + max_abs(want)), tl, tag + " " + what);
+  }
+};
+
+VecD plus(const VecF& a, const VecD& b) {
+  VecD r(b.size());
+  for (size_t i = 0; i < b.size(); ++i) r[i] = a[i] + b[i];
+  return r;
+}
+std::string dims(std::initializer_list<int64_t> d) {
+  std::string s;
+  for (int64_t x : d) {
+    if (!s.empty()) s += 'x';
+    s += std::to_string(x);
+  }
+  return s;
+}
+
+// ============================== the case list: one function per op ==============================
+
+void case_matmul(const Target& t) {
+  struct S {
+    int64_t M, K, N;
+  };
+  const S shapes[] = {{1, 1, 1}, {1, 3, 31}, {3, 33, 67}, {33, 67, 1}, {67, 31, 33}, {31, 67, 3}, {67, 67, 67}};
+  for (const S& s : shapes)
+    for (int bias = 0; bias < 2; ++bias) {
+      const int64_t M = s.M, K = s.K, N = s.N;
+      Run r{t, "matmul " + dims({M, K, N}) + (bias ? " bias" : "")};
+      Rng rng(100 + M * 7 + K * 13 + N * 17 + bias);
+      VecF x = r.act_in(randn(M * K, rng)), w = r.act_in(randn(N * K, rng)), b = randn(N, rng),
+           g = r.act_in(randn(M * N, rng));
+      VecD bd = to_double(b), ref, rdx, rdw, rdb;
+      ref_matmul_fwd(ref, to_double(x), to_double(w), bias ? &bd : nullptr, M, K, N);
+      ref_matmul_bwd(rdx, rdw, rdb, to_double(g), to_double(x), to_double(w), M, K, N);
+      auto dx = r.act(x, "x"), dw = r.act(w, "w"), db = r.f32(b, "b"), dg = r.act(g, "dout");
+      float* bp = bias ? db->f() : nullptr;
+
+      auto out = r.act(VecF(M * N, kNaN), "out");
+      t.ops->matmul_forward(out->p(), dx->p(), dw->p(), bp, M, K, N, false);
+      r.check(*out, ref, "forward");
+      const VecF pre = r.act_in(randn(M * N, rng));
+      auto acc = r.act(pre, "out accumulate");
+      t.ops->matmul_forward(acc->p(), dx->p(), dw->p(), bp, M, K, N, true);
+      r.check(*acc, plus(pre, ref), "forward accumulate");
+
+      const VecF pre_w = randn(N * K, rng), pre_b = randn(N, rng), pre_x = r.act_in(randn(M * K, rng));
+      auto gx = r.act(VecF(M * K, kNaN), "dinp"), gw = r.f32(pre_w, "dweight"), gb = r.f32(pre_b, "dbias");
+      t.ops->matmul_backward(gx->p(), gw->f(), bias ? gb->f() : nullptr, dg->p(), dx->p(), dw->p(), M, K, N, false);
+      r.check(*gx, rdx, "dinp");
+      r.check(*gw, plus(pre_w, rdw), "dweight (+=)");
+      if (bias) r.check(*gb, plus(pre_b, rdb), "dbias (+=)");
+      auto gx2 = r.act(pre_x, "dinp accumulate");
+      t.ops->matmul_backward(gx2->p(), nullptr, nullptr, dg->p(), dx->p(), dw->p(), M, K, N, true);
+      r.check(*gx2, plus(pre_x, rdx), "dinp accumulate");
+      auto gw3 = r.f32(VecF(N * K, 0.0f), "dweight only");
+      t.ops->matmul_backward(nullptr, gw3->f(), nullptr, dg->p(), dx->p(), dw->p(), M, K, N, false);
+      r.check(*gw3, rdw, "dweight only (dinp null)");
+    }
+}
+
+void case_embedding(const Target& t) {
+  const int64_t V = 5;
+  for (int64_t B : {1, 3})
+    for (int64_t T : kOdd)
+      for (int64_t C : {1, 33, 67})
+        for (int wpe = 0; wpe < 2; ++wpe) {
+          Run r{t, "embedding " + dims({B, T, C, V}) + (wpe ? " wpe" : "")};
+          Rng rng(200 + B * 100 + T * 10 + C + wpe);
+          std::vector<int32_t> tok(B * T);
+          for (auto& k : tok) k = static_cast<int32_t>(rng.below(V));  // repeated tokens
+          VecF wte = r.act_in(randn(V * C, rng)), wpv = r.act_in(randn(T * C, rng)),
+               g = r.act_in(randn(B * T * C, rng));
+          VecD wped = to_double(wpv), ref, rdwte, rdwpe;
+          ref_embedding_fwd(ref, tok, to_double(wte), wpe ? &wped : nullptr, B, T, C);
+          ref_embedding_bwd(rdwte, rdwpe, to_double(g), tok, V, B, T, C);
+          auto dwte_in = r.act(wte, "wte"), dwpe_in = r.act(wpv, "wpe"), dg = r.act(g, "dout");
+          auto out = r.act(VecF(B * T * C, kNaN), "out");
+          t.ops->embedding_forward(out->p(), tok.data(), dwte_in->p(), wpe ? dwpe_in->p() : nullptr, B, T, C);
+          r.check(*out, ref, "forward");
+          const VecF pre_te = randn(V * C, rng), pre_pe = randn(T * C, rng);
+          auto gte = r.f32(pre_te, "dwte"), gpe = r.f32(pre_pe, "dwpe");
+          t.ops->embedding_backward(gte->f(), wpe ? gpe->f() : nullptr, dg->p(), tok.data(), B, T, C);
+          r.check(*gte, plus(pre_te, rdwte), "dwte (+=)");
+          if (wpe) r.check(*gpe, plus(pre_pe, rdwpe), "dwpe (+=)");
+        }
+}
+
+void case_layernorm(const Target& t) {
+  const float eps = 1e-5f;
+  for (int64_t N : kOdd)
+    for (int64_t C : kOdd)
+      for (int bias = 0; bias < 2; ++bias) {
+        Run r{t, "layernorm " + dims({N, C}) + (bias ? " bias" : "")};
+        Rng rng(300 + N * 100 + C + bias);
+        VecF x = randn(N * C, rng, 2.0f);
+        for (auto& v : x) v += 0.5f;  // nonzero mean
+        x = r.act_in(x);
+        VecF w = randn(C, rng), b = randn(C, rng), g = r.act_in(randn(N * C, rng));
+        VecD bd = to_double(b), ref, rmean, rrstd, rdx, rdw, rdb;
+        ref_layernorm_fwd(ref, rmean, rrstd, to_double(x), to_double(w), bias ? &bd : nullptr, N, C, eps);
+        ref_layernorm_bwd(rdx, rdw, rdb, to_double(g), to_double(x), to_double(w), N, C, eps);
+        auto dx = r.act(x, "x"), dw = r.f32(w, "w"), db = r.f32(b, "b"), dg = r.act(g, "dout");
+        auto out = r.act(VecF(N * C, kNaN), "out"), mean = r.f32(VecF(N, kNaN), "mean"),
+             rstd = r.f32(VecF(N, kNaN), "rstd");
+        t.ops->layernorm_forward(out->p(), mean->f(), rstd->f(), dx->p(), dw->f(), bias ? db->f() : nullptr, N, C, eps);
+        r.check(*out, ref, "forward out");
+        r.check(*mean, rmean, "forward mean");
+        r.check(*rstd, rrstd, "forward rstd");
+        auto scratch = r.scratch(t.ops->layernorm_scratch_bytes(C));
+        const VecF pre_x = r.act_in(randn(N * C, rng)), pre_w = randn(C, rng), pre_b = randn(C, rng);
+        auto gx = r.act(pre_x, "dinp"), gw = r.f32(pre_w, "dweight"), gb = r.f32(pre_b, "dbias");
+        t.ops->layernorm_backward(gx->p(), gw->f(), bias ? gb->f() : nullptr, dg->p(), dx->p(), dw->f(), mean->f(),
+                                  rstd->f(), N, C, scratch->p());
+        r.check(*gx, plus(pre_x, rdx), "dinp (+=)");
+        r.check(*gw, plus(pre_w, rdw), "dweight (+=)");
+        if (bias) r.check(*gb, plus(pre_b, rdb), "dbias (+=)");
+      }
+}
+
+void case_rmsnorm(const Target& t) {
+  const float eps = 1e-6f;
+  for (int64_t N : kOdd)
+    for (int64_t C : kOdd) {
+      Run r{t, "rmsnorm " + dims({N, C})};
+      Rng rng(400 + N * 100 + C);
+      VecF x = r.act_in(randn(N * C, rng, 2.0f)), w = randn(C, rng), g = r.act_in(randn(N * C, rng));
+      VecD ref, rrstd, rdx, rdw;
+      ref_rmsnorm_fwd(ref, rrstd, to_double(x), to_double(w), N, C, eps);
+      ref_rmsnorm_bwd(rdx, rdw, to_double(g), to_double(x), to_double(w), N, C, eps);
+      auto dx = r.act(x, "x"), dw = r.f32(w, "w"), dg = r.act(g, "dout");
+      auto out = r.act(VecF(N * C, kNaN), "out"), rstd = r.f32(VecF(N, kNaN), "rstd");
+      t.ops->rmsnorm_forward(out->p(), rstd->f(), dx->p(), dw->f(), N, C, eps);
+      r.check(*out, ref, "forward out");
+      r.check(*rstd, rrstd, "forward rstd");
+      auto scratch = r.scratch(t.ops->rmsnorm_scratch_bytes(C));
+      const VecF pre_x = r.act_in(randn(N * C, rng)), pre_w = randn(C, rng);
+      auto gx = r.act(pre_x, "dinp"), gw = r.f32(pre_w, "dweight");
+      t.ops->rmsnorm_backward(gx->p(), gw->f(), dg->p(), dx->p(), dw->f(), rstd->f(), N, C, scratch->p());
+      r.check(*gx, plus(pre_x, rdx), "dinp (+=)");
+      r.check(*gw, plus(pre_w, rdw), "dweight (+=)");
+    }
+}
+
+void case_gelu(const Target& t) {
+  for (int64_t n : {1, 3, 31, 33, 67, 100003}) {
+    Run r{t, "gelu n=" + std::to_string(n)};
+    Rng rng(500 + n);
+    VecF x = randn(n, rng, 3.0f);
+    const float special[] = {0.0f, -12.0f, 12.0f, -5.0f, 5.0f, -0.3f, 1e-4f, -60.0f, 60.0f};
+    for (size_t i = 0; i < std::size(special) && i < x.size(); ++i) x[i] = special[i];
+    x = r.act_in(x);
+    const VecF g = r.act_in(randn(n, rng));
+    VecD ref(n), rdx(n);
+    for (int64_t i = 0; i < n; ++i) {
+      ref[i] = ref_gelu(x[i]);
+      rdx[i] = ref_gelu_grad(x[i]) * g[i];
+    }
+    auto dx = r.act(x, "x"), dg = r.act(g, "dout"), out = r.act(VecF(n, kNaN), "out"),
+         gx = r.act(VecF(n, kNaN), "dinp");
+    t.ops->gelu_forward(out->p(), dx->p(), n);
+    r.check(*out, ref, "forward");
+    t.ops->gelu_backward(gx->p(), dx->p(), dg->p(), n);
+    r.check(*gx, rdx, "backward");
+    t.ops->gelu_backward(dg->p(), dx->p(), dg->p(), n);  // dinp may alias dout
+    r.check(*dg, rdx, "backward aliased");
+  }
+}
+
+void case_swiglu(const Target& t) {
+  for (int64_t N : kOdd)
+    for (int64_t F : kOdd) {
+      Run r{t, "swiglu " + dims({N, F})};
+      Rng rng(600 + N * 100 + F);
+      VecF x = randn(N * 2 * F, rng, 3.0f);
+      x[0] = -40.0f;
+      x[x.size() / 2] = 40.0f;
+      x = r.act_in(x);
+      const VecF g = r.act_in(randn(N * F, rng));
+      VecD ref, rdx;
+      ref_swiglu_fwd(ref, to_double(x), N, F);
+      ref_swiglu_bwd(rdx, to_double(x), to_double(g), N, F);
+      auto dx = r.act(x, "x"), dg = r.act(g, "dout"), out = r.act(VecF(N * F, kNaN), "out"),
+           gx = r.act(VecF(N * 2 * F, kNaN), "dinp");
+      t.ops->swiglu_forward(out->p(), dx->p(), N, F);
+      r.check(*out, ref, "forward");
+      t.ops->swiglu_backward(gx->p(), dx->p(), dg->p(), N, F);
+      r.check(*gx, rdx, "backward");
+    }
+}
+
+void case_residual(const Target& t) {
+  for (int64_t n : {1, 3, 31, 33, 67, 100003}) {
+    Run r{t, "residual n=" + std::to_string(n)};
+    Rng rng(700 + n);
+    const VecF a = r.act_in(randn(n, rng)), b = r.act_in(randn(n, rng));
+    VecD ref(n);
+    for (int64_t i = 0; i < n; ++i) ref[i] = static_cast<double>(a[i]) + b[i];
+    auto da = r.act(a, "a"), db = r.act(b, "b"), out = r.act(VecF(n, kNaN), "out");
+    t.ops->residual_forward(out->p(), da->p(), db->p(), n);
+    r.check(*out, ref, "forward");
+    t.ops->residual_forward(da->p(), da->p(), db->p(), n);  // out may alias a
+    r.check(*da, ref, "forward aliased");
+  }
+}
+
+void case_rope(const Target& t) {
+  for (int64_t B : {1, 3})
+    for (int64_t T : kOdd)
+      for (int64_t H : {1, 3})
+        for (int64_t D : {2, 34, 66}) {
+          Run r{t, "rope " + dims({B, T, H, D})};
+          // Rows hold columns before (offset) and after the rotated heads, which must not change:
+          // the k section of a fused qkv row.
+          const int64_t offset = 5, stride = offset + H * D + 7, half = D / 2;
+          Rng rng(800 + B * 1000 + T * 10 + H + D);
+          auto cs = r.f32(VecF(T * half, kNaN), "cos"), sn = r.f32(VecF(T * half, kNaN), "sin");
+          t.ops->rope_tables(cs->f(), sn->f(), T, D, 10000.0);
+          const VecF csh = cs->down(), snh = sn->down();
+          for (int64_t tt = 0; tt < T; ++tt)
+            for (int64_t i = 0; i < half; ++i) {
+              const double angle = tt * std::pow(10000.0, -2.0 * i / D);
+              const double tl = 1e-6 + angle * (std::log(10000.0) * 6e-8 + 3e-7);  // as test_ops_basic
+              ASSERT_NEAR(csh[tt * half + i], std::cos(angle), tl) << r.tag << " cos t=" << tt << " i=" << i;
+              ASSERT_NEAR(snh[tt * half + i], std::sin(angle), tl) << r.tag << " sin t=" << tt << " i=" << i;
+            }
+          const VecF x = r.act_in(randn(B * T * stride, rng)), g = r.act_in(randn(B * T * stride, rng));
+          VecD ref, rdx;
+          ref_rope_fwd(ref, to_double(x), to_double(csh), to_double(snh), B, T, H, D, stride, offset);
+          ref_rope_bwd(rdx, to_double(g), to_double(csh), to_double(snh), B, T, H, D, stride, offset);
+          // In place on a pointer `offset` elements into each row (element size of the dtype).
+          const size_t off_bytes = offset * dtype_size(r.act_dt());
+          auto y = r.act(x, "x");
+          t.ops->rope_forward(static_cast<char*>(y->p()) + off_bytes, cs->f(), sn->f(), B, T, H, D, stride);
+          r.check(*y, ref, "forward");
+          auto dx = r.act(g, "dx");
+          t.ops->rope_backward(static_cast<char*>(dx->p()) + off_bytes, cs->f(), sn->f(), B, T, H, D, stride);
+          r.check(*dx, rdx, "backward");
+        }
+}
+
+void case_attention(const Target& t) {
+  const std::pair<int64_t, int64_t> heads[] = {{1, 1}, {4, 2}, {6, 1}, {3, 3}};
+  for (int64_t B : {1, 2})
+    for (int64_t T : kOdd)
+      for (int64_t D : {1, 3, 8})
+        for (auto [H, KVH] : heads) {
+          const AttnShape s{B, T, H, KVH, D};
+          Run r{t, "attention " + dims({B, T, H, KVH, D})};
+          Rng rng(900 + B * 1000 + T * 10 + D + H * 7 + KVH);
+          const int64_t ld = (H + 2 * KVH) * D;
+          const VecF qkv = r.act_in(randn(B * T * ld, rng)), g = r.act_in(randn(B * T * H * D, rng));
+          VecD ref, rlse;
+          ref_attention_fwd(ref, rlse, to_double(qkv), s);
+          const VecD rdqkv = ref_attention_bwd(to_double(qkv), to_double(g), s);
+          auto dq = r.act(qkv, "qkv"), dg = r.act(g, "dout"), out = r.act(VecF(B * T * H * D, kNaN), "out"),
+               lse = r.f32(VecF(B * H * T, kNaN), "lse"), gq = r.act(VecF(B * T * ld, kNaN), "dqkv");
+          auto scratch = r.scratch(t.ops->attention_scratch_bytes(T, D));
+          t.ops->attention_forward(out->p(), lse->f(), dq->p(), B, T, H, KVH, D, scratch->p());
+          r.check(*out, ref, "forward out");
+          r.check(*lse, rlse, "forward lse");
+          t.ops->attention_backward(gq->p(), dg->p(), dq->p(), out->p(), lse->f(), B, T, H, KVH, D, scratch->p());
+          r.check(*gq, rdqkv, "dqkv");
+        }
+}
+
+void case_lm_head_loss(const Target& t) {
+  for (int64_t N : {1, 3, 31, 67})
+    for (int64_t C : {3, 33})
+      for (int64_t V : {1, 3, 67}) {
+        Rng rng(1000 + N * 100 + C * 10 + V);
+        std::vector<int32_t> tg(N);
+        for (auto& k : tg) k = static_cast<int32_t>(rng.below(V));
+        for (int64_t n = 0; n < N; n += 5)
+          if (N > 1) tg[n] = -1;  // ignored rows
+        const float gs = 0.37f;
+        const VecF x = randn(N * C, rng), w = randn(V * C, rng);
+        for (int64_t chunk : {int64_t{1}, std::max<int64_t>(1, N / 2), N}) {
+          Run r{t, "lm_head_loss " + dims({N, C, V}) + " chunk " + std::to_string(chunk)};
+          const VecF xq = r.act_in(x), wq = r.act_in(w);
+          const LossRef ref = ref_lm_head_loss(to_double(xq), to_double(wq), tg, N, C, V, gs);
+          const VecF pre_w = randn(V * C, rng);
+          auto dx_in = r.act(xq, "x"), dw_in = r.act(wq, "w"), losses = r.f32(VecF(N, kNaN), "losses"),
+               gx = r.act(VecF(N * C, kNaN), "dx"), gw = r.f32(pre_w, "dw");
+          auto scratch = r.scratch(t.ops->lm_head_loss_scratch_bytes(std::min(chunk, N), V));
+          const double total = t.ops->lm_head_loss(losses->f(), gx->p(), gw->f(), dx_in->p(), dw_in->p(), tg.data(), N,
+                                                   C, V, gs, true, scratch->p(), chunk);
+          r.check(*losses, ref.losses, "losses");
+          EXPECT_NEAR(total, ref.total, r.tol() * (1.0 + std::fabs(ref.total)) * N) << r.tag << " total";
+          r.check(*gx, ref.dx, "dx");
+          r.check(*gw, plus(pre_w, ref.dw), "dw (+=)");
+          auto losses2 = r.f32(VecF(N, kNaN), "losses (forward only)");
+          const double total2 = t.ops->lm_head_loss(losses2->f(), nullptr, nullptr, dx_in->p(), dw_in->p(), tg.data(),
+                                                    N, C, V, gs, false, scratch->p(), chunk);
+          r.check(*losses2, ref.losses, "losses (forward only)");
+          EXPECT_EQ(total, total2) << r.tag << " forward-only total differs from forward+backward";
+        }
+      }
+}
+
+struct Case {
+  const char* op;
+  // The slots this case calls: a table lacking any of them skips the case ("not supported").
+  std::vector<const char*> slots;
+  std::function<void(const Target&)> run;
+};
+
+const std::vector<Case>& cases() {
+  static const std::vector<Case> all = {
+      {"matmul", {"matmul_forward", "matmul_backward"}, case_matmul},
+      {"embedding", {"embedding_forward", "embedding_backward"}, case_embedding},
+      {"layernorm", {"layernorm_forward", "layernorm_backward", "layernorm_scratch_bytes"}, case_layernorm},
+      {"rmsnorm", {"rmsnorm_forward", "rmsnorm_backward", "rmsnorm_scratch_bytes"}, case_rmsnorm},
+      {"gelu", {"gelu_forward", "gelu_backward"}, case_gelu},
+      {"swiglu", {"swiglu_forward", "swiglu_backward"}, case_swiglu},
+      {"residual", {"residual_forward"}, case_residual},
+      {"rope", {"rope_tables", "rope_forward", "rope_backward"}, case_rope},
+      {"attention", {"attention_forward", "attention_backward", "attention_scratch_bytes"}, case_attention},
+      {"lm_head_loss", {"lm_head_loss", "lm_head_loss_scratch_bytes"}, case_lm_head_loss},
+  };
+  return all;
+}
+
+struct Param {
+  Target target;
+  const Case* c;
+};
+std::vector<Param> all_params() {
+  std::vector<Param> v;
+  for (const Target& t : all_targets())
+    for (const Case& c : cases()) v.push_back({t, &c});
+  return v;
+}
+
+void PrintTo(const Param& p, std::ostream* os) { *os << p.target.name() << " " << p.c->op; }
+
+class BackendOps : public ::testing::TestWithParam<Param> {};
+
+TEST_P(BackendOps, MatchesDoubleReference) {
+  const Param& p = GetParam();
+  for (const char* slot : p.c->slots) {
+    bool implemented = false, known = false;
+    for_each_op(*p.target.ops, [&](const char* name, bool has) {
+      if (std::string_view(name) == slot) known = true, implemented = has;
+    });
+    ASSERT_TRUE(known) << "case " << p.c->op << " names an unknown slot " << slot;
+    if (!implemented) GTEST_SKIP() << "not supported: " << slot << " on " << p.target.name();
+  }
+  p.c->run(p.target);
+}
+
+INSTANTIATE_TEST_SUITE_P(Registry, BackendOps, ::testing::ValuesIn(all_params()),
+                         [](const ::testing::TestParamInfo<Param>& i) {
+                           return i.param.target.name() + "_" + i.param.c->op;
+                         });
+
+// Every op slot of Ops has a case (a new op must come with its case).
+TEST(BackendOps, EveryOpHasACase) {
+  for_each_op(Ops{}, [&](const char* name, bool) {
+    bool covered = false;
+    for (const Case& c : cases())
+      for (const char* s : c.slots) covered = covered || std::string_view(s) == name;
+    EXPECT_TRUE(covered) << "no case in test_backend_ops.cpp calls " << name;
+  });
+}
+
+// ================================ registry and dispatch errors =================================
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(BackendRegistry, CpuFp32IsImplementedAndComplete) {
+  const Ops& o = ops_for(cpu_backend(), DType::F32);
+  EXPECT_EQ(std::string(o.backend), "cpu");
+  EXPECT_EQ(o.dtype, DType::F32);
+  bool found = false;
+  for (auto [b, dt] : implemented_ops()) found = found || (b == &cpu_backend() && dt == DType::F32);
+  EXPECT_TRUE(found);
+  EXPECT_EQ(&backend_by_name("cpu"), &cpu_backend());
+  EXPECT_EQ(cpu_backend().device(), DeviceKind::Host);
+}
+
+TEST(BackendRegistry, UnimplementedDtypeNamesOpDtypeBackendAndTheImplementedOnes) {
+  // fp16 has no CPU table at all: the first op is reported, with the dtypes that do have it.
+  const std::string msg = error_of([] { ops_for(cpu_backend(), DType::F16); });
+  EXPECT_EQ(msg.rfind("[matmul_forward] no fp16 implementation on cpu; implemented: ", 0), 0u) << msg;
+  EXPECT_NE(msg.find("fp32"), std::string::npos) << msg;
+  const std::string cuda = error_of([] { ops_for(backend_by_name("cuda"), DType::F32); });
+  EXPECT_EQ(cuda, "[matmul_forward] no fp32 implementation on cuda; implemented: none");
+}
+
+TEST(BackendRegistry, UnknownBackendNamesTheKnownOnes) {
+  const std::string msg = error_of([] { backend_by_name("metal"); });
+  EXPECT_NE(msg.find("unknown backend 'metal' (known: cpu, cuda)"), std::string::npos) << msg;
+}
+
+TEST(BackendRegistry, NoCudaStubRefusesMemoryWithAClearError) {
+  const Backend& b = no_cuda_backend();
+  EXPECT_EQ(b.name(), "cuda");
+  EXPECT_EQ(b.device(), DeviceKind::Cuda);
+  const std::string msg = error_of([&] { b.alloc(16); });
+  EXPECT_NE(msg.find("[alloc] no CUDA implementation"), std::string::npos) << msg;
+  EXPECT_NE(error_of([&] { b.synchronize(); }).find("[synchronize] no CUDA implementation"), std::string::npos);
+  EXPECT_NE(error_of([&] { DeviceBuffer buf(b, 4, DType::F32); }).find("no CUDA implementation"), std::string::npos);
+}
+
+// A backend with a complete fp32 table and a bf16 table that lacks one op: ops_for refuses bf16
+// naming that op, lists fp32 as the dtype that has it, and implemented_ops() omits the partial one.
+class FakeBackend final : public Backend {
+ public:
+  FakeBackend() : fp32_(cpu_fp32()), bf16_(cpu_fp32()) {
+    fp32_.backend = bf16_.backend = "fake";
+    bf16_.dtype = DType::BF16;
+    bf16_.embedding_forward = nullptr;
+  }
+  std::string_view name() const override { return "fake"; }
+  DeviceKind device() const override { return DeviceKind::Host; }
+  void* alloc(size_t bytes) const override { return cpu_backend().alloc(bytes); }
+  void free(void* p) const override { cpu_backend().free(p); }
+  void memset(void* d, int v, size_t n) const override { cpu_backend().memset(d, v, n); }
+  void copy(void* d, const void* s, size_t n, CopyKind k) const override { cpu_backend().copy(d, s, n, k); }
+  void synchronize() const override {}
+  std::vector<const Ops*> op_tables() const override { return {&fp32_, &bf16_}; }
+
+ private:
+  static Ops cpu_fp32() { return ops_for(cpu_backend(), DType::F32); }
+  Ops fp32_, bf16_;
+};
+
+TEST(BackendRegistry, PartialTableNamesTheMissingOp) {
+  const FakeBackend fake;
+  EXPECT_EQ(error_of([&] { ops_for(fake, DType::BF16); }),
+            "[embedding_forward] no bf16 implementation on fake; implemented: fp32");
+  EXPECT_EQ(error_of([&] { ops_for(fake, DType::F16); }),
+            "[matmul_forward] no fp16 implementation on fake; implemented: fp32, bf16");
+  EXPECT_EQ(&ops_for(fake, DType::F32), fake.op_tables()[0]);
+  EXPECT_NE(find_ops(fake, DType::BF16), nullptr);  // registered, but not usable
+}
+
+TEST(BackendRegistry, DeviceBufferIsZeroedAlignedAndCarriesItsDtype) {
+  DeviceBuffer buf(cpu_backend(), 37, DType::BF16);
+  EXPECT_EQ(buf.size(), 37u);
+  EXPECT_EQ(buf.bytes(), 74u);
+  EXPECT_EQ(buf.dtype(), DType::BF16);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(buf.data()) % 64, 0u);
+  const auto* p = static_cast<const uint8_t*>(buf.data());
+  for (size_t i = 0; i < buf.bytes(); ++i) ASSERT_EQ(p[i], 0) << i;
+  DeviceBuffer moved = std::move(buf);
+  EXPECT_EQ(moved.size(), 37u);
+  EXPECT_EQ(buf.data(), nullptr);
+}
+
+}  // namespace
