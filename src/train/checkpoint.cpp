@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <future>
 #include <map>
+#include <numeric>
 #include <set>
 #include <thread>
 
@@ -27,95 +28,6 @@ namespace lathe {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-// ---------------------------------------------------------------------------------------------
-// XXH64, from the xxHash specification (doc/xxhash_spec.md of github.com/Cyan4973/xxHash).
-
-namespace {
-constexpr uint64_t P1 = 0x9E3779B185EBCA87ull, P2 = 0xC2B2AE3D27D4EB4Full, P3 = 0x165667B19E3779F9ull,
-                   P4 = 0x85EBCA77C2B2AE63ull, P5 = 0x27D4EB2F165667C5ull;
-inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
-inline uint64_t rd64(const unsigned char* p) {
-  uint64_t v;
-  std::memcpy(&v, p, 8);  // little-endian hosts only (x86-64, aarch64)
-  return v;
-}
-inline uint32_t rd32(const unsigned char* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-inline uint64_t xround(uint64_t acc, uint64_t in) { return rotl(acc + in * P2, 31) * P1; }
-inline uint64_t xmerge(uint64_t acc, uint64_t v) { return (acc ^ xround(0, v)) * P1 + P4; }
-}  // namespace
-
-Xxh64::Xxh64(uint64_t seed) : seed_(seed) {
-  v_[0] = seed + P1 + P2;
-  v_[1] = seed + P2;
-  v_[2] = seed;
-  v_[3] = seed - P1;
-}
-
-void Xxh64::update(const void* data, size_t n) {
-  const unsigned char* p = static_cast<const unsigned char*>(data);
-  total_ += n;
-  if (buf_len_ + n < 32) {
-    if (n) std::memcpy(buf_ + buf_len_, p, n);
-    buf_len_ += n;
-    return;
-  }
-  if (buf_len_) {
-    const size_t fill = 32 - buf_len_;
-    std::memcpy(buf_ + buf_len_, p, fill);
-    for (int i = 0; i < 4; ++i) v_[i] = xround(v_[i], rd64(buf_ + 8 * i));
-    p += fill;
-    n -= fill;
-    buf_len_ = 0;
-  }
-  uint64_t a = v_[0], b = v_[1], c = v_[2], d = v_[3];
-  for (; n >= 32; p += 32, n -= 32) {
-    a = xround(a, rd64(p));
-    b = xround(b, rd64(p + 8));
-    c = xround(c, rd64(p + 16));
-    d = xround(d, rd64(p + 24));
-  }
-  v_[0] = a, v_[1] = b, v_[2] = c, v_[3] = d;
-  if (n) std::memcpy(buf_, p, n);
-  buf_len_ = n;
-}
-
-uint64_t Xxh64::digest() const {
-  uint64_t h;
-  if (total_ >= 32) {
-    h = rotl(v_[0], 1) + rotl(v_[1], 7) + rotl(v_[2], 12) + rotl(v_[3], 18);
-    for (int i = 0; i < 4; ++i) h = xmerge(h, v_[i]);
-  } else {
-    h = seed_ + P5;
-  }
-  h += total_;
-  const unsigned char* p = buf_;
-  size_t n = buf_len_;
-  for (; n >= 8; p += 8, n -= 8) h = rotl(h ^ xround(0, rd64(p)), 27) * P1 + P4;
-  if (n >= 4) {
-    h = rotl(h ^ (static_cast<uint64_t>(rd32(p)) * P1), 23) * P2 + P3;
-    p += 4;
-    n -= 4;
-  }
-  for (; n > 0; ++p, --n) h = rotl(h ^ (*p * P5), 11) * P1;
-  h ^= h >> 33;
-  h *= P2;
-  h ^= h >> 29;
-  h *= P3;
-  h ^= h >> 32;
-  return h;
-}
-
-uint64_t Xxh64::hash(const void* data, size_t n, uint64_t seed) {
-  Xxh64 x(seed);
-  x.update(data, n);
-  return x.digest();
-}
-
-std::string hex64(uint64_t v) { return fmt::format("{:016x}", v); }
 
 // ---------------------------------------------------------------------------------------------
 
@@ -319,6 +231,10 @@ struct StTensor {
   std::string name;
   Shape shape;
   const float* data;
+  // A piece [flat_begin, flat_end) of a flattened tensor of shape global_shape (1-D `shape`).
+  bool flat = false;
+  Shape global_shape;
+  int64_t flat_begin = 0, flat_end = 0;
 };
 
 constexpr const char* kPadPrefix = "__lathe_pad__/";
@@ -359,6 +275,9 @@ std::pair<json, json> write_st(const std::string& path, const std::vector<StTens
   }
   std::string h = R"({"__metadata__":{"format":"pt","lathe_layout":"lathe"})";
   json tensors = json::array();
+  std::map<std::string, const StTensor*> pieces;
+  for (const auto& t : ts)
+    if (t.flat) pieces[t.name] = &t;
   off = 0;
   for (const auto& e : entries) {
     json shape = e.shape;
@@ -376,6 +295,14 @@ std::pair<json, json> write_st(const std::string& path, const std::vector<StTens
     h += "]}";
     off += e.bytes;
     if (is_pad(e.name)) continue;
+    if (auto it = pieces.find(e.name); it != pieces.end()) {
+      const StTensor& t = *it->second;
+      tensors.push_back({{"name", e.name},
+                         {"dtype", "F32"},
+                         {"global_shape", json(t.global_shape)},
+                         {"flat", {t.flat_begin, t.flat_end}}});
+      continue;
+    }
     json slice = json::array();
     for (int64_t d : e.shape) slice.push_back({0, d});
     tensors.push_back({{"name", e.name}, {"dtype", "F32"}, {"global_shape", shape}, {"slice", slice}});
@@ -457,7 +384,7 @@ void verify_files(const std::string& dir, const CheckpointState& cs) {
 // Checks the state.json tensor table of `file` against the file itself: it must list exactly the
 // file's tensors (alignment pads aside), each whole (a single-rank load) and of the file's shape.
 void check_slices(const CheckpointState& cs, const std::string& file, const io::SafetensorsFile& st,
-                  const std::string& sp) {
+                  const std::string& sp, bool allow_flat = false) {
   auto it = cs.tensors.find(file);
   LATHE_CHECK(it != cs.tensors.end(), "{}: field 'tensors.{}' is missing", sp, file);
   std::set<std::string> listed;
@@ -465,6 +392,15 @@ void check_slices(const CheckpointState& cs, const std::string& file, const io::
     const io::StTensorInfo* info = st.find(t.name);
     LATHE_CHECK(info != nullptr, "{}: tensor '{}' listed in {} (field 'tensors.{}') is missing from the file",
                 st.path(), t.name, sp, file);
+    if (t.flat) {
+      LATHE_CHECK(allow_flat, "{}: tensor '{}' is listed in {} as a flat piece; only optimizer files hold pieces",
+                  st.path(), t.name, sp);
+      LATHE_CHECK(info->shape == Shape{t.flat_end - t.flat_begin},
+                  "{}: tensor '{}' has shape {} but {} records the piece [{}, {}) of its flattened tensor", st.path(),
+                  t.name, shape_str(info->shape), sp, t.flat_begin, t.flat_end);
+      listed.insert(t.name);
+      continue;
+    }
     LATHE_CHECK(t.global_shape == info->shape, "{}: tensor '{}' has shape {} but {} records global shape {}", st.path(),
                 t.name, shape_str(info->shape), sp, shape_str(t.global_shape));
     bool whole = true;
@@ -518,6 +454,116 @@ void load_flat(const io::SafetensorsFile& st, const Model& model, const std::str
   }
 }
 
+// The moments of flat [m.begin, m.end) as checkpoint tensors "<moment>/<param name>": tensors
+// inside the range whole with their shape, tensors cut by it as 1-D pieces of the flattened tensor.
+std::vector<StTensor> moment_tensors(const Model& model, const MomentSlice& m) {
+  std::vector<StTensor> ts;
+  for (const auto& [bname, data] : m.buffers)
+    for (const ParamSpec& s : model.params().specs()) {
+      const size_t n = static_cast<size_t>(s.numel());
+      const size_t lo = std::max(s.offset, m.begin), hi = std::min(s.offset + n, m.end);
+      if (lo >= hi) continue;
+      StTensor t{bname + "/" + s.name, s.shape, data + (lo - m.begin)};
+      if (hi - lo != n) {
+        t.flat = true;
+        t.global_shape = s.shape;
+        t.flat_begin = static_cast<int64_t>(lo - s.offset);
+        t.flat_end = static_cast<int64_t>(hi - s.offset);
+        t.shape = {static_cast<int64_t>(hi - lo)};
+      }
+      ts.push_back(std::move(t));
+    }
+  return ts;
+}
+
+// Reads the moments of flat [m.begin, m.end) from the checkpoint's optimizer file(s), whatever
+// layout wrote them: each listed tensor or piece is mapped to its flat range [offset + a, offset + b)
+// and the overlap with the wanted range is copied. Before reading, the tables of all files must
+// cover every moment of every parameter exactly once (no gap, no overlap), so a lost or doubled
+// shard is an error, never zeros. Values must be finite (second moments >= 0).
+void load_moments(const std::string& dir, const CheckpointState& st, const Model& model, const MomentSlice& m) {
+  const std::string sp = state_path(dir);
+  std::vector<std::string> files;
+  for (const CheckpointFile& cf : st.files)
+    if (is_optim_file(cf.name)) files.push_back(cf.name);
+  LATHE_CHECK(!files.empty(),
+              "{}: no optimizer state in this checkpoint (it was saved without one); resuming needs the moments",
+              (fs::path(dir) / kOptimFile).string());
+  std::set<std::string> moments;
+  for (const auto& b : m.buffers) moments.insert(b.first);
+  struct Piece {
+    const ParamSpec* spec;
+    int64_t a, b;
+    const CheckpointTensor* t;
+  };
+  auto piece_of = [&](const std::string& file, const CheckpointTensor& t) {
+    const std::string path = (fs::path(dir) / file).string();
+    const size_t slash = t.name.find('/');
+    const std::string moment = slash == std::string::npos ? std::string() : t.name.substr(0, slash);
+    const ParamSpec* spec = slash == std::string::npos ? nullptr : model.params().find(t.name.substr(slash + 1));
+    LATHE_CHECK(moments.count(moment) && spec != nullptr,
+                "{}: unexpected tensor '{}' (state of another optimizer or model? the checkpoint was written by '{}')",
+                path, t.name, st.optimizer);
+    LATHE_CHECK(t.global_shape == spec->shape,
+                "{}: tensor '{}' has global shape {} but the model expects {} (the checkpoint was written for another "
+                "model configuration)",
+                path, t.name, shape_str(t.global_shape), shape_str(spec->shape));
+    return t.flat ? Piece{spec, t.flat_begin, t.flat_end, &t} : Piece{spec, 0, spec->numel(), &t};
+  };
+  std::map<std::string, std::vector<std::pair<int64_t, int64_t>>> cover;
+  for (const std::string& file : files) {
+    auto it = st.tensors.find(file);
+    LATHE_CHECK(it != st.tensors.end(), "{}: field 'tensors.{}' is missing", sp, file);
+    for (const CheckpointTensor& t : it->second) {
+      const Piece p = piece_of(file, t);
+      cover[t.name].push_back({p.a, p.b});
+    }
+  }
+  for (const std::string& moment : moments)
+    for (const ParamSpec& s : model.params().specs()) {
+      if (s.numel() == 0) continue;
+      const std::string name = moment + "/" + s.name;
+      auto& v = cover[name];
+      std::sort(v.begin(), v.end());
+      int64_t pos = 0;
+      for (const auto& [a, b] : v) {
+        LATHE_CHECK(a >= pos, "{}: elements [{}, {}) of '{}' are held by two optimizer files (the shards overlap)", sp,
+                    a, std::min(b, pos), name);
+        LATHE_CHECK(a == pos, "{}: elements [{}, {}) of '{}' are in no optimizer file (a shard is missing)", sp, pos, a,
+                    name);
+        pos = b;
+      }
+      LATHE_CHECK(pos == s.numel(), "{}: elements [{}, {}) of '{}' are in no optimizer file (a shard is missing)", sp,
+                  pos, s.numel(), name);
+    }
+  std::map<std::string, float*> dst;
+  for (const auto& [bname, data] : m.buffers) dst[bname] = data;
+  for (const std::string& file : files) {
+    io::SafetensorsFile f((fs::path(dir) / file).string());
+    check_slices(st, file, f, sp, true);
+    for (const CheckpointTensor& t : st.tensors.at(file)) {
+      const Piece p = piece_of(file, t);
+      const size_t g0 = p.spec->offset + static_cast<size_t>(p.a), g1 = p.spec->offset + static_cast<size_t>(p.b);
+      const size_t lo = std::max(g0, m.begin), hi = std::min(g1, m.end);
+      if (lo >= hi) continue;
+      const io::StTensorInfo* info = f.find(t.name);
+      LATHE_CHECK(info->dtype == DType::F32 && info->dtype_supported, "{}: tensor '{}' has dtype {}, expected F32",
+                  f.path(), t.name, info->dtype_code);
+      const std::string moment = t.name.substr(0, t.name.find('/'));
+      float* out = dst.at(moment) + (lo - m.begin);
+      std::memcpy(out, static_cast<const char*>(f.data(*info)) + (lo - g0) * sizeof(float), (hi - lo) * sizeof(float));
+      const bool nonneg = moment == "exp_avg_sq";
+      for (size_t i = 0; i < hi - lo; ++i)
+        if (!std::isfinite(out[i]) || (nonneg && out[i] < 0))
+          throw_error(
+              "{}: tensor '{}' holds {} at element {}{} (the checkpoint is damaged or the run had diverged; "
+              "resume from an earlier checkpoint)",
+              f.path(), t.name, out[i], static_cast<size_t>(p.a) + (lo - g0) + i,
+              nonneg ? " (second moments must be finite and >= 0)" : "");
+    }
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -549,44 +595,76 @@ std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string&
 }
 
 namespace {
-void save_checkpoint_impl(const std::string& run_dir, const Model& model, optim::Optimizer* opt,
-                          const CheckpointState& st, int keep_last, CheckpointSaveInfo* info) {
+// Collective over `group` when it is given (every rank calls it; rank 0 owns the directory).
+void save_checkpoint_impl(const std::string& run_dir, const Model& model, const MomentSlice* moments,
+                          const CheckpointState& st, int keep_last, CheckpointSaveInfo* info,
+                          dist::Communicator* group) {
   const auto t_start = std::chrono::steady_clock::now();
   if (info) *info = {};
+  const int rank = group ? group->rank() : 0, world = group ? group->size() : 1;
   const fs::path root = fs::path(run_dir) / "checkpoints";
-  fs::create_directories(root);
-  wait_for_checkpoint_cleanup();  // the previous save's removals touch the same directory
-  // Leftovers of interrupted saves (ours or a killed process's) are never complete checkpoints.
-  for (const auto& e : fs::directory_iterator(root)) {
-    const std::string n = e.path().filename().string();
-    if (n.size() > 4 && n.compare(n.size() - 4, 4, ".tmp") == 0) fs::remove_all(e.path());
-  }
   const std::string name = step_name(st.step);
   const fs::path final_dir = root / name, tmp = root / (name + ".tmp");
-  fs::create_directories(tmp);
+  if (rank == 0) {
+    fs::create_directories(root);
+    wait_for_checkpoint_cleanup();  // the previous save's removals touch the same directory
+    // Leftovers of interrupted saves (ours or a killed process's) are never complete checkpoints.
+    for (const auto& e : fs::directory_iterator(root)) {
+      const std::string n = e.path().filename().string();
+      if (n.size() > 4 && n.compare(n.size() - 4, 4, ".tmp") == 0) fs::remove_all(e.path());
+    }
+    fs::create_directories(tmp);
+  }
+  if (group) group->barrier();  // tmp/ exists for every rank (output.dir is one shared directory)
 
   json files = json::object(), tensors = json::object();
-  // The model file is written on a second thread while this one writes the optimizer file: two
-  // streams keep the disk busier and spread the copies over two cores.
+  // Rank 0 writes the model file on a second thread while this one writes the optimizer file: two
+  // streams keep the disk busier and spread the copies over two cores. Parameters are replicated
+  // across data-parallel ranks, so one copy is written.
   std::vector<StTensor> model_ts;
-  for (const ParamSpec& s : model.params().specs())
-    model_ts.push_back({s.name, s.shape, model.param_data() + s.offset});
-  auto model_job = std::async(std::launch::async, [&] { return write_st((tmp / kModelFile).string(), model_ts); });
-  std::string opt_name = st.optimizer;
-  if (opt) {
-    std::vector<StTensor> ts;
-    auto bufs = opt->state_buffers();
-    for (auto& [bname, buf] : bufs) {
-      LATHE_CHECK(buf->size() == model.num_params(),
-                  "internal: optimizer state '{}' has {} floats, the model {} parameters", bname, buf->size(),
-                  model.num_params());
-      for (const ParamSpec& s : model.params().specs())
-        ts.push_back({bname + "/" + s.name, s.shape, buf->data() + s.offset});
-    }
-    auto [f, t] = write_st((tmp / kOptimFile).string(), ts);
-    files[kOptimFile] = f;
-    tensors[kOptimFile] = t;
+  std::future<std::pair<json, json>> model_job;
+  if (rank == 0) {
+    for (const ParamSpec& s : model.params().specs())
+      model_ts.push_back({s.name, s.shape, model.param_data() + s.offset});
+    model_job = std::async(std::launch::async, [&] { return write_st((tmp / kModelFile).string(), model_ts); });
   }
+  // Every rank writes the moments of its flat range; one process writes them all in optimizer.safetensors.
+  json mine = json::object();
+  if (moments) {
+    const std::string file = group ? optim_shard_file(rank, world) : std::string(kOptimFile);
+    auto [f, t] = write_st((tmp / file).string(), moment_tensors(model, *moments));
+    mine = {{"file", file}, {"entry", f}, {"tensors", t}};
+  }
+  if (group) {
+    // Rank 0 learns every shard's size, checksum and tensor table (the others only wait).
+    const std::string text = mine.dump();
+    std::vector<int64_t> lens(static_cast<size_t>(world));
+    int64_t len = static_cast<int64_t>(text.size());
+    group->all_gather(&len, lens.data(), std::vector<size_t>(static_cast<size_t>(world), 1), DType::I64);
+    std::vector<size_t> counts(lens.begin(), lens.end());
+    std::string all(std::accumulate(counts.begin(), counts.end(), size_t{0}), '\0');
+    group->all_gather(text.data(), all.data(), counts, DType::U8);
+    if (rank == 0) {
+      size_t off = 0;
+      for (size_t r = 0; r < counts.size(); ++r) {
+        const json j = json::parse(all.substr(off, counts[r]));
+        off += counts[r];
+        if (j.contains("file")) {
+          files[j["file"].get<std::string>()] = j["entry"];
+          tensors[j["file"].get<std::string>()] = j["tensors"];
+        }
+      }
+    }
+  } else if (moments) {
+    files[kOptimFile] = mine["entry"];
+    tensors[kOptimFile] = mine["tensors"];
+  }
+  test_sleep();  // a test kills a rank here: its shard is written, the checkpoint not yet published
+  if (rank != 0) {
+    group->barrier();  // until rank 0 has published the checkpoint (or the job ends on its error)
+    return;
+  }
+  std::string opt_name = moments ? st.optimizer : std::string();
   {
     auto [f, t] = model_job.get();
     files[kModelFile] = f;
@@ -611,9 +689,9 @@ void save_checkpoint_impl(const std::string& run_dir, const Model& model, optim:
                {"loss_scale", st.loss_scale},
                {"lr", st.lr},
                {"threads", st.threads},
-               {"optimizer", opt ? opt_name : std::string()},
+               {"optimizer", opt_name},
                {"recipe", st.recipe},
-               {"world", {{"world_size", 1}, {"rank", 0}}},
+               {"world", {{"world_size", world}, {"rank", 0}}},
                {"files", files},
                {"tensors", tensors}};
   const std::string text = body.dump();
@@ -630,6 +708,7 @@ void save_checkpoint_impl(const std::string& run_dir, const Model& model, optim:
   io::fsync_dir(root.string());
   if (fs::exists(aside)) fs::remove_all(aside, ec);
   io::atomic_write_file((root / "latest").string(), name + "\n");
+  if (group) group->barrier();  // the other ranks continue once the checkpoint is complete
 
   if (info) {
     info->seconds_complete = seconds_since(t_start);
@@ -655,14 +734,50 @@ void save_checkpoint_impl(const std::string& run_dir, const Model& model, optim:
 }
 }  // namespace
 
-void save_checkpoint(const std::string& run_dir, const Model& model, optim::Optimizer* opt, const CheckpointState& st,
-                     int keep_last, CheckpointSaveInfo* info) {
+MomentSlice moment_slice(optim::Optimizer& opt, size_t buffer_begin, size_t begin, size_t end) {
+  MomentSlice m;
+  m.begin = begin;
+  m.end = end;
+  for (auto& [bname, buf] : opt.state_buffers()) {
+    LATHE_CHECK(begin >= buffer_begin && end >= begin && end - buffer_begin <= buf->size(),
+                "internal: moments [{}, {}) are not inside optimizer state '{}' of {} floats starting at {}", begin,
+                end, bname, buf->size(), buffer_begin);
+    m.buffers.push_back({bname, buf->data() + (begin - buffer_begin)});
+  }
+  return m;
+}
+
+namespace {
+void save_guarded(const std::string& run_dir, const Model& model, const MomentSlice* moments,
+                  const CheckpointState& st, int keep_last, CheckpointSaveInfo* info, dist::Communicator* group) {
   try {
-    save_checkpoint_impl(run_dir, model, opt, st, keep_last, info);
+    save_checkpoint_impl(run_dir, model, moments, st, keep_last, info, group);
   } catch (const fs::filesystem_error& e) {
     // Which checkpoint and where: the library message names only the failing operation.
     throw_error("saving the checkpoint of step {} under {}/checkpoints (output.dir): {}", st.step, run_dir, e.what());
   }
+}
+}  // namespace
+
+void save_checkpoint(const std::string& run_dir, const Model& model, optim::Optimizer* opt, const CheckpointState& st,
+                     int keep_last, CheckpointSaveInfo* info) {
+  if (!opt) return save_guarded(run_dir, model, nullptr, st, keep_last, info, nullptr);
+  for (auto& [bname, buf] : opt->state_buffers())
+    LATHE_CHECK(buf->size() == model.num_params(), "internal: optimizer state '{}' has {} floats, the model {} parameters",
+                bname, buf->size(), model.num_params());
+  const MomentSlice m = moment_slice(*opt, 0, 0, model.num_params());
+  save_guarded(run_dir, model, &m, st, keep_last, info, nullptr);
+}
+
+void save_checkpoint_sharded(const std::string& run_dir, const Model& model, const MomentSlice& mine,
+                             const CheckpointState& st, int keep_last, CheckpointSaveInfo* info,
+                             dist::Communicator& group) {
+  save_guarded(run_dir, model, &mine, st, keep_last, info, &group);
+}
+
+void load_checkpoint_moments(const std::string& ckpt_dir, const Model& model, const MomentSlice& slice) {
+  require_checkpoint_dir(ckpt_dir);
+  load_moments(ckpt_dir, read_state(ckpt_dir), model, slice);
 }
 
 CheckpointState read_checkpoint_state(const std::string& ckpt_dir) {
@@ -749,25 +864,10 @@ CheckpointState load_checkpoint(const std::string& ckpt_dir, Model& model, optim
                   mpath, t.name);
   }
   if (opt) {
-    const std::string opath = (fs::path(ckpt_dir) / kOptimFile).string();
-    bool listed = false;
-    for (const auto& cf : st.files) listed = listed || cf.name == kOptimFile;
-    LATHE_CHECK(listed,
-                "{}: no optimizer state in this checkpoint (it was saved without one); resuming needs the moments",
-                opath);
-    io::SafetensorsFile f(opath);
-    check_slices(st, kOptimFile, f, sp);
-    std::set<std::string> used;
-    for (auto& [bname, buf] : opt->state_buffers()) {
+    for (auto& [bname, buf] : opt->state_buffers())
       LATHE_CHECK(buf->size() == model.num_params(), "internal: optimizer state '{}' has {} floats, the model {}",
                   bname, buf->size(), model.num_params());
-      load_flat(f, model, bname + "/", buf->data(), &used);
-    }
-    for (const auto& t : f.tensors())
-      LATHE_CHECK(used.count(t.name) || is_pad(t.name),
-                  "{}: unexpected tensor '{}' (state of another optimizer? the checkpoint "
-                  "was written by '{}')",
-                  opath, t.name, st.optimizer);
+    load_moments(ckpt_dir, st, model, moment_slice(*opt, 0, 0, model.num_params()));
   }
   return st;
 }
@@ -780,64 +880,6 @@ ModelConfig checkpoint_model_config(const std::string& ckpt_dir) {
   json m = st.recipe["model"];
   m.erase("init_from");
   return ModelConfig::from_hf_json(m, sp + " recipe", "model.", false);
-}
-
-// ---------------------------------------------------------------------------------------------
-
-namespace {
-void flatten(const json& j, const std::string& prefix, std::map<std::string, json>* out) {
-  if (j.is_object()) {
-    for (auto it = j.begin(); it != j.end(); ++it)
-      flatten(it.value(), prefix.empty() ? it.key() : prefix + "." + it.key(), out);
-    if (j.empty() && !prefix.empty()) (*out)[prefix] = j;
-    return;
-  }
-  (*out)[prefix] = j;
-}
-
-// Samples per optimizer step: micro_batch_size x grad_accum_steps x parallel.data (a recipe written
-// before the parallel section had one process).
-int64_t global_batch(const json& recipe) {
-  const json& t = recipe.contains("training") ? recipe["training"] : json::object();
-  const json& p = recipe.contains("parallel") ? recipe["parallel"] : json::object();
-  auto get = [](const json& o, const char* k) {
-    return o.contains(k) && o[k].is_number_integer() ? std::max<int64_t>(1, o[k].get<int64_t>()) : int64_t{1};
-  };
-  return get(t, "micro_batch_size") * get(t, "grad_accum_steps") * get(p, "data");
-}
-
-bool harmless_key(const std::string& k) {
-  static const std::set<std::string> keys = {"training.steps",        "training.eval_interval", "training.eval_batches",
-                                             "training.log_interval", "training.threads",       "training.peak_gflops",
-                                             "training.resume",       "data.tokenizer",         "data.prefetch",
-                                             "model.init_from"};
-  // The layout of processes changes neither the data order nor the math beyond float summation
-  // order (the loader's order is global: train/trainer.cpp), so it may change on resume.
-  return keys.count(k) || k.rfind("output.", 0) == 0 || k.rfind("parallel.", 0) == 0;
-}
-}  // namespace
-
-std::vector<RecipeChange> diff_recipes(const json& before, const json& after) {
-  std::map<std::string, json> a, b;
-  flatten(before, "", &a);
-  flatten(after, "", &b);
-  std::set<std::string> keys;
-  for (auto& [k, v] : a) keys.insert(k);
-  for (auto& [k, v] : b) keys.insert(k);
-  // Splitting the same global batch differently over processes and accumulation steps (e.g. data
-  // 2 -> 4 with grad_accum_steps 4 -> 2) is allowed: every step still sees the same samples.
-  const bool same_global_batch = global_batch(before) == global_batch(after);
-  std::vector<RecipeChange> out;
-  for (const auto& k : keys) {
-    auto ia = a.find(k), ib = b.find(k);
-    const json va = ia == a.end() ? json() : ia->second, vb = ib == b.end() ? json() : ib->second;
-    if (va == vb) continue;
-    auto str = [](const json& v, bool present) { return present ? v.dump() : std::string("(absent)"); };
-    const bool batch_split =
-        same_global_batch && (k == "training.micro_batch_size" || k == "training.grad_accum_steps");
-    out.push_back({k, str(va, ia != a.end()), str(vb, ib != b.end()), !harmless_key(k) && !batch_split});
-  }
-  return out;
 }
 
 }  // namespace lathe

@@ -38,6 +38,8 @@
 
 #include "config/model_config.h"
 #include "data/loader.h"
+#include "dist/comm.h"
+#include "io/xxh64.h"
 #include "models/model.h"
 #include "optim/optimizer.h"
 
@@ -54,7 +56,11 @@ struct CheckpointTensor {
   std::string name;
   std::string dtype;  // "F32" (the only dtype of format version 1)
   Shape global_shape;
-  std::vector<std::pair<int64_t, int64_t>> slice;  // [start, end) per dimension
+  std::vector<std::pair<int64_t, int64_t>> slice;  // [start, end) per dimension (empty when flat)
+  // Or a piece of the flattened tensor: elements [flat_begin, flat_end), stored as a 1-D tensor
+  // (a ZeRO shard boundary may fall anywhere inside a tensor).
+  bool flat = false;
+  int64_t flat_begin = 0, flat_end = 0;
 };
 
 struct CheckpointState {
@@ -91,6 +97,35 @@ struct CheckpointSaveInfo {
 // and before the rename.
 void save_checkpoint(const std::string& run_dir, const Model& model, optim::Optimizer* opt, const CheckpointState& st,
                      int keep_last, CheckpointSaveInfo* info = nullptr);
+
+// A rank's part of the optimizer moments: flat elements [begin, end) of the model's P-element
+// parameter layout; buffers[i] = {"exp_avg", pointer to flat element `begin` of that moment}.
+struct MomentSlice {
+  std::vector<std::pair<std::string, float*>> buffers;
+  size_t begin = 0, end = 0;
+};
+// The moments [begin, end) of `opt`, whose buffers hold flat elements from `buffer_begin` on (0 for
+// a full-size optimizer, the shard start for a ZeRO shard's optimizer).
+MomentSlice moment_slice(optim::Optimizer& opt, size_t buffer_begin, size_t begin, size_t end);
+
+// The data-parallel save, collective over `group` (every rank calls it with the same state):
+// rank r writes optimizer-rankRRRRR-of-NNNNN.safetensors with the moments of `mine` (its ZeRO
+// shard, or its part of replicated moments so that the ranks share the writing); rank 0 writes
+// model.safetensors (parameters are replicated) and recipe.yaml, collects every shard's size,
+// XXH64 and tensor table, and only then writes state.json, renames the directory and moves
+// `latest`. A rank that dies mid-save leaves step_X.tmp/, which is never taken as a checkpoint.
+// Each tensor is listed once per file, whole or as a flat piece (CheckpointTensor::flat); together
+// the shards cover every moment exactly once. Assumes output.dir is one directory that every rank
+// sees (a shared filesystem when the ranks are on several hosts).
+void save_checkpoint_sharded(const std::string& run_dir, const Model& model, const MomentSlice& mine,
+                             const CheckpointState& st, int keep_last, CheckpointSaveInfo* info,
+                             dist::Communicator& group);
+
+// Reads the moments of flat [slice.begin, slice.end) from a checkpoint written by any number of
+// ranks (one optimizer file or per-rank shards: re-sharding is the overlap of flat ranges). Checks
+// that the files' tables cover every moment exactly once and that values are finite; the files'
+// checksums are verify_checkpoint's job (done by find_latest_checkpoint and the resume checks).
+void load_checkpoint_moments(const std::string& ckpt_dir, const Model& model, const MomentSlice& slice);
 
 // Newest complete checkpoint dir under RUN_DIR/checkpoints (verifying checksums); skipped
 // corrupt/partial ones are described in *log (one line each). "" if none. The scan decides, not
@@ -143,20 +178,7 @@ struct RecipeChange {
 // float summation order, the trainer warns about it.)
 std::vector<RecipeChange> diff_recipes(const nlohmann::json& before, const nlohmann::json& after);
 
-// XXH64 (Yann Collet's xxHash, 64-bit), streaming. Matches XXH64() of the reference library.
-class Xxh64 {
- public:
-  explicit Xxh64(uint64_t seed = 0);
-  void update(const void* data, size_t n);
-  uint64_t digest() const;
-  static uint64_t hash(const void* data, size_t n, uint64_t seed = 0);
-
- private:
-  uint64_t v_[4];
-  uint64_t seed_, total_ = 0;
-  unsigned char buf_[32];
-  size_t buf_len_ = 0;
-};
-std::string hex64(uint64_t v);  // 16 lowercase hex digits
+using io::hex64;  // the checksum of checkpoint files (io/xxh64.h)
+using io::Xxh64;
 
 }  // namespace lathe

@@ -97,16 +97,23 @@ bool is_hex16(const std::string& s) {
   return true;
 }
 
-std::vector<CheckpointFile> read_files(const Fields& f, const json& body) {
+std::vector<CheckpointFile> read_files(const Fields& f, const json& body, int64_t world) {
   const json& files = f.object(f.member(body, "files", "files"), "files");
   static const std::set<std::string> known = {kModelFile, kOptimFile, kRecipeFile};
   std::vector<CheckpointFile> out;
+  std::set<int64_t> shard_ranks;
   for (auto it = files.begin(); it != files.end(); ++it) {
     const std::string field = "files." + it.key();
     // Only the checkpoint's own files: a listed "../../x" or "/etc/x" would be opened and hashed.
-    if (!known.count(it.key()))
-      f.fail(field, fmt::format("names a file that is not part of a lathe checkpoint (expected {}, {} or {})",
-                                kModelFile, kOptimFile, kRecipeFile));
+    int64_t rank = 0, of = 0;
+    if (parse_optim_shard_file(it.key(), &rank, &of)) {
+      if (of != world)
+        f.fail(field, fmt::format("is the shard of rank {} of {} ranks, but world.world_size is {}", rank, of, world));
+      shard_ranks.insert(rank);
+    } else if (!known.count(it.key())) {
+      f.fail(field, fmt::format("names a file that is not part of a lathe checkpoint (expected {}, {}, {} or {})",
+                                kModelFile, kOptimFile, optim_shard_file(0, world), kRecipeFile));
+    }
     const json& meta = f.object(it.value(), field);
     CheckpointFile cf;
     cf.name = it.key();
@@ -116,9 +123,22 @@ std::vector<CheckpointFile> read_files(const Fields& f, const json& body) {
     if (!is_hex16(cf.xxh64)) f.fail(field + ".xxh64", "must be 16 lowercase hex digits");
     out.push_back(std::move(cf));
   }
-  bool has_model = false;
-  for (const auto& cf : out) has_model = has_model || cf.name == kModelFile;
+  bool has_model = false, has_optim = false;
+  for (const auto& cf : out) {
+    has_model = has_model || cf.name == kModelFile;
+    has_optim = has_optim || cf.name == kOptimFile;
+  }
   if (!has_model) f.fail("files", fmt::format("has no entry for {}", kModelFile));
+  // Moments are either in one file or in one file per rank, all of them (a shard may be empty).
+  if (has_optim && !shard_ranks.empty())
+    f.fail("files", fmt::format("lists both {} and per-rank shard files", kOptimFile));
+  if (!shard_ranks.empty() && static_cast<int64_t>(shard_ranks.size()) != world)
+    f.fail("files", fmt::format("lists {} of the {} per-rank optimizer shards (every rank writes one; {} is missing)",
+                                shard_ranks.size(), world, [&] {
+                                  int64_t r = 0;
+                                  while (shard_ranks.count(r)) ++r;
+                                  return optim_shard_file(r, world);
+                                }()));
   return out;
 }
 
@@ -150,6 +170,22 @@ std::map<std::string, std::vector<CheckpointTensor>> read_tensors(const Fields& 
       if (gs.size() > 8) f.fail(field + ".global_shape", fmt::format("has {} dimensions (at most 8)", gs.size()));
       for (size_t d = 0; d < gs.size(); ++d)
         t.global_shape.push_back(f.integer(gs[d], fmt::format("{}.global_shape[{}]", field, d), 0, kMaxDim));
+      if (e.contains("flat")) {
+        // A piece of the flattened tensor (ZeRO shards cut tensors anywhere): elements [a, b).
+        const std::string ff = field + ".flat";
+        int64_t n = 1;
+        for (int64_t d : t.global_shape) {
+          if (d != 0 && n > kMaxDim / d) f.fail(field + ".global_shape", "has more than 2^40 elements");
+          n *= d;
+        }
+        if (!e["flat"].is_array() || e["flat"].size() != 2) f.wrong(ff, e["flat"], "a [start, end) pair");
+        if (e.contains("slice")) f.fail(field, "has both 'flat' and 'slice' (one describes the piece)");
+        t.flat = true;
+        t.flat_begin = f.integer(e["flat"][0], ff + "[0]", 0, n);
+        t.flat_end = f.integer(e["flat"][1], ff + "[1]", t.flat_begin, n);
+        v.push_back(std::move(t));
+        continue;
+      }
       const std::string sfield = field + ".slice";
       const json& sl = f.array(f.member(e, "slice", sfield), sfield);
       if (sl.size() != gs.size())
@@ -216,12 +252,8 @@ CheckpointState parse_checkpoint_state(std::string_view text, const std::string&
     const json& w = f.object(body["world"], "world");
     st.world_size = f.integer(f.member(w, "world_size", "world.world_size"), "world.world_size", 1, 1 << 20);
     st.rank = f.integer(f.member(w, "rank", "world.rank"), "world.rank", 0, st.world_size - 1);
-    if (st.world_size != 1 || st.rank != 0)
-      f.fail("world", fmt::format("is world_size {} rank {}: this lathe resumes single-process checkpoints only "
-                                  "(world_size 1, rank 0)",
-                                  st.world_size, st.rank));
   }
-  st.files = read_files(f, body);
+  st.files = read_files(f, body, st.world_size);
   st.tensors = read_tensors(f, body, st.files);
   return st;
 }

@@ -263,11 +263,16 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   }
   log.ok(fmt::format("model {}: {} parameters", r.model.model_type, pf.model->num_params()));
   if (!check_only) pf.model->allocate(B, T, kMoments);
-  if (!pf.ckpt.empty()) {
-    // Full-size moments only to receive the checkpoint's (the trainer shards them, ZeRO).
-    pf.optimizer = optim::make_optimizer(ocfg, pf.model->num_params());
-    load_checkpoint(pf.ckpt, *pf.model, pf.optimizer.get());
+  if (!pf.ckpt.empty() && check_only) {
+    // Everything, moments included, into a full-size optimizer that is then dropped.
+    auto full = optim::make_optimizer(ocfg, pf.model->num_params());
+    load_checkpoint(pf.ckpt, *pf.model, full.get());
     log.ok(fmt::format("checkpoint {}: step {}, files, tensor table, weights and moments valid", pf.ckpt, pf.cs.step));
+  } else if (!pf.ckpt.empty()) {
+    // The weights now; each rank reads only the moments of its own shard (train/trainer.cpp), so no
+    // rank ever holds the full moments of a ZeRO run.
+    load_checkpoint(pf.ckpt, *pf.model, nullptr);
+    log.ok(fmt::format("checkpoint {}: step {}, files, tensor table and weights valid", pf.ckpt, pf.cs.step));
   }
   return pf;
 }

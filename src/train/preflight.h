@@ -41,7 +41,6 @@ struct Preflight {
   std::string ckpt;              // checkpoint this run continues from; "" = fresh start
   CheckpointState cs;            // its state (when ckpt is set)
   std::unique_ptr<Model> model;  // built; weights from init_from or the checkpoint (else to be initialised)
-  std::unique_ptr<optim::Optimizer> optimizer;  // moments from the checkpoint when resuming, else null
   std::string init_report;                      // load report of model.init_from ("" otherwise)
 };
 

@@ -266,7 +266,6 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   const std::string& ckpt = pf.ckpt;
   const CheckpointState& cs = pf.cs;
   std::unique_ptr<Model> model = std::move(pf.model);
-  std::unique_ptr<optim::Optimizer> loaded_optimizer = std::move(pf.optimizer);
   auto train_ds = pf.train_ds;
   auto valid_ds = pf.valid_ds;
   const std::vector<int64_t>& train_samples = pf.train_samples;
@@ -281,8 +280,11 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   const size_t P = model->num_params();
   // The optimizer over this rank's part of the flat buffer (ZeRO) and the data-parallel gradient
   // reduction, fed by the model's grads_ready hook during the last micro-batch's backward.
-  parallel::ShardedOptimizer opt(*world, optimizer_config(r), P, ranges, static_cast<int>(r.parallel.zero),
-                                 std::move(loaded_optimizer));
+  parallel::ShardedOptimizer opt(*world, optimizer_config(r), P, ranges, static_cast<int>(r.parallel.zero));
+  // Resuming: this rank's moments from the checkpoint, whatever layout wrote it (re-sharded by flat
+  // offset: train/checkpoint.h).
+  if (!ckpt.empty())
+    load_checkpoint_moments(ckpt, *model, moment_slice(opt.local(), opt.state_begin(), opt.state_begin(), opt.state_end()));
   const size_t bucket_elems = static_cast<size_t>(std::max(1.0, r.parallel.bucket_mb * (1 << 20) / 4));
   std::unique_ptr<parallel::GradSync> sync;
   bool sync_this_pass = false;
@@ -375,14 +377,16 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     st.threads = threads;
     st.optimizer = r.optimizer.name;
     CheckpointSaveInfo info;
-    // The checkpoint holds the global state whatever the layout: rank 0 collects the moments of every
-    // shard and writes it; the other ranks wait for it (a failed save ends the job through main).
-    std::unique_ptr<optim::Optimizer> full;
-    if (rank0) full = optim::make_optimizer(optimizer_config(r), P);
-    opt.gather_state(full.get());
-    if (rank0) save_checkpoint(r.output.dir, *model, full.get(), st, static_cast<int>(r.output.keep_last), &info);
-    full.reset();
-    world->barrier();
+    // Every rank writes the moments of its part of the flat buffer (its ZeRO shard; with ZeRO 0 the
+    // same cut, so the ranks share the writing), rank 0 the weights and state.json once all are done.
+    if (dp == 1) {
+      save_checkpoint(r.output.dir, *model, &opt.local(), st, static_cast<int>(r.output.keep_last), &info);
+    } else {
+      const parallel::FlatShards& sh = opt.shards();
+      save_checkpoint_sharded(r.output.dir, *model,
+                              moment_slice(opt.local(), opt.state_begin(), sh.begin(rank), sh.end(rank)), st,
+                              static_cast<int>(r.output.keep_last), &info, *world);
+    }
     result.last_checkpoint = (fs::path(r.output.dir) / "checkpoints" / fmt::format("step_{:08d}", done)).string();
     const double mb = static_cast<double>(info.bytes) / 1e6;
     log(fmt::format(

@@ -1,0 +1,68 @@
+// diff_recipes (declared in train/checkpoint.h): what changed between a checkpoint's recipe and the
+// recipe of the run resuming from it, and whether the change breaks exactness.
+#include <map>
+#include <set>
+
+#include "train/checkpoint.h"
+
+namespace lathe {
+
+using json = nlohmann::json;
+
+namespace {
+void flatten(const json& j, const std::string& prefix, std::map<std::string, json>* out) {
+  if (j.is_object()) {
+    for (auto it = j.begin(); it != j.end(); ++it)
+      flatten(it.value(), prefix.empty() ? it.key() : prefix + "." + it.key(), out);
+    if (j.empty() && !prefix.empty()) (*out)[prefix] = j;
+    return;
+  }
+  (*out)[prefix] = j;
+}
+
+// Samples per optimizer step: micro_batch_size x grad_accum_steps x parallel.data (a recipe written
+// before the parallel section had one process).
+int64_t global_batch(const json& recipe) {
+  const json& t = recipe.contains("training") ? recipe["training"] : json::object();
+  const json& p = recipe.contains("parallel") ? recipe["parallel"] : json::object();
+  auto get = [](const json& o, const char* k) {
+    return o.contains(k) && o[k].is_number_integer() ? std::max<int64_t>(1, o[k].get<int64_t>()) : int64_t{1};
+  };
+  return get(t, "micro_batch_size") * get(t, "grad_accum_steps") * get(p, "data");
+}
+
+bool harmless_key(const std::string& k) {
+  static const std::set<std::string> keys = {"training.steps",        "training.eval_interval", "training.eval_batches",
+                                             "training.log_interval", "training.threads",       "training.peak_gflops",
+                                             "training.resume",       "data.tokenizer",         "data.prefetch",
+                                             "model.init_from"};
+  // The layout of processes changes neither the data order nor the math beyond float summation
+  // order (the loader's order is global: train/trainer.cpp), so it may change on resume.
+  return keys.count(k) || k.rfind("output.", 0) == 0 || k.rfind("parallel.", 0) == 0;
+}
+}  // namespace
+
+std::vector<RecipeChange> diff_recipes(const json& before, const json& after) {
+  std::map<std::string, json> a, b;
+  flatten(before, "", &a);
+  flatten(after, "", &b);
+  std::set<std::string> keys;
+  for (auto& [k, v] : a) keys.insert(k);
+  for (auto& [k, v] : b) keys.insert(k);
+  // Splitting the same global batch differently over processes and accumulation steps (e.g. data
+  // 2 -> 4 with grad_accum_steps 4 -> 2) is allowed: every step still sees the same samples.
+  const bool same_global_batch = global_batch(before) == global_batch(after);
+  std::vector<RecipeChange> out;
+  for (const auto& k : keys) {
+    auto ia = a.find(k), ib = b.find(k);
+    const json va = ia == a.end() ? json() : ia->second, vb = ib == b.end() ? json() : ib->second;
+    if (va == vb) continue;
+    auto str = [](const json& v, bool present) { return present ? v.dump() : std::string("(absent)"); };
+    const bool batch_split =
+        same_global_batch && (k == "training.micro_batch_size" || k == "training.grad_accum_steps");
+    out.push_back({k, str(va, ia != a.end()), str(vb, ib != b.end()), !harmless_key(k) && !batch_split});
+  }
+  return out;
+}
+
+}  // namespace lathe
