@@ -1,0 +1,352 @@
+// bf16 linear layer forward/backward on oneDNN matmul (contract in ops_bf16.h).
+//
+// Why oneDNN: Debian's OpenBLAS 0.3.21 has no sbgemm; oneDNN 2.6.3's brgemm matmul runs bf16 at
+// about twice the fp32 sgemm rate on AVX512-BF16 (bench/bench_matmul_bf16.py). Debian builds it
+// with the OpenMP runtime (libgomp), so its GEMMs run on the same OpenMP workers as OpenBLAS and
+// our own kernels, and sequentially when called from inside a parallel region.
+//
+// The three GEMMs as oneDNN matmuls (row-major; a "transposed" operand is a stride swap, no copy):
+//   forward   out[M,N]     = inp[M,K]     @ (weight[N,K])^T     weights strides {1, K}
+//   backward  dinp[M,K]    = dout[M,N]    @ weight[N,K]
+//   backward  dweight[N,K] += (dout[M,N])^T @ inp[M,K]          src strides {1, N}, sum post-op
+// "+=" is oneDNN's sum post-op (dst = gemm + dst, in fp32).
+//
+// Primitive cache: oneDNN primitive creation takes ~0.1-1 ms (it JITs kernels), far too slow
+// per training-step GEMM. Each calling thread keeps its own map from (shape, op, variant, OpenMP
+// thread count) to the primitive, its memory objects (only their data pointers change per call)
+// and its scratchpad (user-managed, allocated once), so no two threads ever share a scratchpad
+// (in-process data-parallel tests run one model per thread). Execution goes through the C API
+// with a fixed argument array, so this file allocates nothing per call after the first.
+//
+// Determinism: for a fixed primitive (thread count included in the key) oneDNN's brgemm matmul
+// splits work statically and reduces any K split in a fixed order; tests check bit-identical
+// repeats.
+#include <omp.h>
+
+#include <cstring>
+#include <memory>
+#include <unordered_map>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "kernels/cpu/ops_bf16.h"
+
+#ifdef LATHE_HAVE_DNNL
+#include <oneapi/dnnl/dnnl.hpp>
+#endif
+
+namespace lathe::cpu {
+
+namespace {
+
+// Below this many elements an OpenMP fork costs more than the loop itself.
+constexpr int64_t kParallelMin = 1 << 14;
+// Columns per bias-reduction block (a multiple of the cache line: blocks owned by different
+// threads never share a line of dbias).
+constexpr int64_t kColBlock = 64;
+
+void check_dims(const char* fn, int64_t M, int64_t K, int64_t N) {
+  LATHE_CHECK(M >= 0 && K >= 0 && N >= 0, "{}: negative dimension (M={}, K={}, N={})", fn, M, K, N);
+}
+
+// out[M,N] = bias (or 0), or out += bias when accumulating: the whole result when K == 0.
+template <typename T>
+void fill_k0(T* out, const float* bias, int64_t M, int64_t N, bool accumulate) {
+#pragma omp parallel for schedule(static) if (M * N >= kParallelMin)
+  for (int64_t i = 0; i < M; ++i) {
+    for (int64_t j = 0; j < N; ++j) {
+      const float b = bias ? bias[j] : 0.0f;
+      if constexpr (std::is_same_v<T, float>) {
+        out[i * N + j] = accumulate ? out[i * N + j] + b : b;
+      } else {
+        out[i * N + j] = fp32_to_bf16(b);
+      }
+    }
+  }
+}
+
+// dbias[N] += column sums of dout[M,N] (bf16), each column summed in row order in fp32: the
+// result does not depend on the thread count.
+void bias_backward(float* dbias, const uint16_t* dout, int64_t M, int64_t N) {
+  const int64_t nblocks = (N + kColBlock - 1) / kColBlock;
+#pragma omp parallel for schedule(static) if (M * N >= kParallelMin)
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    const int64_t j0 = blk * kColBlock;
+    const int64_t w = (N - j0 < kColBlock) ? N - j0 : kColBlock;
+    float acc[kColBlock] = {};
+    if (w == kColBlock) {
+      for (int64_t i = 0; i < M; ++i) {
+        const uint16_t* __restrict row = dout + i * N + j0;
+        for (int64_t j = 0; j < kColBlock; ++j) acc[j] += bf16_to_fp32(row[j]);
+      }
+    } else {
+      for (int64_t i = 0; i < M; ++i) {
+        const uint16_t* __restrict row = dout + i * N + j0;
+        for (int64_t j = 0; j < w; ++j) acc[j] += bf16_to_fp32(row[j]);
+      }
+    }
+    for (int64_t j = 0; j < w; ++j) dbias[j0 + j] += acc[j];
+  }
+}
+
+#ifdef LATHE_HAVE_DNNL
+
+enum class Op : uint8_t { Forward, BackwardData, BackwardWeights };
+
+struct Key {
+  int64_t M, K, N;
+  Op op;
+  bool accumulate, bias, dst_bf16;
+  int threads;
+  bool operator==(const Key&) const = default;
+};
+
+struct KeyHash {
+  size_t operator()(const Key& k) const {
+    size_t h = std::hash<int64_t>()(k.M);
+    auto mix = [&h](size_t v) { h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); };
+    mix(std::hash<int64_t>()(k.K));
+    mix(std::hash<int64_t>()(k.N));
+    mix(static_cast<size_t>(k.op) | (size_t{k.accumulate} << 2) | (size_t{k.bias} << 3) | (size_t{k.dst_bf16} << 4));
+    mix(static_cast<size_t>(k.threads));
+    return h;
+  }
+};
+
+struct AlignedFree {
+  void operator()(void* p) const { std::free(p); }
+};
+
+struct Entry {
+  dnnl::primitive prim;
+  dnnl::memory src, wei, bias, dst, scratch;
+  std::unique_ptr<void, AlignedFree> scratch_buf;
+  std::string impl;
+};
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::Forward:
+      return "forward";
+    case Op::BackwardData:
+      return "backward (input gradient)";
+    case Op::BackwardWeights:
+      return "backward (weight gradient)";
+  }
+  return "?";
+}
+
+dnnl::engine& engine() {
+  static dnnl::engine e(dnnl::engine::kind::cpu, 0);
+  return e;
+}
+
+struct ThreadCache {
+  dnnl::stream stream{engine()};
+  std::unordered_map<Key, Entry, KeyHash> map;
+};
+
+ThreadCache& thread_cache() {
+  thread_local ThreadCache c;
+  return c;
+}
+
+using dt = dnnl::memory::data_type;
+using tag = dnnl::memory::format_tag;
+
+Entry make_entry(const Key& k) {
+  const dt dst_dt = k.dst_bf16 ? dt::bf16 : dt::f32;
+  dnnl::memory::desc src, wei, dst, bias;
+  switch (k.op) {
+    case Op::Forward:  // [M,K] @ [K,N] where weights are weight[N,K] read with strides {1, K}
+      src = dnnl::memory::desc({k.M, k.K}, dt::bf16, tag::ab);
+      wei = dnnl::memory::desc({k.K, k.N}, dt::bf16, dnnl::memory::dims{1, k.K});
+      dst = dnnl::memory::desc({k.M, k.N}, dst_dt, tag::ab);
+      if (k.bias) bias = dnnl::memory::desc({1, k.N}, dt::f32, tag::ab);
+      break;
+    case Op::BackwardData:  // dout[M,N] @ weight[N,K]
+      src = dnnl::memory::desc({k.M, k.N}, dt::bf16, tag::ab);
+      wei = dnnl::memory::desc({k.N, k.K}, dt::bf16, tag::ab);
+      dst = dnnl::memory::desc({k.M, k.K}, dst_dt, tag::ab);
+      break;
+    case Op::BackwardWeights:  // dout^T [N,M] (strides {1, N}) @ inp[M,K]
+      src = dnnl::memory::desc({k.N, k.M}, dt::bf16, dnnl::memory::dims{1, k.N});
+      wei = dnnl::memory::desc({k.M, k.K}, dt::bf16, tag::ab);
+      dst = dnnl::memory::desc({k.N, k.K}, dst_dt, tag::ab);
+      break;
+  }
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  if (k.accumulate) {
+    dnnl::post_ops po;
+    po.append_sum(1.0f);
+    attr.set_post_ops(po);
+  }
+  Entry e;
+  try {
+    const auto d = k.bias ? dnnl::matmul::desc(src, wei, bias, dst) : dnnl::matmul::desc(src, wei, dst);
+    const dnnl::matmul::primitive_desc pd(d, attr, engine());
+    e.prim = dnnl::matmul(pd);
+    e.impl = pd.impl_info_str();
+    const size_t scratch_bytes = pd.scratchpad_desc().get_size();
+    if (scratch_bytes > 0) {
+      e.scratch_buf.reset(std::aligned_alloc(64, (scratch_bytes + 63) / 64 * 64));
+      LATHE_CHECK(e.scratch_buf != nullptr, "bf16 matmul {}: cannot allocate {} bytes of oneDNN scratch memory",
+                  op_name(k.op), scratch_bytes);
+      e.scratch = dnnl::memory(pd.scratchpad_desc(), engine(), e.scratch_buf.get());
+    }
+    e.src = dnnl::memory(src, engine(), DNNL_MEMORY_NONE);
+    e.wei = dnnl::memory(wei, engine(), DNNL_MEMORY_NONE);
+    e.dst = dnnl::memory(dst, engine(), DNNL_MEMORY_NONE);
+    if (k.bias) e.bias = dnnl::memory(bias, engine(), DNNL_MEMORY_NONE);
+  } catch (const dnnl::error& err) {
+    throw_error("bf16 matmul {} (M={}, K={}, N={}): oneDNN could not create the GEMM: {} (status {})", op_name(k.op),
+                k.M, k.K, k.N, err.what(), static_cast<int>(err.status));
+  }
+  return e;
+}
+
+// A training run uses a handful of shapes; generation or evaluation with many different row
+// counts could add one entry per count, so the cache is emptied when it reaches this size (the
+// shapes in use are recreated once).
+constexpr size_t kMaxCached = 512;
+
+Entry& lookup(const Key& k) {
+  auto& map = thread_cache().map;
+  auto it = map.find(k);
+  if (it == map.end()) {
+    Entry e = make_entry(k);
+    if (map.size() >= kMaxCached) map.clear();
+    it = map.emplace(k, std::move(e)).first;
+  }
+  return it->second;
+}
+
+// One GEMM through the cached primitive; pointers are only read for const operands.
+void run(const Key& k, void* dst, const void* src, const void* wei, const float* bias) {
+  Entry& e = lookup(k);
+  dnnl_exec_arg_t args[5];
+  int n = 0;
+  auto bind = [&](int arg, dnnl::memory& m, const void* p) {
+    dnnl_status_t st = dnnl_memory_set_data_handle_v2(m.get(), const_cast<void*>(p), nullptr);
+    LATHE_CHECK(st == dnnl_success, "bf16 matmul {}: oneDNN set_data_handle failed (status {})", op_name(k.op),
+                static_cast<int>(st));
+    args[n++] = {arg, m.get()};
+  };
+  bind(DNNL_ARG_SRC, e.src, src);
+  bind(DNNL_ARG_WEIGHTS, e.wei, wei);
+  bind(DNNL_ARG_DST, e.dst, dst);
+  if (k.bias) bind(DNNL_ARG_BIAS, e.bias, bias);
+  if (e.scratch) args[n++] = {DNNL_ARG_SCRATCHPAD, e.scratch.get()};
+  ThreadCache& c = thread_cache();
+  dnnl_status_t st = dnnl_primitive_execute(e.prim.get(), c.stream.get(), n, args);
+  if (st == dnnl_success) st = dnnl_stream_wait(c.stream.get());
+  LATHE_CHECK(st == dnnl_success, "bf16 matmul {} (M={}, K={}, N={}): oneDNN execution failed (status {})",
+              op_name(k.op), k.M, k.K, k.N, static_cast<int>(st));
+}
+
+Key key(Op op, int64_t M, int64_t K, int64_t N, bool accumulate, bool bias, bool dst_bf16) {
+  return Key{M, K, N, op, accumulate, bias, dst_bf16, omp_get_max_threads()};
+}
+
+#else  // !LATHE_HAVE_DNNL
+
+[[noreturn]] void no_dnnl(const char* fn) {
+  throw_error(
+      "{}: lathe was built without oneDNN, which the bf16 GEMMs need: install it (apt-get install libdnnl-dev, "
+      "or run scripts/setup.sh) and rebuild, or train with precision compute: fp32",
+      fn);
+}
+
+#endif
+
+template <typename T>
+void forward_impl(const char* fn, T* out, const uint16_t* inp, const uint16_t* weight, const float* bias, int64_t M,
+                  int64_t K, int64_t N, bool accumulate) {
+  check_dims(fn, M, K, N);
+  if (M == 0 || N == 0) return;
+  if (K == 0) return fill_k0(out, bias, M, N, accumulate);
+#ifdef LATHE_HAVE_DNNL
+  run(key(Op::Forward, M, K, N, accumulate, bias != nullptr, std::is_same_v<T, uint16_t>), out, inp, weight, bias);
+#else
+  no_dnnl(fn);
+#endif
+}
+
+template <typename T>
+void backward_impl(const char* fn, T* dinp, float* dweight, float* dbias, const uint16_t* dout, const uint16_t* inp,
+                   const uint16_t* weight, int64_t M, int64_t K, int64_t N, bool accumulate_dinp) {
+  check_dims(fn, M, K, N);
+  if (dinp != nullptr && M > 0 && K > 0) {
+    if (N == 0) {
+      if (!accumulate_dinp) std::memset(dinp, 0, sizeof(T) * M * K);
+    } else {
+#ifdef LATHE_HAVE_DNNL
+      run(key(Op::BackwardData, M, K, N, accumulate_dinp, false, std::is_same_v<T, uint16_t>), dinp, dout, weight,
+          nullptr);
+#else
+      no_dnnl(fn);
+#endif
+    }
+  }
+  if (dweight != nullptr && M > 0 && N > 0 && K > 0) {
+#ifdef LATHE_HAVE_DNNL
+    run(key(Op::BackwardWeights, M, K, N, true, false, false), dweight, dout, inp, nullptr);
+#else
+    no_dnnl(fn);
+#endif
+  }
+  if (dbias != nullptr && M > 0 && N > 0) bias_backward(dbias, dout, M, N);
+}
+
+}  // namespace
+
+bool bf16_matmul_available() {
+#ifdef LATHE_HAVE_DNNL
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::string bf16_matmul_backend_info() {
+#ifdef LATHE_HAVE_DNNL
+  const dnnl_version_t* v = dnnl_version();
+  const Entry& e = lookup(key(Op::Forward, 64, 64, 64, false, false, false));
+  return fmt::format("oneDNN {}.{}.{} ({}), forward GEMM {}{}", v->major, v->minor, v->patch,
+                     v->cpu_runtime == DNNL_RUNTIME_OMP ? "OpenMP" : "not OpenMP: its own thread pool", e.impl,
+                     cpu_has_avx512_bf16() ? "" : " (this CPU has no AVX512-BF16: slower path, same results)");
+#else
+  return "unavailable: lathe was built without oneDNN (apt-get install libdnnl-dev and rebuild)";
+#endif
+}
+
+size_t bf16_matmul_cache_size() {
+#ifdef LATHE_HAVE_DNNL
+  return thread_cache().map.size();
+#else
+  return 0;
+#endif
+}
+
+void matmul_forward_bf16(float* out, const uint16_t* inp, const uint16_t* weight, const float* bias, int64_t M,
+                         int64_t K, int64_t N, bool accumulate) {
+  forward_impl("matmul_forward_bf16", out, inp, weight, bias, M, K, N, accumulate);
+}
+
+void matmul_forward_bf16_out_bf16(uint16_t* out, const uint16_t* inp, const uint16_t* weight, const float* bias,
+                                  int64_t M, int64_t K, int64_t N) {
+  forward_impl("matmul_forward_bf16_out_bf16", out, inp, weight, bias, M, K, N, false);
+}
+
+void matmul_backward_bf16(float* dinp, float* dweight, float* dbias, const uint16_t* dout, const uint16_t* inp,
+                          const uint16_t* weight, int64_t M, int64_t K, int64_t N, bool accumulate_dinp) {
+  backward_impl("matmul_backward_bf16", dinp, dweight, dbias, dout, inp, weight, M, K, N, accumulate_dinp);
+}
+
+void matmul_backward_bf16_dinp_bf16(uint16_t* dinp, float* dweight, float* dbias, const uint16_t* dout,
+                                    const uint16_t* inp, const uint16_t* weight, int64_t M, int64_t K, int64_t N) {
+  backward_impl("matmul_backward_bf16_dinp_bf16", dinp, dweight, dbias, dout, inp, weight, M, K, N, false);
+}
+
+}  // namespace lathe::cpu
