@@ -9,7 +9,7 @@
 
 namespace lathe {
 
-std::unique_ptr<Model> build_gpt2(const ModelConfig& cfg) {
+std::unique_ptr<Model> build_gpt2(const ModelConfig& cfg, const ComputeSpec& compute) {
   LATHE_CHECK(cfg.num_key_value_heads == cfg.num_attention_heads,
               "model: gpt2 has no grouped-query attention (num_key_value_heads {} != n_head {})",
               cfg.num_key_value_heads, cfg.num_attention_heads);
@@ -40,7 +40,7 @@ std::unique_ptr<Model> build_gpt2(const ModelConfig& cfg) {
   t.add("transformer.ln_f.bias", {C}, Init::Zeros, 0, ShardRule::Replicated, false).as(Role::LnfB);
 
   Arch arch;  // defaults are GPT-2
-  return std::make_unique<Model>(cfg, arch, std::move(t));
+  return std::make_unique<Model>(cfg, arch, std::move(t), compute);
 }
 
 }  // namespace lathe

@@ -8,7 +8,7 @@
 
 namespace lathe {
 
-std::unique_ptr<Model> build_llama(const ModelConfig& cfg) {
+std::unique_ptr<Model> build_llama(const ModelConfig& cfg, const ComputeSpec& compute) {
   const int64_t C = cfg.hidden_size, V = cfg.vocab_size, F = cfg.intermediate_size, L = cfg.num_hidden_layers,
                 H = cfg.num_attention_heads, KV = cfg.num_key_value_heads, D = cfg.head_dim();
   const float std = static_cast<float>(cfg.initializer_range);
@@ -47,7 +47,7 @@ std::unique_ptr<Model> build_llama(const ModelConfig& cfg) {
   arch.o_bias = o_bias;
   arch.mlp_bias = false;
   arch.tied_lm_head = cfg.tie_word_embeddings;
-  return std::make_unique<Model>(cfg, arch, std::move(t));
+  return std::make_unique<Model>(cfg, arch, std::move(t), compute);
 }
 
 }  // namespace lathe

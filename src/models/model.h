@@ -1,7 +1,9 @@
-// A decoder-only language model on CPU: parameters and gradients in flat buffers described by a
-// ParamTable, activations preallocated for a maximum (B, T), forward and backward built from the
-// kernels in kernels/cpu/ops.h. Model code knows nothing of parallelism or optimizers.
+// A decoder-only language model: parameters and gradients in flat buffers described by a
+// ParamTable, activations preallocated for a maximum (B, T) in one arena described by an
+// ActivationPlan, forward and backward built from the kernels of one backend op table
+// (kernels/backend.h; CPU fp32 by default). Model code knows nothing of parallelism or optimizers.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -10,6 +12,7 @@
 
 #include "config/model_config.h"
 #include "core/buffer.h"
+#include "kernels/backend.h"
 #include "models/param_table.h"
 
 namespace lathe {
@@ -39,6 +42,31 @@ struct ModelPtrs {
   std::vector<LayerPtrs> layers;
 };
 
+// Where a model computes: the backend and the compute dtype of its op table (kernels/backend.h).
+// Parameters, gradients and optimizer state stay fp32 whatever the compute dtype.
+struct ComputeSpec {
+  const Backend* backend = nullptr;  // nullptr: cpu_backend()
+  DType dtype = DType::F32;
+};
+
+// One buffer of the activation arena: what it holds, how many elements of which dtype, and where.
+// Activations and their gradients are in the compute dtype; norm statistics, attention's lse, the
+// losses and the RoPE tables are fp32; the scratch is untyped bytes (U8).
+struct ActivationEntry {
+  const char* name;  // "ln1", "qkv", ..., "scratch"
+  int64_t layer;     // decoder layer, or -1 for buffers of the whole model
+  int64_t count;     // elements
+  DType dtype;
+  size_t offset;              // bytes from the start of the arena (64-byte aligned)
+  std::string label() const;  // "layers.3.qkv", "lnf_rstd"
+};
+// The arena's layout, in order: every buffer forward/backward use, from one walk (so the sizes the
+// memory check reads are the sizes allocate() hands out).
+struct ActivationPlan {
+  std::vector<ActivationEntry> entries;
+  size_t bytes = 0;  // total, a multiple of 64
+};
+
 // Called by the model at fixed points of a pass (all optional). Parallelism, recompute and
 // pipeline schedules attach here from outside; the model itself knows nothing of them.
 struct StepHooks {
@@ -53,11 +81,16 @@ class Model {
  public:
   // Finds every tensor the Arch needs by role in the table; a missing or duplicated required role
   // is an error naming the role and layer (a misspelt bias cannot be dropped silently).
-  Model(ModelConfig cfg, Arch arch, ParamTable table);
+  // The op table is looked up here: a (backend, dtype) without a complete table is an error naming
+  // the missing op and the implemented dtypes, before anything is allocated.
+  Model(ModelConfig cfg, Arch arch, ParamTable table, ComputeSpec compute = {});
 
   const ModelConfig& config() const { return cfg_; }
   const Arch& arch() const { return arch_; }
   const ParamTable& params() const { return table_; }
+  const Backend& backend() const { return *backend_; }
+  const Ops& ops() const { return *ops_; }
+  DType compute_dtype() const { return ops_->dtype; }
   size_t num_params() const { return table_.total(); }
   float* param_data() { return params_.data(); }
   const float* param_data() const { return params_.data(); }
@@ -102,12 +135,16 @@ class Model {
   void forward_last_logits(const int32_t* tokens, int64_t B, int64_t T, float* logits);
 
   size_t activation_bytes() const { return acts_.bytes(); }
+  // The layout allocate() made (empty before).
+  const ActivationPlan& activation_plan() const { return plan_; }
   // Parameters + gradients + activations + scratch (optimizer state is the trainer's).
   size_t estimated_bytes() const { return 2 * params_.bytes() + acts_.bytes(); }
 
-  // Floats of the activation arena allocate(B, T) reserves for `cfg` (the same layout walk);
-  // overflow-checked, throws lathe::Error for sizes beyond 64 bits.
+  // Floats (4-byte units) of the activation arena allocate(B, T) reserves for `cfg` computing in
+  // CPU fp32 (the same layout walk); overflow-checked, throws lathe::Error for sizes beyond 64 bits.
   static int64_t activation_floats(const ModelConfig& cfg, int64_t B, int64_t T);
+  // The arena's layout for `cfg` at (B, T) computing with `compute`: entries and total bytes.
+  static ActivationPlan plan_activations(const ModelConfig& cfg, int64_t B, int64_t T, const ComputeSpec& compute = {});
 
   // 6*N + 12*L*C*T FLOP per token (N excludes position embeddings), the convention of the bench.
   double flops_per_token(int64_t T) const;
@@ -116,9 +153,13 @@ class Model {
   void forward_body(const int32_t* tokens, int64_t B, int64_t T);
   void final_norm_forward(int64_t B, int64_t T);
   void report_grads(int64_t block);
-  // The activation arena's layout: returns its size in floats; with `m` also points m's
-  // activations into `base` (m->la_ sized to the layer count by the caller).
-  static int64_t layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, Model* m, float* base);
+  // The activation arena's layout: returns its size in bytes; with `plan` also lists the entries;
+  // with `m` also points m's activations into `base` (m->la_ sized to the layer count by the caller).
+  static size_t layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, const Ops& ops, Model* m,
+                                   std::byte* base, ActivationPlan* plan);
+  // The element `i` elements past `p` in a compute-dtype buffer.
+  void* act_at(void* p, int64_t i) const { return static_cast<std::byte*>(p) + i * act_size_; }
+  const void* act_at(const void* p, int64_t i) const { return static_cast<const std::byte*>(p) + i * act_size_; }
   ModelPtrs resolve(float* base) const;
   // Tensors whose gradients are complete after each block's backward (block numbering of StepHooks).
   std::vector<std::vector<std::pair<size_t, size_t>>> grad_ranges_by_block_;
@@ -127,42 +168,54 @@ class Model {
   ModelConfig cfg_;
   Arch arch_;
   ParamTable table_;
+  const Backend* backend_;
+  const Ops* ops_;
+  int64_t act_size_;  // bytes per element of the compute dtype
   Buffer<float> params_, grads_;
   ModelPtrs p_, g_;
 
-  // activations (offsets into acts_), sized for max_B_ x max_T_
+  // activations (pointers into acts_, laid out by plan_), sized for max_B_ x max_T_. void* ones are
+  // in the compute dtype, float* ones fp32 (see ActivationEntry).
   int64_t max_B_ = 0, max_T_ = 0, chunk_rows_ = 0;
-  Buffer<float> acts_;
+  DeviceBuffer acts_;
+  ActivationPlan plan_;
   struct LayerActs {
-    float *ln1, *ln1_mean, *ln1_rstd, *qkv, *att, *lse, *res1, *ln2, *ln2_mean, *ln2_rstd, *fc, *act, *res2;
+    void *ln1, *qkv, *att, *res1, *ln2, *fc, *act, *res2;
+    float *ln1_mean, *ln1_rstd, *lse, *ln2_mean, *ln2_rstd;
   };
   std::vector<LayerActs> la_;
-  float *emb_ = nullptr, *lnf_ = nullptr, *lnf_mean_ = nullptr, *lnf_rstd_ = nullptr, *losses_ = nullptr;
-  float *dres_ = nullptr, *dln_ = nullptr, *dqkv_ = nullptr, *datt_ = nullptr, *dfc_ = nullptr, *dact_ = nullptr;
-  float *scratch_ = nullptr, *rope_cos_ = nullptr, *rope_sin_ = nullptr;
+  void *emb_ = nullptr, *lnf_ = nullptr;
+  float *lnf_mean_ = nullptr, *lnf_rstd_ = nullptr, *losses_ = nullptr;
+  void *dres_ = nullptr, *dln_ = nullptr, *dqkv_ = nullptr, *datt_ = nullptr, *dfc_ = nullptr, *dact_ = nullptr;
+  void* scratch_ = nullptr;
+  float *rope_cos_ = nullptr, *rope_sin_ = nullptr;
 };
 
 // model_type -> builder. Registering a name twice is an error naming both registrants.
+// A ModelBuilder builds CPU fp32 models only; a ComputeModelBuilder takes the ComputeSpec.
 using ModelBuilder = std::unique_ptr<Model> (*)(const ModelConfig&);
+using ComputeModelBuilder = std::unique_ptr<Model> (*)(const ModelConfig&, const ComputeSpec&);
 class ModelRegistry {
  public:
   void add(const std::string& model_type, ModelBuilder builder, const std::string& registrant);
-  std::unique_ptr<Model> build(const ModelConfig& cfg) const;
+  void add(const std::string& model_type, ComputeModelBuilder builder, const std::string& registrant);
+  std::unique_ptr<Model> build(const ModelConfig& cfg, const ComputeSpec& compute = {}) const;
   std::vector<std::string> names() const;
 
  private:
   struct Entry {
-    ModelBuilder builder;
+    ModelBuilder builder = nullptr;  // one of the two is set
+    ComputeModelBuilder compute_builder = nullptr;
     std::string registrant;
   };
   std::vector<std::pair<std::string, Entry>> entries_;
 };
 // The registry with the built-in families (gpt2; llama, qwen2, mistral).
 ModelRegistry& model_registry();
-std::unique_ptr<Model> build_model(const ModelConfig& cfg);
+std::unique_ptr<Model> build_model(const ModelConfig& cfg, const ComputeSpec& compute = {});
 
 // Family builders (src/models/gpt2.cpp, src/models/llama.cpp).
-std::unique_ptr<Model> build_gpt2(const ModelConfig& cfg);
-std::unique_ptr<Model> build_llama(const ModelConfig& cfg);
+std::unique_ptr<Model> build_gpt2(const ModelConfig& cfg, const ComputeSpec& compute = {});
+std::unique_ptr<Model> build_llama(const ModelConfig& cfg, const ComputeSpec& compute = {});
 
 }  // namespace lathe

@@ -11,12 +11,28 @@ void ModelRegistry::add(const std::string& model_type, ModelBuilder builder, con
   for (auto& [name, e] : entries_)
     LATHE_CHECK(name != model_type, "model_type '{}' registered twice: first by {}, again by {}", model_type,
                 e.registrant, registrant);
-  entries_.push_back({model_type, Entry{builder, registrant}});
+  entries_.push_back({model_type, Entry{builder, nullptr, registrant}});
 }
 
-std::unique_ptr<Model> ModelRegistry::build(const ModelConfig& cfg) const {
+void ModelRegistry::add(const std::string& model_type, ComputeModelBuilder builder, const std::string& registrant) {
   for (auto& [name, e] : entries_)
-    if (name == cfg.model_type) return e.builder(cfg);
+    LATHE_CHECK(name != model_type, "model_type '{}' registered twice: first by {}, again by {}", model_type,
+                e.registrant, registrant);
+  entries_.push_back({model_type, Entry{nullptr, builder, registrant}});
+}
+
+std::unique_ptr<Model> ModelRegistry::build(const ModelConfig& cfg, const ComputeSpec& compute) const {
+  for (auto& [name, e] : entries_) {
+    if (name != cfg.model_type) continue;
+    if (e.compute_builder) return e.compute_builder(cfg, compute);
+    // A builder without a ComputeSpec makes CPU fp32 models: refuse anything else rather than
+    // silently computing in another precision or place than asked.
+    const Backend& backend = compute.backend ? *compute.backend : cpu_backend();
+    LATHE_CHECK(&backend == &cpu_backend() && compute.dtype == DType::F32,
+                "model_type '{}' (registered by {}) builds cpu fp32 models only; {} on {} was asked for", name,
+                e.registrant, compute_dtype_name(compute.dtype), backend.name());
+    return e.builder(cfg);
+  }
   throw_error("model_type '{}' is not supported (known: {})", cfg.model_type, fmt::join(names(), ", "));
 }
 
@@ -38,12 +54,12 @@ ModelRegistry& model_registry() {
   return reg;
 }
 
-std::unique_ptr<Model> build_model(const ModelConfig& cfg) {
+std::unique_ptr<Model> build_model(const ModelConfig& cfg, const ComputeSpec& compute) {
   cfg.validate("model");
   // Parameters and gradients are allocated by the Model constructor: refuse what cannot fit
   // before building the table (a config with n_layer 2^16 of width 2^20 must not be tried).
   check_memory_fits(estimate_memory(cfg, 0, 0, 0), cfg, "model");
-  return model_registry().build(cfg);
+  return model_registry().build(cfg, compute);
 }
 
 }  // namespace lathe

@@ -1,5 +1,7 @@
 // The decoder body shared by every family: pre-norm blocks of attention + MLP with residuals.
 // Arch switches select LayerNorm/RMSNorm, learned/rotary positions and GELU/SwiGLU MLPs.
+// Every kernel call goes through the model's op table (ops_, kernels/backend.h): the body names no
+// backend, and the CPU fp32 table runs the kernels of kernels/cpu/ops.h exactly as direct calls did.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -7,9 +9,8 @@
 #include <cstring>
 
 #include "core/checked.h"
-#include "core/parallel.h"
 #include "core/rng.h"
-#include "kernels/cpu/ops.h"
+#include "kernels/backend.h"
 #include "models/memory.h"
 #include "models/model.h"
 
@@ -23,8 +24,19 @@ uint64_t fnv1a(const std::string& s) {
 }
 }  // namespace
 
-Model::Model(ModelConfig cfg, Arch arch, ParamTable table)
-    : cfg_(std::move(cfg)), arch_(arch), table_(std::move(table)) {
+Model::Model(ModelConfig cfg, Arch arch, ParamTable table, ComputeSpec compute)
+    : cfg_(std::move(cfg)),
+      arch_(arch),
+      table_(std::move(table)),
+      backend_(compute.backend ? compute.backend : &cpu_backend()),
+      ops_(&ops_for(*backend_, compute.dtype)),  // before any allocation: refuses a missing table
+      act_size_(static_cast<int64_t>(dtype_size(compute.dtype))) {
+  // Parameters, gradients and the optimizer live in host memory (the trainer and optimizers read
+  // them directly), so a backend with its own memory needs device copies first.
+  LATHE_CHECK(backend_->device() == DeviceKind::Host,
+              "model: the {} backend computes in its own memory, but model parameters are host buffers; "
+              "use the cpu backend",
+              backend_->name());
   params_.resize(table_.total());
   grads_.resize(table_.total());
   p_ = resolve(params_.data());
@@ -193,7 +205,12 @@ double Model::flops_per_token(int64_t T) const {
   return 6.0 * n + 12.0 * cfg_.num_hidden_layers * cfg_.hidden_size * static_cast<double>(T);
 }
 
-int64_t Model::layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, Model* m, float* base) {
+std::string ActivationEntry::label() const {
+  return layer >= 0 ? fmt::format("layers.{}.{}", layer, name) : std::string(name);
+}
+
+size_t Model::layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, const Ops& ops, Model* m,
+                                 std::byte* base, ActivationPlan* plan) {
   // Every size below is a product of config fields and (B, T): checked, so that a hostile config or
   // --batch/--seq-len is refused instead of wrapping into a small arena that kernels overrun.
   const std::string what = fmt::format("activations of {} for batch {} x seq_len {}", cfg.model_type, B, T);
@@ -205,54 +222,74 @@ int64_t Model::layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, 
   // Logit chunks of up to 256 rows keep the lm-head GEMMs large while holding at most
   // 256 x V floats of logits (51 MB at V=50257) instead of N x V.
   const int64_t chunk_rows = std::min<int64_t>(N, 256);
-  const int64_t scratch = std::max({static_cast<int64_t>(cpu::attention_scratch_floats(T, D)),
-                                    static_cast<int64_t>(cpu::layernorm_scratch_floats(C)),
-                                    static_cast<int64_t>(cpu::rmsnorm_scratch_floats(C)), mul({chunk_rows, V})});
-  int64_t off = 0;
-  auto take = [&](int64_t n) -> float* {
-    float* p = base ? base + off : nullptr;
-    off = checked_add(off, checked_add(n, 15, what) / 16 * 16, what);  // keep 64-byte alignment
+  // The scratch is shared by the kernels that need one (never two at a time): the backend says how much.
+  const int64_t scratch = std::max({static_cast<int64_t>(ops.attention_scratch_bytes(T, D)),
+                                    static_cast<int64_t>(ops.layernorm_scratch_bytes(C)),
+                                    static_cast<int64_t>(ops.rmsnorm_scratch_bytes(C)),
+                                    static_cast<int64_t>(ops.lm_head_loss_scratch_bytes(chunk_rows, V))});
+  const DType act = ops.dtype;
+  int64_t off = 0;  // bytes
+  auto take = [&](const char* name, int64_t layer, int64_t count, DType dtype) -> void* {
+    const int64_t bytes = checked_mul(count, static_cast<int64_t>(dtype_size(dtype)), what);
+    if (plan) plan->entries.push_back({name, layer, count, dtype, static_cast<size_t>(off)});
+    void* p = base ? base + off : nullptr;
+    off = checked_add(off, checked_add(bytes, 63, what) / 64 * 64, what);  // keep 64-byte alignment
     return p;
+  };
+  auto stat = [&](const char* name, int64_t layer, int64_t count) {
+    return static_cast<float*>(take(name, layer, count, DType::F32));
   };
   LayerActs unused{};
   for (int64_t l = 0; l < L; ++l) {
     LayerActs& a = m ? m->la_[static_cast<size_t>(l)] : unused;
-    a.ln1 = take(mul({N, C}));
-    a.ln1_mean = take(N);
-    a.ln1_rstd = take(N);
-    a.qkv = take(mul({N, Q}));
-    a.att = take(mul({N, H, D}));
-    a.lse = take(mul({B, H, T}));
-    a.res1 = take(mul({N, C}));
-    a.ln2 = take(mul({N, C}));
-    a.ln2_mean = take(N);
-    a.ln2_rstd = take(N);
-    a.fc = take(mul({N, FF}));
-    a.act = take(mul({N, F}));
-    a.res2 = take(mul({N, C}));
+    a.ln1 = take("ln1", l, mul({N, C}), act);
+    a.ln1_mean = stat("ln1_mean", l, N);
+    a.ln1_rstd = stat("ln1_rstd", l, N);
+    a.qkv = take("qkv", l, mul({N, Q}), act);
+    a.att = take("att", l, mul({N, H, D}), act);
+    a.lse = stat("lse", l, mul({B, H, T}));
+    a.res1 = take("res1", l, mul({N, C}), act);
+    a.ln2 = take("ln2", l, mul({N, C}), act);
+    a.ln2_mean = stat("ln2_mean", l, N);
+    a.ln2_rstd = stat("ln2_rstd", l, N);
+    a.fc = take("fc", l, mul({N, FF}), act);
+    a.act = take("act", l, mul({N, F}), act);
+    a.res2 = take("res2", l, mul({N, C}), act);
   }
-  float* sink = nullptr;
-  (m ? m->emb_ : sink) = take(mul({N, C}));
-  (m ? m->lnf_ : sink) = take(mul({N, C}));
-  (m ? m->lnf_mean_ : sink) = take(N);
-  (m ? m->lnf_rstd_ : sink) = take(N);
-  (m ? m->losses_ : sink) = take(N);
-  (m ? m->dres_ : sink) = take(mul({N, C}));
-  (m ? m->dln_ : sink) = take(mul({N, C}));
-  (m ? m->dqkv_ : sink) = take(mul({N, Q}));
-  (m ? m->datt_ : sink) = take(mul({N, H, D}));
-  (m ? m->dfc_ : sink) = take(mul({N, FF}));
-  (m ? m->dact_ : sink) = take(mul({N, F}));
-  (m ? m->scratch_ : sink) = take(scratch);
-  (m ? m->rope_cos_ : sink) = take(mul({T, D}) / 2);  // rope tables
-  (m ? m->rope_sin_ : sink) = take(mul({T, D}) / 2);
+  void* sink = nullptr;
+  float* fsink = nullptr;
+  (m ? m->emb_ : sink) = take("emb", -1, mul({N, C}), act);
+  (m ? m->lnf_ : sink) = take("lnf", -1, mul({N, C}), act);
+  (m ? m->lnf_mean_ : fsink) = stat("lnf_mean", -1, N);
+  (m ? m->lnf_rstd_ : fsink) = stat("lnf_rstd", -1, N);
+  (m ? m->losses_ : fsink) = stat("losses", -1, N);
+  (m ? m->dres_ : sink) = take("dres", -1, mul({N, C}), act);
+  (m ? m->dln_ : sink) = take("dln", -1, mul({N, C}), act);
+  (m ? m->dqkv_ : sink) = take("dqkv", -1, mul({N, Q}), act);
+  (m ? m->datt_ : sink) = take("datt", -1, mul({N, H, D}), act);
+  (m ? m->dfc_ : sink) = take("dfc", -1, mul({N, FF}), act);
+  (m ? m->dact_ : sink) = take("dact", -1, mul({N, F}), act);
+  (m ? m->scratch_ : sink) = take("scratch", -1, scratch, DType::U8);
+  (m ? m->rope_cos_ : fsink) = stat("rope_cos", -1, mul({T, D}) / 2);
+  (m ? m->rope_sin_ : fsink) = stat("rope_sin", -1, mul({T, D}) / 2);
   if (m) m->chunk_rows_ = chunk_rows;
-  return off;
+  if (plan) plan->bytes = static_cast<size_t>(off);
+  return static_cast<size_t>(off);
 }
 
 int64_t Model::activation_floats(const ModelConfig& cfg, int64_t B, int64_t T) {
   LATHE_CHECK(B >= 1 && T >= 1, "batch {} x seq_len {}: both must be >= 1", B, T);
-  return layout_activations(cfg, B, T, nullptr, nullptr);
+  return static_cast<int64_t>(
+             layout_activations(cfg, B, T, ops_for(cpu_backend(), DType::F32), nullptr, nullptr, nullptr)) /
+         4;
+}
+
+ActivationPlan Model::plan_activations(const ModelConfig& cfg, int64_t B, int64_t T, const ComputeSpec& compute) {
+  LATHE_CHECK(B >= 1 && T >= 1, "batch {} x seq_len {}: both must be >= 1", B, T);
+  const Ops& ops = ops_for(compute.backend ? *compute.backend : cpu_backend(), compute.dtype);
+  ActivationPlan plan;
+  layout_activations(cfg, B, T, ops, nullptr, nullptr, &plan);
+  return plan;
 }
 
 void Model::allocate(int64_t B, int64_t T, int optimizer_moments) {
@@ -263,13 +300,15 @@ void Model::allocate(int64_t B, int64_t T, int optimizer_moments) {
   if (B == max_B_ && T == max_T_) return;
   // Before any allocation: refuse what cannot fit, with the figures (models/memory.h).
   check_memory_fits(estimate_memory(cfg_, B, T, optimizer_moments), cfg_, "model");
-  const int64_t total = layout_activations(cfg_, B, T, nullptr, nullptr);
+  ActivationPlan plan;
+  const size_t total = layout_activations(cfg_, B, T, *ops_, nullptr, nullptr, &plan);
   max_B_ = B;
   max_T_ = T;
-  acts_.resize(static_cast<size_t>(total));
+  acts_.resize(*backend_, total, DType::U8);
+  plan_ = std::move(plan);
   la_.assign(static_cast<size_t>(cfg_.num_hidden_layers), {});
-  layout_activations(cfg_, B, T, this, acts_.data());
-  if (!arch_.learned_pos) cpu::rope_tables(rope_cos_, rope_sin_, T, cfg_.head_dim(), cfg_.rope_theta);
+  layout_activations(cfg_, B, T, *ops_, this, static_cast<std::byte*>(acts_.data()), nullptr);
+  if (!arch_.learned_pos) ops_->rope_tables(rope_cos_, rope_sin_, T, cfg_.head_dim(), cfg_.rope_theta);
 }
 
 // Shapes used below (per micro-batch): N = B*T rows; C hidden; H query heads, KV key/value heads
@@ -289,7 +328,7 @@ void Model::embedding_forward(const int32_t* tokens, int64_t B, int64_t T) {
                 tokens[i], i, V);
   // With T below the allocated length the RoPE tables still hold positions 0..T-1 in their
   // first T rows, so they can be used as they are.
-  cpu::embedding_forward(emb_, tokens, p_.wte, p_.wpe, B, T, C);
+  ops_->embedding_forward(emb_, tokens, p_.wte, p_.wpe, B, T, C);
 }
 
 void Model::layer_forward(int64_t l, int64_t B, int64_t T) {
@@ -297,40 +336,40 @@ void Model::layer_forward(int64_t l, int64_t B, int64_t T) {
   const float eps = static_cast<float>(cfg_.norm_eps);
   const LayerPtrs& w = p_.layers[static_cast<size_t>(l)];
   LayerActs& a = la_[static_cast<size_t>(l)];
-  const float* x = l == 0 ? emb_ : la_[static_cast<size_t>(l) - 1].res2;  // [N, C] residual stream in
+  const void* x = l == 0 ? emb_ : la_[static_cast<size_t>(l) - 1].res2;  // [N, C] residual stream in
   if (arch_.layernorm)
-    cpu::layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1_w, w.ln1_b, N, C, eps);
+    ops_->layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1_w, w.ln1_b, N, C, eps);
   else
-    cpu::rmsnorm_forward(a.ln1, a.ln1_rstd, x, w.ln1_w, N, C, eps);
-  cpu::matmul_forward(a.qkv, a.ln1, w.qkv_w, w.qkv_b, N, C, Q);
+    ops_->rmsnorm_forward(a.ln1, a.ln1_rstd, x, w.ln1_w, N, C, eps);
+  ops_->matmul_forward(a.qkv, a.ln1, w.qkv_w, w.qkv_b, N, C, Q, false);
   if (!arch_.learned_pos) {
-    cpu::rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, D, Q);
-    cpu::rope_forward(a.qkv + H * D, rope_cos_, rope_sin_, B, T, KV, D, Q);
+    ops_->rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, D, Q);
+    ops_->rope_forward(act_at(a.qkv, H * D), rope_cos_, rope_sin_, B, T, KV, D, Q);
   }
-  cpu::attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D, scratch_);
-  cpu::matmul_forward(a.res1, a.att, w.o_w, w.o_b, N, H * D, C);
-  cpu::residual_forward(a.res1, a.res1, x, N * C);
+  ops_->attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D, scratch_);
+  ops_->matmul_forward(a.res1, a.att, w.o_w, w.o_b, N, H * D, C, false);
+  ops_->residual_forward(a.res1, a.res1, x, N * C);
   if (arch_.layernorm)
-    cpu::layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res1, w.ln2_w, w.ln2_b, N, C, eps);
+    ops_->layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res1, w.ln2_w, w.ln2_b, N, C, eps);
   else
-    cpu::rmsnorm_forward(a.ln2, a.ln2_rstd, a.res1, w.ln2_w, N, C, eps);
-  cpu::matmul_forward(a.fc, a.ln2, w.fc_w, w.fc_b, N, C, FF);
+    ops_->rmsnorm_forward(a.ln2, a.ln2_rstd, a.res1, w.ln2_w, N, C, eps);
+  ops_->matmul_forward(a.fc, a.ln2, w.fc_w, w.fc_b, N, C, FF, false);
   if (arch_.gelu_mlp)
-    cpu::gelu_forward(a.act, a.fc, N * F);
+    ops_->gelu_forward(a.act, a.fc, N * F);
   else
-    cpu::swiglu_forward(a.act, a.fc, N, F);
-  cpu::matmul_forward(a.res2, a.act, w.proj_w, w.proj_b, N, F, C);
-  cpu::residual_forward(a.res2, a.res2, a.res1, N * C);
+    ops_->swiglu_forward(a.act, a.fc, N, F);
+  ops_->matmul_forward(a.res2, a.act, w.proj_w, w.proj_b, N, F, C, false);
+  ops_->residual_forward(a.res2, a.res2, a.res1, N * C);
 }
 
 void Model::final_norm_forward(int64_t B, int64_t T) {
   LATHE_DIMS;
   const float eps = static_cast<float>(cfg_.norm_eps);
-  const float* x = la_.empty() ? emb_ : la_.back().res2;
+  const void* x = la_.empty() ? emb_ : la_.back().res2;
   if (arch_.layernorm)
-    cpu::layernorm_forward(lnf_, lnf_mean_, lnf_rstd_, x, p_.lnf_w, p_.lnf_b, N, C, eps);
+    ops_->layernorm_forward(lnf_, lnf_mean_, lnf_rstd_, x, p_.lnf_w, p_.lnf_b, N, C, eps);
   else
-    cpu::rmsnorm_forward(lnf_, lnf_rstd_, x, p_.lnf_w, N, C, eps);
+    ops_->rmsnorm_forward(lnf_, lnf_rstd_, x, p_.lnf_w, N, C, eps);
 }
 
 // Forward up to the final norm (logits and generation use it without the loss).
@@ -346,16 +385,16 @@ double Model::head_loss(const int32_t* targets, int64_t B, int64_t T, float grad
   final_norm_forward(B, T);
   // targets are range-checked by lm_head_loss
   float* dlm = arch_.tied_lm_head ? g_.wte : g_.lm_head;
-  const double loss_sum = cpu::lm_head_loss(losses_, dln_, dlm, lnf_, p_.lm_head, targets, N, C, V, grad_scale,
-                                            backward, scratch_, chunk_rows_);
+  const double loss_sum = ops_->lm_head_loss(losses_, dln_, dlm, lnf_, p_.lm_head, targets, N, C, V, grad_scale,
+                                             backward, scratch_, chunk_rows_);
   if (!backward) return loss_sum;
   // dres_ carries dL/d(residual stream) downwards; norms add into it.
-  std::memset(dres_, 0, sizeof(float) * N * C);
-  const float* x_last = la_.empty() ? emb_ : la_.back().res2;
+  backend_->memset(dres_, 0, static_cast<size_t>(N * C * act_size_));
+  const void* x_last = la_.empty() ? emb_ : la_.back().res2;
   if (arch_.layernorm)
-    cpu::layernorm_backward(dres_, g_.lnf_w, g_.lnf_b, dln_, x_last, p_.lnf_w, lnf_mean_, lnf_rstd_, N, C, scratch_);
+    ops_->layernorm_backward(dres_, g_.lnf_w, g_.lnf_b, dln_, x_last, p_.lnf_w, lnf_mean_, lnf_rstd_, N, C, scratch_);
   else
-    cpu::rmsnorm_backward(dres_, g_.lnf_w, dln_, x_last, p_.lnf_w, lnf_rstd_, N, C, scratch_);
+    ops_->rmsnorm_backward(dres_, g_.lnf_w, dln_, x_last, p_.lnf_w, lnf_rstd_, N, C, scratch_);
   return loss_sum;
 }
 
@@ -364,34 +403,34 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
   const LayerPtrs& w = p_.layers[static_cast<size_t>(l)];
   const LayerPtrs& gw = g_.layers[static_cast<size_t>(l)];
   LayerActs& a = la_[static_cast<size_t>(l)];
-  const float* x = l == 0 ? emb_ : la_[static_cast<size_t>(l) - 1].res2;
+  const void* x = l == 0 ? emb_ : la_[static_cast<size_t>(l) - 1].res2;
   // MLP: res2 = res1 + proj(act(fc(norm2(res1))))
-  cpu::matmul_backward(dact_, gw.proj_w, gw.proj_b, dres_, a.act, w.proj_w, N, F, C);
+  ops_->matmul_backward(dact_, gw.proj_w, gw.proj_b, dres_, a.act, w.proj_w, N, F, C, false);
   if (arch_.gelu_mlp)
-    cpu::gelu_backward(dfc_, a.fc, dact_, N * F);
+    ops_->gelu_backward(dfc_, a.fc, dact_, N * F);
   else
-    cpu::swiglu_backward(dfc_, a.fc, dact_, N, F);
-  cpu::matmul_backward(dln_, gw.fc_w, gw.fc_b, dfc_, a.ln2, w.fc_w, N, C, FF);
+    ops_->swiglu_backward(dfc_, a.fc, dact_, N, F);
+  ops_->matmul_backward(dln_, gw.fc_w, gw.fc_b, dfc_, a.ln2, w.fc_w, N, C, FF, false);
   if (arch_.layernorm)
-    cpu::layernorm_backward(dres_, gw.ln2_w, gw.ln2_b, dln_, a.res1, w.ln2_w, a.ln2_mean, a.ln2_rstd, N, C, scratch_);
+    ops_->layernorm_backward(dres_, gw.ln2_w, gw.ln2_b, dln_, a.res1, w.ln2_w, a.ln2_mean, a.ln2_rstd, N, C, scratch_);
   else
-    cpu::rmsnorm_backward(dres_, gw.ln2_w, dln_, a.res1, w.ln2_w, a.ln2_rstd, N, C, scratch_);
+    ops_->rmsnorm_backward(dres_, gw.ln2_w, dln_, a.res1, w.ln2_w, a.ln2_rstd, N, C, scratch_);
   // Attention: res1 = x + o(attn(qkv(norm1(x))))
-  cpu::matmul_backward(datt_, gw.o_w, gw.o_b, dres_, a.att, w.o_w, N, H * D, C);
-  cpu::attention_backward(dqkv_, datt_, a.qkv, a.att, a.lse, B, T, H, KV, D, scratch_);
+  ops_->matmul_backward(datt_, gw.o_w, gw.o_b, dres_, a.att, w.o_w, N, H * D, C, false);
+  ops_->attention_backward(dqkv_, datt_, a.qkv, a.att, a.lse, B, T, H, KV, D, scratch_);
   if (!arch_.learned_pos) {
-    cpu::rope_backward(dqkv_, rope_cos_, rope_sin_, B, T, H, D, Q);
-    cpu::rope_backward(dqkv_ + H * D, rope_cos_, rope_sin_, B, T, KV, D, Q);
+    ops_->rope_backward(dqkv_, rope_cos_, rope_sin_, B, T, H, D, Q);
+    ops_->rope_backward(act_at(dqkv_, H * D), rope_cos_, rope_sin_, B, T, KV, D, Q);
   }
-  cpu::matmul_backward(dln_, gw.qkv_w, gw.qkv_b, dqkv_, a.ln1, w.qkv_w, N, C, Q);
+  ops_->matmul_backward(dln_, gw.qkv_w, gw.qkv_b, dqkv_, a.ln1, w.qkv_w, N, C, Q, false);
   if (arch_.layernorm)
-    cpu::layernorm_backward(dres_, gw.ln1_w, gw.ln1_b, dln_, x, w.ln1_w, a.ln1_mean, a.ln1_rstd, N, C, scratch_);
+    ops_->layernorm_backward(dres_, gw.ln1_w, gw.ln1_b, dln_, x, w.ln1_w, a.ln1_mean, a.ln1_rstd, N, C, scratch_);
   else
-    cpu::rmsnorm_backward(dres_, gw.ln1_w, dln_, x, w.ln1_w, a.ln1_rstd, N, C, scratch_);
+    ops_->rmsnorm_backward(dres_, gw.ln1_w, dln_, x, w.ln1_w, a.ln1_rstd, N, C, scratch_);
 }
 
 void Model::embedding_backward(const int32_t* tokens, int64_t B, int64_t T) {
-  cpu::embedding_backward(g_.wte, g_.wpe, dres_, tokens, B, T, cfg_.hidden_size);
+  ops_->embedding_backward(g_.wte, g_.wpe, dres_, tokens, B, T, cfg_.hidden_size);
 }
 #undef LATHE_DIMS
 
@@ -428,16 +467,21 @@ double Model::forward_backward(const int32_t* tokens, const int32_t* targets, in
 }
 
 void Model::forward_logits(const int32_t* tokens, int64_t B, int64_t T, float* logits) {
+  // The lm-head GEMM writes in the compute dtype; callers pass fp32 logits.
+  LATHE_CHECK(ops_->dtype == DType::F32, "forward_logits: fp32 logits from a {} model are not implemented yet",
+              compute_dtype_name(ops_->dtype));
   forward_body(tokens, B, T);
-  cpu::matmul_forward(logits, lnf_, p_.lm_head, nullptr, B * T, cfg_.hidden_size, cfg_.vocab_size);
+  ops_->matmul_forward(logits, lnf_, p_.lm_head, nullptr, B * T, cfg_.hidden_size, cfg_.vocab_size, false);
 }
 
 void Model::forward_last_logits(const int32_t* tokens, int64_t B, int64_t T, float* logits) {
+  LATHE_CHECK(ops_->dtype == DType::F32, "forward_last_logits: fp32 logits from a {} model are not implemented yet",
+              compute_dtype_name(ops_->dtype));
   forward_body(tokens, B, T);
   const int64_t C = cfg_.hidden_size;
   for (int64_t b = 0; b < B; ++b)
-    cpu::matmul_forward(logits + b * cfg_.vocab_size, lnf_ + (b * T + T - 1) * C, p_.lm_head, nullptr, 1, C,
-                        cfg_.vocab_size);
+    ops_->matmul_forward(logits + b * cfg_.vocab_size, act_at(lnf_, (b * T + T - 1) * C), p_.lm_head, nullptr, 1, C,
+                         cfg_.vocab_size, false);
 }
 
 }  // namespace lathe

@@ -32,6 +32,7 @@
 #include "core/rng.h"
 #include "gradcheck_basic.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/ops.h"
 #include "reference_ops.h"
 
 using namespace lathe;
@@ -620,6 +621,118 @@ TEST(BackendRegistry, PartialTableNamesTheMissingOp) {
             "[matmul_forward] no fp16 implementation on fake; implemented: fp32, bf16");
   EXPECT_EQ(&ops_for(fake, DType::F32), fake.op_tables()[0]);
   EXPECT_NE(find_ops(fake, DType::BF16), nullptr);  // registered, but not usable
+}
+
+// The CPU fp32 table IS the kernels of ops.h: the model's results through it are those of direct
+// calls, bit for bit (what keeps checkpoints, resume and parity results unchanged by the seam).
+TEST(BackendRegistry, CpuFp32TableIsTheOpsHKernelsBitForBit) {
+  const Ops& o = ops_for(cpu_backend(), DType::F32);
+  Rng rng(77);
+  const int64_t B = 2, T = 33, C = 67, H = 4, KVH = 2, D = 8, N = B * T, V = 31, Q = (H + 2 * KVH) * D;
+  const VecF x = randn(N * C, rng), w = randn(V * C, rng), b = randn(V, rng), g = randn(N * V, rng);
+  auto same = [](const VecF& a, const VecF& c, const char* what) { EXPECT_TRUE(bit_equal(a, c)) << what; };
+  {
+    VecF o1(N * V), o2(N * V), dx1(N * C), dx2(N * C), dw1(V * C, 0.5f), dw2(V * C, 0.5f), db1(V, 1), db2(V, 1);
+    cpu::matmul_forward(o1.data(), x.data(), w.data(), b.data(), N, C, V);
+    o.matmul_forward(o2.data(), x.data(), w.data(), b.data(), N, C, V, false);
+    same(o1, o2, "matmul_forward");
+    cpu::matmul_backward(dx1.data(), dw1.data(), db1.data(), g.data(), x.data(), w.data(), N, C, V);
+    o.matmul_backward(dx2.data(), dw2.data(), db2.data(), g.data(), x.data(), w.data(), N, C, V, false);
+    same(dx1, dx2, "matmul_backward dinp");
+    same(dw1, dw2, "matmul_backward dweight");
+    same(db1, db2, "matmul_backward dbias");
+  }
+  {
+    VecF o1(N * C), o2(N * C), m1(N), m2(N), r1(N), r2(N), s1(o.layernorm_scratch_bytes(C) / 4), s2 = s1;
+    const VecF lw = randn(C, rng), lb = randn(C, rng), lg = randn(N * C, rng);
+    cpu::layernorm_forward(o1.data(), m1.data(), r1.data(), x.data(), lw.data(), lb.data(), N, C, 1e-5f);
+    o.layernorm_forward(o2.data(), m2.data(), r2.data(), x.data(), lw.data(), lb.data(), N, C, 1e-5f);
+    same(o1, o2, "layernorm_forward");
+    VecF d1(N * C, 0.25f), d2 = d1, w1(C), w2(C), bb1(C), bb2(C);
+    cpu::layernorm_backward(d1.data(), w1.data(), bb1.data(), lg.data(), x.data(), lw.data(), m1.data(), r1.data(), N,
+                            C, s1.data());
+    o.layernorm_backward(d2.data(), w2.data(), bb2.data(), lg.data(), x.data(), lw.data(), m2.data(), r2.data(), N, C,
+                         s2.data());
+    same(d1, d2, "layernorm_backward dinp");
+    same(w1, w2, "layernorm_backward dweight");
+    cpu::rmsnorm_forward(o1.data(), r1.data(), x.data(), lw.data(), N, C, 1e-6f);
+    o.rmsnorm_forward(o2.data(), r2.data(), x.data(), lw.data(), N, C, 1e-6f);
+    same(o1, o2, "rmsnorm_forward");
+    VecF rs1(o.rmsnorm_scratch_bytes(C) / 4), rs2 = rs1;
+    cpu::rmsnorm_backward(d1.data(), w1.data(), lg.data(), x.data(), lw.data(), r1.data(), N, C, rs1.data());
+    o.rmsnorm_backward(d2.data(), w2.data(), lg.data(), x.data(), lw.data(), r2.data(), N, C, rs2.data());
+    same(d1, d2, "rmsnorm_backward dinp");
+    same(w1, w2, "rmsnorm_backward dweight");
+    cpu::gelu_forward(o1.data(), x.data(), N * C);
+    o.gelu_forward(o2.data(), x.data(), N * C);
+    same(o1, o2, "gelu_forward");
+    cpu::gelu_backward(o1.data(), x.data(), lg.data(), N * C);
+    o.gelu_backward(o2.data(), x.data(), lg.data(), N * C);
+    same(o1, o2, "gelu_backward");
+    cpu::residual_forward(o1.data(), x.data(), lg.data(), N * C);
+    o.residual_forward(o2.data(), x.data(), lg.data(), N * C);
+    same(o1, o2, "residual_forward");
+  }
+  {
+    const int64_t F = 31;
+    const VecF in = randn(N * 2 * F, rng), dg = randn(N * F, rng);
+    VecF o1(N * F), o2(N * F), d1(N * 2 * F), d2(N * 2 * F);
+    cpu::swiglu_forward(o1.data(), in.data(), N, F);
+    o.swiglu_forward(o2.data(), in.data(), N, F);
+    same(o1, o2, "swiglu_forward");
+    cpu::swiglu_backward(d1.data(), in.data(), dg.data(), N, F);
+    o.swiglu_backward(d2.data(), in.data(), dg.data(), N, F);
+    same(d1, d2, "swiglu_backward");
+  }
+  {
+    std::vector<int32_t> tok(N);
+    for (auto& t : tok) t = static_cast<int32_t>(rng.below(V));
+    const VecF wpe = randn(T * C, rng), dg = randn(N * C, rng);
+    VecF o1(N * C), o2(N * C), dte1(V * C), dte2(V * C), dpe1(T * C), dpe2(T * C);
+    cpu::embedding_forward(o1.data(), tok.data(), w.data(), wpe.data(), B, T, C);
+    o.embedding_forward(o2.data(), tok.data(), w.data(), wpe.data(), B, T, C);
+    same(o1, o2, "embedding_forward");
+    cpu::embedding_backward(dte1.data(), dpe1.data(), dg.data(), tok.data(), B, T, C);
+    o.embedding_backward(dte2.data(), dpe2.data(), dg.data(), tok.data(), B, T, C);
+    same(dte1, dte2, "embedding_backward dwte");
+    same(dpe1, dpe2, "embedding_backward dwpe");
+    VecF l1(N), l2(N), gx1(N * C), gx2(N * C), gw1(V * C), gw2(V * C);
+    VecF sc1(o.lm_head_loss_scratch_bytes(16, V) / 4), sc2 = sc1;
+    const double t1 = cpu::lm_head_loss(l1.data(), gx1.data(), gw1.data(), x.data(), w.data(), tok.data(), N, C, V,
+                                        0.1f, true, sc1.data(), 16);
+    const double t2 = o.lm_head_loss(l2.data(), gx2.data(), gw2.data(), x.data(), w.data(), tok.data(), N, C, V, 0.1f,
+                                     true, sc2.data(), 16);
+    EXPECT_EQ(t1, t2);
+    same(l1, l2, "lm_head_loss losses");
+    same(gx1, gx2, "lm_head_loss dx");
+    same(gw1, gw2, "lm_head_loss dw");
+  }
+  {
+    VecF c1(T * D / 2), s1(T * D / 2), c2(T * D / 2), s2(T * D / 2);
+    cpu::rope_tables(c1.data(), s1.data(), T, D, 10000.0);
+    o.rope_tables(c2.data(), s2.data(), T, D, 10000.0);
+    same(c1, c2, "rope_tables cos");
+    VecF qkv1 = randn(N * Q, rng), qkv2 = qkv1;
+    cpu::rope_forward(qkv1.data() + H * D, c1.data(), s1.data(), B, T, KVH, D, Q);
+    o.rope_forward(qkv2.data() + H * D, c2.data(), s2.data(), B, T, KVH, D, Q);
+    same(qkv1, qkv2, "rope_forward");
+    cpu::rope_backward(qkv1.data(), c1.data(), s1.data(), B, T, H, D, Q);
+    o.rope_backward(qkv2.data(), c2.data(), s2.data(), B, T, H, D, Q);
+    same(qkv1, qkv2, "rope_backward");
+    VecF a1(N * H * D), a2(N * H * D), lse1(B * H * T), lse2(B * H * T), dq1(N * Q), dq2(N * Q);
+    VecF as1(o.attention_scratch_bytes(T, D) / 4), as2 = as1;
+    const VecF dout = randn(N * H * D, rng);
+    cpu::attention_forward(a1.data(), lse1.data(), qkv1.data(), B, T, H, KVH, D, as1.data());
+    o.attention_forward(a2.data(), lse2.data(), qkv2.data(), B, T, H, KVH, D, as2.data());
+    same(a1, a2, "attention_forward out");
+    same(lse1, lse2, "attention_forward lse");
+    cpu::attention_backward(dq1.data(), dout.data(), qkv1.data(), a1.data(), lse1.data(), B, T, H, KVH, D, as1.data());
+    o.attention_backward(dq2.data(), dout.data(), qkv2.data(), a2.data(), lse2.data(), B, T, H, KVH, D, as2.data());
+    same(dq1, dq2, "attention_backward");
+    EXPECT_EQ(o.attention_scratch_bytes(T, D), cpu::attention_scratch_floats(T, D) * sizeof(float));
+    EXPECT_EQ(o.layernorm_scratch_bytes(C), cpu::layernorm_scratch_floats(C) * sizeof(float));
+    EXPECT_EQ(o.rmsnorm_scratch_bytes(C), cpu::rmsnorm_scratch_floats(C) * sizeof(float));
+  }
 }
 
 TEST(BackendRegistry, DeviceBufferIsZeroedAlignedAndCarriesItsDtype) {

@@ -1,7 +1,8 @@
 // The model's seams (issue 8): tensors found by role, so a missing or misplaced tensor is an error
 // (never a silently dropped bias); per-block passes whose composition is forward_backward; hooks
 // that report every gradient range exactly once, after the last block that adds to it, in
-// backward order (what data-parallel bucketing relies on).
+// backward order (what data-parallel bucketing relies on). The backend seam (issue 9): the op table
+// a model is built with, refusals of unimplemented ones, and the activation plan.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "config/model_config.h"
+#include "kernels/backend.h"
 #include "models/model.h"
 
 using namespace lathe;
@@ -111,3 +113,74 @@ TEST_P(ModelHooks, GradientsReportedOnceAfterTheirLastBlockInBackwardOrder) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, ModelHooks, ::testing::Values("gpt2-debug", "llama-debug", "qwen2-debug"));
+
+// ---- the backend seam (issue 9): the model computes through the op table it was built with ----
+
+TEST(ModelCompute, DefaultIsTheCpuFp32Table) {
+  auto model = build_model(ModelConfig::preset("gpt2-debug"));
+  EXPECT_EQ(&model->backend(), &cpu_backend());
+  EXPECT_EQ(&model->ops(), &ops_for(cpu_backend(), DType::F32));
+  EXPECT_EQ(model->compute_dtype(), DType::F32);
+  auto same = build_llama(ModelConfig::preset("llama-debug"), ComputeSpec{&cpu_backend(), DType::F32});
+  EXPECT_EQ(&same->ops(), &ops_for(cpu_backend(), DType::F32));
+}
+
+TEST(ModelCompute, UnimplementedComputeIsRefusedBeforeAnyAllocation) {
+  const ModelConfig cfg = ModelConfig::preset("gpt2-debug");
+  // fp16 has no CPU table: the error names the op, the dtype, the backend and what exists.
+  const std::string fp16 = error_of([&] { build_model(cfg, ComputeSpec{nullptr, DType::F16}); });
+  EXPECT_EQ(fp16.rfind("[", 0), 0u) << fp16;
+  EXPECT_NE(fp16.find("no fp16 implementation on cpu; implemented: "), std::string::npos) << fp16;
+  const std::string cuda = error_of([&] { build_model(cfg, ComputeSpec{&no_cuda_backend(), DType::F32}); });
+  EXPECT_EQ(cuda, "[matmul_forward] no fp32 implementation on cuda; implemented: none");
+}
+
+static std::unique_ptr<Model> fp32_only_builder(const ModelConfig& c) { return build_gpt2(c); }
+
+TEST(ModelCompute, BuilderWithoutComputeSpecBuildsOnlyCpuFp32) {
+  ModelRegistry r;
+  r.add("gpt2", fp32_only_builder, "old.cpp");
+  const ModelConfig cfg = ModelConfig::preset("gpt2-debug");
+  EXPECT_EQ(r.build(cfg)->compute_dtype(), DType::F32);
+  const std::string msg = error_of([&] { r.build(cfg, ComputeSpec{nullptr, DType::BF16}); });
+  EXPECT_NE(msg.find("model_type 'gpt2' (registered by old.cpp) builds cpu fp32 models only; bf16 on cpu"),
+            std::string::npos)
+      << msg;
+}
+
+// The arena is one list of {name, count, dtype, offset}: entries are 64-byte aligned, disjoint, in
+// order, cover exactly the allocated bytes, and the memory estimate reads the same total.
+TEST(ModelCompute, ActivationPlanDescribesTheWholeArena) {
+  for (const char* preset : {"gpt2-debug", "llama-debug"}) {
+    const ModelConfig cfg = ModelConfig::preset(preset);
+    auto model = build_model(cfg);
+    EXPECT_TRUE(model->activation_plan().entries.empty());
+    const int64_t B = 3, T = 17, L = cfg.num_hidden_layers;
+    model->allocate(B, T);
+    const ActivationPlan& plan = model->activation_plan();
+    EXPECT_EQ(plan.bytes, model->activation_bytes()) << preset;
+    EXPECT_EQ(static_cast<int64_t>(plan.bytes), Model::activation_floats(cfg, B, T) * 4) << preset;
+    const ActivationPlan again = Model::plan_activations(cfg, B, T);
+    ASSERT_EQ(again.entries.size(), plan.entries.size());
+    EXPECT_EQ(again.bytes, plan.bytes);
+    size_t end = 0;
+    std::vector<std::string> labels;
+    int64_t per_layer = 0;
+    for (const ActivationEntry& e : plan.entries) {
+      EXPECT_EQ(e.offset % 64, 0u) << e.label();
+      EXPECT_GE(e.offset, end) << e.label() << " overlaps the previous entry";
+      end = e.offset + static_cast<size_t>(e.count) * dtype_size(e.dtype);
+      EXPECT_LE(end, plan.bytes) << e.label();
+      EXPECT_GT(e.count, 0) << e.label();
+      // Today everything is fp32 except the untyped scratch.
+      EXPECT_EQ(e.dtype, std::string(e.name) == "scratch" ? DType::U8 : DType::F32) << e.label();
+      labels.push_back(e.label());
+      per_layer += e.layer >= 0;
+    }
+    EXPECT_EQ(per_layer, 13 * L);
+    std::sort(labels.begin(), labels.end());
+    EXPECT_TRUE(std::adjacent_find(labels.begin(), labels.end()) == labels.end()) << "duplicate entry names";
+    EXPECT_TRUE(std::binary_search(labels.begin(), labels.end(), std::string("layers.1.qkv")));
+    EXPECT_TRUE(std::binary_search(labels.begin(), labels.end(), std::string("lnf_rstd")));
+  }
+}
