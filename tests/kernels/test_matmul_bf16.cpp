@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/dtype.h"
@@ -342,6 +343,42 @@ TEST(MatmulBf16, DeterministicAndCached) {
     EXPECT_EQ(0, std::memcmp(dx1.data(), dx2.data(), dx1.size() * 4)) << shape(M, K, N);
     EXPECT_EQ(0, std::memcmp(dw1.data(), dw2.data(), dw1.size() * 4)) << shape(M, K, N);
     EXPECT_EQ(0, std::memcmp(db1.data(), db2.data(), db1.size() * 4)) << shape(M, K, N);
+  }
+}
+
+// Several threads at once (in-process data-parallel tests run one model per thread), each on its
+// own data: each thread has its own primitives and scratchpads (packed operands), so results
+// equal those of the same calls made one thread after the other, bit for bit.
+TEST(MatmulBf16, ConcurrentThreads) {
+  REQUIRE_DNNL();
+  constexpr int kThreads = 3;
+  const int64_t M = 128, K = 384, N = 320;
+  std::vector<Mat> xs, ws, gs;
+  for (int t = 0; t < kThreads; ++t) {
+    Rng rng(10 + t);
+    xs.emplace_back(M * K, rng, 1.0f), ws.emplace_back(N * K, rng, 0.1f), gs.emplace_back(M * N, rng, 1.0f);
+  }
+  auto run_all = [&](int t, std::vector<float>& out, std::vector<float>& dx, std::vector<float>& dw) {
+    // One OpenMP thread per caller: the callers already fill the cores (and oversubscribed
+    // spinning OpenMP teams would make the test slow).
+    omp_set_num_threads(1);
+    out.assign(M * N, 0.f), dx.assign(M * K, 0.f), dw.assign(N * K, 0.f);
+    for (int rep = 0; rep < 20; ++rep) {
+      cpu::matmul_forward_bf16(out.data(), xs[t].h.data(), ws[t].h.data(), nullptr, M, K, N, rep > 0);
+      cpu::matmul_backward_bf16(dx.data(), dw.data(), nullptr, gs[t].h.data(), xs[t].h.data(), ws[t].h.data(), M, K, N,
+                                rep > 0);
+    }
+  };
+  std::vector<std::vector<float>> outs(kThreads), dxs(kThreads), dws(kThreads);
+  for (int t = 0; t < kThreads; ++t) std::thread([&, t] { run_all(t, outs[t], dxs[t], dws[t]); }).join();
+  std::vector<std::vector<float>> pouts(kThreads), pdxs(kThreads), pdws(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) threads.emplace_back([&, t] { run_all(t, pouts[t], pdxs[t], pdws[t]); });
+  for (auto& t : threads) t.join();
+  for (int t = 0; t < kThreads; ++t) {
+    EXPECT_EQ(pouts[t], outs[t]) << "thread " << t;
+    EXPECT_EQ(pdxs[t], dxs[t]) << "thread " << t;
+    EXPECT_EQ(pdws[t], dws[t]) << "thread " << t;
   }
 }
 
