@@ -4,7 +4,8 @@ PyTorch bf16 (and fp32) on the same shapes, in one run, GFLOP/s side by side.
 
   /usr/bin/python3 bench/bench_matmul_bf16.py [--build build] [--threads 2] [--quick]
 
-Runs build/bench/bench_matmul_bf16 --json, then times torch on each of its GEMMs with
+"own bf16" is the forward-only AVX512-BF16 prototype kernel of bench_matmul_bf16.cpp (the
+measurement behind using oneDNN). Runs build/bench/bench_matmul_bf16 --json, then times torch on each of its GEMMs with
 torch.set_num_threads(THREADS) (default 2, the same OMP_NUM_THREADS lathe gets):
   fwd  F.linear(x[M,K], w[N,K])   dinp  dout[M,N] @ w[N,K]   dw  dout[M,N].T @ x[M,K]
 torch's bf16 GEMMs return bf16 (lathe's fp32 outputs write twice the bytes). --quick skips the lm head.
@@ -53,7 +54,7 @@ def main():
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, mkldnn bf16 "
           f"{'yes' if torch.backends.mkldnn.is_available() else 'no'}")
     print(f"{'layer':<10} {'gemm':<5} {'M':>5} {'K':>5} {'N':>6} | {'lathe fp32':>10} {'lathe bf16':>10} "
-          f"{'torch bf16':>10} {'torch fp32':>10} | {'bf16/fp32':>9} {'lathe/torch bf16':>16}")
+          f"{'own bf16':>8} {'torch bf16':>10} {'torch fp32':>10} | {'bf16/fp32':>9} {'lathe/torch bf16':>16}")
     tot = {"l32": 0.0, "l16": 0.0, "t16": 0.0, "t32": 0.0}
     flops_all = 0.0
     cache = {}
@@ -79,10 +80,11 @@ def main():
         for k, v in (("l32", r["fp32"]), ("l16", r["bf16"]), ("t16", t16), ("t32", t32)):
             tot[k] += flops / v
         flops_all += flops
+        own = f"{r['own']:.1f}" if r.get("own") else "-"
         print(f"{r['name']:<10} {r['gemm']:<5} {M:>5} {K:>5} {N:>6} | {r['fp32']:>10.1f} {r['bf16']:>10.1f} "
-              f"{t16:>10.1f} {t32:>10.1f} | {r['bf16'] / r['fp32']:>8.2f}x {r['bf16'] / t16:>15.2f}x", flush=True)
+              f"{own:>8} {t16:>10.1f} {t32:>10.1f} | {r['bf16'] / r['fp32']:>8.2f}x {r['bf16'] / t16:>15.2f}x", flush=True)
     g = {k: flops_all / v for k, v in tot.items()}
-    print(f"{'all (time-weighted)':<30} | {g['l32']:>10.1f} {g['l16']:>10.1f} {g['t16']:>10.1f} {g['t32']:>10.1f} | "
+    print(f"{'all (time-weighted)':<30} | {g['l32']:>10.1f} {g['l16']:>10.1f} {'':>8} {g['t16']:>10.1f} {g['t32']:>10.1f} | "
           f"{g['l16'] / g['l32']:>8.2f}x {g['l16'] / g['t16']:>15.2f}x")
     if lathe.get("peak_bf16"):
         print(f"vdpbf16ps instruction peak {lathe['peak_bf16']:.0f} GFLOP/s: lathe bf16 reaches "
