@@ -1,7 +1,8 @@
 // bf16 linear layer forward/backward on oneDNN matmul (contract in ops_bf16.h).
 //
 // Why oneDNN: Debian's OpenBLAS 0.3.21 has no sbgemm; oneDNN 2.6.3's brgemm matmul runs bf16 at
-// about twice the fp32 sgemm rate on AVX512-BF16 (bench/bench_matmul_bf16.py). Debian builds it
+// 2-4x the fp32 sgemm rate on AVX512-BF16 (bench/bench_matmul_bf16.py); an own vdpbf16ps kernel
+// (in that bench) reached 93-100% of oneDNN's rate, not more. Debian builds it
 // with the OpenMP runtime (libgomp), so its GEMMs run on the same OpenMP workers as OpenBLAS and
 // our own kernels, and sequentially when called from inside a parallel region.
 //
@@ -11,12 +12,13 @@
 //   backward  dweight[N,K] += (dout[M,N])^T @ inp[M,K]          src strides {1, N}, sum post-op
 // "+=" is oneDNN's sum post-op (dst = gemm + dst, in fp32).
 //
-// Primitive cache: oneDNN primitive creation takes ~0.1-1 ms (it JITs kernels), far too slow
-// per training-step GEMM. Each calling thread keeps its own map from (shape, op, variant, OpenMP
-// thread count) to the primitive, its memory objects (only their data pointers change per call)
-// and its scratchpad (user-managed, allocated once), so no two threads ever share a scratchpad
+// Primitive cache: creating a oneDNN primitive takes milliseconds (it JITs kernels; ~5 ms here),
+// far too slow per training-step GEMM. Each calling thread keeps its own map from (shape, op,
+// variant, OpenMP thread count) to the primitive, its memory objects (only their data pointers
+// change per call) and its scratchpad (user-managed, allocated once), so no two threads ever share a scratchpad
 // (in-process data-parallel tests run one model per thread). Execution goes through the C API
-// with a fixed argument array, so this file allocates nothing per call after the first.
+// with a fixed argument array, so this file allocates nothing per call after the first (oneDNN's
+// execute still builds its small argument map internally).
 //
 // Determinism: for a fixed primitive (thread count included in the key) oneDNN's brgemm matmul
 // splits work statically and reduces any K split in a fixed order; tests check bit-identical
@@ -25,6 +27,7 @@
 
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <unordered_map>
 
 #include "core/dtype.h"

@@ -5,9 +5,10 @@
 //    accumulated in fp32;
 //  * parameter gradients (dweight, dbias) are fp32 and always ACCUMULATE (+=) into the fp32
 //    gradient buffer; input gradients are "=" or "+=" as asked;
-//  * nothing allocates per call except the first call for a new shape, which creates and caches
-//    the oneDNN primitive and its scratch memory (per calling thread, keyed by shape, operation,
-//    accumulate/bias/dtype variant and the OpenMP thread count), so training steps reuse them;
+//  * lathe allocates nothing per call except at the first call for a new shape, which creates and
+//    caches the oneDNN primitive and its scratch memory (per calling thread, keyed by shape,
+//    operation, accumulate/bias/dtype variant and the OpenMP thread count), so training steps
+//    reuse them (oneDNN's execute itself still makes a few small bookkeeping allocations);
 //  * results are deterministic for a fixed thread count (two calls give bit-identical results).
 // The GEMMs run on oneDNN (Debian's libdnnl-dev, OpenMP build: the same libgomp workers as the
 // rest of lathe). Built without oneDNN, every GEMM here throws an error naming the package.
