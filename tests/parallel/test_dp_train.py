@@ -142,6 +142,24 @@ def main():
     r = recipe(data, "llama-debug", ck, training__grad_accum_steps=3, parallel__zero=1, output__checkpoint_every=5)
     p, _ = run(2, ["train", r, "--quiet", "--stop-after", "5"])
     check(p.returncode == 0 and os.path.isdir(os.path.join(ck, "checkpoints", "step_00000005")), "DP=2 ZeRO=1 saves at step 5")
+    # Each rank wrote its own moment shard; together (flat pieces mapped by offset) they hold
+    # every moment of every parameter exactly once.
+    cdir = os.path.join(ck, "checkpoints", "step_00000005")
+    body = json.load(open(os.path.join(cdir, "state.json")))["body"]
+    shards = sorted(f for f in body["files"] if f.startswith("optimizer-rank"))
+    check(body["world"]["world_size"] == 2 and shards == ["optimizer-rank00000-of-00002.safetensors",
+                                                         "optimizer-rank00001-of-00002.safetensors"]
+          and all(body["tensors"][f] for f in shards), f"the DP=2 checkpoint holds one non-empty moment shard per rank ({shards})")
+    covered = {}
+    for f in shards:
+        for t in body["tensors"][f]:
+            n = int(np.prod(t["global_shape"]))
+            a, b = t["flat"] if "flat" in t else (0, n)
+            covered.setdefault(t["name"], []).append((a, b, n))
+    tiles = all(sorted(v)[0][0] == 0 and sorted(v)[-1][1] == v[0][2] and
+                all(x[1] == y[0] for x, y in zip(sorted(v), sorted(v)[1:])) for v in covered.values())
+    split = sum(len(v) > 1 for v in covered.values())
+    check(tiles and split > 0, f"the shards tile every moment exactly ({len(covered)} tensors, {split} cut between ranks)")
     for dp, accum in ((1, 6), (3, 2)):
         dst = os.path.join(TMP, f"resume_dp{dp}")
         shutil.copytree(ck, dst)
@@ -201,6 +219,44 @@ def main():
     if p.returncode != 0 or "resuming from" not in p.stdout:
         print(p.stdout[-2000:], p.stderr[-2000:])
     check(p.returncode == 0 and "resuming from" in p.stdout, "after the kill, --resume auto continues from a complete checkpoint")
+
+    # A rank killed mid-save (its shard written, the checkpoint not yet published): the job ends, the
+    # half-written step_X.tmp/ is never taken, and --resume auto continues from the previous one.
+    out = os.path.join(TMP, "killed_mid_save")
+    rk = recipe(data, "gpt2-debug", out, training__steps=12, training__grad_accum_steps=3, parallel__zero=1,
+                output__checkpoint_every=3)
+    proc = subprocess.Popen([MPIRUN, "-np", "2", LATHE, "train", rk, "--quiet"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(ENV, LATHE_TEST_CKPT_SLEEP_MS="1500"))
+    shard1 = os.path.join(out, "checkpoints", "step_00000006.tmp", "optimizer-rank00001-of-00002.safetensors")
+    deadline = time.time() + 120
+    while time.time() < deadline and not os.path.exists(shard1):
+        time.sleep(0.05)
+    victim = None
+    for pid in subprocess.run(["pgrep", "-f", f"lathe train {rk}"], capture_output=True, text=True).stdout.split():
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"OMPI_COMM_WORLD_RANK=1" in env:
+            victim = int(pid)
+    if victim:
+        os.kill(victim, signal.SIGKILL)
+    t0 = time.time()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    dt = time.time() - t0
+    names = sorted(os.listdir(os.path.join(out, "checkpoints")))
+    check(victim is not None and proc.returncode != 0 and dt < 15 and "step_00000006" not in names
+          and "step_00000003" in names,
+          f"SIGKILL of rank 1 mid-save: the job ends (exit {proc.returncode}, {dt:.1f} s) and step 6 is not published ({names})")
+    p, _ = run(3, ["train", rk, "--quiet", "--resume", "auto", "--set", "parallel.data=3", "--set",
+                   "training.grad_accum_steps=2"], timeout=300)
+    if p.returncode != 0:
+        print(p.stdout[-2000:], p.stderr[-2000:])
+    check(p.returncode == 0 and "step_00000003" in p.stdout and "step_00000006.tmp" in p.stdout,
+          "after a kill mid-save, --resume auto at DP=3 continues from step 3 and names the incomplete step 6")
 
     if not failures:
         shutil.rmtree(TMP, ignore_errors=True)
