@@ -9,6 +9,10 @@
 // ratio applies to every tensor. Norms are accumulated in double per fixed chunk and summed in
 // chunk order, so results do not depend on the thread count.
 #include <cmath>
+#include <tuple>
+#include <unordered_map>
+
+#include "core/error.h"
 
 #include "optim/chunks.h"
 #include "optim/optimizer.h"
@@ -59,11 +63,28 @@ class Lamb final : public Optimizer {
       usq[static_cast<size_t>(c)] = us;
     }
 
-    // Per-range trust ratios (chunks of a range are consecutive).
+    // Per-range norms: the range's chunks summed in flat order. Under ZeRO the chunks of every rank
+    // (gather_) are summed per tensor in the same order, then looked up by tensor id.
     std::vector<double> pn(ranges.size(), 0.0), un(ranges.size(), 0.0);
-    for (size_t c = 0; c < chunks.size(); ++c) {
-      pn[chunks[c].range] += psq[c];
-      un[chunks[c].range] += usq[c];
+    if (gather_) {
+      std::vector<ChunkSums> local(chunks.size());
+      for (size_t c = 0; c < chunks.size(); ++c) {
+        LATHE_CHECK(ranges[chunks[c].range].tensor >= 0, "lamb: range {} has no tensor id (needed under ZeRO)",
+                    chunks[c].range);
+        local[c] = {ranges[chunks[c].range].tensor, psq[c], usq[c]};
+      }
+      std::unordered_map<int64_t, std::pair<double, double>> total;
+      for (const ChunkSums& cs : gather_(local)) {
+        auto& t = total[cs.tensor];
+        t.first += cs.p;
+        t.second += cs.u;
+      }
+      for (size_t r = 0; r < ranges.size(); ++r) std::tie(pn[r], un[r]) = total.at(ranges[r].tensor);
+    } else {
+      for (size_t c = 0; c < chunks.size(); ++c) {
+        pn[chunks[c].range] += psq[c];
+        un[chunks[c].range] += usq[c];
+      }
     }
     std::vector<float> scale(ranges.size());
     for (size_t r = 0; r < ranges.size(); ++r) {
@@ -86,8 +107,10 @@ class Lamb final : public Optimizer {
   std::vector<std::pair<std::string, Buffer<float>*>> state_buffers() override {
     return {{"exp_avg", &m_}, {"exp_avg_sq", &v_}};
   }
+  void set_chunk_sums_gather(ChunkSumsGather g) override { gather_ = std::move(g); }
 
  private:
+  ChunkSumsGather gather_;
   OptimConfig cfg_;
   size_t n_;
   Buffer<float> m_, v_;

@@ -5,6 +5,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -19,7 +20,20 @@ struct ParamRange {
   size_t offset;
   size_t size;
   bool decay;
+  // Which parameter tensor (its index in the model's table; -1: this range alone). A tensor cut
+  // by a ZeRO shard boundary appears as one range on each rank holding part of it, with one id.
+  int64_t tensor = -1;
 };
+
+// LAMB's per-tensor norms come from partial sums per chunk (optim/chunks.h). Under ZeRO a tensor's
+// chunks sit on several ranks: the optimizer hands its chunk sums (flat order) to a ChunkSumsGather,
+// which returns the chunk sums of every rank in flat order (rank order), so that each rank adds a
+// tensor's chunks in the same order a single process does: bit-identical trust ratios.
+struct ChunkSums {
+  int64_t tensor;  // ParamRange::tensor of the chunk's range
+  double p, u;     // sum of p^2 and of u^2 over the chunk
+};
+using ChunkSumsGather = std::function<std::vector<ChunkSums>(const std::vector<ChunkSums>&)>;
 
 struct OptimConfig {
   std::string name = "adamw";  // "adamw" | "lamb"
@@ -37,6 +51,9 @@ class Optimizer {
                     float grad_scale = 1.0f) = 0;
   // State for checkpoints: name -> flat buffer of P floats ("exp_avg", "exp_avg_sq").
   virtual std::vector<std::pair<std::string, Buffer<float>*>> state_buffers() = 0;
+  // For optimizers that need whole-tensor norms (LAMB); others ignore it. Every range then needs a
+  // tensor id (ParamRange::tensor >= 0).
+  virtual void set_chunk_sums_gather(ChunkSumsGather) {}
 };
 
 // Checks the config (betas in [0,1), eps > 0, weight_decay >= 0); errors name the field.

@@ -101,7 +101,7 @@ std::vector<optim::ParamRange> ranges_in_shard(const std::vector<optim::ParamRan
   std::vector<optim::ParamRange> out;
   for (const auto& r : ranges) {
     const size_t lo = std::max(b, r.offset), hi = std::min(e, r.offset + r.size);
-    if (hi > lo) out.push_back({lo - b, hi - lo, r.decay});
+    if (hi > lo) out.push_back({lo - b, hi - lo, r.decay, r.tensor});
   }
   return out;
 }

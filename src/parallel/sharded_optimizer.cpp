@@ -14,12 +14,6 @@ ShardedOptimizer::ShardedOptimizer(dist::Communicator& dp, const optim::OptimCon
                                    std::unique_ptr<optim::Optimizer> loaded)
     : dp_(dp), zero_(zero), shards_(num_params, dp.size(), optim::kChunk) {
   LATHE_CHECK(zero >= 0 && zero <= 2, "parallel.zero must be 0, 1 or 2, got {}", zero);
-  // LAMB's trust ratio needs each tensor's whole-tensor norms; with tensors cut across shards that
-  // needs a cross-rank reduction inside the optimizer step, which is not implemented yet.
-  LATHE_CHECK(zero == 0 || cfg.name != "lamb",
-              "optimizer.name lamb with parallel.zero {} is not supported yet: LAMB's per-tensor trust ratios are not "
-              "reduced across ZeRO shards; use parallel.zero 0 with LAMB, or adamw",
-              zero);
   ranges_ = zero ? ranges_in_shard(ranges, state_begin(), state_end()) : std::move(ranges);
   if (loaded && zero == 0) {
     opt_ = std::move(loaded);
@@ -27,6 +21,22 @@ ShardedOptimizer::ShardedOptimizer(dist::Communicator& dp, const optim::OptimCon
   }
   opt_ = optim::make_optimizer(cfg, state_end() - state_begin());
   if (loaded) adopt_state(*loaded);
+  if (zero) {
+    // LAMB's whole-tensor norms: every rank's chunk sums, in rank (= flat) order.
+    opt_->set_chunk_sums_gather([this](const std::vector<optim::ChunkSums>& mine) {
+      const size_t n = static_cast<size_t>(dp_.size());
+      std::vector<int64_t> counts(n);
+      const int64_t count = static_cast<int64_t>(mine.size());
+      dp_.all_gather(&count, counts.data(), std::vector<size_t>(n, 1), DType::I64);
+      std::vector<size_t> bytes(n);
+      size_t total = 0;
+      for (size_t r = 0; r < n; ++r) total += static_cast<size_t>(counts[r]);
+      for (size_t r = 0; r < n; ++r) bytes[r] = static_cast<size_t>(counts[r]) * sizeof(optim::ChunkSums);
+      std::vector<optim::ChunkSums> all(total);
+      dp_.all_gather(mine.data(), all.data(), bytes, DType::U8);
+      return all;
+    });
+  }
 }
 
 void ShardedOptimizer::adopt_state(optim::Optimizer& full) {

@@ -4,8 +4,10 @@
 //            parameters and the shards are all-gathered, so moment memory shrinks by the data
 //            degree. Stage 2 differs from 1 in the gradient reduction (GradSync keeps only the
 //            shard valid), not here.
-// The gradient norm is summed in chunk order in every stage and the update is elementwise, so the
-// parameters after a step are bit-identical for zero 0, 1 and 2 (tests/parallel).
+// The gradient norm is summed in chunk order in every stage and the update is elementwise (LAMB's
+// per-tensor norms gather every rank's chunk sums and add them in flat order), so the parameters
+// after a step are bit-identical for zero 0, 1 and 2 (tests/parallel). Ranges need tensor ids
+// (optim::ParamRange::tensor) for LAMB under ZeRO.
 #pragma once
 #include <memory>
 #include <vector>
@@ -23,6 +25,8 @@ class ShardedOptimizer {
   // rank's part and frees it, so at most one full copy of the moments exists at any time.
   ShardedOptimizer(dist::Communicator& dp, const optim::OptimConfig& cfg, size_t num_params,
                    std::vector<optim::ParamRange> ranges, int zero, std::unique_ptr<optim::Optimizer> loaded = nullptr);
+  ShardedOptimizer(const ShardedOptimizer&) = delete;  // the LAMB norm gather holds `this`
+  ShardedOptimizer& operator=(const ShardedOptimizer&) = delete;
 
   int zero() const { return zero_; }
   const FlatShards& shards() const { return shards_; }

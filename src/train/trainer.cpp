@@ -275,7 +275,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   if (ckpt.empty() && r.init_from.empty()) model->init_weights(static_cast<uint64_t>(r.training.seed));
   std::vector<optim::ParamRange> ranges;
   for (const ParamSpec& s : model->params().specs())
-    ranges.push_back({s.offset, static_cast<size_t>(s.numel()), s.decay});
+    ranges.push_back({s.offset, static_cast<size_t>(s.numel()), s.decay, static_cast<int64_t>(ranges.size())});
   const optim::ScheduleConfig sched = schedule_config(r);
   const size_t P = model->num_params();
   // The optimizer over this rank's part of the flat buffer (ZeRO) and the data-parallel gradient

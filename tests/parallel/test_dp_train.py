@@ -134,6 +134,12 @@ def main():
     check(losses(runs[0]) == losses(runs[1]) == losses(runs[2]), "ZeRO 0/1/2: identical losses")
     check(blobs[0] == blobs[1] == blobs[2], "ZeRO 0/1/2: bit-identical final weights")
     check(blobs[1] == blobs["again"] and losses(runs[1]) == losses(again), "two runs of one layout: bit-identical")
+    # LAMB: whole-tensor trust ratios from chunk sums gathered across the shards.
+    lamb = {z: train(2, data, "gpt2-debug", f"lamb_zero{z}", training__grad_accum_steps=3, parallel__zero=z,
+                     optimizer__name="lamb") for z in (0, 1, 2)}
+    lb = {z: open(os.path.join(v, "model", "model.safetensors"), "rb").read() for z, v in lamb.items()}
+    check(losses(lamb[0]) == losses(lamb[1]) == losses(lamb[2]) and lb[0] == lb[1] == lb[2],
+          "LAMB with ZeRO 0/1/2: identical losses and bit-identical final weights")
 
     # Resume on another data degree: save at DP=2 ZeRO=1 (step 5), resume at DP=1 and DP=3 with the
     # same global batch (12 samples); the checkpoint holds global moments (whatever the layout).
