@@ -9,10 +9,14 @@
 // rounding runs on AVX-512F lanes, and without AVX-512 the compiler vectorises the scalar loop.
 // GCC 12 warns about the deliberately undefined pass-through operand of AVX-512 intrinsics
 // (_mm512_undefined_epi32, GCC PR 105593, fixed in 13); the warning is located in the header.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
+#endif
 
 #include "core/dtype.h"
 #include "kernels/cpu/ops_bf16.h"
