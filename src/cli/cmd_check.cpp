@@ -1,8 +1,9 @@
-// lathe check RECIPE.yaml [--set key=value ...] [--resume auto|PATH] [--force-resume-changes]:
+// lathe check RECIPE.yaml [--set key=value ...] [--resume auto|PATH] [--force-resume-changes] [--world N]:
 // runs exactly the checks `lathe train` runs before its first step (train/preflight.h: recipe,
 // datasets and their token ranges, model/tokenizer consistency, optimizer and schedule, output
 // directory writable, model dimensions and memory, init_from weights, resume checkpoint) without
-// training, printing each check that held. Exit code 0 when train would start, 1 on the first
+// training, printing each check that held. --world N checks the layout of an N-process job (the
+// degrees, the global batch, memory per rank with ZeRO) on one machine before submitting it. Exit code 0 when train would start, 1 on the first
 // failure (the same message `lathe train` prints), 2 for a usage error.
 #include <fmt/format.h>
 
@@ -24,6 +25,10 @@ int run_check(int argc, char** argv) {
   app.add_option("--set", sets, "override a recipe value (repeatable)");
   app.add_option("--resume", opts.resume, "check resuming as `lathe train --resume` would: 'auto' or a checkpoint");
   app.add_flag("--force-resume-changes", opts.force_resume_changes, "as for `lathe train`");
+  int64_t world = 1;
+  app.add_option("--world", world, "check for a job of this many processes (mpirun -np N): degrees, global batch, "
+                                   "memory per rank")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   LATHE_CLI_PARSE(app, argc, argv);
   lathe::Recipe r = lathe::load_recipe(path, sets);
   auto ok = [](const std::string& l) {
@@ -31,6 +36,10 @@ int run_check(int argc, char** argv) {
     std::fflush(stdout);
   };
   ok(fmt::format("recipe {} is valid", path));
+  lathe::resolve_layout(r, world);
+  ok(fmt::format("layout: {} process{} = parallel.data {} x tensor {} x pipeline {}; ZeRO {}; global batch {} samples",
+                 world, world == 1 ? "" : "es", r.parallel.data, r.parallel.tensor, r.parallel.pipeline,
+                 r.parallel.zero, lathe::global_batch_samples(r)));
   auto note = [](const std::string& l) {
     fmt::print("note {}\n", l);
     std::fflush(stdout);

@@ -34,13 +34,17 @@ std::string format_count(int64_t n) {
 std::string MemoryEstimate::breakdown() const {
   std::string s = fmt::format("params {} + grads {}", format_bytes(param_bytes), format_bytes(grad_bytes));
   if (optimizer_moments > 0)
-    s += fmt::format(" + optimizer moments ({}) {}", optimizer_moments, format_bytes(optimizer_bytes));
+    s += fmt::format(" + optimizer moments ({}{}) {}", optimizer_moments,
+                     moment_shards > 1 ? fmt::format(", 1/{} shard per rank", moment_shards) : std::string(),
+                     format_bytes(optimizer_bytes));
   if (batch > 0)
     s += fmt::format(" + activations (batch {} x seq_len {}) {}", batch, seq_len, format_bytes(activation_bytes));
   return s + fmt::format(" = {}", format_bytes(total_bytes()));
 }
 
-MemoryEstimate estimate_memory(const ModelConfig& cfg, int64_t B, int64_t T, int optimizer_moments) {
+MemoryEstimate estimate_memory(const ModelConfig& cfg, int64_t B, int64_t T, int optimizer_moments,
+                               int64_t moment_shards) {
+  LATHE_CHECK(moment_shards >= 1, "internal: {} moment shards", moment_shards);
   cfg.validate("model");  // bounds first: the products below assume them
   LATHE_CHECK(optimizer_moments >= 0 && optimizer_moments <= 8, "internal: {} optimizer moments", optimizer_moments);
   LATHE_CHECK(B >= 0 && T >= 0, "batch {} x seq_len {} must not be negative", B, T);
@@ -50,7 +54,9 @@ MemoryEstimate estimate_memory(const ModelConfig& cfg, int64_t B, int64_t T, int
   e.param_bytes = checked_mul(e.num_params, 4, what);
   e.grad_bytes = e.param_bytes;
   e.optimizer_moments = optimizer_moments;
-  e.optimizer_bytes = checked_mul(e.param_bytes, optimizer_moments, what);
+  e.moment_shards = moment_shards;
+  // A ZeRO shard: the rank's part of the flat buffer, rounded up.
+  e.optimizer_bytes = (checked_mul(e.param_bytes, optimizer_moments, what) + moment_shards - 1) / moment_shards;
   if (B > 0 && T > 0) {
     e.batch = B;
     e.seq_len = T;

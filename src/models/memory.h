@@ -21,6 +21,7 @@ struct MemoryEstimate {
   int64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0, activation_bytes = 0;
   int64_t batch = 0, seq_len = 0;  // the (B, T) the activations are sized for; 0 = none
   int optimizer_moments = 0;
+  int64_t moment_shards = 1;  // ZeRO: each rank holds 1/moment_shards of the moments
   int64_t total_bytes() const { return param_bytes + grad_bytes + optimizer_bytes + activation_bytes; }
   // "params 0.5 MB + grads 0.5 MB + optimizer moments (2) 1.0 MB + activations (B=8, T=128) 3.2 MB = 5.2 MB"
   std::string breakdown() const;
@@ -28,8 +29,10 @@ struct MemoryEstimate {
 
 // fp32 parameters + gradients + `optimizer_moments` fp32 copies (AdamW and LAMB keep 2) + the
 // activation arena Model::allocate(B, T) reserves (exactly: the same layout walk). B = T = 0: no
-// activations. Validates `cfg` first; throws lathe::Error when a size does not fit 64 bits.
-MemoryEstimate estimate_memory(const ModelConfig& cfg, int64_t B, int64_t T, int optimizer_moments);
+// activations. moment_shards > 1: per rank of a ZeRO group of that size (moments divided).
+// Validates `cfg` first; throws lathe::Error when a size does not fit 64 bits.
+MemoryEstimate estimate_memory(const ModelConfig& cfg, int64_t B, int64_t T, int optimizer_moments,
+                               int64_t moment_shards = 1);
 
 // Memory this process can use: the smallest of physical RAM (MemTotal in /proc/meminfo), the
 // cgroup limit (memory.max) and RLIMIT_AS. `source` says which one bounds it.

@@ -188,6 +188,16 @@ void check_resume_state(const CheckpointState& cs, const Recipe& r, int64_t trai
               sp, name, r.optimizer.name, name);
 }
 
+void resolve_layout(Recipe& r, int64_t world) {
+  const int64_t t = r.parallel.tensor, p = r.parallel.pipeline;
+  const int64_t data = r.parallel.data ? r.parallel.data : world / (t * p);
+  LATHE_CHECK(data * t * p == world,
+              "parallel.data {} x parallel.tensor {} x parallel.pipeline {} = {} but the job has {} process{} "
+              "(mpirun -np): make the product equal the number of processes (parallel.data 0 = the rest)",
+              data, t, p, data * t * p, world, world == 1 ? "" : "es");
+  r.parallel.data = data;
+}
+
 Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLog& log, bool check_only) {
   Preflight pf;
   const int64_t B = r.training.micro_batch_size, T = r.training.seq_len;
@@ -248,7 +258,9 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   // 6. the model (and the optimizer it comes with): the whole memory figure first (parameters,
   // gradients, two moments, activations for micro_batch_size x seq_len), refused with the numbers
   // before anything is allocated.
-  const MemoryEstimate est = estimate_memory(r.model, B, T, kMoments);
+  // Per process: ZeRO 1/2 divide the moments by the data degree.
+  const int64_t data = std::max<int64_t>(1, r.parallel.data);
+  const MemoryEstimate est = estimate_memory(r.model, B, T, kMoments, r.parallel.zero > 0 ? data : 1);
   check_memory_fits(est, r.model, r.source);
   const MachineMemory mm = machine_memory();
   log.ok(fmt::format("memory: {} fits ({} {})", est.breakdown(), mm.source,

@@ -55,6 +55,10 @@ optim::ScheduleConfig schedule_config(const Recipe& r);
 
 // check_only: `lathe check` — no activations allocated (their size is still checked), and the
 // output directory is left as it was found.
+// The parallel degrees for a job of `world` processes: parallel.data 0 becomes world / (tensor x
+// pipeline); the product must equal `world` (the error names every number). Before preflight.
+void resolve_layout(Recipe& r, int64_t world);
+
 Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLog& log, bool check_only);
 
 // The checkpoint's state against the run that resumes it (step 5 above); `ckpt` names it in errors.

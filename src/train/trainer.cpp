@@ -115,14 +115,8 @@ void trim_metrics(const std::string& path, int64_t step) {
 // The layout every rank must agree on before any work: the degrees against the number of processes,
 // and the same recipe on every rank (a different --set on one host would otherwise train nonsense).
 void check_layout(Recipe& r, dist::Communicator& world) {
-  const int64_t n = world.size(), t = r.parallel.tensor, p = r.parallel.pipeline;
-  const int64_t data = r.parallel.data ? r.parallel.data : n / (t * p);
-  LATHE_CHECK(data * t * p == n,
-              "parallel.data {} x parallel.tensor {} x parallel.pipeline {} = {} but the job has {} process{} "
-              "(mpirun -np): make the product equal the number of processes (parallel.data 0 = the rest)",
-              data, t, p, data * t * p, n, n == 1 ? "" : "es");
-  r.parallel.data = data;
-  if (n == 1) return;
+  resolve_layout(r, world.size());
+  if (world.size() == 1) return;
   std::string mine = r.to_json().dump();
   int64_t len = static_cast<int64_t>(mine.size());
   world.broadcast(&len, sizeof(len), 0);

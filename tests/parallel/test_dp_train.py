@@ -180,6 +180,13 @@ def main():
               f"resume at DP={dp} (grad_accum {accum}) from a DP=2 checkpoint: losses within 1e-5 of the uninterrupted run (worst {worst:.1e})")
         check("parallel.data" in p.stdout and "grad_accum_steps" in p.stdout, f"resume at DP={dp}: the layout change is logged")
 
+    # lathe check --world N: the layout of an N-process job, checked on one process before submitting it.
+    p, _ = run(1, ["check", recipe(data, "gpt2-debug", os.path.join(TMP, "chk"), parallel__zero=1), "--world", "4"])
+    check(p.returncode == 0 and "4 processes = parallel.data 4" in p.stdout and "1/4 shard per rank" in p.stdout
+          and "global batch 48 samples" in p.stdout, "lathe check --world 4: layout, global batch and per-rank moments")
+    p, _ = run(1, ["check", recipe(data, "gpt2-debug", os.path.join(TMP, "chk2"), parallel__data=2), "--world", "3"])
+    check(p.returncode == 1 and "parallel.data 2" in p.stderr and "3 processes" in p.stderr,
+          "lathe check --world 3 with parallel.data 2: error names both numbers")
     # Errors before any work.
     p, _ = run(2, ["train", recipe(data, "gpt2-debug", os.path.join(TMP, "bad1"), parallel__data=3), "--quiet"], timeout=60)
     check(p.returncode != 0 and "parallel.data 3" in p.stderr and "2 processes" in p.stderr,
