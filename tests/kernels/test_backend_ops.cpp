@@ -19,6 +19,7 @@
 //   fp16 4e-3: the same with 2^-11 = 4.9e-4 per rounding (8 x 2^-11).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -104,12 +105,167 @@ struct Target {
   std::string name() const { return std::string(backend->name()) + "_" + compute_dtype_name(ops->dtype); }
 };
 
-// Every table of every backend, complete or partial (a partial table's missing ops are skipped).
+// ---- an emulated bf16 table (test only) ---------------------------------------------------------
+// Every op of the CPU fp32 table wrapped in bf16 <-> fp32 conversions: inputs widened, the fp32
+// kernel run, outputs rounded once. It checks the harness's non-fp32 path (conversions, element
+// offsets, tolerances) before a real bf16 table exists; it allocates per call, which a real
+// table must not.
+namespace emu {
+constexpr DType kDt = DType::BF16;
+VecF in(const void* p, int64_t n) {
+  VecF v(static_cast<size_t>(n));
+  if (p) from_dtype(p, v.data(), v.size(), kDt);
+  return v;
+}
+void out(void* p, const VecF& v) {
+  if (p) to_dtype(v.data(), p, v.size(), kDt);
+}
+float* fp(VecF& v, const void* orig) { return orig ? v.data() : nullptr; }
+const Ops& f32() { return ops_for(cpu_backend(), DType::F32); }
+
+Ops make() {
+  Ops o = f32();  // fp32-only slots (scratch sizes, rope_tables) as they are
+  o.backend = "emu";
+  o.dtype = kDt;
+  o.matmul_forward = [](void* y, const void* x, const void* w, const float* b, int64_t M, int64_t K, int64_t N,
+                        bool acc) {
+    VecF yv = acc ? in(y, M * N) : VecF(M * N), xv = in(x, M * K), wv = in(w, N * K);
+    f32().matmul_forward(yv.data(), xv.data(), wv.data(), b, M, K, N, acc);
+    out(y, yv);
+  };
+  o.matmul_backward = [](void* dx, float* dw, float* db, const void* g, const void* x, const void* w, int64_t M,
+                         int64_t K, int64_t N, bool acc) {
+    VecF dxv = acc ? in(dx, M * K) : VecF(M * K), gv = in(g, M * N), xv = in(x, M * K), wv = in(w, N * K);
+    f32().matmul_backward(fp(dxv, dx), dw, db, gv.data(), xv.data(), wv.data(), M, K, N, acc);
+    out(dx, dxv);
+  };
+  o.embedding_forward = [](void* y, const int32_t* tok, const void* wte, const void* wpe, int64_t B, int64_t T,
+                           int64_t C) {
+    int64_t V = 0;
+    for (int64_t i = 0; i < B * T; ++i) V = std::max<int64_t>(V, tok[i] + 1);
+    VecF yv(B * T * C), te = in(wte, V * C), pe = in(wpe, T * C);
+    f32().embedding_forward(yv.data(), tok, te.data(), fp(pe, wpe), B, T, C);
+    out(y, yv);
+  };
+  o.embedding_backward = [](float* dwte, float* dwpe, const void* g, const int32_t* tok, int64_t B, int64_t T,
+                            int64_t C) {
+    VecF gv = in(g, B * T * C);
+    f32().embedding_backward(dwte, dwpe, gv.data(), tok, B, T, C);
+  };
+  o.layernorm_forward = [](void* y, float* mean, float* rstd, const void* x, const float* w, const float* b, int64_t N,
+                           int64_t C, float eps) {
+    VecF yv(N * C), xv = in(x, N * C);
+    f32().layernorm_forward(yv.data(), mean, rstd, xv.data(), w, b, N, C, eps);
+    out(y, yv);
+  };
+  o.layernorm_backward = [](void* dx, float* dw, float* db, const void* g, const void* x, const float* w,
+                            const float* mean, const float* rstd, int64_t N, int64_t C, void* scratch) {
+    VecF dxv = in(dx, N * C), gv = in(g, N * C), xv = in(x, N * C);
+    f32().layernorm_backward(dxv.data(), dw, db, gv.data(), xv.data(), w, mean, rstd, N, C, scratch);
+    out(dx, dxv);
+  };
+  o.rmsnorm_forward = [](void* y, float* rstd, const void* x, const float* w, int64_t N, int64_t C, float eps) {
+    VecF yv(N * C), xv = in(x, N * C);
+    f32().rmsnorm_forward(yv.data(), rstd, xv.data(), w, N, C, eps);
+    out(y, yv);
+  };
+  o.rmsnorm_backward = [](void* dx, float* dw, const void* g, const void* x, const float* w, const float* rstd,
+                          int64_t N, int64_t C, void* scratch) {
+    VecF dxv = in(dx, N * C), gv = in(g, N * C), xv = in(x, N * C);
+    f32().rmsnorm_backward(dxv.data(), dw, gv.data(), xv.data(), w, rstd, N, C, scratch);
+    out(dx, dxv);
+  };
+  o.gelu_forward = [](void* y, const void* x, int64_t n) {
+    VecF yv(n), xv = in(x, n);
+    f32().gelu_forward(yv.data(), xv.data(), n);
+    out(y, yv);
+  };
+  o.gelu_backward = [](void* dx, const void* x, const void* g, int64_t n) {
+    VecF dxv(n), xv = in(x, n), gv = in(g, n);
+    f32().gelu_backward(dxv.data(), xv.data(), gv.data(), n);
+    out(dx, dxv);
+  };
+  o.swiglu_forward = [](void* y, const void* x, int64_t N, int64_t F) {
+    VecF yv(N * F), xv = in(x, N * 2 * F);
+    f32().swiglu_forward(yv.data(), xv.data(), N, F);
+    out(y, yv);
+  };
+  o.swiglu_backward = [](void* dx, const void* x, const void* g, int64_t N, int64_t F) {
+    VecF dxv(N * 2 * F), xv = in(x, N * 2 * F), gv = in(g, N * F);
+    f32().swiglu_backward(dxv.data(), xv.data(), gv.data(), N, F);
+    out(dx, dxv);
+  };
+  o.residual_forward = [](void* y, const void* a, const void* b, int64_t n) {
+    VecF yv(n), av = in(a, n), bv = in(b, n);
+    f32().residual_forward(yv.data(), av.data(), bv.data(), n);
+    out(y, yv);
+  };
+  // In place on rows of `stride` elements: widen the whole span the kernel touches (bf16 -> fp32
+  // -> bf16 is exact for the columns it leaves alone).
+  o.rope_forward = [](void* x, const float* cs, const float* sn, int64_t B, int64_t T, int64_t H, int64_t D,
+                      int64_t stride) {
+    VecF xv = in(x, (B * T - 1) * stride + H * D);
+    f32().rope_forward(xv.data(), cs, sn, B, T, H, D, stride);
+    out(x, xv);
+  };
+  o.rope_backward = [](void* x, const float* cs, const float* sn, int64_t B, int64_t T, int64_t H, int64_t D,
+                       int64_t stride) {
+    VecF xv = in(x, (B * T - 1) * stride + H * D);
+    f32().rope_backward(xv.data(), cs, sn, B, T, H, D, stride);
+    out(x, xv);
+  };
+  o.attention_forward = [](void* y, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
+                           int64_t D, void* scratch) {
+    VecF yv(B * T * H * D), qv = in(qkv, B * T * (H + 2 * KVH) * D);
+    f32().attention_forward(yv.data(), lse, qv.data(), B, T, H, KVH, D, scratch);
+    out(y, yv);
+  };
+  o.attention_backward = [](void* dqkv, const void* g, const void* qkv, const void* y, const float* lse, int64_t B,
+                            int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch) {
+    const int64_t nq = B * T * (H + 2 * KVH) * D, ny = B * T * H * D;
+    VecF dqv(nq), gv = in(g, ny), qv = in(qkv, nq), yv = in(y, ny);
+    f32().attention_backward(dqv.data(), gv.data(), qv.data(), yv.data(), lse, B, T, H, KVH, D, scratch);
+    out(dqkv, dqv);
+  };
+  o.lm_head_loss = [](float* losses, void* dx, float* dw, const void* x, const void* w, const int32_t* tg, int64_t N,
+                      int64_t C, int64_t V, float gs, bool backward, void* scratch, int64_t chunk) {
+    VecF dxv(N * C), xv = in(x, N * C), wv = in(w, V * C);
+    const double total =
+        f32().lm_head_loss(losses, fp(dxv, dx), dw, xv.data(), wv.data(), tg, N, C, V, gs, backward, scratch, chunk);
+    out(dx, dxv);
+    return total;
+  };
+  return o;
+}
+
+class Backend final : public lathe::Backend {
+ public:
+  std::string_view name() const override { return "emu"; }
+  DeviceKind device() const override { return DeviceKind::Host; }
+  void* alloc(size_t bytes) const override { return cpu_backend().alloc(bytes); }
+  void free(void* p) const override { cpu_backend().free(p); }
+  void memset(void* d, int v, size_t n) const override { cpu_backend().memset(d, v, n); }
+  void copy(void* d, const void* s, size_t n, CopyKind k) const override { cpu_backend().copy(d, s, n, k); }
+  void synchronize() const override {}
+  std::vector<const Ops*> op_tables() const override {
+    static const Ops table = make();
+    return {&table};
+  }
+};
+const Backend& backend() {
+  static const Backend b;
+  return b;
+}
+}  // namespace emu
+
+// Every table of every backend, complete or partial (a partial table's missing ops are skipped),
+// then the emulated bf16 table above.
 std::vector<Target> all_targets() {
   std::vector<Target> v;
   for (const Backend* b : backends())
     for (const Ops* t : b->op_tables())
       if (t) v.push_back({b, t});
+  v.push_back({&emu::backend(), emu::backend().op_tables()[0]});
   return v;
 }
 

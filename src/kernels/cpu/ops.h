@@ -1,6 +1,8 @@
 // CPU kernels: forward and backward of every op a decoder-only transformer needs, fp32,
 // row-major, OpenMP across batch / heads / rows. Forward and backward live side by side in one
-// .cpp per op. Shapes are given in the comments; N = B*T rows.
+// .cpp per op. Shapes are given in the comments; N = B*T rows. The model reaches them through the
+// CPU fp32 op table (kernels/backend.h, kernels/cpu/backend_cpu.cpp), the contract every backend
+// table mirrors.
 //
 // Gradient conventions (the model relies on these):
 //  * Parameter gradients (dweight, dbias, dwte, ...) always ACCUMULATE (+=): they collect over
