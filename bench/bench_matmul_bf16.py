@@ -2,7 +2,7 @@
 """bf16 GEMMs at GPT-2 124M training shapes: lathe fp32 (OpenBLAS) vs lathe bf16 (oneDNN) vs
 PyTorch bf16 (and fp32) on the same shapes, in one run, GFLOP/s side by side.
 
-  /usr/bin/python3 bench/bench_matmul_bf16.py [--build build] [--threads 2] [--quick]
+  /usr/bin/python3 bench/bench_matmul_bf16.py [--build build] [--threads 2] [--quick] [--repeat N]
 
 "own bf16" is the forward-only AVX512-BF16 prototype kernel of bench_matmul_bf16.cpp (the
 measurement behind using oneDNN). Runs build/bench/bench_matmul_bf16 --json, then times torch on each of its GEMMs with
@@ -37,15 +37,29 @@ def main():
     ap.add_argument("--build", default=os.path.join(HERE, "..", "build"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="skip the 50257-wide lm head")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run everything N times and keep each figure's best (on a machine shared with other work)")
     a = ap.parse_args()
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(a.threads)
     cmd = [os.path.join(a.build, "bench", "bench_matmul_bf16"), "--json"] + (["--quick"] if a.quick else [])
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout.strip().splitlines()
-    for line in out[:-1]:
-        if line.startswith(("bench_matmul_bf16", "vdpbf16ps", "convert")):
-            print(line)
-    lathe = json.loads(out[-1])
+    lathe = None
+    for rep in range(a.repeat):
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout.strip().splitlines()
+        if rep == 0:
+            for line in out[:-1]:
+                if line.startswith(("bench_matmul_bf16", "vdpbf16ps", "convert")):
+                    print(line)
+        run = json.loads(out[-1])
+        if lathe is None:
+            lathe = run
+        else:
+            lathe["peak_bf16"] = max(lathe["peak_bf16"], run["peak_bf16"])
+            for r, q in zip(lathe["rows"], run["rows"]):
+                for k in ("fp32", "bf16", "own"):
+                    r[k] = max(r[k], q[k])
+    if a.repeat > 1:
+        print(f"best of {a.repeat} runs per figure; vdpbf16ps peak {lathe['peak_bf16']:.0f} GFLOP/s")
 
     import torch
     import torch.nn.functional as F
@@ -75,8 +89,8 @@ def main():
             "dw": (lambda: gh.t() @ xh, lambda: g.t() @ x),
         }[r["gemm"]]
         with torch.no_grad():
-            t16 = flops / best_seconds(fn[0], reps, budget) * 1e-9
-            t32 = flops / best_seconds(fn[1], reps, budget) * 1e-9
+            t16 = max(flops / best_seconds(fn[0], reps, budget) * 1e-9 for _ in range(a.repeat))
+            t32 = max(flops / best_seconds(fn[1], reps, budget) * 1e-9 for _ in range(a.repeat))
         for k, v in (("l32", r["fp32"]), ("l16", r["bf16"]), ("t16", t16), ("t32", t32)):
             tot[k] += flops / v
         flops_all += flops
