@@ -1,7 +1,11 @@
 #include "parallel/grad_sync.h"
 
 #include <algorithm>
+#include <sys/mman.h>
+
 #include <chrono>
+#include <cstdint>
+#include <cstring>
 
 #include "core/error.h"
 #include "optim/chunks.h"
@@ -25,8 +29,8 @@ GradSync::GradSync(dist::Communicator& dp, float* grads, const FlatShards& shard
 }
 
 GradSync::~GradSync() {
-  for (auto& w : inflight_) try {
-      w->wait();
+  for (auto& f : inflight_) try {
+      if (f.work) f.work->wait();
     } catch (...) {  // the error was (or will be) reported by finish(); nothing to add while unwinding
     }
 }
@@ -35,13 +39,55 @@ void GradSync::issue(Bucket& b) {
   b.issued = true;
   if (dp_.size() == 1) return;
   float* p = grads_ + b.begin;
+  const size_t index = static_cast<size_t>(&b - buckets_.data());
   if (zero_ == 0) {
-    inflight_.push_back(dp_.all_reduce_async(p, b.end - b.begin, DType::F32));
+    inflight_.push_back({index, dp_.all_reduce_async(p, b.end - b.begin, DType::F32)});
   } else {
     // In place: this rank's part of the bucket receives the reduced values (comm.h allows recv to
     // overlap send: the data are exchanged before any output is written).
     const size_t mine = std::max(b.begin, std::min(b.end, shards_.begin(dp_.rank())));
-    inflight_.push_back(dp_.reduce_scatter_async(p, grads_ + mine, shards_.overlap(b.begin, b.end), DType::F32));
+    inflight_.push_back(
+        {index, dp_.reduce_scatter_async(p, grads_ + mine, shards_.overlap(b.begin, b.end), DType::F32)});
+  }
+}
+
+void GradSync::release_outside_shard(size_t b, size_t e) {
+  const size_t sb = shards_.begin(dp_.rank()), se = shards_.end(dp_.rank());
+  auto clear = [&](size_t lo, size_t hi) {  // [lo, hi) of the buffer becomes zeros
+    if (lo >= hi) return;
+    constexpr uintptr_t kPage = 4096;
+    const uintptr_t a = reinterpret_cast<uintptr_t>(grads_ + lo), z = reinterpret_cast<uintptr_t>(grads_ + hi);
+    const uintptr_t pa = (a + kPage - 1) & ~(kPage - 1), pz = z & ~(kPage - 1);
+    if (pz > pa && ::madvise(reinterpret_cast<void*>(pa), pz - pa, MADV_DONTNEED) == 0) {
+      std::memset(grads_ + lo, 0, pa - a);  // the partial pages at both ends (shared with neighbours)
+      std::memset(reinterpret_cast<void*>(pz), 0, z - pz);
+    } else {
+      std::memset(grads_ + lo, 0, (hi - lo) * sizeof(float));
+    }
+  };
+  clear(b, std::min(e, std::max(b, sb)));  // before the shard
+  clear(std::max(b, std::min(e, se)), e);  // after it
+}
+
+void GradSync::reap(bool wait) {
+  std::vector<InFlight> still;
+  for (auto& f : inflight_) {
+    if (!wait && !f.work->done()) {
+      still.push_back(std::move(f));
+      continue;
+    }
+    f.work->wait();  // done: rethrows its error, if any
+    if (zero_ == 2) release_outside_shard(buckets_[f.bucket].begin, buckets_[f.bucket].end);
+  }
+  inflight_.swap(still);
+}
+
+void GradSync::zero_grads() {
+  if (zero_ == 2 && dp_.size() > 1) {
+    const size_t sb = shards_.begin(dp_.rank()), se = shards_.end(dp_.rank());
+    std::memset(grads_ + sb, 0, (se - sb) * sizeof(float));
+  } else {
+    std::memset(grads_, 0, shards_.total() * sizeof(float));
   }
 }
 
@@ -63,15 +109,14 @@ void GradSync::ready(size_t begin, size_t end) {
     it->ready += std::min(end, it->end) - std::max(begin, it->begin);
     if (it->ready == it->end - it->begin && !it->issued) issue(*it);
   }
+  if (zero_ == 2) reap(false);  // release what has been reduced while backward goes on
 }
 
 double GradSync::finish() {
   for (auto& b : buckets_)
     if (!b.issued) issue(b);
   const auto t0 = std::chrono::steady_clock::now();
-  std::vector<dist::WorkPtr> works;
-  works.swap(inflight_);
-  for (auto& w : works) w->wait();
+  reap(true);
   for (auto& b : buckets_) b.ready = 0, b.issued = false;
   reported_.clear();
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -10,6 +10,15 @@
 // Every element is summed over ranks in rank order (dist/comm.h) whatever the bucket size or
 // stage, so ZeRO 0/1/2 give bit-identical reduced gradients. Buckets are cut from the end of the
 // buffer backwards (the head's and last layers' gradients are ready first).
+//
+// zero 2 keeps only the gradient shard after reduction: once a bucket's reduce-scatter has
+// completed, the part of it outside this rank's shard is zeroed by handing its whole pages back to
+// the OS (madvise MADV_DONTNEED: they read as zeros when next touched) and memset at the page
+// edges. Between the reduction and the next backward a rank's resident gradients are its shard,
+// and zero_grads() then only has to clear the shard. What it does not save: the buffer is still
+// written in full during backward (gradients accumulate over micro-batches before the reduction,
+// which keeps ZeRO 0/1/2 bit-identical), so with grad_accum_steps > 1 the whole buffer is
+// resident at the peak; with one micro-batch, buckets are released as their reductions finish.
 #pragma once
 #include <cstddef>
 #include <map>
@@ -35,6 +44,9 @@ class GradSync {
   double finish();
 
   size_t num_buckets() const { return buckets_.size(); }
+  // Zeroes the gradients before a step's first micro-batch: the whole buffer, or for zero 2 only
+  // the shard (the rest was zeroed when it was released).
+  void zero_grads();
 
  private:
   struct Bucket {
@@ -42,13 +54,20 @@ class GradSync {
     bool issued = false;
   };
   void issue(Bucket& b);
+  // zero 2: the parts of [b, e) outside this rank's shard become zeros (pages released).
+  void release_outside_shard(size_t b, size_t e);
+  void reap(bool wait);  // completed (or, with wait, all) buckets: their works dropped, zero 2 releases
 
   dist::Communicator& dp_;
   float* grads_;
   const FlatShards& shards_;
   int zero_;
   std::vector<Bucket> buckets_;  // ascending offsets
-  std::vector<dist::WorkPtr> inflight_;
+  struct InFlight {
+    size_t bucket;
+    dist::WorkPtr work;
+  };
+  std::vector<InFlight> inflight_;
   std::map<size_t, size_t> reported_;  // begin -> end of the ranges reported this step
 };
 

@@ -170,7 +170,10 @@ StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
   const int64_t B = p.B, T = p.T;
   const float grad_scale = 1.0f / static_cast<float>(p.G * T);  // mean over the global batch's tokens
   double loss_sum = 0;
-  p.model.zero_grad();
+  if (p.sync)
+    p.sync->zero_grads();  // ZeRO 2: only the shard (the rest was released as zeros)
+  else
+    p.model.zero_grad();
   st.data_wait_s = p.loader.next(p.inputs.data(), p.targets.data());
   for (int64_t m = 0; m < p.accum; ++m) {
     p.sync_this_pass = m + 1 == p.accum;  // gradients are final during the last micro-batch's backward

@@ -155,6 +155,43 @@ TEST(ShardedOptimizer, LoadedMomentsShardAndGatherBackExactly) {
   }
 }
 
+// ZeRO 2 keeps only the shard after the reduction: everything outside it reads as zero (pages
+// released, edges cleared), zero_grads() clears the shard, and a second step that accumulates (+=)
+// into the buffer reduces exactly as a fresh buffer would (no stale values sent to other ranks).
+TEST(GradSync, ZeroTwoKeepsOnlyTheShardAndTheNextStepStartsFromZeros) {
+  for (int dp : {2, 3}) {
+    dist::run_threads(dp, [&](dist::Communicator& comm) {
+      const int me = comm.rank();
+      // Page-aligned like the model's gradient buffer, sized so that many whole pages are released.
+      std::vector<float> grads(kP + 5000);
+      float* g = grads.data() + 3;  // an unaligned start: edges must be cleared by memset
+      FlatShards shards(kP, dp, optim::kChunk);
+      GradSync sync(comm, g, shards, 2, 5000);
+      const auto ranges = model_ranges();
+      for (int round = 0; round < 2; ++round) {
+        sync.zero_grads();
+        for (size_t i = 0; i < kP; ++i) g[i] += grad_of(me + round, i);
+        for (size_t k = ranges.size(); k-- > 0;) sync.ready(ranges[k].offset, ranges[k].offset + ranges[k].size);
+        sync.finish();
+        const size_t sb = shards.begin(me), se = shards.end(me);
+        size_t nonzero_outside = 0, wrong_inside = 0;
+        for (size_t i = 0; i < kP; ++i) {
+          if (i < sb || i >= se) {
+            nonzero_outside += g[i] != 0.0f;
+          } else {
+            float want = 0.0f;
+            for (int r = 0; r < dp; ++r) want += grad_of(r + round, i);
+            wrong_inside += std::memcmp(&want, &g[i], 4) != 0;
+          }
+        }
+        EXPECT_EQ(nonzero_outside, 0u) << "dp " << dp << " rank " << me << " round " << round;
+        EXPECT_EQ(wrong_inside, 0u) << "dp " << dp << " rank " << me << " round " << round;
+      }
+      EXPECT_EQ(grads[0] + grads[1] + grads[2], 0.0f);  // outside the buffer: untouched
+    });
+  }
+}
+
 TEST(GradSync, RangeReportedTwiceIsAnError) {
   dist::run_threads(1, [](dist::Communicator& comm) {
     std::vector<float> g(100);
