@@ -105,7 +105,8 @@ struct Recipe {
     int64_t data = 0;        // data-parallel degree; 0 = world size / (tensor x pipeline)
     int64_t tensor = 1;      // must be 1 until tensor parallelism lands
     int64_t pipeline = 1;    // must be 1 until pipeline parallelism lands
-    int64_t zero = 0;        // 0: replicated optimizer; 1, 2: moments sharded, gradients reduce-scattered
+    int64_t zero = 0;        // 0: replicated optimizer; 1, 2: moments sharded, gradients reduce-scattered;
+                             // 2: only the gradient shard kept after the reduction (parallel/grad_sync.h)
                              // (2 does not free the rest of the gradient buffer yet)
     double bucket_mb = 25;   // gradient reduction bucket size (fp32 MB), > 0
     double timeout_s = 300;  // a collective not done after this long aborts the job (0 = never)

@@ -7,6 +7,11 @@
 //                              therefore the transpose of HF's file layout). Tensors in table order.
 //     optimizer.safetensors    fp32 moments "exp_avg/<param name>", "exp_avg_sq/<param name>"
 //                              (same shapes as the parameters); absent keys are an error on load.
+//     optimizer-rank00001-of-00004.safetensors   instead of optimizer.safetensors in a data-parallel
+//                              run: rank r's flat range of the moments (its ZeRO shard); a tensor
+//                              cut by a shard boundary is stored as a 1-D piece of its flattened
+//                              elements, listed in state.json with "flat": [start, end). Together
+//                              the N files hold every moment exactly once (checked on load).
 //                              Both files may hold U8 tensors "__lathe_pad__/<next tensor>" of
 //                              < 4 KB (and a space-padded JSON header) that align file offsets
 //                              with buffer addresses for zero-copy O_DIRECT writes; readers skip
