@@ -20,11 +20,10 @@ namespace lathe::parallel {
 
 class ShardedOptimizer {
  public:
-  // loaded: a full-size optimizer holding a checkpoint's moments (the checkpoint format does not
-  // depend on the layout), or null for fresh moments. Zero 0 keeps it as is; ZeRO takes this
-  // rank's part and frees it, so at most one full copy of the moments exists at any time.
+  // Fresh (zero) moments for [state_begin, state_end); a resume fills local()'s buffers from the
+  // checkpoint's shards (train/checkpoint.h: load_checkpoint_moments).
   ShardedOptimizer(dist::Communicator& dp, const optim::OptimConfig& cfg, size_t num_params,
-                   std::vector<optim::ParamRange> ranges, int zero, std::unique_ptr<optim::Optimizer> loaded = nullptr);
+                   std::vector<optim::ParamRange> ranges, int zero);
   ShardedOptimizer(const ShardedOptimizer&) = delete;  // the LAMB norm gather holds `this`
   ShardedOptimizer& operator=(const ShardedOptimizer&) = delete;
 
@@ -35,10 +34,6 @@ class ShardedOptimizer {
   size_t state_end() const { return zero_ ? shards_.end(dp_.rank()) : shards_.total(); }
   optim::Optimizer& local() { return *opt_; }
 
-  // The inverse of `loaded`, for saving: rank 0 receives every rank's moments into `full` (a
-  // full-size optimizer of the same kind; nullptr on other ranks). Collective over the group.
-  void gather_state(optim::Optimizer* full);
-
   // L2 norm of the reduced gradients (GradSync::finish done): whole buffer for zero 0, shards
   // summed across ranks otherwise.
   double grad_norm(const float* grads);
@@ -46,9 +41,6 @@ class ShardedOptimizer {
   void step(float* params, const float* grads, double lr, int64_t step, float grad_scale);
 
  private:
-  // Copies this rank's part [state_begin, state_end) of full-size moments into opt_.
-  void adopt_state(optim::Optimizer& full);
-
   dist::Communicator& dp_;
   int zero_;
   FlatShards shards_;

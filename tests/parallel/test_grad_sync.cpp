@@ -123,38 +123,6 @@ TEST(FlatShards, CutsAtChunkMultiplesAndCoverTheBuffer) {
   EXPECT_EQ(o, (std::vector<size_t>{optim::kChunk - 5, optim::kChunk, 7}));
 }
 
-// Checkpoints hold full-size moments whatever the layout: a loaded full state split over any data
-// degree and gathered back must be the same bits.
-TEST(ShardedOptimizer, LoadedMomentsShardAndGatherBackExactly) {
-  for (int dp : {1, 2, 3}) {
-    for (int zero : {0, 1, 2}) {
-      // Every rank loads the same checkpoint (as each process reads the same files).
-      auto make_loaded = [] {
-        auto full = optim::make_optimizer(optim::OptimConfig{}, kP);
-        int k = 0;
-        for (auto& [name, buf] : full->state_buffers()) {
-          for (size_t i = 0; i < kP; ++i) (*buf)[i] = static_cast<float>(std::fabs(grad_of(k, i)));
-          ++k;
-        }
-        return full;
-      };
-      std::vector<std::vector<float>> saved;
-      const auto reference = make_loaded();
-      for (auto& [name, buf] : reference->state_buffers()) saved.emplace_back(buf->data(), buf->data() + kP);
-      std::vector<std::vector<float>> back;
-      dist::run_threads(dp, [&](dist::Communicator& comm) {
-        ShardedOptimizer opt(comm, optim::OptimConfig{}, kP, model_ranges(), zero, make_loaded());
-        std::unique_ptr<optim::Optimizer> full;
-        if (comm.rank() == 0) full = optim::make_optimizer(optim::OptimConfig{}, kP);
-        opt.gather_state(full.get());
-        if (full)
-          for (auto& [name, buf] : full->state_buffers()) back.emplace_back(buf->data(), buf->data() + kP);
-      });
-      EXPECT_EQ(back, saved) << "dp " << dp << " zero " << zero;
-    }
-  }
-}
-
 // ZeRO 2 keeps only the shard after the reduction: everything outside it reads as zero (pages
 // released, edges cleared), zero_grads() clears the shard, and a second step that accumulates (+=)
 // into the buffer reduces exactly as a fresh buffer would (no stale values sent to other ranks).
