@@ -385,7 +385,14 @@ TEST(CheckpointState, FieldsAreNamed) {
             }).find("'tensors.model.safetensors[1].name' must be a string"),
             std::string::npos);
   EXPECT_NE(reseal([](json& b) { b["rng"] = json::array(); }).find("'rng' is empty"), std::string::npos);
-  EXPECT_NE(reseal([](json& b) { b["world"]["world_size"] = 2; }).find("'world'"), std::string::npos);
+  EXPECT_NE(reseal([](json& b) { b["world"]["world_size"] = 0; }).find("'world.world_size'"), std::string::npos);
+  // A world of 2 must list both ranks' moment shards.
+  EXPECT_NE(reseal([](json& b) {
+              b["world"]["world_size"] = 2;
+              b["files"]["optimizer-rank00000-of-00002.safetensors"] = b["files"]["optimizer.safetensors"];
+              b["files"].erase("optimizer.safetensors");
+            }).find("optimizer-rank00001-of-00002.safetensors is missing"),
+            std::string::npos);
   EXPECT_NE(reseal([](json& b) { b["files"]["../x"] = b["files"]["recipe.yaml"]; }).find("'files.../x'"),
             std::string::npos);
   EXPECT_NE(reseal([](json& b) { b["step"] = -1; }).find("'step' is -1"), std::string::npos);
