@@ -389,8 +389,7 @@ TEST(CheckpointState, FieldsAreNamed) {
   // A world of 2 must list both ranks' moment shards.
   EXPECT_NE(reseal([](json& b) {
               b["world"]["world_size"] = 2;
-              b["files"]["optimizer-rank00000-of-00002.safetensors"] = b["files"]["optimizer.safetensors"];
-              b["files"].erase("optimizer.safetensors");
+              b["files"]["optimizer-rank00000-of-00002.safetensors"] = b["files"]["recipe.yaml"];
             }).find("optimizer-rank00001-of-00002.safetensors is missing"),
             std::string::npos);
   EXPECT_NE(reseal([](json& b) { b["files"]["../x"] = b["files"]["recipe.yaml"]; }).find("'files.../x'"),
