@@ -85,6 +85,10 @@ struct Ops {
                          int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, void* scratch,
                          int64_t chunk_rows) = nullptr;
   size_t (*lm_head_loss_scratch_bytes)(int64_t chunk_rows, int64_t V) = nullptr;
+
+  // ---- fp32 logits (evaluation, generation) -----------------------------------------------------
+  // logits[M, V] (fp32 in every table) = x[M, C] @ w[V, C]^T, products accumulated in fp32.
+  void (*logits_forward)(float* logits, const void* x, const void* w, int64_t M, int64_t C, int64_t V) = nullptr;
 };
 
 // Calls f(name, implemented) for every operation slot of `ops`, in declaration order.
@@ -198,10 +202,11 @@ void for_each_op(const Ops& o, F&& f) {
   LATHE_OP(attention_scratch_bytes);
   LATHE_OP(lm_head_loss);
   LATHE_OP(lm_head_loss_scratch_bytes);
+  LATHE_OP(logits_forward);
 #undef LATHE_OP
 }
 // A slot added to Ops but not to the list above would escape the completeness check of ops_for.
-static_assert(sizeof(Ops) == offsetof(Ops, matmul_forward) + 23 * sizeof(void (*)()),
+static_assert(sizeof(Ops) == offsetof(Ops, matmul_forward) + 24 * sizeof(void (*)()),
               "Ops gained or lost a slot: update for_each_op");
 
 }  // namespace lathe

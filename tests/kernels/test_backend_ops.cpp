@@ -235,6 +235,10 @@ Ops make() {
     out(dx, dxv);
     return total;
   };
+  o.logits_forward = [](float* y, const void* x, const void* w, int64_t M, int64_t C, int64_t V) {
+    VecF xv = in(x, M * C), wv = in(w, V * C);
+    f32().logits_forward(y, xv.data(), wv.data(), M, C, V);
+  };
   return o;
 }
 
@@ -634,6 +638,22 @@ void case_lm_head_loss(const Target& t) {
       }
 }
 
+void case_logits(const Target& t) {
+  for (int64_t M : {1, 3, 67})
+    for (int64_t C : {1, 33})
+      for (int64_t V : {1, 31, 67}) {
+        Run r{t, "logits " + dims({M, C, V})};
+        Rng rng(1100 + M * 100 + C * 10 + V);
+        const VecF x = r.act_in(randn(M * C, rng)), w = r.act_in(randn(V * C, rng));
+        VecD ref;
+        ref_matmul_fwd(ref, to_double(x), to_double(w), nullptr, M, C, V);
+        auto dx = r.act(x, "x"), dw = r.act(w, "w"), out = r.f32(VecF(M * V, kNaN), "logits");
+        t.ops->logits_forward(out->f(), dx->p(), dw->p(), M, C, V);
+        // fp32 out from exactly the kernel's inputs: only fp32 accumulation error, in every dtype.
+        expect_close(out->down(), ref, 5e-5 * (1.0 + max_abs(ref)), 5e-5, r.tag + " logits (fp32)");
+      }
+}
+
 struct Case {
   const char* op;
   // The slots this case calls: a table lacking any of them skips the case ("not supported").
@@ -653,6 +673,7 @@ const std::vector<Case>& cases() {
       {"rope", {"rope_tables", "rope_forward", "rope_backward"}, case_rope},
       {"attention", {"attention_forward", "attention_backward", "attention_scratch_bytes"}, case_attention},
       {"lm_head_loss", {"lm_head_loss", "lm_head_loss_scratch_bytes"}, case_lm_head_loss},
+      {"logits", {"logits_forward"}, case_logits},
   };
   return all;
 }
@@ -711,6 +732,16 @@ std::string error_of(const std::function<void()>& f) {
   return "";
 }
 
+TEST(BackendRegistry, CpuBf16AndFp16AreImplementedAndComplete) {
+  for (DType dt : {DType::BF16, DType::F16}) {
+    const Ops& o = ops_for(cpu_backend(), dt);
+    EXPECT_EQ(o.dtype, dt);
+    bool found = false;
+    for (auto [b, d] : implemented_ops()) found = found || (b == &cpu_backend() && d == dt);
+    EXPECT_TRUE(found) << compute_dtype_name(dt);
+  }
+}
+
 TEST(BackendRegistry, CpuFp32IsImplementedAndComplete) {
   const Ops& o = ops_for(cpu_backend(), DType::F32);
   EXPECT_EQ(std::string(o.backend), "cpu");
@@ -723,10 +754,9 @@ TEST(BackendRegistry, CpuFp32IsImplementedAndComplete) {
 }
 
 TEST(BackendRegistry, UnimplementedDtypeNamesOpDtypeBackendAndTheImplementedOnes) {
-  // fp16 has no CPU table at all: the first op is reported, with the dtypes that do have it.
-  const std::string msg = error_of([] { ops_for(cpu_backend(), DType::F16); });
-  EXPECT_EQ(msg.rfind("[matmul_forward] no fp16 implementation on cpu; implemented: ", 0), 0u) << msg;
-  EXPECT_NE(msg.find("fp32"), std::string::npos) << msg;
+  // F64 has no CPU table at all: the first op is reported, with the dtypes that do have it.
+  const std::string msg = error_of([] { ops_for(cpu_backend(), DType::F64); });
+  EXPECT_EQ(msg, "[matmul_forward] no F64 implementation on cpu; implemented: fp32, bf16, fp16") << msg;
   const std::string cuda = error_of([] { ops_for(backend_by_name("cuda"), DType::F32); });
   EXPECT_EQ(cuda, "[matmul_forward] no fp32 implementation on cuda; implemented: none");
 }

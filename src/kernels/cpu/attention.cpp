@@ -25,7 +25,9 @@
 #include <utility>
 
 #include "core/error.h"
+#include "kernels/cpu/half.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/ops_half.h"
 #include "kernels/cpu/vec_math.h"
 
 namespace lathe::cpu {
@@ -185,126 +187,245 @@ size_t attention_scratch_floats(int64_t T, int64_t D) {
   return static_cast<size_t>(omp_get_max_threads()) * static_cast<size_t>(tile_floats(T, D));
 }
 
-void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                       int64_t D, float* scratch) {
-  check_shapes("attention_forward", B, T, H, KVH, D);
+namespace {
+
+// Query head h of batch row b: the work of one forward task (scratch S: this thread's tile_floats).
+void forward_head(float* out, float* lse, const float* qkv, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t b,
+                  int64_t h, float* S) {
   const int64_t ld = (H + 2 * KVH) * D;  // qkv row stride
   const int64_t ldo = H * D;             // out row stride
+  const int64_t rep = H / KVH, g = h / rep;
+  const int64_t Br = block_rows(T);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  float* Kt = S + 2 * Br * T + Br;  // [D, T]
+  float* Vc = Kt + D * T;           // [T, D]
+  const float* q = qkv + b * T * ld + h * D;
+  const float* k = qkv + b * T * ld + (H + g) * D;
+  const float* v = qkv + b * T * ld + (H + KVH + g) * D;
+  float* o = out + b * T * ldo + h * D;
+  float* l = lse + (b * H + h) * T;
+  transpose_head(Kt, k, T, D, ld);
+  pack_head(Vc, v, T, D, ld);
+  for (int64_t i0 = 0; i0 < T; i0 += Br) {
+    const int64_t nr = std::min(Br, T - i0), nc = i0 + nr;  // tile [nr, nc], ld nc
+    // S = scale * Q[i0:i0+nr] @ K[0:nc]^T
+    tile_gemm(nr, nc, D, scale, q + i0 * ld, ld, 1, Kt, T, false, S, nc, Causal::kN, i0);
+    for (int64_t r = 0; r < nr; ++r) {
+      float* s = S + r * nc;
+      const int64_t n = i0 + r + 1;  // keys 0..i inclusive
+      const float m = row_max(s, n);
+      const float sum = static_cast<float>(vec::exp_shift_sum(s, n, m));
+      vec::scale(s, n, 1.0f / sum);
+      for (int64_t j = n; j < nc; ++j) s[j] = 0.0f;
+      l[i0 + r] = m + std::log(sum);
+    }
+    // O[i0:i0+nr] = P @ V[0:nc]
+    tile_gemm(nr, D, nc, 1.0f, S, nc, 1, Vc, D, false, o + i0 * ldo, ldo, Causal::kK, i0);
+  }
+}
+
+// kv head g of batch row b and every query head of its group: one backward task (dK, dV of the kv
+// head and dQ of its query heads, written by one thread in a fixed order; P: tile_floats).
+void backward_group(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int64_t T,
+                    int64_t H, int64_t KVH, int64_t D, int64_t b, int64_t g, float* P) {
+  const int64_t ld = (H + 2 * KVH) * D;
+  const int64_t ldo = H * D;
   const int64_t rep = H / KVH;
   const int64_t Br = block_rows(T);
-  const int64_t per_thread = tile_floats(T, D);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const int max_thr = omp_get_max_threads();
+  float* dS = P + Br * T;   // [Br, T]
+  float* Di = dS + Br * T;  // [Br]
+  float* Kt = Di + Br;      // [D, T]
+  float* Vt = Kt + D * T;   // [D, T]
+  float* Kc = Vt + D * T;   // [T, D]
+  const float* k = qkv + b * T * ld + (H + g) * D;
+  const float* v = qkv + b * T * ld + (H + KVH + g) * D;
+  float* dk = dqkv + b * T * ld + (H + g) * D;
+  float* dv = dqkv + b * T * ld + (H + KVH + g) * D;
+  transpose_head(Kt, k, T, D, ld);
+  transpose_head(Vt, v, T, D, ld);
+  pack_head(Kc, k, T, D, ld);
+  for (int64_t t = 0; t < T; ++t) {
+    std::fill(dk + t * ld, dk + t * ld + D, 0.0f);
+    std::fill(dv + t * ld, dv + t * ld + D, 0.0f);
+  }
+  for (int64_t h = g * rep; h < (g + 1) * rep; ++h) {
+    const float* q = qkv + b * T * ld + h * D;
+    float* dq = dqkv + b * T * ld + h * D;
+    const float* o = out + b * T * ldo + h * D;
+    const float* dout_h = dout + b * T * ldo + h * D;
+    const float* l = lse + (b * H + h) * T;
+    for (int64_t i0 = 0; i0 < T; i0 += Br) {
+      const int64_t nr = std::min(Br, T - i0), nc = i0 + nr;
+      const float* qb = q + i0 * ld;
+      const float* dob = dout_h + i0 * ldo;
+      // P = exp(scale * Q K^T - lse), causal entries zeroed.
+      tile_gemm(nr, nc, D, scale, qb, ld, 1, Kt, T, false, P, nc, Causal::kN, i0);
+      for (int64_t r = 0; r < nr; ++r) {
+        float* p = P + r * nc;
+        const int64_t n = i0 + r + 1;
+        const float li = l[i0 + r];
+        vec::exp_shift(p, n, li);
+        for (int64_t j = n; j < nc; ++j) p[j] = 0.0f;
+        const float* orow = o + (i0 + r) * ldo;
+        const float* drow = dob + r * ldo;
+        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t d = 0; d < D; ++d) acc += orow[d] * drow[d];
+        Di[r] = acc;
+      }
+      // dV[0:nc] += P^T dO
+      tile_gemm(nc, D, nr, 1.0f, P, 1, nc, dob, ldo, true, dv, ld, Causal::kKT, i0);
+      // dP = dO V^T
+      tile_gemm(nr, nc, D, 1.0f, dob, ldo, 1, Vt, T, false, dS, nc, Causal::kN, i0);
+      for (int64_t r = 0; r < nr; ++r) {
+        const float* p = P + r * nc;
+        float* ds = dS + r * nc;
+        const float di = Di[r];
+        const int64_t n = i0 + r + 1;  // dS beyond n is unwritten (Causal::kN): zero it
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) ds[j] = p[j] * (ds[j] - di) * scale;
+        for (int64_t j = n; j < nc; ++j) ds[j] = 0.0f;
+      }
+      // dQ[i0:i0+nr] = dS K[0:nc]  (overwrite),  dK[0:nc] += dS^T Q[i0:i0+nr]
+      tile_gemm(nr, D, nc, 1.0f, dS, nc, 1, Kc, D, false, dq + i0 * ld, ld, Causal::kK, i0);
+      tile_gemm(nc, D, nr, 1.0f, dS, 1, nc, qb, ld, true, dk, ld, Causal::kKT, i0);
+    }
+  }
+}
 
+// ---- 16-bit storage (bf16 / fp16 tables): fp32 math on widened copies of one head --------------
+// Per thread, after the fp32 tile_floats: a packed fp32 q|k|v of one query head [T, 3D], its
+// gradient [T, 3D], the head's out and dout [T, D] each, and fp32 dK, dV accumulators [T, D]
+// (a kv head shared by several query heads sums their contributions before its one rounding).
+inline int64_t half_extra_floats(int64_t T, int64_t D) { return 10 * T * D; }
+
+// dst[T, ncols] (packed fp32) <- columns [col, col + ncols) of src rows of stride ld.
+template <class P>
+void widen_cols(float* dst, const uint16_t* src, int64_t T, int64_t ncols, int64_t ld) {
+  for (int64_t t = 0; t < T; ++t) P::to_f32(dst + t * ncols, src + t * ld, ncols);
+}
+template <class P>
+void narrow_cols(uint16_t* dst, const float* src, int64_t T, int64_t ncols, int64_t ld) {
+  for (int64_t t = 0; t < T; ++t) P::from_f32(dst + t * ld, src + t * ncols, ncols);
+}
+
+template <class P>
+void attention_forward_half(void* out_v, float* lse, const void* qkv_v, int64_t B, int64_t T, int64_t H, int64_t KVH,
+                            int64_t D, void* scratch_v) {
+  check_shapes("attention_forward", B, T, H, KVH, D);
+  auto* out = static_cast<uint16_t*>(out_v);
+  const auto* qkv = static_cast<const uint16_t*>(qkv_v);
+  const int64_t ld = (H + 2 * KVH) * D, ldo = H * D, rep = H / KVH;
+  const int64_t per_thread = tile_floats(T, D) + half_extra_floats(T, D);
+  const int max_thr = omp_get_max_threads();
 #pragma omp parallel for schedule(static) num_threads(max_thr)
   for (int64_t bh = 0; bh < B * H; ++bh) {
     const int64_t b = bh / H, h = bh % H, g = h / rep;
-    float* S = scratch + static_cast<int64_t>(omp_get_thread_num()) * per_thread;  // [Br, T] tile
-    float* Kt = S + 2 * Br * T + Br;                                               // [D, T]
-    float* Vc = Kt + D * T;                                                        // [T, D]
-    const float* q = qkv + b * T * ld + h * D;
-    const float* k = qkv + b * T * ld + (H + g) * D;
-    const float* v = qkv + b * T * ld + (H + KVH + g) * D;
-    float* o = out + b * T * ldo + h * D;
-    float* l = lse + (b * H + h) * T;
-    transpose_head(Kt, k, T, D, ld);
-    pack_head(Vc, v, T, D, ld);
-    for (int64_t i0 = 0; i0 < T; i0 += Br) {
-      const int64_t nr = std::min(Br, T - i0), nc = i0 + nr;  // tile [nr, nc], ld nc
-      // S = scale * Q[i0:i0+nr] @ K[0:nc]^T
-      tile_gemm(nr, nc, D, scale, q + i0 * ld, ld, 1, Kt, T, false, S, nc, Causal::kN, i0);
-      for (int64_t r = 0; r < nr; ++r) {
-        float* s = S + r * nc;
-        const int64_t n = i0 + r + 1;  // keys 0..i inclusive
-        const float m = row_max(s, n);
-        const float sum = static_cast<float>(vec::exp_shift_sum(s, n, m));
-        vec::scale(s, n, 1.0f / sum);
-        for (int64_t j = n; j < nc; ++j) s[j] = 0.0f;
-        l[i0 + r] = m + std::log(sum);
-      }
-      // O[i0:i0+nr] = P @ V[0:nc]
-      tile_gemm(nr, D, nc, 1.0f, S, nc, 1, Vc, D, false, o + i0 * ldo, ldo, Causal::kK, i0);
+    float* S = static_cast<float*>(scratch_v) + static_cast<int64_t>(omp_get_thread_num()) * per_thread;
+    float* mini = S + tile_floats(T, D);  // [T, 3D]: this head's q | k | v, as H = KVH = 1
+    float* mo = mini + 6 * T * D;         // [T, D]
+    const uint16_t* row = qkv + b * T * ld;
+    for (int64_t t = 0; t < T; ++t) {
+      P::to_f32(mini + t * 3 * D, row + t * ld + h * D, D);
+      P::to_f32(mini + t * 3 * D + D, row + t * ld + (H + g) * D, D);
+      P::to_f32(mini + t * 3 * D + 2 * D, row + t * ld + (H + KVH + g) * D, D);
     }
+    forward_head(mo, lse + (b * H + h) * T, mini, T, 1, 1, D, 0, 0, S);
+    narrow_cols<P>(out + b * T * ldo + h * D, mo, T, D, ldo);
   }
+}
+
+template <class P>
+void attention_backward_half(void* dqkv_v, const void* dout_v, const void* qkv_v, const void* out_v, const float* lse,
+                             int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch_v) {
+  check_shapes("attention_backward", B, T, H, KVH, D);
+  auto* dqkv = static_cast<uint16_t*>(dqkv_v);
+  const auto* dout = static_cast<const uint16_t*>(dout_v);
+  const auto* qkv = static_cast<const uint16_t*>(qkv_v);
+  const auto* out = static_cast<const uint16_t*>(out_v);
+  const int64_t ld = (H + 2 * KVH) * D, ldo = H * D, rep = H / KVH;
+  const int64_t per_thread = tile_floats(T, D) + half_extra_floats(T, D);
+  const int max_thr = omp_get_max_threads();
+#pragma omp parallel for schedule(static) num_threads(max_thr)
+  for (int64_t bg = 0; bg < B * KVH; ++bg) {
+    const int64_t b = bg / KVH, g = bg % KVH;
+    float* P_ = static_cast<float*>(scratch_v) + static_cast<int64_t>(omp_get_thread_num()) * per_thread;
+    float* mini = P_ + tile_floats(T, D);  // [T, 3D] q | k | v of one query head
+    float* dmini = mini + 3 * T * D;       // [T, 3D]
+    float* mo = dmini + 3 * T * D;         // [T, D]
+    float* mdo = mo + T * D;               // [T, D]
+    float* dk = mdo + T * D;               // [T, D]
+    float* dv = dk + T * D;                // [T, D]
+    const uint16_t* row = qkv + b * T * ld;
+    std::fill(dk, dk + 2 * T * D, 0.0f);
+    for (int64_t h = g * rep; h < (g + 1) * rep; ++h) {
+      for (int64_t t = 0; t < T; ++t) {
+        P::to_f32(mini + t * 3 * D, row + t * ld + h * D, D);
+        P::to_f32(mini + t * 3 * D + D, row + t * ld + (H + g) * D, D);
+        P::to_f32(mini + t * 3 * D + 2 * D, row + t * ld + (H + KVH + g) * D, D);
+      }
+      widen_cols<P>(mo, out + b * T * ldo + h * D, T, D, ldo);
+      widen_cols<P>(mdo, dout + b * T * ldo + h * D, T, D, ldo);
+      backward_group(dmini, mdo, mini, mo, lse + (b * H + h) * T, T, 1, 1, D, 0, 0, P_);
+      for (int64_t t = 0; t < T; ++t)  // dq: this head's only (columns [0, D) of the [T, 3D] gradient)
+        P::from_f32(dqkv + (b * T + t) * ld + h * D, dmini + t * 3 * D, D);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t d = 0; d < D; ++d) {
+          dk[t * D + d] += dmini[t * 3 * D + D + d];
+          dv[t * D + d] += dmini[t * 3 * D + 2 * D + d];
+        }
+    }
+    narrow_cols<P>(dqkv + b * T * ld + (H + g) * D, dk, T, D, ld);
+    narrow_cols<P>(dqkv + b * T * ld + (H + KVH + g) * D, dv, T, D, ld);
+  }
+}
+
+}  // namespace
+
+void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
+                       int64_t D, float* scratch) {
+  check_shapes("attention_forward", B, T, H, KVH, D);
+  const int64_t per_thread = tile_floats(T, D);
+  const int max_thr = omp_get_max_threads();
+#pragma omp parallel for schedule(static) num_threads(max_thr)
+  for (int64_t bh = 0; bh < B * H; ++bh)
+    forward_head(out, lse, qkv, T, H, KVH, D, bh / H, bh % H,
+                 scratch + static_cast<int64_t>(omp_get_thread_num()) * per_thread);
 }
 
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int64_t B,
                         int64_t T, int64_t H, int64_t KVH, int64_t D, float* scratch) {
   check_shapes("attention_backward", B, T, H, KVH, D);
-  const int64_t ld = (H + 2 * KVH) * D;
-  const int64_t ldo = H * D;
-  const int64_t rep = H / KVH;
-  const int64_t Br = block_rows(T);
   const int64_t per_thread = tile_floats(T, D);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int max_thr = omp_get_max_threads();
-
   // One task per (b, kv head): it owns dK, dV of that kv head and dQ of every query head of its
   // group, so everything is written by one thread in a fixed order (deterministic, no atomics).
 #pragma omp parallel for schedule(static) num_threads(max_thr)
-  for (int64_t bg = 0; bg < B * KVH; ++bg) {
-    const int64_t b = bg / KVH, g = bg % KVH;
-    float* P = scratch + static_cast<int64_t>(omp_get_thread_num()) * per_thread;  // [Br, T]
-    float* dS = P + Br * T;                                                        // [Br, T]
-    float* Di = dS + Br * T;                                                       // [Br]
-    float* Kt = Di + Br;                                                           // [D, T]
-    float* Vt = Kt + D * T;                                                        // [D, T]
-    float* Kc = Vt + D * T;                                                        // [T, D]
-    const float* k = qkv + b * T * ld + (H + g) * D;
-    const float* v = qkv + b * T * ld + (H + KVH + g) * D;
-    float* dk = dqkv + b * T * ld + (H + g) * D;
-    float* dv = dqkv + b * T * ld + (H + KVH + g) * D;
-    transpose_head(Kt, k, T, D, ld);
-    transpose_head(Vt, v, T, D, ld);
-    pack_head(Kc, k, T, D, ld);
-    for (int64_t t = 0; t < T; ++t) {
-      std::fill(dk + t * ld, dk + t * ld + D, 0.0f);
-      std::fill(dv + t * ld, dv + t * ld + D, 0.0f);
-    }
-    for (int64_t h = g * rep; h < (g + 1) * rep; ++h) {
-      const float* q = qkv + b * T * ld + h * D;
-      float* dq = dqkv + b * T * ld + h * D;
-      const float* o = out + b * T * ldo + h * D;
-      const float* dout_h = dout + b * T * ldo + h * D;
-      const float* l = lse + (b * H + h) * T;
-      for (int64_t i0 = 0; i0 < T; i0 += Br) {
-        const int64_t nr = std::min(Br, T - i0), nc = i0 + nr;
-        const float* qb = q + i0 * ld;
-        const float* dob = dout_h + i0 * ldo;
-        // P = exp(scale * Q K^T - lse), causal entries zeroed.
-        tile_gemm(nr, nc, D, scale, qb, ld, 1, Kt, T, false, P, nc, Causal::kN, i0);
-        for (int64_t r = 0; r < nr; ++r) {
-          float* p = P + r * nc;
-          const int64_t n = i0 + r + 1;
-          const float li = l[i0 + r];
-          vec::exp_shift(p, n, li);
-          for (int64_t j = n; j < nc; ++j) p[j] = 0.0f;
-          const float* orow = o + (i0 + r) * ldo;
-          const float* drow = dob + r * ldo;
-          float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t d = 0; d < D; ++d) acc += orow[d] * drow[d];
-          Di[r] = acc;
-        }
-        // dV[0:nc] += P^T dO
-        tile_gemm(nc, D, nr, 1.0f, P, 1, nc, dob, ldo, true, dv, ld, Causal::kKT, i0);
-        // dP = dO V^T
-        tile_gemm(nr, nc, D, 1.0f, dob, ldo, 1, Vt, T, false, dS, nc, Causal::kN, i0);
-        for (int64_t r = 0; r < nr; ++r) {
-          const float* p = P + r * nc;
-          float* ds = dS + r * nc;
-          const float di = Di[r];
-          const int64_t n = i0 + r + 1;  // dS beyond n is unwritten (Causal::kN): zero it
-#pragma omp simd
-          for (int64_t j = 0; j < n; ++j) ds[j] = p[j] * (ds[j] - di) * scale;
-          for (int64_t j = n; j < nc; ++j) ds[j] = 0.0f;
-        }
-        // dQ[i0:i0+nr] = dS K[0:nc]  (overwrite),  dK[0:nc] += dS^T Q[i0:i0+nr]
-        tile_gemm(nr, D, nc, 1.0f, dS, nc, 1, Kc, D, false, dq + i0 * ld, ld, Causal::kK, i0);
-        tile_gemm(nc, D, nr, 1.0f, dS, 1, nc, qb, ld, true, dk, ld, Causal::kKT, i0);
-      }
-    }
-  }
+  for (int64_t bg = 0; bg < B * KVH; ++bg)
+    backward_group(dqkv, dout, qkv, out, lse, T, H, KVH, D, bg / KVH, bg % KVH,
+                   scratch + static_cast<int64_t>(omp_get_thread_num()) * per_thread);
+}
+
+size_t attention_scratch_bytes_half(int64_t T, int64_t D) {
+  return static_cast<size_t>(omp_get_max_threads()) * static_cast<size_t>(tile_floats(T, D) + half_extra_floats(T, D)) *
+         sizeof(float);
+}
+void attention_forward_bf16(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
+                            int64_t D, void* scratch) {
+  attention_forward_half<Bf16>(out, lse, qkv, B, T, H, KVH, D, scratch);
+}
+void attention_backward_bf16(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
+                             int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch) {
+  attention_backward_half<Bf16>(dqkv, dout, qkv, out, lse, B, T, H, KVH, D, scratch);
+}
+void attention_forward_fp16(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
+                            int64_t D, void* scratch) {
+  attention_forward_half<Fp16>(out, lse, qkv, B, T, H, KVH, D, scratch);
+}
+void attention_backward_fp16(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
+                             int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch) {
+  attention_backward_half<Fp16>(dqkv, dout, qkv, out, lse, B, T, H, KVH, D, scratch);
 }
 
 }  // namespace lathe::cpu

@@ -89,6 +89,10 @@ size_t lm_head_loss_scratch_bytes_f32(int64_t chunk_rows, int64_t V) {
   return static_cast<size_t>(chunk_rows) * static_cast<size_t>(V) * sizeof(float);
 }
 
+void logits_forward_f32(float* logits, const void* x, const void* w, int64_t M, int64_t C, int64_t V) {
+  matmul_forward(logits, f(x), f(w), nullptr, M, C, V, false);
+}
+
 Ops make_fp32_ops() {
   Ops o;
   o.backend = "cpu";
@@ -116,6 +120,7 @@ Ops make_fp32_ops() {
   o.attention_scratch_bytes = attention_scratch_bytes_f32;
   o.lm_head_loss = lm_head_loss_f32;
   o.lm_head_loss_scratch_bytes = lm_head_loss_scratch_bytes_f32;
+  o.logits_forward = logits_forward_f32;
   return o;
 }
 
@@ -149,7 +154,7 @@ class CpuBackend final : public Backend {
     if (bytes) std::memcpy(dst, src, bytes);
   }
   void synchronize() const override {}
-  std::vector<const Ops*> op_tables() const override { return {&cpu::fp32_ops()}; }
+  std::vector<const Ops*> op_tables() const override { return {&cpu::fp32_ops(), &cpu::bf16_ops(), &cpu::fp16_ops()}; }
 };
 
 }  // namespace

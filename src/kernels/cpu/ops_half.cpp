@@ -1,0 +1,609 @@
+// The CPU bf16 and fp16 op tables (issue 9): 16-bit activations, fp32 math inside every kernel.
+//
+// One template per op, instantiated for the two storage types of kernels/cpu/half.h:
+//  * GEMMs: bf16 on oneDNN (kernels/cpu/ops_bf16.h: bf16 operands, fp32 accumulation, each output
+//    rounded once from its fp32 sum). fp16: this CPU generation has no fp16 GEMM instructions
+//    (AVX512-FP16 / AMX-FP16 are absent on everything before Sapphire Rapids, and oneDNN 2.x runs
+//    f16 matmuls only there), so fp16 operands are widened to fp32 and run on the fp32 sgemm: a
+//    CORRECTNESS path (fp16 storage, fp32 compute), not a speed path.
+//  * Norms, attention, softmax/cross-entropy: statistics, running max/sum and the loss in fp32 on
+//    rows widened from 16 bits (norm statistics, lse and losses are fp32 outputs).
+//  * Pointwise (GELU, SwiGLU, residual, RoPE, embedding): widen a block, the fp32 formula of the
+//    fp32 kernels (pointwise_math.h), round once.
+//  * Parameter gradients are fp32 and accumulate (+=) into the fp32 gradient buffer in every op.
+//  * "+=" into a 16-bit input gradient (norm backwards, the accumulate flags of the matmuls) adds
+//    in fp32 and rounds the sum once.
+// Scratch: the *_scratch_bytes of these tables include the fp32 rows the kernels widen into; ops
+// whose signature has no scratch use per-thread rows grown once (half.h, thread_rows), so a
+// training step allocates nothing after the first.
+#include "kernels/cpu/ops_half.h"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/error.h"
+#include "kernels/cpu/half.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/cpu/ops_bf16.h"
+#include "kernels/cpu/pointwise_math.h"
+#include "kernels/cpu/tables.h"
+#include "kernels/cpu/vec_math.h"
+
+namespace lathe::cpu {
+namespace {
+
+using u16 = uint16_t;
+constexpr int64_t kParallelMin = 1 << 15;
+constexpr int64_t kBlock = 1024;  // elements per widened block of the pointwise ops
+
+const u16* h(const void* p) { return static_cast<const u16*>(p); }
+u16* h(void* p) { return static_cast<u16*>(p); }
+
+// Parallel whole-buffer conversions (outside the kernels' own parallel regions).
+template <class P>
+void widen(float* dst, const u16* src, int64_t n) {
+  const int64_t nb = (n + kBlock * 16 - 1) / (kBlock * 16);
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t i0 = b * kBlock * 16;
+    P::to_f32(dst + i0, src + i0, std::min(kBlock * 16, n - i0));
+  }
+}
+template <class P>
+void narrow(u16* dst, const float* src, int64_t n) {
+  const int64_t nb = (n + kBlock * 16 - 1) / (kBlock * 16);
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t i0 = b * kBlock * 16;
+    P::from_f32(dst + i0, src + i0, std::min(kBlock * 16, n - i0));
+  }
+}
+
+// ---- GEMM backends per storage type ----------------------------------------------------------
+struct Bf16Mm {
+  static void fwd_f32(float* out, const u16* x, const u16* w, const float* b, int64_t M, int64_t K, int64_t N,
+                      bool acc) {
+    matmul_forward_bf16(out, x, w, b, M, K, N, acc);
+  }
+  static void fwd_h(u16* out, const u16* x, const u16* w, const float* b, int64_t M, int64_t K, int64_t N) {
+    matmul_forward_bf16_out_bf16(out, x, w, b, M, K, N);
+  }
+  static void bwd_f32(float* dx, float* dw, float* db, const u16* g, const u16* x, const u16* w, int64_t M, int64_t K,
+                      int64_t N, bool acc) {
+    matmul_backward_bf16(dx, dw, db, g, x, w, M, K, N, acc);
+  }
+  static void bwd_h(u16* dx, float* dw, float* db, const u16* g, const u16* x, const u16* w, int64_t M, int64_t K,
+                    int64_t N) {
+    if (dx == nullptr)
+      matmul_backward_bf16(nullptr, dw, db, g, x, w, M, K, N, false);
+    else
+      matmul_backward_bf16_dinp_bf16(dx, dw, db, g, x, w, M, K, N);
+  }
+};
+
+// fp16: operands widened into per-thread fp32 buffers (slots 0-2), then OpenBLAS sgemm.
+struct Fp16Mm {
+  static void fwd_f32(float* out, const u16* x, const u16* w, const float* b, int64_t M, int64_t K, int64_t N,
+                      bool acc) {
+    float* xf = thread_rows(0, static_cast<size_t>(M * K));
+    float* wf = thread_rows(1, static_cast<size_t>(N * K));
+    widen<Fp16>(xf, x, M * K);
+    widen<Fp16>(wf, w, N * K);
+    matmul_forward(out, xf, wf, b, M, K, N, acc);
+  }
+  static void fwd_h(u16* out, const u16* x, const u16* w, const float* b, int64_t M, int64_t K, int64_t N) {
+    float* of = thread_rows(2, static_cast<size_t>(M * N));
+    fwd_f32(of, x, w, b, M, K, N, false);
+    narrow<Fp16>(out, of, M * N);
+  }
+  static void bwd_f32(float* dx, float* dw, float* db, const u16* g, const u16* x, const u16* w, int64_t M, int64_t K,
+                      int64_t N, bool acc) {
+    float* gf = thread_rows(0, static_cast<size_t>(M * N));
+    float* xf = thread_rows(1, dw ? static_cast<size_t>(M * K) : 0);
+    float* wf = thread_rows(2, dx ? static_cast<size_t>(N * K) : 0);
+    widen<Fp16>(gf, g, M * N);
+    if (dw) widen<Fp16>(xf, x, M * K);
+    if (dx) widen<Fp16>(wf, w, N * K);
+    matmul_backward(dx, dw, db, gf, xf, wf, M, K, N, acc);
+  }
+  static void bwd_h(u16* dx, float* dw, float* db, const u16* g, const u16* x, const u16* w, int64_t M, int64_t K,
+                    int64_t N) {
+    float* dxf = dx ? thread_rows(3, static_cast<size_t>(M * K)) : nullptr;
+    bwd_f32(dxf, dw, db, g, x, w, M, K, N, false);
+    if (dx) narrow<Fp16>(dx, dxf, M * K);
+  }
+};
+
+// ---- matmul ------------------------------------------------------------------------------------
+template <class P, class Mm>
+void matmul_forward_h(void* out, const void* inp, const void* weight, const float* bias, int64_t M, int64_t K,
+                      int64_t N, bool accumulate) {
+  if (!accumulate) return Mm::fwd_h(h(out), h(inp), h(weight), bias, M, K, N);
+  // out += ...: the sum is formed in fp32 (slot 3) and rounded once.
+  float* t = thread_rows(3, static_cast<size_t>(M * N));
+  widen<P>(t, h(out), M * N);
+  Mm::fwd_f32(t, h(inp), h(weight), bias, M, K, N, true);
+  narrow<P>(h(out), t, M * N);
+}
+
+template <class P, class Mm>
+void matmul_backward_h(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp, const void* weight,
+                       int64_t M, int64_t K, int64_t N, bool accumulate_dinp) {
+  if (dinp == nullptr || !accumulate_dinp)
+    return Mm::bwd_h(h(dinp), dweight, dbias, h(dout), h(inp), h(weight), M, K, N);
+  float* t = thread_rows(3, static_cast<size_t>(M * K));
+  widen<P>(t, h(dinp), M * K);
+  Mm::bwd_f32(t, dweight, dbias, h(dout), h(inp), h(weight), M, K, N, true);
+  narrow<P>(h(dinp), t, M * K);
+}
+
+template <class P, class Mm>
+void logits_forward_h(float* logits, const void* x, const void* w, int64_t M, int64_t C, int64_t V) {
+  Mm::fwd_f32(logits, h(x), h(w), nullptr, M, C, V, false);
+}
+
+// ---- embedding ---------------------------------------------------------------------------------
+template <class P>
+void embedding_forward_h(void* out_v, const int32_t* tokens, const void* wte_v, const void* wpe_v, int64_t B, int64_t T,
+                         int64_t C) {
+  const int64_t rows = B * T;
+  u16* out = h(out_v);
+  const u16 *wte = h(wte_v), *wpe = h(wpe_v);
+#pragma omp parallel if (rows * C >= kParallelMin)
+  {
+    float* e = thread_rows(0, static_cast<size_t>(C));
+    float* p = thread_rows(1, static_cast<size_t>(C));
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const u16* er = wte + static_cast<int64_t>(tokens[r]) * C;
+      if (wpe == nullptr) {
+        std::memcpy(out + r * C, er, sizeof(u16) * C);  // a copy: exact
+        continue;
+      }
+      P::to_f32(e, er, C);
+      P::to_f32(p, wpe + (r % T) * C, C);
+      for (int64_t c = 0; c < C; ++c) e[c] += p[c];
+      P::from_f32(out + r * C, e, C);
+    }
+  }
+}
+
+// As the fp32 kernel: each thread owns a run of columns and walks every token in order
+// (deterministic, independent of the thread count); dout rows are widened per thread.
+template <class P>
+void embedding_backward_h(float* dwte, float* dwpe, const void* dout_v, const int32_t* tokens, int64_t B, int64_t T,
+                          int64_t C) {
+  const int64_t rows = B * T;
+  const u16* dout = h(dout_v);
+  constexpr int64_t kColBlock = 16;
+  const int64_t nblocks = (C + kColBlock - 1) / kColBlock;
+#pragma omp parallel if (rows * C >= kParallelMin)
+  {
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t b0 = nblocks * tid / nt, b1 = nblocks * (tid + 1) / nt;
+    const int64_t c0 = b0 * kColBlock, c1 = std::min(b1 * kColBlock, C);
+    float* g = thread_rows(0, static_cast<size_t>(C));
+    if (c0 < c1) {
+      for (int64_t r = 0; r < rows; ++r) {
+        float* __restrict d = dwte + static_cast<int64_t>(tokens[r]) * C;
+        P::to_f32(g, dout + r * C + c0, c1 - c0);
+        for (int64_t c = c0; c < c1; ++c) d[c] += g[c - c0];
+      }
+    }
+    if (dwpe != nullptr) {
+#pragma omp for schedule(static) nowait
+      for (int64_t t = 0; t < T; ++t) {
+        float* __restrict d = dwpe + t * C;
+        for (int64_t b = 0; b < B; ++b) {
+          P::to_f32(g, dout + (b * T + t) * C, C);
+          for (int64_t c = 0; c < C; ++c) d[c] += g[c];
+        }
+      }
+    }
+  }
+}
+
+// ---- LayerNorm / RMSNorm -------------------------------------------------------------------------
+template <class P>
+void layernorm_forward_h(void* out_v, float* mean, float* rstd, const void* inp_v, const float* weight,
+                         const float* bias, int64_t N, int64_t C, float eps) {
+  const float inv_c = 1.0f / static_cast<float>(C);
+  const u16* inp = h(inp_v);
+  u16* out = h(out_v);
+#pragma omp parallel if (N * C >= kParallelMin)
+  {
+    float* __restrict x = thread_rows(0, static_cast<size_t>(C));
+    float* __restrict o = thread_rows(1, static_cast<size_t>(C));
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      P::to_f32(x, inp + n * C, C);
+      float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t c = 0; c < C; ++c) s += x[c];
+      const float m = s * inv_c;
+      float v = 0.0f;
+#pragma omp simd reduction(+ : v)
+      for (int64_t c = 0; c < C; ++c) {
+        const float d = x[c] - m;
+        v += d * d;
+      }
+      const float r = 1.0f / std::sqrt(v * inv_c + eps);
+      if (bias != nullptr) {
+        for (int64_t c = 0; c < C; ++c) o[c] = (x[c] - m) * r * weight[c] + bias[c];
+      } else {
+        for (int64_t c = 0; c < C; ++c) o[c] = (x[c] - m) * r * weight[c];
+      }
+      P::from_f32(out + n * C, o, C);
+      mean[n] = m;
+      rstd[n] = r;
+    }
+  }
+}
+
+// Scratch: per thread 2C partial parameter gradients (as fp32), then per thread 3C widened rows.
+size_t layernorm_scratch_bytes_h(int64_t C) { return static_cast<size_t>(5 * C * omp_get_max_threads()) * 4; }
+
+template <class P>
+void layernorm_backward_h(void* dinp_v, float* dweight, float* dbias, const void* dout_v, const void* inp_v,
+                          const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
+                          void* scratch_v) {
+  const float inv_c = 1.0f / static_cast<float>(C);
+  float* scratch = static_cast<float*>(scratch_v);
+  const int64_t max_thr = omp_get_max_threads();
+  const u16 *dout = h(dout_v), *inp = h(inp_v);
+  u16* dinp = h(dinp_v);
+#pragma omp parallel if (N * C >= kParallelMin)
+  {
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    float* __restrict pw = scratch + tid * 2 * C;
+    float* __restrict pb = pw + C;
+    float* __restrict x = scratch + max_thr * 2 * C + tid * 3 * C;
+    float* __restrict g = x + C;
+    float* __restrict dx = g + C;
+    for (int64_t c = 0; c < 2 * C; ++c) pw[c] = 0.0f;
+    const int64_t n0 = N * tid / nt, n1 = N * (tid + 1) / nt;
+    for (int64_t n = n0; n < n1; ++n) {
+      P::to_f32(x, inp + n * C, C);
+      P::to_f32(g, dout + n * C, C);
+      P::to_f32(dx, dinp + n * C, C);
+      const float m = mean[n], r = rstd[n];
+      float sum_dxhat = 0.0f, sum_dxhat_xhat = 0.0f;
+#pragma omp simd reduction(+ : sum_dxhat, sum_dxhat_xhat)
+      for (int64_t c = 0; c < C; ++c) {
+        const float xhat = (x[c] - m) * r;
+        const float dxhat = g[c] * weight[c];
+        sum_dxhat += dxhat;
+        sum_dxhat_xhat += dxhat * xhat;
+        pw[c] += g[c] * xhat;
+        pb[c] += g[c];
+      }
+      const float a = sum_dxhat * inv_c, b = sum_dxhat_xhat * inv_c;
+      for (int64_t c = 0; c < C; ++c) {
+        const float xhat = (x[c] - m) * r;
+        dx[c] += (g[c] * weight[c] - a - xhat * b) * r;
+      }
+      P::from_f32(dinp + n * C, dx, C);
+    }
+#pragma omp barrier
+    const int64_t c0 = C * tid / nt, c1 = C * (tid + 1) / nt;
+    for (int64_t c = c0; c < c1; ++c) {
+      float sw = 0.0f, sb = 0.0f;
+      for (int64_t t = 0; t < nt; ++t) {
+        sw += scratch[t * 2 * C + c];
+        sb += scratch[t * 2 * C + C + c];
+      }
+      dweight[c] += sw;
+      if (dbias != nullptr) dbias[c] += sb;
+    }
+  }
+}
+
+template <class P>
+void rmsnorm_forward_h(void* out_v, float* rstd, const void* inp_v, const float* weight, int64_t N, int64_t C,
+                       float eps) {
+  const float inv_c = 1.0f / static_cast<float>(C);
+  const u16* inp = h(inp_v);
+  u16* out = h(out_v);
+#pragma omp parallel if (N * C >= kParallelMin)
+  {
+    float* __restrict x = thread_rows(0, static_cast<size_t>(C));
+    float* __restrict o = thread_rows(1, static_cast<size_t>(C));
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      P::to_f32(x, inp + n * C, C);
+      float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t c = 0; c < C; ++c) ss += x[c] * x[c];
+      const float r = 1.0f / std::sqrt(ss * inv_c + eps);
+      for (int64_t c = 0; c < C; ++c) o[c] = weight[c] * (x[c] * r);
+      P::from_f32(out + n * C, o, C);
+      rstd[n] = r;
+    }
+  }
+}
+
+// Scratch: per thread C partial dweight, then per thread 3C widened rows.
+size_t rmsnorm_scratch_bytes_h(int64_t C) { return static_cast<size_t>(4 * C * omp_get_max_threads()) * 4; }
+
+template <class P>
+void rmsnorm_backward_h(void* dinp_v, float* dweight, const void* dout_v, const void* inp_v, const float* weight,
+                        const float* rstd, int64_t N, int64_t C, void* scratch_v) {
+  const float inv_c = 1.0f / static_cast<float>(C);
+  float* scratch = static_cast<float*>(scratch_v);
+  const int64_t max_thr = omp_get_max_threads();
+  const u16 *dout = h(dout_v), *inp = h(inp_v);
+  u16* dinp = h(dinp_v);
+#pragma omp parallel if (N * C >= kParallelMin)
+  {
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    float* __restrict pw = scratch + tid * C;
+    float* __restrict x = scratch + max_thr * C + tid * 3 * C;
+    float* __restrict g = x + C;
+    float* __restrict dx = g + C;
+    for (int64_t c = 0; c < C; ++c) pw[c] = 0.0f;
+    const int64_t n0 = N * tid / nt, n1 = N * (tid + 1) / nt;
+    for (int64_t n = n0; n < n1; ++n) {
+      P::to_f32(x, inp + n * C, C);
+      P::to_f32(g, dout + n * C, C);
+      P::to_f32(dx, dinp + n * C, C);
+      const float r = rstd[n];
+      float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t c = 0; c < C; ++c) {
+        const float xhat = x[c] * r;
+        s += g[c] * weight[c] * xhat;
+        pw[c] += g[c] * xhat;
+      }
+      const float b = s * inv_c;
+      for (int64_t c = 0; c < C; ++c) dx[c] += (g[c] * weight[c] - x[c] * r * b) * r;
+      P::from_f32(dinp + n * C, dx, C);
+    }
+#pragma omp barrier
+    const int64_t c0 = C * tid / nt, c1 = C * (tid + 1) / nt;
+    for (int64_t c = c0; c < c1; ++c) {
+      float sw = 0.0f;
+      for (int64_t t = 0; t < nt; ++t) sw += scratch[t * C + c];
+      dweight[c] += sw;
+    }
+  }
+}
+
+// ---- pointwise -----------------------------------------------------------------------------------
+// f(block_in..., block_out, len) over blocks of kBlock elements widened on the stack.
+template <class P>
+void gelu_forward_h(void* out, const void* inp, int64_t n) {
+  const int64_t nb = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t i0 = b * kBlock, len = std::min(kBlock, n - i0);
+    float x[kBlock];
+    P::to_f32(x, h(inp) + i0, len);
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) x[i] = gelu_elem(x[i]);
+    P::from_f32(h(out) + i0, x, len);
+  }
+}
+
+template <class P>
+void gelu_backward_h(void* dinp, const void* inp, const void* dout, int64_t n) {
+  const int64_t nb = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t i0 = b * kBlock, len = std::min(kBlock, n - i0);
+    float x[kBlock], g[kBlock];
+    P::to_f32(x, h(inp) + i0, len);
+    P::to_f32(g, h(dout) + i0, len);  // read before dinp (which may alias dout) is written
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) x[i] = gelu_grad_elem(x[i], g[i]);
+    P::from_f32(h(dinp) + i0, x, len);
+  }
+}
+
+template <class P>
+void residual_forward_h(void* out, const void* a, const void* b_, int64_t n) {
+  const int64_t nb = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t i0 = b * kBlock, len = std::min(kBlock, n - i0);
+    float x[kBlock], y[kBlock];
+    P::to_f32(x, h(a) + i0, len);
+    P::to_f32(y, h(b_) + i0, len);
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) x[i] += y[i];
+    P::from_f32(h(out) + i0, x, len);
+  }
+}
+
+template <class P>
+void swiglu_forward_h(void* out, const void* inp, int64_t N, int64_t F) {
+#pragma omp parallel if (N * F >= kParallelMin)
+  {
+    float* __restrict x = thread_rows(0, static_cast<size_t>(2 * F));
+    float* __restrict o = thread_rows(1, static_cast<size_t>(F));
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      P::to_f32(x, h(inp) + n * 2 * F, 2 * F);
+#pragma omp simd
+      for (int64_t f = 0; f < F; ++f) {
+        const float g = x[f];
+        o[f] = g * sigmoid_vec(g) * x[F + f];
+      }
+      P::from_f32(h(out) + n * F, o, F);
+    }
+  }
+}
+
+template <class P>
+void swiglu_backward_h(void* dinp, const void* inp, const void* dout, int64_t N, int64_t F) {
+#pragma omp parallel if (N * F >= kParallelMin)
+  {
+    float* __restrict x = thread_rows(0, static_cast<size_t>(2 * F));
+    float* __restrict d = thread_rows(1, static_cast<size_t>(F));
+    float* __restrict dx = thread_rows(2, static_cast<size_t>(2 * F));
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      P::to_f32(x, h(inp) + n * 2 * F, 2 * F);
+      P::to_f32(d, h(dout) + n * F, F);
+#pragma omp simd
+      for (int64_t f = 0; f < F; ++f) {
+        const float g = x[f];
+        const float sg = sigmoid_vec(g);
+        dx[F + f] = d[f] * g * sg;
+        dx[f] = d[f] * x[F + f] * sg * (1.0f + g * (1.0f - sg));
+      }
+      P::from_f32(h(dinp) + n * 2 * F, dx, 2 * F);
+    }
+  }
+}
+
+// sign = +1: forward rotation; -1: its transpose (backward).
+template <class P>
+void rope_h(void* x_v, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads, int64_t D,
+            int64_t row_stride, float sign) {
+  const int64_t half = D / 2, rows = B * T;
+  u16* x = h(x_v);
+#pragma omp parallel if (rows * n_heads * D >= kParallelMin)
+  {
+    float* __restrict v = thread_rows(0, static_cast<size_t>(D));
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t = r % T;
+      const float* __restrict cs = cos_table + t * half;
+      const float* __restrict sn = sin_table + t * half;
+      for (int64_t hh = 0; hh < n_heads; ++hh) {
+        u16* p = x + r * row_stride + hh * D;
+        P::to_f32(v, p, 2 * half);
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = v[i], b = v[half + i], s = sign * sn[i];
+          v[i] = a * cs[i] - b * s;
+          v[half + i] = b * cs[i] + a * s;
+        }
+        P::from_f32(p, v, 2 * half);
+      }
+    }
+  }
+}
+template <class P>
+void rope_forward_h(void* x, const float* c, const float* s, int64_t B, int64_t T, int64_t H, int64_t D, int64_t st) {
+  rope_h<P>(x, c, s, B, T, H, D, st, 1.0f);
+}
+template <class P>
+void rope_backward_h(void* x, const float* c, const float* s, int64_t B, int64_t T, int64_t H, int64_t D, int64_t st) {
+  rope_h<P>(x, c, s, B, T, H, D, st, -1.0f);
+}
+
+// ---- lm head + softmax + cross-entropy ----------------------------------------------------------
+// As the fp32 kernel (lm_head_loss.cpp), per chunk of R rows: fp32 logits from 16-bit x and w
+// (fp32 GEMM output), max / exp / sum / loss in fp32 (sum in double), dlogits rounded to 16 bits
+// for the two backward GEMMs, dw accumulated in fp32. Scratch: fp32 logits [R, V], then the
+// 16-bit dlogits [R, V].
+size_t lm_head_loss_scratch_bytes_h(int64_t chunk_rows, int64_t V) {
+  const size_t n = static_cast<size_t>(chunk_rows) * static_cast<size_t>(V);
+  return n * sizeof(float) + (n * sizeof(u16) + 63) / 64 * 64;
+}
+
+template <class P, class Mm>
+double lm_head_loss_h(float* losses, void* dx_v, float* dw, const void* x_v, const void* w_v, const int32_t* targets,
+                      int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, void* scratch_v,
+                      int64_t chunk_rows) {
+  LATHE_CHECK(N >= 0 && C >= 1 && V >= 1, "lm_head_loss: invalid shape N={} C={} V={}", N, C, V);
+  LATHE_CHECK(chunk_rows >= 1, "lm_head_loss: chunk_rows must be >= 1, got {}", chunk_rows);
+  LATHE_CHECK(!backward || (dx_v != nullptr && dw != nullptr), "lm_head_loss: backward needs dx and dw buffers");
+  for (int64_t n = 0; n < N; ++n)
+    LATHE_CHECK(targets[n] < V,
+                "lm_head_loss: target {} at row {} is out of range for vocab size {}; "
+                "check that the tokenizer's vocabulary matches model.vocab_size",
+                targets[n], n, V);
+  const u16 *x = h(x_v), *w = h(w_v);
+  u16* dx = h(dx_v);
+  float* logits = static_cast<float*>(scratch_v);
+  u16* dlog = reinterpret_cast<u16*>(static_cast<char*>(scratch_v) +
+                                     static_cast<size_t>(std::min(chunk_rows, std::max<int64_t>(N, 1))) *
+                                         static_cast<size_t>(V) * sizeof(float));
+  double total = 0.0;
+  for (int64_t n0 = 0; n0 < N; n0 += chunk_rows) {
+    const int64_t R = std::min(chunk_rows, N - n0);
+    const u16* xc = x + n0 * C;
+    Mm::fwd_f32(logits, xc, w, nullptr, R, C, V, false);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < R; ++r) {
+      float* s = logits + r * V;
+      const int32_t t = targets[n0 + r];
+      if (t < 0) {
+        losses[n0 + r] = 0.0f;
+        if (backward) std::memset(dlog + r * V, 0, sizeof(u16) * V);
+        continue;
+      }
+      const float target_logit = s[t];
+      const float m = vec::row_max(s, V);
+      const double sum = vec::exp_shift_sum(s, V, m);
+      losses[n0 + r] = static_cast<float>(static_cast<double>(m) + std::log(sum) - static_cast<double>(target_logit));
+      if (backward) {
+        vec::scale(s, V, static_cast<float>(static_cast<double>(grad_scale) / sum));
+        s[t] -= grad_scale;
+        P::from_f32(dlog + r * V, s, V);
+      }
+    }
+    double chunk_total = 0.0;
+    for (int64_t r = 0; r < R; ++r) chunk_total += losses[n0 + r];
+    total += chunk_total;
+    // dx_chunk[R,C] = dlogits @ w (overwrite), dw[V,C] += dlogits^T @ x_chunk.
+    if (backward) Mm::bwd_h(dx + n0 * C, dw, nullptr, dlog, xc, w, R, C, V);
+  }
+  return total;
+}
+
+template <class P, class Mm>
+Ops make_half_ops() {
+  Ops o;
+  o.backend = "cpu";
+  o.dtype = P::kDtype;
+  o.matmul_forward = matmul_forward_h<P, Mm>;
+  o.matmul_backward = matmul_backward_h<P, Mm>;
+  o.embedding_forward = embedding_forward_h<P>;
+  o.embedding_backward = embedding_backward_h<P>;
+  o.layernorm_forward = layernorm_forward_h<P>;
+  o.layernorm_backward = layernorm_backward_h<P>;
+  o.layernorm_scratch_bytes = layernorm_scratch_bytes_h;
+  o.rmsnorm_forward = rmsnorm_forward_h<P>;
+  o.rmsnorm_backward = rmsnorm_backward_h<P>;
+  o.rmsnorm_scratch_bytes = rmsnorm_scratch_bytes_h;
+  o.gelu_forward = gelu_forward_h<P>;
+  o.gelu_backward = gelu_backward_h<P>;
+  o.swiglu_forward = swiglu_forward_h<P>;
+  o.swiglu_backward = swiglu_backward_h<P>;
+  o.residual_forward = residual_forward_h<P>;
+  o.rope_tables = rope_tables;  // fp32 tables in every dtype
+  o.rope_forward = rope_forward_h<P>;
+  o.rope_backward = rope_backward_h<P>;
+  if constexpr (P::kDtype == DType::BF16) {
+    o.attention_forward = attention_forward_bf16;
+    o.attention_backward = attention_backward_bf16;
+  } else {
+    o.attention_forward = attention_forward_fp16;
+    o.attention_backward = attention_backward_fp16;
+  }
+  o.attention_scratch_bytes = attention_scratch_bytes_half;
+  o.lm_head_loss = lm_head_loss_h<P, Mm>;
+  o.lm_head_loss_scratch_bytes = lm_head_loss_scratch_bytes_h;
+  o.logits_forward = logits_forward_h<P, Mm>;
+  return o;
+}
+
+}  // namespace
+
+const Ops& bf16_ops() {
+  static const Ops table = make_half_ops<Bf16, Bf16Mm>();
+  return table;
+}
+
+const Ops& fp16_ops() {
+  static const Ops table = make_half_ops<Fp16, Fp16Mm>();
+  return table;
+}
+
+}  // namespace lathe::cpu

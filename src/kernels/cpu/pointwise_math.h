@@ -1,0 +1,51 @@
+// Element formulas shared by the fp32 pointwise kernels (pointwise.cpp) and the 16-bit tables
+// (ops_half.cpp): the same fp32 math whatever the storage type. See pointwise.cpp for why.
+#pragma once
+#include <bit>
+#include <cstdint>
+
+namespace lathe::cpu {
+
+inline float exp_vec(float x) {
+  // Clamp so that 2^n stays a normal float: exp saturates at ~2.4e38 and ~1.2e-38, which is
+  // exact enough for every use here (sigmoid of |g| > 87 is 0 or 1 to float precision).
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  // n = round(x / ln2) with the 1.5*2^23 trick (round-to-nearest, vectorises everywhere).
+  const float shifter = 12582912.0f;
+  const float t = x * 1.44269504088896341f + shifter;
+  const float n = t - shifter;
+  // r = x - n ln2 in two steps (Cody-Waite) so that r keeps full precision.
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  // Scale by 2^n through the exponent bits; n is in [-126, 127]. n is read from the mantissa of t
+  // (t = shifter + n exactly) rather than converted from float, so a NaN input has no undefined
+  // float-to-int conversion: it just propagates through y.
+  const int32_t ni = std::bit_cast<int32_t>(t) - std::bit_cast<int32_t>(shifter);
+  return y * std::bit_cast<float>((ni + 127) << 23);
+}
+
+inline float sigmoid_vec(float x) { return 1.0f / (1.0f + exp_vec(-x)); }
+
+constexpr float kGeluS = 0.7978845608028654f;  // sqrt(2/pi)
+constexpr float kGeluA = 0.044715f;
+
+inline float gelu_elem(float x) {
+  const float u = kGeluS * (x + kGeluA * x * x * x);
+  return x * sigmoid_vec(2.0f * u);
+}
+inline float gelu_grad_elem(float x, float d) {
+  const float u = kGeluS * (x + kGeluA * x * x * x);
+  const float du = kGeluS * (1.0f + 3.0f * kGeluA * x * x);
+  const float sg = sigmoid_vec(2.0f * u);
+  return d * (sg + 2.0f * x * sg * (1.0f - sg) * du);
+}
+
+}  // namespace lathe::cpu
