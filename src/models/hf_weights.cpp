@@ -437,6 +437,7 @@ std::string load_hf_weights(Model& model, const std::string& dir, const HfLoadOp
       rep += fmt::format(" vocabulary already {} (no resize needed);", Vm);
   }
   rep.pop_back();
+  model.refresh_compute_weights();  // a bf16/fp16 model's GEMMs read the copies
   return rep;
 }
 

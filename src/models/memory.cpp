@@ -37,13 +37,17 @@ std::string MemoryEstimate::breakdown() const {
     s += fmt::format(" + optimizer moments ({}{}) {}", optimizer_moments,
                      moment_shards > 1 ? fmt::format(", 1/{} shard per rank", moment_shards) : std::string(),
                      format_bytes(optimizer_bytes));
+  if (compute_weight_bytes > 0)
+    s += fmt::format(" + {} weight copies {}", compute_dtype_name(compute_dtype), format_bytes(compute_weight_bytes));
   if (batch > 0)
-    s += fmt::format(" + activations (batch {} x seq_len {}) {}", batch, seq_len, format_bytes(activation_bytes));
+    s += fmt::format(" + activations ({}batch {} x seq_len {}) {}",
+                     compute_dtype != DType::F32 ? compute_dtype_name(compute_dtype) + ", " : std::string(), batch,
+                     seq_len, format_bytes(activation_bytes));
   return s + fmt::format(" = {}", format_bytes(total_bytes()));
 }
 
 MemoryEstimate estimate_memory(const ModelConfig& cfg, int64_t B, int64_t T, int optimizer_moments,
-                               int64_t moment_shards) {
+                               int64_t moment_shards, DType compute_dtype) {
   LATHE_CHECK(moment_shards >= 1, "internal: {} moment shards", moment_shards);
   cfg.validate("model");  // bounds first: the products below assume them
   LATHE_CHECK(optimizer_moments >= 0 && optimizer_moments <= 8, "internal: {} optimizer moments", optimizer_moments);
@@ -60,10 +64,16 @@ MemoryEstimate estimate_memory(const ModelConfig& cfg, int64_t B, int64_t T, int
   if (B > 0 && T > 0) {
     e.batch = B;
     e.seq_len = T;
-    e.activation_bytes = checked_mul(Model::activation_floats(cfg, B, T), 4, what);
+    e.activation_bytes =
+        compute_dtype == DType::F32
+            ? checked_mul(Model::activation_floats(cfg, B, T), 4, what)
+            : static_cast<int64_t>(Model::plan_activations(cfg, B, T, ComputeSpec{nullptr, compute_dtype}).bytes);
   }
+  e.compute_dtype = compute_dtype;
+  if (compute_dtype != DType::F32)
+    e.compute_weight_bytes = checked_mul(e.num_params, static_cast<int64_t>(dtype_size(compute_dtype)), what);
   int64_t total = 0;
-  for (int64_t part : {e.param_bytes, e.grad_bytes, e.optimizer_bytes, e.activation_bytes})
+  for (int64_t part : {e.param_bytes, e.grad_bytes, e.optimizer_bytes, e.activation_bytes, e.compute_weight_bytes})
     total = checked_add(total, part, what);
   (void)total;  // total_bytes() recomputes it; this proves it fits
   return e;

@@ -13,26 +13,33 @@
 #include <string_view>
 
 #include "config/model_config.h"
+#include "core/dtype.h"
 
 namespace lathe {
 
 struct MemoryEstimate {
   int64_t num_params = 0;  // floats of the parameter table (tied lm_head counted once)
   int64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0, activation_bytes = 0;
+  // bf16/fp16 compute: the compute-dtype copy of the weights the GEMMs read (0 for fp32).
+  int64_t compute_weight_bytes = 0;
+  DType compute_dtype = DType::F32;
   int64_t batch = 0, seq_len = 0;  // the (B, T) the activations are sized for; 0 = none
   int optimizer_moments = 0;
   int64_t moment_shards = 1;  // ZeRO: each rank holds 1/moment_shards of the moments
-  int64_t total_bytes() const { return param_bytes + grad_bytes + optimizer_bytes + activation_bytes; }
+  int64_t total_bytes() const {
+    return param_bytes + grad_bytes + optimizer_bytes + activation_bytes + compute_weight_bytes;
+  }
   // "params 0.5 MB + grads 0.5 MB + optimizer moments (2) 1.0 MB + activations (B=8, T=128) 3.2 MB = 5.2 MB"
   std::string breakdown() const;
 };
 
 // fp32 parameters + gradients + `optimizer_moments` fp32 copies (AdamW and LAMB keep 2) + the
-// activation arena Model::allocate(B, T) reserves (exactly: the same layout walk). B = T = 0: no
-// activations. moment_shards > 1: per rank of a ZeRO group of that size (moments divided).
-// Validates `cfg` first; throws lathe::Error when a size does not fit 64 bits.
+// activation arena Model::allocate(B, T) reserves computing in `compute_dtype` on the CPU backend
+// (exactly: the same layout walk, Model::plan_activations) + for bf16/fp16 the compute-dtype copy
+// of the weights. B = T = 0: no activations. moment_shards > 1: per rank of a ZeRO group of that
+// size (moments divided). Validates `cfg` first; throws lathe::Error when a size does not fit 64 bits.
 MemoryEstimate estimate_memory(const ModelConfig& cfg, int64_t B, int64_t T, int optimizer_moments,
-                               int64_t moment_shards = 1);
+                               int64_t moment_shards = 1, DType compute_dtype = DType::F32);
 
 // Memory this process can use: the smallest of physical RAM (MemTotal in /proc/meminfo), the
 // cgroup limit (memory.max) and RLIMIT_AS. `source` says which one bounds it.

@@ -101,7 +101,19 @@ class Model {
 
   // Deterministic init: each tensor draws from its own stream seeded by (seed, name), so the
   // values do not depend on the thread count or on the order tensors sit in the buffer.
+  // Refreshes the compute-dtype weight copies.
   void init_weights(uint64_t seed);
+
+  // Compute-dtype copies of the weights (bf16/fp16 models; fp32 models read the masters and this
+  // is a no-op). The GEMM and embedding kernels of a 16-bit table read one DeviceBuffer of the
+  // compute dtype laid out as the ParamTable (same offsets), rounded from the fp32 masters here.
+  // Whoever writes the masters calls it before the next forward: the trainer after every
+  // optimizer step and after loading a checkpoint; init_weights and load_hf_weights call it.
+  // Forward refuses copies that were never refreshed, and compares a fixed sample of elements
+  // with the masters (cheap: kWeightSamples conversions), naming a tensor whose copy is stale.
+  void refresh_compute_weights();
+  // Bytes of the weight copies (0 for fp32).
+  size_t compute_weight_bytes() const { return cweights_.bytes(); }
 
   // Preallocates every activation for up to B x T tokens. Called once before training;
   // forward/backward never allocate. First checks (models/memory.h) that parameters, gradients,
@@ -138,7 +150,7 @@ class Model {
   // The layout allocate() made (empty before).
   const ActivationPlan& activation_plan() const { return plan_; }
   // Parameters + gradients + activations + scratch (optimizer state is the trainer's).
-  size_t estimated_bytes() const { return 2 * params_.bytes() + acts_.bytes(); }
+  size_t estimated_bytes() const { return 2 * params_.bytes() + acts_.bytes() + cweights_.bytes(); }
 
   // Floats (4-byte units) of the activation arena allocate(B, T) reserves for `cfg` computing in
   // CPU fp32 (the same layout walk); overflow-checked, throws lathe::Error for sizes beyond 64 bits.
@@ -161,6 +173,16 @@ class Model {
   void* act_at(void* p, int64_t i) const { return static_cast<std::byte*>(p) + i * act_size_; }
   const void* act_at(const void* p, int64_t i) const { return static_cast<const std::byte*>(p) + i * act_size_; }
   ModelPtrs resolve(float* base) const;
+  // The weight a kernel of the op table reads for the fp32 master `m`: the master itself in an
+  // fp32 model, else the element at the same offset of the compute-dtype copy (nullptr stays null).
+  const void* cw(const float* m) const {
+    if (m == nullptr || cweights_.size() == 0) return m;
+    return static_cast<const std::byte*>(cweights_.data()) + (m - params_.data()) * act_size_;
+  }
+  // Throws when the weight copies were never refreshed or a sampled element differs from the
+  // rounding of its master (see refresh_compute_weights).
+  void check_compute_weights() const;
+  static constexpr int64_t kWeightSamples = 256;
   // Tensors whose gradients are complete after each block's backward (block numbering of StepHooks).
   std::vector<std::vector<std::pair<size_t, size_t>>> grad_ranges_by_block_;
   StepHooks hooks_;
@@ -172,6 +194,8 @@ class Model {
   const Ops* ops_;
   int64_t act_size_;  // bytes per element of the compute dtype
   Buffer<float> params_, grads_;
+  DeviceBuffer cweights_;  // compute-dtype copy of params_ (empty for fp32)
+  bool cweights_refreshed_ = false;
   ModelPtrs p_, g_;
 
   // activations (pointers into acts_, laid out by plan_), sized for max_B_ x max_T_. void* ones are

@@ -58,7 +58,7 @@ std::unique_ptr<Model> build_model(const ModelConfig& cfg, const ComputeSpec& co
   cfg.validate("model");
   // Parameters and gradients are allocated by the Model constructor: refuse what cannot fit
   // before building the table (a config with n_layer 2^16 of width 2^20 must not be tried).
-  check_memory_fits(estimate_memory(cfg, 0, 0, 0), cfg, "model");
+  check_memory_fits(estimate_memory(cfg, 0, 0, 0, 1, compute.dtype), cfg, "model");
   return model_registry().build(cfg, compute);
 }
 

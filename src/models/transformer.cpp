@@ -11,6 +11,7 @@
 #include "core/checked.h"
 #include "core/rng.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/ops_bf16.h"
 #include "models/memory.h"
 #include "models/model.h"
 
@@ -39,6 +40,7 @@ Model::Model(ModelConfig cfg, Arch arch, ParamTable table, ComputeSpec compute)
               backend_->name());
   params_.resize(table_.total());
   grads_.resize(table_.total());
+  if (compute.dtype != DType::F32) cweights_.resize(*backend_, table_.total(), compute.dtype);
   p_ = resolve(params_.data());
   g_ = resolve(grads_.data());
   // Which block's backward completes each tensor's gradient (StepHooks numbering).
@@ -197,6 +199,57 @@ void Model::init_weights(uint64_t seed) {
       }
     }
   }
+  refresh_compute_weights();
+}
+
+void Model::refresh_compute_weights() {
+  if (cweights_.size() == 0) return;
+  // Every tensor (norm weights and biases too, which the kernels read in fp32 from the masters):
+  // one conversion of the whole flat buffer is simpler than walking the GEMM weights and costs
+  // about one pass over the parameters, small against a training step.
+  const int64_t n = static_cast<int64_t>(table_.total());
+  switch (cweights_.dtype()) {
+    case DType::BF16:
+      cpu::convert_fp32_to_bf16(static_cast<uint16_t*>(cweights_.data()), params_.data(), n);
+      break;
+    case DType::F16: {
+      auto* dst = static_cast<uint16_t*>(cweights_.data());
+      const float* src = params_.data();
+#pragma omp parallel for schedule(static) if (n >= (1 << 15))
+      for (int64_t i = 0; i < n; ++i) dst[i] = fp32_to_fp16(src[i]);
+      break;
+    }
+    default:
+      throw_error("model: no weight copies for compute dtype {}", compute_dtype_name(cweights_.dtype()));
+  }
+  cweights_refreshed_ = true;
+}
+
+void Model::check_compute_weights() const {
+  if (cweights_.size() == 0) return;
+  LATHE_CHECK(cweights_refreshed_,
+              "model: the {} weight copies were never filled from the fp32 weights; call "
+              "refresh_compute_weights() after setting or loading the weights (init_weights and load_hf_weights do)",
+              compute_dtype_name(cweights_.dtype()));
+  const int64_t n = static_cast<int64_t>(table_.total());
+  const auto* copy = static_cast<const uint16_t*>(cweights_.data());
+  const bool bf16 = cweights_.dtype() == DType::BF16;
+  for (int64_t k = 0; k < kWeightSamples; ++k) {
+    // Evenly spread samples, the last element included; 2 x 16-bit compares per sample.
+    const int64_t i = n <= 1 ? 0 : k * (n - 1) / (kWeightSamples - 1);
+    if (i >= n) break;
+    const uint16_t want = bf16 ? fp32_to_bf16(params_.data()[i]) : fp32_to_fp16(params_.data()[i]);
+    if (copy[i] == want) continue;
+    const ParamSpec* owner = nullptr;
+    for (const ParamSpec& s : table_.specs())
+      if (static_cast<int64_t>(s.offset) <= i && i < static_cast<int64_t>(s.offset) + s.numel()) owner = &s;
+    throw_error(
+        "model: the {} weight copies are stale: element {} of '{}' is {} in the fp32 weights but {} in the copy; "
+        "call refresh_compute_weights() after every optimizer step and after loading weights",
+        compute_dtype_name(cweights_.dtype()), owner ? i - static_cast<int64_t>(owner->offset) : i,
+        owner ? owner->name : std::string("?"), params_.data()[i],
+        bf16 ? bf16_to_fp32(copy[i]) : fp16_to_fp32(copy[i]));
+  }
 }
 
 double Model::flops_per_token(int64_t T) const {
@@ -299,7 +352,7 @@ void Model::allocate(int64_t B, int64_t T, int optimizer_moments) {
   LATHE_CHECK(T <= kMaxPositions, "seq_len {} exceeds lathe's maximum {}", T, kMaxPositions);
   if (B == max_B_ && T == max_T_) return;
   // Before any allocation: refuse what cannot fit, with the figures (models/memory.h).
-  check_memory_fits(estimate_memory(cfg_, B, T, optimizer_moments), cfg_, "model");
+  check_memory_fits(estimate_memory(cfg_, B, T, optimizer_moments, 1, ops_->dtype), cfg_, "model");
   ActivationPlan plan;
   const size_t total = layout_activations(cfg_, B, T, *ops_, nullptr, nullptr, &plan);
   max_B_ = B;
@@ -321,6 +374,7 @@ void Model::allocate(int64_t B, int64_t T, int optimizer_moments) {
 
 void Model::embedding_forward(const int32_t* tokens, int64_t B, int64_t T) {
   LATHE_CHECK(B <= max_B_ && T <= max_T_, "batch {}x{} exceeds the allocated {}x{}", B, T, max_B_, max_T_);
+  check_compute_weights();  // every pass starts here
   LATHE_DIMS;
   const int64_t V = cfg_.vocab_size;
   for (int64_t i = 0; i < N; ++i)
@@ -328,7 +382,7 @@ void Model::embedding_forward(const int32_t* tokens, int64_t B, int64_t T) {
                 tokens[i], i, V);
   // With T below the allocated length the RoPE tables still hold positions 0..T-1 in their
   // first T rows, so they can be used as they are.
-  ops_->embedding_forward(emb_, tokens, p_.wte, p_.wpe, B, T, C);
+  ops_->embedding_forward(emb_, tokens, cw(p_.wte), cw(p_.wpe), B, T, C);
 }
 
 void Model::layer_forward(int64_t l, int64_t B, int64_t T) {
@@ -341,24 +395,24 @@ void Model::layer_forward(int64_t l, int64_t B, int64_t T) {
     ops_->layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1_w, w.ln1_b, N, C, eps);
   else
     ops_->rmsnorm_forward(a.ln1, a.ln1_rstd, x, w.ln1_w, N, C, eps);
-  ops_->matmul_forward(a.qkv, a.ln1, w.qkv_w, w.qkv_b, N, C, Q, false);
+  ops_->matmul_forward(a.qkv, a.ln1, cw(w.qkv_w), w.qkv_b, N, C, Q, false);
   if (!arch_.learned_pos) {
     ops_->rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, D, Q);
     ops_->rope_forward(act_at(a.qkv, H * D), rope_cos_, rope_sin_, B, T, KV, D, Q);
   }
   ops_->attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D, scratch_);
-  ops_->matmul_forward(a.res1, a.att, w.o_w, w.o_b, N, H * D, C, false);
+  ops_->matmul_forward(a.res1, a.att, cw(w.o_w), w.o_b, N, H * D, C, false);
   ops_->residual_forward(a.res1, a.res1, x, N * C);
   if (arch_.layernorm)
     ops_->layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res1, w.ln2_w, w.ln2_b, N, C, eps);
   else
     ops_->rmsnorm_forward(a.ln2, a.ln2_rstd, a.res1, w.ln2_w, N, C, eps);
-  ops_->matmul_forward(a.fc, a.ln2, w.fc_w, w.fc_b, N, C, FF, false);
+  ops_->matmul_forward(a.fc, a.ln2, cw(w.fc_w), w.fc_b, N, C, FF, false);
   if (arch_.gelu_mlp)
     ops_->gelu_forward(a.act, a.fc, N * F);
   else
     ops_->swiglu_forward(a.act, a.fc, N, F);
-  ops_->matmul_forward(a.res2, a.act, w.proj_w, w.proj_b, N, F, C, false);
+  ops_->matmul_forward(a.res2, a.act, cw(w.proj_w), w.proj_b, N, F, C, false);
   ops_->residual_forward(a.res2, a.res2, a.res1, N * C);
 }
 
@@ -385,7 +439,7 @@ double Model::head_loss(const int32_t* targets, int64_t B, int64_t T, float grad
   final_norm_forward(B, T);
   // targets are range-checked by lm_head_loss
   float* dlm = arch_.tied_lm_head ? g_.wte : g_.lm_head;
-  const double loss_sum = ops_->lm_head_loss(losses_, dln_, dlm, lnf_, p_.lm_head, targets, N, C, V, grad_scale,
+  const double loss_sum = ops_->lm_head_loss(losses_, dln_, dlm, lnf_, cw(p_.lm_head), targets, N, C, V, grad_scale,
                                              backward, scratch_, chunk_rows_);
   if (!backward) return loss_sum;
   // dres_ carries dL/d(residual stream) downwards; norms add into it.
@@ -405,24 +459,24 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
   LayerActs& a = la_[static_cast<size_t>(l)];
   const void* x = l == 0 ? emb_ : la_[static_cast<size_t>(l) - 1].res2;
   // MLP: res2 = res1 + proj(act(fc(norm2(res1))))
-  ops_->matmul_backward(dact_, gw.proj_w, gw.proj_b, dres_, a.act, w.proj_w, N, F, C, false);
+  ops_->matmul_backward(dact_, gw.proj_w, gw.proj_b, dres_, a.act, cw(w.proj_w), N, F, C, false);
   if (arch_.gelu_mlp)
     ops_->gelu_backward(dfc_, a.fc, dact_, N * F);
   else
     ops_->swiglu_backward(dfc_, a.fc, dact_, N, F);
-  ops_->matmul_backward(dln_, gw.fc_w, gw.fc_b, dfc_, a.ln2, w.fc_w, N, C, FF, false);
+  ops_->matmul_backward(dln_, gw.fc_w, gw.fc_b, dfc_, a.ln2, cw(w.fc_w), N, C, FF, false);
   if (arch_.layernorm)
     ops_->layernorm_backward(dres_, gw.ln2_w, gw.ln2_b, dln_, a.res1, w.ln2_w, a.ln2_mean, a.ln2_rstd, N, C, scratch_);
   else
     ops_->rmsnorm_backward(dres_, gw.ln2_w, dln_, a.res1, w.ln2_w, a.ln2_rstd, N, C, scratch_);
   // Attention: res1 = x + o(attn(qkv(norm1(x))))
-  ops_->matmul_backward(datt_, gw.o_w, gw.o_b, dres_, a.att, w.o_w, N, H * D, C, false);
+  ops_->matmul_backward(datt_, gw.o_w, gw.o_b, dres_, a.att, cw(w.o_w), N, H * D, C, false);
   ops_->attention_backward(dqkv_, datt_, a.qkv, a.att, a.lse, B, T, H, KV, D, scratch_);
   if (!arch_.learned_pos) {
     ops_->rope_backward(dqkv_, rope_cos_, rope_sin_, B, T, H, D, Q);
     ops_->rope_backward(act_at(dqkv_, H * D), rope_cos_, rope_sin_, B, T, KV, D, Q);
   }
-  ops_->matmul_backward(dln_, gw.qkv_w, gw.qkv_b, dqkv_, a.ln1, w.qkv_w, N, C, Q, false);
+  ops_->matmul_backward(dln_, gw.qkv_w, gw.qkv_b, dqkv_, a.ln1, cw(w.qkv_w), N, C, Q, false);
   if (arch_.layernorm)
     ops_->layernorm_backward(dres_, gw.ln1_w, gw.ln1_b, dln_, x, w.ln1_w, a.ln1_mean, a.ln1_rstd, N, C, scratch_);
   else
@@ -467,21 +521,17 @@ double Model::forward_backward(const int32_t* tokens, const int32_t* targets, in
 }
 
 void Model::forward_logits(const int32_t* tokens, int64_t B, int64_t T, float* logits) {
-  // The lm-head GEMM writes in the compute dtype; callers pass fp32 logits.
-  LATHE_CHECK(ops_->dtype == DType::F32, "forward_logits: fp32 logits from a {} model are not implemented yet",
-              compute_dtype_name(ops_->dtype));
   forward_body(tokens, B, T);
-  ops_->matmul_forward(logits, lnf_, p_.lm_head, nullptr, B * T, cfg_.hidden_size, cfg_.vocab_size, false);
+  // fp32 logits from the compute-dtype final norm output and lm head (fp32 accumulation).
+  ops_->logits_forward(logits, lnf_, cw(p_.lm_head), B * T, cfg_.hidden_size, cfg_.vocab_size);
 }
 
 void Model::forward_last_logits(const int32_t* tokens, int64_t B, int64_t T, float* logits) {
-  LATHE_CHECK(ops_->dtype == DType::F32, "forward_last_logits: fp32 logits from a {} model are not implemented yet",
-              compute_dtype_name(ops_->dtype));
   forward_body(tokens, B, T);
   const int64_t C = cfg_.hidden_size;
   for (int64_t b = 0; b < B; ++b)
-    ops_->matmul_forward(logits + b * cfg_.vocab_size, act_at(lnf_, (b * T + T - 1) * C), p_.lm_head, nullptr, 1, C,
-                         cfg_.vocab_size, false);
+    ops_->logits_forward(logits + b * cfg_.vocab_size, act_at(lnf_, (b * T + T - 1) * C), cw(p_.lm_head), 1, C,
+                         cfg_.vocab_size);
 }
 
 }  // namespace lathe
