@@ -14,15 +14,20 @@
 // and not from a wrong formula (a wrong formula does not shrink with u).
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <iostream>
 #include <string>
 #include <vector>
 
 #include "config/model_config.h"
 #include "core/error.h"
 #include "core/rng.h"
+#include "io/safetensors.h"
+#include "models/hf_weights.h"
 #include "models/memory.h"
 #include "models/model.h"
 #include "optim/optimizer.h"
@@ -260,6 +265,51 @@ TEST_P(HalfModel, MemoryEstimateMatchesTheAllocation) {
     EXPECT_NE(e.breakdown().find(compute_dtype_name(dt) + " weight copies"), std::string::npos) << e.breakdown();
     for (const ActivationEntry& a : m->activation_plan().entries)
       if (std::string(a.name) == "qkv" || std::string(a.name) == "dres") EXPECT_EQ(a.dtype, dt) << a.label();
+  }
+}
+
+// PyTorch running the same model with 16-bit weights and activations (torch_reference_bf16.py
+// states and derives the tolerance: lathe and torch within 2 * K * u of each other, lathe within
+// K * u of float64).
+TEST_P(HalfModel, TorchOracle) {
+  namespace fs = std::filesystem;
+  const DType dt = GetParam();
+  // Debian's torch (1.13) has no CPU fp16 LayerNorm kernel ("LayerNormKernelImpl not implemented
+  // for 'Half'"): fp16 is checked against fp32 (above) only.
+  if (dt == DType::F16) GTEST_SKIP() << "torch has no CPU fp16 kernels for LayerNorm; fp16 is checked against fp32";
+  for (const Family& f : families()) {
+    SCOPED_TRACE(f.name);
+    const fs::path dir =
+        fs::temp_directory_path() / fmt::format("lathe_half_{}_{}_{}", f.name, compute_dtype_name(dt), getpid());
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    const int64_t B = 2, T = 9, N = B * T, V = f.cfg.vocab_size;
+    auto m = make(f.cfg, dt);
+    m->allocate(B, T);
+    save_hf_model(*m, (dir / "model").string());  // the fp32 masters
+    const auto toks = random_tokens(N, V, 11), tgts = random_tokens(N, V, 12);
+    io::write_safetensors(
+        (dir / "batches.safetensors").string(),
+        {{"tokens", DType::I32, Shape{1, B, T}, toks.data()}, {"targets", DType::I32, Shape{1, B, T}, tgts.data()}});
+    std::vector<float> logits(static_cast<size_t>(N * V));
+    m->forward_logits(toks.data(), B, T, logits.data());
+    m->zero_grad();
+    const float loss = static_cast<float>(m->forward_backward(toks.data(), tgts.data(), B, T, 1.0f / N, true) / N);
+    io::write_safetensors(
+        (dir / "outputs.safetensors").string(),
+        {{"logits", DType::F32, Shape{B, T, V}, logits.data()}, {"loss", DType::F32, Shape{}, &loss}});
+    save_hf_tensors(*m, m->grad_data(), (dir / "grads.safetensors").string());
+    const std::string cmd = fmt::format("/usr/bin/python3 {}/tests/models/torch_reference_bf16.py {} {} 2>&1",
+                                        LATHE_SOURCE_DIR, dir.string(), compute_dtype_name(dt));
+    FILE* p = popen(cmd.c_str(), "r");
+    ASSERT_NE(p, nullptr);
+    std::string out;
+    char buf[4096];
+    while (fgets(buf, sizeof buf, p)) out += buf;
+    const int rc = pclose(p);
+    std::cout << out;
+    EXPECT_EQ(rc, 0) << out;
+    if (rc == 0) fs::remove_all(dir);
   }
 }
 

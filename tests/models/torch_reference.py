@@ -43,11 +43,14 @@ def read_st(path):
 class Model(torch.nn.Module):
     """HF-equivalent decoder built directly from a state dict (names as in HF)."""
 
-    def __init__(self, cfg, sd):
+    def __init__(self, cfg, sd, dtype=torch.float64):
+        """dtype float64: the parity oracle. bfloat16/float16: weights and activations in that dtype
+        as HF runs a model loaded in it (RMSNorm statistics in fp32, RoPE tables cast to it)."""
         super().__init__()
         self.cfg = cfg
         self.gpt2 = cfg["model_type"] == "gpt2"
-        self.p = torch.nn.ParameterDict({k.replace(".", "/"): torch.nn.Parameter(v.double()) for k, v in sd.items()})
+        self.dtype = dtype
+        self.p = torch.nn.ParameterDict({k.replace(".", "/"): torch.nn.Parameter(v.to(dtype)) for k, v in sd.items()})
 
     def w(self, name):
         return self.p[name.replace(".", "/")]
@@ -72,13 +75,16 @@ class Model(torch.nn.Module):
             inv = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
             fr = torch.outer(torch.arange(T, dtype=torch.float64), inv)
             emb = torch.cat([fr, fr], -1)
-            cos, sin = emb.cos(), emb.sin()
+            cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
         def rot(t):  # rotate_half
             return torch.cat([-t[..., D // 2 :], t[..., : D // 2]], -1)
 
         def rms(x, wname):
-            return self.w(wname) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+            if x.dtype == torch.float64:
+                return self.w(wname) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+            xf = x.float()  # HF LlamaRMSNorm: statistics in fp32, normalised x cast back
+            return self.w(wname) * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
         def lin(x, wname, bname=None):
             y = x @ self.w(wname).T
