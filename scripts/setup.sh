@@ -7,7 +7,7 @@ PKGS=(build-essential cmake pkg-config git
       libopenblas-openmp-dev libyaml-cpp-dev nlohmann-json3-dev libcli11-dev libfmt-dev
       libgtest-dev libgmock-dev libbenchmark-dev libsentencepiece-dev sentencepiece
       libpcre2-dev libzstd-dev zlib1g-dev zstd libjemalloc2 openmpi-bin libopenmpi-dev libdnnl-dev
-      python3 python3-pip python3-numpy python3-torch)
+      python3 python3-pip python3-numpy python3-torch python3-pil chromium)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
