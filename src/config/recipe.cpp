@@ -282,14 +282,16 @@ std::string value_str(const json& v) {
 
 // ---------------------------------------------------------------------------------------------
 
-const std::vector<std::string> kSections = {"model", "data", "optimizer", "schedule", "training", "parallel", "output"};
+const std::vector<std::string> kSections = {"model",    "data",      "optimizer", "schedule",
+                                            "training", "precision", "parallel",  "output"};
 const std::map<std::string, std::vector<std::string>> kSectionKeys = {
     {"data", {"train", "valid", "valid_fraction", "tokenizer", "prefetch"}},
     {"optimizer", {"name", "lr", "beta1", "beta2", "eps", "weight_decay", "grad_clip"}},
     {"schedule", {"name", "warmup_steps", "min_lr", "decay_fraction", "decay_shape"}},
     {"training",
      {"micro_batch_size", "seq_len", "grad_accum_steps", "steps", "seed", "eval_interval", "eval_batches",
-      "log_interval", "threads", "peak_gflops", "resume"}},
+      "log_interval", "threads", "peak_gflops", "resume", "max_skipped_steps"}},
+    {"precision", {"compute", "loss_scale"}},
     {"output", {"dir", "save_every", "checkpoint_every", "keep_last"}},
     {"parallel", {"data", "tensor", "pipeline", "zero", "bucket_mb", "timeout_s"}},
 };
@@ -297,6 +299,8 @@ const std::vector<std::string> kModelBaseKeys = {"preset", "init_from", "config"
 const std::vector<std::string> kSchedules = {"cosine", "linear", "constant", "wsd"};
 const std::vector<std::string> kDecayShapes = {"linear", "cosine", "1-sqrt"};
 const std::vector<std::string> kOptimizers = {"adamw", "lamb"};
+const std::vector<std::string> kComputeDtypes = {"fp32", "bf16", "fp16"};
+const std::vector<std::string> kLossScaleKeys = {"enabled", "initial", "growth_interval", "backoff", "growth", "min"};
 
 std::string join(const std::vector<std::string>& v) {
   std::string o;
@@ -353,6 +357,9 @@ class Parser {
     get_int32(t, "training", "threads", &tr.threads);
     get_double(t, "training", "peak_gflops", &tr.peak_gflops);
     get_str(t, "training", "resume", &tr.resume);
+    get_int(t, "training", "max_skipped_steps", &tr.max_skipped_steps);
+
+    parse_precision(section("precision"), r);
 
     json out = section("output");
     get_str(out, "output", "dir", &r.output.dir);
@@ -449,6 +456,47 @@ class Parser {
     }
     if (!v.is_string()) bad(sec + "." + k, fmt::format("expected a string, got '{}'", value_str(v)));
     *out = v.get<std::string>();
+  }
+
+  void get_bool(const json& o, const std::string& sec, const char* k, bool* out) const {
+    if (!o.contains(k)) return;
+    const json& v = o[k];
+    if (!v.is_boolean()) bad(sec + "." + k, fmt::format("expected true or false, got '{}'", value_str(v)));
+    *out = v.get<bool>();
+  }
+
+  // precision: {compute, loss_scale: {...}}. Loss scaling is on for fp16 unless disabled, and
+  // only with `enabled: true` for fp32/bf16; other loss_scale keys for those are noted, not refused
+  // (a recipe switched from fp16 to bf16 keeps working).
+  void parse_precision(const json& p, Recipe& r) const {
+    auto& pr = r.precision;
+    get_str(p, "precision", "compute", &pr.compute);
+    json ls = json::object();
+    if (p.contains("loss_scale") && !p["loss_scale"].is_null()) {
+      ls = p["loss_scale"];
+      if (!ls.is_object())
+        bad("precision.loss_scale",
+            fmt::format("expected a mapping of keys ({}), got '{}'", join(kLossScaleKeys), value_str(ls)));
+    }
+    check_keys("precision.loss_scale", ls, kLossScaleKeys);
+    auto& l = pr.loss_scale;
+    l.enabled = pr.compute == "fp16";
+    get_bool(ls, "precision.loss_scale", "enabled", &l.enabled);
+    get_double(ls, "precision.loss_scale", "initial", &l.initial);
+    get_int(ls, "precision.loss_scale", "growth_interval", &l.growth_interval);
+    get_double(ls, "precision.loss_scale", "backoff", &l.backoff);
+    get_double(ls, "precision.loss_scale", "growth", &l.growth);
+    get_double(ls, "precision.loss_scale", "min", &l.min);
+    const bool given = std::any_of(ls.begin(), ls.end(), [](const json& v) { return !v.is_null(); });
+    if (pr.compute != "fp16" && !l.enabled && given)
+      r.notes.push_back(fmt::format(
+          "precision.loss_scale is ignored: loss scaling is for precision.compute fp16, this recipe computes in {} "
+          "(set precision.loss_scale.enabled: true to scale the loss anyway)",
+          pr.compute));
+    if (pr.compute == "fp16" && !l.enabled)
+      r.notes.push_back(
+          "precision.loss_scale.enabled is false with fp16 compute: gradients below fp16's range (~6e-8) become "
+          "zero and overflows are only skipped, never corrected");
   }
 
   // model: base (preset | init_from | config) + explicit HF fields.
@@ -643,6 +691,21 @@ class Parser {
     need(p.bucket_mb > 0 && p.bucket_mb <= 65536, "parallel.bucket_mb",
          fmt::format("{} must be in (0, 65536]", p.bucket_mb));
     need(p.timeout_s >= 0, "parallel.timeout_s", fmt::format("{} must be >= 0 (0 = no watchdog)", p.timeout_s));
+    // precision (the same bounds as optim::validate(LossScaleConfig), named with the file here)
+    const auto& pr = r.precision;
+    need(std::find(kComputeDtypes.begin(), kComputeDtypes.end(), pr.compute) != kComputeDtypes.end(),
+         "precision.compute", fmt::format("'{}' is not supported (supported: {})", pr.compute, join(kComputeDtypes)));
+    in_range("training.max_skipped_steps", t.max_skipped_steps, 0, kMaxSteps, " (0 = never stop on skipped steps)");
+    const auto& l = pr.loss_scale;
+    need(l.initial > 0 && l.initial <= 0x1p100, "precision.loss_scale.initial",
+         fmt::format("{} must be > 0 and <= 2^100 (default 65536 = 2^16)", l.initial));
+    in_range("precision.loss_scale.growth_interval", l.growth_interval, 1, kMaxSteps, " (default 2000)");
+    need(l.backoff > 0 && l.backoff < 1, "precision.loss_scale.backoff",
+         fmt::format("{} must be in (0, 1) (default 0.5)", l.backoff));
+    need(l.growth > 1 && l.growth <= 65536, "precision.loss_scale.growth",
+         fmt::format("{} must be in (1, 65536] (default 2)", l.growth));
+    need(l.min > 0 && l.min <= l.initial, "precision.loss_scale.min",
+         fmt::format("{} must be > 0 and <= precision.loss_scale.initial = {} (default 1)", l.min, l.initial));
   }
 };
 
@@ -747,7 +810,17 @@ json Recipe::to_json() const {
                    {"log_interval", training.log_interval},
                    {"threads", training.threads},
                    {"peak_gflops", training.peak_gflops},
-                   {"resume", training.resume}};
+                   {"resume", training.resume},
+                   {"max_skipped_steps", training.max_skipped_steps}};
+  const auto& ls = precision.loss_scale;
+  j["precision"] = {{"compute", precision.compute},
+                    {"loss_scale",
+                     {{"enabled", ls.enabled},
+                      {"initial", ls.initial},
+                      {"growth_interval", ls.growth_interval},
+                      {"backoff", ls.backoff},
+                      {"growth", ls.growth},
+                      {"min", ls.min}}}};
   j["parallel"] = {{"data", parallel.data}, {"tensor", parallel.tensor},       {"pipeline", parallel.pipeline},
                    {"zero", parallel.zero}, {"bucket_mb", parallel.bucket_mb}, {"timeout_s", parallel.timeout_s}};
   j["output"] = {{"dir", output.dir},

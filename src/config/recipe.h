@@ -12,6 +12,7 @@
 //   optimizer:{name: adamw, lr: 1.0e-3, weight_decay: 0.1, grad_clip: 1.0}
 //   schedule: {name: cosine, warmup_steps: 20, min_lr: 1.0e-4}
 //   training: {micro_batch_size: 16, seq_len: 128, steps: 600}
+//   precision:{compute: bf16}                      # fp32 (default) | bf16 | fp16
 //   output:   {dir: runs/quickstart}
 //
 // model section: at most one base among `preset: NAME`, `init_from: HF_DIR` (reads
@@ -97,7 +98,27 @@ struct Recipe {
     // "" = start fresh; "auto" = newest complete checkpoint of output.dir (fresh if none);
     // otherwise a checkpoint directory. `lathe train --resume` overrides it.
     std::string resume;
+    // A step whose loss or gradient norm is NaN/Inf is skipped (no update; data, step counter and
+    // schedule advance). This many consecutive skipped steps stop the run; 0 = never stop.
+    int64_t max_skipped_steps = 20;
   } training;
+
+  // Mixed precision (issue 9; optim/loss_scaler.h). compute: the dtype of the model's activations
+  // and GEMM operands ("fp32", "bf16", "fp16"); master weights, gradients, optimizer moments and
+  // checkpoints stay fp32 whatever it is.
+  struct Precision {
+    std::string compute = "fp32";
+    // Dynamic loss scaling: on for fp16 unless `enabled: false`; ignored for fp32/bf16 (with a
+    // note) unless `enabled: true`, which scales the loss in any precision (exact in fp32 with
+    // power-of-two scales: tests use it to exercise the scaler without an fp16 model).
+    // Defaults as PyTorch's GradScaler and Megatron.
+    struct LossScale {
+      bool enabled = false;  // resolved: true for fp16 unless set
+      double initial = 65536.0;
+      int64_t growth_interval = 2000;
+      double backoff = 0.5, growth = 2.0, min = 1.0;
+    } loss_scale;
+  } precision;
 
   // Multi-process layout (issue 8). The product of the degrees is the number of processes
   // (mpirun -np); checked against the world size when training starts.
@@ -119,6 +140,10 @@ struct Recipe {
     int64_t checkpoint_every = 0;
     int64_t keep_last = 0;  // keep the newest N checkpoints; 0 = keep all
   } output;
+
+  // Things the recipe says that lathe accepts but ignores (e.g. precision.loss_scale for bf16):
+  // one line each, printed by `lathe train` and `lathe check`. Not part of to_json().
+  std::vector<std::string> notes;
 
   nlohmann::json to_json() const;  // fully resolved (model as HF fields)
   std::string to_yaml() const;     // resolved recipe, printable and re-loadable

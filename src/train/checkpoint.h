@@ -20,7 +20,9 @@
 //                              and `lathe train recipe.yaml`
 //     state.json               {"body": {...}, "body_xxh64": "<16 hex>"}; body holds format,
 //                              version, step, consumed_samples, loader {epoch, position}, rng,
-//                              loss_scale, lr, threads, recipe, lathe_version, optimizer name,
+//                              loss_scale (+ optional loss_scale_dynamic, loss_scale_good_steps,
+//                              skipped_steps, consecutive_skipped_steps), lr, threads, recipe,
+//                              lathe_version, optimizer name,
 //                              "files": {file: {"bytes", "xxh64"}} for the three files above, and
 //                              "tensors": {file: [{"name", "dtype", "global_shape",
 //                              "slice": [[start, end) per dim]}]} — per-rank ready: a sharded run
@@ -73,8 +75,14 @@ struct CheckpointState {
   int64_t consumed_samples = 0;
   data::LoaderState loader;   // epoch, position
   std::vector<uint64_t> rng;  // any RNG state the trainer keeps (now: the seed)
-  double loss_scale = 1.0;    // for fp16 later
-  nlohmann::json recipe;      // resolved recipe (Recipe::to_json())
+  // Loss scaler (optim/loss_scaler.h). loss_scale: the scale for the next step (1 without
+  // dynamic scaling). The rest are optional in state.json (absent in checkpoints written before
+  // them: 0 / false).
+  double loss_scale = 1.0;
+  bool loss_scale_dynamic = false;  // the run scaled the loss (fp16 or loss_scale.enabled)
+  int64_t loss_scale_good_steps = 0;
+  int64_t skipped_steps = 0, consecutive_skipped_steps = 0;
+  nlohmann::json recipe;  // resolved recipe (Recipe::to_json())
   std::string lathe_version;
   // Additions (informational; the trainer warns when they differ on resume).
   double lr = 0;          // learning rate used by the last step
@@ -176,11 +184,14 @@ struct RecipeChange {
 // Compares two Recipe::to_json() trees key by key. Breaking (resume would not continue the same
 // run): model.* (except model.init_from, which only matters at initialisation), data.train,
 // data.valid, data.valid_fraction, optimizer.* (including lr: it changes every later update),
-// schedule.*, training.{micro_batch_size, seq_len, grad_accum_steps, seed}, and any key not
-// listed as harmless. Harmless: training.{steps, eval_interval, eval_batches, log_interval,
-// threads, peak_gflops, resume}, output.*, data.{tokenizer, prefetch}. (training.steps is allowed
-// by design even though decaying schedules are recomputed for the new total; threads changes the
-// float summation order, the trainer warns about it.)
+// schedule.*, training.{micro_batch_size, seq_len, grad_accum_steps, seed}, precision.* (the
+// compute dtype; the loss scale's settings only where scaling is on in either recipe), and any
+// key not listed as harmless. Harmless: training.{steps, eval_interval, eval_batches,
+// log_interval, threads, peak_gflops, resume, max_skipped_steps}, output.*, data.{tokenizer,
+// prefetch}, parallel.*. (training.steps is allowed by design even though decaying schedules are
+// recomputed for the new total; threads changes the float summation order, the trainer warns
+// about it.) Keys added after a checkpoint was written (precision.*, training.max_skipped_steps)
+// compare as their old implied value when absent: fp32, no loss scaling.
 std::vector<RecipeChange> diff_recipes(const nlohmann::json& before, const nlohmann::json& after);
 
 using io::hex64;  // the checksum of checkpoint files (io/xxh64.h)

@@ -242,6 +242,18 @@ CheckpointState parse_checkpoint_state(std::string_view text, const std::string&
   if (rng.size() > 1024) f.fail("rng", fmt::format("has {} values (at most 1024)", rng.size()));
   for (size_t i = 0; i < rng.size(); ++i) st.rng.push_back(f.uint64(rng[i], fmt::format("rng[{}]", i)));
   st.loss_scale = f.number(f.member(body, "loss_scale", "loss_scale"), "loss_scale", 0.0, true);
+  // The loss scaler's counters (optional: absent in checkpoints written before them).
+  if (body.contains("loss_scale_dynamic")) {
+    if (!body["loss_scale_dynamic"].is_boolean())
+      f.wrong("loss_scale_dynamic", body["loss_scale_dynamic"], "true or false");
+    st.loss_scale_dynamic = body["loss_scale_dynamic"].get<bool>();
+  }
+  if (body.contains("loss_scale_good_steps"))
+    st.loss_scale_good_steps = f.integer(body["loss_scale_good_steps"], "loss_scale_good_steps", 0, kMaxCount);
+  if (body.contains("skipped_steps")) st.skipped_steps = f.integer(body["skipped_steps"], "skipped_steps", 0, st.step);
+  if (body.contains("consecutive_skipped_steps"))
+    st.consecutive_skipped_steps =
+        f.integer(body["consecutive_skipped_steps"], "consecutive_skipped_steps", 0, st.skipped_steps);
   st.recipe = f.object(f.member(body, "recipe", "recipe"), "recipe");
   st.lathe_version = f.string(f.member(body, "lathe_version", "lathe_version"), "lathe_version");
   // lr, threads and optimizer are informational additions: absent means "not recorded".

@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "data/loader.h"
 #include "io/json.h"
+#include "kernels/backend.h"
 #include "models/hf_weights.h"
 #include "models/memory.h"
 #include "optim/schedule.h"
@@ -128,6 +129,44 @@ optim::OptimConfig optimizer_config(const Recipe& r) {
   return c;
 }
 
+optim::LossScaleConfig loss_scale_config(const Recipe& r) {
+  optim::LossScaleConfig c;
+  const auto& l = r.precision.loss_scale;
+  c.dynamic = l.enabled;
+  c.initial = l.initial;
+  c.growth_interval = l.growth_interval;
+  c.backoff = l.backoff;
+  c.growth = l.growth;
+  c.min = l.min;
+  c.max_skipped_steps = r.training.max_skipped_steps;
+  return c;
+}
+
+ComputeSpec compute_spec(const Recipe& r) {
+  ComputeSpec spec;
+  spec.backend = &cpu_backend();
+  const std::string& c = r.precision.compute;
+  spec.dtype = c == "bf16" ? DType::BF16 : c == "fp16" ? DType::F16 : DType::F32;
+  LATHE_CHECK(compute_dtype_name(spec.dtype) == c, "{}: precision.compute '{}' is not one of fp32, bf16, fp16",
+              r.source, c);
+  // A 16-bit op table reads compute-dtype copies of the weights, which the Model keeps from the
+  // change that adds refresh_compute_weights() on; a Model without them must not run such a table.
+  if constexpr (!requires(Model & m) { m.refresh_compute_weights(); })
+    LATHE_CHECK(spec.dtype == DType::F32,
+                "{}: precision.compute {}: this build's model has no {} weight copies yet (set precision.compute: "
+                "fp32)",
+                r.source, c, c);
+  try {
+    (void)ops_for(*spec.backend, spec.dtype);
+  } catch (const Error& e) {
+    throw_error(
+        "{}: precision.compute {}: this build cannot compute in {} on {}: {} (set precision.compute to an "
+        "implemented dtype)",
+        r.source, c, c, spec.backend->name(), e.what());
+  }
+  return spec;
+}
+
 optim::ScheduleConfig schedule_config(const Recipe& r) {
   optim::ScheduleConfig s;
   s.name = r.schedule.name;
@@ -240,7 +279,17 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   optim::validate(ocfg);
   optim::ScheduleConfig sched = schedule_config(r);
   optim::validate(sched);
+  const optim::LossScaleConfig lscfg = loss_scale_config(r);
+  optim::validate(lscfg);
   log.ok(fmt::format("optimizer {} and schedule {} settings are valid", r.optimizer.name, r.schedule.name));
+  const ComputeSpec spec = compute_spec(r);
+  log.ok(fmt::format(
+      "precision: {} compute on {}, fp32 master weights, gradients and moments; {}", r.precision.compute,
+      spec.backend->name(),
+      lscfg.dynamic ? fmt::format("dynamic loss scaling from {} (x{} after {} clean steps, x{} on overflow, min {})",
+                                  lscfg.initial, lscfg.growth, lscfg.growth_interval, lscfg.backoff, lscfg.min)
+                    : std::string("no loss scaling")));
+  for (const std::string& n : r.notes) log.note(n);
 
   // 4. output directory
   probe_output_dir(r, check_only);
@@ -266,12 +315,17 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   log.ok(fmt::format("memory: {} fits ({} {})", est.breakdown(), mm.source,
                      mm.bytes > 0 ? format_bytes(mm.bytes) : std::string("unknown")));
   if (!pf.ckpt.empty()) {
-    pf.model = build_model(r.model);  // weights come from the checkpoint below
+    pf.model = build_model(r.model, spec);  // weights come from the checkpoint below
   } else if (!r.init_from.empty()) {
-    pf.model = load_hf_model(r.init_from, &pf.init_report);
+    // load_hf_model's steps, with the compute spec: the file's config (its memory checked before
+    // anything is allocated), the model, the strict weight loader.
+    const ModelConfig hf = load_hf_config(r.init_from);
+    check_memory_fits(estimate_memory(hf, 0, 0, 0), hf, (fs::path(r.init_from) / "config.json").string());
+    pf.model = build_model(hf, spec);
+    pf.init_report = load_hf_weights(*pf.model, r.init_from);
     log.ok(fmt::format("model.init_from {}: {}", r.init_from, pf.init_report));
   } else {
-    pf.model = build_model(r.model);
+    pf.model = build_model(r.model, spec);
   }
   log.ok(fmt::format("model {}: {} parameters", r.model.model_type, pf.model->num_params()));
   if (!check_only) pf.model->allocate(B, T, kMoments);

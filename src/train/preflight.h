@@ -5,7 +5,9 @@
 //      for one micro-batch;
 //   2. consistency of model, tokenizer and data (train/consistency.h): vocabulary sizes, special
 //      ids, every dataset's largest token id < model.vocab_size;
-//   3. optimizer and schedule settings (optim::validate);
+//   3. optimizer, schedule and loss-scale settings (optim::validate), and that this build computes
+//      in precision.compute (kernels/backend.h ops_for: a missing bf16/fp16 table is named);
+//      the recipe's notes (ignored keys) are passed to `note`;
 //   4. the output directory: output.dir created when missing and proven writable with a probe
 //      file (check removes the probe and the directories it created), checkpoints/ readable;
 //   5. resume (training.resume or --resume): the checkpoint found (auto: newest complete one,
@@ -28,6 +30,7 @@
 #include "config/recipe.h"
 #include "data/indexed_dataset.h"
 #include "models/model.h"
+#include "optim/loss_scaler.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "train/checkpoint.h"
@@ -41,7 +44,7 @@ struct Preflight {
   std::string ckpt;              // checkpoint this run continues from; "" = fresh start
   CheckpointState cs;            // its state (when ckpt is set)
   std::unique_ptr<Model> model;  // built; weights from init_from or the checkpoint (else to be initialised)
-  std::string init_report;                      // load report of model.init_from ("" otherwise)
+  std::string init_report;       // load report of model.init_from ("" otherwise)
 };
 
 struct PreflightLog {
@@ -52,6 +55,11 @@ struct PreflightLog {
 // The recipe's optimizer and schedule sections in optim's terms.
 optim::OptimConfig optimizer_config(const Recipe& r);
 optim::ScheduleConfig schedule_config(const Recipe& r);
+// precision.loss_scale and training.max_skipped_steps in optim's terms.
+optim::LossScaleConfig loss_scale_config(const Recipe& r);
+// precision.compute on the CPU backend. Throws lathe::Error naming the recipe, precision.compute
+// and the missing op (kernels/backend.h ops_for) when this build has no complete table for it.
+ComputeSpec compute_spec(const Recipe& r);
 
 // check_only: `lathe check` — no activations allocated (their size is still checked), and the
 // output directory is left as it was found.

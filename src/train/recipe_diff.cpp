@@ -2,6 +2,8 @@
 // recipe of the run resuming from it, and whether the change breaks exactness.
 #include <map>
 #include <set>
+#include <utility>
+#include <vector>
 
 #include "train/checkpoint.h"
 
@@ -31,11 +33,32 @@ int64_t global_batch(const json& recipe) {
   return get(t, "micro_batch_size") * get(t, "grad_accum_steps") * get(p, "data");
 }
 
+// Keys added after checkpoints were first written, with the value an older recipe implied: an
+// absent key compares as this default (a checkpoint from before the precision section computed in
+// fp32 without loss scaling), so resuming it is not a change.
+const std::vector<std::pair<std::string, json>>& later_defaults() {
+  static const std::vector<std::pair<std::string, json>> d = {{"precision.compute", "fp32"},
+                                                              {"precision.loss_scale.enabled", false},
+                                                              {"precision.loss_scale.initial", 65536.0},
+                                                              {"precision.loss_scale.growth_interval", 2000},
+                                                              {"precision.loss_scale.backoff", 0.5},
+                                                              {"precision.loss_scale.growth", 2.0},
+                                                              {"precision.loss_scale.min", 1.0},
+                                                              {"training.max_skipped_steps", 20}};
+  return d;
+}
+
+bool loss_scaling_on(const std::map<std::string, json>& flat) {
+  auto it = flat.find("precision.loss_scale.enabled");
+  return it != flat.end() && it->second == json(true);
+}
+
 bool harmless_key(const std::string& k) {
-  static const std::set<std::string> keys = {"training.steps",        "training.eval_interval", "training.eval_batches",
-                                             "training.log_interval", "training.threads",       "training.peak_gflops",
-                                             "training.resume",       "data.tokenizer",         "data.prefetch",
-                                             "model.init_from"};
+  // max_skipped_steps only decides when a run of skipped steps stops the run.
+  static const std::set<std::string> keys = {
+      "training.steps",   "training.eval_interval", "training.eval_batches",     "training.log_interval",
+      "training.threads", "training.peak_gflops",   "training.resume",           "data.tokenizer",
+      "data.prefetch",    "model.init_from",        "training.max_skipped_steps"};
   // The layout of processes changes neither the data order nor the math beyond float summation
   // order (the loader's order is global: train/trainer.cpp), so it may change on resume.
   return keys.count(k) || k.rfind("output.", 0) == 0 || k.rfind("parallel.", 0) == 0;
@@ -46,6 +69,10 @@ std::vector<RecipeChange> diff_recipes(const json& before, const json& after) {
   std::map<std::string, json> a, b;
   flatten(before, "", &a);
   flatten(after, "", &b);
+  for (auto* m : {&a, &b})
+    for (const auto& [k, v] : later_defaults()) m->emplace(k, v);
+  // The loss scale's settings matter only where scaling is on (fp16, or enabled explicitly).
+  const bool scaling = loss_scaling_on(a) || loss_scaling_on(b);
   std::set<std::string> keys;
   for (auto& [k, v] : a) keys.insert(k);
   for (auto& [k, v] : b) keys.insert(k);
@@ -60,7 +87,9 @@ std::vector<RecipeChange> diff_recipes(const json& before, const json& after) {
     auto str = [](const json& v, bool present) { return present ? v.dump() : std::string("(absent)"); };
     const bool batch_split =
         same_global_batch && (k == "training.micro_batch_size" || k == "training.grad_accum_steps");
-    out.push_back({k, str(va, ia != a.end()), str(vb, ib != b.end()), !harmless_key(k) && !batch_split});
+    const bool ignored_scale_key = !scaling && k.rfind("precision.loss_scale.", 0) == 0;
+    out.push_back(
+        {k, str(va, ia != a.end()), str(vb, ib != b.end()), !harmless_key(k) && !batch_split && !ignored_scale_key});
   }
   return out;
 }

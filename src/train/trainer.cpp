@@ -21,6 +21,7 @@
 #include "io/fs.h"
 #include "models/hf_weights.h"
 #include "optim/clip.h"
+#include "optim/loss_scaler.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "parallel/grad_sync.h"
@@ -145,20 +146,62 @@ struct StepParts {
   dist::Communicator& world;
   const optim::ScheduleConfig& sched;
   double grad_clip;
-  int64_t B, T, accum, G;  // micro-batch, seq_len, accumulation, global batch (samples)
+  optim::LossScaler& scaler;  // loss scale (fp16) and the skipping of non-finite steps
+  int64_t B, T, accum, G;     // micro-batch, seq_len, accumulation, global batch (samples)
   std::vector<int32_t>& inputs;
   std::vector<int32_t>& targets;
 };
 
 struct StepStats {
   double loss = NAN, norm = NAN, lr = NAN;
+  int64_t step = 0;       // 1-based
+  double loss_scale = 1;  // the scale this step's gradients carried
+  bool skipped = false;   // non-finite loss or gradient norm: no update
   double data_wait_s = 0, comm_wait_s = 0, seconds = 0;
 };
 
-// One optimizer step of this rank: its micro-batches (gradients accumulate), the data-parallel
-// reduction (buckets issued during the last backward; the wait that backward did not hide is
-// comm_wait_s), the loss summed over ranks, the global norm, a stop on non-finite values naming the
-// last finite ones (`prev`), and the update.
+// Calls model.refresh_compute_weights() (the compute-dtype copies of the fp32 master weights,
+// issue 9) when the Model has it: after every update and after weights are loaded. Resolved at
+// compile time so that the trainer builds before and after the model side lands.
+template <typename M>
+void refresh_compute_weights(M& model) {
+  if constexpr (requires { model.refresh_compute_weights(); }) model.refresh_compute_weights();
+}
+
+// Bytes of the compute-dtype weight copies (0 for fp32, or before the model has them).
+template <typename M>
+size_t compute_weight_bytes(const M& model) {
+  if constexpr (requires { model.compute_weight_bytes(); })
+    return model.compute_weight_bytes();
+  else
+    return 0;
+}
+
+// Test hook: LATHE_TEST_NONFINITE_STEPS="3,5" makes the gradients of those optimizer steps
+// (1-based) non-finite, as an fp16 overflow would: one element of this rank's part of the reduced
+// gradient (its ZeRO shard; with ZeRO 0 element 0 on every rank) becomes +Inf.
+bool inject_non_finite(int64_t step) {
+  static const std::vector<int64_t> steps = [] {
+    std::vector<int64_t> v;
+    const char* e = std::getenv("LATHE_TEST_NONFINITE_STEPS");
+    for (const char* c = e; c && *c;) {
+      char* end = nullptr;
+      const long long x = std::strtoll(c, &end, 10);
+      if (end == c) break;
+      v.push_back(x);
+      c = *end == ',' ? end + 1 : end;
+    }
+    return v;
+  }();
+  return std::find(steps.begin(), steps.end(), step) != steps.end();
+}
+
+// One optimizer step of this rank: its micro-batches (gradients accumulate, the loss gradient
+// multiplied by the loss scale), the data-parallel reduction (buckets issued during the last
+// backward; the wait that backward did not hide is comm_wait_s), the loss summed over ranks, the
+// global norm (unscaled), the scaler's verdict, and the update unless the step is skipped. Every
+// rank takes the same decision: the loss and the norm are global. A stop (too many consecutive
+// skipped steps, an overflow at the minimum scale) names the last finite values (`prev`).
 StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
   // Test hook (tests/parallel): rank LATHE_TEST_STALL_RANK stops before the gradient reduction of
   // step LATHE_TEST_STALL_STEP, as a hung process would; the others' watchdog must end the job.
@@ -168,7 +211,10 @@ StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
   const double t0 = now_seconds();
   p.world.set_step(step + 1);
   const int64_t B = p.B, T = p.T;
-  const float grad_scale = 1.0f / static_cast<float>(p.G * T);  // mean over the global batch's tokens
+  // Mean over the global batch's tokens, times the loss scale (a power of two by default: exact).
+  st.step = step + 1;
+  st.loss_scale = p.scaler.scale();
+  const float grad_scale = 1.0f / static_cast<float>(p.G * T) * static_cast<float>(st.loss_scale);
   double loss_sum = 0;
   if (p.sync)
     p.sync->zero_grads();  // ZeRO 2: only the shard (the rest was released as zeros)
@@ -188,17 +234,33 @@ StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
     p.world.all_reduce(&loss_sum, 1, DType::F64);
   }
   st.loss = loss_sum / static_cast<double>(p.G * T);
-  // The clipping coefficient is applied inside the optimizer update (one pass less over the
-  // gradients; bit-identical to scaling them first).
-  st.norm = p.opt.grad_norm(p.model.grad_data());
-  if (!std::isfinite(st.loss) || !std::isfinite(st.norm))
-    throw_error(
-        "step {}: {} is {} — training stopped, no weights written. Last finite values: loss {}, grad norm "
-        "{}, lr {} (step {}). Try a lower optimizer.lr or a smaller optimizer.grad_clip.",
-        step + 1, std::isfinite(st.loss) ? "the gradient norm" : "the loss", std::isfinite(st.loss) ? st.norm : st.loss,
-        prev.loss, prev.norm, prev.lr, step);
+  if (inject_non_finite(step + 1) && p.opt.state_end() > p.opt.state_begin())
+    p.model.grad_data()[p.opt.state_begin()] = INFINITY;
+  // The norm of the unscaled gradients (dividing by a power of two is exact).
+  st.norm = p.opt.grad_norm(p.model.grad_data()) / st.loss_scale;
   st.lr = optim::lr_at(p.sched, step);
-  p.opt.step(p.model.param_data(), p.model.grad_data(), st.lr, step + 1, optim::clip_coefficient(st.norm, p.grad_clip));
+  const int64_t skipped_before = p.scaler.state().skipped_steps;
+  switch (p.scaler.update(!std::isfinite(st.loss) || !std::isfinite(st.norm), step + 1)) {
+    case optim::LossScaler::Verdict::Stop:
+      throw_error(
+          "{} — training stopped, no weights written. This step: loss {}, grad norm {}. Last finite values: loss "
+          "{}, grad norm {}, lr {} (step {}). Try a lower optimizer.lr or a smaller optimizer.grad_clip{}.",
+          p.scaler.stop_reason(), st.loss, st.norm, prev.loss, prev.norm, prev.lr, prev.step,
+          p.scaler.dynamic() ? "" : ", or raise training.max_skipped_steps (0 = never stop)");
+    case optim::LossScaler::Verdict::Skip:
+      st.skipped = true;  // weights and moments untouched; the batch is consumed, the schedule moves on
+      break;
+    case optim::LossScaler::Verdict::Apply: {
+      // The clipping coefficient (from the unscaled norm) and the unscaling are applied inside the
+      // optimizer update (one pass less over the gradients; bit-identical to scaling them first).
+      // AdamW/LAMB's bias correction counts the updates applied, not skipped steps (as torch.optim
+      // under GradScaler, whose skipped steps do not advance the optimizer's step).
+      const float coef = optim::clip_coefficient(st.norm, p.grad_clip) * static_cast<float>(1.0 / st.loss_scale);
+      p.opt.step(p.model.param_data(), p.model.grad_data(), st.lr, step + 1 - skipped_before, coef);
+      refresh_compute_weights(p.model);
+      break;
+    }
+  }
   st.seconds = now_seconds() - t0;
   return st;
 }
@@ -270,6 +332,21 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   std::unique_ptr<tok::Tokenizer> tokenizer;
   if (!r.data.tokenizer.empty()) tokenizer = tok::load_tokenizer(r.data.tokenizer);
   if (ckpt.empty() && r.init_from.empty()) model->init_weights(static_cast<uint64_t>(r.training.seed));
+  refresh_compute_weights(*model);  // the weights are final (init, init_from or checkpoint)
+  // Loss scale and skipped-step counters; a resume continues them exactly (a checkpoint of a run
+  // without dynamic scaling restarts the scale at precision.loss_scale.initial).
+  optim::LossScaler scaler(loss_scale_config(r));
+  if (!ckpt.empty()) {
+    optim::LossScalerState ls;
+    ls.scale = cs.loss_scale_dynamic ? cs.loss_scale : scaler.scale();
+    ls.good_steps = cs.loss_scale_dynamic ? cs.loss_scale_good_steps : 0;
+    ls.skipped_steps = cs.skipped_steps;
+    ls.consecutive_skipped = cs.consecutive_skipped_steps;
+    scaler.restore(ls, (fs::path(ckpt) / "state.json").string());
+    if (scaler.dynamic() && !cs.loss_scale_dynamic)
+      say(fmt::format("resume: the checkpoint's run did not scale the loss; starting at loss scale {}",
+                      scaler.scale()));
+  }
   std::vector<optim::ParamRange> ranges;
   for (const ParamSpec& s : model->params().specs())
     ranges.push_back({s.offset, static_cast<size_t>(s.numel()), s.decay, static_cast<int64_t>(ranges.size())});
@@ -281,7 +358,8 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   // Resuming: this rank's moments from the checkpoint, whatever layout wrote it (re-sharded by flat
   // offset: train/checkpoint.h).
   if (!ckpt.empty())
-    load_checkpoint_moments(ckpt, *model, moment_slice(opt.local(), opt.state_begin(), opt.state_begin(), opt.state_end()));
+    load_checkpoint_moments(ckpt, *model,
+                            moment_slice(opt.local(), opt.state_begin(), opt.state_begin(), opt.state_end()));
   const size_t bucket_elems = static_cast<size_t>(std::max(1.0, r.parallel.bucket_mb * (1 << 20) / 4));
   std::unique_ptr<parallel::GradSync> sync;
   bool sync_this_pass = false;
@@ -330,18 +408,23 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   const double peak = r.training.peak_gflops > 0 ? r.training.peak_gflops : measure_peak_gflops();
   // Per rank: parameters and gradients whole, moments of this rank's shard (ZeRO).
   const double moments = 2.0 * 4 * static_cast<double>(opt.state_end() - opt.state_begin());
-  const double est = static_cast<double>(P) * 4 * 2 + moments + static_cast<double>(model->activation_bytes());
-  log(fmt::format("model {}: {:.2f}M parameters; threads {}; peak {:.1f} GFLOP/s ({}; OpenBLAS kernel {})",
-                  r.model.model_type, P / 1e6, threads, peak,
-                  r.training.peak_gflops > 0 ? "from recipe" : "measured by GEMM probe", blas_kernel_name()));
+  const double wcopy = static_cast<double>(compute_weight_bytes(*model));  // bf16/fp16 weight copies
+  const double est = static_cast<double>(P) * 4 * 2 + moments + static_cast<double>(model->activation_bytes()) + wcopy;
+  log(fmt::format(
+      "model {}: {:.2f}M parameters; precision {}{}; threads {}; peak {:.1f} GFLOP/s ({}; OpenBLAS kernel {})",
+      r.model.model_type, P / 1e6, r.precision.compute,
+      scaler.dynamic() ? fmt::format(" (loss scale {})", scaler.scale()) : std::string(), threads, peak,
+      r.training.peak_gflops > 0 ? "from recipe" : "measured by GEMM probe", blas_kernel_name()));
   if (dp > 1)
     log(fmt::format(
         "data parallel: {} ranks, global batch {} samples ({} per rank as {} x {}), ZeRO {}, buckets of {:.1f} MB", dp,
         G, B * accum, accum, B, r.parallel.zero, bucket_elems * 4 / 1e6));
   log(fmt::format(
-      "memory estimate per rank: params {:.1f} MB + grads {:.1f} MB + {} moments {:.1f} MB + activations "
-      "{:.1f} MB = {:.1f} MB",
-      P * 4 / 1e6, P * 4 / 1e6, r.optimizer.name, moments / 1e6, model->activation_bytes() / 1e6, est / 1e6));
+      "memory estimate per rank: params {:.1f} MB + grads {:.1f} MB + {} moments {:.1f} MB{} + activations "
+      "({}) {:.1f} MB = {:.1f} MB",
+      P * 4 / 1e6, P * 4 / 1e6, r.optimizer.name, moments / 1e6,
+      wcopy > 0 ? fmt::format(" + {} weight copies {:.1f} MB", r.precision.compute, wcopy / 1e6) : std::string(),
+      r.precision.compute, model->activation_bytes() / 1e6, est / 1e6));
   log(fmt::format("data: {} train samples, {} validation samples of {} tokens", train_samples.size(),
                   valid_samples.size(), T));
 
@@ -373,6 +456,11 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     st.lr = lr;
     st.threads = threads;
     st.optimizer = r.optimizer.name;
+    st.loss_scale = scaler.scale();
+    st.loss_scale_dynamic = scaler.dynamic();
+    st.loss_scale_good_steps = scaler.state().good_steps;
+    st.skipped_steps = scaler.state().skipped_steps;
+    st.consecutive_skipped_steps = scaler.state().consecutive_skipped;
     CheckpointSaveInfo info;
     // Every rank writes the moments of its part of the flat buffer (its ZeRO shard; with ZeRO 0 the
     // same cut, so the ranks share the writing), rank 0 the weights and state.json once all are done.
@@ -408,13 +496,15 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   };
   if (start_step == r.training.steps && start_step > 0)
     say(fmt::format("resume: the checkpoint is at the final step {}; only the end-of-run outputs remain", start_step));
-  StepParts parts{*model, loader, opt,   sync.get(), sync_this_pass, *world, sched, r.optimizer.grad_clip,
+  StepParts parts{*model, loader, opt,   sync.get(), sync_this_pass, *world, sched, r.optimizer.grad_clip, scaler,
                   B,      T,      accum, G,          inputs,         targets};
+  const std::string precision = r.precision.compute;
   StepStats prev;
   double comm_total = 0;
   for (int64_t step = start_step; step < r.training.steps; ++step) {
     const StepStats st = train_step(parts, step, prev);
-    prev = st;
+    if (!st.skipped) prev = st;
+    const int64_t skipped_total = scaler.state().skipped_steps;
     const double loss = st.loss, norm = st.norm, lr = st.lr, dt = st.seconds, wait = st.data_wait_s,
                  comm_wait = st.comm_wait_s;
     comm_total += comm_wait;
@@ -432,12 +522,31 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
                    {"comm_exposed_ms", comm_wait * 1e3},
                    {"comm_exposed_pct", 100.0 * comm_wait / dt},
                    {"world_size", dp},
-                   {"tokens", (step + 1) * G * T}});
-    if ((step + 1) % r.training.log_interval == 0 || step == 0 || step + 1 == r.training.steps)
+                   {"tokens", (step + 1) * G * T},
+                   {"precision", precision},
+                   {"loss_scale", st.loss_scale},
+                   {"skipped", st.skipped},
+                   {"skipped_steps", skipped_total}});
+    // The precision, the loss scale this step carried (fp16) and the skipped steps so far.
+    const std::string prec =
+        fmt::format("{}{}{}", precision, scaler.dynamic() ? fmt::format(" scale {}", st.loss_scale) : std::string(),
+                    skipped_total ? fmt::format(" | skipped {}", skipped_total) : std::string());
+    if (st.skipped)  // always logged, whatever log_interval
       log(fmt::format(
-          "step {:>6}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.4f} | {:.0f} tok/s | MFU {:.1f}% | "
+          "step {:>6}/{} | SKIPPED: {} not finite (loss {:.4f}, grad norm {:.4f}); weights and moments unchanged, "
+          "batch consumed | {}{} | skipped {} ({} in a row; training.max_skipped_steps {})",
+          step + 1, r.training.steps,
+          !std::isfinite(st.norm) && !std::isfinite(st.loss) ? "the loss and the gradient norm are"
+          : std::isfinite(st.norm)                           ? "the loss is"
+                                                             : "the gradient norm is",
+          loss, norm, precision,
+          scaler.dynamic() ? fmt::format(" scale {} -> {}", st.loss_scale, scaler.scale()) : std::string(),
+          skipped_total, scaler.state().consecutive_skipped, r.training.max_skipped_steps));
+    else if ((step + 1) % r.training.log_interval == 0 || step == 0 || step + 1 == r.training.steps)
+      log(fmt::format(
+          "step {:>6}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.4f} | {} | {:.0f} tok/s | MFU {:.1f}% | "
           "{:.1f} ms | data wait {:.1f}%{}",
-          step + 1, r.training.steps, loss, lr, norm, tok_s, 100 * mfu, dt * 1e3, 100.0 * wait / dt,
+          step + 1, r.training.steps, loss, lr, norm, prec, tok_s, 100 * mfu, dt * 1e3, 100.0 * wait / dt,
           dp > 1 ? fmt::format(" | comm exposed {:.1f} ms ({:.1f}%)", comm_wait * 1e3, 100.0 * comm_wait / dt)
                  : std::string()));
     const bool last = step + 1 == r.training.steps;
@@ -492,6 +601,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   write_metrics({{"step", r.training.steps},
                  {"world_size", dp},
                  {"peak_rss_mb_max_rank", peak_rss / 1e6},
+                 {"skipped_steps", scaler.state().skipped_steps},
                  {"comm_exposed_s_total", comm_total}});
   world->barrier();  // the model directory is complete before any rank returns
 

@@ -200,7 +200,11 @@ TEST(Recipe, ToYamlReloads) {
       {llama, {"model.model_type=qwen2", "training.seq_len=64", "model.eos_token_id=5"}},
       {llama,
        {"model.preset=mistral-debug", "data.tokenizer=tok.model", "schedule.name=wsd", "schedule.decay_shape=1-sqrt",
-        "training.seq_len=100", "model.sliding_window=100"}}};
+        "training.seq_len=100", "model.sliding_window=100"}},
+      {kGood,
+       {"precision.compute=fp16", "precision.loss_scale.initial=1024", "precision.loss_scale.growth=4",
+        "training.max_skipped_steps=0"}},
+      {kGood, {"precision.compute=bf16", "precision.loss_scale.enabled=true", "precision.loss_scale.min=0.25"}}};
   for (auto& [text, ovs] : cases) {
     Recipe r = parse_recipe(text, "recipe.yaml", ovs);
     std::string y = r.to_yaml();
@@ -426,4 +430,71 @@ TEST(RecipeHostile, BaseConfigFileIsDepthChecked) {
   expect_error("model: {config: " + dir + "/deep.json}\ndata: {train: x}\n",
                {"model.config", "deep.json", "nests deeper"});
   fs::remove_all(dir);
+}
+
+TEST(Recipe, PrecisionDefaultsAndValues) {
+  Recipe r = parse_recipe(kGood, "recipe.yaml");
+  EXPECT_EQ(r.precision.compute, "fp32");
+  EXPECT_FALSE(r.precision.loss_scale.enabled);
+  EXPECT_EQ(r.precision.loss_scale.initial, 65536.0);
+  EXPECT_EQ(r.precision.loss_scale.growth_interval, 2000);
+  EXPECT_EQ(r.precision.loss_scale.backoff, 0.5);
+  EXPECT_EQ(r.precision.loss_scale.growth, 2.0);
+  EXPECT_EQ(r.precision.loss_scale.min, 1.0);
+  EXPECT_EQ(r.training.max_skipped_steps, 20);
+  EXPECT_TRUE(r.notes.empty());
+  // fp16 turns dynamic loss scaling on; the keys take values.
+  Recipe h = parse_recipe(kGood + std::string("precision: {compute: fp16, loss_scale: {initial: 1024, "
+                                              "growth_interval: 10, backoff: 0.25, growth: 4, min: 2}}\n"),
+                          "recipe.yaml");
+  EXPECT_EQ(h.precision.compute, "fp16");
+  EXPECT_TRUE(h.precision.loss_scale.enabled);
+  EXPECT_EQ(h.precision.loss_scale.initial, 1024.0);
+  EXPECT_EQ(h.precision.loss_scale.growth_interval, 10);
+  EXPECT_EQ(h.precision.loss_scale.backoff, 0.25);
+  EXPECT_EQ(h.precision.loss_scale.growth, 4.0);
+  EXPECT_EQ(h.precision.loss_scale.min, 2.0);
+  EXPECT_TRUE(h.notes.empty());
+  // bf16 with loss_scale keys: accepted and ignored, with a note (not an error).
+  Recipe b = parse_recipe(kGood, "recipe.yaml", {"precision.compute=bf16", "precision.loss_scale.initial=8"});
+  EXPECT_EQ(b.precision.compute, "bf16");
+  EXPECT_FALSE(b.precision.loss_scale.enabled);
+  ASSERT_EQ(b.notes.size(), 1u);
+  EXPECT_NE(b.notes[0].find("precision.loss_scale is ignored"), std::string::npos) << b.notes[0];
+  EXPECT_NE(b.notes[0].find("bf16"), std::string::npos) << b.notes[0];
+  // ... unless scaling is asked for explicitly (any precision).
+  Recipe e = parse_recipe(kGood, "recipe.yaml", {"precision.loss_scale.enabled=true"});
+  EXPECT_TRUE(e.precision.loss_scale.enabled);
+  EXPECT_TRUE(e.notes.empty());
+  Recipe off = parse_recipe(kGood, "recipe.yaml", {"precision.compute=fp16", "precision.loss_scale.enabled=false"});
+  EXPECT_FALSE(off.precision.loss_scale.enabled);
+  EXPECT_EQ(off.notes.size(), 1u);
+  EXPECT_EQ(parse_recipe(kGood, "r.yaml", {"training.max_skipped_steps=0"}).training.max_skipped_steps, 0);
+}
+
+TEST(Recipe, PrecisionErrorsNameKeyAndValue) {
+  expect_error(kGood + std::string("precision: {compute: fp8}\n"),
+               {"precision.compute", "'fp8' is not supported", "fp32, bf16, fp16"});
+  expect_error(kGood, {"precision.compute", "'float16'", "fp32, bf16, fp16"}, {"precision.compute=float16"});
+  expect_error(kGood + std::string("precision: {compue: bf16}\n"),
+               {"unknown key 'precision.compue'", "did you mean 'precision.compute'"});
+  expect_error(kGood + std::string("precision: {compute: fp16, loss_scale: {intial: 2}}\n"),
+               {"unknown key 'precision.loss_scale.intial'", "did you mean 'precision.loss_scale.initial'"});
+  expect_error(kGood + std::string("precision: {loss_scale: 1024}\n"), {"precision.loss_scale", "expected a mapping"});
+  expect_error(kGood + std::string("precision: bf16\n"), {"precision", "expected a mapping"});
+  expect_error(kGood, {"precision.loss_scale.enabled", "expected true or false", "yes please"},
+               {"precision.loss_scale.enabled=yes please"});
+  expect_error(kGood, {"precision.loss_scale.initial", "0", "must be > 0"}, {"precision.loss_scale.initial=0"});
+  expect_error(kGood, {"precision.loss_scale.initial", "1e+200"}, {"precision.loss_scale.initial=1e200"});
+  expect_error(kGood, {"precision.loss_scale.initial", "not a finite"}, {"precision.loss_scale.initial=1e999"});
+  expect_error(kGood, {"precision.loss_scale.growth_interval", "0"}, {"precision.loss_scale.growth_interval=0"});
+  expect_error(kGood, {"precision.loss_scale.growth_interval", "expected an integer"},
+               {"precision.loss_scale.growth_interval=1.5"});
+  expect_error(kGood, {"precision.loss_scale.backoff", "1", "(0, 1)"}, {"precision.loss_scale.backoff=1"});
+  expect_error(kGood, {"precision.loss_scale.growth", "0.5", "(1, 65536]"}, {"precision.loss_scale.growth=0.5"});
+  expect_error(kGood, {"precision.loss_scale.min", "100000", "65536"}, {"precision.loss_scale.min=100000"});
+  expect_error(kGood, {"precision.loss_scale.min", "-1"}, {"precision.loss_scale.min=-1"});
+  expect_error(kGood, {"training.max_skipped_steps", "-1", ">= 0"}, {"training.max_skipped_steps=-1"});
+  expect_error(kGood, {"unknown key 'training.max_skiped_steps'", "did you mean 'training.max_skipped_steps'"},
+               {"training.max_skiped_steps=3"});
 }

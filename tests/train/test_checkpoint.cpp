@@ -58,6 +58,10 @@ CheckpointState some_state(int64_t step) {
   st.loader = {2, 24};
   st.rng = {7, 0xfedcba9876543210ull};
   st.loss_scale = 65536.0;
+  st.loss_scale_dynamic = true;
+  st.loss_scale_good_steps = step / 2;
+  st.skipped_steps = step / 3;
+  st.consecutive_skipped_steps = step / 4;
   st.recipe = {{"model", ModelConfig::preset("gpt2-debug").to_hf_json()}, {"training", {{"steps", 100}}}};
   st.lathe_version = "test";
   st.lr = 1.5e-3;
@@ -146,6 +150,10 @@ TEST(Checkpoint, RoundTripWeightsMomentsState) {
   EXPECT_EQ(st.loader.position, 24);
   EXPECT_EQ(st.rng, want.rng);
   EXPECT_EQ(st.loss_scale, 65536.0);
+  EXPECT_TRUE(st.loss_scale_dynamic);
+  EXPECT_EQ(st.loss_scale_good_steps, 6);
+  EXPECT_EQ(st.skipped_steps, 4);
+  EXPECT_EQ(st.consecutive_skipped_steps, 3);
   EXPECT_EQ(st.recipe, want.recipe);
   EXPECT_EQ(st.lathe_version, "test");
   EXPECT_EQ(st.lr, 1.5e-3);
@@ -333,6 +341,54 @@ TEST(Checkpoint, RecipeDiffClassification) {
     }
 }
 
+TEST(Checkpoint, RecipeDiffPrecision) {
+  const json fp32 = {{"training", {{"steps", 10}}}};  // a checkpoint from before the precision section
+  json same = fp32;
+  same["precision"] = {{"compute", "fp32"},
+                       {"loss_scale",
+                        {{"enabled", false},
+                         {"initial", 65536.0},
+                         {"growth_interval", 2000},
+                         {"backoff", 0.5},
+                         {"growth", 2.0},
+                         {"min", 1.0}}}};
+  same["training"]["max_skipped_steps"] = 20;
+  EXPECT_TRUE(diff_recipes(fp32, same).empty()) << diff_recipes(fp32, same)[0].key;
+  // The compute dtype breaks exactness, from an old checkpoint too.
+  json bf16 = same;
+  bf16["precision"]["compute"] = "bf16";
+  for (const json* before : {&fp32, static_cast<const json*>(&same)}) {
+    auto d = diff_recipes(*before, bf16);
+    ASSERT_EQ(d.size(), 1u);
+    EXPECT_EQ(d[0].key, "precision.compute");
+    EXPECT_TRUE(d[0].breaks_exactness);
+  }
+  // Loss-scale settings are ignored (harmless) while scaling is off in both recipes...
+  json ignored = bf16;
+  ignored["precision"]["loss_scale"]["initial"] = 8.0;
+  auto d = diff_recipes(bf16, ignored);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_FALSE(d[0].breaks_exactness);
+  // ...and break exactness when it is on in either.
+  json on = bf16, on2 = bf16;
+  on["precision"]["loss_scale"]["enabled"] = true;
+  on2["precision"]["loss_scale"]["enabled"] = true;
+  on2["precision"]["loss_scale"]["growth_interval"] = 100;
+  d = diff_recipes(on, on2);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_TRUE(d[0].breaks_exactness);
+  d = diff_recipes(bf16, on);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].key, "precision.loss_scale.enabled");
+  EXPECT_TRUE(d[0].breaks_exactness);
+  // max_skipped_steps only decides when to stop: harmless.
+  json more = same;
+  more["training"]["max_skipped_steps"] = 0;
+  d = diff_recipes(same, more);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_FALSE(d[0].breaks_exactness);
+}
+
 // ---- issue 14: state.json is untrusted input ----
 
 TEST(CheckpointState, ParsesWhatSaveWrites) {
@@ -395,6 +451,24 @@ TEST(CheckpointState, FieldsAreNamed) {
   EXPECT_NE(reseal([](json& b) { b["files"]["../x"] = b["files"]["recipe.yaml"]; }).find("'files.../x'"),
             std::string::npos);
   EXPECT_NE(reseal([](json& b) { b["step"] = -1; }).find("'step' is -1"), std::string::npos);
+  // The loss scaler's fields: optional (older checkpoints), checked when present.
+  EXPECT_EQ(reseal([](json& b) {
+              for (const char* k :
+                   {"loss_scale_dynamic", "loss_scale_good_steps", "skipped_steps", "consecutive_skipped_steps"})
+                b.erase(k);
+            }),
+            "");
+  EXPECT_NE(reseal([](json& b) { b["loss_scale_dynamic"] = 1; }).find("'loss_scale_dynamic' must be true or false"),
+            std::string::npos);
+  EXPECT_NE(reseal([](json& b) { b["loss_scale_good_steps"] = -2; }).find("'loss_scale_good_steps' is -2"),
+            std::string::npos);
+  std::string err = reseal([](json& b) { b["skipped_steps"] = 2; });
+  EXPECT_NE(err.find("'skipped_steps' is 2, above the largest allowed 1"), std::string::npos) << err;
+  err = reseal([](json& b) {
+    b["skipped_steps"] = 1;
+    b["consecutive_skipped_steps"] = 2;
+  });
+  EXPECT_NE(err.find("'consecutive_skipped_steps' is 2, above the largest allowed 1"), std::string::npos) << err;
   EXPECT_EQ(reseal([](json&) {}), "");  // the unedited body passes
   fs::remove_all(run);
 }
