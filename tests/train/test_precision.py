@@ -25,8 +25,11 @@ Checked here:
 import json
 import os
 import shutil
+import struct
 import sys
 import tempfile
+
+import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -69,6 +72,39 @@ def state(out, step):
 
 def same(a, b):
     return open(a, "rb").read() == open(b, "rb").read()
+
+
+def read_st(path):
+    """safetensors -> {name: float32 array} (lathe's checkpoints hold F32 only)."""
+    data = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", data[:8])
+    out = {}
+    for name, info in json.loads(data[8:8 + n]).items():
+        if name != "__metadata__" and info["dtype"] == "F32":
+            a, b = info["data_offsets"]
+            out[name] = np.frombuffer(data[8 + n + a:8 + n + b], dtype=np.float32)
+    return out
+
+
+def adamw_step_count(before, after, lr):
+    """Which AdamW step count t (bias correction) turns checkpoint `before` into `after`, from the
+    moments alone: p' = p - lr/(1-b1^t) * m' / (sqrt(v')/sqrt(1-b2^t) + eps) (torch.optim.AdamW;
+    norm and bias tensors, which get no weight decay). Returns {t: relative mismatch}."""
+    p0, p1 = read_st(os.path.join(before, "model.safetensors")), read_st(os.path.join(after, "model.safetensors"))
+    o1 = read_st(os.path.join(after, "optimizer.safetensors"))
+    out = {}
+    for t in range(1, 9):
+        bc1, bc2 = 1 - 0.9 ** t, 1 - 0.95 ** t
+        err = scale = 0.0
+        for name in p0:
+            if not (name.endswith(".bias") or ".ln" in name):
+                continue
+            m, v = o1["exp_avg/" + name], o1["exp_avg_sq/" + name]
+            pred = p0[name] + np.float32(-(lr / bc1)) * (m / (np.sqrt(v) / np.float32(np.sqrt(bc2)) + np.float32(1e-8)))
+            err = max(err, float(np.max(np.abs(pred - p1[name]))))
+            scale = max(scale, float(np.max(np.abs(p1[name] - p0[name]))))
+        out[t] = err / scale
+    return out
 
 
 def train(tmp, data, name, *args, inject="", ok=True):
@@ -136,6 +172,13 @@ def main():
           "steps 1-3 see the same weights and batches as the plain run; step 4 trains on batch 4 without "
           "step 3's update")
     check(field(skip, "lr") == field(plain, "lr"), "the schedule advances through skipped steps")
+    # Bias correction counts applied updates (torch.optim under GradScaler): step 4 after one skip
+    # is AdamW's 3rd update, step 6 after two skips its 4th.
+    for s, t in ((4, 3), (6, 4)):
+        fit = adamw_step_count(ckpt(skip, s - 1), ckpt(skip, s), field(skip, "lr")[s - 1])
+        best = min(fit, key=fit.get)
+        check(best == t and fit[t] < 1e-4, f"step {s}: AdamW bias correction uses update count {t} "
+              f"(best fit {best}, mismatch {fit[t]:.1e} vs {fit[s]:.1e} for the step number)")
     check(os.path.isdir(os.path.join(skip, "model")), "a run with skipped steps finishes and writes the model")
 
     # ---- every precision: plain fp32 skips a non-finite step, the scale stays 1
