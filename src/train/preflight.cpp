@@ -149,13 +149,6 @@ ComputeSpec compute_spec(const Recipe& r) {
   spec.dtype = c == "bf16" ? DType::BF16 : c == "fp16" ? DType::F16 : DType::F32;
   LATHE_CHECK(compute_dtype_name(spec.dtype) == c, "{}: precision.compute '{}' is not one of fp32, bf16, fp16",
               r.source, c);
-  // A 16-bit op table reads compute-dtype copies of the weights, which the Model keeps from the
-  // change that adds refresh_compute_weights() on; a Model without them must not run such a table.
-  if constexpr (!requires(Model & m) { m.refresh_compute_weights(); })
-    LATHE_CHECK(spec.dtype == DType::F32,
-                "{}: precision.compute {}: this build's model has no {} weight copies yet (set precision.compute: "
-                "fp32)",
-                r.source, c, c);
   try {
     (void)ops_for(*spec.backend, spec.dtype);
   } catch (const Error& e) {
@@ -309,7 +302,7 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   // before anything is allocated.
   // Per process: ZeRO 1/2 divide the moments by the data degree.
   const int64_t data = std::max<int64_t>(1, r.parallel.data);
-  const MemoryEstimate est = estimate_memory(r.model, B, T, kMoments, r.parallel.zero > 0 ? data : 1);
+  const MemoryEstimate est = estimate_memory(r.model, B, T, kMoments, r.parallel.zero > 0 ? data : 1, spec.dtype);
   check_memory_fits(est, r.model, r.source);
   const MachineMemory mm = machine_memory();
   log.ok(fmt::format("memory: {} fits ({} {})", est.breakdown(), mm.source,
@@ -320,7 +313,8 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
     // load_hf_model's steps, with the compute spec: the file's config (its memory checked before
     // anything is allocated), the model, the strict weight loader.
     const ModelConfig hf = load_hf_config(r.init_from);
-    check_memory_fits(estimate_memory(hf, 0, 0, 0), hf, (fs::path(r.init_from) / "config.json").string());
+    check_memory_fits(estimate_memory(hf, 0, 0, 0, 1, spec.dtype), hf,
+                      (fs::path(r.init_from) / "config.json").string());
     pf.model = build_model(hf, spec);
     pf.init_report = load_hf_weights(*pf.model, r.init_from);
     log.ok(fmt::format("model.init_from {}: {}", r.init_from, pf.init_report));

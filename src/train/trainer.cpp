@@ -160,23 +160,6 @@ struct StepStats {
   double data_wait_s = 0, comm_wait_s = 0, seconds = 0;
 };
 
-// Calls model.refresh_compute_weights() (the compute-dtype copies of the fp32 master weights,
-// issue 9) when the Model has it: after every update and after weights are loaded. Resolved at
-// compile time so that the trainer builds before and after the model side lands.
-template <typename M>
-void refresh_compute_weights(M& model) {
-  if constexpr (requires { model.refresh_compute_weights(); }) model.refresh_compute_weights();
-}
-
-// Bytes of the compute-dtype weight copies (0 for fp32, or before the model has them).
-template <typename M>
-size_t compute_weight_bytes(const M& model) {
-  if constexpr (requires { model.compute_weight_bytes(); })
-    return model.compute_weight_bytes();
-  else
-    return 0;
-}
-
 // Test hook: LATHE_TEST_NONFINITE_STEPS="3,5" makes the gradients of those optimizer steps
 // (1-based) non-finite, as an fp16 overflow would: one element of this rank's part of the reduced
 // gradient (its ZeRO shard; with ZeRO 0 element 0 on every rank) becomes +Inf.
@@ -257,7 +240,7 @@ StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
       // under GradScaler, whose skipped steps do not advance the optimizer's step).
       const float coef = optim::clip_coefficient(st.norm, p.grad_clip) * static_cast<float>(1.0 / st.loss_scale);
       p.opt.step(p.model.param_data(), p.model.grad_data(), st.lr, step + 1 - skipped_before, coef);
-      refresh_compute_weights(p.model);
+      p.model.refresh_compute_weights();  // the bf16/fp16 copies of the new weights
       break;
     }
   }
@@ -332,7 +315,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   std::unique_ptr<tok::Tokenizer> tokenizer;
   if (!r.data.tokenizer.empty()) tokenizer = tok::load_tokenizer(r.data.tokenizer);
   if (ckpt.empty() && r.init_from.empty()) model->init_weights(static_cast<uint64_t>(r.training.seed));
-  refresh_compute_weights(*model);  // the weights are final (init, init_from or checkpoint)
+  model->refresh_compute_weights();  // the weights are final (init, init_from or checkpoint)
   // Loss scale and skipped-step counters; a resume continues them exactly (a checkpoint of a run
   // without dynamic scaling restarts the scale at precision.loss_scale.initial).
   optim::LossScaler scaler(loss_scale_config(r));
@@ -408,7 +391,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   const double peak = r.training.peak_gflops > 0 ? r.training.peak_gflops : measure_peak_gflops();
   // Per rank: parameters and gradients whole, moments of this rank's shard (ZeRO).
   const double moments = 2.0 * 4 * static_cast<double>(opt.state_end() - opt.state_begin());
-  const double wcopy = static_cast<double>(compute_weight_bytes(*model));  // bf16/fp16 weight copies
+  const double wcopy = static_cast<double>(model->compute_weight_bytes());  // bf16/fp16 weight copies
   const double est = static_cast<double>(P) * 4 * 2 + moments + static_cast<double>(model->activation_bytes()) + wcopy;
   log(fmt::format(
       "model {}: {:.2f}M parameters; precision {}{}; threads {}; peak {:.1f} GFLOP/s ({}; OpenBLAS kernel {})",
