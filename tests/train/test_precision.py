@@ -17,6 +17,8 @@ Checked here:
     an overflow at precision.loss_scale.min stops naming the step and the scale
   * resume: interrupted + resumed == uninterrupted (losses, scales, skipped counts, weights), with
     the cut inside a run of skips and inside a growth interval
+  * data parallelism (mpirun -np 2, ZeRO 0 and 1, when mpirun exists): every rank skips the same
+    steps, with the scale and losses of the single-process run
   * a checkpoint written before the scaler fields (no precision section, no counters) resumes
   * precision.compute errors: an unknown dtype names the valid ones; a dtype this build cannot
     compute in is refused naming precision.compute and the missing op (until the tables exist);
@@ -26,6 +28,7 @@ import json
 import os
 import shutil
 import struct
+import subprocess
 import sys
 import tempfile
 
@@ -217,6 +220,29 @@ def main():
               f"stop at {stop} + resume == uninterrupted: byte-identical final weights")
         check(state(out, 8) == {**state(skip, 8), "files": state(out, 8)["files"], "recipe": state(out, 8)["recipe"]},
               f"stop at {stop} + resume == uninterrupted: state.json of the last step")
+
+    # ---- data parallelism: the same decision on every rank (the norm and the loss are global)
+    mpirun = shutil.which("mpirun")
+    if not mpirun:
+        print("note mpirun not found: the data-parallel case is not checked here (tests/parallel needs it too)")
+    for zero in (0, 1) if mpirun else ():
+        out = os.path.join(tmp, f"dp{zero}")
+        recipe = os.path.join(tmp, f"dp{zero}.yaml")
+        open(recipe, "w").write(RECIPE.format(data=data, out=out))
+        env = dict(ENV, LATHE_TEST_NONFINITE_STEPS="3,5", OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
+                   OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1")
+        p = subprocess.run([mpirun, "-np", "2", LATHE, "train", recipe, *SCALED, "--quiet", "--set",
+                            f"parallel.zero={zero}", "--set", "training.micro_batch_size=2"],
+                           capture_output=True, text=True, env=env, timeout=300)
+        ok = p.returncode == 0
+        check(ok and field(out, "skipped") == field(skip, "skipped") and
+              field(out, "loss_scale") == field(skip, "loss_scale") and
+              max(abs(a - b) for a, b in zip(field(out, "loss"), field(skip, "loss"))) < 1e-5,
+              f"mpirun -np 2 ZeRO {zero}: the same steps skipped, the same scales and losses as one process"
+              f"{'' if ok else ': ' + p.stderr.strip()[-300:]}")
+        if ok:
+            check(same(os.path.join(ckpt(out, 3), "model.safetensors"), os.path.join(ckpt(out, 2), "model.safetensors")),
+                  f"mpirun -np 2 ZeRO {zero}: the skipped step leaves the weights alone")
 
     # ---- a checkpoint from before the precision section and the scaler's fields still resumes
     old, recipe, _ = train(tmp, data, "old", "--stop-after", "4")
