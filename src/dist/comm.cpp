@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "core/trace.h"
 
 namespace lathe::dist {
 
@@ -177,8 +178,9 @@ struct Communicator::Progress {
   bool stop = false;
   std::thread thread;
 
-  Progress() {
-    thread = std::thread([this] {
+  explicit Progress(const std::string& name) {
+    thread = std::thread([this, name] {
+      trace::set_thread_name("comm " + name);  // the profiler's track of this group's operations
       std::unique_lock<std::mutex> lk(m);
       for (;;) {
         cv.wait(lk, [&] { return stop || !tasks.empty(); });
@@ -211,7 +213,7 @@ struct Communicator::Progress {
 Communicator::Communicator(int rank, int size, std::string name, std::shared_ptr<Watchdog> watchdog)
     : rank_(rank), size_(size), name_(std::move(name)), watchdog_(std::move(watchdog)) {
   if (!watchdog_) watchdog_ = std::make_shared<Watchdog>(0.0);
-  progress_ = std::make_unique<Progress>();
+  progress_ = std::make_unique<Progress>(name_);
 }
 
 Communicator::~Communicator() = default;
@@ -220,18 +222,19 @@ void Communicator::stop_progress() { progress_.reset(); }
 
 std::string Communicator::describe() const { return fmt::format("group '{}' (rank {} of {})", name_, rank_, size_); }
 
-WorkPtr Communicator::issue(const char* op, std::function<void()> fn) {
+WorkPtr Communicator::issue(const char* op, std::function<void()> fn, int64_t bytes) {
   LATHE_CHECK(progress_, "{}: {} issued after the communicator was shut down", describe(), op);
   auto work = std::make_shared<TaskWork>();
   const uint64_t seq = ++seq_;
   // The watchdog slot is registered lazily on first use (progress thread only touches it).
   auto wd = watchdog_;
   const std::string desc = describe();
-  progress_->push([work, fn = std::move(fn), wd, op, seq, desc, this]() mutable {
+  progress_->push([work, fn = std::move(fn), wd, op, seq, desc, bytes, this]() mutable {
     if (watchdog_slot_ < 0) watchdog_slot_ = wd->register_slot(desc);
     wd->begin(watchdog_slot_, op, seq);
     std::exception_ptr err;
     try {
+      trace::Scope span(op, trace::Cat::Comm, bytes);
       fn();
     } catch (...) {
       err = std::current_exception();
@@ -276,12 +279,15 @@ WorkPtr Communicator::all_reduce_async(void* buf, size_t count, DType dtype, Red
     std::vector<size_t> bytes(counts.size());
     for (size_t j = 0; j < counts.size(); ++j) bytes[j] = counts[j] * es;
     do_all_gather(mine, buf, bytes);
-  });
+  }, static_cast<int64_t>(count * dtype_size(dtype)));
 }
 
 WorkPtr Communicator::reduce_scatter_async(const void* send, void* recv, const std::vector<size_t>& counts, DType dtype,
                                            ReduceOp op) {
-  return issue("reduce_scatter", [=, this] { reduce_scatter_now(send, recv, counts, dtype, op); });
+  size_t total = 0;
+  for (size_t c : counts) total += c;
+  return issue("reduce_scatter", [=, this] { reduce_scatter_now(send, recv, counts, dtype, op); },
+               static_cast<int64_t>(total * dtype_size(dtype)));
 }
 
 WorkPtr Communicator::all_gather_async(const void* send, void* recv, const std::vector<size_t>& counts, DType dtype) {
@@ -295,26 +301,30 @@ WorkPtr Communicator::all_gather_async(const void* send, void* recv, const std::
     // with MPI_IN_PLACE), so no private copy of a possibly large shard is made.
     const char* own = static_cast<const char*>(send);
     do_all_gather(own, recv, bytes);
-  });
+  }, static_cast<int64_t>([&] {
+    size_t t = 0;
+    for (size_t c : counts) t += c;
+    return t * dtype_size(dtype);
+  }()));
 }
 
 WorkPtr Communicator::broadcast_async(void* buf, size_t bytes, int root) {
   LATHE_CHECK(root >= 0 && root < size_, "{}: broadcast root {} is not a rank", describe(), root);
   return issue("broadcast", [=, this] {
     if (size_ > 1) do_broadcast(buf, bytes, root);
-  });
+  }, static_cast<int64_t>(bytes));
 }
 
 WorkPtr Communicator::send_async(const void* buf, size_t bytes, int dst, int tag) {
   LATHE_CHECK(dst >= 0 && dst < size_ && dst != rank_, "{}: send to rank {} (not another rank of the group)",
               describe(), dst);
-  return issue("send", [=, this] { do_send(buf, bytes, dst, tag); });
+  return issue("send", [=, this] { do_send(buf, bytes, dst, tag); }, static_cast<int64_t>(bytes));
 }
 
 WorkPtr Communicator::recv_async(void* buf, size_t bytes, int src, int tag) {
   LATHE_CHECK(src >= 0 && src < size_ && src != rank_, "{}: recv from rank {} (not another rank of the group)",
               describe(), src);
-  return issue("recv", [=, this] { do_recv(buf, bytes, src, tag); });
+  return issue("recv", [=, this] { do_recv(buf, bytes, src, tag); }, static_cast<int64_t>(bytes));
 }
 
 void Communicator::all_reduce(void* buf, size_t count, DType dtype, ReduceOp op) {

@@ -146,7 +146,8 @@ class Communicator {
   void stop_progress();
 
  private:
-  WorkPtr issue(const char* op, std::function<void()> fn);
+  // bytes: what the operation moves (profiler spans; -1 when not meaningful).
+  WorkPtr issue(const char* op, std::function<void()> fn, int64_t bytes = -1);
   void reduce_scatter_now(const void* send, void* recv, const std::vector<size_t>& counts, DType dtype, ReduceOp op);
   struct Progress;
   int rank_, size_;

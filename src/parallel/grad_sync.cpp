@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "core/trace.h"
 #include "optim/chunks.h"
 #include "optim/clip.h"
 
@@ -116,7 +117,10 @@ double GradSync::finish() {
   for (auto& b : buckets_)
     if (!b.issued) issue(b);
   const auto t0 = std::chrono::steady_clock::now();
-  reap(true);
+  {
+    trace::Scope wait("wait for gradient reduction", trace::Cat::Comm);  // the exposed part
+    reap(true);
+  }
   for (auto& b : buckets_) b.ready = 0, b.issued = false;
   reported_.clear();
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

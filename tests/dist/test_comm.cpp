@@ -10,7 +10,13 @@
 #include <cstring>
 #include <thread>
 
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+
 #include "core/error.h"
+#include "core/trace.h"
 #include "dist/comm.h"
 #include "dist_checks.h"
 
@@ -109,4 +115,32 @@ TEST(CommThreads, EvenCountsCoverTheTotal) {
   // {1, 1, 0, 0} is also the constant GCC 12.2 + AVX-512 miscompiled (cmake/gcc_avx512_constant_probe.cpp).
   EXPECT_EQ(even_counts(10, 3), (std::vector<size_t>{4, 3, 3}));
   EXPECT_EQ(even_counts(2, 4), (std::vector<size_t>{1, 1, 0, 0}));
+}
+
+// Profiler spans (core/trace.h): each collective is a span on its group's communication thread,
+// with the bytes it moves.
+TEST(CommThreads, CollectivesAreTracedOnTheCommThreadWithBytes) {
+  lathe::trace::start();
+  lathe::dist::run_threads(2, [](lathe::dist::Communicator& c) {
+    std::vector<float> v(1000, 1.0f);
+    c.all_reduce(v.data(), v.size(), lathe::DType::F32);
+  });
+  lathe::trace::stop();
+  const std::string path = (std::filesystem::temp_directory_path() / "lathe_test_comm_trace.json").string();
+  lathe::trace::write_chrome_json(path, 0, "rank 0");
+  std::ifstream f(path);
+  const nlohmann::json j = nlohmann::json::parse(f);
+  std::map<int, std::string> names;
+  for (const auto& e : j["traceEvents"])
+    if (e["ph"] == "M" && e["name"] == "thread_name") names[e["tid"].get<int>()] = e["args"]["name"];
+  int spans = 0;
+  for (const auto& e : j["traceEvents"])
+    if (e["ph"] == "X" && e["name"] == "all_reduce") {
+      ++spans;
+      EXPECT_EQ(e["cat"], "comm");
+      EXPECT_EQ(e["args"]["bytes"], 4000);
+      EXPECT_EQ(names[e["tid"].get<int>()].rfind("comm ", 0), 0u) << names[e["tid"].get<int>()];
+    }
+  EXPECT_EQ(spans, 2);  // one per rank (two threads of this process)
+  std::filesystem::remove(path);
 }
