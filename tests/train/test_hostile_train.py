@@ -169,6 +169,18 @@ with cases.case("resume checkpoint with a NaN moment (data, resealed)"):
         "xxh64", open(os.path.join(tmp, "ck_nan", "digest")).read()), prepare=nan_moment)
     both_fail(base, ["optimizer.safetensors", "exp_avg/transformer.wpe.weight", "nan"], extra=["--resume", d])
 
+with cases.case("resume checkpoint with more skipped steps than steps (resealed)"):
+    d = forged_checkpoint("skipped", lambda b: b.__setitem__("skipped_steps", 3))
+    both_fail(base, ["state.json", "'skipped_steps' is 3"], extra=["--resume", d])
+
+with cases.case("resume checkpoint with a non-boolean loss_scale_dynamic (resealed)"):
+    d = forged_checkpoint("dynamic", lambda b: b.__setitem__("loss_scale_dynamic", "yes"))
+    both_fail(base, ["state.json", "'loss_scale_dynamic' must be true or false"], extra=["--resume", d])
+
+with cases.case("unknown precision.compute"):
+    both_fail(base, ["precision.compute", "'fp8' is not supported", "fp32, bf16, fp16"],
+              extra=["--set", "precision.compute=fp8"])
+
 with cases.case("resume checkpoint beyond training.steps"):
     both_fail(base, ["state.json", "'step'", "training.steps"], extra=["--resume", ckpt0, "--set",
                                                                       "training.steps=1"])
