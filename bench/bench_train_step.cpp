@@ -1,7 +1,10 @@
-// Full training steps (forward + backward + AdamW) of a model preset at B x T on random tokens.
-// Prints one JSON line: ms/step (mean after warm-up), tokens/s, MFU against a GEMM probe, peak
-// RSS and lathe's analytical memory estimate.
-//   bench_train_step PRESET B T [STEPS] [--set key=value]  e.g. bench_train_step gpt2-124m 4 64 10
+// Full training steps (forward + backward + AdamW + for bf16/fp16 the refresh of the weight
+// copies) of a model preset at B x T on random tokens, computing in fp32, bf16 or fp16.
+// Prints one JSON line: ms/step (mean after warm-up), tokens/s, MFU against a GEMM probe of the
+// compute dtype (fp32: sgemm; bf16: oneDNN bf16 GEMM at the model's largest GEMM shape), peak RSS
+// and lathe's analytical memory estimate.
+//   bench_train_step PRESET B T [STEPS] [--dtype fp32|bf16|fp16]
+//   e.g. bench_train_step gpt2-124m 4 256 5 --dtype bf16
 #include <fmt/format.h>
 #include <omp.h>
 
@@ -17,6 +20,8 @@
 #include "core/rng.h"
 #include "core/sysinfo.h"
 #include "core/timer.h"
+#include "kernels/cpu/ops_bf16.h"
+#include "models/memory.h"
 #include "models/model.h"
 #include "optim/clip.h"
 #include "optim/optimizer.h"
@@ -24,18 +29,54 @@
 
 using namespace lathe;
 
+namespace {
+
+// GFLOP/s of the bf16 GEMM on oneDNN at out[M,N] = inp[M,K] @ w[N,K]^T, best of 5 after warm-up.
+double measure_bf16_peak_gflops(int64_t M, int64_t K, int64_t N) {
+  std::vector<uint16_t> a(M * K), w(N * K), out(M * N);
+  Rng rng(5);
+  for (auto& x : a) x = fp32_to_bf16(rng.normal());
+  for (auto& x : w) x = fp32_to_bf16(rng.normal());
+  double best = 1e30;
+  for (int i = 0; i < 6; ++i) {
+    const double t0 = now_seconds();
+    cpu::matmul_forward_bf16_out_bf16(out.data(), a.data(), w.data(), nullptr, M, K, N);
+    if (i > 0) best = std::min(best, now_seconds() - t0);
+  }
+  return 2.0 * M * K * N / best / 1e9;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   ensure_fast_runtime(argc, argv);
-  if (argc < 4) {
-    std::fprintf(stderr, "usage: %s PRESET B T [STEPS]\n", argv[0]);
+  std::vector<std::string> pos;
+  DType dtype = DType::F32;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--dtype" && i + 1 < argc) {
+      const std::string d = argv[++i];
+      dtype = d == "bf16" ? DType::BF16 : d == "fp16" ? DType::F16 : DType::F32;
+      if (d != "bf16" && d != "fp16" && d != "fp32") {
+        std::fprintf(stderr, "--dtype %s: expected fp32, bf16 or fp16\n", d.c_str());
+        return 2;
+      }
+    } else {
+      pos.push_back(a);
+    }
+  }
+  if (pos.size() < 3) {
+    std::fprintf(stderr, "usage: %s PRESET B T [STEPS] [--dtype fp32|bf16|fp16]\n", argv[0]);
     return 2;
   }
-  const std::string preset = argv[1];
-  const int64_t B = std::atoll(argv[2]), T = std::atoll(argv[3]);
-  const int steps = argc > 4 ? std::atoi(argv[4]) : 6;
+  const std::string preset = pos[0];
+  const int64_t B = std::atoll(pos[1].c_str()), T = std::atoll(pos[2].c_str());
+  const int steps = pos.size() > 3 ? std::atoi(pos[3].c_str()) : 6;
   ModelConfig cfg = ModelConfig::preset(preset);
-  const double peak = measure_peak_gflops();
-  auto model = build_model(cfg);
+  // MFU against the peak of the dtype the GEMMs run in (the MLP GEMM shape: the largest per layer).
+  const double peak = dtype == DType::BF16 ? measure_bf16_peak_gflops(B * T, cfg.hidden_size, cfg.intermediate_size)
+                                           : measure_peak_gflops();
+  auto model = build_model(cfg, ComputeSpec{nullptr, dtype});
   model->init_weights(1);
   model->allocate(B, T);
   optim::OptimConfig oc;
@@ -46,7 +87,7 @@ int main(int argc, char** argv) {
   Rng rng(3);
   for (auto& t : tok) t = int32_t(rng.below(cfg.vocab_size));
   for (auto& t : tgt) t = int32_t(rng.below(cfg.vocab_size));
-  const double est = double(model->num_params()) * 16 + double(model->activation_bytes());
+  const double est = double(estimate_memory(cfg, B, T, 2, 1, dtype).total_bytes());
   double total = 0, fb = 0, upd = 0;
   int measured = 0;
   for (int s = 0; s < steps + 1; ++s) {
@@ -56,6 +97,7 @@ int main(int argc, char** argv) {
     const double t1 = now_seconds();
     const double norm = optim::global_grad_norm(model->grad_data(), model->num_params());
     opt->step(model->param_data(), model->grad_data(), ranges, 1e-4, s + 1, optim::clip_coefficient(norm, 1.0));
+    model->refresh_compute_weights();  // counted in the optimizer's time
     const double t2 = now_seconds();
     if (s > 0) {  // first step is warm-up
       total += t2 - t0;
@@ -71,6 +113,7 @@ int main(int argc, char** argv) {
                       {"preset", preset},
                       {"B", B},
                       {"T", T},
+                      {"dtype", compute_dtype_name(dtype)},
                       {"threads", omp_get_max_threads()},
                       {"blas_kernel", blas_kernel_name()},
                       {"params", model->num_params()},
@@ -79,6 +122,7 @@ int main(int argc, char** argv) {
                       {"ms_optimizer", 1e3 * upd / measured},
                       {"tokens_per_s", tok_s},
                       {"peak_gflops", peak},
+                      {"peak_probe", dtype == DType::BF16 ? "bf16 oneDNN GEMM" : "fp32 sgemm"},
                       {"mfu", mfu},
                       {"peak_rss_mb", peak_rss_bytes() / 1e6},
                       {"estimate_mb", est / 1e6}};
