@@ -2,10 +2,11 @@
 //
 // One template per op, instantiated for the two storage types of kernels/cpu/half.h:
 //  * GEMMs: bf16 on oneDNN (kernels/cpu/ops_bf16.h: bf16 operands, fp32 accumulation, each output
-//    rounded once from its fp32 sum). fp16: this CPU generation has no fp16 GEMM instructions
-//    (AVX512-FP16 / AMX-FP16 are absent on everything before Sapphire Rapids, and oneDNN 2.x runs
-//    f16 matmuls only there), so fp16 operands are widened to fp32 and run on the fp32 sgemm: a
-//    CORRECTNESS path (fp16 storage, fp32 compute), not a speed path.
+//    rounded once from its fp32 sum). fp16: oneDNN 2.6.3 has no f16 matmul on CPUs without
+//    AVX512-FP16 (probed 2026-11-30 on this machine's AVX512-BF16 Xeon: "could not create a
+//    primitive descriptor" for f16 x f16 -> f32, brg:avx512_core_bf16 for bf16), so fp16 operands
+//    are widened to fp32 and run on the fp32 sgemm: a CORRECTNESS path (fp16 storage, fp32
+//    compute), not a speed path.
 //  * Norms, attention, softmax/cross-entropy: statistics, running max/sum and the loss in fp32 on
 //    rows widened from 16 bits (norm statistics, lse and losses are fp32 outputs).
 //  * Pointwise (GELU, SwiGLU, residual, RoPE, embedding): widen a block, the fp32 formula of the
