@@ -233,7 +233,7 @@ struct StTensor {
   const float* data;
   // A piece [flat_begin, flat_end) of a flattened tensor of shape global_shape (1-D `shape`).
   bool flat = false;
-  Shape global_shape;
+  Shape global_shape{};
   int64_t flat_begin = 0, flat_end = 0;
 };
 
