@@ -1,0 +1,101 @@
+#include "data/blend.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <queue>
+
+#include "core/error.h"
+
+namespace lathe::data {
+
+namespace {
+uint64_t splitmix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+}  // namespace
+
+FeistelPermutation::FeistelPermutation(int64_t n, uint64_t key) : n_(n) {
+  LATHE_CHECK(n >= 1, "FeistelPermutation of {} elements", n);
+  int bits = 2;
+  while ((int64_t{1} << bits) < n) ++bits;
+  if (bits % 2) ++bits;  // two equal halves
+  half_bits_ = bits / 2;
+  mask_ = (uint64_t{1} << half_bits_) - 1;
+  for (int r = 0; r < 4; ++r) keys_[r] = splitmix(key * 4 + static_cast<uint64_t>(r) + 1);
+}
+
+uint64_t FeistelPermutation::round(uint64_t x, int r) const { return splitmix(x ^ keys_[r]) & mask_; }
+
+int64_t FeistelPermutation::operator()(int64_t i) const {
+  // A bijection on [0, 4^half_bits) applied until the value falls inside [0, n): cycle walking
+  // keeps it a bijection on [0, n) (the domain is < 4n, so < 4 steps on average).
+  uint64_t x = static_cast<uint64_t>(i);
+  do {
+    uint64_t l = x >> half_bits_, r = x & mask_;
+    for (int k = 0; k < 4; ++k) {
+      const uint64_t t = l ^ round(r, k);
+      l = r;
+      r = t;
+    }
+    x = (l << half_bits_) | r;
+  } while (x >= static_cast<uint64_t>(n_));
+  return static_cast<int64_t>(x);
+}
+
+BlendPlan plan_blend(const std::vector<BlendSource>& sources, int64_t total, uint64_t seed) {
+  LATHE_CHECK(!sources.empty(), "data.blend: no datasets");
+  LATHE_CHECK(sources.size() < (uint64_t{1} << 32), "data.blend: {} datasets", sources.size());
+  LATHE_CHECK(total >= 0, "data.blend: {} samples", total);
+  double wsum = 0;
+  for (const auto& s : sources) {
+    LATHE_CHECK(std::isfinite(s.weight) && s.weight > 0, "data.blend: {}: weight {} must be a positive number",
+                s.name, s.weight);
+    LATHE_CHECK(s.samples >= 1, "data.blend: {}: no sample of seq_len tokens (the dataset is too small)", s.name);
+    LATHE_CHECK(std::isfinite(s.max_epochs) && s.max_epochs >= 0, "data.blend: {}: epochs {} must be >= 0", s.name,
+                s.max_epochs);
+    wsum += s.weight;
+  }
+  const size_t D = sources.size();
+  BlendPlan p;
+  p.dataset.resize(static_cast<size_t>(total));
+  p.sample.resize(static_cast<size_t>(total));
+  p.taken.assign(D, 0);
+  std::vector<double> inv(D);
+  for (size_t i = 0; i < D; ++i) inv[i] = wsum / sources[i].weight;
+  // (due time, source): smallest first, ties to the lower source index.
+  using Entry = std::pair<double, uint32_t>;
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
+  for (size_t i = 0; i < D; ++i) heap.push({0.5 * inv[i], static_cast<uint32_t>(i)});
+  std::vector<FeistelPermutation> perm;
+  std::vector<int64_t> perm_epoch(D, -1);
+  perm.reserve(D);
+  for (size_t i = 0; i < D; ++i) perm.emplace_back(sources[i].samples, 0);
+  for (int64_t k = 0; k < total; ++k) {
+    const uint32_t i = heap.top().second;
+    heap.pop();
+    const int64_t t = p.taken[i]++;
+    heap.push({(static_cast<double>(t + 1) + 0.5) * inv[i], i});
+    const int64_t n = sources[i].samples, epoch = t / n;
+    if (epoch != perm_epoch[i]) {
+      perm[i] = FeistelPermutation(n, splitmix(seed ^ splitmix((static_cast<uint64_t>(i) << 32) ^ static_cast<uint64_t>(epoch))));
+      perm_epoch[i] = epoch;
+    }
+    p.dataset[static_cast<size_t>(k)] = i;
+    p.sample[static_cast<size_t>(k)] = perm[i](t % n);
+  }
+  p.epochs.resize(D);
+  for (size_t i = 0; i < D; ++i) {
+    p.epochs[i] = static_cast<double>(p.taken[i]) / static_cast<double>(sources[i].samples);
+    LATHE_CHECK(sources[i].max_epochs == 0 || p.epochs[i] <= sources[i].max_epochs + 1e-12,
+                "data.blend: {}: the run needs {} samples from it = {:.2f} epochs of its {} samples, beyond its cap "
+                "epochs: {} (raise the cap, lower its weight, or shorten the run)",
+                sources[i].name, p.taken[i], p.epochs[i], sources[i].samples, sources[i].max_epochs);
+  }
+  return p;
+}
+
+}  // namespace lathe::data
