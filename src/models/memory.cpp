@@ -40,14 +40,16 @@ std::string MemoryEstimate::breakdown() const {
   if (compute_weight_bytes > 0)
     s += fmt::format(" + {} weight copies {}", compute_dtype_name(compute_dtype), format_bytes(compute_weight_bytes));
   if (batch > 0)
-    s += fmt::format(" + activations ({}batch {} x seq_len {}) {}",
-                     compute_dtype != DType::F32 ? compute_dtype_name(compute_dtype) + ", " : std::string(), batch,
-                     seq_len, format_bytes(activation_bytes));
+    s += fmt::format(
+        " + activations ({}batch {} x seq_len {}{}) {}",
+        compute_dtype != DType::F32 ? compute_dtype_name(compute_dtype) + ", " : std::string(), batch, seq_len,
+        recompute != Recompute::None ? fmt::format(", recompute {}", recompute_name(recompute)) : std::string(),
+        format_bytes(activation_bytes));
   return s + fmt::format(" = {}", format_bytes(total_bytes()));
 }
 
 MemoryEstimate estimate_memory(const ModelConfig& cfg, int64_t B, int64_t T, int optimizer_moments,
-                               int64_t moment_shards, DType compute_dtype) {
+                               int64_t moment_shards, DType compute_dtype, Recompute recompute) {
   LATHE_CHECK(moment_shards >= 1, "internal: {} moment shards", moment_shards);
   cfg.validate("model");  // bounds first: the products below assume them
   LATHE_CHECK(optimizer_moments >= 0 && optimizer_moments <= 8, "internal: {} optimizer moments", optimizer_moments);
@@ -64,10 +66,10 @@ MemoryEstimate estimate_memory(const ModelConfig& cfg, int64_t B, int64_t T, int
   if (B > 0 && T > 0) {
     e.batch = B;
     e.seq_len = T;
+    e.recompute = recompute;
+    // The same layout walk as Model::allocate (so Model::activation_bytes equals this exactly).
     e.activation_bytes =
-        compute_dtype == DType::F32
-            ? checked_mul(Model::activation_floats(cfg, B, T), 4, what)
-            : static_cast<int64_t>(Model::plan_activations(cfg, B, T, ComputeSpec{nullptr, compute_dtype}).bytes);
+        static_cast<int64_t>(Model::plan_activations(cfg, B, T, ComputeSpec{nullptr, compute_dtype}, recompute).bytes);
   }
   e.compute_dtype = compute_dtype;
   if (compute_dtype != DType::F32)

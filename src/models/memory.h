@@ -14,6 +14,7 @@
 
 #include "config/model_config.h"
 #include "core/dtype.h"
+#include "models/recompute.h"
 
 namespace lathe {
 
@@ -23,7 +24,8 @@ struct MemoryEstimate {
   // bf16/fp16 compute: the compute-dtype copy of the weights the GEMMs read (0 for fp32).
   int64_t compute_weight_bytes = 0;
   DType compute_dtype = DType::F32;
-  int64_t batch = 0, seq_len = 0;  // the (B, T) the activations are sized for; 0 = none
+  Recompute recompute = Recompute::None;  // the activation plan's recompute mode
+  int64_t batch = 0, seq_len = 0;         // the (B, T) the activations are sized for; 0 = none
   int optimizer_moments = 0;
   int64_t moment_shards = 1;  // ZeRO: each rank holds 1/moment_shards of the moments
   int64_t total_bytes() const {
@@ -37,9 +39,11 @@ struct MemoryEstimate {
 // activation arena Model::allocate(B, T) reserves computing in `compute_dtype` on the CPU backend
 // (exactly: the same layout walk, Model::plan_activations) + for bf16/fp16 the compute-dtype copy
 // of the weights. B = T = 0: no activations. moment_shards > 1: per rank of a ZeRO group of that
-// size (moments divided). Validates `cfg` first; throws lathe::Error when a size does not fit 64 bits.
+// size (moments divided). `recompute`: the plan of Model::allocate(B, T, moments, recompute).
+// Validates `cfg` first; throws lathe::Error when a size does not fit 64 bits.
 MemoryEstimate estimate_memory(const ModelConfig& cfg, int64_t B, int64_t T, int optimizer_moments,
-                               int64_t moment_shards = 1, DType compute_dtype = DType::F32);
+                               int64_t moment_shards = 1, DType compute_dtype = DType::F32,
+                               Recompute recompute = Recompute::None);
 
 // Memory this process can use: the smallest of physical RAM (MemTotal in /proc/meminfo), the
 // cgroup limit (memory.max) and RLIMIT_AS. `source` says which one bounds it.

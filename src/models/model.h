@@ -14,6 +14,7 @@
 #include "core/buffer.h"
 #include "kernels/backend.h"
 #include "models/param_table.h"
+#include "models/recompute.h"
 
 namespace lathe {
 
@@ -62,9 +63,11 @@ struct ActivationEntry {
 };
 // The arena's layout, in order: every buffer forward/backward use, from one walk (so the sizes the
 // memory check reads are the sizes allocate() hands out).
+// With recompute, buffers of one set shared by every layer have layer -1 and names "shared.*".
 struct ActivationPlan {
   std::vector<ActivationEntry> entries;
   size_t bytes = 0;  // total, a multiple of 64
+  Recompute recompute = Recompute::None;
 };
 
 // Called by the model at fixed points of a pass (all optional). Parallelism, recompute and
@@ -119,7 +122,10 @@ class Model {
   // forward/backward never allocate. First checks (models/memory.h) that parameters, gradients,
   // `optimizer_moments` fp32 copies of the parameters (the trainer passes 2 for AdamW/LAMB) and the
   // activations fit the machine, and refuses with the figures otherwise.
-  void allocate(int64_t B, int64_t T, int optimizer_moments = 0);
+  // `recompute` (models/recompute.h) chooses what the arena keeps per layer; whatever it is,
+  // losses, gradients and the StepHooks calls are the same, bit for bit and in order.
+  void allocate(int64_t B, int64_t T, int optimizer_moments = 0, Recompute recompute = Recompute::None);
+  Recompute recompute() const { return plan_.recompute; }
   int64_t max_batch() const { return max_B_; }
   int64_t max_seq() const { return max_T_; }
 
@@ -154,9 +160,10 @@ class Model {
 
   // Floats (4-byte units) of the activation arena allocate(B, T) reserves for `cfg` computing in
   // CPU fp32 (the same layout walk); overflow-checked, throws lathe::Error for sizes beyond 64 bits.
-  static int64_t activation_floats(const ModelConfig& cfg, int64_t B, int64_t T);
+  static int64_t activation_floats(const ModelConfig& cfg, int64_t B, int64_t T, Recompute recompute = Recompute::None);
   // The arena's layout for `cfg` at (B, T) computing with `compute`: entries and total bytes.
-  static ActivationPlan plan_activations(const ModelConfig& cfg, int64_t B, int64_t T, const ComputeSpec& compute = {});
+  static ActivationPlan plan_activations(const ModelConfig& cfg, int64_t B, int64_t T, const ComputeSpec& compute = {},
+                                         Recompute recompute = Recompute::None);
 
   // 6*N + 12*L*C*T FLOP per token (N excludes position embeddings), the convention of the bench.
   double flops_per_token(int64_t T) const;
@@ -165,10 +172,20 @@ class Model {
   void forward_body(const int32_t* tokens, int64_t B, int64_t T);
   void final_norm_forward(int64_t B, int64_t T);
   void report_grads(int64_t block);
+  // Layer l's forward from its input x into `a`; without `output` it stops before the output
+  // projection (res2), which is all backward reads: the recompute of Recompute::Full.
+  void layer_forward_into(int64_t l, int64_t B, int64_t T, bool output);
+  // Norm forward of layer l (second = ln2 from res1, else ln1 from the layer input): the forward
+  // pass and the recompute of Recompute::Selective call the same code.
+  void norm_forward(int64_t l, bool second, int64_t N);
+  // GELU / SwiGLU of layer l's MLP pre-activation (fc -> act).
+  void mlp_activation_forward(int64_t l, int64_t N);
+  // The residual stream entering layer l ([N, C]: the embeddings or layer l-1's output).
+  const void* layer_input(int64_t l) const { return l == 0 ? emb_ : la_[static_cast<size_t>(l) - 1].res2; }
   // The activation arena's layout: returns its size in bytes; with `plan` also lists the entries;
   // with `m` also points m's activations into `base` (m->la_ sized to the layer count by the caller).
-  static size_t layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, const Ops& ops, Model* m,
-                                   std::byte* base, ActivationPlan* plan);
+  static size_t layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, const Ops& ops, Recompute recompute,
+                                   Model* m, std::byte* base, ActivationPlan* plan);
   // The element `i` elements past `p` in a compute-dtype buffer.
   void* act_at(void* p, int64_t i) const { return static_cast<std::byte*>(p) + i * act_size_; }
   const void* act_at(const void* p, int64_t i) const { return static_cast<const std::byte*>(p) + i * act_size_; }
@@ -199,7 +216,8 @@ class Model {
   ModelPtrs p_, g_;
 
   // activations (pointers into acts_, laid out by plan_), sized for max_B_ x max_T_. void* ones are
-  // in the compute dtype, float* ones fp32 (see ActivationEntry).
+  // in the compute dtype, float* ones fp32 (see ActivationEntry). With recompute, the pointers of
+  // buffers that are not kept per layer are the same in every la_[l] (the shared set).
   int64_t max_B_ = 0, max_T_ = 0, chunk_rows_ = 0;
   DeviceBuffer acts_;
   ActivationPlan plan_;

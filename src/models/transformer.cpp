@@ -262,8 +262,8 @@ std::string ActivationEntry::label() const {
   return layer >= 0 ? fmt::format("layers.{}.{}", layer, name) : std::string(name);
 }
 
-size_t Model::layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, const Ops& ops, Model* m,
-                                 std::byte* base, ActivationPlan* plan) {
+size_t Model::layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, const Ops& ops, Recompute recompute,
+                                 Model* m, std::byte* base, ActivationPlan* plan) {
   // Every size below is a product of config fields and (B, T): checked, so that a hostile config or
   // --batch/--seq-len is refused instead of wrapping into a small arena that kernels overrun.
   const std::string what = fmt::format("activations of {} for batch {} x seq_len {}", cfg.model_type, B, T);
@@ -292,22 +292,63 @@ size_t Model::layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, c
   auto stat = [&](const char* name, int64_t layer, int64_t count) {
     return static_cast<float*>(take(name, layer, count, DType::F32));
   };
+  // Per layer: what the recompute mode keeps (none: everything; the layout of none is the layout
+  // before recompute existed, entry for entry).
+  const bool full = recompute == Recompute::Full, selective = recompute == Recompute::Selective;
   LayerActs unused{};
+  auto layer = [&](int64_t l) -> LayerActs& { return m ? m->la_[static_cast<size_t>(l)] : unused; };
   for (int64_t l = 0; l < L; ++l) {
-    LayerActs& a = m ? m->la_[static_cast<size_t>(l)] : unused;
-    a.ln1 = take("ln1", l, mul({N, C}), act);
+    LayerActs& a = layer(l);
+    if (full) {  // only the output, which is the next layer's (or the final norm's) input
+      a.res2 = take("res2", l, mul({N, C}), act);
+      continue;
+    }
+    if (!selective) a.ln1 = take("ln1", l, mul({N, C}), act);
     a.ln1_mean = stat("ln1_mean", l, N);
     a.ln1_rstd = stat("ln1_rstd", l, N);
     a.qkv = take("qkv", l, mul({N, Q}), act);
     a.att = take("att", l, mul({N, H, D}), act);
     a.lse = stat("lse", l, mul({B, H, T}));
     a.res1 = take("res1", l, mul({N, C}), act);
-    a.ln2 = take("ln2", l, mul({N, C}), act);
+    if (!selective) a.ln2 = take("ln2", l, mul({N, C}), act);
     a.ln2_mean = stat("ln2_mean", l, N);
     a.ln2_rstd = stat("ln2_rstd", l, N);
     a.fc = take("fc", l, mul({N, FF}), act);
-    a.act = take("act", l, mul({N, F}), act);
+    if (!selective) a.act = take("act", l, mul({N, F}), act);
     a.res2 = take("res2", l, mul({N, C}), act);
+  }
+  // The set shared by every layer: whichever layer runs (forward, or backward's recompute) writes it.
+  if (full) {
+    LayerActs s{};
+    s.ln1 = take("shared.ln1", -1, mul({N, C}), act);
+    s.ln1_mean = stat("shared.ln1_mean", -1, N);
+    s.ln1_rstd = stat("shared.ln1_rstd", -1, N);
+    s.qkv = take("shared.qkv", -1, mul({N, Q}), act);
+    s.att = take("shared.att", -1, mul({N, H, D}), act);
+    s.lse = stat("shared.lse", -1, mul({B, H, T}));
+    s.res1 = take("shared.res1", -1, mul({N, C}), act);
+    s.ln2 = take("shared.ln2", -1, mul({N, C}), act);
+    s.ln2_mean = stat("shared.ln2_mean", -1, N);
+    s.ln2_rstd = stat("shared.ln2_rstd", -1, N);
+    s.fc = take("shared.fc", -1, mul({N, FF}), act);
+    s.act = take("shared.act", -1, mul({N, F}), act);
+    for (int64_t l = 0; l < L; ++l) {
+      LayerActs& a = layer(l);
+      void* res2 = a.res2;
+      a = s;
+      a.res2 = res2;
+    }
+  } else if (selective) {
+    // ln1 and ln2 are never needed at the same time: forward's qkv GEMM consumes ln1 before ln2 is
+    // written, and backward recomputes ln1 only after the fc GEMM's backward has read ln2. So one
+    // buffer holds both.
+    void* ln = take("shared.ln", -1, mul({N, C}), act);
+    void* mlp_act = take("shared.act", -1, mul({N, F}), act);
+    for (int64_t l = 0; l < L; ++l) {
+      LayerActs& a = layer(l);
+      a.ln1 = a.ln2 = ln;
+      a.act = mlp_act;
+    }
   }
   void* sink = nullptr;
   float* fsink = nullptr;
@@ -326,41 +367,42 @@ size_t Model::layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, c
   (m ? m->rope_cos_ : fsink) = stat("rope_cos", -1, mul({T, D}) / 2);
   (m ? m->rope_sin_ : fsink) = stat("rope_sin", -1, mul({T, D}) / 2);
   if (m) m->chunk_rows_ = chunk_rows;
-  if (plan) plan->bytes = static_cast<size_t>(off);
+  if (plan) plan->bytes = static_cast<size_t>(off), plan->recompute = recompute;
   return static_cast<size_t>(off);
 }
 
-int64_t Model::activation_floats(const ModelConfig& cfg, int64_t B, int64_t T) {
+int64_t Model::activation_floats(const ModelConfig& cfg, int64_t B, int64_t T, Recompute recompute) {
   LATHE_CHECK(B >= 1 && T >= 1, "batch {} x seq_len {}: both must be >= 1", B, T);
   return static_cast<int64_t>(
-             layout_activations(cfg, B, T, ops_for(cpu_backend(), DType::F32), nullptr, nullptr, nullptr)) /
+             layout_activations(cfg, B, T, ops_for(cpu_backend(), DType::F32), recompute, nullptr, nullptr, nullptr)) /
          4;
 }
 
-ActivationPlan Model::plan_activations(const ModelConfig& cfg, int64_t B, int64_t T, const ComputeSpec& compute) {
+ActivationPlan Model::plan_activations(const ModelConfig& cfg, int64_t B, int64_t T, const ComputeSpec& compute,
+                                       Recompute recompute) {
   LATHE_CHECK(B >= 1 && T >= 1, "batch {} x seq_len {}: both must be >= 1", B, T);
   const Ops& ops = ops_for(compute.backend ? *compute.backend : cpu_backend(), compute.dtype);
   ActivationPlan plan;
-  layout_activations(cfg, B, T, ops, nullptr, nullptr, &plan);
+  layout_activations(cfg, B, T, ops, recompute, nullptr, nullptr, &plan);
   return plan;
 }
 
-void Model::allocate(int64_t B, int64_t T, int optimizer_moments) {
+void Model::allocate(int64_t B, int64_t T, int optimizer_moments, Recompute recompute) {
   LATHE_CHECK(B >= 1 && T >= 1, "batch {} x seq_len {}: both must be >= 1", B, T);
   LATHE_CHECK(!arch_.learned_pos || T <= cfg_.max_position_embeddings,
               "seq_len {} exceeds the model's max_position_embeddings {}", T, cfg_.max_position_embeddings);
   LATHE_CHECK(T <= kMaxPositions, "seq_len {} exceeds lathe's maximum {}", T, kMaxPositions);
-  if (B == max_B_ && T == max_T_) return;
+  if (B == max_B_ && T == max_T_ && recompute == plan_.recompute) return;
   // Before any allocation: refuse what cannot fit, with the figures (models/memory.h).
-  check_memory_fits(estimate_memory(cfg_, B, T, optimizer_moments, 1, ops_->dtype), cfg_, "model");
+  check_memory_fits(estimate_memory(cfg_, B, T, optimizer_moments, 1, ops_->dtype, recompute), cfg_, "model");
   ActivationPlan plan;
-  const size_t total = layout_activations(cfg_, B, T, *ops_, nullptr, nullptr, &plan);
+  const size_t total = layout_activations(cfg_, B, T, *ops_, recompute, nullptr, nullptr, &plan);
   max_B_ = B;
   max_T_ = T;
   acts_.resize(*backend_, total, DType::U8);
   plan_ = std::move(plan);
   la_.assign(static_cast<size_t>(cfg_.num_hidden_layers), {});
-  layout_activations(cfg_, B, T, *ops_, this, static_cast<std::byte*>(acts_.data()), nullptr);
+  layout_activations(cfg_, B, T, *ops_, recompute, this, static_cast<std::byte*>(acts_.data()), nullptr);
   if (!arch_.learned_pos) ops_->rope_tables(rope_cos_, rope_sin_, T, cfg_.head_dim(), cfg_.rope_theta);
 }
 
@@ -385,16 +427,38 @@ void Model::embedding_forward(const int32_t* tokens, int64_t B, int64_t T) {
   ops_->embedding_forward(emb_, tokens, cw(p_.wte), cw(p_.wpe), B, T, C);
 }
 
-void Model::layer_forward(int64_t l, int64_t B, int64_t T) {
-  LATHE_DIMS;
+void Model::norm_forward(int64_t l, bool second, int64_t N) {
+  const int64_t C = cfg_.hidden_size;
   const float eps = static_cast<float>(cfg_.norm_eps);
   const LayerPtrs& w = p_.layers[static_cast<size_t>(l)];
   LayerActs& a = la_[static_cast<size_t>(l)];
-  const void* x = l == 0 ? emb_ : la_[static_cast<size_t>(l) - 1].res2;  // [N, C] residual stream in
+  const void* in = second ? a.res1 : layer_input(l);
+  void* out = second ? a.ln2 : a.ln1;
+  float* mean = second ? a.ln2_mean : a.ln1_mean;
+  float* rstd = second ? a.ln2_rstd : a.ln1_rstd;
   if (arch_.layernorm)
-    ops_->layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1_w, w.ln1_b, N, C, eps);
+    ops_->layernorm_forward(out, mean, rstd, in, second ? w.ln2_w : w.ln1_w, second ? w.ln2_b : w.ln1_b, N, C, eps);
   else
-    ops_->rmsnorm_forward(a.ln1, a.ln1_rstd, x, w.ln1_w, N, C, eps);
+    ops_->rmsnorm_forward(out, rstd, in, second ? w.ln2_w : w.ln1_w, N, C, eps);
+}
+
+void Model::mlp_activation_forward(int64_t l, int64_t N) {
+  const int64_t F = cfg_.intermediate_size;
+  LayerActs& a = la_[static_cast<size_t>(l)];
+  if (arch_.gelu_mlp)
+    ops_->gelu_forward(a.act, a.fc, N * F);
+  else
+    ops_->swiglu_forward(a.act, a.fc, N, F);
+}
+
+void Model::layer_forward(int64_t l, int64_t B, int64_t T) { layer_forward_into(l, B, T, true); }
+
+void Model::layer_forward_into(int64_t l, int64_t B, int64_t T, bool output) {
+  LATHE_DIMS;
+  const LayerPtrs& w = p_.layers[static_cast<size_t>(l)];
+  LayerActs& a = la_[static_cast<size_t>(l)];
+  const void* x = layer_input(l);  // [N, C] residual stream in
+  norm_forward(l, false, N);
   ops_->matmul_forward(a.qkv, a.ln1, cw(w.qkv_w), w.qkv_b, N, C, Q, false);
   if (!arch_.learned_pos) {
     ops_->rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, D, Q);
@@ -403,15 +467,10 @@ void Model::layer_forward(int64_t l, int64_t B, int64_t T) {
   ops_->attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D, scratch_);
   ops_->matmul_forward(a.res1, a.att, cw(w.o_w), w.o_b, N, H * D, C, false);
   ops_->residual_forward(a.res1, a.res1, x, N * C);
-  if (arch_.layernorm)
-    ops_->layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res1, w.ln2_w, w.ln2_b, N, C, eps);
-  else
-    ops_->rmsnorm_forward(a.ln2, a.ln2_rstd, a.res1, w.ln2_w, N, C, eps);
+  norm_forward(l, true, N);
   ops_->matmul_forward(a.fc, a.ln2, cw(w.fc_w), w.fc_b, N, C, FF, false);
-  if (arch_.gelu_mlp)
-    ops_->gelu_forward(a.act, a.fc, N * F);
-  else
-    ops_->swiglu_forward(a.act, a.fc, N, F);
+  mlp_activation_forward(l, N);
+  if (!output) return;  // backward reads nothing past the MLP activation
   ops_->matmul_forward(a.res2, a.act, cw(w.proj_w), w.proj_b, N, F, C, false);
   ops_->residual_forward(a.res2, a.res2, a.res1, N * C);
 }
@@ -457,7 +516,15 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
   const LayerPtrs& w = p_.layers[static_cast<size_t>(l)];
   const LayerPtrs& gw = g_.layers[static_cast<size_t>(l)];
   LayerActs& a = la_[static_cast<size_t>(l)];
-  const void* x = l == 0 ? emb_ : la_[static_cast<size_t>(l) - 1].res2;
+  const void* x = layer_input(l);
+  // Recompute what the plan did not keep for this layer: the same kernels on the same kept inputs
+  // as the forward pass, so the values (and all that follows) are bit-identical to keeping them.
+  if (plan_.recompute == Recompute::Full) {
+    layer_forward_into(l, B, T, false);
+  } else if (plan_.recompute == Recompute::Selective) {
+    norm_forward(l, true, N);  // ln2 from res1 (its statistics are rewritten with the same values)
+    mlp_activation_forward(l, N);
+  }
   // MLP: res2 = res1 + proj(act(fc(norm2(res1))))
   ops_->matmul_backward(dact_, gw.proj_w, gw.proj_b, dres_, a.act, cw(w.proj_w), N, F, C, false);
   if (arch_.gelu_mlp)
@@ -476,6 +543,8 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
     ops_->rope_backward(dqkv_, rope_cos_, rope_sin_, B, T, H, D, Q);
     ops_->rope_backward(act_at(dqkv_, H * D), rope_cos_, rope_sin_, B, T, KV, D, Q);
   }
+  // ln1 into the shared buffer, now that the fc GEMM's backward is done with ln2.
+  if (plan_.recompute == Recompute::Selective) norm_forward(l, false, N);
   ops_->matmul_backward(dln_, gw.qkv_w, gw.qkv_b, dqkv_, a.ln1, cw(w.qkv_w), N, C, Q, false);
   if (arch_.layernorm)
     ops_->layernorm_backward(dres_, gw.ln1_w, gw.ln1_b, dln_, x, w.ln1_w, a.ln1_mean, a.ln1_rstd, N, C, scratch_);
