@@ -1,7 +1,9 @@
 // The training loop, one process or a data-parallel group of processes (opts.world; ranks split
 // every global batch and reduce gradients, parallel/): recipe -> model, data, optimizer, schedule; per step
-// gradient accumulation over micro-batches, global-norm clipping, the optimizer update, a log
-// line and a JSONL metrics record; periodic validation; full-state checkpoints (checkpoint.h)
+// gradient accumulation over micro-batches in the recipe's compute precision (fp16: the loss
+// gradient times the dynamic loss scale, optim/loss_scaler.h), global-norm clipping, the optimizer
+// update -- skipped when the loss or gradient norm is not finite (training.max_skipped_steps in a
+// row stop the run) -- a log line and a JSONL metrics record; periodic validation; full-state checkpoints (checkpoint.h)
 // every output.checkpoint_every steps, on SIGTERM/SIGINT and at --stop-after; bit-exact resume;
 // HF model directory at the end.
 #pragma once
