@@ -2,9 +2,11 @@
 // copies) of a model preset at B x T on random tokens, computing in fp32, bf16 or fp16.
 // Prints one JSON line: ms/step (mean after warm-up), tokens/s, MFU against a GEMM probe of the
 // compute dtype (fp32: sgemm; bf16: oneDNN bf16 GEMM at the model's largest GEMM shape), peak RSS
-// and lathe's analytical memory estimate.
-//   bench_train_step PRESET B T [STEPS] [--dtype fp32|bf16|fp16]
-//   e.g. bench_train_step gpt2-124m 4 256 5 --dtype bf16
+// and lathe's analytical memory estimate. --recompute plans the activations with that recompute
+// mode (models/recompute.h); activation_mb is the arena it allocated. --plan prints, without
+// running, one line per recompute mode: the activation arena's bytes from the plan and the estimate.
+//   bench_train_step PRESET B T [STEPS] [--dtype fp32|bf16|fp16] [--recompute none|selective|full] [--plan]
+//   e.g. bench_train_step gpt2-124m 4 256 5 --dtype bf16 --recompute full
 #include <fmt/format.h>
 #include <omp.h>
 
@@ -17,6 +19,7 @@
 
 #include "config/model_config.h"
 #include "core/blas_env.h"
+#include "core/error.h"
 #include "core/rng.h"
 #include "core/sysinfo.h"
 #include "core/timer.h"
@@ -52,9 +55,20 @@ int main(int argc, char** argv) {
   ensure_fast_runtime(argc, argv);
   std::vector<std::string> pos;
   DType dtype = DType::F32;
+  Recompute recompute = Recompute::None;
+  bool plan_only = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--dtype" && i + 1 < argc) {
+    if (a == "--plan") {
+      plan_only = true;
+    } else if (a == "--recompute" && i + 1 < argc) {
+      try {
+        recompute = parse_recompute(argv[++i], "--recompute");
+      } catch (const Error& e) {
+        std::fprintf(stderr, "%s\n", e.what());
+        return 2;
+      }
+    } else if (a == "--dtype" && i + 1 < argc) {
       const std::string d = argv[++i];
       dtype = d == "bf16" ? DType::BF16 : d == "fp16" ? DType::F16 : DType::F32;
       if (d != "bf16" && d != "fp16" && d != "fp32") {
@@ -66,19 +80,36 @@ int main(int argc, char** argv) {
     }
   }
   if (pos.size() < 3) {
-    std::fprintf(stderr, "usage: %s PRESET B T [STEPS] [--dtype fp32|bf16|fp16]\n", argv[0]);
+    std::fprintf(stderr,
+                 "usage: %s PRESET B T [STEPS] [--dtype fp32|bf16|fp16] [--recompute none|selective|full] [--plan]\n",
+                 argv[0]);
     return 2;
   }
   const std::string preset = pos[0];
   const int64_t B = std::atoll(pos[1].c_str()), T = std::atoll(pos[2].c_str());
   const int steps = pos.size() > 3 ? std::atoi(pos[3].c_str()) : 6;
   ModelConfig cfg = ModelConfig::preset(preset);
+  if (plan_only) {
+    for (Recompute rc : {Recompute::None, Recompute::Selective, Recompute::Full}) {
+      const MemoryEstimate e = estimate_memory(cfg, B, T, 2, 1, dtype, rc);
+      nlohmann::json j = {{"preset", preset},
+                          {"B", B},
+                          {"T", T},
+                          {"dtype", compute_dtype_name(dtype)},
+                          {"recompute", recompute_name(rc)},
+                          {"activation_bytes", e.activation_bytes},
+                          {"activation_mb", e.activation_bytes / 1e6},
+                          {"estimate_mb", e.total_bytes() / 1e6}};
+      fmt::print("{}\n", j.dump());
+    }
+    return 0;
+  }
   // MFU against the peak of the dtype the GEMMs run in (the MLP GEMM shape: the largest per layer).
   const double peak = dtype == DType::BF16 ? measure_bf16_peak_gflops(B * T, cfg.hidden_size, cfg.intermediate_size)
                                            : measure_peak_gflops();
   auto model = build_model(cfg, ComputeSpec{nullptr, dtype});
   model->init_weights(1);
-  model->allocate(B, T);
+  model->allocate(B, T, 2, recompute);
   optim::OptimConfig oc;
   auto opt = optim::make_optimizer(oc, model->num_params());
   std::vector<optim::ParamRange> ranges;
@@ -87,7 +118,7 @@ int main(int argc, char** argv) {
   Rng rng(3);
   for (auto& t : tok) t = int32_t(rng.below(cfg.vocab_size));
   for (auto& t : tgt) t = int32_t(rng.below(cfg.vocab_size));
-  const double est = double(estimate_memory(cfg, B, T, 2, 1, dtype).total_bytes());
+  const double est = double(estimate_memory(cfg, B, T, 2, 1, dtype, recompute).total_bytes());
   double total = 0, fb = 0, upd = 0;
   int measured = 0;
   for (int s = 0; s < steps + 1; ++s) {
@@ -114,6 +145,7 @@ int main(int argc, char** argv) {
                       {"B", B},
                       {"T", T},
                       {"dtype", compute_dtype_name(dtype)},
+                      {"recompute", recompute_name(recompute)},
                       {"threads", omp_get_max_threads()},
                       {"blas_kernel", blas_kernel_name()},
                       {"params", model->num_params()},
@@ -125,6 +157,7 @@ int main(int argc, char** argv) {
                       {"peak_probe", dtype == DType::BF16 ? "bf16 oneDNN GEMM" : "fp32 sgemm"},
                       {"mfu", mfu},
                       {"peak_rss_mb", peak_rss_bytes() / 1e6},
+                      {"activation_mb", model->activation_bytes() / 1e6},
                       {"estimate_mb", est / 1e6}};
   fmt::print("{}\n", j.dump());
   return 0;
