@@ -9,6 +9,7 @@
 //   e.g. bench_train_step gpt2-124m 4 256 5 --dtype bf16 --recompute full
 #include <fmt/format.h>
 #include <omp.h>
+#include <time.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -33,6 +34,14 @@
 using namespace lathe;
 
 namespace {
+
+// CPU seconds of the whole process (all threads): on a machine shared with other jobs this is
+// steadier than wall time, which includes the time the scheduler gave to them.
+double process_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
 
 // GFLOP/s of the bf16 GEMM on oneDNN at out[M,N] = inp[M,K] @ w[N,K]^T, best of 5 after warm-up.
 double measure_bf16_peak_gflops(int64_t M, int64_t K, int64_t N) {
@@ -119,13 +128,13 @@ int main(int argc, char** argv) {
   for (auto& t : tok) t = int32_t(rng.below(cfg.vocab_size));
   for (auto& t : tgt) t = int32_t(rng.below(cfg.vocab_size));
   const double est = double(estimate_memory(cfg, B, T, 2, 1, dtype, recompute).total_bytes());
-  double total = 0, fb = 0, upd = 0;
+  double total = 0, fb = 0, upd = 0, cpu_fb = 0;
   int measured = 0;
   for (int s = 0; s < steps + 1; ++s) {
-    const double t0 = now_seconds();
+    const double t0 = now_seconds(), c0 = process_cpu_seconds();
     model->zero_grad();
     model->forward_backward(tok.data(), tgt.data(), B, T, 1.0f / (B * T), true);
-    const double t1 = now_seconds();
+    const double t1 = now_seconds(), c1 = process_cpu_seconds();
     const double norm = optim::global_grad_norm(model->grad_data(), model->num_params());
     opt->step(model->param_data(), model->grad_data(), ranges, 1e-4, s + 1, optim::clip_coefficient(norm, 1.0));
     model->refresh_compute_weights();  // counted in the optimizer's time
@@ -134,6 +143,7 @@ int main(int argc, char** argv) {
       total += t2 - t0;
       fb += t1 - t0;
       upd += t2 - t1;
+      cpu_fb += c1 - c0;
       ++measured;
     }
   }
@@ -152,6 +162,7 @@ int main(int argc, char** argv) {
                       {"ms_per_step", ms},
                       {"ms_forward_backward", 1e3 * fb / measured},
                       {"ms_optimizer", 1e3 * upd / measured},
+                      {"cpu_ms_forward_backward", 1e3 * cpu_fb / measured},
                       {"tokens_per_s", tok_s},
                       {"peak_gflops", peak},
                       {"peak_probe", dtype == DType::BF16 ? "bf16 oneDNN GEMM" : "fp32 sgemm"},
