@@ -17,7 +17,7 @@ Checked here:
     an overflow at precision.loss_scale.min stops naming the step and the scale
   * resume: interrupted + resumed == uninterrupted (losses, scales, skipped counts, weights), with
     the cut inside a run of skips and inside a growth interval
-  * data parallelism (mpirun -np 2, ZeRO 0 and 1, when mpirun exists): every rank skips the same
+  * data parallelism (mpirun -np 2, ZeRO 0, 1 and 2, when mpirun exists): every rank skips the same
     steps, with the scale and losses of the single-process run
   * a checkpoint written before the scaler fields (no precision section, no counters) resumes
   * precision.compute errors: an unknown dtype names the valid ones; a dtype this build cannot
@@ -225,7 +225,7 @@ def main():
     mpirun = shutil.which("mpirun")
     if not mpirun:
         print("note mpirun not found: the data-parallel case is not checked here (tests/parallel needs it too)")
-    for zero in (0, 1) if mpirun else ():
+    for zero in (0, 1, 2) if mpirun else ():
         out = os.path.join(tmp, f"dp{zero}")
         recipe = os.path.join(tmp, f"dp{zero}.yaml")
         open(recipe, "w").write(RECIPE.format(data=data, out=out))
