@@ -147,7 +147,7 @@ std::string plot(const std::string& id, const std::string& title, const std::str
       id, id, points, W, H, W, H, L, esc(title));
   if (points == 0) {
     svg += fmt::format("<text x=\"{}\" y=\"{}\" class=\"empty\">not recorded by {}</text>\n</svg>\n", L + 20, H / 2,
-                       lines.empty() ? "these runs" : "these runs (fp32 runs have no loss scale)");
+                       "these runs");
     return svg;
   }
   if (x1 == x0) x0 -= 1, x1 += 1;
