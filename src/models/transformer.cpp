@@ -367,7 +367,10 @@ size_t Model::layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, c
   (m ? m->rope_cos_ : fsink) = stat("rope_cos", -1, mul({T, D}) / 2);
   (m ? m->rope_sin_ : fsink) = stat("rope_sin", -1, mul({T, D}) / 2);
   if (m) m->chunk_rows_ = chunk_rows;
-  if (plan) plan->bytes = static_cast<size_t>(off), plan->recompute = recompute;
+  if (plan) {
+    plan->bytes = static_cast<size_t>(off);
+    plan->recompute = recompute;
+  }
   return static_cast<size_t>(off);
 }
 
