@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
+#include <cstdio>
 
 #include "cli/command.h"
 #include "config/recipe.h"
@@ -32,6 +33,19 @@ int run_train(int argc, char** argv) {
   app.add_option("--stop-after", stop_after,
                  "save a checkpoint after this many optimizer steps and exit 0 (as a preemption would)");
   app.add_flag("--quiet", quiet, "no per-step log lines");
+  std::string profile;
+  app.add_option("--profile-steps", profile,
+                 "record steps A-B (or one step A) with the profiler: OUTPUT/trace/rankRRRRR.json (Perfetto, "
+                 "chrome://tracing)")
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            long long a = 0, b = 0;
+            char dash = 0, extra = 0;
+            const int n = std::sscanf(v.c_str(), "%lld%c%lld%c", &a, &dash, &b, &extra);
+            if ((n == 1 && a >= 1) || (n == 3 && dash == '-' && a >= 1 && b >= a)) return "";
+            return "must be A-B with 1 <= A <= B (steps, 1-based), or one step A, got " + v;
+          },
+          "A-B"));
   app.footer(
       "On SIGTERM or SIGINT a checkpoint is saved at the next step boundary and lathe exits with code 75; "
       "a second signal stops immediately.");
@@ -48,6 +62,13 @@ int run_train(int argc, char** argv) {
   opts.force_resume_changes = force;
   opts.stop_after_steps = stop_after;
   opts.handle_signals = true;
+  if (!profile.empty()) {
+    long long a = 0, b = 0;
+    char dash = 0;
+    if (std::sscanf(profile.c_str(), "%lld%c%lld", &a, &dash, &b) < 3) b = a;
+    opts.profile_first = a;
+    opts.profile_last = b;
+  }
   lathe::TrainResult res = lathe::train(recipe, opts);
   return res.interrupted ? lathe::kExitInterrupted : 0;
 }

@@ -21,6 +21,7 @@
 #include "io/fs.h"
 #include "models/hf_weights.h"
 #include "optim/clip.h"
+#include "core/trace.h"
 #include "optim/loss_scaler.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
@@ -157,7 +158,7 @@ struct StepStats {
   int64_t step = 0;       // 1-based
   double loss_scale = 1;  // the scale this step's gradients carried
   bool skipped = false;   // non-finite loss or gradient norm: no update
-  double data_wait_s = 0, comm_wait_s = 0, seconds = 0;
+  double data_wait_s = 0, comm_wait_s = 0, optimizer_s = 0, seconds = 0;
 };
 
 // Test hook: LATHE_TEST_NONFINITE_STEPS="3,5" makes the gradients of those optimizer steps
@@ -192,6 +193,7 @@ StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
   static const char* stall_step = std::getenv("LATHE_TEST_STALL_STEP");
   StepStats st;
   const double t0 = now_seconds();
+  trace::Scope step_span("step", trace::Cat::Step, step + 1);
   p.world.set_step(step + 1);
   const int64_t B = p.B, T = p.T;
   // Mean over the global batch's tokens, times the loss scale (a power of two by default: exact).
@@ -203,8 +205,12 @@ StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
     p.sync->zero_grads();  // ZeRO 2: only the shard (the rest was released as zeros)
   else
     p.model.zero_grad();
-  st.data_wait_s = p.loader.next(p.inputs.data(), p.targets.data());
+  {
+    trace::Scope span("data wait", trace::Cat::Data);
+    st.data_wait_s = p.loader.next(p.inputs.data(), p.targets.data());
+  }
   for (int64_t m = 0; m < p.accum; ++m) {
+    trace::Scope span("forward+backward micro-batch", trace::Cat::Compute, m);
     p.sync_this_pass = m + 1 == p.accum;  // gradients are final during the last micro-batch's backward
     loss_sum +=
         p.model.forward_backward(p.inputs.data() + m * B * T, p.targets.data() + m * B * T, B, T, grad_scale, true);
@@ -219,6 +225,8 @@ StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
   st.loss = loss_sum / static_cast<double>(p.G * T);
   if (inject_non_finite(step + 1) && p.opt.state_end() > p.opt.state_begin())
     p.model.grad_data()[p.opt.state_begin()] = INFINITY;
+  const double t_opt = now_seconds();  // norm, scaler and update: the optimizer's share of the step
+  trace::Scope opt_span("grad norm + optimizer", trace::Cat::Optimizer);
   // The norm of the unscaled gradients (dividing by a power of two is exact).
   st.norm = p.opt.grad_norm(p.model.grad_data()) / st.loss_scale;
   st.lr = optim::lr_at(p.sched, step);
@@ -245,6 +253,7 @@ StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
     }
   }
   st.seconds = now_seconds() - t0;
+  st.optimizer_s = now_seconds() - t_opt;
   return st;
 }
 
@@ -485,7 +494,26 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   StepStats prev;
   double comm_total = 0;
   for (int64_t step = start_step; step < r.training.steps; ++step) {
+    // --profile-steps A-B: record steps A..B (1-based) and write OUTPUT/trace/rankRRRRR.json.
+    if (opts.profile_first > 0 && step + 1 == opts.profile_first) {
+      trace::start();
+      trace::set_thread_name("main");
+    }
     const StepStats st = train_step(parts, step, prev);
+    if (opts.profile_first > 0 && step + 1 == std::min(opts.profile_last, r.training.steps)) {
+      trace::stop();
+      const fs::path dir = fs::path(r.output.dir) / "trace";
+      fs::create_directories(dir);
+      const std::string path = (dir / fmt::format("rank{:05d}.json", rank)).string();
+      const auto sum = trace::write_chrome_json(
+          path, rank, fmt::format("rank {}", rank),
+          nlohmann::json({{"lathe_version", LATHE_VERSION}, {"steps", fmt::format("{}-{}", opts.profile_first, step + 1)},
+                          {"world_size", dp}})
+              .dump());
+      say(fmt::format("profile: wrote {} ({} spans on {} threads, steps {}-{}; open in ui.perfetto.dev or "
+                      "chrome://tracing)",
+                      path, sum.spans, sum.threads, opts.profile_first, step + 1));
+    }
     if (!st.skipped) prev = st;
     const int64_t skipped_total = scaler.state().skipped_steps;
     const double loss = st.loss, norm = st.norm, lr = st.lr, dt = st.seconds, wait = st.data_wait_s,
@@ -504,6 +532,10 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
                    {"data_wait_pct", 100.0 * wait / dt},
                    {"comm_exposed_ms", comm_wait * 1e3},
                    {"comm_exposed_pct", 100.0 * comm_wait / dt},
+                   {"optimizer_ms", st.optimizer_s * 1e3},
+                   {"optimizer_pct", 100.0 * st.optimizer_s / dt},
+                   // the rest of the step: forward and backward (and what is not measured apart)
+                   {"compute_pct", 100.0 * std::max(0.0, dt - wait - comm_wait - st.optimizer_s) / dt},
                    {"world_size", dp},
                    {"tokens", (step + 1) * G * T},
                    {"precision", precision},
@@ -528,12 +560,14 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     else if ((step + 1) % r.training.log_interval == 0 || step == 0 || step + 1 == r.training.steps)
       log(fmt::format(
           "step {:>6}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.4f} | {} | {:.0f} tok/s | MFU {:.1f}% | "
-          "{:.1f} ms | data wait {:.1f}%{}",
+          "{:.1f} ms | data wait {:.1f}% | optimizer {:.1f}%{}",
           step + 1, r.training.steps, loss, lr, norm, prec, tok_s, 100 * mfu, dt * 1e3, 100.0 * wait / dt,
+          100.0 * st.optimizer_s / dt,
           dp > 1 ? fmt::format(" | comm exposed {:.1f} ms ({:.1f}%)", comm_wait * 1e3, 100.0 * comm_wait / dt)
                  : std::string()));
     const bool last = step + 1 == r.training.steps;
     if (!eval_subset.empty() && r.training.eval_interval > 0 && (step + 1) % r.training.eval_interval == 0 && !last) {
+      trace::Scope span("validation", trace::Cat::Eval, step + 1);
       auto [vl, vt] = evaluate(eval_subset);
       write_metrics({{"step", step + 1}, {"val_loss", vl}, {"val_tokens", vt}});
       log(fmt::format("step {:>6}/{} | validation loss {:.4f} ({} tokens)", step + 1, r.training.steps, vl, vt));
@@ -550,7 +584,10 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     const int sig = static_cast<int>(sig64);
     const bool stop_here = !last && opts.stop_after_steps > 0 && step + 1 >= opts.stop_after_steps;
     const bool periodic = r.output.checkpoint_every > 0 && ((step + 1) % r.output.checkpoint_every == 0 || last);
-    if (periodic || ((sig || stop_here) && !last)) checkpoint(step + 1, lr);
+    if (periodic || ((sig || stop_here) && !last)) {
+      trace::Scope span("checkpoint save", trace::Cat::Io, step + 1);
+      checkpoint(step + 1, lr);
+    }
     if (sig && !last) {
       say(
           fmt::format("received {}: saved a checkpoint at step {} and stopped; continue with --resume auto "

@@ -52,6 +52,9 @@ struct TrainOptions {
   // The processes of this job (dist::make_world_communicator); nullptr = this process alone. Every
   // rank runs train() with the same recipe; the data-parallel degree is the world size.
   dist::Communicator* world = nullptr;
+  // --profile-steps A-B: record the steps A..B (1-based, inclusive) with the profiler and write
+  // OUTPUT/trace/rankRRRRR.json (Chrome trace events). 0 = off.
+  int64_t profile_first = 0, profile_last = 0;
 };
 
 TrainResult train(const Recipe& recipe, const TrainOptions& opts = {});
