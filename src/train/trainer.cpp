@@ -15,11 +15,14 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include <unistd.h>
+
 #include "core/blas_env.h"
 #include "core/sysinfo.h"
 #include "core/timer.h"
 #include "io/fs.h"
 #include "models/hf_weights.h"
+#include "models/memory.h"
 #include "optim/clip.h"
 #include "core/trace.h"
 #include "optim/loss_scaler.h"
@@ -407,6 +410,34 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
       r.model.model_type, P / 1e6, r.precision.compute,
       scaler.dynamic() ? fmt::format(" (loss scale {})", scaler.scale()) : std::string(), threads, peak,
       r.training.peak_gflops > 0 ? "from recipe" : "measured by GEMM probe", blas_kernel_name()));
+  if (rank0) {
+    // What ran where, for `lathe report` and for anyone comparing runs later.
+    auto cpu_model = [] {
+      std::ifstream f("/proc/cpuinfo");
+      std::string line;
+      while (std::getline(f, line))
+        if (line.rfind("model name", 0) == 0 && line.find(':') != std::string::npos)
+          return line.substr(line.find(':') + 2);
+      return std::string("unknown");
+    };
+    char host[256] = {0};
+    ::gethostname(host, sizeof(host) - 1);
+    const MachineMemory mm = machine_memory();
+    const nlohmann::json info = {{"lathe_version", LATHE_VERSION},
+                                 {"host", host},
+                                 {"cpu", cpu_model()},
+                                 {"cores_online", static_cast<int64_t>(::sysconf(_SC_NPROCESSORS_ONLN))},
+                                 {"memory_bytes", mm.bytes},
+                                 {"world_size", dp},
+                                 {"threads_per_rank", threads},
+                                 {"openblas_kernel", blas_kernel_name()},
+                                 {"peak_gflops", peak},
+                                 {"peak_source", r.training.peak_gflops > 0 ? "recipe" : "GEMM probe"},
+                                 {"precision", r.precision.compute},
+                                 {"parameters", P},
+                                 {"started_unix", static_cast<int64_t>(std::time(nullptr))}};
+    io::atomic_write_file((fs::path(r.output.dir) / "run_info.json").string(), info.dump(2) + "\n");
+  }
   if (dp > 1)
     log(fmt::format(
         "data parallel: {} ranks, global batch {} samples ({} per rank as {} x {}), ZeRO {}, buckets of {:.1f} MB", dp,

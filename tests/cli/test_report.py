@@ -134,6 +134,7 @@ def main():
     ok, blue = screenshot_ok(png)
     check(ok, f"one run: the screenshot is 1600x2400 with the curves drawn ({blue} run-coloured pixels)")
     check(not console, f"one run: no console errors ({console[:3]})")
+    check("openblas_kernel" in dom and "lathe_version" in dom, "one run: hardware and version from run_info.json")
 
     # Three runs overlaid: fresh, resumed, NaN-skips.
     out = os.path.join(TMP, "compare.html")
