@@ -300,6 +300,7 @@ const std::vector<std::string> kSchedules = {"cosine", "linear", "constant", "ws
 const std::vector<std::string> kDecayShapes = {"linear", "cosine", "1-sqrt"};
 const std::vector<std::string> kOptimizers = {"adamw", "lamb"};
 const std::vector<std::string> kComputeDtypes = {"fp32", "bf16", "fp16"};
+const std::vector<std::string> kRecomputeModes = {"none", "selective", "full"};
 const std::vector<std::string> kLossScaleKeys = {"enabled", "initial", "growth_interval", "backoff", "growth", "min"};
 
 std::string join(const std::vector<std::string>& v) {
@@ -360,6 +361,15 @@ class Parser {
     get_int(t, "training", "max_skipped_steps", &tr.max_skipped_steps);
 
     parse_precision(section("precision"), r);
+    // recompute: none | selective | full (a top-level value beside the sections, as in the issue's
+    // recipes): which activations backward recomputes instead of keeping (models/recompute.h).
+    if (!root_.is_null() && root_.contains("recompute") && !root_["recompute"].is_null()) {
+      const json& rc = root_["recompute"];
+      if (!rc.is_string() ||
+          std::find(kRecomputeModes.begin(), kRecomputeModes.end(), rc.get<std::string>()) == kRecomputeModes.end())
+        bad("recompute", fmt::format("must be one of {} (default none), got '{}'", join(kRecomputeModes), value_str(rc)));
+      r.recompute = rc.get<std::string>();
+    }
 
     json out = section("output");
     get_str(out, "output", "dir", &r.output.dir);
@@ -404,8 +414,12 @@ class Parser {
     if (root_.is_null()) return;
     if (!root_.is_object()) throw_error("{}: a recipe must be a YAML mapping of sections ({})", src_, join(kSections));
     for (auto it = root_.begin(); it != root_.end(); ++it)
-      if (std::find(kSections.begin(), kSections.end(), it.key()) == kSections.end())
-        unknown(it.key(), "section", kSections);
+      if (std::find(kSections.begin(), kSections.end(), it.key()) == kSections.end() && it.key() != "recompute")
+        unknown(it.key(), "section", [] {
+          auto v = kSections;
+          v.push_back("recompute");
+          return v;
+        }());
   }
   json section(const std::string& name) const {
     if (root_.is_null() || !root_.contains(name) || root_[name].is_null()) return json::object();
@@ -725,7 +739,7 @@ std::string apply_override(json& root, const std::string& source, const std::str
   }
   for (auto& p : parts)
     if (p.empty()) throw_error("{}: empty component in key '{}'", what, excerpt(path));
-  if (parts.size() < 2)
+  if (parts.size() < 2 && path != "recompute")
     throw_error("{}: key '{}' needs a section, e.g. training.{}", what, excerpt(path), excerpt(path));
   // The key path nests like the YAML it overrides, under the same bound.
   if (static_cast<int>(parts.size()) > kMaxYamlDepth)
@@ -784,6 +798,7 @@ Recipe load_recipe(const std::string& path, const std::vector<std::string>& over
 
 json Recipe::to_json() const {
   json j;
+  j["recompute"] = recompute;
   json m = model.to_hf_json();
   if (!init_from.empty()) m["init_from"] = init_from;
   j["model"] = m;
@@ -838,6 +853,7 @@ std::string Recipe::to_yaml() const {
     for (auto it = j[sec].begin(); it != j[sec].end(); ++it)
       out += fmt::format("  {}: {}\n", it.key(), yaml_value(it.value()));
   }
+  out += fmt::format("recompute: {}\n", recompute);
   return out;
 }
 

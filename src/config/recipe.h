@@ -59,6 +59,9 @@ constexpr int64_t kMaxRanks = 1 << 20;            // parallel degrees
 
 struct Recipe {
   std::string source;  // file path (or the name given to parse_recipe)
+  // Activations recomputed in backward instead of kept: none | selective | full (bit-identical
+  // results; models/recompute.h). A top-level value of the recipe: `recompute: full`.
+  std::string recompute = "none";
   ModelConfig model;
   std::string init_from;  // HF dir whose weights initialize the model; "" = random init
 

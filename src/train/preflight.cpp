@@ -15,6 +15,7 @@
 #include "kernels/backend.h"
 #include "models/hf_weights.h"
 #include "models/memory.h"
+#include "models/recompute.h"
 #include "optim/schedule.h"
 #include "train/consistency.h"
 
@@ -302,7 +303,9 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   // before anything is allocated.
   // Per process: ZeRO 1/2 divide the moments by the data degree.
   const int64_t data = std::max<int64_t>(1, r.parallel.data);
-  const MemoryEstimate est = estimate_memory(r.model, B, T, kMoments, r.parallel.zero > 0 ? data : 1, spec.dtype);
+  const Recompute rc = parse_recompute(r.recompute, r.source + ": recompute");
+  const MemoryEstimate est =
+      estimate_memory(r.model, B, T, kMoments, r.parallel.zero > 0 ? data : 1, spec.dtype, rc);
   check_memory_fits(est, r.model, r.source);
   const MachineMemory mm = machine_memory();
   log.ok(fmt::format("memory: {} fits ({} {})", est.breakdown(), mm.source,
@@ -322,7 +325,7 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
     pf.model = build_model(r.model, spec);
   }
   log.ok(fmt::format("model {}: {} parameters", r.model.model_type, pf.model->num_params()));
-  if (!check_only) pf.model->allocate(B, T, kMoments);
+  if (!check_only) pf.model->allocate(B, T, kMoments, rc);
   if (!pf.ckpt.empty() && check_only) {
     // Everything, moments included, into a full-size optimizer that is then dropped.
     auto full = optim::make_optimizer(ocfg, pf.model->num_params());
