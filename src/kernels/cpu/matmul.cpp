@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "kernels/cpu/col_sums.h"
 #include "kernels/cpu/ops.h"
 
 namespace lathe::cpu {
@@ -19,9 +20,6 @@ namespace {
 
 // Below this many floats an OpenMP fork costs more than the loop itself.
 constexpr int64_t kParallelMin = 1 << 14;
-// Columns per bias-reduction block: a multiple of the cache line so that blocks owned by different
-// threads never share a line of dbias.
-constexpr int64_t kColBlock = 64;
 
 inline int as_blas_int(int64_t v, const char* what) {
   LATHE_CHECK(v >= 0 && v <= INT_MAX, "matmul: dimension {}={} does not fit OpenBLAS's 32-bit int; split the GEMM",
@@ -79,29 +77,7 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
     // dweight[N,K] += dout[M,N]^T @ inp[M,K]
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, k, m, 1.0f, dout, n, inp, k, 1.0f, dweight, k);
   }
-  if (dbias != nullptr && M > 0 && N > 0) {
-    // dbias[N] += column sums of dout[M,N]; each block of columns is summed row by row in a local
-    // accumulator (vectorised over the block), then added once.
-    const int64_t nblocks = (N + kColBlock - 1) / kColBlock;
-#pragma omp parallel for schedule(static) if (M * N >= kParallelMin)
-    for (int64_t blk = 0; blk < nblocks; ++blk) {
-      const int64_t j0 = blk * kColBlock;
-      const int64_t w = (N - j0 < kColBlock) ? N - j0 : kColBlock;
-      float acc[kColBlock] = {};
-      if (w == kColBlock) {
-        for (int64_t i = 0; i < M; ++i) {
-          const float* __restrict row = dout + i * N + j0;
-          for (int64_t j = 0; j < kColBlock; ++j) acc[j] += row[j];
-        }
-      } else {
-        for (int64_t i = 0; i < M; ++i) {
-          const float* __restrict row = dout + i * N + j0;
-          for (int64_t j = 0; j < w; ++j) acc[j] += row[j];
-        }
-      }
-      for (int64_t j = 0; j < w; ++j) dbias[j0 + j] += acc[j];
-    }
-  }
+  if (dbias != nullptr && M > 0 && N > 0) add_column_sums(dbias, dout, M, N, [](float x) { return x; });
 }
 
 }  // namespace lathe::cpu

@@ -32,6 +32,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "kernels/cpu/col_sums.h"
 #include "kernels/cpu/ops_bf16.h"
 
 #ifdef LATHE_HAVE_DNNL
@@ -44,9 +45,6 @@ namespace {
 
 // Below this many elements an OpenMP fork costs more than the loop itself.
 constexpr int64_t kParallelMin = 1 << 14;
-// Columns per bias-reduction block (a multiple of the cache line: blocks owned by different
-// threads never share a line of dbias).
-constexpr int64_t kColBlock = 64;
 
 void check_dims(const char* fn, int64_t M, int64_t K, int64_t N) {
   LATHE_CHECK(M >= 0 && K >= 0 && N >= 0, "{}: negative dimension (M={}, K={}, N={})", fn, M, K, N);
@@ -68,28 +66,9 @@ void fill_k0(T* out, const float* bias, int64_t M, int64_t N, bool accumulate) {
   }
 }
 
-// dbias[N] += column sums of dout[M,N] (bf16), each column summed in row order in fp32: the
-// result does not depend on the thread count.
+// dbias[N] += column sums of dout[M,N] (bf16), each column summed in row order in fp32.
 void bias_backward(float* dbias, const uint16_t* dout, int64_t M, int64_t N) {
-  const int64_t nblocks = (N + kColBlock - 1) / kColBlock;
-#pragma omp parallel for schedule(static) if (M * N >= kParallelMin)
-  for (int64_t blk = 0; blk < nblocks; ++blk) {
-    const int64_t j0 = blk * kColBlock;
-    const int64_t w = (N - j0 < kColBlock) ? N - j0 : kColBlock;
-    float acc[kColBlock] = {};
-    if (w == kColBlock) {
-      for (int64_t i = 0; i < M; ++i) {
-        const uint16_t* __restrict row = dout + i * N + j0;
-        for (int64_t j = 0; j < kColBlock; ++j) acc[j] += bf16_to_fp32(row[j]);
-      }
-    } else {
-      for (int64_t i = 0; i < M; ++i) {
-        const uint16_t* __restrict row = dout + i * N + j0;
-        for (int64_t j = 0; j < w; ++j) acc[j] += bf16_to_fp32(row[j]);
-      }
-    }
-    for (int64_t j = 0; j < w; ++j) dbias[j0 + j] += acc[j];
-  }
+  add_column_sums(dbias, dout, M, N, [](uint16_t x) { return bf16_to_fp32(x); });
 }
 
 #ifdef LATHE_HAVE_DNNL
