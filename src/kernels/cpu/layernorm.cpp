@@ -9,6 +9,7 @@
 
 #include <cmath>
 
+#include "kernels/cpu/norm_rows.h"
 #include "kernels/cpu/ops.h"
 
 namespace lathe::cpu {
@@ -21,33 +22,8 @@ size_t layernorm_scratch_floats(int64_t C) { return static_cast<size_t>(2 * C * 
 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
                        int64_t N, int64_t C, float eps) {
-  const float inv_c = 1.0f / static_cast<float>(C);
 #pragma omp parallel for schedule(static) if (N * C >= kParallelMin)
-  for (int64_t n = 0; n < N; ++n) {
-    const float* __restrict x = inp + n * C;
-    float* __restrict o = out + n * C;
-    // Two passes (mean, then centred sum of squares): no cancellation, and both vectorise.
-    // omp simd reduction lets the compiler reassociate (vectorise) these float sums; the order is
-    // still fixed for a given build.
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t c = 0; c < C; ++c) s += x[c];
-    const float m = s * inv_c;
-    float v = 0.0f;
-#pragma omp simd reduction(+ : v)
-    for (int64_t c = 0; c < C; ++c) {
-      const float d = x[c] - m;
-      v += d * d;
-    }
-    const float r = 1.0f / std::sqrt(v * inv_c + eps);
-    if (bias != nullptr) {
-      for (int64_t c = 0; c < C; ++c) o[c] = (x[c] - m) * r * weight[c] + bias[c];
-    } else {
-      for (int64_t c = 0; c < C; ++c) o[c] = (x[c] - m) * r * weight[c];
-    }
-    mean[n] = m;
-    rstd[n] = r;
-  }
+  for (int64_t n = 0; n < N; ++n) layernorm_row(out + n * C, mean + n, rstd + n, inp + n * C, weight, bias, C, eps);
 }
 
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,

@@ -28,6 +28,7 @@
 
 #include "core/error.h"
 #include "kernels/cpu/half.h"
+#include "kernels/cpu/norm_rows.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/ops_bf16.h"
 #include "kernels/cpu/pointwise_math.h"
@@ -212,7 +213,6 @@ void embedding_backward_h(float* dwte, float* dwpe, const void* dout_v, const in
 template <class P>
 void layernorm_forward_h(void* out_v, float* mean, float* rstd, const void* inp_v, const float* weight,
                          const float* bias, int64_t N, int64_t C, float eps) {
-  const float inv_c = 1.0f / static_cast<float>(C);
   const u16* inp = h(inp_v);
   u16* out = h(out_v);
 #pragma omp parallel if (N * C >= kParallelMin)
@@ -222,25 +222,8 @@ void layernorm_forward_h(void* out_v, float* mean, float* rstd, const void* inp_
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
       P::to_f32(x, inp + n * C, C);
-      float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t c = 0; c < C; ++c) s += x[c];
-      const float m = s * inv_c;
-      float v = 0.0f;
-#pragma omp simd reduction(+ : v)
-      for (int64_t c = 0; c < C; ++c) {
-        const float d = x[c] - m;
-        v += d * d;
-      }
-      const float r = 1.0f / std::sqrt(v * inv_c + eps);
-      if (bias != nullptr) {
-        for (int64_t c = 0; c < C; ++c) o[c] = (x[c] - m) * r * weight[c] + bias[c];
-      } else {
-        for (int64_t c = 0; c < C; ++c) o[c] = (x[c] - m) * r * weight[c];
-      }
+      layernorm_row(o, mean + n, rstd + n, x, weight, bias, C, eps);
       P::from_f32(out + n * C, o, C);
-      mean[n] = m;
-      rstd[n] = r;
     }
   }
 }
@@ -306,7 +289,6 @@ void layernorm_backward_h(void* dinp_v, float* dweight, float* dbias, const void
 template <class P>
 void rmsnorm_forward_h(void* out_v, float* rstd, const void* inp_v, const float* weight, int64_t N, int64_t C,
                        float eps) {
-  const float inv_c = 1.0f / static_cast<float>(C);
   const u16* inp = h(inp_v);
   u16* out = h(out_v);
 #pragma omp parallel if (N * C >= kParallelMin)
@@ -316,13 +298,8 @@ void rmsnorm_forward_h(void* out_v, float* rstd, const void* inp_v, const float*
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
       P::to_f32(x, inp + n * C, C);
-      float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t c = 0; c < C; ++c) ss += x[c] * x[c];
-      const float r = 1.0f / std::sqrt(ss * inv_c + eps);
-      for (int64_t c = 0; c < C; ++c) o[c] = weight[c] * (x[c] * r);
+      rmsnorm_row(o, rstd + n, x, weight, C, eps);
       P::from_f32(out + n * C, o, C);
-      rstd[n] = r;
     }
   }
 }

@@ -8,6 +8,7 @@
 
 #include <cmath>
 
+#include "kernels/cpu/norm_rows.h"
 #include "kernels/cpu/ops.h"
 
 namespace lathe::cpu {
@@ -19,19 +20,8 @@ constexpr int64_t kParallelMin = 1 << 14;
 size_t rmsnorm_scratch_floats(int64_t C) { return static_cast<size_t>(C * omp_get_max_threads()); }
 
 void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C, float eps) {
-  const float inv_c = 1.0f / static_cast<float>(C);
 #pragma omp parallel for schedule(static) if (N * C >= kParallelMin)
-  for (int64_t n = 0; n < N; ++n) {
-    const float* __restrict x = inp + n * C;
-    float* __restrict o = out + n * C;
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t c = 0; c < C; ++c) ss += x[c] * x[c];
-    const float r = 1.0f / std::sqrt(ss * inv_c + eps);
-    // HF order: (x * rstd) then * weight.
-    for (int64_t c = 0; c < C; ++c) o[c] = weight[c] * (x[c] * r);
-    rstd[n] = r;
-  }
+  for (int64_t n = 0; n < N; ++n) rmsnorm_row(out + n * C, rstd + n, inp + n * C, weight, C, eps);
 }
 
 void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
