@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <vector>
 
 #include "core/error.h"
@@ -113,17 +114,8 @@ Summary write_chrome_json(const std::string& path, int pid, const std::string& p
   Registry& r = registry();
   Summary s;
   std::string out = "{\"displayTimeUnit\":\"ms\",\"otherData\":" + other_data_json + ",\"traceEvents\":[\n";
-  auto quoted = [](const std::string& v) {
-    std::string q = "\"";
-    for (char c : v) {
-      if (c == '"' || c == '\\') q += '\\';
-      if (static_cast<unsigned char>(c) < 0x20) {
-        q += fmt::format("\\u{:04x}", c);
-        continue;
-      }
-      q += c;
-    }
-    return q + "\"";
+  auto quoted = [](const std::string& v) {  // a JSON string literal
+    return nlohmann::json(v).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   };
   out += fmt::format(R"({{"name":"process_name","ph":"M","pid":{},"tid":0,"args":{{"name":{}}}}})", pid,
                      quoted(process_name));
