@@ -1,5 +1,6 @@
 // lathe export CHECKPOINT_OR_RUN_OR_MODEL_DIR --to DIR [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]
 //              [--to-gguf FILE]
+//              [--to-onnx FILE [--static-seq-len N] [--external-data]]   (models/onnx_export.h)
 // Source, in this order:
 //   * a checkpoint directory (state.json: checksums verified, weights loaded by load_checkpoint);
 //   * a run directory (its newest complete checkpoint; corrupt ones are skipped and said so;
@@ -17,6 +18,7 @@
 #include "io/fs.h"
 #include "io/json.h"
 #include "models/hf_weights.h"
+#include "models/onnx_export.h"
 #include "tokenizer/tokenizer.h"
 #include "train/checkpoint.h"
 
@@ -113,9 +115,24 @@ int run_export(int argc, char** argv) {
   app.add_option("--dtype", dtype_s, "fp32, bf16 or fp16 (GGUF: fp32 or fp16)");
   app.add_option("--max-shard-size", shard_s, "shard model.safetensors above this size (default 5GB)");
   app.add_option("--to-gguf", gguf, "also write a GGUF file for llama.cpp (llama family)");
+  std::string onnx;
+  int64_t onnx_seq = 0;
+  bool onnx_external = false;
+  app.add_option("--to-onnx", onnx, "also write an ONNX decoder graph for onnxruntime (fp32 or fp16)");
+  app.add_option("--static-seq-len", onnx_seq, "ONNX: fixed-shape graph [1, N] without past key/values")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--external-data", onnx_external, "ONNX: weights in FILE.data (automatic above 2 GiB)");
   LATHE_CLI_PARSE(app, argc, argv);
-  LATHE_CHECK(!to.empty() || !gguf.empty(), "nothing to do: give --to DIR and/or --to-gguf FILE");
+  LATHE_CHECK(!to.empty() || !gguf.empty() || !onnx.empty(),
+              "nothing to do: give --to DIR, --to-gguf FILE and/or --to-onnx FILE");
+  LATHE_CHECK(onnx.empty() ? onnx_seq == 0 && !onnx_external : true,
+              "--static-seq-len and --external-data apply to --to-onnx FILE, which is not given");
   const DType dtype = parse_dtype(dtype_s, "--dtype");
+  if (!onnx.empty())
+    LATHE_CHECK(dtype == DType::F32 || dtype == DType::F16,
+                "--to-onnx writes fp32 or fp16 graphs; --dtype {} is not supported (onnxruntime's CPU provider has "
+                "no bf16 kernels for most operators)",
+                dtype_s);
   Source s = load_source(src);
   fmt::print("source: {}\n", s.desc);
 
@@ -148,6 +165,13 @@ int run_export(int argc, char** argv) {
     for (const auto& f : tok_files)
       if (fs::path(f).filename() == "tokenizer.json") tj = f;
     fmt::print("{}\n", save_gguf(*s.model, gguf, dtype, tj));
+  }
+  if (!onnx.empty()) {
+    OnnxExportOptions oo;
+    oo.dtype = dtype;
+    oo.static_seq_len = onnx_seq;
+    oo.external_data = onnx_external;
+    fmt::print("{}\n", save_onnx(*s.model, onnx, oo));
   }
   return 0;
 }
