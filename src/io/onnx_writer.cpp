@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -265,7 +266,7 @@ WriteResult write_model(const std::string& path, const Graph& graph, const Model
   if (!external) {
     Message probe;
     model_proto(probe, graph, info, nullptr, none, 0);
-    external = probe.size() > kProtoLimit;
+    external = probe.size() > std::min(opts.inline_limit, kProtoLimit);
   }
   WriteResult r;
   std::vector<uint64_t> offsets(graph.initializers.size(), 0);

@@ -95,14 +95,17 @@ struct ModelProtoInfo {
   std::vector<std::pair<std::string, std::string>> metadata;  // metadata_props
 };
 
-struct WriteOptions {
-  // Initializers of at least `external_min_bytes` go to "<path>.data" (the name stored in the
-  // model is the file name only, so the pair can be moved together). Automatic above kProtoLimit.
-  bool external_data = false;
-  size_t external_min_bytes = 1024;
-};
 // Largest protobuf message (2 GiB - 1): above it the weights must be external.
 constexpr uint64_t kProtoLimit = (uint64_t{1} << 31) - 1;
+
+struct WriteOptions {
+  // Initializers of at least `external_min_bytes` go to "<path>.data" (the name stored in the
+  // model is the file name only, so the pair can be moved together). Automatic when the model with
+  // its weights inline would be larger than `inline_limit` (tests lower it to exercise the switch).
+  bool external_data = false;
+  size_t external_min_bytes = 1024;
+  uint64_t inline_limit = kProtoLimit;
+};
 
 struct WriteResult {
   uint64_t model_bytes = 0, data_bytes = 0;

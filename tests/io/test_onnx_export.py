@@ -19,7 +19,8 @@ and Qwen2 (q/k/v biases, tied, rope_theta 1e6). For each:
     measured 4.5e-4 .. 6.7e-4 here with logits up to ~1)
   * --external-data: FILE.data holds the weights, logits bit-identical to the inline file
 A llama trained by `lathe train` for one step is exported from its run directory (checkpoint) and
-compared the same way. Bad input: bf16, --static-seq-len beyond max_position_embeddings or without
+compared the same way; the automatic switch to external data (limit lowered by a test hook); a
+Mistral with sliding_window 4 step by step against transformers (lathe refuses such lengths). Bad input: bf16, --static-seq-len beyond max_position_embeddings or without
 --to-onnx, a file in a missing directory: exit 1/2 with the value and the fix named.
 """
 import os
@@ -263,6 +264,56 @@ output: {{dir: {run_dir}, checkpoint_every: 1}}
           f"(the step moved logits by {maxdiff(ref, ref_init):.2e})")
 
 
+def check_auto_external(tmp):
+    """The switch to external data above the protobuf limit, on a tiny model: the test hook lowers
+    the limit from 2 GiB to 50 kB (the llama export is ~106 kB inline)."""
+    d = os.path.join(tmp, "llama")
+    path = os.path.join(tmp, "auto.onnx")
+    p = subprocess.run([LATHE, "export", d, "--to-onnx", path], capture_output=True, text=True,
+                       env=dict(os.environ, LATHE_TEST_ONNX_INLINE_LIMIT="50000"))
+    cfg = transformers.AutoConfig.from_pretrained(d)
+    ok = p.returncode == 0 and os.path.exists(path + ".data")
+    if ok:
+        check_graph(path, cfg, False)
+        seq = [[3, 1, 4, 1, 5, 9, 2, 6]]
+        ok = np.array_equal(Runner(path, cfg)(seq)[0], Runner(os.path.join(tmp, "llama.onnx"), cfg)(seq)[0])
+    check(ok, f"above the inline limit the weights go to FILE.data by themselves: {p.stdout.strip()[-120:]}")
+
+
+def check_sliding_window(tmp):
+    """Mistral with sliding_window 4 against transformers (lathe itself refuses sequences longer
+    than the window, so HF is the oracle here): token i attends to keys i-3..i."""
+    d = os.path.join(tmp, "mistral")
+    torch.manual_seed(4)
+    cfg = transformers.MistralConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                     intermediate_size=48, vocab_size=96, max_position_embeddings=64,
+                                     sliding_window=4, tie_word_embeddings=False)
+    m = transformers.MistralForCausalLM(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    m.save_pretrained(d)
+    seq = np.random.default_rng(4).integers(0, 96, 12).tolist()
+    m = transformers.MistralForCausalLM.from_pretrained(d, attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = m(torch.tensor([seq])).logits[0].numpy()
+        full = transformers.MistralForCausalLM.from_pretrained(d, attn_implementation="eager",
+                                                               sliding_window=None).eval()
+        nowin = full(torch.tensor([seq])).logits[0].numpy()
+    path = os.path.join(tmp, "mistral.onnx")
+    run(["export", d, "--to-onnx", path])
+    r = Runner(path, cfg)
+    logits, past = r([seq[:3]])
+    got = [logits[0]]
+    for t in range(3, len(seq)):
+        step, past = r([[seq[t]]], past=past)
+        got.append(step[0])
+    got = np.concatenate(got)
+    check(maxdiff(got, ref) < TOL and maxdiff(nowin, ref) > 1e-3,
+          f"mistral sliding_window 4, prompt 3 + 9 steps vs transformers: {maxdiff(got, ref):.2e} "
+          f"(the window changes logits by {maxdiff(nowin, ref):.2e})")
+
+
 def check_bad_input(tmp):
     d = os.path.join(tmp, "gpt2")
     cases = Cases()
@@ -292,6 +343,8 @@ def main():
         for kind in ("gpt2", "llama", "qwen2"):
             check_family(tmp, kind)
         check_trained_run(tmp)
+        check_auto_external(tmp)
+        check_sliding_window(tmp)
         check_bad_input(tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
