@@ -1,0 +1,213 @@
+// lathe plan RECIPE --world N [--memory-gb G] [--peak-gflops F] [--link-gbps B] [--intra-gbps B]
+//            [--gpus-per-node K] [--global-batch S] [--top K] [--json] [--set key=value ...]:
+// every data x tensor x pipeline layout of an N-process job (sequence parallel, ZeRO 0/1/2,
+// recompute none/selective/full), the memory per rank and a predicted step time
+// (parallel/plan.h), sorted by predicted tokens/s; layouts the model cannot take are listed with
+// the reason. Without --peak-gflops / --link-gbps the figures are measured on this machine (a GEMM
+// probe, train/peak.cpp, and a memcpy: the ranks of a one-machine job exchange through shared
+// memory); the header says which figures were measured and which given.
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <vector>
+
+#include "cli/command.h"
+#include "config/recipe.h"
+#include "core/timer.h"
+#include "models/memory.h"
+#include "parallel/plan.h"
+#include "train/peak.h"
+#include "train/preflight.h"
+
+namespace {
+
+// One-direction copy bandwidth of this machine (Gbit/s): the best of 3 copies of 64 MB.
+double measure_copy_gbps() {
+  std::vector<char> a(size_t{64} << 20, 1), b(a.size(), 0);
+  double best = 0;
+  for (int rep = 0; rep < 4; ++rep) {
+    const double t0 = lathe::now_seconds();
+    std::memcpy(b.data(), a.data(), a.size());
+    const double dt = lathe::now_seconds() - t0;
+    if (rep > 0 && dt > 0) best = std::max(best, static_cast<double>(a.size()) * 8 / dt / 1e9);
+    a[static_cast<size_t>(rep)] = b[static_cast<size_t>(rep) + 1];  // keep the copies observable
+  }
+  return best;
+}
+
+std::string count(double n) {
+  if (n >= 1e9) return fmt::format("{:.1f}B", n / 1e9);
+  if (n >= 1e6) return fmt::format("{:.1f}M", n / 1e6);
+  return fmt::format("{:.1f}K", n / 1e3);
+}
+
+int run_plan(int argc, char** argv) {
+  CLI::App app{"Plan a parallel layout: memory per rank and predicted speed of every data x tensor x pipeline layout",
+               "lathe plan"};
+  std::string path;
+  std::vector<std::string> sets;
+  int64_t world = 0, global_batch = 0, gpus_per_node = 0, top = 25;
+  double memory_gb = 0, peak = 0, link = 0, intra = 0;
+  bool json = false;
+  app.add_option("recipe", path, "recipe file (YAML)")->required();
+  app.add_option("--set", sets, "override a recipe value (repeatable)");
+  app.add_option("--world", world, "number of processes (GPUs) of the job")
+      ->required()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  app.add_option("--memory-gb", memory_gb, "memory per rank in GB (default: this machine's memory / world)")
+      ->check(CLI::Range(0.0, 1e9));
+  app.add_option("--peak-gflops", peak,
+                 "per-rank GEMM throughput in GFLOP/s in the compute dtype (default: training.peak_gflops, else "
+                 "measured here with a GEMM probe)")
+      ->check(CLI::Range(1e-3, 1e12));
+  app.add_option("--link-gbps", link,
+                 "per-rank bandwidth between nodes, Gbit/s one direction (default: measured here with a memcpy)")
+      ->check(CLI::Range(1e-6, 1e9));
+  app.add_option("--intra-gbps", intra, "per-rank bandwidth inside a node, Gbit/s (default: --link-gbps)")
+      ->check(CLI::Range(1e-6, 1e9));
+  app.add_option("--gpus-per-node", gpus_per_node, "ranks per node (default: world, one machine)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  app.add_option("--global-batch", global_batch,
+                 "samples per step (default: micro_batch_size x grad_accum_steps x parallel.data, or x world when "
+                 "parallel.data is 0)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  app.add_option("--top", top, "rows of the table (0 = all valid layouts)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+  app.add_flag("--json", json, "print every layout (valid and rejected) as JSON");
+  LATHE_CLI_PARSE(app, argc, argv);
+
+  lathe::Recipe r = lathe::load_recipe(path, sets);
+  lathe::plan::Job job;
+  job.model = r.model;
+  job.world = world;
+  job.micro_batch = r.training.micro_batch_size;
+  job.seq_len = r.training.seq_len;
+  job.global_batch = global_batch > 0 ? global_batch
+                                      : r.training.micro_batch_size * r.training.grad_accum_steps *
+                                            (r.parallel.data > 0 ? r.parallel.data : world);
+  job.compute = lathe::compute_spec(r).dtype;
+
+  lathe::plan::Machine m;
+  std::string peak_src, link_src, mem_src;
+  if (peak > 0) {
+    peak_src = "given";
+  } else if (r.training.peak_gflops > 0) {
+    peak = r.training.peak_gflops;
+    peak_src = "the recipe's training.peak_gflops";
+  } else {
+    peak = lathe::measure_peak_gflops();
+    peak_src = "measured here: fp32 GEMM probe with this process's threads";
+  }
+  if (link > 0) {
+    link_src = "given";
+  } else {
+    link = measure_copy_gbps();
+    link_src = "measured here: memcpy, as ranks on one machine exchange through shared memory";
+  }
+  m.peak_gflops = peak;
+  m.inter_gbps = link;
+  m.intra_gbps = intra > 0 ? intra : link;
+  m.gpus_per_node = gpus_per_node > 0 ? gpus_per_node : world;
+  if (memory_gb > 0) {
+    m.memory_bytes = static_cast<int64_t>(memory_gb * 1e9);
+    mem_src = "given";
+  } else {
+    const lathe::MachineMemory mm = lathe::machine_memory();
+    m.memory_bytes = mm.bytes / world;
+    mem_src = mm.bytes > 0 ? fmt::format("{} / world {}", mm.source, world) : "unknown: everything fits";
+  }
+
+  const std::vector<lathe::plan::Estimate> all = lathe::plan::enumerate(job, m);
+  if (json) {
+    nlohmann::json j{{"recipe", path},
+                     {"world", world},
+                     {"global_batch", job.global_batch},
+                     {"micro_batch_size", job.micro_batch},
+                     {"seq_len", job.seq_len},
+                     {"params", r.model.num_parameters()},
+                     {"machine",
+                      {{"peak_gflops", peak},
+                       {"peak_source", peak_src},
+                       {"inter_gbps", m.inter_gbps},
+                       {"intra_gbps", m.intra_gbps},
+                       {"link_source", link_src},
+                       {"gpus_per_node", m.gpus_per_node},
+                       {"memory_bytes", m.memory_bytes},
+                       {"memory_source", mem_src}}},
+                     {"layouts", nlohmann::json::array()}};
+    for (const auto& e : all) j["layouts"].push_back(lathe::plan::to_json(e));
+    fmt::print("{}\n", j.dump(1));
+    return 0;
+  }
+  // Memory columns in GB, or MB for models where every figure is below a GB.
+  int64_t largest = 0;
+  for (const auto& e : all)
+    if (e.reject.empty()) largest = std::max(largest, e.memory.total());
+  const bool in_gb = largest >= 1000000000;
+  auto gb = [&](int64_t bytes) { return fmt::format("{:.2f}", static_cast<double>(bytes) / (in_gb ? 1e9 : 1e6)); };
+  fmt::print(
+      "lathe plan {}: {} ({} parameters, {} layers), {} ranks, global batch {} x seq_len {}, "
+      "micro_batch_size {}, compute {}\n",
+      path, r.model.model_type, count(static_cast<double>(r.model.num_parameters())), r.model.num_hidden_layers, world,
+      job.global_batch, job.seq_len, job.micro_batch, r.precision.compute);
+  fmt::print(
+      "per rank: peak {:.1f} GFLOP/s ({}); links {:.1f} Gb/s inside a node of {}, {:.1f} Gb/s between nodes "
+      "({}); memory {} ({})\n",
+      peak, peak_src, m.intra_gbps, m.gpus_per_node, m.inter_gbps, link_src,
+      m.memory_bytes > 0 ? lathe::format_bytes(m.memory_bytes) : std::string("unknown"), mem_src);
+  fmt::print(
+      "schedule 1F1B; memory per rank in {} (its heaviest pipeline stage): fp32 parameters + gradients (+ "
+      "compute-dtype weight copies), AdamW moments, activations (micro-batches held), p2p buffers; comm% = "
+      "tensor + pipeline + data-parallel time over the step (not overlapped)\n\n",
+      in_gb ? "GB" : "MB");
+  fmt::print(
+      "{:>3} {:>4} {:>6} {:>4} {:>3} {:>4} {:>9} {:>5}  {:>8} {:>8} {:>13} {:>6} {:>8} {:>4}  {:>9} {:>10} {:>5} "
+      "{:>7} {:>5}\n",
+      "#", "data", "tensor", "pipe", "sp", "zero", "recompute", "mb", "par+grad", "moments", "activ.(held)", "comm",
+      "total", "fits", "step s", "tokens/s", "MFU%", "bubble%", "comm%");
+  int64_t shown = 0, valid = 0;
+  for (const auto& e : all) {
+    if (!e.reject.empty()) continue;
+    ++valid;
+    if (top > 0 && shown >= top) continue;
+    ++shown;
+    const auto& l = e.layout;
+    const double comm = e.step_s > 0 ? (e.tp_s + e.pp_s + e.dp_s) / e.step_s : 0;
+    fmt::print(
+        "{:>3} {:>4} {:>6} {:>4} {:>3} {:>4} {:>9} {:>5}  {:>8} {:>8} {:>13} {:>6} {:>8} {:>4}  {:>9.4g} {:>10.0f} "
+        "{:>5.1f} {:>7.1f} {:>5.1f}\n",
+        shown, l.data, l.tensor, l.pipeline, l.sequence ? "on" : "-", l.zero, lathe::recompute_name(l.recompute),
+        e.micro_batches, gb(e.memory.params + e.memory.grads + e.memory.compute_weights), gb(e.memory.moments),
+        fmt::format("{} ({})", gb(e.memory.activations), e.memory.in_flight), gb(e.memory.comm), gb(e.memory.total()),
+        e.fits ? "yes" : "NO", e.step_s, e.tokens_per_s, 100 * e.mfu, 100 * e.bubble, 100 * comm);
+  }
+  if (shown < valid) fmt::print("... {} more valid layouts (--top 0 shows all)\n", valid - shown);
+  // Rejected layouts: one line per (data, tensor, pipeline, sp) and reason.
+  std::map<std::string, std::vector<std::string>> by_reason;
+  for (const auto& e : all) {
+    if (e.reject.empty()) continue;
+    const auto& l = e.layout;
+    const std::string name = fmt::format("{}x{}x{}{}", l.data, l.tensor, l.pipeline, l.sequence ? "+sp" : "");
+    auto& v = by_reason[e.reject];
+    if (std::find(v.begin(), v.end(), name) == v.end()) v.push_back(name);
+  }
+  if (!by_reason.empty()) {
+    fmt::print("\nrejected (data x tensor x pipeline):\n");
+    for (const auto& [why, names] : by_reason) {
+      std::string list;
+      for (const auto& n : names) list += (list.empty() ? "" : ", ") + n;
+      fmt::print("  {}: {}\n", list, why);
+    }
+  }
+  std::fflush(stdout);
+  return 0;
+}
+
+lathe::cli::Registrar reg("plan", "memory and predicted speed of every data x tensor x pipeline layout of a job",
+                          run_plan);
+
+}  // namespace

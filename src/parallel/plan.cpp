@@ -1,0 +1,262 @@
+#include "parallel/plan.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+
+#include "core/checked.h"
+#include "core/error.h"
+#include "models/model.h"
+#include "parallel/pipeline_schedule.h"
+
+namespace lathe::plan {
+
+std::string Layout::name() const {
+  return fmt::format("data {} x tensor {} x pipeline {}{}, ZeRO {}, recompute {}", data, tensor, pipeline,
+                     sequence ? " +sp" : "", zero, recompute_name(recompute));
+}
+
+double flops_per_token(const ModelConfig& cfg, int64_t T) {
+  double n = static_cast<double>(cfg.num_parameters());
+  if (cfg.is_gpt2()) n -= static_cast<double>(cfg.max_position_embeddings * cfg.hidden_size);
+  return 6.0 * n + 12.0 * static_cast<double>(cfg.num_hidden_layers * cfg.hidden_size) * static_cast<double>(T);
+}
+
+namespace {
+
+// The parameter table cut into what a stage holds: per decoder layer (of which `layer_repl` is
+// replicated across tensor ranks: norms and the biases added after a row-parallel reduction),
+// the token embedding, the learned positions, an untied head and the final norm.
+struct Params {
+  int64_t layer = 0, layer_repl = 0, wte = 0, wpe = 0, head = 0, final_norm = 0;
+};
+
+Params split_params(const ModelConfig& cfg) {
+  ModelConfig one = cfg, two = cfg;
+  one.num_hidden_layers = 1;
+  two.num_hidden_layers = 2;
+  Params s;
+  s.layer = two.num_parameters() - one.num_parameters();
+  const int64_t C = cfg.hidden_size;
+  s.wte = cfg.vocab_size * C;
+  s.wpe = cfg.is_gpt2() ? cfg.max_position_embeddings * C : 0;
+  s.head = cfg.tie_word_embeddings ? 0 : s.wte;
+  s.final_norm = one.num_parameters() - s.layer - s.wte - s.wpe - s.head;
+  s.layer_repl = (cfg.is_gpt2() ? 4 * C : 2 * C) + (cfg.o_bias() ? C : 0) + (cfg.is_gpt2() ? C : 0);
+  LATHE_CHECK(s.final_norm >= 0 && s.layer_repl <= s.layer, "internal: parameter split of {} ({} per layer, {} rest)",
+              cfg.model_type, s.layer, s.final_norm);
+  return s;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// How tensor / sequence parallelism divide an activation buffer of Model's arena.
+enum class Split { Wide, Hidden, Fixed };
+Split split_of(std::string_view name) {
+  if (name.rfind("shared.", 0) == 0) name.remove_prefix(7);
+  for (std::string_view w : {"qkv", "att", "lse", "fc", "act", "dqkv", "datt", "dfc", "dact"})
+    if (name == w) return Split::Wide;  // heads / MLP width: column-parallel outputs
+  if (name == "scratch" || name == "rope_cos" || name == "rope_sin") return Split::Fixed;
+  return Split::Hidden;  // [N, C] residual stream, norms and their statistics, losses
+}
+
+double ring(int64_t n, double bytes, double bytes_per_s, bool all_reduce) {
+  if (n <= 1 || bytes <= 0) return 0;
+  const double f = static_cast<double>(n - 1) / static_cast<double>(n);
+  return (all_reduce ? 2 : 1) * f * bytes / bytes_per_s;
+}
+
+}  // namespace
+
+Estimate estimate(const Job& job, const Machine& mach, const Layout& l) {
+  LATHE_CHECK(job.world >= 1 && job.micro_batch >= 1 && job.seq_len >= 1 && job.global_batch >= 1,
+              "internal: plan job world {} micro_batch {} seq_len {} global_batch {}", job.world, job.micro_batch,
+              job.seq_len, job.global_batch);
+  const ModelConfig& cfg = job.model;
+  Estimate e;
+  e.layout = l;
+  const int64_t t = l.tensor, p = l.pipeline, d = l.data, B = job.micro_batch, T = job.seq_len;
+  const int64_t L = cfg.num_hidden_layers, C = cfg.hidden_size;
+  LATHE_CHECK(t * p * d == job.world, "internal: layout {} for world {}", l.name(), job.world);
+  auto reject = [&](std::string why) {
+    e.reject = std::move(why);
+    return e;
+  };
+  if (cfg.num_attention_heads % t)
+    return reject(fmt::format("tensor {} does not divide num_attention_heads {}", t, cfg.num_attention_heads));
+  if (cfg.num_key_value_heads % t)
+    return reject(fmt::format("tensor {} does not divide num_key_value_heads {}", t, cfg.num_key_value_heads));
+  if (cfg.intermediate_size % t)
+    return reject(fmt::format("tensor {} does not divide intermediate_size {}", t, cfg.intermediate_size));
+  if (cfg.vocab_size % t)
+    return reject(
+        fmt::format("tensor {} does not divide vocab_size {} (vocab-parallel embedding and head)", t, cfg.vocab_size));
+  if (L % p) return reject(fmt::format("pipeline {} does not divide num_hidden_layers {}", p, L));
+  if (l.sequence && T % t) return reject(fmt::format("sequence parallel: tensor {} does not divide seq_len {}", t, T));
+  if (job.global_batch % (B * d))
+    return reject(
+        fmt::format("global batch {} is not a multiple of micro_batch_size {} x data {}", job.global_batch, B, d));
+  const int64_t m = job.global_batch / (B * d);
+  e.micro_batches = m;
+  if (m < p)
+    return reject(
+        fmt::format("{} micro-batches per step (global batch {} / micro_batch_size {} / data {}) is fewer "
+                    "than pipeline {}",
+                    m, job.global_batch, B, d, p));
+  e.stage_layers = pipeline::assign_layers(L, p, 1, {});
+
+  const std::string what = fmt::format("plan of {} for {}", cfg.model_type, l.name());
+  const pipeline::Spec spec{pipeline::Kind::OneFOneB, p, m, 1};
+  const auto lists = pipeline::make_schedule(spec);
+  const pipeline::SimResult unit = pipeline::simulate(spec, lists);
+  LATHE_CHECK(unit.ok, "internal: 1F1B schedule p {} m {}: {}", p, m, unit.error);
+
+  // ---- memory of each stage; the heaviest is the rank's figure ----
+  const Params ps = split_params(cfg);
+  const int64_t act_size = static_cast<int64_t>(dtype_size(job.compute));
+  const ActivationPlan ap = Model::plan_activations(cfg, B, T, ComputeSpec{nullptr, job.compute}, l.recompute);
+  std::vector<int64_t> first(static_cast<size_t>(p)), acts(static_cast<size_t>(p), 0);
+  for (int64_t s = 0, acc = 0; s < p; acc += e.stage_layers[static_cast<size_t>(s)], ++s) first[s] = acc;
+  auto stage_of = [&](int64_t layer) {
+    return static_cast<int64_t>(std::upper_bound(first.begin(), first.end(), layer) - first.begin()) - 1;
+  };
+  for (size_t i = 0; i < ap.entries.size(); ++i) {
+    const ActivationEntry& a = ap.entries[i];
+    // The arena's bytes of this entry, padding included (so t = p = 1 sums to ap.bytes exactly).
+    const int64_t padded =
+        static_cast<int64_t>((i + 1 < ap.entries.size() ? ap.entries[i + 1].offset : ap.bytes) - a.offset);
+    const Split sp = split_of(a.name);
+    const int64_t bytes = sp == Split::Wide || (sp == Split::Hidden && l.sequence) ? ceil_div(padded, t) : padded;
+    const std::string_view name = a.name;
+    for (int64_t s = 0; s < p; ++s) {
+      const int64_t held = unit.max_in_flight[static_cast<size_t>(s)];
+      if (a.layer >= 0) {
+        if (stage_of(a.layer) == s) acts[s] = checked_add(acts[s], checked_mul(bytes, held, what), what);
+      } else if (name == "emb") {  // the stage's input (embedding output or received activation), kept for backward
+        acts[s] = checked_add(acts[s], checked_mul(bytes, held, what), what);
+      } else if (name == "lnf" || name == "lnf_mean" || name == "lnf_rstd" || name == "losses") {
+        if (s == p - 1) acts[s] = checked_add(acts[s], bytes, what);
+      } else {  // working buffers of one pass at a time: gradients, scratch, recompute sets, RoPE
+        acts[s] = checked_add(acts[s], bytes, what);
+      }
+    }
+  }
+  const int64_t layer_params = ps.layer_repl + ceil_div(ps.layer - ps.layer_repl, t);
+  std::vector<int64_t> stage_params(static_cast<size_t>(p));
+  const int64_t moment_shards = l.zero > 0 ? d : 1;
+  for (int64_t s = 0; s < p; ++s) {
+    int64_t n = checked_mul(layer_params, e.stage_layers[static_cast<size_t>(s)], what);
+    if (s == 0) n += ceil_div(ps.wte, t) + ps.wpe;
+    if (s == p - 1)
+      n += ps.final_norm + (cfg.tie_word_embeddings ? (p > 1 ? ceil_div(ps.wte, t) : 0) : ceil_div(ps.head, t));
+    stage_params[static_cast<size_t>(s)] = n;
+    Memory mem;
+    mem.stage = s;
+    mem.in_flight = unit.max_in_flight[static_cast<size_t>(s)];
+    mem.params = checked_mul(n, 4, what);
+    mem.grads = mem.params;
+    mem.moments = ceil_div(checked_mul(mem.params, job.moments, what), moment_shards);
+    if (job.compute != DType::F32) mem.compute_weights = checked_mul(n, act_size, what);
+    mem.activations = acts[s];
+    if (p > 1) mem.comm = 2 * ceil_div(checked_product({B, T, C, act_size}, what), l.sequence ? t : 1);
+    if (s == 0 || mem.total() > e.memory.total()) e.memory = mem;
+  }
+  e.fits = mach.memory_bytes <= 0 || e.memory.total() <= mach.memory_bytes;
+
+  // ---- step time ----
+  auto bw = [&](int64_t span) { return (span <= mach.gpus_per_node ? mach.intra_gbps : mach.inter_gbps) * 1e9 / 8; };
+  const double peak = mach.peak_gflops * 1e9;
+  const double tokens_mb = static_cast<double>(B * T);
+  const double act_bytes = tokens_mb * static_cast<double>(C * act_size);
+  const double tp_ar = ring(t, act_bytes, bw(t), true);
+  const double per_layer_flops = 6.0 * static_cast<double>(ps.layer) + 12.0 * static_cast<double>(C * T);
+  const double rest_flops = flops_per_token(cfg, T) - static_cast<double>(L) * per_layer_flops;  // head, embedding
+  pipeline::Costs costs;
+  double compute_max = 0, tp_max = 0;
+  for (int64_t s = 0; s < p; ++s) {
+    const double layers = static_cast<double>(e.stage_layers[static_cast<size_t>(s)]);
+    double fwd_flops = layers * per_layer_flops / 3;
+    if (s == p - 1) fwd_flops += rest_flops / 3;
+    const double fwd = fwd_flops * tokens_mb / static_cast<double>(t) / peak;
+    const double recompute = l.recompute == Recompute::Full ? layers * per_layer_flops / 3 * tokens_mb / t / peak : 0;
+    const double tp_f = 2 * layers * tp_ar, tp_b = (l.recompute == Recompute::Full ? 4 : 2) * layers * tp_ar;
+    costs.forward_per_stage.push_back(fwd + tp_f);
+    costs.backward_per_stage.push_back(2 * fwd + recompute + tp_b);
+    compute_max = std::max(compute_max, static_cast<double>(m) * (3 * fwd + recompute));
+    tp_max = std::max(tp_max, static_cast<double>(m) * (tp_f + tp_b));
+  }
+  costs.p2p = p > 1 ? act_bytes / (l.sequence ? t : 1) / bw(job.world) : 0;
+  const pipeline::SimResult sim = pipeline::simulate(spec, lists, costs);
+  LATHE_CHECK(sim.ok, "internal: 1F1B with costs, p {} m {}: {}", p, m, sim.error);
+  e.compute_s = compute_max;
+  e.tp_s = tp_max;
+  e.pp_s = p > 1 ? 2.0 * static_cast<double>(m) * costs.p2p : 0;
+  e.pipeline_s = sim.makespan;
+  e.bubble = sim.bubble;
+  // Gradients of the largest stage (fp32), reduced over the data group of t x d consecutive ranks.
+  const int64_t grad_bytes = 4 * *std::max_element(stage_params.begin(), stage_params.end());
+  e.dp_s = ring(d, static_cast<double>(grad_bytes), bw(t * d), true);
+  e.step_s = e.pipeline_s + e.dp_s;
+  const double tokens = static_cast<double>(job.global_batch) * static_cast<double>(T);
+  e.tokens_per_s = e.step_s > 0 ? tokens / e.step_s : 0;
+  e.mfu = e.step_s > 0 ? tokens * flops_per_token(cfg, T) / (static_cast<double>(job.world) * peak * e.step_s) : 0;
+  return e;
+}
+
+std::vector<Estimate> enumerate(const Job& job, const Machine& m) {
+  LATHE_CHECK(job.world >= 1 && job.world <= (1 << 20), "--world {} must be in [1, {}]", job.world, 1 << 20);
+  std::vector<Estimate> out;
+  for (int64_t t = 1; t <= job.world; ++t) {
+    if (job.world % t) continue;
+    for (int64_t p = 1; p <= job.world / t; ++p) {
+      if ((job.world / t) % p) continue;
+      const int64_t d = job.world / t / p;
+      for (bool sp : {false, true}) {
+        if (sp && t == 1) continue;
+        for (int zero = 0; zero <= 2; ++zero) {
+          if (zero > 0 && d == 1) continue;
+          for (Recompute rc : {Recompute::None, Recompute::Selective, Recompute::Full})
+            out.push_back(estimate(job, m, Layout{d, t, p, sp, zero, rc}));
+        }
+      }
+    }
+  }
+  std::stable_sort(out.begin(), out.end(), [](const Estimate& a, const Estimate& b) {
+    if (a.reject.empty() != b.reject.empty()) return a.reject.empty();
+    if (a.fits != b.fits) return a.fits;
+    if (a.tokens_per_s != b.tokens_per_s) return a.tokens_per_s > b.tokens_per_s;
+    return a.memory.total() < b.memory.total();  // as fast: the one that leaves more memory free
+  });
+  return out;
+}
+
+nlohmann::json to_json(const Estimate& e) {
+  nlohmann::json j{{"data", e.layout.data},         {"tensor", e.layout.tensor},
+                   {"pipeline", e.layout.pipeline}, {"sequence", e.layout.sequence},
+                   {"zero", e.layout.zero},         {"recompute", recompute_name(e.layout.recompute)},
+                   {"valid", e.reject.empty()}};
+  if (!e.reject.empty()) {
+    j["reject"] = e.reject;
+    return j;
+  }
+  j["micro_batches"] = e.micro_batches;
+  j["stage_layers"] = e.stage_layers;
+  j["memory"] = {{"stage", e.memory.stage},
+                 {"in_flight", e.memory.in_flight},
+                 {"params", e.memory.params},
+                 {"grads", e.memory.grads},
+                 {"moments", e.memory.moments},
+                 {"compute_weights", e.memory.compute_weights},
+                 {"activations", e.memory.activations},
+                 {"comm", e.memory.comm},
+                 {"total", e.memory.total()}};
+  j["fits"] = e.fits;
+  j["time"] = {{"compute_s", e.compute_s},   {"tp_s", e.tp_s},     {"pp_s", e.pp_s},    {"dp_s", e.dp_s},
+               {"pipeline_s", e.pipeline_s}, {"step_s", e.step_s}, {"bubble", e.bubble}};
+  j["tokens_per_s"] = e.tokens_per_s;
+  j["mfu"] = e.mfu;
+  return j;
+}
+
+}  // namespace lathe::plan

@@ -1,0 +1,103 @@
+// `lathe plan`: every data x tensor x pipeline layout of a job (with sequence parallel on/off, ZeRO
+// 0/1/2, recompute none/selective/full), its validity for the model (with the reason when not), the
+// memory each rank needs and a predicted step time, sorted by predicted tokens/s (issue 10).
+//
+// Memory per rank (the heaviest pipeline stage), from the same pieces `lathe check` uses:
+//   parameters, gradients (fp32): the stage's layers (matrices / tensor, norms and row-parallel
+//     biases replicated) + the embedding on the first stage + final norm and head on the last
+//     (a tied head is a copy of the embedding there when pipeline > 1; vocab-parallel / tensor);
+//   moments: 2 fp32 copies of the rank's parameters, / data with ZeRO 1 or 2 (lathe's ZeRO 2 keeps
+//     the whole gradient buffer today, parallel/grad_sync.h, so its memory is ZeRO 1's);
+//   compute-dtype weight copies (bf16 / fp16);
+//   activations: Model::plan_activations's entries, each placed on its stage: a decoder layer's
+//     buffers times the micro-batches in flight on that stage (1F1B: min(p - s, m), from the
+//     schedule simulator), the stage input (`emb`) too; the final norm and loss on the last stage
+//     once; backward scratch and recompute sets once per stage. Tensor parallel divides the
+//     head-/MLP-width buffers (qkv, att, lse, fc, act and their gradients); the hidden-width ones
+//     (norms, residuals) are divided too only with sequence parallel;
+//   communication buffers: a send and a receive buffer of one activation with pipeline > 1.
+// With data x 1 x 1 this is exactly estimate_memory() of models/memory.h, the figure `lathe check
+// --world N` prints (tested).
+//
+// Step time: each stage's forward and backward per micro-batch from its FLOPs (Model's convention
+// 6 N + 12 L C T per token, split per stage; x 4/3 on the layers with full recompute) / peak, plus
+// tensor-parallel collectives inside it (2 all-reduces of B x T x C per layer forward and 2
+// backward, 2 more forward with full recompute; with sequence parallel all-gather + reduce-scatter,
+// the same bytes); the 1F1B schedule with these costs and the point-to-point message time runs in
+// the simulator (parallel/pipeline_schedule.h), which gives the pipeline's time with its bubble;
+// then the data-parallel gradient reduction (ring all-reduce, or reduce-scatter + all-gather with
+// ZeRO: the same 2 (d-1)/d of the fp32 gradient bytes), not overlapped. Ring collectives cost
+// 2 (n-1)/n x bytes / bandwidth (all-reduce) or (n-1)/n (all-gather, reduce-scatter), no latency
+// term. Ranks are ordered tensor fastest, then data, then pipeline: a group whose ranks all lie on
+// one node (gpus_per_node) uses the intra-node bandwidth, others the inter-node one.
+#pragma once
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "config/model_config.h"
+#include "core/dtype.h"
+#include "models/recompute.h"
+
+namespace lathe::plan {
+
+struct Machine {
+  double peak_gflops = 0;     // per rank, dense GEMM in the compute dtype
+  double inter_gbps = 0;      // per rank, between nodes, Gbit/s (one direction)
+  double intra_gbps = 0;      // per rank, inside a node, Gbit/s
+  int64_t gpus_per_node = 1;  // ranks per node (tensor groups should fit inside one)
+  int64_t memory_bytes = 0;   // per rank; 0 = unknown (everything "fits")
+};
+
+struct Job {
+  ModelConfig model;
+  int64_t world = 1;
+  int64_t micro_batch = 1, seq_len = 1;
+  int64_t global_batch = 1;  // samples per step; micro-batches per step = global / (micro_batch x data)
+  DType compute = DType::F32;
+  int moments = 2;  // AdamW / LAMB
+};
+
+struct Layout {
+  int64_t data = 1, tensor = 1, pipeline = 1;
+  bool sequence = false;
+  int zero = 0;
+  Recompute recompute = Recompute::None;
+  std::string name() const;  // "d8 t2 p4 sp zero1 full"
+};
+
+struct Memory {
+  int64_t params = 0, grads = 0, moments = 0, compute_weights = 0, activations = 0, comm = 0;
+  int64_t stage = 0;      // the stage these figures are for (the heaviest)
+  int64_t in_flight = 1;  // micro-batches whose activations that stage holds at once
+  int64_t total() const { return params + grads + moments + compute_weights + activations + comm; }
+};
+
+struct Estimate {
+  Layout layout;
+  std::string reject;  // why the layout is invalid for this model / batch; "" = valid
+  int64_t micro_batches = 0;
+  std::vector<int64_t> stage_layers;
+  Memory memory;
+  bool fits = true;
+  // Seconds per optimizer step: compute (no comm), tensor collectives, pipeline messages, the
+  // pipeline's idle share (bubble) and data-parallel reduction; step = pipeline + dp.
+  double compute_s = 0, tp_s = 0, pp_s = 0, dp_s = 0, pipeline_s = 0, step_s = 0;
+  double bubble = 0;  // idle share of the pipeline part (simulated)
+  double tokens_per_s = 0, mfu = 0;
+};
+
+// One layout. Throws only on an invalid job (world < 1, ...); an invalid layout gets `reject`.
+Estimate estimate(const Job& job, const Machine& m, const Layout& l);
+// Every layout of job.world (divisor triples, sequence parallel only with tensor > 1, ZeRO 1/2 only
+// with data > 1, three recompute modes), valid ones sorted: fitting first, then by tokens/s.
+std::vector<Estimate> enumerate(const Job& job, const Machine& m);
+
+// Model FLOPs per token (Model::flops_per_token's convention: 6 N + 12 L C T, N without position
+// embeddings).
+double flops_per_token(const ModelConfig& cfg, int64_t T);
+
+nlohmann::json to_json(const Estimate& e);
+
+}  // namespace lathe::plan

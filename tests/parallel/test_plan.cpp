@@ -1,0 +1,189 @@
+// `lathe plan`'s model (parallel/plan.h): with tensor = pipeline = 1 it is exactly the memory
+// estimate `lathe check --world N` prints (models/memory.h); a small case computed by hand (per-
+// stage parameters, activations with micro-batches in flight, the 1F1B step time and the ring
+// collectives); invalid layouts excluded with the reason; the orderings the knobs must produce.
+#include <gtest/gtest.h>
+
+#include "models/memory.h"
+#include "models/model.h"
+#include "parallel/plan.h"
+
+using namespace lathe;
+using plan::Estimate;
+using plan::Job;
+using plan::Layout;
+using plan::Machine;
+
+namespace {
+
+Job job_of(const std::string& preset, int64_t world, int64_t B, int64_t T, int64_t G, DType dt = DType::F32) {
+  Job j;
+  j.model = ModelConfig::preset(preset);
+  j.world = world;
+  j.micro_batch = B;
+  j.seq_len = T;
+  j.global_batch = G;
+  j.compute = dt;
+  return j;
+}
+
+Machine machine(double peak_gflops = 1, double gbps = 8e9) {
+  Machine m;
+  m.peak_gflops = peak_gflops;
+  m.inter_gbps = m.intra_gbps = gbps;
+  m.gpus_per_node = 1 << 20;
+  return m;
+}
+
+}  // namespace
+
+TEST(Plan, DataParallelMemoryIsLatheChecks) {
+  for (const char* preset : {"gpt2-debug", "llama-debug", "qwen2-debug"})
+    for (DType dt : {DType::F32, DType::BF16})
+      for (Recompute rc : {Recompute::None, Recompute::Selective, Recompute::Full})
+        for (int zero : {0, 1, 2}) {
+          const int64_t d = 4;
+          const Job j = job_of(preset, d, 3, 40, 24, dt);
+          const Estimate e = plan::estimate(j, machine(), Layout{d, 1, 1, false, zero, rc});
+          ASSERT_TRUE(e.reject.empty()) << e.reject;
+          // What preflight (lathe check --world 4) computes: ZeRO divides the moments by data.
+          const MemoryEstimate ref = estimate_memory(j.model, 3, 40, 2, zero > 0 ? d : 1, dt, rc);
+          EXPECT_EQ(e.memory.params, ref.param_bytes) << preset;
+          EXPECT_EQ(e.memory.grads, ref.grad_bytes);
+          EXPECT_EQ(e.memory.moments, ref.optimizer_bytes);
+          EXPECT_EQ(e.memory.compute_weights, ref.compute_weight_bytes);
+          EXPECT_EQ(e.memory.activations, ref.activation_bytes) << preset << " " << recompute_name(rc);
+          EXPECT_EQ(e.memory.comm, 0);
+          EXPECT_EQ(e.memory.total(), ref.total_bytes());
+          EXPECT_EQ(e.micro_batches, 2);  // 24 samples / (3 x 4)
+        }
+}
+
+TEST(Plan, HandComputedTwoByTwo) {
+  // gpt2-debug: L=2, C=48, H=4, V=96, 128 positions, tied; B=2, T=16, 8 samples -> m = 4.
+  const Job j = job_of("gpt2-debug", 4, 2, 16, 8);
+  const Estimate e = plan::estimate(j, machine(1, 8), Layout{1, 2, 2, false, 0, Recompute::None});
+  ASSERT_TRUE(e.reject.empty()) << e.reject;
+  EXPECT_EQ(e.micro_batches, 4);
+  EXPECT_EQ(e.stage_layers, (std::vector<int64_t>{1, 1}));
+  // A layer: 12 C^2 + 13 C = 28272 parameters; replicated over tensor ranks: 2 LayerNorms (4C) and
+  // the biases of the two row-parallel projections (2C) = 288; the rest halves: 13992 + 288.
+  // Stage 0: a layer + wte / 2 (2304) + wpe (6144) = 22728; stage 1: a layer + ln_f (96) + the
+  // tied head's half (2304) = 16680. Stage 0 holds 2 micro-batches (1F1B: p - 0), stage 1 one.
+  EXPECT_EQ(e.memory.stage, 0);
+  EXPECT_EQ(e.memory.in_flight, 2);
+  EXPECT_EQ(e.memory.params, 22728 * 4);
+  EXPECT_EQ(e.memory.grads, 22728 * 4);
+  EXPECT_EQ(e.memory.moments, 2 * 22728 * 4);
+  // Activations of stage 0 (N = 32 rows, fp32): per micro-batch the layer keeps ln1, res1, ln2,
+  // res2 (32 x 48 floats = 6144 B each, whole without sequence parallel) and 4 row statistics
+  // (128 B each) = 25088 B, and qkv (18432), att (6144), lse (512), fc (24576), act (24576) halved
+  // = 37120 B; its input (emb, 6144 B) too: (62208 + 6144) x 2 in flight. Once: the gradient
+  // buffers dres, dln (6144 each), dqkv, datt, dfc, dact halved (9216 + 3072 + 12288 + 12288), the
+  // RoPE tables (2 x 384 B) and the kernels' scratch (from the plan: backend-dependent).
+  const ActivationPlan ap = Model::plan_activations(j.model, 2, 16);
+  int64_t scratch = 0;
+  for (size_t i = 0; i < ap.entries.size(); ++i)
+    if (std::string_view(ap.entries[i].name) == "scratch")
+      scratch = static_cast<int64_t>(ap.entries[i + 1].offset - ap.entries[i].offset);
+  EXPECT_EQ(e.memory.activations, (62208 + 6144) * 2 + 6144 * 2 + 9216 + 3072 + 12288 + 12288 + 2 * 384 + scratch);
+  EXPECT_EQ(e.memory.comm, 2 * 6144);  // a send and a receive buffer of one activation
+
+  // Time at 1 GFLOP/s. Per token a layer costs 6 x 28272 + 12 C T = 178848 FLOP; the rest of the
+  // model (head, 6 x (wte + ln_f)) 28224. Forward = 1/3, over 32 tokens, / 2 tensor ranks:
+  // stage 0 f0 = 953856 ns, stage 1 f1 = (178848 + 28224) / 3 x 16 = 1104384 ns, backward twice.
+  // Collectives at 8 Gbit/s = 1 GB/s: a tensor all-reduce of 6144 B (2 x 1/2 x 6144 B) = 6144 ns,
+  // 2 per layer forward, 2 backward; a pipeline message 6144 ns.
+  const double ar = 6144e-9, f0 = 953856e-9 + 2 * ar, f1 = 1104384e-9 + 2 * ar;
+  const double b0 = 2 * 953856e-9 + 2 * ar, b1 = 2 * 1104384e-9 + 2 * ar;
+  const double msg = 6144e-9;
+  // Stage 1 is the slower one and never waits after its first input: f0 + msg, then 4 x (f1 + b1)
+  // (each of its gradients leaves at once, the next activation arrived long before), then the last
+  // gradient's message and stage 0's last backward.
+  EXPECT_NEAR(e.pipeline_s, f0 + msg + 4 * (f1 + b1) + msg + b0, 1e-12);
+  EXPECT_NEAR(e.tp_s, 4 * 4 * ar, 1e-15);
+  EXPECT_NEAR(e.pp_s, 2 * 4 * msg, 1e-15);
+  EXPECT_EQ(e.dp_s, 0);
+  EXPECT_NEAR(e.step_s, e.pipeline_s, 1e-15);
+  EXPECT_NEAR(e.tokens_per_s, 8 * 16 / e.step_s, 1e-6);
+  EXPECT_GT(e.bubble, 0);
+
+  // Data parallel only: one ring all-reduce of the fp32 gradients, 2 x 1/2 x 4 x 67392 B at 1 GB/s.
+  const Job j2 = job_of("gpt2-debug", 2, 2, 16, 8);
+  const Estimate dp = plan::estimate(j2, machine(1, 8), Layout{2, 1, 1, false, 0, Recompute::None});
+  EXPECT_EQ(j2.model.num_parameters(), 67392);
+  EXPECT_NEAR(dp.dp_s, 4 * 67392e-9, 1e-15);
+  EXPECT_NEAR(dp.pipeline_s, 2 * 3 * (178848 * 2 + 28224) / 3.0 * 32e-9, 1e-12);  // 2 micro-batches, no bubble
+  EXPECT_EQ(dp.bubble, 0);
+}
+
+TEST(Plan, InvalidLayoutsExcludedWithTheReason) {
+  // llama-debug: 4 heads, 2 KV heads, 2 layers, vocabulary 96, intermediate 96.
+  Job j = job_of("llama-debug", 4, 1, 16, 8);
+  const auto all = plan::enumerate(j, machine());
+  // (t, p, d) triples of 4: (1,1,4) 9 layouts, (1,2,2) 9, (1,4,1) 3, (2,1,2) 18, (2,2,1) 6, (4,1,1) 6.
+  EXPECT_EQ(all.size(), 51u);
+  bool seen_kv = false, seen_layers = false, tail_invalid = false;
+  for (const auto& e : all) {
+    if (e.layout.tensor == 4) {
+      EXPECT_EQ(e.reject, "tensor 4 does not divide num_key_value_heads 2");
+      seen_kv = true;
+    } else if (e.layout.pipeline == 4) {
+      EXPECT_EQ(e.reject, "pipeline 4 does not divide num_hidden_layers 2");
+      seen_layers = true;
+    } else {
+      EXPECT_EQ(e.reject, "") << e.layout.name();
+      EXPECT_FALSE(tail_invalid) << "valid layouts come first";
+    }
+    if (!e.reject.empty()) tail_invalid = true;
+  }
+  EXPECT_TRUE(seen_kv && seen_layers);
+  for (size_t i = 1; i < all.size() && all[i].reject.empty(); ++i)
+    EXPECT_GE(all[i - 1].tokens_per_s, all[i].tokens_per_s);
+
+  // Fewer micro-batches than stages; a global batch data does not divide; sequence parallel with
+  // a sequence the tensor degree does not divide; a vocabulary the tensor degree does not divide.
+  j = job_of("gpt2-debug", 2, 4, 15, 4);
+  EXPECT_EQ(plan::estimate(j, machine(), Layout{1, 1, 2, false, 0, Recompute::None}).reject,
+            "1 micro-batches per step (global batch 4 / micro_batch_size 4 / data 1) is fewer than pipeline 2");
+  EXPECT_EQ(
+      plan::estimate(job_of("gpt2-debug", 2, 3, 16, 4), machine(), Layout{2, 1, 1, false, 0, Recompute::None}).reject,
+      "global batch 4 is not a multiple of micro_batch_size 3 x data 2");
+  EXPECT_EQ(plan::estimate(j, machine(), Layout{1, 2, 1, true, 0, Recompute::None}).reject,
+            "sequence parallel: tensor 2 does not divide seq_len 15");
+  Job odd = job_of("gpt2-debug", 2, 1, 16, 4);
+  odd.model.vocab_size = 97;
+  EXPECT_NE(plan::estimate(odd, machine(), Layout{1, 2, 1, false, 0, Recompute::None}).reject.find("vocab_size 97"),
+            std::string::npos);
+}
+
+TEST(Plan, KnobsMoveTheFiguresTheRightWay) {
+  Job j = job_of("gpt2-124m", 8, 4, 512, 64, DType::BF16);
+  j.model.vocab_size = 50304;  // padded to a multiple of 64 as Megatron / nanoGPT do, so tensor 2 divides it
+  const Machine m = machine(1000, 400);
+  auto est = [&](Layout l) {
+    Estimate e = plan::estimate(j, m, l);
+    EXPECT_TRUE(e.reject.empty()) << e.reject;
+    return e;
+  };
+  const Estimate tp = est({4, 2, 1, false, 0, Recompute::None}), tpsp = est({4, 2, 1, true, 0, Recompute::None});
+  EXPECT_LT(tpsp.memory.activations, tp.memory.activations);
+  EXPECT_NEAR(tpsp.tp_s, tp.tp_s, 1e-12);  // all-gather + reduce-scatter move the all-reduce's bytes
+  const Estimate z0 = est({8, 1, 1, false, 0, Recompute::None}), z1 = est({8, 1, 1, false, 1, Recompute::None});
+  EXPECT_EQ(z1.memory.moments * 8, z0.memory.moments);
+  const Estimate full = est({8, 1, 1, false, 0, Recompute::Full});
+  EXPECT_LT(full.memory.activations, z0.memory.activations);
+  EXPECT_GT(full.step_s, z0.step_s);
+  // Deeper pipelines hold less per rank in parameters, but their first stage holds p micro-batches.
+  const Estimate pp = est({2, 1, 4, false, 0, Recompute::None});
+  EXPECT_LT(pp.memory.params, z0.memory.params);
+  EXPECT_EQ(pp.memory.in_flight, std::min<int64_t>(4, pp.micro_batches));
+  // At least 1F1B's (p-1)/(m+p-1); more here: the last stage also runs the 50304 x 768 head, 2.6 layers' worth
+  // of FLOPs, and the others wait for it.
+  EXPECT_GT(pp.bubble, 3.0 / static_cast<double>(pp.micro_batches + 3));
+  // A memory budget marks layouts that do not fit.
+  Machine small = m;
+  small.memory_bytes = z0.memory.total() - 1;
+  EXPECT_FALSE(plan::estimate(j, small, {8, 1, 1, false, 0, Recompute::None}).fits);
+  EXPECT_TRUE(plan::estimate(j, small, {8, 1, 1, false, 1, Recompute::None}).fits);
+}
