@@ -596,7 +596,8 @@ bool operator==(const ModelConfig& a, const ModelConfig& b) {
          a.norm_eps == b.norm_eps && a.rope_theta == b.rope_theta && a.tie_word_embeddings == b.tie_word_embeddings &&
          a.attention_bias == b.attention_bias && a.initializer_range == b.initializer_range &&
          a.hidden_act == b.hidden_act && a.bos_token_id == b.bos_token_id && a.eos_token_id == b.eos_token_id &&
-         a.pad_token_id == b.pad_token_id && a.sliding_window == b.sliding_window;
+         a.pad_token_id == b.pad_token_id && a.sliding_window == b.sliding_window &&
+         a.shard_head_dim == b.shard_head_dim;
 }
 
 }  // namespace lathe

@@ -44,7 +44,14 @@ struct ModelConfig {
   // window (there the two differ); a window >= the sequence length is the same math.
   int64_t sliding_window = 0;
 
-  int64_t head_dim() const { return num_attention_heads > 0 ? hidden_size / num_attention_heads : 0; }
+  // > 0: the head width of a tensor-parallel shard's config, whose num_attention_heads counts only
+  // this rank's heads (src/parallel/tensor_parallel.h); never read from or written to config.json.
+  int64_t shard_head_dim = 0;
+
+  int64_t head_dim() const {
+    if (shard_head_dim > 0) return shard_head_dim;
+    return num_attention_heads > 0 ? hidden_size / num_attention_heads : 0;
+  }
   bool is_gpt2() const { return family == "gpt2"; }
   bool is_llama() const { return family == "llama"; }
   // Addition. q/k/v projections carry a bias (gpt2: inside c_attn; llama: attention_bias; qwen2).

@@ -65,6 +65,9 @@ struct Ops {
   void (*swiglu_forward)(void* out, const void* inp, int64_t N, int64_t F) = nullptr;
   void (*swiglu_backward)(void* dinp, const void* inp, const void* dout, int64_t N, int64_t F) = nullptr;
   void (*residual_forward)(void* out, const void* a, const void* b, int64_t n) = nullptr;
+  // out[N, C] += bias[C] (bias fp32): the bias of a row-parallel GEMM, added once after the
+  // tensor-parallel reduction of the partial products (src/parallel/tensor_parallel.h).
+  void (*bias_add)(void* out, const float* bias, int64_t N, int64_t C) = nullptr;
 
   // ---- rotary position embedding (tables fp32 [T, D/2]) ------------------------------------------
   void (*rope_tables)(float* cos_table, float* sin_table, int64_t T, int64_t D, double theta) = nullptr;
@@ -194,6 +197,7 @@ void for_each_op(const Ops& o, F&& f) {
   LATHE_OP(swiglu_forward);
   LATHE_OP(swiglu_backward);
   LATHE_OP(residual_forward);
+  LATHE_OP(bias_add);
   LATHE_OP(rope_tables);
   LATHE_OP(rope_forward);
   LATHE_OP(rope_backward);
@@ -206,7 +210,7 @@ void for_each_op(const Ops& o, F&& f) {
 #undef LATHE_OP
 }
 // A slot added to Ops but not to the list above would escape the completeness check of ops_for.
-static_assert(sizeof(Ops) == offsetof(Ops, matmul_forward) + 24 * sizeof(void (*)()),
+static_assert(sizeof(Ops) == offsetof(Ops, matmul_forward) + 25 * sizeof(void (*)()),
               "Ops gained or lost a slot: update for_each_op");
 
 }  // namespace lathe

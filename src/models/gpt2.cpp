@@ -13,8 +13,9 @@ std::unique_ptr<Model> build_gpt2(const ModelConfig& cfg, const ComputeSpec& com
   LATHE_CHECK(cfg.num_key_value_heads == cfg.num_attention_heads,
               "model: gpt2 has no grouped-query attention (num_key_value_heads {} != n_head {})",
               cfg.num_key_value_heads, cfg.num_attention_heads);
+  // HD = H * D is C, except in a tensor-parallel shard's config (this rank's heads only).
   const int64_t C = cfg.hidden_size, V = cfg.vocab_size, P = cfg.max_position_embeddings, F = cfg.intermediate_size,
-                L = cfg.num_hidden_layers;
+                L = cfg.num_hidden_layers, HD = cfg.num_attention_heads * cfg.head_dim();
   const float std = static_cast<float>(cfg.initializer_range);
   // GPT-2 scales the init of the projections that write into the residual stream by 1/sqrt(2L).
   const float proj_std = std / std::sqrt(2.0f * static_cast<float>(L));
@@ -25,9 +26,12 @@ std::unique_ptr<Model> build_gpt2(const ModelConfig& cfg, const ComputeSpec& com
     auto n = [&](const char* s) { return fmt::format("transformer.h.{}.{}", i, s); };
     t.add(n("ln_1.weight"), {C}, Init::Ones, 0, ShardRule::Replicated, false).as(Role::Ln1W, i);
     t.add(n("ln_1.bias"), {C}, Init::Zeros, 0, ShardRule::Replicated, false).as(Role::Ln1B, i);
-    t.add(n("attn.c_attn.weight"), {3 * C, C}, Init::Normal, std, ShardRule::Column, true, true).as(Role::QkvW, i);
-    t.add(n("attn.c_attn.bias"), {3 * C}, Init::Zeros, 0, ShardRule::Column, false).as(Role::QkvB, i);
-    t.add(n("attn.c_proj.weight"), {C, C}, Init::Normal, proj_std, ShardRule::Row, true, true).as(Role::OW, i);
+    // c_attn is q|k|v fused along its rows: three sections for tensor parallelism.
+    t.add(n("attn.c_attn.weight"), {3 * HD, C}, Init::Normal, std, ShardRule::Column, true, true)
+        .as(Role::QkvW, i)
+        .in_sections(3);
+    t.add(n("attn.c_attn.bias"), {3 * HD}, Init::Zeros, 0, ShardRule::Column, false).as(Role::QkvB, i).in_sections(3);
+    t.add(n("attn.c_proj.weight"), {C, HD}, Init::Normal, proj_std, ShardRule::Row, true, true).as(Role::OW, i);
     t.add(n("attn.c_proj.bias"), {C}, Init::Zeros, 0, ShardRule::Replicated, false).as(Role::OB, i);
     t.add(n("ln_2.weight"), {C}, Init::Ones, 0, ShardRule::Replicated, false).as(Role::Ln2W, i);
     t.add(n("ln_2.bias"), {C}, Init::Zeros, 0, ShardRule::Replicated, false).as(Role::Ln2B, i);

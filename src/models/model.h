@@ -78,7 +78,18 @@ struct StepHooks {
   // The gradients in [begin, end) of the flat buffer are complete for this backward pass (every
   // tensor is reported once, after the last block that adds to it: a tied wte after the embedding).
   std::function<void(size_t begin, size_t end)> grads_ready;
+  // Tensor parallelism (src/parallel/tensor_parallel.h): `buf` ([N, C], compute dtype) holds this
+  // rank's partial sum and must become the sum over the tensor-parallel group (an all-reduce).
+  // Called in forward on the output of the row-parallel GEMMs (attention output, MLP down/c_proj),
+  // whose bias the model adds after it (once, not once per rank), and in backward on the input
+  // gradient of the column-parallel GEMMs (q|k|v, fc or gate|up). Unset: the layers are whole.
+  std::function<void(void* buf, int64_t count)> reduce_partial;
 };
+
+// The initial values of one tensor of the table (what Model::init_weights writes at s.offset):
+// its own stream seeded by (seed, s.name), so a tensor-parallel shard can take its slice of
+// exactly the values one process would have.
+void init_param_values(const ParamSpec& s, uint64_t seed, float* out);
 
 class Model {
  public:
@@ -136,6 +147,7 @@ class Model {
   double forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, float grad_scale,
                           bool backward);
   void set_hooks(StepHooks hooks) { hooks_ = std::move(hooks); }
+  StepHooks& hooks() { return hooks_; }
 
   // Per-block passes over the activations of (B, T) (block numbering as in StepHooks). Forward
   // runs embedding, layers 0..L-1, head_loss in order; backward the reverse, after head_loss with
@@ -180,6 +192,10 @@ class Model {
   void norm_forward(int64_t l, bool second, int64_t N);
   // GELU / SwiGLU of layer l's MLP pre-activation (fc -> act).
   void mlp_activation_forward(int64_t l, int64_t N);
+  // out[N, C] = in[N, K] @ w^T (+ bias): a GEMM whose input features may be split over
+  // tensor-parallel ranks (StepHooks::reduce_partial sums the partial products before the bias).
+  void row_parallel_forward(void* out, const void* in, const float* w, const float* bias, int64_t N, int64_t K,
+                            int64_t C);
   // The residual stream entering layer l ([N, C]: the embeddings or layer l-1's output).
   const void* layer_input(int64_t l) const { return l == 0 ? emb_ : la_[static_cast<size_t>(l) - 1].res2; }
   // The activation arena's layout: returns its size in bytes; with `plan` also lists the entries;

@@ -71,11 +71,19 @@ struct ParamSpec {
   bool hf_transposed = false;  // HF stores it transposed (GPT-2 Conv1D keeps [in, out])
   Role role = Role::None;
   int64_t layer = -1;  // decoder layer, -1 for the embedding and the head
+  // ShardRule::Column tensors that fuse several projections along dim 0 (GPT-2's c_attn holds
+  // q|k|v): the number of equal sections, each split over the tensor-parallel ranks on its own, so
+  // that a rank's rows are its heads of q, of k and of v (not the first third of the fused rows).
+  int64_t sections = 1;
   int64_t numel() const { return lathe::numel(shape); }
   // t.add(...).as(Role::QkvW, i)
   ParamSpec& as(Role r, int64_t layer_index = -1) {
     role = r;
     layer = layer_index;
+    return *this;
+  }
+  ParamSpec& in_sections(int64_t n) {
+    sections = n;
     return *this;
   }
 };

@@ -181,24 +181,25 @@ ModelPtrs Model::resolve(float* base) const {
   return m;
 }
 
-void Model::init_weights(uint64_t seed) {
-  for (const ParamSpec& s : table_.specs()) {
-    float* p = params_.data() + s.offset;
-    int64_t n = s.numel();
-    switch (s.init) {
-      case Init::Zeros:
-        std::fill(p, p + n, 0.0f);
-        break;
-      case Init::Ones:
-        std::fill(p, p + n, 1.0f);
-        break;
-      case Init::Normal: {
-        Rng rng(seed ^ fnv1a(s.name));
-        for (int64_t i = 0; i < n; ++i) p[i] = rng.normal() * s.init_std;
-        break;
-      }
+void init_param_values(const ParamSpec& s, uint64_t seed, float* p) {
+  const int64_t n = s.numel();
+  switch (s.init) {
+    case Init::Zeros:
+      std::fill(p, p + n, 0.0f);
+      break;
+    case Init::Ones:
+      std::fill(p, p + n, 1.0f);
+      break;
+    case Init::Normal: {
+      Rng rng(seed ^ fnv1a(s.name));
+      for (int64_t i = 0; i < n; ++i) p[i] = rng.normal() * s.init_std;
+      break;
     }
   }
+}
+
+void Model::init_weights(uint64_t seed) {
+  for (const ParamSpec& s : table_.specs()) init_param_values(s, seed, params_.data() + s.offset);
   refresh_compute_weights();
 }
 
@@ -468,14 +469,25 @@ void Model::layer_forward_into(int64_t l, int64_t B, int64_t T, bool output) {
     ops_->rope_forward(act_at(a.qkv, H * D), rope_cos_, rope_sin_, B, T, KV, D, Q);
   }
   ops_->attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D, scratch_);
-  ops_->matmul_forward(a.res1, a.att, cw(w.o_w), w.o_b, N, H * D, C, false);
+  row_parallel_forward(a.res1, a.att, w.o_w, w.o_b, N, H * D, C);
   ops_->residual_forward(a.res1, a.res1, x, N * C);
   norm_forward(l, true, N);
   ops_->matmul_forward(a.fc, a.ln2, cw(w.fc_w), w.fc_b, N, C, FF, false);
   mlp_activation_forward(l, N);
   if (!output) return;  // backward reads nothing past the MLP activation
-  ops_->matmul_forward(a.res2, a.act, cw(w.proj_w), w.proj_b, N, F, C, false);
+  row_parallel_forward(a.res2, a.act, w.proj_w, w.proj_b, N, F, C);
   ops_->residual_forward(a.res2, a.res2, a.res1, N * C);
+}
+
+void Model::row_parallel_forward(void* out, const void* in, const float* w, const float* bias, int64_t N, int64_t K,
+                                 int64_t C) {
+  if (!hooks_.reduce_partial) {  // whole layer: the bias is fused into the GEMM
+    ops_->matmul_forward(out, in, cw(w), bias, N, K, C, false);
+    return;
+  }
+  ops_->matmul_forward(out, in, cw(w), nullptr, N, K, C, false);  // this rank's partial product
+  hooks_.reduce_partial(out, N * C);
+  if (bias) ops_->bias_add(out, bias, N, C);
 }
 
 void Model::final_norm_forward(int64_t B, int64_t T) {
@@ -535,6 +547,7 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
   else
     ops_->swiglu_backward(dfc_, a.fc, dact_, N, F);
   ops_->matmul_backward(dln_, gw.fc_w, gw.fc_b, dfc_, a.ln2, cw(w.fc_w), N, C, FF, false);
+  if (hooks_.reduce_partial) hooks_.reduce_partial(dln_, N * C);
   if (arch_.layernorm)
     ops_->layernorm_backward(dres_, gw.ln2_w, gw.ln2_b, dln_, a.res1, w.ln2_w, a.ln2_mean, a.ln2_rstd, N, C, scratch_);
   else
@@ -549,6 +562,7 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
   // ln1 into the shared buffer, now that the fc GEMM's backward is done with ln2.
   if (plan_.recompute == Recompute::Selective) norm_forward(l, false, N);
   ops_->matmul_backward(dln_, gw.qkv_w, gw.qkv_b, dqkv_, a.ln1, cw(w.qkv_w), N, C, Q, false);
+  if (hooks_.reduce_partial) hooks_.reduce_partial(dln_, N * C);
   if (arch_.layernorm)
     ops_->layernorm_backward(dres_, gw.ln1_w, gw.ln1_b, dln_, x, w.ln1_w, a.ln1_mean, a.ln1_rstd, N, C, scratch_);
   else

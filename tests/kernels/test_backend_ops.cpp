@@ -200,6 +200,11 @@ Ops make() {
     f32().residual_forward(yv.data(), av.data(), bv.data(), n);
     out(y, yv);
   };
+  o.bias_add = [](void* y, const float* bias, int64_t N, int64_t C) {
+    VecF yv = in(y, N * C);
+    f32().bias_add(yv.data(), bias, N, C);
+    out(y, yv);
+  };
   // In place on rows of `stride` elements: widen the whole span the kernel touches (bf16 -> fp32
   // -> bf16 is exact for the columns it leaves alone).
   o.rope_forward = [](void* x, const float* cs, const float* sn, int64_t B, int64_t T, int64_t H, int64_t D,
@@ -544,6 +549,22 @@ void case_residual(const Target& t) {
   }
 }
 
+void case_bias_add(const Target& t) {
+  for (int64_t N : {1, 3, 67})
+    for (int64_t C : {1, 5, 33, 1031}) {
+      Run r{t, "bias_add " + dims({N, C})};
+      Rng rng(750 + N * 10 + C);
+      const VecF y = r.act_in(randn(N * C, rng));
+      auto bias = r.f32(randn(C, rng), "bias");
+      const VecF b = bias->down();
+      VecD ref(N * C);
+      for (int64_t i = 0; i < N * C; ++i) ref[i] = static_cast<double>(y[i]) + b[i % C];
+      auto dy = r.act(y, "out");
+      t.ops->bias_add(dy->p(), bias->f(), N, C);
+      r.check(*dy, ref, "forward");
+    }
+}
+
 void case_rope(const Target& t) {
   for (int64_t B : {1, 3})
     for (int64_t T : kOdd)
@@ -670,6 +691,7 @@ const std::vector<Case>& cases() {
       {"gelu", {"gelu_forward", "gelu_backward"}, case_gelu},
       {"swiglu", {"swiglu_forward", "swiglu_backward"}, case_swiglu},
       {"residual", {"residual_forward"}, case_residual},
+      {"bias_add", {"bias_add"}, case_bias_add},
       {"rope", {"rope_tables", "rope_forward", "rope_backward"}, case_rope},
       {"attention", {"attention_forward", "attention_backward", "attention_scratch_bytes"}, case_attention},
       {"lm_head_loss", {"lm_head_loss", "lm_head_loss_scratch_bytes"}, case_lm_head_loss},

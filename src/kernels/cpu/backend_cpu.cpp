@@ -62,6 +62,7 @@ void swiglu_backward_f32(void* dinp, const void* inp, const void* dout, int64_t 
 void residual_forward_f32(void* out, const void* a, const void* b, int64_t n) {
   residual_forward(f(out), f(a), f(b), n);
 }
+void bias_add_f32(void* out, const float* bias, int64_t N, int64_t C) { bias_add(f(out), bias, N, C); }
 void rope_forward_f32(void* x, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
                       int64_t D, int64_t row_stride) {
   rope_forward(f(x), cos_table, sin_table, B, T, n_heads, D, row_stride);
@@ -112,6 +113,7 @@ Ops make_fp32_ops() {
   o.swiglu_forward = swiglu_forward_f32;
   o.swiglu_backward = swiglu_backward_f32;
   o.residual_forward = residual_forward_f32;
+  o.bias_add = bias_add_f32;
   o.rope_tables = rope_tables;  // fp32 tables in every dtype: the kernel itself
   o.rope_forward = rope_forward_f32;
   o.rope_backward = rope_backward_f32;

@@ -71,6 +71,8 @@ void swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N
 
 // out[n] = a[n] + b[n]  (out may alias a or b)
 void residual_forward(float* out, const float* a, const float* b, int64_t n);
+// out[N, C] += bias[C].
+void bias_add(float* out, const float* bias, int64_t N, int64_t C);
 
 // ---- rotary position embedding (HF rotate_half convention) ------------------------------------
 // cos/sin tables [T, D/2]: angle(t, i) = t * theta^(-2i/D).

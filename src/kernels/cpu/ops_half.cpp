@@ -397,6 +397,21 @@ void residual_forward_h(void* out, const void* a, const void* b_, int64_t n) {
 }
 
 template <class P>
+void bias_add_h(void* out, const float* bias, int64_t N, int64_t C) {
+#pragma omp parallel if (N * C >= kParallelMin)
+  {
+    float* __restrict x = thread_rows(0, static_cast<size_t>(C));
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      P::to_f32(x, h(out) + n * C, C);
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) x[c] += bias[c];
+      P::from_f32(h(out) + n * C, x, C);
+    }
+  }
+}
+
+template <class P>
 void swiglu_forward_h(void* out, const void* inp, int64_t N, int64_t F) {
 #pragma omp parallel if (N * F >= kParallelMin)
   {
@@ -555,6 +570,7 @@ Ops make_half_ops() {
   o.swiglu_forward = swiglu_forward_h<P>;
   o.swiglu_backward = swiglu_backward_h<P>;
   o.residual_forward = residual_forward_h<P>;
+  o.bias_add = bias_add_h<P>;
   o.rope_tables = rope_tables;  // fp32 tables in every dtype
   o.rope_forward = rope_forward_h<P>;
   o.rope_backward = rope_backward_h<P>;

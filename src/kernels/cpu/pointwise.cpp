@@ -82,4 +82,13 @@ void residual_forward(float* out, const float* a, const float* b, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
 }
 
+void bias_add(float* out, const float* bias, int64_t N, int64_t C) {
+#pragma omp parallel for schedule(static) if (N * C >= kParallelMin)
+  for (int64_t r = 0; r < N; ++r) {
+    float* row = out + r * C;
+#pragma omp simd
+    for (int64_t c = 0; c < C; ++c) row[c] += bias[c];
+  }
+}
+
 }  // namespace lathe::cpu

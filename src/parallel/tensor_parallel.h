@@ -1,0 +1,65 @@
+// Tensor parallelism (Megatron-LM's column/row splits) applied to a model from outside: each rank
+// builds the family's model from a config with its share of the heads and of the MLP width
+// (tensor_parallel_config), so the model body runs unchanged on smaller GEMMs; the shard rules of
+// the parameter table say which slice of each global tensor a rank holds; and one hook
+// (StepHooks::reduce_partial) sums the partial products of the row-parallel GEMMs in forward and
+// the partial input gradients of the column-parallel GEMMs in backward (Megatron's g and f).
+//
+//   q|k|v, fc / gate|up   Column  rows split (per section: GPT-2's fused c_attn gives each rank its
+//                                  heads of q, of k and of v), bias split the same way
+//   o_proj, down/c_proj   Row     columns split; the bias is added once after the all-reduce
+//   norms, row biases     Replicated
+//   wte, wpe, lm_head     Vocab   held whole on every rank for now (not yet vocab-parallel)
+//
+// Replicated tensors see identical inputs and gradients on every rank (the residual stream is
+// whole between the parallel regions), so they stay identical without any reduction.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "config/model_config.h"
+#include "dist/comm.h"
+#include "models/model.h"
+#include "models/param_table.h"
+
+namespace lathe::parallel {
+
+// The config of one tensor-parallel rank's model: attention heads, KV heads and the MLP width
+// divided by tp, head_dim kept. Errors name the value that tp does not divide.
+ModelConfig tensor_parallel_config(const ModelConfig& global, int tp);
+
+// One contiguous run of a rank's shard: `count` floats at `global` in the global tensor and at
+// `local` in the rank's tensor (offsets within the tensors).
+struct SliceRun {
+  int64_t global = 0, local = 0, count = 0;
+};
+// The runs that make up rank `rank`'s tensor `local` out of the global tensor `global` (same name),
+// following global.shard and global.sections; error when the local shape is not the shard's.
+std::vector<SliceRun> shard_runs(const ParamSpec& global, const ParamSpec& local, int rank, int tp);
+
+// Copies rank's shard of every tensor from the global flat buffer `g` (laid out by `global`) into
+// the local flat buffer `l` (laid out by `local`). Every local tensor must exist in `global`.
+void scatter_shard(const ParamTable& global, const float* g, const ParamTable& local, float* l, int rank, int tp);
+// The inverse for one rank: writes its shard of every tensor into `g` (replicated tensors whole).
+void place_shard(const ParamTable& global, float* g, const ParamTable& local, const float* l, int rank, int tp);
+// Assembles the global flat buffer on every rank of `tp_group` from each rank's local buffer
+// (all-gather). `local` is the same table on every rank (tensor_parallel_config splits evenly).
+void gather_global(dist::Communicator& tp_group, const ParamTable& global, const ParamTable& local, const float* l,
+                   float* g);
+
+// Writes into `local` exactly the values Model::init_weights(seed) gives the global model, sliced
+// to this rank (each tensor's global values are drawn from its own stream and then sliced), and
+// refreshes the compute-dtype copies.
+void init_shard(Model& local, const ParamTable& global, int rank, int tp, uint64_t seed);
+
+// Installs StepHooks::reduce_partial on `m`: an all-reduce over `tp_group` (deterministic, in rank
+// order, src/dist/comm.h). fp32 compute only for now (bf16/fp16 are refused with that message).
+// tp_group must outlive the model's passes.
+void attach_tensor_parallel(Model& m, dist::Communicator& tp_group);
+
+// Which elements of the local flat buffer count towards global sums (gradient norm, parameter
+// counts): every element of a sharded tensor, and a replicated tensor only on rank 0 of the group.
+// Returns [begin, end) ranges in floats, merged where adjacent.
+std::vector<std::pair<size_t, size_t>> owned_ranges(const ParamTable& local, int rank);
+
+}  // namespace lathe::parallel
