@@ -77,6 +77,11 @@ int run_plan(int argc, char** argv) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   app.add_option("--top", top, "rows of the table (0 = all valid layouts)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+  std::vector<int64_t> virtual_stages{1};
+  app.add_option("--virtual-stages", virtual_stages,
+                 "model chunks per pipeline rank to try, e.g. 1,2,5 (> 1: Megatron's interleaved 1F1B)")
+      ->delimiter(',')
+      ->check(CLI::Range(int64_t{1}, int64_t{1024}));
   app.add_flag("--json", json, "print every layout (valid and rejected) as JSON");
   LATHE_CLI_PARSE(app, argc, argv);
 
@@ -90,6 +95,9 @@ int run_plan(int argc, char** argv) {
                                       : r.training.micro_batch_size * r.training.grad_accum_steps *
                                             (r.parallel.data > 0 ? r.parallel.data : world);
   job.compute = lathe::compute_spec(r).dtype;
+  std::sort(virtual_stages.begin(), virtual_stages.end());
+  virtual_stages.erase(std::unique(virtual_stages.begin(), virtual_stages.end()), virtual_stages.end());
+  job.virtual_stages = virtual_stages;
 
   lathe::plan::Machine m;
   std::string peak_src, link_src, mem_src;
@@ -160,15 +168,16 @@ int run_plan(int argc, char** argv) {
       peak, peak_src, m.intra_gbps, m.gpus_per_node, m.inter_gbps, link_src,
       m.memory_bytes > 0 ? lathe::format_bytes(m.memory_bytes) : std::string("unknown"), mem_src);
   fmt::print(
-      "schedule 1F1B; memory per rank in {} (its heaviest pipeline stage): fp32 parameters + gradients (+ "
+      "schedule 1F1B (vp > 1: interleaved 1F1B); memory per rank in {} (its heaviest pipeline stage): fp32 parameters "
+      "+ gradients (+ "
       "compute-dtype weight copies), AdamW moments, activations (micro-batches held), p2p buffers; comm% = "
       "tensor + pipeline + data-parallel time over the step (not overlapped)\n\n",
       in_gb ? "GB" : "MB");
   fmt::print(
-      "{:>3} {:>4} {:>6} {:>4} {:>3} {:>4} {:>9} {:>5}  {:>8} {:>8} {:>13} {:>6} {:>8} {:>4}  {:>9} {:>10} {:>5} "
+      "{:>3} {:>4} {:>6} {:>4} {:>2} {:>3} {:>4} {:>9} {:>5}  {:>8} {:>8} {:>13} {:>6} {:>8} {:>4}  {:>9} {:>10} {:>5} "
       "{:>7} {:>5}\n",
-      "#", "data", "tensor", "pipe", "sp", "zero", "recompute", "mb", "par+grad", "moments", "activ.(held)", "comm",
-      "total", "fits", "step s", "tokens/s", "MFU%", "bubble%", "comm%");
+      "#", "data", "tensor", "pipe", "vp", "sp", "zero", "recompute", "mb", "par+grad", "moments", "activ.(held)",
+      "comm", "total", "fits", "step s", "tokens/s", "MFU%", "bubble%", "comm%");
   int64_t shown = 0, valid = 0;
   for (const auto& e : all) {
     if (!e.reject.empty()) continue;
@@ -178,10 +187,12 @@ int run_plan(int argc, char** argv) {
     const auto& l = e.layout;
     const double comm = e.step_s > 0 ? (e.tp_s + e.pp_s + e.dp_s) / e.step_s : 0;
     fmt::print(
-        "{:>3} {:>4} {:>6} {:>4} {:>3} {:>4} {:>9} {:>5}  {:>8} {:>8} {:>13} {:>6} {:>8} {:>4}  {:>9.4g} {:>10.0f} "
+        "{:>3} {:>4} {:>6} {:>4} {:>2} {:>3} {:>4} {:>9} {:>5}  {:>8} {:>8} {:>13} {:>6} {:>8} {:>4}  {:>9.4g} "
+        "{:>10.0f} "
         "{:>5.1f} {:>7.1f} {:>5.1f}\n",
-        shown, l.data, l.tensor, l.pipeline, l.sequence ? "on" : "-", l.zero, lathe::recompute_name(l.recompute),
-        e.micro_batches, gb(e.memory.params + e.memory.grads + e.memory.compute_weights), gb(e.memory.moments),
+        shown, l.data, l.tensor, l.pipeline, l.virtual_stages, l.sequence ? "on" : "-", l.zero,
+        lathe::recompute_name(l.recompute), e.micro_batches,
+        gb(e.memory.params + e.memory.grads + e.memory.compute_weights), gb(e.memory.moments),
         fmt::format("{} ({})", gb(e.memory.activations), e.memory.in_flight), gb(e.memory.comm), gb(e.memory.total()),
         e.fits ? "yes" : "NO", e.step_s, e.tokens_per_s, 100 * e.mfu, 100 * e.bubble, 100 * comm);
   }
@@ -191,7 +202,9 @@ int run_plan(int argc, char** argv) {
   for (const auto& e : all) {
     if (e.reject.empty()) continue;
     const auto& l = e.layout;
-    const std::string name = fmt::format("{}x{}x{}{}", l.data, l.tensor, l.pipeline, l.sequence ? "+sp" : "");
+    const std::string name = fmt::format("{}x{}x{}{}{}", l.data, l.tensor, l.pipeline,
+                                         l.virtual_stages > 1 ? fmt::format("(v{})", l.virtual_stages) : std::string(),
+                                         l.sequence ? "+sp" : "");
     auto& v = by_reason[e.reject];
     if (std::find(v.begin(), v.end(), name) == v.end()) v.push_back(name);
   }

@@ -13,7 +13,8 @@
 namespace lathe::plan {
 
 std::string Layout::name() const {
-  return fmt::format("data {} x tensor {} x pipeline {}{}, ZeRO {}, recompute {}", data, tensor, pipeline,
+  return fmt::format("data {} x tensor {} x pipeline {}{}{}, ZeRO {}, recompute {}", data, tensor, pipeline,
+                     virtual_stages > 1 ? fmt::format(" (virtual {})", virtual_stages) : std::string(),
                      sequence ? " +sp" : "", zero, recompute_name(recompute));
 }
 
@@ -92,7 +93,10 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l) {
   if (cfg.vocab_size % t)
     return reject(
         fmt::format("tensor {} does not divide vocab_size {} (vocab-parallel embedding and head)", t, cfg.vocab_size));
+  const int64_t v = l.virtual_stages, S = p * v;
   if (L % p) return reject(fmt::format("pipeline {} does not divide num_hidden_layers {}", p, L));
+  if (v > 1 && L % S)
+    return reject(fmt::format("pipeline {} x virtual stages {} does not divide num_hidden_layers {}", p, v, L));
   if (l.sequence && T % t) return reject(fmt::format("sequence parallel: tensor {} does not divide seq_len {}", t, T));
   if (job.global_batch % (B * d))
     return reject(
@@ -104,23 +108,34 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l) {
         fmt::format("{} micro-batches per step (global batch {} / micro_batch_size {} / data {}) is fewer "
                     "than pipeline {}",
                     m, job.global_batch, B, d, p));
-  e.stage_layers = pipeline::assign_layers(L, p, 1, {});
+  if (v > 1 && m % p)
+    return reject(
+        fmt::format("interleaved schedule: {} micro-batches per step is not a multiple of pipeline {}", m, p));
+  // Layers per virtual stage k (on rank k % p as its chunk k / p).
+  e.stage_layers = pipeline::assign_layers(L, p, v, {});
 
   const std::string what = fmt::format("plan of {} for {}", cfg.model_type, l.name());
-  const pipeline::Spec spec{pipeline::Kind::OneFOneB, p, m, 1};
+  const pipeline::Spec spec{v > 1 ? pipeline::Kind::Interleaved : pipeline::Kind::OneFOneB, p, m, v};
   const auto lists = pipeline::make_schedule(spec);
   const pipeline::SimResult unit = pipeline::simulate(spec, lists);
-  LATHE_CHECK(unit.ok, "internal: 1F1B schedule p {} m {}: {}", p, m, unit.error);
+  LATHE_CHECK(unit.ok, "internal: {} schedule p {} m {} v {}: {}", pipeline::kind_name(spec.kind), p, m, v, unit.error);
 
-  // ---- memory of each stage; the heaviest is the rank's figure ----
+  // ---- memory of each rank; the heaviest is the figure ----
   const Params ps = split_params(cfg);
   const int64_t act_size = static_cast<int64_t>(dtype_size(job.compute));
   const ActivationPlan ap = Model::plan_activations(cfg, B, T, ComputeSpec{nullptr, job.compute}, l.recompute);
-  std::vector<int64_t> first(static_cast<size_t>(p)), acts(static_cast<size_t>(p), 0);
-  for (int64_t s = 0, acc = 0; s < p; acc += e.stage_layers[static_cast<size_t>(s)], ++s) first[s] = acc;
-  auto stage_of = [&](int64_t layer) {
-    return static_cast<int64_t>(std::upper_bound(first.begin(), first.end(), layer) - first.begin()) - 1;
+  std::vector<int64_t> first(static_cast<size_t>(S)), rank_layers(static_cast<size_t>(p), 0);
+  for (int64_t k = 0, acc = 0; k < S; acc += e.stage_layers[static_cast<size_t>(k)], ++k) {
+    first[static_cast<size_t>(k)] = acc;
+    rank_layers[static_cast<size_t>(k % p)] += e.stage_layers[static_cast<size_t>(k)];
+  }
+  auto rank_of = [&](int64_t layer) {
+    return (static_cast<int64_t>(std::upper_bound(first.begin(), first.end(), layer) - first.begin()) - 1) % p;
   };
+  // Activations held per rank: a layer's buffers (and a chunk's input) for each (micro-batch, chunk)
+  // in flight; with v chunks of equal size a rank holding n of them holds n / v of its layers' sets.
+  std::vector<int64_t> layer_acts(static_cast<size_t>(p), 0), input_acts(static_cast<size_t>(p), 0),
+      once_acts(static_cast<size_t>(p), 0);
   for (size_t i = 0; i < ap.entries.size(); ++i) {
     const ActivationEntry& a = ap.entries[i];
     // The arena's bytes of this entry, padding included (so t = p = 1 sums to ap.bytes exactly).
@@ -129,38 +144,41 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l) {
     const Split sp = split_of(a.name);
     const int64_t bytes = sp == Split::Wide || (sp == Split::Hidden && l.sequence) ? ceil_div(padded, t) : padded;
     const std::string_view name = a.name;
-    for (int64_t s = 0; s < p; ++s) {
-      const int64_t held = unit.max_in_flight[static_cast<size_t>(s)];
+    for (int64_t r = 0; r < p; ++r) {
+      const auto ru = static_cast<size_t>(r);
       if (a.layer >= 0) {
-        if (stage_of(a.layer) == s) acts[s] = checked_add(acts[s], checked_mul(bytes, held, what), what);
-      } else if (name == "emb") {  // the stage's input (embedding output or received activation), kept for backward
-        acts[s] = checked_add(acts[s], checked_mul(bytes, held, what), what);
+        if (rank_of(a.layer) == r) layer_acts[ru] = checked_add(layer_acts[ru], bytes, what);
+      } else if (name == "emb") {  // a chunk's input (embedding output or received activation), kept for backward
+        input_acts[ru] = bytes;
       } else if (name == "lnf" || name == "lnf_mean" || name == "lnf_rstd" || name == "losses") {
-        if (s == p - 1) acts[s] = checked_add(acts[s], bytes, what);
+        if (r == p - 1) once_acts[ru] = checked_add(once_acts[ru], bytes, what);
       } else {  // working buffers of one pass at a time: gradients, scratch, recompute sets, RoPE
-        acts[s] = checked_add(acts[s], bytes, what);
+        once_acts[ru] = checked_add(once_acts[ru], bytes, what);
       }
     }
   }
   const int64_t layer_params = ps.layer_repl + ceil_div(ps.layer - ps.layer_repl, t);
-  std::vector<int64_t> stage_params(static_cast<size_t>(p));
+  std::vector<int64_t> rank_params(static_cast<size_t>(p));
   const int64_t moment_shards = l.zero > 0 ? d : 1;
-  for (int64_t s = 0; s < p; ++s) {
-    int64_t n = checked_mul(layer_params, e.stage_layers[static_cast<size_t>(s)], what);
-    if (s == 0) n += ceil_div(ps.wte, t) + ps.wpe;
-    if (s == p - 1)
+  for (int64_t r = 0; r < p; ++r) {
+    const auto ru = static_cast<size_t>(r);
+    int64_t n = checked_mul(layer_params, rank_layers[ru], what);
+    if (r == 0) n += ceil_div(ps.wte, t) + ps.wpe;
+    if (r == p - 1)
       n += ps.final_norm + (cfg.tie_word_embeddings ? (p > 1 ? ceil_div(ps.wte, t) : 0) : ceil_div(ps.head, t));
-    stage_params[static_cast<size_t>(s)] = n;
+    rank_params[ru] = n;
     Memory mem;
-    mem.stage = s;
-    mem.in_flight = unit.max_in_flight[static_cast<size_t>(s)];
+    mem.stage = r;
+    mem.in_flight = unit.max_in_flight[ru];
     mem.params = checked_mul(n, 4, what);
     mem.grads = mem.params;
     mem.moments = ceil_div(checked_mul(mem.params, job.moments, what), moment_shards);
     if (job.compute != DType::F32) mem.compute_weights = checked_mul(n, act_size, what);
-    mem.activations = acts[s];
+    mem.activations = checked_add(checked_add(ceil_div(checked_mul(layer_acts[ru], mem.in_flight, what), v),
+                                              checked_mul(input_acts[ru], mem.in_flight, what), what),
+                                  once_acts[ru], what);
     if (p > 1) mem.comm = 2 * ceil_div(checked_product({B, T, C, act_size}, what), l.sequence ? t : 1);
-    if (s == 0 || mem.total() > e.memory.total()) e.memory = mem;
+    if (r == 0 || mem.total() > e.memory.total()) e.memory = mem;
   }
   e.fits = mach.memory_bytes <= 0 || e.memory.total() <= mach.memory_bytes;
 
@@ -173,29 +191,30 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l) {
   const double per_layer_flops = 6.0 * static_cast<double>(ps.layer) + 12.0 * static_cast<double>(C * T);
   const double rest_flops = flops_per_token(cfg, T) - static_cast<double>(L) * per_layer_flops;  // head, embedding
   pipeline::Costs costs;
-  double compute_max = 0, tp_max = 0;
-  for (int64_t s = 0; s < p; ++s) {
-    const double layers = static_cast<double>(e.stage_layers[static_cast<size_t>(s)]);
+  std::vector<double> compute_rank(static_cast<size_t>(p), 0), tp_rank(static_cast<size_t>(p), 0);
+  for (int64_t k = 0; k < S; ++k) {
+    const double layers = static_cast<double>(e.stage_layers[static_cast<size_t>(k)]);
     double fwd_flops = layers * per_layer_flops / 3;
-    if (s == p - 1) fwd_flops += rest_flops / 3;
+    if (k == S - 1) fwd_flops += rest_flops / 3;
     const double fwd = fwd_flops * tokens_mb / static_cast<double>(t) / peak;
     const double recompute = l.recompute == Recompute::Full ? layers * per_layer_flops / 3 * tokens_mb / t / peak : 0;
     const double tp_f = 2 * layers * tp_ar, tp_b = (l.recompute == Recompute::Full ? 4 : 2) * layers * tp_ar;
     costs.forward_per_stage.push_back(fwd + tp_f);
     costs.backward_per_stage.push_back(2 * fwd + recompute + tp_b);
-    compute_max = std::max(compute_max, static_cast<double>(m) * (3 * fwd + recompute));
-    tp_max = std::max(tp_max, static_cast<double>(m) * (tp_f + tp_b));
+    compute_rank[static_cast<size_t>(k % p)] += static_cast<double>(m) * (3 * fwd + recompute);
+    tp_rank[static_cast<size_t>(k % p)] += static_cast<double>(m) * (tp_f + tp_b);
   }
   costs.p2p = p > 1 ? act_bytes / (l.sequence ? t : 1) / bw(job.world) : 0;
   const pipeline::SimResult sim = pipeline::simulate(spec, lists, costs);
-  LATHE_CHECK(sim.ok, "internal: 1F1B with costs, p {} m {}: {}", p, m, sim.error);
-  e.compute_s = compute_max;
-  e.tp_s = tp_max;
-  e.pp_s = p > 1 ? 2.0 * static_cast<double>(m) * costs.p2p : 0;
+  LATHE_CHECK(sim.ok, "internal: {} with costs, p {} m {} v {}: {}", pipeline::kind_name(spec.kind), p, m, v,
+              sim.error);
+  e.compute_s = *std::max_element(compute_rank.begin(), compute_rank.end());
+  e.tp_s = *std::max_element(tp_rank.begin(), tp_rank.end());
+  e.pp_s = p > 1 ? 2.0 * static_cast<double>(m * v) * costs.p2p : 0;
   e.pipeline_s = sim.makespan;
   e.bubble = sim.bubble;
-  // Gradients of the largest stage (fp32), reduced over the data group of t x d consecutive ranks.
-  const int64_t grad_bytes = 4 * *std::max_element(stage_params.begin(), stage_params.end());
+  // Gradients of the largest rank (fp32), reduced over the data group of t x d consecutive ranks.
+  const int64_t grad_bytes = 4 * *std::max_element(rank_params.begin(), rank_params.end());
   e.dp_s = ring(d, static_cast<double>(grad_bytes), bw(t * d), true);
   e.step_s = e.pipeline_s + e.dp_s;
   const double tokens = static_cast<double>(job.global_batch) * static_cast<double>(T);
@@ -217,7 +236,8 @@ std::vector<Estimate> enumerate(const Job& job, const Machine& m) {
         for (int zero = 0; zero <= 2; ++zero) {
           if (zero > 0 && d == 1) continue;
           for (Recompute rc : {Recompute::None, Recompute::Selective, Recompute::Full})
-            out.push_back(estimate(job, m, Layout{d, t, p, sp, zero, rc}));
+            for (int64_t v : job.virtual_stages)
+              if (v == 1 || p > 1) out.push_back(estimate(job, m, Layout{d, t, p, sp, zero, rc, v}));
         }
       }
     }
@@ -232,9 +252,13 @@ std::vector<Estimate> enumerate(const Job& job, const Machine& m) {
 }
 
 nlohmann::json to_json(const Estimate& e) {
-  nlohmann::json j{{"data", e.layout.data},         {"tensor", e.layout.tensor},
-                   {"pipeline", e.layout.pipeline}, {"sequence", e.layout.sequence},
-                   {"zero", e.layout.zero},         {"recompute", recompute_name(e.layout.recompute)},
+  nlohmann::json j{{"data", e.layout.data},
+                   {"tensor", e.layout.tensor},
+                   {"pipeline", e.layout.pipeline},
+                   {"virtual_stages", e.layout.virtual_stages},
+                   {"sequence", e.layout.sequence},
+                   {"zero", e.layout.zero},
+                   {"recompute", recompute_name(e.layout.recompute)},
                    {"valid", e.reject.empty()}};
   if (!e.reject.empty()) {
     j["reject"] = e.reject;

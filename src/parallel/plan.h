@@ -11,7 +11,8 @@
 //   compute-dtype weight copies (bf16 / fp16);
 //   activations: Model::plan_activations's entries, each placed on its stage: a decoder layer's
 //     buffers times the micro-batches in flight on that stage (1F1B: min(p - s, m), from the
-//     schedule simulator), the stage input (`emb`) too; the final norm and loss on the last stage
+//     schedule simulator; interleaved: the (micro-batch, chunk) pairs in flight x 1/v of the rank's
+//     layers), the stage input (`emb`) too; the final norm and loss on the last stage
 //     once; backward scratch and recompute sets once per stage. Tensor parallel divides the
 //     head-/MLP-width buffers (qkv, att, lse, fc, act and their gradients); the hidden-width ones
 //     (norms, residuals) are divided too only with sequence parallel;
@@ -23,7 +24,7 @@
 // 6 N + 12 L C T per token, split per stage; x 4/3 on the layers with full recompute) / peak, plus
 // tensor-parallel collectives inside it (2 all-reduces of B x T x C per layer forward and 2
 // backward, 2 more forward with full recompute; with sequence parallel all-gather + reduce-scatter,
-// the same bytes); the 1F1B schedule with these costs and the point-to-point message time runs in
+// the same bytes); the 1F1B (or interleaved) schedule with these costs and the point-to-point message time runs in
 // the simulator (parallel/pipeline_schedule.h), which gives the pipeline's time with its bubble;
 // then the data-parallel gradient reduction (ring all-reduce, or reduce-scatter + all-gather with
 // ZeRO: the same 2 (d-1)/d of the fp32 gradient bytes), not overlapped. Ring collectives cost
@@ -57,6 +58,9 @@ struct Job {
   int64_t global_batch = 1;  // samples per step; micro-batches per step = global / (micro_batch x data)
   DType compute = DType::F32;
   int moments = 2;  // AdamW / LAMB
+  // Model chunks per pipeline rank to try: 1 = 1F1B; v > 1 = Megatron's interleaved 1F1B (layouts
+  // with pipeline > 1 whose layers and micro-batches allow it).
+  std::vector<int64_t> virtual_stages = {1};
 };
 
 struct Layout {
@@ -64,13 +68,14 @@ struct Layout {
   bool sequence = false;
   int zero = 0;
   Recompute recompute = Recompute::None;
-  std::string name() const;  // "d8 t2 p4 sp zero1 full"
+  int64_t virtual_stages = 1;  // > 1: interleaved 1F1B with this many chunks per rank
+  std::string name() const;    // "d8 t2 p4 sp zero1 full"
 };
 
 struct Memory {
   int64_t params = 0, grads = 0, moments = 0, compute_weights = 0, activations = 0, comm = 0;
-  int64_t stage = 0;      // the stage these figures are for (the heaviest)
-  int64_t in_flight = 1;  // micro-batches whose activations that stage holds at once
+  int64_t stage = 0;      // the pipeline rank these figures are for (the heaviest)
+  int64_t in_flight = 1;  // (micro-batch, chunk) pairs whose activations that rank holds at once
   int64_t total() const { return params + grads + moments + compute_weights + activations + comm; }
 };
 
@@ -78,7 +83,7 @@ struct Estimate {
   Layout layout;
   std::string reject;  // why the layout is invalid for this model / batch; "" = valid
   int64_t micro_batches = 0;
-  std::vector<int64_t> stage_layers;
+  std::vector<int64_t> stage_layers;  // per virtual stage (pipeline x virtual_stages)
   Memory memory;
   bool fits = true;
   // Seconds per optimizer step: compute (no comm), tensor collectives, pipeline messages, the

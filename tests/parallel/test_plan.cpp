@@ -187,3 +187,30 @@ TEST(Plan, KnobsMoveTheFiguresTheRightWay) {
   EXPECT_FALSE(plan::estimate(j, small, {8, 1, 1, false, 0, Recompute::None}).fits);
   EXPECT_TRUE(plan::estimate(j, small, {8, 1, 1, false, 1, Recompute::None}).fits);
 }
+
+TEST(Plan, InterleavedSchedule) {
+  // gpt2-debug made 8 layers deep: pipeline 2 x 2 chunks of 2 layers; 4 micro-batches.
+  Job j = job_of("gpt2-debug", 2, 2, 16, 8);
+  j.model.num_hidden_layers = 8;
+  const Machine m = machine(1, 8);
+  const Estimate one = plan::estimate(j, m, Layout{1, 1, 2, false, 0, Recompute::None, 1});
+  const Estimate two = plan::estimate(j, m, Layout{1, 1, 2, false, 0, Recompute::None, 2});
+  ASSERT_TRUE(one.reject.empty() && two.reject.empty()) << one.reject << two.reject;
+  EXPECT_EQ(two.stage_layers, (std::vector<int64_t>{2, 2, 2, 2}));
+  // Megatron's warm-up on rank 0: (p - 1) x 2 + (v - 1) x p chunk-forwards, + 1 in the steady phase.
+  EXPECT_EQ(two.memory.stage, 0);
+  EXPECT_EQ(two.memory.in_flight, 5);
+  EXPECT_EQ(one.memory.in_flight, 2);
+  EXPECT_EQ(two.memory.params, one.memory.params);  // rank 0 holds 4 layers either way (0-3, or 0-1 and 4-5)
+  EXPECT_LT(two.bubble, one.bubble);                // the point of interleaving
+  EXPECT_NEAR(two.pp_s, 2 * one.pp_s, 1e-15);       // twice the messages
+  // Activations: 5 chunk-micro-batches of 2 layers (+ their inputs) instead of 2 micro-batches of 4 layers.
+  EXPECT_GT(two.memory.activations, one.memory.activations);
+  j.global_batch = 6;  // 3 micro-batches: not a multiple of pipeline 2
+  EXPECT_EQ(plan::estimate(j, m, Layout{1, 1, 2, false, 0, Recompute::None, 2}).reject,
+            "interleaved schedule: 3 micro-batches per step is not a multiple of pipeline 2");
+  j.model.num_hidden_layers = 6;
+  j.global_batch = 8;
+  EXPECT_EQ(plan::estimate(j, m, Layout{1, 1, 2, false, 0, Recompute::None, 2}).reject,
+            "pipeline 2 x virtual stages 2 does not divide num_hidden_layers 6");
+}
