@@ -123,6 +123,18 @@ class Exporter {
     }
     return d;
   }
+  // fp16 graphs: every weight must be finite and within +-65504, checked in the tensor's own
+  // [rows, cols] layout so the error names the element as the user sees it.
+  // cols = 0: a 1-D tensor of `rows` elements.
+  void check_fp16(const float* src, int64_t rows, int64_t cols, const std::string& name, ElemType type) const {
+    if (type != ElemType::Float16) return;
+    const int64_t n = cols > 0 ? rows * cols : rows;
+    for (int64_t i = 0; i < n; ++i)
+      LATHE_CHECK(std::isfinite(src[i]) && std::fabs(src[i]) <= 65504.0f,
+                  "ONNX export --dtype fp16: tensor '{}' element {} is {}, outside the fp16 range (+-65504); "
+                  "export with --dtype fp32",
+                  name, cols > 0 ? fmt::format("[{}, {}]", i / cols, i % cols) : fmt::format("[{}]", i), src[i]);
+  }
   std::string to_f32(const std::string& x) {
     return act_ == ElemType::Float ? x : op("Cast", {x}, {attr_int("to", static_cast<int64_t>(ElemType::Float))});
   }
@@ -161,15 +173,17 @@ class Exporter {
     const int64_t cols = run[0]->shape.size() == 2 ? run[0]->shape[1] : 1;
     const float* base = m_.param_data() + run[0]->offset;
     const int64_t R = r1 - r0;
+    const std::string name = slice_name(run, r0, r1, suffix);
+    check_fp16(base + r0 * cols, R, cols, name, act_);
     std::vector<float> t(static_cast<size_t>(R * cols));
     for (int64_t r = 0; r < R; ++r)
       for (int64_t c = 0; c < cols; ++c) t[static_cast<size_t>(c * R + r)] = base[(r0 + r) * cols + c];
-    const std::string name = slice_name(run, r0, r1, suffix);
     return init(name, act_, {cols, R}, encode(t.data(), R * cols, act_, name));
   }
   // Elements [r0, r1) of a 1-D run (biases, norm weights) in `type`.
   std::string vector(const RoleRun& run, int64_t r0, int64_t r1, const char* suffix, ElemType type) {
     const std::string name = slice_name(run, r0, r1, suffix);
+    check_fp16(m_.param_data() + run[0]->offset + r0, r1 - r0, 0, name, type);
     return init(name, type, {r1 - r0}, encode(m_.param_data() + run[0]->offset + r0, r1 - r0, type, name));
   }
   // y = x @ W[r0:r1]^T (+ b[r0:r1]) for the weight role `w` and bias role `b` (when the model has it).
@@ -239,11 +253,13 @@ class Exporter {
 void Exporter::embedding_and_mask() {
   prefix_ = "embed/";
   const RoleRun& wte = need(-1, Role::Wte);
+  check_fp16(m_.param_data() + wte[0]->offset, wte[0]->shape[0], wte[0]->shape[1], wte[0]->name, act_);
   wte_ = init(wte[0]->name, act_, wte[0]->shape,
               encode(m_.param_data() + wte[0]->offset, wte[0]->numel(), act_, wte[0]->name));
   x0_ = op("Gather", {wte_, "input_ids"});  // [B, S, C]
   if (arch_.learned_pos) {
     const RoleRun& wpe = need(-1, Role::Wpe);
+    check_fp16(m_.param_data() + wpe[0]->offset, wpe[0]->shape[0], wpe[0]->shape[1], wpe[0]->name, act_);
     const std::string w = init(wpe[0]->name, act_, wpe[0]->shape,
                                encode(m_.param_data() + wpe[0]->offset, wpe[0]->numel(), act_, wpe[0]->name));
     x0_ = op("Add", {x0_, op("Gather", {w, "position_ids"})});
