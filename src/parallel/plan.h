@@ -6,8 +6,9 @@
 //   parameters, gradients (fp32): the stage's layers (matrices / tensor, norms and row-parallel
 //     biases replicated) + the embedding on the first stage + final norm and head on the last
 //     (a tied head is a copy of the embedding there when pipeline > 1; vocab-parallel / tensor);
-//   moments: 2 fp32 copies of the rank's parameters, / data with ZeRO 1 or 2 (lathe's ZeRO 2 keeps
-//     the whole gradient buffer today, parallel/grad_sync.h, so its memory is ZeRO 1's);
+//   moments: 2 fp32 copies of the rank's parameters, / data with ZeRO 1 or 2 (lathe's ZeRO 2 frees
+//     the rest of the gradient buffer only after the step's reduction, so with several
+//     micro-batches its peak is ZeRO 1's; `lathe check` counts it the same way);
 //   compute-dtype weight copies (bf16 / fp16);
 //   activations: Model::plan_activations's entries, each placed on its stage: a decoder layer's
 //     buffers times the micro-batches in flight on that stage (1F1B: min(p - s, m), from the
