@@ -7,6 +7,7 @@
 #include "models/memory.h"
 #include "models/model.h"
 #include "parallel/plan.h"
+#include "parallel/tensor_parallel.h"
 
 using namespace lathe;
 using plan::Estimate;
@@ -213,4 +214,39 @@ TEST(Plan, InterleavedSchedule) {
   j.global_batch = 8;
   EXPECT_EQ(plan::estimate(j, m, Layout{1, 1, 2, false, 0, Recompute::None, 2}).reject,
             "pipeline 2 x virtual stages 2 does not divide num_hidden_layers 6");
+}
+
+TEST(Plan, TensorParallelMatchesTheRankModel) {
+  // The per-rank model the tensor-parallel code builds (parallel/tensor_parallel.h: heads, KV heads
+  // and MLP width / tp) is an independent oracle for the plan's tensor split of a layer: the same
+  // layer parameters exactly, and the same activation arena up to the 64-byte padding of each
+  // buffer (the plan halves padded sizes, the rank model pads halved ones). The vocabulary tensors
+  // differ on purpose: the plan counts them vocab-parallel (issue 10), the rank model holds them
+  // whole for now.
+  for (const char* preset : {"gpt2-debug", "llama-debug", "qwen2-debug"})
+    for (int64_t t : {2, 4}) {
+      if (std::string(preset) != "gpt2-debug" && t == 4) continue;  // 2 KV heads
+      const Job j = job_of(preset, t, 2, 32, 2);
+      const Estimate e = plan::estimate(j, machine(), Layout{1, t, 1, false, 0, Recompute::None});
+      ASSERT_TRUE(e.reject.empty()) << e.reject;
+      const ModelConfig rank = parallel::tensor_parallel_config(j.model, static_cast<int>(t));
+      ModelConfig one = rank, two = rank;
+      one.num_hidden_layers = 1;
+      two.num_hidden_layers = 2;
+      // Counted from the models' parameter tables (ModelConfig::num_parameters() counts GPT-2's
+      // c_attn as C x 3C whatever the head count, which a shard config does not have).
+      const auto n1 = static_cast<int64_t>(build_model(one)->num_params());
+      const int64_t layer = static_cast<int64_t>(build_model(two)->num_params()) - n1;
+      const int64_t vocab = rank.vocab_size * rank.hidden_size * (rank.tie_word_embeddings ? 1 : 2) +
+                            (rank.is_gpt2() ? rank.max_position_embeddings * rank.hidden_size : 0);
+      const int64_t final_norm = n1 - layer - vocab;
+      // Plan: L layers + the vocabulary split over t + the final norm; rank model: vocabulary whole.
+      const int64_t plan_vocab = (rank.vocab_size * rank.hidden_size / t) * (rank.tie_word_embeddings ? 1 : 2) +
+                                 (rank.is_gpt2() ? rank.max_position_embeddings * rank.hidden_size : 0);
+      EXPECT_EQ(e.memory.params / 4, rank.num_hidden_layers * layer + final_norm + plan_vocab) << preset << " t " << t;
+      const ActivationPlan ap = Model::plan_activations(rank, 2, 32);
+      const int64_t slack = 64 * static_cast<int64_t>(ap.entries.size());
+      EXPECT_NEAR(static_cast<double>(e.memory.activations), static_cast<double>(ap.bytes), static_cast<double>(slack))
+          << preset << " t " << t;
+    }
 }
