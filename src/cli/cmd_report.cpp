@@ -2,7 +2,8 @@
 // script, no network) with the curves of one or several training runs overlaid: loss (raw and
 // smoothed) with validation loss, learning rate, gradient norm, tokens/s, MFU, the time breakdown
 // (every *_pct field of metrics.jsonl), loss scale and skipped steps, memory; and per run the
-// resolved recipe, run_info.json (hardware, version) when the run wrote one, and its checkpoints.
+// resolved recipe, run_info.json (hardware, version) when the run wrote one, and its checkpoints;
+// the anomaly policy's actions (anomalies.jsonl) as a table and as markers on the loss plot.
 //
 // Input is what `lathe train` writes to output.dir: metrics.jsonl (one JSON object per line;
 // records with "step" are plotted by field; a record repeated for a step after a resume replaces
@@ -43,6 +44,8 @@ struct Run {
   std::vector<std::string> notes;
   std::string recipe, info;
   std::vector<std::string> checkpoints;
+  std::vector<json> anomalies;                // anomalies.jsonl (training.anomaly), in order
+  std::map<int64_t, double> anomaly_markers;  // step -> loss of each detected anomaly
 };
 
 std::string esc(const std::string& s) {
@@ -100,6 +103,26 @@ Run load_run(const std::string& dir) {
   const std::string ipath = (fs::path(dir) / "run_info.json").string();
   if (fs::exists(ipath)) run.info = lathe::io::read_file(ipath);
   for (auto& [s, d] : lathe::list_checkpoints(dir)) run.checkpoints.push_back(fs::path(d).filename().string());
+  // The anomaly policy's audit trail: a table, and markers on the loss plot (at the anomaly's own
+  // loss; a non-finite one at the curve's value of that step).
+  const std::string apath = (fs::path(dir) / "anomalies.jsonl").string();
+  std::istringstream alines(fs::exists(apath) ? lathe::io::read_file(apath) : std::string());
+  for (int64_t k = 1; std::getline(alines, line); ++k) {
+    try {
+      json j = lathe::io::parse_json(line, fmt::format("{} line {}", apath, k));
+      if (!j.is_object() || !j.contains("step") || !j["step"].is_number_integer() || !j.contains("event")) continue;
+      const int64_t step = j["step"].get<int64_t>();
+      if (j["event"] == "anomaly") {
+        const auto& loss = run.series["loss"];
+        run.anomaly_markers[step] = j.contains("loss") && j["loss"].is_number() ? j["loss"].get<double>()
+                                    : loss.count(step)                          ? loss.at(step)
+                                                                                : kNaN;
+      }
+      run.anomalies.push_back(std::move(j));
+    } catch (const lathe::Error& e) {
+      run.notes.push_back(fmt::format("skipped line {} of anomalies.jsonl: {}", k, e.what()));
+    }
+  }
   return run;
 }
 
@@ -241,6 +264,7 @@ std::string build_html(const std::vector<Run>& runs) {
   for (size_t i = 0; i < runs.size(); ++i) {
     loss.push_back({&get(runs[i], "loss"), int(i), "raw", "loss"});
     loss.push_back({&smoothed[i], int(i), "smooth", "loss (smoothed)"});
+    if (!runs[i].anomaly_markers.empty()) loss.push_back({&runs[i].anomaly_markers, int(i), "marker", "anomaly"});
     if (!get(runs[i], "val_loss").empty()) {
       loss.push_back({&get(runs[i], "val_loss"), int(i), "dashed", "val_loss"});
       loss.push_back({&get(runs[i], "val_loss"), int(i), "marker", "val_loss"});
@@ -317,6 +341,20 @@ pre{background:#f6f6f6;padding:8px;font-size:12px;max-height:360px;overflow:auto
                                   return s;
                                 }())) +
          "</p>\n";
+    if (!r.anomalies.empty()) {  // training.anomaly's detections and actions (markers on the loss plot)
+      h += fmt::format(
+          "<p>Anomalies (anomalies.jsonl):</p><table id=\"anomalies-{}\"><tr><th>step</th><th>event</th>"
+          "<th>details</th></tr>\n",
+          i);
+      for (const json& a : r.anomalies) {
+        json rest = a;
+        for (const char* k : {"step", "event"}) rest.erase(k);
+        h += fmt::format("<tr><td>{}</td><td>{}</td><td style=\"text-align:left\">{}</td></tr>\n", a["step"].dump(),
+                         esc(a["event"].is_string() ? a["event"].get<std::string>() : a["event"].dump()),
+                         esc(rest.dump()));
+      }
+      h += "</table>\n";
+    }
     h += "<p>Resolved recipe:</p><pre>" + (r.recipe.empty() ? std::string("(no recipe.yaml)") : esc(r.recipe)) +
          "</pre>\n";
   }

@@ -290,7 +290,7 @@ const std::map<std::string, std::vector<std::string>> kSectionKeys = {
     {"schedule", {"name", "warmup_steps", "min_lr", "decay_fraction", "decay_shape"}},
     {"training",
      {"micro_batch_size", "seq_len", "grad_accum_steps", "steps", "seed", "eval_interval", "eval_batches",
-      "log_interval", "threads", "peak_gflops", "resume", "max_skipped_steps"}},
+      "log_interval", "threads", "peak_gflops", "resume", "max_skipped_steps", "anomaly"}},
     {"precision", {"compute", "loss_scale"}},
     {"output", {"dir", "save_every", "checkpoint_every", "keep_last"}},
     {"parallel", {"data", "tensor", "pipeline", "zero", "bucket_mb", "timeout_s"}},
@@ -302,6 +302,9 @@ const std::vector<std::string> kOptimizers = {"adamw", "lamb"};
 const std::vector<std::string> kComputeDtypes = {"fp32", "bf16", "fp16"};
 const std::vector<std::string> kRecomputeModes = {"none", "selective", "full"};
 const std::vector<std::string> kLossScaleKeys = {"enabled", "initial", "growth_interval", "backoff", "growth", "min"};
+const std::vector<std::string> kAnomalyKeys = {
+    "enabled",   "warmup_steps", "ema_decay",      "loss_z_threshold", "grad_norm_z_threshold", "min_rel_std",  "skip",
+    "lr_factor", "lr_steps",     "rollback_after", "rollback_window",  "skip_samples",          "max_rollbacks"};
 
 std::string join(const std::vector<std::string>& v) {
   std::string o;
@@ -359,6 +362,7 @@ class Parser {
     get_double(t, "training", "peak_gflops", &tr.peak_gflops);
     get_str(t, "training", "resume", &tr.resume);
     get_int(t, "training", "max_skipped_steps", &tr.max_skipped_steps);
+    parse_anomaly(t, r);
 
     parse_precision(section("precision"), r);
     // recompute: none | selective | full (a top-level value beside the sections, as in the issue's
@@ -477,6 +481,31 @@ class Parser {
     const json& v = o[k];
     if (!v.is_boolean()) bad(sec + "." + k, fmt::format("expected true or false, got '{}'", value_str(v)));
     *out = v.get<bool>();
+  }
+
+  // training.anomaly: {enabled, ...} (train/anomaly.h); absent or null = the defaults (off).
+  void parse_anomaly(const json& t, Recipe& r) const {
+    if (!t.contains("anomaly") || t["anomaly"].is_null()) return;
+    const json& a = t["anomaly"];
+    if (!a.is_object())
+      bad("training.anomaly",
+          fmt::format("expected a mapping of keys ({}), got '{}'", join(kAnomalyKeys), value_str(a)));
+    check_keys("training.anomaly", a, kAnomalyKeys);
+    auto& x = r.training.anomaly;
+    const std::string sec = "training.anomaly";
+    get_bool(a, sec, "enabled", &x.enabled);
+    get_int(a, sec, "warmup_steps", &x.warmup_steps);
+    get_double(a, sec, "ema_decay", &x.ema_decay);
+    get_double(a, sec, "loss_z_threshold", &x.loss_z_threshold);
+    get_double(a, sec, "grad_norm_z_threshold", &x.grad_norm_z_threshold);
+    get_double(a, sec, "min_rel_std", &x.min_rel_std);
+    get_bool(a, sec, "skip", &x.skip);
+    get_double(a, sec, "lr_factor", &x.lr_factor);
+    get_int(a, sec, "lr_steps", &x.lr_steps);
+    get_int(a, sec, "rollback_after", &x.rollback_after);
+    get_int(a, sec, "rollback_window", &x.rollback_window);
+    get_int(a, sec, "skip_samples", &x.skip_samples);
+    get_int(a, sec, "max_rollbacks", &x.max_rollbacks);
   }
 
   // precision: {compute, loss_scale: {...}}. Loss scaling is on for fp16 unless disabled, and
@@ -710,6 +739,31 @@ class Parser {
     need(std::find(kComputeDtypes.begin(), kComputeDtypes.end(), pr.compute) != kComputeDtypes.end(),
          "precision.compute", fmt::format("'{}' is not supported (supported: {})", pr.compute, join(kComputeDtypes)));
     in_range("training.max_skipped_steps", t.max_skipped_steps, 0, kMaxSteps, " (0 = never stop on skipped steps)");
+    // training.anomaly (the bounds are checked whether or not it is enabled: a recipe that turns it
+    // on later must not start failing then)
+    const auto& a = t.anomaly;
+    in_range("training.anomaly.warmup_steps", a.warmup_steps, 0, kMaxSteps, " (default 100)");
+    need(a.ema_decay > 0 && a.ema_decay < 1, "training.anomaly.ema_decay",
+         fmt::format("{} must be in (0, 1) (default 0.99: statistics over about the last 100 steps)", a.ema_decay));
+    need(a.loss_z_threshold >= 0, "training.anomaly.loss_z_threshold",
+         fmt::format("{} must be >= 0 (0 = the loss is not watched; default 6)", a.loss_z_threshold));
+    need(a.grad_norm_z_threshold >= 0, "training.anomaly.grad_norm_z_threshold",
+         fmt::format("{} must be >= 0 (0 = the gradient norm is not watched; default 6)", a.grad_norm_z_threshold));
+    need(a.min_rel_std >= 0 && a.min_rel_std <= 100, "training.anomaly.min_rel_std",
+         fmt::format("{} must be in [0, 100] (default 0.01)", a.min_rel_std));
+    need(a.lr_factor > 0 && a.lr_factor <= 1, "training.anomaly.lr_factor",
+         fmt::format("{} must be in (0, 1] (default 0.5; 1 = never lowered)", a.lr_factor));
+    in_range("training.anomaly.lr_steps", a.lr_steps, 0, kMaxSteps, " (0 = never lowered)");
+    in_range("training.anomaly.rollback_after", a.rollback_after, 0, kMaxSteps, " (0 = never roll back)");
+    in_range("training.anomaly.rollback_window", a.rollback_window, 1, kMaxSteps, " (default 100)");
+    in_range("training.anomaly.skip_samples", a.skip_samples, -1, kMaxSteps,
+             " (-1 = the samples consumed since the checkpoint)");
+    in_range("training.anomaly.max_rollbacks", a.max_rollbacks, 0, kMaxSteps, " (default 3)");
+    if (a.enabled && a.rollback_after > 0)
+      need(r.output.checkpoint_every > 0, "training.anomaly.rollback_after",
+           fmt::format("{} needs checkpoints to roll back to: set output.checkpoint_every > 0, or "
+                       "training.anomaly.rollback_after: 0 (never roll back)",
+                       a.rollback_after));
     const auto& l = pr.loss_scale;
     need(l.initial > 0 && l.initial <= 0x1p100, "precision.loss_scale.initial",
          fmt::format("{} must be > 0 and <= 2^100 (default 65536 = 2^16)", l.initial));
@@ -827,6 +881,20 @@ json Recipe::to_json() const {
                    {"peak_gflops", training.peak_gflops},
                    {"resume", training.resume},
                    {"max_skipped_steps", training.max_skipped_steps}};
+  const auto& an = training.anomaly;
+  j["training"]["anomaly"] = {{"enabled", an.enabled},
+                              {"warmup_steps", an.warmup_steps},
+                              {"ema_decay", an.ema_decay},
+                              {"loss_z_threshold", an.loss_z_threshold},
+                              {"grad_norm_z_threshold", an.grad_norm_z_threshold},
+                              {"min_rel_std", an.min_rel_std},
+                              {"skip", an.skip},
+                              {"lr_factor", an.lr_factor},
+                              {"lr_steps", an.lr_steps},
+                              {"rollback_after", an.rollback_after},
+                              {"rollback_window", an.rollback_window},
+                              {"skip_samples", an.skip_samples},
+                              {"max_rollbacks", an.max_rollbacks}};
   const auto& ls = precision.loss_scale;
   j["precision"] = {{"compute", precision.compute},
                     {"loss_scale",

@@ -104,6 +104,22 @@ struct Recipe {
     // A step whose loss or gradient norm is NaN/Inf is skipped (no update; data, step counter and
     // schedule advance). This many consecutive skipped steps stop the run; 0 = never stop.
     int64_t max_skipped_steps = 20;
+    // Loss-spike and NaN policy (train/anomaly.h; README "Loss spikes and NaN"). Off by default.
+    struct Anomaly {
+      bool enabled = false;
+      int64_t warmup_steps = 100;          // observed steps before spikes are detected
+      double ema_decay = 0.99;             // (0, 1): running mean/variance of the loss and the norm
+      double loss_z_threshold = 6.0;       // z-score of a loss spike; 0 = the loss is not watched
+      double grad_norm_z_threshold = 6.0;  // z-score of a gradient-norm spike; 0 = not watched
+      double min_rel_std = 0.01;           // the deviation is at least this fraction of the mean
+      bool skip = true;                    // skip the update of an anomalous step
+      double lr_factor = 0.5;              // (0, 1]: learning rate multiplier after an anomaly ...
+      int64_t lr_steps = 100;              // ... for this many steps (0 = never lowered)
+      int64_t rollback_after = 3;          // this many anomalies within rollback_window steps roll
+      int64_t rollback_window = 100;       // back to the newest healthy checkpoint (0 = never)
+      int64_t skip_samples = -1;           // samples skipped after it; -1 = those consumed since it
+      int64_t max_rollbacks = 3;           // one more needed rollback stops the run
+    } anomaly;
   } training;
 
   // Mixed precision (issue 9; optim/loss_scaler.h). compute: the dtype of the model's activations

@@ -698,6 +698,14 @@ void save_checkpoint_impl(const std::string& run_dir, const Model& model, const 
                {"world", {{"world_size", world}, {"rank", 0}}},
                {"files", files},
                {"tensors", tensors}};
+  if (st.has_health) {  // non-finite values are null (JSON has no NaN)
+    auto fin = [](double x) { return std::isfinite(x) ? json(x) : json(nullptr); };
+    body["health"] = {{"loss", fin(st.health.loss)},
+                      {"grad_norm", fin(st.health.grad_norm)},
+                      {"anomalies", st.health.anomalies},
+                      {"healthy", st.health.healthy}};
+  }
+  if (st.has_anomaly) body["anomaly"] = anomaly_state_to_json(st.anomaly);
   const std::string text = body.dump();
   json doc = {{"body", body}, {"body_xxh64", hex64(Xxh64::hash(text.data(), text.size()))}};
   io::atomic_write_file((tmp / kStateFile).string(), doc.dump() + "\n");

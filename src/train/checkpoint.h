@@ -22,6 +22,8 @@
 //                              version, step, consumed_samples, loader {epoch, position}, rng,
 //                              loss_scale (+ optional loss_scale_dynamic, loss_scale_good_steps,
 //                              skipped_steps, consecutive_skipped_steps), lr, threads, recipe,
+//                              (optional) health {loss, grad_norm, anomalies, healthy} and anomaly
+//                              (the policy's statistics and counters, train/anomaly.h),
 //                              lathe_version, optimizer name,
 //                              "files": {file: {"bytes", "xxh64"}} for the three files above, and
 //                              "tensors": {file: [{"name", "dtype", "global_shape",
@@ -49,6 +51,7 @@
 #include "io/xxh64.h"
 #include "models/model.h"
 #include "optim/optimizer.h"
+#include "train/anomaly.h"
 
 namespace lathe {
 
@@ -82,6 +85,14 @@ struct CheckpointState {
   bool loss_scale_dynamic = false;  // the run scaled the loss (fp16 or loss_scale.enabled)
   int64_t loss_scale_good_steps = 0;
   int64_t skipped_steps = 0, consecutive_skipped_steps = 0;
+  // Health at save time (optional "health" in state.json: absent in older checkpoints, which are
+  // then not known to be healthy): the step's loss and gradient norm (null in the file when not
+  // finite), the run's anomaly count, and whether the anomaly policy deems it a rollback target.
+  bool has_health = false;
+  CheckpointHealthInfo health;
+  // The anomaly policy's state (optional "anomaly"; train/anomaly.h), for an exact resume.
+  bool has_anomaly = false;
+  AnomalyState anomaly;
   nlohmann::json recipe;  // resolved recipe (Recipe::to_json())
   std::string lathe_version;
   // Additions (informational; the trainer warns when they differ on resume).

@@ -204,6 +204,51 @@ std::map<std::string, std::vector<CheckpointTensor>> read_tensors(const Fields& 
   return out;
 }
 
+// Optional "health" and "anomaly" (train/anomaly.h), written by runs since the anomaly policy.
+void read_health(const Fields& f, const json& body, CheckpointState* st) {
+  // A finite number, or null for a value that was not finite at save time.
+  auto finite_or_null = [&](const json& v, const std::string& field) {
+    if (v.is_null()) return std::numeric_limits<double>::quiet_NaN();
+    return f.number(v, field, -std::numeric_limits<double>::max(), false);
+  };
+  if (body.contains("health")) {
+    const json& h = f.object(body["health"], "health");
+    st->has_health = true;
+    st->health.loss = finite_or_null(f.member(h, "loss", "health.loss"), "health.loss");
+    st->health.grad_norm = finite_or_null(f.member(h, "grad_norm", "health.grad_norm"), "health.grad_norm");
+    st->health.anomalies = f.integer(f.member(h, "anomalies", "health.anomalies"), "health.anomalies", 0, kMaxCount);
+    const json& ok = f.member(h, "healthy", "health.healthy");
+    if (!ok.is_boolean()) f.wrong("health.healthy", ok, "true or false");
+    st->health.healthy = ok.get<bool>();
+  }
+  if (!body.contains("anomaly")) return;
+  const json& a = f.object(body["anomaly"], "anomaly");
+  st->has_anomaly = true;
+  AnomalyState& x = st->anomaly;
+  for (auto [key, stat] : {std::pair<const char*, RunningStat*>{"loss", &x.loss}, {"grad_norm", &x.grad_norm}}) {
+    const std::string field = std::string("anomaly.") + key;
+    const json& o = f.object(f.member(a, key, field), field);
+    stat->n = f.integer(f.member(o, "n", field + ".n"), field + ".n", 0, kMaxCount);
+    stat->mean =
+        f.number(f.member(o, "mean", field + ".mean"), field + ".mean", -std::numeric_limits<double>::max(), false);
+    stat->var = f.number(f.member(o, "var", field + ".var"), field + ".var", 0.0, false);
+  }
+  x.lr_steps_left =
+      f.integer(f.member(a, "lr_steps_left", "anomaly.lr_steps_left"), "anomaly.lr_steps_left", 0, kMaxCount);
+  const json& recent = f.array(f.member(a, "recent", "anomaly.recent"), "anomaly.recent");
+  if (recent.size() > (size_t{1} << 24))
+    f.fail("anomaly.recent", fmt::format("has {} entries (at most 2^24)", recent.size()));
+  for (size_t i = 0; i < recent.size(); ++i) {
+    // Steps of this run, ascending.
+    const int64_t lo = x.recent.empty() ? 1 : x.recent.back() + 1;
+    x.recent.push_back(f.integer(recent[i], fmt::format("anomaly.recent[{}]", i), lo, st->step));
+  }
+  x.skipped_updates =
+      f.integer(f.member(a, "skipped_updates", "anomaly.skipped_updates"), "anomaly.skipped_updates", 0, st->step);
+  x.anomalies = f.integer(f.member(a, "anomalies", "anomaly.anomalies"), "anomaly.anomalies", 0, kMaxCount);
+  x.rollbacks = f.integer(f.member(a, "rollbacks", "anomaly.rollbacks"), "anomaly.rollbacks", 0, kMaxCount);
+}
+
 }  // namespace
 
 CheckpointState parse_checkpoint_state(std::string_view text, const std::string& path) {
@@ -254,6 +299,7 @@ CheckpointState parse_checkpoint_state(std::string_view text, const std::string&
   if (body.contains("consecutive_skipped_steps"))
     st.consecutive_skipped_steps =
         f.integer(body["consecutive_skipped_steps"], "consecutive_skipped_steps", 0, st.skipped_steps);
+  read_health(f, body, &st);
   st.recipe = f.object(f.member(body, "recipe", "recipe"), "recipe");
   st.lathe_version = f.string(f.member(body, "lathe_version", "lathe_version"), "lathe_version");
   // lr, threads and optimizer are informational additions: absent means "not recorded".

@@ -5,6 +5,7 @@
 #include <utility>
 #include <vector>
 
+#include "config/recipe.h"
 #include "train/checkpoint.h"
 
 namespace lathe {
@@ -45,7 +46,28 @@ const std::vector<std::pair<std::string, json>>& later_defaults() {
                                                               {"precision.loss_scale.growth", 2.0},
                                                               {"precision.loss_scale.min", 1.0},
                                                               {"training.max_skipped_steps", 20}};
-  return d;
+  static const std::vector<std::pair<std::string, json>> all = [] {
+    auto v = d;
+    // training.anomaly (train/anomaly.h): a checkpoint from before it ran without the policy.
+    const Recipe::Training::Anomaly a;
+    for (const auto& [k, x] :
+         std::vector<std::pair<std::string, json>>{{"enabled", a.enabled},
+                                                   {"warmup_steps", a.warmup_steps},
+                                                   {"ema_decay", a.ema_decay},
+                                                   {"loss_z_threshold", a.loss_z_threshold},
+                                                   {"grad_norm_z_threshold", a.grad_norm_z_threshold},
+                                                   {"min_rel_std", a.min_rel_std},
+                                                   {"skip", a.skip},
+                                                   {"lr_factor", a.lr_factor},
+                                                   {"lr_steps", a.lr_steps},
+                                                   {"rollback_after", a.rollback_after},
+                                                   {"rollback_window", a.rollback_window},
+                                                   {"skip_samples", a.skip_samples},
+                                                   {"max_rollbacks", a.max_rollbacks}})
+      v.emplace_back("training.anomaly." + k, x);
+    return v;
+  }();
+  return all;
 }
 
 bool loss_scaling_on(const std::map<std::string, json>& flat) {
@@ -62,7 +84,9 @@ bool harmless_key(const std::string& k) {
       "recompute"};  // recompute changes memory, not results (bit-identical: tests/models)
   // The layout of processes changes neither the data order nor the math beyond float summation
   // order (the loader's order is global: train/trainer.cpp), so it may change on resume.
-  return keys.count(k) || k.rfind("output.", 0) == 0 || k.rfind("parallel.", 0) == 0;
+  // training.anomaly.* decides what happens on an anomaly, not how a normal step computes.
+  return keys.count(k) || k.rfind("output.", 0) == 0 || k.rfind("parallel.", 0) == 0 ||
+         k.rfind("training.anomaly.", 0) == 0;
 }
 }  // namespace
 

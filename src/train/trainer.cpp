@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <omp.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -15,22 +16,21 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
-#include <unistd.h>
-
 #include "core/blas_env.h"
 #include "core/sysinfo.h"
 #include "core/timer.h"
+#include "core/trace.h"
 #include "io/fs.h"
 #include "models/hf_weights.h"
 #include "models/memory.h"
 #include "optim/clip.h"
-#include "core/trace.h"
 #include "optim/loss_scaler.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "parallel/grad_sync.h"
 #include "parallel/sharded_optimizer.h"
 #include "tokenizer/tokenizer.h"
+#include "train/anomaly.h"
 #include "train/checkpoint.h"
 #include "train/consistency.h"
 #include "train/generate.h"
@@ -154,6 +154,7 @@ struct StepParts {
   int64_t B, T, accum, G;     // micro-batch, seq_len, accumulation, global batch (samples)
   std::vector<int32_t>& inputs;
   std::vector<int32_t>& targets;
+  AnomalyPolicy& anomaly;  // loss-spike and NaN policy (train/anomaly.h): may skip, lowers the lr
 };
 
 struct StepStats {
@@ -161,6 +162,8 @@ struct StepStats {
   int64_t step = 0;       // 1-based
   double loss_scale = 1;  // the scale this step's gradients carried
   bool skipped = false;   // non-finite loss or gradient norm: no update
+  AnomalyDecision anomaly;  // the anomaly policy's verdict (skip: no update either)
+  double lr_factor = 1;     // the anomaly policy's multiplier in lr
   double data_wait_s = 0, comm_wait_s = 0, optimizer_s = 0, seconds = 0;
 };
 
@@ -181,6 +184,30 @@ bool inject_non_finite(int64_t step) {
     return v;
   }();
   return std::find(steps.begin(), steps.end(), step) != steps.end();
+}
+
+// Test hook: LATHE_TEST_LOSS_SPIKE_STEPS="9,10" multiplies the global loss and this rank's part of
+// the reduced gradient (so the global norm) of those optimizer steps (1-based) by
+// LATHE_TEST_LOSS_SPIKE_FACTOR (default 100), once each per process: a step re-run after a
+// rollback is not spiked again. Returns the factor for `step` (1 = none).
+double inject_loss_spike(int64_t step) {
+  static std::vector<int64_t> steps = [] {
+    std::vector<int64_t> v;
+    const char* e = std::getenv("LATHE_TEST_LOSS_SPIKE_STEPS");
+    for (const char* c = e; c && *c;) {
+      char* end = nullptr;
+      const long long x = std::strtoll(c, &end, 10);
+      if (end == c) break;
+      v.push_back(x);
+      c = *end == ',' ? end + 1 : end;
+    }
+    return v;
+  }();
+  auto it = std::find(steps.begin(), steps.end(), step);
+  if (it == steps.end()) return 1.0;
+  steps.erase(it);
+  const char* f = std::getenv("LATHE_TEST_LOSS_SPIKE_FACTOR");
+  return f ? std::atof(f) : 100.0;
 }
 
 // One optimizer step of this rank: its micro-batches (gradients accumulate, the loss gradient
@@ -228,11 +255,17 @@ StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
   st.loss = loss_sum / static_cast<double>(p.G * T);
   if (inject_non_finite(step + 1) && p.opt.state_end() > p.opt.state_begin())
     p.model.grad_data()[p.opt.state_begin()] = INFINITY;
+  if (const double spike = inject_loss_spike(step + 1); spike != 1.0) {
+    st.loss *= spike;
+    float* g = p.model.grad_data();
+    for (size_t i = p.opt.state_begin(); i < p.opt.state_end(); ++i) g[i] *= static_cast<float>(spike);
+  }
   const double t_opt = now_seconds();  // norm, scaler and update: the optimizer's share of the step
   trace::Scope opt_span("grad norm + optimizer", trace::Cat::Optimizer);
   // The norm of the unscaled gradients (dividing by a power of two is exact).
   st.norm = p.opt.grad_norm(p.model.grad_data()) / st.loss_scale;
-  st.lr = optim::lr_at(p.sched, step);
+  st.lr_factor = p.anomaly.lr_factor();  // < 1 for a while after an anomaly
+  st.lr = optim::lr_at(p.sched, step) * st.lr_factor;
   const int64_t skipped_before = p.scaler.state().skipped_steps;
   switch (p.scaler.update(!std::isfinite(st.loss) || !std::isfinite(st.norm), step + 1)) {
     case optim::LossScaler::Verdict::Stop:
@@ -243,14 +276,19 @@ StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
           p.scaler.dynamic() ? "" : ", or raise training.max_skipped_steps (0 = never stop)");
     case optim::LossScaler::Verdict::Skip:
       st.skipped = true;  // weights and moments untouched; the batch is consumed, the schedule moves on
+      st.anomaly = p.anomaly.observe(step + 1, st.loss, st.norm, true, p.scaler.dynamic() && std::isfinite(st.loss));
       break;
     case optim::LossScaler::Verdict::Apply: {
+      // The same loss and norm on every rank (global): the same decision everywhere.
+      st.anomaly = p.anomaly.observe(step + 1, st.loss, st.norm, false, false);
+      if (st.anomaly.skip) break;  // a spike: weights and moments untouched, the batch consumed
       // The clipping coefficient (from the unscaled norm) and the unscaling are applied inside the
       // optimizer update (one pass less over the gradients; bit-identical to scaling them first).
       // AdamW/LAMB's bias correction counts the updates applied, not skipped steps (as torch.optim
       // under GradScaler, whose skipped steps do not advance the optimizer's step).
       const float coef = optim::clip_coefficient(st.norm, p.grad_clip) * static_cast<float>(1.0 / st.loss_scale);
-      p.opt.step(p.model.param_data(), p.model.grad_data(), st.lr, step + 1 - skipped_before, coef);
+      p.opt.step(p.model.param_data(), p.model.grad_data(), st.lr,
+                 step + 1 - skipped_before - p.anomaly.state().skipped_updates, coef);
       p.model.refresh_compute_weights();  // the bf16/fp16 copies of the new weights
       break;
     }
@@ -342,6 +380,10 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
       say(fmt::format("resume: the checkpoint's run did not scale the loss; starting at loss scale {}",
                       scaler.scale()));
   }
+  // Loss-spike and NaN policy; a resume continues its statistics and counters (its skip count
+  // enters AdamW's step count even when the resumed recipe turns the policy off).
+  AnomalyPolicy anomaly(r.training.anomaly);
+  if (!ckpt.empty() && cs.has_anomaly) anomaly.restore(cs.anomaly);
   std::vector<optim::ParamRange> ranges;
   for (const ParamSpec& s : model->params().specs())
     ranges.push_back({s.offset, static_cast<size_t>(s.numel()), s.decay, static_cast<int64_t>(ranges.size())});
@@ -462,6 +504,17 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   auto write_metrics = [&](const nlohmann::json& j) {
     if (metrics_file) metrics_file->write(j);
   };
+  // OUTPUT/anomalies.jsonl: one line per detection and per action of the anomaly policy (appended
+  // across resumes and rollbacks: it is the audit trail). Only written with the policy on.
+  std::unique_ptr<MetricsWriter> anomaly_file;
+  if (rank0 && anomaly.enabled())
+    anomaly_file =
+        std::make_unique<MetricsWriter>((fs::path(r.output.dir) / "anomalies.jsonl").string(), !ckpt.empty());
+  auto audit = [&](nlohmann::json j, const std::string& line) {
+    if (anomaly_file) anomaly_file->write(j);
+    say(line);
+  };
+  double last_loss = NAN, last_norm = NAN;  // of the last step: the health of a checkpoint
 
   std::vector<int32_t> inputs(static_cast<size_t>(B * accum * T)), targets(static_cast<size_t>(B * accum * T));
   const double flops_per_step = model->flops_per_token(T) * static_cast<double>(G * T);
@@ -484,6 +537,10 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     st.loss_scale_good_steps = scaler.state().good_steps;
     st.skipped_steps = scaler.state().skipped_steps;
     st.consecutive_skipped_steps = scaler.state().consecutive_skipped;
+    st.has_health = true;
+    st.health = anomaly.health(done, last_loss, last_norm);
+    st.has_anomaly = anomaly.enabled() || anomaly.state().skipped_updates > 0;
+    st.anomaly = anomaly.state();
     CheckpointSaveInfo info;
     // Every rank writes the moments of its part of the flat buffer (its ZeRO shard; with ZeRO 0 the
     // same cut, so the ranks share the writing), rank 0 the weights and state.json once all are done.
@@ -519,9 +576,128 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   };
   if (start_step == r.training.steps && start_step > 0)
     say(fmt::format("resume: the checkpoint is at the final step {}; only the end-of-run outputs remain", start_step));
-  StepParts parts{*model, loader, opt,   sync.get(), sync_this_pass, *world, sched, r.optimizer.grad_clip, scaler,
-                  B,      T,      accum, G,          inputs,         targets};
+  StepParts parts{*model, loader, opt,   sync.get(), sync_this_pass, *world,  sched,  r.optimizer.grad_clip, scaler,
+                  B,      T,      accum, G,          inputs,         targets, anomaly};
   const std::string precision = r.precision.compute;
+  // The anomaly policy's actions after step `step` (0-based) with stats `st`, each a line in
+  // anomalies.jsonl and the log. Returns the step to continue from after a rollback (the healthy
+  // checkpoint's), or -1. Every rank runs it with the same decision (the loss and norm are global).
+  auto act_on_anomaly = [&](int64_t step, const StepStats& st) -> int64_t {
+    const AnomalyDecision& d = st.anomaly;
+    const auto& ac = r.training.anomaly;
+    const std::string at = fmt::format("step {:>6}/{} | anomaly policy:", step + 1, r.training.steps);
+    nlohmann::json base = {{"step", step + 1}, {"loss", st.loss}, {"grad_norm", st.norm}};
+    auto line = [&](const char* event, nlohmann::json extra) {
+      nlohmann::json j = base;
+      j["event"] = event;
+      j.update(extra);
+      return j;
+    };
+    if (d.overflow) {
+      audit(line("overflow", {{"reason", d.reason}}), fmt::format("{} {}", at, d.reason));
+      return -1;
+    }
+    if (!d.anomaly) return -1;
+    audit(line("anomaly", {{"reason", d.reason},
+                           {"loss_z", d.loss_z},
+                           {"grad_norm_z", d.grad_norm_z},
+                           {"in_window", d.in_window},
+                           {"anomalies", anomaly.state().anomalies}}),
+          fmt::format("{} ANOMALY: {} (loss {:.4f}, z {:.1f}; grad norm {:.4f}, z {:.1f}); {} in the last {} steps "
+                      "(training.anomaly.rollback_after {})",
+                      at, d.reason, st.loss, d.loss_z, st.norm, d.grad_norm_z, d.in_window, ac.rollback_window,
+                      ac.rollback_after));
+    if (d.skip)
+      audit(line("skip", nlohmann::json::object()),
+            fmt::format("{} update skipped (weights and moments unchanged, batch consumed)", at));
+    if (d.lower_lr)
+      audit(
+          line("lower_lr", {{"factor", ac.lr_factor}, {"steps", ac.lr_steps}, {"until_step", step + 1 + ac.lr_steps}}),
+          fmt::format("{} learning rate x{} for steps {}-{}", at, ac.lr_factor, step + 2, step + 1 + ac.lr_steps));
+    if (d.stop) {
+      audit(line("stop", {{"reason", d.stop_reason}}), fmt::format("{} STOP: {}", at, d.stop_reason));
+      throw_error(
+          "training.anomaly: {}: training stopped. The checkpoints in {} hold the run up to here (state.json "
+          "\"health\" says which are healthy); resume one with --resume DIR after lowering optimizer.lr (or "
+          "optimizer.grad_clip), or raise training.anomaly.max_rollbacks",
+          d.stop_reason, (fs::path(r.output.dir) / "checkpoints").string());
+    }
+    if (!d.rollback) return -1;
+    // The newest checkpoint recorded as healthy, at or before this step (rank 0 decides).
+    int64_t target = -1;
+    if (rank0) {
+      auto all = list_checkpoints(r.output.dir);
+      for (auto it = all.rbegin(); it != all.rend() && target < 0; ++it) {
+        if (it->first > step + 1) continue;
+        try {
+          const CheckpointState c = read_checkpoint_state(it->second);
+          if (c.has_health && c.health.healthy) target = it->first;
+        } catch (const Error& e) {
+          say(fmt::format("{} not a rollback target: {}", at, e.what()));
+        }
+      }
+    }
+    if (dp > 1) world->broadcast(&target, sizeof(target), 0);
+    if (target < 0) {
+      anomaly.no_rollback_target();
+      audit(line("rollback_unavailable", {{"in_window", d.in_window}}),
+            fmt::format("{} {} anomalies within {} steps, but no checkpoint recorded as healthy to roll back to: "
+                        "continuing (the window restarts)",
+                        at, d.in_window, ac.rollback_window));
+      return -1;
+    }
+    const std::string dir = (fs::path(r.output.dir) / "checkpoints" / fmt::format("step_{:08d}", target)).string();
+    wait_for_checkpoint_cleanup();
+    const data::LoaderState before = loader.state();
+    const CheckpointState c = load_checkpoint(dir, *model, nullptr);  // verifies every file's checksum
+    load_checkpoint_moments(dir, *model,
+                            moment_slice(opt.local(), opt.state_begin(), opt.state_begin(), opt.state_end()));
+    model->refresh_compute_weights();
+    optim::LossScalerState ls;
+    ls.scale = c.loss_scale_dynamic ? c.loss_scale : scaler.scale();
+    ls.good_steps = c.loss_scale_dynamic ? c.loss_scale_good_steps : 0;
+    ls.skipped_steps = c.skipped_steps;
+    ls.consecutive_skipped = c.consecutive_skipped_steps;
+    scaler.restore(ls, (fs::path(dir) / "state.json").string());
+    // The data that followed the checkpoint is skipped: by default all of it (the loader keeps its
+    // position), else skip_samples samples counted from the checkpoint's position.
+    const int64_t skipped_samples = ac.skip_samples < 0 ? (step + 1 - target) * G : ac.skip_samples;
+    if (ac.skip_samples >= 0)
+      loader.restore(advance_loader_state(c.loader, ac.skip_samples, static_cast<int64_t>(train_samples.size()), G));
+    const data::LoaderState after = loader.state();
+    anomaly.rolled_back(c.has_anomaly ? &c.anomaly : nullptr);
+    if (rank0) {
+      // The curves continue from the checkpoint (as after a resume); anomalies.jsonl keeps everything.
+      metrics_file.reset();
+      trim_metrics(metrics_path, target);
+      metrics_file = std::make_unique<MetricsWriter>(metrics_path, true);
+      // Newer checkpoints belong to the abandoned timeline.
+      for (auto& [s, d2] : list_checkpoints(r.output.dir)) {
+        if (s <= target) continue;
+        std::error_code ec;
+        const std::string aside = d2 + fmt::format(".abandoned-{}", static_cast<int64_t>(std::time(nullptr)));
+        fs::rename(d2, aside, ec);
+        if (ec) throw_error("{}: cannot move this checkpoint aside to {}: {}", d2, aside, ec.message());
+      }
+    }
+    world->barrier();
+    result.losses.resize(static_cast<size_t>(std::max<int64_t>(0, target - result.start_step)));
+    audit(line("rollback", {{"to_step", target},
+                            {"checkpoint", dir},
+                            {"skip_samples", skipped_samples},
+                            {"loader_before", {{"epoch", before.epoch}, {"position", before.position}}},
+                            {"loader_after", {{"epoch", after.epoch}, {"position", after.position}}},
+                            {"rollbacks", anomaly.state().rollbacks},
+                            {"lr_factor", ac.lr_factor},
+                            {"lr_steps", anomaly.state().lr_steps_left}}),
+          fmt::format("{} ROLLBACK {} of {}: {} anomalies within {} steps; weights, moments and loss scale restored "
+                      "from {} (step {}); {} samples skipped (loader epoch {} position {} -> epoch {} position {}); "
+                      "learning rate x{} for {} steps; newer checkpoints moved aside",
+                      at, anomaly.state().rollbacks, ac.max_rollbacks, d.in_window, ac.rollback_window, dir, target,
+                      skipped_samples, before.epoch, before.position, after.epoch, after.position, ac.lr_factor,
+                      anomaly.state().lr_steps_left));
+    return target;
+  };
   StepStats prev;
   double comm_total = 0;
   for (int64_t step = start_step; step < r.training.steps; ++step) {
@@ -546,6 +722,8 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
                       path, sum.spans, sum.threads, opts.profile_first, step + 1));
     }
     if (!st.skipped) prev = st;
+    last_loss = st.loss;
+    last_norm = st.norm;
     const int64_t skipped_total = scaler.state().skipped_steps;
     const double loss = st.loss, norm = st.norm, lr = st.lr, dt = st.seconds, wait = st.data_wait_s,
                  comm_wait = st.comm_wait_s;
@@ -553,26 +731,33 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     result.losses.push_back(loss);
     const double tok_s = static_cast<double>(G * T) / dt;
     const double mfu = flops_per_step / dt / (peak * 1e9);
-    write_metrics({{"step", step + 1},
-                   {"loss", loss},
-                   {"lr", lr},
-                   {"grad_norm", norm},
-                   {"tokens_per_s", tok_s},
-                   {"mfu", mfu},
-                   {"ms_per_step", dt * 1e3},
-                   {"data_wait_pct", 100.0 * wait / dt},
-                   {"comm_exposed_ms", comm_wait * 1e3},
-                   {"comm_exposed_pct", 100.0 * comm_wait / dt},
-                   {"optimizer_ms", st.optimizer_s * 1e3},
-                   {"optimizer_pct", 100.0 * st.optimizer_s / dt},
-                   // the rest of the step: forward and backward (and what is not measured apart)
-                   {"compute_pct", 100.0 * std::max(0.0, dt - wait - comm_wait - st.optimizer_s) / dt},
-                   {"world_size", dp},
-                   {"tokens", (step + 1) * G * T},
-                   {"precision", precision},
-                   {"loss_scale", st.loss_scale},
-                   {"skipped", st.skipped},
-                   {"skipped_steps", skipped_total}});
+    nlohmann::json rec = {{"step", step + 1},
+                          {"loss", loss},
+                          {"lr", lr},
+                          {"grad_norm", norm},
+                          {"tokens_per_s", tok_s},
+                          {"mfu", mfu},
+                          {"ms_per_step", dt * 1e3},
+                          {"data_wait_pct", 100.0 * wait / dt},
+                          {"comm_exposed_ms", comm_wait * 1e3},
+                          {"comm_exposed_pct", 100.0 * comm_wait / dt},
+                          {"optimizer_ms", st.optimizer_s * 1e3},
+                          {"optimizer_pct", 100.0 * st.optimizer_s / dt},
+                          // the rest of the step: forward and backward (and what is not measured apart)
+                          {"compute_pct", 100.0 * std::max(0.0, dt - wait - comm_wait - st.optimizer_s) / dt},
+                          {"world_size", dp},
+                          {"tokens", (step + 1) * G * T},
+                          {"precision", precision},
+                          {"loss_scale", st.loss_scale},
+                          {"skipped", st.skipped},
+                          {"skipped_steps", skipped_total}};
+    if (anomaly.enabled()) {  // the policy's verdict and the factor this step's lr carried
+      rec["anomaly"] = st.anomaly.anomaly;
+      rec["anomalies"] = anomaly.state().anomalies;
+      rec["lr_factor"] = st.lr_factor;
+    }
+    write_metrics(rec);
+
     // The precision, the loss scale this step carried (fp16) and the skipped steps so far.
     const std::string prec =
         fmt::format("{}{}{}", precision, scaler.dynamic() ? fmt::format(" scale {}", st.loss_scale) : std::string(),
@@ -596,6 +781,11 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
           100.0 * st.optimizer_s / dt,
           dp > 1 ? fmt::format(" | comm exposed {:.1f} ms ({:.1f}%)", comm_wait * 1e3, 100.0 * comm_wait / dt)
                  : std::string()));
+    if (const int64_t back = act_on_anomaly(step, st); back >= 0) {
+      step = back - 1;  // the loop's ++step continues with the checkpoint's next step
+      prev = StepStats{};
+      continue;
+    }
     const bool last = step + 1 == r.training.steps;
     if (!eval_subset.empty() && r.training.eval_interval > 0 && (step + 1) % r.training.eval_interval == 0 && !last) {
       trace::Scope span("validation", trace::Cat::Eval, step + 1);
