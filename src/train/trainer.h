@@ -3,7 +3,9 @@
 // gradient accumulation over micro-batches in the recipe's compute precision (fp16: the loss
 // gradient times the dynamic loss scale, optim/loss_scaler.h), global-norm clipping, the optimizer
 // update -- skipped when the loss or gradient norm is not finite (training.max_skipped_steps in a
-// row stop the run) -- a log line and a JSONL metrics record; periodic validation; full-state
+// row stop the run) -- the loss-spike and NaN policy (training.anomaly, train/anomaly.h: skip,
+// lower the lr, roll back to a healthy checkpoint; OUTPUT/anomalies.jsonl) -- a log line and a
+// JSONL metrics record; periodic validation; full-state
 // checkpoints (checkpoint.h) every output.checkpoint_every steps, on SIGTERM/SIGINT and at
 // --stop-after; bit-exact resume; HF model directory at the end.
 #pragma once

@@ -17,6 +17,7 @@ implies, compared bit for bit:
   * rollback with the default skip_samples (the data since the checkpoint): the losses after the
     rollback equal, shifted by the skipped steps, those of a run whose three steps since the
     checkpoint were skipped as non-finite (same weights, same data, same AdamW step count)
+  * resume after a rollback, inside the lowered-lr stretch: equal to the uninterrupted run
   * the cap: a second rollback with max_rollbacks 1 stops the run with exit 1 naming the key
   * anomalies.jsonl lists every detection and action; state.json records health; `lathe report`
     lists the anomalies and marks them on the loss plot
@@ -179,6 +180,20 @@ def main():
     check(len(a) == 8 and a == b, f"default skip: losses of steps 9-16 after the rollback == steps 12-19 of a run "
           f"that skipped 9-11 as non-finite (same weights, data and AdamW count)")
 
+    # ---- resume inside the lowered-lr stretch after a rollback continues the policy exactly
+    pol = policy(lr_steps=5, after=2, extra=", skip_samples: 0")
+    full, _ = train(tmp, data, "rbl", anomaly=pol, spikes="9,11")
+    check(field(full, "lr_factor")[8:14] == [0.25] * 5 + [1.0],
+          f"after the rollback steps 9-13 run at lr x0.25: {field(full, 'lr_factor')}")
+    cut, _ = train(tmp, data, "rbl_cut", anomaly=pol, spikes="9,11", args=("--stop-after", "12"))
+    _, p = train(tmp, data, "rbl_cut", anomaly=pol, args=("--resume", "auto"))
+    check(field(cut, "loss") == field(full, "loss") and field(cut, "lr") == field(full, "lr") and
+          weights(cut) == weights(full) and state(cut, 16)["anomaly"] == state(full, 16)["anomaly"],
+          "stop at 12 (after the rollback, lr still lowered) + resume == uninterrupted: losses, lr, weights, "
+          "the policy's state")
+    check([e["event"] for e in events(cut)] == [e["event"] for e in events(full)],
+          "anomalies.jsonl continues across the resume")
+
     # ---- the cap
     cap, p = train(tmp, data, "cap", anomaly=policy(after=2, maxrb=1), spikes="9,11,13,15", ok=False)
     ev = events(cap)
@@ -199,6 +214,11 @@ def main():
               and field(dpr, "loss") == field(dpc, "loss") and weights(dpr) == weights(dpc),
               "mpirun -np 2: the same anomaly events as one process, and the rolled-back run equals the clean one"
               f"{'' if ok else ': ' + (p1.stderr + p2.stderr).strip()[-400:]}")
+        # ZeRO 1: each rank restores only its shard of the moments (bit-identical to ZeRO 0 by design).
+        dpz, p3 = train(tmp, data, "dp_rb_zero1", anomaly=policy(after=2, extra=", skip_samples: 0"), spikes="9,11",
+                        mpi=True, args=("--set", "parallel.zero=1"))
+        check(p3.returncode == 0 and field(dpz, "loss") == field(dpc, "loss") and weights(dpz) == weights(dpc),
+              f"mpirun -np 2 ZeRO 1: the rolled-back run equals the clean one{p3.stderr.strip()[-300:]}")
 
     shutil.rmtree(tmp, ignore_errors=True)
     if failures:
