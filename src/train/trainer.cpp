@@ -31,6 +31,7 @@
 #include "parallel/sharded_optimizer.h"
 #include "tokenizer/tokenizer.h"
 #include "train/anomaly.h"
+#include "train/anomaly_rollback.h"
 #include "train/checkpoint.h"
 #include "train/consistency.h"
 #include "train/generate.h"
@@ -623,22 +624,10 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
           d.stop_reason, (fs::path(r.output.dir) / "checkpoints").string());
     }
     if (!d.rollback) return -1;
-    // The newest checkpoint recorded as healthy, at or before this step (rank 0 decides).
-    int64_t target = -1;
-    if (rank0) {
-      auto all = list_checkpoints(r.output.dir);
-      for (auto it = all.rbegin(); it != all.rend() && target < 0; ++it) {
-        if (it->first > step + 1) continue;
-        try {
-          const CheckpointState c = read_checkpoint_state(it->second);
-          if (c.has_health && c.health.healthy) target = it->first;
-        } catch (const Error& e) {
-          say(fmt::format("{} not a rollback target: {}", at, e.what()));
-        }
-      }
-    }
-    if (dp > 1) world->broadcast(&target, sizeof(target), 0);
-    if (target < 0) {
+    std::vector<std::string> notes;
+    const RollbackTarget target = find_healthy_checkpoint(r.output.dir, step + 1, *world, &notes);
+    for (const auto& n : notes) say(fmt::format("{} {}", at, n));
+    if (target.step < 0) {
       anomaly.no_rollback_target();
       audit(line("rollback_unavailable", {{"in_window", d.in_window}}),
             fmt::format("{} {} anomalies within {} steps, but no checkpoint recorded as healthy to roll back to: "
@@ -646,45 +635,21 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
                         at, d.in_window, ac.rollback_window));
       return -1;
     }
-    const std::string dir = (fs::path(r.output.dir) / "checkpoints" / fmt::format("step_{:08d}", target)).string();
-    wait_for_checkpoint_cleanup();
-    const data::LoaderState before = loader.state();
-    const CheckpointState c = load_checkpoint(dir, *model, nullptr);  // verifies every file's checksum
-    load_checkpoint_moments(dir, *model,
-                            moment_slice(opt.local(), opt.state_begin(), opt.state_begin(), opt.state_end()));
-    model->refresh_compute_weights();
-    optim::LossScalerState ls;
-    ls.scale = c.loss_scale_dynamic ? c.loss_scale : scaler.scale();
-    ls.good_steps = c.loss_scale_dynamic ? c.loss_scale_good_steps : 0;
-    ls.skipped_steps = c.skipped_steps;
-    ls.consecutive_skipped = c.consecutive_skipped_steps;
-    scaler.restore(ls, (fs::path(dir) / "state.json").string());
-    // The data that followed the checkpoint is skipped: by default all of it (the loader keeps its
-    // position), else skip_samples samples counted from the checkpoint's position.
-    const int64_t skipped_samples = ac.skip_samples < 0 ? (step + 1 - target) * G : ac.skip_samples;
-    if (ac.skip_samples >= 0)
-      loader.restore(advance_loader_state(c.loader, ac.skip_samples, static_cast<int64_t>(train_samples.size()), G));
-    const data::LoaderState after = loader.state();
-    anomaly.rolled_back(c.has_anomaly ? &c.anomaly : nullptr);
+    const RollbackResult rb = restore_for_rollback(target, step + 1, ac.skip_samples, *model, opt, loader, scaler,
+                                                   anomaly, static_cast<int64_t>(train_samples.size()), G);
     if (rank0) {
       // The curves continue from the checkpoint (as after a resume); anomalies.jsonl keeps everything.
       metrics_file.reset();
-      trim_metrics(metrics_path, target);
+      trim_metrics(metrics_path, target.step);
       metrics_file = std::make_unique<MetricsWriter>(metrics_path, true);
-      // Newer checkpoints belong to the abandoned timeline.
-      for (auto& [s, d2] : list_checkpoints(r.output.dir)) {
-        if (s <= target) continue;
-        std::error_code ec;
-        const std::string aside = d2 + fmt::format(".abandoned-{}", static_cast<int64_t>(std::time(nullptr)));
-        fs::rename(d2, aside, ec);
-        if (ec) throw_error("{}: cannot move this checkpoint aside to {}: {}", d2, aside, ec.message());
-      }
+      move_checkpoints_after(r.output.dir, target.step);
     }
     world->barrier();
-    result.losses.resize(static_cast<size_t>(std::max<int64_t>(0, target - result.start_step)));
-    audit(line("rollback", {{"to_step", target},
-                            {"checkpoint", dir},
-                            {"skip_samples", skipped_samples},
+    result.losses.resize(static_cast<size_t>(std::max<int64_t>(0, target.step - result.start_step)));
+    const data::LoaderState &before = rb.before, &after = rb.after;
+    audit(line("rollback", {{"to_step", target.step},
+                            {"checkpoint", target.dir},
+                            {"skip_samples", rb.skipped_samples},
                             {"loader_before", {{"epoch", before.epoch}, {"position", before.position}}},
                             {"loader_after", {{"epoch", after.epoch}, {"position", after.position}}},
                             {"rollbacks", anomaly.state().rollbacks},
@@ -693,10 +658,10 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
           fmt::format("{} ROLLBACK {} of {}: {} anomalies within {} steps; weights, moments and loss scale restored "
                       "from {} (step {}); {} samples skipped (loader epoch {} position {} -> epoch {} position {}); "
                       "learning rate x{} for {} steps; newer checkpoints moved aside",
-                      at, anomaly.state().rollbacks, ac.max_rollbacks, d.in_window, ac.rollback_window, dir, target,
-                      skipped_samples, before.epoch, before.position, after.epoch, after.position, ac.lr_factor,
-                      anomaly.state().lr_steps_left));
-    return target;
+                      at, anomaly.state().rollbacks, ac.max_rollbacks, d.in_window, ac.rollback_window, target.dir,
+                      target.step, rb.skipped_samples, before.epoch, before.position, after.epoch, after.position,
+                      ac.lr_factor, anomaly.state().lr_steps_left));
+    return target.step;
   };
   StepStats prev;
   double comm_total = 0;
