@@ -1,5 +1,6 @@
 // lathe convert --from-hf DIR [--to DIR] [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]
-//               [--resize-vocab N] [--to-gguf FILE] [--verify] [--tol 1e-4]
+//               [--resize-vocab N] [--to-gguf FILE [--gguf-pre NAME] [--gguf-tokenizer PATH]] [--verify]
+//               [--tol 1e-4]
 //   Imports a Hugging Face model directory strictly (load report printed), writes it back out as
 //   an HF directory and/or GGUF, and with --verify compares lathe's logits against `transformers`
 //   (run by /usr/bin/python3, or $LATHE_PYTHON) on fixed token sequences.
@@ -225,7 +226,7 @@ namespace {
 int run_convert(int argc, char** argv) {
   CLI::App app{"Import a Hugging Face model directory; write HF safetensors and/or GGUF; check parity",
                "lathe convert"};
-  std::string from, to, dtype_s = "fp32", shard_s = "5GB", gguf;
+  std::string from, to, dtype_s = "fp32", shard_s = "5GB", gguf, gguf_pre, gguf_tok;
   int64_t resize = 0;
   double tol = 1e-4;
   bool verify = false;
@@ -234,7 +235,9 @@ int run_convert(int argc, char** argv) {
   app.add_option("--dtype", dtype_s, "output dtype: fp32, bf16 or fp16 (GGUF: fp32 or fp16)");
   app.add_option("--max-shard-size", shard_s, "shard model.safetensors above this size (default 5GB)");
   app.add_option("--resize-vocab", resize, "grow the vocabulary to N rows (new rows = mean embedding)");
-  app.add_option("--to-gguf", gguf, "also write a GGUF file for llama.cpp (llama family)");
+  app.add_option("--to-gguf", gguf, "also write a GGUF file for llama.cpp (gpt2, llama, qwen2, mistral)");
+  app.add_option("--gguf-pre", gguf_pre, "llama.cpp pre-tokenizer name (default: derived from the tokenizer)");
+  app.add_option("--gguf-tokenizer", gguf_tok, "tokenizer for the GGUF (default: the directory's tokenizer files)");
   app.add_flag("--verify", verify, "compare logits with transformers on fixed token sequences");
   app.add_option("--tol", tol, "--verify tolerance on the max abs logit difference (x max(1, max|logit|))");
   LATHE_CLI_PARSE(app, argc, argv);
@@ -260,10 +263,13 @@ int run_convert(int argc, char** argv) {
   }
   if (!gguf.empty()) {
     LATHE_CHECK(dtype == DType::F32 || dtype == DType::F16, "--to-gguf writes f32 or f16; --dtype is {}", dtype_s);
-    const fs::path tj = fs::path(from) / "tokenizer.json";
-    std::error_code tj_ec;
-    fmt::print("{}\n", save_gguf(*model, gguf, dtype, fs::exists(tj, tj_ec) ? tj.string() : "",
-                                 fs::path(fs::absolute(from)).filename().string()));
+    GgufExportOptions go;
+    go.dtype = dtype;
+    go.name = fs::path(fs::absolute(from)).filename().string();
+    go.pre = gguf_pre;
+    go.model_dir = from;
+    go.tokenizer = !gguf_tok.empty() ? gguf_tok : gguf_tokenizer_in(from);
+    fmt::print("{}\n", save_gguf(*model, gguf, go));
   }
   if (!verify) return 0;
   // A resized vocabulary has no reference to compare against.

@@ -1,5 +1,5 @@
 // lathe export CHECKPOINT_OR_RUN_OR_MODEL_DIR --to DIR [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]
-//              [--to-gguf FILE]
+//              [--to-gguf FILE [--gguf-pre NAME] [--gguf-tokenizer PATH]]
 //              [--to-onnx FILE [--static-seq-len N] [--external-data]]   (models/onnx_export.h)
 // Source, in this order:
 //   * a checkpoint directory (state.json: checksums verified, weights loaded by load_checkpoint);
@@ -109,12 +109,14 @@ Source load_source(const std::string& path) {
 
 int run_export(int argc, char** argv) {
   CLI::App app{"Checkpoint or run -> Hugging Face directory (and GGUF)", "lathe export"};
-  std::string src, to, dtype_s = "fp32", shard_s = "5GB", gguf;
+  std::string src, to, dtype_s = "fp32", shard_s = "5GB", gguf, gguf_pre, gguf_tok;
   app.add_option("source", src, "checkpoint directory, run directory or HF model directory")->required();
   app.add_option("--to", to, "output Hugging Face directory");
   app.add_option("--dtype", dtype_s, "fp32, bf16 or fp16 (GGUF: fp32 or fp16)");
   app.add_option("--max-shard-size", shard_s, "shard model.safetensors above this size (default 5GB)");
-  app.add_option("--to-gguf", gguf, "also write a GGUF file for llama.cpp (llama family)");
+  app.add_option("--to-gguf", gguf, "also write a GGUF file for llama.cpp (gpt2, llama, qwen2, mistral)");
+  app.add_option("--gguf-pre", gguf_pre, "llama.cpp pre-tokenizer name (default: derived from the tokenizer)");
+  app.add_option("--gguf-tokenizer", gguf_tok, "tokenizer for the GGUF (default: the run's or the model directory's)");
   std::string onnx;
   int64_t onnx_seq = 0;
   bool onnx_external = false;
@@ -161,10 +163,16 @@ int run_export(int argc, char** argv) {
   }
   if (!gguf.empty()) {
     LATHE_CHECK(dtype == DType::F32 || dtype == DType::F16, "--to-gguf writes f32 or f16; --dtype is {}", dtype_s);
-    std::string tj;
-    for (const auto& f : tok_files)
-      if (fs::path(f).filename() == "tokenizer.json") tj = f;
-    fmt::print("{}\n", save_gguf(*s.model, gguf, dtype, tj));
+    GgufExportOptions go;
+    go.dtype = dtype;
+    go.pre = gguf_pre;
+    go.model_dir = s.hf_dir;  // its generation_config.json
+    // The tokenizer lathe used: --gguf-tokenizer, the run's data.tokenizer, else the HF directory's.
+    go.tokenizer = !gguf_tok.empty()       ? gguf_tok
+                   : !s.tokenizer.empty() ? s.tokenizer
+                   : s.hf_dir.empty()     ? ""
+                                          : gguf_tokenizer_in(s.hf_dir);
+    fmt::print("{}\n", save_gguf(*s.model, gguf, go));
   }
   if (!onnx.empty()) {
     OnnxExportOptions oo;

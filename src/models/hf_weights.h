@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "models/gguf_export.h"
 #include "models/model.h"
 
 namespace lathe {
@@ -56,13 +57,6 @@ std::string load_hf_weights(Model& model, const std::string& dir, const HfLoadOp
 std::unique_ptr<Model> load_hf_model(const std::string& dir, std::string* report = nullptr,
                                      const HfLoadOptions& opts = {});
 
-// GGUF export for llama.cpp (shared/reference/gguf.md). llama and mistral -> architecture
-// "llama" with q/k rows permuted from HF's rotate_half order to llama.cpp's interleaved RoPE
-// order; qwen2 -> architecture "qwen2" (NEOX RoPE, no permutation, q/k/v biases). gpt2 is refused.
-// dtype F32 or F16 (1-D tensors stay F32, as llama.cpp's converter does). tokenizer_json: an HF
-// tokenizer.json with a BPE model, written as tokenizer.ggml.* ("gpt2" byte-level BPE); "" ->
-// tokenizer.ggml.model = "no_vocab". Returns a one-line summary.
-std::string save_gguf(const Model& model, const std::string& path, DType dtype = DType::F32,
-                      const std::string& tokenizer_json = "", const std::string& name = "lathe");
+// GGUF export (save_gguf) moved to models/gguf_export.h, included here for older callers.
 
 }  // namespace lathe

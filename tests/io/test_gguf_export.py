@@ -12,7 +12,7 @@ Checked, for f32 and f16, for a Llama with grouped-query attention (untied head)
     the fp16-rounded source); qwen2 is NOT permuted (NEOX RoPE)
   * tokenizer.ggml.* from the HF tokenizer.json (tokens in id order, merges), and an export from a
     trained run carries the tokenizer file next to the HF weights and into the GGUF
-  * gpt2 is refused with a message
+  * gpt2 -> architecture gpt2 (fused qkv transposed from Conv1D, learned positions, tied head)
 """
 import os
 import shutil
@@ -226,11 +226,29 @@ output: {{dir: {run_dir}, checkpoint_every: 1}}
     trained = transformers.AutoModelForCausalLM.from_pretrained(exp)
     check_file(gg, trained, "llama", False, vocab)
 
+    # gpt2 -> architecture gpt2: fused qkv stored [3C, C] (HF Conv1D [C, 3C] transposed), learned
+    # positions, LayerNorm biases, no output.weight (tied; llama.cpp reuses token_embd)
     gpt2_dir = os.path.join(tmp, "gpt2")
-    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64,
-                                                         n_positions=32)).save_pretrained(gpt2_dir)
-    p = run(["convert", "--from-hf", gpt2_dir, "--to-gguf", os.path.join(tmp, "g.gguf")], ok=False)
-    check(p.returncode != 0 and "llama family" in p.stderr + p.stdout, "gpt2 GGUF export refused with a message")
+    torch.manual_seed(13)
+    g2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64,
+                                                              n_positions=32))
+    g2.save_pretrained(gpt2_dir)
+    out = os.path.join(tmp, "g.gguf")
+    run(["convert", "--from-hf", gpt2_dir, "--to-gguf", out])
+    r = gguf.GGUFReader(out)
+    got = {t.name: np.asarray(t.data).reshape(list(reversed([int(x) for x in t.shape]))) for t in r.tensors}
+    sd = {k: v.float().numpy() for k, v in g2.state_dict().items()}
+    want = {"token_embd.weight": sd["transformer.wte.weight"], "position_embd.weight": sd["transformer.wpe.weight"],
+            "blk.0.attn_qkv.weight": sd["transformer.h.0.attn.c_attn.weight"].T,
+            "blk.0.attn_qkv.bias": sd["transformer.h.0.attn.c_attn.bias"],
+            "blk.0.ffn_up.weight": sd["transformer.h.0.mlp.c_fc.weight"].T,
+            "blk.0.ffn_down.weight": sd["transformer.h.0.mlp.c_proj.weight"].T,
+            "output_norm.bias": sd["transformer.ln_f.bias"]}
+    check(field(r, "general.architecture")[0] == "gpt2" and len(got) == 16 and "output.weight" not in got
+          and all(np.array_equal(got[k], v) for k, v in want.items())
+          and field(r, "gpt2.attention.layer_norm_epsilon")[0] == float(np.float32(1e-5))
+          and field(r, "gpt2.context_length")[0] == 32,
+          f"gpt2 -> GGUF architecture gpt2, 16 tensors, Conv1D weights transposed, no output.weight: {sorted(got)}")
 
     shutil.rmtree(tmp)
     print(f"{0 if failures else 1} passed, {1 if failures else 0} failed")

@@ -1,0 +1,172 @@
+#include "models/gguf_export.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <regex>
+#include <utility>
+#include <vector>
+
+#include "core/error.h"
+#include "io/gguf.h"
+#include "models/gguf_tokenizer.h"
+
+namespace lathe {
+
+namespace {
+
+// HF rotate_half order -> llama.cpp interleaved order, per head: new row 2j = old row j,
+// new row 2j+1 = old row j + hd/2. W: [n_head*hd, cols] (cols = 1 for a bias).
+std::vector<float> permute_rope_rows(const float* w, int64_t n_head, int64_t hd, int64_t cols) {
+  std::vector<float> out(static_cast<size_t>(n_head * hd * cols));
+  for (int64_t h = 0; h < n_head; ++h)
+    for (int64_t j = 0; j < hd / 2; ++j)
+      for (int64_t half = 0; half < 2; ++half) {
+        const float* src = w + ((h * hd) + half * (hd / 2) + j) * cols;
+        std::copy(src, src + cols, out.begin() + ((h * hd) + 2 * j + half) * cols);
+      }
+  return out;
+}
+
+using NameMap = std::vector<std::pair<std::string, std::string>>;
+
+// Parameter name -> GGUF tensor name: whole-model names, then per-block suffixes.
+std::string gguf_name(const std::string& name, const NameMap& top, const std::regex& layer_re, const NameMap& block,
+                      std::string* suffix) {
+  for (const auto& [hf, gg] : top)
+    if (hf == name) return gg;
+  std::smatch m;
+  if (std::regex_match(name, m, layer_re)) {
+    *suffix = m[2].str();
+    for (const auto& [hf, gg] : block)
+      if (hf == *suffix) return fmt::format("blk.{}.{}", m[1].str(), gg);
+  }
+  throw_error("internal: no GGUF name for parameter {}", name);
+}
+
+}  // namespace
+
+std::string gguf_tokenizer_in(const std::string& dir) {
+  std::error_code ec;
+  for (const char* f : {"tokenizer.json", "tokenizer.model", "encoder.json", "vocab.json"})
+    if (std::filesystem::exists(std::filesystem::path(dir) / f, ec)) return dir;
+  return "";
+}
+
+std::string save_gguf(const Model& model, const std::string& path, DType dtype, const std::string& tokenizer_json,
+                      const std::string& name) {
+  GgufExportOptions o;
+  o.dtype = dtype;
+  o.tokenizer = tokenizer_json;
+  o.name = name;
+  return save_gguf(model, path, o);
+}
+
+std::string save_gguf(const Model& model, const std::string& path, const GgufExportOptions& opts) {
+  const ModelConfig& c = model.config();
+  const DType dtype = opts.dtype;
+  LATHE_CHECK(dtype == DType::F32 || dtype == DType::F16, "--to-gguf: dtype must be f32 or f16, not {}",
+              dtype_name(dtype));
+  const bool gpt2 = c.is_gpt2();
+  LATHE_CHECK(gpt2 || c.is_llama(),
+              "--to-gguf: GGUF export supports gpt2 and the llama family (llama, qwen2, mistral), not {}",
+              c.model_type);
+  if (gpt2)
+    LATHE_CHECK(c.hidden_act == "gelu_new",
+                "--to-gguf: activation {} of this gpt2 model: llama.cpp's gpt2 architecture computes the tanh GELU "
+                "(gelu_new) only",
+                c.hidden_act);
+  else
+    LATHE_CHECK(c.hidden_act == "silu", "--to-gguf: activation {}: llama.cpp's {} architecture computes SwiGLU (silu)",
+                c.hidden_act, c.model_type);
+  LATHE_CHECK(c.sliding_window == 0 || c.sliding_window >= c.max_position_embeddings,
+              "--to-gguf: sliding_window {} < context {}: llama.cpp's llama architecture would attend to the full "
+              "context; refusing rather than writing a model that computes something else",
+              c.sliding_window, c.max_position_embeddings);
+  // llama.cpp: llama (and mistral, converted as llama) use NORM RoPE -> q/k rows permuted;
+  // qwen2 uses NEOX RoPE (HF's rotate_half) natively; gpt2 has no RoPE.
+  const bool qwen = c.model_type == "qwen2";
+  const std::string arch = gpt2 ? "gpt2" : qwen ? "qwen2" : "llama";
+  const bool permute = arch == "llama";
+  const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim(), C = c.hidden_size;
+
+  io::GgufWriter w;
+  w.add_string("general.architecture", arch);
+  w.add_string("general.name", opts.name);
+  w.add_u32("general.file_type", dtype == DType::F16 ? 1 : 0);
+  auto u32 = [](int64_t v) { return static_cast<uint32_t>(v); };
+  w.add_u32(arch + ".context_length", u32(c.max_position_embeddings));
+  w.add_u32(arch + ".embedding_length", u32(C));
+  w.add_u32(arch + ".block_count", u32(c.num_hidden_layers));
+  w.add_u32(arch + ".feed_forward_length", u32(c.intermediate_size));
+  w.add_u32(arch + ".attention.head_count", u32(H));
+  if (gpt2) {
+    w.add_f32(arch + ".attention.layer_norm_epsilon", static_cast<float>(c.norm_eps));
+  } else {
+    w.add_u32(arch + ".attention.head_count_kv", u32(KV));
+    w.add_f32(arch + ".rope.freq_base", static_cast<float>(c.rope_theta));
+    w.add_f32(arch + ".attention.layer_norm_rms_epsilon", static_cast<float>(c.norm_eps));
+    w.add_u32(arch + ".rope.dimension_count", u32(D));
+  }
+  w.add_u32(arch + ".vocab_size", u32(c.vocab_size));
+  std::string tok_desc = "no tokenizer (tokenizer.ggml.model = no_vocab)";
+  if (!opts.tokenizer.empty()) {
+    GgufTokenizerOptions to;
+    to.path = opts.tokenizer;
+    to.pre = opts.pre;
+    to.model_dir = opts.model_dir;
+    tok_desc = "tokenizer: " + add_gguf_tokenizer(w, c, to);
+  } else {
+    LATHE_CHECK(opts.pre.empty(), "--gguf-pre {} given but there is no tokenizer to export", opts.pre);
+    w.add_string("tokenizer.ggml.model", "no_vocab");
+  }
+
+  // Parameter -> GGUF tensor name. lathe keeps every weight as [out, in] (GPT-2's Conv1D weights
+  // too), which is the PyTorch Linear shape GGUF's reversed dims expect.
+  static const NameMap llama_top = {{"model.embed_tokens.weight", "token_embd.weight"},
+                                    {"model.norm.weight", "output_norm.weight"},
+                                    {"lm_head.weight", "output.weight"}};
+  static const NameMap llama_block = {
+      {"input_layernorm.weight", "attn_norm.weight"}, {"self_attn.q_proj.weight", "attn_q.weight"},
+      {"self_attn.k_proj.weight", "attn_k.weight"},   {"self_attn.v_proj.weight", "attn_v.weight"},
+      {"self_attn.q_proj.bias", "attn_q.bias"},       {"self_attn.k_proj.bias", "attn_k.bias"},
+      {"self_attn.v_proj.bias", "attn_v.bias"},       {"self_attn.o_proj.weight", "attn_output.weight"},
+      {"self_attn.o_proj.bias", "attn_output.bias"},  {"post_attention_layernorm.weight", "ffn_norm.weight"},
+      {"mlp.gate_proj.weight", "ffn_gate.weight"},    {"mlp.up_proj.weight", "ffn_up.weight"},
+      {"mlp.down_proj.weight", "ffn_down.weight"},
+  };
+  // gpt2 is always tied: no output.weight, llama.cpp uses token_embd for the head.
+  static const NameMap gpt2_top = {{"transformer.wte.weight", "token_embd.weight"},
+                                   {"transformer.wpe.weight", "position_embd.weight"},
+                                   {"transformer.ln_f.weight", "output_norm.weight"},
+                                   {"transformer.ln_f.bias", "output_norm.bias"}};
+  static const NameMap gpt2_block = {
+      {"ln_1.weight", "attn_norm.weight"},          {"ln_1.bias", "attn_norm.bias"},
+      {"attn.c_attn.weight", "attn_qkv.weight"},    {"attn.c_attn.bias", "attn_qkv.bias"},
+      {"attn.c_proj.weight", "attn_output.weight"}, {"attn.c_proj.bias", "attn_output.bias"},
+      {"ln_2.weight", "ffn_norm.weight"},           {"ln_2.bias", "ffn_norm.bias"},
+      {"mlp.c_fc.weight", "ffn_up.weight"},         {"mlp.c_fc.bias", "ffn_up.bias"},
+      {"mlp.c_proj.weight", "ffn_down.weight"},     {"mlp.c_proj.bias", "ffn_down.bias"},
+  };
+  static const std::regex llama_re(R"(model\.layers\.(\d+)\.(.+))"), gpt2_re(R"(transformer\.h\.(\d+)\.(.+))");
+  for (const ParamSpec& s : model.params().specs()) {
+    const float* data = model.param_data() + s.offset;
+    std::string suffix;
+    const std::string gname = gpt2 ? gguf_name(s.name, gpt2_top, gpt2_re, gpt2_block, &suffix)
+                                   : gguf_name(s.name, llama_top, llama_re, llama_block, &suffix);
+    const DType t = s.shape.size() >= 2 ? dtype : DType::F32;  // 1-D tensors stay F32
+    const bool is_q = suffix.rfind("self_attn.q_proj.", 0) == 0, is_k = suffix.rfind("self_attn.k_proj.", 0) == 0;
+    if (permute && (is_q || is_k)) {
+      const int64_t cols = s.shape.size() == 2 ? s.shape[1] : 1;
+      w.add_tensor_owned(gname, s.shape, permute_rope_rows(data, is_q ? H : KV, D, cols), t);
+    } else {
+      w.add_tensor(gname, s.shape, data, t);
+    }
+  }
+  const size_t n = w.write(path);
+  return fmt::format("wrote {} ({} tensors, {} metadata keys, {:.1f} MB, architecture {}{}, {})", path, w.num_tensors(),
+                     w.num_kv(), n / 1e6, arch, permute ? ", q/k rows permuted for NORM RoPE" : "", tok_desc);
+}
+
+}  // namespace lathe

@@ -1,0 +1,40 @@
+// GGUF export for llama.cpp (shared/reference/gguf.md): a lathe model as a GGUF v3 file that
+// llama.cpp runs like lathe (tested against llama.cpp itself in tests/io/test_gguf_llama_cpp.py).
+//
+//   llama, mistral -> architecture "llama": q/k rows permuted from HF's rotate_half order to
+//                     llama.cpp's interleaved (NORM) RoPE order.
+//   qwen2          -> "qwen2" (NEOX RoPE, no permutation, q/k/v biases).
+//   gpt2           -> "gpt2" (LayerNorm with biases, learned positions, fused qkv; llama.cpp's
+//                     GELU reads a fp16 table, so its logits differ from lathe's by ~1e-3).
+// dtype F32 or F16 (1-D tensors stay F32, as llama.cpp's converter does). The tokenizer is written
+// as tokenizer.ggml.* by models/gguf_tokenizer.h; none -> tokenizer.ggml.model = "no_vocab".
+// What llama.cpp cannot represent (a sliding window shorter than the context, a GELU other than
+// tanh, a tokenizer whose pre-tokenizer llama.cpp has no name for, ...) is refused with the reason.
+#pragma once
+#include <string>
+
+#include "core/dtype.h"
+#include "models/model.h"
+
+namespace lathe {
+
+struct GgufExportOptions {
+  DType dtype = DType::F32;
+  std::string name = "lathe";  // general.name
+  std::string tokenizer;       // lathe tokenizer path ("byte", a directory or a file); "" = no_vocab
+  std::string pre;             // tokenizer.ggml.pre override (--gguf-pre); "" = derived
+  std::string model_dir;       // directory with generation_config.json, "" = none
+};
+
+// Writes `path` atomically. Returns a one-line summary (architecture, tensors, tokenizer, notes).
+std::string save_gguf(const Model& model, const std::string& path, const GgufExportOptions& opts);
+
+// `dir` when it holds tokenizer files lathe loads (tokenizer.json, tokenizer.model, encoder.json,
+// vocab.json), else "" (the default tokenizer of a model directory's GGUF export).
+std::string gguf_tokenizer_in(const std::string& dir);
+
+// Older form: tokenizer_json is an HF tokenizer.json path or "".
+std::string save_gguf(const Model& model, const std::string& path, DType dtype = DType::F32,
+                      const std::string& tokenizer_json = "", const std::string& name = "lathe");
+
+}  // namespace lathe
