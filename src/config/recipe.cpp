@@ -724,9 +724,20 @@ class Parser {
     // parallel (the degrees against the world size: when training starts, train/trainer.cpp)
     const auto& p = r.parallel;
     in_range("parallel.data", p.data, 0, kMaxRanks, " (0 = all processes not used by tensor/pipeline)");
-    need(p.tensor == 1, "parallel.tensor",
-         fmt::format("{}: tensor parallelism is not implemented yet; use 1 (data parallelism: parallel.data)",
-                     p.tensor));
+    in_range("parallel.tensor", p.tensor, 1, kMaxRanks, " (1 = no tensor parallelism)");
+    // What tensor parallelism does not cover yet (issue 10), refused rather than run wrongly.
+    need(p.tensor == 1 || p.zero == 0, "parallel.zero",
+         fmt::format("{} with parallel.tensor = {}: ZeRO is not combined with tensor parallelism yet; use "
+                     "parallel.zero: 0",
+                     p.zero, p.tensor));
+    need(p.tensor == 1 || r.optimizer.name == "adamw", "optimizer.name",
+         fmt::format("'{}' with parallel.tensor = {}: LAMB's per-tensor trust ratio is not computed across "
+                     "tensor-parallel shards yet; use adamw or parallel.tensor: 1",
+                     r.optimizer.name, p.tensor));
+    need(p.tensor == 1 || r.precision.compute == "fp32", "precision.compute",
+         fmt::format("'{}' with parallel.tensor = {}: tensor parallelism computes in fp32 only so far; use fp32 "
+                     "or parallel.tensor: 1",
+                     r.precision.compute, p.tensor));
     need(p.pipeline == 1, "parallel.pipeline",
          fmt::format("{}: pipeline parallelism is not implemented yet; use 1 (data parallelism: parallel.data)",
                      p.pipeline));

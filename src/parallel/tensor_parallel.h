@@ -62,4 +62,10 @@ void attach_tensor_parallel(Model& m, dist::Communicator& tp_group);
 // Returns [begin, end) ranges in floats, merged where adjacent.
 std::vector<std::pair<size_t, size_t>> owned_ranges(const ParamTable& local, int rank);
 
+// The L2 norm of the whole model's gradient from each rank's local gradient buffer: the squares of
+// `owned` (owned_ranges) in double, chunked as optim::global_grad_norm, summed across the group in
+// rank order. The same value on every rank; NaN/Inf anywhere gives a non-finite norm everywhere.
+double tensor_parallel_grad_norm(dist::Communicator& tp_group, const float* grads,
+                                 const std::vector<std::pair<size_t, size_t>>& owned);
+
 }  // namespace lathe::parallel

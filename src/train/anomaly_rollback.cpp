@@ -32,16 +32,21 @@ RollbackTarget find_healthy_checkpoint(const std::string& run_dir, int64_t max_s
   return t;
 }
 
-RollbackResult restore_for_rollback(const RollbackTarget& t, int64_t step_done, int64_t skip_samples, Model& model,
-                                    parallel::ShardedOptimizer& opt, data::DataLoader& loader,
-                                    optim::LossScaler& scaler, AnomalyPolicy& policy, int64_t epoch_samples,
-                                    int64_t G) {
+RollbackResult restore_for_rollback(
+    const RollbackTarget& t, int64_t step_done, int64_t skip_samples, Model& model, parallel::ShardedOptimizer& opt,
+    data::DataLoader& loader, optim::LossScaler& scaler, AnomalyPolicy& policy, int64_t epoch_samples, int64_t G,
+    const std::function<CheckpointState(const std::string&)>& load_weights_and_moments) {
   wait_for_checkpoint_cleanup();  // no background deletion under our feet
   RollbackResult res;
   res.before = loader.state();
-  const CheckpointState c = load_checkpoint(t.dir, model, nullptr);  // verifies every file's checksum
-  load_checkpoint_moments(t.dir, model,
-                          moment_slice(opt.local(), opt.state_begin(), opt.state_begin(), opt.state_end()));
+  // Weights and moments (verifying every file's checksum); a tensor-parallel trainer passes its own
+  // loader, which reads the whole model and keeps this rank's shard.
+  const CheckpointState c = load_weights_and_moments ? load_weights_and_moments(t.dir) : [&] {
+    CheckpointState st = load_checkpoint(t.dir, model, nullptr);
+    load_checkpoint_moments(t.dir, model,
+                            moment_slice(opt.local(), opt.state_begin(), opt.state_begin(), opt.state_end()));
+    return st;
+  }();
   model.refresh_compute_weights();  // the bf16/fp16 copies of the restored weights
   // As a resume does (train/trainer.cpp): a checkpoint of a run without dynamic scaling keeps the
   // current scale.

@@ -2,6 +2,7 @@
 // checkpoint and restores the training state from it). Used by train/trainer.cpp.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -11,6 +12,7 @@
 #include "optim/loss_scaler.h"
 #include "parallel/sharded_optimizer.h"
 #include "train/anomaly.h"
+#include "train/checkpoint.h"
 
 namespace lathe {
 
@@ -35,9 +37,10 @@ struct RollbackResult {
 // plus skip_samples samples, or stays where it is when skip_samples is -1 (all samples consumed
 // since the checkpoint are skipped). epoch_samples: the training samples the loader draws from;
 // G: samples per step.
-RollbackResult restore_for_rollback(const RollbackTarget& t, int64_t step_done, int64_t skip_samples, Model& model,
-                                    parallel::ShardedOptimizer& opt, data::DataLoader& loader,
-                                    optim::LossScaler& scaler, AnomalyPolicy& policy, int64_t epoch_samples, int64_t G);
+RollbackResult restore_for_rollback(
+    const RollbackTarget& t, int64_t step_done, int64_t skip_samples, Model& model, parallel::ShardedOptimizer& opt,
+    data::DataLoader& loader, optim::LossScaler& scaler, AnomalyPolicy& policy, int64_t epoch_samples, int64_t G,
+    const std::function<CheckpointState(const std::string&)>& load_weights_and_moments = {});
 
 // Rank 0: checkpoints of run_dir newer than `step` belong to an abandoned timeline; they are
 // renamed to step_XXXXXXXX.abandoned-TIME so that --resume auto and keep_last ignore them.

@@ -13,11 +13,12 @@
 #include "data/loader.h"
 #include "io/json.h"
 #include "kernels/backend.h"
-#include "models/hf_weights.h"
 #include "kernels/cpu/ops_bf16.h"
+#include "models/hf_weights.h"
 #include "models/memory.h"
 #include "models/recompute.h"
 #include "optim/schedule.h"
+#include "parallel/tensor_parallel.h"
 #include "train/consistency.h"
 
 namespace lathe {
@@ -291,14 +292,16 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
     const char* isa = std::getenv("ONEDNN_MAX_CPU_ISA");
     if (!isa) isa = std::getenv("DNNL_MAX_CPU_ISA");
     if (!cpu::cpu_has_avx512_bf16())
-      log.note(fmt::format("this CPU has no AVX512-BF16: {} GEMMs run on a slower path (operands widened to fp32 "
-                           "inside the kernels); results are correct, only slower (precision.compute fp32 may be "
-                           "faster here)",
-                           r.precision.compute));
+      log.note(
+          fmt::format("this CPU has no AVX512-BF16: {} GEMMs run on a slower path (operands widened to fp32 "
+                      "inside the kernels); results are correct, only slower (precision.compute fp32 may be "
+                      "faster here)",
+                      r.precision.compute));
     else if (isa)
-      log.note(fmt::format("oneDNN is limited to ISA {} by the environment: {} GEMMs may run on a slower path "
-                           "(results are correct)",
-                           isa, r.precision.compute));
+      log.note(
+          fmt::format("oneDNN is limited to ISA {} by the environment: {} GEMMs may run on a slower path "
+                      "(results are correct)",
+                      isa, r.precision.compute));
   }
 
   // 4. output directory
@@ -320,8 +323,7 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   // Per process: ZeRO 1/2 divide the moments by the data degree.
   const int64_t data = std::max<int64_t>(1, r.parallel.data);
   const Recompute rc = parse_recompute(r.recompute, r.source + ": recompute");
-  const MemoryEstimate est =
-      estimate_memory(r.model, B, T, kMoments, r.parallel.zero > 0 ? data : 1, spec.dtype, rc);
+  const MemoryEstimate est = estimate_memory(r.model, B, T, kMoments, r.parallel.zero > 0 ? data : 1, spec.dtype, rc);
   check_memory_fits(est, r.model, r.source);
   const MachineMemory mm = machine_memory();
   log.ok(fmt::format("memory: {} fits ({} {})", est.breakdown(), mm.source,
@@ -341,7 +343,16 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
     pf.model = build_model(r.model, spec);
   }
   log.ok(fmt::format("model {}: {} parameters", r.model.model_type, pf.model->num_params()));
-  if (!check_only) pf.model->allocate(B, T, kMoments, rc);
+  if (r.parallel.tensor > 1) {
+    // Heads, KV heads and the MLP width must split evenly; the trainer builds each rank's model
+    // from this config and keeps pf.model (unallocated) as the whole model for checkpoints.
+    const ModelConfig shard = parallel::tensor_parallel_config(pf.model->config(), static_cast<int>(r.parallel.tensor));
+    log.ok(fmt::format("tensor parallel {}: {} of {} heads, {} of {} KV heads, MLP width {} per rank",
+                       r.parallel.tensor, shard.num_attention_heads, pf.model->config().num_attention_heads,
+                       shard.num_key_value_heads, pf.model->config().num_key_value_heads, shard.intermediate_size));
+  } else if (!check_only) {
+    pf.model->allocate(B, T, kMoments, rc);
+  }
   if (!pf.ckpt.empty() && check_only) {
     // Everything, moments included, into a full-size optimizer that is then dropped.
     auto full = optim::make_optimizer(ocfg, pf.model->num_params());

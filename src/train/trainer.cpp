@@ -29,6 +29,7 @@
 #include "optim/schedule.h"
 #include "parallel/grad_sync.h"
 #include "parallel/sharded_optimizer.h"
+#include "parallel/tensor_parallel.h"
 #include "tokenizer/tokenizer.h"
 #include "train/anomaly.h"
 #include "train/anomaly_rollback.h"
@@ -146,9 +147,11 @@ struct StepParts {
   Model& model;
   data::DataLoader& loader;  // hands out this rank's B x accum rows of each global batch
   parallel::ShardedOptimizer& opt;
-  parallel::GradSync* sync;  // null with one rank
-  bool& sync_this_pass;      // read by the model's grads_ready hook
-  dist::Communicator& world;
+  parallel::GradSync* sync;      // null with one rank
+  bool& sync_this_pass;          // read by the model's grads_ready hook
+  dist::Communicator& world;     // the data-parallel group (the whole world without tensor parallelism)
+  dist::Communicator* tp_group;  // tensor-parallel group, or null
+  const std::vector<std::pair<size_t, size_t>>& tp_owned;  // the gradient elements this rank counts in the norm
   const optim::ScheduleConfig& sched;
   double grad_clip;
   optim::LossScaler& scaler;  // loss scale (fp16) and the skipping of non-finite steps
@@ -160,9 +163,9 @@ struct StepParts {
 
 struct StepStats {
   double loss = NAN, norm = NAN, lr = NAN;
-  int64_t step = 0;       // 1-based
-  double loss_scale = 1;  // the scale this step's gradients carried
-  bool skipped = false;   // non-finite loss or gradient norm: no update
+  int64_t step = 0;         // 1-based
+  double loss_scale = 1;    // the scale this step's gradients carried
+  bool skipped = false;     // non-finite loss or gradient norm: no update
   AnomalyDecision anomaly;  // the anomaly policy's verdict (skip: no update either)
   double lr_factor = 1;     // the anomaly policy's multiplier in lr
   double data_wait_s = 0, comm_wait_s = 0, optimizer_s = 0, seconds = 0;
@@ -264,7 +267,9 @@ StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
   const double t_opt = now_seconds();  // norm, scaler and update: the optimizer's share of the step
   trace::Scope opt_span("grad norm + optimizer", trace::Cat::Optimizer);
   // The norm of the unscaled gradients (dividing by a power of two is exact).
-  st.norm = p.opt.grad_norm(p.model.grad_data()) / st.loss_scale;
+  st.norm = (p.tp_group ? parallel::tensor_parallel_grad_norm(*p.tp_group, p.model.grad_data(), p.tp_owned)
+                        : p.opt.grad_norm(p.model.grad_data())) /
+            st.loss_scale;
   st.lr_factor = p.anomaly.lr_factor();  // < 1 for a while after an anomaly
   st.lr = optim::lr_at(p.sched, step) * st.lr_factor;
   const int64_t skipped_before = p.scaler.state().skipped_steps;
@@ -340,7 +345,19 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   };
   Recipe r = recipe;
   check_layout(r, *world);
-  const int dp = world->size(), rank = world->rank();
+  // Ranks are laid out tensor-fastest (Megatron's order): world rank = dp_rank * tp + tp_rank, so a
+  // tensor-parallel group is tp consecutive ranks (one host, when ranks fill hosts in order).
+  const int tp = static_cast<int>(r.parallel.tensor), dp = world->size() / tp, dp_rank = world->rank() / tp,
+            tp_rank = world->rank() % tp, rank = world->rank();
+  std::unique_ptr<dist::Communicator> tp_group, dp_group, ckpt_writers;
+  if (tp > 1) {
+    tp_group = world->split(dp_rank, tp_rank, "tp");
+    dp_group = world->split(tp_rank, dp_rank, "dp");
+    // Checkpoints and the HF model are written from the whole model that tensor-parallel rank 0 of
+    // each data-parallel replica assembles: those ranks share the writing of the moments.
+    ckpt_writers = world->split(tp_rank == 0 ? 0 : -1, dp_rank, "ckpt");
+  }
+  dist::Communicator& dpc = tp > 1 ? *dp_group : *world;  // the data-parallel group
   SignalGuard signals(opts.handle_signals);
   struct CleanupJoin {  // old checkpoints are removed in the background; done before returning
     ~CleanupJoin() { wait_for_checkpoint_cleanup(); }
@@ -366,6 +383,26 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   std::unique_ptr<tok::Tokenizer> tokenizer;
   if (!r.data.tokenizer.empty()) tokenizer = tok::load_tokenizer(r.data.tokenizer);
   if (ckpt.empty() && r.init_from.empty()) model->init_weights(static_cast<uint64_t>(r.training.seed));
+  // Tensor parallelism: preflight's model is the whole model (init, init_from or checkpoint weights,
+  // activations not allocated); each rank computes with its shard (parallel/tensor_parallel.h) and
+  // the whole model is kept to assemble checkpoints and the HF model directory.
+  std::unique_ptr<Model> whole;
+  std::vector<std::pair<size_t, size_t>> tp_owned;
+  if (tp > 1) {
+    whole = std::move(model);
+    model = build_model(parallel::tensor_parallel_config(whole->config(), tp),
+                        ComputeSpec{&whole->backend(), whole->compute_dtype()});
+    parallel::scatter_shard(whole->params(), whole->param_data(), model->params(), model->param_data(), tp_rank, tp);
+    parallel::attach_tensor_parallel(*model, *tp_group);
+    model->allocate(B, T, 2, parse_recompute(r.recompute, r.source + ": recompute"));
+    tp_owned = parallel::owned_ranges(model->params(), tp_rank);
+  }
+  // The whole model with this replica's current weights (collective over the tensor-parallel group).
+  auto whole_model = [&]() -> Model& {
+    if (tp == 1) return *model;
+    parallel::gather_global(*tp_group, whole->params(), model->params(), model->param_data(), whole->param_data());
+    return *whole;
+  };
   model->refresh_compute_weights();  // the weights are final (init, init_from or checkpoint)
   // Loss scale and skipped-step counters; a resume continues them exactly (a checkpoint of a run
   // without dynamic scaling restarts the scale at precision.loss_scale.initial).
@@ -392,23 +429,36 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   const size_t P = model->num_params();
   // The optimizer over this rank's part of the flat buffer (ZeRO) and the data-parallel gradient
   // reduction, fed by the model's grads_ready hook during the last micro-batch's backward.
-  parallel::ShardedOptimizer opt(*world, optimizer_config(r), P, ranges, static_cast<int>(r.parallel.zero));
-  // Resuming: this rank's moments from the checkpoint, whatever layout wrote it (re-sharded by flat
-  // offset: train/checkpoint.h).
-  if (!ckpt.empty())
-    load_checkpoint_moments(ckpt, *model,
-                            moment_slice(opt.local(), opt.state_begin(), opt.state_begin(), opt.state_end()));
+  parallel::ShardedOptimizer opt(dpc, optimizer_config(r), P, ranges, static_cast<int>(r.parallel.zero));
+  // This rank's moments from checkpoint `dir` (resume, rollback), whatever layout wrote it
+  // (re-sharded by flat offset: train/checkpoint.h). Tensor parallelism: the whole model's moments,
+  // then this rank's slices.
+  auto load_moments = [&](const std::string& dir) {
+    if (tp == 1) {
+      load_checkpoint_moments(dir, *model,
+                              moment_slice(opt.local(), opt.state_begin(), opt.state_begin(), opt.state_end()));
+      return;
+    }
+    const MomentSlice mine = moment_slice(opt.local(), 0, 0, P);
+    std::vector<std::vector<float>> all(mine.buffers.size(), std::vector<float>(whole->num_params()));
+    MomentSlice whole_slice;
+    whole_slice.begin = 0;
+    whole_slice.end = whole->num_params();
+    for (size_t i = 0; i < all.size(); ++i) whole_slice.buffers.push_back({mine.buffers[i].first, all[i].data()});
+    load_checkpoint_moments(dir, *whole, whole_slice);
+    for (size_t i = 0; i < all.size(); ++i)
+      parallel::scatter_shard(whole->params(), all[i].data(), model->params(), mine.buffers[i].second, tp_rank, tp);
+  };
+  if (!ckpt.empty()) load_moments(ckpt);
   const size_t bucket_elems = static_cast<size_t>(std::max(1.0, r.parallel.bucket_mb * (1 << 20) / 4));
   std::unique_ptr<parallel::GradSync> sync;
   bool sync_this_pass = false;
   if (dp > 1) {
-    sync = std::make_unique<parallel::GradSync>(*world, model->grad_data(), opt.shards(),
+    sync = std::make_unique<parallel::GradSync>(dpc, model->grad_data(), opt.shards(),
                                                 static_cast<int>(r.parallel.zero), bucket_elems);
-    StepHooks hooks;
-    hooks.grads_ready = [&](size_t b, size_t e) {
+    model->hooks().grads_ready = [&](size_t b, size_t e) {  // keeps the tensor-parallel hook
       if (sync_this_pass) sync->ready(b, e);
     };
-    model->set_hooks(hooks);
   }
 
   int64_t start_step = 0;
@@ -471,7 +521,8 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
                                  {"cpu", cpu_model()},
                                  {"cores_online", static_cast<int64_t>(::sysconf(_SC_NPROCESSORS_ONLN))},
                                  {"memory_bytes", mm.bytes},
-                                 {"world_size", dp},
+                                 {"world_size", world->size()},
+                                 {"tensor_parallel", tp},
                                  {"threads_per_rank", threads},
                                  {"openblas_kernel", blas_kernel_name()},
                                  {"peak_gflops", peak},
@@ -481,6 +532,9 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
                                  {"started_unix", static_cast<int64_t>(std::time(nullptr))}};
     io::atomic_write_file((fs::path(r.output.dir) / "run_info.json").string(), info.dump(2) + "\n");
   }
+  if (tp > 1)
+    log(fmt::format("tensor parallel: {} ranks per replica, {} of {} parameters on each (the rest of {} replicated)",
+                    tp, P, whole->num_params(), r.model.model_type));
   if (dp > 1)
     log(fmt::format(
         "data parallel: {} ranks, global batch {} samples ({} per rank as {} x {}), ZeRO {}, buckets of {:.1f} MB", dp,
@@ -495,7 +549,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
                   valid_samples.size(), T));
 
   data::DataLoader loader(train_ds, train_samples, G, T, static_cast<uint64_t>(r.training.seed), true, r.data.prefetch,
-                          rank * B * accum, B * accum);
+                          dp_rank * B * accum, B * accum);
   if (!ckpt.empty()) loader.restore(cs.loader);  // restarts the prefetcher at the saved position
   std::vector<int64_t> eval_subset(valid_samples.begin(),
                                    valid_samples.begin() + std::min<int64_t>(static_cast<int64_t>(valid_samples.size()),
@@ -518,7 +572,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   double last_loss = NAN, last_norm = NAN;  // of the last step: the health of a checkpoint
 
   std::vector<int32_t> inputs(static_cast<size_t>(B * accum * T)), targets(static_cast<size_t>(B * accum * T));
-  const double flops_per_step = model->flops_per_token(T) * static_cast<double>(G * T);
+  const double flops_per_step = (whole ? *whole : *model).flops_per_token(T) * static_cast<double>(G * T);
   TrainResult result;
   result.start_step = result.end_step = start_step;
   result.resumed_from = ckpt;
@@ -545,7 +599,26 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     CheckpointSaveInfo info;
     // Every rank writes the moments of its part of the flat buffer (its ZeRO shard; with ZeRO 0 the
     // same cut, so the ranks share the writing), rank 0 the weights and state.json once all are done.
-    if (dp == 1) {
+    if (tp > 1) {
+      // The whole model's weights and moments on tensor-parallel rank 0 of each replica (gathered
+      // from the shards), written as a checkpoint of the whole model by the dp writers: it resumes
+      // at any tensor-parallel degree, or in one process.
+      Model& w = whole_model();
+      const MomentSlice mine = moment_slice(opt.local(), 0, 0, P);
+      std::vector<std::vector<float>> all(mine.buffers.size(), std::vector<float>(w.num_params()));
+      for (size_t i = 0; i < all.size(); ++i)
+        parallel::gather_global(*tp_group, w.params(), model->params(), mine.buffers[i].second, all[i].data());
+      if (ckpt_writers) {
+        const std::vector<size_t> cut = dist::even_counts(w.num_params(), dp);
+        MomentSlice part;
+        for (int i = 0; i < dp_rank; ++i) part.begin += cut[static_cast<size_t>(i)];
+        part.end = part.begin + cut[static_cast<size_t>(dp_rank)];
+        for (size_t i = 0; i < all.size(); ++i)
+          part.buffers.push_back({mine.buffers[i].first, all[i].data() + part.begin});
+        save_checkpoint_sharded(r.output.dir, w, part, st, static_cast<int>(r.output.keep_last), &info, *ckpt_writers);
+      }
+      tp_group->barrier();  // the checkpoint is complete before any rank of the replica goes on
+    } else if (dp == 1) {
       save_checkpoint(r.output.dir, *model, &opt.local(), st, static_cast<int>(r.output.keep_last), &info);
     } else {
       const parallel::FlatShards& sh = opt.shards();
@@ -569,16 +642,32 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   // Validation: each rank takes every dp-th sample of the set; sums and token counts are all-reduced.
   auto evaluate = [&](const std::vector<int64_t>& set) -> std::pair<double, int64_t> {
     std::vector<int64_t> mine;
-    for (size_t i = static_cast<size_t>(rank); i < set.size(); i += static_cast<size_t>(dp)) mine.push_back(set[i]);
+    for (size_t i = static_cast<size_t>(dp_rank); i < set.size(); i += static_cast<size_t>(dp)) mine.push_back(set[i]);
     auto [mean, tokens] = evaluate_samples(*model, *valid_ds, mine, B, T);
     double st[2] = {mean * static_cast<double>(tokens), static_cast<double>(tokens)};
-    if (dp > 1) world->all_reduce(st, 2, DType::F64);
+    if (dp > 1) dpc.all_reduce(st, 2, DType::F64);
     return {st[1] > 0 ? st[0] / st[1] : 0.0, static_cast<int64_t>(st[1])};
   };
   if (start_step == r.training.steps && start_step > 0)
     say(fmt::format("resume: the checkpoint is at the final step {}; only the end-of-run outputs remain", start_step));
-  StepParts parts{*model, loader, opt,   sync.get(), sync_this_pass, *world,  sched,  r.optimizer.grad_clip, scaler,
-                  B,      T,      accum, G,          inputs,         targets, anomaly};
+  StepParts parts{*model,
+                  loader,
+                  opt,
+                  sync.get(),
+                  sync_this_pass,
+                  dpc,
+                  tp_group.get(),
+                  tp_owned,
+                  sched,
+                  r.optimizer.grad_clip,
+                  scaler,
+                  B,
+                  T,
+                  accum,
+                  G,
+                  inputs,
+                  targets,
+                  anomaly};
   const std::string precision = r.precision.compute;
   // The anomaly policy's actions after step `step` (0-based) with stats `st`, each a line in
   // anomalies.jsonl and the log. Returns the step to continue from after a rollback (the healthy
@@ -635,8 +724,18 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
                         at, d.in_window, ac.rollback_window));
       return -1;
     }
+    // Tensor parallelism: the checkpoint holds the whole model; this rank keeps its shard.
+    std::function<CheckpointState(const std::string&)> load_tp;
+    if (tp > 1)
+      load_tp = [&](const std::string& dir) {
+        CheckpointState c = load_checkpoint(dir, *whole, nullptr);
+        parallel::scatter_shard(whole->params(), whole->param_data(), model->params(), model->param_data(), tp_rank,
+                                tp);
+        load_moments(dir);
+        return c;
+      };
     const RollbackResult rb = restore_for_rollback(target, step + 1, ac.skip_samples, *model, opt, loader, scaler,
-                                                   anomaly, static_cast<int64_t>(train_samples.size()), G);
+                                                   anomaly, static_cast<int64_t>(train_samples.size()), G, load_tp);
     if (rank0) {
       // The curves continue from the checkpoint (as after a resume); anomalies.jsonl keeps everything.
       metrics_file.reset();
@@ -677,12 +776,14 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
       const fs::path dir = fs::path(r.output.dir) / "trace";
       fs::create_directories(dir);
       const std::string path = (dir / fmt::format("rank{:05d}.json", rank)).string();
-      const auto sum = trace::write_chrome_json(
-          path, rank, fmt::format("rank {}", rank),
-          nlohmann::json({{"lathe_version", LATHE_VERSION}, {"steps", fmt::format("{}-{}", opts.profile_first, step + 1)},
-                          {"world_size", dp}})
-              .dump());
-      say(fmt::format("profile: wrote {} ({} spans on {} threads, steps {}-{}; open in ui.perfetto.dev or "
+      const auto sum =
+          trace::write_chrome_json(path, rank, fmt::format("rank {}", rank),
+                                   nlohmann::json({{"lathe_version", LATHE_VERSION},
+                                                   {"steps", fmt::format("{}-{}", opts.profile_first, step + 1)},
+                                                   {"world_size", dp}})
+                                       .dump());
+      say(
+          fmt::format("profile: wrote {} ({} spans on {} threads, steps {}-{}; open in ui.perfetto.dev or "
                       "chrome://tracing)",
                       path, sum.spans, sum.threads, opts.profile_first, step + 1));
     }
@@ -758,15 +859,16 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
       write_metrics({{"step", step + 1}, {"val_loss", vl}, {"val_tokens", vt}});
       log(fmt::format("step {:>6}/{} | validation loss {:.4f} ({} tokens)", step + 1, r.training.steps, vl, vt));
     }
-    if (rank0 && r.output.save_every > 0 && (step + 1) % r.output.save_every == 0 && !last) {
+    if (r.output.save_every > 0 && (step + 1) % r.output.save_every == 0 && !last) {
       const std::string dir = (fs::path(r.output.dir) / fmt::format("step_{:08d}", step + 1)).string();
-      write_model_dir(*model, dir, r.data.tokenizer);
+      Model& w = whole_model();  // collective with tensor parallelism
+      if (rank0) write_model_dir(w, dir, r.data.tokenizer);
       log("saved " + dir);
     }
     result.end_step = step + 1;
     // Every rank stops at the same step: a signal seen by any rank counts for all.
     int64_t sig64 = opts.handle_signals ? g_stop_signal.load() : 0;
-    if (dp > 1) world->all_reduce(&sig64, 1, DType::I64, dist::ReduceOp::Max);
+    if (world->size() > 1) world->all_reduce(&sig64, 1, DType::I64, dist::ReduceOp::Max);
     const int sig = static_cast<int>(sig64);
     const bool stop_here = !last && opts.stop_after_steps > 0 && step + 1 >= opts.stop_after_steps;
     const bool periodic = r.output.checkpoint_every > 0 && ((step + 1) % r.output.checkpoint_every == 0 || last);
@@ -798,10 +900,11 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     log(fmt::format("final validation loss {:.4f} over {} tokens", vl, vt));
   }
   result.model_dir = (fs::path(r.output.dir) / "model").string();
-  if (rank0) write_model_dir(*model, result.model_dir, r.data.tokenizer);
+  Model& final_model = whole_model();  // collective with tensor parallelism
+  if (rank0) write_model_dir(final_model, result.model_dir, r.data.tokenizer);
   log(fmt::format("saved Hugging Face model directory {}", result.model_dir));
   int64_t peak_rss = static_cast<int64_t>(peak_rss_bytes());
-  if (dp > 1) world->all_reduce(&peak_rss, 1, DType::I64, dist::ReduceOp::Max);
+  if (world->size() > 1) world->all_reduce(&peak_rss, 1, DType::I64, dist::ReduceOp::Max);
   log(fmt::format("peak resident memory {:.1f} MB{} (estimate {:.1f} MB per rank)", peak_rss / 1e6,
                   dp > 1 ? " (largest rank)" : "", est / 1e6));
   write_metrics({{"step", r.training.steps},
@@ -820,7 +923,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     so.top_k = 40;
     so.seed = static_cast<uint64_t>(r.training.seed);
     so.vocab_limit = tokenizer->vocab_size();
-    auto ids = generate(*model, prompt, so);
+    auto ids = generate(final_model, prompt, so);  // the whole model: no collective on one rank
     log("sample:\n" + tokenizer->decode(ids) + "\n");
   }
   return result;
