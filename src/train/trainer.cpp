@@ -139,7 +139,12 @@ void check_layout(Recipe& r, dist::Communicator& world) {
   if (!differs.empty())
     throw_error("the recipe differs between ranks (every process must load the same recipe and --set values):{}",
                 differs);
-  LATHE_CHECK(bad == 0, "the recipe differs between ranks; see the error of the rank that reports the keys");
+  if (bad != 0) {
+    // The ranks that found differences print them and end the job; give them the time to do so
+    // first, or this rank's abort could kill them before their message (which names the keys) is out.
+    std::this_thread::sleep_for(std::chrono::seconds(3));
+    throw_error("the recipe differs between ranks; see the error of the rank that reports the keys");
+  }
 }
 
 // What one optimizer step works on (owned by train()).
