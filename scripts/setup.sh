@@ -28,3 +28,11 @@ assert (m.version('onnx'), m.version('onnxruntime')) == ('1.17.0', '1.20.1')" 2>
   echo "setup: installing PyPI packages of requirements-test.txt for $PY"
   $PY -m pip install -q --break-system-packages -r "$(dirname "$0")/requirements-test.txt"
 fi
+# llama.cpp (llama-cpp-python) for the GGUF tests: a separate step because pip compiles llama.cpp
+# (minutes; the wheel is cached in ~/.cache/pip afterwards), see requirements-llama-cpp.txt.
+if ! $PY -c "import importlib.metadata as m, llama_cpp
+assert m.version('llama_cpp_python') == '0.3.36'" 2>/dev/null; then
+  echo "setup: building llama-cpp-python (llama.cpp from source; first time only, minutes) for $PY"
+  CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" $PY -m pip install -q --break-system-packages \
+    -r "$(dirname "$0")/requirements-llama-cpp.txt"
+fi

@@ -1,0 +1,323 @@
+#!/usr/bin/env python3
+"""GGUF exports run by llama.cpp itself (through the PyPI package llama-cpp-python, pinned in
+scripts/requirements-llama-cpp.txt, which builds llama.cpp from source; CPU only) against lathe.
+
+Models (tiny, random weights with std ~0.1 so that logits are O(1) and greedy choices are not
+near-ties), each exported with `lathe convert --from-hf DIR --to-gguf FILE` (f32):
+  * gpt2   GPT-2 with GPT-2's own tokenizer (shared/data/gpt2 encoder.json + vocab.bpe)  -> pre gpt-2
+  * llama  Llama, GQA, untied head, with a Llama-3-regex byte-level BPE trained by
+           `lathe tokenizer train --pretokenizer llama3`                                  -> pre dbrx
+           (and the same tokenizer with ignore_merges true                                -> pre llama-bpe)
+  * qwen2  Qwen2 (q/k/v biases, tied) with a Qwen2-regex tokenizer (NFC normalizer, ChatML
+           specials), config.json without BOS/EOS ids: EOS must come from tokenizer_config.json
+  * spm    Llama with a SentencePiece BPE tokenizer.model (identity normalization, byte fallback)
+For each:
+  * tokenization: llama.cpp's tokenize() (no BOS; special tokens parsed for byte-level BPE as lathe
+    and HF match added tokens; not for SentencePiece, whose control pieces are plain text to
+    libsentencepiece) equals `lathe encode` on 14 tricky texts (contractions in both cases,
+    whitespace runs, tabs, CR/LF, blank lines, digits, unicode, emoji, special tokens, code)
+  * logits: llama.cpp's f32 logits for a 20-token prompt within 1e-4 (absolute; the logits are
+    O(1-10)) of `lathe logits`. GPT-2 exception: llama.cpp's GELU looks its result up in a fp16
+    table (ggml-cpu vec.h GGML_GELU_FP16), so GPT-2 is compared (a) within 1e-4 to transformers'
+    GPT-2 with that fp16 GELU emulated (the export itself is exact) and (b) to lathe within 5e-3,
+    the measured effect of the table being 1.4e-3 on these logits (printed)
+  * greedy generation: 50 tokens by llama.cpp (KV cache, argmax), decoded by `lathe decode` and
+    printed by `lathe generate`'s rule, equal `lathe generate --temperature 0 --max-new-tokens 50`
+    (so the generated ids are compared, not llama.cpp's detokenizer)
+  * metadata llama.cpp reads back: tokenizer.ggml.pre, EOS id, context length
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+try:
+    import torch
+    import transformers
+    import sentencepiece as spm
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers, decoders, Regex
+except ImportError as e:
+    print(f"FAIL torch/transformers/sentencepiece/tokenizers not importable ({e}); run scripts/setup.sh")
+    sys.exit(1)
+try:
+    import llama_cpp
+except ImportError as e:
+    print(f"FAIL llama_cpp not importable ({e}); run scripts/setup.sh (installs llama-cpp-python, "
+          "scripts/requirements-llama-cpp.txt)")
+    sys.exit(1)
+transformers.logging.set_verbosity_error()
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.environ.get("LATHE_SOURCE_DIR", os.path.join(HERE, "..", ".."))
+LATHE = os.environ.get("LATHE_BIN", "build/lathe")
+SHARED = "/work/shared/data"
+if not os.path.exists(os.path.join(SHARED, "gpt2")):
+    SHARED = os.path.join(SRC, "..", "shared", "data")
+GPT2_TOK = os.path.join(SHARED, "gpt2")
+failures = []
+
+TEXTS = [
+    "Hello world",
+    "I'm sure they'll say it's what we've done, isn't it? He'd go.",
+    "DON'T SHOUT, WE'LL HEAR YOU'RE THERE",
+    "a  b   c    d\t\te     f",
+    "line one\nline two\n\n\nline three\r\nwindows\r\n  indented\n",
+    "   leading and trailing spaces   ",
+    "12345 3.14159 1,000,000 2026-11-30 x2y3",
+    "naïve café Ünïcödé 日本語のテキスト Ελληνικά",
+    "emoji 🙂👍🏽 and symbols ©®™ €£¥",
+    "special<|endoftext|>token<|endoftext|> end",
+    "def f(x):\n    return x**2  # square\n",
+    "tabs\tand\u00a0nbsp and — dashes",
+    "\n\nstarts with newlines",
+    "ends with spaces and newline  \n",
+]
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what, flush=True)
+    if not cond:
+        failures.append(what)
+
+
+def lathe(args, stdin=None):
+    p = subprocess.run([LATHE] + args, input=stdin, capture_output=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"lathe {' '.join(args)} failed ({p.returncode}):\n{p.stdout.decode()}\n{p.stderr.decode()}")
+    return p.stdout
+
+
+def lathe_encode(tok, texts):
+    out = lathe(["encode", "--tokenizer", tok, "--nul"], stdin=b"\0".join(t.encode() for t in texts))
+    lines = out.decode().split("\n")
+    return [[int(x) for x in lines[i].split()] for i in range(len(texts))]
+
+
+def randomize(m, seed):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.1)
+            elif "norm" in name or "ln_" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.05)
+    return m
+
+
+def gpt2_fp16_gelu(m):
+    """transformers GPT-2 with llama.cpp's GELU: tanh GELU of the fp16-rounded input, looked up in a
+    fp16 table (so the output is fp16-rounded too); x <= -10 -> 0, x >= 10 -> x."""
+    act = transformers.activations.NewGELUActivation()
+
+    class F(torch.nn.Module):
+        def forward(self, x):
+            y = act(x.half().float()).half().float()
+            return torch.where(x <= -10, torch.zeros_like(x), torch.where(x >= 10, x, y))
+
+    for blk in m.transformer.h:
+        blk.mlp.act = F()
+    return m
+
+
+def make_bpe_json(path, regex, nfc, specials, extra=None):
+    tok = Tokenizer(models.BPE())
+    if nfc:
+        tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tr = trainers.BpeTrainer(vocab_size=600, special_tokens=specials,
+                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(), tr)
+    tok.save(path)
+    return tok.get_vocab_size()
+
+
+def corpus():
+    base = ["The quick brown fox jumps over the lazy dog. It's 2026 and we'll train 12 models.",
+            "Don't panic: lathe's tokenizer handles 3.14 and 1,000 digits.\n\tIndented line\n",
+            "naïve café résumé, Ünïcödé strings, and   spaces.", "def f(x):\n    return x * 2\n"]
+    return base * 30
+
+
+QWEN2_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+            r"|\s+(?!\S)|\s+")
+
+
+def load_llama(gguf, vocab_only=False):
+    # f32 KV cache (llama.cpp's default is f16, which alone moves these logits by ~1e-3)
+    return llama_cpp.Llama(model_path=gguf, n_ctx=128, n_threads=2, logits_all=True, verbose=False,
+                           vocab_only=vocab_only, type_k=0, type_v=0)
+
+
+def check_model(tag, model_dir, gguf, want_pre, special, hf_model=None, gpt2=False):
+    llm = load_llama(gguf)
+    md = llm.metadata
+    if want_pre is not None:
+        check(md.get("tokenizer.ggml.pre") == want_pre, f"{tag}: llama.cpp reads tokenizer.ggml.pre = "
+              f"{md.get('tokenizer.ggml.pre')} (want {want_pre})")
+    # tokenization
+    want = lathe_encode(model_dir, TEXTS)
+    bad = []
+    for t, w in zip(TEXTS, want):
+        got = llm.tokenize(t.encode(), add_bos=False, special=special)
+        if got != w:
+            bad.append(f"{t!r}: llama.cpp {got[:12]} lathe {w[:12]}")
+    check(not bad, f"{tag}: tokenization equals lathe encode on {len(TEXTS)} texts" + "".join("\n     " + b for b in bad))
+
+    # logits on a 20-token prompt
+    ids = (want[1] + want[4] + want[7])[:20]
+    tmp = gguf + ".logits"
+    lathe(["logits", "--model", model_dir, "--tokens", ",".join(map(str, ids)), "--out", tmp])
+    V = llm.n_vocab()
+    ref = np.fromfile(tmp, dtype=np.float32).reshape(len(ids), V)
+    llm.reset()
+    llm.eval(ids)
+    got = np.array(llm.scores[:len(ids)], dtype=np.float32)
+    d = float(np.abs(got - ref).max())
+    scale = float(np.abs(ref).max())
+    if not gpt2:
+        check(d <= 1e-4, f"{tag}: llama.cpp f32 logits vs lathe logits: max |diff| {d:.2e} <= 1e-4 (max |logit| {scale:.2f})")
+    else:
+        with torch.no_grad():
+            emu = gpt2_fp16_gelu(hf_model)(torch.tensor([ids])).logits[0].numpy()
+        de = float(np.abs(got - emu).max())
+        check(de <= 1e-4, f"{tag}: llama.cpp logits vs transformers GPT-2 with llama.cpp's fp16 GELU: max |diff| "
+              f"{de:.2e} <= 1e-4 (max |logit| {scale:.2f})")
+        check(d <= 5e-3, f"{tag}: llama.cpp logits vs lathe logits (exact GELU): max |diff| {d:.2e} <= 5e-3 "
+              "(llama.cpp's fp16 GELU table)")
+    # greedy generation, 50 tokens, llama.cpp's KV cache
+    prompt = "It's 2026 and"
+    pids = llm.tokenize(prompt.encode(), add_bos=False, special=special)
+    llm.reset()
+    llm.eval(pids)
+    gen = []
+    for _ in range(50):
+        nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        gen.append(nxt)
+        llm.eval([nxt])
+    # lathe generate prints the prompt, then the decoded continuation whenever decoding the tokens
+    # so far extends what it printed (bytes); the same rule applied to llama.cpp's ids, decoded
+    # by lathe, must give the same output.
+    out = lathe(["generate", "--model", model_dir, "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "50"])
+    printed = lathe(["decode", "--tokenizer", model_dir], stdin=" ".join(map(str, gen)).encode())
+    if prompt.encode() + printed + b"\n" != out:  # the rule matters only then (one call per prefix)
+        printed = b""
+        for k in range(1, len(gen) + 1):
+            t = lathe(["decode", "--tokenizer", model_dir], stdin=" ".join(map(str, gen[:k])).encode())
+            if len(t) > len(printed) and t.startswith(printed):
+                printed = t
+    text = (prompt.encode() + printed).decode("utf-8", "replace")
+    lt = out.decode("utf-8", "replace")
+    lt = lt[:-1] if lt.endswith("\n") else lt
+    check(text == lt, f"{tag}: greedy 50 tokens by llama.cpp == lathe generate\n     llama.cpp {text[:100]!r}\n"
+          f"     lathe     {lt[:100]!r}")
+    return llm
+
+
+def export(model_dir, gguf, extra=()):
+    out = lathe(["convert", "--from-hf", model_dir, "--to-gguf", gguf] + list(extra)).decode()
+    print("     " + out.strip().splitlines()[-1][:300])
+    return out
+
+
+def llama_cfg(V, **kw):
+    return dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=96, vocab_size=V, max_position_embeddings=128, rms_norm_eps=1e-5, **kw)
+
+
+def main():
+    t0 = time.time()
+    tmp = tempfile.mkdtemp(prefix="lathe_gguf_llama_cpp_")
+
+    # --- GPT-2 with GPT-2's tokenizer files
+    d = os.path.join(tmp, "gpt2")
+    m = randomize(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=50257, n_positions=128)), 1)
+    m.save_pretrained(d)
+    for f in ("encoder.json", "vocab.bpe"):
+        shutil.copy(os.path.join(GPT2_TOK, f), d)
+    g = os.path.join(tmp, "gpt2.gguf")
+    export(d, g)
+    check_model("gpt2", d, g, "gpt-2", True, hf_model=m.eval(), gpt2=True)
+
+    # --- Llama (GQA, untied) with a lathe-trained Llama-3-regex tokenizer
+    d = os.path.join(tmp, "llama")
+    txt = os.path.join(tmp, "corpus.txt")
+    open(txt, "w").write("\n".join(corpus()))
+    lathe(["tokenizer", "train", "--input", txt, "--vocab-size", "600", "--pretokenizer", "llama3",
+           "--special-tokens", "<|endoftext|>", "--out", d])
+    V = json.load(open(os.path.join(d, "tokenizer.json")))
+    V = len(V["model"]["vocab"]) + len(V["added_tokens"])
+    randomize(transformers.LlamaForCausalLM(transformers.LlamaConfig(tie_word_embeddings=False, rope_theta=5e5,
+                                                                     **llama_cfg(V))), 2).save_pretrained(d)
+    g = os.path.join(tmp, "llama.gguf")
+    export(d, g)
+    check_model("llama", d, g, "dbrx", True)
+    # the same vocabulary with ignore_merges (as Llama-3's tokenizer.json) -> llama-bpe
+    d2 = os.path.join(tmp, "llama_im")
+    shutil.copytree(d, d2)
+    tj = json.load(open(os.path.join(d2, "tokenizer.json")))
+    tj["model"]["ignore_merges"] = True
+    json.dump(tj, open(os.path.join(d2, "tokenizer.json"), "w"))
+    g2 = os.path.join(tmp, "llama_im.gguf")
+    export(d2, g2)
+    v = load_llama(g2, vocab_only=True)
+    want = lathe_encode(d2, TEXTS)
+    bad = [t for t, w in zip(TEXTS, want) if v.tokenize(t.encode(), add_bos=False, special=True) != w]
+    check(v.metadata.get("tokenizer.ggml.pre") == "llama-bpe" and not bad,
+          f"llama ignore_merges: pre llama-bpe, tokenization equals lathe encode (differs on {bad})")
+
+    # --- Qwen2 (q/k/v biases, tied), Qwen2 regex + NFC, config.json without BOS/EOS
+    d = os.path.join(tmp, "qwen2")
+    os.makedirs(d)
+    V = make_bpe_json(os.path.join(d, "tokenizer.json"), QWEN2_RE, True,
+                      ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    json.dump({"bos_token": None, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
+              open(os.path.join(d, "tokenizer_config.json"), "w"))
+    randomize(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        tie_word_embeddings=True, rope_theta=1e6, bos_token_id=None, eos_token_id=None, **llama_cfg(V))),
+        3).save_pretrained(d)
+    g = os.path.join(tmp, "qwen2.gguf")
+    export(d, g)
+    llm = check_model("qwen2", d, g, "qwen2", True)
+    check(llm.token_eos() == 0 and llm.metadata.get("tokenizer.ggml.eot_token_id") == "2",
+          f"qwen2: EOS = <|endoftext|> (0) from tokenizer_config.json, EOT = <|im_end|> (2): "
+          f"eos {llm.token_eos()} eot {llm.metadata.get('tokenizer.ggml.eot_token_id')}")
+
+    # --- Llama with a SentencePiece BPE tokenizer.model
+    d = os.path.join(tmp, "spm")
+    os.makedirs(d)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus()), model_prefix=os.path.join(d, "tokenizer"), vocab_size=400,
+        model_type="bpe", normalization_rule_name="identity", remove_extra_whitespaces=False, byte_fallback=True,
+        character_coverage=1.0, hard_vocab_limit=False, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(d, "tokenizer.model"))
+    V = sp.get_piece_size()
+    randomize(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, **llama_cfg(V))), 4).save_pretrained(d)
+    g = os.path.join(tmp, "spm.gguf")
+    export(d, g)
+    llm = check_model("spm", d, g, None, False)
+    check(llm.metadata.get("tokenizer.ggml.model") == "llama" and llm.token_bos() == 1 and llm.token_eos() == 2,
+          "spm: tokenizer.ggml.model llama, BOS 1, EOS 2")
+
+    shutil.rmtree(tmp)
+    print(f"({time.time() - t0:.1f} s)")
+    print(f"{0 if failures else 1} passed, {1 if failures else 0} failed")
+    if failures:
+        print("FAILURES:\n  " + "\n  ".join(f.splitlines()[0] for f in failures))
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
