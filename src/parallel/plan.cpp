@@ -68,6 +68,40 @@ double ring(int64_t n, double bytes, double bytes_per_s, bool all_reduce) {
   return (all_reduce ? 2 : 1) * f * bytes / bytes_per_s;
 }
 
+struct Sched {
+  double makespan = 0, bubble = 0;
+  std::vector<int64_t> in_flight;
+};
+
+// The schedule's step with these costs, simulated directly while p x m x v <= limit. Beyond, the
+// pipeline is in its steady phase long before the end, where each further group of p micro-batches
+// adds the same time: two simulations (m1 and m1 + p micro-batches) extend it linearly, and the
+// micro-batches in flight have reached their maximum (tests/parallel/test_plan.cpp compares both).
+Sched run_schedule(const pipeline::Spec& spec, const pipeline::Costs& c, int64_t limit) {
+  const int64_t p = spec.stages, v = spec.virtual_stages, m = spec.micro_batches;
+  auto sim = [&](int64_t mb) {
+    pipeline::Spec s = spec;
+    s.micro_batches = mb;
+    pipeline::SimResult r = pipeline::simulate(s, pipeline::make_schedule(s), c);
+    LATHE_CHECK(r.ok, "internal: {} schedule p {} m {} v {}: {}", pipeline::kind_name(s.kind), p, mb, v, r.error);
+    return r;
+  };
+  const int64_t m1 = p * std::max<int64_t>(2, limit / (2 * p * p * v));
+  if (p * m * v <= limit || m < m1 + p) {
+    const pipeline::SimResult r = sim(m);
+    return {r.makespan, r.bubble, r.max_in_flight};
+  }
+  const pipeline::SimResult r1 = sim(m1), r2 = sim(m1 + p);
+  Sched out;
+  out.makespan = r2.makespan + static_cast<double>(m - m1 - p) * (r2.makespan - r1.makespan) / static_cast<double>(p);
+  double busy = 0;
+  for (double b : r2.busy) busy += b;
+  busy *= static_cast<double>(m) / static_cast<double>(m1 + p);  // compute grows exactly with m
+  out.bubble = out.makespan > 0 ? 1 - busy / (static_cast<double>(p) * out.makespan) : 0;
+  out.in_flight = r2.max_in_flight;
+  return out;
+}
+
 }  // namespace
 
 Estimate estimate(const Job& job, const Machine& mach, const Layout& l) {
@@ -115,10 +149,11 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l) {
   e.stage_layers = pipeline::assign_layers(L, p, v, {});
 
   const std::string what = fmt::format("plan of {} for {}", cfg.model_type, l.name());
+  if (p * p * v > job.sim_limit)
+    return reject(fmt::format("pipeline {} x virtual stages {} is too deep for the schedule simulator (p x p x v > {})",
+                              p, v, job.sim_limit));
   const pipeline::Spec spec{v > 1 ? pipeline::Kind::Interleaved : pipeline::Kind::OneFOneB, p, m, v};
-  const auto lists = pipeline::make_schedule(spec);
-  const pipeline::SimResult unit = pipeline::simulate(spec, lists);
-  LATHE_CHECK(unit.ok, "internal: {} schedule p {} m {} v {}: {}", pipeline::kind_name(spec.kind), p, m, v, unit.error);
+  const Sched unit = run_schedule(spec, pipeline::Costs{}, job.sim_limit);
 
   // ---- memory of each rank; the heaviest is the figure ----
   const Params ps = split_params(cfg);
@@ -169,7 +204,7 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l) {
     rank_params[ru] = n;
     Memory mem;
     mem.stage = r;
-    mem.in_flight = unit.max_in_flight[ru];
+    mem.in_flight = unit.in_flight[ru];
     mem.params = checked_mul(n, 4, what);
     mem.grads = mem.params;
     mem.moments = ceil_div(checked_mul(mem.params, job.moments, what), moment_shards);
@@ -205,9 +240,7 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l) {
     tp_rank[static_cast<size_t>(k % p)] += static_cast<double>(m) * (tp_f + tp_b);
   }
   costs.p2p = p > 1 ? act_bytes / (l.sequence ? t : 1) / bw(job.world) : 0;
-  const pipeline::SimResult sim = pipeline::simulate(spec, lists, costs);
-  LATHE_CHECK(sim.ok, "internal: {} with costs, p {} m {} v {}: {}", pipeline::kind_name(spec.kind), p, m, v,
-              sim.error);
+  const Sched sim = run_schedule(spec, costs, job.sim_limit);
   e.compute_s = *std::max_element(compute_rank.begin(), compute_rank.end());
   e.tp_s = *std::max_element(tp_rank.begin(), tp_rank.end());
   e.pp_s = p > 1 ? 2.0 * static_cast<double>(m * v) * costs.p2p : 0;

@@ -62,6 +62,9 @@ struct Job {
   // Model chunks per pipeline rank to try: 1 = 1F1B; v > 1 = Megatron's interleaved 1F1B (layouts
   // with pipeline > 1 whose layers and micro-batches allow it).
   std::vector<int64_t> virtual_stages = {1};
+  // Largest p x m x v simulated action by action; longer steps are extended linearly from two
+  // shorter simulations (the steady phase adds the same time per group of p micro-batches).
+  int64_t sim_limit = int64_t{1} << 18;
 };
 
 struct Layout {

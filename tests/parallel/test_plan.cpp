@@ -250,3 +250,29 @@ TEST(Plan, TensorParallelMatchesTheRankModel) {
           << preset << " t " << t;
     }
 }
+
+TEST(Plan, LongStepsExtendedFromShortSimulations) {
+  // gpt2-124m (the last stage carries the head: uneven stage costs) with 4 x 48 micro-batches:
+  // simulated action by action, and extended linearly from 8 + 12 micro-batches (sim_limit 64).
+  Job j = job_of("gpt2-124m", 8, 1, 256, 2 * 4 * 48);
+  j.model.vocab_size = 50304;
+  const Machine m = machine(1000, 100);
+  for (int64_t v : {1, 3})
+    for (Layout l : {Layout{2, 1, 4, false, 0, Recompute::None, v}, Layout{1, 2, 4, true, 0, Recompute::Full, v}}) {
+      j.global_batch = 4 * 48 * l.data;
+      Job small = j;
+      small.sim_limit = 64;
+      const Estimate exact = plan::estimate(j, m, l), ext = plan::estimate(small, m, l);
+      ASSERT_TRUE(exact.reject.empty() && ext.reject.empty()) << exact.reject << ext.reject;
+      EXPECT_EQ(exact.micro_batches, 4 * 48);
+      EXPECT_NEAR(ext.pipeline_s, exact.pipeline_s, 1e-9 * exact.pipeline_s) << l.name();
+      EXPECT_NEAR(ext.bubble, exact.bubble, 1e-9) << l.name();
+      EXPECT_EQ(ext.memory.in_flight, exact.memory.in_flight) << l.name();
+      EXPECT_EQ(ext.memory.total(), exact.memory.total()) << l.name();
+    }
+  // A pipeline too deep to simulate is rejected, not run for hours.
+  Job deep = job_of("gpt2-debug", 1024, 1, 16, 4096);
+  deep.model.num_hidden_layers = 1024;
+  EXPECT_EQ(plan::estimate(deep, m, Layout{1, 1, 1024, false, 0, Recompute::None, 1}).reject,
+            "pipeline 1024 x virtual stages 1 is too deep for the schedule simulator (p x p x v > 262144)");
+}
