@@ -11,6 +11,7 @@ near-ties), each exported with `lathe convert --from-hf DIR --to-gguf FILE` (f32
   * qwen2  Qwen2 (q/k/v biases, tied) with a Qwen2-regex tokenizer (NFC normalizer, ChatML
            specials), config.json without BOS/EOS ids: EOS must come from tokenizer_config.json
   * spm    Llama with a SentencePiece BPE tokenizer.model (identity normalization, byte fallback)
+  * byte   Llama with lathe's byte tokenizer (`--gguf-tokenizer byte`)
 For each:
   * tokenization: llama.cpp's tokenize() (no BOS; special tokens parsed for byte-level BPE as lathe
     and HF match added tokens; not for SentencePiece, whose control pieces are plain text to
@@ -158,14 +159,16 @@ def load_llama(gguf, vocab_only=False):
                            vocab_only=vocab_only, type_k=0, type_v=0)
 
 
-def check_model(tag, model_dir, gguf, want_pre, special, hf_model=None, gpt2=False):
+def check_model(tag, model_dir, gguf, want_pre, special, hf_model=None, gpt2=False, tok=None):
+    tok = tok or model_dir
+    t0 = time.time()
     llm = load_llama(gguf)
     md = llm.metadata
     if want_pre is not None:
         check(md.get("tokenizer.ggml.pre") == want_pre, f"{tag}: llama.cpp reads tokenizer.ggml.pre = "
               f"{md.get('tokenizer.ggml.pre')} (want {want_pre})")
     # tokenization
-    want = lathe_encode(model_dir, TEXTS)
+    want = lathe_encode(tok, TEXTS)
     bad = []
     for t, w in zip(TEXTS, want):
         got = llm.tokenize(t.encode(), add_bos=False, special=special)
@@ -207,18 +210,19 @@ def check_model(tag, model_dir, gguf, want_pre, special, hf_model=None, gpt2=Fal
     # lathe generate prints the prompt, then the decoded continuation whenever decoding the tokens
     # so far extends what it printed (bytes); the same rule applied to llama.cpp's ids, decoded
     # by lathe, must give the same output.
-    out = lathe(["generate", "--model", model_dir, "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "50"])
-    printed = lathe(["decode", "--tokenizer", model_dir], stdin=" ".join(map(str, gen)).encode())
+    out = lathe(["generate", "--model", model_dir, "--tokenizer", tok, "--prompt", prompt, "--temperature", "0",
+                 "--max-new-tokens", "50"])
+    printed = lathe(["decode", "--tokenizer", tok], stdin=" ".join(map(str, gen)).encode())
     if prompt.encode() + printed + b"\n" != out:  # the rule matters only then (one call per prefix)
         printed = b""
         for k in range(1, len(gen) + 1):
-            t = lathe(["decode", "--tokenizer", model_dir], stdin=" ".join(map(str, gen[:k])).encode())
+            t = lathe(["decode", "--tokenizer", tok], stdin=" ".join(map(str, gen[:k])).encode())
             if len(t) > len(printed) and t.startswith(printed):
                 printed = t
     text = (prompt.encode() + printed).decode("utf-8", "replace")
     lt = out.decode("utf-8", "replace")
     lt = lt[:-1] if lt.endswith("\n") else lt
-    check(text == lt, f"{tag}: greedy 50 tokens by llama.cpp == lathe generate\n     llama.cpp {text[:100]!r}\n"
+    check(text == lt, f"{tag}: greedy 50 tokens by llama.cpp == lathe generate ({time.time() - t0:.1f} s)\n     llama.cpp {text[:100]!r}\n"
           f"     lathe     {lt[:100]!r}")
     return llm
 
@@ -310,6 +314,14 @@ def main():
     llm = check_model("spm", d, g, None, False)
     check(llm.metadata.get("tokenizer.ggml.model") == "llama" and llm.token_bos() == 1 and llm.token_eos() == 2,
           "spm: tokenizer.ggml.model llama, BOS 1, EOS 2")
+
+    # --- Llama with lathe's byte tokenizer (the quickstart's): byte-level BPE without merges
+    d = os.path.join(tmp, "byte")
+    randomize(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, **llama_cfg(256))), 5).save_pretrained(d)
+    g = os.path.join(tmp, "byte.gguf")
+    export(d, g, ["--gguf-tokenizer", "byte"])
+    check_model("byte", d, g, "gpt-2", False, tok="byte")
 
     shutil.rmtree(tmp)
     print(f"({time.time() - t0:.1f} s)")
