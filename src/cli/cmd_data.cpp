@@ -4,23 +4,34 @@
 // largest id, the most frequent ids, decoded with --tokenizer), how many sequences end with the EOD
 // token (--eod, or the tokenizer's), and the start of the first sequences decoded.
 // One pass over the tokens (OpenMP, per-thread counts merged in thread order).
+//
+// lathe data blend-plan RECIPE [--set k=v ...] [--world N] [--json]
+// The recipe's data.blend planned for the whole run (training.steps x global batch samples): per
+// dataset its weight, the share asked and observed, samples available and taken, epochs (passes)
+// and the cap. Reads the plan from OUTPUT/data_cache when the run has built it (else plans in
+// memory); writes nothing.
 #include <fmt/format.h>
 #include <omp.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <numeric>
-#include <map>
 #include <optional>
 #include <unordered_map>
 #include <vector>
 
 #include "cli/command.h"
+#include "config/recipe.h"
+#include "core/checked.h"
 #include "core/error.h"
+#include "data/blend_cache.h"
 #include "data/indexed_dataset.h"
 #include "tokenizer/tokenizer.h"
+#include "train/preflight.h"
 
 namespace {
 
@@ -195,14 +206,81 @@ int run_inspect(int argc, char** argv) {
   return 0;
 }
 
+int run_blend_plan(int argc, char** argv) {
+  CLI::App app{"The recipe's data.blend planned for the whole run: samples and epochs per dataset",
+               "lathe data blend-plan"};
+  std::string path;
+  std::vector<std::string> sets;
+  int64_t world = 1;
+  bool as_json = false;
+  app.add_option("recipe", path, "recipe file (YAML) with data.blend")->required();
+  app.add_option("--set", sets, "override a recipe value (repeatable)");
+  app.add_option("--world", world, "plan for a job of this many processes (the global batch grows with parallel.data)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  app.add_flag("--json", as_json, "one JSON object instead of the table");
+  LATHE_CLI_PARSE(app, argc, argv);
+  lathe::Recipe r = lathe::load_recipe(path, sets);
+  lathe::resolve_layout(r, world);
+  LATHE_CHECK(!r.data.blend.empty(), "{}: no data.blend (the run trains on data.train {}); nothing to plan", path,
+              r.data.train);
+  const int64_t T = r.training.seq_len, G = lathe::global_batch_samples(r);
+  const int64_t total = lathe::blend_plan_samples(r);
+  std::vector<lathe::data::BlendEntryInput> in;
+  for (const auto& e : r.data.blend) in.push_back({e.prefix, e.weight, e.epochs});
+  const lathe::data::OpenedBlend ob = lathe::data::open_blend(in, T);
+  const std::string cache = (std::filesystem::path(r.output.dir.empty() ? "." : r.output.dir) / "data_cache").string();
+  const lathe::data::CachedPlan c = lathe::data::cached_blend_plan(
+      ob.sources, T, static_cast<uint64_t>(r.training.seed), total, cache, /*write=*/false);
+  double wsum = 0;
+  for (const auto& s : ob.sources) wsum += s.weight;
+  json j = {{"recipe", path},   {"steps", r.training.steps}, {"global_batch", G},
+            {"seq_len", T},     {"seed", r.training.seed},   {"samples", total},
+            {"plan", c.status}, {"plan_seconds", c.seconds}, {"cache", c.path}};
+  json ds = json::array();
+  for (size_t i = 0; i < ob.sources.size(); ++i) {
+    const auto& s = ob.sources[i];
+    ds.push_back({{"index", i},
+                  {"prefix", s.name},
+                  {"weight", s.weight},
+                  {"share_asked", s.weight / wsum},
+                  {"share_observed", total ? static_cast<double>(c.plan->taken[i]) / static_cast<double>(total) : 0.0},
+                  {"samples_available", s.samples},
+                  {"samples_taken", c.plan->taken[i]},
+                  {"epochs", c.plan->epochs[i]},
+                  {"epochs_cap", s.max_epochs}});
+  }
+  j["datasets"] = ds;
+  if (as_json) {
+    fmt::print("{}\n", j.dump());
+    return 0;
+  }
+  fmt::print(
+      "{}: blend of {} datasets for {} steps x global batch {} = {} samples of seq_len {} (seed {}); plan {} in "
+      "{:.3f} s\n",
+      path, ob.sources.size(), r.training.steps, G, total, T, r.training.seed, c.status, c.seconds);
+  size_t w = 6;
+  for (const auto& s : ob.sources) w = std::max(w, s.name.size());
+  fmt::print("{:>4}  {:<{}}  {:>10}  {:>8}  {:>10}  {:>12}  {:>12}  {:>9}  {}\n", "#", "prefix", w, "weight", "asked",
+             "observed", "available", "taken", "epochs", "cap");
+  for (const auto& e : ds)
+    fmt::print("{:>4}  {:<{}}  {:>10.4g}  {:>7.2f}%  {:>9.3f}%  {:>12}  {:>12}  {:>9.3f}  {}\n",
+               e["index"].get<size_t>(), e["prefix"].get<std::string>(), w, e["weight"].get<double>(),
+               100 * e["share_asked"].get<double>(), 100 * e["share_observed"].get<double>(),
+               e["samples_available"].get<int64_t>(), e["samples_taken"].get<int64_t>(), e["epochs"].get<double>(),
+               e["epochs_cap"].get<double>() > 0 ? fmt::format("{}", e["epochs_cap"].get<double>()) : std::string("-"));
+  return 0;
+}
+
 int run_data(int argc, char** argv) {
   if (argc >= 2 && std::string(argv[1]) == "inspect") return run_inspect(argc - 1, argv + 1);
-  fmt::print(stderr, "lathe data: usage error: expected a subcommand: inspect PREFIX (blend-plan is not implemented "
-                     "yet)\n");
+  if (argc >= 2 && std::string(argv[1]) == "blend-plan") return run_blend_plan(argc - 1, argv + 1);
+  fmt::print(stderr, "lathe data: usage error: expected a subcommand: inspect PREFIX | blend-plan RECIPE\n");
   return 2;
 }
 
-lathe::cli::Registrar reg("data", "dataset tools: 'data inspect PREFIX' shows sizes, lengths, vocabulary use, EOD",
+lathe::cli::Registrar reg("data",
+                          "dataset tools: 'data inspect PREFIX' shows sizes, lengths, vocabulary use, EOD; 'data "
+                          "blend-plan RECIPE' the samples and epochs per dataset of a blend",
                           run_data);
 
 }  // namespace

@@ -285,7 +285,7 @@ std::string value_str(const json& v) {
 const std::vector<std::string> kSections = {"model",    "data",      "optimizer", "schedule",
                                             "training", "precision", "parallel",  "output"};
 const std::map<std::string, std::vector<std::string>> kSectionKeys = {
-    {"data", {"train", "valid", "valid_fraction", "tokenizer", "prefetch"}},
+    {"data", {"train", "valid", "valid_fraction", "tokenizer", "prefetch", "blend"}},
     {"optimizer", {"name", "lr", "beta1", "beta2", "eps", "weight_decay", "grad_clip"}},
     {"schedule", {"name", "warmup_steps", "min_lr", "decay_fraction", "decay_shape"}},
     {"training",
@@ -331,6 +331,7 @@ class Parser {
     get_double(d, "data", "valid_fraction", &r.data.valid_fraction);
     get_str(d, "data", "tokenizer", &r.data.tokenizer);
     get_int32(d, "data", "prefetch", &r.data.prefetch);
+    if (d.contains("blend") && !d["blend"].is_null()) parse_blend(d["blend"], r);
 
     json o = section("optimizer");
     get_str(o, "optimizer", "name", &r.optimizer.name);
@@ -643,6 +644,35 @@ class Parser {
     // Unknown keys can only come from the base config.json (explicit ones were checked above).
   }
 
+  // data.blend: a list of {prefix, weight, epochs?}; errors name the entry index and key.
+  void parse_blend(const json& b, Recipe& r) const {
+    if (!b.is_array())
+      bad("data.blend", fmt::format("expected a list of {{prefix, weight, epochs}} entries, got '{}'", value_str(b)));
+    if (b.empty()) bad("data.blend", "is an empty list: give at least one {prefix, weight} entry (or use data.train)");
+    static const std::vector<std::string> keys = {"prefix", "weight", "epochs"};
+    for (size_t i = 0; i < b.size(); ++i) {
+      const std::string at = fmt::format("data.blend[{}]", i);
+      const json& e = b[i];
+      if (!e.is_object())
+        bad(at, fmt::format("expected a mapping {{prefix: PATH, weight: W}}, got '{}'", value_str(e)));
+      std::vector<std::string> full;
+      for (auto& k : keys) full.push_back(at + "." + k);
+      for (auto it = e.begin(); it != e.end(); ++it)
+        if (std::find(keys.begin(), keys.end(), it.key()) == keys.end()) unknown(at + "." + it.key(), "key", full);
+      Recipe::Data::BlendEntry x;
+      get_str(e, at, "prefix", &x.prefix);
+      if (x.prefix.empty())
+        bad(at + ".prefix", "is missing: give the Megatron prefix of a tokenized dataset (path without .bin/.idx)");
+      if (!e.contains("weight")) bad(at + ".weight", "is missing: give a positive weight (weights need not sum to 1)");
+      get_double(e, at, "weight", &x.weight);
+      if (!(x.weight > 0)) bad(at + ".weight", fmt::format("{} must be > 0 (weights need not sum to 1)", x.weight));
+      get_double(e, at, "epochs", &x.epochs);
+      if (x.epochs < 0)
+        bad(at + ".epochs", fmt::format("{} must be > 0 (a cap on passes over {}), or 0 for none", x.epochs, x.prefix));
+      r.data.blend.push_back(std::move(x));
+    }
+  }
+
   void validate(const Recipe& r) const {
     const auto& t = r.training;
     const auto& o = r.optimizer;
@@ -656,8 +686,11 @@ class Parser {
       if (v > hi) bad(path, fmt::format("{} exceeds the maximum {}{}", v, hi, note));
     };
     // data
-    need(!d.train.empty(), "data.train",
-         "is missing: give the Megatron prefix of the tokenized training data (path without .bin/.idx)");
+    need(!d.train.empty() || !d.blend.empty(), "data.train",
+         "is missing: give the Megatron prefix of the tokenized training data (path without .bin/.idx), or a "
+         "weighted data.blend of prefixes");
+    need(d.train.empty() || d.blend.empty(), "data.blend",
+         fmt::format("and data.train ({}) are both set: a run trains on one or the other; remove one", d.train));
     need(d.valid_fraction >= 0 && d.valid_fraction < 1, "data.valid_fraction",
          fmt::format("{} must be in [0, 1)", d.valid_fraction));
     in_range("data.prefetch", d.prefetch, 0, kMaxPrefetch);
@@ -688,6 +721,11 @@ class Parser {
                                 src_));
     need(t.peak_gflops >= 0 && std::isfinite(t.peak_gflops), "training.peak_gflops",
          fmt::format("{} must be >= 0 (0 = measure)", t.peak_gflops));
+    if (t.eval_interval > 0 && !d.blend.empty())
+      need(!d.valid.empty(), "training.eval_interval",
+           fmt::format("{} needs validation data: with data.blend set data.valid (valid_fraction does not apply to "
+                       "a blend), or eval_interval 0",
+                       t.eval_interval));
     if (t.eval_interval > 0)
       need(!d.valid.empty() || d.valid_fraction > 0, "training.eval_interval",
            fmt::format("{} needs validation data: set data.valid or data.valid_fraction > 0 (or eval_interval 0)",
@@ -872,6 +910,11 @@ json Recipe::to_json() const {
                {"valid_fraction", data.valid_fraction},
                {"tokenizer", data.tokenizer},
                {"prefetch", data.prefetch}};
+  if (!data.blend.empty()) {  // only when set: recipes (and checkpoints) without a blend stay as they were
+    json b = json::array();
+    for (const auto& e : data.blend) b.push_back({{"prefix", e.prefix}, {"weight", e.weight}, {"epochs", e.epochs}});
+    j["data"]["blend"] = b;
+  }
   j["optimizer"] = {{"name", optimizer.name},          {"lr", optimizer.lr},   {"beta1", optimizer.beta1},
                     {"beta2", optimizer.beta2},        {"eps", optimizer.eps}, {"weight_decay", optimizer.weight_decay},
                     {"grad_clip", optimizer.grad_clip}};

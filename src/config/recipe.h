@@ -66,11 +66,21 @@ struct Recipe {
   std::string init_from;  // HF dir whose weights initialize the model; "" = random init
 
   struct Data {
-    std::string train;             // Megatron prefix (without .bin/.idx); required
+    std::string train;             // Megatron prefix (without .bin/.idx); required unless `blend`
     std::string valid;             // Megatron prefix; empty -> hold out valid_fraction of train
     double valid_fraction = 0.05;  // [0, 1)
     std::string tokenizer;         // "byte", a tokenizer file path, or "" (none)
     int prefetch = 2;              // batches prepared ahead, >= 0
+    // Weighted blend of prefixes instead of `train` (data/blend.h; exactly one of the two):
+    // `blend: [{prefix: data/web, weight: 0.7}, {prefix: data/books, weight: 0.3, epochs: 2}]`.
+    // weight > 0 (need not sum to 1); epochs > 0 caps the passes over that prefix (0 = no cap).
+    // Validation needs data.valid (valid_fraction does not apply to a blend).
+    struct BlendEntry {
+      std::string prefix;
+      double weight = 0;
+      double epochs = 0;
+    };
+    std::vector<BlendEntry> blend;
   } data;
 
   struct Optimizer {

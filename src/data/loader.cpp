@@ -49,11 +49,7 @@ DataLoader::DataLoader(std::shared_ptr<const IndexedDataset> ds, std::vector<int
       shuffle_(shuffle),
       prefetch_(prefetch) {
   LATHE_CHECK(ds_ != nullptr, "DataLoader: no dataset");
-  LATHE_CHECK(batch_size_ > 0, "DataLoader: batch_size must be positive, got {}", batch_size_);
-  LATHE_CHECK(row_begin_ >= 0 && row_begin_ + row_count_ <= batch_size_,
-              "DataLoader: rows [{}, {}) outside a batch of {}", row_begin_, row_begin_ + row_count_, batch_size_);
-  LATHE_CHECK(seq_len_ > 0, "DataLoader: seq_len must be positive, got {}", seq_len_);
-  LATHE_CHECK(prefetch_ >= 0, "DataLoader: prefetch must be >= 0, got {}", prefetch_);
+  check_shape();
   const int64_t n = num_samples(ds_->total_tokens(), seq_len_);
   for (int64_t id : sample_ids_)
     LATHE_CHECK(id >= 0 && id < n, "DataLoader: sample id {} out of range: {} ({} tokens) has {} samples of seq_len {}",
@@ -65,6 +61,38 @@ DataLoader::DataLoader(std::shared_ptr<const IndexedDataset> ds, std::vector<int
               sample_ids_.size(), seq_len_, ds_->prefix(), batch_size_);
   window_.resize(static_cast<size_t>(seq_len_ + 1));
   start_worker();
+}
+
+DataLoader::DataLoader(std::vector<std::shared_ptr<const IndexedDataset>> datasets,
+                       std::shared_ptr<const BlendPlan> plan, int64_t batch_size, int64_t seq_len, int prefetch,
+                       int64_t row_begin, int64_t row_count)
+    : blend_ds_(std::move(datasets)),
+      plan_(std::move(plan)),
+      batch_size_(batch_size),
+      seq_len_(seq_len),
+      row_begin_(row_begin),
+      row_count_(row_count > 0 ? row_count : batch_size),
+      seed_(0),
+      shuffle_(false),
+      prefetch_(prefetch) {
+  LATHE_CHECK(plan_ != nullptr && !blend_ds_.empty(), "DataLoader: no blend plan or datasets");
+  LATHE_CHECK(plan_->taken.size() == blend_ds_.size() && plan_->dataset.size() == plan_->sample.size(),
+              "DataLoader: the blend plan has {} datasets, the loader {}", plan_->taken.size(), blend_ds_.size());
+  check_shape();
+  for (const auto& d : blend_ds_) LATHE_CHECK(d != nullptr, "DataLoader: a blended dataset is null");
+  batches_per_epoch_ = static_cast<int64_t>(plan_->dataset.size()) / batch_size_;
+  LATHE_CHECK(batches_per_epoch_ > 0, "DataLoader: the blend plan's {} samples do not fill one batch of {}",
+              plan_->dataset.size(), batch_size_);
+  window_.resize(static_cast<size_t>(seq_len_ + 1));
+  start_worker();
+}
+
+void DataLoader::check_shape() const {
+  LATHE_CHECK(batch_size_ > 0, "DataLoader: batch_size must be positive, got {}", batch_size_);
+  LATHE_CHECK(row_begin_ >= 0 && row_begin_ + row_count_ <= batch_size_,
+              "DataLoader: rows [{}, {}) outside a batch of {}", row_begin_, row_begin_ + row_count_, batch_size_);
+  LATHE_CHECK(seq_len_ > 0, "DataLoader: seq_len must be positive, got {}", seq_len_);
+  LATHE_CHECK(prefetch_ >= 0, "DataLoader: prefetch must be >= 0, got {}", prefetch_);
 }
 
 DataLoader::~DataLoader() { stop_worker(); }
@@ -80,6 +108,7 @@ std::vector<int64_t> DataLoader::epoch_order(int64_t epoch) const {
 }
 
 LoaderState DataLoader::normalise(LoaderState st) const {
+  if (plan_) return st;  // one pass over the plan, no epochs
   if (st.position + batch_size_ > static_cast<int64_t>(sample_ids_.size())) {
     st.epoch += 1;
     st.position = 0;
@@ -89,13 +118,29 @@ LoaderState DataLoader::normalise(LoaderState st) const {
 
 void DataLoader::produce(LoaderState& st, Batch& b) {
   st = normalise(st);
+  const int64_t S = seq_len_;
+  b.inputs.resize(static_cast<size_t>(row_count_ * S));
+  b.targets.resize(static_cast<size_t>(row_count_ * S));
+  if (plan_) {
+    const int64_t n = static_cast<int64_t>(plan_->dataset.size());
+    LATHE_CHECK(st.position + batch_size_ <= n,
+                "the blend plan holds {} samples (training.steps x global batch) and the run asked for samples [{}, "
+                "{}); plan for more steps",
+                n, st.position, st.position + batch_size_);
+    for (int64_t r = 0; r < row_count_; ++r) {
+      const size_t g = static_cast<size_t>(st.position + row_begin_ + r);
+      blend_ds_[plan_->dataset[g]]->read_global(plan_->sample[g] * S, S + 1, window_.data());
+      std::memcpy(b.inputs.data() + r * S, window_.data(), S * sizeof(int32_t));
+      std::memcpy(b.targets.data() + r * S, window_.data() + 1, S * sizeof(int32_t));
+    }
+    st.position += batch_size_;
+    b.after = st;
+    return;
+  }
   if (order_epoch_ != st.epoch) {
     order_ = epoch_order(st.epoch);
     order_epoch_ = st.epoch;
   }
-  const int64_t S = seq_len_;
-  b.inputs.resize(static_cast<size_t>(row_count_ * S));
-  b.targets.resize(static_cast<size_t>(row_count_ * S));
   for (int64_t r = 0; r < row_count_; ++r) {
     int64_t sample = order_[static_cast<size_t>(st.position + row_begin_ + r)];
     ds_->read_global(sample * S, S + 1, window_.data());
@@ -191,10 +236,17 @@ LoaderState DataLoader::state() const {
 }
 
 void DataLoader::restore(const LoaderState& st) {
-  LATHE_CHECK(st.epoch >= 0 && st.position >= 0 && st.position <= static_cast<int64_t>(sample_ids_.size()),
-              "DataLoader::restore: invalid state epoch {} position {} ({} samples per epoch); the "
-              "checkpoint's data settings (dataset, seq_len, split) must match this run",
-              st.epoch, st.position, sample_ids_.size());
+  if (plan_) {
+    LATHE_CHECK(st.epoch == 0 && st.position >= 0 && st.position <= static_cast<int64_t>(plan_->dataset.size()),
+                "DataLoader::restore: invalid blend position: epoch {} position {} (the plan holds {} samples in one "
+                "pass); the checkpoint's data settings must match this run",
+                st.epoch, st.position, plan_->dataset.size());
+  } else {
+    LATHE_CHECK(st.epoch >= 0 && st.position >= 0 && st.position <= static_cast<int64_t>(sample_ids_.size()),
+                "DataLoader::restore: invalid state epoch {} position {} ({} samples per epoch); the "
+                "checkpoint's data settings (dataset, seq_len, split) must match this run",
+                st.epoch, st.position, sample_ids_.size());
+  }
   stop_worker();
   cons_state_ = normalise(st);
   start_worker();

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "data/blend.h"
 #include "data/indexed_dataset.h"
 
 namespace lathe::data {
@@ -50,6 +51,13 @@ class DataLoader {
   // LoaderState are those of the whole batch, so they do not depend on how it is split.
   DataLoader(std::shared_ptr<const IndexedDataset> ds, std::vector<int64_t> sample_ids, int64_t batch_size,
              int64_t seq_len, uint64_t seed, bool shuffle, int prefetch, int64_t row_begin = 0, int64_t row_count = 0);
+  // A blend (data/blend.h): global sample g of the run is sample plan->sample[g] of
+  // datasets[plan->dataset[g]], and batch k holds global samples [k*batch_size, (k+1)*batch_size).
+  // The plan already covers the whole run (each dataset repeated and reshuffled per epoch by the
+  // plan itself), so there are no loader epochs: LoaderState.epoch stays 0 and position counts the
+  // samples handed out; asking beyond the plan is an error. rows, prefetch: as above.
+  DataLoader(std::vector<std::shared_ptr<const IndexedDataset>> datasets, std::shared_ptr<const BlendPlan> plan,
+             int64_t batch_size, int64_t seq_len, int prefetch, int64_t row_begin = 0, int64_t row_count = 0);
   ~DataLoader();
   DataLoader(const DataLoader&) = delete;
   DataLoader& operator=(const DataLoader&) = delete;
@@ -59,7 +67,7 @@ class DataLoader {
   double next(int32_t* inputs, int32_t* targets);
   LoaderState state() const;  // batches handed out so far, not what the prefetcher is working on
   void restore(const LoaderState& st);
-  int64_t batches_per_epoch() const { return batches_per_epoch_; }
+  int64_t batches_per_epoch() const { return batches_per_epoch_; }  // blend: batches in the plan
   int64_t batch_size() const { return batch_size_; }
   int64_t seq_len() const { return seq_len_; }
 
@@ -78,8 +86,12 @@ class DataLoader {
   void stop_worker();
   void worker_loop();
 
+  void check_shape() const;
+
   std::shared_ptr<const IndexedDataset> ds_;
   std::vector<int64_t> sample_ids_;
+  std::vector<std::shared_ptr<const IndexedDataset>> blend_ds_;  // blend mode: plan_ != nullptr
+  std::shared_ptr<const BlendPlan> plan_;
   int64_t batch_size_, seq_len_, row_begin_, row_count_;
   uint64_t seed_;
   bool shuffle_;

@@ -679,12 +679,14 @@ void save_checkpoint_impl(const std::string& run_dir, const Model& model, const 
     files[kRecipeFile] = w.commit();
     test_sleep();
   }
+  json loader = {{"epoch", st.loader.epoch}, {"position", st.loader.position}};
+  if (!st.blend_taken.empty()) loader["blend"] = {{"taken", st.blend_taken}, {"plan_xxh64", st.blend_plan_xxh64}};
   json body = {{"format", kFormat},
                {"format_version", kFormatVersion},
                {"lathe_version", st.lathe_version.empty() ? std::string(LATHE_VERSION) : st.lathe_version},
                {"step", st.step},
                {"consumed_samples", st.consumed_samples},
-               {"loader", {{"epoch", st.loader.epoch}, {"position", st.loader.position}}},
+               {"loader", loader},
                {"rng", st.rng},
                {"loss_scale", st.loss_scale},
                {"loss_scale_dynamic", st.loss_scale_dynamic},

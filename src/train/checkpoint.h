@@ -77,6 +77,11 @@ struct CheckpointState {
   int64_t step = 0;  // optimizer steps completed
   int64_t consumed_samples = 0;
   data::LoaderState loader;   // epoch, position
+  // data.blend runs (optional in state.json: loader.blend): samples taken from each blended dataset
+  // so far and the XXH64 of the plan's first `position` entries, so a resume proves it continues
+  // the same sample sequence (data/blend_cache.h). Empty for data.train runs.
+  std::vector<int64_t> blend_taken;
+  std::string blend_plan_xxh64;
   std::vector<uint64_t> rng;  // any RNG state the trainer keeps (now: the seed)
   // Loss scaler (optim/loss_scaler.h). loss_scale: the scale for the next step (1 without
   // dynamic scaling). The rest are optional in state.json (absent in checkpoints written before

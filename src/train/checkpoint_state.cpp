@@ -282,6 +282,15 @@ CheckpointState parse_checkpoint_state(std::string_view text, const std::string&
   const json& loader = f.object(f.member(body, "loader", "loader"), "loader");
   st.loader.epoch = f.integer(f.member(loader, "epoch", "loader.epoch"), "loader.epoch", 0, kMaxCount);
   st.loader.position = f.integer(f.member(loader, "position", "loader.position"), "loader.position", 0, kMaxCount);
+  if (loader.contains("blend")) {  // data.blend runs only
+    const json& b = f.object(loader["blend"], "loader.blend");
+    const json& taken = f.array(f.member(b, "taken", "loader.blend.taken"), "loader.blend.taken");
+    if (taken.empty() || taken.size() > (size_t{1} << 24))
+      f.fail("loader.blend.taken", fmt::format("has {} entries (one per blended dataset)", taken.size()));
+    for (size_t i = 0; i < taken.size(); ++i)
+      st.blend_taken.push_back(f.integer(taken[i], fmt::format("loader.blend.taken[{}]", i), 0, st.loader.position));
+    st.blend_plan_xxh64 = f.string(f.member(b, "plan_xxh64", "loader.blend.plan_xxh64"), "loader.blend.plan_xxh64");
+  }
   const json& rng = f.array(f.member(body, "rng", "rng"), "rng");
   if (rng.empty()) f.fail("rng", "is empty (a checkpoint always records the trainer's RNG state)");
   if (rng.size() > 1024) f.fail("rng", fmt::format("has {} values (at most 1024)", rng.size()));

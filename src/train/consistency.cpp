@@ -43,15 +43,21 @@ ConsistencyReport check_consistency(const Recipe& r) {
                                                 s.key, *s.tok_id, V, *s.tok_id + 1));
     }
   }
-  for (const std::string& prefix : {r.data.train, r.data.valid}) {
+  // Every dataset the run reads: data.train or each data.blend entry (named by its index), data.valid.
+  std::vector<std::pair<std::string, std::string>> sets = {{"dataset " + r.data.train, r.data.train}};
+  if (!r.data.blend.empty()) sets.clear();
+  for (size_t i = 0; i < r.data.blend.size(); ++i)
+    sets.push_back({fmt::format("data.blend[{}].prefix {}", i, r.data.blend[i].prefix), r.data.blend[i].prefix});
+  sets.push_back({"dataset " + r.data.valid, r.data.valid});
+  for (const auto& [name, prefix] : sets) {
     if (prefix.empty()) continue;
     data::IndexedDataset ds(prefix);
     const int32_t mx = ds.max_token_id();
-    result(mx < V, mx < V ? fmt::format("dataset {}: largest token id {} < model.vocab_size {} ({} tokens)", prefix, mx,
-                                        V, ds.total_tokens())
-                          : fmt::format("dataset {}: contains token id {} but model.vocab_size is {}; use a model with "
+    result(mx < V, mx < V ? fmt::format("{}: largest token id {} < model.vocab_size {} ({} tokens)", name, mx, V,
+                                        ds.total_tokens())
+                          : fmt::format("{}: contains token id {} but model.vocab_size is {}; use a model with "
                                         "vocab_size >= {} or re-tokenize the data with the model's tokenizer",
-                                        prefix, mx, V, static_cast<int64_t>(mx) + 1));
+                                        name, mx, V, static_cast<int64_t>(mx) + 1));
   }
   return rep;
 }

@@ -10,8 +10,11 @@
 
 #include "core/checked.h"
 #include "core/error.h"
+#include "data/blend_cache.h"
 #include "data/loader.h"
+#include "dist/comm.h"
 #include "io/json.h"
+#include "io/xxh64.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/ops_bf16.h"
 #include "models/hf_weights.h"
@@ -120,7 +123,66 @@ bool check_recipe_changes(const Recipe& r, const TrainOptions& opts, const Prefl
   return breaking.empty();
 }
 
+// data.blend: every prefix opened (one dtype), the validation set, and the plan of the whole run
+// (training.steps x global batch samples) from OUTPUT/data_cache, built there by rank 0 of a
+// training run when missing or stale; `lathe check` plans in memory and writes nothing.
+void preflight_blend(const Recipe& r, const TrainOptions& opts, const PreflightLog& log, bool check_only,
+                     Preflight& pf) {
+  const int64_t T = r.training.seq_len, G = global_batch_samples(r);
+  std::vector<data::BlendEntryInput> in;
+  for (const auto& e : r.data.blend) in.push_back({e.prefix, e.weight, e.epochs});
+  data::OpenedBlend ob = data::open_blend(in, T);
+  pf.blend_ds = ob.datasets;
+  if (!r.data.valid.empty()) {
+    pf.valid_ds = std::make_shared<const data::IndexedDataset>(r.data.valid);
+    pf.valid_samples = data::all_samples(data::num_samples(pf.valid_ds->total_tokens(), T));
+  }
+  const int64_t total = blend_plan_samples(r);
+  const bool rank0 = opts.world == nullptr || opts.world->rank() == 0;
+  const std::string cache_dir = (fs::path(r.output.dir.empty() ? "." : r.output.dir) / "data_cache").string();
+  data::CachedPlan c;
+  try {
+    c = data::cached_blend_plan(ob.sources, T, static_cast<uint64_t>(r.training.seed), total, cache_dir,
+                                !check_only && rank0);
+  } catch (const Error& e) {
+    throw_error("{}: data.blend: {}", r.source, e.what());
+  }
+  pf.blend_plan = c.plan;
+  double wsum = 0;
+  for (const auto& s : ob.sources) wsum += s.weight;
+  for (size_t i = 0; i < ob.sources.size(); ++i) {
+    const auto& s = ob.sources[i];
+    log.ok(fmt::format(
+        "data.blend[{}] {}: {} {} tokens, {} samples of seq_len {}; weight {} ({:.2f}%): {} samples of the run "
+        "({:.2f}%), {:.3f} epochs{}",
+        i, s.name, ob.datasets[i]->total_tokens(), dtype_name(ob.datasets[i]->dtype()), s.samples, T, s.weight,
+        100 * s.weight / wsum, c.plan->taken[i], total ? 100.0 * c.plan->taken[i] / total : 0.0, c.plan->epochs[i],
+        s.max_epochs > 0 ? fmt::format(" (cap {})", s.max_epochs) : std::string()));
+  }
+  log.ok(fmt::format("data.blend: {} datasets, plan of {} samples ({} steps x global batch {}{}) {} in {:.3f} s{}",
+                     ob.sources.size(), total, r.training.steps, G,
+                     total > r.training.steps * G ? " + the samples anomaly rollbacks may skip" : "", c.status,
+                     c.seconds, c.path.empty() || c.status.rfind("planned", 0) == 0 ? std::string() : ": " + c.path));
+  log.ok(r.data.valid.empty()
+             ? std::string("validation: none (a blend validates on data.valid only)")
+             : fmt::format("validation: {} samples (data.valid {})", pf.valid_samples.size(), r.data.valid));
+}
+
 }  // namespace
+
+int64_t blend_plan_samples(const Recipe& r) {
+  const int64_t G = global_batch_samples(r);
+  int64_t total = checked_mul(r.training.steps, G, "training.steps x global batch (samples of the run)");
+  const auto& a = r.training.anomaly;
+  if (a.enabled && a.rollback_after > 0 && a.rollback_window > 0) {
+    // Each rollback skips skip_samples, or by default the samples consumed since the checkpoint
+    // (at most the run's); max_rollbacks of them before the run stops.
+    const int64_t per = a.skip_samples >= 0 ? a.skip_samples : total;
+    total = checked_add(total, checked_mul(a.max_rollbacks, per, "training.anomaly.max_rollbacks x skipped samples"),
+                        "blend plan samples");
+  }
+  return total;
+}
 
 optim::OptimConfig optimizer_config(const Recipe& r) {
   optim::OptimConfig c;
@@ -176,7 +238,7 @@ optim::ScheduleConfig schedule_config(const Recipe& r) {
 }
 
 void check_resume_state(const CheckpointState& cs, const Recipe& r, int64_t train_samples, bool exact,
-                        const std::string& ckpt) {
+                        const std::string& ckpt, const data::BlendPlan* plan) {
   const std::string sp = (fs::path(ckpt) / "state.json").string();
   const int64_t G = global_batch_samples(r);
   LATHE_CHECK(cs.step <= r.training.steps,
@@ -192,7 +254,30 @@ void check_resume_state(const CheckpointState& cs, const Recipe& r, int64_t trai
   // The loader hands out whole batches and starts a new epoch when the next batch would not fit,
   // so `batches` batches put it at exactly one (epoch, position).
   const int64_t per_epoch = train_samples / G;
-  if (exact && per_epoch > 0) {
+  if (!r.data.blend.empty()) {
+    // A blend is one pass over its plan: the position is the samples consumed (more after an
+    // anomaly rollback skipped data: training.anomaly).
+    const int64_t pos = cs.loader.position, planned = plan ? static_cast<int64_t>(plan->dataset.size()) : pos;
+    LATHE_CHECK(cs.loader.epoch == 0 && pos <= planned && (!exact || pos >= consumed),
+                "{}: field 'loader' is epoch {} position {} but a blend is at epoch 0, position >= {} ({} steps of {} "
+                "samples) and <= {} (the plan of this run) (the checkpoint belongs to other data or was edited)",
+                sp, cs.loader.epoch, pos, consumed, cs.step, G, planned);
+    if (exact) {
+      if (plan && !cs.blend_taken.empty()) {
+        const std::vector<int64_t> taken = data::blend_taken_before(*plan, pos);
+        const std::string hash = io::hex64(data::blend_prefix_hash(*plan, pos));
+        std::string t0, t1;
+        for (size_t i = 0; i < cs.blend_taken.size(); ++i) t0 += fmt::format("{}{}", i ? ", " : "", cs.blend_taken[i]);
+        for (size_t i = 0; i < taken.size(); ++i) t1 += fmt::format("{}{}", i ? ", " : "", taken[i]);
+        LATHE_CHECK(cs.blend_taken == taken && cs.blend_plan_xxh64 == hash,
+                    "{}: field 'loader.blend' (samples taken per dataset [{}], plan hash {}) does not match this run's "
+                    "blend plan up to sample {} ([{}], {}): a blended prefix changed its size since the checkpoint "
+                    "(or the state was edited). Resume with the checkpoint's data, or pass --force-resume-changes to "
+                    "continue on the new plan",
+                    sp, t0, io::json_excerpt(nlohmann::json(cs.blend_plan_xxh64), 40), pos, t1, hash);
+      }
+    }
+  } else if (exact && per_epoch > 0) {
     const int64_t epoch = batches / per_epoch, position = (batches % per_epoch) * G;
     LATHE_CHECK(cs.loader.epoch == epoch && cs.loader.position == position,
                 "{}: field 'loader' is epoch {} position {} but {} batches of {} samples over {} training samples "
@@ -238,28 +323,32 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   const int64_t B = r.training.micro_batch_size, T = r.training.seq_len;
 
   // 1. datasets
-  pf.train_ds = std::make_shared<const data::IndexedDataset>(r.data.train);
-  if (!r.data.valid.empty()) {
-    pf.valid_ds = std::make_shared<const data::IndexedDataset>(r.data.valid);
-    pf.train_samples = data::all_samples(data::num_samples(pf.train_ds->total_tokens(), T));
-    pf.valid_samples = data::all_samples(data::num_samples(pf.valid_ds->total_tokens(), T));
-  } else {
-    auto split = data::split_samples(data::num_samples(pf.train_ds->total_tokens(), T), r.data.valid_fraction);
-    pf.train_samples = std::move(split.train);
-    pf.valid_samples = std::move(split.valid);
-    pf.valid_ds = pf.train_ds;
-  }
   const int64_t G = global_batch_samples(r);
-  LATHE_CHECK(static_cast<int64_t>(pf.train_samples.size()) >= G,
-              "data.train {}: {} tokens give only {} training samples of seq_len {}, fewer than one global batch: "
-              "training.micro_batch_size {} x grad_accum_steps {} x parallel.data {} = {}",
-              r.data.train, pf.train_ds->total_tokens(), pf.train_samples.size(), T, B, r.training.grad_accum_steps,
-              std::max<int64_t>(1, r.parallel.data), G);
-  log.ok(fmt::format("data.train {}: {} tokens, {} training samples of seq_len {} (>= global batch {})", r.data.train,
-                     pf.train_ds->total_tokens(), pf.train_samples.size(), T, G));
-  log.ok(fmt::format("validation: {} samples ({})", pf.valid_samples.size(),
-                     r.data.valid.empty() ? fmt::format("data.valid_fraction {} of data.train", r.data.valid_fraction)
-                                          : "data.valid " + r.data.valid));
+  if (!r.data.blend.empty()) {
+    preflight_blend(r, opts, log, check_only, pf);
+  } else {
+    pf.train_ds = std::make_shared<const data::IndexedDataset>(r.data.train);
+    if (!r.data.valid.empty()) {
+      pf.valid_ds = std::make_shared<const data::IndexedDataset>(r.data.valid);
+      pf.train_samples = data::all_samples(data::num_samples(pf.train_ds->total_tokens(), T));
+      pf.valid_samples = data::all_samples(data::num_samples(pf.valid_ds->total_tokens(), T));
+    } else {
+      auto split = data::split_samples(data::num_samples(pf.train_ds->total_tokens(), T), r.data.valid_fraction);
+      pf.train_samples = std::move(split.train);
+      pf.valid_samples = std::move(split.valid);
+      pf.valid_ds = pf.train_ds;
+    }
+    LATHE_CHECK(static_cast<int64_t>(pf.train_samples.size()) >= G,
+                "data.train {}: {} tokens give only {} training samples of seq_len {}, fewer than one global batch: "
+                "training.micro_batch_size {} x grad_accum_steps {} x parallel.data {} = {}",
+                r.data.train, pf.train_ds->total_tokens(), pf.train_samples.size(), T, B, r.training.grad_accum_steps,
+                std::max<int64_t>(1, r.parallel.data), G);
+    log.ok(fmt::format("data.train {}: {} tokens, {} training samples of seq_len {} (>= global batch {})", r.data.train,
+                       pf.train_ds->total_tokens(), pf.train_samples.size(), T, G));
+    log.ok(fmt::format("validation: {} samples ({})", pf.valid_samples.size(),
+                       r.data.valid.empty() ? fmt::format("data.valid_fraction {} of data.train", r.data.valid_fraction)
+                                            : "data.valid " + r.data.valid));
+  }
 
   // 2. model / tokenizer / data consistency
   ConsistencyReport rep = check_consistency(r);
@@ -314,7 +403,7 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   if (!pf.ckpt.empty()) {
     pf.cs = read_checkpoint_state(pf.ckpt);
     exact = check_recipe_changes(r, opts, pf, log);
-    check_resume_state(pf.cs, r, static_cast<int64_t>(pf.train_samples.size()), exact, pf.ckpt);
+    check_resume_state(pf.cs, r, static_cast<int64_t>(pf.train_samples.size()), exact, pf.ckpt, pf.blend_plan.get());
   }
 
   // 6. the model (and the optimizer it comes with): the whole memory figure first (parameters,

@@ -2,7 +2,8 @@
 // that `lathe check` runs too, so that a recipe check passes is a recipe train starts on (issue 14).
 // In order, each failure a lathe::Error naming the file / field and the fix:
 //   1. datasets: data.train / data.valid open (headers, sizes, dtype), enough samples of seq_len
-//      for one micro-batch;
+//      for one micro-batch; or every data.blend prefix (one dtype) and the run's blend plan (epoch
+//      caps), built or taken from the cache in OUTPUT/data_cache (check never writes it);
 //   2. consistency of model, tokenizer and data (train/consistency.h): vocabulary sizes, special
 //      ids, every dataset's largest token id < model.vocab_size;
 //   3. optimizer, schedule and loss-scale settings (optim::validate), and that this build computes
@@ -28,6 +29,7 @@
 #include <vector>
 
 #include "config/recipe.h"
+#include "data/blend.h"
 #include "data/indexed_dataset.h"
 #include "models/model.h"
 #include "optim/loss_scaler.h"
@@ -39,8 +41,12 @@
 namespace lathe {
 
 struct Preflight {
-  std::shared_ptr<const data::IndexedDataset> train_ds, valid_ds;
+  std::shared_ptr<const data::IndexedDataset> train_ds, valid_ds;  // valid_ds: null for a blend without data.valid
   std::vector<int64_t> train_samples, valid_samples;
+  // data.blend (train_ds null, train_samples empty): the datasets in entry order and the plan of the
+  // run's training.steps x global batch samples, from OUTPUT/data_cache (data/blend_cache.h).
+  std::vector<std::shared_ptr<const data::IndexedDataset>> blend_ds;
+  std::shared_ptr<const data::BlendPlan> blend_plan;
   std::string ckpt;              // checkpoint this run continues from; "" = fresh start
   CheckpointState cs;            // its state (when ckpt is set)
   std::unique_ptr<Model> model;  // built; weights from init_from or the checkpoint (else to be initialised)
@@ -52,6 +58,10 @@ struct PreflightLog {
   std::function<void(const std::string&)> note;  // resume decisions (train prints them even when quiet)
 };
 
+// Samples the blend plan of a data.blend run holds: training.steps x global batch, plus what anomaly
+// rollbacks (training.anomaly) may skip: the plan is a prefix-stable sequence, so a longer plan
+// hands out the same samples first.
+int64_t blend_plan_samples(const Recipe& r);
 // The recipe's optimizer and schedule sections in optim's terms.
 optim::OptimConfig optimizer_config(const Recipe& r);
 optim::ScheduleConfig schedule_config(const Recipe& r);
@@ -72,7 +82,9 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
 // The checkpoint's state against the run that resumes it (step 5 above); `ckpt` names it in errors.
 // exact: the recipe has no breaking changes, so the loader position must be exactly where
 // `train_samples` samples per epoch put it (with forced changes only its range is checked).
+// A blend (r.data.blend) has no loader epochs: position = step x global batch, and with `plan` the
+// recorded samples taken per dataset and the plan's hash up to there must match this run's plan.
 void check_resume_state(const CheckpointState& cs, const Recipe& r, int64_t train_samples, bool exact,
-                        const std::string& ckpt);
+                        const std::string& ckpt, const data::BlendPlan* plan = nullptr);
 
 }  // namespace lathe

@@ -20,7 +20,9 @@
 #include "core/sysinfo.h"
 #include "core/timer.h"
 #include "core/trace.h"
+#include "data/blend_cache.h"
 #include "io/fs.h"
+#include "io/xxh64.h"
 #include "models/hf_weights.h"
 #include "models/memory.h"
 #include "optim/clip.h"
@@ -550,12 +552,24 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
       P * 4 / 1e6, P * 4 / 1e6, r.optimizer.name, moments / 1e6,
       wcopy > 0 ? fmt::format(" + {} weight copies {:.1f} MB", r.precision.compute, wcopy / 1e6) : std::string(),
       r.precision.compute, model->activation_bytes() / 1e6, est / 1e6));
-  log(fmt::format("data: {} train samples, {} validation samples of {} tokens", train_samples.size(),
-                  valid_samples.size(), T));
+  // A blend (data.blend) reads global sample g of the run from the plan (dataset, sample); one
+  // pass, no loader epochs: the plan covers training.steps x G samples and already repeats and
+  // reshuffles each dataset (data/blend.h). Ranks take their rows of each global batch as below.
+  const auto& plan = pf.blend_plan;
+  log(plan ? fmt::format("data: blend of {} datasets, {} planned samples, {} validation samples of {} tokens",
+                         pf.blend_ds.size(), plan->dataset.size(), valid_samples.size(), T)
+           : fmt::format("data: {} train samples, {} validation samples of {} tokens", train_samples.size(),
+                         valid_samples.size(), T));
 
-  data::DataLoader loader(train_ds, train_samples, G, T, static_cast<uint64_t>(r.training.seed), true, r.data.prefetch,
-                          dp_rank * B * accum, B * accum);
-  if (!ckpt.empty()) loader.restore(cs.loader);  // restarts the prefetcher at the saved position
+  std::unique_ptr<data::DataLoader> loader_ptr =
+      plan
+          ? std::make_unique<data::DataLoader>(pf.blend_ds, plan, G, T, r.data.prefetch, dp_rank * B * accum, B * accum)
+          : std::make_unique<data::DataLoader>(train_ds, train_samples, G, T, static_cast<uint64_t>(r.training.seed),
+                                               true, r.data.prefetch, dp_rank * B * accum, B * accum);
+  data::DataLoader& loader = *loader_ptr;
+  // Restarts the prefetcher at the saved position (for a blend verified against this run's plan by
+  // preflight unless --force-resume-changes).
+  if (!ckpt.empty()) loader.restore(cs.loader);
   std::vector<int64_t> eval_subset(valid_samples.begin(),
                                    valid_samples.begin() + std::min<int64_t>(static_cast<int64_t>(valid_samples.size()),
                                                                              r.training.eval_batches * B));
@@ -586,6 +600,10 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     st.step = done;
     st.consumed_samples = done * G;
     st.loader = loader.state();
+    if (plan) {  // which samples of which dataset the run has consumed (checked on resume)
+      st.blend_taken = data::blend_taken_before(*plan, st.loader.position);
+      st.blend_plan_xxh64 = io::hex64(data::blend_prefix_hash(*plan, st.loader.position));
+    }
     st.rng = {static_cast<uint64_t>(r.training.seed)};  // no other RNG: the loader derives its order from it
     st.recipe = r.to_json();
     st.lathe_version = LATHE_VERSION;
@@ -739,8 +757,10 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
         load_moments(dir);
         return c;
       };
-    const RollbackResult rb = restore_for_rollback(target, step + 1, ac.skip_samples, *model, opt, loader, scaler,
-                                                   anomaly, static_cast<int64_t>(train_samples.size()), G, load_tp);
+    // A blend is one pass over its plan (sized for the rollbacks by preflight): its "epoch" is the plan.
+    const RollbackResult rb =
+        restore_for_rollback(target, step + 1, ac.skip_samples, *model, opt, loader, scaler, anomaly,
+                             static_cast<int64_t>(plan ? plan->dataset.size() : train_samples.size()), G, load_tp);
     if (rank0) {
       // The curves continue from the checkpoint (as after a resume); anomalies.jsonl keeps everything.
       metrics_file.reset();
