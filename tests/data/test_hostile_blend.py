@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Hostile blends (recipe data.blend, issue 11) through `lathe check`, `lathe train` and
+`lathe data blend-plan`: every bad entry is refused with exit 1 and an error naming the entry index
+and key (data.blend[i].weight, data.blend[i].prefix, ...) and the fix; a corrupt plan cache is
+never used; a resume whose blended prefix changed size is refused naming loader.blend. Bounded time
+and memory per case (tests/hostile.py).
+
+Env: LATHE_BIN, LATHE_SOURCE_DIR. Run: /usr/bin/python3 test_hostile_blend.py
+"""
+import json
+import os
+import sys
+
+import numpy as np
+
+SRC = os.environ.get("LATHE_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(SRC, "tests"))
+sys.path.insert(0, os.path.join(SRC, "tests", "train"))
+import megatron_writer  # noqa: E402
+from hostile import Cases, run_lathe  # noqa: E402
+
+cases = Cases()
+
+
+def dataset(name, ndocs=12, lo=0, dtype=np.uint16):
+    docs = [(np.arange(80 + d) % 50) + lo for d in range(ndocs)]
+    prefix = cases.path("data", name)
+    megatron_writer.write(prefix, docs, dtype=dtype)
+    return prefix
+
+
+WEB, CODE = dataset("web"), dataset("code", lo=60)
+
+
+def recipe(name, blend, data_extra=None, training_extra=None):
+    data = {"blend": blend}
+    data.update(data_extra or {})
+    training = {"micro_batch_size": 2, "seq_len": 16, "steps": 4, "seed": 7, "eval_interval": 0, "peak_gflops": 100,
+                "threads": 1}
+    training.update(training_extra or {})
+    r = {"model": {"preset": "gpt2-debug", "vocab_size": 256}, "data": data,
+         "optimizer": {"name": "adamw", "lr": 3e-3}, "schedule": {"name": "constant"}, "training": training,
+         "output": {"dir": cases.path("runs", name)}}
+    return cases.write(name + ".yaml", json.dumps(r))
+
+
+def good(**kw):
+    return [{"prefix": WEB, "weight": 0.7}, {"prefix": CODE, "weight": 0.3, **kw}]
+
+
+def check(name, blend, must, **kw):
+    run_lathe(["check", recipe(name, blend, **kw)], rc=1, must=must)
+
+
+with cases.case("control: a valid blend checks, trains, and plans"):
+    r = recipe("ok", good())
+    run_lathe(["check", r], rc=0, stream="stdout", must=["data.blend[1] " + CODE, "can start"])
+    run_lathe(["train", r, "--quiet"], rc=0, stream="stdout", timeout=120)
+    run_lathe(["data", "blend-plan", r], rc=0, stream="stdout", must=["reused", "70.00%"])
+
+with cases.case("weight 0 names the entry and the key"):
+    check("w0", good(weight=0), ["data.blend[1].weight", "0 must be > 0"])
+with cases.case("negative weight"):
+    check("wneg", [{"prefix": WEB, "weight": -1}], ["data.blend[0].weight", "-1 must be > 0"])
+with cases.case("weight missing"):
+    check("wmiss", [{"prefix": WEB}], ["data.blend[0].weight", "is missing"])
+with cases.case("weight not a number"):
+    check("wstr", [{"prefix": WEB, "weight": "heavy"}], ["data.blend[0].weight", "expected a number"])
+with cases.case("weight infinite"):
+    r = recipe("winf", [{"prefix": WEB, "weight": 1e999}])
+    cases.write("winf.yaml", open(r).read().replace("Infinity", "1e999"))  # YAML reads 1e999 as +inf
+    run_lathe(["check", r], rc=1, must=["data.blend[0].weight", "not a finite number"])
+with cases.case("negative epochs"):
+    check("eneg", good(epochs=-2), ["data.blend[1].epochs", "-2 must be > 0"])
+with cases.case("prefix key missing"):
+    check("pmiss", [{"weight": 1}], ["data.blend[0].prefix", "is missing"])
+with cases.case("unknown key in an entry suggests the right one"):
+    check("typo", [{"prefix": WEB, "wieght": 1}], ["unknown key 'data.blend[0].wieght'", "data.blend[0].weight"])
+with cases.case("blend not a list"):
+    check("notlist", {"prefix": WEB, "weight": 1}, ["data.blend", "expected a list"])
+with cases.case("an entry that is not a mapping"):
+    check("notmap", [WEB], ["data.blend[0]", "expected a mapping"])
+with cases.case("empty blend"):
+    check("empty", [], ["data.blend", "empty list"])
+with cases.case("both data.train and data.blend"):
+    check("both", good(), ["data.blend", "data.train", "both set"], data_extra={"train": WEB})
+with cases.case("neither data.train nor data.blend"):
+    run_lathe(["check", cases.write("neither.yaml", json.dumps({"model": {"preset": "gpt2-debug"},
+                                                                 "training": {"eval_interval": 0}}))],
+              rc=1, must=["data.train", "is missing", "data.blend"])
+with cases.case("a missing prefix names the entry and the path"):
+    missing = cases.path("data", "nope")
+    check("nofile", good() + [{"prefix": missing, "weight": 1}], ["data.blend[2].prefix " + missing, "nope.idx"])
+with cases.case("datasets of different token dtypes"):
+    wide = dataset("wide", dtype=np.int32)
+    check("dtype", [{"prefix": WEB, "weight": 1}, {"prefix": wide, "weight": 1}],
+          ["data.blend[1].prefix " + wide, "token dtype I32 differs from data.blend[0]", "re-tokenize"])
+with cases.case("token ids beyond the model's vocabulary"):
+    big = dataset("big", lo=300)
+    check("vocab", good() + [{"prefix": big, "weight": 1}],
+          ["data.blend[2].prefix " + big, "contains token id 349", "model.vocab_size is 256"])
+with cases.case("a dataset too small for one sample"):
+    tiny = cases.path("data", "tiny")
+    megatron_writer.write(tiny, [np.arange(5)])
+    check("tiny", good() + [{"prefix": tiny, "weight": 1}], ["data.blend[2].prefix " + tiny, "no sample"])
+with cases.case("the run needs more epochs than a dataset's cap"):
+    check("cap", good(epochs=0.01), [CODE, "beyond its cap epochs: 0.01"])
+with cases.case("periodic validation without data.valid"):
+    check("noval", good(), ["training.eval_interval", "data.blend", "data.valid"], training_extra={"eval_interval": 2})
+with cases.case("blend-plan on a recipe without a blend"):
+    r = cases.write("plain.yaml", json.dumps({"model": {"preset": "gpt2-debug", "vocab_size": 256},
+                                              "data": {"train": WEB}, "training": {"eval_interval": 0}}))
+    run_lathe(["data", "blend-plan", r], rc=1, must=["no data.blend", WEB])
+
+with cases.case("a corrupt plan cache is rebuilt, never used"):
+    r = recipe("corrupt", good())
+    run_lathe(["train", r, "--quiet"], rc=0, timeout=120)
+    cache = cases.path("runs", "corrupt", "data_cache")
+    f = os.path.join(cache, [n for n in os.listdir(cache) if n.startswith("blend-")][0])
+    blob = bytearray(open(f, "rb").read())
+    for cut in (len(blob) - 3, 0):  # truncated, then empty
+        open(f, "wb").write(bytes(blob[:cut]))
+        p = run_lathe(["train", r], rc=0, stream="stdout", timeout=120, must=["rebuilt (the cache was unusable"])
+    assert open(f, "rb").read() == bytes(blob), "the rebuilt cache equals the original"
+
+with cases.case("resume after a blended prefix changed size is refused naming loader.blend"):
+    r = recipe("resume", good(), training_extra={"steps": 6})
+    run_lathe(["train", r, "--quiet", "--stop-after", "3"], rc=0, timeout=120)
+    megatron_writer.write(CODE, [(np.arange(90 + d) % 50) + 60 for d in range(14)])
+    run_lathe(["train", r, "--quiet", "--resume", "auto"], rc=1, timeout=120,
+              must=["state.json", "loader.blend", "changed its size", "--force-resume-changes"])
+
+cases.finish()
