@@ -130,4 +130,35 @@ with cases.case("resume after a blended prefix changed size is refused naming lo
     run_lathe(["train", r, "--quiet", "--resume", "auto"], rc=1, timeout=120,
               must=["state.json", "loader.blend", "changed its size", "--force-resume-changes"])
 
+
+
+def reseal_state(ckpt, edit):
+    """Edits the text of state.json's body (edit: str -> str) and recomputes body_xxh64 with the
+    independent Python XXH64 of tests/train/kill_test_lib.py, so only lathe's field checks can object."""
+    from kill_test_lib import xxh64
+    path = os.path.join(ckpt, "state.json")
+    text = open(path, encoding="utf-8").read()
+    head, tail = '{"body":', ',"body_xxh64":'
+    body = edit(text[len(head):text.rindex(tail)])
+    open(path, "w", encoding="utf-8").write(head + body + tail + '"' + format(xxh64(body.encode()), "016x") + '"}\n')
+
+
+with cases.case("state.json loader.blend edited: wrong counts, wrong type, counts beyond the position"):
+    import re
+    r = recipe("edited", good(), training_extra={"steps": 6})
+    run_lathe(["train", r, "--quiet", "--stop-after", "3"], rc=0, timeout=120)
+    ckpt = cases.path("runs", "edited", "checkpoints", "step_00000003")
+    orig = open(os.path.join(ckpt, "state.json"), encoding="utf-8").read()
+    taken = re.search(r'"taken":\[(\d+),(\d+)\]', orig)
+    assert taken, orig[:400]
+    a, b = int(taken.group(1)), int(taken.group(2))
+    for new, must in ((f'"taken":[{a - 1},{b + 1}]', ["loader.blend", "does not match this run's blend plan"]),
+                      ('"taken":"many"', ["loader.blend.taken", "state.json"]),
+                      (f'"taken":[{a + 100},{b}]', ["loader.blend.taken[0]", "state.json"])):
+        open(os.path.join(ckpt, "state.json"), "w", encoding="utf-8").write(orig)
+        reseal_state(ckpt, lambda t: t.replace(taken.group(0), new))
+        run_lathe(["train", r, "--quiet", "--resume", ckpt], rc=1, timeout=120, must=must)
+    open(os.path.join(ckpt, "state.json"), "w", encoding="utf-8").write(orig)
+    run_lathe(["train", r, "--quiet", "--resume", ckpt], rc=0, timeout=120)  # the original resumes
+
 cases.finish()
