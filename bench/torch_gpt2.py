@@ -2,7 +2,11 @@
 """A plain PyTorch GPT-2 training step (fp32, AdamW, tied lm_head, tanh GELU), the baseline that
 bench_train.py compares lathe against. Prints one JSON line like bench_train_step.
 
-  torch_gpt2.py L C H V B T [STEPS]
+  torch_gpt2.py L C H V B T [STEPS] [--autocast]
+
+--autocast runs forward and loss under torch.autocast("cpu", dtype=torch.bfloat16) (PyTorch's
+mixed precision on CPU: bf16 GEMMs, fp32 master weights and optimizer), the peer of lathe's
+precision.compute: bf16.
 """
 import json
 import math
@@ -51,8 +55,10 @@ class GPT(nn.Module):
 
 
 def main():
-    L, C, H, V, B, T = (int(a) for a in sys.argv[1:7])
-    steps = int(sys.argv[7]) if len(sys.argv) > 7 else 6
+    autocast = "--autocast" in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--autocast"]
+    L, C, H, V, B, T = (int(a) for a in args[0:6])
+    steps = int(args[6]) if len(args) > 6 else 6
     torch.manual_seed(0)
     model = GPT(L, C, H, V)
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -64,7 +70,11 @@ def main():
     for s in range(steps + 1):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = model(idx, tgt)
+        if autocast:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(idx, tgt)
+        else:
+            loss = model(idx, tgt)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -72,7 +82,7 @@ def main():
     dt = sum(times[1:]) / steps
     n = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
     flops_tok = 6 * n + 12 * L * C * T
-    print(json.dumps({"impl": "torch", "torch": torch.__version__, "threads": torch.get_num_threads(),
+    print(json.dumps({"impl": "torch", "torch": torch.__version__, "autocast_bf16": autocast, "threads": torch.get_num_threads(),
                       "ms_per_step": dt * 1e3, "tokens_per_s": B * T / dt, "flops_per_token": flops_tok,
                       "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3}))
 
