@@ -772,10 +772,6 @@ class Parser {
          fmt::format("'{}' with parallel.tensor = {}: LAMB's per-tensor trust ratio is not computed across "
                      "tensor-parallel shards yet; use adamw or parallel.tensor: 1",
                      r.optimizer.name, p.tensor));
-    need(p.tensor == 1 || r.precision.compute == "fp32", "precision.compute",
-         fmt::format("'{}' with parallel.tensor = {}: tensor parallelism computes in fp32 only so far; use fp32 "
-                     "or parallel.tensor: 1",
-                     r.precision.compute, p.tensor));
     need(p.pipeline == 1, "parallel.pipeline",
          fmt::format("{}: pipeline parallelism is not implemented yet; use 1 (data parallelism: parallel.data)",
                      p.pipeline));

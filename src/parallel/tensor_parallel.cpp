@@ -5,8 +5,11 @@
 
 #include <cmath>
 #include <cstring>
+#include <memory>
 
+#include "core/dtype.h"
 #include "core/error.h"
+#include "kernels/cpu/ops_bf16.h"
 #include "optim/chunks.h"
 #include "optim/clip.h"
 
@@ -123,13 +126,35 @@ void init_shard(Model& m, const ParamTable& global, int rank, int tp, uint64_t s
 
 void attach_tensor_parallel(Model& m, dist::Communicator& tp_group) {
   if (tp_group.size() == 1) return;
-  LATHE_CHECK(m.compute_dtype() == DType::F32,
-              "parallel.tensor = {} with precision.compute = {}: tensor parallelism computes in fp32 only so far; "
-              "use precision.compute: fp32 or parallel.tensor: 1",
-              tp_group.size(), compute_dtype_name(m.compute_dtype()));
   dist::Communicator* group = &tp_group;
-  m.hooks().reduce_partial = [group](void* buf, int64_t count) {
-    group->all_reduce(buf, static_cast<size_t>(count), DType::F32);
+  const DType dt = m.compute_dtype();
+  if (dt == DType::F32) {
+    m.hooks().reduce_partial = [group](void* buf, int64_t count) {
+      group->all_reduce(buf, static_cast<size_t>(count), DType::F32);
+    };
+    return;
+  }
+  LATHE_CHECK(dt == DType::BF16 || dt == DType::F16, "tensor parallel: no reduction for compute dtype {}",
+              compute_dtype_name(dt));
+  // 16-bit activations: each rank's partial product (already rounded to 16 bits by its GEMM) is
+  // widened, the sum taken in fp32 in rank order, and rounded once, so a row-parallel output carries
+  // tp + 1 roundings where one process has one. [N, C] fp32 staging per call.
+  auto staging = std::make_shared<std::vector<float>>();
+  m.hooks().reduce_partial = [group, staging, dt](void* buf, int64_t count) {
+    staging->resize(static_cast<size_t>(count));
+    auto* h = static_cast<uint16_t*>(buf);
+    float* f = staging->data();
+    if (dt == DType::BF16) {
+      cpu::convert_bf16_to_fp32(f, h, count);
+    } else {
+      for (int64_t i = 0; i < count; ++i) f[i] = fp16_to_fp32(h[i]);
+    }
+    group->all_reduce(f, static_cast<size_t>(count), DType::F32);
+    if (dt == DType::BF16) {
+      cpu::convert_fp32_to_bf16(h, f, count);
+    } else {
+      for (int64_t i = 0; i < count; ++i) h[i] = fp32_to_fp16(f[i]);
+    }
   };
 }
 

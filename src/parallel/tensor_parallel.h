@@ -53,7 +53,7 @@ void gather_global(dist::Communicator& tp_group, const ParamTable& global, const
 void init_shard(Model& local, const ParamTable& global, int rank, int tp, uint64_t seed);
 
 // Installs StepHooks::reduce_partial on `m`: an all-reduce over `tp_group` (deterministic, in rank
-// order, src/dist/comm.h). fp32 compute only for now (bf16/fp16 are refused with that message).
+// order, src/dist/comm.h); bf16/fp16 activations are summed in fp32 and rounded once.
 // tp_group must outlive the model's passes.
 void attach_tensor_parallel(Model& m, dist::Communicator& tp_group);
 
