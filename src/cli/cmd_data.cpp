@@ -255,9 +255,10 @@ int run_blend_plan(int argc, char** argv) {
     return 0;
   }
   fmt::print(
-      "{}: blend of {} datasets for {} steps x global batch {} = {} samples of seq_len {} (seed {}); plan {} in "
-      "{:.3f} s\n",
-      path, ob.sources.size(), r.training.steps, G, total, T, r.training.seed, c.status, c.seconds);
+      "{}: blend of {} datasets for {} steps x global batch {} = {} samples of seq_len {} (seed {}); plan: {} "
+      "({:.3f} s){}\n",
+      path, ob.sources.size(), r.training.steps, G, total, T, r.training.seed, c.status, c.seconds,
+      c.status == "reused" ? " from " + c.path : std::string());
   size_t w = 6;
   for (const auto& s : ob.sources) w = std::max(w, s.name.size());
   fmt::print("{:>4}  {:<{}}  {:>10}  {:>8}  {:>10}  {:>12}  {:>12}  {:>9}  {}\n", "#", "prefix", w, "weight", "asked",
