@@ -139,12 +139,13 @@ int main(int argc, char** argv) {
     add("residual x2", true, [&] {
       for (int i = 0; i < 2; ++i) o.residual_forward(y.p(), y.p(), x.p(), N * C);
     });
-    add("attention fwd", true, [&] { o.attention_forward(y.p(), lse.f(), x.p(), B, T, H, KV, D, scratch.data()); });
+    add("attention fwd", true,
+        [&] { o.attention_forward(y.p(), lse.f(), x.p(), B, T, H, KV, D, scratch.data(), nullptr); });
     add("attention bwd", true,
-        [&] { o.attention_backward(g.p(), y.p(), x.p(), y.p(), lse.f(), B, T, H, KV, D, scratch.data()); });
+        [&] { o.attention_backward(g.p(), y.p(), x.p(), y.p(), lse.f(), B, T, H, KV, D, scratch.data(), nullptr); });
     add("embedding fwd+bwd", false, [&] {
-      o.embedding_forward(y.p(), tok.data(), w.p(), gpt2 ? x.p() : nullptr, B, T, C);
-      o.embedding_backward(gw.f(), nullptr, g.p(), tok.data(), B, T, C);
+      o.embedding_forward(y.p(), tok.data(), w.p(), gpt2 ? x.p() : nullptr, B, T, C, nullptr);
+      o.embedding_backward(gw.f(), nullptr, g.p(), tok.data(), B, T, C, nullptr);
     });
     add(fmt::format("  its fwd GEMMs ({}x{}x{}) x{}", chunk, C, V, N / chunk), false, [&] {
       for (int64_t n0 = 0; n0 < N; n0 += chunk) o.logits_forward(gw.f(), x.p(), w.p(), chunk, C, V);

@@ -41,10 +41,11 @@ struct Ops {
                           const void* weight, int64_t M, int64_t K, int64_t N, bool accumulate_dinp) = nullptr;
 
   // ---- token + learned position embedding -----------------------------------------------------
+  // positions [B, T] (nullptr: position t): the wpe row of each token (documents restart at 0).
   void (*embedding_forward)(void* out, const int32_t* tokens, const void* wte, const void* wpe, int64_t B, int64_t T,
-                            int64_t C) = nullptr;
+                            int64_t C, const int32_t* positions) = nullptr;
   void (*embedding_backward)(float* dwte, float* dwpe, const void* dout, const int32_t* tokens, int64_t B, int64_t T,
-                             int64_t C) = nullptr;
+                             int64_t C, const int32_t* positions) = nullptr;
 
   // ---- LayerNorm / RMSNorm -------------------------------------------------------------------
   void (*layernorm_forward)(void* out, float* mean, float* rstd, const void* inp, const float* weight,
@@ -70,17 +71,21 @@ struct Ops {
   void (*bias_add)(void* out, const float* bias, int64_t N, int64_t C) = nullptr;
 
   // ---- rotary position embedding (tables fp32 [T, D/2]) ------------------------------------------
+  // positions [B, T] (nullptr: position t): the table row of each token.
   void (*rope_tables)(float* cos_table, float* sin_table, int64_t T, int64_t D, double theta) = nullptr;
   void (*rope_forward)(void* x, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
-                       int64_t D, int64_t row_stride) = nullptr;
+                       int64_t D, int64_t row_stride, const int32_t* positions) = nullptr;
   void (*rope_backward)(void* dx, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
-                        int64_t D, int64_t row_stride) = nullptr;
+                        int64_t D, int64_t row_stride, const int32_t* positions) = nullptr;
 
   // ---- causal grouped-query attention ----------------------------------------------------------
+  // doc_start [B, T] (nullptr: plain causal): token t attends to keys [doc_start[b,t], t] only
+  // (documents packed in a sample; kernels/cpu/ops.h states the contract).
   void (*attention_forward)(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                            int64_t D, void* scratch) = nullptr;
+                            int64_t D, void* scratch, const int32_t* doc_start) = nullptr;
   void (*attention_backward)(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
-                             int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch) = nullptr;
+                             int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch,
+                             const int32_t* doc_start) = nullptr;
   size_t (*attention_scratch_bytes)(int64_t T, int64_t D) = nullptr;
 
   // ---- lm head + softmax + cross-entropy, chunked over rows ------------------------------------

@@ -149,6 +149,15 @@ class Model {
   void set_hooks(StepHooks hooks) { hooks_ = std::move(hooks); }
   StepHooks& hooks() { return hooks_; }
 
+  // Documents packed in the samples of the following passes (models/documents.h builds both arrays
+  // from EOD tokens): doc_start [B, T] makes attention document-causal (token t of row b sees keys
+  // [doc_start[b,t], t]; nullptr: plain causal), positions [B, T] replace 0..T-1 for the learned
+  // position embedding and RoPE (nullptr: 0..T-1; each must be in [0, t]). Both are copied and stay
+  // in force until the next call; a pass of another B x T while they are set is an error.
+  // set_documents(nullptr, nullptr, 0, 0) returns to plain causal attention.
+  // (Defined in models/documents.cpp.)
+  void set_documents(const int32_t* doc_start, const int32_t* positions, int64_t B, int64_t T);
+
   // Per-block passes over the activations of (B, T) (block numbering as in StepHooks). Forward
   // runs embedding, layers 0..L-1, head_loss in order; backward the reverse, after head_loss with
   // backward = true. Gradients accumulate (+=).
@@ -206,6 +215,10 @@ class Model {
   void* act_at(void* p, int64_t i) const { return static_cast<std::byte*>(p) + i * act_size_; }
   const void* act_at(const void* p, int64_t i) const { return static_cast<const std::byte*>(p) + i * act_size_; }
   ModelPtrs resolve(float* base) const;
+  // The documents of set_documents (host memory: the CPU kernels read them), nullptr when unset.
+  const int32_t* doc_starts() const { return doc_start_.empty() ? nullptr : doc_start_.data(); }
+  const int32_t* doc_positions() const { return doc_pos_.empty() ? nullptr : doc_pos_.data(); }
+  void check_documents_shape(int64_t B, int64_t T) const;
   // The weight a kernel of the op table reads for the fp32 master `m`: the master itself in an
   // fp32 model, else the element at the same offset of the compute-dtype copy (nullptr stays null).
   const void* cw(const float* m) const {
@@ -247,6 +260,8 @@ class Model {
   void *dres_ = nullptr, *dln_ = nullptr, *dqkv_ = nullptr, *datt_ = nullptr, *dfc_ = nullptr, *dact_ = nullptr;
   void* scratch_ = nullptr;
   float *rope_cos_ = nullptr, *rope_sin_ = nullptr;
+  std::vector<int32_t> doc_start_, doc_pos_;  // [docs_B_, docs_T_] each, or empty
+  int64_t docs_B_ = 0, docs_T_ = 0;
 };
 
 // model_type -> builder. Registering a name twice is an error naming both registrants.

@@ -428,7 +428,8 @@ void Model::embedding_forward(const int32_t* tokens, int64_t B, int64_t T) {
                 tokens[i], i, V);
   // With T below the allocated length the RoPE tables still hold positions 0..T-1 in their
   // first T rows, so they can be used as they are.
-  ops_->embedding_forward(emb_, tokens, cw(p_.wte), cw(p_.wpe), B, T, C);
+  check_documents_shape(B, T);
+  ops_->embedding_forward(emb_, tokens, cw(p_.wte), cw(p_.wpe), B, T, C, doc_positions());
 }
 
 void Model::norm_forward(int64_t l, bool second, int64_t N) {
@@ -465,10 +466,10 @@ void Model::layer_forward_into(int64_t l, int64_t B, int64_t T, bool output) {
   norm_forward(l, false, N);
   ops_->matmul_forward(a.qkv, a.ln1, cw(w.qkv_w), w.qkv_b, N, C, Q, false);
   if (!arch_.learned_pos) {
-    ops_->rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, D, Q);
-    ops_->rope_forward(act_at(a.qkv, H * D), rope_cos_, rope_sin_, B, T, KV, D, Q);
+    ops_->rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, D, Q, doc_positions());
+    ops_->rope_forward(act_at(a.qkv, H * D), rope_cos_, rope_sin_, B, T, KV, D, Q, doc_positions());
   }
-  ops_->attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D, scratch_);
+  ops_->attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D, scratch_, doc_starts());
   row_parallel_forward(a.res1, a.att, w.o_w, w.o_b, N, H * D, C);
   ops_->residual_forward(a.res1, a.res1, x, N * C);
   norm_forward(l, true, N);
@@ -554,10 +555,10 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
     ops_->rmsnorm_backward(dres_, gw.ln2_w, dln_, a.res1, w.ln2_w, a.ln2_rstd, N, C, scratch_);
   // Attention: res1 = x + o(attn(qkv(norm1(x))))
   ops_->matmul_backward(datt_, gw.o_w, gw.o_b, dres_, a.att, cw(w.o_w), N, H * D, C, false);
-  ops_->attention_backward(dqkv_, datt_, a.qkv, a.att, a.lse, B, T, H, KV, D, scratch_);
+  ops_->attention_backward(dqkv_, datt_, a.qkv, a.att, a.lse, B, T, H, KV, D, scratch_, doc_starts());
   if (!arch_.learned_pos) {
-    ops_->rope_backward(dqkv_, rope_cos_, rope_sin_, B, T, H, D, Q);
-    ops_->rope_backward(act_at(dqkv_, H * D), rope_cos_, rope_sin_, B, T, KV, D, Q);
+    ops_->rope_backward(dqkv_, rope_cos_, rope_sin_, B, T, H, D, Q, doc_positions());
+    ops_->rope_backward(act_at(dqkv_, H * D), rope_cos_, rope_sin_, B, T, KV, D, Q, doc_positions());
   }
   // ln1 into the shared buffer, now that the fc GEMM's backward is done with ln2.
   if (plan_.recompute == Recompute::Selective) norm_forward(l, false, N);
@@ -570,7 +571,7 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
 }
 
 void Model::embedding_backward(const int32_t* tokens, int64_t B, int64_t T) {
-  ops_->embedding_backward(g_.wte, g_.wpe, dres_, tokens, B, T, cfg_.hidden_size);
+  ops_->embedding_backward(g_.wte, g_.wpe, dres_, tokens, B, T, cfg_.hidden_size, doc_positions());
 }
 #undef LATHE_DIMS
 

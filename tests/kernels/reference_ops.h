@@ -40,24 +40,29 @@ inline void ref_matmul_bwd(VecD& dx, VecD& dw, VecD& db, const VecD& g, const Ve
     }
 }
 
+// pos [B, T] (nullptr: t): the wpe row of each token.
 inline void ref_embedding_fwd(VecD& out, const std::vector<int32_t>& tok, const VecD& wte, const VecD* wpe, int64_t B,
-                              int64_t T, int64_t C) {
+                              int64_t T, int64_t C, const std::vector<int32_t>* pos = nullptr) {
   out.assign(B * T * C, 0.0);
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T; ++t)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t p = pos ? (*pos)[b * T + t] : t;
       for (int64_t c = 0; c < C; ++c)
-        out[(b * T + t) * C + c] = wte[tok[b * T + t] * C + c] + (wpe ? (*wpe)[t * C + c] : 0.0);
+        out[(b * T + t) * C + c] = wte[tok[b * T + t] * C + c] + (wpe ? (*wpe)[p * C + c] : 0.0);
+    }
 }
 inline void ref_embedding_bwd(VecD& dwte, VecD& dwpe, const VecD& g, const std::vector<int32_t>& tok, int64_t V,
-                              int64_t B, int64_t T, int64_t C) {
+                              int64_t B, int64_t T, int64_t C, const std::vector<int32_t>* pos = nullptr) {
   dwte.assign(V * C, 0.0);
   dwpe.assign(T * C, 0.0);
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T; ++t)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t p = pos ? (*pos)[b * T + t] : t;
       for (int64_t c = 0; c < C; ++c) {
         dwte[tok[b * T + t] * C + c] += g[(b * T + t) * C + c];
-        dwpe[t * C + c] += g[(b * T + t) * C + c];
+        dwpe[p * C + c] += g[(b * T + t) * C + c];
       }
+    }
 }
 
 inline void ref_layernorm_fwd(VecD& out, VecD& mean, VecD& rstd, const VecD& x, const VecD& w, const VecD* b, int64_t N,
@@ -165,8 +170,9 @@ inline void ref_swiglu_bwd(VecD& dinp, const VecD& inp, const VecD& dout, int64_
 }
 
 // RoPE reference on x[B, T, stride], heads at column h*D; tables given as [T, D/2] doubles.
+// pos [B, T] (nullptr: t): the table row of each token.
 inline void ref_rope_fwd(VecD& y, const VecD& x, const VecD& cs, const VecD& sn, int64_t B, int64_t T, int64_t H,
-                         int64_t D, int64_t stride, int64_t offset) {
+                         int64_t D, int64_t stride, int64_t offset, const std::vector<int32_t>* pos = nullptr) {
   y = x;
   const int64_t half = D / 2;
   for (int64_t b = 0; b < B; ++b)
@@ -175,13 +181,14 @@ inline void ref_rope_fwd(VecD& y, const VecD& x, const VecD& cs, const VecD& sn,
         for (int64_t i = 0; i < half; ++i) {
           const int64_t base = (b * T + t) * stride + offset + h * D;
           const double x1 = x[base + i], x2 = x[base + half + i];
-          const double c = cs[t * half + i], s = sn[t * half + i];
+          const int64_t p = pos ? (*pos)[b * T + t] : t;
+          const double c = cs[p * half + i], s = sn[p * half + i];
           y[base + i] = x1 * c - x2 * s;
           y[base + half + i] = x2 * c + x1 * s;
         }
 }
 inline void ref_rope_bwd(VecD& dx, const VecD& dy, const VecD& cs, const VecD& sn, int64_t B, int64_t T, int64_t H,
-                         int64_t D, int64_t stride, int64_t offset) {
+                         int64_t D, int64_t stride, int64_t offset, const std::vector<int32_t>* pos = nullptr) {
   dx = dy;
   const int64_t half = D / 2;
   for (int64_t b = 0; b < B; ++b)
@@ -190,7 +197,8 @@ inline void ref_rope_bwd(VecD& dx, const VecD& dy, const VecD& cs, const VecD& s
         for (int64_t i = 0; i < half; ++i) {
           const int64_t base = (b * T + t) * stride + offset + h * D;
           const double g1 = dy[base + i], g2 = dy[base + half + i];
-          const double c = cs[t * half + i], s = sn[t * half + i];
+          const int64_t p = pos ? (*pos)[b * T + t] : t;
+          const double c = cs[p * half + i], s = sn[p * half + i];
           dx[base + i] = g1 * c + g2 * s;
           dx[base + half + i] = g2 * c - g1 * s;
         }
@@ -279,6 +287,44 @@ inline std::vector<double> ref_attention_bwd(const std::vector<double>& qkv, con
       }
     }
   return dqkv;
+}
+
+// ---- documents: every segment of a sample run separately ----------------------------------------
+// doc_start[B, T] as cpu::attention_forward takes it. The segments of row b are the maximal runs of
+// equal doc_start; each is run through `f(b, t0, len)` (the caller slices and scatters).
+template <class F>
+void for_each_segment(const std::vector<int32_t>& doc_start, int64_t B, int64_t T, F&& f) {
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t0 = 0; t0 < T;) {
+      int64_t t1 = t0 + 1;
+      while (t1 < T && doc_start[b * T + t1] == doc_start[b * T + t0]) ++t1;
+      f(b, t0, t1 - t0);
+      t0 = t1;
+    }
+}
+
+// Document attention as a torch user would check it: each document a batch of its own through the
+// causal references above (themselves checked against finite differences). out, lse and the
+// gradient w.r.t. qkv (of L = sum(out * dout)) of the whole [B, T] batch.
+inline void ref_attention_docs(std::vector<double>& out, std::vector<double>& lse, std::vector<double>& dqkv,
+                               const std::vector<double>& qkv, const std::vector<double>& dout,
+                               const std::vector<int32_t>& doc_start, const AttnShape& s) {
+  const int64_t ld = (s.H + 2 * s.KVH) * s.D, lo = s.H * s.D;
+  out.assign(s.B * s.T * lo, 0.0);
+  lse.assign(s.B * s.H * s.T, 0.0);
+  dqkv.assign(qkv.size(), 0.0);
+  for_each_segment(doc_start, s.B, s.T, [&](int64_t b, int64_t t0, int64_t n) {
+    const AttnShape one{1, n, s.H, s.KVH, s.D};
+    const std::vector<double> q(qkv.begin() + (b * s.T + t0) * ld, qkv.begin() + (b * s.T + t0 + n) * ld);
+    const std::vector<double> g(dout.begin() + (b * s.T + t0) * lo, dout.begin() + (b * s.T + t0 + n) * lo);
+    std::vector<double> o, l;
+    ref_attention_fwd(o, l, q, one);
+    const std::vector<double> dq = ref_attention_bwd(q, g, one);
+    std::copy(o.begin(), o.end(), out.begin() + (b * s.T + t0) * lo);
+    std::copy(dq.begin(), dq.end(), dqkv.begin() + (b * s.T + t0) * ld);
+    for (int64_t h = 0; h < s.H; ++h)
+      std::copy(l.begin() + h * n, l.begin() + (h + 1) * n, lse.begin() + (b * s.H + h) * s.T + t0);
+  });
 }
 
 // ---- lm head + cross-entropy ------------------------------------------------------------------

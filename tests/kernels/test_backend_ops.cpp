@@ -140,17 +140,17 @@ Ops make() {
     out(dx, dxv);
   };
   o.embedding_forward = [](void* y, const int32_t* tok, const void* wte, const void* wpe, int64_t B, int64_t T,
-                           int64_t C) {
+                           int64_t C, const int32_t* pos) {
     int64_t V = 0;
     for (int64_t i = 0; i < B * T; ++i) V = std::max<int64_t>(V, tok[i] + 1);
     VecF yv(B * T * C), te = in(wte, V * C), pe = in(wpe, T * C);
-    f32().embedding_forward(yv.data(), tok, te.data(), fp(pe, wpe), B, T, C);
+    f32().embedding_forward(yv.data(), tok, te.data(), fp(pe, wpe), B, T, C, pos);
     out(y, yv);
   };
   o.embedding_backward = [](float* dwte, float* dwpe, const void* g, const int32_t* tok, int64_t B, int64_t T,
-                            int64_t C) {
+                            int64_t C, const int32_t* pos) {
     VecF gv = in(g, B * T * C);
-    f32().embedding_backward(dwte, dwpe, gv.data(), tok, B, T, C);
+    f32().embedding_backward(dwte, dwpe, gv.data(), tok, B, T, C, pos);
   };
   o.layernorm_forward = [](void* y, float* mean, float* rstd, const void* x, const float* w, const float* b, int64_t N,
                            int64_t C, float eps) {
@@ -208,28 +208,28 @@ Ops make() {
   // In place on rows of `stride` elements: widen the whole span the kernel touches (bf16 -> fp32
   // -> bf16 is exact for the columns it leaves alone).
   o.rope_forward = [](void* x, const float* cs, const float* sn, int64_t B, int64_t T, int64_t H, int64_t D,
-                      int64_t stride) {
+                      int64_t stride, const int32_t* pos) {
     VecF xv = in(x, (B * T - 1) * stride + H * D);
-    f32().rope_forward(xv.data(), cs, sn, B, T, H, D, stride);
+    f32().rope_forward(xv.data(), cs, sn, B, T, H, D, stride, pos);
     out(x, xv);
   };
   o.rope_backward = [](void* x, const float* cs, const float* sn, int64_t B, int64_t T, int64_t H, int64_t D,
-                       int64_t stride) {
+                       int64_t stride, const int32_t* pos) {
     VecF xv = in(x, (B * T - 1) * stride + H * D);
-    f32().rope_backward(xv.data(), cs, sn, B, T, H, D, stride);
+    f32().rope_backward(xv.data(), cs, sn, B, T, H, D, stride, pos);
     out(x, xv);
   };
   o.attention_forward = [](void* y, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                           int64_t D, void* scratch) {
+                           int64_t D, void* scratch, const int32_t* ds) {
     VecF yv(B * T * H * D), qv = in(qkv, B * T * (H + 2 * KVH) * D);
-    f32().attention_forward(yv.data(), lse, qv.data(), B, T, H, KVH, D, scratch);
+    f32().attention_forward(yv.data(), lse, qv.data(), B, T, H, KVH, D, scratch, ds);
     out(y, yv);
   };
   o.attention_backward = [](void* dqkv, const void* g, const void* qkv, const void* y, const float* lse, int64_t B,
-                            int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch) {
+                            int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch, const int32_t* ds) {
     const int64_t nq = B * T * (H + 2 * KVH) * D, ny = B * T * H * D;
     VecF dqv(nq), gv = in(g, ny), qv = in(qkv, nq), yv = in(y, ny);
-    f32().attention_backward(dqv.data(), gv.data(), qv.data(), yv.data(), lse, B, T, H, KVH, D, scratch);
+    f32().attention_backward(dqv.data(), gv.data(), qv.data(), yv.data(), lse, B, T, H, KVH, D, scratch, ds);
     out(dqkv, dqv);
   };
   o.lm_head_loss = [](float* losses, void* dx, float* dw, const void* x, const void* w, const int32_t* tg, int64_t N,
@@ -421,11 +421,11 @@ void case_embedding(const Target& t) {
           ref_embedding_bwd(rdwte, rdwpe, to_double(g), tok, V, B, T, C);
           auto dwte_in = r.act(wte, "wte"), dwpe_in = r.act(wpv, "wpe"), dg = r.act(g, "dout");
           auto out = r.act(VecF(B * T * C, kNaN), "out");
-          t.ops->embedding_forward(out->p(), tok.data(), dwte_in->p(), wpe ? dwpe_in->p() : nullptr, B, T, C);
+          t.ops->embedding_forward(out->p(), tok.data(), dwte_in->p(), wpe ? dwpe_in->p() : nullptr, B, T, C, nullptr);
           r.check(*out, ref, "forward");
           const VecF pre_te = randn(V * C, rng), pre_pe = randn(T * C, rng);
           auto gte = r.f32(pre_te, "dwte"), gpe = r.f32(pre_pe, "dwpe");
-          t.ops->embedding_backward(gte->f(), wpe ? gpe->f() : nullptr, dg->p(), tok.data(), B, T, C);
+          t.ops->embedding_backward(gte->f(), wpe ? gpe->f() : nullptr, dg->p(), tok.data(), B, T, C, nullptr);
           r.check(*gte, plus(pre_te, rdwte), "dwte (+=)");
           if (wpe) r.check(*gpe, plus(pre_pe, rdwpe), "dwpe (+=)");
         }
@@ -592,10 +592,10 @@ void case_rope(const Target& t) {
           // In place on a pointer `offset` elements into each row (element size of the dtype).
           const size_t off_bytes = offset * dtype_size(r.act_dt());
           auto y = r.act(x, "x");
-          t.ops->rope_forward(static_cast<char*>(y->p()) + off_bytes, cs->f(), sn->f(), B, T, H, D, stride);
+          t.ops->rope_forward(static_cast<char*>(y->p()) + off_bytes, cs->f(), sn->f(), B, T, H, D, stride, nullptr);
           r.check(*y, ref, "forward");
           auto dx = r.act(g, "dx");
-          t.ops->rope_backward(static_cast<char*>(dx->p()) + off_bytes, cs->f(), sn->f(), B, T, H, D, stride);
+          t.ops->rope_backward(static_cast<char*>(dx->p()) + off_bytes, cs->f(), sn->f(), B, T, H, D, stride, nullptr);
           r.check(*dx, rdx, "backward");
         }
 }
@@ -617,12 +617,73 @@ void case_attention(const Target& t) {
           auto dq = r.act(qkv, "qkv"), dg = r.act(g, "dout"), out = r.act(VecF(B * T * H * D, kNaN), "out"),
                lse = r.f32(VecF(B * H * T, kNaN), "lse"), gq = r.act(VecF(B * T * ld, kNaN), "dqkv");
           auto scratch = r.scratch(t.ops->attention_scratch_bytes(T, D));
-          t.ops->attention_forward(out->p(), lse->f(), dq->p(), B, T, H, KVH, D, scratch->p());
+          t.ops->attention_forward(out->p(), lse->f(), dq->p(), B, T, H, KVH, D, scratch->p(), nullptr);
           r.check(*out, ref, "forward out");
           r.check(*lse, rlse, "forward lse");
-          t.ops->attention_backward(gq->p(), dg->p(), dq->p(), out->p(), lse->f(), B, T, H, KVH, D, scratch->p());
+          t.ops->attention_backward(gq->p(), dg->p(), dq->p(), out->p(), lse->f(), B, T, H, KVH, D, scratch->p(),
+                                    nullptr);
           r.check(*gq, rdqkv, "dqkv");
         }
+}
+
+// Documents packed in samples (issue 11): embedding and RoPE with positions restarting per
+// document, attention with doc_start, against the double references with those positions and
+// each document's attention run separately. Documents of length 1 and ones cut by the sample end.
+void case_documents(const Target& t) {
+  for (int64_t T : {1, 7, 67, 130}) {
+    const int64_t B = 2, C = 33, V = 5, H = 4, KVH = 2, D = 8, ld = (H + 2 * KVH) * D, half = D / 2;
+    Rng rng(1200 + T);
+    std::vector<int32_t> ds(B * T), pos(B * T), tok(B * T);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0, start = 0; i < T; ++i) {
+        if (i > 0 && rng.below(5) == 0) start = i;  // documents of mean length 5, some of length 1
+        ds[b * T + i] = static_cast<int32_t>(start);
+        pos[b * T + i] = static_cast<int32_t>(i - start);
+      }
+    for (auto& k : tok) k = static_cast<int32_t>(rng.below(V));
+    Run r{t, "documents " + dims({B, T})};
+    // embedding with positions
+    const VecF wte = r.act_in(randn(V * C, rng)), wpe = r.act_in(randn(T * C, rng)),
+               g = r.act_in(randn(B * T * C, rng));
+    VecD wped = to_double(wpe), ref, rdwte, rdwpe;
+    ref_embedding_fwd(ref, tok, to_double(wte), &wped, B, T, C, &pos);
+    ref_embedding_bwd(rdwte, rdwpe, to_double(g), tok, V, B, T, C, &pos);
+    auto dte = r.act(wte, "wte"), dpe = r.act(wpe, "wpe"), dg = r.act(g, "dout");
+    auto out = r.act(VecF(B * T * C, kNaN), "embedding out");
+    t.ops->embedding_forward(out->p(), tok.data(), dte->p(), dpe->p(), B, T, C, pos.data());
+    r.check(*out, ref, "embedding forward");
+    auto gte = r.f32(VecF(V * C, 0.0f), "dwte"), gpe = r.f32(VecF(T * C, 0.0f), "dwpe");
+    t.ops->embedding_backward(gte->f(), gpe->f(), dg->p(), tok.data(), B, T, C, pos.data());
+    r.check(*gte, rdwte, "embedding dwte");
+    r.check(*gpe, rdwpe, "embedding dwpe");
+    // RoPE on the q section of a fused row with positions
+    auto cs = r.f32(VecF(T * half, kNaN), "cos"), sn = r.f32(VecF(T * half, kNaN), "sin");
+    t.ops->rope_tables(cs->f(), sn->f(), T, D, 10000.0);
+    const VecD csd = to_double(cs->down()), snd = to_double(sn->down());
+    const VecF x = r.act_in(randn(B * T * ld, rng)), gx = r.act_in(randn(B * T * ld, rng));
+    VecD rref, rdx;
+    ref_rope_fwd(rref, to_double(x), csd, snd, B, T, H, D, ld, 0, &pos);
+    ref_rope_bwd(rdx, to_double(gx), csd, snd, B, T, H, D, ld, 0, &pos);
+    auto y = r.act(x, "rope x"), dy = r.act(gx, "rope dx");
+    t.ops->rope_forward(y->p(), cs->f(), sn->f(), B, T, H, D, ld, pos.data());
+    r.check(*y, rref, "rope forward");
+    t.ops->rope_backward(dy->p(), cs->f(), sn->f(), B, T, H, D, ld, pos.data());
+    r.check(*dy, rdx, "rope backward");
+    // attention with doc_start
+    const AttnShape s{B, T, H, KVH, D};
+    const VecF qkv = r.act_in(randn(B * T * ld, rng)), ga = r.act_in(randn(B * T * H * D, rng));
+    VecD aref, alse, adq;
+    ref_attention_docs(aref, alse, adq, to_double(qkv), to_double(ga), ds, s);
+    auto dq = r.act(qkv, "qkv"), dga = r.act(ga, "att dout"), aout = r.act(VecF(B * T * H * D, kNaN), "att out"),
+         lse = r.f32(VecF(B * H * T, kNaN), "lse"), gq = r.act(VecF(B * T * ld, kNaN), "dqkv");
+    auto scratch = r.scratch(t.ops->attention_scratch_bytes(T, D));
+    t.ops->attention_forward(aout->p(), lse->f(), dq->p(), B, T, H, KVH, D, scratch->p(), ds.data());
+    r.check(*aout, aref, "attention forward out");
+    r.check(*lse, alse, "attention forward lse");
+    t.ops->attention_backward(gq->p(), dga->p(), dq->p(), aout->p(), lse->f(), B, T, H, KVH, D, scratch->p(),
+                              ds.data());
+    r.check(*gq, adq, "attention dqkv");
+  }
 }
 
 void case_lm_head_loss(const Target& t) {
@@ -694,6 +755,10 @@ const std::vector<Case>& cases() {
       {"bias_add", {"bias_add"}, case_bias_add},
       {"rope", {"rope_tables", "rope_forward", "rope_backward"}, case_rope},
       {"attention", {"attention_forward", "attention_backward", "attention_scratch_bytes"}, case_attention},
+      {"documents",
+       {"embedding_forward", "embedding_backward", "rope_tables", "rope_forward", "rope_backward", "attention_forward",
+        "attention_backward", "attention_scratch_bytes"},
+       case_documents},
       {"lm_head_loss", {"lm_head_loss", "lm_head_loss_scratch_bytes"}, case_lm_head_loss},
       {"logits", {"logits_forward"}, case_logits},
   };
@@ -898,10 +963,10 @@ TEST(BackendRegistry, CpuFp32TableIsTheOpsHKernelsBitForBit) {
     const VecF wpe = randn(T * C, rng), dg = randn(N * C, rng);
     VecF o1(N * C), o2(N * C), dte1(V * C), dte2(V * C), dpe1(T * C), dpe2(T * C);
     cpu::embedding_forward(o1.data(), tok.data(), w.data(), wpe.data(), B, T, C);
-    o.embedding_forward(o2.data(), tok.data(), w.data(), wpe.data(), B, T, C);
+    o.embedding_forward(o2.data(), tok.data(), w.data(), wpe.data(), B, T, C, nullptr);
     same(o1, o2, "embedding_forward");
     cpu::embedding_backward(dte1.data(), dpe1.data(), dg.data(), tok.data(), B, T, C);
-    o.embedding_backward(dte2.data(), dpe2.data(), dg.data(), tok.data(), B, T, C);
+    o.embedding_backward(dte2.data(), dpe2.data(), dg.data(), tok.data(), B, T, C, nullptr);
     same(dte1, dte2, "embedding_backward dwte");
     same(dpe1, dpe2, "embedding_backward dwpe");
     VecF l1(N), l2(N), gx1(N * C), gx2(N * C), gw1(V * C), gw2(V * C);
@@ -922,20 +987,21 @@ TEST(BackendRegistry, CpuFp32TableIsTheOpsHKernelsBitForBit) {
     same(c1, c2, "rope_tables cos");
     VecF qkv1 = randn(N * Q, rng), qkv2 = qkv1;
     cpu::rope_forward(qkv1.data() + H * D, c1.data(), s1.data(), B, T, KVH, D, Q);
-    o.rope_forward(qkv2.data() + H * D, c2.data(), s2.data(), B, T, KVH, D, Q);
+    o.rope_forward(qkv2.data() + H * D, c2.data(), s2.data(), B, T, KVH, D, Q, nullptr);
     same(qkv1, qkv2, "rope_forward");
     cpu::rope_backward(qkv1.data(), c1.data(), s1.data(), B, T, H, D, Q);
-    o.rope_backward(qkv2.data(), c2.data(), s2.data(), B, T, H, D, Q);
+    o.rope_backward(qkv2.data(), c2.data(), s2.data(), B, T, H, D, Q, nullptr);
     same(qkv1, qkv2, "rope_backward");
     VecF a1(N * H * D), a2(N * H * D), lse1(B * H * T), lse2(B * H * T), dq1(N * Q), dq2(N * Q);
     VecF as1(o.attention_scratch_bytes(T, D) / 4), as2 = as1;
     const VecF dout = randn(N * H * D, rng);
     cpu::attention_forward(a1.data(), lse1.data(), qkv1.data(), B, T, H, KVH, D, as1.data());
-    o.attention_forward(a2.data(), lse2.data(), qkv2.data(), B, T, H, KVH, D, as2.data());
+    o.attention_forward(a2.data(), lse2.data(), qkv2.data(), B, T, H, KVH, D, as2.data(), nullptr);
     same(a1, a2, "attention_forward out");
     same(lse1, lse2, "attention_forward lse");
     cpu::attention_backward(dq1.data(), dout.data(), qkv1.data(), a1.data(), lse1.data(), B, T, H, KVH, D, as1.data());
-    o.attention_backward(dq2.data(), dout.data(), qkv2.data(), a2.data(), lse2.data(), B, T, H, KVH, D, as2.data());
+    o.attention_backward(dq2.data(), dout.data(), qkv2.data(), a2.data(), lse2.data(), B, T, H, KVH, D, as2.data(),
+                         nullptr);
     same(dq1, dq2, "attention_backward");
     EXPECT_EQ(o.attention_scratch_bytes(T, D), cpu::attention_scratch_floats(T, D) * sizeof(float));
     EXPECT_EQ(o.layernorm_scratch_bytes(C), cpu::layernorm_scratch_floats(C) * sizeof(float));

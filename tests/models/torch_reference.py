@@ -58,13 +58,16 @@ class Model(torch.nn.Module):
     def has(self, name):
         return name.replace(".", "/") in self.p
 
-    def forward(self, idx):
+    def forward(self, idx, positions=None):
+        """positions: 1-D [T] position ids shared by the rows (default 0..T-1), as HF's position_ids."""
         cfg = self.cfg
         B, T = idx.shape
+        if positions is None:
+            positions = torch.arange(T)
         if self.gpt2:
             C, H, L = cfg["n_embd"], cfg["n_head"], cfg["n_layer"]
             KV, eps = H, cfg.get("layer_norm_epsilon", 1e-5)
-            x = self.w("transformer.wte.weight")[idx] + self.w("transformer.wpe.weight")[:T]
+            x = self.w("transformer.wte.weight")[idx] + self.w("transformer.wpe.weight")[positions]
         else:
             C, H, L = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
             KV, eps = cfg.get("num_key_value_heads") or H, cfg["rms_norm_eps"]
@@ -73,7 +76,7 @@ class Model(torch.nn.Module):
         if not self.gpt2:
             theta = cfg.get("rope_theta", 10000.0)
             inv = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
-            fr = torch.outer(torch.arange(T, dtype=torch.float64), inv)
+            fr = torch.outer(positions.to(torch.float64), inv)
             emb = torch.cat([fr, fr], -1)
             cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 

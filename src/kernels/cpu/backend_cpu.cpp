@@ -25,12 +25,12 @@ void matmul_backward_f32(void* dinp, float* dweight, float* dbias, const void* d
   matmul_backward(f(dinp), dweight, dbias, f(dout), f(inp), f(weight), M, K, N, accumulate_dinp);
 }
 void embedding_forward_f32(void* out, const int32_t* tokens, const void* wte, const void* wpe, int64_t B, int64_t T,
-                           int64_t C) {
-  embedding_forward(f(out), tokens, f(wte), f(wpe), B, T, C);
+                           int64_t C, const int32_t* positions) {
+  embedding_forward(f(out), tokens, f(wte), f(wpe), B, T, C, positions);
 }
 void embedding_backward_f32(float* dwte, float* dwpe, const void* dout, const int32_t* tokens, int64_t B, int64_t T,
-                            int64_t C) {
-  embedding_backward(dwte, dwpe, f(dout), tokens, B, T, C);
+                            int64_t C, const int32_t* positions) {
+  embedding_backward(dwte, dwpe, f(dout), tokens, B, T, C, positions);
 }
 void layernorm_forward_f32(void* out, float* mean, float* rstd, const void* inp, const float* weight, const float* bias,
                            int64_t N, int64_t C, float eps) {
@@ -64,20 +64,20 @@ void residual_forward_f32(void* out, const void* a, const void* b, int64_t n) {
 }
 void bias_add_f32(void* out, const float* bias, int64_t N, int64_t C) { bias_add(f(out), bias, N, C); }
 void rope_forward_f32(void* x, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
-                      int64_t D, int64_t row_stride) {
-  rope_forward(f(x), cos_table, sin_table, B, T, n_heads, D, row_stride);
+                      int64_t D, int64_t row_stride, const int32_t* positions) {
+  rope_forward(f(x), cos_table, sin_table, B, T, n_heads, D, row_stride, positions);
 }
 void rope_backward_f32(void* dx, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
-                       int64_t D, int64_t row_stride) {
-  rope_backward(f(dx), cos_table, sin_table, B, T, n_heads, D, row_stride);
+                       int64_t D, int64_t row_stride, const int32_t* positions) {
+  rope_backward(f(dx), cos_table, sin_table, B, T, n_heads, D, row_stride, positions);
 }
 void attention_forward_f32(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                           int64_t D, void* scratch) {
-  attention_forward(f(out), lse, f(qkv), B, T, H, KVH, D, f(scratch));
+                           int64_t D, void* scratch, const int32_t* doc_start) {
+  attention_forward(f(out), lse, f(qkv), B, T, H, KVH, D, f(scratch), doc_start);
 }
 void attention_backward_f32(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse, int64_t B,
-                            int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch) {
-  attention_backward(f(dqkv), f(dout), f(qkv), f(out), lse, B, T, H, KVH, D, f(scratch));
+                            int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch, const int32_t* doc_start) {
+  attention_backward(f(dqkv), f(dout), f(qkv), f(out), lse, B, T, H, KVH, D, f(scratch), doc_start);
 }
 size_t attention_scratch_bytes_f32(int64_t T, int64_t D) { return attention_scratch_floats(T, D) * sizeof(float); }
 double lm_head_loss_f32(float* losses, void* dx, float* dw, const void* x, const void* w, const int32_t* targets,

@@ -1,6 +1,7 @@
 // Token + learned position embedding.
-//   forward:  out[B,T,C] = wte[tokens[b,t], :] + wpe[t, :]
+//   forward:  out[B,T,C] = wte[tokens[b,t], :] + wpe[pos(b,t), :]   (pos = t, or positions[b,t])
 //   backward: dwte[V,C] += scatter-add of dout rows by token; dwpe[T,C] += sum over b of dout[b,t,:]
+//             (with positions: a scatter-add by position, done as dwte's)
 //
 // The scatter-add is parallelised over column blocks, not over tokens: every thread walks all B*T
 // tokens in (b,t) order but owns a disjoint range of columns, so rows hit by several tokens are
@@ -20,14 +21,14 @@ constexpr int64_t kColBlock = 16;
 }  // namespace
 
 void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B, int64_t T,
-                       int64_t C) {
+                       int64_t C, const int32_t* positions) {
   const int64_t rows = B * T;
 #pragma omp parallel for schedule(static) if (rows * C >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
     float* __restrict o = out + r * C;
     const float* __restrict e = wte + static_cast<int64_t>(tokens[r]) * C;
     if (wpe != nullptr) {
-      const float* __restrict p = wpe + (r % T) * C;
+      const float* __restrict p = wpe + static_cast<int64_t>(positions ? positions[r] : r % T) * C;
       for (int64_t c = 0; c < C; ++c) o[c] = e[c] + p[c];
     } else {
       std::memcpy(o, e, sizeof(float) * C);
@@ -36,7 +37,7 @@ void embedding_forward(float* out, const int32_t* tokens, const float* wte, cons
 }
 
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
-                        int64_t C) {
+                        int64_t C, const int32_t* positions) {
   const int64_t rows = B * T;
   const int64_t nblocks = (C + kColBlock - 1) / kColBlock;
   const bool par = rows * C >= kParallelMin;
@@ -53,8 +54,14 @@ void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32
         const float* __restrict g = dout + r * C;
         for (int64_t c = c0; c < c1; ++c) d[c] += g[c];
       }
+      if (dwpe != nullptr && positions != nullptr)  // rows of dwpe hit by several tokens: as dwte
+        for (int64_t r = 0; r < rows; ++r) {
+          float* __restrict d = dwpe + static_cast<int64_t>(positions[r]) * C;
+          const float* __restrict g = dout + r * C;
+          for (int64_t c = c0; c < c1; ++c) d[c] += g[c];
+        }
     }
-    if (dwpe != nullptr) {
+    if (dwpe != nullptr && positions == nullptr) {
       // dwpe rows are disjoint per t; the batch sum runs in b order.
 #pragma omp for schedule(static) nowait
       for (int64_t t = 0; t < T; ++t) {

@@ -29,13 +29,15 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
                      const float* weight, int64_t M, int64_t K, int64_t N, bool accumulate_dinp = false);
 
 // ---- token + learned position embedding -----------------------------------------------------
-// out[B,T,C] = wte[tokens[b,t], :] (+ wpe[t, :] if wpe != nullptr). tokens are validated by the caller.
+// out[B,T,C] = wte[tokens[b,t], :] (+ wpe[pos(b,t), :] if wpe != nullptr), pos(b,t) = t, or
+// positions[b,t] when positions != nullptr ([B,T]: documents restarting their positions).
+// tokens and positions are validated by the caller.
 void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B, int64_t T,
-                       int64_t C);
-// dwte[V,C] += scatter of dout by token; dwpe[T,C] += sum over batch (if dwpe != nullptr).
+                       int64_t C, const int32_t* positions = nullptr);
+// dwte[V,C] += scatter of dout by token; dwpe[T,C] += dout rows by position (if dwpe != nullptr).
 // Deterministic: rows hit by several tokens are summed in (b,t) order (parallelise over C).
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
-                        int64_t C);
+                        int64_t C, const int32_t* positions = nullptr);
 
 // ---- LayerNorm (biased variance, eps inside sqrt, as torch.nn.LayerNorm) --------------------
 // out[N,C], mean[N], rstd[N] (saved for backward) from inp[N,C], weight[C], bias[C] (bias may be null).
@@ -80,11 +82,13 @@ void rope_tables(float* cos_table, float* sin_table, int64_t T, int64_t D, doubl
 // In place on x viewed as [B, T, row_stride] where each row holds `n_heads` heads of size D
 // starting at column 0 (pass a pointer to the q or k section of a fused qkv row):
 //   x1 = x[..., :D/2], x2 = x[..., D/2:];  x <- (x1*cos - x2*sin, x2*cos + x1*sin)
+// Row (b,t) uses table row t, or positions[b,t] when positions != nullptr ([B,T], each below the
+// tables' length: the caller checks).
 void rope_forward(float* x, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
-                  int64_t D, int64_t row_stride);
+                  int64_t D, int64_t row_stride, const int32_t* positions = nullptr);
 // Gradient of rope_forward, in place (rotation by -angle).
 void rope_backward(float* dx, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
-                   int64_t D, int64_t row_stride);
+                   int64_t D, int64_t row_stride, const int32_t* positions = nullptr);
 
 // ---- causal self-attention with grouped-query heads -----------------------------------------
 // qkv[B, T, (H + 2*KVH) * D]: per row, H query heads, then KVH key heads, then KVH value heads.
@@ -92,14 +96,26 @@ void rope_backward(float* dx, const float* cos_table, const float* sin_table, in
 // out[B, T, H*D]; lse[B, H, T] = logsumexp of each score row (saved for backward).
 // Never materialises more than one (T x T) score tile per thread: scratch must hold
 // attention_scratch_floats(T, D) floats.
+// Documents: with doc_start != nullptr ([B, T]: the index in the sample of the first token of each
+// token's document; doc_start[b,0] = 0 and each entry equals the previous one or its own index,
+// else an error) token t attends to keys [doc_start[b,t], t] only, and tiles of keys before a
+// query block's first document are skipped, not computed and masked (models/documents.h builds it).
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                       int64_t D, float* scratch);
+                       int64_t D, float* scratch, const int32_t* doc_start = nullptr);
 // dqkv[B, T, (H+2*KVH)*D] = gradient w.r.t. qkv (overwrites). Recomputes probabilities from lse.
 // Parallel over (b, kv head) so that the dk/dv of a kv head shared by several query heads are
 // summed by one thread in a fixed order.
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int64_t B,
-                        int64_t T, int64_t H, int64_t KVH, int64_t D, float* scratch);
+                        int64_t T, int64_t H, int64_t KVH, int64_t D, float* scratch,
+                        const int32_t* doc_start = nullptr);
 size_t attention_scratch_floats(int64_t T, int64_t D);  // per-call total (covers all threads)
+// Work counters of the attention kernels (every table, all threads), cumulative since the process
+// started: [16 queries x 16 keys] score tiles computed by forward (per query head) and by backward
+// (per query head, so equal to forward's for the same call). Tests and benches compare differences.
+struct AttentionTiles {
+  int64_t forward = 0, backward = 0;
+};
+AttentionTiles attention_tiles();
 
 // ---- lm head + softmax + cross-entropy, fused and chunked over rows ---------------------------
 // For x[N,C] and the output embedding w[V,C] (tied wte or a separate lm_head):

@@ -151,7 +151,7 @@ void logits_forward_h(float* logits, const void* x, const void* w, int64_t M, in
 // ---- embedding ---------------------------------------------------------------------------------
 template <class P>
 void embedding_forward_h(void* out_v, const int32_t* tokens, const void* wte_v, const void* wpe_v, int64_t B, int64_t T,
-                         int64_t C) {
+                         int64_t C, const int32_t* positions) {
   const int64_t rows = B * T;
   u16* out = h(out_v);
   const u16 *wte = h(wte_v), *wpe = h(wpe_v);
@@ -167,7 +167,7 @@ void embedding_forward_h(void* out_v, const int32_t* tokens, const void* wte_v, 
         continue;
       }
       P::to_f32(e, er, C);
-      P::to_f32(p, wpe + (r % T) * C, C);
+      P::to_f32(p, wpe + static_cast<int64_t>(positions ? positions[r] : r % T) * C, C);
       for (int64_t c = 0; c < C; ++c) e[c] += p[c];
       P::from_f32(out + r * C, e, C);
     }
@@ -178,7 +178,7 @@ void embedding_forward_h(void* out_v, const int32_t* tokens, const void* wte_v, 
 // (deterministic, independent of the thread count); dout rows are widened per thread.
 template <class P>
 void embedding_backward_h(float* dwte, float* dwpe, const void* dout_v, const int32_t* tokens, int64_t B, int64_t T,
-                          int64_t C) {
+                          int64_t C, const int32_t* positions) {
   const int64_t rows = B * T;
   const u16* dout = h(dout_v);
   constexpr int64_t kColBlock = 16;
@@ -195,8 +195,14 @@ void embedding_backward_h(float* dwte, float* dwpe, const void* dout_v, const in
         P::to_f32(g, dout + r * C + c0, c1 - c0);
         for (int64_t c = c0; c < c1; ++c) d[c] += g[c - c0];
       }
+      if (dwpe != nullptr && positions != nullptr)  // positions restarting per document: a scatter as dwte's
+        for (int64_t r = 0; r < rows; ++r) {
+          float* __restrict d = dwpe + static_cast<int64_t>(positions[r]) * C;
+          P::to_f32(g, dout + r * C + c0, c1 - c0);
+          for (int64_t c = c0; c < c1; ++c) d[c] += g[c - c0];
+        }
     }
-    if (dwpe != nullptr) {
+    if (dwpe != nullptr && positions == nullptr) {
 #pragma omp for schedule(static) nowait
       for (int64_t t = 0; t < T; ++t) {
         float* __restrict d = dwpe + t * C;
@@ -456,7 +462,7 @@ void swiglu_backward_h(void* dinp, const void* inp, const void* dout, int64_t N,
 // sign = +1: forward rotation; -1: its transpose (backward).
 template <class P>
 void rope_h(void* x_v, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads, int64_t D,
-            int64_t row_stride, float sign) {
+            int64_t row_stride, float sign, const int32_t* positions) {
   const int64_t half = D / 2, rows = B * T;
   u16* x = h(x_v);
 #pragma omp parallel if (rows * n_heads * D >= kParallelMin)
@@ -464,7 +470,7 @@ void rope_h(void* x_v, const float* cos_table, const float* sin_table, int64_t B
     float* __restrict v = thread_rows(0, static_cast<size_t>(D));
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t t = r % T;
+      const int64_t t = positions ? positions[r] : r % T;
       const float* __restrict cs = cos_table + t * half;
       const float* __restrict sn = sin_table + t * half;
       for (int64_t hh = 0; hh < n_heads; ++hh) {
@@ -481,12 +487,14 @@ void rope_h(void* x_v, const float* cos_table, const float* sin_table, int64_t B
   }
 }
 template <class P>
-void rope_forward_h(void* x, const float* c, const float* s, int64_t B, int64_t T, int64_t H, int64_t D, int64_t st) {
-  rope_h<P>(x, c, s, B, T, H, D, st, 1.0f);
+void rope_forward_h(void* x, const float* c, const float* s, int64_t B, int64_t T, int64_t H, int64_t D, int64_t st,
+                    const int32_t* pos) {
+  rope_h<P>(x, c, s, B, T, H, D, st, 1.0f, pos);
 }
 template <class P>
-void rope_backward_h(void* x, const float* c, const float* s, int64_t B, int64_t T, int64_t H, int64_t D, int64_t st) {
-  rope_h<P>(x, c, s, B, T, H, D, st, -1.0f);
+void rope_backward_h(void* x, const float* c, const float* s, int64_t B, int64_t T, int64_t H, int64_t D, int64_t st,
+                     const int32_t* pos) {
+  rope_h<P>(x, c, s, B, T, H, D, st, -1.0f, pos);
 }
 
 // ---- lm head + softmax + cross-entropy ----------------------------------------------------------

@@ -6,6 +6,7 @@
 // reciprocal, product) so that our angles are the same floats as HF's, and evaluate cos/sin of that
 // float angle in double before rounding. The tables then agree with HF's to about one ulp, where an
 // "exact" double angle would differ from HF by up to half an ulp of t (~1e-4 at t = 2048).
+// With positions (documents restarting at 0) row (b,t) reads table row positions[b,t] instead of t.
 #include <cmath>
 
 #include "kernels/cpu/ops.h"
@@ -33,12 +34,12 @@ void rope_tables(float* cos_table, float* sin_table, int64_t T, int64_t D, doubl
 }
 
 void rope_forward(float* x, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
-                  int64_t D, int64_t row_stride) {
+                  int64_t D, int64_t row_stride, const int32_t* positions) {
   const int64_t half = D / 2;
   const int64_t rows = B * T;
 #pragma omp parallel for schedule(static) if (rows * n_heads * D >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t t = r % T;
+    const int64_t t = positions ? positions[r] : r % T;
     const float* __restrict cs = cos_table + t * half;
     const float* __restrict sn = sin_table + t * half;
     for (int64_t h = 0; h < n_heads; ++h) {
@@ -55,12 +56,12 @@ void rope_forward(float* x, const float* cos_table, const float* sin_table, int6
 }
 
 void rope_backward(float* dx, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
-                   int64_t D, int64_t row_stride) {
+                   int64_t D, int64_t row_stride, const int32_t* positions) {
   const int64_t half = D / 2;
   const int64_t rows = B * T;
 #pragma omp parallel for schedule(static) if (rows * n_heads * D >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t t = r % T;
+    const int64_t t = positions ? positions[r] : r % T;
     const float* __restrict cs = cos_table + t * half;
     const float* __restrict sn = sin_table + t * half;
     for (int64_t h = 0; h < n_heads; ++h) {
