@@ -285,7 +285,9 @@ std::string value_str(const json& v) {
 const std::vector<std::string> kSections = {"model",    "data",      "optimizer", "schedule",
                                             "training", "precision", "parallel",  "output"};
 const std::map<std::string, std::vector<std::string>> kSectionKeys = {
-    {"data", {"train", "valid", "valid_fraction", "tokenizer", "prefetch", "blend"}},
+    {"data",
+     {"train", "valid", "valid_fraction", "tokenizer", "prefetch", "blend", "attention", "reset_position_ids",
+      "mask_loss_after_eod", "eod_token"}},
     {"optimizer", {"name", "lr", "beta1", "beta2", "eps", "weight_decay", "grad_clip"}},
     {"schedule", {"name", "warmup_steps", "min_lr", "decay_fraction", "decay_shape"}},
     {"training",
@@ -332,6 +334,10 @@ class Parser {
     get_str(d, "data", "tokenizer", &r.data.tokenizer);
     get_int32(d, "data", "prefetch", &r.data.prefetch);
     if (d.contains("blend") && !d["blend"].is_null()) parse_blend(d["blend"], r);
+    get_str(d, "data", "attention", &r.data.attention);
+    get_bool(d, "data", "reset_position_ids", &r.data.reset_position_ids);
+    get_bool(d, "data", "mask_loss_after_eod", &r.data.mask_loss_after_eod);
+    get_int(d, "data", "eod_token", &r.data.eod_token);
 
     json o = section("optimizer");
     get_str(o, "optimizer", "name", &r.optimizer.name);
@@ -697,6 +703,13 @@ class Parser {
     if (d.tokenizer == "byte")
       need(r.model.vocab_size >= 256, "data.tokenizer",
            fmt::format("'byte' needs model vocab_size >= 256, got {}", r.model.vocab_size));
+    need(d.attention == "causal" || d.attention == "document", "data.attention",
+         fmt::format("'{}' is not known; use causal (attention across the whole sample) or document (each token "
+                     "attends only to its own document, split after every EOD token)",
+                     d.attention));
+    need(d.eod_token >= -1 && d.eod_token < r.model.vocab_size, "data.eod_token",
+         fmt::format("{} is outside the model's vocabulary [0, {}) (-1: the tokenizer's EOS id)", d.eod_token,
+                     r.model.vocab_size));
     // training
     in_range("training.micro_batch_size", t.micro_batch_size, 1, kMaxMicroBatch);
     in_range("training.grad_accum_steps", t.grad_accum_steps, 1, kMaxGradAccum);
@@ -905,7 +918,11 @@ json Recipe::to_json() const {
                {"valid", data.valid},
                {"valid_fraction", data.valid_fraction},
                {"tokenizer", data.tokenizer},
-               {"prefetch", data.prefetch}};
+               {"prefetch", data.prefetch},
+               {"attention", data.attention},
+               {"reset_position_ids", data.reset_position_ids},
+               {"mask_loss_after_eod", data.mask_loss_after_eod},
+               {"eod_token", data.eod_token}};
   if (!data.blend.empty()) {  // only when set: recipes (and checkpoints) without a blend stay as they were
     json b = json::array();
     for (const auto& e : data.blend) b.push_back({{"prefix", e.prefix}, {"weight", e.weight}, {"epochs", e.epochs}});

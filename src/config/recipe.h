@@ -81,6 +81,12 @@ struct Recipe {
       double epochs = 0;
     };
     std::vector<BlendEntry> blend;
+    // Documents packed in samples (issue 11; models/documents.h): "causal" attends across the whole
+    // sample, "document" only within each token's document (split after every EOD token).
+    std::string attention = "causal";
+    bool reset_position_ids = false;   // positions restart at 0 after every EOD (wpe / RoPE)
+    bool mask_loss_after_eod = false;  // no loss on the prediction made at an EOD token
+    int64_t eod_token = -1;            // -1: the tokenizer's EOS id (needed by the three above)
   } data;
 
   struct Optimizer {

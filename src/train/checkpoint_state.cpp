@@ -253,7 +253,9 @@ void read_health(const Fields& f, const json& body, CheckpointState* st) {
 
 CheckpointState parse_checkpoint_state(std::string_view text, const std::string& path) {
   // Depth first: body.dump() (the checksum) and the error excerpts recurse on the value.
-  const json doc = io::parse_json(text, path);
+  // lathe writes state.json whole (temporary file, fsync, rename): text that does not parse was
+  // damaged afterwards, so it is reported as corrupt like a checksum mismatch.
+  const json doc = io::parse_json(text, path + ": corrupt");
   if (!doc.is_object() || !doc.contains("body") || !doc["body"].is_object() || !doc.contains("body_xxh64") ||
       !doc["body_xxh64"].is_string())
     throw_error("{}: corrupt: expected {{\"body\": {{...}}, \"body_xxh64\": \"...\"}}", path);

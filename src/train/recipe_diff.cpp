@@ -45,7 +45,11 @@ const std::vector<std::pair<std::string, json>>& later_defaults() {
                                                               {"precision.loss_scale.backoff", 0.5},
                                                               {"precision.loss_scale.growth", 2.0},
                                                               {"precision.loss_scale.min", 1.0},
-                                                              {"training.max_skipped_steps", 20}};
+                                                              {"training.max_skipped_steps", 20},
+                                                              {"data.attention", "causal"},
+                                                              {"data.reset_position_ids", false},
+                                                              {"data.mask_loss_after_eod", false},
+                                                              {"data.eod_token", -1}};
   static const std::vector<std::pair<std::string, json>> all = [] {
     auto v = d;
     // training.anomaly (train/anomaly.h): a checkpoint from before it ran without the policy.

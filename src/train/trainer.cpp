@@ -166,6 +166,7 @@ struct StepParts {
   std::vector<int32_t>& inputs;
   std::vector<int32_t>& targets;
   AnomalyPolicy& anomaly;  // loss-spike and NaN policy (train/anomaly.h): may skip, lowers the lr
+  const DocumentOptions& docs;  // documents in the samples (data.attention etc.)
 };
 
 struct StepStats {
@@ -240,7 +241,6 @@ StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
   // Mean over the global batch's tokens, times the loss scale (a power of two by default: exact).
   st.step = step + 1;
   st.loss_scale = p.scaler.scale();
-  const float grad_scale = 1.0f / static_cast<float>(p.G * T) * static_cast<float>(st.loss_scale);
   double loss_sum = 0;
   if (p.sync)
     p.sync->zero_grads();  // ZeRO 2: only the shard (the rest was released as zeros)
@@ -250,8 +250,20 @@ StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
     trace::Scope span("data wait", trace::Cat::Data);
     st.data_wait_s = p.loader.next(p.inputs.data(), p.targets.data());
   }
+  // The loss is the mean over the global batch's trained targets: all G x T of them, or with
+  // data.mask_loss_after_eod those left after masking (counted over every rank: Megatron's mean).
+  int64_t targets_kept = p.G * T;
+  if (p.docs.mask_loss) {
+    double kept =
+        static_cast<double>(mask_loss_after_eod(p.inputs.data(), p.targets.data(), p.accum * B * T, p.docs.eod));
+    if (p.sync) p.world.all_reduce(&kept, 1, DType::F64);
+    targets_kept = std::max<int64_t>(1, static_cast<int64_t>(kept));
+  }
+  const float grad_scale = 1.0f / static_cast<float>(targets_kept) * static_cast<float>(st.loss_scale);
+  std::vector<int32_t> doc_start, positions;
   for (int64_t m = 0; m < p.accum; ++m) {
     trace::Scope span("forward+backward micro-batch", trace::Cat::Compute, m);
+    set_batch_documents(p.model, p.docs, p.inputs.data() + m * B * T, B, T, doc_start, positions);
     p.sync_this_pass = m + 1 == p.accum;  // gradients are final during the last micro-batch's backward
     loss_sum +=
         p.model.forward_backward(p.inputs.data() + m * B * T, p.targets.data() + m * B * T, B, T, grad_scale, true);
@@ -263,7 +275,7 @@ StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
     st.comm_wait_s = p.sync->finish();
     p.world.all_reduce(&loss_sum, 1, DType::F64);
   }
-  st.loss = loss_sum / static_cast<double>(p.G * T);
+  st.loss = loss_sum / static_cast<double>(targets_kept);
   if (inject_non_finite(step + 1) && p.opt.state_end() > p.opt.state_begin())
     p.model.grad_data()[p.opt.state_begin()] = INFINITY;
   if (const double spike = inject_loss_spike(step + 1); spike != 1.0) {
@@ -311,12 +323,34 @@ StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
   return st;
 }
 
+// data.attention / reset_position_ids / mask_loss_after_eod with the EOD id: data.eod_token, or
+// the tokenizer's EOS id.
+DocumentOptions document_options(const Recipe& r, const tok::Tokenizer* tokenizer) {
+  DocumentOptions o;
+  o.document_attention = parse_attention_mode(r.data.attention) == AttentionMode::Document;
+  o.reset_positions = r.data.reset_position_ids;
+  o.mask_loss = r.data.mask_loss_after_eod;
+  if (!o.any()) return o;
+  int64_t eod = r.data.eod_token;
+  if (eod < 0 && tokenizer != nullptr && tokenizer->eos_id()) eod = *tokenizer->eos_id();
+  LATHE_CHECK(eod >= 0 && eod < r.model.vocab_size,
+              "{}: data.eod_token is needed by data.attention: document, data.reset_position_ids and "
+              "data.mask_loss_after_eod, and {} — set data.eod_token to the id that ends each document (the one "
+              "`lathe tokenize --append-eos` appended)",
+              r.source,
+              eod >= 0 ? fmt::format("{} is outside the vocabulary [0, {})", eod, r.model.vocab_size)
+                       : fmt::format("data.tokenizer '{}' has no EOS token", r.data.tokenizer));
+  o.eod = static_cast<int32_t>(eod);
+  return o;
+}
+
 }  // namespace
 
 std::pair<double, int64_t> evaluate_samples(Model& model, const data::IndexedDataset& ds,
-                                            const std::vector<int64_t>& samples, int64_t B, int64_t T) {
+                                            const std::vector<int64_t>& samples, int64_t B, int64_t T,
+                                            const DocumentOptions* docs) {
   std::vector<int32_t> window(static_cast<size_t>(T + 1)), in(static_cast<size_t>(B * T)),
-      tg(static_cast<size_t>(B * T));
+      tg(static_cast<size_t>(B * T)), doc_start, positions;
   double sum = 0;
   int64_t tokens = 0;
   for (size_t i = 0; i < samples.size(); i += static_cast<size_t>(B)) {
@@ -326,8 +360,12 @@ std::pair<double, int64_t> evaluate_samples(Model& model, const data::IndexedDat
       std::copy(window.begin(), window.begin() + T, in.begin() + r * T);
       std::copy(window.begin() + 1, window.end(), tg.begin() + r * T);
     }
+    if (docs) set_batch_documents(model, *docs, in.data(), b, T, doc_start, positions);
+    if (docs && docs->mask_loss)
+      tokens += mask_loss_after_eod(in.data(), tg.data(), b * T, docs->eod);
+    else
+      tokens += b * T;
     sum += model.forward_backward(in.data(), tg.data(), b, T, 0.0f, false);
-    tokens += b * T;
   }
   return {tokens ? sum / static_cast<double>(tokens) : 0.0, tokens};
 }
@@ -389,6 +427,11 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   const std::vector<int64_t>& valid_samples = pf.valid_samples;
   std::unique_ptr<tok::Tokenizer> tokenizer;
   if (!r.data.tokenizer.empty()) tokenizer = tok::load_tokenizer(r.data.tokenizer);
+  const DocumentOptions docs = document_options(r, tokenizer.get());
+  if (docs.any())
+    log(fmt::format("documents: {} attention, positions {}, loss after EOD {} (EOD id {})", r.data.attention,
+                    docs.reset_positions ? "restart at each document" : "0..seq_len-1",
+                    docs.mask_loss ? "masked" : "trained", docs.eod));
   if (ckpt.empty() && r.init_from.empty()) model->init_weights(static_cast<uint64_t>(r.training.seed));
   // Tensor parallelism: preflight's model is the whole model (init, init_from or checkpoint weights,
   // activations not allocated); each rank computes with its shard (parallel/tensor_parallel.h) and
@@ -666,7 +709,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   auto evaluate = [&](const std::vector<int64_t>& set) -> std::pair<double, int64_t> {
     std::vector<int64_t> mine;
     for (size_t i = static_cast<size_t>(dp_rank); i < set.size(); i += static_cast<size_t>(dp)) mine.push_back(set[i]);
-    auto [mean, tokens] = evaluate_samples(*model, *valid_ds, mine, B, T);
+    auto [mean, tokens] = evaluate_samples(*model, *valid_ds, mine, B, T, &docs);
     double st[2] = {mean * static_cast<double>(tokens), static_cast<double>(tokens)};
     if (dp > 1) dpc.all_reduce(st, 2, DType::F64);
     return {st[1] > 0 ? st[0] / st[1] : 0.0, static_cast<int64_t>(st[1])};
@@ -690,7 +733,8 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
                   G,
                   inputs,
                   targets,
-                  anomaly};
+                  anomaly,
+                  docs};
   const std::string precision = r.precision.compute;
   // The anomaly policy's actions after step `step` (0-based) with stats `st`, each a line in
   // anomalies.jsonl and the log. Returns the step to continue from after a rollback (the healthy

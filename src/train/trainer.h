@@ -17,6 +17,7 @@
 #include "data/indexed_dataset.h"
 #include "data/loader.h"
 #include "dist/comm.h"
+#include "models/documents.h"
 #include "models/model.h"
 
 namespace lathe {
@@ -62,8 +63,10 @@ struct TrainOptions {
 TrainResult train(const Recipe& recipe, const TrainOptions& opts = {});
 
 // Mean next-token loss of `model` over the given samples of `ds`, in order, batched by B.
-// Returns {loss, tokens}.
+// Returns {loss, tokens}. With `docs`, the samples' documents are applied as in training (document
+// attention, restarted positions; targets masked after EOD are not counted).
 std::pair<double, int64_t> evaluate_samples(Model& model, const data::IndexedDataset& ds,
-                                            const std::vector<int64_t>& samples, int64_t B, int64_t T);
+                                            const std::vector<int64_t>& samples, int64_t B, int64_t T,
+                                            const DocumentOptions* docs = nullptr);
 
 }  // namespace lathe
