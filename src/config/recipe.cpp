@@ -777,10 +777,6 @@ class Parser {
     in_range("parallel.data", p.data, 0, kMaxRanks, " (0 = all processes not used by tensor/pipeline)");
     in_range("parallel.tensor", p.tensor, 1, kMaxRanks, " (1 = no tensor parallelism)");
     // What tensor parallelism does not cover yet (issue 10), refused rather than run wrongly.
-    need(p.tensor == 1 || p.zero == 0, "parallel.zero",
-         fmt::format("{} with parallel.tensor = {}: ZeRO is not combined with tensor parallelism yet; use "
-                     "parallel.zero: 0",
-                     p.zero, p.tensor));
     need(p.tensor == 1 || r.optimizer.name == "adamw", "optimizer.name",
          fmt::format("'{}' with parallel.tensor = {}: LAMB's per-tensor trust ratio is not computed across "
                      "tensor-parallel shards yet; use adamw or parallel.tensor: 1",

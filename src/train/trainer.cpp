@@ -154,11 +154,13 @@ struct StepParts {
   Model& model;
   data::DataLoader& loader;  // hands out this rank's B x accum rows of each global batch
   parallel::ShardedOptimizer& opt;
-  parallel::GradSync* sync;      // null with one rank
-  bool& sync_this_pass;          // read by the model's grads_ready hook
-  dist::Communicator& world;     // the data-parallel group (the whole world without tensor parallelism)
-  dist::Communicator* tp_group;  // tensor-parallel group, or null
-  const std::vector<std::pair<size_t, size_t>>& tp_owned;  // the gradient elements this rank counts in the norm
+  parallel::GradSync* sync;   // null with one rank
+  bool& sync_this_pass;       // read by the model's grads_ready hook
+  dist::Communicator& world;  // the data-parallel group (the whole world without tensor parallelism)
+  // Tensor parallelism: the group the gradient norm's squares are summed over (the tensor group, or
+  // the world with ZeRO) and the elements of the gradient buffer this rank counts; null without.
+  dist::Communicator* tp_norm_group;
+  const std::vector<std::pair<size_t, size_t>>& tp_owned;
   const optim::ScheduleConfig& sched;
   double grad_clip;
   optim::LossScaler& scaler;  // loss scale (fp16) and the skipping of non-finite steps
@@ -286,8 +288,8 @@ StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
   const double t_opt = now_seconds();  // norm, scaler and update: the optimizer's share of the step
   trace::Scope opt_span("grad norm + optimizer", trace::Cat::Optimizer);
   // The norm of the unscaled gradients (dividing by a power of two is exact).
-  st.norm = (p.tp_group ? parallel::tensor_parallel_grad_norm(*p.tp_group, p.model.grad_data(), p.tp_owned)
-                        : p.opt.grad_norm(p.model.grad_data())) /
+  st.norm = (p.tp_norm_group ? parallel::tensor_parallel_grad_norm(*p.tp_norm_group, p.model.grad_data(), p.tp_owned)
+                             : p.opt.grad_norm(p.model.grad_data())) /
             st.loss_scale;
   st.lr_factor = p.anomaly.lr_factor();  // < 1 for a while after an anomaly
   st.lr = optim::lr_at(p.sched, step) * st.lr_factor;
@@ -483,23 +485,36 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   // This rank's moments from checkpoint `dir` (resume, rollback), whatever layout wrote it
   // (re-sharded by flat offset: train/checkpoint.h). Tensor parallelism: the whole model's moments,
   // then this rank's slices.
+  const size_t state_b = opt.state_begin(), state_e = opt.state_end();  // this rank's moments (ZeRO shard)
   auto load_moments = [&](const std::string& dir) {
+    const MomentSlice mine = moment_slice(opt.local(), state_b, state_b, state_e);
     if (tp == 1) {
-      load_checkpoint_moments(dir, *model,
-                              moment_slice(opt.local(), opt.state_begin(), opt.state_begin(), opt.state_end()));
+      load_checkpoint_moments(dir, *model, mine);
       return;
     }
-    const MomentSlice mine = moment_slice(opt.local(), 0, 0, P);
     std::vector<std::vector<float>> all(mine.buffers.size(), std::vector<float>(whole->num_params()));
     MomentSlice whole_slice;
     whole_slice.begin = 0;
     whole_slice.end = whole->num_params();
     for (size_t i = 0; i < all.size(); ++i) whole_slice.buffers.push_back({mine.buffers[i].first, all[i].data()});
     load_checkpoint_moments(dir, *whole, whole_slice);
-    for (size_t i = 0; i < all.size(); ++i)
-      parallel::scatter_shard(whole->params(), all[i].data(), model->params(), mine.buffers[i].second, tp_rank, tp);
+    std::vector<float> local(P);  // this tensor rank's moments of its whole local buffer, then its ZeRO shard
+    for (size_t i = 0; i < all.size(); ++i) {
+      parallel::scatter_shard(whole->params(), all[i].data(), model->params(), local.data(), tp_rank, tp);
+      std::copy(local.begin() + static_cast<std::ptrdiff_t>(state_b),
+                local.begin() + static_cast<std::ptrdiff_t>(state_e), mine.buffers[i].second);
+    }
   };
   if (!ckpt.empty()) load_moments(ckpt);
+  // Tensor parallelism: the norm counts each element of the whole model once. With ZeRO only this
+  // rank's shard of the gradient is reduced, so the squares are summed over the world.
+  dist::Communicator* tp_norm_group = tp > 1 ? (r.parallel.zero > 0 ? world : tp_group.get()) : nullptr;
+  if (tp > 1 && r.parallel.zero > 0) {
+    std::vector<std::pair<size_t, size_t>> in_shard;
+    for (auto [b, e] : tp_owned)
+      if (std::max(b, state_b) < std::min(e, state_e)) in_shard.push_back({std::max(b, state_b), std::min(e, state_e)});
+    tp_owned = std::move(in_shard);
+  }
   const size_t bucket_elems = static_cast<size_t>(std::max(1.0, r.parallel.bucket_mb * (1 << 20) / 4));
   std::unique_ptr<parallel::GradSync> sync;
   bool sync_this_pass = false;
@@ -670,10 +685,17 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
       // from the shards), written as a checkpoint of the whole model by the dp writers: it resumes
       // at any tensor-parallel degree, or in one process.
       Model& w = whole_model();
-      const MomentSlice mine = moment_slice(opt.local(), 0, 0, P);
+      const MomentSlice mine = moment_slice(opt.local(), state_b, state_b, state_e);
       std::vector<std::vector<float>> all(mine.buffers.size(), std::vector<float>(w.num_params()));
-      for (size_t i = 0; i < all.size(); ++i)
-        parallel::gather_global(*tp_group, w.params(), model->params(), mine.buffers[i].second, all[i].data());
+      std::vector<float> local(r.parallel.zero > 0 ? P : 0);
+      for (size_t i = 0; i < all.size(); ++i) {
+        const float* full = mine.buffers[i].second;  // ZeRO 0: this rank's whole local buffer
+        if (r.parallel.zero > 0) {                   // ZeRO: the data ranks' shards of the local buffer first
+          dpc.all_gather(mine.buffers[i].second, local.data(), opt.shards().sizes(), DType::F32);
+          full = local.data();
+        }
+        parallel::gather_global(*tp_group, w.params(), model->params(), full, all[i].data());
+      }
       if (ckpt_writers) {
         const std::vector<size_t> cut = dist::even_counts(w.num_params(), dp);
         MomentSlice part;
@@ -722,7 +744,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
                   sync.get(),
                   sync_this_pass,
                   dpc,
-                  tp_group.get(),
+                  tp_norm_group,
                   tp_owned,
                   sched,
                   r.optimizer.grad_clip,

@@ -263,8 +263,11 @@ TEST_P(HalfModel, MemoryEstimateMatchesTheAllocation) {
     EXPECT_EQ(e.total_bytes(),
               e.param_bytes + e.grad_bytes + e.optimizer_bytes + e.activation_bytes + e.compute_weight_bytes);
     EXPECT_NE(e.breakdown().find(compute_dtype_name(dt) + " weight copies"), std::string::npos) << e.breakdown();
-    for (const ActivationEntry& a : m->activation_plan().entries)
-      if (std::string(a.name) == "qkv" || std::string(a.name) == "dres") EXPECT_EQ(a.dtype, dt) << a.label();
+    for (const ActivationEntry& a : m->activation_plan().entries) {
+      if (std::string(a.name) == "qkv" || std::string(a.name) == "dres") {
+        EXPECT_EQ(a.dtype, dt) << a.label();
+      }
+    }
   }
 }
 

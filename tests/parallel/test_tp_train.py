@@ -156,6 +156,27 @@ def main():
     e = rel(series(dptp, "loss"), series(one4, "loss"))
     check(e <= 1e-5, f"gpt2: DP=2 x TP=2 (4 ranks) losses match one process (max rel {e:.2e})")
 
+    # ZeRO 1 and 2 with DP=2 x TP=2: the moments are sharded over the data ranks of each tensor rank;
+    # the same losses as one process, and a ZeRO-2 checkpoint of the whole model resumes in one process.
+    for zero in (1, 2):
+        z = train(4, data, "gpt2-debug", f"gpt2_dp2_tp2_zero{zero}", parallel__tensor=2, parallel__zero=zero,
+                  output__checkpoint_every=5)
+        e = rel(series(z, "loss"), series(one4, "loss"))
+        check(e <= 1e-5, f"gpt2: DP=2 x TP=2 ZeRO {zero} losses match one process (max rel {e:.2e})")
+        e = rel(series(z, "grad_norm"), series(one4, "grad_norm"))
+        check(e <= 1e-5, f"gpt2: DP=2 x TP=2 ZeRO {zero} gradient norms match (max rel {e:.2e})")
+    zr = os.path.join(TMP, "gpt2_zero2_resumed_one")
+    shutil.copytree(os.path.join(TMP, "gpt2_dp2_tp2_zero2"), zr)
+    shutil.rmtree(os.path.join(zr, "checkpoints", "step_00000010"))
+    os.remove(os.path.join(zr, "checkpoints", "latest"))
+    p, _ = run(1, ["train", recipe(data, "gpt2-debug", zr, training__grad_accum_steps=4), "--quiet",
+                   "--resume", os.path.join(zr, "checkpoints", "step_00000005")])
+    check(p.returncode == 0, "the DP=2 x TP=2 ZeRO 2 checkpoint resumes in one process" +
+          ("" if p.returncode == 0 else p.stderr[-800:]))
+    if p.returncode == 0:
+        e = rel(series(zr, "loss")[5:], series(one4, "loss")[5:])
+        check(e <= 1e-5, f"ZeRO 2 x TP=2 -> one process: steps 6-10 match (max rel {e:.2e})")
+
     # Checkpoints hold the whole model: TP=2 -> one process, and one process -> TP=2.
     straight = os.path.join(TMP, "gpt2-debug_one")
     half = train(2, data, "gpt2-debug", "gpt2_tp2_half", parallel__tensor=2, output__checkpoint_every=5,
@@ -196,9 +217,9 @@ def main():
     p, _ = run(4, ["train", recipe(data, "llama-debug", os.path.join(TMP, "bad_kv"), parallel__tensor=4)])
     check(p.returncode != 0 and "num_key_value_heads = 2" in (p.stdout + p.stderr),
           "TP=4 with 2 KV heads is refused naming num_key_value_heads")
-    p, _ = run(2, ["train", recipe(data, "gpt2-debug", os.path.join(TMP, "bad_zero"), parallel__tensor=2,
-                                   parallel__zero=1)])
-    check(p.returncode != 0 and "parallel.zero" in (p.stdout + p.stderr), "TP with ZeRO 1 is refused naming parallel.zero")
+    p, _ = run(2, ["train", recipe(data, "gpt2-debug", os.path.join(TMP, "bad_lamb"), parallel__tensor=2,
+                                   optimizer__name="lamb")])
+    check(p.returncode != 0 and "optimizer.name" in (p.stdout + p.stderr), "TP with LAMB is refused naming optimizer.name")
 
     shutil.rmtree(TMP, ignore_errors=True)
     if failures:
