@@ -467,4 +467,20 @@ int32_t IndexedDataset::max_token_id() const {
   return static_cast<int32_t>(best);
 }
 
+std::pair<int64_t, int64_t> sequences_ending_with(const IndexedDataset& ds, int32_t id, int64_t max_checked) {
+  const int64_t n = static_cast<int64_t>(ds.num_sequences());
+  const int64_t m = std::min(n, std::max<int64_t>(max_checked, 1));
+  int64_t hits = 0, checked = 0;
+  for (int64_t j = 0; j < m; ++j) {
+    const size_t i = static_cast<size_t>(m == n ? j : j * (n - 1) / std::max<int64_t>(m - 1, 1));
+    const int64_t len = ds.sequence_length(i);
+    if (len <= 0) continue;
+    int32_t last = 0;
+    ds.read_global(ds.sequence_offset(i) + len - 1, 1, &last);
+    hits += last == id;
+    ++checked;
+  }
+  return {hits, checked};
+}
+
 }  // namespace lathe::data

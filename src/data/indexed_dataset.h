@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/dtype.h"
@@ -95,5 +96,10 @@ class IndexedDataset {
   size_t bin_size_ = 0;
   mutable std::atomic<int64_t> max_token_{-2};  // -2: not computed yet
 };
+
+// EOD presence (lathe check with document attention): of up to `max_checked` sequences, evenly
+// spaced over the dataset, how many end with token `id` (`lathe tokenize --append-eos` ends every
+// document with it). Returns {ending with id, checked}. One token read per checked sequence.
+std::pair<int64_t, int64_t> sequences_ending_with(const IndexedDataset& ds, int32_t id, int64_t max_checked = 4096);
 
 }  // namespace lathe::data

@@ -196,6 +196,23 @@ TEST(BlendCache, OpenBlendNamesTheEntry) {
   EXPECT_EQ(ob.sources[0].samples, num_samples(ob.datasets[0]->total_tokens(), 16));
 }
 
+TEST(BlendCache, SequencesEndingWithCountsTheLastToken) {
+  TempDir t;
+  IndexedDatasetWriter w(t / "eod", DType::U16);
+  for (int d = 0; d < 100; ++d) {  // documents 0, 3, 6, ... end with the EOD id 250
+    std::vector<int32_t> doc = {1, 2, 3, d % 3 == 0 ? 250 : 4};
+    w.add_document(doc);
+  }
+  w.finalize();
+  IndexedDataset ds(t / "eod");
+  EXPECT_EQ(sequences_ending_with(ds, 250, 1000), std::make_pair(int64_t{34}, int64_t{100}));
+  EXPECT_EQ(sequences_ending_with(ds, 4, 1000), std::make_pair(int64_t{66}, int64_t{100}));
+  EXPECT_EQ(sequences_ending_with(ds, 7, 1000).first, 0);
+  const auto some = sequences_ending_with(ds, 250, 10);  // evenly spaced: 0, 11, 22, ..., 99
+  EXPECT_EQ(some.second, 10);
+  EXPECT_EQ(some.first, 4);  // 0, 33, 66, 99
+}
+
 TEST(BlendLoader, HandsOutThePlanTheSameForAnyRowSplitAndAfterRestore) {
   TempDir t;
   write_dataset(t / "web", 30, 70, 0);
