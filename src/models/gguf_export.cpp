@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <regex>
 #include <utility>
 #include <vector>
 
@@ -31,16 +30,20 @@ std::vector<float> permute_rope_rows(const float* w, int64_t n_head, int64_t hd,
 
 using NameMap = std::vector<std::pair<std::string, std::string>>;
 
-// Parameter name -> GGUF tensor name: whole-model names, then per-block suffixes.
-std::string gguf_name(const std::string& name, const NameMap& top, const std::regex& layer_re, const NameMap& block,
+// Parameter name -> GGUF tensor name: whole-model names, then "<prefix>N.<suffix>" per block.
+// (No std::regex: GCC 12 warns about its internals under -fsanitize.)
+std::string gguf_name(const std::string& name, const NameMap& top, const std::string& prefix, const NameMap& block,
                       std::string* suffix) {
   for (const auto& [hf, gg] : top)
     if (hf == name) return gg;
-  std::smatch m;
-  if (std::regex_match(name, m, layer_re)) {
-    *suffix = m[2].str();
-    for (const auto& [hf, gg] : block)
-      if (hf == *suffix) return fmt::format("blk.{}.{}", m[1].str(), gg);
+  if (name.rfind(prefix, 0) == 0) {
+    const size_t dot = name.find('.', prefix.size());
+    const std::string layer = name.substr(prefix.size(), dot == std::string::npos ? 0 : dot - prefix.size());
+    if (!layer.empty() && layer.find_first_not_of("0123456789") == std::string::npos) {
+      *suffix = name.substr(dot + 1);
+      for (const auto& [hf, gg] : block)
+        if (hf == *suffix) return fmt::format("blk.{}.{}", layer, gg);
+    }
   }
   throw_error("internal: no GGUF name for parameter {}", name);
 }
@@ -149,12 +152,11 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
       {"mlp.c_fc.weight", "ffn_up.weight"},         {"mlp.c_fc.bias", "ffn_up.bias"},
       {"mlp.c_proj.weight", "ffn_down.weight"},     {"mlp.c_proj.bias", "ffn_down.bias"},
   };
-  static const std::regex llama_re(R"(model\.layers\.(\d+)\.(.+))"), gpt2_re(R"(transformer\.h\.(\d+)\.(.+))");
   for (const ParamSpec& s : model.params().specs()) {
     const float* data = model.param_data() + s.offset;
     std::string suffix;
-    const std::string gname = gpt2 ? gguf_name(s.name, gpt2_top, gpt2_re, gpt2_block, &suffix)
-                                   : gguf_name(s.name, llama_top, llama_re, llama_block, &suffix);
+    const std::string gname = gpt2 ? gguf_name(s.name, gpt2_top, "transformer.h.", gpt2_block, &suffix)
+                                   : gguf_name(s.name, llama_top, "model.layers.", llama_block, &suffix);
     const DType t = s.shape.size() >= 2 ? dtype : DType::F32;  // 1-D tensors stay F32
     const bool is_q = suffix.rfind("self_attn.q_proj.", 0) == 0, is_k = suffix.rfind("self_attn.k_proj.", 0) == 0;
     if (permute && (is_q || is_k)) {
