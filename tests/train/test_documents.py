@@ -6,7 +6,7 @@ tests/models/test_doc_attention.cpp; this test drives the recipe keys through `l
   * gpt2 (fp32) and llama (bf16) train with all three options on data whose documents end with an
     EOD token; the run logs the documents line and its losses differ from the causal run's;
   * the masked loss is the mean over the targets left: 2 ranks under mpirun give the losses of one
-    process (the count of kept targets is summed over ranks);
+    process (the count of kept targets is summed over ranks); so does tensor parallelism over 2;
   * resume from a checkpoint mid-run is bit-exact with documents;
   * bad values name the key: an unknown attention mode, an EOD id outside the vocabulary, document
     attention without any EOD id (byte tokenizer, no data.eod_token).
@@ -118,6 +118,20 @@ def main():
             check(len(a) == len(b) == 6 and err < 1e-6, f"2 ranks give the losses of 1 process (max diff {err:.1e})")
         else:
             check(False, "mpirun -np 2 and 1 process train with documents")
+        # Tensor parallelism: each rank's heads get the same documents (llama: RoPE positions too).
+        one = recipe(tmp, data, "tp1", "llama-debug", steps=4)
+        two = recipe(tmp, data, "tp2", "llama-debug", steps=4)
+        r = json.load(open(two + ".yaml"))
+        r["parallel"] = {"tensor": 2}
+        json.dump(r, open(two + ".yaml", "w"))
+        p1, p2 = run(["train", one + ".yaml", "--quiet"]), run(["train", two + ".yaml", "--quiet"], np_=2)
+        if p1.returncode == 0 and p2.returncode == 0:
+            a, b = losses(one), losses(two)
+            err = max(abs(x - y) for x, y in zip(a, b))
+            check(len(a) == len(b) == 4 and err < 1e-6,
+                  f"tensor parallel 2 gives the losses of 1 process (max diff {err:.1e})")
+        else:
+            check(False, "mpirun -np 2 with parallel.tensor 2 and 1 process train with documents")
     else:
         print("mpirun case skipped (no mpirun, or a sanitizer build)")
 
