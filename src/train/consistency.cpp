@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "data/indexed_dataset.h"
 #include "tokenizer/tokenizer.h"
@@ -58,6 +60,39 @@ ConsistencyReport check_consistency(const Recipe& r) {
                           : fmt::format("{}: contains token id {} but model.vocab_size is {}; use a model with "
                                         "vocab_size >= {} or re-tokenize the data with the model's tokenizer",
                                         name, mx, V, static_cast<int64_t>(mx) + 1));
+  }
+  // Document-aware samples (data.attention: document, reset_position_ids, mask_loss_after_eod) cut
+  // documents at the EOD id: every training dataset (data.train or each blended prefix) must
+  // contain it, or each sample would be one document. Probed from the sequences' last tokens
+  // (`lathe tokenize --append-eos` ends every document with it), then the first 1M tokens.
+  if (r.data.attention == "document" || r.data.reset_position_ids || r.data.mask_loss_after_eod) {
+    int64_t eod = r.data.eod_token;
+    if (eod < 0 && !r.data.tokenizer.empty()) {
+      auto tok = tok::load_tokenizer(r.data.tokenizer);
+      if (tok->eos_id()) eod = *tok->eos_id();
+    }
+    if (eod >= 0 && eod < V)                          // otherwise the recipe / trainer name the missing or bad id
+      for (size_t k = 0; k + 1 < sets.size(); ++k) {  // the last entry is data.valid: not trained on
+        const auto& [name, prefix] = sets[k];
+        if (prefix.empty()) continue;
+        data::IndexedDataset ds(prefix);
+        auto [hits, checked] = data::sequences_ending_with(ds, static_cast<int32_t>(eod));
+        int64_t inside = 0;
+        if (hits == 0) {
+          std::vector<int32_t> head(static_cast<size_t>(std::min<int64_t>(ds.total_tokens(), 1 << 20)));
+          if (!head.empty()) ds.read_global(0, static_cast<int64_t>(head.size()), head.data());
+          inside = std::count(head.begin(), head.end(), static_cast<int32_t>(eod));
+        }
+        result(hits > 0 || inside > 0,
+               hits > 0 ? fmt::format("{}: {} of {} sequences checked end with the EOD id {}", name, hits, checked, eod)
+               : inside > 0
+                   ? fmt::format("{}: the EOD id {} occurs ({} times in the first 1M tokens)", name, eod, inside)
+                   : fmt::format("{}: the EOD id {} occurs nowhere ({} sequences' last tokens and the first 1M tokens "
+                                 "checked), so document attention would see each sample as one document; re-tokenize "
+                                 "with `lathe tokenize --append-eos`, or set data.eod_token to the id that ends its "
+                                 "documents",
+                                 name, eod, checked));
+      }
   }
   return rep;
 }
