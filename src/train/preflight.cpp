@@ -258,7 +258,7 @@ void check_resume_state(const CheckpointState& cs, const Recipe& r, int64_t trai
     // A blend is one pass over its plan: the position is the samples consumed (more after an
     // anomaly rollback skipped data: training.anomaly).
     const int64_t pos = cs.loader.position, planned = plan ? static_cast<int64_t>(plan->dataset.size()) : pos;
-    LATHE_CHECK(cs.loader.epoch == 0 && pos <= planned && (!exact || pos >= consumed),
+    LATHE_CHECK(!exact || (cs.loader.epoch == 0 && pos <= planned && pos >= consumed),
                 "{}: field 'loader' is epoch {} position {} but a blend is at epoch 0, position >= {} ({} steps of {} "
                 "samples) and <= {} (the plan of this run) (the checkpoint belongs to other data or was edited)",
                 sp, cs.loader.epoch, pos, consumed, cs.step, G, planned);

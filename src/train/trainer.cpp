@@ -627,7 +627,18 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   data::DataLoader& loader = *loader_ptr;
   // Restarts the prefetcher at the saved position (for a blend verified against this run's plan by
   // preflight unless --force-resume-changes).
-  if (!ckpt.empty()) loader.restore(cs.loader);
+  if (!ckpt.empty()) {
+    data::LoaderState at = cs.loader;
+    if (plan && (at.epoch != 0 || at.position > static_cast<int64_t>(plan->dataset.size()))) {
+      // --force-resume-changes from another data setting: the blend continues at step x G.
+      at = {0, std::min<int64_t>(start_step * G, static_cast<int64_t>(plan->dataset.size()))};
+      say(
+          fmt::format("resume: the checkpoint's data position (epoch {}, position {}) is not one of this blend's "
+                      "plan; continuing the blend at sample {} (step {} x global batch {})",
+                      cs.loader.epoch, cs.loader.position, at.position, start_step, G));
+    }
+    loader.restore(at);
+  }
   std::vector<int64_t> eval_subset(valid_samples.begin(),
                                    valid_samples.begin() + std::min<int64_t>(static_cast<int64_t>(valid_samples.size()),
                                                                              r.training.eval_batches * B));
