@@ -1,5 +1,5 @@
 // lathe generate --model DIR --prompt TEXT [--tokenizer PATH] [--max-new-tokens N]
-//                [--temperature T] [--top-k K] [--top-p P] [--seed S]
+//                [--temperature T] [--top-k K] [--top-p P] [--seed S] [--no-kv-cache]
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -11,6 +11,7 @@
 #include "io/fs.h"
 #include "io/json.h"
 #include "models/hf_weights.h"
+#include "models/kv_cache.h"
 #include "tokenizer/tokenizer.h"
 #include "train/generate.h"
 
@@ -52,6 +53,9 @@ int run_generate(int argc, char** argv) {
   app.add_option("--top-k", so.top_k, "keep the k most likely tokens (0 = all)");
   app.add_option("--top-p", so.top_p, "nucleus sampling mass (1 = off)");
   app.add_option("--seed", so.seed, "random seed");
+  bool no_kv_cache = false;
+  app.add_flag("--no-kv-cache", no_kv_cache,
+               "recompute the whole context for every new token (the reference path; same output, slower)");
   LATHE_CLI_PARSE(app, argc, argv);
   auto model = lathe::load_hf_model(model_dir);
   auto tokenizer = lathe::tok::load_tokenizer(tok_path.empty() ? default_tokenizer(model_dir) : tok_path);
@@ -62,6 +66,11 @@ int run_generate(int argc, char** argv) {
   auto ids = tokenizer->encode(prompt);
   LATHE_CHECK(!ids.empty(), "--prompt encodes to no tokens; give a non-empty prompt");
   model->allocate(1, std::min<int64_t>(model->config().max_position_embeddings, 1024));
+  so.kv_cache = !no_kv_cache;
+  if (so.kv_cache) {
+    const std::string why = lathe::kv_cache_unsupported_reason(*model);
+    if (!why.empty()) fmt::print(stderr, "lathe generate: note: {}; recomputing the context for every token\n", why);
+  }
   fmt::print("{}", prompt);
   std::fflush(stdout);
   // Byte-level tokens may split UTF-8 characters: decode the whole continuation each time and

@@ -106,6 +106,10 @@ class Model {
   const Ops& ops() const { return *ops_; }
   DType compute_dtype() const { return ops_->dtype; }
   size_t num_params() const { return table_.total(); }
+  // The fp32 master of every tensor by role, resolved from the table (incremental decoding,
+  // models/kv_cache.h), and the weight a kernel of the op table reads for one of them.
+  const ModelPtrs& weights() const { return p_; }
+  const void* compute_weight(const float* master) const { return cw(master); }
   float* param_data() { return params_.data(); }
   const float* param_data() const { return params_.data(); }
   float* grad_data() { return grads_.data(); }
@@ -148,6 +152,7 @@ class Model {
                           bool backward);
   void set_hooks(StepHooks hooks) { hooks_ = std::move(hooks); }
   StepHooks& hooks() { return hooks_; }
+  const StepHooks& hooks() const { return hooks_; }
 
   // Documents packed in the samples of the following passes (models/documents.h builds both arrays
   // from EOD tokens): doc_start [B, T] makes attention document-causal (token t of row b sees keys

@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <numeric>
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "models/kv_cache.h"
 
 namespace lathe {
 
@@ -51,21 +53,38 @@ std::vector<int32_t> generate(Model& model, const std::vector<int32_t>& prompt, 
                               const std::function<void(int32_t)>& on_token) {
   LATHE_CHECK(!prompt.empty(), "generate: the prompt is empty (give at least one token)");
   const int64_t V = model.config().vocab_size;
-  if (model.max_batch() < 1 || model.max_seq() < 1) model.allocate(1, model.config().max_position_embeddings);
-  const int64_t window = model.max_seq();
+  const bool allocated = model.max_batch() >= 1 && model.max_seq() >= 1;
+  const int64_t window = allocated ? model.max_seq() : model.config().max_position_embeddings;
   std::vector<int32_t> seq = prompt;
   std::vector<float> logits(static_cast<size_t>(V));
   uint64_t rng_state = opts.seed;
+  const int64_t limit = opts.vocab_limit > 0 ? std::min(opts.vocab_limit, V) : V;
+  const int64_t P = static_cast<int64_t>(prompt.size());
+  // The cache holds every position the window can see: the prompt and all new tokens but the
+  // last (which is never fed back), at most `window`.
+  std::unique_ptr<KvCache> cache;
+  if (opts.kv_cache && opts.max_new_tokens > 0 && P <= window && kv_cache_unsupported_reason(model).empty()) {
+    cache = std::make_unique<KvCache>(model, 1, std::min(window, P + opts.max_new_tokens - 1));
+    prefill(model, *cache, prompt.data(), P, logits.data());
+  }
   for (int64_t i = 0; i < opts.max_new_tokens; ++i) {
-    const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(seq.size()) - window);
-    const int64_t T = static_cast<int64_t>(seq.size()) - start;
-    model.forward_last_logits(seq.data() + start, 1, T, logits.data());
-    const int64_t limit = opts.vocab_limit > 0 ? std::min(opts.vocab_limit, V) : V;
+    if (!cache) {  // full recompute of the window ending at the last token
+      if (!model.max_batch() || !model.max_seq()) model.allocate(1, window);
+      const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(seq.size()) - window);
+      const int64_t T = static_cast<int64_t>(seq.size()) - start;
+      model.forward_last_logits(seq.data() + start, 1, T, logits.data());
+    }
     int32_t tok = sample_token(logits.data(), limit, opts, rng_state);
     seq.push_back(tok);
     if (on_token) on_token(tok);
+    if (cache && i + 1 < opts.max_new_tokens) {
+      if (cache->size() < cache->max_seq())
+        decode_step(model, *cache, &tok, logits.data());
+      else
+        cache.reset();  // the window slides from here: recompute it per token, as without a cache
+    }
   }
-  return std::vector<int32_t>(seq.begin() + static_cast<int64_t>(prompt.size()), seq.end());
+  return std::vector<int32_t>(seq.begin() + P, seq.end());
 }
 
 }  // namespace lathe

@@ -16,10 +16,17 @@ struct SamplingOptions {
   // Only ids below this are sampled (0 = the whole vocabulary). A model's vocab_size is often
   // padded beyond its tokenizer's size; ids past the tokenizer cannot be decoded.
   int64_t vocab_limit = 0;
+  // Decode with a KV cache (models/kv_cache.h): the prompt once, then one row per new token.
+  // false: rerun the whole window for every token (the reference path). Models the cache cannot
+  // decode (kv_cache_unsupported_reason: bf16/fp16, tensor parallel) take the reference path.
+  bool kv_cache = true;
 };
 
-// Autoregressive sampling (no KV cache yet: each new token reruns the window of the last
-// model.max_seq() tokens). on_token is called with each new id as it is produced.
+// Autoregressive sampling over a window of model.max_seq() tokens (max_position_embeddings when
+// the model is not allocated). With opts.kv_cache the tokens come from the KV cache while the
+// sequence fits the window; past it (and without the cache) each new token reruns the window of
+// the last tokens, so the output is the same either way. on_token is called with each new id as
+// it is produced.
 std::vector<int32_t> generate(Model& model, const std::vector<int32_t>& prompt, const SamplingOptions& opts,
                               const std::function<void(int32_t)>& on_token = {});
 

@@ -1,0 +1,182 @@
+// Incremental decoder (see kv_cache.h). Mirrors Model::layer_forward of models/transformer.cpp
+// step for step on the rows of the new tokens only; keep the two in sync when the body changes.
+#include "models/kv_cache.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/checked.h"
+#include "core/error.h"
+
+namespace lathe {
+
+std::string kv_cache_unsupported_reason(const Model& model) {
+  if (model.compute_dtype() != DType::F32)
+    return fmt::format("the KV cache decodes fp32 models only; this model computes in {}",
+                       compute_dtype_name(model.compute_dtype()));
+  if (model.hooks().reduce_partial)
+    return "the KV cache does not decode a model whose layers are split by tensor parallelism";
+  if (model.backend().device() != DeviceKind::Host) return "the KV cache decodes on the cpu backend only";
+  return {};
+}
+
+KvCache::KvCache(const Model& model, int64_t batch, int64_t max_seq) : B_(batch), Tmax_(max_seq) {
+  const std::string why = kv_cache_unsupported_reason(model);
+  LATHE_CHECK(why.empty(), "kv cache: {}", why);
+  const ModelConfig& cfg = model.config();
+  LATHE_CHECK(batch >= 1 && max_seq >= 1, "kv cache: batch {} x max_seq {}: both must be >= 1", batch, max_seq);
+  LATHE_CHECK(!model.arch().learned_pos || max_seq <= cfg.max_position_embeddings,
+              "kv cache: max_seq {} exceeds the model's max_position_embeddings {}; use a shorter context", max_seq,
+              cfg.max_position_embeddings);
+  LATHE_CHECK(max_seq <= kMaxPositions, "kv cache: max_seq {} exceeds lathe's maximum {}", max_seq, kMaxPositions);
+  const std::string what = fmt::format("kv cache of {} for batch {} x max_seq {}", cfg.model_type, batch, max_seq);
+  layer_stride_ = checked_product({batch, cfg.num_key_value_heads, max_seq, cfg.head_dim()}, what);
+  const int64_t total = checked_mul(layer_stride_, cfg.num_hidden_layers, what);
+  k_.assign(static_cast<size_t>(total), 0.0f);
+  v_.assign(static_cast<size_t>(total), 0.0f);
+  if (!model.arch().learned_pos) {
+    // Angles depend on the position only (not on the table length), so these rows equal the
+    // model's own tables for every position both hold.
+    const int64_t half = checked_mul(max_seq, cfg.head_dim(), what) / 2;
+    rope_cos_.assign(static_cast<size_t>(half), 0.0f);
+    rope_sin_.assign(static_cast<size_t>(half), 0.0f);
+    model.ops().rope_tables(rope_cos_.data(), rope_sin_.data(), max_seq, cfg.head_dim(), cfg.rope_theta);
+  }
+}
+
+namespace {
+
+float* grow(std::vector<float>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+  return v.data();
+}
+
+// Causal GQA attention of T new queries per sequence over the cached keys/values of positions
+// 0..pos+t (the chunk's own keys already appended). qkv [B, T, Q] (q at column h*D),
+// k/v cache [B, KV, Tmax, D], out [B, T, H*D]. Scale 1/sqrt(D), softmax in fp32 with the max
+// subtracted, as attention_forward.
+void cached_attention(float* out, const float* qkv, const float* kc, const float* vc, int64_t B, int64_t T, int64_t pos,
+                      int64_t Tmax, int64_t H, int64_t KV, int64_t D, int64_t Q) {
+  const int64_t group = H / KV;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const int64_t jobs = B * H * T;
+  // Worth threads only when there are several queries or a long cache.
+#pragma omp parallel if (jobs * (pos + T) * D >= (1 << 16))
+  {
+    std::vector<float> p(static_cast<size_t>(pos + T));
+#pragma omp for schedule(static)
+    for (int64_t job = 0; job < jobs; ++job) {
+      const int64_t b = job / (H * T), h = job / T % H, t = job % T;
+      const int64_t n = pos + t + 1;  // keys visible to this query
+      const float* q = qkv + (b * T + t) * Q + h * D;
+      const float* k = kc + ((b * KV + h / group) * Tmax) * D;
+      const float* v = vc + ((b * KV + h / group) * Tmax) * D;
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) {
+        float s = 0.0f;
+        for (int64_t d = 0; d < D; ++d) s += q[d] * k[j * D + d];
+        p[j] = s * scale;
+        mx = std::max(mx, p[j]);
+      }
+      float sum = 0.0f;
+      for (int64_t j = 0; j < n; ++j) sum += p[j] = std::exp(p[j] - mx);
+      float* o = out + (b * T + t) * H * D + h * D;
+      std::fill(o, o + D, 0.0f);
+      for (int64_t j = 0; j < n; ++j) {
+        const float w = p[j] / sum;
+        for (int64_t d = 0; d < D; ++d) o[d] += w * v[j * D + d];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void decode_chunk(Model& model, KvCache& c, const int32_t* tokens, int64_t T, float* logits) {
+  const std::string why = kv_cache_unsupported_reason(model);
+  LATHE_CHECK(why.empty(), "kv cache: {}", why);
+  const ModelConfig& cfg = model.config();
+  const Arch& arch = model.arch();
+  const Ops& ops = model.ops();
+  const ModelPtrs& w = model.weights();
+  const int64_t B = c.B_, C = cfg.hidden_size, H = cfg.num_attention_heads, KV = cfg.num_key_value_heads,
+                D = cfg.head_dim(), Q = (H + 2 * KV) * D, F = cfg.intermediate_size, FF = arch.gelu_mlp ? F : 2 * F,
+                V = cfg.vocab_size, L = cfg.num_hidden_layers, N = B * T, pos = c.pos_;
+  const float eps = static_cast<float>(cfg.norm_eps);
+  LATHE_CHECK(T >= 1, "kv cache: {} new tokens per sequence; give at least one", T);
+  LATHE_CHECK(T <= c.Tmax_ - pos,
+              "kv cache full: {} positions filled of max_seq {}, {} more do not fit; make the cache longer (max_seq) "
+              "or start again with a shorter context",
+              pos, c.Tmax_, T);
+  for (int64_t i = 0; i < N; ++i)
+    LATHE_CHECK(tokens[i] >= 0 && tokens[i] < V, "kv cache: token id {} (row {}) is outside the vocabulary [0, {})",
+                tokens[i], i, V);
+
+  float* x = grow(c.x_, N * C);
+  float* ln = grow(c.ln_, N * C);
+  float* qkv = grow(c.qkv_, N * Q);
+  float* att = grow(c.att_, N * H * D);
+  float* fc = grow(c.fc_, N * FF);
+  float* act = grow(c.act_, N * F);
+  float* mean = grow(c.mean_, N);
+  float* rstd = grow(c.rstd_, N);
+  float* res1 = grow(c.res1_, N * C);
+
+  // Embedding: learned positions pos..pos+T-1 are the rows of wpe starting at pos (positions
+  // nullptr: row t of the table passed; generation is one document, so no document positions).
+  ops.embedding_forward(x, tokens, model.compute_weight(w.wte), w.wpe ? model.compute_weight(w.wpe + pos * C) : nullptr,
+                        B, T, C, nullptr);
+  auto norm = [&](float* out, const float* in, const float* nw, const float* nb, int64_t rows) {
+    if (arch.layernorm)
+      ops.layernorm_forward(out, mean, rstd, in, nw, nb, rows, C, eps);
+    else
+      ops.rmsnorm_forward(out, rstd, in, nw, rows, C, eps);
+  };
+  for (int64_t l = 0; l < L; ++l) {
+    const LayerPtrs& lw = w.layers[static_cast<size_t>(l)];
+    norm(ln, x, lw.ln1_w, lw.ln1_b, N);
+    ops.matmul_forward(qkv, ln, model.compute_weight(lw.qkv_w), lw.qkv_b, N, C, Q, false);
+    if (!arch.learned_pos) {  // rotate q and k at their absolute positions
+      const float* cs = c.rope_cos_.data() + pos * D / 2;
+      const float* sn = c.rope_sin_.data() + pos * D / 2;
+      ops.rope_forward(qkv, cs, sn, B, T, H, D, Q, nullptr);
+      ops.rope_forward(qkv + H * D, cs, sn, B, T, KV, D, Q, nullptr);
+    }
+    // Append this chunk's keys and values: qkv row (b, t) -> cache [b, kvh, pos + t].
+    float* kc = c.keys(l);
+    float* vc = c.values(l);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t g = 0; g < KV; ++g) {
+          const float* row = qkv + (b * T + t) * Q;
+          const int64_t dst = ((b * KV + g) * c.Tmax_ + pos + t) * D;
+          std::memcpy(kc + dst, row + (H + g) * D, static_cast<size_t>(D) * sizeof(float));
+          std::memcpy(vc + dst, row + (H + KV + g) * D, static_cast<size_t>(D) * sizeof(float));
+        }
+    cached_attention(att, qkv, kc, vc, B, T, pos, c.Tmax_, H, KV, D, Q);
+    ops.matmul_forward(res1, att, model.compute_weight(lw.o_w), lw.o_b, N, H * D, C, false);
+    ops.residual_forward(res1, res1, x, N * C);
+    norm(ln, res1, lw.ln2_w, lw.ln2_b, N);
+    ops.matmul_forward(fc, ln, model.compute_weight(lw.fc_w), lw.fc_b, N, C, FF, false);
+    if (arch.gelu_mlp)
+      ops.gelu_forward(act, fc, N * F);
+    else
+      ops.swiglu_forward(act, fc, N, F);
+    ops.matmul_forward(x, act, model.compute_weight(lw.proj_w), lw.proj_b, N, F, C, false);
+    ops.residual_forward(x, x, res1, N * C);  // x is the next layer's input
+  }
+  c.pos_ = pos + T;
+  if (!logits) return;
+  // Head on the last new row of each sequence only: final norm is per row, so this equals the
+  // full forward's rows.
+  float* last = grow(c.last_, B * C);
+  for (int64_t b = 0; b < B; ++b)
+    std::memcpy(last + b * C, x + (b * T + T - 1) * C, static_cast<size_t>(C) * sizeof(float));
+  norm(ln, last, w.lnf_w, w.lnf_b, B);
+  ops.logits_forward(logits, ln, model.compute_weight(w.lm_head), B, C, V);
+}
+
+}  // namespace lathe
