@@ -24,6 +24,7 @@
 #include <sstream>
 
 #include "cli/command.h"
+#include "core/progress.h"
 #include "io/fs.h"
 #include "models/hf_weights.h"
 
@@ -238,6 +239,8 @@ int run_convert(int argc, char** argv) {
   app.add_option("--to-gguf", gguf, "also write a GGUF file for llama.cpp (gpt2, llama, qwen2, mistral)");
   app.add_option("--gguf-pre", gguf_pre, "llama.cpp pre-tokenizer name (default: derived from the tokenizer)");
   app.add_option("--gguf-tokenizer", gguf_tok, "tokenizer for the GGUF (default: the directory's tokenizer files)");
+  bool no_progress = false;
+  app.add_flag("--no-progress", no_progress, "no progress bar / lines on stderr");
   app.add_flag("--verify", verify, "compare logits with transformers on fixed token sequences");
   app.add_option("--tol", tol, "--verify tolerance on the max abs logit difference (x max(1, max|logit|))");
   LATHE_CLI_PARSE(app, argc, argv);
@@ -256,7 +259,13 @@ int run_convert(int argc, char** argv) {
     if (fs::equivalent(to, from, ec))  // false (with ec) when either is missing
       throw_error("--to {} is the --from-hf directory; write to another directory", to);
     so.extra_files = tokenizer_files_in(from);
+    std::unique_ptr<progress::Bar> bar;  // per tensor written (issue 13 item 5)
+    so.on_tensor = [&](int64_t done, int64_t total) {
+      if (!bar) bar = std::make_unique<progress::Bar>("write " + to, total, "tensors", !no_progress);
+      bar->update(done);
+    };
     save_hf_model(*model, to, so);
+    if (bar) bar->finish();
     fmt::print("wrote {} ({}{})\n", to, dtype_name(dtype),
                so.extra_files.empty() ? ", no tokenizer files in the source"
                                       : fmt::format(", {} tokenizer files copied", so.extra_files.size()));

@@ -1,4 +1,6 @@
 // lathe eval --model DIR [--data PREFIX] [--tasks FILE.jsonl] [--tokenizer T] [--seq-len S] [--batch B] [--json]
+//            [--no-progress]
+// Progress (src/core/progress.h) goes to stderr: a bar on a terminal, a line per 10% otherwise.
 // --data: mean next-token loss and perplexity over every full sample of the dataset in file order:
 // sample i covers tokens [i*S, i*S+S] of the concatenated sequences (Megatron's sample windows).
 // --tasks: multiple-choice accuracy (HellaSwag-style JSONL, one item per line:
@@ -14,18 +16,20 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <filesystem>
 #include <sstream>
 
 #include "cli/command.h"
+#include "core/progress.h"
 #include "core/timer.h"
 #include "data/loader.h"
-#include "models/hf_weights.h"
 #include "io/fs.h"
 #include "io/json.h"
+#include "models/hf_weights.h"
 #include "tokenizer/tokenizer.h"
+#include "train/eval_tasks.h"
 #include "train/trainer.h"
 
 namespace {
@@ -42,132 +46,27 @@ const CLI::Validator kPositive(
     },
     "POSITIVE");
 
-// One multiple-choice item: token ids of the context and of each ending.
-struct McItem {
-  std::vector<int32_t> context;
-  std::vector<std::vector<int32_t>> endings;
-  int64_t label;
-};
-
-std::vector<int32_t> ids_of(const nlohmann::json& v, const std::string& where, int64_t vocab) {
-  LATHE_CHECK(v.is_array(), "{} must be an array of token ids", where);
-  std::vector<int32_t> out;
-  for (const auto& x : v) {
-    LATHE_CHECK(x.is_number_integer() && x.get<int64_t>() >= 0 && x.get<int64_t>() < vocab,
-                "{}: {} is not a token id of this model (vocab_size {})", where, lathe::io::json_excerpt(x, 40), vocab);
-    out.push_back(static_cast<int32_t>(x.get<int64_t>()));
-  }
-  return out;
-}
-
-std::vector<McItem> read_tasks(const std::string& path, const lathe::tok::Tokenizer* tok, int64_t vocab) {
-  std::vector<McItem> items;
-  std::istringstream lines(lathe::io::read_file(path));
-  std::string line;
-  int64_t n = 0;
-  while (std::getline(lines, line)) {
-    ++n;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const std::string where = fmt::format("{} line {}", path, n);
-    const nlohmann::json j = lathe::io::parse_json(line, where);
-    LATHE_CHECK(j.is_object(), "{}: expected an object {{\"context\", \"endings\", \"label\"}}", where);
-    McItem it;
-    const bool text = j.contains("context");
-    LATHE_CHECK(text || j.contains("context_ids"), "{}: needs \"context\" (text) or \"context_ids\" (token ids)",
-                where);
-    if (text) {
-      LATHE_CHECK(tok != nullptr, "{}: text items need a tokenizer (pass --tokenizer)", where);
-      LATHE_CHECK(j["context"].is_string() && j.contains("endings") && j["endings"].is_array(),
-                  "{}: \"context\" must be a string and \"endings\" an array of strings", where);
-      it.context = tok->encode(j["context"].get<std::string>());
-      for (const auto& e : j["endings"]) {
-        LATHE_CHECK(e.is_string(), "{}: every ending must be a string", where);
-        it.endings.push_back(tok->encode(e.get<std::string>()));
-      }
-    } else {
-      it.context = ids_of(j["context_ids"], where + " context_ids", vocab);
-      LATHE_CHECK(j.contains("ending_ids") && j["ending_ids"].is_array(), "{}: \"ending_ids\" must be an array", where);
-      for (size_t e = 0; e < j["ending_ids"].size(); ++e)
-        it.endings.push_back(ids_of(j["ending_ids"][e], fmt::format("{} ending_ids[{}]", where, e), vocab));
-    }
-    for (auto& id : it.context)
-      LATHE_CHECK(id < vocab, "{}: the context has token id {} >= vocab_size {}", where, id, vocab);
-    LATHE_CHECK(it.endings.size() >= 2, "{}: {} ending(s); a multiple-choice item needs at least 2", where,
-                it.endings.size());
-    for (size_t e = 0; e < it.endings.size(); ++e)
-      LATHE_CHECK(!it.endings[e].empty(), "{}: ending {} has no tokens", where, e);
-    LATHE_CHECK(j.contains("label") && j["label"].is_number_integer() && j["label"].get<int64_t>() >= 0 &&
-                    j["label"].get<int64_t>() < static_cast<int64_t>(it.endings.size()),
-                "{}: \"label\" must be the index of the right ending (0..{})", where, it.endings.size() - 1);
-    it.label = j["label"].get<int64_t>();
-    LATHE_CHECK(!it.context.empty(), "{}: the context has no tokens (the first ending token needs one before it)",
-                where);
-    items.push_back(std::move(it));
-  }
-  LATHE_CHECK(!items.empty(), "{}: no items", path);
-  return items;
-}
-
 nlohmann::json eval_tasks(lathe::Model& model, const std::string& model_dir, const std::string& path,
-                          std::string tokenizer_path) {
+                          std::string tokenizer_path, bool show_progress) {
   const auto& cfg = model.config();
-  if (tokenizer_path.empty()) {  // the model directory's own tokenizer, as lathe.json records it
-    const std::string lj = model_dir + "/lathe.json";
-    if (std::filesystem::exists(model_dir + "/tokenizer.json"))
-      tokenizer_path = model_dir;
-    else if (std::filesystem::exists(lj)) {
-      const auto j = lathe::io::read_json_file(lj);
-      if (j.contains("tokenizer") && j["tokenizer"].is_string()) tokenizer_path = j["tokenizer"].get<std::string>();
-    }
-  }
+  // The model directory's own tokenizer, as lathe.json records it.
+  if (tokenizer_path.empty()) tokenizer_path = lathe::model_dir_tokenizer(model_dir);
   std::unique_ptr<lathe::tok::Tokenizer> tok;
   if (!tokenizer_path.empty()) tok = lathe::tok::load_tokenizer(tokenizer_path);
-  const std::vector<McItem> items = read_tasks(path, tok.get(), cfg.vocab_size);
+  const std::vector<lathe::McItem> items = lathe::read_mc_tasks(path, tok.get(), cfg.vocab_size);
   const int64_t max_t = cfg.max_position_embeddings;
   model.allocate(1, max_t);
-  std::vector<float> logits;
-  int64_t right = 0, right_norm = 0;
-  nlohmann::json per_item = nlohmann::json::array();
   const double t0 = lathe::now_seconds();
-  for (const McItem& it : items) {
-    std::vector<double> lls;
-    double best = -1e300, best_norm = -1e300;
-    int64_t pick = -1, pick_norm = -1;
-    for (size_t e = 0; e < it.endings.size(); ++e) {
-      const auto& end = it.endings[e];
-      LATHE_CHECK(static_cast<int64_t>(end.size()) < max_t, "{}: an ending of {} tokens does not fit the model's {} positions",
-                  path, end.size(), max_t);
-      // The context cut from the left so that context + ending fit max_position_embeddings.
-      const size_t keep = std::min(it.context.size(), static_cast<size_t>(max_t) - end.size());
-      std::vector<int32_t> seq(it.context.end() - static_cast<std::ptrdiff_t>(keep), it.context.end());
-      seq.insert(seq.end(), end.begin(), end.end());
-      const int64_t T = static_cast<int64_t>(seq.size()), V = cfg.vocab_size;
-      logits.resize(static_cast<size_t>(T * V));
-      model.forward_logits(seq.data(), 1, T, logits.data());
-      double ll = 0;
-      for (size_t k = 0; k < end.size(); ++k) {
-        const int64_t pos = static_cast<int64_t>(keep + k) - 1;  // the logits that predict end[k]
-        const float* row = logits.data() + pos * V;
-        double mx = row[0];
-        for (int64_t v = 1; v < V; ++v) mx = std::max(mx, double(row[v]));
-        double sum = 0;
-        for (int64_t v = 0; v < V; ++v) sum += std::exp(double(row[v]) - mx);
-        ll += double(row[end[k]]) - mx - std::log(sum);
-      }
-      const double norm = ll / static_cast<double>(end.size());
-      lls.push_back(ll);
-      if (ll > best) best = ll, pick = static_cast<int64_t>(e);
-      if (norm > best_norm) best_norm = norm, pick_norm = static_cast<int64_t>(e);
-    }
-    right += pick == it.label;
-    right_norm += pick_norm == it.label;
-    per_item.push_back({{"loglik", lls}, {"pick", pick}, {"pick_norm", pick_norm}, {"label", it.label}});
-  }
-  const double n = static_cast<double>(items.size());
+  lathe::progress::Bar bar("eval tasks", static_cast<int64_t>(items.size()), "items", show_progress);
+  const lathe::McScores sc = lathe::score_mc_items(model, items, max_t, path, 0, 1, &bar);
+  bar.finish();
+  nlohmann::json per_item = nlohmann::json::array();
+  for (const auto& it : sc.per_item)
+    per_item.push_back({{"loglik", it.loglik}, {"pick", it.pick}, {"pick_norm", it.pick_norm}, {"label", it.label}});
   return {{"tasks", path},
-          {"items", items.size()},
-          {"acc", right / n},
-          {"acc_norm", right_norm / n},
+          {"items", sc.items},
+          {"acc", sc.acc()},
+          {"acc_norm", sc.acc_norm()},
           {"tasks_seconds", lathe::now_seconds() - t0},
           {"per_item", per_item}};
 }
@@ -194,17 +93,20 @@ int run_eval(int argc, char** argv) {
       ->check(kPositive);
   app.add_option("--batch", batch, "samples per forward pass")->check(kPositive);
   app.add_flag("--json", json, "print one JSON object");
+  bool no_progress = false;
+  app.add_flag("--no-progress", no_progress, "no progress bar / lines on stderr");
   LATHE_CLI_PARSE(app, argc, argv);
   if (prefix.empty() && tasks.empty()) {
-    fmt::print(stderr, "lathe eval: usage error: give --data PREFIX (loss, perplexity) and/or --tasks FILE.jsonl "
-                       "(multiple-choice accuracy)\n");
+    fmt::print(stderr,
+               "lathe eval: usage error: give --data PREFIX (loss, perplexity) and/or --tasks FILE.jsonl "
+               "(multiple-choice accuracy)\n");
     return 2;
   }
   std::string report;
   auto model = lathe::load_hf_model(model_dir, &report);
   const auto& cfg = model->config();
   nlohmann::json mc;
-  if (!tasks.empty()) mc = eval_tasks(*model, model_dir, tasks, tokenizer_path);
+  if (!tasks.empty()) mc = eval_tasks(*model, model_dir, tasks, tokenizer_path, !no_progress);
   if (prefix.empty()) {
     if (json) {
       mc["model"] = model_dir;
@@ -228,7 +130,25 @@ int run_eval(int argc, char** argv) {
   batch = std::min<int64_t>(batch, static_cast<int64_t>(samples.size()));  // a batch never exceeds the data
   model->allocate(batch, seq_len);
   const double t0 = lathe::now_seconds();
-  auto [loss, tokens] = lathe::evaluate_samples(*model, ds, samples, batch, seq_len);
+  // Batch by batch so that the progress line advances; sum of token losses and tokens combine
+  // exactly as one evaluate_samples call over all samples would (same batches, same order).
+  double loss_sum = 0;
+  int64_t tokens = 0;
+  {
+    lathe::progress::Bar bar("eval data", static_cast<int64_t>(samples.size()), "samples", !no_progress);
+    const size_t step = static_cast<size_t>(batch);  // one batch per call: the line advances per batch
+    for (size_t i = 0; i < samples.size(); i += step) {
+      const std::vector<int64_t> part(
+          samples.begin() + static_cast<std::ptrdiff_t>(i),
+          samples.begin() + static_cast<std::ptrdiff_t>(std::min(samples.size(), i + step)));
+      auto [l, t] = lathe::evaluate_samples(*model, ds, part, batch, seq_len);
+      loss_sum += l * static_cast<double>(t);
+      tokens += t;
+      bar.add(static_cast<int64_t>(part.size()));
+    }
+    bar.finish();
+  }
+  const double loss = tokens ? loss_sum / static_cast<double>(tokens) : 0.0;
   const double dt = lathe::now_seconds() - t0;
   if (json) {
     nlohmann::json j = {{"loss", loss},

@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/command.h"
+#include "core/progress.h"
 #include "io/fs.h"
 #include "io/json.h"
 #include "models/hf_weights.h"
@@ -114,6 +115,8 @@ int run_export(int argc, char** argv) {
   app.add_option("--to", to, "output Hugging Face directory");
   app.add_option("--dtype", dtype_s, "fp32, bf16 or fp16 (GGUF: fp32 or fp16)");
   app.add_option("--max-shard-size", shard_s, "shard model.safetensors above this size (default 5GB)");
+  bool no_progress = false;
+  app.add_flag("--no-progress", no_progress, "no progress bar / lines on stderr");
   app.add_option("--to-gguf", gguf, "also write a GGUF file for llama.cpp (gpt2, llama, qwen2, mistral)");
   app.add_option("--gguf-pre", gguf_pre, "llama.cpp pre-tokenizer name (default: derived from the tokenizer)");
   app.add_option("--gguf-tokenizer", gguf_tok, "tokenizer for the GGUF (default: the run's or the model directory's)");
@@ -158,7 +161,13 @@ int run_export(int argc, char** argv) {
     std::error_code ec;
     if (!s.hf_dir.empty() && present(to) && fs::equivalent(to, s.hf_dir, ec))
       throw_error("--to {} is the source directory; write to another directory", to);
+    std::unique_ptr<progress::Bar> bar;  // per tensor written (issue 13 item 5)
+    so.on_tensor = [&](int64_t done, int64_t total) {
+      if (!bar) bar = std::make_unique<progress::Bar>("write " + to, total, "tensors", !no_progress);
+      bar->update(done);
+    };
     save_hf_model(*s.model, to, so);
+    if (bar) bar->finish();
     fmt::print("wrote {} ({}, {})\n", to, dtype_name(dtype), tok_note);
   }
   if (!gguf.empty()) {

@@ -292,7 +292,8 @@ const std::map<std::string, std::vector<std::string>> kSectionKeys = {
     {"schedule", {"name", "warmup_steps", "min_lr", "decay_fraction", "decay_shape"}},
     {"training",
      {"micro_batch_size", "seq_len", "grad_accum_steps", "steps", "seed", "eval_interval", "eval_batches",
-      "log_interval", "threads", "peak_gflops", "resume", "max_skipped_steps", "anomaly"}},
+      "log_interval", "threads", "peak_gflops", "resume", "max_skipped_steps", "anomaly", "eval_tasks",
+      "eval_tasks_interval"}},
     {"precision", {"compute", "loss_scale"}},
     {"output", {"dir", "save_every", "checkpoint_every", "keep_last"}},
     {"parallel", {"data", "tensor", "pipeline", "zero", "bucket_mb", "timeout_s"}},
@@ -369,6 +370,8 @@ class Parser {
     get_double(t, "training", "peak_gflops", &tr.peak_gflops);
     get_str(t, "training", "resume", &tr.resume);
     get_int(t, "training", "max_skipped_steps", &tr.max_skipped_steps);
+    get_str(t, "training", "eval_tasks", &tr.eval_tasks);
+    get_int(t, "training", "eval_tasks_interval", &tr.eval_tasks_interval);
     parse_anomaly(t, r);
 
     parse_precision(section("precision"), r);
@@ -725,6 +728,7 @@ class Parser {
     in_range("training.eval_interval", t.eval_interval, 0, kMaxSteps, " (0 = no eval)");
     in_range("training.eval_batches", t.eval_batches, 1, kMaxEvalBatches);
     in_range("training.log_interval", t.log_interval, 1, kMaxSteps);
+    in_range("training.eval_tasks_interval", t.eval_tasks_interval, 0, kMaxSteps, " (0 = training.eval_interval)");
     in_range("training.threads", t.threads, 0, kMaxThreads, " (0 = all cores)");
     // Sample and token counters of the run (consumed_samples, tokens seen) must fit 64 bits.
     checked_product({t.steps, t.micro_batch_size, t.grad_accum_steps, t.seq_len,
@@ -944,6 +948,10 @@ json Recipe::to_json() const {
                    {"peak_gflops", training.peak_gflops},
                    {"resume", training.resume},
                    {"max_skipped_steps", training.max_skipped_steps}};
+  if (!training.eval_tasks.empty()) {  // only when set: recipes of earlier runs stay unchanged
+    j["training"]["eval_tasks"] = training.eval_tasks;
+    j["training"]["eval_tasks_interval"] = training.eval_tasks_interval;
+  }
   const auto& an = training.anomaly;
   j["training"]["anomaly"] = {{"enabled", an.enabled},
                               {"warmup_steps", an.warmup_steps},

@@ -384,7 +384,7 @@ void write_safetensors(const std::string& path, const std::vector<StWriteEntry>&
 }
 
 void write_safetensors_f32(const std::string& path, const std::vector<StWriteF32>& tensors, DType out_dtype,
-                           const std::map<std::string, std::string>& metadata) {
+                           const std::map<std::string, std::string>& metadata, const std::function<void()>& on_tensor) {
   LATHE_CHECK(out_dtype == DType::F32 || out_dtype == DType::BF16 || out_dtype == DType::F16,
               "{}: write_safetensors_f32 converts to F32, BF16 or F16 only, not {}", path, dtype_name(out_dtype));
   std::vector<PlannedTensor> plan;
@@ -401,16 +401,17 @@ void write_safetensors_f32(const std::string& path, const std::vector<StWriteF32
     size_t n = static_cast<size_t>(numel(t.shape));
     if (out_dtype == DType::F32) {
       if (n) w.write(t.data, n * 4);
-      continue;
+    } else {
+      for (size_t i = 0; i < n; i += chunk.size()) {
+        size_t m = std::min(chunk.size(), n - i);
+        if (out_dtype == DType::BF16)
+          for (size_t j = 0; j < m; ++j) chunk[j] = fp32_to_bf16(t.data[i + j]);
+        else
+          for (size_t j = 0; j < m; ++j) chunk[j] = fp32_to_fp16(t.data[i + j]);
+        w.write(chunk.data(), m * 2);
+      }
     }
-    for (size_t i = 0; i < n; i += chunk.size()) {
-      size_t m = std::min(chunk.size(), n - i);
-      if (out_dtype == DType::BF16)
-        for (size_t j = 0; j < m; ++j) chunk[j] = fp32_to_bf16(t.data[i + j]);
-      else
-        for (size_t j = 0; j < m; ++j) chunk[j] = fp32_to_fp16(t.data[i + j]);
-      w.write(chunk.data(), m * 2);
-    }
+    if (on_tensor) on_tensor();
   }
   w.commit();
 }

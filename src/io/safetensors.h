@@ -5,6 +5,7 @@
 // names the file and the tensor in every error.
 #pragma once
 #include <cstddef>
+#include <functional>
 #include <map>
 #include <string>
 #include <string_view>
@@ -84,7 +85,9 @@ struct StWriteF32 {
   Shape shape;
   const float* data;
 };
+// `on_tensor` (optional) is called after each tensor's bytes are written (progress display).
 void write_safetensors_f32(const std::string& path, const std::vector<StWriteF32>& tensors,
-                           DType out_dtype = DType::F32, const std::map<std::string, std::string>& metadata = {});
+                           DType out_dtype = DType::F32, const std::map<std::string, std::string>& metadata = {},
+                           const std::function<void()>& on_tensor = {});
 
 }  // namespace lathe::io

@@ -153,10 +153,11 @@ std::vector<OutTensor> hf_layout(const Model& model, const float* flat, std::vec
   return out;
 }
 
-void write_tensors(const std::vector<OutTensor>& ts, const std::string& path, DType dtype) {
+void write_tensors(const std::vector<OutTensor>& ts, const std::string& path, DType dtype,
+                   const std::function<void()>& on_tensor = {}) {
   std::vector<io::StWriteF32> entries;
   for (const auto& t : ts) entries.push_back({t.name, t.shape, t.data});
-  io::write_safetensors_f32(path, entries, dtype, {{"format", "pt"}});
+  io::write_safetensors_f32(path, entries, dtype, {{"format", "pt"}}, on_tensor);
 }
 
 }  // namespace
@@ -206,13 +207,17 @@ void save_hf_model(const Model& model, const std::string& dir, const HfSaveOptio
         fs::remove(e.path());
     }
   });
+  int64_t written = 0;
+  const std::function<void()> on_tensor = [&] {
+    if (opts.on_tensor) opts.on_tensor(++written, static_cast<int64_t>(ts.size()));
+  };
   if (shards.size() == 1) {
-    write_tensors(shards[0], (fs::path(dir) / "model.safetensors").string(), opts.dtype);
+    write_tensors(shards[0], (fs::path(dir) / "model.safetensors").string(), opts.dtype, on_tensor);
   } else {
     json wm = json::object();
     for (size_t i = 0; i < shards.size(); ++i) {
       const std::string name = fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, shards.size());
-      write_tensors(shards[i], (fs::path(dir) / name).string(), opts.dtype);
+      write_tensors(shards[i], (fs::path(dir) / name).string(), opts.dtype, on_tensor);
       for (const auto& t : shards[i]) wm[t.name] = name;
     }
     json index = {{"metadata", {{"total_size", total}}}, {"weight_map", wm}};

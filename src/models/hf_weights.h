@@ -8,6 +8,7 @@
 // A tied model's file may carry lm_head.weight only as an exact copy of the embedding.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -30,6 +31,8 @@ struct HfSaveOptions {
   uint64_t max_shard_bytes = 5'000'000'000ull;  // above this: model-0000i-of-0000n.safetensors + index
   // Files copied into the directory next to the weights (tokenizer files); each must exist.
   std::vector<std::string> extra_files;
+  // Called after each tensor is written with (tensors written, tensors in all) (progress display).
+  std::function<void(int64_t done, int64_t total)> on_tensor;
 };
 
 // Writes DIR/config.json, DIR/model.safetensors (or shards + model.safetensors.index.json) and

@@ -10,6 +10,7 @@
 
 #include "core/checked.h"
 #include "core/rng.h"
+#include "core/trace.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/ops_bf16.h"
 #include "models/memory.h"
@@ -418,7 +419,11 @@ void Model::allocate(int64_t B, int64_t T, int optimizer_moments, Recompute reco
                 FF = arch_.gelu_mlp ? F : 2 * F;                                                              \
   (void)N, (void)C, (void)H, (void)KV, (void)D, (void)Q, (void)F, (void)FF
 
+// Profiler spans (src/core/trace.h; one relaxed load when profiling is off): one per block pass, the
+// layer index as the span's arg, so a trace shows forward and backward per layer whoever drives the
+// blocks (forward_backward, the pipeline schedules, forward_logits).
 void Model::embedding_forward(const int32_t* tokens, int64_t B, int64_t T) {
+  trace::Scope span("embedding forward", trace::Cat::Compute);
   LATHE_CHECK(B <= max_B_ && T <= max_T_, "batch {}x{} exceeds the allocated {}x{}", B, T, max_B_, max_T_);
   check_compute_weights();  // every pass starts here
   LATHE_DIMS;
@@ -456,7 +461,10 @@ void Model::mlp_activation_forward(int64_t l, int64_t N) {
     ops_->swiglu_forward(a.act, a.fc, N, F);
 }
 
-void Model::layer_forward(int64_t l, int64_t B, int64_t T) { layer_forward_into(l, B, T, true); }
+void Model::layer_forward(int64_t l, int64_t B, int64_t T) {
+  trace::Scope span("layer forward", trace::Cat::Compute, l);
+  layer_forward_into(l, B, T, true);
+}
 
 void Model::layer_forward_into(int64_t l, int64_t B, int64_t T, bool output) {
   LATHE_DIMS;
@@ -509,6 +517,7 @@ void Model::forward_body(const int32_t* tokens, int64_t B, int64_t T) {
 }
 
 double Model::head_loss(const int32_t* targets, int64_t B, int64_t T, float grad_scale, bool backward) {
+  trace::Scope span(backward ? "head forward+backward" : "head forward", trace::Cat::Compute);
   LATHE_DIMS;
   const int64_t V = cfg_.vocab_size;
   final_norm_forward(B, T);
@@ -528,6 +537,7 @@ double Model::head_loss(const int32_t* targets, int64_t B, int64_t T, float grad
 }
 
 void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
+  trace::Scope span("layer backward", trace::Cat::Compute, l);
   LATHE_DIMS;
   const LayerPtrs& w = p_.layers[static_cast<size_t>(l)];
   const LayerPtrs& gw = g_.layers[static_cast<size_t>(l)];
@@ -571,6 +581,7 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
 }
 
 void Model::embedding_backward(const int32_t* tokens, int64_t B, int64_t T) {
+  trace::Scope span("embedding backward", trace::Cat::Compute);
   ops_->embedding_backward(g_.wte, g_.wpe, dres_, tokens, B, T, cfg_.hidden_size, doc_positions());
 }
 #undef LATHE_DIMS

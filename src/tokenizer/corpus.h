@@ -11,6 +11,7 @@
 // JSON parsing is NOT done here: the record reader only splits bytes into records so that the
 // (expensive) parsing runs on the worker threads of the preprocessing pipeline.
 #pragma once
+#include "core/progress.h"
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -136,25 +137,9 @@ bool extract_json_text(std::string_view line, const std::string& key, std::strin
 // "512MB" (10^6), "512MiB" (2^20), "1G", "1GiB", "4096" (bytes), "64K". Throws naming `what`.
 uint64_t parse_byte_size(std::string_view s, std::string_view what);
 
-// A one-line progress display on stderr: redrawn in place on a terminal, else one line every
-// `plain_interval` seconds so logs stay readable.
-class ProgressLine {
- public:
-  explicit ProgressLine(bool enabled, double plain_interval = 10.0);
-  // Redraws if enough time passed (or force). `line` is the full text without '\n'.
-  bool due(bool force = false);
-  void show(const std::string& line);
-  void finish();  // ends the in-place line with '\n' if something was drawn
-
- private:
-  bool enabled_, tty_, drawn_ = false;
-  double interval_, last_ = -1e30;
-  size_t last_len_ = 0;
-};
-
-// "1:02:03" / "4:05"
-std::string format_duration(double seconds);
-// "12.3M" style counts
-std::string format_count(double v);
+// Progress display and formatting: the shared utility (src/core/progress.h).
+using ProgressLine = lathe::progress::Line;
+using lathe::progress::format_count;
+using lathe::progress::format_duration;
 
 }  // namespace lathe::tok

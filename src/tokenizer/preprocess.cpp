@@ -302,14 +302,12 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
   ProgressLine bar(opt.progress);
   const uint64_t total_file_bytes = std::max<uint64_t>(1, reader.total_file_bytes());
   auto draw = [&](uint64_t raw_pos, bool force) {
-    if (!bar.due(force)) return;
-    double el = std::max(now_seconds() - t0, 1e-9);
-    double frac = std::min(1.0, double(raw_pos) / double(total_file_bytes));
-    int filled = static_cast<int>(frac * 20);
-    bar.show(fmt::format("[{}{}] {:5.1f}%  {:.1f} MB/s  {} docs  {} tokens  ETA {}", std::string(filled, '#'),
-                         std::string(20 - filled, ' '), 100 * frac, st.input_bytes / 1e6 / el,
-                         format_count(double(st.documents)), format_count(double(st.tokens)),
-                         frac > 0 ? format_duration(el / frac - el) : "?"));
+    const double frac = std::min(1.0, double(raw_pos) / double(total_file_bytes));
+    if (!bar.due(force, frac)) return;
+    const double el = std::max(now_seconds() - t0, 1e-9);
+    bar.show(fmt::format("tokenize {} {:5.1f}%  {:.1f} MB/s  {} docs  {} tokens  ETA {}", progress::bar_cells(frac),
+                         100 * frac, st.input_bytes / 1e6 / el, format_count(double(st.documents)),
+                         format_count(double(st.tokens)), format_duration(progress::eta_seconds(frac, 1.0, el))));
   };
 
   try {

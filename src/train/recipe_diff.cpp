@@ -84,7 +84,8 @@ bool harmless_key(const std::string& k) {
   static const std::set<std::string> keys = {
       "training.steps",   "training.eval_interval", "training.eval_batches",     "training.log_interval",
       "training.threads", "training.peak_gflops",   "training.resume",           "data.tokenizer",
-      "data.prefetch",    "model.init_from",        "training.max_skipped_steps",
+      "data.prefetch",    "model.init_from",        "training.max_skipped_steps", "training.eval_tasks",
+      "training.eval_tasks_interval",  // evaluation only reads the weights
       "recompute"};  // recompute changes memory, not results (bit-identical: tests/models)
   // The layout of processes changes neither the data order nor the math beyond float summation
   // order (the loader's order is global: train/trainer.cpp), so it may change on resume.

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "core/blas_env.h"
+#include "core/progress.h"
 #include "core/sysinfo.h"
 #include "core/timer.h"
 #include "core/trace.h"
@@ -37,6 +38,7 @@
 #include "train/anomaly_rollback.h"
 #include "train/checkpoint.h"
 #include "train/consistency.h"
+#include "train/eval_tasks.h"
 #include "train/generate.h"
 #include "train/peak.h"
 #include "train/preflight.h"
@@ -434,6 +436,16 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     log(fmt::format("documents: {} attention, positions {}, loss after EOD {} (EOD id {})", r.data.attention,
                     docs.reset_positions ? "restart at each document" : "0..seq_len-1",
                     docs.mask_loss ? "masked" : "trained", docs.eod));
+  // training.eval_tasks: the multiple-choice items, read and checked before any training work.
+  std::vector<McItem> mc_items;
+  if (!r.training.eval_tasks.empty()) {
+    try {
+      mc_items = read_mc_tasks(r.training.eval_tasks, tokenizer.get(), model->config().vocab_size,
+                               "set data.tokenizer in the recipe, or give token ids");
+    } catch (const Error& e) {
+      throw_error("{}: training.eval_tasks: {}", r.source, e.what());
+    }
+  }
   if (ckpt.empty() && r.init_from.empty()) model->init_weights(static_cast<uint64_t>(r.training.seed));
   // Tensor parallelism: preflight's model is the whole model (init, init_from or checkpoint weights,
   // activations not allocated); each rank computes with its shard (parallel/tensor_parallel.h) and
@@ -747,6 +759,27 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     if (dp > 1) dpc.all_reduce(st, 2, DType::F64);
     return {st[1] > 0 ? st[0] / st[1] : 0.0, static_cast<int64_t>(st[1])};
   };
+  // Multiple-choice accuracy (train/eval_tasks.h): each data-parallel replica scores every dp-th
+  // item (the tensor-parallel ranks of a replica run the same items together); the counts are
+  // all-reduced, so every rank gets the accuracy of the whole file. Contexts are cut to seq_len.
+  const int64_t tasks_interval =
+      r.training.eval_tasks_interval > 0 ? r.training.eval_tasks_interval : r.training.eval_interval;
+  auto score_tasks = [&](int64_t at) {
+    trace::Scope span("eval tasks", trace::Cat::Eval, at);
+    const double t0 = now_seconds();
+    const McScores sc = score_mc_items(*model, mc_items, std::min<int64_t>(T, model->config().max_position_embeddings),
+                                       r.training.eval_tasks, static_cast<size_t>(dp_rank), static_cast<size_t>(dp));
+    int64_t c[3] = {sc.items, sc.right, sc.right_norm};
+    if (dp > 1) dpc.all_reduce(c, 3, DType::I64);
+    const double n = static_cast<double>(std::max<int64_t>(c[0], 1));
+    write_metrics({{"step", at},
+                   {"tasks_acc", static_cast<double>(c[1]) / n},
+                   {"tasks_acc_norm", static_cast<double>(c[2]) / n},
+                   {"tasks_items", c[0]}});
+    log(fmt::format("step {:>6}/{} | tasks {}: acc {:.4f} | acc_norm {:.4f} ({} items, {:.1f} s)", at,
+                    r.training.steps, r.training.eval_tasks, static_cast<double>(c[1]) / n,
+                    static_cast<double>(c[2]) / n, c[0], now_seconds() - t0));
+  };
   if (start_step == r.training.steps && start_step > 0)
     say(fmt::format("resume: the checkpoint is at the final step {}; only the end-of-run outputs remain", start_step));
   StepParts parts{*model,
@@ -866,6 +899,9 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   };
   StepStats prev;
   double comm_total = 0;
+  // ETA in the step log line: remaining steps x the mean step time of this process's steps.
+  double step_time_sum = 0;
+  int64_t steps_timed = 0;
   for (int64_t step = start_step; step < r.training.steps; ++step) {
     // --profile-steps A-B: record steps A..B (1-based) and write OUTPUT/trace/rankRRRRR.json.
     if (opts.profile_first > 0 && step + 1 == opts.profile_first) {
@@ -896,6 +932,9 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     const double loss = st.loss, norm = st.norm, lr = st.lr, dt = st.seconds, wait = st.data_wait_s,
                  comm_wait = st.comm_wait_s;
     comm_total += comm_wait;
+    step_time_sum += dt;
+    ++steps_timed;
+    const double eta_s = static_cast<double>(r.training.steps - (step + 1)) * step_time_sum / steps_timed;
     result.losses.push_back(loss);
     const double tok_s = static_cast<double>(G * T) / dt;
     const double mfu = flops_per_step / dt / (peak * 1e9);
@@ -918,7 +957,8 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
                           {"precision", precision},
                           {"loss_scale", st.loss_scale},
                           {"skipped", st.skipped},
-                          {"skipped_steps", skipped_total}};
+                          {"skipped_steps", skipped_total},
+                          {"eta_s", eta_s}};
     if (anomaly.enabled()) {  // the policy's verdict and the factor this step's lr carried
       rec["anomaly"] = st.anomaly.anomaly;
       rec["anomalies"] = anomaly.state().anomalies;
@@ -944,11 +984,12 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     else if ((step + 1) % r.training.log_interval == 0 || step == 0 || step + 1 == r.training.steps)
       log(fmt::format(
           "step {:>6}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.4f} | {} | {:.0f} tok/s | MFU {:.1f}% | "
-          "{:.1f} ms | data wait {:.1f}% | optimizer {:.1f}%{}",
+          "{:.1f} ms | data wait {:.1f}% | optimizer {:.1f}%{} | ETA {}",
           step + 1, r.training.steps, loss, lr, norm, prec, tok_s, 100 * mfu, dt * 1e3, 100.0 * wait / dt,
           100.0 * st.optimizer_s / dt,
           dp > 1 ? fmt::format(" | comm exposed {:.1f} ms ({:.1f}%)", comm_wait * 1e3, 100.0 * comm_wait / dt)
-                 : std::string()));
+                 : std::string(),
+          progress::format_duration(eta_s)));
     if (const int64_t back = act_on_anomaly(step, st); back >= 0) {
       step = back - 1;  // the loop's ++step continues with the checkpoint's next step
       prev = StepStats{};
@@ -961,6 +1002,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
       write_metrics({{"step", step + 1}, {"val_loss", vl}, {"val_tokens", vt}});
       log(fmt::format("step {:>6}/{} | validation loss {:.4f} ({} tokens)", step + 1, r.training.steps, vl, vt));
     }
+    if (!mc_items.empty() && tasks_interval > 0 && (step + 1) % tasks_interval == 0 && !last) score_tasks(step + 1);
     if (r.output.save_every > 0 && (step + 1) % r.output.save_every == 0 && !last) {
       const std::string dir = (fs::path(r.output.dir) / fmt::format("step_{:08d}", step + 1)).string();
       Model& w = whole_model();  // collective with tensor parallelism
@@ -1001,6 +1043,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     write_metrics({{"step", r.training.steps}, {"val_loss", vl}, {"val_tokens", vt}});
     log(fmt::format("final validation loss {:.4f} over {} tokens", vl, vt));
   }
+  if (!mc_items.empty()) score_tasks(r.training.steps);
   result.model_dir = (fs::path(r.output.dir) / "model").string();
   Model& final_model = whole_model();  // collective with tensor parallelism
   if (rank0) write_model_dir(final_model, result.model_dir, r.data.tokenizer);

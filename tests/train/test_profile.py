@@ -1,6 +1,7 @@
 """lathe train --profile-steps (issue 13): the trace is Chrome trace-event JSON, spans nest per
 thread, each profiled step is one "step" span whose duration matches the step time the run logs
-(within 5%), the step holds the data wait, the micro-batches and the optimizer; profiling does not
+(within 5%), the step holds the data wait, the micro-batches and the optimizer, each micro-batch holds forward and backward spans per layer
+(with the layer index); profiling does not
 change the losses; under mpirun every rank writes its own trace with the collectives on the
 communication thread's track. A bad --profile-steps is a usage error."""
 import json
@@ -83,6 +84,19 @@ def main():
     check({"data wait", "forward+backward micro-batch", "grad norm + optimizer"} <= names, f"the step's parts ({sorted(names)})")
     mb = [e for e in ev if e["ph"] == "X" and e["name"] == "forward+backward micro-batch"]
     check(len(mb) == 4, f"two micro-batches per step ({len(mb)})")
+    # Per-layer spans (gpt2-debug: 2 layers): every micro-batch runs the embedding, each layer forward,
+    # the head, each layer backward and the embedding backward, nested inside the micro-batch span.
+    n_layer = 2
+    for kind in ("layer forward", "layer backward"):
+        per = sorted(e["args"]["index"] for e in ev if e["ph"] == "X" and e["name"] == kind)
+        check(per == sorted(list(range(n_layer)) * len(mb)),
+              f"one '{kind}' span per layer per micro-batch, layer index in args ({per})")
+    for kind in ("embedding forward", "embedding backward", "head forward+backward"):
+        c = sum(1 for e in ev if e["ph"] == "X" and e["name"] == kind)
+        check(c == len(mb), f"one '{kind}' span per micro-batch ({c})")
+    inside = all(any(m["ts"] <= e["ts"] and e["ts"] + e["dur"] <= m["ts"] + m["dur"] + 1e-3 for m in mb)
+                 for e in ev if e["ph"] == "X" and e["name"].startswith("layer "))
+    check(inside, "layer spans lie inside their micro-batch span")
     # The optimizer share in metrics.jsonl is the optimizer span's share of the step.
     opt = {e["ts"]: e["dur"] for e in ev if e["ph"] == "X" and e["name"] == "grad norm + optimizer"}
     st3 = [e for e in steps if e["args"]["index"] == 3][0]
