@@ -28,6 +28,7 @@ nlohmann::json anomaly_state_to_json(const AnomalyState& s) {
           {"grad_norm", stat(s.grad_norm)},
           {"lr_steps_left", s.lr_steps_left},
           {"recent", std::vector<int64_t>(s.recent.begin(), s.recent.end())},
+          {"last_anomaly", s.last_anomaly},
           {"skipped_updates", s.skipped_updates},
           {"anomalies", s.anomalies},
           {"rollbacks", s.rollbacks}};
@@ -85,6 +86,7 @@ AnomalyDecision AnomalyPolicy::observe(int64_t step, double loss, double grad_no
   }
   ++st_.anomalies;
   st_.recent.push_back(step);
+  st_.last_anomaly = step;
   d.in_window = static_cast<int64_t>(st_.recent.size());
   d.skip = scaler_skipped || cfg_.skip;
   if (d.skip && !scaler_skipped) ++st_.skipped_updates;
@@ -121,9 +123,8 @@ CheckpointHealthInfo AnomalyPolicy::health(int64_t step, double loss, double gra
   h.loss = loss;
   h.grad_norm = grad_norm;
   h.anomalies = st_.anomalies;
-  int64_t in_window = 0;
-  for (int64_t s : st_.recent) in_window += s > step - cfg_.rollback_window ? 1 : 0;
-  h.healthy = std::isfinite(loss) && std::isfinite(grad_norm) && in_window == 0;
+  const bool recent_anomaly = st_.last_anomaly > 0 && st_.last_anomaly > step - cfg_.rollback_window;
+  h.healthy = std::isfinite(loss) && std::isfinite(grad_norm) && !recent_anomaly;
   return h;
 }
 

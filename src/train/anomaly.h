@@ -54,6 +54,7 @@ struct AnomalyState {
   RunningStat loss, grad_norm;
   int64_t lr_steps_left = 0;    // steps that still run at the lowered learning rate
   std::deque<int64_t> recent;   // steps of counted anomalies within the window
+  int64_t last_anomaly = 0;     // step of the newest counted anomaly (0 = none): the health
   int64_t skipped_updates = 0;  // updates the policy skipped (AdamW's step count excludes them)
   int64_t anomalies = 0;        // counted anomalies (whole run)
   int64_t rollbacks = 0;        // rollbacks done (whole run)
@@ -99,7 +100,8 @@ class AnomalyPolicy {
   // checkpoint has none): its statistics and skip count, this run's counters, an empty window, and
   // the learning rate lowered for lr_steps steps.
   void rolled_back(const AnomalyState* ckpt);
-  // The rollback was wanted but no healthy checkpoint exists: the window restarts.
+  // The rollback was wanted but no healthy checkpoint exists: the window restarts (the health of
+  // the next checkpoints still sees the anomalies: last_anomaly).
   void no_rollback_target() { st_.recent.clear(); }
   // The health record of a checkpoint written after step `step` with that step's loss and norm.
   CheckpointHealthInfo health(int64_t step, double loss, double grad_norm) const;

@@ -243,6 +243,10 @@ void read_health(const Fields& f, const json& body, CheckpointState* st) {
     const int64_t lo = x.recent.empty() ? 1 : x.recent.back() + 1;
     x.recent.push_back(f.integer(recent[i], fmt::format("anomaly.recent[{}]", i), lo, st->step));
   }
+  // last_anomaly: absent in the first checkpoints with this record (the newest window entry then).
+  x.last_anomaly = a.contains("last_anomaly") ? f.integer(a["last_anomaly"], "anomaly.last_anomaly", 0, st->step)
+                   : x.recent.empty()         ? 0
+                                              : x.recent.back();
   x.skipped_updates =
       f.integer(f.member(a, "skipped_updates", "anomaly.skipped_updates"), "anomaly.skipped_updates", 0, st->step);
   x.anomalies = f.integer(f.member(a, "anomalies", "anomaly.anomalies"), "anomaly.anomalies", 0, kMaxCount);

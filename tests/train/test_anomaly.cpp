@@ -178,7 +178,10 @@ TEST(AnomalyPolicy, RollbackWindowAndCap) {
   q.observe(1, NAN, NAN, true, false);
   EXPECT_TRUE(q.observe(2, NAN, NAN, true, false).rollback);
   q.no_rollback_target();
+  EXPECT_FALSE(q.health(3, 4.0, 1.0).healthy) << "the restarted window does not make step 3 healthy";
   EXPECT_FALSE(q.observe(3, NAN, NAN, true, false).rollback);
+  EXPECT_FALSE(q.health(6, 4.0, 1.0).healthy);
+  EXPECT_TRUE(q.health(7, 4.0, 1.0).healthy);
 }
 
 TEST(AnomalyPolicy, AdvanceLoaderMatchesSimulation) {
@@ -247,6 +250,7 @@ TEST(AnomalyPolicy, StateThroughStateJson) {
   EXPECT_EQ(st.anomaly.loss.n, 16);
   EXPECT_EQ(std::vector<int64_t>(st.anomaly.recent.begin(), st.anomaly.recent.end()), std::vector<int64_t>{17});
   EXPECT_EQ(st.anomaly.lr_steps_left, 3);
+  EXPECT_EQ(st.anomaly.last_anomaly, 17);
   // Older checkpoints: neither field.
   const CheckpointState old = parse_checkpoint_state(state_json(json::object()), "s.json");
   EXPECT_FALSE(old.has_health || old.has_anomaly);
@@ -269,6 +273,9 @@ TEST(AnomalyPolicy, StateThroughStateJson) {
   bad = a;
   bad["recent"] = {21};  // after the checkpoint's step 20
   EXPECT_NE(error_of({{"anomaly", bad}}).find("'anomaly.recent[0]'"), std::string::npos);
+  bad = a;
+  bad["last_anomaly"] = 25;
+  EXPECT_NE(error_of({{"anomaly", bad}}).find("'anomaly.last_anomaly'"), std::string::npos);
   bad = a;
   bad.erase("rollbacks");
   EXPECT_NE(error_of({{"anomaly", bad}}).find("'anomaly.rollbacks' is missing"), std::string::npos);

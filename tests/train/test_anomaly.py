@@ -18,6 +18,7 @@ implies, compared bit for bit:
     rollback equal, shifted by the skipped steps, those of a run whose three steps since the
     checkpoint were skipped as non-finite (same weights, same data, same AdamW step count)
   * resume after a rollback, inside the lowered-lr stretch: equal to the uninterrupted run
+  * no healthy checkpoint kept: the rollback is logged as unavailable and the run continues
   * the cap: a second rollback with max_rollbacks 1 stops the run with exit 1 naming the key
   * anomalies.jsonl lists every detection and action; state.json records health; `lathe report`
     lists the anomalies and marks them on the loss plot
@@ -193,6 +194,17 @@ def main():
           "the policy's state")
     check([e["event"] for e in events(cut)] == [e["event"] for e in events(full)],
           "anomalies.jsonl continues across the resume")
+
+    # ---- no healthy checkpoint left (keep_last 3 keeps 6, 8, 10, each within 3 steps of an anomaly):
+    # the rollback is unavailable, the run continues, and step 12 (after the restarted window) is
+    # still unhealthy
+    un, p = train(tmp, data, "unavail", anomaly=policy(after=2), spikes="9,11", nonfinite="6",
+                  args=("--set", "output.keep_last=3"))
+    ev = [(e["step"], e["event"]) for e in events(un) if e["event"] not in ("skip",)]
+    check(ev == [(6, "anomaly"), (9, "anomaly"), (11, "anomaly"), (11, "rollback_unavailable")] and
+          state(un, 12)["health"]["healthy"] is False and state(un, 16)["health"]["healthy"] is True and
+          "no checkpoint recorded as healthy" in p.stdout,
+          f"no healthy checkpoint: rollback_unavailable, the run continues, step 12 unhealthy, 16 healthy: {ev}")
 
     # ---- the cap
     cap, p = train(tmp, data, "cap", anomaly=policy(after=2, maxrb=1), spikes="9,11,13,15", ok=False)
