@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <map>
+#include <tuple>
 
 #include "core/checked.h"
 #include "core/error.h"
@@ -72,12 +73,17 @@ struct Sched {
   double makespan = 0, bubble = 0;
   std::vector<int64_t> in_flight;
 };
+using ScheduleKey = std::tuple<int64_t, int64_t, int64_t, int64_t, std::vector<double>, std::vector<double>, double>;
 
-// The schedule's step with these costs, simulated directly while p x m x v <= limit. Beyond, the
-// pipeline is in its steady phase long before the end, where each further group of p micro-batches
-// adds the same time: two simulations (m1 and m1 + p micro-batches) extend it linearly, and the
-// micro-batches in flight have reached their maximum (tests/parallel/test_plan.cpp compares both).
-Sched run_schedule(const pipeline::Spec& spec, const pipeline::Costs& c, int64_t limit) {
+// Micro-batches after which a schedule is in its steady phase for sure: the longest warm-up is
+// interleaving's (p - 1) x 2 + (v - 1) x p chunk-forwards, under (v + 1) p micro-batches.
+int64_t steady_after(int64_t p, int64_t v) { return 2 * p * (v + 1); }
+
+// The schedule's step with these costs, simulated directly while p x m x v <= limit. Beyond, each
+// further group of p micro-batches adds the same time once the pipeline is in its steady phase:
+// two simulations (m1 and m1 + p micro-batches) extend it linearly, and the micro-batches in flight
+// have reached their maximum (tests/parallel/test_plan.cpp compares both ways).
+Sched run_schedule_uncached(const pipeline::Spec& spec, const pipeline::Costs& c, int64_t limit) {
   const int64_t p = spec.stages, v = spec.virtual_stages, m = spec.micro_batches;
   auto sim = [&](int64_t mb) {
     pipeline::Spec s = spec;
@@ -86,8 +92,8 @@ Sched run_schedule(const pipeline::Spec& spec, const pipeline::Costs& c, int64_t
     LATHE_CHECK(r.ok, "internal: {} schedule p {} m {} v {}: {}", pipeline::kind_name(s.kind), p, mb, v, r.error);
     return r;
   };
-  const int64_t m1 = p * std::max<int64_t>(2, limit / (2 * p * p * v));
-  if (p * m * v <= limit || m < m1 + p) {
+  const int64_t m1 = steady_after(p, v);
+  if (p * m * v <= limit || m <= m1 + p) {
     const pipeline::SimResult r = sim(m);
     return {r.makespan, r.bubble, r.max_in_flight};
   }
@@ -104,7 +110,31 @@ Sched run_schedule(const pipeline::Spec& spec, const pipeline::Costs& c, int64_t
 
 }  // namespace
 
-Estimate estimate(const Job& job, const Machine& mach, const Layout& l) {
+struct ScheduleCache {
+  std::map<ScheduleKey, Sched> map;
+};
+
+namespace {
+
+// The same, remembered across the layouts of one enumeration (ZeRO stages and often recompute modes
+// share the pipeline's costs; every layout of a (p, m, v) shares the unit-cost run).
+Sched run_schedule(const pipeline::Spec& spec, const pipeline::Costs& c, int64_t limit, ScheduleCache* cache) {
+  const int64_t p = spec.stages, v = spec.virtual_stages, m = spec.micro_batches;
+  ScheduleKey key{p, m, v, limit, c.forward_per_stage, c.backward_per_stage, c.p2p};
+  if (cache) {
+    auto it = cache->map.find(key);
+    if (it != cache->map.end()) return it->second;
+  }
+  Sched out = run_schedule_uncached(spec, c, limit);
+  if (cache) cache->map.emplace(std::move(key), out);
+  return out;
+}
+
+}  // namespace
+
+Estimate estimate(const Job& job, const Machine& mach, const Layout& l) { return estimate(job, mach, l, nullptr); }
+
+Estimate estimate(const Job& job, const Machine& mach, const Layout& l, ScheduleCache* cache) {
   LATHE_CHECK(job.world >= 1 && job.micro_batch >= 1 && job.seq_len >= 1 && job.global_batch >= 1,
               "internal: plan job world {} micro_batch {} seq_len {} global_batch {}", job.world, job.micro_batch,
               job.seq_len, job.global_batch);
@@ -149,11 +179,14 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l) {
   e.stage_layers = pipeline::assign_layers(L, p, v, {});
 
   const std::string what = fmt::format("plan of {} for {}", cfg.model_type, l.name());
-  if (p * p * v > job.sim_limit)
-    return reject(fmt::format("pipeline {} x virtual stages {} is too deep for the schedule simulator (p x p x v > {})",
-                              p, v, job.sim_limit));
+  // The simulator's work: p x m x v, or p x (steady_after + p) x v when a long step is extended.
+  if (p * std::min(m, steady_after(p, v) + p) * v > job.sim_limit)
+    return reject(
+        fmt::format("pipeline {} x virtual stages {} is too deep for the schedule simulator ({} x {} "
+                    "micro-batches x {} > {} steps)",
+                    p, v, p, std::min(m, steady_after(p, v) + p), v, job.sim_limit));
   const pipeline::Spec spec{v > 1 ? pipeline::Kind::Interleaved : pipeline::Kind::OneFOneB, p, m, v};
-  const Sched unit = run_schedule(spec, pipeline::Costs{}, job.sim_limit);
+  const Sched unit = run_schedule(spec, pipeline::Costs{}, job.sim_limit, cache);
 
   // ---- memory of each rank; the heaviest is the figure ----
   const Params ps = split_params(cfg);
@@ -179,17 +212,15 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l) {
     const Split sp = split_of(a.name);
     const int64_t bytes = sp == Split::Wide || (sp == Split::Hidden && l.sequence) ? ceil_div(padded, t) : padded;
     const std::string_view name = a.name;
-    for (int64_t r = 0; r < p; ++r) {
-      const auto ru = static_cast<size_t>(r);
-      if (a.layer >= 0) {
-        if (rank_of(a.layer) == r) layer_acts[ru] = checked_add(layer_acts[ru], bytes, what);
-      } else if (name == "emb") {  // a chunk's input (embedding output or received activation), kept for backward
-        input_acts[ru] = bytes;
-      } else if (name == "lnf" || name == "lnf_mean" || name == "lnf_rstd" || name == "losses") {
-        if (r == p - 1) once_acts[ru] = checked_add(once_acts[ru], bytes, what);
-      } else {  // working buffers of one pass at a time: gradients, scratch, recompute sets, RoPE
-        once_acts[ru] = checked_add(once_acts[ru], bytes, what);
-      }
+    if (a.layer >= 0) {
+      const auto ru = static_cast<size_t>(rank_of(a.layer));
+      layer_acts[ru] = checked_add(layer_acts[ru], bytes, what);
+    } else if (name == "emb") {  // a chunk's input (embedding output or received activation), kept for backward
+      std::fill(input_acts.begin(), input_acts.end(), bytes);
+    } else if (name == "lnf" || name == "lnf_mean" || name == "lnf_rstd" || name == "losses") {
+      once_acts.back() = checked_add(once_acts.back(), bytes, what);
+    } else {  // working buffers of one pass at a time: gradients, scratch, recompute sets, RoPE
+      for (int64_t& o : once_acts) o = checked_add(o, bytes, what);
     }
   }
   const int64_t layer_params = ps.layer_repl + ceil_div(ps.layer - ps.layer_repl, t);
@@ -240,7 +271,7 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l) {
     tp_rank[static_cast<size_t>(k % p)] += static_cast<double>(m) * (tp_f + tp_b);
   }
   costs.p2p = p > 1 ? act_bytes / (l.sequence ? t : 1) / bw(job.world) : 0;
-  const Sched sim = run_schedule(spec, costs, job.sim_limit);
+  const Sched sim = run_schedule(spec, costs, job.sim_limit, cache);
   e.compute_s = *std::max_element(compute_rank.begin(), compute_rank.end());
   e.tp_s = *std::max_element(tp_rank.begin(), tp_rank.end());
   e.pp_s = p > 1 ? 2.0 * static_cast<double>(m * v) * costs.p2p : 0;
@@ -259,6 +290,7 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l) {
 std::vector<Estimate> enumerate(const Job& job, const Machine& m) {
   LATHE_CHECK(job.world >= 1 && job.world <= (1 << 20), "--world {} must be in [1, {}]", job.world, 1 << 20);
   std::vector<Estimate> out;
+  ScheduleCache cache;
   for (int64_t t = 1; t <= job.world; ++t) {
     if (job.world % t) continue;
     for (int64_t p = 1; p <= job.world / t; ++p) {
@@ -270,7 +302,7 @@ std::vector<Estimate> enumerate(const Job& job, const Machine& m) {
           if (zero > 0 && d == 1) continue;
           for (Recompute rc : {Recompute::None, Recompute::Selective, Recompute::Full})
             for (int64_t v : job.virtual_stages)
-              if (v == 1 || p > 1) out.push_back(estimate(job, m, Layout{d, t, p, sp, zero, rc, v}));
+              if (v == 1 || p > 1) out.push_back(estimate(job, m, Layout{d, t, p, sp, zero, rc, v}, &cache));
         }
       }
     }

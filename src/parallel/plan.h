@@ -62,8 +62,9 @@ struct Job {
   // Model chunks per pipeline rank to try: 1 = 1F1B; v > 1 = Megatron's interleaved 1F1B (layouts
   // with pipeline > 1 whose layers and micro-batches allow it).
   std::vector<int64_t> virtual_stages = {1};
-  // Largest p x m x v simulated action by action; longer steps are extended linearly from two
-  // shorter simulations (the steady phase adds the same time per group of p micro-batches).
+  // Largest p x m x v simulated step by step; longer steps are extended linearly from two shorter
+  // simulations (the steady phase adds the same time per group of p micro-batches); pipelines too
+  // deep even for those are rejected with the reason.
   int64_t sim_limit = int64_t{1} << 18;
 };
 
@@ -99,6 +100,9 @@ struct Estimate {
 
 // One layout. Throws only on an invalid job (world < 1, ...); an invalid layout gets `reject`.
 Estimate estimate(const Job& job, const Machine& m, const Layout& l);
+// The same with the schedule simulations remembered across calls (enumerate's).
+struct ScheduleCache;
+Estimate estimate(const Job& job, const Machine& m, const Layout& l, ScheduleCache* cache);
 // Every layout of job.world (divisor triples, sequence parallel only with tensor > 1, ZeRO 1/2 only
 // with data > 1, three recompute modes), valid ones sorted: fitting first, then by tokens/s.
 std::vector<Estimate> enumerate(const Job& job, const Machine& m);

@@ -253,7 +253,8 @@ TEST(Plan, TensorParallelMatchesTheRankModel) {
 
 TEST(Plan, LongStepsExtendedFromShortSimulations) {
   // gpt2-124m (the last stage carries the head: uneven stage costs) with 4 x 48 micro-batches:
-  // simulated action by action, and extended linearly from 8 + 12 micro-batches (sim_limit 64).
+  // simulated step by step, and extended linearly from 2p(v+1) and 2p(v+1) + p micro-batches
+  // (sim_limit 700: below 4 x 192 x v, above 4 x 20 x 3).
   Job j = job_of("gpt2-124m", 8, 1, 256, 2 * 4 * 48);
   j.model.vocab_size = 50304;
   const Machine m = machine(1000, 100);
@@ -261,7 +262,7 @@ TEST(Plan, LongStepsExtendedFromShortSimulations) {
     for (Layout l : {Layout{2, 1, 4, false, 0, Recompute::None, v}, Layout{1, 2, 4, true, 0, Recompute::Full, v}}) {
       j.global_batch = 4 * 48 * l.data;
       Job small = j;
-      small.sim_limit = 64;
+      small.sim_limit = 700;
       const Estimate exact = plan::estimate(j, m, l), ext = plan::estimate(small, m, l);
       ASSERT_TRUE(exact.reject.empty() && ext.reject.empty()) << exact.reject << ext.reject;
       EXPECT_EQ(exact.micro_batches, 4 * 48);
@@ -274,5 +275,6 @@ TEST(Plan, LongStepsExtendedFromShortSimulations) {
   Job deep = job_of("gpt2-debug", 1024, 1, 16, 4096);
   deep.model.num_hidden_layers = 1024;
   EXPECT_EQ(plan::estimate(deep, m, Layout{1, 1, 1024, false, 0, Recompute::None, 1}).reject,
-            "pipeline 1024 x virtual stages 1 is too deep for the schedule simulator (p x p x v > 262144)");
+            "pipeline 1024 x virtual stages 1 is too deep for the schedule simulator (1024 x 4096 micro-batches x 1 > "
+            "262144 steps)");
 }
