@@ -9,14 +9,16 @@
 #include <cstring>
 
 #include "core/checked.h"
+#include "core/dtype.h"
 #include "core/error.h"
 
 namespace lathe {
 
 std::string kv_cache_unsupported_reason(const Model& model) {
-  if (model.compute_dtype() != DType::F32)
-    return fmt::format("the KV cache decodes fp32 models only; this model computes in {}",
-                       compute_dtype_name(model.compute_dtype()));
+  const DType dt = model.compute_dtype();
+  if (dt != DType::F32 && dt != DType::BF16 && dt != DType::F16)
+    return fmt::format("the KV cache decodes fp32, bf16 and fp16 models; this model computes in {}",
+                       compute_dtype_name(dt));
   if (model.hooks().reduce_partial)
     return "the KV cache does not decode a model whose layers are split by tensor parallelism";
   if (model.backend().device() != DeviceKind::Host) return "the KV cache decodes on the cpu backend only";
@@ -49,29 +51,56 @@ KvCache::KvCache(const Model& model, int64_t batch, int64_t max_seq) : B_(batch)
 
 namespace {
 
-float* grow(std::vector<float>& v, int64_t n) {
+// Work buffers hold activations of the compute dtype (fp32, or 16-bit bf16/fp16 elements: half the
+// bytes, so a float vector of `n` elements always has room for n of them).
+void* grow(std::vector<float>& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
   return v.data();
 }
 
+// Element i of a compute-dtype buffer widened to fp32, and the rounding back (exact for fp32).
+float load(const void* p, int64_t i, DType dt) {
+  switch (dt) {
+    case DType::BF16:
+      return bf16_to_fp32(static_cast<const uint16_t*>(p)[i]);
+    case DType::F16:
+      return fp16_to_fp32(static_cast<const uint16_t*>(p)[i]);
+    default:
+      return static_cast<const float*>(p)[i];
+  }
+}
+void store(void* p, int64_t i, float x, DType dt) {
+  switch (dt) {
+    case DType::BF16:
+      static_cast<uint16_t*>(p)[i] = fp32_to_bf16(x);
+      break;
+    case DType::F16:
+      static_cast<uint16_t*>(p)[i] = fp32_to_fp16(x);
+      break;
+    default:
+      static_cast<float*>(p)[i] = x;
+  }
+}
+
 // Causal GQA attention of T new queries per sequence over the cached keys/values of positions
-// 0..pos+t (the chunk's own keys already appended). qkv [B, T, Q] (q at column h*D),
-// k/v cache [B, KV, Tmax, D], out [B, T, H*D]. Scale 1/sqrt(D), softmax in fp32 with the max
-// subtracted, as attention_forward.
-void cached_attention(float* out, const float* qkv, const float* kc, const float* vc, int64_t B, int64_t T, int64_t pos,
-                      int64_t Tmax, int64_t H, int64_t KV, int64_t D, int64_t Q) {
+// 0..pos+t (the chunk's own keys already appended). qkv [B, T, Q] (q at column h*D) and out
+// [B, T, H*D] in the compute dtype; k/v cache [B, KV, Tmax, D] fp32. Scale 1/sqrt(D), softmax in
+// fp32 with the max subtracted, as attention_forward; 16-bit tables widen q|k|v to fp32 and round
+// the output once, as their attention kernels do.
+void cached_attention(void* out, const void* qkv, const float* kc, const float* vc, int64_t B, int64_t T, int64_t pos,
+                      int64_t Tmax, int64_t H, int64_t KV, int64_t D, int64_t Q, DType dt) {
   const int64_t group = H / KV;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int64_t jobs = B * H * T;
   // Worth threads only when there are several queries or a long cache.
 #pragma omp parallel if (jobs * (pos + T) * D >= (1 << 16))
   {
-    std::vector<float> p(static_cast<size_t>(pos + T));
+    std::vector<float> p(static_cast<size_t>(pos + T)), q(static_cast<size_t>(D)), o(static_cast<size_t>(D));
 #pragma omp for schedule(static)
     for (int64_t job = 0; job < jobs; ++job) {
       const int64_t b = job / (H * T), h = job / T % H, t = job % T;
       const int64_t n = pos + t + 1;  // keys visible to this query
-      const float* q = qkv + (b * T + t) * Q + h * D;
+      for (int64_t d = 0; d < D; ++d) q[d] = load(qkv, (b * T + t) * Q + h * D + d, dt);
       const float* k = kc + ((b * KV + h / group) * Tmax) * D;
       const float* v = vc + ((b * KV + h / group) * Tmax) * D;
       float mx = -INFINITY;
@@ -83,12 +112,12 @@ void cached_attention(float* out, const float* qkv, const float* kc, const float
       }
       float sum = 0.0f;
       for (int64_t j = 0; j < n; ++j) sum += p[j] = std::exp(p[j] - mx);
-      float* o = out + (b * T + t) * H * D + h * D;
-      std::fill(o, o + D, 0.0f);
+      std::fill(o.begin(), o.end(), 0.0f);
       for (int64_t j = 0; j < n; ++j) {
         const float w = p[j] / sum;
         for (int64_t d = 0; d < D; ++d) o[d] += w * v[j * D + d];
       }
+      for (int64_t d = 0; d < D; ++d) store(out, (b * T + t) * H * D + h * D + d, o[d], dt);
     }
   }
 }
@@ -101,6 +130,8 @@ void decode_chunk(Model& model, KvCache& c, const int32_t* tokens, int64_t T, fl
   const ModelConfig& cfg = model.config();
   const Arch& arch = model.arch();
   const Ops& ops = model.ops();
+  const DType dt = ops.dtype;
+  const size_t es = dtype_size(dt);  // bytes per activation element
   const ModelPtrs& w = model.weights();
   const int64_t B = c.B_, C = cfg.hidden_size, H = cfg.num_attention_heads, KV = cfg.num_key_value_heads,
                 D = cfg.head_dim(), Q = (H + 2 * KV) * D, F = cfg.intermediate_size, FF = arch.gelu_mlp ? F : 2 * F,
@@ -114,22 +145,24 @@ void decode_chunk(Model& model, KvCache& c, const int32_t* tokens, int64_t T, fl
   for (int64_t i = 0; i < N; ++i)
     LATHE_CHECK(tokens[i] >= 0 && tokens[i] < V, "kv cache: token id {} (row {}) is outside the vocabulary [0, {})",
                 tokens[i], i, V);
+  model.verify_compute_weights();  // 16-bit copies filled and fresh, as Model::embedding_forward checks
+  auto at = [es](void* p, int64_t i) { return static_cast<void*>(static_cast<std::byte*>(p) + i * es); };
 
-  float* x = grow(c.x_, N * C);
-  float* ln = grow(c.ln_, N * C);
-  float* qkv = grow(c.qkv_, N * Q);
-  float* att = grow(c.att_, N * H * D);
-  float* fc = grow(c.fc_, N * FF);
-  float* act = grow(c.act_, N * F);
-  float* mean = grow(c.mean_, N);
-  float* rstd = grow(c.rstd_, N);
-  float* res1 = grow(c.res1_, N * C);
+  void* x = grow(c.x_, N * C);
+  void* ln = grow(c.ln_, N * C);
+  void* qkv = grow(c.qkv_, N * Q);
+  void* att = grow(c.att_, N * H * D);
+  void* fc = grow(c.fc_, N * FF);
+  void* act = grow(c.act_, N * F);
+  void* res1 = grow(c.res1_, N * C);
+  float* mean = static_cast<float*>(grow(c.mean_, N));
+  float* rstd = static_cast<float*>(grow(c.rstd_, N));
 
   // Embedding: learned positions pos..pos+T-1 are the rows of wpe starting at pos (positions
   // nullptr: row t of the table passed; generation is one document, so no document positions).
   ops.embedding_forward(x, tokens, model.compute_weight(w.wte), w.wpe ? model.compute_weight(w.wpe + pos * C) : nullptr,
                         B, T, C, nullptr);
-  auto norm = [&](float* out, const float* in, const float* nw, const float* nb, int64_t rows) {
+  auto norm = [&](void* out, const void* in, const float* nw, const float* nb, int64_t rows) {
     if (arch.layernorm)
       ops.layernorm_forward(out, mean, rstd, in, nw, nb, rows, C, eps);
     else
@@ -143,20 +176,22 @@ void decode_chunk(Model& model, KvCache& c, const int32_t* tokens, int64_t T, fl
       const float* cs = c.rope_cos_.data() + pos * D / 2;
       const float* sn = c.rope_sin_.data() + pos * D / 2;
       ops.rope_forward(qkv, cs, sn, B, T, H, D, Q, nullptr);
-      ops.rope_forward(qkv + H * D, cs, sn, B, T, KV, D, Q, nullptr);
+      ops.rope_forward(at(qkv, H * D), cs, sn, B, T, KV, D, Q, nullptr);
     }
-    // Append this chunk's keys and values: qkv row (b, t) -> cache [b, kvh, pos + t].
+    // Append this chunk's keys and values, widened to fp32 (exact): qkv row (b, t) -> cache
+    // [b, kvh, pos + t].
     float* kc = c.keys(l);
     float* vc = c.values(l);
     for (int64_t b = 0; b < B; ++b)
       for (int64_t t = 0; t < T; ++t)
         for (int64_t g = 0; g < KV; ++g) {
-          const float* row = qkv + (b * T + t) * Q;
-          const int64_t dst = ((b * KV + g) * c.Tmax_ + pos + t) * D;
-          std::memcpy(kc + dst, row + (H + g) * D, static_cast<size_t>(D) * sizeof(float));
-          std::memcpy(vc + dst, row + (H + KV + g) * D, static_cast<size_t>(D) * sizeof(float));
+          const int64_t row = (b * T + t) * Q, dst = ((b * KV + g) * c.Tmax_ + pos + t) * D;
+          for (int64_t d = 0; d < D; ++d) {
+            kc[dst + d] = load(qkv, row + (H + g) * D + d, dt);
+            vc[dst + d] = load(qkv, row + (H + KV + g) * D + d, dt);
+          }
         }
-    cached_attention(att, qkv, kc, vc, B, T, pos, c.Tmax_, H, KV, D, Q);
+    cached_attention(att, qkv, kc, vc, B, T, pos, c.Tmax_, H, KV, D, Q, dt);
     ops.matmul_forward(res1, att, model.compute_weight(lw.o_w), lw.o_b, N, H * D, C, false);
     ops.residual_forward(res1, res1, x, N * C);
     norm(ln, res1, lw.ln2_w, lw.ln2_b, N);
@@ -172,9 +207,8 @@ void decode_chunk(Model& model, KvCache& c, const int32_t* tokens, int64_t T, fl
   if (!logits) return;
   // Head on the last new row of each sequence only: final norm is per row, so this equals the
   // full forward's rows.
-  float* last = grow(c.last_, B * C);
-  for (int64_t b = 0; b < B; ++b)
-    std::memcpy(last + b * C, x + (b * T + T - 1) * C, static_cast<size_t>(C) * sizeof(float));
+  void* last = grow(c.last_, B * C);
+  for (int64_t b = 0; b < B; ++b) std::memcpy(at(last, b * C), at(x, (b * T + T - 1) * C), static_cast<size_t>(C) * es);
   norm(ln, last, w.lnf_w, w.lnf_b, B);
   ops.logits_forward(logits, ln, model.compute_weight(w.lm_head), B, C, V);
 }

@@ -5,9 +5,11 @@
 // norms, RoPE at the token's absolute position or learned positions, GQA; only attention is a
 // loop of its own, for a few queries over the cache (softmax in fp32).
 //
-// Limits (kv_cache_unsupported_reason says which applies): fp32 models only (bf16/fp16 op tables
-// keep activations in 16 bits; generation falls back to full recompute for them), and a model
-// whose layers are split by tensor parallelism (StepHooks::reduce_partial) is refused.
+// Every compute dtype of the CPU tables: activations stay in the compute dtype through the op table
+// (bf16/fp16 read the 16-bit weight copies), keys and values are cached widened to fp32 (exact),
+// and the attention loop widens q and rounds its output once, as the 16-bit attention kernels do.
+// A model whose layers are split by tensor parallelism (StepHooks::reduce_partial) is refused
+// (kv_cache_unsupported_reason says why; generation then recomputes the context per token).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -31,7 +33,7 @@ class KvCache {
   // Forget every position (the buffers are kept).
   void reset() { pos_ = 0; }
 
-  // Layer l's keys / values: [B, KV, Tmax, D] fp32 (positions >= size() are unspecified).
+  // Layer l's keys / values: [B, KV, Tmax, D] fp32 (whatever the compute dtype) (positions >= size() are unspecified).
   float* keys(int64_t l) { return k_.data() + l * layer_stride_; }
   float* values(int64_t l) { return v_.data() + l * layer_stride_; }
   size_t bytes() const { return (k_.size() + v_.size()) * sizeof(float); }

@@ -110,6 +110,7 @@ class Model {
   // models/kv_cache.h), and the weight a kernel of the op table reads for one of them.
   const ModelPtrs& weights() const { return p_; }
   const void* compute_weight(const float* master) const { return cw(master); }
+  void verify_compute_weights() const { check_compute_weights(); }  // what every forward pass checks first
   float* param_data() { return params_.data(); }
   const float* param_data() const { return params_.data(); }
   float* grad_data() { return grads_.data(); }

@@ -18,7 +18,7 @@ struct SamplingOptions {
   int64_t vocab_limit = 0;
   // Decode with a KV cache (models/kv_cache.h): the prompt once, then one row per new token.
   // false: rerun the whole window for every token (the reference path). Models the cache cannot
-  // decode (kv_cache_unsupported_reason: bf16/fp16, tensor parallel) take the reference path.
+  // decode (kv_cache_unsupported_reason: tensor parallel) take the reference path.
   bool kv_cache = true;
 };
 
