@@ -15,6 +15,7 @@
 #include "kernels/cpu/ops_bf16.h"
 #include "models/memory.h"
 #include "models/model.h"
+#include "models/traced_ops.h"
 
 namespace lathe {
 
@@ -31,7 +32,9 @@ Model::Model(ModelConfig cfg, Arch arch, ParamTable table, ComputeSpec compute)
       arch_(arch),
       table_(std::move(table)),
       backend_(compute.backend ? compute.backend : &cpu_backend()),
-      ops_(&ops_for(*backend_, compute.dtype)),  // before any allocation: refuses a missing table
+      // Before any allocation: refuses a missing table. Traced: each kernel call is a profiler span
+      // of its kind when profiling is on (models/traced_ops.h).
+      ops_(&traced_ops(ops_for(*backend_, compute.dtype))),
       act_size_(static_cast<int64_t>(dtype_size(compute.dtype))) {
   // Parameters, gradients and the optimizer live in host memory (the trainer and optimizers read
   // them directly), so a backend with its own memory needs device copies first.

@@ -1,7 +1,7 @@
 """lathe train --profile-steps (issue 13): the trace is Chrome trace-event JSON, spans nest per
 thread, each profiled step is one "step" span whose duration matches the step time the run logs
 (within 5%), the step holds the data wait, the micro-batches and the optimizer, each micro-batch holds forward and backward spans per layer
-(with the layer index); profiling does not
+(with the layer index) and each kernel call a span of its kind; profiling does not
 change the losses; under mpirun every rank writes its own trace with the collectives on the
 communication thread's track. A bad --profile-steps is a usage error."""
 import json
@@ -97,6 +97,16 @@ def main():
     inside = all(any(m["ts"] <= e["ts"] and e["ts"] + e["dur"] <= m["ts"] + m["dur"] + 1e-3 for m in mb)
                  for e in ev if e["ph"] == "X" and e["name"].startswith("layer "))
     check(inside, "layer spans lie inside their micro-batch span")
+    # Per-kernel-kind spans (models/traced_ops.h): every kernel call is a "kernel" span named after
+    # its op-table slot, nested in its layer (spans_nest above covers them too).
+    kern = [e for e in ev if e["ph"] == "X" and e["cat"] == "kernel"]
+    knames = {e["name"] for e in kern}
+    want = {"matmul_forward", "matmul_backward", "attention_forward", "attention_backward", "layernorm_forward",
+            "layernorm_backward", "gelu_forward", "gelu_backward", "lm_head_loss", "embedding_forward"}
+    check(want <= knames, f"kernel spans by kind ({sorted(knames)})")
+    # GPT-2 forward per layer: qkv, attention output, fc and proj GEMMs = 4 matmul_forward per layer.
+    mf = sum(1 for e in kern if e["name"] == "matmul_forward")
+    check(mf == 4 * n_layer * len(mb), f"4 matmul_forward per layer per micro-batch ({mf})")
     # The optimizer share in metrics.jsonl is the optimizer span's share of the step.
     opt = {e["ts"]: e["dur"] for e in ev if e["ph"] == "X" and e["name"] == "grad norm + optimizer"}
     st3 = [e for e in steps if e["args"]["index"] == 3][0]
