@@ -98,4 +98,12 @@ const Ops& traced_ops(const Ops& inner) {
   return g_traced[i];
 }
 
+const Ops& untraced_ops(const Ops& t) {
+  // g_inner[i] is written before the traced table is handed out (under the mutex), and a caller
+  // holds a traced table only after traced_ops returned it.
+  for (int i = 0; i < kMaxTables; ++i)
+    if (&t == &g_traced[i]) return *g_inner[i];
+  return t;
+}
+
 }  // namespace lathe

@@ -11,5 +11,8 @@ namespace lathe {
 
 // The traced twin of `inner` (built once per table, process lifetime; at most 8 distinct tables).
 const Ops& traced_ops(const Ops& inner);
+// The table a traced twin wraps (Model::ops() is the traced twin of the table the model was built
+// with); `t` itself when it is not a traced table.
+const Ops& untraced_ops(const Ops& t);
 
 }  // namespace lathe

@@ -13,6 +13,7 @@
 #include "config/model_config.h"
 #include "kernels/backend.h"
 #include "models/model.h"
+#include "models/traced_ops.h"
 
 using namespace lathe;
 
@@ -119,10 +120,12 @@ INSTANTIATE_TEST_SUITE_P(Families, ModelHooks, ::testing::Values("gpt2-debug", "
 TEST(ModelCompute, DefaultIsTheCpuFp32Table) {
   auto model = build_model(ModelConfig::preset("gpt2-debug"));
   EXPECT_EQ(&model->backend(), &cpu_backend());
-  EXPECT_EQ(&model->ops(), &ops_for(cpu_backend(), DType::F32));
+  // The model calls the table through its traced twin (models/traced_ops.h: profiler spans per kernel).
+  EXPECT_EQ(&untraced_ops(model->ops()), &ops_for(cpu_backend(), DType::F32));
   EXPECT_EQ(model->compute_dtype(), DType::F32);
   auto same = build_llama(ModelConfig::preset("llama-debug"), ComputeSpec{&cpu_backend(), DType::F32});
-  EXPECT_EQ(&same->ops(), &ops_for(cpu_backend(), DType::F32));
+  EXPECT_EQ(&untraced_ops(same->ops()), &ops_for(cpu_backend(), DType::F32));
+  EXPECT_EQ(&same->ops(), &model->ops());  // one traced twin per table
 }
 
 TEST(ModelCompute, UnimplementedComputeIsRefusedBeforeAnyAllocation) {
