@@ -445,8 +445,10 @@ int64_t ModelConfig::num_parameters() const {
   };
   const int64_t C = hidden_size, V = vocab_size, F = intermediate_size, L = num_hidden_layers;
   if (is_gpt2()) {
+    // HD = heads x head_dim: C, except in a tensor-parallel shard's config (shard_head_dim).
+    const int64_t HD = mul({num_attention_heads, head_dim()});
     int64_t block =
-        sum({mul({2, C}), mul({C, 3, C}), mul({3, C}), mul({C, C}), C, mul({2, C}), mul({C, F}), F, mul({F, C}), C});
+        sum({mul({2, C}), mul({C, 3, HD}), mul({3, HD}), mul({HD, C}), C, mul({2, C}), mul({C, F}), F, mul({F, C}), C});
     return sum({mul({V, C}), mul({max_position_embeddings, C}), mul({L, block}), mul({2, C})});
   }
   const int64_t hd = head_dim(), H = num_attention_heads, KV = num_key_value_heads;

@@ -198,3 +198,12 @@ TEST(TensorParallel, DegreesThatDoNotDivideAreNamed) {
     EXPECT_NE(std::string(e.what()).find("num_key_value_heads = 2"), std::string::npos) << e.what();
   }
 }
+
+TEST(TensorParallel, ShardConfigCountsItsOwnParameters) {
+  // The analytical count (memory estimates, lathe plan) equals the shard model's table.
+  for (const Family& f : families())
+    for (int tp : f.degrees) {
+      const ModelConfig c = tensor_parallel_config(f.cfg, tp);
+      EXPECT_EQ(c.num_parameters(), static_cast<int64_t>(build_model(c)->num_params())) << f.name << " tp=" << tp;
+    }
+}
