@@ -19,66 +19,26 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "train"))
-import megatron_writer  # noqa: E402
+sys.path.insert(0, HERE)
+from mpi_train import ENV, LATHE, MPIRUN, check, failures, run, weights  # noqa: E402
+import mpi_train  # noqa: E402
 
-LATHE = os.environ.get("LATHE_BIN", os.path.join(HERE, "..", "..", "build", "lathe"))
-MPIRUN = shutil.which("mpirun")
-ENV = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-           OMPI_MCA_rmaps_base_oversubscribe="1")
 TMP = tempfile.mkdtemp(prefix="lathe_dp_")
-failures = []
-
-
-def check(ok, what):
-    print(("ok   " if ok else "FAIL ") + what, flush=True)
-    if not ok:
-        failures.append(what)
+TRAINING = {"micro_batch_size": 2, "seq_len": 32, "grad_accum_steps": 6, "steps": 10, "eval_interval": 0,
+            "log_interval": 1, "threads": 1, "peak_gflops": 100, "seed": 5}
 
 
 def make_data():
-    rng = np.random.default_rng(7)
-    # Structured tokens (a noisy repeating pattern) so that the loss moves in 10 steps.
-    docs = [(np.arange(400) * (d % 7 + 1) + rng.integers(0, 3, 400)) % 96 for d in range(60)]
-    prefix = os.path.join(TMP, "data")
-    megatron_writer.write(prefix, docs)
-    return prefix
+    return mpi_train.make_data(TMP)
 
 
 def recipe(data, preset, out, **kw):
-    r = {
-        "model": {"preset": preset},
-        "data": {"train": data, "valid_fraction": 0.1},
-        "optimizer": {"name": "adamw", "lr": 3e-3, "grad_clip": 1.0},
-        "schedule": {"name": "cosine", "warmup_steps": 2},
-        "training": {"micro_batch_size": 2, "seq_len": 32, "grad_accum_steps": 6, "steps": 10, "eval_interval": 0,
-                     "log_interval": 1, "threads": 1, "peak_gflops": 100, "seed": 5},
-        "output": {"dir": out},
-    }
-    for k, v in kw.items():
-        sec, key = k.split("__")
-        r.setdefault(sec, {})[key] = v
-    path = out + ".yaml"
-    with open(path, "w") as f:
-        json.dump(r, f)  # JSON is YAML
-    return path
-
-
-def run(np_, args, timeout=300, env=None):
-    cmd = ([MPIRUN, "-np", str(np_)] if np_ > 1 else []) + [LATHE] + args
-    t0 = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or ENV)
-    return p, time.time() - t0
+    return mpi_train.write_recipe(data, preset, out, TRAINING, **kw)
 
 
 def losses(out):
     recs = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
     return [r["loss"] for r in recs if "loss" in r]
-
-
-def weights(out):
-    from safetensors.numpy import load_file
-    return load_file(os.path.join(out, "model", "model.safetensors"))
 
 
 def train(np_, data, preset, name, **kw):

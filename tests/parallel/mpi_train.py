@@ -1,0 +1,68 @@
+"""What the mpirun training tests share (test_dp_train.py, test_tp_train.py): the binary, the
+environment for ranks sharing this machine's cores, a small structured dataset, recipe files,
+running lathe under mpirun (or alone for np = 1), and the check/failure bookkeeping."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "train"))
+import megatron_writer  # noqa: E402
+
+LATHE = os.environ.get("LATHE_BIN", os.path.join(HERE, "..", "..", "build", "lathe"))
+MPIRUN = shutil.which("mpirun")
+# 1 OpenMP thread per rank (the ranks share the cores); root and oversubscription allowed.
+ENV = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+           OMPI_MCA_rmaps_base_oversubscribe="1")
+failures = []
+
+
+def check(ok, what):
+    print(("ok   " if ok else "FAIL ") + what, flush=True)
+    if not ok:
+        failures.append(what)
+
+
+def make_data(tmp):
+    rng = np.random.default_rng(7)
+    # Structured tokens (a noisy repeating pattern) so that the loss moves in 10 steps.
+    docs = [(np.arange(400) * (d % 7 + 1) + rng.integers(0, 3, 400)) % 96 for d in range(60)]
+    prefix = os.path.join(tmp, "data")
+    megatron_writer.write(prefix, docs)
+    return prefix
+
+
+def write_recipe(data, preset, out, training, **kw):
+    """OUT.yaml for `preset` on `data` with the `training` section; kw `section__key=value` overrides."""
+    r = {
+        "model": {"preset": preset},
+        "data": {"train": data, "valid_fraction": 0.1},
+        "optimizer": {"name": "adamw", "lr": 3e-3, "grad_clip": 1.0},
+        "schedule": {"name": "cosine", "warmup_steps": 2},
+        "training": dict(training),
+        "output": {"dir": out},
+    }
+    for k, v in kw.items():
+        sec, key = k.split("__")
+        r.setdefault(sec, {})[key] = v
+    path = out + ".yaml"
+    with open(path, "w") as f:
+        json.dump(r, f)  # JSON is YAML
+    return path
+
+
+def run(np_, args, timeout=300, env=None):
+    cmd = ([MPIRUN, "-np", str(np_)] if np_ > 1 else []) + [LATHE] + args
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or ENV)
+    return p, time.time() - t0
+
+
+def weights(out):
+    from safetensors.numpy import load_file
+    return load_file(os.path.join(out, "model", "model.safetensors"))
