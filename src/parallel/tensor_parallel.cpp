@@ -111,16 +111,17 @@ void gather_global(dist::Communicator& tp_group, const ParamTable& global, const
 }
 
 void init_shard(Model& m, const ParamTable& global, int rank, int tp, uint64_t seed) {
-  std::vector<float> values;
-  for (const ParamSpec& l : m.params().specs()) {
-    const ParamSpec* g = global.find(l.name);
-    LATHE_CHECK(g != nullptr, "tensor parallel: the rank's model has '{}', which the global model has not", l.name);
-    values.resize(static_cast<size_t>(g->numel()));
-    init_param_values(*g, seed, values.data());  // the global tensor's values, then this rank's slice
-    for (const SliceRun& r : shard_runs(*g, l, rank, tp))
-      std::memcpy(m.param_data() + l.offset + r.local, values.data() + r.global,
-                  static_cast<size_t>(r.count) * sizeof(float));
-  }
+  std::vector<float> values;  // the current tensor's global values, drawn once per tensor
+  const ParamSpec* drawn = nullptr;
+  for_each_shard(global, m.params(), rank, tp, [&](const ParamSpec& g, const ParamSpec& l, const SliceRun& r) {
+    if (drawn != &g) {
+      values.resize(static_cast<size_t>(g.numel()));
+      init_param_values(g, seed, values.data());
+      drawn = &g;
+    }
+    std::memcpy(m.param_data() + l.offset + r.local, values.data() + r.global,
+                static_cast<size_t>(r.count) * sizeof(float));
+  });
   m.refresh_compute_weights();
 }
 
