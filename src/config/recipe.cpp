@@ -780,11 +780,6 @@ class Parser {
     const auto& p = r.parallel;
     in_range("parallel.data", p.data, 0, kMaxRanks, " (0 = all processes not used by tensor/pipeline)");
     in_range("parallel.tensor", p.tensor, 1, kMaxRanks, " (1 = no tensor parallelism)");
-    // What tensor parallelism does not cover yet (issue 10), refused rather than run wrongly.
-    need(p.tensor == 1 || r.optimizer.name == "adamw", "optimizer.name",
-         fmt::format("'{}' with parallel.tensor = {}: LAMB's per-tensor trust ratio is not computed across "
-                     "tensor-parallel shards yet; use adamw or parallel.tensor: 1",
-                     r.optimizer.name, p.tensor));
     need(p.pipeline == 1, "parallel.pipeline",
          fmt::format("{}: pipeline parallelism is not implemented yet; use 1 (data parallelism: parallel.data)",
                      p.pipeline));

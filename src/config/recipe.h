@@ -163,7 +163,7 @@ struct Recipe {
   // (mpirun -np); checked against the world size when training starts.
   struct Parallel {
     int64_t data = 0;        // data-parallel degree; 0 = world size / (tensor x pipeline)
-    int64_t tensor = 1;      // tensor-parallel degree (parallel/tensor_parallel.h): AdamW only for now
+    int64_t tensor = 1;      // tensor-parallel degree (parallel/tensor_parallel.h)
     int64_t pipeline = 1;    // must be 1 until pipeline parallelism lands
     int64_t zero = 0;        // 0: replicated optimizer; 1, 2: moments sharded, gradients reduce-scattered;
                              // 2: only the gradient shard kept after the reduction (parallel/grad_sync.h)

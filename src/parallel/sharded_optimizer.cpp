@@ -15,22 +15,53 @@ ShardedOptimizer::ShardedOptimizer(dist::Communicator& dp, const optim::OptimCon
   LATHE_CHECK(zero >= 0 && zero <= 2, "parallel.zero must be 0, 1 or 2, got {}", zero);
   ranges_ = zero ? ranges_in_shard(ranges, state_begin(), state_end()) : std::move(ranges);
   opt_ = optim::make_optimizer(cfg, state_end() - state_begin());
-  if (zero) {
-    // LAMB's whole-tensor norms: every rank's chunk sums, in rank (= flat) order.
-    opt_->set_chunk_sums_gather([this](const std::vector<optim::ChunkSums>& mine) {
-      const size_t n = static_cast<size_t>(dp_.size());
-      std::vector<int64_t> counts(n);
-      const int64_t count = static_cast<int64_t>(mine.size());
-      dp_.all_gather(&count, counts.data(), std::vector<size_t>(n, 1), DType::I64);
-      std::vector<size_t> bytes(n);
-      size_t total = 0;
-      for (size_t r = 0; r < n; ++r) total += static_cast<size_t>(counts[r]);
-      for (size_t r = 0; r < n; ++r) bytes[r] = static_cast<size_t>(counts[r]) * sizeof(optim::ChunkSums);
-      std::vector<optim::ChunkSums> all(total);
-      dp_.all_gather(mine.data(), all.data(), bytes, DType::U8);
-      return all;
-    });
-  }
+  // LAMB's whole-tensor norms under ZeRO: every rank's chunk sums, in rank (= flat) order.
+  if (zero)
+    opt_->set_chunk_sums_gather([this](const std::vector<optim::ChunkSums>& mine) { return gather_data(mine); });
+}
+
+namespace {
+
+// Every rank's `mine` concatenated in rank order (ranks may hold different counts).
+std::vector<optim::ChunkSums> all_gather_sums(dist::Communicator& c, const std::vector<optim::ChunkSums>& mine,
+                                              std::vector<int64_t>* counts_out = nullptr) {
+  const size_t n = static_cast<size_t>(c.size());
+  std::vector<int64_t> counts(n);
+  const int64_t count = static_cast<int64_t>(mine.size());
+  c.all_gather(&count, counts.data(), std::vector<size_t>(n, 1), DType::I64);
+  std::vector<size_t> bytes(n);
+  size_t total = 0;
+  for (size_t r = 0; r < n; ++r) total += static_cast<size_t>(counts[r]);
+  for (size_t r = 0; r < n; ++r) bytes[r] = static_cast<size_t>(counts[r]) * sizeof(optim::ChunkSums);
+  std::vector<optim::ChunkSums> all(total);
+  c.all_gather(mine.data(), all.data(), bytes, DType::U8);
+  if (counts_out) *counts_out = std::move(counts);
+  return all;
+}
+
+}  // namespace
+
+std::vector<optim::ChunkSums> ShardedOptimizer::gather_data(const std::vector<optim::ChunkSums>& mine) {
+  return zero_ ? all_gather_sums(dp_, mine) : mine;
+}
+
+void ShardedOptimizer::set_tensor_parallel(dist::Communicator& tp, std::vector<bool> sharded) {
+  if (tp.size() == 1) return;
+  opt_->set_chunk_sums_gather([this, &tp, sharded = std::move(sharded)](const std::vector<optim::ChunkSums>& mine) {
+    std::vector<int64_t> counts;
+    const std::vector<optim::ChunkSums> all = all_gather_sums(tp, gather_data(mine), &counts);
+    std::vector<optim::ChunkSums> out;
+    size_t i = 0;
+    for (size_t r = 0; r < counts.size(); ++r)
+      for (int64_t k = 0; k < counts[r]; ++k, ++i) {
+        const int64_t id = all[i].tensor;
+        LATHE_CHECK(id >= 0 && static_cast<size_t>(id) < sharded.size(),
+                    "lamb under tensor parallelism: chunk of tensor {} outside the table of {} tensors", id,
+                    sharded.size());
+        if (r == 0 || sharded[static_cast<size_t>(id)]) out.push_back(all[i]);
+      }
+    return out;
+  });
 }
 
 double ShardedOptimizer::grad_norm(const float* grads) {

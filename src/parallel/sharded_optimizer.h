@@ -33,6 +33,12 @@ class ShardedOptimizer {
   size_t state_begin() const { return zero_ ? shards_.begin(dp_.rank()) : 0; }
   size_t state_end() const { return zero_ ? shards_.end(dp_.rank()) : shards_.total(); }
   optim::Optimizer& local() { return *opt_; }
+  // Tensor parallelism: LAMB's per-tensor norms of the tensors split over `tp` (sharded[id] for
+  // tensor id ParamRange::tensor) add every tensor rank's chunk sums; the replicated ones take
+  // tensor rank 0's (every rank holds the same values). The chunks of a shard are not the chunks
+  // of the global tensor, so the trust ratios equal one process's up to summation order (not bit
+  // for bit). AdamW ignores it. `tp` must outlive the optimizer.
+  void set_tensor_parallel(dist::Communicator& tp, std::vector<bool> sharded);
 
   // L2 norm of the reduced gradients (GradSync::finish done): whole buffer for zero 0, shards
   // summed across ranks otherwise.
@@ -46,6 +52,8 @@ class ShardedOptimizer {
   FlatShards shards_;
   std::vector<optim::ParamRange> ranges_;  // this rank's ranges, relative to state_begin()
   std::unique_ptr<optim::Optimizer> opt_;
+  // Every data rank's chunk sums in flat order (ZeRO), or this rank's.
+  std::vector<optim::ChunkSums> gather_data(const std::vector<optim::ChunkSums>& mine);
 };
 
 }  // namespace lathe::parallel

@@ -169,7 +169,7 @@ struct StepParts {
   int64_t B, T, accum, G;     // micro-batch, seq_len, accumulation, global batch (samples)
   std::vector<int32_t>& inputs;
   std::vector<int32_t>& targets;
-  AnomalyPolicy& anomaly;  // loss-spike and NaN policy (train/anomaly.h): may skip, lowers the lr
+  AnomalyPolicy& anomaly;       // loss-spike and NaN policy (train/anomaly.h): may skip, lowers the lr
   const DocumentOptions& docs;  // documents in the samples (data.attention etc.)
 };
 
@@ -494,6 +494,16 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   // The optimizer over this rank's part of the flat buffer (ZeRO) and the data-parallel gradient
   // reduction, fed by the model's grads_ready hook during the last micro-batch's backward.
   parallel::ShardedOptimizer opt(dpc, optimizer_config(r), P, ranges, static_cast<int>(r.parallel.zero));
+  if (tp > 1) {
+    // LAMB's per-tensor norms add the shards of split tensors over the tensor group: the tensors
+    // a rank other than 0 owns (owned_ranges) are exactly the split ones.
+    const auto split = parallel::owned_ranges(model->params(), 1);
+    std::vector<bool> sharded;
+    for (const ParamSpec& s : model->params().specs())
+      sharded.push_back(std::any_of(split.begin(), split.end(),
+                                    [&](const auto& sp) { return s.offset >= sp.first && s.offset < sp.second; }));
+    opt.set_tensor_parallel(*tp_group, std::move(sharded));
+  }
   // This rank's moments from checkpoint `dir` (resume, rollback), whatever layout wrote it
   // (re-sharded by flat offset: train/checkpoint.h). Tensor parallelism: the whole model's moments,
   // then this rank's slices.
@@ -776,9 +786,9 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
                    {"tasks_acc", static_cast<double>(c[1]) / n},
                    {"tasks_acc_norm", static_cast<double>(c[2]) / n},
                    {"tasks_items", c[0]}});
-    log(fmt::format("step {:>6}/{} | tasks {}: acc {:.4f} | acc_norm {:.4f} ({} items, {:.1f} s)", at,
-                    r.training.steps, r.training.eval_tasks, static_cast<double>(c[1]) / n,
-                    static_cast<double>(c[2]) / n, c[0], now_seconds() - t0));
+    log(fmt::format("step {:>6}/{} | tasks {}: acc {:.4f} | acc_norm {:.4f} ({} items, {:.1f} s)", at, r.training.steps,
+                    r.training.eval_tasks, static_cast<double>(c[1]) / n, static_cast<double>(c[2]) / n, c[0],
+                    now_seconds() - t0));
   };
   if (start_step == r.training.steps && start_step > 0)
     say(fmt::format("resume: the checkpoint is at the final step {}; only the end-of-run outputs remain", start_step));
