@@ -304,6 +304,7 @@ const std::vector<std::string> kDecayShapes = {"linear", "cosine", "1-sqrt"};
 const std::vector<std::string> kOptimizers = {"adamw", "lamb"};
 const std::vector<std::string> kComputeDtypes = {"fp32", "bf16", "fp16"};
 const std::vector<std::string> kRecomputeModes = {"none", "selective", "full"};
+const std::vector<std::string> kDevices = {"cpu", "cuda"};
 const std::vector<std::string> kLossScaleKeys = {"enabled", "initial", "growth_interval", "backoff", "growth", "min"};
 const std::vector<std::string> kAnomalyKeys = {
     "enabled",   "warmup_steps", "ema_decay",      "loss_z_threshold", "grad_norm_z_threshold", "min_rel_std",  "skip",
@@ -384,6 +385,14 @@ class Parser {
         bad("recompute", fmt::format("must be one of {} (default none), got '{}'", join(kRecomputeModes), value_str(rc)));
       r.recompute = rc.get<std::string>();
     }
+    // device: cpu | cuda (top-level, as recompute): whether this build and machine can run it is
+    // checked where the backend is chosen (train/device_select.cpp), not here.
+    if (!root_.is_null() && root_.contains("device") && !root_["device"].is_null()) {
+      const json& dv = root_["device"];
+      if (!dv.is_string() || std::find(kDevices.begin(), kDevices.end(), dv.get<std::string>()) == kDevices.end())
+        bad("device", fmt::format("must be one of {} (default cpu), got '{}'", join(kDevices), value_str(dv)));
+      r.device = dv.get<std::string>();
+    }
 
     json out = section("output");
     get_str(out, "output", "dir", &r.output.dir);
@@ -428,10 +437,12 @@ class Parser {
     if (root_.is_null()) return;
     if (!root_.is_object()) throw_error("{}: a recipe must be a YAML mapping of sections ({})", src_, join(kSections));
     for (auto it = root_.begin(); it != root_.end(); ++it)
-      if (std::find(kSections.begin(), kSections.end(), it.key()) == kSections.end() && it.key() != "recompute")
+      if (std::find(kSections.begin(), kSections.end(), it.key()) == kSections.end() && it.key() != "recompute" &&
+          it.key() != "device")
         unknown(it.key(), "section", [] {
           auto v = kSections;
           v.push_back("recompute");
+          v.push_back("device");
           return v;
         }());
   }
@@ -846,7 +857,7 @@ std::string apply_override(json& root, const std::string& source, const std::str
   }
   for (auto& p : parts)
     if (p.empty()) throw_error("{}: empty component in key '{}'", what, excerpt(path));
-  if (parts.size() < 2 && path != "recompute")
+  if (parts.size() < 2 && path != "recompute" && path != "device")
     throw_error("{}: key '{}' needs a section, e.g. training.{}", what, excerpt(path), excerpt(path));
   // The key path nests like the YAML it overrides, under the same bound.
   if (static_cast<int>(parts.size()) > kMaxYamlDepth)
@@ -906,6 +917,7 @@ Recipe load_recipe(const std::string& path, const std::vector<std::string>& over
 json Recipe::to_json() const {
   json j;
   j["recompute"] = recompute;
+  j["device"] = device;
   json m = model.to_hf_json();
   if (!init_from.empty()) m["init_from"] = init_from;
   j["model"] = m;
@@ -988,6 +1000,7 @@ std::string Recipe::to_yaml() const {
       out += fmt::format("  {}: {}\n", it.key(), yaml_value(it.value()));
   }
   out += fmt::format("recompute: {}\n", recompute);
+  out += fmt::format("device: {}\n", device);
   return out;
 }
 

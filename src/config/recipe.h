@@ -62,6 +62,9 @@ struct Recipe {
   // Activations recomputed in backward instead of kept: none | selective | full (bit-identical
   // results; models/recompute.h). A top-level value of the recipe: `recompute: full`.
   std::string recompute = "none";
+  // Where the model computes: cpu | cuda (a top-level value: `device: cuda`, `--set device=cuda`).
+  // cuda needs a CUDA build and a visible GPU (train/device_select.h says which is missing).
+  std::string device = "cpu";
   ModelConfig model;
   std::string init_from;  // HF dir whose weights initialize the model; "" = random init
 

@@ -204,7 +204,7 @@ struct RecipeChange {
 // compute dtype; the loss scale's settings only where scaling is on in either recipe), and any
 // key not listed as harmless. Harmless: training.{steps, eval_interval, eval_batches,
 // log_interval, threads, peak_gflops, resume, max_skipped_steps}, output.*, data.{tokenizer,
-// prefetch}, parallel.*. (training.steps is allowed by design even though decaying schedules are
+// prefetch}, parallel.*, device (cpu <-> cuda: checkpoints are host fp32). (training.steps is allowed by design even though decaying schedules are
 // recomputed for the new total; threads changes the float summation order, the trainer warns
 // about it.) Keys added after a checkpoint was written (precision.*, training.max_skipped_steps)
 // compare as their old implied value when absent: fp32, no loss scaling.

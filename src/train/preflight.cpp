@@ -16,6 +16,7 @@
 #include "io/json.h"
 #include "io/xxh64.h"
 #include "kernels/backend.h"
+#include "train/device_select.h"
 #include "kernels/cpu/ops_bf16.h"
 #include "models/hf_weights.h"
 #include "models/memory.h"
@@ -209,7 +210,7 @@ optim::LossScaleConfig loss_scale_config(const Recipe& r) {
 
 ComputeSpec compute_spec(const Recipe& r) {
   ComputeSpec spec;
-  spec.backend = &cpu_backend();
+  spec.backend = &select_backend(r);  // device: cpu | cuda, refused with the reason (train/device_select.h)
   const std::string& c = r.precision.compute;
   spec.dtype = c == "bf16" ? DType::BF16 : c == "fp16" ? DType::F16 : DType::F32;
   LATHE_CHECK(compute_dtype_name(spec.dtype) == c, "{}: precision.compute '{}' is not one of fp32, bf16, fp16",

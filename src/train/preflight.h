@@ -67,7 +67,8 @@ optim::OptimConfig optimizer_config(const Recipe& r);
 optim::ScheduleConfig schedule_config(const Recipe& r);
 // precision.loss_scale and training.max_skipped_steps in optim's terms.
 optim::LossScaleConfig loss_scale_config(const Recipe& r);
-// precision.compute on the CPU backend. Throws lathe::Error naming the recipe, precision.compute
+// precision.compute on the backend of the recipe's device (train/device_select.h: refused with the reason
+// when this build or machine cannot run it). Throws lathe::Error naming the recipe, precision.compute
 // and the missing op (kernels/backend.h ops_for) when this build has no complete table for it.
 ComputeSpec compute_spec(const Recipe& r);
 

@@ -49,7 +49,8 @@ const std::vector<std::pair<std::string, json>>& later_defaults() {
                                                               {"data.attention", "causal"},
                                                               {"data.reset_position_ids", false},
                                                               {"data.mask_loss_after_eod", false},
-                                                              {"data.eod_token", -1}};
+                                                              {"data.eod_token", -1},
+                                                              {"device", "cpu"}};
   static const std::vector<std::pair<std::string, json>> all = [] {
     auto v = d;
     // training.anomaly (train/anomaly.h): a checkpoint from before it ran without the policy.
@@ -86,7 +87,8 @@ bool harmless_key(const std::string& k) {
       "training.threads", "training.peak_gflops",   "training.resume",           "data.tokenizer",
       "data.prefetch",    "model.init_from",        "training.max_skipped_steps", "training.eval_tasks",
       "training.eval_tasks_interval",  // evaluation only reads the weights
-      "recompute"};  // recompute changes memory, not results (bit-identical: tests/models)
+      "recompute",   // recompute changes memory, not results (bit-identical: tests/models)
+      "device"};     // checkpoints are host fp32 whatever the device: a GPU run resumes on CPU and back
   // The layout of processes changes neither the data order nor the math beyond float summation
   // order (the loader's order is global: train/trainer.cpp), so it may change on resume.
   // training.anomaly.* decides what happens on an anomaly, not how a normal step computes.

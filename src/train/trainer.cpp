@@ -38,6 +38,7 @@
 #include "train/anomaly_rollback.h"
 #include "train/checkpoint.h"
 #include "train/consistency.h"
+#include "train/device_select.h"
 #include "train/eval_tasks.h"
 #include "train/generate.h"
 #include "train/peak.h"
@@ -580,7 +581,16 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   if (rank0) io::atomic_write_file((fs::path(r.output.dir) / "recipe.yaml").string(), resolved);
   log("resolved recipe (saved to " + (fs::path(r.output.dir) / "recipe.yaml").string() + "):\n" + resolved);
 
-  const double peak = r.training.peak_gflops > 0 ? r.training.peak_gflops : measure_peak_gflops();
+  // MFU denominator: training.peak_gflops, else the GPU's dense peak (table or estimate), else the CPU probe.
+  const std::optional<GpuInfo> gpu =
+      model->backend().device() == DeviceKind::Host ? std::nullopt : current_gpu_info();
+  const PeakChoice peak_choice =
+      choose_peak(r.training.peak_gflops, gpu ? &*gpu : nullptr, model->compute_dtype(), &measure_peak_gflops);
+  const double peak = peak_choice.gflops;
+  const char* peak_source = r.training.peak_gflops > 0 ? "recipe"
+                            : !gpu                     ? "GEMM probe"
+                            : peak_choice.estimated    ? "GPU estimate"
+                                                       : "GPU table";
   // Per rank: parameters and gradients whole, moments of this rank's shard (ZeRO).
   const double moments = 2.0 * 4 * static_cast<double>(opt.state_end() - opt.state_begin());
   const double wcopy = static_cast<double>(model->compute_weight_bytes());  // bf16/fp16 weight copies
@@ -589,7 +599,10 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
       "model {}: {:.2f}M parameters; precision {}{}; threads {}; peak {:.1f} GFLOP/s ({}; OpenBLAS kernel {})",
       r.model.model_type, P / 1e6, r.precision.compute,
       scaler.dynamic() ? fmt::format(" (loss scale {})", scaler.scale()) : std::string(), threads, peak,
-      r.training.peak_gflops > 0 ? "from recipe" : "measured by GEMM probe", blas_kernel_name()));
+      r.training.peak_gflops > 0 ? std::string("from recipe")
+      : !gpu                     ? std::string("measured by GEMM probe")
+                                 : peak_choice.source,
+      blas_kernel_name()));
   if (rank0) {
     // What ran where, for `lathe report` and for anyone comparing runs later.
     auto cpu_model = [] {
@@ -613,7 +626,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
                                  {"threads_per_rank", threads},
                                  {"openblas_kernel", blas_kernel_name()},
                                  {"peak_gflops", peak},
-                                 {"peak_source", r.training.peak_gflops > 0 ? "recipe" : "GEMM probe"},
+                                 {"peak_source", peak_source},
                                  {"precision", r.precision.compute},
                                  {"parameters", P},
                                  {"started_unix", static_cast<int64_t>(std::time(nullptr))}};
@@ -947,7 +960,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     const double eta_s = static_cast<double>(r.training.steps - (step + 1)) * step_time_sum / steps_timed;
     result.losses.push_back(loss);
     const double tok_s = static_cast<double>(G * T) / dt;
-    const double mfu = flops_per_step / dt / (peak * 1e9);
+    const double mfu = peak > 0 ? flops_per_step / dt / (peak * 1e9) : 0.0;  // 0: unknown GPU peak
     nlohmann::json rec = {{"step", step + 1},
                           {"loss", loss},
                           {"lr", lr},

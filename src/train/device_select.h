@@ -1,0 +1,29 @@
+// The recipe's `device` (cpu | cuda) -> the kernel backend a run computes on, refused with the
+// reason when this build or machine cannot run it (lathe check and lathe train both ask here).
+#pragma once
+#include <optional>
+#include <string>
+
+#include "config/recipe.h"
+#include "kernels/backend.h"
+#include "train/peak.h"
+
+namespace lathe {
+
+// "" when `backend` can be used in this process, else why not: a build without CUDA (the no-CUDA
+// stand-in's error) or no visible GPU (the CUDA runtime's error). Probes with one small allocation,
+// so whatever the backend's own initialisation checks (driver, device count, device selection) is
+// what decides.
+std::string backend_unavailable_reason(const Backend& backend);
+
+// The backend of r.device: cpu_backend() for "cpu"; for "cuda" the backend named "cuda" after the
+// probe above. Throws lathe::Error "recipe.yaml: device: cuda: <why> (<fix>)" naming the key, the
+// value and the fix (rebuild with -DLATHE_CUDA=ON, make a GPU visible, or set device: cpu).
+const Backend& select_backend(const Recipe& r);
+
+// What the CUDA runtime reports for the device this process uses (name, compute capability, SMs,
+// clock): std::nullopt on a build without CUDA or without a visible GPU (train/device_cuda.cpp on
+// a CUDA build; a stub otherwise).
+std::optional<GpuInfo> current_gpu_info();
+
+}  // namespace lathe
