@@ -48,6 +48,9 @@ struct ModelPtrs {
 struct ComputeSpec {
   const Backend* backend = nullptr;  // nullptr: cpu_backend()
   DType dtype = DType::F32;
+  // false: no gradient buffer (a model that only holds weights: the whole model a tensor-parallel
+  // run assembles for checkpoints and export); backward passes are then an error.
+  bool gradients = true;
 };
 
 // One buffer of the activation arena: what it holds, how many elements of which dtype, and where.
@@ -113,7 +116,8 @@ class Model {
   void verify_compute_weights() const { check_compute_weights(); }  // what every forward pass checks first
   float* param_data() { return params_.data(); }
   const float* param_data() const { return params_.data(); }
-  float* grad_data() { return grads_.data(); }
+  float* grad_data() { return grads_.data(); }  // nullptr when built without gradients (ComputeSpec)
+  bool has_gradients() const { return grads_.size() > 0; }
   void zero_grad() { grads_.zero(); }
   float* param(const std::string& name) { return params_.data() + table_.at(name).offset; }
   float* grad(const std::string& name) { return grads_.data() + table_.at(name).offset; }

@@ -43,10 +43,10 @@ Model::Model(ModelConfig cfg, Arch arch, ParamTable table, ComputeSpec compute)
               "use the cpu backend",
               backend_->name());
   params_.resize(table_.total());
-  grads_.resize(table_.total());
+  if (compute.gradients) grads_.resize(table_.total());
   if (compute.dtype != DType::F32) cweights_.resize(*backend_, table_.total(), compute.dtype);
   p_ = resolve(params_.data());
-  g_ = resolve(grads_.data());
+  if (compute.gradients) g_ = resolve(grads_.data());
   // Which block's backward completes each tensor's gradient (StepHooks numbering).
   const int64_t L = cfg_.num_hidden_layers;
   grad_ranges_by_block_.assign(static_cast<size_t>(L + 2), {});
@@ -521,6 +521,7 @@ void Model::forward_body(const int32_t* tokens, int64_t B, int64_t T) {
 
 double Model::head_loss(const int32_t* targets, int64_t B, int64_t T, float grad_scale, bool backward) {
   trace::Scope span(backward ? "head forward+backward" : "head forward", trace::Cat::Compute);
+  LATHE_CHECK(!backward || has_gradients(), "model: backward pass on a model built without gradients");
   LATHE_DIMS;
   const int64_t V = cfg_.vocab_size;
   final_norm_forward(B, T);
@@ -541,6 +542,7 @@ double Model::head_loss(const int32_t* targets, int64_t B, int64_t T, float grad
 
 void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
   trace::Scope span("layer backward", trace::Cat::Compute, l);
+  LATHE_CHECK(has_gradients(), "model: backward pass on a model built without gradients");
   LATHE_DIMS;
   const LayerPtrs& w = p_.layers[static_cast<size_t>(l)];
   const LayerPtrs& gw = g_.layers[static_cast<size_t>(l)];
@@ -585,6 +587,7 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
 
 void Model::embedding_backward(const int32_t* tokens, int64_t B, int64_t T) {
   trace::Scope span("embedding backward", trace::Cat::Compute);
+  LATHE_CHECK(has_gradients(), "model: backward pass on a model built without gradients");
   ops_->embedding_backward(g_.wte, g_.wpe, dres_, tokens, B, T, cfg_.hidden_size, doc_positions());
 }
 #undef LATHE_DIMS

@@ -368,7 +368,10 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   const optim::LossScaleConfig lscfg = loss_scale_config(r);
   optim::validate(lscfg);
   log.ok(fmt::format("optimizer {} and schedule {} settings are valid", r.optimizer.name, r.schedule.name));
-  const ComputeSpec spec = compute_spec(r);
+  ComputeSpec spec = compute_spec(r);
+  // With tensor parallelism this is the whole model, which only holds weights (each rank trains
+  // its shard): no gradient buffer.
+  spec.gradients = r.parallel.tensor == 1;
   log.ok(fmt::format(
       "precision: {} compute on {}, fp32 master weights, gradients and moments; {}", r.precision.compute,
       spec.backend->name(),

@@ -462,11 +462,25 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     model->allocate(B, T, 2, parse_recompute(r.recompute, r.source + ": recompute"));
     tp_owned = parallel::owned_ranges(model->params(), tp_rank);
   }
+  // The whole model exists only while a checkpoint, an HF directory or a rollback needs it (rebuilt
+  // here, without gradients): between those each rank holds its shard only, so per-rank memory
+  // falls with the tensor degree as `lathe plan` counts it.
+  const ModelConfig whole_cfg = (whole ? *whole : *model).config();
+  const size_t whole_P = (whole ? *whole : *model).num_params();
+  const double whole_flops_per_token = (whole ? *whole : *model).flops_per_token(T);
+  auto ensure_whole = [&]() -> Model& {
+    if (!whole) whole = build_model(whole_cfg, ComputeSpec{&model->backend(), model->compute_dtype(), false});
+    return *whole;
+  };
+  auto release_whole = [&] {
+    if (tp > 1) whole.reset();
+  };
   // The whole model with this replica's current weights (collective over the tensor-parallel group).
   auto whole_model = [&]() -> Model& {
     if (tp == 1) return *model;
-    parallel::gather_global(*tp_group, whole->params(), model->params(), model->param_data(), whole->param_data());
-    return *whole;
+    Model& w = ensure_whole();
+    parallel::gather_global(*tp_group, w.params(), model->params(), model->param_data(), w.param_data());
+    return w;
   };
   model->refresh_compute_weights();  // the weights are final (init, init_from or checkpoint)
   // Loss scale and skipped-step counters; a resume continues them exactly (a checkpoint of a run
@@ -515,20 +529,21 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
       load_checkpoint_moments(dir, *model, mine);
       return;
     }
-    std::vector<std::vector<float>> all(mine.buffers.size(), std::vector<float>(whole->num_params()));
+    std::vector<std::vector<float>> all(mine.buffers.size(), std::vector<float>(whole_P));
     MomentSlice whole_slice;
     whole_slice.begin = 0;
-    whole_slice.end = whole->num_params();
+    whole_slice.end = whole_P;
     for (size_t i = 0; i < all.size(); ++i) whole_slice.buffers.push_back({mine.buffers[i].first, all[i].data()});
-    load_checkpoint_moments(dir, *whole, whole_slice);
+    load_checkpoint_moments(dir, ensure_whole(), whole_slice);
     std::vector<float> local(P);  // this tensor rank's moments of its whole local buffer, then its ZeRO shard
     for (size_t i = 0; i < all.size(); ++i) {
-      parallel::scatter_shard(whole->params(), all[i].data(), model->params(), local.data(), tp_rank, tp);
+      parallel::scatter_shard(ensure_whole().params(), all[i].data(), model->params(), local.data(), tp_rank, tp);
       std::copy(local.begin() + static_cast<std::ptrdiff_t>(state_b),
                 local.begin() + static_cast<std::ptrdiff_t>(state_e), mine.buffers[i].second);
     }
   };
   if (!ckpt.empty()) load_moments(ckpt);
+  release_whole();
   // Tensor parallelism: the norm counts each element of the whole model once. With ZeRO only this
   // rank's shard of the gradient is reduced, so the squares are summed over the world.
   dist::Communicator* tp_norm_group = tp > 1 ? (r.parallel.zero > 0 ? world : tp_group.get()) : nullptr;
@@ -634,7 +649,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   }
   if (tp > 1)
     log(fmt::format("tensor parallel: {} ranks per replica, {} of {} parameters on each (the rest of {} replicated)",
-                    tp, P, whole->num_params(), r.model.model_type));
+                    tp, P, whole_P, r.model.model_type));
   if (dp > 1)
     log(fmt::format(
         "data parallel: {} ranks, global batch {} samples ({} per rank as {} x {}), ZeRO {}, buckets of {:.1f} MB", dp,
@@ -695,7 +710,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   double last_loss = NAN, last_norm = NAN;  // of the last step: the health of a checkpoint
 
   std::vector<int32_t> inputs(static_cast<size_t>(B * accum * T)), targets(static_cast<size_t>(B * accum * T));
-  const double flops_per_step = (whole ? *whole : *model).flops_per_token(T) * static_cast<double>(G * T);
+  const double flops_per_step = whole_flops_per_token * static_cast<double>(G * T);
   TrainResult result;
   result.start_step = result.end_step = start_step;
   result.resumed_from = ckpt;
@@ -752,6 +767,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
         save_checkpoint_sharded(r.output.dir, w, part, st, static_cast<int>(r.output.keep_last), &info, *ckpt_writers);
       }
       tp_group->barrier();  // the checkpoint is complete before any rank of the replica goes on
+      release_whole();
     } else if (dp == 1) {
       save_checkpoint(r.output.dir, *model, &opt.local(), st, static_cast<int>(r.output.keep_last), &info);
     } else {
@@ -884,9 +900,9 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     std::function<CheckpointState(const std::string&)> load_tp;
     if (tp > 1)
       load_tp = [&](const std::string& dir) {
-        CheckpointState c = load_checkpoint(dir, *whole, nullptr);
-        parallel::scatter_shard(whole->params(), whole->param_data(), model->params(), model->param_data(), tp_rank,
-                                tp);
+        Model& w = ensure_whole();
+        CheckpointState c = load_checkpoint(dir, w, nullptr);
+        parallel::scatter_shard(w.params(), w.param_data(), model->params(), model->param_data(), tp_rank, tp);
         load_moments(dir);
         return c;
       };
@@ -894,6 +910,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     const RollbackResult rb =
         restore_for_rollback(target, step + 1, ac.skip_samples, *model, opt, loader, scaler, anomaly,
                              static_cast<int64_t>(plan ? plan->dataset.size() : train_samples.size()), G, load_tp);
+    release_whole();
     if (rank0) {
       // The curves continue from the checkpoint (as after a resume); anomalies.jsonl keeps everything.
       metrics_file.reset();
@@ -1030,6 +1047,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
       const std::string dir = (fs::path(r.output.dir) / fmt::format("step_{:08d}", step + 1)).string();
       Model& w = whole_model();  // collective with tensor parallelism
       if (rank0) write_model_dir(w, dir, r.data.tokenizer);
+      release_whole();
       log("saved " + dir);
     }
     result.end_step = step + 1;
@@ -1057,6 +1075,10 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     }
   }
 
+  // The training steps' peak (before the final validation and the HF directory, which assembles a
+  // copy of the weights): the figure the memory estimate and `lathe plan` predict.
+  int64_t train_peak_rss = static_cast<int64_t>(peak_rss_bytes());
+  if (world->size() > 1) world->all_reduce(&train_peak_rss, 1, DType::I64, dist::ReduceOp::Max);
   if (!valid_samples.empty()) {
     // Final validation on (up to 256 batches of) the whole validation split.
     std::vector<int64_t> final_set(valid_samples.begin(),
@@ -1073,11 +1095,12 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   log(fmt::format("saved Hugging Face model directory {}", result.model_dir));
   int64_t peak_rss = static_cast<int64_t>(peak_rss_bytes());
   if (world->size() > 1) world->all_reduce(&peak_rss, 1, DType::I64, dist::ReduceOp::Max);
-  log(fmt::format("peak resident memory {:.1f} MB{} (estimate {:.1f} MB per rank)", peak_rss / 1e6,
-                  dp > 1 ? " (largest rank)" : "", est / 1e6));
+  log(fmt::format("peak resident memory {:.1f} MB{}, during the training steps {:.1f} MB (estimate {:.1f} MB per rank)",
+                  peak_rss / 1e6, world->size() > 1 ? " (largest rank)" : "", train_peak_rss / 1e6, est / 1e6));
   write_metrics({{"step", r.training.steps},
                  {"world_size", dp},
                  {"peak_rss_mb_max_rank", peak_rss / 1e6},
+                 {"train_peak_rss_mb_max_rank", train_peak_rss / 1e6},
                  {"skipped_steps", scaler.state().skipped_steps},
                  {"comm_exposed_s_total", comm_total}});
   world->barrier();  // the model directory is complete before any rank returns
