@@ -25,20 +25,6 @@
 
 namespace {
 
-// One-direction copy bandwidth of this machine (Gbit/s): the best of 3 copies of 64 MB.
-double measure_copy_gbps() {
-  std::vector<char> a(size_t{64} << 20, 1), b(a.size(), 0);
-  double best = 0;
-  for (int rep = 0; rep < 4; ++rep) {
-    const double t0 = lathe::now_seconds();
-    std::memcpy(b.data(), a.data(), a.size());
-    const double dt = lathe::now_seconds() - t0;
-    if (rep > 0 && dt > 0) best = std::max(best, static_cast<double>(a.size()) * 8 / dt / 1e9);
-    a[static_cast<size_t>(rep)] = b[static_cast<size_t>(rep) + 1];  // keep the copies observable
-  }
-  return best;
-}
-
 std::string count(double n) {
   if (n >= 1e9) return fmt::format("{:.1f}B", n / 1e9);
   if (n >= 1e6) return fmt::format("{:.1f}M", n / 1e6);
@@ -113,7 +99,7 @@ int run_plan(int argc, char** argv) {
   if (link > 0) {
     link_src = "given";
   } else {
-    link = measure_copy_gbps();
+    link = lathe::plan::measure_copy_gbps();
     link_src = "measured here: memcpy, as ranks on one machine exchange through shared memory";
   }
   m.peak_gflops = peak;

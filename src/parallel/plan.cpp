@@ -3,11 +3,14 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <tuple>
+#include <vector>
 
 #include "core/checked.h"
 #include "core/error.h"
+#include "core/timer.h"
 #include "models/model.h"
 #include "parallel/pipeline_schedule.h"
 
@@ -346,6 +349,19 @@ nlohmann::json to_json(const Estimate& e) {
   j["tokens_per_s"] = e.tokens_per_s;
   j["mfu"] = e.mfu;
   return j;
+}
+
+double measure_copy_gbps() {
+  std::vector<char> a(size_t{64} << 20, 1), b(a.size(), 0);
+  double best = 0;
+  for (int rep = 0; rep < 4; ++rep) {
+    const double t0 = now_seconds();
+    std::memcpy(b.data(), a.data(), a.size());
+    const double dt = now_seconds() - t0;
+    if (rep > 0 && dt > 0) best = std::max(best, static_cast<double>(a.size()) * 8 / dt / 1e9);
+    a[static_cast<size_t>(rep)] = b[static_cast<size_t>(rep) + 1];  // keep the copies observable
+  }
+  return best;
 }
 
 }  // namespace lathe::plan

@@ -113,4 +113,9 @@ double flops_per_token(const ModelConfig& cfg, int64_t T);
 
 nlohmann::json to_json(const Estimate& e);
 
+// One-direction copy bandwidth of this machine (Gbit/s): the best of 3 copies of 64 MB (ranks on
+// one machine exchange through shared memory). `lathe plan` and `lathe train` use it when no
+// bandwidth is given.
+double measure_copy_gbps();
+
 }  // namespace lathe::plan

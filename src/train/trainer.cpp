@@ -31,6 +31,7 @@
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "parallel/grad_sync.h"
+#include "parallel/plan.h"
 #include "parallel/sharded_optimizer.h"
 #include "parallel/tensor_parallel.h"
 #include "tokenizer/tokenizer.h"
@@ -597,8 +598,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   log("resolved recipe (saved to " + (fs::path(r.output.dir) / "recipe.yaml").string() + "):\n" + resolved);
 
   // MFU denominator: training.peak_gflops, else the GPU's dense peak (table or estimate), else the CPU probe.
-  const std::optional<GpuInfo> gpu =
-      model->backend().device() == DeviceKind::Host ? std::nullopt : current_gpu_info();
+  const std::optional<GpuInfo> gpu = model->backend().device() == DeviceKind::Host ? std::nullopt : current_gpu_info();
   const PeakChoice peak_choice =
       choose_peak(r.training.peak_gflops, gpu ? &*gpu : nullptr, model->compute_dtype(), &measure_peak_gflops);
   const double peak = peak_choice.gflops;
@@ -660,6 +660,33 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
       P * 4 / 1e6, P * 4 / 1e6, r.optimizer.name, moments / 1e6,
       wcopy > 0 ? fmt::format(" + {} weight copies {:.1f} MB", r.precision.compute, wcopy / 1e6) : std::string(),
       r.precision.compute, model->activation_bytes() / 1e6, est / 1e6));
+  {
+    // What `lathe plan` predicts for this very layout (same peak; this machine's copy bandwidth),
+    // so a run shows how far it is from its plan.
+    lathe::plan::Job job;
+    job.model = whole_cfg;
+    job.world = world->size();
+    job.micro_batch = B;
+    job.seq_len = T;
+    job.global_batch = G;
+    job.compute = model->compute_dtype();
+    lathe::plan::Machine m;
+    m.peak_gflops = peak;
+    m.inter_gbps = m.intra_gbps = world->size() > 1 ? lathe::plan::measure_copy_gbps() : 100.0;
+    m.gpus_per_node = world->size();
+    lathe::plan::Layout l;
+    l.data = dp;
+    l.tensor = tp;
+    l.zero = static_cast<int>(r.parallel.zero);
+    l.recompute = model->recompute();
+    const lathe::plan::Estimate e = lathe::plan::estimate(job, m, l);
+    if (e.reject.empty())
+      log(fmt::format(
+          "plan for this layout ({}): {:.1f} MB per rank, {:.0f} ms per step, {:.0f} tokens/s{} "
+          "(predicted by lathe plan at {:.0f} GFLOP/s and {:.1f} Gbit/s)",
+          l.name(), e.memory.total() / 1e6, e.step_s * 1e3, e.tokens_per_s,
+          e.bubble > 0 ? fmt::format(", bubble {:.1f}%", 100 * e.bubble) : std::string(), peak, m.inter_gbps));
+  }
   // A blend (data.blend) reads global sample g of the run from the plan (dataset, sample); one
   // pass, no loader epochs: the plan covers training.steps x G samples and already repeats and
   // reshuffles each dataset (data/blend.h). Ranks take their rows of each global batch as below.
