@@ -10,6 +10,7 @@
 #include <cstring>
 #include <deque>
 #include <exception>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -100,6 +101,8 @@ struct Watchdog::State {
   std::mutex m;
   std::condition_variable cv;
   std::deque<Slot> slots;  // deque: references stay valid as slots are added
+  std::map<int, std::function<void()>> abort_hooks;
+  int next_hook = 0;
   bool stop = false;
   std::thread thread;
 };
@@ -145,6 +148,18 @@ void Watchdog::end(int slot) {
   state_->slots[static_cast<size_t>(slot)].active = false;
 }
 
+int Watchdog::add_abort_hook(std::function<void()> hook) {
+  std::lock_guard<std::mutex> lk(state_->m);
+  const int id = state_->next_hook++;
+  state_->abort_hooks.emplace(id, std::move(hook));
+  return id;
+}
+
+void Watchdog::remove_abort_hook(int id) {
+  std::lock_guard<std::mutex> lk(state_->m);
+  state_->abort_hooks.erase(id);
+}
+
 void Watchdog::run() {
   std::unique_lock<std::mutex> lk(state_->m);
   const auto limit = std::chrono::duration<double>(timeout_s_);
@@ -161,7 +176,10 @@ void Watchdog::run() {
           step >= 0 ? fmt::format(" at step {}", step) : std::string(), timeout_s_);
       std::fprintf(stderr, "%s\n", msg.c_str());
       std::fflush(stderr);
+      // Device communicators abort their in-flight work first (a copy: hooks may remove themselves).
+      const auto hooks = state_->abort_hooks;
       lk.unlock();
+      for (const auto& [id, hook] : hooks) hook();
       on_timeout_(msg);
       return;
     }
@@ -251,6 +269,7 @@ void Communicator::reduce_scatter_now(const void* send, void* recv, const std::v
               counts.size(), size_);
   const size_t es = dtype_size(dtype);
   const size_t mine = counts[static_cast<size_t>(rank_)];
+  if (do_reduce_scatter(send, recv, counts, dtype, op)) return;  // the implementation's own (NCCL)
   if (size_ == 1) {
     if (recv != send && mine) std::memcpy(recv, send, mine * es);
     return;
@@ -269,6 +288,7 @@ void Communicator::reduce_scatter_now(const void* send, void* recv, const std::v
 WorkPtr Communicator::all_reduce_async(void* buf, size_t count, DType dtype, ReduceOp op) {
   return issue("all_reduce", [=, this] {
     if (size_ == 1) return;
+    if (do_all_reduce(buf, count, dtype, op)) return;
     const auto counts = even_counts(count, size_);
     size_t offset = 0;
     for (int r = 0; r < rank_; ++r) offset += counts[static_cast<size_t>(r)];
@@ -360,7 +380,7 @@ std::unique_ptr<Communicator> Communicator::split(int color, int key, const std:
     if (size_ == 1)
       all = mine;
     else
-      do_all_gather(mine.data(), all.data(), bytes);
+      do_host_all_gather(mine.data(), all.data(), bytes);
     std::vector<std::pair<int64_t, int>> members;
     for (int r = 0; r < size_; ++r)
       if (all[2 * static_cast<size_t>(r)] == color) members.push_back({all[2 * static_cast<size_t>(r) + 1], r});

@@ -62,6 +62,13 @@ class Watchdog {
   void begin(int slot, const char* op, uint64_t seq);
   void end(int slot);
 
+  // Run on the watchdog's thread when an operation times out, after the message is printed and
+  // before on_timeout: device communicators abort their stuck work there (ncclCommAbort; NCCL
+  // kernels would otherwise keep the GPU spinning). A hook must not block. Returns an id for
+  // remove_abort_hook (a communicator removes its hook before it is destroyed).
+  int add_abort_hook(std::function<void()> hook);
+  void remove_abort_hook(int id);
+
  private:
   void run();
   struct Slot;
@@ -115,6 +122,9 @@ class Communicator {
 
   // Training step shown by the watchdog when an operation of this group times out.
   void set_step(int64_t step) { watchdog_->set_step(step); }
+  // The watchdog of this group (shared with the groups split from it and with device
+  // communicators built over it: dist/nccl_comm.h).
+  const std::shared_ptr<Watchdog>& shared_watchdog() const { return watchdog_; }
 
   // Waits for every operation issued so far.
   void synchronize();
@@ -139,6 +149,20 @@ class Communicator {
   // color, in new-rank order (empty when color < 0: then return nullptr).
   virtual std::unique_ptr<Communicator> do_split(int color, const std::vector<int>& members,
                                                  const std::string& name) = 0;
+  // Reductions an implementation runs itself (NCCL on device buffers: its own kernels, not lathe's
+  // rank-order host sum). Return false to take the portable path (all-to-all, then the rank-order
+  // sum on the host), as MPI, threads and the local communicator do. Same contracts as the public
+  // all_reduce / reduce_scatter; run on the progress thread.
+  virtual bool do_all_reduce(void* /*buf*/, size_t /*count*/, DType /*dtype*/, ReduceOp /*op*/) { return false; }
+  virtual bool do_reduce_scatter(const void* /*send*/, void* /*recv*/, const std::vector<size_t>& /*counts*/,
+                                 DType /*dtype*/, ReduceOp /*op*/) {
+    return false;
+  }
+  // All-gather of small HOST buffers (split's color/key exchange). Implementations whose
+  // do_all_gather takes device buffers (NCCL) route this over their host communicator.
+  virtual void do_host_all_gather(const void* send, void* recv, const std::vector<size_t>& bytes) {
+    do_all_gather(send, recv, bytes);
+  }
 
   const std::shared_ptr<Watchdog>& watchdog() const { return watchdog_; }
   // Finishes the queued operations and stops the progress thread; every implementation calls it
