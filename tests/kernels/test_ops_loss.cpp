@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/cpu/lm_head_tiles.h"
 #include "kernels/cpu/ops.h"
 #include "reference_ops.h"
 
@@ -114,6 +115,70 @@ TEST(LmHeadLoss, MatchesDoubleReferenceOverShapesAndChunks) {
           EXPECT_EQ(o.total, o2.total) << t2;
         }
       }
+}
+
+// The vocabulary cut into column tiles (lm_head_tiles.h): narrow tiles, widths that do not divide
+// V, a width of 1 (each tile one column) and one wider than V must all give the reference result
+// (per-tile maxima recombined exactly), with ignored rows' dx exactly 0. The default width puts
+// V <= 2048 in one tile, so only this test exercises the recombination across tiles.
+TEST(LmHeadLoss, ColumnTilesMatchReference) {
+  for (int64_t N : {1, 9, 40})
+    for (int64_t V : {5, 67, 1000}) {
+      const int64_t C = 19;
+      const auto x = randn(N * C, 31 + N, 1.5f);
+      const auto w = randn(V * C, 37 + V, 0.7f);
+      const auto tg = make_targets(N, V, 41 + N + V);
+      const float gs = 0.125f;
+      std::vector<double> xd(x.begin(), x.end()), wd(w.begin(), w.end());
+      const Ref ref = ref_lm_head_loss(xd, wd, tg, N, C, V, gs);
+      const auto prefill = randn(V * C, 43, 1.0f);
+      std::vector<double> dw_want(V * C);
+      for (int64_t i = 0; i < V * C; ++i) dw_want[i] = prefill[i] + ref.dw[i];
+      for (int64_t width : {int64_t{1}, int64_t{7}, int64_t{16}, int64_t{64}, int64_t{333}, V + 3})
+        for (int64_t chunk : {int64_t{4}, N}) {
+          if (width * 20 < V) continue;  // keeps the test short: 1-column tiles only at small V
+          const std::string tag = "N=" + std::to_string(N) + " V=" + std::to_string(V) +
+                                  " width=" + std::to_string(width) + " chunk=" + std::to_string(chunk);
+          std::vector<float> losses(N, NAN), dx(N * C, NAN), dw = prefill;
+          std::vector<float> scratch(std::min(chunk, N) * V, NAN);
+          const double total =
+              lathe::cpu::lm_head_loss_tiled(losses.data(), dx.data(), dw.data(), x.data(), w.data(), tg.data(), N, C,
+                                             V, gs, true, scratch.data(), chunk, width);
+          expect_close(losses, ref.losses, 2e-6, tag + " losses");
+          EXPECT_NEAR(total, ref.total, 2e-6 * std::max(1.0, std::fabs(ref.total)) * N) << tag;
+          expect_close(dx, ref.dx, 2e-5, tag + " dx");
+          expect_close(dw, dw_want, 2e-5, tag + " dw (+= prefill)");
+          for (int64_t n = 0; n < N; ++n) {
+            if (tg[n] >= 0) continue;
+            for (int64_t c = 0; c < C; ++c) ASSERT_EQ(dx[n * C + c], 0.0f) << tag << " ignored row " << n;
+          }
+          std::vector<float> losses_f(N, NAN);
+          lathe::cpu::lm_head_loss_tiled(losses_f.data(), nullptr, nullptr, x.data(), w.data(), tg.data(), N, C, V, gs,
+                                         false, scratch.data(), chunk, width);
+          EXPECT_EQ(0, std::memcmp(losses_f.data(), losses.data(), N * sizeof(float))) << tag << " forward only";
+        }
+    }
+}
+
+// Logits spread over a large range across tiles (tile maxima differ by ~100): the recombination
+// exp(tile max - row max) must neither overflow nor lose the dominant tile.
+TEST(LmHeadLoss, ColumnTilesWithDistantMaxima) {
+  const int64_t N = 6, C = 4, V = 200;
+  const auto x = randn(N * C, 51, 1.0f);
+  auto w = randn(V * C, 52, 1.0f);
+  for (int64_t v = 0; v < V; ++v)
+    for (int64_t c = 0; c < C; ++c) w[v * C + c] *= 1.0f + 30.0f * static_cast<float>(v % 50) / 50.0f;
+  const auto tg = make_targets(N, V, 53);
+  std::vector<double> xd(x.begin(), x.end()), wd(w.begin(), w.end());
+  const Ref ref = ref_lm_head_loss(xd, wd, tg, N, C, V, 1.0);
+  std::vector<float> losses(N), dx(N * C), dw(V * C, 0.0f), scratch(N * V);
+  lathe::cpu::lm_head_loss_tiled(losses.data(), dx.data(), dw.data(), x.data(), w.data(), tg.data(), N, C, V, 1.0f,
+                                 true, scratch.data(), N, 16);
+  for (int64_t n = 0; n < N; ++n) {
+    ASSERT_TRUE(std::isfinite(losses[n])) << n;
+    EXPECT_NEAR(losses[n], ref.losses[n], 1e-3 + 1e-5 * std::fabs(ref.losses[n])) << n;
+  }
+  expect_close(dx, ref.dx, 1e-4, "dx");
 }
 
 // The analytic reference gradient checked against central finite differences of the double loss

@@ -28,6 +28,7 @@
 
 #include "core/error.h"
 #include "kernels/cpu/half.h"
+#include "kernels/cpu/lm_head_tiles.h"
 #include "kernels/cpu/norm_rows.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/ops_bf16.h"
@@ -498,10 +499,13 @@ void rope_backward_h(void* x, const float* c, const float* s, int64_t B, int64_t
 }
 
 // ---- lm head + softmax + cross-entropy ----------------------------------------------------------
-// As the fp32 kernel (lm_head_loss.cpp), per chunk of R rows: fp32 logits from 16-bit x and w
-// (fp32 GEMM output), max / exp / sum / loss in fp32 (sum in double), dlogits rounded to 16 bits
-// for the two backward GEMMs, dw accumulated in fp32. Scratch: fp32 logits [R, V], then the
-// 16-bit dlogits [R, V].
+// As the fp32 kernel (lm_head_loss.cpp), per chunk of R rows in column tiles (lm_head_tiles.h),
+// parallel over the tiles with each thread's GEMMs single-threaded: fp32 logits of a tile from
+// 16-bit x and w, max / exp / sum / loss in fp32 (sums in double) while the tile is hot; backward
+// per tile: dlogits in fp32, rounded once to 16 bits, then dw[tile rows] += dlogits^T @ x (fp32)
+// and the thread's fp32 partial of dx += dlogits @ w[tile rows]; the partials are added in thread
+// order and dx rounded once. Scratch: fp32 logits [R, V], then the 16-bit dlogits [R, V] (both in
+// tile layout).
 size_t lm_head_loss_scratch_bytes_h(int64_t chunk_rows, int64_t V) {
   const size_t n = static_cast<size_t>(chunk_rows) * static_cast<size_t>(V);
   return n * sizeof(float) + (n * sizeof(u16) + 63) / 64 * 64;
@@ -511,49 +515,70 @@ template <class P, class Mm>
 double lm_head_loss_h(float* losses, void* dx_v, float* dw, const void* x_v, const void* w_v, const int32_t* targets,
                       int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, void* scratch_v,
                       int64_t chunk_rows) {
-  LATHE_CHECK(N >= 0 && C >= 1 && V >= 1, "lm_head_loss: invalid shape N={} C={} V={}", N, C, V);
-  LATHE_CHECK(chunk_rows >= 1, "lm_head_loss: chunk_rows must be >= 1, got {}", chunk_rows);
-  LATHE_CHECK(!backward || (dx_v != nullptr && dw != nullptr), "lm_head_loss: backward needs dx and dw buffers");
-  for (int64_t n = 0; n < N; ++n)
-    LATHE_CHECK(targets[n] < V,
-                "lm_head_loss: target {} at row {} is out of range for vocab size {}; "
-                "check that the tokenizer's vocabulary matches model.vocab_size",
-                targets[n], n, V);
+  check_lm_head_args(targets, N, C, V, backward, dx_v, dw, chunk_rows);
   const u16 *x = h(x_v), *w = h(w_v);
   u16* dx = h(dx_v);
+  const int64_t R_max = std::min(chunk_rows, std::max<int64_t>(N, 1));
   float* logits = static_cast<float*>(scratch_v);
   u16* dlog = reinterpret_cast<u16*>(static_cast<char*>(scratch_v) +
-                                     static_cast<size_t>(std::min(chunk_rows, std::max<int64_t>(N, 1))) *
-                                         static_cast<size_t>(V) * sizeof(float));
+                                     static_cast<size_t>(R_max) * static_cast<size_t>(V) * sizeof(float));
+  // The calling thread's buffers, bound to references (a thread_local name inside the parallel
+  // regions would be each worker's own).
+  static thread_local head::Stats tls_stats;
+  static thread_local std::vector<float> tls_partials;  // [threads][R*C] fp32 dx partials
+  head::Stats& st = tls_stats;
+  std::vector<float>& partials = tls_partials;
+  const int nthreads = omp_get_max_threads();
+  const int64_t width = head::tile_cols(R_max);
   double total = 0.0;
   for (int64_t n0 = 0; n0 < N; n0 += chunk_rows) {
     const int64_t R = std::min(chunk_rows, N - n0);
+    const head::Tiling tl(R, V, std::min(width, V));
     const u16* xc = x + n0 * C;
-    Mm::fwd_f32(logits, xc, w, nullptr, R, C, V, false);
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < R; ++r) {
-      float* s = logits + r * V;
-      const int32_t t = targets[n0 + r];
-      if (t < 0) {
-        losses[n0 + r] = 0.0f;
-        if (backward) std::memset(dlog + r * V, 0, sizeof(u16) * V);
-        continue;
-      }
-      const float target_logit = s[t];
-      const float m = vec::row_max(s, V);
-      const double sum = vec::exp_shift_sum(s, V, m);
-      losses[n0 + r] = static_cast<float>(static_cast<double>(m) + std::log(sum) - static_cast<double>(target_logit));
-      if (backward) {
-        vec::scale(s, V, static_cast<float>(static_cast<double>(grad_scale) / sum));
-        s[t] -= grad_scale;
-        P::from_f32(dlog + r * V, s, V);
-      }
+    const int32_t* tg = targets + n0;
+    st.resize(R, tl.nb);
+    const int64_t RC = R * C;
+    const bool par = head::parallel_worth(tl, C);
+    if (backward && partials.size() < static_cast<size_t>(nthreads * RC))
+      partials.resize(static_cast<size_t>(nthreads * RC));
+#pragma omp parallel for schedule(static) if (par)
+    for (int64_t b = 0; b < tl.nb; ++b) {
+      float* tile = logits + tl.offset(b);
+      Mm::fwd_f32(tile, xc, w + tl.v0(b) * C, nullptr, R, C, tl.vb(b), false);
+      head::tile_stats(tile, tl, b, tg, backward, st);
     }
+    head::combine(tl, tg, grad_scale, backward, st, losses + n0);
     double chunk_total = 0.0;
     for (int64_t r = 0; r < R; ++r) chunk_total += losses[n0 + r];
     total += chunk_total;
-    // dx_chunk[R,C] = dlogits @ w (overwrite), dw[V,C] += dlogits^T @ x_chunk.
-    if (backward) Mm::bwd_h(dx + n0 * C, dw, nullptr, dlog, xc, w, R, C, V);
+    if (!backward) continue;
+#pragma omp parallel if (par)
+    {
+      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      float* acc = partials.data() + t * RC;
+      std::fill(acc, acc + RC, 0.0f);
+#pragma omp for schedule(static)
+      for (int64_t b = 0; b < tl.nb; ++b) {
+        float* tile = logits + tl.offset(b);
+        u16* dl = dlog + tl.offset(b);
+        const int64_t vb = tl.vb(b);
+        head::tile_dlogits(tile, tl, b, tg, grad_scale, st);
+        P::from_f32(dl, tile, R * vb);
+        Mm::bwd_f32(acc, dw + tl.v0(b) * C, nullptr, dl, xc, w + tl.v0(b) * C, R, C, vb, true);
+      }  // implicit barrier: every partial is complete
+         // dx rows = the partials summed in thread order, rounded once.
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < RC; i += 1024) {
+        const int64_t n = std::min<int64_t>(1024, RC - i);
+        float sum[1024];
+        std::copy(partials.data() + i, partials.data() + i + n, sum);
+        for (int p = 1; p < nt; ++p) {
+          const float* src = partials.data() + p * RC + i;
+          for (int64_t j = 0; j < n; ++j) sum[j] += src[j];
+        }
+        P::from_f32(dx + n0 * C + i, sum, n);
+      }
+    }
   }
   return total;
 }

@@ -105,6 +105,24 @@ inline double exp_shift_sum(float* s, int64_t n, float m) {
   return total;
 }
 
+// The sum of exp(s[j] - m) for j < n, accumulated as exp_shift_sum does; s is not written
+// (forward-only losses).
+inline double exp_shift_sum_nostore(const float* s, int64_t n, float m) {
+  double total = 0.0;
+  const v16f mv = splat(m);
+  int64_t j = 0;
+  for (; j + 16 <= n;) {
+    v16f acc{};
+    const int64_t end = std::min(n - (n - j) % 16, j + 1024);
+    for (; j < end; j += 16) acc += exp16(load(s + j) - mv);
+    double block = 0.0;
+    for (int i = 0; i < 16; ++i) block += acc[i];
+    total += block;
+  }
+  for (; j < n; ++j) total += exp1(s[j] - m);
+  return total;
+}
+
 // s[j] <- exp(s[j] - m), no sum.
 inline void exp_shift(float* s, int64_t n, float m) {
   const v16f mv = splat(m);
