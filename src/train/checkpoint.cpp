@@ -28,7 +28,6 @@ namespace lathe {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-
 // ---------------------------------------------------------------------------------------------
 
 namespace {
@@ -246,7 +245,9 @@ bool is_pad(const std::string& name) { return name.rfind(kPadPrefix, 0) == 0; }
 // not follow the previous one in memory (exp_avg -> exp_avg_sq) a U8 tensor
 // "__lathe_pad__/<next name>" of < 4096 bytes restores that congruence. Readers ignore the pads;
 // state.json does not list them. (So the file bytes depend on buffer addresses; the tensors do not.)
-std::pair<json, json> write_st(const std::string& path, const std::vector<StTensor>& ts) {
+// canonical (offline writers, train/reshard.h): no pads and the data section at a 4 KB multiple, so
+// the bytes depend on the tensors only.
+std::pair<json, json> write_st(const std::string& path, const std::vector<StTensor>& ts, bool canonical = false) {
   constexpr size_t A = HashedWriter::kAlign;
   struct Entry {
     std::string name;
@@ -257,12 +258,12 @@ std::pair<json, json> write_st(const std::string& path, const std::vector<StTens
   };
   std::vector<Entry> entries;
   std::vector<char> zeros(A, 0);
-  const uintptr_t first = ts.empty() ? 0 : reinterpret_cast<uintptr_t>(ts[0].data);
+  const uintptr_t first = ts.empty() || canonical ? 0 : reinterpret_cast<uintptr_t>(ts[0].data);
   size_t off = 0;  // data-section offset
   for (size_t i = 0; i < ts.size(); ++i) {
     const auto& t = ts[i];
     const size_t nb = static_cast<size_t>(numel(t.shape)) * 4;
-    if (i > 0 && t.data != ts[i - 1].data + numel(ts[i - 1].shape)) {
+    if (!canonical && i > 0 && t.data != ts[i - 1].data + numel(ts[i - 1].shape)) {
       // Want (data_start + off) % A == addr % A with data_start % A == first % A.
       const size_t pad = (reinterpret_cast<uintptr_t>(t.data) - first - off) % A;
       if (pad) {
@@ -596,9 +597,11 @@ std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string&
 
 namespace {
 // Collective over `group` when it is given (every rank calls it; rank 0 owns the directory).
+// Or offline (`offline` set, no group): one process writes every part of offline->parts, as the
+// ranks of a run would have written them, with canonical file layouts.
 void save_checkpoint_impl(const std::string& run_dir, const Model& model, const MomentSlice* moments,
-                          const CheckpointState& st, int keep_last, CheckpointSaveInfo* info,
-                          dist::Communicator* group) {
+                          const CheckpointState& st, int keep_last, CheckpointSaveInfo* info, dist::Communicator* group,
+                          const OfflineCheckpoint* offline = nullptr) {
   const auto t_start = std::chrono::steady_clock::now();
   if (info) *info = {};
   const int rank = group ? group->rank() : 0, world = group ? group->size() : 1;
@@ -626,7 +629,18 @@ void save_checkpoint_impl(const std::string& run_dir, const Model& model, const 
   if (rank == 0) {
     for (const ParamSpec& s : model.params().specs())
       model_ts.push_back({s.name, s.shape, model.param_data() + s.offset});
-    model_job = std::async(std::launch::async, [&] { return write_st((tmp / kModelFile).string(), model_ts); });
+    model_job = std::async(std::launch::async,
+                           [&] { return write_st((tmp / kModelFile).string(), model_ts, offline != nullptr); });
+  }
+  if (offline) {
+    const int64_t n = static_cast<int64_t>(offline->parts.size());
+    for (int64_t r = 0; r < n; ++r) {
+      const std::string file = offline->shard_files ? optim_shard_file(r, n) : std::string(kOptimFile);
+      auto [f, t] =
+          write_st((tmp / file).string(), moment_tensors(model, offline->parts[static_cast<size_t>(r)]), true);
+      files[file] = f;
+      tensors[file] = t;
+    }
   }
   // Every rank writes the moments of its flat range; one process writes them all in optimizer.safetensors.
   json mine = json::object();
@@ -664,7 +678,7 @@ void save_checkpoint_impl(const std::string& run_dir, const Model& model, const 
     group->barrier();  // until rank 0 has published the checkpoint (or the job ends on its error)
     return;
   }
-  std::string opt_name = moments ? st.optimizer : std::string();
+  std::string opt_name = moments || (offline && !offline->parts.empty()) ? st.optimizer : std::string();
   {
     auto [f, t] = model_job.get();
     files[kModelFile] = f;
@@ -697,7 +711,9 @@ void save_checkpoint_impl(const std::string& run_dir, const Model& model, const 
                {"threads", st.threads},
                {"optimizer", opt_name},
                {"recipe", st.recipe},
-               {"world", {{"world_size", world}, {"rank", 0}}},
+               {"world",
+                {{"world_size", offline && offline->shard_files ? static_cast<int64_t>(offline->parts.size()) : world},
+                 {"rank", 0}}},
                {"files", files},
                {"tensors", tensors}};
   if (st.has_health) {  // non-finite values are null (JSON has no NaN)
@@ -762,10 +778,11 @@ MomentSlice moment_slice(optim::Optimizer& opt, size_t buffer_begin, size_t begi
 }
 
 namespace {
-void save_guarded(const std::string& run_dir, const Model& model, const MomentSlice* moments,
-                  const CheckpointState& st, int keep_last, CheckpointSaveInfo* info, dist::Communicator* group) {
+void save_guarded(const std::string& run_dir, const Model& model, const MomentSlice* moments, const CheckpointState& st,
+                  int keep_last, CheckpointSaveInfo* info, dist::Communicator* group,
+                  const OfflineCheckpoint* offline = nullptr) {
   try {
-    save_checkpoint_impl(run_dir, model, moments, st, keep_last, info, group);
+    save_checkpoint_impl(run_dir, model, moments, st, keep_last, info, group, offline);
   } catch (const fs::filesystem_error& e) {
     // Which checkpoint and where: the library message names only the failing operation.
     throw_error("saving the checkpoint of step {} under {}/checkpoints (output.dir): {}", st.step, run_dir, e.what());
@@ -777,8 +794,9 @@ void save_checkpoint(const std::string& run_dir, const Model& model, optim::Opti
                      int keep_last, CheckpointSaveInfo* info) {
   if (!opt) return save_guarded(run_dir, model, nullptr, st, keep_last, info, nullptr);
   for (auto& [bname, buf] : opt->state_buffers())
-    LATHE_CHECK(buf->size() == model.num_params(), "internal: optimizer state '{}' has {} floats, the model {} parameters",
-                bname, buf->size(), model.num_params());
+    LATHE_CHECK(buf->size() == model.num_params(),
+                "internal: optimizer state '{}' has {} floats, the model {} parameters", bname, buf->size(),
+                model.num_params());
   const MomentSlice m = moment_slice(*opt, 0, 0, model.num_params());
   save_guarded(run_dir, model, &m, st, keep_last, info, nullptr);
 }
@@ -787,6 +805,13 @@ void save_checkpoint_sharded(const std::string& run_dir, const Model& model, con
                              const CheckpointState& st, int keep_last, CheckpointSaveInfo* info,
                              dist::Communicator& group) {
   save_guarded(run_dir, model, &mine, st, keep_last, info, &group);
+}
+
+void save_checkpoint_offline(const std::string& run_dir, const Model& model, const OfflineCheckpoint& parts,
+                             const CheckpointState& st, CheckpointSaveInfo* info) {
+  LATHE_CHECK(parts.shard_files || parts.parts.size() <= 1, "internal: {} optimizer parts need per-rank shard files",
+              parts.parts.size());
+  save_guarded(run_dir, model, nullptr, st, 0, info, nullptr, &parts);
 }
 
 void load_checkpoint_moments(const std::string& ckpt_dir, const Model& model, const MomentSlice& slice) {

@@ -76,7 +76,7 @@ struct CheckpointTensor {
 struct CheckpointState {
   int64_t step = 0;  // optimizer steps completed
   int64_t consumed_samples = 0;
-  data::LoaderState loader;   // epoch, position
+  data::LoaderState loader;  // epoch, position
   // data.blend runs (optional in state.json: loader.blend): samples taken from each blended dataset
   // so far and the XXH64 of the plan's first `position` entries, so a resume proves it continues
   // the same sample sequence (data/blend_cache.h). Empty for data.train runs.
@@ -149,6 +149,20 @@ MomentSlice moment_slice(optim::Optimizer& opt, size_t buffer_begin, size_t begi
 void save_checkpoint_sharded(const std::string& run_dir, const Model& model, const MomentSlice& mine,
                              const CheckpointState& st, int keep_last, CheckpointSaveInfo* info,
                              dist::Communicator& group);
+
+// What one process writes in place of a run's ranks (offline resharding, train/reshard.h): parts[r]
+// is writer rank r's flat range of the moments (none: a checkpoint without optimizer state), in
+// optimizer-rankRRRRR-of-NNNNN.safetensors when shard_files, else in optimizer.safetensors (at
+// most one part). state.json's world is the number of shard files (1 without them).
+struct OfflineCheckpoint {
+  std::vector<MomentSlice> parts;
+  bool shard_files = false;
+};
+// Writes RUN_DIR/checkpoints/step_XXXXXXXX/ as save_checkpoint does (tmp dir, fsync, rename,
+// `latest`; keep_last 0), with canonical file layouts: no alignment pads, so the same tensors and
+// state always give byte-identical files.
+void save_checkpoint_offline(const std::string& run_dir, const Model& model, const OfflineCheckpoint& parts,
+                             const CheckpointState& st, CheckpointSaveInfo* info = nullptr);
 
 // Reads the moments of flat [slice.begin, slice.end) from a checkpoint written by any number of
 // ranks (one optimizer file or per-rank shards: re-sharding is the overlap of flat ranges). Checks

@@ -44,6 +44,7 @@
 #include "train/generate.h"
 #include "train/peak.h"
 #include "train/preflight.h"
+#include "train/reshard.h"
 
 namespace lathe {
 
@@ -530,18 +531,9 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
       load_checkpoint_moments(dir, *model, mine);
       return;
     }
-    std::vector<std::vector<float>> all(mine.buffers.size(), std::vector<float>(whole_P));
-    MomentSlice whole_slice;
-    whole_slice.begin = 0;
-    whole_slice.end = whole_P;
-    for (size_t i = 0; i < all.size(); ++i) whole_slice.buffers.push_back({mine.buffers[i].first, all[i].data()});
-    load_checkpoint_moments(dir, ensure_whole(), whole_slice);
-    std::vector<float> local(P);  // this tensor rank's moments of its whole local buffer, then its ZeRO shard
-    for (size_t i = 0; i < all.size(); ++i) {
-      parallel::scatter_shard(ensure_whole().params(), all[i].data(), model->params(), local.data(), tp_rank, tp);
-      std::copy(local.begin() + static_cast<std::ptrdiff_t>(state_b),
-                local.begin() + static_cast<std::ptrdiff_t>(state_e), mine.buffers[i].second);
-    }
+    // Only the runs of each global moment that land in this rank's shard are read (train/reshard.h).
+    const CheckpointPieces pieces(dir);
+    load_moments_sharded(pieces, ensure_whole().params(), model->params(), tp_rank, tp, mine);
   };
   if (!ckpt.empty()) load_moments(ckpt);
   release_whole();
