@@ -251,7 +251,7 @@ void load_moments_sharded(const CheckpointPieces& ck, const ParamTable& global, 
 
 // ---- offline resharding --------------------------------------------------------------------
 
-void validate_layout(const ModelConfig& cfg, const json& recipe, const CheckpointLayout& to) {
+void validate_layout(const ModelConfig& cfg, const CheckpointLayout& to) {
   constexpr int64_t kMaxRanks = int64_t{1} << 20;
   auto in_range = [](const char* opt, int64_t v, int64_t lo, int64_t hi, const char* why) {
     LATHE_CHECK(v >= lo && v <= hi, "{} {}: must be in [{}, {}]{}", opt, v, lo, hi, why);
@@ -270,14 +270,6 @@ void validate_layout(const ModelConfig& cfg, const json& recipe, const Checkpoin
     } catch (const Error& e) {
       throw_error("--tensor {}: {}", to.tensor, e.what());
     }
-    std::string opt = "adamw";
-    if (recipe.is_object() && recipe.contains("optimizer") && recipe["optimizer"].is_object() &&
-        recipe["optimizer"].contains("name") && recipe["optimizer"]["name"].is_string())
-      opt = recipe["optimizer"]["name"].get<std::string>();
-    LATHE_CHECK(opt == "adamw",
-                "--tensor {}: the checkpoint's optimizer.name is '{}', which tensor-parallel training does not run "
-                "(LAMB's per-tensor trust ratio is not computed across shards); use --tensor 1",
-                to.tensor, opt);
   }
   if (to.pipeline > 1) {
     try {
@@ -296,7 +288,7 @@ ReshardResult reshard_checkpoint(const std::string& src, const std::string& dst_
   CheckpointPieces ck(src);
   const CheckpointState& st = ck.state();
   const ModelConfig cfg = checkpoint_model_config(src);
-  validate_layout(cfg, st.recipe, to);
+  validate_layout(cfg, to);
   ReshardResult res;
   res.from = checkpoint_layout(st);
   res.to = to;

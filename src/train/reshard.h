@@ -100,10 +100,10 @@ class CheckpointPieces {
 void load_moments_sharded(const CheckpointPieces& ck, const ParamTable& global, const ParamTable& local, int rank,
                           int tp, const MomentSlice& slice);
 
-// Validates `to` against the checkpoint's model and optimizer (tensor degree dividing heads, KV
-// heads and the MLP width; pipeline degree at most the layer count; ZeRO 0-2; world size); errors
-// name the option and the value.
-void validate_layout(const ModelConfig& cfg, const nlohmann::json& recipe, const CheckpointLayout& to);
+// Validates `to` against the checkpoint's model (tensor degree dividing heads, KV heads and the MLP
+// width; pipeline degree at most the layer count; ZeRO 0-2; world size); errors name the option
+// and the value.
+void validate_layout(const ModelConfig& cfg, const CheckpointLayout& to);
 
 struct ReshardResult {
   std::string dir;  // the written checkpoint directory
