@@ -31,6 +31,8 @@
 //                              writes one file per rank and lists the slice each holds. body_xxh64
 //                              is XXH64 (seed 0) of body.dump() (compact, sorted keys), so a flipped
 //                              byte anywhere in state.json is detected too.
+//   Reading at another layout (pieces intersected with what a rank needs) and rewriting offline
+//   for another layout (`lathe checkpoint reshard`): train/reshard.h.
 //   step_00000120.tmp/         a checkpoint being written (ignored, removed by the next save)
 //   latest                     "step_00000120\n", replaced atomically after each complete save
 //

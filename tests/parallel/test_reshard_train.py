@@ -11,7 +11,8 @@ losses of steps 6-10 (layouts differ only in float summation order; measured 3e-
 the saving layout (A -> B -> A). Every global
 tensor reassembled from the pieces of each written checkpoint (state.json tables + safetensors,
 read here in Python, independently of lathe's reader) must equal the source's bit for bit, and the
-round trip A -> B -> A must give files byte-identical to A -> A.
+round trip A -> B -> A must give files byte-identical to A -> A; `lathe export` of three layouts
+must give identical HF weights.
 """
 import filecmp
 import json
@@ -165,6 +166,19 @@ def main():
         # the uninterrupted run bit for bit (the moments went through two reshards unchanged).
         e = rel_after(losses(os.path.join(TMP, "a2")), straight)
         check(e == 0, f"A -> B -> A resumed at TP=2 x DP=2: steps 6-10 equal the uninterrupted run (max rel {e:.2e})")
+
+    # lathe export merges any layout into one HF directory: the same weights from every layout.
+    exported = []
+    for src in (ck, rck, b):
+        d = os.path.join(TMP, "hf_%d" % len(exported))
+        p, _ = run(1, ["export", src, "--to", d])
+        check(p.returncode == 0, f"lathe export {src}" + ("" if p.returncode == 0 else p.stderr[-500:]))
+        exported.append(d)
+    if all(os.path.exists(os.path.join(d, "model.safetensors")) for d in exported):
+        from safetensors.numpy import load_file
+        w = [load_file(os.path.join(d, "model.safetensors")) for d in exported]
+        check(all(set(x) == set(w[0]) and all(x[k].tobytes() == w[0][k].tobytes() for k in x) for x in w[1:]),
+              f"lathe export of TP=2 x DP=2, DP=4 and DP=3 checkpoints: identical HF weights ({len(w[0])} tensors)")
 
     p, _ = run(1, ["checkpoint", "info", ck, "--json"])
     info = json.loads(p.stdout) if p.returncode == 0 else {}
