@@ -14,7 +14,6 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/command.h"
-#include "models/model.h"
 #include "train/checkpoint.h"
 #include "train/reshard.h"
 
@@ -70,12 +69,14 @@ int run_info(int argc, char** argv) {
   const CheckpointPieces ck(dir);
   const CheckpointState& st = ck.state();
   const CheckpointLayout l = checkpoint_layout(st);
-  const ModelConfig cfg = checkpoint_model_config(dir);
-  std::unique_ptr<Model> model = build_model(cfg);
-  int64_t weights = 0, moments = 0, pieces = 0;
+  checkpoint_model_config(dir);  // the saved recipe names a valid model
+  // Counted from the tables (no model is built: info stays cheap for any size).
+  int64_t weights = 0, moments = 0, pieces = 0, params = 0;
   for (const std::string& name : ck.names()) {
     ck.check(name, ck.global_shape(name));  // every element exactly once
-    (name.find('/') == std::string::npos ? weights : moments) += 1;
+    const bool weight = name.find('/') == std::string::npos;
+    (weight ? weights : moments) += 1;
+    if (weight) params += numel(ck.global_shape(name));
     pieces += static_cast<int64_t>(ck.pieces(name));
   }
   int64_t bytes = 0;
@@ -87,7 +88,7 @@ int run_info(int argc, char** argv) {
         {"consumed_samples", st.consumed_samples},
         {"layout", {{"tensor", l.tensor}, {"pipeline", l.pipeline}, {"data", l.data}, {"zero", l.zero}}},
         {"writers", st.world_size},
-        {"parameters", model->num_params()},
+        {"parameters", params},
         {"optimizer", st.optimizer},
         {"lathe_version", st.lathe_version},
         {"bytes", bytes},
@@ -104,7 +105,7 @@ int run_info(int argc, char** argv) {
   fmt::print("checkpoint {}\n  step {} ({} samples consumed), lathe {}\n", dir, st.step, st.consumed_samples,
              st.lathe_version);
   fmt::print("  layout: {}, written by {} writer{}\n", layout_str(l), st.world_size, st.world_size == 1 ? "" : "s");
-  fmt::print("  model: {} parameters; optimizer: {}\n", model->num_params(),
+  fmt::print("  model: {} parameters; optimizer: {}\n", params,
              st.optimizer.empty() ? std::string("(none saved)") : st.optimizer);
   fmt::print("  tensors: {} weights, {} moments in {} pieces, each element stored exactly once\n", weights, moments,
              pieces);

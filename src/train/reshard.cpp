@@ -301,7 +301,7 @@ ReshardResult reshard_checkpoint(const std::string& src, const std::string& dst_
   res.dir = out.string();
 
   // The global state: every weight whole, every moment as a flat buffer of the model's layout.
-  std::unique_ptr<Model> model = build_model(cfg);
+  std::unique_ptr<Model> model = build_model(cfg, ComputeSpec{nullptr, DType::F32, /*gradients=*/false});
   const ParamTable& table = model->params();
   std::set<std::string> params;
   for (const ParamSpec& s : table.specs()) {
