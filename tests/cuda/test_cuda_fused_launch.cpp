@@ -158,17 +158,20 @@ TEST(CudaLmHeadLaunch, ScratchLayout) {
   EXPECT_EQ(f.logits, 0u);
   EXPECT_EQ(f.dlogits, 0u);  // fp32: dlogits in place
   EXPECT_EQ(f.aux, 256u);    // 160 bytes rounded up to 256
-  EXPECT_EQ(f.bytes, 256u + lm_head::kAuxBytes);
+  EXPECT_EQ(f.stats, 256u + lm_head::kAuxBytes);
+  EXPECT_EQ(f.bytes, f.stats + 256u);  // 3 x 4 doubles rounded up
   const lm_head::ScratchLayout h = lm_head::scratch_layout(4, 10, 2);
   EXPECT_EQ(h.dlogits, 256u);
   EXPECT_EQ(h.aux, 512u);
-  EXPECT_EQ(h.bytes, 512u + lm_head::kAuxBytes);
+  EXPECT_EQ(h.bytes, 512u + lm_head::kAuxBytes + 256u);
   // GPT-2 vocabulary, 1024-row chunks: the logits chunk dominates; bf16 adds its dlogits copy.
   const lm_head::ScratchLayout g = lm_head::scratch_layout(1024, 50257, 2);
   EXPECT_EQ(g.dlogits, lm_head::align_up(size_t{1024} * 50257 * 4));
   EXPECT_GE(g.bytes, size_t{1024} * 50257 * 6);
   EXPECT_EQ(g.dlogits % lm_head::kAlign, 0u);
   EXPECT_EQ(g.aux % lm_head::kAlign, 0u);
+  EXPECT_EQ(g.stats % lm_head::kAlign, 0u);
+  EXPECT_EQ(g.bytes - g.stats, lm_head::align_up(3 * 1024 * 8));
   EXPECT_EQ(lm_head::scratch_layout(0, 10, 4).bytes, 0u);
   EXPECT_EQ(lm_head::scratch_layout(int64_t{1} << 40, int64_t{1} << 30, 4).bytes, 0u) << "overflow is refused";
 }

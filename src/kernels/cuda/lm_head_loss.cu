@@ -79,6 +79,73 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
+// ---- vocab-parallel rows (tensor parallelism: this rank's w holds vocabulary rows
+// [vocab_begin, vocab_begin + V) of global_V), as kernels/cpu/lm_head_loss_vocab_parallel.cpp:
+// per chunk, mx[R] = local row maxima (all-reduced: max), then sums[R] = sum exp(logit - mx) and
+// tgt[R] = the target logit on the shard holding it, 0 elsewhere (all-reduced together: sum), then
+// losses and dlogits from the whole row's statistics. red = [mx | sums | tgt], 3R doubles.
+__global__ void __launch_bounds__(kRowThreads)
+    vp_row_max_kernel(const float* __restrict__ logits, int64_t V, double* __restrict__ mx) {
+  __shared__ float red_f[kRowThreads / 32];
+  const float* s = logits + static_cast<int64_t>(blockIdx.x) * V;
+  float m = -INFINITY;
+  for (int64_t j = threadIdx.x; j < V; j += kRowThreads) m = fmaxf(m, s[j]);
+  m = block_max<kRowThreads>(m, red_f);
+  if (threadIdx.x == 0) mx[blockIdx.x] = static_cast<double>(m);
+}
+
+// The column of row r's target in this shard, or -1 (ignored row or another shard's column).
+__device__ __forceinline__ int64_t local_target(int32_t t, int64_t vocab_begin, int64_t V) {
+  const int64_t c = static_cast<int64_t>(t) - vocab_begin;
+  return t >= 0 && c >= 0 && c < V ? c : -1;
+}
+
+__global__ void __launch_bounds__(kRowThreads)
+    vp_row_sums_kernel(const float* __restrict__ logits, const int32_t* __restrict__ targets, int64_t V,
+                       int64_t vocab_begin, int64_t R, double* __restrict__ red) {
+  __shared__ double red_d[kRowThreads / 32];
+  const int64_t r = blockIdx.x;
+  const float* s = logits + r * V;
+  const int32_t t = targets[r];
+  const float m = static_cast<float>(red[r]);
+  double sum = 0.0;
+  if (t >= 0)
+    for (int64_t j = threadIdx.x; j < V; j += kRowThreads) sum += static_cast<double>(expf(s[j] - m));
+  sum = block_sum<kRowThreads>(sum, red_d);
+  if (threadIdx.x == 0) {
+    const int64_t c = local_target(t, vocab_begin, V);
+    red[R + r] = sum;
+    red[2 * R + r] = c >= 0 ? static_cast<double>(s[c]) : 0.0;
+  }
+}
+
+template <typename G>
+__global__ void __launch_bounds__(kRowThreads)
+    vp_apply_kernel(float* __restrict__ losses, float* logits, G* dl, const int32_t* __restrict__ targets, int64_t V,
+                    int64_t vocab_begin, int64_t R, const double* __restrict__ red, float grad_scale, bool backward) {
+  const int64_t r = blockIdx.x;
+  float* s = logits + r * V;
+  G* d = dl + r * V;
+  const int32_t t = targets[r];
+  if (t < 0) {
+    if (threadIdx.x == 0) losses[r] = 0.0f;
+    if (backward)
+      for (int64_t j = threadIdx.x; j < V; j += kRowThreads) store_f(d + j, 0.0f);
+    return;
+  }
+  const double mx = red[r], sum = red[R + r], tgt = red[2 * R + r];
+  if (threadIdx.x == 0) losses[r] = static_cast<float>(mx + log(sum) - tgt);
+  if (!backward) return;
+  const float m = static_cast<float>(mx);
+  const float factor = static_cast<float>(static_cast<double>(grad_scale) / sum);
+  const int64_t c = local_target(t, vocab_begin, V);
+  for (int64_t j = threadIdx.x; j < V; j += kRowThreads) {
+    float g = expf(s[j] - m) * factor;
+    if (j == c) g -= grad_scale;
+    store_f(d + j, g);
+  }
+}
+
 // aux->total = sum of losses[0, N) in double: thread i adds rows i, i + 1024, ... in order, then a
 // fixed-order block reduction.
 __global__ void __launch_bounds__(kReduceThreads)
@@ -96,13 +163,28 @@ struct Aux {
   double total;
 };
 
+// This rank's share of a vocabulary split across the tensor-parallel group (kernels/backend.h's
+// VocabParallel); nullptr: the whole vocabulary. all_reduce works in place on device doubles
+// written by kernels on stream(): it must order its own work after them (NCCL on stream(), or a
+// synchronisation) and finish before it returns or on stream().
+struct VocabSplit {
+  int64_t vocab_begin = 0, global_V = 0;
+  void (*all_reduce)(void* ctx, double* buf, int64_t count, bool max) = nullptr;
+  void* ctx = nullptr;
+};
+
 template <DType D>
 double lm_head_loss_impl(float* losses, void* dx_v, float* dw, const void* x_v, const void* w_v, const int32_t* targets,
                          int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, void* scratch,
-                         int64_t chunk_rows) {
+                         int64_t chunk_rows, const VocabSplit* vs) {
   LATHE_CU_CHECK(N >= 0 && C >= 1 && V >= 1, "lm_head_loss: invalid shape N={} C={} V={}", N, C, V);
   LATHE_CU_CHECK(chunk_rows >= 1, "lm_head_loss: chunk_rows must be >= 1, got {}", chunk_rows);
   LATHE_CU_CHECK(!backward || (dx_v != nullptr && dw != nullptr), "lm_head_loss: backward needs dx and dw buffers");
+  if (vs)
+    LATHE_CU_CHECK(vs->vocab_begin >= 0 && vs->vocab_begin + V <= vs->global_V,
+                   "lm_head_loss: vocab shard [{}, {}) is not inside the vocabulary of {} rows", vs->vocab_begin,
+                   vs->vocab_begin + V, vs->global_V);
+  const int64_t vocab = vs ? vs->global_V : V;  // targets are global ids
   if (N == 0) return 0.0;
   const int64_t R = std::min(chunk_rows, N);
   LATHE_CU_CHECK(lm_head::gemm_dims_fit(R, C, V) && N < (int64_t{1} << 31),
@@ -117,11 +199,12 @@ double lm_head_loss_impl(float* losses, void* dx_v, float* dw, const void* x_v, 
   using G = St;  // dlogits element type: 16-bit dlogits feed the 16-bit GEMMs, fp32 ones stay in place
   G* dl = reinterpret_cast<G*>(base + lay.dlogits);
   auto* aux = reinterpret_cast<Aux*>(base + lay.aux);
+  auto* red = reinterpret_cast<double*>(base + lay.stats);  // [3R]: vocab-parallel row statistics
   const cudaStream_t st = stream();
 
   // 0. targets
   LATHE_CUDA_CHECK(cudaMemsetAsync(&aux->first_bad, 0xff, sizeof(aux->first_bad), st));
-  check_targets_kernel<<<static_cast<unsigned>(lm_head::check_blocks(N)), kCheckThreads, 0, st>>>(targets, N, V,
+  check_targets_kernel<<<static_cast<unsigned>(lm_head::check_blocks(N)), kCheckThreads, 0, st>>>(targets, N, vocab,
                                                                                                   &aux->first_bad);
   check_launch("lm_head_loss (target check)");
   unsigned long long bad = 0;
@@ -143,9 +226,23 @@ double lm_head_loss_impl(float* losses, void* dx_v, float* dw, const void* x_v, 
     const lm_head::ChunkRows rows = lm_head::chunk_rows_of(c, N, chunk_rows);
     const St* xc = x + rows.first * C;
     gemm_nt_f32out<D>(logits, xc, w, rows.count, C, V, false);
-    softmax_xent_kernel<G><<<static_cast<unsigned>(rows.count), kRowThreads, 0, st>>>(
-        losses + rows.first, logits, dl, targets + rows.first, V, grad_scale, backward);
-    check_launch("lm_head_loss (softmax / cross-entropy)");
+    const unsigned nrows = static_cast<unsigned>(rows.count);
+    const int32_t* tc = targets + rows.first;
+    if (vs == nullptr) {
+      softmax_xent_kernel<G>
+          <<<nrows, kRowThreads, 0, st>>>(losses + rows.first, logits, dl, tc, V, grad_scale, backward);
+      check_launch("lm_head_loss (softmax / cross-entropy)");
+    } else {
+      vp_row_max_kernel<<<nrows, kRowThreads, 0, st>>>(logits, V, red);
+      check_launch("lm_head_loss (vocab-parallel row max)");
+      if (vs->all_reduce) vs->all_reduce(vs->ctx, red, rows.count, true);
+      vp_row_sums_kernel<<<nrows, kRowThreads, 0, st>>>(logits, tc, V, vs->vocab_begin, rows.count, red);
+      check_launch("lm_head_loss (vocab-parallel row sums)");
+      if (vs->all_reduce) vs->all_reduce(vs->ctx, red + rows.count, 2 * rows.count, false);
+      vp_apply_kernel<G><<<nrows, kRowThreads, 0, st>>>(losses + rows.first, logits, dl, tc, V, vs->vocab_begin,
+                                                        rows.count, red, grad_scale, backward);
+      check_launch("lm_head_loss (vocab-parallel softmax / cross-entropy)");
+    }
     if (backward) {
       // dx_chunk[R, C] = dlogits[R, V] @ w[V, C];  dw[V, C] += dlogits^T @ x_chunk[R, C]
       matmul_backward<D>(dx + rows.first * C, dw, nullptr, dl, xc, w, rows.count, C, V, false);
@@ -173,7 +270,8 @@ void logits_impl(float* logits, const void* x, const void* w, int64_t M, int64_t
 template <DType D>
 double lm_head_loss(float* losses, void* dx, float* dw, const void* x, const void* w, const int32_t* targets, int64_t N,
                     int64_t C, int64_t V, float grad_scale, bool backward, void* scratch, int64_t chunk_rows) {
-  return lm_head_loss_impl<D>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows);
+  return lm_head_loss_impl<D>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows,
+                              nullptr);
 }
 template <DType D>
 size_t lm_head_loss_scratch_bytes(int64_t chunk_rows, int64_t V) {

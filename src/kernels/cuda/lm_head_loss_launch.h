@@ -6,6 +6,7 @@
 //   [dlogits, + R*V*2)     bf16 table only: the dlogits rounded to bf16 for the two backward GEMMs
 //                          (the CPU bf16 table rounds them the same way)
 //   [aux, + kAuxBytes)     the first out-of-range target row (uint64) and the loss sum (double)
+//   [stats, + 3*R*8)       vocab-parallel row statistics: max, exp-sum, target logit (double)
 // so the full N x V logits never exist: memory is R x V whatever N is.
 #pragma once
 #include <cstddef>
@@ -26,6 +27,7 @@ struct ScratchLayout {
   size_t logits = 0;   // offset of the fp32 logits [R, V]
   size_t dlogits = 0;  // offset of the bf16 dlogits [R, V] (== logits for fp32: in place)
   size_t aux = 0;      // offset of the auxiliary words
+  size_t stats = 0;    // offset of the vocab-parallel statistics [3R] doubles
   size_t bytes = 0;    // total; 0 when the sizes overflow size_t
 };
 
@@ -40,7 +42,8 @@ constexpr ScratchLayout scratch_layout(int64_t chunk_rows, int64_t V, int elem_b
   s.logits = 0;
   s.dlogits = elem_bytes == 4 ? 0 : logits_bytes;
   s.aux = elem_bytes == 4 ? logits_bytes : logits_bytes + align_up(R * v * 2);
-  s.bytes = s.aux + kAuxBytes;
+  s.stats = s.aux + kAuxBytes;
+  s.bytes = s.stats + align_up(3 * R * 8);
   return s;
 }
 
