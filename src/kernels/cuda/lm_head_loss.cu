@@ -216,7 +216,7 @@ double lm_head_loss_impl(float* losses, void* dx_v, float* dw, const void* x_v, 
     fail(
         "lm_head_loss: target {} at row {} is out of range for vocab size {}; check that the tokenizer's "
         "vocabulary matches model.vocab_size",
-        t, bad, V);
+        t, bad, vocab);
   }
 
   const auto* x = static_cast<const St*>(x_v);
