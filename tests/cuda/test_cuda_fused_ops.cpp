@@ -12,8 +12,10 @@
 // Determinism: every kernel called twice on the same inputs gives the same bits.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -217,6 +219,38 @@ TEST(CudaFusedOps, AttentionMatchesCpuForwardAndBackward) {
       EXPECT_TRUE(d_dqkv.get<uint8_t>(dqkv.size()) == g_dqkv) << "backward not deterministic";
     }
   }
+}
+
+// Figures for the GPU run's log (tests/cuda/run_on_gpu.sh), not a pass criterion beyond finite
+// results: GPT-2 124M's attention shape (B=8, T=1024, H=12, D=64) in bf16, forward and backward,
+// milliseconds and TFLOP/s (causal: 2 x 2 x B x H x D x T^2 / 2 flops forward, 2.5x that backward).
+TEST(CudaFusedOps, AttentionTimingGpt2Shape) {
+  REQUIRE_GPU();
+  const AttnCase c{8, 1024, 12, 12, 64, -1.0};
+  const int64_t nqkv = c.B * c.T * (c.H + 2 * c.KVH) * c.D, nout = c.B * c.T * c.H * c.D;
+  Dev d_qkv(nqkv * 2), d_dout(nout * 2), d_out(nout * 2), d_dqkv(nqkv * 2), d_lse(c.B * c.H * c.T * 4);
+  d_qkv.put(encode(randn(nqkv, 71), DType::BF16));
+  d_dout.put(encode(randn(nout, 72), DType::BF16));
+  auto run = [&](bool backward) {
+    if (backward)
+      cuda_attention_backward(DType::BF16, d_dqkv.p, d_dout.p, d_qkv.p, d_out.p, d_lse.as<float>(), c, nullptr);
+    else
+      cuda_attention_forward(DType::BF16, d_out.p, d_lse.as<float>(), d_qkv.p, c, nullptr);
+  };
+  const double fwd_flops = 2.0 * 2.0 * c.B * c.H * c.D * static_cast<double>(c.T) * c.T / 2.0;
+  for (bool backward : {false, true}) {
+    run(backward);  // warm-up (first launch sets the shared-memory limit)
+    cuda_backend().synchronize();
+    const int reps = 5;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < reps; ++i) run(backward);
+    cuda_backend().synchronize();
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / reps;
+    const double flops = backward ? 2.5 * fwd_flops : fwd_flops;
+    std::printf("attention %s bf16 B=8 T=1024 H=12 D=64: %.3f ms, %.1f TFLOP/s\n", backward ? "backward" : "forward",
+                ms, flops / (ms * 1e-3) / 1e12);
+  }
+  for (float v : d_lse.get<float>(c.B * c.H * c.T)) ASSERT_TRUE(std::isfinite(v));
 }
 
 TEST(CudaFusedOps, AttentionRefusesHeadDimAbove128) {
