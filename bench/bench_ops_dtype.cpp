@@ -144,8 +144,8 @@ int main(int argc, char** argv) {
     add("attention bwd", true,
         [&] { o.attention_backward(g.p(), y.p(), x.p(), y.p(), lse.f(), B, T, H, KV, D, scratch.data(), nullptr); });
     add("embedding fwd+bwd", false, [&] {
-      o.embedding_forward(y.p(), tok.data(), w.p(), gpt2 ? x.p() : nullptr, B, T, C, nullptr);
-      o.embedding_backward(gw.f(), nullptr, g.p(), tok.data(), B, T, C, nullptr);
+      o.embedding_forward(y.p(), tok.data(), w.p(), gpt2 ? x.p() : nullptr, B, T, C, nullptr, 0, V);
+      o.embedding_backward(gw.f(), nullptr, g.p(), tok.data(), B, T, C, nullptr, 0, V);
     });
     add(fmt::format("  its fwd GEMMs ({}x{}x{}) x{}", chunk, C, V, N / chunk), false, [&] {
       for (int64_t n0 = 0; n0 < N; n0 += chunk) o.logits_forward(gw.f(), x.p(), w.p(), chunk, C, V);
@@ -164,7 +164,7 @@ int main(int argc, char** argv) {
     });
     add(fmt::format("lm_head_loss fwd+bwd (V={})", V), false, [&] {
       o.lm_head_loss(losses.f(), y.p(), gw.f(), x.p(), w.p(), tok.data(), N, C, V, 1.0f / N, true, scratch.data(),
-                     chunk);
+                     chunk, nullptr);
     });
   }
   fmt::print("{} B={} T={} threads={} blas={}\n{:<44}", argv[1], B, T, omp_get_max_threads(), blas_kernel_name(), "op");

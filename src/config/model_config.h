@@ -47,6 +47,11 @@ struct ModelConfig {
   // > 0: the head width of a tensor-parallel shard's config, whose num_attention_heads counts only
   // this rank's heads (src/parallel/tensor_parallel.h); never read from or written to config.json.
   int64_t shard_head_dim = 0;
+  // > 0: the whole vocabulary of a tensor-parallel shard's config, whose vocab_size counts only this
+  // rank's rows of wte / lm_head (vocab parallel); never read from or written to config.json.
+  int64_t shard_global_vocab = 0;
+  // The vocabulary token ids and targets range over (vocab_size, except in a shard's config).
+  int64_t global_vocab() const { return shard_global_vocab > 0 ? shard_global_vocab : vocab_size; }
 
   int64_t head_dim() const {
     if (shard_head_dim > 0) return shard_head_dim;

@@ -29,6 +29,21 @@
 
 namespace lathe {
 
+// The vocabulary split of tensor parallelism (parallel/tensor_parallel.h) as the lm-head loss sees
+// it: this rank's w holds rows [vocab_begin, vocab_begin + V) of a vocabulary of global_V rows, and
+// all_reduce combines per-row statistics across the group. Passed as a nullable pointer: nullptr is
+// the whole vocabulary on one rank.
+struct VocabParallel {
+  int64_t vocab_begin = 0;
+  int64_t global_V = 0;
+  // In place over `count` doubles in the backend's memory, across the vocab-parallel group: the
+  // element-wise maximum when `max`, else the sum (in rank order, src/dist/comm.h). Called in the
+  // same order on every rank (collective). A plain function pointer and its context: the model has
+  // no communicator (tensor_parallel.cpp installs both through StepHooks::vocab).
+  void (*all_reduce)(void* ctx, double* buf, int64_t count, bool max) = nullptr;
+  void* ctx = nullptr;
+};
+
 struct Ops {
   // Which table this is (errors and test names): backend name ("cpu") and compute dtype.
   const char* backend = "";
@@ -42,10 +57,14 @@ struct Ops {
 
   // ---- token + learned position embedding -----------------------------------------------------
   // positions [B, T] (nullptr: position t): the wpe row of each token (documents restart at 0).
+  // wte holds vocabulary rows [vocab_begin, vocab_begin + vocab_rows) ([vocab_rows, C]; the whole
+  // table: 0, V): a token outside them contributes a zero row in forward (out = wpe row, or 0
+  // without wpe) and no gradient in backward (vocab-parallel embedding: the partial outputs of the
+  // shards are summed across the group by the caller, and wpe is passed to one shard only).
   void (*embedding_forward)(void* out, const int32_t* tokens, const void* wte, const void* wpe, int64_t B, int64_t T,
-                            int64_t C, const int32_t* positions) = nullptr;
+                            int64_t C, const int32_t* positions, int64_t vocab_begin, int64_t vocab_rows) = nullptr;
   void (*embedding_backward)(float* dwte, float* dwpe, const void* dout, const int32_t* tokens, int64_t B, int64_t T,
-                             int64_t C, const int32_t* positions) = nullptr;
+                             int64_t C, const int32_t* positions, int64_t vocab_begin, int64_t vocab_rows) = nullptr;
 
   // ---- LayerNorm / RMSNorm -------------------------------------------------------------------
   void (*layernorm_forward)(void* out, float* mean, float* rstd, const void* inp, const float* weight,
@@ -89,9 +108,16 @@ struct Ops {
   size_t (*attention_scratch_bytes)(int64_t T, int64_t D) = nullptr;
 
   // ---- lm head + softmax + cross-entropy, chunked over rows ------------------------------------
+  // vp == nullptr: w is the whole [V, C] output embedding (kernels/cpu/ops.h states the math).
+  // vp != nullptr (vocab parallel): w[V, C] holds rows [vp->vocab_begin, +V) of vp->global_V; targets
+  // are global ids in [0, global_V) (or < 0: ignored). Per chunk: local logits [R, V], the row max
+  // all-reduced (max), then the sum of exp(logit - max) and the target logit (from the shard that
+  // holds it, 0 elsewhere) all-reduced (sum), so losses (and the returned sum) are the whole
+  // vocabulary's, the same on every rank. dw gets this shard's rows; dx receives this shard's
+  // PARTIAL input gradient (dlogits_local @ w): the caller sums dx across the group.
   double (*lm_head_loss)(float* losses, void* dx, float* dw, const void* x, const void* w, const int32_t* targets,
                          int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, void* scratch,
-                         int64_t chunk_rows) = nullptr;
+                         int64_t chunk_rows, const VocabParallel* vp) = nullptr;
   size_t (*lm_head_loss_scratch_bytes)(int64_t chunk_rows, int64_t V) = nullptr;
 
   // ---- fp32 logits (evaluation, generation) -----------------------------------------------------

@@ -161,7 +161,7 @@ void decode_chunk(Model& model, KvCache& c, const int32_t* tokens, int64_t T, fl
   // Embedding: learned positions pos..pos+T-1 are the rows of wpe starting at pos (positions
   // nullptr: row t of the table passed; generation is one document, so no document positions).
   ops.embedding_forward(x, tokens, model.compute_weight(w.wte), w.wpe ? model.compute_weight(w.wpe + pos * C) : nullptr,
-                        B, T, C, nullptr);
+                        B, T, C, nullptr, 0, V);
   auto norm = [&](void* out, const void* in, const float* nw, const float* nb, int64_t rows) {
     if (arch.layernorm)
       ops.layernorm_forward(out, mean, rstd, in, nw, nb, rows, C, eps);

@@ -87,6 +87,15 @@ struct StepHooks {
   // whose bias the model adds after it (once, not once per rank), and in backward on the input
   // gradient of the column-parallel GEMMs (q|k|v, fc or gate|up). Unset: the layers are whole.
   std::function<void(void* buf, int64_t count)> reduce_partial;
+  // Vocab-parallel embedding and head (tensor parallelism): this rank's wte / lm_head hold rows
+  // [vocab.vocab_begin, + config().vocab_size) of config().global_vocab(). all_reduce unset: the
+  // whole vocabulary. When set, reduce_partial also sums the embedding's partial outputs (the shard
+  // holding row 0 adds wpe) and the head's partial input gradient, and gather_vocab is needed for
+  // forward_logits.
+  VocabParallel vocab;
+  // Vocab parallel: `local` [M, V_local] fp32 logits of this rank -> `whole` [M, global V] (every
+  // rank's columns in rank order; an all-gather). Used by forward_logits / forward_last_logits.
+  std::function<void(const float* local, float* whole, int64_t M, int64_t v_local)> gather_vocab;
 };
 
 // The initial values of one tensor of the table (what Model::init_weights writes at s.offset):
@@ -178,7 +187,7 @@ class Model {
   double head_loss(const int32_t* targets, int64_t B, int64_t T, float grad_scale, bool backward);
   void layer_backward(int64_t l, int64_t B, int64_t T);
   void embedding_backward(const int32_t* tokens, int64_t B, int64_t T);
-  // logits [B, T, V] of every position (tests and parity checks).
+  // logits [B, T, V] of every position (tests and parity checks; V = config().global_vocab()).
   void forward_logits(const int32_t* tokens, int64_t B, int64_t T, float* logits);
   // logits [B, V] of the last position only (generation).
   void forward_last_logits(const int32_t* tokens, int64_t B, int64_t T, float* logits);
@@ -242,6 +251,9 @@ class Model {
   // Tensors whose gradients are complete after each block's backward (block numbering of StepHooks).
   std::vector<std::vector<std::pair<size_t, size_t>>> grad_ranges_by_block_;
   StepHooks hooks_;
+  // &hooks_.vocab when the embedding and head are vocab-parallel, else nullptr (error for a vocab
+  // shard's model without the hook).
+  const VocabParallel* vocab_parallel() const;
 
   ModelConfig cfg_;
   Arch arch_;

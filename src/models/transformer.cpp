@@ -430,14 +430,33 @@ void Model::embedding_forward(const int32_t* tokens, int64_t B, int64_t T) {
   LATHE_CHECK(B <= max_B_ && T <= max_T_, "batch {}x{} exceeds the allocated {}x{}", B, T, max_B_, max_T_);
   check_compute_weights();  // every pass starts here
   LATHE_DIMS;
-  const int64_t V = cfg_.vocab_size;
+  const int64_t V = cfg_.global_vocab();
   for (int64_t i = 0; i < N; ++i)
     LATHE_CHECK(tokens[i] >= 0 && tokens[i] < V, "token id {} at position {} is outside the vocabulary [0, {})",
                 tokens[i], i, V);
   // With T below the allocated length the RoPE tables still hold positions 0..T-1 in their
   // first T rows, so they can be used as they are.
   check_documents_shape(B, T);
-  ops_->embedding_forward(emb_, tokens, cw(p_.wte), cw(p_.wpe), B, T, C, doc_positions());
+  const VocabParallel* vp = vocab_parallel();
+  const int64_t vb = vp ? vp->vocab_begin : 0;
+  // Vocab parallel: each shard writes its tokens' rows (zeros for the others'), the shard holding
+  // row 0 adds wpe, and the partial outputs are summed: exactly one wte row and one wpe row per
+  // token, so the sum is the whole lookup (bit for bit in fp32 and for 16-bit tables).
+  ops_->embedding_forward(emb_, tokens, cw(p_.wte), vb == 0 ? cw(p_.wpe) : nullptr, B, T, C, doc_positions(), vb,
+                          cfg_.vocab_size);
+  if (vp) hooks_.reduce_partial(emb_, N * C);
+}
+
+const VocabParallel* Model::vocab_parallel() const {
+  if (hooks_.vocab.all_reduce == nullptr) {
+    LATHE_CHECK(cfg_.global_vocab() == cfg_.vocab_size,
+                "model: this model holds {} of the {} vocabulary rows (a tensor-parallel shard) but has no "
+                "vocab-parallel reduction; attach it with parallel::attach_tensor_parallel",
+                cfg_.vocab_size, cfg_.global_vocab());
+    return nullptr;
+  }
+  LATHE_CHECK(hooks_.reduce_partial != nullptr, "model: the vocab-parallel head needs StepHooks::reduce_partial too");
+  return &hooks_.vocab;
 }
 
 void Model::norm_forward(int64_t l, bool second, int64_t N) {
@@ -523,13 +542,15 @@ double Model::head_loss(const int32_t* targets, int64_t B, int64_t T, float grad
   trace::Scope span(backward ? "head forward+backward" : "head forward", trace::Cat::Compute);
   LATHE_CHECK(!backward || has_gradients(), "model: backward pass on a model built without gradients");
   LATHE_DIMS;
-  const int64_t V = cfg_.vocab_size;
+  const int64_t V = cfg_.vocab_size;  // this rank's rows under vocab parallelism
   final_norm_forward(B, T);
   // targets are range-checked by lm_head_loss
   float* dlm = arch_.tied_lm_head ? g_.wte : g_.lm_head;
+  const VocabParallel* vp = vocab_parallel();
   const double loss_sum = ops_->lm_head_loss(losses_, dln_, dlm, lnf_, cw(p_.lm_head), targets, N, C, V, grad_scale,
-                                             backward, scratch_, chunk_rows_);
+                                             backward, scratch_, chunk_rows_, vp);
   if (!backward) return loss_sum;
+  if (vp) hooks_.reduce_partial(dln_, N * C);  // each shard's dlogits @ w covers its vocabulary rows only
   // dres_ carries dL/d(residual stream) downwards; norms add into it.
   backend_->memset(dres_, 0, static_cast<size_t>(N * C * act_size_));
   const void* x_last = la_.empty() ? emb_ : la_.back().res2;
@@ -588,7 +609,11 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
 void Model::embedding_backward(const int32_t* tokens, int64_t B, int64_t T) {
   trace::Scope span("embedding backward", trace::Cat::Compute);
   LATHE_CHECK(has_gradients(), "model: backward pass on a model built without gradients");
-  ops_->embedding_backward(g_.wte, g_.wpe, dres_, tokens, B, T, cfg_.hidden_size, doc_positions());
+  // dres_ is whole on every rank: each vocab shard adds its own rows of dwte; dwpe (replicated) is
+  // the same on every rank.
+  const VocabParallel* vp = vocab_parallel();
+  ops_->embedding_backward(g_.wte, g_.wpe, dres_, tokens, B, T, cfg_.hidden_size, doc_positions(),
+                           vp ? vp->vocab_begin : 0, cfg_.vocab_size);
 }
 #undef LATHE_DIMS
 
@@ -627,15 +652,27 @@ double Model::forward_backward(const int32_t* tokens, const int32_t* targets, in
 void Model::forward_logits(const int32_t* tokens, int64_t B, int64_t T, float* logits) {
   forward_body(tokens, B, T);
   // fp32 logits from the compute-dtype final norm output and lm head (fp32 accumulation).
-  ops_->logits_forward(logits, lnf_, cw(p_.lm_head), B * T, cfg_.hidden_size, cfg_.vocab_size);
+  if (!vocab_parallel()) {
+    ops_->logits_forward(logits, lnf_, cw(p_.lm_head), B * T, cfg_.hidden_size, cfg_.vocab_size);
+    return;
+  }
+  // Vocab parallel: this rank's columns [B*T, V_local], then every rank's gathered into [B*T, V].
+  LATHE_CHECK(hooks_.gather_vocab != nullptr, "model: vocab-parallel logits need StepHooks::gather_vocab");
+  std::vector<float> local(static_cast<size_t>(B * T * cfg_.vocab_size));
+  ops_->logits_forward(local.data(), lnf_, cw(p_.lm_head), B * T, cfg_.hidden_size, cfg_.vocab_size);
+  hooks_.gather_vocab(local.data(), logits, B * T, cfg_.vocab_size);
 }
 
 void Model::forward_last_logits(const int32_t* tokens, int64_t B, int64_t T, float* logits) {
   forward_body(tokens, B, T);
-  const int64_t C = cfg_.hidden_size;
+  const int64_t C = cfg_.hidden_size, V = cfg_.vocab_size;
+  const bool vp = vocab_parallel() != nullptr;
+  LATHE_CHECK(!vp || hooks_.gather_vocab != nullptr, "model: vocab-parallel logits need StepHooks::gather_vocab");
+  std::vector<float> local(vp ? static_cast<size_t>(B * V) : 0);
   for (int64_t b = 0; b < B; ++b)
-    ops_->logits_forward(logits + b * cfg_.vocab_size, act_at(lnf_, (b * T + T - 1) * C), cw(p_.lm_head), 1, C,
-                         cfg_.vocab_size);
+    ops_->logits_forward(vp ? local.data() + b * V : logits + b * V, act_at(lnf_, (b * T + T - 1) * C), cw(p_.lm_head),
+                         1, C, V);
+  if (vp) hooks_.gather_vocab(local.data(), logits, B, V);
 }
 
 }  // namespace lathe

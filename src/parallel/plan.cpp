@@ -194,7 +194,11 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l, Schedule
   // ---- memory of each rank; the heaviest is the figure ----
   const Params ps = split_params(cfg);
   const int64_t act_size = static_cast<int64_t>(dtype_size(job.compute));
-  const ActivationPlan ap = Model::plan_activations(cfg, B, T, ComputeSpec{nullptr, job.compute}, l.recompute);
+  // Vocab parallel: the head's chunk of logits (the scratch, when it is the largest) holds this
+  // rank's V / t columns, as the rank model's arena does (parallel/tensor_parallel.h).
+  ModelConfig act_cfg = cfg;
+  act_cfg.vocab_size = ceil_div(cfg.vocab_size, t);
+  const ActivationPlan ap = Model::plan_activations(act_cfg, B, T, ComputeSpec{nullptr, job.compute}, l.recompute);
   std::vector<int64_t> first(static_cast<size_t>(S)), rank_layers(static_cast<size_t>(p), 0);
   for (int64_t k = 0, acc = 0; k < S; acc += e.stage_layers[static_cast<size_t>(k)], ++k) {
     first[static_cast<size_t>(k)] = acc;

@@ -27,11 +27,19 @@ ModelConfig tensor_parallel_config(const ModelConfig& global, int tp) {
   divides(global.num_attention_heads, "num_attention_heads");
   divides(global.num_key_value_heads, "num_key_value_heads");
   divides(global.intermediate_size, "intermediate_size");
+  LATHE_CHECK(global.vocab_size % tp == 0,
+              "parallel.tensor = {} does not divide model.vocab_size = {}: the embedding and the lm head are split by "
+              "vocabulary rows across the tensor-parallel ranks; pad the vocabulary to a multiple of {} (set "
+              "model.vocab_size = {}, e.g. 50304 for GPT-2 as llm.c does; the padded rows are never a token or a "
+              "target, and training pushes their logits down), or choose a degree that divides {}",
+              tp, global.vocab_size, tp, (global.vocab_size + tp - 1) / tp * tp, global.vocab_size);
   ModelConfig c = global;
   c.shard_head_dim = global.head_dim();
   c.num_attention_heads = global.num_attention_heads / tp;
   c.num_key_value_heads = global.num_key_value_heads / tp;
   c.intermediate_size = global.intermediate_size / tp;
+  c.shard_global_vocab = global.vocab_size;
+  c.vocab_size = global.vocab_size / tp;
   return c;
 }
 
@@ -40,11 +48,14 @@ std::vector<SliceRun> shard_runs(const ParamSpec& g, const ParamSpec& l, int ran
   auto bad_shape = [&]() {
     throw_error("tensor parallel: '{}' has shape [{}] on rank {} of {}, which is not a {} shard of [{}]", l.name,
                 fmt::join(l.shape, ", "), rank, tp,
-                g.shard == ShardRule::Row ? "column" : (g.shard == ShardRule::Column ? "row" : "whole"),
+                g.shard == ShardRule::Row      ? "column"
+                : g.shard == ShardRule::Column ? "row"
+                : g.shard == ShardRule::Vocab  ? "vocabulary-row"
+                                               : "whole",
                 fmt::join(g.shape, ", "));
   };
   std::vector<SliceRun> runs;
-  const bool whole = tp == 1 || g.shard == ShardRule::Replicated || g.shard == ShardRule::Vocab;
+  const bool whole = tp == 1 || g.shard == ShardRule::Replicated;
   if (whole) {
     if (l.shape != g.shape) bad_shape();
     runs.push_back({0, 0, g.numel()});
@@ -52,6 +63,17 @@ std::vector<SliceRun> shard_runs(const ParamSpec& g, const ParamSpec& l, int ran
   }
   if (g.shape.empty() || l.shape.size() != g.shape.size()) bad_shape();
   const int64_t inner = g.numel() / std::max<int64_t>(g.shape[0], 1);  // elements per row of dim 0
+  if (g.shard == ShardRule::Vocab) {
+    // [V, C]: rank r holds rows [r*V/tp, (r+1)*V/tp), one contiguous run.
+    const int64_t V = g.shape[0];
+    LATHE_CHECK(V % tp == 0, "tensor parallel: '{}' has {} vocabulary rows, which {} ranks cannot split evenly", g.name,
+                V, tp);
+    Shape want = g.shape;
+    want[0] = V / tp;
+    if (l.shape != want) bad_shape();
+    runs.push_back({rank * (V / tp) * inner, 0, (V / tp) * inner});
+    return runs;
+  }
   if (g.shard == ShardRule::Column) {
     // dim 0 = S sections of s rows; rank r holds rows [k*s + r*s/tp, k*s + (r+1)*s/tp) of each.
     const int64_t S = g.sections, rows = g.shape[0];
@@ -125,8 +147,45 @@ void init_shard(Model& m, const ParamTable& global, int rank, int tp, uint64_t s
   m.refresh_compute_weights();
 }
 
+namespace {
+// StepHooks::vocab's reduction: the per-row statistics of the vocab-parallel loss (max, then sums).
+void vocab_all_reduce(void* ctx, double* buf, int64_t count, bool max) {
+  static_cast<dist::Communicator*>(ctx)->all_reduce(buf, static_cast<size_t>(count), DType::F64,
+                                                    max ? dist::ReduceOp::Max : dist::ReduceOp::Sum);
+}
+
+// The vocab-parallel embedding and head: this rank's rows of the vocabulary, the loss statistics'
+// reduction and the gathering of logits (evaluation).
+void attach_vocab_parallel(Model& m, dist::Communicator& tp_group) {
+  const ModelConfig& cfg = m.config();
+  const int tp = tp_group.size();
+  LATHE_CHECK(cfg.global_vocab() == cfg.vocab_size * tp,
+              "tensor parallel: the rank's model holds {} vocabulary rows, not 1/{} of {}; build it from "
+              "tensor_parallel_config",
+              cfg.vocab_size, tp, cfg.global_vocab());
+  VocabParallel& vp = m.hooks().vocab;
+  vp.vocab_begin = static_cast<int64_t>(tp_group.rank()) * cfg.vocab_size;
+  vp.global_V = cfg.global_vocab();
+  vp.all_reduce = vocab_all_reduce;
+  vp.ctx = &tp_group;
+  dist::Communicator* group = &tp_group;
+  // [M, Vl] per rank -> all-gather [tp, M, Vl] -> [M, tp * Vl] (rank r's columns at r * Vl).
+  m.hooks().gather_vocab = [group](const float* local, float* whole, int64_t M, int64_t Vl) {
+    const int n = group->size();
+    const size_t per = static_cast<size_t>(M * Vl);
+    std::vector<float> all(per * static_cast<size_t>(n));
+    group->all_gather(local, all.data(), std::vector<size_t>(static_cast<size_t>(n), per), DType::F32);
+    for (int r = 0; r < n; ++r)
+      for (int64_t i = 0; i < M; ++i)
+        std::memcpy(whole + i * Vl * n + r * Vl, all.data() + per * static_cast<size_t>(r) + i * Vl,
+                    static_cast<size_t>(Vl) * sizeof(float));
+  };
+}
+}  // namespace
+
 void attach_tensor_parallel(Model& m, dist::Communicator& tp_group) {
   if (tp_group.size() == 1) return;
+  attach_vocab_parallel(m, tp_group);
   dist::Communicator* group = &tp_group;
   const DType dt = m.compute_dtype();
   if (dt == DType::F32) {
@@ -162,7 +221,7 @@ void attach_tensor_parallel(Model& m, dist::Communicator& tp_group) {
 std::vector<std::pair<size_t, size_t>> owned_ranges(const ParamTable& local, int rank) {
   std::vector<std::pair<size_t, size_t>> out;
   for (const ParamSpec& s : local.specs()) {
-    const bool sharded = s.shard == ShardRule::Column || s.shard == ShardRule::Row;
+    const bool sharded = s.shard == ShardRule::Column || s.shard == ShardRule::Row || s.shard == ShardRule::Vocab;
     if (!sharded && rank != 0) continue;
     const size_t b = s.offset, e = s.offset + static_cast<size_t>(s.numel());
     if (!out.empty() && out.back().second == b)

@@ -8,8 +8,16 @@
 //   q|k|v, fc / gate|up   Column  rows split (per section: GPT-2's fused c_attn gives each rank its
 //                                  heads of q, of k and of v), bias split the same way
 //   o_proj, down/c_proj   Row     columns split; the bias is added once after the all-reduce
-//   norms, row biases     Replicated
-//   wte, wpe, lm_head     Vocab   held whole on every rank for now (not yet vocab-parallel)
+//   norms, row biases,    Replicated
+//   wpe
+//   wte, lm_head          Vocab   rows split: rank r holds vocabulary rows [r*V/tp, (r+1)*V/tp)
+//
+// Vocab parallel (Megatron's VocabParallelEmbedding and parallel cross-entropy; StepHooks::vocab):
+// the embedding looks up the rank's own tokens (zero rows for the others; wpe added by rank 0) and
+// the partial outputs are all-reduced; the head computes local logits [rows, V/tp] per chunk, the
+// row max all-reduced (max), the sum of exp and the target logit all-reduced (sum), so the whole
+// logits never exist; its partial input gradient is all-reduced like a column-parallel GEMM's.
+// V must be a multiple of tp (pad the vocabulary: model.vocab_size 50304 for GPT-2).
 //
 // Replicated tensors see identical inputs and gradients on every rank (the residual stream is
 // whole between the parallel regions), so they stay identical without any reduction.
@@ -24,8 +32,9 @@
 
 namespace lathe::parallel {
 
-// The config of one tensor-parallel rank's model: attention heads, KV heads and the MLP width
-// divided by tp, head_dim kept. Errors name the value that tp does not divide.
+// The config of one tensor-parallel rank's model: attention heads, KV heads, the MLP width and the
+// vocabulary rows (vocab_size; shard_global_vocab keeps the whole) divided by tp, head_dim kept.
+// Errors name the value that tp does not divide.
 ModelConfig tensor_parallel_config(const ModelConfig& global, int tp);
 
 // One contiguous run of a rank's shard: `count` floats at `global` in the global tensor and at
@@ -53,8 +62,9 @@ void gather_global(dist::Communicator& tp_group, const ParamTable& global, const
 void init_shard(Model& local, const ParamTable& global, int rank, int tp, uint64_t seed);
 
 // Installs StepHooks::reduce_partial on `m`: an all-reduce over `tp_group` (deterministic, in rank
-// order, src/dist/comm.h); bf16/fp16 activations are summed in fp32 and rounded once.
-// tp_group must outlive the model's passes.
+// order, src/dist/comm.h); bf16/fp16 activations are summed in fp32 and rounded once. And the
+// vocab-parallel hooks (StepHooks::vocab: this rank's vocabulary rows, the loss statistics'
+// all-reduce; gather_vocab for logits). tp_group must outlive the model's passes.
 void attach_tensor_parallel(Model& m, dist::Communicator& tp_group);
 
 // Which elements of the local flat buffer count towards global sums (gradient norm, parameter

@@ -140,17 +140,18 @@ Ops make() {
     out(dx, dxv);
   };
   o.embedding_forward = [](void* y, const int32_t* tok, const void* wte, const void* wpe, int64_t B, int64_t T,
-                           int64_t C, const int32_t* pos) {
+                           int64_t C, const int32_t* pos, int64_t vb, int64_t vr) {
     int64_t V = 0;
-    for (int64_t i = 0; i < B * T; ++i) V = std::max<int64_t>(V, tok[i] + 1);
+    for (int64_t i = 0; i < B * T; ++i)
+      if (tok[i] >= vb && tok[i] - vb < vr) V = std::max<int64_t>(V, tok[i] - vb + 1);
     VecF yv(B * T * C), te = in(wte, V * C), pe = in(wpe, T * C);
-    f32().embedding_forward(yv.data(), tok, te.data(), fp(pe, wpe), B, T, C, pos);
+    f32().embedding_forward(yv.data(), tok, te.data(), fp(pe, wpe), B, T, C, pos, vb, vr);
     out(y, yv);
   };
   o.embedding_backward = [](float* dwte, float* dwpe, const void* g, const int32_t* tok, int64_t B, int64_t T,
-                            int64_t C, const int32_t* pos) {
+                            int64_t C, const int32_t* pos, int64_t vb, int64_t vr) {
     VecF gv = in(g, B * T * C);
-    f32().embedding_backward(dwte, dwpe, gv.data(), tok, B, T, C, pos);
+    f32().embedding_backward(dwte, dwpe, gv.data(), tok, B, T, C, pos, vb, vr);
   };
   o.layernorm_forward = [](void* y, float* mean, float* rstd, const void* x, const float* w, const float* b, int64_t N,
                            int64_t C, float eps) {
@@ -233,10 +234,11 @@ Ops make() {
     out(dqkv, dqv);
   };
   o.lm_head_loss = [](float* losses, void* dx, float* dw, const void* x, const void* w, const int32_t* tg, int64_t N,
-                      int64_t C, int64_t V, float gs, bool backward, void* scratch, int64_t chunk) {
+                      int64_t C, int64_t V, float gs, bool backward, void* scratch, int64_t chunk,
+                      const VocabParallel* vp) {
     VecF dxv(N * C), xv = in(x, N * C), wv = in(w, V * C);
-    const double total =
-        f32().lm_head_loss(losses, fp(dxv, dx), dw, xv.data(), wv.data(), tg, N, C, V, gs, backward, scratch, chunk);
+    const double total = f32().lm_head_loss(losses, fp(dxv, dx), dw, xv.data(), wv.data(), tg, N, C, V, gs, backward,
+                                            scratch, chunk, vp);
     out(dx, dxv);
     return total;
   };
@@ -421,11 +423,12 @@ void case_embedding(const Target& t) {
           ref_embedding_bwd(rdwte, rdwpe, to_double(g), tok, V, B, T, C);
           auto dwte_in = r.act(wte, "wte"), dwpe_in = r.act(wpv, "wpe"), dg = r.act(g, "dout");
           auto out = r.act(VecF(B * T * C, kNaN), "out");
-          t.ops->embedding_forward(out->p(), tok.data(), dwte_in->p(), wpe ? dwpe_in->p() : nullptr, B, T, C, nullptr);
+          t.ops->embedding_forward(out->p(), tok.data(), dwte_in->p(), wpe ? dwpe_in->p() : nullptr, B, T, C, nullptr,
+                                   0, V);
           r.check(*out, ref, "forward");
           const VecF pre_te = randn(V * C, rng), pre_pe = randn(T * C, rng);
           auto gte = r.f32(pre_te, "dwte"), gpe = r.f32(pre_pe, "dwpe");
-          t.ops->embedding_backward(gte->f(), wpe ? gpe->f() : nullptr, dg->p(), tok.data(), B, T, C, nullptr);
+          t.ops->embedding_backward(gte->f(), wpe ? gpe->f() : nullptr, dg->p(), tok.data(), B, T, C, nullptr, 0, V);
           r.check(*gte, plus(pre_te, rdwte), "dwte (+=)");
           if (wpe) r.check(*gpe, plus(pre_pe, rdwpe), "dwpe (+=)");
         }
@@ -650,10 +653,10 @@ void case_documents(const Target& t) {
     ref_embedding_bwd(rdwte, rdwpe, to_double(g), tok, V, B, T, C, &pos);
     auto dte = r.act(wte, "wte"), dpe = r.act(wpe, "wpe"), dg = r.act(g, "dout");
     auto out = r.act(VecF(B * T * C, kNaN), "embedding out");
-    t.ops->embedding_forward(out->p(), tok.data(), dte->p(), dpe->p(), B, T, C, pos.data());
+    t.ops->embedding_forward(out->p(), tok.data(), dte->p(), dpe->p(), B, T, C, pos.data(), 0, V);
     r.check(*out, ref, "embedding forward");
     auto gte = r.f32(VecF(V * C, 0.0f), "dwte"), gpe = r.f32(VecF(T * C, 0.0f), "dwpe");
-    t.ops->embedding_backward(gte->f(), gpe->f(), dg->p(), tok.data(), B, T, C, pos.data());
+    t.ops->embedding_backward(gte->f(), gpe->f(), dg->p(), tok.data(), B, T, C, pos.data(), 0, V);
     r.check(*gte, rdwte, "embedding dwte");
     r.check(*gpe, rdwpe, "embedding dwpe");
     // RoPE on the q section of a fused row with positions
@@ -708,14 +711,14 @@ void case_lm_head_loss(const Target& t) {
                gx = r.act(VecF(N * C, kNaN), "dx"), gw = r.f32(pre_w, "dw");
           auto scratch = r.scratch(t.ops->lm_head_loss_scratch_bytes(std::min(chunk, N), V));
           const double total = t.ops->lm_head_loss(losses->f(), gx->p(), gw->f(), dx_in->p(), dw_in->p(), tg.data(), N,
-                                                   C, V, gs, true, scratch->p(), chunk);
+                                                   C, V, gs, true, scratch->p(), chunk, nullptr);
           r.check(*losses, ref.losses, "losses");
           EXPECT_NEAR(total, ref.total, r.tol() * (1.0 + std::fabs(ref.total)) * N) << r.tag << " total";
           r.check(*gx, ref.dx, "dx");
           r.check(*gw, plus(pre_w, ref.dw), "dw (+=)");
           auto losses2 = r.f32(VecF(N, kNaN), "losses (forward only)");
           const double total2 = t.ops->lm_head_loss(losses2->f(), nullptr, nullptr, dx_in->p(), dw_in->p(), tg.data(),
-                                                    N, C, V, gs, false, scratch->p(), chunk);
+                                                    N, C, V, gs, false, scratch->p(), chunk, nullptr);
           r.check(*losses2, ref.losses, "losses (forward only)");
           EXPECT_EQ(total, total2) << r.tag << " forward-only total differs from forward+backward";
         }
@@ -965,10 +968,10 @@ TEST(BackendRegistry, CpuFp32TableIsTheOpsHKernelsBitForBit) {
     const VecF wpe = randn(T * C, rng), dg = randn(N * C, rng);
     VecF o1(N * C), o2(N * C), dte1(V * C), dte2(V * C), dpe1(T * C), dpe2(T * C);
     cpu::embedding_forward(o1.data(), tok.data(), w.data(), wpe.data(), B, T, C);
-    o.embedding_forward(o2.data(), tok.data(), w.data(), wpe.data(), B, T, C, nullptr);
+    o.embedding_forward(o2.data(), tok.data(), w.data(), wpe.data(), B, T, C, nullptr, 0, V);
     same(o1, o2, "embedding_forward");
     cpu::embedding_backward(dte1.data(), dpe1.data(), dg.data(), tok.data(), B, T, C);
-    o.embedding_backward(dte2.data(), dpe2.data(), dg.data(), tok.data(), B, T, C, nullptr);
+    o.embedding_backward(dte2.data(), dpe2.data(), dg.data(), tok.data(), B, T, C, nullptr, 0, V);
     same(dte1, dte2, "embedding_backward dwte");
     same(dpe1, dpe2, "embedding_backward dwpe");
     VecF l1(N), l2(N), gx1(N * C), gx2(N * C), gw1(V * C), gw2(V * C);
@@ -976,7 +979,7 @@ TEST(BackendRegistry, CpuFp32TableIsTheOpsHKernelsBitForBit) {
     const double t1 = cpu::lm_head_loss(l1.data(), gx1.data(), gw1.data(), x.data(), w.data(), tok.data(), N, C, V,
                                         0.1f, true, sc1.data(), 16);
     const double t2 = o.lm_head_loss(l2.data(), gx2.data(), gw2.data(), x.data(), w.data(), tok.data(), N, C, V, 0.1f,
-                                     true, sc2.data(), 16);
+                                     true, sc2.data(), 16, nullptr);
     EXPECT_EQ(t1, t2);
     same(l1, l2, "lm_head_loss losses");
     same(gx1, gx2, "lm_head_loss dx");

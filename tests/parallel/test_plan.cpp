@@ -81,8 +81,11 @@ TEST(Plan, HandComputedTwoByTwo) {
   // (128 B each) = 25088 B, and qkv (18432), att (6144), lse (512), fc (24576), act (24576) halved
   // = 37120 B; its input (emb, 6144 B) too: (62208 + 6144) x 2 in flight. Once: the gradient
   // buffers dres, dln (6144 each), dqkv, datt, dfc, dact halved (9216 + 3072 + 12288 + 12288), the
-  // RoPE tables (2 x 384 B) and the kernels' scratch (from the plan: backend-dependent).
-  const ActivationPlan ap = Model::plan_activations(j.model, 2, 16);
+  // RoPE tables (2 x 384 B) and the kernels' scratch (from the plan: backend-dependent; the head's
+  // logits chunk holds the rank's V / 2 columns, vocab parallel).
+  ModelConfig rank_vocab = j.model;
+  rank_vocab.vocab_size /= 2;
+  const ActivationPlan ap = Model::plan_activations(rank_vocab, 2, 16);
   int64_t scratch = 0;
   for (size_t i = 0; i < ap.entries.size(); ++i)
     if (std::string_view(ap.entries[i].name) == "scratch")
@@ -220,9 +223,8 @@ TEST(Plan, TensorParallelMatchesTheRankModel) {
   // The per-rank model the tensor-parallel code builds (parallel/tensor_parallel.h: heads, KV heads
   // and MLP width / tp) is an independent oracle for the plan's tensor split of a layer: the same
   // layer parameters exactly, and the same activation arena up to the 64-byte padding of each
-  // buffer (the plan halves padded sizes, the rank model pads halved ones). The vocabulary tensors
-  // differ on purpose: the plan counts them vocab-parallel (issue 10), the rank model holds them
-  // whole for now.
+  // buffer (the plan halves padded sizes, the rank model pads halved ones). Both split the
+  // vocabulary tensors by rows (vocab parallel), so the parameter counts agree exactly.
   for (const char* preset : {"gpt2-debug", "llama-debug", "qwen2-debug"})
     for (int64_t t : {2, 4}) {
       if (std::string(preset) != "gpt2-debug" && t == 4) continue;  // 2 KV heads
@@ -237,13 +239,9 @@ TEST(Plan, TensorParallelMatchesTheRankModel) {
       // c_attn as C x 3C whatever the head count, which a shard config does not have).
       const auto n1 = static_cast<int64_t>(build_model(one)->num_params());
       const int64_t layer = static_cast<int64_t>(build_model(two)->num_params()) - n1;
-      const int64_t vocab = rank.vocab_size * rank.hidden_size * (rank.tie_word_embeddings ? 1 : 2) +
-                            (rank.is_gpt2() ? rank.max_position_embeddings * rank.hidden_size : 0);
-      const int64_t final_norm = n1 - layer - vocab;
-      // Plan: L layers + the vocabulary split over t + the final norm; rank model: vocabulary whole.
-      const int64_t plan_vocab = (rank.vocab_size * rank.hidden_size / t) * (rank.tie_word_embeddings ? 1 : 2) +
-                                 (rank.is_gpt2() ? rank.max_position_embeddings * rank.hidden_size : 0);
-      EXPECT_EQ(e.memory.params / 4, rank.num_hidden_layers * layer + final_norm + plan_vocab) << preset << " t " << t;
+      // L layers + this rank's vocabulary rows (+ wpe) + the final norm.
+      EXPECT_EQ(rank.vocab_size * t, j.model.vocab_size);
+      EXPECT_EQ(e.memory.params / 4, rank.num_hidden_layers * layer + (n1 - layer)) << preset << " t " << t;
       const ActivationPlan ap = Model::plan_activations(rank, 2, 32);
       const int64_t slack = 64 * static_cast<int64_t>(ap.entries.size());
       EXPECT_NEAR(static_cast<double>(e.memory.activations), static_cast<double>(ap.bytes), static_cast<double>(slack))

@@ -4,15 +4,20 @@
 // Llama with GQA (KV heads split), Qwen2 (q/k/v biases, tied) and an untied Llama with o_proj bias
 // (a row-parallel bias, added once after the reduction). Tolerance 1e-5 relative: the row-parallel
 // GEMMs sum their K dimension in tp pieces instead of one, so results differ by rounding only.
+// wte / lm_head are split by vocabulary rows (vocab-parallel embedding and loss: the embedding's
+// partial lookups and the loss's row max / exp sum / target logit are reduced across the ranks);
+// the kernels of every CPU table and the gathered logits are checked on their own below.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 #include <mutex>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "dist/comm.h"
+#include "kernels/backend.h"
 #include "models/model.h"
 #include "parallel/tensor_parallel.h"
 
@@ -127,7 +132,7 @@ TEST(TensorParallel, MatchesOneProcess) {
         gather_global(comm, gt, m->params(), m->grad_data(), g.data());
         std::vector<float> rep;
         for (const ParamSpec& s : m->params().specs())
-          if (s.shard != ShardRule::Column && s.shard != ShardRule::Row)
+          if (s.shard == ShardRule::Replicated)
             rep.insert(rep.end(), m->grad_data() + s.offset, m->grad_data() + s.offset + s.numel());
         std::lock_guard<std::mutex> lock(mu);
         replicated_grads[static_cast<size_t>(r)] = std::move(rep);
@@ -183,6 +188,144 @@ TEST(TensorParallel, FusedQkvSectionsGiveEachRankItsHeads) {
   }
 }
 
+// The vocab-parallel lm_head_loss of every CPU table (fp32, bf16, fp16) against the same table's
+// whole-vocabulary call: w [V, C] split by rows over tp thread ranks, the row statistics
+// all-reduced through VocabParallel's callback. Losses (the same on every rank) within 1e-6
+// relative: the logits are the same dot products, only the exp sum is added in another order. The
+// gathered dw and the summed partial dx within 1e-5 (fp32; 16-bit tables: 2e-2, the dlogits and dx
+// partials are rounded to 16 bits before the sum, one more rounding than the whole call's). A
+// missing shard, a wrong offset or an unreduced max would be off by O(1).
+TEST(TensorParallel, VocabParallelLossMatchesWholeVocabularyInEveryTable) {
+  constexpr int64_t N = 37, C = 24, V = 96, chunk = 16;
+  Rng rng(11);
+  std::vector<float> x(N * C), w(V * C);
+  for (float& v : x) v = rng.normal();
+  for (float& v : w) v = 0.5f * rng.normal();
+  std::vector<int32_t> tg(N);
+  for (auto& t : tg) t = static_cast<int32_t>(rng.next_u64() % V);
+  tg[5] = -1;  // ignored
+  for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
+    const Ops* ops = find_ops(cpu_backend(), dt);
+    ASSERT_NE(ops, nullptr);
+    const size_t es = dtype_size(dt);
+    // The table's element type: fp32 as is, 16-bit rounded copies otherwise.
+    auto to_dt = [&](const std::vector<float>& v) {
+      std::vector<uint16_t> out(v.size() * es / 2);
+      if (dt == DType::F32)
+        std::memcpy(out.data(), v.data(), v.size() * 4);
+      else
+        for (size_t i = 0; i < v.size(); ++i) out[i] = dt == DType::BF16 ? fp32_to_bf16(v[i]) : fp32_to_fp16(v[i]);
+      return out;
+    };
+    auto from_dt = [&](const std::vector<uint16_t>& v, size_t n) {
+      std::vector<float> out(n);
+      if (dt == DType::F32)
+        std::memcpy(out.data(), v.data(), n * 4);
+      else
+        for (size_t i = 0; i < n; ++i) out[i] = dt == DType::BF16 ? bf16_to_fp32(v[i]) : fp16_to_fp32(v[i]);
+      return out;
+    };
+    const std::vector<uint16_t> xd = to_dt(x), wd = to_dt(w);
+    std::vector<float> losses(N), dw(V * C, 0.0f);
+    std::vector<uint16_t> dx(N * C * es / 2);
+    std::vector<std::byte> scratch(ops->lm_head_loss_scratch_bytes(chunk, V));
+    const double total = ops->lm_head_loss(losses.data(), dx.data(), dw.data(), xd.data(), wd.data(), tg.data(), N, C,
+                                           V, 0.1f, true, scratch.data(), chunk, nullptr);
+    const std::vector<float> dxf = from_dt(dx, N * C);
+    const double tol = dt == DType::F32 ? 1e-5 : 2e-2;
+    for (int tp : {2, 3}) {
+      SCOPED_TRACE(fmt::format("{} tp={}", compute_dtype_name(dt), tp));
+      const int64_t Vl = V / tp;
+      std::mutex mu;
+      std::vector<float> dw_all(V * C), dx_sum(N * C, 0.0f);
+      std::vector<std::vector<float>> rank_losses(static_cast<size_t>(tp));
+      std::vector<double> totals(static_cast<size_t>(tp));
+      dist::run_threads(tp, [&](dist::Communicator& comm) {
+        const int r = comm.rank();
+        VocabParallel vp;
+        vp.vocab_begin = r * Vl;
+        vp.global_V = V;
+        vp.ctx = &comm;
+        vp.all_reduce = [](void* ctx, double* buf, int64_t count, bool max) {
+          static_cast<dist::Communicator*>(ctx)->all_reduce(buf, static_cast<size_t>(count), DType::F64,
+                                                            max ? dist::ReduceOp::Max : dist::ReduceOp::Sum);
+        };
+        std::vector<uint16_t> wl(wd.begin() + static_cast<std::ptrdiff_t>(r * Vl * C * es / 2),
+                                 wd.begin() + static_cast<std::ptrdiff_t>((r + 1) * Vl * C * es / 2));
+        std::vector<float> l(N), dwl(Vl * C, 0.0f);
+        std::vector<uint16_t> dxl(N * C * es / 2);
+        std::vector<std::byte> sc(ops->lm_head_loss_scratch_bytes(chunk, Vl));
+        const double t = ops->lm_head_loss(l.data(), dxl.data(), dwl.data(), xd.data(), wl.data(), tg.data(), N, C, Vl,
+                                           0.1f, true, sc.data(), chunk, &vp);
+        const std::vector<float> dxp = from_dt(dxl, N * C);
+        std::lock_guard<std::mutex> lock(mu);
+        totals[static_cast<size_t>(r)] = t;
+        rank_losses[static_cast<size_t>(r)] = l;
+        std::copy(dwl.begin(), dwl.end(), dw_all.begin() + r * Vl * C);
+        for (int64_t i = 0; i < N * C; ++i) dx_sum[static_cast<size_t>(i)] += dxp[static_cast<size_t>(i)];
+      });
+      for (int r = 0; r < tp; ++r) {
+        EXPECT_EQ(totals[static_cast<size_t>(r)], totals[0]);
+        EXPECT_EQ(rank_losses[static_cast<size_t>(r)], rank_losses[0]);
+      }
+      EXPECT_NEAR(totals[0], total, 1e-6 * std::abs(total));
+      EXPECT_LT(rel_err(rank_losses[0].data(), losses.data(), N), 1e-6);
+      EXPECT_EQ(rank_losses[0][5], 0.0f);
+      EXPECT_LT(rel_err(dw_all.data(), dw.data(), V * C), tol);
+      EXPECT_LT(rel_err(dx_sum.data(), dxf.data(), N * C), tol);
+    }
+  }
+}
+
+// forward_logits of the shard models (local logits gathered by StepHooks::gather_vocab) are the
+// one-process logits: the same dot products, so within 1e-5 relative (the layers' reductions).
+TEST(TensorParallel, GatheredLogitsMatchOneProcess) {
+  for (const Family& f : families()) {
+    auto global = build_model(f.cfg);
+    perturbed_init(*global);
+    global->allocate(kB, kT);
+    const Batch b = batch(f.cfg, 0);
+    const int64_t V = f.cfg.vocab_size;
+    std::vector<float> ref(kB * kT * V), ref_last(kB * V);
+    global->forward_logits(b.tokens.data(), kB, kT, ref.data());
+    global->forward_last_logits(b.tokens.data(), kB, kT, ref_last.data());
+    const int tp = 2;
+    std::mutex mu;
+    std::vector<std::vector<float>> got(static_cast<size_t>(tp)), got_last(static_cast<size_t>(tp));
+    dist::run_threads(tp, [&](dist::Communicator& comm) {
+      auto m = build_model(tensor_parallel_config(f.cfg, tp));
+      scatter_shard(global->params(), global->param_data(), m->params(), m->param_data(), comm.rank(), tp);
+      m->refresh_compute_weights();
+      attach_tensor_parallel(*m, comm);
+      m->allocate(kB, kT);
+      std::vector<float> lg(kB * kT * V), last(kB * V);
+      m->forward_logits(b.tokens.data(), kB, kT, lg.data());
+      m->forward_last_logits(b.tokens.data(), kB, kT, last.data());
+      std::lock_guard<std::mutex> lock(mu);
+      got[static_cast<size_t>(comm.rank())] = std::move(lg);
+      got_last[static_cast<size_t>(comm.rank())] = std::move(last);
+    });
+    for (int r = 0; r < tp; ++r) {
+      EXPECT_LT(rel_err(got[static_cast<size_t>(r)].data(), ref.data(), kB * kT * V), 1e-5) << f.name;
+      EXPECT_LT(rel_err(got_last[static_cast<size_t>(r)].data(), ref_last.data(), kB * V), 1e-5) << f.name;
+    }
+  }
+}
+
+TEST(TensorParallel, ShardModelWithoutTheVocabHookIsRefused) {
+  // A vocab shard's model run alone would look up wrong rows; it must say what is missing.
+  auto m = build_model(tensor_parallel_config(ModelConfig::preset("gpt2-debug"), 2));
+  m->init_weights(1);
+  m->allocate(kB, kT);
+  const Batch b = batch(ModelConfig::preset("gpt2-debug"), 0);
+  try {
+    m->forward_backward(b.tokens.data(), b.targets.data(), kB, kT, 1.0f, false);
+    FAIL() << "a vocab shard ran without the vocab-parallel hooks";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("attach_tensor_parallel"), std::string::npos) << e.what();
+  }
+}
+
 TEST(TensorParallel, DegreesThatDoNotDivideAreNamed) {
   const ModelConfig llama = ModelConfig::preset("llama-debug");  // 4 heads, 2 KV heads, F = 96
   try {
@@ -197,6 +340,19 @@ TEST(TensorParallel, DegreesThatDoNotDivideAreNamed) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("num_key_value_heads = 2"), std::string::npos) << e.what();
   }
+  // The vocabulary is split by rows: 97 rows over 2 ranks is refused, naming both and the fix.
+  ModelConfig odd = ModelConfig::preset("gpt2-debug");
+  odd.vocab_size = 97;
+  try {
+    tensor_parallel_config(odd, 2);
+    FAIL() << "tp=2 accepted with vocab_size 97";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("parallel.tensor = 2 does not divide model.vocab_size = 97"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("model.vocab_size = 98"), std::string::npos) << msg;  // the padded size to use
+  }
+  odd.vocab_size = 98;  // padded: accepted
+  EXPECT_EQ(tensor_parallel_config(odd, 2).vocab_size, 49);
 }
 
 TEST(TensorParallel, ShardConfigCountsItsOwnParameters) {

@@ -25,12 +25,12 @@ void matmul_backward_f32(void* dinp, float* dweight, float* dbias, const void* d
   matmul_backward(f(dinp), dweight, dbias, f(dout), f(inp), f(weight), M, K, N, accumulate_dinp);
 }
 void embedding_forward_f32(void* out, const int32_t* tokens, const void* wte, const void* wpe, int64_t B, int64_t T,
-                           int64_t C, const int32_t* positions) {
-  embedding_forward(f(out), tokens, f(wte), f(wpe), B, T, C, positions);
+                           int64_t C, const int32_t* positions, int64_t vocab_begin, int64_t vocab_rows) {
+  embedding_forward(f(out), tokens, f(wte), f(wpe), B, T, C, positions, vocab_begin, vocab_rows);
 }
 void embedding_backward_f32(float* dwte, float* dwpe, const void* dout, const int32_t* tokens, int64_t B, int64_t T,
-                            int64_t C, const int32_t* positions) {
-  embedding_backward(dwte, dwpe, f(dout), tokens, B, T, C, positions);
+                            int64_t C, const int32_t* positions, int64_t vocab_begin, int64_t vocab_rows) {
+  embedding_backward(dwte, dwpe, f(dout), tokens, B, T, C, positions, vocab_begin, vocab_rows);
 }
 void layernorm_forward_f32(void* out, float* mean, float* rstd, const void* inp, const float* weight, const float* bias,
                            int64_t N, int64_t C, float eps) {
@@ -82,7 +82,10 @@ void attention_backward_f32(void* dqkv, const void* dout, const void* qkv, const
 size_t attention_scratch_bytes_f32(int64_t T, int64_t D) { return attention_scratch_floats(T, D) * sizeof(float); }
 double lm_head_loss_f32(float* losses, void* dx, float* dw, const void* x, const void* w, const int32_t* targets,
                         int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, void* scratch,
-                        int64_t chunk_rows) {
+                        int64_t chunk_rows, const VocabParallel* vp) {
+  if (vp != nullptr)
+    return lm_head_loss_vocab_parallel(losses, f(dx), dw, f(x), f(w), targets, N, C, V, grad_scale, backward,
+                                       f(scratch), chunk_rows, *vp);
   return lm_head_loss(losses, f(dx), dw, f(x), f(w), targets, N, C, V, grad_scale, backward, f(scratch), chunk_rows);
 }
 // The logits of one chunk: chunk_rows x V floats.

@@ -21,12 +21,20 @@ constexpr int64_t kColBlock = 16;
 }  // namespace
 
 void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B, int64_t T,
-                       int64_t C, const int32_t* positions) {
+                       int64_t C, const int32_t* positions, int64_t vocab_begin, int64_t vocab_rows) {
   const int64_t rows = B * T;
 #pragma omp parallel for schedule(static) if (rows * C >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
     float* __restrict o = out + r * C;
-    const float* __restrict e = wte + static_cast<int64_t>(tokens[r]) * C;
+    const int64_t v = static_cast<int64_t>(tokens[r]) - vocab_begin;
+    if (v < 0 || v >= vocab_rows) {  // another shard's token: a zero row (+ wpe)
+      if (wpe != nullptr)
+        std::memcpy(o, wpe + static_cast<int64_t>(positions ? positions[r] : r % T) * C, sizeof(float) * C);
+      else
+        std::memset(o, 0, sizeof(float) * C);
+      continue;
+    }
+    const float* __restrict e = wte + v * C;
     if (wpe != nullptr) {
       const float* __restrict p = wpe + static_cast<int64_t>(positions ? positions[r] : r % T) * C;
       for (int64_t c = 0; c < C; ++c) o[c] = e[c] + p[c];
@@ -37,7 +45,7 @@ void embedding_forward(float* out, const int32_t* tokens, const float* wte, cons
 }
 
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
-                        int64_t C, const int32_t* positions) {
+                        int64_t C, const int32_t* positions, int64_t vocab_begin, int64_t vocab_rows) {
   const int64_t rows = B * T;
   const int64_t nblocks = (C + kColBlock - 1) / kColBlock;
   const bool par = rows * C >= kParallelMin;
@@ -50,7 +58,9 @@ void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32
     const int64_t c0 = b0 * kColBlock, c1 = (b1 * kColBlock < C) ? b1 * kColBlock : C;
     if (c0 < c1) {
       for (int64_t r = 0; r < rows; ++r) {
-        float* __restrict d = dwte + static_cast<int64_t>(tokens[r]) * C;
+        const int64_t v = static_cast<int64_t>(tokens[r]) - vocab_begin;
+        if (v < 0 || v >= vocab_rows) continue;  // another shard's row
+        float* __restrict d = dwte + v * C;
         const float* __restrict g = dout + r * C;
         for (int64_t c = c0; c < c1; ++c) d[c] += g[c];
       }

@@ -14,6 +14,9 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <limits>
+
+#include "kernels/backend.h"  // VocabParallel
 
 namespace lathe::cpu {
 
@@ -32,12 +35,18 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
 // out[B,T,C] = wte[tokens[b,t], :] (+ wpe[pos(b,t), :] if wpe != nullptr), pos(b,t) = t, or
 // positions[b,t] when positions != nullptr ([B,T]: documents restarting their positions).
 // tokens and positions are validated by the caller.
+// Vocab-parallel shard: wte holds rows [vocab_begin, vocab_begin + vocab_rows) only; a token outside
+// them reads a zero row (out = the wpe row, or zeros).
 void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B, int64_t T,
-                       int64_t C, const int32_t* positions = nullptr);
+                       int64_t C, const int32_t* positions = nullptr, int64_t vocab_begin = 0,
+                       int64_t vocab_rows = std::numeric_limits<int64_t>::max());
 // dwte[V,C] += scatter of dout by token; dwpe[T,C] += dout rows by position (if dwpe != nullptr).
 // Deterministic: rows hit by several tokens are summed in (b,t) order (parallelise over C).
+// Vocab-parallel shard: only tokens in [vocab_begin, vocab_begin + vocab_rows) add to dwte (row
+// token - vocab_begin); dwpe gets every token.
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
-                        int64_t C, const int32_t* positions = nullptr);
+                        int64_t C, const int32_t* positions = nullptr, int64_t vocab_begin = 0,
+                        int64_t vocab_rows = std::numeric_limits<int64_t>::max());
 
 // ---- LayerNorm (biased variance, eps inside sqrt, as torch.nn.LayerNorm) --------------------
 // out[N,C], mean[N], rstd[N] (saved for backward) from inp[N,C], weight[C], bias[C] (bias may be null).
@@ -130,5 +139,23 @@ AttentionTiles attention_tiles();
 double lm_head_loss(float* losses, float* dx, float* dw, const float* x, const float* w, const int32_t* targets,
                     int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, float* scratch,
                     int64_t chunk_rows);
+
+// Vocab-parallel twin (tensor parallelism; contract in kernels/backend.h, Ops::lm_head_loss): w[V,C]
+// holds rows [vp.vocab_begin, +V) of vp.global_V; losses and the returned sum are the whole
+// vocabulary's; dw += this shard's rows; dx = this shard's partial input gradient (the caller sums
+// it across the group). Same scratch as lm_head_loss.
+double lm_head_loss_vocab_parallel(float* losses, float* dx, float* dw, const float* x, const float* w,
+                                   const int32_t* targets, int64_t N, int64_t C, int64_t V, float grad_scale,
+                                   bool backward, float* scratch, int64_t chunk_rows, const VocabParallel& vp);
+// The softmax / cross-entropy of one chunk of local logits s[R, V] (rows n0.. of targets and
+// losses) across the vocab-parallel group: max and sums all-reduced (vp.all_reduce, 2 calls), loss
+// per row; with backward, s becomes dlogits = (softmax - onehot) * grad_scale for this shard's
+// columns (ignored rows: 0). Shared by every CPU table's vocab-parallel path. Returns the rows' loss
+// sum (row order).
+double vocab_parallel_softmax_rows(float* s, float* losses, const int32_t* targets, int64_t R, int64_t V,
+                                   float grad_scale, bool backward, const VocabParallel& vp);
+// Checks shape, chunk and targets (< vp.global_V) of a vocab-parallel call; errors as lm_head_loss's.
+void check_vocab_parallel_args(const int32_t* targets, int64_t N, int64_t C, int64_t V, int64_t chunk_rows,
+                               bool backward, bool have_grads, const VocabParallel& vp);
 
 }  // namespace lathe::cpu

@@ -152,7 +152,7 @@ void logits_forward_h(float* logits, const void* x, const void* w, int64_t M, in
 // ---- embedding ---------------------------------------------------------------------------------
 template <class P>
 void embedding_forward_h(void* out_v, const int32_t* tokens, const void* wte_v, const void* wpe_v, int64_t B, int64_t T,
-                         int64_t C, const int32_t* positions) {
+                         int64_t C, const int32_t* positions, int64_t vocab_begin, int64_t vocab_rows) {
   const int64_t rows = B * T;
   u16* out = h(out_v);
   const u16 *wte = h(wte_v), *wpe = h(wpe_v);
@@ -162,7 +162,15 @@ void embedding_forward_h(void* out_v, const int32_t* tokens, const void* wte_v, 
     float* p = thread_rows(1, static_cast<size_t>(C));
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-      const u16* er = wte + static_cast<int64_t>(tokens[r]) * C;
+      const int64_t v = static_cast<int64_t>(tokens[r]) - vocab_begin;
+      if (v < 0 || v >= vocab_rows) {  // another vocab shard's token: a zero row (+ wpe, exact)
+        if (wpe == nullptr)
+          std::memset(out + r * C, 0, sizeof(u16) * C);
+        else
+          std::memcpy(out + r * C, wpe + static_cast<int64_t>(positions ? positions[r] : r % T) * C, sizeof(u16) * C);
+        continue;
+      }
+      const u16* er = wte + v * C;
       if (wpe == nullptr) {
         std::memcpy(out + r * C, er, sizeof(u16) * C);  // a copy: exact
         continue;
@@ -179,7 +187,7 @@ void embedding_forward_h(void* out_v, const int32_t* tokens, const void* wte_v, 
 // (deterministic, independent of the thread count); dout rows are widened per thread.
 template <class P>
 void embedding_backward_h(float* dwte, float* dwpe, const void* dout_v, const int32_t* tokens, int64_t B, int64_t T,
-                          int64_t C, const int32_t* positions) {
+                          int64_t C, const int32_t* positions, int64_t vocab_begin, int64_t vocab_rows) {
   const int64_t rows = B * T;
   const u16* dout = h(dout_v);
   constexpr int64_t kColBlock = 16;
@@ -192,7 +200,9 @@ void embedding_backward_h(float* dwte, float* dwpe, const void* dout_v, const in
     float* g = thread_rows(0, static_cast<size_t>(C));
     if (c0 < c1) {
       for (int64_t r = 0; r < rows; ++r) {
-        float* __restrict d = dwte + static_cast<int64_t>(tokens[r]) * C;
+        const int64_t v = static_cast<int64_t>(tokens[r]) - vocab_begin;
+        if (v < 0 || v >= vocab_rows) continue;  // another vocab shard's row
+        float* __restrict d = dwte + v * C;
         P::to_f32(g, dout + r * C + c0, c1 - c0);
         for (int64_t c = c0; c < c1; ++c) d[c] += g[c - c0];
       }
@@ -583,6 +593,44 @@ double lm_head_loss_h(float* losses, void* dx_v, float* dw, const void* x_v, con
   return total;
 }
 
+// Vocab-parallel twin (contract in kernels/backend.h; the fp32 one in lm_head_loss_vocab_parallel.cpp):
+// fp32 local logits, the row statistics all-reduced by vocab_parallel_softmax_rows, dlogits rounded
+// to 16 bits for the two backward GEMMs; dx is this shard's partial (the caller sums it).
+template <class P, class Mm>
+double lm_head_loss_vp_h(float* losses, void* dx_v, float* dw, const void* x_v, const void* w_v, const int32_t* targets,
+                         int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, void* scratch_v,
+                         int64_t chunk_rows, const VocabParallel& vp) {
+  check_vocab_parallel_args(targets, N, C, V, chunk_rows, backward, dx_v != nullptr && dw != nullptr, vp);
+  const u16 *x = h(x_v), *w = h(w_v);
+  u16* dx = h(dx_v);
+  float* logits = static_cast<float*>(scratch_v);
+  u16* dlog = reinterpret_cast<u16*>(static_cast<char*>(scratch_v) +
+                                     static_cast<size_t>(std::min(chunk_rows, std::max<int64_t>(N, 1))) *
+                                         static_cast<size_t>(V) * sizeof(float));
+  double total = 0.0;
+  for (int64_t n0 = 0; n0 < N; n0 += chunk_rows) {
+    const int64_t R = std::min(chunk_rows, N - n0);
+    const u16* xc = x + n0 * C;
+    Mm::fwd_f32(logits, xc, w, nullptr, R, C, V, false);
+    total += vocab_parallel_softmax_rows(logits, losses + n0, targets + n0, R, V, grad_scale, backward, vp);
+    if (!backward) continue;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < R; ++r) P::from_f32(dlog + r * V, logits + r * V, V);
+    Mm::bwd_h(dx + n0 * C, dw, nullptr, dlog, xc, w, R, C, V);
+  }
+  return total;
+}
+
+template <class P, class Mm>
+double lm_head_loss_any_h(float* losses, void* dx, float* dw, const void* x, const void* w, const int32_t* targets,
+                          int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, void* scratch,
+                          int64_t chunk_rows, const VocabParallel* vp) {
+  if (vp != nullptr)
+    return lm_head_loss_vp_h<P, Mm>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows,
+                                    *vp);
+  return lm_head_loss_h<P, Mm>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows);
+}
+
 template <class P, class Mm>
 Ops make_half_ops() {
   Ops o;
@@ -615,7 +663,7 @@ Ops make_half_ops() {
     o.attention_backward = attention_backward_fp16;
   }
   o.attention_scratch_bytes = attention_scratch_bytes_half;
-  o.lm_head_loss = lm_head_loss_h<P, Mm>;
+  o.lm_head_loss = lm_head_loss_any_h<P, Mm>;
   o.lm_head_loss_scratch_bytes = lm_head_loss_scratch_bytes_h;
   o.logits_forward = logits_forward_h<P, Mm>;
   return o;
