@@ -437,12 +437,14 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   }
   log.ok(fmt::format("model {}: {} parameters", r.model.model_type, pf.model->num_params()));
   if (r.parallel.tensor > 1) {
-    // Heads, KV heads and the MLP width must split evenly; the trainer builds each rank's model
-    // from this config and keeps pf.model (unallocated) as the whole model for checkpoints.
+    // Heads, KV heads, the MLP width and the vocabulary must split evenly; the trainer builds each
+    // rank's model from this config and keeps pf.model (unallocated) as the whole model for checkpoints.
     const ModelConfig shard = parallel::tensor_parallel_config(pf.model->config(), static_cast<int>(r.parallel.tensor));
-    log.ok(fmt::format("tensor parallel {}: {} of {} heads, {} of {} KV heads, MLP width {} per rank",
-                       r.parallel.tensor, shard.num_attention_heads, pf.model->config().num_attention_heads,
-                       shard.num_key_value_heads, pf.model->config().num_key_value_heads, shard.intermediate_size));
+    log.ok(fmt::format(
+        "tensor parallel {}: {} of {} heads, {} of {} KV heads, MLP width {}, {} of {} vocabulary rows "
+        "per rank",
+        r.parallel.tensor, shard.num_attention_heads, pf.model->config().num_attention_heads, shard.num_key_value_heads,
+        pf.model->config().num_key_value_heads, shard.intermediate_size, shard.vocab_size, shard.global_vocab()));
   } else if (!check_only) {
     pf.model->allocate(B, T, kMoments, rc);
   }

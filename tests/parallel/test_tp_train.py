@@ -6,7 +6,9 @@ losses differ from one process only by float summation order (tolerance 1e-5 rel
 and gradient norms, 1e-4 on the final weights, which pass through 10 AdamW steps). Also: DP=2 x
 TP=2 on 4 ranks, a TP=2 checkpoint resumed in one process and a one-process checkpoint resumed at
 TP=2 (checkpoints hold the whole model), bit-identical repeat runs, LAMB (per-tensor norms across
-shards), and the errors for degrees that do not divide the model. 1 OpenMP thread per rank (the ranks share this machine's 2 cores)."""
+shards), a padded vocabulary (wte / lm_head are vocab-parallel: their rows split over the ranks),
+and the errors for degrees that do not divide the model (heads, KV heads, vocabulary).
+1 OpenMP thread per rank (the ranks share this machine's 2 cores)."""
 import json
 import os
 import shutil
@@ -175,7 +177,20 @@ def main():
     check("rollback" in evs, f"TP=2: two spikes roll back ({evs})")
     check(series(rb, "loss") == series(clean, "loss"), "TP=2: after the rollback the run equals the clean run bit for bit")
 
+    # Vocab parallel with a padded vocabulary (98 rows for ids < 96, as GPT-2's 50304 for 50257): the
+    # padded rows are never a token or a target; TP=2 matches one process on the same padded model.
+    pad_one = train(1, data, "gpt2-debug", "gpt2_pad98_one", model__vocab_size=98)
+    pad_tp = train(2, data, "gpt2-debug", "gpt2_pad98_tp2", model__vocab_size=98, parallel__tensor=2)
+    e = rel(series(pad_tp, "loss"), series(pad_one, "loss"))
+    check(e <= 1e-5, f"gpt2 vocab 98 (padded): TP=2 losses match one process (max rel {e:.2e})")
+
     # Degrees that do not divide the model are refused before any work, naming the value.
+    p, _ = run(2, ["train", recipe(data, "gpt2-debug", os.path.join(TMP, "bad_vocab"), parallel__tensor=2,
+                                   model__vocab_size=97)])
+    out = p.stdout + p.stderr
+    check(p.returncode != 0 and "parallel.tensor = 2 does not divide model.vocab_size = 97" in out
+          and "model.vocab_size = 98" in out,
+          "TP=2 with vocab_size 97 is refused naming both values and the padded size" + ("" if p.returncode else out[-500:]))
     p, _ = run(4, ["train", recipe(data, "llama-debug", os.path.join(TMP, "bad_kv"), parallel__tensor=4)])
     check(p.returncode != 0 and "num_key_value_heads = 2" in (p.stdout + p.stderr),
           "TP=4 with 2 KV heads is refused naming num_key_value_heads")
