@@ -154,7 +154,7 @@ int main(int argc, char** argv) {
   auto new_kernel = [&](int64_t width) {
     if (bf16)
       cpu::bf16_ops().lm_head_loss(losses.data(), dxh.data(), dw.data(), xh.data(), wh.data(), tg.data(), N, C, V, gs,
-                                   true, scratch_h.data(), chunk);
+                                   true, scratch_h.data(), chunk, nullptr);
     else
       cpu::lm_head_loss_tiled(losses.data(), dx.data(), dw.data(), x.data(), w.data(), tg.data(), N, C, V, gs, true,
                               scratch.data(), chunk, width);

@@ -295,7 +295,7 @@ TEST(CudaFusedOps, LmHeadLossMatchesCpu) {
     std::vector<uint8_t> dx(N * C * elem_size(dt));
     std::vector<uint8_t> scratch(cpu.lm_head_loss_scratch_bytes(R, V));
     const double want = cpu.lm_head_loss(losses.data(), dx.data(), dw.data(), x.data(), w.data(), targets.data(), N, C,
-                                         V, grad_scale, true, scratch.data(), R);
+                                         V, grad_scale, true, scratch.data(), R, nullptr);
 
     Dev d_x(x.size()), d_w(w.size()), d_t(N * 4), d_losses(N * 4), d_dx(dx.size()), d_dw(dw0.size() * 4),
         d_scratch(cuda_lm_scratch(dt, R, V));
