@@ -271,7 +271,12 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l, Schedule
     if (k == S - 1) fwd_flops += rest_flops / 3;
     const double fwd = fwd_flops * tokens_mb / static_cast<double>(t) / peak;
     const double recompute = l.recompute == Recompute::Full ? layers * per_layer_flops / 3 * tokens_mb / t / peak : 0;
-    const double tp_f = 2 * layers * tp_ar, tp_b = (l.recompute == Recompute::Full ? 4 : 2) * layers * tp_ar;
+    double tp_f = 2 * layers * tp_ar, tp_b = (l.recompute == Recompute::Full ? 4 : 2) * layers * tp_ar;
+    // Vocab parallel: the embedding's partial lookups are all-reduced (first stage, forward) and so
+    // is the head's partial input gradient (last stage, backward); the loss's row statistics are a
+    // few doubles per row, left out.
+    if (k == 0) tp_f += tp_ar;
+    if (k == S - 1) tp_b += tp_ar;
     costs.forward_per_stage.push_back(fwd + tp_f);
     costs.backward_per_stage.push_back(2 * fwd + recompute + tp_b);
     compute_rank[static_cast<size_t>(k % p)] += static_cast<double>(m) * (3 * fwd + recompute);

@@ -97,15 +97,16 @@ TEST(Plan, HandComputedTwoByTwo) {
   // model (head, 6 x (wte + ln_f)) 28224. Forward = 1/3, over 32 tokens, / 2 tensor ranks:
   // stage 0 f0 = 953856 ns, stage 1 f1 = (178848 + 28224) / 3 x 16 = 1104384 ns, backward twice.
   // Collectives at 8 Gbit/s = 1 GB/s: a tensor all-reduce of 6144 B (2 x 1/2 x 6144 B) = 6144 ns,
-  // 2 per layer forward, 2 backward; a pipeline message 6144 ns.
-  const double ar = 6144e-9, f0 = 953856e-9 + 2 * ar, f1 = 1104384e-9 + 2 * ar;
-  const double b0 = 2 * 953856e-9 + 2 * ar, b1 = 2 * 1104384e-9 + 2 * ar;
+  // 2 per layer forward, 2 backward, and one more for the vocab-parallel embedding (stage 0's
+  // forward) and the head's input gradient (stage 1's backward); a pipeline message 6144 ns.
+  const double ar = 6144e-9, f0 = 953856e-9 + 3 * ar, f1 = 1104384e-9 + 2 * ar;
+  const double b0 = 2 * 953856e-9 + 2 * ar, b1 = 2 * 1104384e-9 + 3 * ar;
   const double msg = 6144e-9;
   // Stage 1 is the slower one and never waits after its first input: f0 + msg, then 4 x (f1 + b1)
   // (each of its gradients leaves at once, the next activation arrived long before), then the last
   // gradient's message and stage 0's last backward.
   EXPECT_NEAR(e.pipeline_s, f0 + msg + 4 * (f1 + b1) + msg + b0, 1e-12);
-  EXPECT_NEAR(e.tp_s, 4 * 4 * ar, 1e-15);
+  EXPECT_NEAR(e.tp_s, 4 * 5 * ar, 1e-15);
   EXPECT_NEAR(e.pp_s, 2 * 4 * msg, 1e-15);
   EXPECT_EQ(e.dp_s, 0);
   EXPECT_NEAR(e.step_s, e.pipeline_s, 1e-15);
