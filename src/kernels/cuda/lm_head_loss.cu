@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/backend.h"  // VocabParallel
 #include "kernels/cuda/lm_head_loss_launch.h"
 #include "kernels/cuda/ops.h"
 
@@ -269,9 +270,17 @@ void logits_impl(float* logits, const void* x, const void* w, int64_t M, int64_t
 
 template <DType D>
 double lm_head_loss(float* losses, void* dx, float* dw, const void* x, const void* w, const int32_t* targets, int64_t N,
-                    int64_t C, int64_t V, float grad_scale, bool backward, void* scratch, int64_t chunk_rows) {
-  return lm_head_loss_impl<D>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows,
-                              nullptr);
+                    int64_t C, int64_t V, float grad_scale, bool backward, void* scratch, int64_t chunk_rows,
+                    const VocabParallel* vp) {
+  if (vp == nullptr)
+    return lm_head_loss_impl<D>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows,
+                                nullptr);
+  VocabSplit vs;
+  vs.vocab_begin = vp->vocab_begin;
+  vs.global_V = vp->global_V;
+  vs.all_reduce = vp->all_reduce;
+  vs.ctx = vp->ctx;
+  return lm_head_loss_impl<D>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows, &vs);
 }
 template <DType D>
 size_t lm_head_loss_scratch_bytes(int64_t chunk_rows, int64_t V) {
@@ -283,11 +292,11 @@ void logits_forward(float* logits, const void* x, const void* w, int64_t M, int6
 }
 
 template double lm_head_loss<DType::F32>(float*, void*, float*, const void*, const void*, const int32_t*, int64_t,
-                                         int64_t, int64_t, float, bool, void*, int64_t);
+                                         int64_t, int64_t, float, bool, void*, int64_t, const VocabParallel*);
 template double lm_head_loss<DType::BF16>(float*, void*, float*, const void*, const void*, const int32_t*, int64_t,
-                                          int64_t, int64_t, float, bool, void*, int64_t);
+                                          int64_t, int64_t, float, bool, void*, int64_t, const VocabParallel*);
 template double lm_head_loss<DType::F16>(float*, void*, float*, const void*, const void*, const int32_t*, int64_t,
-                                         int64_t, int64_t, float, bool, void*, int64_t);
+                                         int64_t, int64_t, float, bool, void*, int64_t, const VocabParallel*);
 template size_t lm_head_loss_scratch_bytes<DType::F32>(int64_t, int64_t);
 template size_t lm_head_loss_scratch_bytes<DType::BF16>(int64_t, int64_t);
 template size_t lm_head_loss_scratch_bytes<DType::F16>(int64_t, int64_t);
