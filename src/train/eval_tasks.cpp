@@ -98,7 +98,7 @@ McScores score_mc_items(Model& model, const std::vector<McItem>& items, int64_t 
   // Each ending is one sequence: plain causal attention and positions 0..T-1, whatever documents
   // a training step left set (the trainer sets them again for every micro-batch).
   model.set_documents(nullptr, nullptr, 0, 0);
-  const int64_t V = cfg.vocab_size;
+  const int64_t V = cfg.global_vocab();  // a tensor-parallel shard's forward_logits gathers every column
   std::vector<float> logits;
   McScores out;
   for (size_t i = first; i < items.size(); i += stride) {

@@ -99,6 +99,21 @@ def main():
                   "data parallel: the end of run equals lathe eval --tasks on its saved model")
         else:
             print(p.stdout[-2000:], p.stderr[-2000:])
+        # Tensor parallel: the shards' logits are vocab-parallel, forward_logits gathers the whole
+        # vocabulary for scoring; the result equals lathe eval --tasks on the saved (whole) model.
+        tp = os.path.join(tmp, "tp")
+        p = subprocess.run([MPIRUN, "-np", "2", LATHE, "train", recipe(tp), "--quiet", "--set", "parallel.tensor=2"],
+                           capture_output=True, text=True, timeout=600, env=ENV)
+        check(p.returncode == 0, "mpirun -np 2 with parallel.tensor=2 and training.eval_tasks")
+        if p.returncode == 0:
+            recs = task_recs(tp)
+            ref = cli(tp)
+            check([r["step"] for r in recs] == [3, 6, 8] and all(r["tasks_items"] == 13 for r in recs),
+                  "tensor parallel: every score covers all 13 items")
+            check(ref is not None and ref["acc"] == recs[-1]["tasks_acc"] and ref["acc_norm"] == recs[-1]["tasks_acc_norm"],
+                  "tensor parallel: the end of run equals lathe eval --tasks on its saved model")
+        else:
+            print(p.stdout[-2000:], p.stderr[-2000:])
     else:
         print("note: mpirun not found, the data-parallel split was not checked")
 
