@@ -296,7 +296,7 @@ const std::map<std::string, std::vector<std::string>> kSectionKeys = {
       "eval_tasks_interval"}},
     {"precision", {"compute", "loss_scale"}},
     {"output", {"dir", "save_every", "checkpoint_every", "keep_last"}},
-    {"parallel", {"data", "tensor", "pipeline", "zero", "bucket_mb", "timeout_s"}},
+    {"parallel", {"data", "tensor", "pipeline", "virtual_stages", "stage_layers", "zero", "bucket_mb", "timeout_s"}},
 };
 const std::vector<std::string> kModelBaseKeys = {"preset", "init_from", "config"};
 const std::vector<std::string> kSchedules = {"cosine", "linear", "constant", "wsd"};
@@ -404,6 +404,19 @@ class Parser {
     get_int(par, "parallel", "data", &r.parallel.data);
     get_int(par, "parallel", "tensor", &r.parallel.tensor);
     get_int(par, "parallel", "pipeline", &r.parallel.pipeline);
+    get_int(par, "parallel", "virtual_stages", &r.parallel.virtual_stages);
+    if (par.contains("stage_layers") && !par["stage_layers"].is_null()) {
+      const json& sl = par["stage_layers"];
+      if (!sl.is_array() || sl.size() > 4096)
+        bad("parallel.stage_layers",
+            fmt::format("expected a list of at most 4096 layer counts (one per pipeline stage), got '{}'",
+                        value_str(sl)));
+      for (const json& v : sl) {
+        if (!v.is_number_integer())
+          bad("parallel.stage_layers", fmt::format("entry '{}' is not an integer layer count", value_str(v)));
+        r.parallel.stage_layers.push_back(v.get<int64_t>());
+      }
+    }
     get_int(par, "parallel", "zero", &r.parallel.zero);
     get_double(par, "parallel", "bucket_mb", &r.parallel.bucket_mb);
     get_double(par, "parallel", "timeout_s", &r.parallel.timeout_s);
@@ -791,9 +804,18 @@ class Parser {
     const auto& p = r.parallel;
     in_range("parallel.data", p.data, 0, kMaxRanks, " (0 = all processes not used by tensor/pipeline)");
     in_range("parallel.tensor", p.tensor, 1, kMaxRanks, " (1 = no tensor parallelism)");
-    need(p.pipeline == 1, "parallel.pipeline",
-         fmt::format("{}: pipeline parallelism is not implemented yet; use 1 (data parallelism: parallel.data)",
-                     p.pipeline));
+    in_range("parallel.pipeline", p.pipeline, 1, kMaxRanks, " (1 = no pipeline parallelism)");
+    in_range("parallel.virtual_stages", p.virtual_stages, 1, 1024, " (1 = one model chunk per pipeline rank)");
+    need(p.tensor == 1 || p.pipeline == 1, "parallel.pipeline",
+         fmt::format("{} with parallel.tensor = {}: tensor and pipeline parallelism do not compose yet; use one of "
+                     "them (either composes with parallel.data)",
+                     p.pipeline, p.tensor));
+    need(p.pipeline > 1 || (p.virtual_stages == 1 && p.stage_layers.empty()),
+         p.virtual_stages != 1 ? "parallel.virtual_stages" : "parallel.stage_layers",
+         "applies to pipeline parallelism only: set parallel.pipeline > 1 or remove it");
+    need(p.pipeline == 1 || r.training.eval_tasks.empty(), "training.eval_tasks",
+         "is not scored under pipeline parallelism yet (the stages hold parts of the model): remove it, or score "
+         "the saved model with lathe eval");
     in_range("parallel.zero", p.zero, 0, 2, " (0: replicated optimizer, 1: sharded moments, 2: also gradients)");
     need(p.bucket_mb > 0 && p.bucket_mb <= 65536, "parallel.bucket_mb",
          fmt::format("{} must be in (0, 65536]", p.bucket_mb));
@@ -984,6 +1006,8 @@ json Recipe::to_json() const {
                       {"min", ls.min}}}};
   j["parallel"] = {{"data", parallel.data}, {"tensor", parallel.tensor},       {"pipeline", parallel.pipeline},
                    {"zero", parallel.zero}, {"bucket_mb", parallel.bucket_mb}, {"timeout_s", parallel.timeout_s}};
+  j["parallel"]["virtual_stages"] = parallel.virtual_stages;
+  j["parallel"]["stage_layers"] = parallel.stage_layers;
   j["output"] = {{"dir", output.dir},
                  {"save_every", output.save_every},
                  {"checkpoint_every", output.checkpoint_every},

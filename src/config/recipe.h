@@ -167,7 +167,14 @@ struct Recipe {
   struct Parallel {
     int64_t data = 0;        // data-parallel degree; 0 = world size / (tensor x pipeline)
     int64_t tensor = 1;      // tensor-parallel degree (parallel/tensor_parallel.h)
-    int64_t pipeline = 1;    // must be 1 until pipeline parallelism lands
+    // Ranks are ordered tensor fastest, then data, then pipeline (Megatron's order): world rank =
+    // (pipeline_rank x data + data_rank) x tensor + tensor_rank.
+    int64_t pipeline = 1;        // pipeline stages (parallel/pipeline_executor.h); tensor must be 1 with it for now
+    int64_t virtual_stages = 1;  // model chunks per pipeline rank; > 1 runs interleaved 1F1B
+    // Decoder layers per virtual stage (pipeline x virtual_stages entries, summing to the layer
+    // count; virtual stage k on pipeline rank k % pipeline); empty = even (pipeline x
+    // virtual_stages must divide the layers then).
+    std::vector<int64_t> stage_layers;
     int64_t zero = 0;        // 0: replicated optimizer; 1, 2: moments sharded, gradients reduce-scattered;
                              // 2: only the gradient shard kept after the reduction (parallel/grad_sync.h)
                              // (2 does not free the rest of the gradient buffer yet)

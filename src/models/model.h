@@ -27,6 +27,12 @@ struct Arch {
   bool o_bias = true;
   bool mlp_bias = true;
   bool tied_lm_head = true;
+  // A pipeline stage's model (src/parallel/pipeline_stage.h) may hold only part of the network:
+  // without `embedding` its table has no wte/wpe (the residual stream enters layer 0 from outside,
+  // residual(0)); without `head` no final norm / lm_head (the stream leaves after its last layer).
+  // A tied wte is held whenever either is. The body itself knows nothing of pipelines.
+  bool embedding = true;
+  bool head = true;
 };
 
 // Pointers to one layer's tensors inside a flat buffer (parameters or gradients).
@@ -153,7 +159,18 @@ class Model {
   // activations fit the machine, and refuses with the figures otherwise.
   // `recompute` (models/recompute.h) chooses what the arena keeps per layer; whatever it is,
   // losses, gradients and the StepHooks calls are the same, bit for bit and in order.
-  void allocate(int64_t B, int64_t T, int optimizer_moments = 0, Recompute recompute = Recompute::None);
+  // `slots` > 1 reserves that many arenas of the same layout (a pipeline stage keeps the
+  // activations of several micro-batches at once); use_slot(i) points every pass at arena i.
+  void allocate(int64_t B, int64_t T, int optimizer_moments = 0, Recompute recompute = Recompute::None,
+                int64_t slots = 1);
+  void use_slot(int64_t i);
+  int64_t slots() const { return slots_; }
+  // In the current slot: the residual stream [B*T, C] (compute dtype) entering decoder layer l
+  // (l = 0: the embeddings' output; l = L: the last layer's output, the final norm's input), and
+  // dL/d(residual stream) [B*T, C], which head_loss starts and each layer_backward(l) turns into
+  // the gradient of layer l's input. Pipeline stages read and write them around the block passes.
+  void* residual(int64_t l);
+  void* residual_grad() { return dres_; }
   Recompute recompute() const { return plan_.recompute; }
   int64_t max_batch() const { return max_B_; }
   int64_t max_seq() const { return max_T_; }
@@ -269,7 +286,7 @@ class Model {
   // activations (pointers into acts_, laid out by plan_), sized for max_B_ x max_T_. void* ones are
   // in the compute dtype, float* ones fp32 (see ActivationEntry). With recompute, the pointers of
   // buffers that are not kept per layer are the same in every la_[l] (the shared set).
-  int64_t max_B_ = 0, max_T_ = 0, chunk_rows_ = 0;
+  int64_t max_B_ = 0, max_T_ = 0, chunk_rows_ = 0, slots_ = 1;
   DeviceBuffer acts_;
   ActivationPlan plan_;
   struct LayerActs {

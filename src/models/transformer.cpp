@@ -74,17 +74,19 @@ ModelPtrs Model::resolve(float* base) const {
     *needed = true;
     switch (r) {
       case Role::Wte:
+        *needed = arch_.embedding || (arch_.head && arch_.tied_lm_head);
         return layer < 0 ? &m.wte : nullptr;
       case Role::Wpe:
-        *needed = arch_.learned_pos;
+        *needed = arch_.learned_pos && arch_.embedding;
         return layer < 0 ? &m.wpe : nullptr;
       case Role::LnfW:
+        *needed = arch_.head;
         return layer < 0 ? &m.lnf_w : nullptr;
       case Role::LnfB:
-        *needed = arch_.layernorm;
+        *needed = arch_.layernorm && arch_.head;
         return layer < 0 ? &m.lnf_b : nullptr;
       case Role::LmHead:
-        *needed = !arch_.tied_lm_head;
+        *needed = !arch_.tied_lm_head && arch_.head;
         return layer < 0 ? &m.lm_head : nullptr;
       case Role::Ln1W:
         return lp ? &lp->ln1_w : nullptr;
@@ -395,23 +397,41 @@ ActivationPlan Model::plan_activations(const ModelConfig& cfg, int64_t B, int64_
   return plan;
 }
 
-void Model::allocate(int64_t B, int64_t T, int optimizer_moments, Recompute recompute) {
+void Model::allocate(int64_t B, int64_t T, int optimizer_moments, Recompute recompute, int64_t slots) {
   LATHE_CHECK(B >= 1 && T >= 1, "batch {} x seq_len {}: both must be >= 1", B, T);
+  LATHE_CHECK(slots >= 1 && slots <= 4096, "activation slots {} must be in [1, 4096]", slots);
   LATHE_CHECK(!arch_.learned_pos || T <= cfg_.max_position_embeddings,
               "seq_len {} exceeds the model's max_position_embeddings {}", T, cfg_.max_position_embeddings);
   LATHE_CHECK(T <= kMaxPositions, "seq_len {} exceeds lathe's maximum {}", T, kMaxPositions);
-  if (B == max_B_ && T == max_T_ && recompute == plan_.recompute) return;
+  if (B == max_B_ && T == max_T_ && recompute == plan_.recompute && slots == slots_) return;
   // Before any allocation: refuse what cannot fit, with the figures (models/memory.h).
   check_memory_fits(estimate_memory(cfg_, B, T, optimizer_moments, 1, ops_->dtype, recompute), cfg_, "model");
   ActivationPlan plan;
   const size_t total = layout_activations(cfg_, B, T, *ops_, recompute, nullptr, nullptr, &plan);
   max_B_ = B;
   max_T_ = T;
-  acts_.resize(*backend_, total, DType::U8);
+  acts_.resize(*backend_,
+               static_cast<size_t>(checked_mul(static_cast<int64_t>(total), slots, "activation slots x arena bytes")),
+               DType::U8);
   plan_ = std::move(plan);
+  slots_ = slots;
   la_.assign(static_cast<size_t>(cfg_.num_hidden_layers), {});
-  layout_activations(cfg_, B, T, *ops_, recompute, this, static_cast<std::byte*>(acts_.data()), nullptr);
-  if (!arch_.learned_pos) ops_->rope_tables(rope_cos_, rope_sin_, T, cfg_.head_dim(), cfg_.rope_theta);
+  for (int64_t i = slots - 1; i >= 0; --i) {  // every slot's RoPE tables; slot 0 current at the end
+    use_slot(i);
+    if (!arch_.learned_pos) ops_->rope_tables(rope_cos_, rope_sin_, T, cfg_.head_dim(), cfg_.rope_theta);
+  }
+}
+
+void Model::use_slot(int64_t i) {
+  LATHE_CHECK(i >= 0 && i < slots_ && max_B_ > 0, "activation slot {} of {} (allocated: {})", i, slots_, max_B_ > 0);
+  layout_activations(cfg_, max_B_, max_T_, *ops_, plan_.recompute, this,
+                     static_cast<std::byte*>(acts_.data()) + static_cast<size_t>(i) * plan_.bytes, nullptr);
+}
+
+void* Model::residual(int64_t l) {
+  LATHE_CHECK(l >= 0 && l <= static_cast<int64_t>(la_.size()) && max_B_ > 0,
+              "residual stream of layer {} (the model has {} layers; allocated: {})", l, la_.size(), max_B_ > 0);
+  return const_cast<void*>(layer_input(l));
 }
 
 // Shapes used below (per micro-batch): N = B*T rows; C hidden; H query heads, KV key/value heads

@@ -22,6 +22,7 @@
 #include "models/memory.h"
 #include "models/recompute.h"
 #include "optim/schedule.h"
+#include "parallel/pipeline_stage.h"
 #include "parallel/tensor_parallel.h"
 #include "train/consistency.h"
 
@@ -445,6 +446,12 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
         "per rank",
         r.parallel.tensor, shard.num_attention_heads, pf.model->config().num_attention_heads, shard.num_key_value_heads,
         pf.model->config().num_key_value_heads, shard.intermediate_size, shard.vocab_size, shard.global_vocab()));
+  } else if (r.parallel.pipeline > 1) {
+    // The stages and the schedule must work for this model (errors name the values); the trainer
+    // builds each rank's stage from pf.model (kept unallocated as the whole model).
+    const parallel::PipelineLayout pl =
+        parallel::pipeline_layout(r, pf.model->config().num_hidden_layers, pf.model->arch().tied_lm_head, 0);
+    log.ok(parallel::describe_pipeline(pl));
   } else if (!check_only) {
     pf.model->allocate(B, T, kMoments, rc);
   }

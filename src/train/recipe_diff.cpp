@@ -50,7 +50,9 @@ const std::vector<std::pair<std::string, json>>& later_defaults() {
                                                               {"data.reset_position_ids", false},
                                                               {"data.mask_loss_after_eod", false},
                                                               {"data.eod_token", -1},
-                                                              {"device", "cpu"}};
+                                                              {"device", "cpu"},
+                                                              {"parallel.virtual_stages", 1},
+                                                              {"parallel.stage_layers", json::array()}};
   static const std::vector<std::pair<std::string, json>> all = [] {
     auto v = d;
     // training.anomaly (train/anomaly.h): a checkpoint from before it ran without the policy.

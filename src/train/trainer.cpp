@@ -31,6 +31,7 @@
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "parallel/grad_sync.h"
+#include "parallel/pipeline_executor.h"
 #include "parallel/plan.h"
 #include "parallel/sharded_optimizer.h"
 #include "parallel/tensor_parallel.h"
@@ -174,6 +175,7 @@ struct StepParts {
   std::vector<int32_t>& targets;
   AnomalyPolicy& anomaly;       // loss-spike and NaN policy (train/anomaly.h): may skip, lowers the lr
   const DocumentOptions& docs;  // documents in the samples (data.attention etc.)
+  parallel::PipelineExecutor* pipe = nullptr;  // pipeline parallelism: runs the step's micro-batches
 };
 
 struct StepStats {
@@ -268,7 +270,13 @@ StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
   }
   const float grad_scale = 1.0f / static_cast<float>(targets_kept) * static_cast<float>(st.loss_scale);
   std::vector<int32_t> doc_start, positions;
-  for (int64_t m = 0; m < p.accum; ++m) {
+  if (p.pipe) {  // the schedule runs every micro-batch; the data-parallel reduction follows it
+    loss_sum = p.pipe->step(p.inputs.data(), p.targets.data(), grad_scale, [&](int64_t m) {
+      set_batch_documents(p.model, p.docs, p.inputs.data() + m * B * T, B, T, doc_start, positions);
+    });
+    if (p.sync) p.sync->ready(0, p.model.num_params());
+  }
+  for (int64_t m = 0; m < (p.pipe ? 0 : p.accum); ++m) {
     trace::Scope span("forward+backward micro-batch", trace::Cat::Compute, m);
     set_batch_documents(p.model, p.docs, p.inputs.data() + m * B * T, B, T, doc_start, positions);
     p.sync_this_pass = m + 1 == p.accum;  // gradients are final during the last micro-batch's backward
@@ -355,7 +363,7 @@ DocumentOptions document_options(const Recipe& r, const tok::Tokenizer* tokenize
 
 std::pair<double, int64_t> evaluate_samples(Model& model, const data::IndexedDataset& ds,
                                             const std::vector<int64_t>& samples, int64_t B, int64_t T,
-                                            const DocumentOptions* docs) {
+                                            const DocumentOptions* docs, const EvalForward* forward) {
   std::vector<int32_t> window(static_cast<size_t>(T + 1)), in(static_cast<size_t>(B * T)),
       tg(static_cast<size_t>(B * T)), doc_start, positions;
   double sum = 0;
@@ -372,7 +380,8 @@ std::pair<double, int64_t> evaluate_samples(Model& model, const data::IndexedDat
       tokens += mask_loss_after_eod(in.data(), tg.data(), b * T, docs->eod);
     else
       tokens += b * T;
-    sum += model.forward_backward(in.data(), tg.data(), b, T, 0.0f, false);
+    sum +=
+        forward ? (*forward)(in.data(), tg.data(), b) : model.forward_backward(in.data(), tg.data(), b, T, 0.0f, false);
   }
   return {tokens ? sum / static_cast<double>(tokens) : 0.0, tokens};
 }
@@ -397,11 +406,18 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   };
   Recipe r = recipe;
   check_layout(r, *world);
-  // Ranks are laid out tensor-fastest (Megatron's order): world rank = dp_rank * tp + tp_rank, so a
-  // tensor-parallel group is tp consecutive ranks (one host, when ranks fill hosts in order).
-  const int tp = static_cast<int>(r.parallel.tensor), dp = world->size() / tp, dp_rank = world->rank() / tp,
-            tp_rank = world->rank() % tp, rank = world->rank();
-  std::unique_ptr<dist::Communicator> tp_group, dp_group, ckpt_writers;
+  // Ranks are laid out tensor-fastest, then data, then pipeline (Megatron's order): world rank =
+  // (pp_rank * dp + dp_rank) * tp + tp_rank, so a tensor-parallel group is tp consecutive ranks
+  // (one host, when ranks fill hosts in order).
+  const int tp = static_cast<int>(r.parallel.tensor), pp = static_cast<int>(r.parallel.pipeline),
+            dp = world->size() / (tp * pp), dp_rank = (world->rank() / tp) % dp, tp_rank = world->rank() % tp,
+            pp_rank = world->rank() / (tp * dp), rank = world->rank();
+  std::unique_ptr<dist::Communicator> tp_group, dp_group, ckpt_writers, pp_group;
+  if (pp > 1) {  // (tensor 1: recipe.cpp) checkpoints are written by pipeline rank 0 of each replica
+    pp_group = world->split(dp_rank, pp_rank, "pp");
+    dp_group = world->split(pp_rank, dp_rank, "dp");
+    ckpt_writers = world->split(pp_rank == 0 ? 0 : -1, dp_rank, "ckpt");
+  }
   if (tp > 1) {
     tp_group = world->split(dp_rank, tp_rank, "tp");
     dp_group = world->split(tp_rank, dp_rank, "dp");
@@ -409,7 +425,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     // each data-parallel replica assembles: those ranks share the writing of the moments.
     ckpt_writers = world->split(tp_rank == 0 ? 0 : -1, dp_rank, "ckpt");
   }
-  dist::Communicator& dpc = tp > 1 ? *dp_group : *world;  // the data-parallel group
+  dist::Communicator& dpc = dp_group ? *dp_group : *world;  // the data-parallel group
   SignalGuard signals(opts.handle_signals);
   struct CleanupJoin {  // old checkpoints are removed in the background; done before returning
     ~CleanupJoin() { wait_for_checkpoint_cleanup(); }
@@ -464,6 +480,21 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     model->allocate(B, T, 2, parse_recompute(r.recompute, r.source + ": recompute"));
     tp_owned = parallel::owned_ranges(model->params(), tp_rank);
   }
+  // Pipeline parallelism: this rank's stage of the whole model (parallel/pipeline_stage.h), run by
+  // the schedule's executor; the whole model is handled as with tensor parallelism below.
+  parallel::PipelineLayout pl;
+  std::unique_ptr<parallel::PipelineExecutor> pipe;
+  if (pp > 1) {
+    whole = std::move(model);
+    pl = parallel::pipeline_layout(r, whole->config().num_hidden_layers, whole->arch().tied_lm_head, pp_rank);
+    model = parallel::build_stage_model(*whole, pl);
+    parallel::scatter_stage(whole->params(), whole->param_data(), model->params(), model->param_data());
+    pipe = std::make_unique<parallel::PipelineExecutor>(*model, pl, *pp_group, B, T, 2,
+                                                        parse_recompute(r.recompute, r.source + ": recompute"));
+    tp_owned = parallel::stage_owned_ranges(pl, model->params());
+  }
+  const bool sharded = tp > 1 || pp > 1;
+  dist::Communicator* shard_group = tp > 1 ? tp_group.get() : pp_group.get();
   // The whole model exists only while a checkpoint, an HF directory or a rollback needs it (rebuilt
   // here, without gradients): between those each rank holds its shard only, so per-rank memory
   // falls with the tensor degree as `lathe plan` counts it.
@@ -475,13 +506,27 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     return *whole;
   };
   auto release_whole = [&] {
-    if (tp > 1) whole.reset();
+    if (sharded) whole.reset();
   };
-  // The whole model with this replica's current weights (collective over the tensor-parallel group).
+  // Tensor or pipeline parallelism: a buffer laid out like the whole model's parameters from each
+  // rank's local one (collective over the shard group), and this rank's part of such a buffer.
+  auto gather_whole = [&](const float* local, float* global) {
+    if (tp > 1)
+      parallel::gather_global(*tp_group, ensure_whole().params(), model->params(), local, global);
+    else
+      parallel::gather_stages(*pp_group, pl, ensure_whole().params(), model->params(), local, global);
+  };
+  auto scatter_local = [&](const float* global, float* local) {
+    if (tp > 1)
+      parallel::scatter_shard(ensure_whole().params(), global, model->params(), local, tp_rank, tp);
+    else
+      parallel::scatter_stage(ensure_whole().params(), global, model->params(), local);
+  };
+  // The whole model with this replica's current weights (collective over the shard group).
   auto whole_model = [&]() -> Model& {
-    if (tp == 1) return *model;
+    if (!sharded) return *model;
     Model& w = ensure_whole();
-    parallel::gather_global(*tp_group, w.params(), model->params(), model->param_data(), w.param_data());
+    gather_whole(model->param_data(), w.param_data());
     return w;
   };
   model->refresh_compute_weights();  // the weights are final (init, init_from or checkpoint)
@@ -527,20 +572,37 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   const size_t state_b = opt.state_begin(), state_e = opt.state_end();  // this rank's moments (ZeRO shard)
   auto load_moments = [&](const std::string& dir) {
     const MomentSlice mine = moment_slice(opt.local(), state_b, state_b, state_e);
-    if (tp == 1) {
+    if (!sharded) {
       load_checkpoint_moments(dir, *model, mine);
       return;
     }
-    // Only the runs of each global moment that land in this rank's shard are read (train/reshard.h).
-    const CheckpointPieces pieces(dir);
-    load_moments_sharded(pieces, ensure_whole().params(), model->params(), tp_rank, tp, mine);
+    if (tp > 1) {
+      // Only the runs of each global moment that land in this rank's shard are read (train/reshard.h).
+      const CheckpointPieces pieces(dir);
+      load_moments_sharded(pieces, ensure_whole().params(), model->params(), tp_rank, tp, mine);
+      return;
+    }
+    // Pipeline: the whole model's moments, then this stage's tensors and its ZeRO shard.
+    std::vector<std::vector<float>> all(mine.buffers.size(), std::vector<float>(whole_P));
+    MomentSlice whole_slice;
+    whole_slice.begin = 0;
+    whole_slice.end = whole_P;
+    for (size_t i = 0; i < all.size(); ++i) whole_slice.buffers.push_back({mine.buffers[i].first, all[i].data()});
+    load_checkpoint_moments(dir, ensure_whole(), whole_slice);
+    std::vector<float> local(P);  // this tensor rank's moments of its whole local buffer, then its ZeRO shard
+    for (size_t i = 0; i < all.size(); ++i) {
+      scatter_local(all[i].data(), local.data());
+      std::copy(local.begin() + static_cast<std::ptrdiff_t>(state_b),
+                local.begin() + static_cast<std::ptrdiff_t>(state_e), mine.buffers[i].second);
+    }
   };
   if (!ckpt.empty()) load_moments(ckpt);
   release_whole();
   // Tensor parallelism: the norm counts each element of the whole model once. With ZeRO only this
   // rank's shard of the gradient is reduced, so the squares are summed over the world.
-  dist::Communicator* tp_norm_group = tp > 1 ? (r.parallel.zero > 0 ? world : tp_group.get()) : nullptr;
-  if (tp > 1 && r.parallel.zero > 0) {
+  // Pipeline parallelism: each stage counts its own tensors (a tied wte on the first stage only).
+  dist::Communicator* tp_norm_group = sharded ? (r.parallel.zero > 0 ? world : shard_group) : nullptr;
+  if (sharded && r.parallel.zero > 0) {
     std::vector<std::pair<size_t, size_t>> in_shard;
     for (auto [b, e] : tp_owned)
       if (std::max(b, state_b) < std::min(e, state_e)) in_shard.push_back({std::max(b, state_b), std::min(e, state_e)});
@@ -630,6 +692,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
                                  {"memory_bytes", mm.bytes},
                                  {"world_size", world->size()},
                                  {"tensor_parallel", tp},
+                                 {"pipeline_parallel", pp},
                                  {"threads_per_rank", threads},
                                  {"openblas_kernel", blas_kernel_name()},
                                  {"peak_gflops", peak},
@@ -642,6 +705,8 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   if (tp > 1)
     log(fmt::format("tensor parallel: {} ranks per replica, {} of {} parameters on each (the rest of {} replicated)",
                     tp, P, whole_P, r.model.model_type));
+  if (pp > 1)
+    log(parallel::describe_pipeline(pl) + fmt::format("; {} of {} parameters on this rank", P, whole_P));
   if (dp > 1)
     log(fmt::format(
         "data parallel: {} ranks, global batch {} samples ({} per rank as {} x {}), ZeRO {}, buckets of {:.1f} MB", dp,
@@ -760,10 +825,10 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     CheckpointSaveInfo info;
     // Every rank writes the moments of its part of the flat buffer (its ZeRO shard; with ZeRO 0 the
     // same cut, so the ranks share the writing), rank 0 the weights and state.json once all are done.
-    if (tp > 1) {
-      // The whole model's weights and moments on tensor-parallel rank 0 of each replica (gathered
-      // from the shards), written as a checkpoint of the whole model by the dp writers: it resumes
-      // at any tensor-parallel degree, or in one process.
+    if (sharded) {
+      // The whole model's weights and moments on tensor-parallel (or pipeline) rank 0 of each
+      // replica (gathered from the shards or stages), written as a checkpoint of the whole model by
+      // the dp writers: it resumes at any tensor-parallel or pipeline layout, or in one process.
       Model& w = whole_model();
       const MomentSlice mine = moment_slice(opt.local(), state_b, state_b, state_e);
       std::vector<std::vector<float>> all(mine.buffers.size(), std::vector<float>(w.num_params()));
@@ -774,7 +839,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
           dpc.all_gather(mine.buffers[i].second, local.data(), opt.shards().sizes(), DType::F32);
           full = local.data();
         }
-        parallel::gather_global(*tp_group, w.params(), model->params(), full, all[i].data());
+        gather_whole(full, all[i].data());
       }
       if (ckpt_writers) {
         const std::vector<size_t> cut = dist::even_counts(w.num_params(), dp);
@@ -785,7 +850,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
           part.buffers.push_back({mine.buffers[i].first, all[i].data() + part.begin});
         save_checkpoint_sharded(r.output.dir, w, part, st, static_cast<int>(r.output.keep_last), &info, *ckpt_writers);
       }
-      tp_group->barrier();  // the checkpoint is complete before any rank of the replica goes on
+      shard_group->barrier();  // the checkpoint is complete before any rank of the replica goes on
       release_whole();
     } else if (dp == 1) {
       save_checkpoint(r.output.dir, *model, &opt.local(), st, static_cast<int>(r.output.keep_last), &info);
@@ -812,7 +877,11 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   auto evaluate = [&](const std::vector<int64_t>& set) -> std::pair<double, int64_t> {
     std::vector<int64_t> mine;
     for (size_t i = static_cast<size_t>(dp_rank); i < set.size(); i += static_cast<size_t>(dp)) mine.push_back(set[i]);
-    auto [mean, tokens] = evaluate_samples(*model, *valid_ds, mine, B, T, &docs);
+    // Pipeline: every stage takes part in each batch's forward (the stage model holds the documents).
+    const EvalForward pipe_forward = [&](const int32_t* in, const int32_t* tg, int64_t b) {
+      return pipe->forward_loss(in, tg, b, nullptr);
+    };
+    auto [mean, tokens] = evaluate_samples(*model, *valid_ds, mine, B, T, &docs, pipe ? &pipe_forward : nullptr);
     double st[2] = {mean * static_cast<double>(tokens), static_cast<double>(tokens)};
     if (dp > 1) dpc.all_reduce(st, 2, DType::F64);
     return {st[1] > 0 ? st[0] / st[1] : 0.0, static_cast<int64_t>(st[1])};
@@ -858,7 +927,8 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
                   inputs,
                   targets,
                   anomaly,
-                  docs};
+                  docs,
+                  pipe.get()};
   const std::string precision = r.precision.compute;
   // The anomaly policy's actions after step `step` (0-based) with stats `st`, each a line in
   // anomalies.jsonl and the log. Returns the step to continue from after a rollback (the healthy
@@ -917,11 +987,11 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     }
     // Tensor parallelism: the checkpoint holds the whole model; this rank keeps its shard.
     std::function<CheckpointState(const std::string&)> load_tp;
-    if (tp > 1)
+    if (sharded)
       load_tp = [&](const std::string& dir) {
         Model& w = ensure_whole();
         CheckpointState c = load_checkpoint(dir, w, nullptr);
-        parallel::scatter_shard(w.params(), w.param_data(), model->params(), model->param_data(), tp_rank, tp);
+        scatter_local(w.param_data(), model->param_data());
         load_moments(dir);
         return c;
       };

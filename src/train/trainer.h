@@ -9,6 +9,7 @@
 // checkpoints (checkpoint.h) every output.checkpoint_every steps, on SIGTERM/SIGINT and at
 // --stop-after; bit-exact resume; HF model directory at the end.
 #pragma once
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -64,9 +65,13 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts = {});
 
 // Mean next-token loss of `model` over the given samples of `ds`, in order, batched by B.
 // Returns {loss, tokens}. With `docs`, the samples' documents are applied as in training (document
-// attention, restarted positions; targets masked after EOD are not counted).
+// attention, restarted positions; targets masked after EOD are not counted). `forward` (optional)
+// runs the forward pass of b rows and returns their loss sum (a pipeline's stages); unset:
+// model.forward_backward.
+using EvalForward = std::function<double(const int32_t* tokens, const int32_t* targets, int64_t b)>;
 std::pair<double, int64_t> evaluate_samples(Model& model, const data::IndexedDataset& ds,
                                             const std::vector<int64_t>& samples, int64_t B, int64_t T,
-                                            const DocumentOptions* docs = nullptr);
+                                            const DocumentOptions* docs = nullptr,
+                                            const EvalForward* forward = nullptr);
 
 }  // namespace lathe
