@@ -705,8 +705,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   if (tp > 1)
     log(fmt::format("tensor parallel: {} ranks per replica, {} of {} parameters on each (the rest of {} replicated)",
                     tp, P, whole_P, r.model.model_type));
-  if (pp > 1)
-    log(parallel::describe_pipeline(pl) + fmt::format("; {} of {} parameters on this rank", P, whole_P));
+  if (pp > 1) log(parallel::describe_pipeline(pl) + fmt::format("; {} of {} parameters on this rank", P, whole_P));
   if (dp > 1)
     log(fmt::format(
         "data parallel: {} ranks, global batch {} samples ({} per rank as {} x {}), ZeRO {}, buckets of {:.1f} MB", dp,
