@@ -733,6 +733,8 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     lathe::plan::Layout l;
     l.data = dp;
     l.tensor = tp;
+    l.pipeline = pp;
+    l.virtual_stages = r.parallel.virtual_stages;
     l.zero = static_cast<int>(r.parallel.zero);
     l.recompute = model->recompute();
     const lathe::plan::Estimate e = lathe::plan::estimate(job, m, l);
