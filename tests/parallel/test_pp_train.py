@@ -7,6 +7,7 @@ gradients passed as messages, so the losses differ from one process only by floa
 micro-batch; the replica's loss is summed over stages). Tolerance 1e-5 relative on the losses,
 gradient norms and validation losses over 5 steps (measured ~1e-8), 1e-4 on the final weights
 gathered from the stages into the HF model (they pass through 5 AdamW steps).
+Also bf16 with full recompute, interleaved, against one process in bf16.
 Layouts: GPT-2 (tied wte) and Llama (untied lm_head) with 6 layers; PP=2 and PP=3, 1F1B and
 interleaved (virtual_stages), uneven parallel.stage_layers; DP=2 x PP=2 on 4 ranks (ZeRO 0 and
 2); a PP=2 checkpoint resumed in one process and a one-process checkpoint resumed at PP=3 (the
@@ -37,9 +38,12 @@ def recipe(data, family, out, **kw):
     training = dict(TRAINING)
     for k in [k for k in kw if k.startswith("training__")]:
         training[k.split("__")[1]] = kw.pop(k)
+    recompute = kw.pop("recompute", None)
     path = mpi_train.write_recipe(data, "unused", out, training, **kw)
     r = json.load(open(path))
     r["model"] = MODELS[family]
+    if recompute:
+        r["recompute"] = recompute
     json.dump(r, open(path, "w"))
     return path
 
@@ -134,6 +138,13 @@ def main():
         if i == 0:
             ok, worst = weights_close(out, lone, 1e-4)
             check(ok, f"llama {what}: final weights match (worst {worst:.2e} <= 1e-4)")
+
+    # bf16 activations as messages, and full recompute (one arena per micro-batch in flight each):
+    # the same kernels on the same values as one process in bf16 (measured bit-identical).
+    bf_one = train(1, data, "gpt2", "gpt2_one_bf16", precision__compute="bf16")
+    bf_pp = train(2, data, "gpt2", "gpt2_pp2_bf16_full", precision__compute="bf16", parallel__pipeline=2,
+                  parallel__virtual_stages=3, recompute="full")
+    same_run(bf_pp, bf_one, "gpt2 bf16, recompute full, PP=2 interleaved")
 
     # DP=2 x PP=2 on 4 ranks: 2 micro-batches per replica, the same global batch of 8 samples.
     for zero in (0, 2):
