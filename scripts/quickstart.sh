@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-BUILD_TARGET=lathe bash scripts/build.sh
+BUILD_TARGET=lathe bash scripts/build.sh -DLATHE_CUDA=OFF  # CPU-only (CUDA: README, "CUDA backend")
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)}
 ./build/lathe tokenize --tokenizer byte --input data/tinyshakespeare.txt --output data/shakespeare_byte --overwrite
 ./build/lathe train configs/quickstart.yaml "$@"

@@ -34,7 +34,7 @@ std::string compute_dtype_name(DType t) {
 
 const std::vector<const Backend*>& backends() {
   // Explicit list (no static registration), so the set of backends is visible in one place.
-  static const std::vector<const Backend*> all = {&cpu_backend(), &no_cuda_backend()};
+  static const std::vector<const Backend*> all = {&cpu_backend(), &cuda_backend()};
   return all;
 }
 

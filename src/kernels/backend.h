@@ -149,12 +149,18 @@ class Backend {
   virtual void synchronize() const = 0;
   // The op tables of this backend, complete or not (one per compute dtype).
   virtual std::vector<const Ops*> op_tables() const = 0;
+  // Why this backend cannot run in this process ("" when it can): e.g. the CUDA backend on a machine
+  // without a GPU ("cudaGetDeviceCount: CUDA driver version is insufficient ..."). Tests skip with it.
+  virtual std::string unavailable() const { return {}; }
 };
 
 const Backend& cpu_backend();
 // A backend named "cuda" for builds without CUDA: it links everywhere, implements no dtype, and
 // every memory call throws "[alloc] no CUDA implementation: ...".
 const Backend& no_cuda_backend();
+// The backend named "cuda" of this build: the CUDA backend (kernels/cuda, built with LATHE_CUDA=ON;
+// it has op tables even where no GPU is present, see Backend::unavailable) or no_cuda_backend().
+const Backend& cuda_backend();
 // Every backend of this build (cpu first); backend_by_name throws naming the known ones.
 const std::vector<const Backend*>& backends();
 const Backend& backend_by_name(std::string_view name);

@@ -327,10 +327,36 @@ class Dev {
   std::string what_;
 };
 
+// int32 inputs (tokens, positions, targets, doc_start) in backend memory: every pointer a table
+// receives is the backend's (on the CUDA backend, device memory).
+class IntDev {
+ public:
+  IntDev(const Backend& b, const std::vector<int32_t>& host) : b_(&b) {
+    p_ = b_->alloc(std::max<size_t>(host.size(), 1) * sizeof(int32_t));
+    if (!host.empty()) b_->copy(p_, host.data(), host.size() * sizeof(int32_t), CopyKind::HostToDevice);
+  }
+  ~IntDev() {
+    b_->synchronize();
+    b_->free(p_);
+  }
+  IntDev(const IntDev&) = delete;
+  IntDev& operator=(const IntDev&) = delete;
+  const int32_t* p() const { return static_cast<const int32_t*>(p_); }
+
+ private:
+  const Backend* b_;
+  void* p_ = nullptr;
+};
+
 // Per-case helper: act() buffers are in the table's dtype, f32() buffers fp32 in every table.
 struct Run {
   const Target& t;
   std::string tag;
+  std::vector<std::unique_ptr<IntDev>> int_bufs = {};
+  const int32_t* ints(const std::vector<int32_t>& host) {
+    int_bufs.push_back(std::make_unique<IntDev>(*t.backend, host));
+    return int_bufs.back()->p();
+  }
   DType act_dt() const { return t.ops->dtype; }
   double tol() const { return tolerance(act_dt()); }
   VecF act_in(VecF v) const { return rounded(std::move(v), act_dt()); }
@@ -423,12 +449,12 @@ void case_embedding(const Target& t) {
           ref_embedding_bwd(rdwte, rdwpe, to_double(g), tok, V, B, T, C);
           auto dwte_in = r.act(wte, "wte"), dwpe_in = r.act(wpv, "wpe"), dg = r.act(g, "dout");
           auto out = r.act(VecF(B * T * C, kNaN), "out");
-          t.ops->embedding_forward(out->p(), tok.data(), dwte_in->p(), wpe ? dwpe_in->p() : nullptr, B, T, C, nullptr,
+          t.ops->embedding_forward(out->p(), r.ints(tok), dwte_in->p(), wpe ? dwpe_in->p() : nullptr, B, T, C, nullptr,
                                    0, V);
           r.check(*out, ref, "forward");
           const VecF pre_te = randn(V * C, rng), pre_pe = randn(T * C, rng);
           auto gte = r.f32(pre_te, "dwte"), gpe = r.f32(pre_pe, "dwpe");
-          t.ops->embedding_backward(gte->f(), wpe ? gpe->f() : nullptr, dg->p(), tok.data(), B, T, C, nullptr, 0, V);
+          t.ops->embedding_backward(gte->f(), wpe ? gpe->f() : nullptr, dg->p(), r.ints(tok), B, T, C, nullptr, 0, V);
           r.check(*gte, plus(pre_te, rdwte), "dwte (+=)");
           if (wpe) r.check(*gpe, plus(pre_pe, rdwpe), "dwpe (+=)");
         }
@@ -653,10 +679,10 @@ void case_documents(const Target& t) {
     ref_embedding_bwd(rdwte, rdwpe, to_double(g), tok, V, B, T, C, &pos);
     auto dte = r.act(wte, "wte"), dpe = r.act(wpe, "wpe"), dg = r.act(g, "dout");
     auto out = r.act(VecF(B * T * C, kNaN), "embedding out");
-    t.ops->embedding_forward(out->p(), tok.data(), dte->p(), dpe->p(), B, T, C, pos.data(), 0, V);
+    t.ops->embedding_forward(out->p(), r.ints(tok), dte->p(), dpe->p(), B, T, C, r.ints(pos), 0, V);
     r.check(*out, ref, "embedding forward");
     auto gte = r.f32(VecF(V * C, 0.0f), "dwte"), gpe = r.f32(VecF(T * C, 0.0f), "dwpe");
-    t.ops->embedding_backward(gte->f(), gpe->f(), dg->p(), tok.data(), B, T, C, pos.data(), 0, V);
+    t.ops->embedding_backward(gte->f(), gpe->f(), dg->p(), r.ints(tok), B, T, C, r.ints(pos), 0, V);
     r.check(*gte, rdwte, "embedding dwte");
     r.check(*gpe, rdwpe, "embedding dwpe");
     // RoPE on the q section of a fused row with positions
@@ -668,9 +694,9 @@ void case_documents(const Target& t) {
     ref_rope_fwd(rref, to_double(x), csd, snd, B, T, H, D, ld, 0, &pos);
     ref_rope_bwd(rdx, to_double(gx), csd, snd, B, T, H, D, ld, 0, &pos);
     auto y = r.act(x, "rope x"), dy = r.act(gx, "rope dx");
-    t.ops->rope_forward(y->p(), cs->f(), sn->f(), B, T, H, D, ld, pos.data());
+    t.ops->rope_forward(y->p(), cs->f(), sn->f(), B, T, H, D, ld, r.ints(pos));
     r.check(*y, rref, "rope forward");
-    t.ops->rope_backward(dy->p(), cs->f(), sn->f(), B, T, H, D, ld, pos.data());
+    t.ops->rope_backward(dy->p(), cs->f(), sn->f(), B, T, H, D, ld, r.ints(pos));
     r.check(*dy, rdx, "rope backward");
     // attention with doc_start
     const AttnShape s{B, T, H, KVH, D};
@@ -680,11 +706,11 @@ void case_documents(const Target& t) {
     auto dq = r.act(qkv, "qkv"), dga = r.act(ga, "att dout"), aout = r.act(VecF(B * T * H * D, kNaN), "att out"),
          lse = r.f32(VecF(B * H * T, kNaN), "lse"), gq = r.act(VecF(B * T * ld, kNaN), "dqkv");
     auto scratch = r.scratch(t.ops->attention_scratch_bytes(T, D));
-    t.ops->attention_forward(aout->p(), lse->f(), dq->p(), B, T, H, KVH, D, scratch->p(), ds.data());
+    t.ops->attention_forward(aout->p(), lse->f(), dq->p(), B, T, H, KVH, D, scratch->p(), r.ints(ds));
     r.check(*aout, aref, "attention forward out");
     r.check(*lse, alse, "attention forward lse");
     t.ops->attention_backward(gq->p(), dga->p(), dq->p(), aout->p(), lse->f(), B, T, H, KVH, D, scratch->p(),
-                              ds.data());
+                              r.ints(ds));
     r.check(*gq, adq, "attention dqkv");
   }
 }
@@ -710,14 +736,14 @@ void case_lm_head_loss(const Target& t) {
           auto dx_in = r.act(xq, "x"), dw_in = r.act(wq, "w"), losses = r.f32(VecF(N, kNaN), "losses"),
                gx = r.act(VecF(N * C, kNaN), "dx"), gw = r.f32(pre_w, "dw");
           auto scratch = r.scratch(t.ops->lm_head_loss_scratch_bytes(std::min(chunk, N), V));
-          const double total = t.ops->lm_head_loss(losses->f(), gx->p(), gw->f(), dx_in->p(), dw_in->p(), tg.data(), N,
+          const double total = t.ops->lm_head_loss(losses->f(), gx->p(), gw->f(), dx_in->p(), dw_in->p(), r.ints(tg), N,
                                                    C, V, gs, true, scratch->p(), chunk, nullptr);
           r.check(*losses, ref.losses, "losses");
           EXPECT_NEAR(total, ref.total, r.tol() * (1.0 + std::fabs(ref.total)) * N) << r.tag << " total";
           r.check(*gx, ref.dx, "dx");
           r.check(*gw, plus(pre_w, ref.dw), "dw (+=)");
           auto losses2 = r.f32(VecF(N, kNaN), "losses (forward only)");
-          const double total2 = t.ops->lm_head_loss(losses2->f(), nullptr, nullptr, dx_in->p(), dw_in->p(), tg.data(),
+          const double total2 = t.ops->lm_head_loss(losses2->f(), nullptr, nullptr, dx_in->p(), dw_in->p(), r.ints(tg),
                                                     N, C, V, gs, false, scratch->p(), chunk, nullptr);
           r.check(*losses2, ref.losses, "losses (forward only)");
           EXPECT_EQ(total, total2) << r.tag << " forward-only total differs from forward+backward";
@@ -787,6 +813,9 @@ class BackendOps : public ::testing::TestWithParam<Param> {};
 
 TEST_P(BackendOps, MatchesDoubleReference) {
   const Param& p = GetParam();
+  // A backend that cannot run here (the CUDA backend without a GPU) is skipped, saying why.
+  if (const std::string why = p.target.backend->unavailable(); !why.empty())
+    GTEST_SKIP() << p.target.name() << " cannot run here: " << why;
   for (const char* slot : p.c->slots) {
     bool implemented = false, known = false;
     for_each_op(*p.target.ops, [&](const char* name, bool has) {
@@ -849,6 +878,8 @@ TEST(BackendRegistry, UnimplementedDtypeNamesOpDtypeBackendAndTheImplementedOnes
   // F64 has no CPU table at all: the first op is reported, with the dtypes that do have it.
   const std::string msg = error_of([] { ops_for(cpu_backend(), DType::F64); });
   EXPECT_EQ(msg, "[matmul_forward] no F64 implementation on cpu; implemented: fp32, bf16, fp16") << msg;
+  EXPECT_EQ(&backend_by_name("cuda"), &cuda_backend());
+  if (!cuda_backend().op_tables().empty()) return;  // a CUDA build: tests/cuda/test_cuda_launch.cpp
   const std::string cuda = error_of([] { ops_for(backend_by_name("cuda"), DType::F32); });
   EXPECT_EQ(cuda, "[matmul_forward] no fp32 implementation on cuda; implemented: none");
 }
@@ -859,7 +890,8 @@ TEST(BackendRegistry, UnknownBackendNamesTheKnownOnes) {
 }
 
 TEST(BackendRegistry, NoCudaStubRefusesMemoryWithAClearError) {
-  const Backend& b = no_cuda_backend();
+  const Backend& b = no_cuda_backend();  // linked in every build (the registry's "cuda" without CUDA)
+  EXPECT_NE(b.unavailable().find("built without CUDA"), std::string::npos) << b.unavailable();
   EXPECT_EQ(b.name(), "cuda");
   EXPECT_EQ(b.device(), DeviceKind::Cuda);
   const std::string msg = error_of([&] { b.alloc(16); });

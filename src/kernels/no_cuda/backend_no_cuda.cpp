@@ -24,6 +24,7 @@ class NoCudaBackend final : public Backend {
   void copy(void*, const void*, size_t, CopyKind) const override { no_cuda("copy"); }
   void synchronize() const override { no_cuda("synchronize"); }
   std::vector<const Ops*> op_tables() const override { return {}; }
+  std::string unavailable() const override { return "this lathe was built without CUDA (cmake -DLATHE_CUDA=ON)"; }
 };
 
 }  // namespace

@@ -1,0 +1,122 @@
+// The CUDA backend (issue 12): device memory on the process's GPU and stream (runtime.h), and one
+// op table per compute dtype (fp32, bf16, fp16) of the kernels of kernels/cuda/ops.h. Registered
+// under the name "cuda" (kernels/backend.cpp's registry) in builds with LATHE_CUDA=ON.
+//
+// Copies: host <-> device copies wait for the stream before returning, so callers may reuse or read
+// their host buffer at once (as on the CPU backend); device -> device copies and memsets are
+// stream-ordered and return at once. Overlapped staging uses runtime.h's pinned_staging directly.
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "kernels/backend.h"
+#include "kernels/cuda/launch.h"
+#include "kernels/cuda/ops.h"
+#include "kernels/cuda/runtime.h"
+
+namespace lathe {
+
+namespace cuda {
+namespace {
+
+template <DType D>
+Ops make_ops() {
+  Ops o;
+  o.backend = "cuda";
+  o.dtype = D;
+  o.matmul_forward = matmul_forward<D>;
+  o.matmul_backward = matmul_backward<D>;
+  o.embedding_forward = embedding_forward<D>;
+  o.embedding_backward = embedding_backward<D>;
+  o.layernorm_forward = layernorm_forward<D>;
+  o.layernorm_backward = layernorm_backward<D>;
+  o.layernorm_scratch_bytes = layernorm_scratch_bytes;  // launch.h
+  o.rmsnorm_forward = rmsnorm_forward<D>;
+  o.rmsnorm_backward = rmsnorm_backward<D>;
+  o.rmsnorm_scratch_bytes = rmsnorm_scratch_bytes;  // launch.h
+  o.gelu_forward = gelu_forward<D>;
+  o.gelu_backward = gelu_backward<D>;
+  o.swiglu_forward = swiglu_forward<D>;
+  o.swiglu_backward = swiglu_backward<D>;
+  o.residual_forward = residual_forward<D>;
+  o.bias_add = bias_add<D>;
+  o.rope_tables = rope_tables;  // fp32 tables in every dtype
+  o.rope_forward = rope_forward<D>;
+  o.rope_backward = rope_backward<D>;
+  // cudak2's slots (attention, lm_head_loss, logits_forward) are wired here as they land; until
+  // then ops_for(cuda_backend(), ...) names the first missing one.
+  return o;
+}
+
+const Ops& fp32_ops() {
+  static const Ops t = make_ops<DType::F32>();
+  return t;
+}
+const Ops& bf16_ops() {
+  static const Ops t = make_ops<DType::BF16>();
+  return t;
+}
+const Ops& fp16_ops() {
+  static const Ops t = make_ops<DType::F16>();
+  return t;
+}
+
+cudaMemcpyKind kind_of(CopyKind k) {
+  switch (k) {
+    case CopyKind::HostToDevice:
+      return cudaMemcpyHostToDevice;
+    case CopyKind::DeviceToHost:
+      return cudaMemcpyDeviceToHost;
+    case CopyKind::DeviceToDevice:
+      return cudaMemcpyDeviceToDevice;
+  }
+  return cudaMemcpyDefault;
+}
+
+class CudaBackend final : public Backend {
+ public:
+  std::string_view name() const override { return "cuda"; }
+  DeviceKind device() const override { return DeviceKind::Cuda; }
+  void* alloc(size_t bytes) const override {
+    const int dev = cuda::device();
+    void* p = nullptr;
+    const size_t rounded = bytes == 0 ? 256 : bytes;  // cudaMalloc aligns to 256 bytes (>= 64)
+    const cudaError_t e = cudaMalloc(&p, rounded);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      size_t free_b = 0, total_b = 0;
+      cudaMemGetInfo(&free_b, &total_b);
+      throw_error(
+          "cuda backend: cudaMalloc of {} bytes ({:.2f} GiB) on device {} failed: {} ({:.2f} of {:.2f} GiB free); "
+          "reduce the micro-batch size or enable recompute",
+          bytes, gib(bytes), dev, cudaGetErrorString(e), gib(free_b), gib(total_b));
+    }
+    return p;
+  }
+  void free(void* p) const override {
+    if (p) LATHE_CUDA_CHECK(cudaFree(p));
+  }
+  void memset(void* dst, int value, size_t bytes) const override {
+    if (bytes) LATHE_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, cuda::stream()));
+  }
+  void copy(void* dst, const void* src, size_t bytes, CopyKind kind) const override {
+    if (!bytes) return;
+    LATHE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind_of(kind), cuda::stream()));
+    if (kind != CopyKind::DeviceToDevice) LATHE_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
+  }
+  void synchronize() const override { LATHE_CUDA_CHECK(cudaStreamSynchronize(cuda::stream())); }
+  std::vector<const Ops*> op_tables() const override { return {&fp32_ops(), &bf16_ops(), &fp16_ops()}; }
+  std::string unavailable() const override { return cuda::unavailable_reason(); }
+
+ private:
+  static double gib(size_t b) { return static_cast<double>(b) / (1024.0 * 1024.0 * 1024.0); }
+};
+
+}  // namespace
+}  // namespace cuda
+
+const Backend& cuda_backend() {
+  static const cuda::CudaBackend backend;
+  return backend;
+}
+
+}  // namespace lathe

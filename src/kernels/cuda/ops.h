@@ -1,0 +1,98 @@
+// CUDA kernels: the host entry points of every op of the CUDA op tables (backend_cuda.cpp wires them).
+// Same contract as kernels/cpu/ops.h and kernels/backend.h's Ops (shapes, "=" / "+=" rules, fp32
+// parameter gradients accumulated into the fp32 gradient buffer), with these CUDA specifics:
+//  * every pointer is device memory (tokens, positions, targets, doc_start included);
+//  * every kernel is issued on the process's stream (runtime.h) and returns without waiting;
+//  * element type D of the table: DType::F32, BF16 or F16 storage for the `void*` buffers, fp32
+//    math inside every kernel (16-bit values widened, each output rounded once);
+//  * deterministic: no floating-point atomics; parameter gradients are reduced in two passes
+//    (per-block partial sums in a fixed order, then the partials in order), so two runs of the same
+//    call on the same GPU give the same bits;
+//  * GEMMs run on cuBLASLt (fp32 compute; fp32 tables without TF32, so fp32 stays the reference).
+// Each entry is a template on the table's dtype, explicitly instantiated for F32, BF16 and F16 in
+// its .cu file; its signature is exactly its Ops slot's.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "core/dtype.h"
+
+namespace lathe::cuda {
+
+// ================================ cudak1: GEMMs and basic kernels ================================
+
+// ---- matmul.cu: cuBLASLt, out[M,N] = inp[M,K] @ weight[N,K]^T (+ bias[N]) -----------------------
+// Forward: bias fused as the cuBLASLt BIAS epilogue (fp32 bias); accumulate: beta = 1 (the sum is
+// formed in fp32 and rounded once). Backward: dinp (= / +=) and dweight (+=, fp32 output, beta = 1)
+// are GEMMs; dbias (+=) a deterministic two-pass column sum (launch.h col_sum_plan).
+template <DType D>
+void matmul_forward(void* out, const void* inp, const void* weight, const float* bias, int64_t M, int64_t K, int64_t N,
+                    bool accumulate);
+template <DType D>
+void matmul_backward(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp, const void* weight,
+                     int64_t M, int64_t K, int64_t N, bool accumulate_dinp);
+// Column sums: out[N] += sum over rows of x[M, N] (x of dtype D), deterministic (two passes).
+template <DType D>
+void col_sums_add(float* out, const void* x, int64_t M, int64_t N);
+// A GEMM of the tables' layout with an fp32 output (cudak2's logits and lm head reuse it):
+// out[M,N] (fp32) (= or +=) a[M,K] @ b[N,K]^T, a and b of dtype D.
+template <DType D>
+void gemm_nt_f32out(float* out, const void* a, const void* b, int64_t M, int64_t K, int64_t N, bool accumulate);
+
+// ---- embedding.cu ---------------------------------------------------------------------------------
+template <DType D>
+void embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe, int64_t B, int64_t T,
+                       int64_t C, const int32_t* positions, int64_t vocab_begin, int64_t vocab_rows);
+// Scatter-add without atomics: (token, row) pairs are stably radix-sorted by token (CUB), and each
+// run of equal tokens is summed in row order into its dwte row (dwpe with positions: the same).
+template <DType D>
+void embedding_backward(float* dwte, float* dwpe, const void* dout, const int32_t* tokens, int64_t B, int64_t T,
+                        int64_t C, const int32_t* positions, int64_t vocab_begin, int64_t vocab_rows);
+
+// ---- layernorm.cu / rmsnorm.cu: one warp per row; backward partials per warp (launch.h) -------
+template <DType D>
+void layernorm_forward(void* out, float* mean, float* rstd, const void* inp, const float* weight, const float* bias,
+                       int64_t N, int64_t C, float eps);
+template <DType D>
+void layernorm_backward(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
+                        const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C, void* scratch);
+template <DType D>
+void rmsnorm_forward(void* out, float* rstd, const void* inp, const float* weight, int64_t N, int64_t C, float eps);
+template <DType D>
+void rmsnorm_backward(void* dinp, float* dweight, const void* dout, const void* inp, const float* weight,
+                      const float* rstd, int64_t N, int64_t C, void* scratch);
+// Scratch sizes: layernorm_scratch_bytes / rmsnorm_scratch_bytes of launch.h.
+
+// ---- pointwise.cu -----------------------------------------------------------------------------------
+template <DType D>
+void gelu_forward(void* out, const void* inp, int64_t n);
+template <DType D>
+void gelu_backward(void* dinp, const void* inp, const void* dout, int64_t n);
+template <DType D>
+void swiglu_forward(void* out, const void* inp, int64_t N, int64_t F);
+template <DType D>
+void swiglu_backward(void* dinp, const void* inp, const void* dout, int64_t N, int64_t F);
+template <DType D>
+void residual_forward(void* out, const void* a, const void* b, int64_t n);
+template <DType D>
+void bias_add(void* out, const float* bias, int64_t N, int64_t C);
+
+// ---- rope.cu -------------------------------------------------------------------------------------
+// Tables computed on the device with the CPU kernel's roundings (fp32 exponent/power/reciprocal/
+// product, cos/sin of that float angle in double).
+void rope_tables(float* cos_table, float* sin_table, int64_t T, int64_t D, double theta);
+template <DType D>
+void rope_forward(void* x, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
+                  int64_t Dh, int64_t row_stride, const int32_t* positions);
+template <DType D>
+void rope_backward(void* dx, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
+                   int64_t Dh, int64_t row_stride, const int32_t* positions);
+
+// ---- convert.cu: element conversions (fp32 master weights -> bf16/fp16 copies, and back) ----------
+// dst[n] (dst_dtype) = src[n] (src_dtype), round to nearest even; F32, BF16, F16 in any pair.
+void convert(void* dst, DType dst_dtype, const void* src, DType src_dtype, int64_t n);
+
+// ============================ cudak2: attention, loss, logits, optimizer ===========================
+// (declared in this section by their own .cu files; backend_cuda.cpp wires them into the tables)
+
+}  // namespace lathe::cuda
