@@ -262,7 +262,7 @@ TEST(CudaBackend, BackwardsAreBitReproducible) {
                         M, K, 1e-5f);
     o.layernorm_backward(dx, static_cast<float*>(lgw), static_cast<float*>(lgb), x, x, static_cast<float*>(lw),
                          static_cast<float*>(mean), static_cast<float*>(rstd), M, K, sc);
-    o.embedding_backward(static_cast<float*>(dwte), nullptr, x, static_cast<const int32_t*>(t), 1, M, K, nullptr);
+    o.embedding_backward(static_cast<float*>(dwte), nullptr, x, static_cast<const int32_t*>(t), 1, M, K, nullptr, 0, V);
     for (auto [p, n] :
          std::initializer_list<std::pair<void*, int64_t>>{{dw, N * K}, {db, N}, {lgw, K}, {lgb, K}, {dwte, V * K}}) {
       r.emplace_back(n);
