@@ -5,6 +5,7 @@ step 5 and stops; it is resumed
   * at DP=4 (4 ranks, grad_accum 1: the same global batch of 8 samples; --force-resume-changes),
   * in one process (grad_accum 4),
   * at DP=4 from `lathe checkpoint reshard --tensor 1 --data 4 --zero 1` of it,
+  * at PP=2 x DP=2 from its reshard to that layout,
   * at TP=2 x DP=2 from a reshard A -> B -> A,
 and each continuation must match the uninterrupted TP=2 x DP=2 run within 1e-5 relative on the
 losses of steps 6-10 (layouts differ only in float summation order; measured 3e-9), bit for bit at
@@ -148,6 +149,13 @@ def main():
         check(e <= 1e-5, f"resharded DP=4 ZeRO 1: steps 6-10 match the uninterrupted run (max rel {e:.2e})")
         # The resumed run's own checkpoint (layout B, re-saved by the trainer) has every tensor of the
         # straight run's within the same tolerance; its step-5 input was the byte-identical reshard.
+
+    # To a pipeline layout: PP=2 x DP=2 on 4 ranks (2 micro-batches per step, one per stage).
+    pp = os.path.join(TMP, "rs_pp2")
+    reshard(ck, pp, "--tensor", "1", "--pipeline", "2", "--data", "2")
+    if resume(4, data, pp, "resharded PP2xDP2", parallel__pipeline=2):
+        e = rel_after(losses(pp), straight)
+        check(e <= 1e-5, f"resharded PP=2 x DP=2: steps 6-10 match the uninterrupted run (max rel {e:.2e})")
 
     # Round trip A -> B -> A: byte-identical files to A -> A; resumes at A.
     a1 = reshard(ck, os.path.join(TMP, "a1"), "--tensor", "2", "--data", "2", "--zero", "0")
