@@ -1089,6 +1089,8 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
                           {"skipped", st.skipped},
                           {"skipped_steps", skipped_total},
                           {"eta_s", eta_s}};
+    if (pp > 1)  // the schedule's idle share of the step, (p-1)/(v m + p-1) (not measured)
+      rec["bubble_pct"] = 100 * pipeline::bubble_formula(pp, accum, r.parallel.virtual_stages);
     if (anomaly.enabled()) {  // the policy's verdict and the factor this step's lr carried
       rec["anomaly"] = st.anomaly.anomaly;
       rec["anomalies"] = anomaly.state().anomalies;
