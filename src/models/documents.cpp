@@ -74,6 +74,12 @@ void Model::set_documents(const int32_t* doc_start, const int32_t* positions, in
   }
   docs_B_ = B;
   docs_T_ = T;
+  if (on_device()) {  // the kernels read them from device memory: [doc_start | positions], max_B x max_T each
+    auto* d = static_cast<int32_t*>(ddocs_.data());
+    const size_t half = static_cast<size_t>(max_B_ * max_T_);
+    if (doc_start) backend_->copy(d, doc_start, n * sizeof(int32_t), CopyKind::HostToDevice);
+    if (positions) backend_->copy(d + half, positions, n * sizeof(int32_t), CopyKind::HostToDevice);
+  }
 }
 
 void Model::check_documents_shape(int64_t B, int64_t T) const {

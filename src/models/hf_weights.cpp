@@ -441,6 +441,7 @@ std::string load_hf_weights(Model& model, const std::string& dir, const HfLoadOp
       rep += fmt::format(" vocabulary already {} (no resize needed);", Vm);
   }
   rep.pop_back();
+  model.upload_params();            // a device-resident model computes from its backend copy
   model.refresh_compute_weights();  // a bf16/fp16 model's GEMMs read the copies
   return rep;
 }

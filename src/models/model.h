@@ -129,11 +129,29 @@ class Model {
   const ModelPtrs& weights() const { return p_; }
   const void* compute_weight(const float* master) const { return cw(master); }
   void verify_compute_weights() const { check_compute_weights(); }  // what every forward pass checks first
+  // Host memory. On a backend with its own memory (CUDA) these are the host staging copies (init,
+  // HF load, checkpoints, export): upload_params() after writing them, download_params() /
+  // download_grads() before reading them; the kernels use the backend copies below.
   float* param_data() { return params_.data(); }
   const float* param_data() const { return params_.data(); }
   float* grad_data() { return grads_.data(); }  // nullptr when built without gradients (ComputeSpec)
   bool has_gradients() const { return grads_.size() > 0; }
-  void zero_grad() { grads_.zero(); }
+  void zero_grad() {
+    if (on_device())
+      dgrads_.zero();
+    else
+      grads_.zero();
+  }
+  // Device-resident models (backend memory is not host memory): parameters, gradients, the weight
+  // copies and the activations live in backend memory, allocated once; param_data()/grad_data()
+  // are host staging. On the CPU backend the backend buffers ARE param_data()/grad_data() and the
+  // transfers below do nothing (the CPU path is unchanged).
+  bool on_device() const { return backend_->device() != DeviceKind::Host; }
+  float* backend_param_data() { return on_device() ? static_cast<float*>(dparams_.data()) : params_.data(); }
+  float* backend_grad_data() { return on_device() ? static_cast<float*>(dgrads_.data()) : grads_.data(); }
+  void upload_params();    // param_data() -> backend (then refresh_compute_weights() as after any write)
+  void download_params();  // backend -> param_data()
+  void download_grads();   // backend -> grad_data()
   float* param(const std::string& name) { return params_.data() + table_.at(name).offset; }
   float* grad(const std::string& name) { return grads_.data() + table_.at(name).offset; }
 
@@ -251,9 +269,18 @@ class Model {
   void* act_at(void* p, int64_t i) const { return static_cast<std::byte*>(p) + i * act_size_; }
   const void* act_at(const void* p, int64_t i) const { return static_cast<const std::byte*>(p) + i * act_size_; }
   ModelPtrs resolve(float* base) const;
-  // The documents of set_documents (host memory: the CPU kernels read them), nullptr when unset.
-  const int32_t* doc_starts() const { return doc_start_.empty() ? nullptr : doc_start_.data(); }
-  const int32_t* doc_positions() const { return doc_pos_.empty() ? nullptr : doc_pos_.data(); }
+  // The documents of set_documents in the backend's memory (host on the CPU), nullptr when unset.
+  const int32_t* doc_starts() const {
+    return doc_start_.empty() ? nullptr : on_device() ? static_cast<const int32_t*>(ddocs_.data()) : doc_start_.data();
+  }
+  const int32_t* doc_positions() const {
+    if (doc_pos_.empty()) return nullptr;
+    if (!on_device()) return doc_pos_.data();
+    return static_cast<const int32_t*>(ddocs_.data()) + static_cast<size_t>(max_B_ * max_T_);
+  }
+  // A host int32 array in backend memory: itself on the CPU, else copied into `buf` (device models:
+  // the token ids and targets of each pass).
+  const int32_t* to_backend(const int32_t* host, int64_t n, DeviceBuffer& buf) const;
   void check_documents_shape(int64_t B, int64_t T) const;
   // The weight a kernel of the op table reads for the fp32 master `m`: the master itself in an
   // fp32 model, else the element at the same offset of the compute-dtype copy (nullptr stays null).
@@ -279,6 +306,9 @@ class Model {
   const Ops* ops_;
   int64_t act_size_;  // bytes per element of the compute dtype
   Buffer<float> params_, grads_;
+  // Device-resident models only (on_device()): backend copies of params_ / grads_, the token ids
+  // and targets of the current pass, and the documents ([2, max_B, max_T]: doc_start | positions).
+  DeviceBuffer dparams_, dgrads_, dtokens_, dtargets_, ddocs_;
   DeviceBuffer cweights_;  // compute-dtype copy of params_ (empty for fp32)
   bool cweights_refreshed_ = false;
   ModelPtrs p_, g_;

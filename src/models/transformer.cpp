@@ -36,17 +36,17 @@ Model::Model(ModelConfig cfg, Arch arch, ParamTable table, ComputeSpec compute)
       // of its kind when profiling is on (models/traced_ops.h).
       ops_(&traced_ops(ops_for(*backend_, compute.dtype))),
       act_size_(static_cast<int64_t>(dtype_size(compute.dtype))) {
-  // Parameters, gradients and the optimizer live in host memory (the trainer and optimizers read
-  // them directly), so a backend with its own memory needs device copies first.
-  LATHE_CHECK(backend_->device() == DeviceKind::Host,
-              "model: the {} backend computes in its own memory, but model parameters are host buffers; "
-              "use the cpu backend",
-              backend_->name());
+  // Host parameters and gradients: the model's memory on the CPU backend, the staging copies of a
+  // device-resident model (whose kernels read dparams_ / dgrads_, allocated here once).
   params_.resize(table_.total());
   if (compute.gradients) grads_.resize(table_.total());
   if (compute.dtype != DType::F32) cweights_.resize(*backend_, table_.total(), compute.dtype);
-  p_ = resolve(params_.data());
-  if (compute.gradients) g_ = resolve(grads_.data());
+  if (on_device()) {
+    dparams_.resize(*backend_, table_.total(), DType::F32);
+    if (compute.gradients) dgrads_.resize(*backend_, table_.total(), DType::F32);
+  }
+  p_ = resolve(backend_param_data());
+  if (compute.gradients) g_ = resolve(backend_grad_data());
   // Which block's backward completes each tensor's gradient (StepHooks numbering).
   const int64_t L = cfg_.num_hidden_layers;
   grad_ranges_by_block_.assign(static_cast<size_t>(L + 2), {});
@@ -206,11 +206,51 @@ void init_param_values(const ParamSpec& s, uint64_t seed, float* p) {
 
 void Model::init_weights(uint64_t seed) {
   for (const ParamSpec& s : table_.specs()) init_param_values(s, seed, params_.data() + s.offset);
+  upload_params();
   refresh_compute_weights();
+}
+
+void Model::upload_params() {
+  if (on_device()) backend_->copy(dparams_.data(), params_.data(), params_.bytes(), CopyKind::HostToDevice);
+}
+
+void Model::download_params() {
+  if (!on_device()) return;
+  backend_->copy(params_.data(), dparams_.data(), params_.bytes(), CopyKind::DeviceToHost);
+  backend_->synchronize();
+}
+
+void Model::download_grads() {
+  if (!on_device() || !has_gradients()) return;
+  backend_->copy(grads_.data(), dgrads_.data(), grads_.bytes(), CopyKind::DeviceToHost);
+  backend_->synchronize();
+}
+
+const int32_t* Model::to_backend(const int32_t* host, int64_t n, DeviceBuffer& buf) const {
+  if (!on_device() || host == nullptr) return host;
+  LATHE_CHECK(static_cast<size_t>(n) <= buf.size(), "model: {} ids exceed the {} the device buffer holds", n,
+              buf.size());
+  backend_->copy(buf.data(), host, static_cast<size_t>(n) * sizeof(int32_t), CopyKind::HostToDevice);
+  return static_cast<const int32_t*>(buf.data());
 }
 
 void Model::refresh_compute_weights() {
   if (cweights_.size() == 0) return;
+  if (on_device()) {
+    // The fp32 masters are on the device (the optimizer wrote them there): converted on the host
+    // from a downloaded copy, then uploaded (a device conversion kernel would save the round trip).
+    download_params();
+    const int64_t n = static_cast<int64_t>(table_.total());
+    std::vector<uint16_t> tmp(static_cast<size_t>(n));
+    if (cweights_.dtype() == DType::BF16)
+      cpu::convert_fp32_to_bf16(tmp.data(), params_.data(), n);
+    else
+      for (int64_t i = 0; i < n; ++i) tmp[static_cast<size_t>(i)] = fp32_to_fp16(params_.data()[i]);
+    backend_->copy(cweights_.data(), tmp.data(), cweights_.bytes(), CopyKind::HostToDevice);
+    backend_->synchronize();
+    cweights_refreshed_ = true;
+    return;
+  }
   // Every tensor (norm weights and biases too, which the kernels read in fp32 from the masters):
   // one conversion of the whole flat buffer is simpler than walking the GEMM weights and costs
   // about one pass over the parameters, small against a training step.
@@ -238,6 +278,7 @@ void Model::check_compute_weights() const {
               "model: the {} weight copies were never filled from the fp32 weights; call "
               "refresh_compute_weights() after setting or loading the weights (init_weights and load_hf_weights do)",
               compute_dtype_name(cweights_.dtype()));
+  if (on_device()) return;  // device copies are only refreshed as a whole (no per-pass sampling there)
   const int64_t n = static_cast<int64_t>(table_.total());
   const auto* copy = static_cast<const uint16_t*>(cweights_.data());
   const bool bf16 = cweights_.dtype() == DType::BF16;
@@ -404,8 +445,10 @@ void Model::allocate(int64_t B, int64_t T, int optimizer_moments, Recompute reco
               "seq_len {} exceeds the model's max_position_embeddings {}", T, cfg_.max_position_embeddings);
   LATHE_CHECK(T <= kMaxPositions, "seq_len {} exceeds lathe's maximum {}", T, kMaxPositions);
   if (B == max_B_ && T == max_T_ && recompute == plan_.recompute && slots == slots_) return;
-  // Before any allocation: refuse what cannot fit, with the figures (models/memory.h).
-  check_memory_fits(estimate_memory(cfg_, B, T, optimizer_moments, 1, ops_->dtype, recompute), cfg_, "model");
+  // Before any allocation: refuse what cannot fit, with the figures (models/memory.h). The figures
+  // are the host's: a device-resident model's allocations fail with the backend's error instead.
+  if (!on_device())
+    check_memory_fits(estimate_memory(cfg_, B, T, optimizer_moments, 1, ops_->dtype, recompute), cfg_, "model");
   ActivationPlan plan;
   const size_t total = layout_activations(cfg_, B, T, *ops_, recompute, nullptr, nullptr, &plan);
   max_B_ = B;
@@ -416,6 +459,11 @@ void Model::allocate(int64_t B, int64_t T, int optimizer_moments, Recompute reco
   plan_ = std::move(plan);
   slots_ = slots;
   la_.assign(static_cast<size_t>(cfg_.num_hidden_layers), {});
+  if (on_device()) {  // per-pass ids in device memory (copied in by each pass)
+    dtokens_.resize(*backend_, static_cast<size_t>(B * T), DType::I32);
+    dtargets_.resize(*backend_, static_cast<size_t>(B * T), DType::I32);
+    ddocs_.resize(*backend_, static_cast<size_t>(2 * B * T), DType::I32);
+  }
   for (int64_t i = slots - 1; i >= 0; --i) {  // every slot's RoPE tables; slot 0 current at the end
     use_slot(i);
     if (!arch_.learned_pos) ops_->rope_tables(rope_cos_, rope_sin_, T, cfg_.head_dim(), cfg_.rope_theta);
@@ -462,8 +510,8 @@ void Model::embedding_forward(const int32_t* tokens, int64_t B, int64_t T) {
   // Vocab parallel: each shard writes its tokens' rows (zeros for the others'), the shard holding
   // row 0 adds wpe, and the partial outputs are summed: exactly one wte row and one wpe row per
   // token, so the sum is the whole lookup (bit for bit in fp32 and for 16-bit tables).
-  ops_->embedding_forward(emb_, tokens, cw(p_.wte), vb == 0 ? cw(p_.wpe) : nullptr, B, T, C, doc_positions(), vb,
-                          cfg_.vocab_size);
+  ops_->embedding_forward(emb_, to_backend(tokens, N, dtokens_), cw(p_.wte), vb == 0 ? cw(p_.wpe) : nullptr, B, T, C,
+                          doc_positions(), vb, cfg_.vocab_size);
   if (vp) hooks_.reduce_partial(emb_, N * C);
 }
 
@@ -567,8 +615,9 @@ double Model::head_loss(const int32_t* targets, int64_t B, int64_t T, float grad
   // targets are range-checked by lm_head_loss
   float* dlm = arch_.tied_lm_head ? g_.wte : g_.lm_head;
   const VocabParallel* vp = vocab_parallel();
-  const double loss_sum = ops_->lm_head_loss(losses_, dln_, dlm, lnf_, cw(p_.lm_head), targets, N, C, V, grad_scale,
-                                             backward, scratch_, chunk_rows_, vp);
+  const double loss_sum =
+      ops_->lm_head_loss(losses_, dln_, dlm, lnf_, cw(p_.lm_head), to_backend(targets, N, dtargets_), N, C, V,
+                         grad_scale, backward, scratch_, chunk_rows_, vp);
   if (!backward) return loss_sum;
   if (vp) hooks_.reduce_partial(dln_, N * C);  // each shard's dlogits @ w covers its vocabulary rows only
   // dres_ carries dL/d(residual stream) downwards; norms add into it.
@@ -632,8 +681,8 @@ void Model::embedding_backward(const int32_t* tokens, int64_t B, int64_t T) {
   // dres_ is whole on every rank: each vocab shard adds its own rows of dwte; dwpe (replicated) is
   // the same on every rank.
   const VocabParallel* vp = vocab_parallel();
-  ops_->embedding_backward(g_.wte, g_.wpe, dres_, tokens, B, T, cfg_.hidden_size, doc_positions(),
-                           vp ? vp->vocab_begin : 0, cfg_.vocab_size);
+  ops_->embedding_backward(g_.wte, g_.wpe, dres_, to_backend(tokens, B * T, dtokens_), B, T, cfg_.hidden_size,
+                           doc_positions(), vp ? vp->vocab_begin : 0, cfg_.vocab_size);
 }
 #undef LATHE_DIMS
 
@@ -672,6 +721,15 @@ double Model::forward_backward(const int32_t* tokens, const int32_t* targets, in
 void Model::forward_logits(const int32_t* tokens, int64_t B, int64_t T, float* logits) {
   forward_body(tokens, B, T);
   // fp32 logits from the compute-dtype final norm output and lm head (fp32 accumulation).
+  // One process on a device (never vocab parallel): into a device buffer, then to the host.
+  if (on_device()) {
+    const size_t n = static_cast<size_t>(B * T * cfg_.vocab_size);
+    DeviceBuffer d(*backend_, n, DType::F32);
+    ops_->logits_forward(static_cast<float*>(d.data()), lnf_, cw(p_.lm_head), B * T, cfg_.hidden_size, cfg_.vocab_size);
+    backend_->copy(logits, d.data(), n * sizeof(float), CopyKind::DeviceToHost);
+    backend_->synchronize();
+    return;
+  }
   if (!vocab_parallel()) {
     ops_->logits_forward(logits, lnf_, cw(p_.lm_head), B * T, cfg_.hidden_size, cfg_.vocab_size);
     return;
@@ -689,6 +747,15 @@ void Model::forward_last_logits(const int32_t* tokens, int64_t B, int64_t T, flo
   const bool vp = vocab_parallel() != nullptr;
   LATHE_CHECK(!vp || hooks_.gather_vocab != nullptr, "model: vocab-parallel logits need StepHooks::gather_vocab");
   std::vector<float> local(vp ? static_cast<size_t>(B * V) : 0);
+  if (on_device()) {  // as forward_logits: into a device buffer, then to the host
+    DeviceBuffer d(*backend_, static_cast<size_t>(B * V), DType::F32);
+    for (int64_t b = 0; b < B; ++b)
+      ops_->logits_forward(static_cast<float*>(d.data()) + b * V, act_at(lnf_, (b * T + T - 1) * C), cw(p_.lm_head), 1,
+                           C, V);
+    backend_->copy(logits, d.data(), static_cast<size_t>(B * V) * sizeof(float), CopyKind::DeviceToHost);
+    backend_->synchronize();
+    return;
+  }
   for (int64_t b = 0; b < B; ++b)
     ops_->logits_forward(vp ? local.data() + b * V : logits + b * V, act_at(lnf_, (b * T + T - 1) * C), cw(p_.lm_head),
                          1, C, V);

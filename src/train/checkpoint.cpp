@@ -901,6 +901,7 @@ CheckpointState load_checkpoint(const std::string& ckpt_dir, Model& model, optim
     for (const auto& t : f.tensors())
       LATHE_CHECK(used.count(t.name) || is_pad(t.name), "{}: unexpected tensor '{}' (not a parameter of this model)",
                   mpath, t.name);
+    model.upload_params();  // a device-resident model computes from its backend copy (no-op on the CPU)
   }
   if (opt) {
     for (auto& [bname, buf] : opt->state_buffers())

@@ -31,10 +31,3 @@ const Backend& select_backend(const Recipe& r) {
 }
 
 }  // namespace lathe
-
-#ifndef LATHE_HAVE_CUDA
-namespace lathe {
-// A build without CUDA sees no GPU (train/device_cuda.cpp answers on a CUDA build).
-std::optional<GpuInfo> current_gpu_info() { return std::nullopt; }
-}  // namespace lathe
-#endif

@@ -16,7 +16,6 @@
 #include "io/json.h"
 #include "io/xxh64.h"
 #include "kernels/backend.h"
-#include "train/device_select.h"
 #include "kernels/cpu/ops_bf16.h"
 #include "models/hf_weights.h"
 #include "models/memory.h"
@@ -25,6 +24,8 @@
 #include "parallel/pipeline_stage.h"
 #include "parallel/tensor_parallel.h"
 #include "train/consistency.h"
+#include "train/device_select.h"
+#include "train/device_step.h"
 
 namespace lathe {
 
@@ -370,6 +371,9 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   optim::validate(lscfg);
   log.ok(fmt::format("optimizer {} and schedule {} settings are valid", r.optimizer.name, r.schedule.name));
   ComputeSpec spec = compute_spec(r);
+  // device: cuda runs the layouts train/device_step.h lists (one process so far).
+  check_device_layout(
+      r, static_cast<int>(std::max<int64_t>(1, r.parallel.data) * r.parallel.tensor * r.parallel.pipeline));
   // With tensor parallelism this is the whole model, which only holds weights (each rank trains
   // its shard): no gradient buffer.
   spec.gradients = r.parallel.tensor == 1;

@@ -41,6 +41,7 @@
 #include "train/checkpoint.h"
 #include "train/consistency.h"
 #include "train/device_select.h"
+#include "train/device_step.h"
 #include "train/eval_tasks.h"
 #include "train/generate.h"
 #include "train/peak.h"
@@ -173,9 +174,10 @@ struct StepParts {
   int64_t B, T, accum, G;     // micro-batch, seq_len, accumulation, global batch (samples)
   std::vector<int32_t>& inputs;
   std::vector<int32_t>& targets;
-  AnomalyPolicy& anomaly;       // loss-spike and NaN policy (train/anomaly.h): may skip, lowers the lr
-  const DocumentOptions& docs;  // documents in the samples (data.attention etc.)
+  AnomalyPolicy& anomaly;                      // loss-spike and NaN policy (train/anomaly.h): may skip, lowers the lr
+  const DocumentOptions& docs;                 // documents in the samples (data.attention etc.)
   parallel::PipelineExecutor* pipe = nullptr;  // pipeline parallelism: runs the step's micro-batches
+  DeviceOptimizer* dev = nullptr;              // device: cuda: the norm and update run on the device
 };
 
 struct StepStats {
@@ -301,8 +303,9 @@ StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
   const double t_opt = now_seconds();  // norm, scaler and update: the optimizer's share of the step
   trace::Scope opt_span("grad norm + optimizer", trace::Cat::Optimizer);
   // The norm of the unscaled gradients (dividing by a power of two is exact).
-  st.norm = (p.tp_norm_group ? parallel::tensor_parallel_grad_norm(*p.tp_norm_group, p.model.grad_data(), p.tp_owned)
-                             : p.opt.grad_norm(p.model.grad_data())) /
+  st.norm = (p.dev             ? p.dev->grad_norm()
+             : p.tp_norm_group ? parallel::tensor_parallel_grad_norm(*p.tp_norm_group, p.model.grad_data(), p.tp_owned)
+                               : p.opt.grad_norm(p.model.grad_data())) /
             st.loss_scale;
   st.lr_factor = p.anomaly.lr_factor();  // < 1 for a while after an anomaly
   st.lr = optim::lr_at(p.sched, step) * st.lr_factor;
@@ -327,8 +330,11 @@ StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
       // AdamW/LAMB's bias correction counts the updates applied, not skipped steps (as torch.optim
       // under GradScaler, whose skipped steps do not advance the optimizer's step).
       const float coef = optim::clip_coefficient(st.norm, p.grad_clip) * static_cast<float>(1.0 / st.loss_scale);
-      p.opt.step(p.model.param_data(), p.model.grad_data(), st.lr,
-                 step + 1 - skipped_before - p.anomaly.state().skipped_updates, coef);
+      const int64_t updates = step + 1 - skipped_before - p.anomaly.state().skipped_updates;
+      if (p.dev)
+        p.dev->step(st.lr, updates, coef);
+      else
+        p.opt.step(p.model.param_data(), p.model.grad_data(), st.lr, updates, coef);
       p.model.refresh_compute_weights();  // the bf16/fp16 copies of the new weights
       break;
     }
@@ -524,7 +530,10 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   };
   // The whole model with this replica's current weights (collective over the shard group).
   auto whole_model = [&]() -> Model& {
-    if (!sharded) return *model;
+    if (!sharded) {
+      model->download_params();  // device: cuda: the host staging copy of the weights (no-op on the CPU)
+      return *model;
+    }
     Model& w = ensure_whole();
     gather_whole(model->param_data(), w.param_data());
     return w;
@@ -597,6 +606,12 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     }
   };
   if (!ckpt.empty()) load_moments(ckpt);
+  // device: cuda: norm and update on the device, moments staged through opt.local() (train/device_step.h).
+  std::unique_ptr<DeviceOptimizer> dev_opt;
+  if (model->on_device()) {
+    dev_opt = std::make_unique<DeviceOptimizer>(*model, optimizer_config(r), ranges, opt.local());
+    dev_opt->upload_state();
+  }
   release_whole();
   // Tensor parallelism: the norm counts each element of the whole model once. With ZeRO only this
   // rank's shard of the gradient is reduced, so the squares are summed over the world.
@@ -854,6 +869,10 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
       shard_group->barrier();  // the checkpoint is complete before any rank of the replica goes on
       release_whole();
     } else if (dp == 1) {
+      if (dev_opt) {  // host fp32 checkpoints whatever the device
+        model->download_params();
+        dev_opt->download_state();
+      }
       save_checkpoint(r.output.dir, *model, &opt.local(), st, static_cast<int>(r.output.keep_last), &info);
     } else {
       const parallel::FlatShards& sh = opt.shards();
@@ -929,7 +948,8 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
                   targets,
                   anomaly,
                   docs,
-                  pipe.get()};
+                  pipe.get(),
+                  dev_opt.get()};
   const std::string precision = r.precision.compute;
   // The anomaly policy's actions after step `step` (0-based) with stats `st`, each a line in
   // anomalies.jsonl and the log. Returns the step to continue from after a rollback (the healthy
@@ -1000,6 +1020,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     const RollbackResult rb =
         restore_for_rollback(target, step + 1, ac.skip_samples, *model, opt, loader, scaler, anomaly,
                              static_cast<int64_t>(plan ? plan->dataset.size() : train_samples.size()), G, load_tp);
+    if (dev_opt) dev_opt->upload_state();  // the restored moments (the weights were uploaded on load)
     release_whole();
     if (rank0) {
       // The curves continue from the checkpoint (as after a resume); anomalies.jsonl keeps everything.
