@@ -5,7 +5,8 @@
 //   bench_lm_head [N C V chunk rounds] [tile widths...]   default: 256 256 50257 256 7 (small config)
 //   e.g. bench_lm_head 1024 768 50257 256 5               (GPT-2 124M, B=4 T=256)
 // LATHE_BENCH_DTYPE=bf16: the bf16 table's kernel against its previous version and a oneDNN bf16
-// GEMM of the same FLOPs (tile widths are then ignored: the table's kernel picks its own).
+// GEMM of the same FLOPs. The previous kernels always run with `chunk` rows; LATHE_BENCH_CHUNK2
+// (default: chunk) sets the chunk rows of the tiled kernels.
 #include <cblas.h>
 #include <omp.h>
 #include <time.h>
@@ -108,8 +109,13 @@ int main(int argc, char** argv) {
   const int rounds = argc > 5 ? std::atoi(argv[5]) : 7;
   std::vector<int64_t> widths;
   for (int i = 6; i < argc; ++i) widths.push_back(std::atoll(argv[i]));
-  const int64_t R = std::min(chunk, N);
-  if (widths.empty()) widths.push_back(cpu::head::tile_cols(R));
+  const char* chunk2_env = std::getenv("LATHE_BENCH_CHUNK2");
+  const int64_t chunk2 = chunk2_env ? std::atoll(chunk2_env) : chunk;
+  const int64_t R = std::max(std::min(chunk, N), std::min(chunk2, N));  // scratch rows for both
+  if (widths.empty())
+    widths.push_back(cpu::head::tile_width(
+        std::min(chunk2, N), V, omp_get_max_threads(),
+        std::getenv("LATHE_BENCH_DTYPE") ? cpu::head::kTileFloatsHalf : cpu::head::kTileFloatsF32));
   Rng rng(1);
   std::vector<float> x(N * C), w(V * C), dx(N * C), dw(V * C, 0.0f), losses(N), scratch(R * V);
   for (auto& v : x) v = rng.normal();
@@ -134,7 +140,6 @@ int main(int argc, char** argv) {
   if (bf16) {
     for (size_t i = 0; i < x.size(); ++i) xh[i] = fp32_to_bf16(x[i]);
     for (size_t i = 0; i < w.size(); ++i) wh[i] = fp32_to_bf16(w[i]);
-    widths.assign(1, cpu::head::tile_cols(R));
   }
   auto bf16_ref = [&] {
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
@@ -152,16 +157,17 @@ int main(int argc, char** argv) {
                         chunk);
   };
   auto new_kernel = [&](int64_t width) {
+    cpu::head::bench_tile_width_override = width;
     if (bf16)
       cpu::bf16_ops().lm_head_loss(losses.data(), dxh.data(), dw.data(), xh.data(), wh.data(), tg.data(), N, C, V, gs,
-                                   true, scratch_h.data(), chunk, nullptr);
+                                   true, scratch_h.data(), chunk2, nullptr);
     else
       cpu::lm_head_loss_tiled(losses.data(), dx.data(), dw.data(), x.data(), w.data(), tg.data(), N, C, V, gs, true,
-                              scratch.data(), chunk, width);
+                              scratch.data(), chunk2, width);
   };
   const double gflop = 3.0 * 2.0 * N * C * V / 1e9;
-  std::printf("N=%lld C=%lld V=%lld chunk=%lld threads=%d: %.2f GFLOP per call\n", (long long)N, (long long)C,
-              (long long)V, (long long)chunk, omp_get_max_threads(), gflop);
+  std::printf("N=%lld C=%lld V=%lld chunk=%lld (tiled: %lld) threads=%d: %.2f GFLOP per call\n", (long long)N,
+              (long long)C, (long long)V, (long long)chunk, (long long)chunk2, omp_get_max_threads(), gflop);
   // LATHE_BENCH_CLOCK=cpu: process CPU time instead of wall time.
   const char* clock_env = std::getenv("LATHE_BENCH_CLOCK");
   const bool use_cpu = clock_env && std::string(clock_env) == "cpu";

@@ -117,7 +117,7 @@ double lm_head_loss(float* losses, float* dx, float* dw, const float* x, const f
                     int64_t chunk_rows) {
   const int64_t R = std::min(chunk_rows, std::max<int64_t>(N, 1));
   return lm_head_loss_tiled(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows,
-                            head::tile_cols(R));
+                            head::tile_width(R, V, omp_get_max_threads(), head::kTileFloatsF32));
 }
 
 }  // namespace lathe::cpu

@@ -24,12 +24,22 @@
 
 namespace lathe::cpu::head {
 
-// Default tile width for R rows: ~128K floats (512 KB) per tile, a multiple of 16 columns,
-// within [64, 8192].
-inline int64_t tile_cols(int64_t R) {
-  const int64_t w = std::clamp<int64_t>((int64_t{1} << 17) / std::max<int64_t>(R, 1), 64, 8192);
-  return w / 16 * 16;
+// Tile width for R rows: about `tile_floats` logits per tile (fp32 kernel: 128K floats = 512 KB,
+// an L2-sized tile; the 16-bit kernels: 1M, since oneDNN's backward GEMMs run faster with a longer
+// K = width than they lose to L3), within [64, 8192] columns, then evened out so that the number
+// of tiles is a multiple of the thread count: the OpenMP static schedule gives each thread a run
+// of whole tiles, and 99 tiles of 512 at V=50257 left one of two threads 4% more work.
+inline int64_t tile_width(int64_t R, int64_t V, int threads, int64_t tile_floats) {
+  const int64_t target = std::clamp<int64_t>(tile_floats / std::max<int64_t>(R, 1), 64, 8192);
+  const int64_t t = std::max(threads, 1);
+  const int64_t nb = ((V + target - 1) / target + t - 1) / t * t;
+  return std::max<int64_t>((V + nb - 1) / nb, 1);
 }
+constexpr int64_t kTileFloatsF32 = int64_t{1} << 17, kTileFloatsHalf = int64_t{1} << 20;
+
+// Benches only (bench_lm_head): when > 0, the tile width of the 16-bit tables' kernels instead of
+// tile_width. Not for production code: the fp32 kernel takes its width as an argument instead.
+inline int64_t bench_tile_width_override = 0;
 
 struct Tiling {
   int64_t R, V, Vb, nb;
@@ -119,7 +129,7 @@ namespace lathe::cpu {
 void check_lm_head_args(const int32_t* targets, int64_t N, int64_t C, int64_t V, bool backward, const void* dx,
                         const void* dw, int64_t chunk_rows);
 // lm_head_loss (ops.h) with an explicit tile width (columns per tile; tests use narrow tiles
-// to exercise many tiles at small V). lm_head_loss uses head::tile_cols(chunk rows).
+// to exercise many tiles at small V). lm_head_loss uses head::tile_width(..., kTileFloatsF32).
 double lm_head_loss_tiled(float* losses, float* dx, float* dw, const float* x, const float* w, const int32_t* targets,
                           int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, float* scratch,
                           int64_t chunk_rows, int64_t tile_width);

@@ -539,7 +539,9 @@ double lm_head_loss_h(float* losses, void* dx_v, float* dw, const void* x_v, con
   head::Stats& st = tls_stats;
   std::vector<float>& partials = tls_partials;
   const int nthreads = omp_get_max_threads();
-  const int64_t width = head::tile_cols(R_max);
+  const int64_t width = head::bench_tile_width_override > 0
+                            ? head::bench_tile_width_override
+                            : head::tile_width(R_max, V, nthreads, head::kTileFloatsHalf);
   double total = 0.0;
   for (int64_t n0 = 0; n0 < N; n0 += chunk_rows) {
     const int64_t R = std::min(chunk_rows, N - n0);
