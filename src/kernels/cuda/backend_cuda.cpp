@@ -42,8 +42,12 @@ Ops make_ops() {
   o.rope_tables = rope_tables;  // fp32 tables in every dtype
   o.rope_forward = rope_forward<D>;
   o.rope_backward = rope_backward<D>;
-  // cudak2's slots (attention, lm_head_loss, logits_forward) are wired here as they land; until
-  // then ops_for(cuda_backend(), ...) names the first missing one.
+  o.attention_forward = attention_forward<D>;
+  o.attention_backward = attention_backward<D>;
+  o.attention_scratch_bytes = attention_scratch_bytes;
+  o.lm_head_loss = lm_head_loss<D>;
+  o.lm_head_loss_scratch_bytes = lm_head_loss_scratch_bytes<D>;
+  o.logits_forward = logits_forward<D>;
   return o;
 }
 

@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "core/dtype.h"
+#include "kernels/backend.h"  // VocabParallel
 
 namespace lathe::cuda {
 
@@ -93,6 +94,41 @@ void rope_backward(void* dx, const float* cos_table, const float* sin_table, int
 void convert(void* dst, DType dst_dtype, const void* src, DType src_dtype, int64_t n);
 
 // ============================ cudak2: attention, loss, logits, optimizer ===========================
-// (declared in this section by their own .cu files; backend_cuda.cpp wires them into the tables)
+// Signatures and contracts are the op-table slots' (kernels/cpu/ops.h states the math); templates on
+// the table's dtype, instantiated for F32, BF16 and F16 (fp32 math inside, outputs rounded once).
+
+// ---- attention.cu: causal GQA attention, flash-style tiles (attention_launch.h) -------------------
+// Forward: online softmax over key tiles, lse[B, H, T] saved. Backward: P recomputed from lse tile by
+// tile; one kernel for dK/dV (a block per key tile and kv head loops over the group's query heads
+// and the query tiles at or after it: no atomics) and one for dQ (a block per query tile and head).
+// No scratch (attention_scratch_bytes = 0). Head dim D <= 128; doc_start as the CPU contract
+// (device memory, trusted: clamped into [0, t], not validated).
+template <DType D>
+void attention_forward(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t Dh,
+                       void* scratch, const int32_t* doc_start);
+template <DType D>
+void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse, int64_t B,
+                        int64_t T, int64_t H, int64_t KVH, int64_t Dh, void* scratch, const int32_t* doc_start);
+size_t attention_scratch_bytes(int64_t T, int64_t Dh);
+
+// ---- lm_head_loss.cu: fused lm head + softmax + cross-entropy in chunks of rows -------------------
+// Per chunk of R rows: logits [R, V] fp32 (gemm_nt_f32out), one block per row for max / exp-sum
+// (double) / loss / dlogits (in place for fp32, rounded to the table's dtype for 16-bit tables),
+// then dx = dlogits @ w and dw += dlogits^T @ x (matmul_backward). Targets are checked on the device
+// first (an out-of-range target throws before anything is written). Returns the loss sum on the host
+// (waits for the stream). Scratch layout: lm_head_loss_launch.h. Vocab parallel (vp != nullptr, the
+// slot's contract in kernels/backend.h): per chunk the local row max is all-reduced (max), then the
+// exp sums and target logits (sum), through vp->all_reduce on device doubles written on stream().
+template <DType D>
+double lm_head_loss(float* losses, void* dx, float* dw, const void* x, const void* w, const int32_t* targets, int64_t N,
+                    int64_t C, int64_t V, float grad_scale, bool backward, void* scratch, int64_t chunk_rows,
+                    const VocabParallel* vp);
+template <DType D>
+size_t lm_head_loss_scratch_bytes(int64_t chunk_rows, int64_t V);
+// logits[M, V] fp32 = x[M, C] @ w[V, C]^T (fp32 accumulation).
+template <DType D>
+void logits_forward(float* logits, const void* x, const void* w, int64_t M, int64_t C, int64_t V);
+
+// The optimizer and gradient-norm kernels (optimizer.cu) are declared in kernels/cuda/optimizer.h.
 
 }  // namespace lathe::cuda
