@@ -13,7 +13,7 @@ namespace lathe {
 const StepKernels* step_kernels(const Backend& backend) {
   if (backend.device() == DeviceKind::Host) return nullptr;
 #ifdef LATHE_HAVE_CUDA
-  if (backend.name() == "cuda") {
+  if (&backend == &cuda_backend()) {  // the real one, not the no-CUDA stand-in of the same name
     static const StepKernels k = [] {
       StepKernels t;
       t.backend = "cuda";
