@@ -599,7 +599,8 @@ bool operator==(const ModelConfig& a, const ModelConfig& b) {
          a.attention_bias == b.attention_bias && a.initializer_range == b.initializer_range &&
          a.hidden_act == b.hidden_act && a.bos_token_id == b.bos_token_id && a.eos_token_id == b.eos_token_id &&
          a.pad_token_id == b.pad_token_id && a.sliding_window == b.sliding_window &&
-         a.shard_head_dim == b.shard_head_dim && a.shard_global_vocab == b.shard_global_vocab;
+         a.shard_head_dim == b.shard_head_dim && a.shard_global_vocab == b.shard_global_vocab &&
+         a.tensor_parts == b.tensor_parts && a.sequence_parallel == b.sequence_parallel;
 }
 
 }  // namespace lathe

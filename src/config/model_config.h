@@ -52,6 +52,20 @@ struct ModelConfig {
   int64_t shard_global_vocab = 0;
   // The vocabulary token ids and targets range over (vocab_size, except in a shard's config).
   int64_t global_vocab() const { return shard_global_vocab > 0 ? shard_global_vocab : vocab_size; }
+  // A tensor-parallel shard's config only (never read from or written to config.json):
+  // `tensor_parts` = the tensor-parallel degree it is a shard of (> 1: the norm-weight gradients
+  // of a pass are summed over that many equal row chunks, the order in which sequence parallelism
+  // sums them over ranks, so TP and TP+SP give the same bits); with `sequence_parallel` the
+  // residual stream, the norms and their statistics hold rows [r*N/tp, (r+1)*N/tp) of a pass's
+  // N = B*T rows (Megatron's sequence parallelism; the StepHooks gather_rows / reduce_scatter_rows
+  // / take_rows / reduce_norm_grads move the rows).
+  int64_t tensor_parts = 1;
+  bool sequence_parallel = false;
+  // Rows of the residual stream a pass over n = B*T rows holds: ceil(n / tensor_parts) with
+  // sequence parallelism (a forward-only pass of n not divisible is padded), else n.
+  int64_t rows_held(int64_t n) const {
+    return sequence_parallel && tensor_parts > 1 ? (n + tensor_parts - 1) / tensor_parts : n;
+  }
 
   int64_t head_dim() const {
     if (shard_head_dim > 0) return shard_head_dim;

@@ -296,7 +296,8 @@ const std::map<std::string, std::vector<std::string>> kSectionKeys = {
       "eval_tasks_interval"}},
     {"precision", {"compute", "loss_scale"}},
     {"output", {"dir", "save_every", "checkpoint_every", "keep_last"}},
-    {"parallel", {"data", "tensor", "pipeline", "virtual_stages", "stage_layers", "zero", "bucket_mb", "timeout_s"}},
+    {"parallel",
+     {"data", "tensor", "pipeline", "virtual_stages", "stage_layers", "zero", "bucket_mb", "timeout_s", "sequence"}},
 };
 const std::vector<std::string> kModelBaseKeys = {"preset", "init_from", "config"};
 const std::vector<std::string> kSchedules = {"cosine", "linear", "constant", "wsd"};
@@ -403,6 +404,7 @@ class Parser {
     json par = section("parallel");
     get_int(par, "parallel", "data", &r.parallel.data);
     get_int(par, "parallel", "tensor", &r.parallel.tensor);
+    get_bool(par, "parallel", "sequence", &r.parallel.sequence);
     get_int(par, "parallel", "pipeline", &r.parallel.pipeline);
     get_int(par, "parallel", "virtual_stages", &r.parallel.virtual_stages);
     if (par.contains("stage_layers") && !par["stage_layers"].is_null()) {
@@ -804,6 +806,14 @@ class Parser {
     const auto& p = r.parallel;
     in_range("parallel.data", p.data, 0, kMaxRanks, " (0 = all processes not used by tensor/pipeline)");
     in_range("parallel.tensor", p.tensor, 1, kMaxRanks, " (1 = no tensor parallelism)");
+    // Sequence parallelism shards the N = micro_batch_size x seq_len rows over the tensor ranks.
+    need(!p.sequence || p.tensor > 1, "parallel.sequence",
+         "true needs parallel.tensor > 1 (it shards the sequence over the tensor-parallel ranks); set "
+         "parallel.tensor or parallel.sequence: false");
+    need(!p.sequence || p.tensor <= 1 || (t.micro_batch_size * t.seq_len) % p.tensor == 0, "parallel.sequence",
+         fmt::format("true with parallel.tensor = {}: micro_batch_size {} x seq_len {} = {} rows do not split "
+                     "evenly over the tensor-parallel ranks; choose a batch and seq_len whose product divides by {}",
+                     p.tensor, t.micro_batch_size, t.seq_len, t.micro_batch_size * t.seq_len, p.tensor));
     in_range("parallel.pipeline", p.pipeline, 1, kMaxRanks, " (1 = no pipeline parallelism)");
     in_range("parallel.virtual_stages", p.virtual_stages, 1, 1024, " (1 = one model chunk per pipeline rank)");
     need(p.tensor == 1 || p.pipeline == 1, "parallel.pipeline",
@@ -1008,6 +1018,7 @@ json Recipe::to_json() const {
                    {"zero", parallel.zero}, {"bucket_mb", parallel.bucket_mb}, {"timeout_s", parallel.timeout_s}};
   j["parallel"]["virtual_stages"] = parallel.virtual_stages;
   j["parallel"]["stage_layers"] = parallel.stage_layers;
+  j["parallel"]["sequence"] = parallel.sequence;
   j["output"] = {{"dir", output.dir},
                  {"save_every", output.save_every},
                  {"checkpoint_every", output.checkpoint_every},

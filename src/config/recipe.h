@@ -167,6 +167,7 @@ struct Recipe {
   struct Parallel {
     int64_t data = 0;        // data-parallel degree; 0 = world size / (tensor x pipeline)
     int64_t tensor = 1;      // tensor-parallel degree (parallel/tensor_parallel.h)
+    bool sequence = false;   // sequence parallelism over the tensor-parallel ranks (needs tensor > 1)
     // Ranks are ordered tensor fastest, then data, then pipeline (Megatron's order): world rank =
     // (pipeline_rank x data + data_rank) x tensor + tensor_rank.
     int64_t pipeline = 1;        // pipeline stages (parallel/pipeline_executor.h); tensor must be 1 with it for now

@@ -41,9 +41,12 @@ std::string MemoryEstimate::breakdown() const {
     s += fmt::format(" + {} weight copies {}", compute_dtype_name(compute_dtype), format_bytes(compute_weight_bytes));
   if (batch > 0)
     s += fmt::format(
-        " + activations ({}batch {} x seq_len {}{}) {}",
+        " + activations ({}batch {} x seq_len {}{}{}) {}",
         compute_dtype != DType::F32 ? compute_dtype_name(compute_dtype) + ", " : std::string(), batch, seq_len,
         recompute != Recompute::None ? fmt::format(", recompute {}", recompute_name(recompute)) : std::string(),
+        sequence_parts > 1
+            ? fmt::format(", sequence parallel over {} saves {}", sequence_parts, format_bytes(sequence_saving_bytes))
+            : std::string(),
         format_bytes(activation_bytes));
   return s + fmt::format(" = {}", format_bytes(total_bytes()));
 }
@@ -70,6 +73,15 @@ MemoryEstimate estimate_memory(const ModelConfig& cfg, int64_t B, int64_t T, int
     // The same layout walk as Model::allocate (so Model::activation_bytes equals this exactly).
     e.activation_bytes =
         static_cast<int64_t>(Model::plan_activations(cfg, B, T, ComputeSpec{nullptr, compute_dtype}, recompute).bytes);
+    if (cfg.sequence_parallel && cfg.tensor_parts > 1) {
+      ModelConfig whole_rows = cfg;
+      whole_rows.sequence_parallel = false;
+      e.sequence_parts = cfg.tensor_parts;
+      e.sequence_saving_bytes =
+          static_cast<int64_t>(
+              Model::plan_activations(whole_rows, B, T, ComputeSpec{nullptr, compute_dtype}, recompute).bytes) -
+          e.activation_bytes;
+    }
   }
   e.compute_dtype = compute_dtype;
   if (compute_dtype != DType::F32)

@@ -102,6 +102,26 @@ struct StepHooks {
   // Vocab parallel: `local` [M, V_local] fp32 logits of this rank -> `whole` [M, global V] (every
   // rank's columns in rank order; an all-gather). Used by forward_logits / forward_last_logits.
   std::function<void(const float* local, float* whole, int64_t M, int64_t v_local)> gather_vocab;
+  // Sequence parallelism (ModelConfig::sequence_parallel, installed by attach_tensor_parallel): a
+  // pass over N = B*T rows holds S = cfg.rows_held(N) rows of the residual stream, rows
+  // [r*S, (r+1)*S) of the N rows padded to tp*S; counts are elements of the compute dtype (S*C).
+  // gather_rows: every rank's `shard` [S, C] into `full` [tp*S, C] in rank order (an all-gather):
+  //   before the column-parallel GEMMs (q|k|v, fc or gate|up; in backward again for their weight
+  //   gradients) and on the residual gradient before the row-parallel GEMMs' backward and the
+  //   embedding's backward.
+  std::function<void(const void* shard, void* full, int64_t shard_count)> gather_rows;
+  // reduce_scatter_rows: `full` [tp*S, C] holds this rank's partial sums; `shard` [S, C] receives
+  //   the group's sum of this rank's rows (`shard` may be `full`'s start): after the row-parallel
+  //   GEMMs (o_proj, c_proj / down) in place of reduce_partial, and on the column-parallel GEMMs'
+  //   input gradient in backward.
+  std::function<void(void* full, void* shard, int64_t shard_count)> reduce_scatter_rows;
+  // take_rows: `full` [tp*S, C] is the same on every rank; `shard` receives this rank's rows (no
+  //   communication; `shard` may be `full`'s start): the embedding output entering the stream, the
+  //   lm head's input gradient leaving it.
+  std::function<void(const void* full, void* shard, int64_t shard_count)> take_rows;
+  // reduce_norm_grads: `count` fp32 norm weight (and bias) gradients of this rank's rows, to be
+  //   summed over the group in rank order (an all-reduce); the model then adds them to its grads.
+  std::function<void(float* grads, int64_t count)> reduce_norm_grads;
 };
 
 // The initial values of one tensor of the table (what Model::init_weights writes at s.offset):
@@ -250,9 +270,24 @@ class Model {
   // Layer l's forward from its input x into `a`; without `output` it stops before the output
   // projection (res2), which is all backward reads: the recompute of Recompute::Full.
   void layer_forward_into(int64_t l, int64_t B, int64_t T, bool output);
-  // Norm forward of layer l (second = ln2 from res1, else ln1 from the layer input): the forward
-  // pass and the recompute of Recompute::Selective call the same code.
-  void norm_forward(int64_t l, bool second, int64_t N);
+  // Norm forward of layer l over `rows` rows of the stream (second = ln2 from res1, else ln1 from
+  // the layer input): the forward pass and the recompute of Recompute::Selective call the same code.
+  void norm_forward(int64_t l, bool second, int64_t rows);
+  // LayerNorm / RMSNorm backward over `rows` rows: dx += (rows x C), weight (and bias) gradients
+  // added to dw (db). Tensor-parallel shards sum the weight gradients in tensor_parts row chunks
+  // (sequence parallelism: this rank's rows, then reduce_norm_grads), see ModelConfig::tensor_parts.
+  void norm_backward(void* dx, float* dw, float* db, const void* dout, const void* x, const float* w, const float* mean,
+                     const float* rstd, int64_t rows);
+  // Sequence parallelism is on (ModelConfig::sequence_parallel with tensor_parts > 1).
+  bool seq_parallel() const { return cfg_.sequence_parallel && cfg_.tensor_parts > 1; }
+  // Rows of the stream a pass over B x T holds (N, or this rank's S with sequence parallelism);
+  // checks the row hooks are installed, and with `backward` that tensor_parts divides B*T.
+  int64_t stream_rows(int64_t B, int64_t T, bool backward) const;
+  // Sequence parallelism: all-gathers [S, C] `shard` into gathered_ [tp*S, C] and returns it.
+  const void* gather_rows(const void* shard, int64_t S);
+  // The input gradient of a column-parallel GEMM in dln_ [N, C]: summed over the group (tensor
+  // parallelism), and with sequence parallelism reduce-scattered into dln_'s first S rows.
+  void reduce_input_grad(int64_t N, int64_t S);
   // GELU / SwiGLU of layer l's MLP pre-activation (fc -> act).
   void mlp_activation_forward(int64_t l, int64_t N);
   // out[N, C] = in[N, K] @ w^T (+ bias): a GEMM whose input features may be split over
@@ -325,6 +360,10 @@ class Model {
   };
   std::vector<LayerActs> la_;
   void *emb_ = nullptr, *lnf_ = nullptr;
+  // Sequence parallelism: [tp*S, C] rows gathered from every rank (the column-parallel GEMMs' input,
+  // the row-parallel GEMMs' partial output, the gathered residual gradient); nullptr otherwise.
+  void* gathered_ = nullptr;
+  std::vector<float> norm_acc_;  // [2C] norm weight/bias gradients of one pass's rows (norm_backward)
   float *lnf_mean_ = nullptr, *lnf_rstd_ = nullptr, *losses_ = nullptr;
   void *dres_ = nullptr, *dln_ = nullptr, *dqkv_ = nullptr, *datt_ = nullptr, *dfc_ = nullptr, *dact_ = nullptr;
   void* scratch_ = nullptr;

@@ -321,6 +321,11 @@ size_t Model::layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, c
   const int64_t N = mul({B, T}), C = cfg.hidden_size, H = cfg.num_attention_heads, KV = cfg.num_key_value_heads,
                 D = cfg.head_dim(), Q = mul({checked_add(H, mul({2, KV}), what), D}), F = cfg.intermediate_size,
                 FF = gelu_mlp ? F : mul({2, F}), V = cfg.vocab_size, L = cfg.num_hidden_layers;
+  // Rows of the residual stream held here: S = N, or with sequence parallelism this rank's
+  // ceil(N / tp) (norms, their statistics, residuals, their gradient); the gathered rows (tp*S >= N)
+  // are the column-parallel GEMMs' input and the lm head's.
+  const bool sp = cfg.sequence_parallel && cfg.tensor_parts > 1;
+  const int64_t S = cfg.rows_held(N), NG = sp ? mul({S, cfg.tensor_parts}) : N;
   // Logit chunks of up to 256 rows keep the lm-head GEMMs large while holding at most
   // 256 x V floats of logits (51 MB at V=50257) instead of N x V.
   // The CPU 16-bit tables take 512: their dw GEMM (oneDNN, K = chunk rows) ran 20% faster at
@@ -353,36 +358,36 @@ size_t Model::layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, c
   for (int64_t l = 0; l < L; ++l) {
     LayerActs& a = layer(l);
     if (full) {  // only the output, which is the next layer's (or the final norm's) input
-      a.res2 = take("res2", l, mul({N, C}), act);
+      a.res2 = take("res2", l, mul({S, C}), act);
       continue;
     }
-    if (!selective) a.ln1 = take("ln1", l, mul({N, C}), act);
-    a.ln1_mean = stat("ln1_mean", l, N);
-    a.ln1_rstd = stat("ln1_rstd", l, N);
+    if (!selective) a.ln1 = take("ln1", l, mul({S, C}), act);
+    a.ln1_mean = stat("ln1_mean", l, S);
+    a.ln1_rstd = stat("ln1_rstd", l, S);
     a.qkv = take("qkv", l, mul({N, Q}), act);
     a.att = take("att", l, mul({N, H, D}), act);
     a.lse = stat("lse", l, mul({B, H, T}));
-    a.res1 = take("res1", l, mul({N, C}), act);
-    if (!selective) a.ln2 = take("ln2", l, mul({N, C}), act);
-    a.ln2_mean = stat("ln2_mean", l, N);
-    a.ln2_rstd = stat("ln2_rstd", l, N);
+    a.res1 = take("res1", l, mul({S, C}), act);
+    if (!selective) a.ln2 = take("ln2", l, mul({S, C}), act);
+    a.ln2_mean = stat("ln2_mean", l, S);
+    a.ln2_rstd = stat("ln2_rstd", l, S);
     a.fc = take("fc", l, mul({N, FF}), act);
     if (!selective) a.act = take("act", l, mul({N, F}), act);
-    a.res2 = take("res2", l, mul({N, C}), act);
+    a.res2 = take("res2", l, mul({S, C}), act);
   }
   // The set shared by every layer: whichever layer runs (forward, or backward's recompute) writes it.
   if (full) {
     LayerActs s{};
-    s.ln1 = take("shared.ln1", -1, mul({N, C}), act);
-    s.ln1_mean = stat("shared.ln1_mean", -1, N);
-    s.ln1_rstd = stat("shared.ln1_rstd", -1, N);
+    s.ln1 = take("shared.ln1", -1, mul({S, C}), act);
+    s.ln1_mean = stat("shared.ln1_mean", -1, S);
+    s.ln1_rstd = stat("shared.ln1_rstd", -1, S);
     s.qkv = take("shared.qkv", -1, mul({N, Q}), act);
     s.att = take("shared.att", -1, mul({N, H, D}), act);
     s.lse = stat("shared.lse", -1, mul({B, H, T}));
-    s.res1 = take("shared.res1", -1, mul({N, C}), act);
-    s.ln2 = take("shared.ln2", -1, mul({N, C}), act);
-    s.ln2_mean = stat("shared.ln2_mean", -1, N);
-    s.ln2_rstd = stat("shared.ln2_rstd", -1, N);
+    s.res1 = take("shared.res1", -1, mul({S, C}), act);
+    s.ln2 = take("shared.ln2", -1, mul({S, C}), act);
+    s.ln2_mean = stat("shared.ln2_mean", -1, S);
+    s.ln2_rstd = stat("shared.ln2_rstd", -1, S);
     s.fc = take("shared.fc", -1, mul({N, FF}), act);
     s.act = take("shared.act", -1, mul({N, F}), act);
     for (int64_t l = 0; l < L; ++l) {
@@ -395,7 +400,7 @@ size_t Model::layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, c
     // ln1 and ln2 are never needed at the same time: forward's qkv GEMM consumes ln1 before ln2 is
     // written, and backward recomputes ln1 only after the fc GEMM's backward has read ln2. So one
     // buffer holds both.
-    void* ln = take("shared.ln", -1, mul({N, C}), act);
+    void* ln = take("shared.ln", -1, mul({S, C}), act);
     void* mlp_act = take("shared.act", -1, mul({N, F}), act);
     for (int64_t l = 0; l < L; ++l) {
       LayerActs& a = layer(l);
@@ -405,17 +410,18 @@ size_t Model::layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, c
   }
   void* sink = nullptr;
   float* fsink = nullptr;
-  (m ? m->emb_ : sink) = take("emb", -1, mul({N, C}), act);
-  (m ? m->lnf_ : sink) = take("lnf", -1, mul({N, C}), act);
-  (m ? m->lnf_mean_ : fsink) = stat("lnf_mean", -1, N);
-  (m ? m->lnf_rstd_ : fsink) = stat("lnf_rstd", -1, N);
+  (m ? m->emb_ : sink) = take("emb", -1, mul({S, C}), act);
+  (m ? m->lnf_ : sink) = take("lnf", -1, mul({NG, C}), act);  // gathered: the lm head's input
+  (m ? m->lnf_mean_ : fsink) = stat("lnf_mean", -1, S);
+  (m ? m->lnf_rstd_ : fsink) = stat("lnf_rstd", -1, S);
   (m ? m->losses_ : fsink) = stat("losses", -1, N);
-  (m ? m->dres_ : sink) = take("dres", -1, mul({N, C}), act);
+  (m ? m->dres_ : sink) = take("dres", -1, mul({S, C}), act);
   (m ? m->dln_ : sink) = take("dln", -1, mul({N, C}), act);
   (m ? m->dqkv_ : sink) = take("dqkv", -1, mul({N, Q}), act);
   (m ? m->datt_ : sink) = take("datt", -1, mul({N, H, D}), act);
   (m ? m->dfc_ : sink) = take("dfc", -1, mul({N, FF}), act);
   (m ? m->dact_ : sink) = take("dact", -1, mul({N, F}), act);
+  if (sp) (m ? m->gathered_ : sink) = take("gathered", -1, mul({NG, C}), act);
   (m ? m->scratch_ : sink) = take("scratch", -1, scratch, DType::U8);
   (m ? m->rope_cos_ : fsink) = stat("rope_cos", -1, mul({T, D}) / 2);
   (m ? m->rope_sin_ : fsink) = stat("rope_sin", -1, mul({T, D}) / 2);
@@ -512,12 +518,27 @@ void Model::embedding_forward(const int32_t* tokens, int64_t B, int64_t T) {
   check_documents_shape(B, T);
   const VocabParallel* vp = vocab_parallel();
   const int64_t vb = vp ? vp->vocab_begin : 0;
+  const int64_t S = stream_rows(B, T, false);
   // Vocab parallel: each shard writes its tokens' rows (zeros for the others'), the shard holding
   // row 0 adds wpe, and the partial outputs are summed: exactly one wte row and one wpe row per
   // token, so the sum is the whole lookup (bit for bit in fp32 and for 16-bit tables).
-  ops_->embedding_forward(emb_, to_backend(tokens, N, dtokens_), cw(p_.wte), vb == 0 ? cw(p_.wpe) : nullptr, B, T, C,
-                          doc_positions(), vb, cfg_.vocab_size);
-  if (vp) hooks_.reduce_partial(emb_, N * C);
+  // Sequence parallelism: every rank looks up all N rows (into gathered_; the padding rows of a
+  // pass whose N is not a multiple of tp are zeros) and keeps its own: the partial lookups of a
+  // split vocabulary are reduce-scattered (the all-reduce's sums, on the rank's rows), a whole
+  // vocabulary's rows are taken.
+  const bool sp = seq_parallel();
+  ops_->embedding_forward(sp ? gathered_ : emb_, to_backend(tokens, N, dtokens_), cw(p_.wte),
+                          vb == 0 ? cw(p_.wpe) : nullptr, B, T, C, doc_positions(), vb, cfg_.vocab_size);
+  if (!sp) {
+    if (vp) hooks_.reduce_partial(emb_, N * C);
+    return;
+  }
+  const int64_t pad = S * cfg_.tensor_parts - N;
+  if (pad > 0) backend_->memset(act_at(gathered_, N * C), 0, static_cast<size_t>(pad * C * act_size_));
+  if (vp)
+    hooks_.reduce_scatter_rows(gathered_, emb_, S * C);
+  else
+    hooks_.take_rows(gathered_, emb_, S * C);
 }
 
 const VocabParallel* Model::vocab_parallel() const {
@@ -532,7 +553,72 @@ const VocabParallel* Model::vocab_parallel() const {
   return &hooks_.vocab;
 }
 
-void Model::norm_forward(int64_t l, bool second, int64_t N) {
+int64_t Model::stream_rows(int64_t B, int64_t T, bool backward) const {
+  const int64_t N = B * T;
+  if (!seq_parallel()) return N;
+  LATHE_CHECK(backend_->device() == DeviceKind::Host,
+              "sequence parallelism runs on host memory only for now (the {} backend's model is in device memory); "
+              "set parallel.sequence: false",
+              backend_->name());
+  LATHE_CHECK(hooks_.gather_rows && hooks_.reduce_scatter_rows && hooks_.take_rows && hooks_.reduce_norm_grads,
+              "model: a sequence-parallel config ({} parts) needs the row hooks of StepHooks; "
+              "parallel::attach_tensor_parallel installs them",
+              cfg_.tensor_parts);
+  LATHE_CHECK(!backward || N % cfg_.tensor_parts == 0,
+              "sequence parallelism: batch {} x seq_len {} = {} rows do not split over {} tensor-parallel ranks; "
+              "choose training.micro_batch_size x training.seq_len divisible by parallel.tensor = {}",
+              B, T, N, cfg_.tensor_parts, cfg_.tensor_parts);
+  return cfg_.rows_held(N);
+}
+
+const void* Model::gather_rows(const void* shard, int64_t S) {
+  hooks_.gather_rows(shard, gathered_, S * cfg_.hidden_size);
+  return gathered_;
+}
+
+void Model::reduce_input_grad(int64_t N, int64_t S) {
+  if (seq_parallel())
+    hooks_.reduce_scatter_rows(dln_, dln_, S * cfg_.hidden_size);
+  else if (hooks_.reduce_partial)
+    hooks_.reduce_partial(dln_, N * cfg_.hidden_size);
+}
+
+void Model::norm_backward(void* dx, float* dw, float* db, const void* dout, const void* x, const float* w,
+                          const float* mean, const float* rstd, int64_t rows) {
+  const int64_t C = cfg_.hidden_size;
+  auto run = [&](int64_t r0, int64_t n, float* gw, float* gb) {
+    if (arch_.layernorm)
+      ops_->layernorm_backward(act_at(dx, r0 * C), gw, gb, act_at(dout, r0 * C), act_at(x, r0 * C), w, mean + r0,
+                               rstd + r0, n, C, scratch_);
+    else
+      ops_->rmsnorm_backward(act_at(dx, r0 * C), gw, act_at(dout, r0 * C), act_at(x, r0 * C), w, rstd + r0, n, C,
+                             scratch_);
+  };
+  const bool sp = seq_parallel();
+  // The chunk sums are added on the host (norm_acc_): a model in device memory runs the kernel whole.
+  const bool host = backend_->device() == DeviceKind::Host;
+  const int64_t parts = sp || !host || cfg_.tensor_parts <= 1 || rows % cfg_.tensor_parts != 0 ? 1 : cfg_.tensor_parts;
+  if (!sp && parts == 1) {  // one process, or a tensor-parallel pass that does not split evenly
+    run(0, rows, dw, db);
+    return;
+  }
+  // The weight gradients of the pass's rows are summed on their own, then added once: with
+  // sequence parallelism ((0 + rank 0's rows) + rank 1's rows) + ... by reduce_norm_grads (the
+  // communicator sums in rank order), and without it the same chunks in the same order here, so
+  // tensor parallelism with and without sequence parallelism give the same bits.
+  const int64_t nw = arch_.layernorm ? 2 * C : C;
+  norm_acc_.assign(static_cast<size_t>(nw), 0.0f);
+  float* aw = norm_acc_.data();
+  float* ab = arch_.layernorm ? aw + C : nullptr;
+  const int64_t chunk = rows / parts;
+  for (int64_t k = 0; k < parts; ++k) run(k * chunk, chunk, aw, ab);
+  if (sp) hooks_.reduce_norm_grads(aw, nw);
+  for (int64_t c = 0; c < C; ++c) dw[c] += aw[c];
+  if (db != nullptr && ab != nullptr)
+    for (int64_t c = 0; c < C; ++c) db[c] += ab[c];
+}
+
+void Model::norm_forward(int64_t l, bool second, int64_t rows) {
   const int64_t C = cfg_.hidden_size;
   const float eps = static_cast<float>(cfg_.norm_eps);
   const LayerPtrs& w = p_.layers[static_cast<size_t>(l)];
@@ -542,9 +628,9 @@ void Model::norm_forward(int64_t l, bool second, int64_t N) {
   float* mean = second ? a.ln2_mean : a.ln1_mean;
   float* rstd = second ? a.ln2_rstd : a.ln1_rstd;
   if (arch_.layernorm)
-    ops_->layernorm_forward(out, mean, rstd, in, second ? w.ln2_w : w.ln1_w, second ? w.ln2_b : w.ln1_b, N, C, eps);
+    ops_->layernorm_forward(out, mean, rstd, in, second ? w.ln2_w : w.ln1_w, second ? w.ln2_b : w.ln1_b, rows, C, eps);
   else
-    ops_->rmsnorm_forward(out, rstd, in, second ? w.ln2_w : w.ln1_w, N, C, eps);
+    ops_->rmsnorm_forward(out, rstd, in, second ? w.ln2_w : w.ln1_w, rows, C, eps);
 }
 
 void Model::mlp_activation_forward(int64_t l, int64_t N) {
@@ -565,26 +651,40 @@ void Model::layer_forward_into(int64_t l, int64_t B, int64_t T, bool output) {
   LATHE_DIMS;
   const LayerPtrs& w = p_.layers[static_cast<size_t>(l)];
   LayerActs& a = la_[static_cast<size_t>(l)];
-  const void* x = layer_input(l);  // [N, C] residual stream in
-  norm_forward(l, false, N);
-  ops_->matmul_forward(a.qkv, a.ln1, cw(w.qkv_w), w.qkv_b, N, C, Q, false);
+  // S rows of the residual stream here (N; this rank's with sequence parallelism, whose norm
+  // outputs are gathered to the N rows the column-parallel GEMMs read).
+  const bool sp = seq_parallel();
+  const int64_t S = stream_rows(B, T, false);
+  const void* x = layer_input(l);  // [S, C] residual stream in
+  norm_forward(l, false, S);
+  ops_->matmul_forward(a.qkv, sp ? gather_rows(a.ln1, S) : a.ln1, cw(w.qkv_w), w.qkv_b, N, C, Q, false);
   if (!arch_.learned_pos) {
     ops_->rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, D, Q, doc_positions());
     ops_->rope_forward(act_at(a.qkv, H * D), rope_cos_, rope_sin_, B, T, KV, D, Q, doc_positions());
   }
   ops_->attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D, scratch_, doc_starts());
   row_parallel_forward(a.res1, a.att, w.o_w, w.o_b, N, H * D, C);
-  ops_->residual_forward(a.res1, a.res1, x, N * C);
-  norm_forward(l, true, N);
-  ops_->matmul_forward(a.fc, a.ln2, cw(w.fc_w), w.fc_b, N, C, FF, false);
+  ops_->residual_forward(a.res1, a.res1, x, S * C);
+  norm_forward(l, true, S);
+  ops_->matmul_forward(a.fc, sp ? gather_rows(a.ln2, S) : a.ln2, cw(w.fc_w), w.fc_b, N, C, FF, false);
   mlp_activation_forward(l, N);
   if (!output) return;  // backward reads nothing past the MLP activation
   row_parallel_forward(a.res2, a.act, w.proj_w, w.proj_b, N, F, C);
-  ops_->residual_forward(a.res2, a.res2, a.res1, N * C);
+  ops_->residual_forward(a.res2, a.res2, a.res1, S * C);
 }
 
 void Model::row_parallel_forward(void* out, const void* in, const float* w, const float* bias, int64_t N, int64_t K,
                                  int64_t C) {
+  if (seq_parallel()) {
+    // Partial products of all N rows into gathered_ (padding rows zero), reduce-scattered into this
+    // rank's S rows of `out`; the bias is added once, after the reduction.
+    const int64_t S = cfg_.rows_held(N), pad = S * cfg_.tensor_parts - N;
+    ops_->matmul_forward(gathered_, in, cw(w), nullptr, N, K, C, false);
+    if (pad > 0) backend_->memset(act_at(gathered_, N * C), 0, static_cast<size_t>(pad * C * act_size_));
+    hooks_.reduce_scatter_rows(gathered_, out, S * C);
+    if (bias) ops_->bias_add(out, bias, S, C);
+    return;
+  }
   if (!hooks_.reduce_partial) {  // whole layer: the bias is fused into the GEMM
     ops_->matmul_forward(out, in, cw(w), bias, N, K, C, false);
     return;
@@ -598,10 +698,16 @@ void Model::final_norm_forward(int64_t B, int64_t T) {
   LATHE_DIMS;
   const float eps = static_cast<float>(cfg_.norm_eps);
   const void* x = la_.empty() ? emb_ : la_.back().res2;
+  // Sequence parallelism: the norm of this rank's rows (into gathered_, free here), all-gathered
+  // into lnf_, the lm head's input.
+  const bool sp = seq_parallel();
+  const int64_t S = stream_rows(B, T, false);
+  void* out = sp ? gathered_ : lnf_;
   if (arch_.layernorm)
-    ops_->layernorm_forward(lnf_, lnf_mean_, lnf_rstd_, x, p_.lnf_w, p_.lnf_b, N, C, eps);
+    ops_->layernorm_forward(out, lnf_mean_, lnf_rstd_, x, p_.lnf_w, p_.lnf_b, S, C, eps);
   else
-    ops_->rmsnorm_forward(lnf_, lnf_rstd_, x, p_.lnf_w, N, C, eps);
+    ops_->rmsnorm_forward(out, lnf_rstd_, x, p_.lnf_w, S, C, eps);
+  if (sp) hooks_.gather_rows(gathered_, lnf_, S * C);
 }
 
 // Forward up to the final norm (logits and generation use it without the loss).
@@ -624,14 +730,21 @@ double Model::head_loss(const int32_t* targets, int64_t B, int64_t T, float grad
       ops_->lm_head_loss(losses_, dln_, dlm, lnf_, cw(p_.lm_head), to_backend(targets, N, dtargets_), N, C, V,
                          grad_scale, backward, scratch_, chunk_rows_, vp);
   if (!backward) return loss_sum;
-  if (vp) hooks_.reduce_partial(dln_, N * C);  // each shard's dlogits @ w covers its vocabulary rows only
+  // Each vocab shard's dlogits @ w covers its vocabulary rows only: summed over the group (with
+  // sequence parallelism reduce-scattered into the rank's rows; a whole vocabulary's rows are taken).
+  const int64_t S = stream_rows(B, T, true);
+  if (seq_parallel()) {
+    if (vp)
+      hooks_.reduce_scatter_rows(dln_, dln_, S * C);
+    else
+      hooks_.take_rows(dln_, dln_, S * C);
+  } else if (vp) {
+    hooks_.reduce_partial(dln_, N * C);
+  }
   // dres_ carries dL/d(residual stream) downwards; norms add into it.
-  backend_->memset(dres_, 0, static_cast<size_t>(N * C * act_size_));
+  backend_->memset(dres_, 0, static_cast<size_t>(S * C * act_size_));
   const void* x_last = la_.empty() ? emb_ : la_.back().res2;
-  if (arch_.layernorm)
-    ops_->layernorm_backward(dres_, g_.lnf_w, g_.lnf_b, dln_, x_last, p_.lnf_w, lnf_mean_, lnf_rstd_, N, C, scratch_);
-  else
-    ops_->rmsnorm_backward(dres_, g_.lnf_w, dln_, x_last, p_.lnf_w, lnf_rstd_, N, C, scratch_);
+  norm_backward(dres_, g_.lnf_w, g_.lnf_b, dln_, x_last, p_.lnf_w, lnf_mean_, lnf_rstd_, S);
   return loss_sum;
 }
 
@@ -643,50 +756,53 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
   const LayerPtrs& gw = g_.layers[static_cast<size_t>(l)];
   LayerActs& a = la_[static_cast<size_t>(l)];
   const void* x = layer_input(l);
+  // Sequence parallelism: dres_, x, res1 and the norms hold this rank's S rows; the GEMMs' operands
+  // of all N rows are gathered again here (Megatron does the same rather than keep them).
+  const bool sp = seq_parallel();
+  const int64_t S = stream_rows(B, T, true);
   // Recompute what the plan did not keep for this layer: the same kernels on the same kept inputs
   // as the forward pass, so the values (and all that follows) are bit-identical to keeping them.
   if (plan_.recompute == Recompute::Full) {
     layer_forward_into(l, B, T, false);
   } else if (plan_.recompute == Recompute::Selective) {
-    norm_forward(l, true, N);  // ln2 from res1 (its statistics are rewritten with the same values)
+    norm_forward(l, true, S);  // ln2 from res1 (its statistics are rewritten with the same values)
     mlp_activation_forward(l, N);
   }
   // MLP: res2 = res1 + proj(act(fc(norm2(res1))))
-  ops_->matmul_backward(dact_, gw.proj_w, gw.proj_b, dres_, a.act, cw(w.proj_w), N, F, C, false);
+  ops_->matmul_backward(dact_, gw.proj_w, gw.proj_b, sp ? gather_rows(dres_, S) : dres_, a.act, cw(w.proj_w), N, F, C,
+                        false);
   if (arch_.gelu_mlp)
     ops_->gelu_backward(dfc_, a.fc, dact_, N * F);
   else
     ops_->swiglu_backward(dfc_, a.fc, dact_, N, F);
-  ops_->matmul_backward(dln_, gw.fc_w, gw.fc_b, dfc_, a.ln2, cw(w.fc_w), N, C, FF, false);
-  if (hooks_.reduce_partial) hooks_.reduce_partial(dln_, N * C);
-  if (arch_.layernorm)
-    ops_->layernorm_backward(dres_, gw.ln2_w, gw.ln2_b, dln_, a.res1, w.ln2_w, a.ln2_mean, a.ln2_rstd, N, C, scratch_);
-  else
-    ops_->rmsnorm_backward(dres_, gw.ln2_w, dln_, a.res1, w.ln2_w, a.ln2_rstd, N, C, scratch_);
+  ops_->matmul_backward(dln_, gw.fc_w, gw.fc_b, dfc_, sp ? gather_rows(a.ln2, S) : a.ln2, cw(w.fc_w), N, C, FF, false);
+  reduce_input_grad(N, S);
+  norm_backward(dres_, gw.ln2_w, gw.ln2_b, dln_, a.res1, w.ln2_w, a.ln2_mean, a.ln2_rstd, S);
   // Attention: res1 = x + o(attn(qkv(norm1(x))))
-  ops_->matmul_backward(datt_, gw.o_w, gw.o_b, dres_, a.att, cw(w.o_w), N, H * D, C, false);
+  ops_->matmul_backward(datt_, gw.o_w, gw.o_b, sp ? gather_rows(dres_, S) : dres_, a.att, cw(w.o_w), N, H * D, C,
+                        false);
   ops_->attention_backward(dqkv_, datt_, a.qkv, a.att, a.lse, B, T, H, KV, D, scratch_, doc_starts());
   if (!arch_.learned_pos) {
     ops_->rope_backward(dqkv_, rope_cos_, rope_sin_, B, T, H, D, Q, doc_positions());
     ops_->rope_backward(act_at(dqkv_, H * D), rope_cos_, rope_sin_, B, T, KV, D, Q, doc_positions());
   }
   // ln1 into the shared buffer, now that the fc GEMM's backward is done with ln2.
-  if (plan_.recompute == Recompute::Selective) norm_forward(l, false, N);
-  ops_->matmul_backward(dln_, gw.qkv_w, gw.qkv_b, dqkv_, a.ln1, cw(w.qkv_w), N, C, Q, false);
-  if (hooks_.reduce_partial) hooks_.reduce_partial(dln_, N * C);
-  if (arch_.layernorm)
-    ops_->layernorm_backward(dres_, gw.ln1_w, gw.ln1_b, dln_, x, w.ln1_w, a.ln1_mean, a.ln1_rstd, N, C, scratch_);
-  else
-    ops_->rmsnorm_backward(dres_, gw.ln1_w, dln_, x, w.ln1_w, a.ln1_rstd, N, C, scratch_);
+  if (plan_.recompute == Recompute::Selective) norm_forward(l, false, S);
+  ops_->matmul_backward(dln_, gw.qkv_w, gw.qkv_b, dqkv_, sp ? gather_rows(a.ln1, S) : a.ln1, cw(w.qkv_w), N, C, Q,
+                        false);
+  reduce_input_grad(N, S);
+  norm_backward(dres_, gw.ln1_w, gw.ln1_b, dln_, x, w.ln1_w, a.ln1_mean, a.ln1_rstd, S);
 }
 
 void Model::embedding_backward(const int32_t* tokens, int64_t B, int64_t T) {
   trace::Scope span("embedding backward", trace::Cat::Compute);
   LATHE_CHECK(has_gradients(), "model: backward pass on a model built without gradients");
-  // dres_ is whole on every rank: each vocab shard adds its own rows of dwte; dwpe (replicated) is
-  // the same on every rank.
+  // dres_ is whole on every rank (sequence parallelism: gathered from every rank's rows): each
+  // vocab shard adds its own rows of dwte; dwpe (replicated) is the same on every rank.
   const VocabParallel* vp = vocab_parallel();
-  ops_->embedding_backward(g_.wte, g_.wpe, dres_, to_backend(tokens, B * T, dtokens_), B, T, cfg_.hidden_size,
+  const int64_t S = stream_rows(B, T, true);
+  const void* dout = seq_parallel() ? gather_rows(dres_, S) : dres_;
+  ops_->embedding_backward(g_.wte, g_.wpe, dout, to_backend(tokens, B * T, dtokens_), B, T, cfg_.hidden_size,
                            doc_positions(), vp ? vp->vocab_begin : 0, cfg_.vocab_size);
 }
 #undef LATHE_DIMS

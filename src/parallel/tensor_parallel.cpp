@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <memory>
 
@@ -15,8 +16,11 @@
 
 namespace lathe::parallel {
 
-ModelConfig tensor_parallel_config(const ModelConfig& global, int tp) {
+ModelConfig tensor_parallel_config(const ModelConfig& global, int tp, bool sequence) {
   LATHE_CHECK(tp >= 1, "parallel.tensor = {}: must be >= 1", tp);
+  LATHE_CHECK(!sequence || tp > 1,
+              "parallel.sequence = true needs parallel.tensor > 1 (it shards the sequence over the tensor-parallel "
+              "ranks); set parallel.tensor or parallel.sequence: false");
   if (tp == 1) return global;
   auto divides = [&](int64_t n, const char* key) {
     LATHE_CHECK(n % tp == 0,
@@ -40,6 +44,8 @@ ModelConfig tensor_parallel_config(const ModelConfig& global, int tp) {
   c.intermediate_size = global.intermediate_size / tp;
   c.shard_global_vocab = global.vocab_size;
   c.vocab_size = global.vocab_size / tp;
+  c.tensor_parts = tp;
+  c.sequence_parallel = sequence;
   return c;
 }
 
@@ -181,6 +187,51 @@ void attach_vocab_parallel(Model& m, dist::Communicator& tp_group) {
                     static_cast<size_t>(Vl) * sizeof(float));
   };
 }
+
+// The sequence-parallel row hooks (see StepHooks): counts are per rank, in compute-dtype elements.
+void attach_sequence_parallel(Model& m, dist::Communicator* group) {
+  const DType dt = m.compute_dtype();
+  const size_t es = dtype_size(dt);
+  const int tp = group->size(), rank = group->rank();
+  auto counts = [tp](int64_t n) { return std::vector<size_t>(static_cast<size_t>(tp), static_cast<size_t>(n)); };
+  StepHooks& h = m.hooks();
+  // An all-gather moves bytes: the same for every dtype. send aliases nothing of recv here.
+  h.gather_rows = [group, dt, counts](const void* shard, void* full, int64_t n) {
+    group->all_gather(shard, full, counts(n), dt);
+  };
+  h.take_rows = [rank, es](const void* full, void* shard, int64_t n) {
+    const auto* src = static_cast<const std::byte*>(full) + static_cast<size_t>(rank) * static_cast<size_t>(n) * es;
+    if (src != shard) std::memmove(shard, src, static_cast<size_t>(n) * es);
+  };
+  h.reduce_norm_grads = [group](float* g, int64_t n) { group->all_reduce(g, static_cast<size_t>(n), DType::F32); };
+  if (dt == DType::F32) {
+    h.reduce_scatter_rows = [group, counts](void* full, void* shard, int64_t n) {
+      group->reduce_scatter(full, shard, counts(n), DType::F32);
+    };
+    return;
+  }
+  // 16-bit: widened, summed in fp32 in rank order and rounded once, as reduce_partial does, so each
+  // row equals the all-reduce's. [tp*S, C] fp32 staging per call.
+  auto staging = std::make_shared<std::vector<float>>();
+  h.reduce_scatter_rows = [group, staging, dt, tp, counts](void* full, void* shard, int64_t n) {
+    const int64_t total = n * tp;
+    staging->resize(static_cast<size_t>(total));
+    float* f = staging->data();
+    const auto* src = static_cast<const uint16_t*>(full);
+    if (dt == DType::BF16) {
+      cpu::convert_bf16_to_fp32(f, src, total);
+    } else {
+      for (int64_t i = 0; i < total; ++i) f[i] = fp16_to_fp32(src[i]);
+    }
+    group->reduce_scatter(f, f, counts(n), DType::F32);  // this rank's sums into f[0, n)
+    auto* dst = static_cast<uint16_t*>(shard);
+    if (dt == DType::BF16) {
+      cpu::convert_fp32_to_bf16(dst, f, n);
+    } else {
+      for (int64_t i = 0; i < n; ++i) dst[i] = fp32_to_fp16(f[i]);
+    }
+  };
+}
 }  // namespace
 
 void attach_tensor_parallel(Model& m, dist::Communicator& tp_group) {
@@ -188,6 +239,14 @@ void attach_tensor_parallel(Model& m, dist::Communicator& tp_group) {
   attach_vocab_parallel(m, tp_group);
   dist::Communicator* group = &tp_group;
   const DType dt = m.compute_dtype();
+  LATHE_CHECK(m.config().tensor_parts <= 1 || m.config().tensor_parts == tp_group.size(),
+              "tensor parallel: the model is a shard of {} ranks but the group has {}", m.config().tensor_parts,
+              tp_group.size());
+  if (m.config().sequence_parallel) {
+    LATHE_CHECK(dt == DType::F32 || dt == DType::BF16 || dt == DType::F16,
+                "sequence parallel: no reduction for compute dtype {}", compute_dtype_name(dt));
+    attach_sequence_parallel(m, group);
+  }
   if (dt == DType::F32) {
     m.hooks().reduce_partial = [group](void* buf, int64_t count) {
       group->all_reduce(buf, static_cast<size_t>(count), DType::F32);

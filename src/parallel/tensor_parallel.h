@@ -21,6 +21,18 @@
 //
 // Replicated tensors see identical inputs and gradients on every rank (the residual stream is
 // whole between the parallel regions), so they stay identical without any reduction.
+//
+// Sequence parallelism (`sequence`, Megatron's --sequence-parallel): between the parallel regions
+// rank r holds only rows [r*N/tp, (r+1)*N/tp) of the [N = B*T, C] residual stream, with its norms
+// and their statistics (activation memory of those buffers / tp). The all-reduce after a
+// row-parallel GEMM becomes a reduce-scatter into the rank's rows, an all-gather of the norm output
+// precedes each column-parallel GEMM; in backward the duals (all-gather of the residual gradient
+// before the row-parallel GEMMs' backward, reduce-scatter of the column-parallel input gradient).
+// The embedding output enters the stream by each rank taking its rows; the final norm runs on the
+// rows and is all-gathered before the lm head. Norm weights see only the rank's rows, so their
+// gradients are summed over the group (StepHooks::reduce_norm_grads). Every value is the one of
+// tensor parallelism without it, bit for bit: the reductions sum the same partials in the same
+// rank order, and a shard config sums its norm-weight gradients in tp row chunks either way.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -33,9 +45,10 @@
 namespace lathe::parallel {
 
 // The config of one tensor-parallel rank's model: attention heads, KV heads, the MLP width and the
-// vocabulary rows (vocab_size; shard_global_vocab keeps the whole) divided by tp, head_dim kept.
+// vocabulary rows (vocab_size; shard_global_vocab keeps the whole) divided by tp, head_dim kept,
+// tensor_parts = tp; `sequence`: sequence parallelism (tp > 1 only).
 // Errors name the value that tp does not divide.
-ModelConfig tensor_parallel_config(const ModelConfig& global, int tp);
+ModelConfig tensor_parallel_config(const ModelConfig& global, int tp, bool sequence = false);
 
 // One contiguous run of a rank's shard: `count` floats at `global` in the global tensor and at
 // `local` in the rank's tensor (offsets within the tensors).
@@ -64,7 +77,10 @@ void init_shard(Model& local, const ParamTable& global, int rank, int tp, uint64
 // Installs StepHooks::reduce_partial on `m`: an all-reduce over `tp_group` (deterministic, in rank
 // order, src/dist/comm.h); bf16/fp16 activations are summed in fp32 and rounded once. And the
 // vocab-parallel hooks (StepHooks::vocab: this rank's vocabulary rows, the loss statistics'
-// all-reduce; gather_vocab for logits). tp_group must outlive the model's passes.
+// all-reduce; gather_vocab for logits). With a sequence-parallel config also the row hooks
+// (gather_rows: all-gather; reduce_scatter_rows: reduce-scatter, 16-bit summed in fp32 as above;
+// take_rows: this rank's rows; reduce_norm_grads: fp32 all-reduce). tp_group must outlive the
+// model's passes and have m.config().tensor_parts ranks.
 void attach_tensor_parallel(Model& m, dist::Communicator& tp_group);
 
 // Which elements of the local flat buffer count towards global sums (gradient norm, parameter

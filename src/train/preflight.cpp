@@ -444,12 +444,18 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   if (r.parallel.tensor > 1) {
     // Heads, KV heads, the MLP width and the vocabulary must split evenly; the trainer builds each
     // rank's model from this config and keeps pf.model (unallocated) as the whole model for checkpoints.
-    const ModelConfig shard = parallel::tensor_parallel_config(pf.model->config(), static_cast<int>(r.parallel.tensor));
+    const ModelConfig shard = parallel::tensor_parallel_config(pf.model->config(), static_cast<int>(r.parallel.tensor),
+                                                               r.parallel.sequence);
     log.ok(fmt::format(
-        "tensor parallel {}: {} of {} heads, {} of {} KV heads, MLP width {}, {} of {} vocabulary rows "
+        "tensor parallel {}{}: {} of {} heads, {} of {} KV heads, MLP width {}, {} of {} vocabulary rows "
         "per rank",
-        r.parallel.tensor, shard.num_attention_heads, pf.model->config().num_attention_heads, shard.num_key_value_heads,
-        pf.model->config().num_key_value_heads, shard.intermediate_size, shard.vocab_size, shard.global_vocab()));
+        r.parallel.tensor, r.parallel.sequence ? " + sequence parallel" : "", shard.num_attention_heads,
+        pf.model->config().num_attention_heads, shard.num_key_value_heads, pf.model->config().num_key_value_heads,
+        shard.intermediate_size, shard.vocab_size, shard.global_vocab()));
+    // One rank's figure (its shard of the parameters, its activations; sequence parallelism's saving).
+    log.ok(fmt::format("memory per tensor-parallel rank: {}",
+                       estimate_memory(shard, B, T, kMoments, r.parallel.zero > 0 ? data : 1, spec.dtype, rc)
+                           .breakdown()));
   } else if (r.parallel.pipeline > 1) {
     // The stages and the schedule must work for this model (errors name the values); the trainer
     // builds each rank's stage from pf.model (kept unallocated as the whole model).

@@ -7,8 +7,11 @@ and gradient norms, 1e-4 on the final weights, which pass through 10 AdamW steps
 TP=2 on 4 ranks, a TP=2 checkpoint resumed in one process and a one-process checkpoint resumed at
 TP=2 (checkpoints hold the whole model), bit-identical repeat runs, LAMB (per-tensor norms across
 shards), a padded vocabulary (wte / lm_head are vocab-parallel: their rows split over the ranks),
-and the errors for degrees that do not divide the model (heads, KV heads, vocabulary).
-1 OpenMP thread per rank (the ranks share this machine's 2 cores)."""
+and the errors for degrees that do not divide the model (heads, KV heads, vocabulary). Sequence
+parallelism (parallel.sequence: the residual stream sharded over the tensor ranks) gives exactly
+the bits of TP=2 (losses, gradient norms, final weights) and so matches one process within the
+same tolerances; its bad settings are refused naming parallel.sequence. 1 OpenMP thread per rank
+(the ranks share this machine's 2 cores)."""
 import json
 import os
 import shutil
@@ -100,6 +103,16 @@ def main():
         check(e <= 1e-5, f"{preset}: TP=2 validation losses match (max rel {e:.2e})")
         ok, worst = weights_close(tp2, one, 1e-4)
         check(ok, f"{preset}: TP=2 final weights (gathered into the HF model) match (worst {worst:.2e} <= 1e-4)")
+        # Sequence parallelism changes where rows live, not the arithmetic (tests/parallel/
+        # test_sequence_parallel.cpp): the same bits as TP=2, hence within 1e-5 of one process.
+        sp = train(2, data, preset, f"{preset}_tp2_sp", parallel__tensor=2, parallel__sequence=True)
+        check(series(sp, "loss") == series(tp2, "loss") and series(sp, "grad_norm") == series(tp2, "grad_norm")
+              and val_losses(sp) == val_losses(tp2),
+              f"{preset}: TP=2 + sequence parallel gives TP=2's losses, gradient norms and validation losses bit for bit")
+        same = all(np.array_equal(a, b) for a, b in zip(weights(sp).values(), weights(tp2).values()))
+        check(same and set(weights(sp)) == set(weights(tp2)), f"{preset}: TP=2 + SP final weights equal TP=2's")
+        e = rel(series(sp, "loss"), series(one, "loss"))
+        check(e <= 1e-5, f"{preset}: TP=2 + SP losses match one process (max rel {e:.2e} <= 1e-5)")
 
     # bf16: the row-parallel partial products are summed in fp32 and rounded once more than in one
     # process; each is one bf16 rounding (2^-8 relative) of values the loss averages over, so the
@@ -213,6 +226,17 @@ def main():
     # tensor group) move the losses only ~1e-6 in 10 steps but the weights ~1e-3.
     ok, worst = weights_close(z_l, one4_l, 1e-4)
     check(ok, f"gpt2: DP=2 x TP=2 ZeRO 1 with LAMB, final weights match (worst {worst:.2e} <= 1e-4)")
+
+    # Sequence parallelism without tensor parallelism, or rows that do not split: refused naming the key.
+    p, _ = run(1, ["train", recipe(data, "gpt2-debug", os.path.join(TMP, "bad_sp1"), parallel__sequence=True)])
+    out = p.stdout + p.stderr
+    check(p.returncode != 0 and "parallel.sequence" in out and "parallel.tensor > 1" in out,
+          "sequence parallel without tensor parallelism is refused naming parallel.sequence")
+    p, _ = run(1, ["train", recipe(data, "gpt2-debug", os.path.join(TMP, "bad_sp_rows"), parallel__tensor=2,
+                                   parallel__sequence=True, training__micro_batch_size=1, training__seq_len=31)])
+    out = p.stdout + p.stderr
+    check(p.returncode != 0 and "parallel.sequence" in out and "micro_batch_size 1 x seq_len 31" in out,
+          "sequence parallel with micro_batch_size x seq_len not divisible by tensor is refused naming both")
 
     shutil.rmtree(TMP, ignore_errors=True)
     if failures:

@@ -1,0 +1,298 @@
+// Sequence parallelism (tensor parallelism with the residual stream sharded along its rows) on the
+// in-process thread communicator, against two oracles:
+//  * the single-process model with the same global weights: losses over 5 SGD steps within 1e-5
+//    relative and the gathered gradients of the last step within 1e-5 (the row-parallel GEMMs sum
+//    their K dimension in tp pieces, and norm-weight gradients are summed per rank: rounding only);
+//  * tensor parallelism without it: bit-identical losses, gradients and weights. The reductions
+//    sum the same partial products in the same rank order (a reduce-scatter's rows are the
+//    all-reduce's), every row-wise kernel sees the same rows, and a shard config sums its
+//    norm-weight gradients in tp row chunks whether the chunks live on one rank or on tp ranks.
+// Also: the recompute modes and bf16 under sequence parallelism, a forward-only pass whose B*T
+// does not divide by tp (padded rows), the smaller activation arena, and the errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <mutex>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "dist/comm.h"
+#include "models/memory.h"
+#include "models/model.h"
+#include "parallel/tensor_parallel.h"
+
+using namespace lathe;
+using namespace lathe::parallel;
+
+namespace {
+
+struct Family {
+  const char* name;
+  ModelConfig cfg;
+  std::vector<int> degrees;
+};
+std::vector<Family> families() {
+  ModelConfig untied = ModelConfig::preset("llama-debug");
+  untied.tie_word_embeddings = false;
+  untied.attention_bias = true;  // q/k/v and o_proj biases (a row-parallel bias on the shard)
+  return {{"gpt2", ModelConfig::preset("gpt2-debug"), {2, 4}},     // fused c_attn, LayerNorm with bias
+          {"llama_gqa", ModelConfig::preset("llama-debug"), {2}},  // 4 query heads, 2 KV heads, RMSNorm
+          {"qwen2", ModelConfig::preset("qwen2-debug"), {2}},      // q/k/v biases, tied
+          {"llama_untied_bias", untied, {2}}};
+}
+
+// Deterministic init, with biases and norm weights perturbed so that their use and gradients show.
+void perturbed_init(Model& m) {
+  m.init_weights(42);
+  Rng prng(7);
+  for (const ParamSpec& s : m.params().specs())
+    if (s.init != Init::Normal)
+      for (int64_t i = 0; i < s.numel(); ++i) m.param_data()[s.offset + i] += 0.1f * prng.normal();
+  m.refresh_compute_weights();
+}
+
+double rel_err(const float* a, const float* b, int64_t n) {
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    num += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    den += static_cast<double>(b[i]) * b[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+constexpr int64_t kB = 2, kT = 12;  // N = 24 rows: 12 per rank at tp 2, 6 at tp 4
+constexpr int kSteps = 5;
+constexpr float kLr = 0.05f;
+
+struct Batch {
+  std::vector<int32_t> tokens, targets;
+};
+Batch batch(const ModelConfig& cfg, int step, int64_t T = kT) {
+  Rng rng(1000 + static_cast<uint64_t>(step));
+  Batch b;
+  for (int64_t i = 0; i < kB * T; ++i) {
+    b.tokens.push_back(static_cast<int32_t>(rng.next_u64() % static_cast<uint64_t>(cfg.vocab_size)));
+    b.targets.push_back(static_cast<int32_t>(rng.next_u64() % static_cast<uint64_t>(cfg.vocab_size)));
+  }
+  b.targets[3] = -1;  // an ignored target
+  return b;
+}
+
+// What one run gives: the loss of every step (every rank's), and the gradients of the last step and
+// the final weights as global flat buffers (gathered from the shards).
+struct Trace {
+  std::vector<std::vector<double>> losses;  // [rank][step]
+  std::vector<float> grads, weights;
+};
+
+Trace run_single(const ModelConfig& cfg, DType dt = DType::F32) {
+  auto m = build_model(cfg, ComputeSpec{nullptr, dt});
+  perturbed_init(*m);
+  m->allocate(kB, kT);
+  Trace t;
+  t.losses.resize(1);
+  for (int s = 0; s < kSteps; ++s) {
+    const Batch b = batch(cfg, s);
+    m->zero_grad();
+    t.losses[0].push_back(m->forward_backward(b.tokens.data(), b.targets.data(), kB, kT, 1.0f / (kB * kT), true));
+    for (size_t i = 0; i < m->num_params(); ++i) m->param_data()[i] -= kLr * m->grad_data()[i];
+    m->refresh_compute_weights();
+  }
+  t.grads.assign(m->grad_data(), m->grad_data() + m->num_params());
+  t.weights.assign(m->param_data(), m->param_data() + m->num_params());
+  return t;
+}
+
+Trace run_parallel(const ModelConfig& cfg, int tp, bool sequence, Recompute rc = Recompute::None,
+                   DType dt = DType::F32) {
+  auto global = build_model(cfg);
+  perturbed_init(*global);
+  const ParamTable& gt = global->params();
+  Trace t;
+  t.losses.resize(static_cast<size_t>(tp));
+  std::mutex mu;
+  dist::run_threads(tp, [&](dist::Communicator& comm) {
+    const int r = comm.rank();
+    auto m = build_model(tensor_parallel_config(cfg, tp, sequence), ComputeSpec{nullptr, dt});
+    scatter_shard(gt, global->param_data(), m->params(), m->param_data(), r, tp);
+    m->refresh_compute_weights();
+    attach_tensor_parallel(*m, comm);
+    m->allocate(kB, kT, 0, rc);
+    std::vector<double> losses;
+    for (int s = 0; s < kSteps; ++s) {
+      const Batch b = batch(cfg, s);
+      m->zero_grad();
+      losses.push_back(m->forward_backward(b.tokens.data(), b.targets.data(), kB, kT, 1.0f / (kB * kT), true));
+      for (size_t i = 0; i < m->num_params(); ++i) m->param_data()[i] -= kLr * m->grad_data()[i];
+      m->refresh_compute_weights();
+    }
+    std::vector<float> g(gt.total()), w(gt.total());
+    gather_global(comm, gt, m->params(), m->grad_data(), g.data());
+    gather_global(comm, gt, m->params(), m->param_data(), w.data());
+    std::lock_guard<std::mutex> lock(mu);
+    t.losses[static_cast<size_t>(r)] = std::move(losses);
+    if (r == 0) {
+      t.grads = std::move(g);
+      t.weights = std::move(w);
+    }
+  });
+  return t;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+}  // namespace
+
+TEST(SequenceParallel, MatchesOneProcessAndTensorParallelBitForBit) {
+  for (const Family& f : families()) {
+    const Trace one = run_single(f.cfg);
+    for (int tp : f.degrees) {
+      SCOPED_TRACE(fmt::format("{} tp={}", f.name, tp));
+      const Trace sp = run_parallel(f.cfg, tp, true);
+      const Trace tpo = run_parallel(f.cfg, tp, false);
+      ASSERT_EQ(sp.grads.size(), one.grads.size());
+      ASSERT_EQ(tpo.grads.size(), one.grads.size());
+      ASSERT_EQ(sp.losses[0].size(), static_cast<size_t>(kSteps));
+      ASSERT_EQ(tpo.losses[0].size(), static_cast<size_t>(kSteps));
+      for (int s = 0; s < kSteps; ++s) {
+        const double ref = one.losses[0][static_cast<size_t>(s)];
+        for (int r = 0; r < tp; ++r)  // every rank computes the whole loss, bit for bit the same
+          EXPECT_EQ(sp.losses[static_cast<size_t>(r)][static_cast<size_t>(s)], sp.losses[0][static_cast<size_t>(s)]);
+        EXPECT_NEAR(sp.losses[0][static_cast<size_t>(s)], ref, 1e-5 * std::abs(ref)) << "step " << s;
+        EXPECT_EQ(sp.losses[0][static_cast<size_t>(s)], tpo.losses[0][static_cast<size_t>(s)]) << "step " << s;
+      }
+      const auto whole = build_model(f.cfg);
+      for (const ParamSpec& s : whole->params().specs()) {
+        const double e = rel_err(sp.grads.data() + s.offset, one.grads.data() + s.offset, s.numel());
+        EXPECT_LT(e, 1e-5) << s.name;
+      }
+      EXPECT_TRUE(same_bits(sp.grads, tpo.grads)) << "gradients of TP+SP differ from TP";
+      EXPECT_TRUE(same_bits(sp.weights, tpo.weights)) << "weights after 5 steps of TP+SP differ from TP";
+    }
+  }
+}
+
+TEST(SequenceParallel, RecomputeModesAreBitIdentical) {
+  // Recompute under sequence parallelism re-runs the norms on the rank's rows and gathers again:
+  // the same values, so the same bits as keeping everything.
+  for (const char* preset : {"gpt2-debug", "llama-debug"}) {
+    const ModelConfig cfg = ModelConfig::preset(preset);
+    const Trace none = run_parallel(cfg, 2, true);
+    for (Recompute rc : {Recompute::Selective, Recompute::Full}) {
+      const Trace t = run_parallel(cfg, 2, true, rc);
+      EXPECT_EQ(t.losses[0], none.losses[0]) << preset << " " << recompute_name(rc);
+      EXPECT_TRUE(same_bits(t.grads, none.grads)) << preset << " " << recompute_name(rc);
+    }
+  }
+}
+
+TEST(SequenceParallel, Bf16MatchesTensorParallelBitForBit) {
+  // 16-bit rows are reduce-scattered in fp32 and rounded once, as the all-reduce does.
+  const ModelConfig cfg = ModelConfig::preset("llama-debug");
+  const Trace sp = run_parallel(cfg, 2, true, Recompute::None, DType::BF16);
+  const Trace tpo = run_parallel(cfg, 2, false, Recompute::None, DType::BF16);
+  const Trace one = run_single(cfg, DType::BF16);
+  EXPECT_EQ(sp.losses[0], tpo.losses[0]);
+  EXPECT_TRUE(same_bits(sp.grads, tpo.grads));
+  // Against one process in bf16: tp + 1 roundings of the row-parallel outputs instead of one.
+  for (int s = 0; s < kSteps; ++s)
+    EXPECT_NEAR(sp.losses[0][static_cast<size_t>(s)], one.losses[0][static_cast<size_t>(s)],
+                1e-2 * std::abs(one.losses[0][static_cast<size_t>(s)]));
+}
+
+TEST(SequenceParallel, ForwardOnlyPassOfRowsThatDoNotSplitIsPadded) {
+  // Evaluation and multiple-choice scoring run passes of any B x T: with 2 ranks and B*T = 2*7 + ...
+  // odd, the stream is padded to tp*S rows (zeros), so the logits still match one process; a
+  // backward pass of such a shape is an error naming B, T and the degree.
+  const ModelConfig cfg = ModelConfig::preset("gpt2-debug");
+  auto global = build_model(cfg);
+  perturbed_init(*global);
+  const int64_t B = 1, T = 7;
+  const Batch b = batch(cfg, 0, T);
+  global->allocate(kB, kT);
+  std::vector<float> ref(static_cast<size_t>(B * T * cfg.vocab_size));
+  global->forward_logits(b.tokens.data(), B, T, ref.data());
+  std::vector<std::vector<float>> got(2);
+  std::vector<std::string> errors(2);
+  dist::run_threads(2, [&](dist::Communicator& comm) {
+    const int r = comm.rank();
+    auto m = build_model(tensor_parallel_config(cfg, 2, true));
+    scatter_shard(global->params(), global->param_data(), m->params(), m->param_data(), r, 2);
+    m->refresh_compute_weights();
+    attach_tensor_parallel(*m, comm);
+    m->allocate(kB, kT);
+    std::vector<float> logits(ref.size());
+    m->forward_logits(b.tokens.data(), B, T, logits.data());
+    got[static_cast<size_t>(r)] = std::move(logits);
+    try {
+      m->forward_backward(b.tokens.data(), b.targets.data(), B, T, 1.0f, true);
+    } catch (const Error& e) {
+      errors[static_cast<size_t>(r)] = e.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_LT(rel_err(got[static_cast<size_t>(r)].data(), ref.data(), static_cast<int64_t>(ref.size())), 1e-5);
+    const std::string& e = errors[static_cast<size_t>(r)];
+    EXPECT_NE(e.find("batch 1 x seq_len 7"), std::string::npos) << e;
+    EXPECT_NE(e.find("parallel.tensor = 2"), std::string::npos) << e;
+  }
+}
+
+TEST(SequenceParallel, ActivationArenaHoldsTheRanksRows) {
+  // The stream's buffers hold N / tp rows; what is per head / MLP column is unchanged; one gathered
+  // [N, C] buffer is added. The memory estimate of the shard config is the arena's size.
+  for (const Family& f : families()) {
+    const ModelConfig tpc = tensor_parallel_config(f.cfg, 2), spc = tensor_parallel_config(f.cfg, 2, true);
+    const int64_t B = 4, T = 32, N = B * T, C = f.cfg.hidden_size;
+    const ActivationPlan a = Model::plan_activations(tpc, B, T), s = Model::plan_activations(spc, B, T);
+    auto count = [](const ActivationPlan& p, const std::string& label) -> int64_t {
+      for (const ActivationEntry& e : p.entries)
+        if (e.label() == label) return e.count;
+      return -1;
+    };
+    for (const char* name : {"layers.0.ln1", "layers.1.res1", "layers.1.res2", "emb", "dres"}) {
+      EXPECT_EQ(count(a, name), N * C) << f.name << " " << name;
+      EXPECT_EQ(count(s, name), N / 2 * C) << f.name << " " << name;
+    }
+    EXPECT_EQ(count(s, "layers.0.ln1_rstd"), N / 2) << f.name;
+    EXPECT_EQ(count(s, "layers.0.qkv"), count(a, "layers.0.qkv")) << f.name;
+    EXPECT_EQ(count(s, "gathered"), N * C) << f.name;
+    EXPECT_EQ(count(a, "gathered"), -1) << f.name;
+    EXPECT_LT(s.bytes, a.bytes) << f.name;
+    const MemoryEstimate e = estimate_memory(spc, B, T, 2);
+    EXPECT_EQ(e.activation_bytes, static_cast<int64_t>(s.bytes)) << f.name;
+    EXPECT_EQ(e.sequence_saving_bytes, static_cast<int64_t>(a.bytes - s.bytes)) << f.name;
+    EXPECT_NE(e.breakdown().find(fmt::format("sequence parallel over 2 saves {}) {}", format_bytes(a.bytes - s.bytes),
+                                             format_bytes(static_cast<int64_t>(s.bytes)))),
+              std::string::npos)
+        << e.breakdown();
+    EXPECT_EQ(estimate_memory(tpc, B, T, 2).sequence_saving_bytes, 0) << f.name;
+    auto m = build_model(spc);
+    m->allocate(B, T);
+    EXPECT_EQ(m->activation_bytes(), s.bytes) << f.name;
+  }
+}
+
+TEST(SequenceParallel, ErrorsNameTheSetting) {
+  const ModelConfig cfg = ModelConfig::preset("gpt2-debug");
+  try {
+    tensor_parallel_config(cfg, 1, true);
+    FAIL() << "sequence parallelism without tensor parallelism accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("parallel.sequence"), std::string::npos) << e.what();
+  }
+  // A sequence-parallel shard run without the row hooks (attach_tensor_parallel not called).
+  auto m = build_model(tensor_parallel_config(cfg, 2, true));
+  m->init_weights(1);
+  m->allocate(kB, kT);
+  const Batch b = batch(cfg, 0);
+  try {
+    m->forward_backward(b.tokens.data(), b.targets.data(), kB, kT, 1.0f, true);
+    FAIL() << "a sequence-parallel pass without hooks ran";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("attach_tensor_parallel"), std::string::npos) << e.what();
+  }
+}
