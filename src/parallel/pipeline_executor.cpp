@@ -152,7 +152,13 @@ double PipelineExecutor::step(const int32_t* inputs, const int32_t* targets, flo
       if (s.role == Role::Wte) wte = &s;
     LATHE_CHECK(wte != nullptr, "internal: a tied pipeline stage without wte");
     trace::Scope span("pipeline tied embedding all-reduce", trace::Cat::Comm);
-    embed_->all_reduce(m_.grad_data() + wte->offset, static_cast<size_t>(wte->numel()), DType::F32);
+    // In pieces of 4M floats: the communicator's reduction stages a copy of what it reduces, so one
+    // call over the whole wte gradient (V x C) would add its size to the peak memory. Each element
+    // is still summed in rank order: the same bits.
+    constexpr size_t kPiece = size_t{1} << 22;
+    float* g = m_.grad_data() + wte->offset;
+    const size_t n = static_cast<size_t>(wte->numel());
+    for (size_t at = 0; at < n; at += kPiece) embed_->all_reduce(g + at, std::min(kPiece, n - at), DType::F32);
   }
   pp_.all_reduce(&loss, 1, DType::F64);  // only the last stage's is non-zero: the sum is exact
   return loss;

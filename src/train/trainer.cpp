@@ -445,6 +445,9 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
 
   // ---- everything that can fail on bad input is checked before any training work, by the same
   // function `lathe check` runs (train/preflight.h) ----
+  // This machine's copy bandwidth for the plan line printed at start, measured before anything
+  // large is allocated (its two 64 MB buffers must not add to the run's peak memory).
+  const double copy_gbps = world->size() > 1 ? lathe::plan::measure_copy_gbps() : 100.0;
   PreflightLog plog{log, say};
   Preflight pf = preflight(r, opts, plog, /*check_only=*/false);
   const std::string& ckpt = pf.ckpt;
@@ -514,6 +517,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   auto release_whole = [&] {
     if (sharded) whole.reset();
   };
+  release_whole();  // the shards hold the weights now; a resume rebuilds it to read the moments
   // Tensor or pipeline parallelism: a buffer laid out like the whole model's parameters from each
   // rank's local one (collective over the shard group), and this rank's part of such a buffer.
   auto gather_whole = [&](const float* local, float* global) {
@@ -743,7 +747,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     job.compute = model->compute_dtype();
     lathe::plan::Machine m;
     m.peak_gflops = peak;
-    m.inter_gbps = m.intra_gbps = world->size() > 1 ? lathe::plan::measure_copy_gbps() : 100.0;
+    m.inter_gbps = m.intra_gbps = copy_gbps;
     m.gpus_per_node = world->size();
     lathe::plan::Layout l;
     l.data = dp;
