@@ -57,9 +57,11 @@ def main():
         json.dump(rec, open(path, "w"))
         return path, out
 
-    def plan(path, world, layout):
-        p = subprocess.run([lathe, "plan", path, "--world", str(world), "--json"], capture_output=True, text=True,
-                           env=env)
+    def plan(path, world, layout, threads):
+        # The same global batch as the run, and the GEMM probe with the run's threads per rank (the
+        # ranks share this machine's cores, so one rank's peak is the 1-thread probe).
+        p = subprocess.run([lathe, "plan", path, "--world", str(world), "--json", "--global-batch", str(a.micro)],
+                           capture_output=True, text=True, env=dict(env, OMP_NUM_THREADS=str(threads)))
         if p.returncode != 0:
             return None
         rows = json.loads(p.stdout)
@@ -85,7 +87,7 @@ def main():
         path, out = recipe(name, dict(par, zero=0), accum, threads)
         cmd = (["mpirun", "-np", str(np_), "--bind-to", "none"] if np_ > 1 else []) + [lathe, "train", path]
         p = subprocess.run(cmd, capture_output=True, text=True, env=dict(env, OMP_NUM_THREADS=str(threads)))
-        e = plan(path, np_, dict(lay, zero=0, sequence=False, recompute="none"))
+        e = plan(path, np_, dict(lay, zero=0, sequence=False, recompute="none"), threads)
         pl = (f"{e['time']['step_s'] * 1e3:8.0f} {e['tokens_per_s']:10.1f} {100 * e['time']['bubble']:10.1f}%"
               if e else f"{'-':>8} {'-':>10} {'-':>11}")
         if p.returncode != 0:
