@@ -66,3 +66,44 @@ def run(np_, args, timeout=300, env=None):
 def weights(out):
     from safetensors.numpy import load_file
     return load_file(os.path.join(out, "model", "model.safetensors"))
+
+
+def metrics(out):
+    return [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def series(out, key):
+    return [r[key] for r in metrics(out) if key in r and "loss" in r]
+
+
+def val_losses(out):
+    return [r["val_loss"] for r in metrics(out) if "val_loss" in r]
+
+
+def rel(a, b):
+    """Largest relative difference of two equally long series (inf when the lengths differ)."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-30))) if len(a) and len(a) == len(b) else float("inf")
+
+
+def without_k_bias(name, w):
+    # The gradient of the key bias is exactly zero in exact arithmetic (softmax ignores the constant
+    # q.b_k it adds to a row of scores), so AdamW turns its rounding noise into +-lr steps in any
+    # two runs that sum in different orders: compare q and v biases only.
+    if name.endswith("attn.c_attn.bias"):
+        n = w.shape[0] // 3
+        return np.concatenate([w[:n], w[2 * n:]])
+    return w
+
+
+def weights_close(a, b, tol):
+    """Whether the HF weights of runs a and b agree within tol (relative to each tensor's largest
+    magnitude), and the worst such difference."""
+    wa, wb = weights(a), weights(b)
+    worst = 0.0
+    for k in wb:
+        if k not in wa:
+            return False, float("inf")
+        x, y = without_k_bias(k, wa[k]), without_k_bias(k, wb[k])
+        worst = max(worst, float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-30)))
+    return set(wa) == set(wb) and worst <= tol, worst

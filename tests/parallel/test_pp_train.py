@@ -20,11 +20,11 @@ import subprocess
 import sys
 import tempfile
 
-import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from mpi_train import ENV, LATHE, MPIRUN, check, failures, weights  # noqa: E402
+from mpi_train import (ENV, LATHE, MPIRUN, check, failures, rel, series, val_losses,  # noqa: E402
+                       weights_close)
 import mpi_train  # noqa: E402
 
 TMP = tempfile.mkdtemp(prefix="lathe_pp_")
@@ -48,18 +48,6 @@ def recipe(data, family, out, **kw):
     return path
 
 
-def metrics(out):
-    return [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
-
-
-def series(out, key):
-    return [r[key] for r in metrics(out) if key in r and "loss" in r]
-
-
-def val_losses(out):
-    return [r["val_loss"] for r in metrics(out) if "val_loss" in r]
-
-
 def train(np_, data, family, name, extra=(), **kw):
     out = os.path.join(TMP, name)
     p, dt = mpi_train.run(np_, ["train", recipe(data, family, out, **kw), "--quiet", *extra], 300, ENV)
@@ -67,32 +55,6 @@ def train(np_, data, family, name, extra=(), **kw):
         print(p.stdout[-2000:], p.stderr[-3000:])
     check(p.returncode == 0, f"{name}: {np_} process(es) train ({dt:.1f} s)")
     return out
-
-
-def rel(a, b):
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-30))) if len(a) and len(a) == len(b) else float("inf")
-
-
-def without_k_bias(name, w):
-    # The key bias's gradient is zero in exact arithmetic (softmax ignores the constant it adds to a
-    # row of scores), so AdamW turns rounding noise into +-lr steps whenever two runs sum in
-    # different orders (see test_tp_train.py): compare q and v biases only.
-    if name.endswith("attn.c_attn.bias"):
-        n = w.shape[0] // 3
-        return np.concatenate([w[:n], w[2 * n:]])
-    return w
-
-
-def weights_close(a, b, tol):
-    wa, wb = weights(a), weights(b)
-    worst = 0.0
-    for k in wb:
-        if k not in wa:
-            return False, float("inf")
-        x, y = without_k_bias(k, wa[k]), without_k_bias(k, wb[k])
-        worst = max(worst, float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-30)))
-    return set(wa) == set(wb) and worst <= tol, worst
 
 
 def same_run(pp, one, what, steps=slice(None)):

@@ -22,7 +22,8 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from mpi_train import ENV, MPIRUN, check, failures, weights  # noqa: E402
+from mpi_train import (ENV, MPIRUN, check, failures, rel, series, val_losses, weights,  # noqa: E402
+                       weights_close)
 import mpi_train  # noqa: E402
 
 TMP = tempfile.mkdtemp(prefix="lathe_tp_")
@@ -42,18 +43,6 @@ def run(np_, args, timeout=300, env=None):
     return mpi_train.run(np_, args, timeout, dict(ENV, **(env or {})))
 
 
-def metrics(out):
-    return [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
-
-
-def series(out, key):
-    return [r[key] for r in metrics(out) if key in r and "loss" in r]
-
-
-def val_losses(out):
-    return [r["val_loss"] for r in metrics(out) if "val_loss" in r]
-
-
 def train(np_, data, preset, name, extra=(), steps=10, env=None, **kw):
     out = os.path.join(TMP, name)
     p, dt = run(np_, ["train", recipe(data, preset, out, steps=steps, **kw), "--quiet", *extra], env=env)
@@ -61,30 +50,6 @@ def train(np_, data, preset, name, extra=(), steps=10, env=None, **kw):
         print(p.stdout[-2000:], p.stderr[-3000:])
     check(p.returncode == 0, f"{name}: {np_} process(es) train ({dt:.1f} s)")
     return out
-
-
-def rel(a, b):
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-30))) if len(a) and len(a) == len(b) else float("inf")
-
-
-def without_k_bias(name, w):
-    # The gradient of the key bias is exactly zero in exact arithmetic (softmax ignores the constant
-    # q.b_k it adds to a row of scores), so AdamW turns its rounding noise into +-lr steps in any
-    # two runs that sum in different orders: compare q and v biases only.
-    if name.endswith("attn.c_attn.bias"):
-        n = w.shape[0] // 3
-        return np.concatenate([w[:n], w[2 * n:]])
-    return w
-
-
-def weights_close(a, b, tol):
-    wa, wb = weights(a), weights(b)
-    worst = 0.0
-    for k in wb:
-        x, y = without_k_bias(k, wa[k]), without_k_bias(k, wb[k])
-        worst = max(worst, float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-30)))
-    return set(wa) == set(wb) and worst <= tol, worst
 
 
 def main():
