@@ -157,9 +157,9 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l, Schedule
     return reject(fmt::format("tensor {} does not divide num_key_value_heads {}", t, cfg.num_key_value_heads));
   if (cfg.intermediate_size % t)
     return reject(fmt::format("tensor {} does not divide intermediate_size {}", t, cfg.intermediate_size));
-  if (cfg.vocab_size % t)
+  if (cfg.vocab_size < t)  // uneven vocabulary shards are fine (parallel/tensor_parallel.h), empty ones are not
     return reject(
-        fmt::format("tensor {} does not divide vocab_size {} (vocab-parallel embedding and head)", t, cfg.vocab_size));
+        fmt::format("tensor {} is more than vocab_size {} (vocab-parallel embedding and head)", t, cfg.vocab_size));
   const int64_t v = l.virtual_stages, S = p * v;
   if (L % p) return reject(fmt::format("pipeline {} does not divide num_hidden_layers {}", p, L));
   if (v > 1 && L % S)

@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstring>
@@ -16,8 +17,16 @@
 
 namespace lathe::parallel {
 
-ModelConfig tensor_parallel_config(const ModelConfig& global, int tp, bool sequence) {
+VocabShard vocab_shard(int64_t V, int tp, int rank) {
+  LATHE_CHECK(tp >= 1 && rank >= 0 && rank < tp && V >= 0, "internal: vocabulary shard of rank {} of {} over {} rows",
+              rank, tp, V);
+  const int64_t q = V / tp, e = V % tp, r = rank;
+  return {r * q + std::min(r, e), q + (r < e ? 1 : 0)};
+}
+
+ModelConfig tensor_parallel_config(const ModelConfig& global, int tp, bool sequence, int rank) {
   LATHE_CHECK(tp >= 1, "parallel.tensor = {}: must be >= 1", tp);
+  LATHE_CHECK(rank >= 0 && rank < tp, "internal: tensor-parallel rank {} of {}", rank, tp);
   LATHE_CHECK(!sequence || tp > 1,
               "parallel.sequence = true needs parallel.tensor > 1 (it shards the sequence over the tensor-parallel "
               "ranks); set parallel.tensor or parallel.sequence: false");
@@ -31,19 +40,18 @@ ModelConfig tensor_parallel_config(const ModelConfig& global, int tp, bool seque
   divides(global.num_attention_heads, "num_attention_heads");
   divides(global.num_key_value_heads, "num_key_value_heads");
   divides(global.intermediate_size, "intermediate_size");
-  LATHE_CHECK(global.vocab_size % tp == 0,
-              "parallel.tensor = {} does not divide model.vocab_size = {}: the embedding and the lm head are split by "
-              "vocabulary rows across the tensor-parallel ranks; pad the vocabulary to a multiple of {} (set "
-              "model.vocab_size = {}, e.g. 50304 for GPT-2 as llm.c does; the padded rows are never a token or a "
-              "target, and training pushes their logits down), or choose a degree that divides {}",
-              tp, global.vocab_size, tp, (global.vocab_size + tp - 1) / tp * tp, global.vocab_size);
+  // Uneven shards are fine (vocab_shard); an empty one is not (a rank without vocabulary rows).
+  LATHE_CHECK(global.vocab_size >= tp,
+              "parallel.tensor = {} is more than model.vocab_size = {}: the embedding and the lm head are split by "
+              "vocabulary rows across the tensor-parallel ranks, at least one row each; choose a degree of at most {}",
+              tp, global.vocab_size, global.vocab_size);
   ModelConfig c = global;
   c.shard_head_dim = global.head_dim();
   c.num_attention_heads = global.num_attention_heads / tp;
   c.num_key_value_heads = global.num_key_value_heads / tp;
   c.intermediate_size = global.intermediate_size / tp;
   c.shard_global_vocab = global.vocab_size;
-  c.vocab_size = global.vocab_size / tp;
+  c.vocab_size = vocab_shard(global.vocab_size, tp, rank).rows;
   c.tensor_parts = tp;
   c.sequence_parallel = sequence;
   return c;
@@ -70,14 +78,15 @@ std::vector<SliceRun> shard_runs(const ParamSpec& g, const ParamSpec& l, int ran
   if (g.shape.empty() || l.shape.size() != g.shape.size()) bad_shape();
   const int64_t inner = g.numel() / std::max<int64_t>(g.shape[0], 1);  // elements per row of dim 0
   if (g.shard == ShardRule::Vocab) {
-    // [V, C]: rank r holds rows [r*V/tp, (r+1)*V/tp), one contiguous run.
+    // [V, C]: rank r holds rows vocab_shard(V, tp, r), one contiguous run.
     const int64_t V = g.shape[0];
-    LATHE_CHECK(V % tp == 0, "tensor parallel: '{}' has {} vocabulary rows, which {} ranks cannot split evenly", g.name,
+    LATHE_CHECK(V >= tp, "tensor parallel: '{}' has {} vocabulary rows, fewer than the {} ranks that split it", g.name,
                 V, tp);
+    const VocabShard vs = vocab_shard(V, tp, rank);
     Shape want = g.shape;
-    want[0] = V / tp;
+    want[0] = vs.rows;
     if (l.shape != want) bad_shape();
-    runs.push_back({rank * (V / tp) * inner, 0, (V / tp) * inner});
+    runs.push_back({vs.begin * inner, 0, vs.rows * inner});
     return runs;
   }
   if (g.shard == ShardRule::Column) {
@@ -129,13 +138,45 @@ void place_shard(const ParamTable& global, float* gbuf, const ParamTable& local,
   });
 }
 
+namespace {
+// Rank `rank`'s table, from this rank's `local`: the same tensors in the same order, the vocabulary
+// tensors with that rank's rows (the only tensors whose shapes differ between ranks).
+ParamTable rank_table(const ParamTable& global, const ParamTable& local, int rank, int tp) {
+  ParamTable t;
+  for (const ParamSpec& l : local.specs()) {
+    const ParamSpec* g = global.find(l.name);
+    LATHE_CHECK(g != nullptr, "tensor parallel: the rank's model has '{}', which the global model has not", l.name);
+    Shape shape = l.shape;
+    if (tp > 1 && g->shard == ShardRule::Vocab && !shape.empty() && !g->shape.empty())
+      shape[0] = vocab_shard(g->shape[0], tp, rank).rows;
+    ParamSpec& s = t.add(l.name, shape, l.init, l.init_std, l.shard, l.decay, l.hf_transposed);
+    s.role = l.role;
+    s.layer = l.layer;
+    s.sections = l.sections;
+  }
+  return t;
+}
+}  // namespace
+
 void gather_global(dist::Communicator& tp_group, const ParamTable& global, const ParamTable& local, const float* l,
                    float* g) {
   const int tp = tp_group.size();
-  const size_t n = local.total();
-  std::vector<float> all(n * static_cast<size_t>(tp));
-  tp_group.all_gather(l, all.data(), std::vector<size_t>(static_cast<size_t>(tp), n), DType::F32);
-  for (int r = 0; r < tp; ++r) place_shard(global, g, local, all.data() + n * static_cast<size_t>(r), r, tp);
+  std::vector<ParamTable> tables;
+  std::vector<size_t> counts, displ;
+  size_t n = 0;
+  for (int r = 0; r < tp; ++r) {
+    tables.push_back(rank_table(global, local, r, tp));
+    counts.push_back(tables.back().total());
+    displ.push_back(n);
+    n += counts.back();
+  }
+  LATHE_CHECK(counts[static_cast<size_t>(tp_group.rank())] == local.total(),
+              "internal: tensor-parallel rank {} holds {} parameters, its shard rule says {}", tp_group.rank(),
+              local.total(), counts[static_cast<size_t>(tp_group.rank())]);
+  std::vector<float> all(n);
+  tp_group.all_gather(l, all.data(), counts, DType::F32);
+  for (int r = 0; r < tp; ++r)
+    place_shard(global, g, tables[static_cast<size_t>(r)], all.data() + displ[static_cast<size_t>(r)], r, tp);
 }
 
 void init_shard(Model& m, const ParamTable& global, int rank, int tp, uint64_t seed) {
@@ -165,26 +206,40 @@ void vocab_all_reduce(void* ctx, double* buf, int64_t count, bool max) {
 void attach_vocab_parallel(Model& m, dist::Communicator& tp_group) {
   const ModelConfig& cfg = m.config();
   const int tp = tp_group.size();
-  LATHE_CHECK(cfg.global_vocab() == cfg.vocab_size * tp,
-              "tensor parallel: the rank's model holds {} vocabulary rows, not 1/{} of {}; build it from "
-              "tensor_parallel_config",
-              cfg.vocab_size, tp, cfg.global_vocab());
+  const int64_t V = cfg.global_vocab();
+  LATHE_CHECK(V >= tp, "tensor parallel: a vocabulary of {} rows cannot be split over {} ranks", V, tp);
+  const VocabShard mine = vocab_shard(V, tp, tp_group.rank());
+  LATHE_CHECK(cfg.vocab_size == mine.rows,
+              "tensor parallel: rank {}'s model holds {} vocabulary rows, not its {} of {}; build it from "
+              "tensor_parallel_config with its rank",
+              tp_group.rank(), cfg.vocab_size, mine.rows, V);
   VocabParallel& vp = m.hooks().vocab;
-  vp.vocab_begin = static_cast<int64_t>(tp_group.rank()) * cfg.vocab_size;
-  vp.global_V = cfg.global_vocab();
+  vp.vocab_begin = mine.begin;
+  vp.global_V = V;
   vp.all_reduce = vocab_all_reduce;
   vp.ctx = &tp_group;
   dist::Communicator* group = &tp_group;
-  // [M, Vl] per rank -> all-gather [tp, M, Vl] -> [M, tp * Vl] (rank r's columns at r * Vl).
-  m.hooks().gather_vocab = [group](const float* local, float* whole, int64_t M, int64_t Vl) {
+  // [M, V_r] on rank r -> all-gather (rank r's block of M * V_r after the lower ranks') -> [M, V]
+  // (rank r's columns at vocab_shard(V, tp, r).begin).
+  m.hooks().gather_vocab = [group, V](const float* local, float* whole, int64_t M, int64_t Vl) {
     const int n = group->size();
-    const size_t per = static_cast<size_t>(M * Vl);
-    std::vector<float> all(per * static_cast<size_t>(n));
-    group->all_gather(local, all.data(), std::vector<size_t>(static_cast<size_t>(n), per), DType::F32);
-    for (int r = 0; r < n; ++r)
+    LATHE_CHECK(Vl == vocab_shard(V, n, group->rank()).rows, "internal: gather_vocab of {} columns on rank {}", Vl,
+                group->rank());
+    std::vector<size_t> counts;
+    size_t total = 0;
+    for (int r = 0; r < n; ++r) {
+      counts.push_back(static_cast<size_t>(M * vocab_shard(V, n, r).rows));
+      total += counts.back();
+    }
+    std::vector<float> all(total);
+    group->all_gather(local, all.data(), counts, DType::F32);
+    const float* block = all.data();
+    for (int r = 0; r < n; ++r) {
+      const VocabShard s = vocab_shard(V, n, r);
       for (int64_t i = 0; i < M; ++i)
-        std::memcpy(whole + i * Vl * n + r * Vl, all.data() + per * static_cast<size_t>(r) + i * Vl,
-                    static_cast<size_t>(Vl) * sizeof(float));
+        std::memcpy(whole + i * V + s.begin, block + i * s.rows, static_cast<size_t>(s.rows) * sizeof(float));
+      block += counts[static_cast<size_t>(r)];
+    }
   };
 }
 

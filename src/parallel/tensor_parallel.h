@@ -10,14 +10,19 @@
 //   o_proj, down/c_proj   Row     columns split; the bias is added once after the all-reduce
 //   norms, row biases,    Replicated
 //   wpe
-//   wte, lm_head          Vocab   rows split: rank r holds vocabulary rows [r*V/tp, (r+1)*V/tp)
+//   wte, lm_head          Vocab   rows split: rank r holds vocab_shard(V, tp, r) (V/tp rows each when
+//                                  tp divides V, else the first V % tp ranks one row more)
 //
 // Vocab parallel (Megatron's VocabParallelEmbedding and parallel cross-entropy; StepHooks::vocab):
 // the embedding looks up the rank's own tokens (zero rows for the others; wpe added by rank 0) and
 // the partial outputs are all-reduced; the head computes local logits [rows, V/tp] per chunk, the
 // row max all-reduced (max), the sum of exp and the target logit all-reduced (sum), so the whole
 // logits never exist; its partial input gradient is all-reduced like a column-parallel GEMM's.
-// V must be a multiple of tp (pad the vocabulary: model.vocab_size 50304 for GPT-2).
+// Any V >= tp splits (Megatron's behaviour without padding the model): when tp does not divide V the
+// shards are uneven (GPT-2's 50257 rows at tp=2: 25129 + 25128), never padded, so wte / lm_head and
+// every checkpoint or HF tensor keep exactly V rows and no logit exists outside the vocabulary; the
+// per-rank tables then differ in those two tensors only (gather_global and the logits' all-gather
+// take per-rank counts). A V that tp divides splits exactly as before, so its results are unchanged.
 //
 // Replicated tensors see identical inputs and gradients on every rank (the residual stream is
 // whole between the parallel regions), so they stay identical without any reduction.
@@ -44,11 +49,21 @@
 
 namespace lathe::parallel {
 
-// The config of one tensor-parallel rank's model: attention heads, KV heads, the MLP width and the
-// vocabulary rows (vocab_size; shard_global_vocab keeps the whole) divided by tp, head_dim kept,
-// tensor_parts = tp; `sequence`: sequence parallelism (tp > 1 only).
-// Errors name the value that tp does not divide.
-ModelConfig tensor_parallel_config(const ModelConfig& global, int tp, bool sequence = false);
+// The vocabulary rows [begin, begin + rows) that tensor-parallel rank `rank` of `tp` holds of a
+// vocabulary of V rows: V = q*tp + e, ranks below e hold q + 1 rows, the others q (contiguous, in rank
+// order). Never empty for V >= tp; rank 0 always holds the most (ceil(V/tp)).
+struct VocabShard {
+  int64_t begin = 0, rows = 0;
+};
+VocabShard vocab_shard(int64_t V, int tp, int rank);
+
+// The config of rank `rank`'s model: attention heads, KV heads and the MLP width divided by tp,
+// head_dim kept, vocabulary rows vocab_shard(V, tp, rank).rows (vocab_size; shard_global_vocab keeps
+// the whole V), tensor_parts = tp; `sequence`: sequence parallelism (tp > 1 only). Ranks differ only
+// in vocab_size, and only when tp does not divide V; the default rank 0 holds the largest shard (the
+// per-rank figure of memory estimates). Errors name the value that tp does not divide (heads, KV
+// heads, MLP width) or a vocabulary smaller than tp.
+ModelConfig tensor_parallel_config(const ModelConfig& global, int tp, bool sequence = false, int rank = 0);
 
 // One contiguous run of a rank's shard: `count` floats at `global` in the global tensor and at
 // `local` in the rank's tensor (offsets within the tensors).
@@ -65,7 +80,8 @@ void scatter_shard(const ParamTable& global, const float* g, const ParamTable& l
 // The inverse for one rank: writes its shard of every tensor into `g` (replicated tensors whole).
 void place_shard(const ParamTable& global, float* g, const ParamTable& local, const float* l, int rank, int tp);
 // Assembles the global flat buffer on every rank of `tp_group` from each rank's local buffer
-// (all-gather). `local` is the same table on every rank (tensor_parallel_config splits evenly).
+// (all-gather). `local` is this rank's table; the other ranks' are the same but for their
+// vocabulary rows (vocab_shard), so the all-gather takes each rank's own count.
 void gather_global(dist::Communicator& tp_group, const ParamTable& global, const ParamTable& local, const float* l,
                    float* g);
 

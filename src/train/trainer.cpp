@@ -482,7 +482,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   std::vector<std::pair<size_t, size_t>> tp_owned;
   if (tp > 1) {
     whole = std::move(model);
-    model = build_model(parallel::tensor_parallel_config(whole->config(), tp, r.parallel.sequence),
+    model = build_model(parallel::tensor_parallel_config(whole->config(), tp, r.parallel.sequence, tp_rank),
                         ComputeSpec{&whole->backend(), whole->compute_dtype()});
     parallel::scatter_shard(whole->params(), whole->param_data(), model->params(), model->param_data(), tp_rank, tp);
     parallel::attach_tensor_parallel(*model, *tp_group);

@@ -6,7 +6,10 @@
 // GEMMs sum their K dimension in tp pieces instead of one, so results differ by rounding only.
 // wte / lm_head are split by vocabulary rows (vocab-parallel embedding and loss: the embedding's
 // partial lookups and the loss's row max / exp sum / target logit are reduced across the ranks);
-// the kernels of every CPU table and the gathered logits are checked on their own below.
+// the kernels of every CPU table and the gathered logits are checked on their own below. A
+// vocabulary the degree does not divide is split in uneven shards (vocab_shard): GPT-2's 50257 rows
+// at tp=2, 97 rows at tp=3, odd vocabularies of Llama (GQA) and the tied Qwen2 at tp=2, held to the
+// same tolerances, with checkpoint-side tensors (gather_global) of exactly V rows.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -35,10 +38,24 @@ std::vector<Family> families() {
   ModelConfig untied = ModelConfig::preset("llama-debug");
   untied.tie_word_embeddings = false;
   untied.attention_bias = true;  // q/k/v and o_proj biases
+  // Vocabularies the degree does not divide (uneven vocabulary shards).
+  ModelConfig gpt2_v = ModelConfig::preset("gpt2-debug");
+  gpt2_v.vocab_size = 50257;  // GPT-2's own vocabulary: 25129 + 25128 rows at tp=2
+  ModelConfig gpt2_h6 = ModelConfig::preset("gpt2-debug");
+  gpt2_h6.num_attention_heads = gpt2_h6.num_key_value_heads = 6;  // head_dim 8, MLP 192: tp=3 divides them
+  gpt2_h6.vocab_size = 97;                                        // 33 + 32 + 32 rows at tp=3, 49 + 48 at tp=2
+  ModelConfig llama_v = ModelConfig::preset("llama-debug");
+  llama_v.vocab_size = 101;
+  ModelConfig qwen2_v = ModelConfig::preset("qwen2-debug");  // tied: wte is also the head
+  qwen2_v.vocab_size = 101;
   return {{"gpt2", ModelConfig::preset("gpt2-debug"), {2, 4}},
           {"llama_gqa", ModelConfig::preset("llama-debug"), {2}},  // 4 query heads, 2 KV heads
           {"qwen2", ModelConfig::preset("qwen2-debug"), {2}},
-          {"llama_untied_bias", untied, {2}}};
+          {"llama_untied_bias", untied, {2}},
+          {"gpt2_v50257", gpt2_v, {2}},
+          {"gpt2_h6_v97", gpt2_h6, {2, 3}},
+          {"llama_gqa_v101", llama_v, {2}},
+          {"qwen2_tied_v101", qwen2_v, {2}}};
 }
 
 // Deterministic init, with biases and norm weights perturbed so that their use and gradients show.
@@ -115,7 +132,7 @@ TEST(TensorParallel, MatchesOneProcess) {
       std::vector<std::vector<float>> replicated_grads(static_cast<size_t>(tp));
       dist::run_threads(tp, [&](dist::Communicator& comm) {
         const int r = comm.rank();
-        auto m = build_model(tensor_parallel_config(f.cfg, tp));
+        auto m = build_model(tensor_parallel_config(f.cfg, tp, false, r));
         scatter_shard(gt, global->param_data(), m->params(), m->param_data(), r, tp);
         m->refresh_compute_weights();
         attach_tensor_parallel(*m, comm);
@@ -161,8 +178,8 @@ TEST(TensorParallel, InitShardIsTheSliceOfTheGlobalInit) {
     global->init_weights(1234);
     for (int tp : f.degrees)
       for (int r = 0; r < tp; ++r) {
-        auto a = build_model(tensor_parallel_config(f.cfg, tp));
-        auto b = build_model(tensor_parallel_config(f.cfg, tp));
+        auto a = build_model(tensor_parallel_config(f.cfg, tp, false, r));
+        auto b = build_model(tensor_parallel_config(f.cfg, tp, false, r));
         init_shard(*a, global->params(), r, tp, 1234);
         scatter_shard(global->params(), global->param_data(), b->params(), b->param_data(), r, tp);
         EXPECT_EQ(0, std::memcmp(a->param_data(), b->param_data(), a->num_params() * sizeof(float)))
@@ -233,25 +250,26 @@ TEST(TensorParallel, VocabParallelLossMatchesWholeVocabularyInEveryTable) {
                                            V, 0.1f, true, scratch.data(), chunk, nullptr);
     const std::vector<float> dxf = from_dt(dx, N * C);
     const double tol = dt == DType::F32 ? 1e-5 : 2e-2;
-    for (int tp : {2, 3}) {
+    for (int tp : {2, 3, 5}) {  // 5 does not divide 96: shards of 20, 19, 19, 19, 19 rows
       SCOPED_TRACE(fmt::format("{} tp={}", compute_dtype_name(dt), tp));
-      const int64_t Vl = V / tp;
       std::mutex mu;
       std::vector<float> dw_all(V * C), dx_sum(N * C, 0.0f);
       std::vector<std::vector<float>> rank_losses(static_cast<size_t>(tp));
       std::vector<double> totals(static_cast<size_t>(tp));
       dist::run_threads(tp, [&](dist::Communicator& comm) {
         const int r = comm.rank();
+        const VocabShard vs = vocab_shard(V, tp, r);
+        const int64_t Vl = vs.rows;
         VocabParallel vp;
-        vp.vocab_begin = r * Vl;
+        vp.vocab_begin = vs.begin;
         vp.global_V = V;
         vp.ctx = &comm;
         vp.all_reduce = [](void* ctx, double* buf, int64_t count, bool max) {
           static_cast<dist::Communicator*>(ctx)->all_reduce(buf, static_cast<size_t>(count), DType::F64,
                                                             max ? dist::ReduceOp::Max : dist::ReduceOp::Sum);
         };
-        std::vector<uint16_t> wl(wd.begin() + static_cast<std::ptrdiff_t>(r * Vl * C * es / 2),
-                                 wd.begin() + static_cast<std::ptrdiff_t>((r + 1) * Vl * C * es / 2));
+        std::vector<uint16_t> wl(wd.begin() + static_cast<std::ptrdiff_t>(vs.begin * C * es / 2),
+                                 wd.begin() + static_cast<std::ptrdiff_t>((vs.begin + Vl) * C * es / 2));
         std::vector<float> l(N), dwl(Vl * C, 0.0f);
         std::vector<uint16_t> dxl(N * C * es / 2);
         std::vector<std::byte> sc(ops->lm_head_loss_scratch_bytes(chunk, Vl));
@@ -261,7 +279,7 @@ TEST(TensorParallel, VocabParallelLossMatchesWholeVocabularyInEveryTable) {
         std::lock_guard<std::mutex> lock(mu);
         totals[static_cast<size_t>(r)] = t;
         rank_losses[static_cast<size_t>(r)] = l;
-        std::copy(dwl.begin(), dwl.end(), dw_all.begin() + r * Vl * C);
+        std::copy(dwl.begin(), dwl.end(), dw_all.begin() + vs.begin * C);
         for (int64_t i = 0; i < N * C; ++i) dx_sum[static_cast<size_t>(i)] += dxp[static_cast<size_t>(i)];
       });
       for (int r = 0; r < tp; ++r) {
@@ -293,7 +311,7 @@ TEST(TensorParallel, GatheredLogitsMatchOneProcess) {
     std::mutex mu;
     std::vector<std::vector<float>> got(static_cast<size_t>(tp)), got_last(static_cast<size_t>(tp));
     dist::run_threads(tp, [&](dist::Communicator& comm) {
-      auto m = build_model(tensor_parallel_config(f.cfg, tp));
+      auto m = build_model(tensor_parallel_config(f.cfg, tp, false, comm.rank()));
       scatter_shard(global->params(), global->param_data(), m->params(), m->param_data(), comm.rank(), tp);
       m->refresh_compute_weights();
       attach_tensor_parallel(*m, comm);
@@ -340,26 +358,107 @@ TEST(TensorParallel, DegreesThatDoNotDivideAreNamed) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("num_key_value_heads = 2"), std::string::npos) << e.what();
   }
-  // The vocabulary is split by rows: 97 rows over 2 ranks is refused, naming both and the fix.
+  // The vocabulary is split by rows, unevenly where tp does not divide it: 97 rows over 2 ranks are
+  // 49 + 48; a padded 98 gives 49 each as before. Fewer rows than ranks is refused, naming both.
   ModelConfig odd = ModelConfig::preset("gpt2-debug");
   odd.vocab_size = 97;
+  EXPECT_EQ(tensor_parallel_config(odd, 2).vocab_size, 49);
+  EXPECT_EQ(tensor_parallel_config(odd, 2, false, 1).vocab_size, 48);
+  EXPECT_EQ(tensor_parallel_config(odd, 2, false, 1).global_vocab(), 97);
+  odd.vocab_size = 98;
+  EXPECT_EQ(tensor_parallel_config(odd, 2, false, 1).vocab_size, 49);
+  odd.vocab_size = 1;
   try {
     tensor_parallel_config(odd, 2);
-    FAIL() << "tp=2 accepted with vocab_size 97";
+    FAIL() << "tp=2 accepted with vocab_size 1";
   } catch (const Error& e) {
     const std::string msg = e.what();
-    EXPECT_NE(msg.find("parallel.tensor = 2 does not divide model.vocab_size = 97"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("model.vocab_size = 98"), std::string::npos) << msg;  // the padded size to use
+    EXPECT_NE(msg.find("parallel.tensor = 2 is more than model.vocab_size = 1"), std::string::npos) << msg;
   }
-  odd.vocab_size = 98;  // padded: accepted
-  EXPECT_EQ(tensor_parallel_config(odd, 2).vocab_size, 49);
+}
+
+// The vocabulary rule: contiguous shards in rank order covering [0, V) exactly once, sizes differing
+// by at most one row (rank 0 the largest), never empty; where tp divides V exactly today's
+// [r*V/tp, (r+1)*V/tp), so a model whose vocabulary is a multiple of the degree keeps its bits.
+TEST(TensorParallel, VocabShardRule) {
+  for (int64_t V : {1, 2, 5, 96, 97, 101, 50257, 50304})
+    for (int tp = 1; tp <= 9 && tp <= V; ++tp) {
+      int64_t next = 0;
+      for (int r = 0; r < tp; ++r) {
+        const VocabShard s = vocab_shard(V, tp, r);
+        EXPECT_EQ(s.begin, next) << V << " " << tp << " " << r;
+        EXPECT_GE(s.rows, 1);
+        EXPECT_LE(s.rows, vocab_shard(V, tp, 0).rows);
+        EXPECT_GE(s.rows, vocab_shard(V, tp, 0).rows - 1);
+        if (V % tp == 0) {
+          EXPECT_EQ(s.begin, r * (V / tp));
+          EXPECT_EQ(s.rows, V / tp);
+        }
+        next = s.begin + s.rows;
+      }
+      EXPECT_EQ(next, V) << V << " " << tp;
+    }
+  EXPECT_EQ(vocab_shard(50257, 2, 0).rows, 25129);
+  EXPECT_EQ(vocab_shard(50257, 2, 1).begin, 25129);
+  EXPECT_EQ(vocab_shard(50257, 2, 1).rows, 25128);
+}
+
+// Uneven shards: every rank's scatter_shard, gathered back with gather_global (per-rank counts), is
+// the global buffer bit for bit, wte / lm_head with exactly V rows; and a rank whose model was built
+// with another rank's vocabulary rows is refused when the hooks are attached, naming the fix.
+TEST(TensorParallel, UnevenVocabularyRoundTripsAndWrongRankIsRefused) {
+  ModelConfig cfg = ModelConfig::preset("llama-debug");
+  cfg.tie_word_embeddings = false;  // wte and lm_head both vocabulary-split
+  cfg.num_attention_heads = 6;      // head_dim 8; 6 KV heads and the MLP width 96 split at tp=2 and 3
+  cfg.num_key_value_heads = 6;
+  cfg.vocab_size = 101;
+  auto global = build_model(cfg);
+  global->init_weights(3);
+  const ParamTable& gt = global->params();
+  EXPECT_EQ(gt.at("model.embed_tokens.weight").shape[0], 101);
+  for (int tp : {2, 3}) {
+    std::mutex mu;
+    std::vector<std::vector<float>> got(static_cast<size_t>(tp));
+    std::vector<std::string> errors(static_cast<size_t>(tp));
+    dist::run_threads(tp, [&](dist::Communicator& comm) {
+      const int r = comm.rank();
+      auto m = build_model(tensor_parallel_config(cfg, tp, false, r));
+      EXPECT_EQ(m->params().at("lm_head.weight").shape[0], vocab_shard(101, tp, r).rows);
+      scatter_shard(gt, global->param_data(), m->params(), m->param_data(), r, tp);
+      std::vector<float> g(gt.total(), -1.0f);
+      gather_global(comm, gt, m->params(), m->param_data(), g.data());
+      // Every rank builds rank 0's model: the last rank's rows differ (101 = 51 + 50, 34 + 34 + 33).
+      auto wrong = build_model(tensor_parallel_config(cfg, tp, false, 0));
+      std::string err;
+      try {
+        attach_tensor_parallel(*wrong, comm);
+      } catch (const Error& e) {
+        err = e.what();
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      got[static_cast<size_t>(r)] = std::move(g);
+      errors[static_cast<size_t>(r)] = err;
+    });
+    for (int r = 0; r < tp; ++r) {
+      EXPECT_EQ(0, std::memcmp(got[static_cast<size_t>(r)].data(), global->param_data(), gt.total() * sizeof(float)))
+          << "tp=" << tp << " rank " << r;
+      const bool same_rows = vocab_shard(101, tp, r).rows == vocab_shard(101, tp, 0).rows;
+      EXPECT_EQ(errors[static_cast<size_t>(r)].empty(), same_rows) << "tp=" << tp << " rank " << r;
+      if (!same_rows) {
+        EXPECT_NE(errors[static_cast<size_t>(r)].find("tensor_parallel_config with its rank"), std::string::npos)
+            << errors[static_cast<size_t>(r)];
+      }
+    }
+  }
 }
 
 TEST(TensorParallel, ShardConfigCountsItsOwnParameters) {
   // The analytical count (memory estimates, lathe plan) equals the shard model's table.
   for (const Family& f : families())
-    for (int tp : f.degrees) {
-      const ModelConfig c = tensor_parallel_config(f.cfg, tp);
-      EXPECT_EQ(c.num_parameters(), static_cast<int64_t>(build_model(c)->num_params())) << f.name << " tp=" << tp;
-    }
+    for (int tp : f.degrees)
+      for (int r = 0; r < tp; ++r) {
+        const ModelConfig c = tensor_parallel_config(f.cfg, tp, false, r);
+        EXPECT_EQ(c.num_parameters(), static_cast<int64_t>(build_model(c)->num_params()))
+            << f.name << " tp=" << tp << " rank " << r;
+      }
 }

@@ -34,8 +34,8 @@ std::string temp_dir(const std::string& tag) {
 struct Global {
   std::unique_ptr<Model> model;
   std::vector<float> m, v;
-  Global() {
-    model = build_model(ModelConfig::preset("gpt2-debug"));
+  explicit Global(const ModelConfig& cfg = ModelConfig::preset("gpt2-debug")) {
+    model = build_model(cfg);
     model->init_weights(3);
     std::mt19937 g(11);
     std::normal_distribution<float> d;
@@ -55,13 +55,13 @@ struct Global {
   }
 };
 
-CheckpointState state(int64_t step) {
+CheckpointState state(int64_t step, const ModelConfig& cfg = ModelConfig::preset("gpt2-debug")) {
   CheckpointState st;
   st.step = step;
   st.consumed_samples = step * 4;
   st.loader = {0, step * 4};
   st.rng = {1};
-  st.recipe = {{"model", ModelConfig::preset("gpt2-debug").to_hf_json()},
+  st.recipe = {{"model", cfg.to_hf_json()},
                {"optimizer", {{"name", "adamw"}}},
                {"parallel", {{"tensor", 2}, {"pipeline", 1}, {"data", 2}, {"zero", 1}}}};
   st.lathe_version = "test";
@@ -77,43 +77,48 @@ std::string save_tp_layout(const std::string& run, Global& g, int64_t step) {
   OfflineCheckpoint parts;
   parts.shard_files = true;
   parts.parts = {g.slice(0, cut[0]), g.slice(cut[0], P)};
-  save_checkpoint_offline(run, *g.model, parts, state(step));
+  save_checkpoint_offline(run, *g.model, parts, state(step, g.model->config()));
   return (fs::path(run) / "checkpoints" / fmt::format("step_{:08d}", step)).string();
 }
 
+// Also with a vocabulary the degree does not divide (97 rows: 49 + 48 at tp=2, 25 + 3 x 24 at tp=4):
+// each rank's uneven wte rows are read from the whole-model pieces.
 TEST(Reshard, TensorParallelRankReadsOnlyItsShard) {
-  Global g;
-  const std::string run = temp_dir("tp");
-  const std::string dir = save_tp_layout(run, g, 5);
-  verify_checkpoint(dir);
-  const ModelConfig cfg = ModelConfig::preset("gpt2-debug");
-  for (int tp : {1, 2, 4}) {
-    auto local = build_model(parallel::tensor_parallel_config(cfg, tp));
-    const size_t L = local->num_params();
-    for (int rank = 0; rank < tp; ++rank) {
-      // Oracle: the whole moments scattered to this rank (tensor_parallel.cpp), then its ZeRO cut.
-      std::vector<float> want_m(L), want_v(L);
-      parallel::scatter_shard(g.model->params(), g.m.data(), local->params(), want_m.data(), rank, tp);
-      parallel::scatter_shard(g.model->params(), g.v.data(), local->params(), want_v.data(), rank, tp);
-      const parallel::FlatShards zero(L, 3, optim::kChunk / 8);
-      for (int z = 0; z < zero.ranks(); ++z) {
-        const size_t b = zero.begin(z), e = zero.end(z);
-        std::vector<float> m(e - b, -1), v(e - b, -1);
-        MomentSlice s;
-        s.begin = b;
-        s.end = e;
-        s.buffers = {{"exp_avg", m.data()}, {"exp_avg_sq", v.data()}};
-        const CheckpointPieces ck(dir);
-        load_moments_sharded(ck, g.model->params(), local->params(), rank, tp, s);
-        const std::string what = fmt::format("tp {} rank {} zero shard {}", tp, rank, z);
-        ASSERT_EQ(std::memcmp(m.data(), want_m.data() + b, (e - b) * 4), 0) << what;
-        ASSERT_EQ(std::memcmp(v.data(), want_v.data() + b, (e - b) * 4), 0) << what;
-        // Exactly its share was copied out of the files: two moments of e - b floats.
-        EXPECT_EQ(ck.bytes_read(), static_cast<int64_t>(2 * (e - b) * 4)) << what;
+  ModelConfig odd = ModelConfig::preset("gpt2-debug");
+  odd.vocab_size = 97;
+  for (const ModelConfig& cfg : {ModelConfig::preset("gpt2-debug"), odd}) {
+    Global g(cfg);
+    const std::string run = temp_dir("tp");
+    const std::string dir = save_tp_layout(run, g, 5);
+    verify_checkpoint(dir);
+    for (int tp : {1, 2, 4}) {
+      for (int rank = 0; rank < tp; ++rank) {
+        auto local = build_model(parallel::tensor_parallel_config(cfg, tp, false, rank));
+        const size_t L = local->num_params();
+        // Oracle: the whole moments scattered to this rank (tensor_parallel.cpp), then its ZeRO cut.
+        std::vector<float> want_m(L), want_v(L);
+        parallel::scatter_shard(g.model->params(), g.m.data(), local->params(), want_m.data(), rank, tp);
+        parallel::scatter_shard(g.model->params(), g.v.data(), local->params(), want_v.data(), rank, tp);
+        const parallel::FlatShards zero(L, 3, optim::kChunk / 8);
+        for (int z = 0; z < zero.ranks(); ++z) {
+          const size_t b = zero.begin(z), e = zero.end(z);
+          std::vector<float> m(e - b, -1), v(e - b, -1);
+          MomentSlice s;
+          s.begin = b;
+          s.end = e;
+          s.buffers = {{"exp_avg", m.data()}, {"exp_avg_sq", v.data()}};
+          const CheckpointPieces ck(dir);
+          load_moments_sharded(ck, g.model->params(), local->params(), rank, tp, s);
+          const std::string what = fmt::format("vocab {} tp {} rank {} zero shard {}", cfg.vocab_size, tp, rank, z);
+          ASSERT_EQ(std::memcmp(m.data(), want_m.data() + b, (e - b) * 4), 0) << what;
+          ASSERT_EQ(std::memcmp(v.data(), want_v.data() + b, (e - b) * 4), 0) << what;
+          // Exactly its share was copied out of the files: two moments of e - b floats.
+          EXPECT_EQ(ck.bytes_read(), static_cast<int64_t>(2 * (e - b) * 4)) << what;
+        }
       }
     }
+    fs::remove_all(run);
   }
-  fs::remove_all(run);
 }
 
 // Rewrites state.json's body with `edit` and reseals its checksum.
