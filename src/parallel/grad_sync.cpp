@@ -127,6 +127,10 @@ double GradSync::finish() {
 }
 
 double sharded_grad_norm(dist::Communicator& dp, const float* grads, const FlatShards& shards) {
+  return sharded_grad_norm(dp, grads, shards, &optim::grad_sq_chunk_sums);
+}
+
+double sharded_grad_norm(dist::Communicator& dp, const float* grads, const FlatShards& shards, ChunkSqSums chunk_sums) {
   const size_t k = optim::kChunk;
   std::vector<size_t> chunks(static_cast<size_t>(dp.size()));
   for (int r = 0; r < dp.size(); ++r) {
@@ -141,7 +145,7 @@ double sharded_grad_norm(dist::Communicator& dp, const float* grads, const FlatS
   }
   std::vector<double> partial(total);
   const int me = dp.rank();
-  optim::grad_sq_chunk_sums(grads + shards.begin(me), shards.size(me), partial.data() + before);
+  chunk_sums(grads + shards.begin(me), shards.size(me), partial.data() + before);
   dp.all_gather(partial.data() + before, partial.data(), chunks, DType::F64);
   return optim::norm_from_chunk_sums(partial.data(), total);
 }

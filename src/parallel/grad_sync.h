@@ -75,6 +75,10 @@ class GradSync {
 // chunk partial sums of the shard, all-gathered and summed in chunk order. Bit-identical to
 // optim::global_grad_norm over the whole reduced buffer (the shards hold whole chunks).
 double sharded_grad_norm(dist::Communicator& dp, const float* grads, const FlatShards& shards);
+// The same with this rank's chunk sums computed by `chunk_sums(shard, n, out_host)` (a device
+// kernel, train/device_step.h: grads is then backend memory); only the doubles travel, over `dp`.
+using ChunkSqSums = void (*)(const float* grads, size_t n, double* out_host);
+double sharded_grad_norm(dist::Communicator& dp, const float* grads, const FlatShards& shards, ChunkSqSums chunk_sums);
 
 // The parameter ranges clipped to the shard [b, e) and rebased to b: what a ZeRO rank passes to
 // Optimizer::step together with params + b, grads + b and moments sized e - b.

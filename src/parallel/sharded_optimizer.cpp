@@ -20,11 +20,8 @@ ShardedOptimizer::ShardedOptimizer(dist::Communicator& dp, const optim::OptimCon
     opt_->set_chunk_sums_gather([this](const std::vector<optim::ChunkSums>& mine) { return gather_data(mine); });
 }
 
-namespace {
-
-// Every rank's `mine` concatenated in rank order (ranks may hold different counts).
-std::vector<optim::ChunkSums> all_gather_sums(dist::Communicator& c, const std::vector<optim::ChunkSums>& mine,
-                                              std::vector<int64_t>* counts_out = nullptr) {
+std::vector<optim::ChunkSums> all_gather_chunk_sums(dist::Communicator& c, const std::vector<optim::ChunkSums>& mine,
+                                                    std::vector<int64_t>* counts_out) {
   const size_t n = static_cast<size_t>(c.size());
   std::vector<int64_t> counts(n);
   const int64_t count = static_cast<int64_t>(mine.size());
@@ -39,17 +36,15 @@ std::vector<optim::ChunkSums> all_gather_sums(dist::Communicator& c, const std::
   return all;
 }
 
-}  // namespace
-
 std::vector<optim::ChunkSums> ShardedOptimizer::gather_data(const std::vector<optim::ChunkSums>& mine) {
-  return zero_ ? all_gather_sums(dp_, mine) : mine;
+  return zero_ ? all_gather_chunk_sums(dp_, mine) : mine;
 }
 
 void ShardedOptimizer::set_tensor_parallel(dist::Communicator& tp, std::vector<bool> sharded) {
   if (tp.size() == 1) return;
   opt_->set_chunk_sums_gather([this, &tp, sharded = std::move(sharded)](const std::vector<optim::ChunkSums>& mine) {
     std::vector<int64_t> counts;
-    const std::vector<optim::ChunkSums> all = all_gather_sums(tp, gather_data(mine), &counts);
+    const std::vector<optim::ChunkSums> all = all_gather_chunk_sums(tp, gather_data(mine), &counts);
     std::vector<optim::ChunkSums> out;
     size_t i = 0;
     for (size_t r = 0; r < counts.size(); ++r)

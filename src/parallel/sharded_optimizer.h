@@ -56,4 +56,9 @@ class ShardedOptimizer {
   std::vector<optim::ChunkSums> gather_data(const std::vector<optim::ChunkSums>& mine);
 };
 
+// Collective over `c`: every rank's `mine` concatenated in rank order (ranks may hold different
+// counts); counts_out receives each rank's count. LAMB's ChunkSumsGather under ZeRO (host memory).
+std::vector<optim::ChunkSums> all_gather_chunk_sums(dist::Communicator& c, const std::vector<optim::ChunkSums>& mine,
+                                                    std::vector<int64_t>* counts_out = nullptr);
+
 }  // namespace lathe::parallel

@@ -5,17 +5,26 @@
 // DeviceOptimizer owns the moments in backend memory (allocated once) and stages them through the
 // host optimizer's buffers for checkpoints: download_state() before a save, upload_state() after a
 // load; checkpoints stay host fp32 (a GPU run resumes on the CPU and back).
-// What the device path does not do yet (refused by check_device_layout): several processes (data,
-// tensor or pipeline parallel over NCCL), ZeRO, LAMB under tensor parallelism.
+// Data parallelism (several processes, one GPU each; ZeRO 0, 1, 2): the gradients are reduced and
+// the weights' shards gathered over NCCL, the scalars over the host communicator
+// (train/device_dp.h). What the device path does not do yet (refused by check_device_layout, naming
+// the key): tensor and pipeline parallelism.
 #pragma once
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "config/recipe.h"
+#include "dist/comm.h"
 #include "kernels/backend.h"
 #include "models/model.h"
 #include "optim/optimizer.h"
+#include "train/device_dp.h"
+
+namespace lathe::parallel {
+class ShardedOptimizer;
+}
 
 namespace lathe {
 
@@ -31,36 +40,65 @@ struct StepKernels {
   double (*global_grad_norm)(const float* grads, size_t n) = nullptr;  // waits; the host gets the norm
   bool (*has_non_finite)(const float* x, size_t n) = nullptr;          // waits
   void (*scale_inplace)(float* x, size_t n, float s) = nullptr;        // stream-ordered
+  // Per-chunk sums of squares into host memory (optim::grad_sq_chunk_sums; ZeRO's sharded norm). Waits.
+  void (*grad_sq_chunk_sums)(const float* grads, size_t n, double* out_host) = nullptr;
+  // The GPU of this process (the NCCL communicator's device); -1 for the host table.
+  int (*device_index)() = nullptr;
 };
 
 // The step kernels of `backend`: nullptr for host backends (the CPU path uses optim/ directly) and
 // for the stand-in "cuda" backend of a build without CUDA.
 const StepKernels* step_kernels(const Backend& backend);
+// optim/'s CPU code behind the same table (host memory; bit-identical to optim::Optimizer::step):
+// a host "device" for testing the device path's logic without a GPU (tests/train/test_device_dp.cpp).
+const StepKernels* host_step_kernels();
 
-// The layouts the device path runs: one process, no tensor/pipeline parallelism, ZeRO 0. Throws
-// naming the recipe key and the fix otherwise (lathe check and train call it for device: cuda).
+// The layouts the device path runs: one process, or data parallelism over NCCL (any ZeRO stage)
+// in a build with NCCL; no tensor or pipeline parallelism. Throws naming the recipe key, the reason
+// and the fix otherwise (lathe check and train call it for device: cuda).
 void check_device_layout(const Recipe& r, int world_size);
 
 class DeviceOptimizer {
  public:
-  // `host` is the trainer's optimizer: its state buffers are the staging copies of the moments.
+  // `host` is the trainer's optimizer: its state buffers are the staging copies of the moments
+  // (sized dp->state_end() - dp->state_begin() under ZeRO, as ShardedOptimizer::local()).
+  // dp: data parallelism (null: one process). kernels: null = step_kernels(model.backend()).
   DeviceOptimizer(Model& model, const optim::OptimConfig& cfg, std::vector<optim::ParamRange> ranges,
-                  optim::Optimizer& host);
-  // The gradient norm (fp64 sums in fixed chunk order: the same chunks as optim::global_grad_norm).
+                  optim::Optimizer& host, std::unique_ptr<DeviceDataParallel> dp = nullptr,
+                  const StepKernels* kernels = nullptr);
+  ~DeviceOptimizer();
+  // After the step's backward: the data-parallel reduction of the backend gradients (device
+  // group); the seconds it took (0 in one process).
+  double reduce_grads();
+  // The global gradient norm (fp64 sums in fixed chunk order: the same chunks as
+  // optim::global_grad_norm); under ZeRO each rank's chunk sums of its shard, gathered over the
+  // host group and added in chunk order (parallel::sharded_grad_norm).
   double grad_norm() const;
-  // One update of the model's backend parameters; grad_scale as optim::Optimizer::step.
+  // One update of the model's backend parameters (this rank's shard under ZeRO, then the shards
+  // gathered over the device group); grad_scale as optim::Optimizer::step.
   void step(double lr, int64_t step, float grad_scale);
   // Moments backend -> host optimizer (before a checkpoint) and host -> backend (after a load).
   void download_state();
   void upload_state();
+  DeviceDataParallel* data_parallel() { return dp_.get(); }
 
  private:
   Model& model_;
   optim::OptimConfig cfg_;
-  std::vector<optim::ParamRange> ranges_;
+  std::vector<optim::ParamRange> ranges_;  // relative to begin_
   optim::Optimizer& host_;
   const StepKernels* k_;
+  std::unique_ptr<DeviceDataParallel> dp_;
+  size_t begin_ = 0, end_ = 0;  // the moments' part of the flat buffer
   DeviceBuffer m_, v_;
 };
+
+// The trainer's device optimizer: null unless model.on_device(). With a data-parallel group of
+// several ranks (`dp`, host memory: MPI), bootstraps an NCCL group of the same ranks on this
+// process's GPU (collective over `dp`) and reduces over it with opt's shards and ZeRO stage
+// (buckets of r.parallel.bucket_mb). `dp` and `opt` must outlive the result.
+std::unique_ptr<DeviceOptimizer> make_device_optimizer(Model& model, const Recipe& r,
+                                                       std::vector<optim::ParamRange> ranges,
+                                                       parallel::ShardedOptimizer& opt, dist::Communicator& dp);
 
 }  // namespace lathe

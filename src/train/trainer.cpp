@@ -267,7 +267,7 @@ StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
   if (p.docs.mask_loss) {
     double kept =
         static_cast<double>(mask_loss_after_eod(p.inputs.data(), p.targets.data(), p.accum * B * T, p.docs.eod));
-    if (p.sync) p.world.all_reduce(&kept, 1, DType::F64);
+    if (p.world.size() > 1) p.world.all_reduce(&kept, 1, DType::F64);
     targets_kept = std::max<int64_t>(1, static_cast<int64_t>(kept));
   }
   const float grad_scale = 1.0f / static_cast<float>(targets_kept) * static_cast<float>(st.loss_scale);
@@ -288,10 +288,9 @@ StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
   p.sync_this_pass = false;
   if (stall_rank && stall_step && std::atoi(stall_rank) == p.world.rank() && std::atoll(stall_step) == step + 1)
     std::this_thread::sleep_for(std::chrono::hours(1));
-  if (p.sync) {
-    st.comm_wait_s = p.sync->finish();
-    p.world.all_reduce(&loss_sum, 1, DType::F64);
-  }
+  if (p.sync) st.comm_wait_s = p.sync->finish();
+  if (p.dev) st.comm_wait_s = p.dev->reduce_grads();  // device: cuda: over NCCL after backward (device_dp.h)
+  if (p.world.size() > 1) p.world.all_reduce(&loss_sum, 1, DType::F64);
   st.loss = loss_sum / static_cast<double>(targets_kept);
   if (inject_non_finite(step + 1) && p.opt.state_end() > p.opt.state_begin())
     p.model.grad_data()[p.opt.state_begin()] = INFINITY;
@@ -611,11 +610,9 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   };
   if (!ckpt.empty()) load_moments(ckpt);
   // device: cuda: norm and update on the device, moments staged through opt.local() (train/device_step.h).
-  std::unique_ptr<DeviceOptimizer> dev_opt;
-  if (model->on_device()) {
-    dev_opt = std::make_unique<DeviceOptimizer>(*model, optimizer_config(r), ranges, opt.local());
-    dev_opt->upload_state();
-  }
+  // Data parallelism: gradients and ZeRO's weight shards over NCCL, scalars over dpc (train/device_dp.h).
+  std::unique_ptr<DeviceOptimizer> dev_opt = make_device_optimizer(*model, r, ranges, opt, dpc);
+  if (dev_opt) dev_opt->upload_state();
   release_whole();
   // Tensor parallelism: the norm counts each element of the whole model once. With ZeRO only this
   // rank's shard of the gradient is reduced, so the squares are summed over the world.
@@ -630,7 +627,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   const size_t bucket_elems = static_cast<size_t>(std::max(1.0, r.parallel.bucket_mb * (1 << 20) / 4));
   std::unique_ptr<parallel::GradSync> sync;
   bool sync_this_pass = false;
-  if (dp > 1) {
+  if (dp > 1 && !dev_opt) {
     sync = std::make_unique<parallel::GradSync>(dpc, model->grad_data(), opt.shards(),
                                                 static_cast<int>(r.parallel.zero), bucket_elems);
     model->hooks().grads_ready = [&](size_t b, size_t e) {  // keeps the tensor-parallel hook
@@ -879,6 +876,10 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
       }
       save_checkpoint(r.output.dir, *model, &opt.local(), st, static_cast<int>(r.output.keep_last), &info);
     } else {
+      if (dev_opt) {  // host fp32 checkpoints whatever the device
+        model->download_params();
+        dev_opt->download_state();
+      }
       const parallel::FlatShards& sh = opt.shards();
       save_checkpoint_sharded(r.output.dir, *model,
                               moment_slice(opt.local(), opt.state_begin(), sh.begin(rank), sh.end(rank)), st,
