@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #include "core/error.h"
 #include "dist/nccl_comm.h"
@@ -196,22 +197,39 @@ void DeviceOptimizer::upload_state() {
   model_.backend().synchronize();
 }
 
+bool device_path_on_host() {
+  static const bool on = [] {
+    const char* e = std::getenv("LATHE_TEST_DEVICE_PATH_ON_HOST");
+    return e != nullptr && std::string(e) == "1";
+  }();
+  return on;
+}
+
 std::unique_ptr<DeviceOptimizer> make_device_optimizer(Model& model, const Recipe& r,
                                                        std::vector<optim::ParamRange> ranges,
                                                        parallel::ShardedOptimizer& opt, dist::Communicator& dp) {
-  if (!model.on_device()) return nullptr;
+  const bool on_host =
+      !model.on_device() && device_path_on_host() && r.parallel.tensor == 1 && r.parallel.pipeline == 1;
+  if (!model.on_device() && !on_host) return nullptr;
+  const StepKernels* k = on_host ? host_step_kernels() : step_kernels(model.backend());
+  LATHE_CHECK(k && k->device_index, "{}: device: {}: the {} backend has no step kernels in this build", r.source,
+              r.device, model.backend().name());
+  if (on_host && dp.rank() == 0)  // so that a test sees the hook took effect
+    fmt::print(stderr,
+               "LATHE_TEST_DEVICE_PATH_ON_HOST: the cpu model trains through the device path ({} ranks, ZeRO {})\n",
+               dp.size(), opt.zero());
   std::unique_ptr<DeviceDataParallel> ddp;
   if (dp.size() > 1) {
-    const StepKernels* k = step_kernels(model.backend());
-    LATHE_CHECK(k && k->device_index, "{}: device: {}: the {} backend has no step kernels in this build", r.source,
-                r.device, model.backend().name());
-    // Collective over dp: the unique id is broadcast over it, the GPUs checked distinct.
-    auto nccl = dist::make_nccl_communicator(dp, k->device_index());
+    // Collective over dp: NCCL's unique id is broadcast over it, the GPUs checked distinct. The
+    // host test path stands a second host group of the same ranks in for NCCL.
+    auto group =
+        on_host ? dp.split(0, dp.rank(), dp.name() + "-device") : dist::make_nccl_communicator(dp, k->device_index());
     const size_t bucket_elems = static_cast<size_t>(std::max(1.0, r.parallel.bucket_mb * (1 << 20) / 4));
-    ddp = std::make_unique<DeviceDataParallel>(dp, std::move(nccl), opt.shards(), opt.zero(), bucket_elems,
+    ddp = std::make_unique<DeviceDataParallel>(dp, std::move(group), opt.shards(), opt.zero(), bucket_elems,
                                                model.backend());
   }
-  return std::make_unique<DeviceOptimizer>(model, optimizer_config(r), std::move(ranges), opt.local(), std::move(ddp));
+  return std::make_unique<DeviceOptimizer>(model, optimizer_config(r), std::move(ranges), opt.local(), std::move(ddp),
+                                           k);
 }
 
 }  // namespace lathe

@@ -97,6 +97,10 @@ class DeviceOptimizer {
 // several ranks (`dp`, host memory: MPI), bootstraps an NCCL group of the same ranks on this
 // process's GPU (collective over `dp`) and reduces over it with opt's shards and ZeRO stage
 // (buckets of r.parallel.bucket_mb). `dp` and `opt` must outlive the result.
+// Test hook: LATHE_TEST_DEVICE_PATH_ON_HOST=1 sends a CPU model without tensor or pipeline
+// parallelism through this path too (host_step_kernels, a second host group standing in for NCCL),
+// so the trainer's device wiring is tested end to end on the CPU: its results must be bit-identical
+// to the CPU path's (tests/train/test_device_dp_host.py).
 std::unique_ptr<DeviceOptimizer> make_device_optimizer(Model& model, const Recipe& r,
                                                        std::vector<optim::ParamRange> ranges,
                                                        parallel::ShardedOptimizer& opt, dist::Communicator& dp);
