@@ -11,6 +11,7 @@
 #include "optim/clip.h"
 #include "parallel/grad_sync.h"
 #include "parallel/sharded_optimizer.h"
+#include "train/device_tp.h"
 #include "train/preflight.h"
 
 #ifdef LATHE_HAVE_CUDA
@@ -109,19 +110,23 @@ void check_device_layout(const Recipe& r, int world_size) {
   if (r.device == "cpu") return;
   auto refuse = [&](const std::string& what, const std::string& why) {
     throw_error(
-        "{}: device: {} does not run {} yet: {} (device: {} runs one process, or data parallelism over "
-        "NCCL with any parallel.zero; use device: cpu for this layout)",
+        "{}: device: {} does not run {} yet: {} (device: {} runs one process, or data and tensor "
+        "parallelism over NCCL with any parallel.zero; use device: cpu for this layout)",
         r.source, r.device, what, why, r.device);
   };
-  if (r.parallel.tensor > 1)
-    refuse(fmt::format("parallel.tensor = {}", r.parallel.tensor),
-           "tensor parallelism's hooks (reduce_partial, gather_rows, ...) are not given an NCCL group on the device "
-           "path");
   if (r.parallel.pipeline > 1)
     refuse(fmt::format("parallel.pipeline = {}", r.parallel.pipeline),
            "the pipeline executor's sends and receives take host activation buffers (no device p2p path)");
+  if (r.parallel.tensor > 1 && r.optimizer.name == "lamb")
+    refuse(fmt::format("optimizer.name = lamb with parallel.tensor = {}", r.parallel.tensor),
+           "LAMB's per-tensor norms under tensor parallelism are not gathered over the tensor group by the device "
+           "optimizer (use adamw)");
+  if (r.parallel.tensor > 1 && !r.training.eval_tasks.empty())
+    refuse(fmt::format("training.eval_tasks with parallel.tensor = {}", r.parallel.tensor),
+           "the device model's logits are not vocab parallel (remove training.eval_tasks, or score the model "
+           "afterwards with lathe eval)");
   if (world_size > 1 && !dist::have_nccl())
-    refuse(fmt::format("this job has {} processes (data parallelism)", world_size),
+    refuse(fmt::format("this job has {} processes (data or tensor parallelism)", world_size),
            "this lathe was built without NCCL (nccl.h and libnccl were not found when it was configured: install "
            "NCCL and rebuild with -DLATHE_CUDA=ON)");
 }
@@ -151,8 +156,17 @@ DeviceOptimizer::~DeviceOptimizer() = default;
 
 double DeviceOptimizer::reduce_grads() { return dp_ ? dp_->reduce_grads(model_.backend_grad_data()) : 0.0; }
 
+void DeviceOptimizer::set_grad_norm_group(dist::Communicator& group, std::vector<std::pair<size_t, size_t>> owned) {
+  norm_group_ = &group;
+  norm_owned_ = std::move(owned);
+}
+
 double DeviceOptimizer::grad_norm() const {
   float* g = const_cast<Model&>(model_).backend_grad_data();
+  if (norm_group_) {
+    LATHE_CHECK(k_->grad_sq_chunk_sums, "device optimizer: the {} kernels have no chunk sums", k_->backend);
+    return device_tensor_parallel_grad_norm(*norm_group_, g, norm_owned_, k_->grad_sq_chunk_sums);
+  }
   if (dp_ && dp_->zero() > 0 && dp_->size() > 1) {
     LATHE_CHECK(k_->grad_sq_chunk_sums, "device optimizer: the {} kernels have no chunk sums", k_->backend);
     return parallel::sharded_grad_norm(dp_->host(), g, dp_->shards(), k_->grad_sq_chunk_sums);
@@ -208,8 +222,8 @@ bool device_path_on_host() {
 std::unique_ptr<DeviceOptimizer> make_device_optimizer(Model& model, const Recipe& r,
                                                        std::vector<optim::ParamRange> ranges,
                                                        parallel::ShardedOptimizer& opt, dist::Communicator& dp) {
-  const bool on_host =
-      !model.on_device() && device_path_on_host() && r.parallel.tensor == 1 && r.parallel.pipeline == 1;
+  const bool on_host = !model.on_device() && device_path_on_host() && r.parallel.pipeline == 1 &&
+                       !(r.parallel.tensor > 1 && r.optimizer.name == "lamb");
   if (!model.on_device() && !on_host) return nullptr;
   const StepKernels* k = on_host ? host_step_kernels() : step_kernels(model.backend());
   LATHE_CHECK(k && k->device_index, "{}: device: {}: the {} backend has no step kernels in this build", r.source,

@@ -7,8 +7,9 @@
 // load; checkpoints stay host fp32 (a GPU run resumes on the CPU and back).
 // Data parallelism (several processes, one GPU each; ZeRO 0, 1, 2): the gradients are reduced and
 // the weights' shards gathered over NCCL, the scalars over the host communicator
-// (train/device_dp.h). What the device path does not do yet (refused by check_device_layout, naming
-// the key): tensor and pipeline parallelism.
+// (train/device_dp.h); tensor parallelism's hooks get an NCCL group (train/device_tp.h). What the
+// device path does not do yet (refused by check_device_layout, naming the key): pipeline
+// parallelism; LAMB and training.eval_tasks under tensor parallelism.
 #pragma once
 #include <memory>
 #include <span>
@@ -53,8 +54,9 @@ const StepKernels* step_kernels(const Backend& backend);
 // a host "device" for testing the device path's logic without a GPU (tests/train/test_device_dp.cpp).
 const StepKernels* host_step_kernels();
 
-// The layouts the device path runs: one process, or data parallelism over NCCL (any ZeRO stage)
-// in a build with NCCL; no tensor or pipeline parallelism. Throws naming the recipe key, the reason
+// The layouts the device path runs: one process, or data and tensor parallelism over NCCL (any
+// ZeRO stage; train/device_dp.h, train/device_tp.h) in a build with NCCL; no pipeline parallelism,
+// and with tensor parallelism neither LAMB nor training.eval_tasks. Throws naming the recipe key, the reason
 // and the fix otherwise (lathe check and train call it for device: cuda).
 void check_device_layout(const Recipe& r, int world_size);
 
@@ -81,6 +83,10 @@ class DeviceOptimizer {
   void download_state();
   void upload_state();
   DeviceDataParallel* data_parallel() { return dp_.get(); }
+  // Tensor parallelism: the norm counts the elements `owned` of this rank's gradient buffer and
+  // sums the squares over `group` (the trainer's tp_norm_group / tp_owned: the tensor group, or the
+  // world with ZeRO with `owned` clipped to the shard). `group` must outlive the optimizer.
+  void set_grad_norm_group(dist::Communicator& group, std::vector<std::pair<size_t, size_t>> owned);
 
  private:
   Model& model_;
@@ -89,7 +95,9 @@ class DeviceOptimizer {
   optim::Optimizer& host_;
   const StepKernels* k_;
   std::unique_ptr<DeviceDataParallel> dp_;
-  size_t begin_ = 0, end_ = 0;  // the moments' part of the flat buffer
+  size_t begin_ = 0, end_ = 0;                // the moments' part of the flat buffer
+  dist::Communicator* norm_group_ = nullptr;  // tensor parallelism (set_grad_norm_group)
+  std::vector<std::pair<size_t, size_t>> norm_owned_;
   DeviceBuffer m_, v_;
 };
 
@@ -101,6 +109,8 @@ class DeviceOptimizer {
 // parallelism through this path too (host_step_kernels, a second host group standing in for NCCL),
 // so the trainer's device wiring is tested end to end on the CPU: its results must be bit-identical
 // to the CPU path's (tests/train/test_device_dp_host.py).
+// Whether LATHE_TEST_DEVICE_PATH_ON_HOST=1 is set (read once).
+bool device_path_on_host();
 std::unique_ptr<DeviceOptimizer> make_device_optimizer(Model& model, const Recipe& r,
                                                        std::vector<optim::ParamRange> ranges,
                                                        parallel::ShardedOptimizer& opt, dist::Communicator& dp);

@@ -42,6 +42,7 @@
 #include "train/consistency.h"
 #include "train/device_select.h"
 #include "train/device_step.h"
+#include "train/device_tp.h"
 #include "train/eval_tasks.h"
 #include "train/generate.h"
 #include "train/peak.h"
@@ -479,12 +480,13 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   // the whole model is kept to assemble checkpoints and the HF model directory.
   std::unique_ptr<Model> whole;
   std::vector<std::pair<size_t, size_t>> tp_owned;
+  std::unique_ptr<dist::Communicator> tp_device;  // device: cuda: the hooks' NCCL group (train/device_tp.h)
   if (tp > 1) {
     whole = std::move(model);
     model = build_model(parallel::tensor_parallel_config(whole->config(), tp, r.parallel.sequence, tp_rank),
                         ComputeSpec{&whole->backend(), whole->compute_dtype()});
     parallel::scatter_shard(whole->params(), whole->param_data(), model->params(), model->param_data(), tp_rank, tp);
-    parallel::attach_tensor_parallel(*model, *tp_group);
+    tp_device = attach_tensor_parallel_on_device(*model, *tp_group);  // parallel::attach_tensor_parallel on the CPU
     model->allocate(B, T, 2, parse_recompute(r.recompute, r.source + ": recompute"));
     tp_owned = parallel::owned_ranges(model->params(), tp_rank);
   }
@@ -538,7 +540,9 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
       return *model;
     }
     Model& w = ensure_whole();
+    model->download_params();  // device: cuda (no-op on the CPU)
     gather_whole(model->param_data(), w.param_data());
+    w.upload_params();
     return w;
   };
   model->refresh_compute_weights();  // the weights are final (init, init_from or checkpoint)
@@ -624,6 +628,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
       if (std::max(b, state_b) < std::min(e, state_e)) in_shard.push_back({std::max(b, state_b), std::min(e, state_e)});
     tp_owned = std::move(in_shard);
   }
+  if (dev_opt && tp_norm_group) dev_opt->set_grad_norm_group(*tp_norm_group, tp_owned);
   const size_t bucket_elems = static_cast<size_t>(std::max(1.0, r.parallel.bucket_mb * (1 << 20) / 4));
   std::unique_ptr<parallel::GradSync> sync;
   bool sync_this_pass = false;
@@ -816,6 +821,10 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   result.start_step = result.end_step = start_step;
   result.resumed_from = ckpt;
   auto checkpoint = [&](int64_t done, double lr) {
+    if (dev_opt) {  // host fp32 checkpoints whatever the device
+      model->download_params();
+      dev_opt->download_state();
+    }
     CheckpointState st;
     st.step = done;
     st.consumed_samples = done * G;
@@ -870,16 +879,8 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
       shard_group->barrier();  // the checkpoint is complete before any rank of the replica goes on
       release_whole();
     } else if (dp == 1) {
-      if (dev_opt) {  // host fp32 checkpoints whatever the device
-        model->download_params();
-        dev_opt->download_state();
-      }
       save_checkpoint(r.output.dir, *model, &opt.local(), st, static_cast<int>(r.output.keep_last), &info);
     } else {
-      if (dev_opt) {  // host fp32 checkpoints whatever the device
-        model->download_params();
-        dev_opt->download_state();
-      }
       const parallel::FlatShards& sh = opt.shards();
       save_checkpoint_sharded(r.output.dir, *model,
                               moment_slice(opt.local(), opt.state_begin(), sh.begin(rank), sh.end(rank)), st,
@@ -1025,7 +1026,11 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     const RollbackResult rb =
         restore_for_rollback(target, step + 1, ac.skip_samples, *model, opt, loader, scaler, anomaly,
                              static_cast<int64_t>(plan ? plan->dataset.size() : train_samples.size()), G, load_tp);
-    if (dev_opt) dev_opt->upload_state();  // the restored moments (the weights were uploaded on load)
+    if (dev_opt) {  // the restored moments, and the weights (a tensor-parallel shard is scattered on the host)
+      model->upload_params();
+      model->refresh_compute_weights();
+      dev_opt->upload_state();
+    }
     release_whole();
     if (rank0) {
       // The curves continue from the checkpoint (as after a resume); anomalies.jsonl keeps everything.

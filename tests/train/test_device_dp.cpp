@@ -158,14 +158,25 @@ TEST(DeviceLayout, RefusalsNameTheKeyAndTheReason) {
   if (dist::have_nccl()) {
     EXPECT_EQ(e4, "(no error)");
   } else {
-    EXPECT_NE(e4.find("r.yaml: device: cuda does not run this job has 4 processes"), std::string::npos) << e4;
+    EXPECT_NE(e4.find("r.yaml: device: cuda does not run this job has 4 processes (data or tensor parallelism)"),
+              std::string::npos)
+        << e4;
     EXPECT_NE(e4.find("built without NCCL"), std::string::npos) << e4;
     EXPECT_NE(e4.find("use device: cpu"), std::string::npos) << e4;
   }
+  // Tensor parallelism runs (train/device_tp.h) with AdamW and without eval tasks.
   r = parse_recipe(y, "r.yaml", {"parallel.tensor=2"});
   std::string e = error_of([&] { check_device_layout(r, 2); });
-  EXPECT_NE(e.find("parallel.tensor = 2"), std::string::npos) << e;
-  EXPECT_NE(e.find("NCCL group"), std::string::npos) << e;
+  if (dist::have_nccl()) {
+    EXPECT_EQ(e, "(no error)");
+  }
+  r = parse_recipe(y, "r.yaml", {"parallel.tensor=2", "optimizer.name=lamb"});
+  e = error_of([&] { check_device_layout(r, 2); });
+  EXPECT_NE(e.find("optimizer.name = lamb with parallel.tensor = 2"), std::string::npos) << e;
+  EXPECT_NE(e.find("use adamw"), std::string::npos) << e;
+  r = parse_recipe(y, "r.yaml", {"parallel.tensor=2", "training.eval_tasks=tasks.jsonl"});
+  e = error_of([&] { check_device_layout(r, 2); });
+  EXPECT_NE(e.find("training.eval_tasks with parallel.tensor = 2"), std::string::npos) << e;
   r = parse_recipe(y, "r.yaml", {"parallel.pipeline=2"});
   e = error_of([&] { check_device_layout(r, 2); });
   EXPECT_NE(e.find("parallel.pipeline = 2"), std::string::npos) << e;

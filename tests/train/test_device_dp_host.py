@@ -4,9 +4,11 @@ the CPU: LATHE_TEST_DEVICE_PATH_ON_HOST=1 sends the CPU model through the device
 kernels are optim/'s CPU code behind the device table; a second MPI group of the same ranks stands
 in for NCCL). Over MPI both paths sum in rank order with the same optimizer code, so the oracle is
 exact: the device path's losses and final weights must be BIT-identical to the CPU path's for
-DP = 2 with ZeRO 0/1/2 (AdamW) and ZeRO 1 (LAMB), one process, and a run checkpointed at step 5
-(moments staged off the "device") and resumed (staged back), which equals the uninterrupted run.
-What this cannot check: NCCL itself and the CUDA kernels (tests/train/test_device_dp_train.py on
+DP = 2 with ZeRO 0/1/2 (AdamW) and ZeRO 1 (LAMB), one process, tensor parallelism (TP=2, with
+sequence parallelism, TP=2 x DP=2 ZeRO 1; train/device_tp.h), and runs checkpointed at step 4
+(moments staged off the "device") and resumed (staged back), which equal the uninterrupted runs.
+What this cannot check: NCCL itself, the CUDA kernels, the stream synchronisation and the 16-bit
+NCCL reductions of the device hooks (tests/train/test_device_dp_train.py on
 >= 2 GPUs)."""
 import os
 import shutil
@@ -57,6 +59,14 @@ def main():
     dev1 = train(1, data, "dev_one", True, training__grad_accum_steps=4)
     check(same(dev1, cpu1), "one process: bit-identical to the CPU path")
 
+    # Tensor parallelism (train/device_tp.h: the hooks over a second group standing in for NCCL, the
+    # norm over the owned ranges): TP=2, TP=2 with sequence parallelism, TP=2 x DP=2 with ZeRO 1.
+    for name, np_, kw in (("tp2", 2, {}), ("tp2_sp", 2, {"parallel__sequence": True}),
+                          ("tp2_dp2_zero1", 4, {"parallel__zero": 1, "training__grad_accum_steps": 1})):
+        cpu = train(np_, data, f"cpu_{name}", False, parallel__tensor=2, **kw)
+        dev = train(np_, data, f"dev_{name}", True, parallel__tensor=2, **kw)
+        check(same(dev, cpu), f"{name}: the device path is bit-identical to the CPU path")
+
     # Checkpoint at step 4 on the device path (ZeRO 1: each rank's moment shard downloaded), resume
     # on it (uploaded): the same bits as the uninterrupted CPU run.
     ref = os.path.join(TMP, "cpu_zero1")
@@ -64,6 +74,10 @@ def main():
     check(os.path.isdir(os.path.join(ck, "checkpoints", "step_00000004")), "the device path saved a checkpoint at step 4")
     train(2, data, "dev_ck", True, extra=("--resume", "auto"), parallel__zero=1, output__checkpoint_every=4)
     check(same(ck, ref), "checkpointed at step 4 and resumed on the device path: bit-identical to the uninterrupted run")
+    ref = os.path.join(TMP, "cpu_tp2")
+    ck = train(2, data, "dev_tp_ck", True, extra=("--stop-after", "4"), parallel__tensor=2, output__checkpoint_every=4)
+    train(2, data, "dev_tp_ck", True, extra=("--resume", "auto"), parallel__tensor=2, output__checkpoint_every=4)
+    check(same(ck, ref), "TP=2 checkpointed at step 4 and resumed on the device path: bit-identical to the uninterrupted run")
 
     print(f"{len(failures)} failed" if failures else "all checks passed", flush=True)
     return 1 if failures else 0

@@ -1,0 +1,109 @@
+#include "train/device_tp.h"
+
+#include <cmath>
+
+#include "core/error.h"
+#include "dist/nccl_comm.h"
+#include "optim/chunks.h"
+#include "parallel/tensor_parallel.h"
+#include "train/device_step.h"
+
+namespace lathe {
+
+namespace {
+
+// StepHooks::vocab's reduction over the device group: fp64 device buffers (the per-row max, then
+// the sums of the vocab-parallel loss).
+struct VocabCtx {
+  dist::Communicator* group;
+  const Backend* backend;
+};
+
+void device_vocab_all_reduce(void* ctx, double* buf, int64_t count, bool max) {
+  auto* c = static_cast<VocabCtx*>(ctx);
+  c->backend->synchronize();
+  c->group->all_reduce(buf, static_cast<size_t>(count), DType::F64, max ? dist::ReduceOp::Max : dist::ReduceOp::Sum);
+}
+
+// The CPU hooks (parallel::attach_tensor_parallel over `g`) made device-safe: the backend's stream
+// synchronised before each collective, 16-bit reductions in NCCL's own type, take_rows a device copy.
+void install_device_hooks(Model& m, dist::Communicator* g) {
+  const Backend* be = &m.backend();
+  const DType dt = m.compute_dtype();
+  const size_t es = dtype_size(dt);
+  const int tp = g->size(), rank = g->rank();
+  auto counts = [tp](int64_t n) { return std::vector<size_t>(static_cast<size_t>(tp), static_cast<size_t>(n)); };
+  StepHooks& h = m.hooks();
+  auto ctx = std::make_shared<VocabCtx>(VocabCtx{g, be});
+  // ctx lives as long as this hook (the model's): the vocab hook is a plain pointer + context.
+  h.reduce_partial = [g, be, dt, ctx](void* buf, int64_t n) {
+    be->synchronize();
+    g->all_reduce(buf, static_cast<size_t>(n), dt);
+  };
+  if (h.vocab.all_reduce) {
+    h.vocab.all_reduce = device_vocab_all_reduce;
+    h.vocab.ctx = ctx.get();
+  }
+  if (h.gather_rows)
+    h.gather_rows = [g, be, dt, counts](const void* shard, void* full, int64_t n) {
+      be->synchronize();
+      g->all_gather(shard, full, counts(n), dt);
+    };
+  if (h.take_rows)
+    h.take_rows = [be, rank, es](const void* full, void* shard, int64_t n) {
+      const auto* src = static_cast<const std::byte*>(full) + static_cast<size_t>(rank) * static_cast<size_t>(n) * es;
+      // rank > 0: [rank*n, (rank+1)*n) and [0, n) do not overlap (stream-ordered copy, no wait).
+      if (src != shard) be->copy(shard, src, static_cast<size_t>(n) * es, CopyKind::DeviceToDevice);
+    };
+  if (h.reduce_norm_grads)
+    h.reduce_norm_grads = [g, be](float* grads, int64_t n) {
+      be->synchronize();
+      g->all_reduce(grads, static_cast<size_t>(n), DType::F32);
+    };
+  if (h.reduce_scatter_rows)
+    h.reduce_scatter_rows = [g, be, dt, counts](void* full, void* shard, int64_t n) {
+      be->synchronize();
+      g->reduce_scatter(full, shard, counts(n), dt);
+    };
+}
+
+}  // namespace
+
+std::unique_ptr<dist::Communicator> attach_tensor_parallel_on_device(Model& model, dist::Communicator& tp_host) {
+  const bool on_host = !model.on_device() && device_path_on_host();
+  if (tp_host.size() == 1 || (!model.on_device() && !on_host)) {
+    parallel::attach_tensor_parallel(model, tp_host);
+    return nullptr;
+  }
+  model.upload_params();  // the shard was scattered into the host staging copy
+  std::unique_ptr<dist::Communicator> group;
+  if (on_host) {
+    group = tp_host.split(0, tp_host.rank(), tp_host.name() + "-device");
+  } else {
+    const StepKernels* k = step_kernels(model.backend());
+    LATHE_CHECK(k && k->device_index, "tensor parallel: the {} backend has no step kernels in this build",
+                model.backend().name());
+    group = dist::make_nccl_communicator(tp_host, k->device_index());  // collective over tp_host
+  }
+  parallel::attach_tensor_parallel(model, *group);
+  if (!on_host) install_device_hooks(model, group.get());  // host memory: the CPU hooks are right as they are
+  return group;
+}
+
+double device_tensor_parallel_grad_norm(dist::Communicator& group, const float* grads,
+                                        const std::vector<std::pair<size_t, size_t>>& owned,
+                                        DeviceChunkSqSums chunk_sums) {
+  // As parallel::tensor_parallel_grad_norm: chunk sums of each owned range added in order, then
+  // the group's sum.
+  double sum = 0;
+  std::vector<double> chunks;
+  for (const auto& [b, e] : owned) {
+    chunks.assign((e - b + optim::kChunk - 1) / optim::kChunk, 0.0);
+    chunk_sums(grads + b, e - b, chunks.data());
+    for (double c : chunks) sum += c;
+  }
+  group.all_reduce(&sum, 1, DType::F64);
+  return std::sqrt(sum);
+}
+
+}  // namespace lathe
