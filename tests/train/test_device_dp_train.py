@@ -21,6 +21,8 @@ With >= 2 GPUs (gpt2-debug, fp32, 10 AdamW steps, global batch 8 = 2 ranks x 2 x
   * a device DP=2 ZeRO 1 checkpoint (step 5) resumes on the CPU in one process and finishes
     within the CPU tolerance of the uninterrupted device run (checkpoints are host fp32).
   * LAMB with ZeRO 1 on the device trains (finite losses within 1e-3 of the CPU DP=2 LAMB run).
+  * tensor parallelism (train/device_tp.h): TP=2 device vs TP=2 CPU (losses 1e-4, weights 1e-3),
+    sequence parallelism vs not on the device (1e-5), TP=2 x DP=2 ZeRO 1 with 4 GPUs.
 """
 import atexit
 import os
@@ -62,8 +64,16 @@ def recipe(data, name, **kw):
     return mpi_train.write_recipe(data, "gpt2-debug", os.path.join(TMP, name), TRAINING, **kw)
 
 
+# LATHE_TEST_DEVICE_DP_DRYRUN=1 checks this script's own flow on a machine without GPUs: "cuda" runs
+# become CPU runs through the device path (LATHE_TEST_DEVICE_PATH_ON_HOST, train/device_step.h), so
+# every comparison holds trivially; it says nothing about the GPU.
+DRY = os.environ.get("LATHE_TEST_DEVICE_DP_DRYRUN") == "1"
+
+
 def train(np_, data, name, device, extra=(), env=None, **kw):
     out = os.path.join(TMP, name)
+    if DRY and device == "cuda":
+        device, env = "cpu", dict(env or ENV, LATHE_TEST_DEVICE_PATH_ON_HOST="1")
     p, dt = run(np_, ["train", recipe(data, name, **kw), "--quiet", "--set", f"device={device}", *extra],
                 timeout=300, env=env)
     if p.returncode != 0:
@@ -82,6 +92,9 @@ def main():
     if not os.path.exists(LATHE):
         skip(f"no lathe binary at {LATHE}")
     data = mpi_train.make_data(TMP)
+    if DRY:
+        print("DRY RUN (LATHE_TEST_DEVICE_DP_DRYRUN=1): cuda runs are CPU runs through the device path", flush=True)
+        return checks(data, 4)
     probe = subprocess.run([LATHE, "check", recipe(data, "probe"), "--set", "device=cuda"], capture_output=True,
                            text=True, timeout=120)
     if probe.returncode != 0:
@@ -98,7 +111,10 @@ def main():
         skip("one GPU visible: lathe (and NCCL) refuse two ranks on one GPU, so DP=2 on the device needs >= 2 GPUs")
     if n < 2:
         skip(f"fewer than 2 GPUs visible ({listing})")
+    return checks(data, n)
 
+
+def checks(data, n):
     cpu = train(2, data, "cpu_dp2", "cpu")
     dev = {z: train(2, data, f"cuda_dp2_zero{z}", "cuda", parallel__zero=z) for z in (0, 1, 2)}
     one = train(1, data, "cuda_dp1", "cuda", training__grad_accum_steps=4)
@@ -121,11 +137,8 @@ def main():
           "two device DP=2 ZeRO 1 runs (NCCL_ALGO=Ring NCCL_PROTO=Simple): bit-identical")
 
     # A device DP=2 ZeRO 1 checkpoint resumes on the CPU in one process (global batch kept).
-    ck = os.path.join(TMP, "ck")
-    p, _ = run(2, ["train", recipe(data, "ck", parallel__zero=1, output__checkpoint_every=5), "--quiet", "--set",
-                   "device=cuda", "--stop-after", "5"], timeout=300)
-    check(p.returncode == 0 and os.path.isdir(os.path.join(ck, "checkpoints", "step_00000005")),
-          "device DP=2 ZeRO 1 saves a checkpoint at step 5")
+    ck = train(2, data, "ck", "cuda", extra=("--stop-after", "5"), parallel__zero=1, output__checkpoint_every=5)
+    check(os.path.isdir(os.path.join(ck, "checkpoints", "step_00000005")), "device DP=2 ZeRO 1 saves a checkpoint at step 5")
     dst = os.path.join(TMP, "ck_cpu")
     shutil.copytree(ck, dst)
     p, _ = run(1, ["train", recipe(data, "ck_cpu", training__grad_accum_steps=4), "--quiet", "--resume", "auto"],
@@ -140,7 +153,25 @@ def main():
     w = worst_rel(series(ld, "loss"), series(lc, "loss"))
     check(w < 1e-3, f"LAMB ZeRO 1: device DP=2 vs CPU DP=2 losses within 1e-3 (worst {w:.1e})")
 
-    print(f"{len(failures)} failed" if failures else "all device data-parallel checks passed", flush=True)
+    # Tensor parallelism (train/device_tp.h): TP=2 on the device vs TP=2 on the CPU, fp32 AdamW.
+    tc = train(2, data, "tp2_cpu", "cpu", parallel__tensor=2)
+    td = train(2, data, "tp2_cuda", "cuda", parallel__tensor=2)
+    w = worst_rel(series(td, "loss"), series(tc, "loss"))
+    check(w < 1e-4, f"TP=2: device vs CPU losses within 1e-4 (worst {w:.1e})")
+    ok, wd = weights_close(td, tc, 1e-3)
+    check(ok, f"TP=2: device vs CPU final weights within 1e-3 (worst {wd:.1e})")
+    ts = train(2, data, "tp2_sp_cuda", "cuda", parallel__tensor=2, parallel__sequence=True)
+    w = worst_rel(series(ts, "loss"), series(td, "loss"))
+    check(w < 1e-5, f"TP=2 with sequence parallelism vs without, on the device: losses within 1e-5 (worst {w:.1e})")
+    if n >= 4:
+        t4 = train(4, data, "tp2_dp2_cuda", "cuda", parallel__tensor=2, parallel__zero=1,
+                   training__grad_accum_steps=1)
+        w = worst_rel(series(t4, "loss"), series(tc, "loss"))
+        check(w < 1e-4, f"TP=2 x DP=2 ZeRO 1 on 4 GPUs vs CPU TP=2: losses within 1e-4 (worst {w:.1e})")
+    else:
+        print(f"SKIPPED (part): TP=2 x DP=2 needs 4 GPUs, {n} visible", flush=True)
+
+    print(f"{len(failures)} failed" if failures else "all device data/tensor-parallel checks passed", flush=True)
     return 1 if failures else 0
 
 
