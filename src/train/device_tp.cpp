@@ -86,7 +86,9 @@ std::unique_ptr<dist::Communicator> attach_tensor_parallel_on_device(Model& mode
     group = dist::make_nccl_communicator(tp_host, k->device_index());  // collective over tp_host
   }
   parallel::attach_tensor_parallel(model, *group);
-  if (!on_host) install_device_hooks(model, group.get());  // host memory: the CPU hooks are right as they are
+  // The host test path takes the device hooks too where they run on host memory (fp32: the 16-bit
+  // ones reduce in NCCL's 16-bit types, which the host communicators do not have).
+  if (!on_host || model.compute_dtype() == DType::F32) install_device_hooks(model, group.get());
   return group;
 }
 

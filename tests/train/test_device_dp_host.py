@@ -4,7 +4,7 @@ the CPU: LATHE_TEST_DEVICE_PATH_ON_HOST=1 sends the CPU model through the device
 kernels are optim/'s CPU code behind the device table; a second MPI group of the same ranks stands
 in for NCCL). Over MPI both paths sum in rank order with the same optimizer code, so the oracle is
 exact: the device path's losses and final weights must be BIT-identical to the CPU path's for
-DP = 2 with ZeRO 0/1/2 (AdamW) and ZeRO 1 (LAMB), one process, tensor parallelism (TP=2, with
+DP = 2 with ZeRO 0/1/2 (AdamW), ZeRO 1 (LAMB, bf16 compute), one process, tensor parallelism (TP=2, with
 sequence parallelism, TP=2 x DP=2 ZeRO 1; train/device_tp.h), and runs checkpointed at step 4
 (moments staged off the "device") and resumed (staged back), which equal the uninterrupted runs.
 What this cannot check: NCCL itself, the CUDA kernels, the stream synchronisation and the 16-bit
@@ -55,12 +55,15 @@ def main():
     cpu = train(2, data, "cpu_lamb", False, parallel__zero=1, optimizer__name="lamb")
     dev = train(2, data, "dev_lamb", True, parallel__zero=1, optimizer__name="lamb")
     check(same(dev, cpu), "DP=2 ZeRO 1 LAMB: bit-identical to the CPU path")
+    cpu = train(2, data, "cpu_bf16", False, parallel__zero=1, precision__compute="bf16")
+    dev = train(2, data, "dev_bf16", True, parallel__zero=1, precision__compute="bf16")
+    check(same(dev, cpu), "DP=2 ZeRO 1 bf16 compute: bit-identical to the CPU path")
     cpu1 = train(1, data, "cpu_one", False, training__grad_accum_steps=4)
     dev1 = train(1, data, "dev_one", True, training__grad_accum_steps=4)
     check(same(dev1, cpu1), "one process: bit-identical to the CPU path")
 
-    # Tensor parallelism (train/device_tp.h: the hooks over a second group standing in for NCCL, the
-    # norm over the owned ranges): TP=2, TP=2 with sequence parallelism, TP=2 x DP=2 with ZeRO 1.
+    # Tensor parallelism (train/device_tp.h: its device hooks (fp32) over a second group standing in
+    # for NCCL, the norm over the owned ranges): TP=2, TP=2 with sequence parallelism, TP=2 x DP=2 with ZeRO 1.
     for name, np_, kw in (("tp2", 2, {}), ("tp2_sp", 2, {"parallel__sequence": True}),
                           ("tp2_dp2_zero1", 4, {"parallel__zero": 1, "training__grad_accum_steps": 1})):
         cpu = train(np_, data, f"cpu_{name}", False, parallel__tensor=2, **kw)
