@@ -816,10 +816,6 @@ class Parser {
                      p.tensor, t.micro_batch_size, t.seq_len, t.micro_batch_size * t.seq_len, p.tensor));
     in_range("parallel.pipeline", p.pipeline, 1, kMaxRanks, " (1 = no pipeline parallelism)");
     in_range("parallel.virtual_stages", p.virtual_stages, 1, 1024, " (1 = one model chunk per pipeline rank)");
-    need(p.tensor == 1 || p.pipeline == 1, "parallel.pipeline",
-         fmt::format("{} with parallel.tensor = {}: tensor and pipeline parallelism do not compose yet; use one of "
-                     "them (either composes with parallel.data)",
-                     p.pipeline, p.tensor));
     need(p.pipeline > 1 || (p.virtual_stages == 1 && p.stage_layers.empty()),
          p.virtual_stages != 1 ? "parallel.virtual_stages" : "parallel.stage_layers",
          "applies to pipeline parallelism only: set parallel.pipeline > 1 or remove it");

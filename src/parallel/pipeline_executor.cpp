@@ -91,7 +91,9 @@ void PipelineExecutor::release(int64_t mb, int64_t chunk) {
 
 double PipelineExecutor::step(const int32_t* inputs, const int32_t* targets, float grad_scale, const DocsFn& docs) {
   const int64_t p = layout_.stages(), S = p * layout_.spec.virtual_stages, N = B_ * T_;
-  const size_t bytes = static_cast<size_t>(N * m_.config().hidden_size) * dtype_size(m_.compute_dtype());
+  // This rank's rows of the residual stream [N, C] (sequence parallelism: its N / tp rows).
+  const size_t bytes =
+      static_cast<size_t>(m_.config().rows_held(N) * m_.config().hidden_size) * dtype_size(m_.compute_dtype());
   const int r = layout_.rank;
   double loss = 0;
   for (const pipeline::Action& a : schedule_[static_cast<size_t>(r)]) {
@@ -166,7 +168,8 @@ double PipelineExecutor::step(const int32_t* inputs, const int32_t* targets, flo
 
 double PipelineExecutor::forward_loss(const int32_t* tokens, const int32_t* targets, int64_t b, const DocsFn& docs) {
   const int64_t p = layout_.stages(), S = p * layout_.spec.virtual_stages;
-  const size_t bytes = static_cast<size_t>(b * T_ * m_.config().hidden_size) * dtype_size(m_.compute_dtype());
+  const size_t bytes =
+      static_cast<size_t>(m_.config().rows_held(b * T_) * m_.config().hidden_size) * dtype_size(m_.compute_dtype());
   const int r = layout_.rank;
   double loss = 0;
   m_.use_slot(0);

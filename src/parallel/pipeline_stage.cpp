@@ -70,12 +70,7 @@ std::string describe_pipeline(const PipelineLayout& l) {
       *std::max_element(sim.max_in_flight.begin(), sim.max_in_flight.end()));
 }
 
-std::unique_ptr<Model> build_stage_model(const Model& whole, const PipelineLayout& layout) {
-  ModelConfig cfg = whole.config();
-  cfg.num_hidden_layers = layout.local_layers;
-  Arch arch = whole.arch();
-  arch.embedding = layout.first();
-  arch.head = layout.last();
+ParamTable stage_table(const ParamTable& whole, const PipelineLayout& layout) {
   // Global layer -> local layer of this rank (chunks in order).
   auto local_layer = [&](int64_t g) -> int64_t {
     for (const auto& c : layout.chunks)
@@ -83,13 +78,23 @@ std::unique_ptr<Model> build_stage_model(const Model& whole, const PipelineLayou
     return -1;
   };
   ParamTable t;
-  for (const ParamSpec& s : whole.params().specs()) {
+  for (const ParamSpec& s : whole.specs()) {
     if (!layout.holds(s, layout.rank)) continue;
     t.add(s.name, s.shape, s.init, s.init_std, s.shard, s.decay, s.hf_transposed)
         .as(s.role, s.layer >= 0 ? local_layer(s.layer) : -1)
         .in_sections(s.sections);
   }
-  return std::make_unique<Model>(cfg, arch, std::move(t), ComputeSpec{&whole.backend(), whole.compute_dtype()});
+  return t;
+}
+
+std::unique_ptr<Model> build_stage_model(const Model& whole, const PipelineLayout& layout) {
+  ModelConfig cfg = whole.config();
+  cfg.num_hidden_layers = layout.local_layers;
+  Arch arch = whole.arch();
+  arch.embedding = layout.first();
+  arch.head = layout.last();
+  return std::make_unique<Model>(cfg, arch, stage_table(whole.params(), layout),
+                                 ComputeSpec{&whole.backend(), whole.compute_dtype()});
 }
 
 void scatter_stage(const ParamTable& global, const float* g, const ParamTable& local, float* l) {

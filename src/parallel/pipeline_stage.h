@@ -58,6 +58,10 @@ PipelineLayout pipeline_layout(const Recipe& r, int64_t layers, bool tied, int r
 // (formula (p-1)/(v m + p-1)), at most 2 micro-batches in flight per rank".
 std::string describe_pipeline(const PipelineLayout& l);
 
+// The slice of the whole table `whole` that pipeline rank `layout.rank` holds: same names, shapes
+// and shard rules, layers renumbered locally (chunks in order), laid out in the whole table's order.
+ParamTable stage_table(const ParamTable& whole, const PipelineLayout& layout);
+
 // The stage model of `layout.rank`: `whole`'s config with the stage's layer count, its Arch
 // without embedding / head where the stage has none, and the slice of its table (same names,
 // layers renumbered locally), computing like `whole`. Weights are not set (scatter_stage).

@@ -374,9 +374,9 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   // device: cuda runs the layouts train/device_step.h lists (one process so far).
   check_device_layout(
       r, static_cast<int>(std::max<int64_t>(1, r.parallel.data) * r.parallel.tensor * r.parallel.pipeline));
-  // With tensor parallelism this is the whole model, which only holds weights (each rank trains
-  // its shard): no gradient buffer.
-  spec.gradients = r.parallel.tensor == 1;
+  // With tensor or pipeline parallelism this is the whole model, which only holds weights (each
+  // rank trains its shard of its stage): no gradient buffer.
+  spec.gradients = r.parallel.tensor == 1 && r.parallel.pipeline == 1;
   log.ok(fmt::format(
       "precision: {} compute on {}, fp32 master weights, gradients and moments; {}", r.precision.compute,
       spec.backend->name(),
@@ -456,13 +456,15 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
     log.ok(fmt::format("memory per tensor-parallel rank: {}",
                        estimate_memory(shard, B, T, kMoments, r.parallel.zero > 0 ? data : 1, spec.dtype, rc)
                            .breakdown()));
-  } else if (r.parallel.pipeline > 1) {
+  }
+  if (r.parallel.pipeline > 1) {
     // The stages and the schedule must work for this model (errors name the values); the trainer
     // builds each rank's stage from pf.model (kept unallocated as the whole model).
     const parallel::PipelineLayout pl =
         parallel::pipeline_layout(r, pf.model->config().num_hidden_layers, pf.model->arch().tied_lm_head, 0);
     log.ok(parallel::describe_pipeline(pl));
-  } else if (!check_only) {
+  }
+  if (r.parallel.tensor == 1 && r.parallel.pipeline == 1 && !check_only) {
     pf.model->allocate(B, T, kMoments, rc);
   }
   if (!pf.ckpt.empty() && check_only) {

@@ -354,8 +354,9 @@ ReshardResult reshard_checkpoint(const std::string& src, const std::string& dst_
   if (!ns.recipe.is_object()) ns.recipe = json::object();
   json& par = ns.recipe["parallel"];
   if (!par.is_object()) par = json::object();
-  // Per-stage settings of another pipeline degree do not apply (an even split unless re-set).
-  if (to.pipeline != res.from.pipeline) par.erase("stage_layers");
+  // Per-stage settings of another pipeline degree do not apply: an even split (as the recipe
+  // writes it, so that A -> B -> A gives A -> A's bytes), unless re-set.
+  if (to.pipeline != res.from.pipeline) par["stage_layers"] = json::array();
   par["tensor"] = to.tensor;
   par["pipeline"] = to.pipeline;
   par["data"] = to.data;

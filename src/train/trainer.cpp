@@ -31,6 +31,7 @@
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "parallel/grad_sync.h"
+#include "parallel/model_parallel.h"
 #include "parallel/pipeline_executor.h"
 #include "parallel/plan.h"
 #include "parallel/sharded_optimizer.h"
@@ -412,25 +413,15 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   };
   Recipe r = recipe;
   check_layout(r, *world);
-  // Ranks are laid out tensor-fastest, then data, then pipeline (Megatron's order): world rank =
-  // (pp_rank * dp + dp_rank) * tp + tp_rank, so a tensor-parallel group is tp consecutive ranks
-  // (one host, when ranks fill hosts in order).
-  const int tp = static_cast<int>(r.parallel.tensor), pp = static_cast<int>(r.parallel.pipeline),
-            dp = world->size() / (tp * pp), dp_rank = (world->rank() / tp) % dp, tp_rank = world->rank() % tp,
-            pp_rank = world->rank() / (tp * dp), rank = world->rank();
-  std::unique_ptr<dist::Communicator> tp_group, dp_group, ckpt_writers, pp_group;
-  if (pp > 1) {  // (tensor 1: recipe.cpp) checkpoints are written by pipeline rank 0 of each replica
-    pp_group = world->split(dp_rank, pp_rank, "pp");
-    dp_group = world->split(pp_rank, dp_rank, "dp");
-    ckpt_writers = world->split(pp_rank == 0 ? 0 : -1, dp_rank, "ckpt");
-  }
-  if (tp > 1) {
-    tp_group = world->split(dp_rank, tp_rank, "tp");
-    dp_group = world->split(tp_rank, dp_rank, "dp");
-    // Checkpoints and the HF model are written from the whole model that tensor-parallel rank 0 of
-    // each data-parallel replica assembles: those ranks share the writing of the moments.
-    ckpt_writers = world->split(tp_rank == 0 ? 0 : -1, dp_rank, "ckpt");
-  }
+  // This rank's coordinates and groups (parallel/model_parallel.h: tensor fastest, then data,
+  // then pipeline, so a tensor group is tp consecutive ranks: one host when ranks fill hosts in order).
+  const parallel::RankLayout lay = parallel::RankLayout::of(
+      world->rank(), world->size(), static_cast<int>(r.parallel.tensor), static_cast<int>(r.parallel.pipeline));
+  const int tp = lay.tp, pp = lay.pp, dp = lay.dp, dp_rank = lay.dp_rank, tp_rank = lay.tp_rank, pp_rank = lay.pp_rank,
+            rank = world->rank();
+  parallel::ProcessGroups groups = parallel::make_process_groups(*world, lay);
+  std::unique_ptr<dist::Communicator>&tp_group = groups.tp, &dp_group = groups.dp, &pp_group = groups.pp,
+  &ckpt_writers = groups.ckpt_writers;
   dist::Communicator& dpc = dp_group ? *dp_group : *world;  // the data-parallel group
   SignalGuard signals(opts.handle_signals);
   struct CleanupJoin {  // old checkpoints are removed in the background; done before returning
@@ -475,39 +466,40 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     }
   }
   if (ckpt.empty() && r.init_from.empty()) model->init_weights(static_cast<uint64_t>(r.training.seed));
-  // Tensor parallelism: preflight's model is the whole model (init, init_from or checkpoint weights,
-  // activations not allocated); each rank computes with its shard (parallel/tensor_parallel.h) and
-  // the whole model is kept to assemble checkpoints and the HF model directory.
+  // Tensor and/or pipeline parallelism: preflight's model is the whole model (init, init_from or
+  // checkpoint weights, activations not allocated); each rank computes with its tensor shard of
+  // its pipeline stage (parallel/model_parallel.h), the pipeline's stages run by the schedule's
+  // executor, and the whole model is rebuilt when checkpoints and the HF directory need it.
   std::unique_ptr<Model> whole;
   std::vector<std::pair<size_t, size_t>> tp_owned;
   std::unique_ptr<dist::Communicator> tp_device;  // device: cuda: the hooks' NCCL group (train/device_tp.h)
-  if (tp > 1) {
-    whole = std::move(model);
-    model = build_model(parallel::tensor_parallel_config(whole->config(), tp, r.parallel.sequence, tp_rank),
-                        ComputeSpec{&whole->backend(), whole->compute_dtype()});
-    parallel::scatter_shard(whole->params(), whole->param_data(), model->params(), model->param_data(), tp_rank, tp);
-    tp_device = attach_tensor_parallel_on_device(*model, *tp_group);  // parallel::attach_tensor_parallel on the CPU
-    model->allocate(B, T, 2, parse_recompute(r.recompute, r.source + ": recompute"));
-    tp_owned = parallel::owned_ranges(model->params(), tp_rank);
-  }
-  // Pipeline parallelism: this rank's stage of the whole model (parallel/pipeline_stage.h), run by
-  // the schedule's executor; the whole model is handled as with tensor parallelism below.
   parallel::PipelineLayout pl;
   std::unique_ptr<parallel::PipelineExecutor> pipe;
-  if (pp > 1) {
-    whole = std::move(model);
-    pl = parallel::pipeline_layout(r, whole->config().num_hidden_layers, whole->arch().tied_lm_head, pp_rank);
-    model = parallel::build_stage_model(*whole, pl);
-    parallel::scatter_stage(whole->params(), whole->param_data(), model->params(), model->param_data());
-    pipe = std::make_unique<parallel::PipelineExecutor>(*model, pl, *pp_group, B, T, 2,
-                                                        parse_recompute(r.recompute, r.source + ": recompute"));
-    tp_owned = parallel::stage_owned_ranges(pl, model->params());
-  }
+  std::unique_ptr<parallel::RankShare> share;
   const bool sharded = tp > 1 || pp > 1;
-  dist::Communicator* shard_group = tp > 1 ? tp_group.get() : pp_group.get();
+  if (sharded) {
+    whole = std::move(model);
+    if (pp > 1)
+      pl = parallel::pipeline_layout(r, whole->config().num_hidden_layers, whole->arch().tied_lm_head, pp_rank);
+    model = parallel::build_rank_model(*whole, tp, tp_rank, r.parallel.sequence, pp > 1 ? &pl : nullptr);
+    share = std::make_unique<parallel::RankShare>(whole->params(), model->params(), pp > 1 ? &pl : nullptr, tp_rank, tp,
+                                                  tp_group.get(), pp_group.get());
+    share->scatter(whole->param_data(), model->param_data());
+    // parallel::attach_tensor_parallel on the CPU; device: cuda the hooks on an NCCL group.
+    if (tp > 1) tp_device = attach_tensor_parallel_on_device(*model, *tp_group);
+    const Recompute rc = parse_recompute(r.recompute, r.source + ": recompute");
+    if (pp > 1)  // one activation arena per micro-batch the schedule holds at once
+      pipe = std::make_unique<parallel::PipelineExecutor>(*model, pl, *pp_group, B, T, 2, rc);
+    else
+      model->allocate(B, T, 2, rc);
+    tp_owned = share->owned_ranges();
+  }
+  // The ranks of one replica (tensor x pipeline): the gradient norm's group without ZeRO, and the
+  // barrier after a checkpoint.
+  dist::Communicator* shard_group = groups.model_group();
   // The whole model exists only while a checkpoint, an HF directory or a rollback needs it (rebuilt
   // here, without gradients): between those each rank holds its shard only, so per-rank memory
-  // falls with the tensor degree as `lathe plan` counts it.
+  // falls with the tensor and pipeline degrees as `lathe plan` counts it.
   const ModelConfig whole_cfg = (whole ? *whole : *model).config();
   const size_t whole_P = (whole ? *whole : *model).num_params();
   const double whole_flops_per_token = (whole ? *whole : *model).flops_per_token(T);
@@ -519,20 +511,10 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     if (sharded) whole.reset();
   };
   release_whole();  // the shards hold the weights now; a resume rebuilds it to read the moments
-  // Tensor or pipeline parallelism: a buffer laid out like the whole model's parameters from each
-  // rank's local one (collective over the shard group), and this rank's part of such a buffer.
-  auto gather_whole = [&](const float* local, float* global) {
-    if (tp > 1)
-      parallel::gather_global(*tp_group, ensure_whole().params(), model->params(), local, global);
-    else
-      parallel::gather_stages(*pp_group, pl, ensure_whole().params(), model->params(), local, global);
-  };
-  auto scatter_local = [&](const float* global, float* local) {
-    if (tp > 1)
-      parallel::scatter_shard(ensure_whole().params(), global, model->params(), local, tp_rank, tp);
-    else
-      parallel::scatter_stage(ensure_whole().params(), global, model->params(), local);
-  };
+  // A buffer laid out like the whole model's parameters from each rank's local one (collective over
+  // the replica), and this rank's part of such a buffer.
+  auto gather_whole = [&](const float* local, float* global) { share->gather(local, global); };
+  auto scatter_local = [&](const float* global, float* local) { share->scatter(global, local); };
   // The whole model with this replica's current weights (collective over the shard group).
   auto whole_model = [&]() -> Model& {
     if (!sharded) {
@@ -592,25 +574,10 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
       load_checkpoint_moments(dir, *model, mine);
       return;
     }
-    if (tp > 1) {
-      // Only the runs of each global moment that land in this rank's shard are read (train/reshard.h).
-      const CheckpointPieces pieces(dir);
-      load_moments_sharded(pieces, ensure_whole().params(), model->params(), tp_rank, tp, mine);
-      return;
-    }
-    // Pipeline: the whole model's moments, then this stage's tensors and its ZeRO shard.
-    std::vector<std::vector<float>> all(mine.buffers.size(), std::vector<float>(whole_P));
-    MomentSlice whole_slice;
-    whole_slice.begin = 0;
-    whole_slice.end = whole_P;
-    for (size_t i = 0; i < all.size(); ++i) whole_slice.buffers.push_back({mine.buffers[i].first, all[i].data()});
-    load_checkpoint_moments(dir, ensure_whole(), whole_slice);
-    std::vector<float> local(P);  // this tensor rank's moments of its whole local buffer, then its ZeRO shard
-    for (size_t i = 0; i < all.size(); ++i) {
-      scatter_local(all[i].data(), local.data());
-      std::copy(local.begin() + static_cast<std::ptrdiff_t>(state_b),
-                local.begin() + static_cast<std::ptrdiff_t>(state_e), mine.buffers[i].second);
-    }
+    // Only the runs of each global moment that land in this rank's tensors (its stage's, its
+    // tensor shard of them) and its ZeRO shard are read (train/reshard.h).
+    const CheckpointPieces pieces(dir);
+    load_moments_sharded(pieces, share->whole(), share->local(), tp_rank, tp, mine);
   };
   if (!ckpt.empty()) load_moments(ckpt);
   // device: cuda: norm and update on the device, moments staged through opt.local() (train/device_step.h).

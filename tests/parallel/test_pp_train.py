@@ -152,7 +152,6 @@ def main():
             parallel__pipeline=2, parallel__virtual_stages=3, training__grad_accum_steps=3)
     refused("virtual_without_pipeline", 1, ["parallel.virtual_stages", "parallel.pipeline > 1"],
             parallel__virtual_stages=2)
-    refused("pp_with_tp", 4, ["parallel.pipeline", "parallel.tensor = 2"], parallel__pipeline=2, parallel__tensor=2)
 
     shutil.rmtree(TMP, ignore_errors=True)
     if failures:
