@@ -442,16 +442,23 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   }
   log.ok(fmt::format("model {}: {} parameters", r.model.model_type, pf.model->num_params()));
   if (r.parallel.tensor > 1) {
-    // Heads, KV heads, the MLP width and the vocabulary must split evenly; the trainer builds each
-    // rank's model from this config and keeps pf.model (unallocated) as the whole model for checkpoints.
-    const ModelConfig shard = parallel::tensor_parallel_config(pf.model->config(), static_cast<int>(r.parallel.tensor),
-                                                               r.parallel.sequence);
-    log.ok(fmt::format(
-        "tensor parallel {}{}: {} of {} heads, {} of {} KV heads, MLP width {}, {} of {} vocabulary rows "
-        "per rank",
-        r.parallel.tensor, r.parallel.sequence ? " + sequence parallel" : "", shard.num_attention_heads,
-        pf.model->config().num_attention_heads, shard.num_key_value_heads, pf.model->config().num_key_value_heads,
-        shard.intermediate_size, shard.vocab_size, shard.global_vocab()));
+    // Heads, KV heads and the MLP width must split evenly (the vocabulary may split unevenly); the
+    // trainer builds each rank's model from this config and keeps pf.model (unallocated) as the
+    // whole model for checkpoints. Rank 0's config: the largest vocabulary shard.
+    const ModelConfig shard =
+        parallel::tensor_parallel_config(pf.model->config(), static_cast<int>(r.parallel.tensor), r.parallel.sequence);
+    const int64_t last_rows = parallel::vocab_shard(shard.global_vocab(), static_cast<int>(r.parallel.tensor),
+                                                    static_cast<int>(r.parallel.tensor) - 1)
+                                  .rows;
+    log.ok(
+        fmt::format("tensor parallel {}{}: {} of {} heads, {} of {} KV heads, MLP width {}, {} of {} vocabulary rows "
+                    "per rank",
+                    r.parallel.tensor, r.parallel.sequence ? " + sequence parallel" : "", shard.num_attention_heads,
+                    pf.model->config().num_attention_heads, shard.num_key_value_heads,
+                    pf.model->config().num_key_value_heads, shard.intermediate_size,
+                    last_rows == shard.vocab_size ? fmt::format("{}", shard.vocab_size)
+                                                  : fmt::format("{} (first ranks) or {}", shard.vocab_size, last_rows),
+                    shard.global_vocab()));
     // One rank's figure (its shard of the parameters, its activations; sequence parallelism's saving).
     log.ok(fmt::format("memory per tensor-parallel rank: {}",
                        estimate_memory(shard, B, T, kMoments, r.parallel.zero > 0 ? data : 1, spec.dtype, rc)

@@ -397,89 +397,96 @@ void host_all_reduce(void* ctx, double* buf, int64_t count, bool max) {
 
 TEST(CudaFusedOps, LmHeadLossVocabParallelMatchesTheWholeVocabulary) {
   REQUIRE_GPU();
-  const int64_t N = 29, C = 32, V = 302, Vh = V / 2, R = 8;
-  const float grad_scale = 1.0f / 25.0f;
-  std::vector<int32_t> targets(N);
-  std::mt19937 rng(9);
-  for (int64_t n = 0; n < N; ++n) targets[n] = (n % 5 == 2) ? -1 : static_cast<int32_t>(rng() % V);
-  const std::vector<float> x = randn(N * C, 61), w = randn(V * C, 62, 0.3f), dw0 = randn(V * C, 63, 0.01f);
-  Dev d_x(x.size() * 4), d_t(N * 4);
-  d_x.put(x);
-  d_t.put(targets);
+  // 302 rows: two shards of 151; 301: uneven shards of 151 + 150 rows (parallel::vocab_shard's rule,
+  // a vocabulary the tensor degree does not divide).
+  for (const int64_t V : {int64_t{302}, int64_t{301}}) {
+    SCOPED_TRACE(V);
+    const int64_t N = 29, C = 32, R = 8;
+    const int64_t rows[2] = {(V + 1) / 2, V / 2}, begin[2] = {0, (V + 1) / 2};
+    const float grad_scale = 1.0f / 25.0f;
+    std::vector<int32_t> targets(N);
+    std::mt19937 rng(9);
+    for (int64_t n = 0; n < N; ++n) targets[n] = (n % 5 == 2) ? -1 : static_cast<int32_t>(rng() % V);
+    const std::vector<float> x = randn(N * C, 61), w = randn(V * C, 62, 0.3f), dw0 = randn(V * C, 63, 0.01f);
+    Dev d_x(x.size() * 4), d_t(N * 4);
+    d_x.put(x);
+    d_t.put(targets);
 
-  // The whole vocabulary on one "rank" (and, as a first check, through the vocab-parallel path with
-  // one shard and an identity all-reduce: the same bits).
-  std::vector<float> whole_losses, whole_dx, whole_dw;
-  double whole = 0.0;
-  for (bool one_shard : {false, true}) {
-    Dev d_w(w.size() * 4), d_losses(N * 4), d_dx(N * C * 4), d_dw(dw0.size() * 4),
-        d_scratch(cuda::lm_head_loss_scratch_bytes<DType::F32>(R, V));
-    d_w.put(w);
-    d_dw.put(dw0);
-    VocabParallel vp;
-    vp.vocab_begin = 0;
-    vp.global_V = V;
-    const double got =
-        cuda::lm_head_loss<DType::F32>(d_losses.as<float>(), d_dx.p, d_dw.as<float>(), d_x.p, d_w.p, d_t.as<int32_t>(),
-                                       N, C, V, grad_scale, true, d_scratch.p, R, one_shard ? &vp : nullptr);
-    if (!one_shard) {
-      whole = got;
-      whole_losses = d_losses.get<float>(N);
-      whole_dx = d_dx.get<float>(N * C);
-      whole_dw = d_dw.get<float>(dw0.size());
-    } else {
-      EXPECT_EQ(got, whole);
-      EXPECT_TRUE(d_losses.get<float>(N) == whole_losses);
-      EXPECT_TRUE(d_dx.get<float>(N * C) == whole_dx);
-      EXPECT_TRUE(d_dw.get<float>(dw0.size()) == whole_dw);
-    }
-  }
-
-  // Two shards of Vh rows each, in two threads.
-  TwoRankGroup group;
-  double sums[2] = {0.0, 0.0};
-  std::vector<float> losses[2], dx[2], dw[2];
-  std::string errors[2];
-  auto rank_main = [&](int r) {
-    try {
-      RankCtx ctx{&group, r};
+    // The whole vocabulary on one "rank" (and, as a first check, through the vocab-parallel path with
+    // one shard and an identity all-reduce: the same bits).
+    std::vector<float> whole_losses, whole_dx, whole_dw;
+    double whole = 0.0;
+    for (bool one_shard : {false, true}) {
+      Dev d_w(w.size() * 4), d_losses(N * 4), d_dx(N * C * 4), d_dw(dw0.size() * 4),
+          d_scratch(cuda::lm_head_loss_scratch_bytes<DType::F32>(R, V));
+      d_w.put(w);
+      d_dw.put(dw0);
       VocabParallel vp;
-      vp.vocab_begin = r * Vh;
+      vp.vocab_begin = 0;
       vp.global_V = V;
-      vp.all_reduce = host_all_reduce;
-      vp.ctx = &ctx;
-      const std::vector<float> w_r(w.begin() + r * Vh * C, w.begin() + (r + 1) * Vh * C);
-      const std::vector<float> dw_r(dw0.begin() + r * Vh * C, dw0.begin() + (r + 1) * Vh * C);
-      Dev d_w(w_r.size() * 4), d_losses(N * 4), d_dx(N * C * 4), d_dw(dw_r.size() * 4),
-          d_scratch(cuda::lm_head_loss_scratch_bytes<DType::F32>(R, Vh));
-      d_w.put(w_r);
-      d_dw.put(dw_r);
-      sums[r] = cuda::lm_head_loss<DType::F32>(d_losses.as<float>(), d_dx.p, d_dw.as<float>(), d_x.p, d_w.p,
-                                               d_t.as<int32_t>(), N, C, Vh, grad_scale, true, d_scratch.p, R, &vp);
-      losses[r] = d_losses.get<float>(N);
-      dx[r] = d_dx.get<float>(N * C);
-      dw[r] = d_dw.get<float>(dw_r.size());
-    } catch (const std::exception& e) {
-      errors[r] = e.what();
+      const double got = cuda::lm_head_loss<DType::F32>(d_losses.as<float>(), d_dx.p, d_dw.as<float>(), d_x.p, d_w.p,
+                                                        d_t.as<int32_t>(), N, C, V, grad_scale, true, d_scratch.p, R,
+                                                        one_shard ? &vp : nullptr);
+      if (!one_shard) {
+        whole = got;
+        whole_losses = d_losses.get<float>(N);
+        whole_dx = d_dx.get<float>(N * C);
+        whole_dw = d_dw.get<float>(dw0.size());
+      } else {
+        EXPECT_EQ(got, whole);
+        EXPECT_TRUE(d_losses.get<float>(N) == whole_losses);
+        EXPECT_TRUE(d_dx.get<float>(N * C) == whole_dx);
+        EXPECT_TRUE(d_dw.get<float>(dw0.size()) == whole_dw);
+      }
     }
-  };
-  std::thread t1(rank_main, 1);
-  rank_main(0);
-  t1.join();
-  ASSERT_EQ(errors[0], "");
-  ASSERT_EQ(errors[1], "");
-  // Losses: the whole row's statistics on every rank; only the exp sum's order differs.
-  EXPECT_EQ(sums[0], sums[1]);
-  EXPECT_NEAR(sums[0], whole, 1e-5 * std::fabs(whole));
-  expect_close(losses[0], whole_losses, 5e-5, "rank 0 losses");
-  EXPECT_TRUE(losses[0] == losses[1]);
-  // dx: the shards' partial products add up to the whole; dw: each shard's rows.
-  std::vector<float> dx_sum(N * C);
-  for (int64_t i = 0; i < N * C; ++i) dx_sum[i] = dx[0][i] + dx[1][i];
-  expect_close(dx_sum, whole_dx, 5e-5, "dx summed over the shards");
-  std::vector<float> dw_cat = dw[0];
-  dw_cat.insert(dw_cat.end(), dw[1].begin(), dw[1].end());
-  expect_close(dw_cat, whole_dw, 5e-5, "dw of the shards");
+
+    // Two shards of rows[r] rows at begin[r], in two threads.
+    TwoRankGroup group;
+    double sums[2] = {0.0, 0.0};
+    std::vector<float> losses[2], dx[2], dw[2];
+    std::string errors[2];
+    auto rank_main = [&](int r) {
+      try {
+        RankCtx ctx{&group, r};
+        VocabParallel vp;
+        vp.vocab_begin = begin[r];
+        vp.global_V = V;
+        vp.all_reduce = host_all_reduce;
+        vp.ctx = &ctx;
+        const std::vector<float> w_r(w.begin() + begin[r] * C, w.begin() + (begin[r] + rows[r]) * C);
+        const std::vector<float> dw_r(dw0.begin() + begin[r] * C, dw0.begin() + (begin[r] + rows[r]) * C);
+        Dev d_w(w_r.size() * 4), d_losses(N * 4), d_dx(N * C * 4), d_dw(dw_r.size() * 4),
+            d_scratch(cuda::lm_head_loss_scratch_bytes<DType::F32>(R, rows[r]));
+        d_w.put(w_r);
+        d_dw.put(dw_r);
+        sums[r] =
+            cuda::lm_head_loss<DType::F32>(d_losses.as<float>(), d_dx.p, d_dw.as<float>(), d_x.p, d_w.p,
+                                           d_t.as<int32_t>(), N, C, rows[r], grad_scale, true, d_scratch.p, R, &vp);
+        losses[r] = d_losses.get<float>(N);
+        dx[r] = d_dx.get<float>(N * C);
+        dw[r] = d_dw.get<float>(dw_r.size());
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    };
+    std::thread t1(rank_main, 1);
+    rank_main(0);
+    t1.join();
+    ASSERT_EQ(errors[0], "");
+    ASSERT_EQ(errors[1], "");
+    // Losses: the whole row's statistics on every rank; only the exp sum's order differs.
+    EXPECT_EQ(sums[0], sums[1]);
+    EXPECT_NEAR(sums[0], whole, 1e-5 * std::fabs(whole));
+    expect_close(losses[0], whole_losses, 5e-5, "rank 0 losses");
+    EXPECT_TRUE(losses[0] == losses[1]);
+    // dx: the shards' partial products add up to the whole; dw: each shard's rows.
+    std::vector<float> dx_sum(N * C);
+    for (int64_t i = 0; i < N * C; ++i) dx_sum[i] = dx[0][i] + dx[1][i];
+    expect_close(dx_sum, whole_dx, 5e-5, "dx summed over the shards");
+    std::vector<float> dw_cat = dw[0];
+    dw_cat.insert(dw_cat.end(), dw[1].begin(), dw[1].end());
+    expect_close(dw_cat, whole_dw, 5e-5, "dw of the shards");
+  }
 }
 
 // ---- optimizers and gradient norm ------------------------------------------------------------------

@@ -77,6 +77,12 @@ def uneven_vocab(data):
     sp = train(2, data, "gpt2-debug", "gpt2_v50257_tp2_sp", parallel__sequence=True, parallel__tensor=2, **kw)
     check(series(sp, "loss") == series(tp2, "loss") and series(sp, "grad_norm") == series(tp2, "grad_norm"),
           "gpt2 vocab 50257: TP=2 + sequence parallel gives TP=2's losses and gradient norms bit for bit")
+    # DP=2 x TP=2 with ZeRO 1 on 4 ranks: each data-parallel group holds one tensor rank's (uneven) buffer.
+    one4 = train(1, data, "gpt2-debug", "gpt2_v50257_one_b4", training__grad_accum_steps=4, model__vocab_size=V)
+    z = train(4, data, "gpt2-debug", "gpt2_v50257_dp2_tp2_zero1", parallel__tensor=2, parallel__zero=1,
+              model__vocab_size=V)
+    e = max(rel(series(z, "loss"), series(one4, "loss")), rel(series(z, "grad_norm"), series(one4, "grad_norm")))
+    check(e <= 1e-5, f"gpt2 vocab 50257: DP=2 x TP=2 ZeRO 1 losses and gradient norms match one process (max rel {e:.2e})")
     # The checkpoints hold the whole model (exactly V rows): TP=2 -> one process and one process -> TP=2.
     for src, np_, name in ((tp2, 1, "TP=2 -> one process"), (one, 2, "one process -> TP=2")):
         dst = os.path.join(TMP, "gpt2_v50257_" + name.replace(" ", "_").replace("=", "").replace(">", ""))
@@ -95,6 +101,48 @@ def uneven_vocab(data):
     ckw = load_file(os.path.join(ck, "model.safetensors"))
     check(ckw["transformer.wte.weight"].shape == (V, 48), "gpt2 vocab 50257: the TP=2 checkpoint's wte has exactly "
           f"{V} rows ({ckw['transformer.wte.weight'].shape})")
+    # What a user does: `init_from` a Hugging Face GPT-2 directory with 50257 rows, no edit of the
+    # model, at TP=2 (made here with transformers' GPT2Config, random weights: no download). The HF
+    # model written at the end loads in transformers with exactly 50257 rows and matches one process.
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        transformers = None
+    if transformers is None:
+        check(False, "gpt2 vocab 50257 init_from: transformers is needed (scripts/requirements-test.txt)")
+    else:
+        torch.manual_seed(0)
+        hf = os.path.join(TMP, "hf_gpt2_v50257")
+        transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=48, n_head=4, vocab_size=V,
+                                                             n_positions=128)).save_pretrained(hf)
+        outs = []
+        for np_, name in ((1, "init_one"), (2, "init_tp2")):
+            out = os.path.join(TMP, "gpt2_v50257_" + name)
+            path = recipe(data, "gpt2-debug", out, steps=5, **({"parallel__tensor": 2} if np_ == 2 else {}))
+            r = json.load(open(path))
+            r["model"] = {"init_from": hf}
+            json.dump(r, open(path, "w"))
+            p, _ = run(np_, ["train", path, "--quiet"])
+            check(p.returncode == 0, f"gpt2 vocab 50257: init_from an HF GPT-2 trains on {np_} process(es)" +
+                  ("" if p.returncode == 0 else p.stderr[-800:]))
+            outs.append(out)
+        if all(os.path.isfile(os.path.join(o, "metrics.jsonl")) for o in outs):
+            e = rel(series(outs[1], "loss"), series(outs[0], "loss"))
+            check(e <= 1e-5, f"gpt2 vocab 50257 init_from: TP=2 losses over 5 steps match one process (max rel {e:.2e})")
+            m = transformers.GPT2LMHeadModel.from_pretrained(os.path.join(outs[1], "model"))
+            check(m.transformer.wte.weight.shape[0] == V and m.config.vocab_size == V,
+                  f"gpt2 vocab 50257 init_from: transformers loads the TP=2 run's HF model with {V} rows")
+            # The split tensor itself within 1e-4 of its largest magnitude, as above. Every tensor within
+            # 1e-3: HF's init zeroes the biases, so after 5 AdamW steps their largest magnitude is only
+            # ~1e-2 and an element whose gradient is ~0 turns summation-order noise into +-lr steps
+            # (measured: c_fc.bias 1.7e-4 of its max, 1.7e-6 absolute; the losses agree to ~4e-9).
+            wa, wb = weights(outs[1])["transformer.wte.weight"], weights(outs[0])["transformer.wte.weight"]
+            e = float(np.max(np.abs(wa - wb)) / np.max(np.abs(wb)))
+            check(e <= 1e-4, f"gpt2 vocab 50257 init_from: TP=2 final wte matches one process ({e:.2e} <= 1e-4)")
+            ok, worst = weights_close(outs[1], outs[0], 1e-3)
+            check(ok, f"gpt2 vocab 50257 init_from: TP=2 final weights match one process (worst {worst:.2e} <= 1e-3)")
+
     # Offline reshard TP=2 -> one process -> TP=2: byte-identical files to TP=2 -> TP=2.
     def reshard(src, dst, *args):
         p, _ = run(1, ["checkpoint", "reshard", src, "--to", dst, *args])
