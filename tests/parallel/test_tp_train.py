@@ -77,6 +77,12 @@ def uneven_vocab(data):
     sp = train(2, data, "gpt2-debug", "gpt2_v50257_tp2_sp", parallel__sequence=True, parallel__tensor=2, **kw)
     check(series(sp, "loss") == series(tp2, "loss") and series(sp, "grad_norm") == series(tp2, "grad_norm"),
           "gpt2 vocab 50257: TP=2 + sequence parallel gives TP=2's losses and gradient norms bit for bit")
+    # TP=2 x PP=2 on 4 ranks (the same global batch as `one`): the tied wte's uneven shards on the first
+    # and the last stage.
+    tpp = train(4, data, "gpt2-debug", "gpt2_v50257_tp2_pp2", parallel__tensor=2, parallel__pipeline=2,
+                model__vocab_size=V)
+    e = max(rel(series(tpp, "loss"), series(one, "loss")), rel(series(tpp, "grad_norm"), series(one, "grad_norm")))
+    check(e <= 1e-5, f"gpt2 vocab 50257: TP=2 x PP=2 losses and gradient norms match one process (max rel {e:.2e})")
     # DP=2 x TP=2 with ZeRO 1 on 4 ranks: each data-parallel group holds one tensor rank's (uneven) buffer.
     one4 = train(1, data, "gpt2-debug", "gpt2_v50257_one_b4", training__grad_accum_steps=4, model__vocab_size=V)
     z = train(4, data, "gpt2-debug", "gpt2_v50257_dp2_tp2_zero1", parallel__tensor=2, parallel__zero=1,
