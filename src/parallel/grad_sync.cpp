@@ -39,6 +39,7 @@ GradSync::~GradSync() {
 void GradSync::issue(Bucket& b) {
   b.issued = true;
   if (dp_.size() == 1) return;
+  if (before_issue_) before_issue_();
   float* p = grads_ + b.begin;
   const size_t index = static_cast<size_t>(&b - buckets_.data());
   if (zero_ == 0) {

@@ -21,6 +21,7 @@
 // resident at the peak; with one micro-batch, buckets are released as their reductions finish.
 #pragma once
 #include <cstddef>
+#include <functional>
 #include <map>
 #include <vector>
 
@@ -44,6 +45,11 @@ class GradSync {
   double finish();
 
   size_t num_buckets() const { return buckets_.size(); }
+  // Called right before each bucket's reduction is issued. A device-resident model's gradients
+  // are written by kernels still queued when backward reports them: train/device_dp.h synchronises
+  // the compute stream here (grads then points to device memory, zero must not be 2 and
+  // zero_grads is not used: both touch the buffer from the host).
+  void set_before_issue(std::function<void()> f) { before_issue_ = std::move(f); }
   // Zeroes the gradients before a step's first micro-batch: the whole buffer, or for zero 2 only
   // the shard (the rest was zeroed when it was released).
   void zero_grads();
@@ -69,6 +75,7 @@ class GradSync {
   };
   std::vector<InFlight> inflight_;
   std::map<size_t, size_t> reported_;  // begin -> end of the ranges reported this step
+  std::function<void()> before_issue_;
 };
 
 // Global L2 norm of the reduced gradients when each rank holds only its shard (zero >= 1):

@@ -154,7 +154,7 @@ DeviceOptimizer::DeviceOptimizer(Model& model, const optim::OptimConfig& cfg, st
 
 DeviceOptimizer::~DeviceOptimizer() = default;
 
-double DeviceOptimizer::reduce_grads() { return dp_ ? dp_->reduce_grads(model_.backend_grad_data()) : 0.0; }
+double DeviceOptimizer::reduce_grads() { return dp_ ? dp_->reduce_grads() : 0.0; }
 
 void DeviceOptimizer::set_grad_norm_group(dist::Communicator& group, std::vector<std::pair<size_t, size_t>> owned) {
   norm_group_ = &group;
@@ -239,8 +239,10 @@ std::unique_ptr<DeviceOptimizer> make_device_optimizer(Model& model, const Recip
     auto group =
         on_host ? dp.split(0, dp.rank(), dp.name() + "-device") : dist::make_nccl_communicator(dp, k->device_index());
     const size_t bucket_elems = static_cast<size_t>(std::max(1.0, r.parallel.bucket_mb * (1 << 20) / 4));
+    const char* ov = std::getenv("LATHE_DEVICE_DP_OVERLAP");
     ddp = std::make_unique<DeviceDataParallel>(dp, std::move(group), opt.shards(), opt.zero(), bucket_elems,
-                                               model.backend());
+                                               model.backend(), model.backend_grad_data(),
+                                               !(ov && std::string(ov) == "0"));
   }
   return std::make_unique<DeviceOptimizer>(model, optimizer_config(r), std::move(ranges), opt.local(), std::move(ddp),
                                            k);

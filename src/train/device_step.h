@@ -69,8 +69,12 @@ class DeviceOptimizer {
                   optim::Optimizer& host, std::unique_ptr<DeviceDataParallel> dp = nullptr,
                   const StepKernels* kernels = nullptr);
   ~DeviceOptimizer();
-  // After the step's backward: the data-parallel reduction of the backend gradients (device
-  // group); the seconds it took (0 in one process).
+  // From the model's grads_ready hook (the step's last backward): buckets reduced as they fill.
+  void grads_ready(size_t begin, size_t end) {
+    if (dp_) dp_->grads_ready(begin, end);
+  }
+  // After the step's backward: the rest of the data-parallel reduction of the backend gradients
+  // (device group); the seconds spent waiting (0 in one process).
   double reduce_grads();
   // The global gradient norm (fp64 sums in fixed chunk order: the same chunks as
   // optim::global_grad_norm); under ZeRO each rank's chunk sums of its shard, gathered over the
@@ -105,6 +109,8 @@ class DeviceOptimizer {
 // several ranks (`dp`, host memory: MPI), bootstraps an NCCL group of the same ranks on this
 // process's GPU (collective over `dp`) and reduces over it with opt's shards and ZeRO stage
 // (buckets of r.parallel.bucket_mb). `dp` and `opt` must outlive the result.
+// LATHE_DEVICE_DP_OVERLAP=0 reduces the buckets after backward instead of from the grads_ready
+// hook during it (train/device_dp.h).
 // Test hook: LATHE_TEST_DEVICE_PATH_ON_HOST=1 sends a CPU model without tensor or pipeline
 // parallelism through this path too (host_step_kernels, a second host group standing in for NCCL),
 // so the trainer's device wiring is tested end to end on the CPU: its results must be bit-identical

@@ -606,6 +606,10 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
       if (sync_this_pass) sync->ready(b, e);
     };
   }
+  if (dp > 1 && dev_opt)  // device: cuda: buckets reduced over NCCL as backward fills them (train/device_dp.h)
+    model->hooks().grads_ready = [&](size_t b, size_t e) {
+      if (sync_this_pass) dev_opt->grads_ready(b, e);
+    };
 
   int64_t start_step = 0;
   if (!ckpt.empty()) {

@@ -4,7 +4,8 @@
 // Oracle: the CPU trainer's own data parallelism (GradSync + ShardedOptimizer) on the same
 // gradients. Over threads both reduce in rank order, so the norms, the updated weights and the
 // moments (what a checkpoint stages) must be BIT-identical for DP = 2 and 3, ZeRO 0/1/2, AdamW and
-// LAMB. Also checked: which communicator carries what (bucket reductions and the weights'
+// LAMB, with the buckets issued after backward (step 1) and from grads_ready as backward reports
+// ranges (step 2). Also checked: which communicator carries what (bucket reductions and the weights'
 // all-gather on the device group, only scalars on the host group), the refusals of
 // check_device_layout naming the key, and mismatched groups refused.
 // What only a GPU can check (NCCL's sums, the real bootstrap, DP=2 device vs DP=2 CPU within
@@ -86,8 +87,8 @@ TEST_P(DeviceDp, BitIdenticalToTheCpuDataParallelPath) {
     dist::Communicator* dev_comm = dev_group.get();
     parallel::ShardedOptimizer staging(world, cfg, P, ranges, c.zero);  // the trainer's `opt`: host staging only
     auto ddp = std::make_unique<DeviceDataParallel>(world, std::move(dev_group), staging.shards(), c.zero, c.bucket,
-                                                    model->backend());
-    EXPECT_EQ(ddp->buckets().size(), sync.num_buckets());
+                                                    model->backend(), model->backend_grad_data());
+    EXPECT_EQ(ddp->num_buckets(), sync.num_buckets());
     DeviceOptimizer dev(*model, cfg, ranges, staging.local(), std::move(ddp), host_step_kernels());
     EXPECT_EQ(staging.state_begin(), dev.data_parallel()->state_begin());
     for (int step = 1; step <= 2; ++step) {
@@ -101,6 +102,12 @@ TEST_P(DeviceDp, BitIdenticalToTheCpuDataParallelPath) {
       ref_opt.step(ref_params.data(), ref_grads.data(), 1e-3, step, coef);
 
       const uint64_t host0 = world.issued(), dev0 = dev_comm->issued();
+      if (step == 2) {  // as backward reports them (last tensors first): buckets issued as they fill
+        const auto& specs = model->params().specs();
+        for (auto it = specs.rbegin(); it != specs.rend(); ++it)
+          dev.grads_ready(it->offset, it->offset + static_cast<size_t>(it->numel()));
+        EXPECT_EQ(dev_comm->issued() - dev0, sync.num_buckets()) << "every bucket issued from grads_ready";
+      }  // step 1: all of them in reduce_grads
       dev.reduce_grads();
       const double norm = dev.grad_norm();
       dev.step(1e-3, step, coef);
@@ -143,8 +150,9 @@ TEST(DeviceDpGroups, MismatchedDeviceGroupIsRefused) {
   dist::run_threads(2, [](dist::Communicator& world) {
     parallel::FlatShards shards(100000, 2, 8192);
     auto alone = world.split(world.rank(), 0, "alone");  // one rank each: not the host group
+    std::vector<float> grads(100000);
     const std::string e =
-        error_of([&] { DeviceDataParallel d(world, std::move(alone), shards, 1, 1000, cpu_backend()); });
+        error_of([&] { DeviceDataParallel d(world, std::move(alone), shards, 1, 1000, cpu_backend(), grads.data()); });
     EXPECT_NE(e.find("is not the host group"), std::string::npos) << e;
   });
 }

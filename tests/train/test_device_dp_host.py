@@ -26,10 +26,10 @@ TRAINING = {"micro_batch_size": 2, "seq_len": 32, "grad_accum_steps": 2, "steps"
 DEVICE_ENV = dict(ENV, LATHE_TEST_DEVICE_PATH_ON_HOST="1")
 
 
-def train(np_, data, name, device_path, extra=(), **kw):
+def train(np_, data, name, device_path, extra=(), env=None, **kw):
     out = os.path.join(TMP, name)
     r = mpi_train.write_recipe(data, "gpt2-debug", out, TRAINING, **kw)
-    p, dt = run(np_, ["train", r, "--quiet", *extra], env=DEVICE_ENV if device_path else ENV)
+    p, dt = run(np_, ["train", r, "--quiet", *extra], env=dict(DEVICE_ENV if device_path else ENV, **(env or {})))
     if p.returncode != 0:
         print(p.stdout[-2000:], p.stderr[-3000:])
     check(p.returncode == 0, f"{name}: mpirun -np {np_} trains ({dt:.1f} s)")
@@ -52,6 +52,9 @@ def main():
         cpu = train(2, data, f"cpu_zero{z}", False, parallel__zero=z)
         dev = train(2, data, f"dev_zero{z}", True, parallel__zero=z)
         check(same(dev, cpu), f"DP=2 ZeRO {z}: the device path's losses and final weights are bit-identical to the CPU path's")
+    # Buckets reduced after backward instead of from the grads_ready hook (train/device_dp.h).
+    dev = train(2, data, "dev_zero1_after", True, env={"LATHE_DEVICE_DP_OVERLAP": "0"}, parallel__zero=1)
+    check(same(dev, os.path.join(TMP, "cpu_zero1")), "DP=2 ZeRO 1, LATHE_DEVICE_DP_OVERLAP=0: bit-identical to the CPU path")
     cpu = train(2, data, "cpu_lamb", False, parallel__zero=1, optimizer__name="lamb")
     dev = train(2, data, "dev_lamb", True, parallel__zero=1, optimizer__name="lamb")
     check(same(dev, cpu), "DP=2 ZeRO 1 LAMB: bit-identical to the CPU path")

@@ -17,7 +17,8 @@ With >= 2 GPUs (gpt2-debug, fp32, 10 AdamW steps, global batch 8 = 2 ranks x 2 x
   * device DP=2 ZeRO 1 and 2 vs device ZeRO 0: losses within 1e-5 relative (NCCL's reduce-scatter
     and all-reduce may add in different orders; the update is elementwise).
   * device DP=2 vs device in one process with the same global batch: within the CPU tolerance.
-  * two device DP=2 ZeRO 1 runs with NCCL_ALGO=Ring NCCL_PROTO=Simple: bit-identical weights.
+  * two device DP=2 ZeRO 1 runs with NCCL_ALGO=Ring NCCL_PROTO=Simple: bit-identical weights, and
+    so is a run reducing its buckets after backward (LATHE_DEVICE_DP_OVERLAP=0) instead of during.
   * a device DP=2 ZeRO 1 checkpoint (step 5) resumes on the CPU in one process and finishes
     within the CPU tolerance of the uninterrupted device run (checkpoints are host fp32).
   * LAMB with ZeRO 1 on the device trains (finite losses within 1e-3 of the CPU DP=2 LAMB run).
@@ -135,6 +136,14 @@ def checks(data, n):
     blob = lambda d: open(os.path.join(d, "model", "model.safetensors"), "rb").read()  # noqa: E731
     check(blob(a) == blob(b) and series(a, "loss") == series(b, "loss"),
           "two device DP=2 ZeRO 1 runs (NCCL_ALGO=Ring NCCL_PROTO=Simple): bit-identical")
+    # Buckets issued from the grads_ready hook during backward (default) vs all after backward: the
+    # same reductions in the same order, so the same bits (a missing stream synchronisation before
+    # a bucket would show here as different sums).
+    c = train(2, data, "ring_after", "cuda", env=dict(ring, LATHE_DEVICE_DP_OVERLAP="0"), parallel__zero=1)
+    check(blob(a) == blob(c) and series(a, "loss") == series(c, "loss"),
+          "buckets reduced during backward vs after it (LATHE_DEVICE_DP_OVERLAP=0): bit-identical")
+    ms = lambda d: sorted(series(d, "ms_per_step"))[len(series(d, "ms_per_step")) // 2]  # noqa: E731
+    print(f"median ms per step, gpt2-debug DP=2: overlapped {ms(a):.2f}, after backward {ms(c):.2f}", flush=True)
 
     # A device DP=2 ZeRO 1 checkpoint resumes on the CPU in one process (global batch kept).
     ck = train(2, data, "ck", "cuda", extra=("--stop-after", "5"), parallel__zero=1, output__checkpoint_every=5)
