@@ -6,6 +6,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -275,14 +276,59 @@ void Communicator::reduce_scatter_now(const void* send, void* recv, const std::v
     return;
   }
   // Everyone sends segment j to rank j; rank j receives its segment from every rank, in rank
-  // order, and sums them in that order: the same bits whatever the transport does.
-  std::vector<size_t> send_bytes(counts.size()), recv_bytes(counts.size(), mine * es);
-  for (size_t j = 0; j < counts.size(); ++j) send_bytes[j] = counts[j] * es;
-  std::vector<char> gathered(mine * es * static_cast<size_t>(size_));
-  do_all_to_all(send, send_bytes, gathered.data(), recv_bytes);
-  if (!mine) return;
-  std::memcpy(recv, gathered.data(), mine * es);
-  for (int i = 1; i < size_; ++i) combine(dtype, recv, gathered.data() + static_cast<size_t>(i) * mine * es, mine, op);
+  // order, and sums them in that order: the same bits whatever the transport does, and whatever
+  // the pieces below (each element is still the rank-order sum of the same values).
+  // Pieces: round k exchanges elements [k*piece, (k+1)*piece) of every segment, so the staging
+  // (the pieces packed to send + the pieces received) stays within kReduceStagingBytes instead of
+  // the whole send size (a 25 MB ZeRO bucket staged 50 MB on 2 ranks). The piece depends only on
+  // the counts, the group and the dtype: every rank runs the same rounds. Writing recv's piece k
+  // before round k+1 reads send is safe when recv is disjoint from send or is exactly this rank's
+  // segment of it (round k has read that piece); any other overlap collects the result apart
+  // (counts[rank] elements) and copies it into recv at the end.
+  const int n = size_;
+  std::vector<size_t> offset(static_cast<size_t>(n) + 1, 0);
+  size_t most = 0;
+  for (size_t j = 0; j < counts.size(); ++j) {
+    offset[j + 1] = offset[j] + counts[j];
+    most = std::max(most, counts[j]);
+  }
+  const auto in = reinterpret_cast<uintptr_t>(send), out = reinterpret_cast<uintptr_t>(recv);
+  const uintptr_t own = in + offset[static_cast<size_t>(rank_)] * es;
+  const bool direct = out + mine * es <= in || out >= in + offset.back() * es || out == own;
+  std::vector<char> apart(direct ? 0 : mine * es);
+  char* result = direct ? static_cast<char*>(recv) : apart.data();
+  const size_t piece = std::max<size_t>(1, kReduceStagingBytes / 2 / es / static_cast<size_t>(n));
+  const size_t rounds = std::max<size_t>(1, (most + piece - 1) / piece);
+  std::vector<size_t> send_bytes(counts.size()), recv_bytes(counts.size());
+  std::vector<char> packed, gathered;
+  for (size_t k = 0; k < rounds; ++k) {
+    const size_t lo = k * piece;
+    auto part = [&](size_t j) { return counts[j] > lo ? std::min(piece, counts[j] - lo) : size_t{0}; };
+    const size_t m = part(static_cast<size_t>(rank_));
+    const char* src = static_cast<const char*>(send);
+    if (rounds > 1) {  // this round's piece of every segment, back to back
+      size_t at = 0;
+      for (size_t j = 0; j < counts.size(); ++j) at += part(j) * es;
+      packed.resize(at);
+      at = 0;
+      for (size_t j = 0; j < counts.size(); ++j) {
+        if (part(j)) std::memcpy(packed.data() + at, src + (offset[j] + lo) * es, part(j) * es);
+        at += part(j) * es;
+      }
+      src = packed.data();
+    }
+    for (size_t j = 0; j < counts.size(); ++j) {
+      send_bytes[j] = part(j) * es;
+      recv_bytes[j] = m * es;
+    }
+    gathered.resize(m * es * static_cast<size_t>(n));
+    do_all_to_all(src, send_bytes, gathered.data(), recv_bytes);
+    if (!m) continue;
+    char* dst = result + lo * es;
+    std::memcpy(dst, gathered.data(), m * es);
+    for (int i = 1; i < n; ++i) combine(dtype, dst, gathered.data() + static_cast<size_t>(i) * m * es, m, op);
+  }
+  if (!direct && mine) std::memcpy(recv, apart.data(), mine * es);
 }
 
 WorkPtr Communicator::all_reduce_async(void* buf, size_t count, DType dtype, ReduceOp op) {

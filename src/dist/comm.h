@@ -97,10 +97,16 @@ class Communicator {
   // ---- collectives (blocking; each has an _async twin) ----
   // In place over `count` elements of `dtype` (F32, F64, I32, I64), reduced in rank order.
   void all_reduce(void* buf, size_t count, DType dtype, ReduceOp op = ReduceOp::Sum);
+  // Host reductions (all_reduce, reduce_scatter without an implementation's own): the largest
+  // temporary buffers one call holds, the pieces sent plus those received (`lathe plan` counts it).
+  static constexpr size_t kReduceStagingBytes = size_t{16} << 20;
   WorkPtr all_reduce_async(void* buf, size_t count, DType dtype, ReduceOp op = ReduceOp::Sum);
   // send holds sum(counts) elements; rank r receives the reduction of segment r (counts[r]
   // elements, segments back to back in rank order) into recv. Uneven counts allowed. recv may
-  // overlap send (the data are exchanged before any output is written).
+  // overlap send (the data are exchanged before any output is written). The host path stages at
+  // most kReduceStagingBytes at a time (pieces of every segment exchanged in rounds) when recv is
+  // disjoint from send or is exactly this rank's segment of it (the in-place use of all_reduce and
+  // the ZeRO gradient buckets); other overlaps stage the whole exchange at once.
   void reduce_scatter(const void* send, void* recv, const std::vector<size_t>& counts, DType dtype,
                       ReduceOp op = ReduceOp::Sum);
   WorkPtr reduce_scatter_async(const void* send, void* recv, const std::vector<size_t>& counts, DType dtype,

@@ -5,6 +5,7 @@
 #pragma once
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -75,6 +76,60 @@ inline void reduce_scatter(Communicator& c) {
     for (int r = 1; r < c.size(); ++r) want += value(r, off + i);
     EXPECT_EQ(recv[i], want) << "element " << i;
   }
+}
+
+// Segments larger than one round's piece (Communicator::kReduceStagingBytes: the host path
+// exchanges them in rounds): uneven, one empty, one of a single piece; the output disjoint from
+// the input, in place at this rank's segment (ZeRO buckets, all_reduce) and overlapping elsewhere
+// (at the input's start, as the sequence-parallel row reduction does, and at its end: writing a
+// piece there would overwrite input that a later round still sends). Bit-equal to the rank-order
+// sum of every element, and the input outside this rank's output untouched.
+inline void reduce_scatter_in_pieces(Communicator& c) {
+  const int n = c.size();
+  const size_t piece = std::max<size_t>(1, Communicator::kReduceStagingBytes / 2 / 4 / static_cast<size_t>(n));
+  std::vector<size_t> counts(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    const size_t pattern[4] = {2 * piece + 5, piece, 0, piece + 1};
+    counts[static_cast<size_t>(r)] = pattern[r % 4];
+  }
+  const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
+  size_t off = 0;
+  for (int r = 0; r < c.rank(); ++r) off += counts[static_cast<size_t>(r)];
+  const size_t mine = counts[static_cast<size_t>(c.rank())];
+  // Cheap values of varied magnitude (no sin/pow: a few million of them per rank).
+  auto v = [](int rank, size_t i) {
+    const float scale = i % 3 == 0 ? 1e-3f : i % 3 == 1 ? 1.0f : 1e3f;
+    return static_cast<float>((i * 2654435761u + static_cast<size_t>(rank) * 40503u) % 1000003) * scale;
+  };
+  std::vector<float> want(mine);
+  for (size_t i = 0; i < mine; ++i) {
+    want[i] = v(0, off + i);
+    for (int r = 1; r < n; ++r) want[i] += v(r, off + i);
+  }
+  std::vector<float> in(total);
+  for (size_t i = 0; i < total; ++i) in[i] = v(c.rank(), i);
+  for (int mode = 0; mode < 4; ++mode) {  // 0: disjoint, 1: in place at own segment, 2: at the start, 3: end
+    std::vector<float> send = in, recv(mode == 0 ? mine : 0, -1.0f);
+    float* out = mode == 0   ? recv.data()
+                 : mode == 1 ? send.data() + off
+                 : mode == 2 ? send.data()
+                             : send.data() + total - mine;
+    c.reduce_scatter(send.data(), out, counts, DType::F32);
+    EXPECT_EQ(0, mine ? std::memcmp(out, want.data(), mine * 4) : 0) << "mode " << mode << ", " << mine << " elements";
+    if (mode == 1) {  // the rest of the input as it was
+      EXPECT_EQ(0, std::memcmp(send.data(), in.data(), off * 4)) << "before this rank's segment";
+      EXPECT_EQ(0, std::memcmp(send.data() + off + mine, in.data() + off + mine, (total - off - mine) * 4))
+          << "after this rank's segment";
+    }
+  }
+  // all_reduce over more elements than one round takes: every element the rank-order sum.
+  std::vector<float> all(in), sum(total);
+  for (size_t i = 0; i < total; ++i) {
+    sum[i] = v(0, i);
+    for (int r = 1; r < n; ++r) sum[i] += v(r, i);
+  }
+  c.all_reduce(all.data(), total, DType::F32);
+  EXPECT_EQ(0, std::memcmp(all.data(), sum.data(), total * 4)) << "all_reduce of " << total << " floats";
 }
 
 inline void all_gather(Communicator& c) {

@@ -31,6 +31,9 @@ TEST_P(CommThreads, AllReduceIsRankOrderedAndIdenticalOnEveryRank) {
 TEST_P(CommThreads, ReduceScatterUnevenCounts) {
   run_threads(GetParam(), [](Communicator& c) { testing_checks::reduce_scatter(c); });
 }
+TEST_P(CommThreads, ReduceScatterInPiecesDisjointInPlaceAndOverlapping) {
+  run_threads(GetParam(), [](Communicator& c) { testing_checks::reduce_scatter_in_pieces(c); });
+}
 TEST_P(CommThreads, AllGatherUnevenAndInPlace) {
   run_threads(GetParam(), [](Communicator& c) { testing_checks::all_gather(c); });
 }

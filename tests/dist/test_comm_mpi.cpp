@@ -14,6 +14,7 @@ lathe::dist::Communicator* world = nullptr;
 
 TEST(CommMpi, AllReduce) { testing_checks::all_reduce(*world); }
 TEST(CommMpi, ReduceScatter) { testing_checks::reduce_scatter(*world); }
+TEST(CommMpi, ReduceScatterInPieces) { testing_checks::reduce_scatter_in_pieces(*world); }
 TEST(CommMpi, AllGather) { testing_checks::all_gather(*world); }
 TEST(CommMpi, Broadcast) { testing_checks::broadcast(*world); }
 TEST(CommMpi, SendRecv) { testing_checks::send_recv(*world); }
