@@ -819,9 +819,6 @@ class Parser {
     need(p.pipeline > 1 || (p.virtual_stages == 1 && p.stage_layers.empty()),
          p.virtual_stages != 1 ? "parallel.virtual_stages" : "parallel.stage_layers",
          "applies to pipeline parallelism only: set parallel.pipeline > 1 or remove it");
-    need(p.pipeline == 1 || r.training.eval_tasks.empty(), "training.eval_tasks",
-         "is not scored under pipeline parallelism yet (the stages hold parts of the model): remove it, or score "
-         "the saved model with lathe eval");
     in_range("parallel.zero", p.zero, 0, 2, " (0: replicated optimizer, 1: sharded moments, 2: also gradients)");
     need(p.bucket_mb > 0 && p.bucket_mb <= 65536, "parallel.bucket_mb",
          fmt::format("{} must be in (0, 65536]", p.bucket_mb));

@@ -244,6 +244,9 @@ class Model {
   void embedding_backward(const int32_t* tokens, int64_t B, int64_t T);
   // logits [B, T, V] of every position (tests and parity checks; V = config().global_vocab()).
   void forward_logits(const int32_t* tokens, int64_t B, int64_t T, float* logits);
+  // The head's part of forward_logits: the final norm of residual(L) and the logits [B, T, V]
+  // (a pipeline's last stage, after its layers; collective over the tensor group when vocab parallel).
+  void head_logits(int64_t B, int64_t T, float* logits);
   // logits [B, V] of the last position only (generation).
   void forward_last_logits(const int32_t* tokens, int64_t B, int64_t T, float* logits);
 

@@ -840,7 +840,13 @@ double Model::forward_backward(const int32_t* tokens, const int32_t* targets, in
 }
 
 void Model::forward_logits(const int32_t* tokens, int64_t B, int64_t T, float* logits) {
-  forward_body(tokens, B, T);
+  embedding_forward(tokens, B, T);
+  for (int64_t l = 0; l < static_cast<int64_t>(la_.size()); ++l) layer_forward(l, B, T);
+  head_logits(B, T, logits);
+}
+
+void Model::head_logits(int64_t B, int64_t T, float* logits) {
+  final_norm_forward(B, T);
   // fp32 logits from the compute-dtype final norm output and lm head (fp32 accumulation).
   // One process on a device (never vocab parallel): into a device buffer, then to the host.
   if (on_device()) {

@@ -166,31 +166,40 @@ double PipelineExecutor::step(const int32_t* inputs, const int32_t* targets, flo
   return loss;
 }
 
-double PipelineExecutor::forward_loss(const int32_t* tokens, const int32_t* targets, int64_t b, const DocsFn& docs) {
+void PipelineExecutor::forward_stages(const int32_t* tokens, int64_t b, int64_t T, const std::function<void()>& last) {
   const int64_t p = layout_.stages(), S = p * layout_.spec.virtual_stages;
   const size_t bytes =
-      static_cast<size_t>(m_.config().rows_held(b * T_) * m_.config().hidden_size) * dtype_size(m_.compute_dtype());
+      static_cast<size_t>(m_.config().rows_held(b * T) * m_.config().hidden_size) * dtype_size(m_.compute_dtype());
   const int r = layout_.rank;
-  double loss = 0;
   m_.use_slot(0);
-  if (docs) docs(-1);
   // Virtual stages in order, one micro-batch: each rank runs its chunks when their input arrives.
   // Blocking sends: the next receive may land in the buffer just sent (chunk c's output is chunk
   // c + 1's input position).
   for (int64_t k = r; k < S; k += p) {
     const PipelineLayout::Chunk& ch = layout_.chunks[static_cast<size_t>(k / p)];
     if (k == 0)
-      m_.embedding_forward(tokens, b, T_);
+      m_.embedding_forward(tokens, b, T);
     else
       act_in_->recv(m_.residual(ch.local_first), bytes, 0, 0);
-    for (int64_t l = ch.local_first; l < ch.local_first + ch.count; ++l) m_.layer_forward(l, b, T_);
+    for (int64_t l = ch.local_first; l < ch.local_first + ch.count; ++l) m_.layer_forward(l, b, T);
     if (k == S - 1)
-      loss = m_.head_loss(targets, b, T_, 0.0f, false);
+      last();
     else
       act_out_->send(m_.residual(ch.local_first + ch.count), bytes, 1, 0);
   }
+}
+
+double PipelineExecutor::forward_loss(const int32_t* tokens, const int32_t* targets, int64_t b, const DocsFn& docs) {
+  double loss = 0;
+  m_.use_slot(0);
+  if (docs) docs(-1);
+  forward_stages(tokens, b, T_, [&] { loss = m_.head_loss(targets, b, T_, 0.0f, false); });
   pp_.all_reduce(&loss, 1, DType::F64);
   return loss;
+}
+
+void PipelineExecutor::forward_logits(const int32_t* tokens, int64_t b, int64_t T, float* logits) {
+  forward_stages(tokens, b, T, [&] { m_.head_logits(b, T, logits); });
 }
 
 }  // namespace lathe::parallel

@@ -48,6 +48,11 @@ class PipelineExecutor {
   // Returns the loss sum, the same on every rank.
   double forward_loss(const int32_t* tokens, const int32_t* targets, int64_t b, const DocsFn& docs);
 
+  // Logits [b, T, V] (V = the whole vocabulary) of one forward pass over b <= B rows of T <= the
+  // allocated seq_len tokens, written on the last stage only (the others leave `logits` as it is):
+  // multiple-choice scoring under a pipeline. Collective over the pipeline group.
+  void forward_logits(const int32_t* tokens, int64_t b, int64_t T, float* logits);
+
   int64_t slots() const { return slots_; }
 
  private:
@@ -55,6 +60,9 @@ class PipelineExecutor {
   int slot_of(int64_t mb, int64_t chunk) const;
   void release(int64_t mb, int64_t chunk);
   void wait_sends();
+  // One forward pass of b x T tokens through the stages in order (virtual stages in turn, blocking
+  // messages); the last virtual stage runs `last` instead of sending its output.
+  void forward_stages(const int32_t* tokens, int64_t b, int64_t T, const std::function<void()>& last);
 
   Model& m_;
   PipelineLayout layout_;

@@ -90,7 +90,7 @@ std::string model_dir_tokenizer(const std::string& model_dir) {
 }
 
 McScores score_mc_items(Model& model, const std::vector<McItem>& items, int64_t max_t, const std::string& path,
-                        size_t first, size_t stride, progress::Bar* bar) {
+                        size_t first, size_t stride, progress::Bar* bar, const LogitsFn& logits_fn) {
   const auto& cfg = model.config();
   LATHE_CHECK(stride >= 1 && max_t >= 2 && max_t <= model.max_seq() && model.max_batch() >= 1,
               "score_mc_items: the model is allocated for {}x{} tokens, {} positions asked", model.max_batch(),
@@ -118,7 +118,10 @@ McScores score_mc_items(Model& model, const std::vector<McItem>& items, int64_t 
       seq.insert(seq.end(), end.begin(), end.end());
       const int64_t T = static_cast<int64_t>(seq.size());
       logits.resize(static_cast<size_t>(T * V));
-      model.forward_logits(seq.data(), 1, T, logits.data());  // [1, T, V]
+      if (logits_fn)
+        logits_fn(seq.data(), T, logits.data());
+      else
+        model.forward_logits(seq.data(), 1, T, logits.data());  // [1, T, V]
       double ll = 0;
       for (size_t k = 0; k < end.size(); ++k) {
         const int64_t pos = static_cast<int64_t>(keep + k) - 1;  // the logits that predict end[k]

@@ -10,6 +10,7 @@
 // highest mean per token (the length-normalised score).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -50,7 +51,11 @@ struct McScores {
 // items/right/right_norm over ranks). The model must be allocated for at least 1 x max_t tokens;
 // max_t <= max_position_embeddings. Each ending runs one forward pass of [1, <= max_t] tokens
 // (logits [T, V] fp32, log-softmax in double). `bar` (optional) advances by one per item.
+// `logits` (optional) replaces model.forward_logits(seq, 1, T, out) (a pipeline's stages run the pass
+// together: parallel::PipelineExecutor::forward_logits).
+using LogitsFn = std::function<void(const int32_t* seq, int64_t T, float* logits)>;
 McScores score_mc_items(Model& model, const std::vector<McItem>& items, int64_t max_t, const std::string& path,
-                        size_t first = 0, size_t stride = 1, progress::Bar* bar = nullptr);
+                        size_t first = 0, size_t stride = 1, progress::Bar* bar = nullptr,
+                        const LogitsFn& logits = nullptr);
 
 }  // namespace lathe

@@ -891,9 +891,18 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   auto score_tasks = [&](int64_t at) {
     trace::Scope span("eval tasks", trace::Cat::Eval, at);
     const double t0 = now_seconds();
+    // Pipeline: the stages run each ending's forward together; the last one has the logits and
+    // scores, its counts reach the other stages by an all-reduce (theirs are zero).
+    LogitsFn pipe_logits;
+    if (pipe) pipe_logits = [&](const int32_t* seq, int64_t t, float* out) { pipe->forward_logits(seq, 1, t, out); };
     const McScores sc = score_mc_items(*model, mc_items, std::min<int64_t>(T, model->config().max_position_embeddings),
-                                       r.training.eval_tasks, static_cast<size_t>(dp_rank), static_cast<size_t>(dp));
+                                       r.training.eval_tasks, static_cast<size_t>(dp_rank), static_cast<size_t>(dp),
+                                       nullptr, pipe_logits);
     int64_t c[3] = {sc.items, sc.right, sc.right_norm};
+    if (pipe) {
+      if (!pl.last()) c[0] = c[1] = c[2] = 0;
+      pp_group->all_reduce(c, 3, DType::I64);
+    }
     if (dp > 1) dpc.all_reduce(c, 3, DType::I64);
     const double n = static_cast<double>(std::max<int64_t>(c[0], 1));
     write_metrics({{"step", at},

@@ -114,6 +114,24 @@ def main():
                   "tensor parallel: the end of run equals lathe eval --tasks on its saved model")
         else:
             print(p.stdout[-2000:], p.stderr[-2000:])
+        # Pipeline (PP=2: one layer per stage) and tensor x pipeline (4 ranks): the stages run each
+        # ending's forward together, the last stage scores; equal to lathe eval --tasks again.
+        for name, np_, sets in [("pipeline", 2, ["parallel.pipeline=2"]),
+                                ("tensor x pipeline", 4, ["parallel.pipeline=2", "parallel.tensor=2"])]:
+            out = os.path.join(tmp, name.replace(" ", "_"))
+            args = [a for s in sets + ["training.grad_accum_steps=2"] for a in ("--set", s)]
+            p = subprocess.run([MPIRUN, "-np", str(np_), LATHE, "train", recipe(out), "--quiet", *args],
+                               capture_output=True, text=True, timeout=600, env=ENV)
+            check(p.returncode == 0, f"mpirun -np {np_} with {name} and training.eval_tasks")
+            if p.returncode != 0:
+                print(p.stdout[-2000:], p.stderr[-2000:])
+                continue
+            recs = task_recs(out)
+            ref = cli(out)
+            check([r["step"] for r in recs] == [3, 6, 8] and all(r["tasks_items"] == 13 for r in recs),
+                  f"{name}: every score covers all 13 items")
+            check(ref is not None and ref["acc"] == recs[-1]["tasks_acc"] and ref["acc_norm"] == recs[-1]["tasks_acc_norm"],
+                  f"{name}: the end of run equals lathe eval --tasks on its saved model")
     else:
         print("note: mpirun not found, the data-parallel split was not checked")
 
