@@ -107,3 +107,40 @@ def weights_close(a, b, tol):
         x, y = without_k_bias(k, wa[k]), without_k_bias(k, wb[k])
         worst = max(worst, float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-30)))
     return set(wa) == set(wb) and worst <= tol, worst
+
+
+def model_recipe(data, model, out, training, **kw):
+    """OUT.yaml as write_recipe, with the model section `model` (a dict); kw `training__key` overrides
+    one training key, `recompute` sets the recipe's recompute, the rest as write_recipe."""
+    training = dict(training)
+    for k in [k for k in kw if k.startswith("training__")]:
+        training[k.split("__")[1]] = kw.pop(k)
+    recompute = kw.pop("recompute", None)
+    path = write_recipe(data, "unused", out, training, **kw)
+    r = json.load(open(path))
+    r["model"] = model
+    if recompute:
+        r["recompute"] = recompute
+    json.dump(r, open(path, "w"))
+    return path
+
+
+def train_checked(np_, path, out, name, extra=()):
+    """Trains recipe `path` (output `out`) on np_ ranks, checks that it succeeded, returns `out`."""
+    p, dt = run(np_, ["train", path, "--quiet", *extra], 300, ENV)
+    if p.returncode != 0:
+        print(p.stdout[-2000:], p.stderr[-3000:])
+    check(p.returncode == 0, f"{name}: {np_} process(es) train ({dt:.1f} s)")
+    return out
+
+
+def same_run(a, ref, what, steps=slice(None), tol=1e-5, ref_name="one process"):
+    """Checks that run a's losses and gradient norms match run ref's within tol (relative)."""
+    if not os.path.exists(os.path.join(a, "metrics.jsonl")):
+        check(False, f"{what}: no metrics")
+        return
+    e = rel(series(a, "loss")[steps], series(ref, "loss")[steps])
+    check(e <= tol, f"{what}: losses match {ref_name} (max rel {e:.2e} <= {tol})")
+    e = rel(series(a, "grad_norm")[steps], series(ref, "grad_norm")[steps])
+    check(e <= tol, f"{what}: gradient norms match (max rel {e:.2e} <= {tol})")
+

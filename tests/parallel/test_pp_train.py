@@ -13,7 +13,6 @@ interleaved (virtual_stages), uneven parallel.stage_layers; DP=2 x PP=2 on 4 ran
 2); a PP=2 checkpoint resumed in one process and a one-process checkpoint resumed at PP=3 (the
 checkpoints hold the whole model); and the errors for layouts the model or the step cannot take.
 1 OpenMP thread per rank (the ranks share this machine's cores)."""
-import json
 import os
 import shutil
 import subprocess
@@ -23,7 +22,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from mpi_train import (ENV, LATHE, MPIRUN, check, failures, rel, series, val_losses,  # noqa: E402
+from mpi_train import (ENV, LATHE, MPIRUN, check, failures, rel, same_run, val_losses,  # noqa: E402
                        weights_close)
 import mpi_train  # noqa: E402
 
@@ -35,36 +34,12 @@ MODELS = {"gpt2": {"preset": "gpt2-debug", "n_layer": 6}, "llama": {"preset": "l
 
 
 def recipe(data, family, out, **kw):
-    training = dict(TRAINING)
-    for k in [k for k in kw if k.startswith("training__")]:
-        training[k.split("__")[1]] = kw.pop(k)
-    recompute = kw.pop("recompute", None)
-    path = mpi_train.write_recipe(data, "unused", out, training, **kw)
-    r = json.load(open(path))
-    r["model"] = MODELS[family]
-    if recompute:
-        r["recompute"] = recompute
-    json.dump(r, open(path, "w"))
-    return path
+    return mpi_train.model_recipe(data, MODELS[family], out, TRAINING, **kw)
 
 
 def train(np_, data, family, name, extra=(), **kw):
     out = os.path.join(TMP, name)
-    p, dt = mpi_train.run(np_, ["train", recipe(data, family, out, **kw), "--quiet", *extra], 300, ENV)
-    if p.returncode != 0:
-        print(p.stdout[-2000:], p.stderr[-3000:])
-    check(p.returncode == 0, f"{name}: {np_} process(es) train ({dt:.1f} s)")
-    return out
-
-
-def same_run(pp, one, what, steps=slice(None)):
-    if not os.path.exists(os.path.join(pp, "metrics.jsonl")):
-        check(False, f"{what}: no metrics")
-        return
-    e = rel(series(pp, "loss")[steps], series(one, "loss")[steps])
-    check(e <= 1e-5, f"{what}: losses match one process (max rel {e:.2e} <= 1e-5)")
-    e = rel(series(pp, "grad_norm")[steps], series(one, "grad_norm")[steps])
-    check(e <= 1e-5, f"{what}: gradient norms match (max rel {e:.2e} <= 1e-5)")
+    return mpi_train.train_checked(np_, recipe(data, family, out, **kw), out, name, extra)
 
 
 def main():

@@ -22,7 +22,8 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from mpi_train import ENV, LATHE, MPIRUN, check, failures, rel, series, val_losses, weights_close  # noqa: E402
+from mpi_train import (ENV, LATHE, MPIRUN, check, failures, rel, same_run, series, val_losses,  # noqa: E402
+                       weights_close)
 import mpi_train  # noqa: E402
 
 TMP = tempfile.mkdtemp(prefix="lathe_tp_pp_")
@@ -34,36 +35,12 @@ TPP = {"parallel__tensor": 2, "parallel__pipeline": 2}
 
 
 def recipe(data, family, out, **kw):
-    training = dict(TRAINING)
-    for k in [k for k in kw if k.startswith("training__")]:
-        training[k.split("__")[1]] = kw.pop(k)
-    recompute = kw.pop("recompute", None)
-    path = mpi_train.write_recipe(data, "unused", out, training, **kw)
-    r = json.load(open(path))
-    r["model"] = MODELS[family]
-    if recompute:
-        r["recompute"] = recompute
-    json.dump(r, open(path, "w"))
-    return path
+    return mpi_train.model_recipe(data, MODELS[family], out, TRAINING, **kw)
 
 
 def train(np_, data, family, name, extra=(), **kw):
     out = os.path.join(TMP, name)
-    p, dt = mpi_train.run(np_, ["train", recipe(data, family, out, **kw), "--quiet", *extra], 300, ENV)
-    if p.returncode != 0:
-        print(p.stdout[-2000:], p.stderr[-3000:])
-    check(p.returncode == 0, f"{name}: {np_} process(es) train ({dt:.1f} s)")
-    return out
-
-
-def same_run(a, one, what, steps=slice(None), tol=1e-5):
-    if not os.path.exists(os.path.join(a, "metrics.jsonl")):
-        check(False, f"{what}: no metrics")
-        return
-    e = rel(series(a, "loss")[steps], series(one, "loss")[steps])
-    check(e <= tol, f"{what}: losses match (max rel {e:.2e} <= {tol})")
-    e = rel(series(a, "grad_norm")[steps], series(one, "grad_norm")[steps])
-    check(e <= tol, f"{what}: gradient norms match (max rel {e:.2e} <= {tol})")
+    return mpi_train.train_checked(np_, recipe(data, family, out, **kw), out, name, extra)
 
 
 def main():
