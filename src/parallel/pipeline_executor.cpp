@@ -15,7 +15,7 @@ using pipeline::Op;
 
 PipelineExecutor::PipelineExecutor(Model& stage, const PipelineLayout& layout, dist::Communicator& pp, int64_t B,
                                    int64_t T, int optimizer_moments, Recompute recompute)
-    : m_(stage), layout_(layout), pp_(pp), B_(B), T_(T) {
+    : m_(stage), layout_(layout), pp_(pp), B_(B), T_(T), staged_(stage.on_device()) {
   const int p = static_cast<int>(layout.stages()), r = pp.rank();
   LATHE_CHECK(pp.size() == p && r == layout.rank, "internal: pipeline group rank {} of {} for layout rank {} of {}", r,
               pp.size(), layout.rank, p);
@@ -69,6 +69,13 @@ void PipelineExecutor::send(dist::Communicator& channel, const void* buf, size_t
   sends_.push_back(std::move(s));
 }
 
+void PipelineExecutor::receive(dist::Communicator& channel, void* buf, size_t bytes) {
+  if (!staged_) return channel.recv(buf, bytes, 0, 0);
+  staging_.resize(bytes);
+  channel.recv(staging_.data(), bytes, 0, 0);
+  m_.backend().copy(buf, staging_.data(), bytes, CopyKind::HostToDevice);
+}
+
 int PipelineExecutor::take_slot(int64_t mb, int64_t chunk) {
   for (size_t i = 0; i < slot_owner_.size(); ++i)
     if (slot_owner_[i].first < 0) {
@@ -104,7 +111,7 @@ double PipelineExecutor::step(const int32_t* inputs, const int32_t* targets, flo
       case Op::RecvAct: {
         trace::Scope span("pipeline recv activation", trace::Cat::Comm, a.mb);
         m_.use_slot(take_slot(a.mb, a.chunk));
-        act_in_->recv(m_.residual(ch.local_first), bytes, 0, 0);
+        receive(*act_in_, m_.residual(ch.local_first), bytes);
         break;
       }
       case Op::Forward: {
@@ -124,7 +131,7 @@ double PipelineExecutor::step(const int32_t* inputs, const int32_t* targets, flo
       case Op::RecvGrad: {
         trace::Scope span("pipeline recv gradient", trace::Cat::Comm, a.mb);
         m_.use_slot(slot_of(a.mb, a.chunk));
-        grad_in_->recv(m_.residual_grad(), bytes, 0, 0);
+        receive(*grad_in_, m_.residual_grad(), bytes);
         break;
       }
       case Op::Backward: {
@@ -158,9 +165,20 @@ double PipelineExecutor::step(const int32_t* inputs, const int32_t* targets, flo
     // call over the whole wte gradient (V x C) would add its size to the peak memory. Each element
     // is still summed in rank order: the same bits.
     constexpr size_t kPiece = size_t{1} << 22;
-    float* g = m_.grad_data() + wte->offset;
+    float* g = m_.backend_grad_data() + wte->offset;
     const size_t n = static_cast<size_t>(wte->numel());
-    for (size_t at = 0; at < n; at += kPiece) embed_->all_reduce(g + at, std::min(kPiece, n - at), DType::F32);
+    for (size_t at = 0; at < n; at += kPiece) {
+      const size_t c = std::min(kPiece, n - at);
+      if (!staged_) {
+        embed_->all_reduce(g + at, c, DType::F32);
+        continue;
+      }
+      staging_.resize(c * sizeof(float));
+      float* h = reinterpret_cast<float*>(staging_.data());
+      m_.backend().copy(h, g + at, c * sizeof(float), CopyKind::DeviceToHost);
+      embed_->all_reduce(h, c, DType::F32);
+      m_.backend().copy(g + at, h, c * sizeof(float), CopyKind::HostToDevice);
+    }
   }
   pp_.all_reduce(&loss, 1, DType::F64);  // only the last stage's is non-zero: the sum is exact
   return loss;
@@ -180,12 +198,17 @@ void PipelineExecutor::forward_stages(const int32_t* tokens, int64_t b, int64_t 
     if (k == 0)
       m_.embedding_forward(tokens, b, T);
     else
-      act_in_->recv(m_.residual(ch.local_first), bytes, 0, 0);
+      receive(*act_in_, m_.residual(ch.local_first), bytes);
     for (int64_t l = ch.local_first; l < ch.local_first + ch.count; ++l) m_.layer_forward(l, b, T);
-    if (k == S - 1)
+    if (k == S - 1) {
       last();
-    else
+    } else if (staged_) {
+      staging_.resize(bytes);
+      m_.backend().copy(staging_.data(), m_.residual(ch.local_first + ch.count), bytes, CopyKind::DeviceToHost);
+      act_out_->send(staging_.data(), bytes, 1, 0);
+    } else {
       act_out_->send(m_.residual(ch.local_first + ch.count), bytes, 1, 0);
+    }
   }
 }
 

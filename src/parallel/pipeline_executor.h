@@ -54,6 +54,14 @@ class PipelineExecutor {
   void forward_logits(const int32_t* tokens, int64_t b, int64_t T, float* logits);
 
   int64_t slots() const { return slots_; }
+  // A device-resident stage (Model::on_device(); on by default for one) stages every message
+  // through host memory: device -> host before a send, host -> device after a receive, and the tied
+  // wte gradient's all-reduce piece by piece likewise, since the channels are host communicators.
+  // (A device path without the copies would give the channels NCCL groups: ncclSend/ncclRecv on
+  // device buffers, the compute stream synchronised before a send, and a device copy per message in
+  // flight instead of `sends_`' host copies.) Tests turn it on for a CPU stage (memcpy) to run the
+  // same code.
+  void set_stage_through_host(bool on) { staged_ = on; }
 
  private:
   int take_slot(int64_t mb, int64_t chunk);
@@ -80,6 +88,9 @@ class PipelineExecutor {
   };
   std::vector<Send> sends_;
   void send(dist::Communicator& channel, const void* buf, size_t bytes);
+  void receive(dist::Communicator& channel, void* buf, size_t bytes);  // blocking, staged when staged_
+  bool staged_ = false;
+  std::vector<std::byte> staging_;  // a received message, or a blocking send's copy (staged_)
   // Channels: activations to the next rank / from the previous, gradients to the previous / from the next.
   std::unique_ptr<dist::Communicator> act_out_, act_in_, grad_out_, grad_in_;
 };

@@ -114,9 +114,6 @@ void check_device_layout(const Recipe& r, int world_size) {
         "parallelism over NCCL with any parallel.zero; use device: cpu for this layout)",
         r.source, r.device, what, why, r.device);
   };
-  if (r.parallel.pipeline > 1)
-    refuse(fmt::format("parallel.pipeline = {}", r.parallel.pipeline),
-           "the pipeline executor's sends and receives take host activation buffers (no device p2p path)");
   if (r.parallel.tensor > 1 && r.optimizer.name == "lamb")
     refuse(fmt::format("optimizer.name = lamb with parallel.tensor = {}", r.parallel.tensor),
            "LAMB's per-tensor norms under tensor parallelism are not gathered over the tensor group by the device "
@@ -222,8 +219,8 @@ bool device_path_on_host() {
 std::unique_ptr<DeviceOptimizer> make_device_optimizer(Model& model, const Recipe& r,
                                                        std::vector<optim::ParamRange> ranges,
                                                        parallel::ShardedOptimizer& opt, dist::Communicator& dp) {
-  const bool on_host = !model.on_device() && device_path_on_host() && r.parallel.pipeline == 1 &&
-                       !(r.parallel.tensor > 1 && r.optimizer.name == "lamb");
+  const bool on_host =
+      !model.on_device() && device_path_on_host() && !(r.parallel.tensor > 1 && r.optimizer.name == "lamb");
   if (!model.on_device() && !on_host) return nullptr;
   const StepKernels* k = on_host ? host_step_kernels() : step_kernels(model.backend());
   LATHE_CHECK(k && k->device_index, "{}: device: {}: the {} backend has no step kernels in this build", r.source,

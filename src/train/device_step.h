@@ -7,9 +7,10 @@
 // load; checkpoints stay host fp32 (a GPU run resumes on the CPU and back).
 // Data parallelism (several processes, one GPU each; ZeRO 0, 1, 2): the gradients are reduced and
 // the weights' shards gathered over NCCL, the scalars over the host communicator
-// (train/device_dp.h); tensor parallelism's hooks get an NCCL group (train/device_tp.h). What the
-// device path does not do yet (refused by check_device_layout, naming the key): pipeline
-// parallelism; LAMB and training.eval_tasks under tensor parallelism.
+// (train/device_dp.h); tensor parallelism's hooks get an NCCL group (train/device_tp.h); pipeline
+// parallelism's messages are staged through host memory over MPI (parallel/pipeline_executor.h).
+// What the device path does not do yet (refused by check_device_layout, naming the key): LAMB and
+// training.eval_tasks under tensor parallelism.
 #pragma once
 #include <memory>
 #include <span>
@@ -55,9 +56,9 @@ const StepKernels* step_kernels(const Backend& backend);
 const StepKernels* host_step_kernels();
 
 // The layouts the device path runs: one process, or data and tensor parallelism over NCCL (any
-// ZeRO stage; train/device_dp.h, train/device_tp.h) in a build with NCCL; no pipeline parallelism,
-// and with tensor parallelism neither LAMB nor training.eval_tasks. Throws naming the recipe key, the reason
-// and the fix otherwise (lathe check and train call it for device: cuda).
+// ZeRO stage; train/device_dp.h, train/device_tp.h) in a build with NCCL, and pipeline parallelism
+// (host-staged messages); with tensor parallelism neither LAMB nor training.eval_tasks. Throws naming the recipe key,
+// the reason and the fix otherwise (lathe check and train call it for device: cuda).
 void check_device_layout(const Recipe& r, int world_size);
 
 class DeviceOptimizer {
@@ -111,8 +112,8 @@ class DeviceOptimizer {
 // (buckets of r.parallel.bucket_mb). `dp` and `opt` must outlive the result.
 // LATHE_DEVICE_DP_OVERLAP=0 reduces the buckets after backward instead of from the grads_ready
 // hook during it (train/device_dp.h).
-// Test hook: LATHE_TEST_DEVICE_PATH_ON_HOST=1 sends a CPU model without tensor or pipeline
-// parallelism through this path too (host_step_kernels, a second host group standing in for NCCL),
+// Test hook: LATHE_TEST_DEVICE_PATH_ON_HOST=1 sends a CPU model (except LAMB under tensor
+// parallelism) through this path too (host_step_kernels, a second host group standing in for NCCL),
 // so the trainer's device wiring is tested end to end on the CPU: its results must be bit-identical
 // to the CPU path's (tests/train/test_device_dp_host.py).
 // Whether LATHE_TEST_DEVICE_PATH_ON_HOST=1 is set (read once).

@@ -75,7 +75,6 @@ std::unique_ptr<dist::Communicator> attach_tensor_parallel_on_device(Model& mode
     parallel::attach_tensor_parallel(model, tp_host);
     return nullptr;
   }
-  model.upload_params();  // the shard was scattered into the host staging copy
   std::unique_ptr<dist::Communicator> group;
   if (on_host) {
     group = tp_host.split(0, tp_host.rank(), tp_host.name() + "-device");

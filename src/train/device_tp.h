@@ -15,7 +15,7 @@
 //  * What stays refused on the device (check_device_layout): LAMB (its per-tensor norms under
 //    tensor parallelism gather chunk sums over the tensor group: not wired for the device
 //    optimizer), training.eval_tasks (the device forward_logits is never vocab parallel:
-//    models/transformer.cpp), pipeline parallelism.
+//    models/transformer.cpp).
 #pragma once
 #include <memory>
 #include <utility>
@@ -29,8 +29,7 @@ namespace lathe {
 // Replaces parallel::attach_tensor_parallel for the trainer: on a host model (the CPU path) it is
 // exactly that and returns null; on a device model (or the host test path of train/device_step.h:
 // LATHE_TEST_DEVICE_PATH_ON_HOST, which runs the CPU model through here with a second host group)
-// it first uploads the shard's weights (scattered into the host staging copy), then builds the
-// device group over `tp_host` (NCCL; collective) and installs the hooks over it. The returned group
+// it builds the device group over `tp_host` (NCCL; collective) and installs the hooks over it. The returned group
 // must outlive the model's passes.
 std::unique_ptr<dist::Communicator> attach_tensor_parallel_on_device(Model& model, dist::Communicator& tp_host);
 

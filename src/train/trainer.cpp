@@ -485,6 +485,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     share = std::make_unique<parallel::RankShare>(whole->params(), model->params(), pp > 1 ? &pl : nullptr, tp_rank, tp,
                                                   tp_group.get(), pp_group.get());
     share->scatter(whole->param_data(), model->param_data());
+    model->upload_params();  // device: cuda: the shard's weights (no-op on the CPU)
     // parallel::attach_tensor_parallel on the CPU; device: cuda the hooks on an NCCL group.
     if (tp > 1) tp_device = attach_tensor_parallel_on_device(*model, *tp_group);
     const Recompute rc = parse_recompute(r.recompute, r.source + ": recompute");
@@ -492,6 +493,8 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
       pipe = std::make_unique<parallel::PipelineExecutor>(*model, pl, *pp_group, B, T, 2, rc);
     else
       model->allocate(B, T, 2, rc);
+    if (pipe && device_path_on_host())  // test hook (train/device_step.h): the device staging on the CPU
+      pipe->set_stage_through_host(true);
     tp_owned = share->owned_ranges();
   }
   // The ranks of one replica (tensor x pipeline): the gradient norm's group without ZeRO, and the

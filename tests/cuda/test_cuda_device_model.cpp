@@ -1,6 +1,6 @@
 // Device-resident models (device: cuda). Here, without a GPU: the CPU path's backend buffers are
 // its host buffers and the staging calls do nothing; the stand-in cuda backend has no step
-// kernels; device layouts beyond data and tensor parallelism are refused naming the key. On a GPU
+// kernels; device layouts the device path lacks are refused naming the key. On a GPU
 // (tests/cuda/run_on_gpu.sh runs tests/cuda/test_*): whole-model parity CUDA vs CPU for GPT-2 and Llama — fp32 loss and
 // gradients within 1e-5 relative (gradient: norm of the difference over the norm), bf16 within
 // 2e-2 (loss) / 5e-2 (gradients) of the CPU fp32 reference (bf16 rounding of activations and
@@ -52,7 +52,7 @@ TEST(DeviceModelCpu, HostModelsStageNothing) {
   EXPECT_EQ(step_kernels(no_cuda_backend()), nullptr);
 }
 
-TEST(DeviceModelCpu, DeviceLayoutsBeyondDataAndTensorParallelAreRefused) {
+TEST(DeviceModelCpu, DeviceLayoutsTheDevicePathLacksAreRefused) {
   const char* y = "model: {preset: gpt2-debug}\ndata: {train: x}\ndevice: cuda\n";
   Recipe r = parse_recipe(y, "r.yaml");
   EXPECT_NO_THROW(check_device_layout(r, 1));
@@ -62,9 +62,9 @@ TEST(DeviceModelCpu, DeviceLayoutsBeyondDataAndTensorParallelAreRefused) {
     EXPECT_NE(e.find("r.yaml: device: cuda does not run this job has 4 processes"), std::string::npos) << e;
     EXPECT_NE(e.find("use device: cpu"), std::string::npos) << e;
   }
-  r = parse_recipe(y, "r.yaml", {"parallel.pipeline=2"});
+  r = parse_recipe(y, "r.yaml", {"parallel.tensor=2", "optimizer.name=lamb"});
   e = error_of([&] { check_device_layout(r, 2); });
-  EXPECT_NE(e.find("parallel.pipeline = 2"), std::string::npos) << e;
+  EXPECT_NE(e.find("optimizer.name = lamb with parallel.tensor = 2"), std::string::npos) << e;
   r = parse_recipe(y, "r.yaml", {"device=cpu"});
   EXPECT_NO_THROW(check_device_layout(r, 8));  // the CPU runs every layout
 }

@@ -5,7 +5,8 @@ kernels are optim/'s CPU code behind the device table; a second MPI group of the
 in for NCCL). Over MPI both paths sum in rank order with the same optimizer code, so the oracle is
 exact: the device path's losses and final weights must be BIT-identical to the CPU path's for
 DP = 2 with ZeRO 0/1/2 (AdamW), ZeRO 1 (LAMB, bf16 compute), one process, tensor parallelism (TP=2, with
-sequence parallelism, TP=2 x DP=2 ZeRO 1; train/device_tp.h), and runs checkpointed at step 4
+sequence parallelism, TP=2 x DP=2 ZeRO 1; train/device_tp.h), pipeline parallelism with its
+host-staged messages (PP=2, PP=2 x DP=2 ZeRO 1 LAMB, TP=2 x PP=2), and runs checkpointed at step 4
 (moments staged off the "device") and resumed (staged back), which equal the uninterrupted runs.
 What this cannot check: NCCL itself, the CUDA kernels, the stream synchronisation and the 16-bit
 NCCL reductions of the device hooks (tests/train/test_device_dp_train.py on
@@ -71,6 +72,15 @@ def main():
                           ("tp2_dp2_zero1", 4, {"parallel__zero": 1, "training__grad_accum_steps": 1})):
         cpu = train(np_, data, f"cpu_{name}", False, parallel__tensor=2, **kw)
         dev = train(np_, data, f"dev_{name}", True, parallel__tensor=2, **kw)
+        check(same(dev, cpu), f"{name}: the device path is bit-identical to the CPU path")
+
+    # Pipeline parallelism (its messages and the tied wte's all-reduce staged through host buffers as
+    # for a device stage): PP=2 (GPT-2: tied), PP=2 x DP=2 ZeRO 1 with LAMB, TP=2 x PP=2.
+    for name, np_, kw in (("pp2", 2, {}),
+                          ("pp2_dp2_zero1_lamb", 4, {"parallel__zero": 1, "optimizer__name": "lamb"}),
+                          ("tp2_pp2", 4, {"parallel__tensor": 2})):
+        cpu = train(np_, data, f"cpu_{name}", False, parallel__pipeline=2, **kw)
+        dev = train(np_, data, f"dev_{name}", True, parallel__pipeline=2, **kw)
         check(same(dev, cpu), f"{name}: the device path is bit-identical to the CPU path")
 
     # Checkpoint at step 4 on the device path (ZeRO 1: each rank's moment shard downloaded), resume

@@ -24,6 +24,7 @@ With >= 2 GPUs (gpt2-debug, fp32, 10 AdamW steps, global batch 8 = 2 ranks x 2 x
   * LAMB with ZeRO 1 on the device trains (finite losses within 1e-3 of the CPU DP=2 LAMB run).
   * tensor parallelism (train/device_tp.h): TP=2 device vs TP=2 CPU (losses 1e-4, weights 1e-3),
     sequence parallelism vs not on the device (1e-5), TP=2 x DP=2 ZeRO 1 with 4 GPUs.
+  * pipeline parallelism (host-staged messages): PP=2 device vs PP=2 CPU (losses 1e-4, weights 1e-3).
 """
 import atexit
 import os
@@ -172,6 +173,13 @@ def checks(data, n):
     ts = train(2, data, "tp2_sp_cuda", "cuda", parallel__tensor=2, parallel__sequence=True)
     w = worst_rel(series(ts, "loss"), series(td, "loss"))
     check(w < 1e-5, f"TP=2 with sequence parallelism vs without, on the device: losses within 1e-5 (worst {w:.1e})")
+    # Pipeline parallelism (messages staged through host memory): PP=2 on the device vs the CPU.
+    pc = train(2, data, "pp2_cpu", "cpu", parallel__pipeline=2)
+    pd = train(2, data, "pp2_cuda", "cuda", parallel__pipeline=2)
+    w = worst_rel(series(pd, "loss"), series(pc, "loss"))
+    check(w < 1e-4, f"PP=2: device vs CPU losses within 1e-4 (worst {w:.1e})")
+    ok, wd = weights_close(pd, pc, 1e-3)
+    check(ok, f"PP=2: device vs CPU final weights within 1e-3 (worst {wd:.1e})")
     if n >= 4:
         t4 = train(4, data, "tp2_dp2_cuda", "cuda", parallel__tensor=2, parallel__zero=1,
                    training__grad_accum_steps=1)
@@ -180,7 +188,7 @@ def checks(data, n):
     else:
         print(f"SKIPPED (part): TP=2 x DP=2 needs 4 GPUs, {n} visible", flush=True)
 
-    print(f"{len(failures)} failed" if failures else "all device data/tensor-parallel checks passed", flush=True)
+    print(f"{len(failures)} failed" if failures else "all device data/tensor/pipeline-parallel checks passed", flush=True)
     return 1 if failures else 0
 
 
