@@ -18,8 +18,10 @@
 // their own stream while the rest of backward runs on the compute stream. The price: one stream
 // synchronisation per bucket (the host stops queueing kernels ahead until the stream drains;
 // parallel.bucket_mb sets how many). LATHE_DEVICE_DP_OVERLAP=0 reduces every bucket after backward
-// instead (one synchronisation, nothing overlapped). A finer scheme would record an event at the
-// hook and make the NCCL stream wait on it (no host synchronisation): the Backend interface has no
+// instead (one synchronisation, nothing overlapped), and so does tensor parallelism (its hooks'
+// NCCL collectives on another communicator would otherwise run while buckets are in flight, in an
+// order that may differ between ranks: NCCL's rule for several communicators on one GPU). A finer scheme would record
+// an event at the hook and make the NCCL stream wait on it (no host synchronisation): the Backend interface has no
 // events yet.
 // ZeRO 2 on the device reduces exactly as ZeRO 1 does: the device gradient buffer is allocated
 // whole once (models/model.h) and backward writes it in full, so there is nothing to hand back

@@ -236,10 +236,13 @@ std::unique_ptr<DeviceOptimizer> make_device_optimizer(Model& model, const Recip
     auto group =
         on_host ? dp.split(0, dp.rank(), dp.name() + "-device") : dist::make_nccl_communicator(dp, k->device_index());
     const size_t bucket_elems = static_cast<size_t>(std::max(1.0, r.parallel.bucket_mb * (1 << 20) / 4));
+    // Overlap with backward, except under tensor parallelism: its hooks' NCCL collectives (another
+    // communicator) would then run while buckets are in flight, and NCCL requires the operations of
+    // communicators sharing a GPU to be ordered the same way on every rank.
     const char* ov = std::getenv("LATHE_DEVICE_DP_OVERLAP");
+    const bool overlap = !(ov && std::string(ov) == "0") && r.parallel.tensor == 1;
     ddp = std::make_unique<DeviceDataParallel>(dp, std::move(group), opt.shards(), opt.zero(), bucket_elems,
-                                               model.backend(), model.backend_grad_data(),
-                                               !(ov && std::string(ov) == "0"));
+                                               model.backend(), model.backend_grad_data(), overlap);
   }
   return std::make_unique<DeviceOptimizer>(model, optimizer_config(r), std::move(ranges), opt.local(), std::move(ddp),
                                            k);
