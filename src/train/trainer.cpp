@@ -49,36 +49,14 @@
 #include "train/peak.h"
 #include "train/preflight.h"
 #include "train/reshard.h"
+#include "train/run_outputs.h"
+#include "train/train_step.h"
 
 namespace lathe {
 
 namespace fs = std::filesystem;
 
 namespace {
-
-// Appends one JSON object per line and flushes, so a crash loses at most the current line.
-class MetricsWriter {
- public:
-  MetricsWriter(const std::string& path, bool append) : f_(std::fopen(path.c_str(), append ? "a" : "w")) {
-    LATHE_CHECK(f_ != nullptr, "{}: cannot open for writing", path);
-  }
-  ~MetricsWriter() { std::fclose(f_); }
-  void write(const nlohmann::json& j) {
-    std::string s = j.dump() + "\n";
-    std::fwrite(s.data(), 1, s.size(), f_);
-    std::fflush(f_);
-  }
-
- private:
-  std::FILE* f_;
-};
-
-void write_model_dir(const Model& model, const std::string& dir, const std::string& tokenizer) {
-  save_hf_model(model, dir);
-  // lathe's own note of which tokenizer the model was trained with (read by generate/eval).
-  nlohmann::json meta = {{"tokenizer", tokenizer}, {"lathe_version", LATHE_VERSION}};
-  io::atomic_write_file((fs::path(dir) / "lathe.json").string(), meta.dump(2) + "\n");
-}
 
 // SIGTERM/SIGINT: the first one sets the flag (checked at step boundaries) and restores the
 // default action, so a second one terminates the process as usual.
@@ -111,25 +89,6 @@ class SignalGuard {
   }, old_int_{};
 };
 
-// Keeps the records of steps <= `step` (a resumed run rewrites what came after its checkpoint).
-void trim_metrics(const std::string& path, int64_t step) {
-  if (!fs::exists(path)) return;
-  std::string text = io::read_file(path), kept;
-  size_t pos = 0;
-  while (pos < text.size()) {
-    size_t nl = text.find('\n', pos);
-    if (nl == std::string::npos) break;  // a torn last line from a crash
-    const std::string line = text.substr(pos, nl - pos);
-    pos = nl + 1;
-    try {
-      auto j = nlohmann::json::parse(line);
-      if (j.value("step", int64_t{0}) <= step) kept += line + "\n";
-    } catch (const nlohmann::json::exception&) {
-    }
-  }
-  io::atomic_write_file(path, kept);
-}
-
 // The layout every rank must agree on before any work: the degrees against the number of processes,
 // and the same recipe on every rank (a different --set on one host would otherwise train nonsense).
 void check_layout(Recipe& r, dist::Communicator& world) {
@@ -156,193 +115,6 @@ void check_layout(Recipe& r, dist::Communicator& world) {
     std::this_thread::sleep_for(std::chrono::seconds(3));
     throw_error("the recipe differs between ranks; see the error of the rank that reports the keys");
   }
-}
-
-// What one optimizer step works on (owned by train()).
-struct StepParts {
-  Model& model;
-  data::DataLoader& loader;  // hands out this rank's B x accum rows of each global batch
-  parallel::ShardedOptimizer& opt;
-  parallel::GradSync* sync;   // null with one rank
-  bool& sync_this_pass;       // read by the model's grads_ready hook
-  dist::Communicator& world;  // the data-parallel group (the whole world without tensor parallelism)
-  // Tensor parallelism: the group the gradient norm's squares are summed over (the tensor group, or
-  // the world with ZeRO) and the elements of the gradient buffer this rank counts; null without.
-  dist::Communicator* tp_norm_group;
-  const std::vector<std::pair<size_t, size_t>>& tp_owned;
-  const optim::ScheduleConfig& sched;
-  double grad_clip;
-  optim::LossScaler& scaler;  // loss scale (fp16) and the skipping of non-finite steps
-  int64_t B, T, accum, G;     // micro-batch, seq_len, accumulation, global batch (samples)
-  std::vector<int32_t>& inputs;
-  std::vector<int32_t>& targets;
-  AnomalyPolicy& anomaly;                      // loss-spike and NaN policy (train/anomaly.h): may skip, lowers the lr
-  const DocumentOptions& docs;                 // documents in the samples (data.attention etc.)
-  parallel::PipelineExecutor* pipe = nullptr;  // pipeline parallelism: runs the step's micro-batches
-  DeviceOptimizer* dev = nullptr;              // device: cuda: the norm and update run on the device
-};
-
-struct StepStats {
-  double loss = NAN, norm = NAN, lr = NAN;
-  int64_t step = 0;         // 1-based
-  double loss_scale = 1;    // the scale this step's gradients carried
-  bool skipped = false;     // non-finite loss or gradient norm: no update
-  AnomalyDecision anomaly;  // the anomaly policy's verdict (skip: no update either)
-  double lr_factor = 1;     // the anomaly policy's multiplier in lr
-  double data_wait_s = 0, comm_wait_s = 0, optimizer_s = 0, seconds = 0;
-};
-
-// Test hook: LATHE_TEST_NONFINITE_STEPS="3,5" makes the gradients of those optimizer steps
-// (1-based) non-finite, as an fp16 overflow would: one element of this rank's part of the reduced
-// gradient (its ZeRO shard; with ZeRO 0 element 0 on every rank) becomes +Inf.
-bool inject_non_finite(int64_t step) {
-  static const std::vector<int64_t> steps = [] {
-    std::vector<int64_t> v;
-    const char* e = std::getenv("LATHE_TEST_NONFINITE_STEPS");
-    for (const char* c = e; c && *c;) {
-      char* end = nullptr;
-      const long long x = std::strtoll(c, &end, 10);
-      if (end == c) break;
-      v.push_back(x);
-      c = *end == ',' ? end + 1 : end;
-    }
-    return v;
-  }();
-  return std::find(steps.begin(), steps.end(), step) != steps.end();
-}
-
-// Test hook: LATHE_TEST_LOSS_SPIKE_STEPS="9,10" multiplies the global loss and this rank's part of
-// the reduced gradient (so the global norm) of those optimizer steps (1-based) by
-// LATHE_TEST_LOSS_SPIKE_FACTOR (default 100), once each per process: a step re-run after a
-// rollback is not spiked again. Returns the factor for `step` (1 = none).
-double inject_loss_spike(int64_t step) {
-  static std::vector<int64_t> steps = [] {
-    std::vector<int64_t> v;
-    const char* e = std::getenv("LATHE_TEST_LOSS_SPIKE_STEPS");
-    for (const char* c = e; c && *c;) {
-      char* end = nullptr;
-      const long long x = std::strtoll(c, &end, 10);
-      if (end == c) break;
-      v.push_back(x);
-      c = *end == ',' ? end + 1 : end;
-    }
-    return v;
-  }();
-  auto it = std::find(steps.begin(), steps.end(), step);
-  if (it == steps.end()) return 1.0;
-  steps.erase(it);
-  const char* f = std::getenv("LATHE_TEST_LOSS_SPIKE_FACTOR");
-  return f ? std::atof(f) : 100.0;
-}
-
-// One optimizer step of this rank: its micro-batches (gradients accumulate, the loss gradient
-// multiplied by the loss scale), the data-parallel reduction (buckets issued during the last
-// backward; the wait that backward did not hide is comm_wait_s), the loss summed over ranks, the
-// global norm (unscaled), the scaler's verdict, and the update unless the step is skipped. Every
-// rank takes the same decision: the loss and the norm are global. A stop (too many consecutive
-// skipped steps, an overflow at the minimum scale) names the last finite values (`prev`).
-StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
-  // Test hook (tests/parallel): rank LATHE_TEST_STALL_RANK stops before the gradient reduction of
-  // step LATHE_TEST_STALL_STEP, as a hung process would; the others' watchdog must end the job.
-  static const char* stall_rank = std::getenv("LATHE_TEST_STALL_RANK");
-  static const char* stall_step = std::getenv("LATHE_TEST_STALL_STEP");
-  StepStats st;
-  const double t0 = now_seconds();
-  trace::Scope step_span("step", trace::Cat::Step, step + 1);
-  p.world.set_step(step + 1);
-  const int64_t B = p.B, T = p.T;
-  // Mean over the global batch's tokens, times the loss scale (a power of two by default: exact).
-  st.step = step + 1;
-  st.loss_scale = p.scaler.scale();
-  double loss_sum = 0;
-  if (p.sync)
-    p.sync->zero_grads();  // ZeRO 2: only the shard (the rest was released as zeros)
-  else
-    p.model.zero_grad();
-  {
-    trace::Scope span("data wait", trace::Cat::Data);
-    st.data_wait_s = p.loader.next(p.inputs.data(), p.targets.data());
-  }
-  // The loss is the mean over the global batch's trained targets: all G x T of them, or with
-  // data.mask_loss_after_eod those left after masking (counted over every rank: Megatron's mean).
-  int64_t targets_kept = p.G * T;
-  if (p.docs.mask_loss) {
-    double kept =
-        static_cast<double>(mask_loss_after_eod(p.inputs.data(), p.targets.data(), p.accum * B * T, p.docs.eod));
-    if (p.world.size() > 1) p.world.all_reduce(&kept, 1, DType::F64);
-    targets_kept = std::max<int64_t>(1, static_cast<int64_t>(kept));
-  }
-  const float grad_scale = 1.0f / static_cast<float>(targets_kept) * static_cast<float>(st.loss_scale);
-  std::vector<int32_t> doc_start, positions;
-  if (p.pipe) {  // the schedule runs every micro-batch; the data-parallel reduction follows it
-    loss_sum = p.pipe->step(p.inputs.data(), p.targets.data(), grad_scale, [&](int64_t m) {
-      set_batch_documents(p.model, p.docs, p.inputs.data() + m * B * T, B, T, doc_start, positions);
-    });
-    if (p.sync) p.sync->ready(0, p.model.num_params());
-  }
-  for (int64_t m = 0; m < (p.pipe ? 0 : p.accum); ++m) {
-    trace::Scope span("forward+backward micro-batch", trace::Cat::Compute, m);
-    set_batch_documents(p.model, p.docs, p.inputs.data() + m * B * T, B, T, doc_start, positions);
-    p.sync_this_pass = m + 1 == p.accum;  // gradients are final during the last micro-batch's backward
-    loss_sum +=
-        p.model.forward_backward(p.inputs.data() + m * B * T, p.targets.data() + m * B * T, B, T, grad_scale, true);
-  }
-  p.sync_this_pass = false;
-  if (stall_rank && stall_step && std::atoi(stall_rank) == p.world.rank() && std::atoll(stall_step) == step + 1)
-    std::this_thread::sleep_for(std::chrono::hours(1));
-  if (p.sync) st.comm_wait_s = p.sync->finish();
-  if (p.dev) st.comm_wait_s = p.dev->reduce_grads();  // device: cuda: over NCCL after backward (device_dp.h)
-  if (p.world.size() > 1) p.world.all_reduce(&loss_sum, 1, DType::F64);
-  st.loss = loss_sum / static_cast<double>(targets_kept);
-  if (inject_non_finite(step + 1) && p.opt.state_end() > p.opt.state_begin())
-    p.model.grad_data()[p.opt.state_begin()] = INFINITY;
-  if (const double spike = inject_loss_spike(step + 1); spike != 1.0) {
-    st.loss *= spike;
-    float* g = p.model.grad_data();
-    for (size_t i = p.opt.state_begin(); i < p.opt.state_end(); ++i) g[i] *= static_cast<float>(spike);
-  }
-  const double t_opt = now_seconds();  // norm, scaler and update: the optimizer's share of the step
-  trace::Scope opt_span("grad norm + optimizer", trace::Cat::Optimizer);
-  // The norm of the unscaled gradients (dividing by a power of two is exact).
-  st.norm = (p.dev             ? p.dev->grad_norm()
-             : p.tp_norm_group ? parallel::tensor_parallel_grad_norm(*p.tp_norm_group, p.model.grad_data(), p.tp_owned)
-                               : p.opt.grad_norm(p.model.grad_data())) /
-            st.loss_scale;
-  st.lr_factor = p.anomaly.lr_factor();  // < 1 for a while after an anomaly
-  st.lr = optim::lr_at(p.sched, step) * st.lr_factor;
-  const int64_t skipped_before = p.scaler.state().skipped_steps;
-  switch (p.scaler.update(!std::isfinite(st.loss) || !std::isfinite(st.norm), step + 1)) {
-    case optim::LossScaler::Verdict::Stop:
-      throw_error(
-          "{} — training stopped, no weights written. This step: loss {}, grad norm {}. Last finite values: loss "
-          "{}, grad norm {}, lr {} (step {}). Try a lower optimizer.lr or a smaller optimizer.grad_clip{}.",
-          p.scaler.stop_reason(), st.loss, st.norm, prev.loss, prev.norm, prev.lr, prev.step,
-          p.scaler.dynamic() ? "" : ", or raise training.max_skipped_steps (0 = never stop)");
-    case optim::LossScaler::Verdict::Skip:
-      st.skipped = true;  // weights and moments untouched; the batch is consumed, the schedule moves on
-      st.anomaly = p.anomaly.observe(step + 1, st.loss, st.norm, true, p.scaler.dynamic() && std::isfinite(st.loss));
-      break;
-    case optim::LossScaler::Verdict::Apply: {
-      // The same loss and norm on every rank (global): the same decision everywhere.
-      st.anomaly = p.anomaly.observe(step + 1, st.loss, st.norm, false, false);
-      if (st.anomaly.skip) break;  // a spike: weights and moments untouched, the batch consumed
-      // The clipping coefficient (from the unscaled norm) and the unscaling are applied inside the
-      // optimizer update (one pass less over the gradients; bit-identical to scaling them first).
-      // AdamW/LAMB's bias correction counts the updates applied, not skipped steps (as torch.optim
-      // under GradScaler, whose skipped steps do not advance the optimizer's step).
-      const float coef = optim::clip_coefficient(st.norm, p.grad_clip) * static_cast<float>(1.0 / st.loss_scale);
-      const int64_t updates = step + 1 - skipped_before - p.anomaly.state().skipped_updates;
-      if (p.dev)
-        p.dev->step(st.lr, updates, coef);
-      else
-        p.opt.step(p.model.param_data(), p.model.grad_data(), st.lr, updates, coef);
-      p.model.refresh_compute_weights();  // the bf16/fp16 copies of the new weights
-      break;
-    }
-  }
-  st.seconds = now_seconds() - t0;
-  st.optimizer_s = now_seconds() - t_opt;
-  return st;
 }
 
 // data.attention / reset_position_ids / mask_loss_after_eod with the EOD id: data.eod_token, or

@@ -1,0 +1,167 @@
+#include "train/train_step.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <thread>
+
+#include "core/error.h"
+#include "core/timer.h"
+#include "core/trace.h"
+#include "optim/clip.h"
+#include "parallel/tensor_parallel.h"
+
+namespace lathe {
+
+namespace {
+
+// Test hook: LATHE_TEST_NONFINITE_STEPS="3,5" makes the gradients of those optimizer steps
+// (1-based) non-finite, as an fp16 overflow would: one element of this rank's part of the reduced
+// gradient (its ZeRO shard; with ZeRO 0 element 0 on every rank) becomes +Inf.
+bool inject_non_finite(int64_t step) {
+  static const std::vector<int64_t> steps = [] {
+    std::vector<int64_t> v;
+    const char* e = std::getenv("LATHE_TEST_NONFINITE_STEPS");
+    for (const char* c = e; c && *c;) {
+      char* end = nullptr;
+      const long long x = std::strtoll(c, &end, 10);
+      if (end == c) break;
+      v.push_back(x);
+      c = *end == ',' ? end + 1 : end;
+    }
+    return v;
+  }();
+  return std::find(steps.begin(), steps.end(), step) != steps.end();
+}
+
+// Test hook: LATHE_TEST_LOSS_SPIKE_STEPS="9,10" multiplies the global loss and this rank's part of
+// the reduced gradient (so the global norm) of those optimizer steps (1-based) by
+// LATHE_TEST_LOSS_SPIKE_FACTOR (default 100), once each per process: a step re-run after a
+// rollback is not spiked again. Returns the factor for `step` (1 = none).
+double inject_loss_spike(int64_t step) {
+  static std::vector<int64_t> steps = [] {
+    std::vector<int64_t> v;
+    const char* e = std::getenv("LATHE_TEST_LOSS_SPIKE_STEPS");
+    for (const char* c = e; c && *c;) {
+      char* end = nullptr;
+      const long long x = std::strtoll(c, &end, 10);
+      if (end == c) break;
+      v.push_back(x);
+      c = *end == ',' ? end + 1 : end;
+    }
+    return v;
+  }();
+  auto it = std::find(steps.begin(), steps.end(), step);
+  if (it == steps.end()) return 1.0;
+  steps.erase(it);
+  const char* f = std::getenv("LATHE_TEST_LOSS_SPIKE_FACTOR");
+  return f ? std::atof(f) : 100.0;
+}
+
+}  // namespace
+
+StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
+  // Test hook (tests/parallel): rank LATHE_TEST_STALL_RANK stops before the gradient reduction of
+  // step LATHE_TEST_STALL_STEP, as a hung process would; the others' watchdog must end the job.
+  static const char* stall_rank = std::getenv("LATHE_TEST_STALL_RANK");
+  static const char* stall_step = std::getenv("LATHE_TEST_STALL_STEP");
+  StepStats st;
+  const double t0 = now_seconds();
+  trace::Scope step_span("step", trace::Cat::Step, step + 1);
+  p.world.set_step(step + 1);
+  const int64_t B = p.B, T = p.T;
+  // Mean over the global batch's tokens, times the loss scale (a power of two by default: exact).
+  st.step = step + 1;
+  st.loss_scale = p.scaler.scale();
+  double loss_sum = 0;
+  if (p.sync)
+    p.sync->zero_grads();  // ZeRO 2: only the shard (the rest was released as zeros)
+  else
+    p.model.zero_grad();
+  {
+    trace::Scope span("data wait", trace::Cat::Data);
+    st.data_wait_s = p.loader.next(p.inputs.data(), p.targets.data());
+  }
+  // The loss is the mean over the global batch's trained targets: all G x T of them, or with
+  // data.mask_loss_after_eod those left after masking (counted over every rank: Megatron's mean).
+  int64_t targets_kept = p.G * T;
+  if (p.docs.mask_loss) {
+    double kept =
+        static_cast<double>(mask_loss_after_eod(p.inputs.data(), p.targets.data(), p.accum * B * T, p.docs.eod));
+    if (p.world.size() > 1) p.world.all_reduce(&kept, 1, DType::F64);
+    targets_kept = std::max<int64_t>(1, static_cast<int64_t>(kept));
+  }
+  const float grad_scale = 1.0f / static_cast<float>(targets_kept) * static_cast<float>(st.loss_scale);
+  std::vector<int32_t> doc_start, positions;
+  if (p.pipe) {  // the schedule runs every micro-batch; the data-parallel reduction follows it
+    loss_sum = p.pipe->step(p.inputs.data(), p.targets.data(), grad_scale, [&](int64_t m) {
+      set_batch_documents(p.model, p.docs, p.inputs.data() + m * B * T, B, T, doc_start, positions);
+    });
+    if (p.sync) p.sync->ready(0, p.model.num_params());
+  }
+  for (int64_t m = 0; m < (p.pipe ? 0 : p.accum); ++m) {
+    trace::Scope span("forward+backward micro-batch", trace::Cat::Compute, m);
+    set_batch_documents(p.model, p.docs, p.inputs.data() + m * B * T, B, T, doc_start, positions);
+    p.sync_this_pass = m + 1 == p.accum;  // gradients are final during the last micro-batch's backward
+    loss_sum +=
+        p.model.forward_backward(p.inputs.data() + m * B * T, p.targets.data() + m * B * T, B, T, grad_scale, true);
+  }
+  p.sync_this_pass = false;
+  if (stall_rank && stall_step && std::atoi(stall_rank) == p.world.rank() && std::atoll(stall_step) == step + 1)
+    std::this_thread::sleep_for(std::chrono::hours(1));
+  if (p.sync) st.comm_wait_s = p.sync->finish();
+  if (p.dev) st.comm_wait_s = p.dev->reduce_grads();  // device: cuda: over NCCL after backward (device_dp.h)
+  if (p.world.size() > 1) p.world.all_reduce(&loss_sum, 1, DType::F64);
+  st.loss = loss_sum / static_cast<double>(targets_kept);
+  if (inject_non_finite(step + 1) && p.opt.state_end() > p.opt.state_begin())
+    p.model.grad_data()[p.opt.state_begin()] = INFINITY;
+  if (const double spike = inject_loss_spike(step + 1); spike != 1.0) {
+    st.loss *= spike;
+    float* g = p.model.grad_data();
+    for (size_t i = p.opt.state_begin(); i < p.opt.state_end(); ++i) g[i] *= static_cast<float>(spike);
+  }
+  const double t_opt = now_seconds();  // norm, scaler and update: the optimizer's share of the step
+  trace::Scope opt_span("grad norm + optimizer", trace::Cat::Optimizer);
+  // The norm of the unscaled gradients (dividing by a power of two is exact).
+  st.norm = (p.dev             ? p.dev->grad_norm()
+             : p.tp_norm_group ? parallel::tensor_parallel_grad_norm(*p.tp_norm_group, p.model.grad_data(), p.tp_owned)
+                               : p.opt.grad_norm(p.model.grad_data())) /
+            st.loss_scale;
+  st.lr_factor = p.anomaly.lr_factor();  // < 1 for a while after an anomaly
+  st.lr = optim::lr_at(p.sched, step) * st.lr_factor;
+  const int64_t skipped_before = p.scaler.state().skipped_steps;
+  switch (p.scaler.update(!std::isfinite(st.loss) || !std::isfinite(st.norm), step + 1)) {
+    case optim::LossScaler::Verdict::Stop:
+      throw_error(
+          "{} — training stopped, no weights written. This step: loss {}, grad norm {}. Last finite values: loss "
+          "{}, grad norm {}, lr {} (step {}). Try a lower optimizer.lr or a smaller optimizer.grad_clip{}.",
+          p.scaler.stop_reason(), st.loss, st.norm, prev.loss, prev.norm, prev.lr, prev.step,
+          p.scaler.dynamic() ? "" : ", or raise training.max_skipped_steps (0 = never stop)");
+    case optim::LossScaler::Verdict::Skip:
+      st.skipped = true;  // weights and moments untouched; the batch is consumed, the schedule moves on
+      st.anomaly = p.anomaly.observe(step + 1, st.loss, st.norm, true, p.scaler.dynamic() && std::isfinite(st.loss));
+      break;
+    case optim::LossScaler::Verdict::Apply: {
+      // The same loss and norm on every rank (global): the same decision everywhere.
+      st.anomaly = p.anomaly.observe(step + 1, st.loss, st.norm, false, false);
+      if (st.anomaly.skip) break;  // a spike: weights and moments untouched, the batch consumed
+      // The clipping coefficient (from the unscaled norm) and the unscaling are applied inside the
+      // optimizer update (one pass less over the gradients; bit-identical to scaling them first).
+      // AdamW/LAMB's bias correction counts the updates applied, not skipped steps (as torch.optim
+      // under GradScaler, whose skipped steps do not advance the optimizer's step).
+      const float coef = optim::clip_coefficient(st.norm, p.grad_clip) * static_cast<float>(1.0 / st.loss_scale);
+      const int64_t updates = step + 1 - skipped_before - p.anomaly.state().skipped_updates;
+      if (p.dev)
+        p.dev->step(st.lr, updates, coef);
+      else
+        p.opt.step(p.model.param_data(), p.model.grad_data(), st.lr, updates, coef);
+      p.model.refresh_compute_weights();  // the bf16/fp16 copies of the new weights
+      break;
+    }
+  }
+  st.seconds = now_seconds() - t0;
+  st.optimizer_s = now_seconds() - t_opt;
+  return st;
+}
+
+}  // namespace lathe
