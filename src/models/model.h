@@ -68,6 +68,10 @@ struct ActivationEntry {
   int64_t count;     // elements
   DType dtype;
   size_t offset;              // bytes from the start of the arena (64-byte aligned)
+  // A working buffer of one pass (gradients of the layer being run, the head's buffers, the
+  // scratch, recompute sets): nothing in it outlives the forward or backward call that writes it,
+  // so an arena of several slots (Model::allocate) holds it once for all of them.
+  bool transient = false;
   std::string label() const;  // "layers.3.qkv", "lnf_rstd"
 };
 // The arena's layout, in order: every buffer forward/backward use, from one walk (so the sizes the
@@ -75,8 +79,9 @@ struct ActivationEntry {
 // With recompute, buffers of one set shared by every layer have layer -1 and names "shared.*".
 struct ActivationPlan {
   std::vector<ActivationEntry> entries;
-  size_t bytes = 0;  // total, a multiple of 64
+  size_t bytes = 0;  // total, a multiple of 64 (a split layout: one slot's)
   Recompute recompute = Recompute::None;
+  size_t shared_bytes = 0;  // a split layout (several slots): the transient entries' region
 };
 
 // Called by the model at fixed points of a pass (all optional). Parallelism, recompute and
@@ -198,7 +203,9 @@ class Model {
   // `recompute` (models/recompute.h) chooses what the arena keeps per layer; whatever it is,
   // losses, gradients and the StepHooks calls are the same, bit for bit and in order.
   // `slots` > 1 reserves that many arenas of the same layout (a pipeline stage keeps the
-  // activations of several micro-batches at once); use_slot(i) points every pass at arena i.
+  // activations of several micro-batches at once); use_slot(i) points every pass at arena i. The
+  // transient buffers (ActivationEntry::transient: gradients, scratch, head) exist once, shared
+  // by the slots.
   void allocate(int64_t B, int64_t T, int optimizer_moments = 0, Recompute recompute = Recompute::None,
                 int64_t slots = 1);
   void use_slot(int64_t i);
@@ -301,8 +308,11 @@ class Model {
   const void* layer_input(int64_t l) const { return l == 0 ? emb_ : la_[static_cast<size_t>(l) - 1].res2; }
   // The activation arena's layout: returns its size in bytes; with `plan` also lists the entries;
   // with `m` also points m's activations into `base` (m->la_ sized to the layer count by the caller).
+  // Split (shared_bytes given: an arena of several slots): the transient entries are laid out
+  // apart, from `shared` (their size in *shared_bytes), and the return value is one slot's size.
   static size_t layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, const Ops& ops, Recompute recompute,
-                                   Model* m, std::byte* base, ActivationPlan* plan);
+                                   Model* m, std::byte* base, ActivationPlan* plan, size_t* shared_bytes = nullptr,
+                                   std::byte* shared = nullptr);
   // The element `i` elements past `p` in a compute-dtype buffer.
   void* act_at(void* p, int64_t i) const { return static_cast<std::byte*>(p) + i * act_size_; }
   const void* act_at(const void* p, int64_t i) const { return static_cast<const std::byte*>(p) + i * act_size_; }

@@ -312,7 +312,8 @@ std::string ActivationEntry::label() const {
 }
 
 size_t Model::layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, const Ops& ops, Recompute recompute,
-                                 Model* m, std::byte* base, ActivationPlan* plan) {
+                                 Model* m, std::byte* base, ActivationPlan* plan, size_t* shared_bytes,
+                                 std::byte* shared) {
   // Every size below is a product of config fields and (B, T): checked, so that a hostile config or
   // --batch/--seq-len is refused instead of wrapping into a small arena that kernels overrun.
   const std::string what = fmt::format("activations of {} for batch {} x seq_len {}", cfg.model_type, B, T);
@@ -339,17 +340,21 @@ size_t Model::layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, c
                                     static_cast<int64_t>(ops.rmsnorm_scratch_bytes(C)),
                                     static_cast<int64_t>(ops.lm_head_loss_scratch_bytes(chunk_rows, V))});
   const DType act = ops.dtype;
-  int64_t off = 0;  // bytes
-  auto take = [&](const char* name, int64_t layer, int64_t count, DType dtype) -> void* {
+  int64_t off = 0, soff = 0;  // bytes: of the (per-slot) arena, of the shared region when split
+  const bool split = shared_bytes != nullptr;
+  auto take = [&](const char* name, int64_t layer, int64_t count, DType dtype, bool transient = false) -> void* {
     const int64_t bytes = checked_mul(count, static_cast<int64_t>(dtype_size(dtype)), what);
-    if (plan) plan->entries.push_back({name, layer, count, dtype, static_cast<size_t>(off)});
-    void* p = base ? base + off : nullptr;
-    off = checked_add(off, checked_add(bytes, 63, what) / 64 * 64, what);  // keep 64-byte alignment
+    int64_t& at = split && transient ? soff : off;
+    std::byte* from = split && transient ? shared : base;
+    if (plan) plan->entries.push_back({name, layer, count, dtype, static_cast<size_t>(at), transient});
+    void* p = from ? from + at : nullptr;
+    at = checked_add(at, checked_add(bytes, 63, what) / 64 * 64, what);  // keep 64-byte alignment
     return p;
   };
-  auto stat = [&](const char* name, int64_t layer, int64_t count) {
-    return static_cast<float*>(take(name, layer, count, DType::F32));
+  auto stat = [&](const char* name, int64_t layer, int64_t count, bool transient = false) {
+    return static_cast<float*>(take(name, layer, count, DType::F32, transient));
   };
+  constexpr bool kPass = true;  // transient: a working buffer of one pass
   // Per layer: what the recompute mode keeps (none: everything; the layout of none is the layout
   // before recompute existed, entry for entry).
   const bool full = recompute == Recompute::Full, selective = recompute == Recompute::Selective;
@@ -378,18 +383,18 @@ size_t Model::layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, c
   // The set shared by every layer: whichever layer runs (forward, or backward's recompute) writes it.
   if (full) {
     LayerActs s{};
-    s.ln1 = take("shared.ln1", -1, mul({S, C}), act);
-    s.ln1_mean = stat("shared.ln1_mean", -1, S);
-    s.ln1_rstd = stat("shared.ln1_rstd", -1, S);
-    s.qkv = take("shared.qkv", -1, mul({N, Q}), act);
-    s.att = take("shared.att", -1, mul({N, H, D}), act);
-    s.lse = stat("shared.lse", -1, mul({B, H, T}));
-    s.res1 = take("shared.res1", -1, mul({S, C}), act);
-    s.ln2 = take("shared.ln2", -1, mul({S, C}), act);
-    s.ln2_mean = stat("shared.ln2_mean", -1, S);
-    s.ln2_rstd = stat("shared.ln2_rstd", -1, S);
-    s.fc = take("shared.fc", -1, mul({N, FF}), act);
-    s.act = take("shared.act", -1, mul({N, F}), act);
+    s.ln1 = take("shared.ln1", -1, mul({S, C}), act, kPass);
+    s.ln1_mean = stat("shared.ln1_mean", -1, S, kPass);
+    s.ln1_rstd = stat("shared.ln1_rstd", -1, S, kPass);
+    s.qkv = take("shared.qkv", -1, mul({N, Q}), act, kPass);
+    s.att = take("shared.att", -1, mul({N, H, D}), act, kPass);
+    s.lse = stat("shared.lse", -1, mul({B, H, T}), kPass);
+    s.res1 = take("shared.res1", -1, mul({S, C}), act, kPass);
+    s.ln2 = take("shared.ln2", -1, mul({S, C}), act, kPass);
+    s.ln2_mean = stat("shared.ln2_mean", -1, S, kPass);
+    s.ln2_rstd = stat("shared.ln2_rstd", -1, S, kPass);
+    s.fc = take("shared.fc", -1, mul({N, FF}), act, kPass);
+    s.act = take("shared.act", -1, mul({N, F}), act, kPass);
     for (int64_t l = 0; l < L; ++l) {
       LayerActs& a = layer(l);
       void* res2 = a.res2;
@@ -400,8 +405,8 @@ size_t Model::layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, c
     // ln1 and ln2 are never needed at the same time: forward's qkv GEMM consumes ln1 before ln2 is
     // written, and backward recomputes ln1 only after the fc GEMM's backward has read ln2. So one
     // buffer holds both.
-    void* ln = take("shared.ln", -1, mul({S, C}), act);
-    void* mlp_act = take("shared.act", -1, mul({N, F}), act);
+    void* ln = take("shared.ln", -1, mul({S, C}), act, kPass);
+    void* mlp_act = take("shared.act", -1, mul({N, F}), act, kPass);
     for (int64_t l = 0; l < L; ++l) {
       LayerActs& a = layer(l);
       a.ln1 = a.ln2 = ln;
@@ -411,25 +416,27 @@ size_t Model::layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, c
   void* sink = nullptr;
   float* fsink = nullptr;
   (m ? m->emb_ : sink) = take("emb", -1, mul({S, C}), act);
-  (m ? m->lnf_ : sink) = take("lnf", -1, mul({NG, C}), act);  // gathered: the lm head's input
-  (m ? m->lnf_mean_ : fsink) = stat("lnf_mean", -1, S);
-  (m ? m->lnf_rstd_ : fsink) = stat("lnf_rstd", -1, S);
-  (m ? m->losses_ : fsink) = stat("losses", -1, N);
+  (m ? m->lnf_ : sink) = take("lnf", -1, mul({NG, C}), act, kPass);  // gathered: the lm head's input
+  (m ? m->lnf_mean_ : fsink) = stat("lnf_mean", -1, S, kPass);
+  (m ? m->lnf_rstd_ : fsink) = stat("lnf_rstd", -1, S, kPass);
+  (m ? m->losses_ : fsink) = stat("losses", -1, N, kPass);
   (m ? m->dres_ : sink) = take("dres", -1, mul({S, C}), act);
-  (m ? m->dln_ : sink) = take("dln", -1, mul({N, C}), act);
-  (m ? m->dqkv_ : sink) = take("dqkv", -1, mul({N, Q}), act);
-  (m ? m->datt_ : sink) = take("datt", -1, mul({N, H, D}), act);
-  (m ? m->dfc_ : sink) = take("dfc", -1, mul({N, FF}), act);
-  (m ? m->dact_ : sink) = take("dact", -1, mul({N, F}), act);
-  if (sp) (m ? m->gathered_ : sink) = take("gathered", -1, mul({NG, C}), act);
-  (m ? m->scratch_ : sink) = take("scratch", -1, scratch, DType::U8);
+  (m ? m->dln_ : sink) = take("dln", -1, mul({N, C}), act, kPass);
+  (m ? m->dqkv_ : sink) = take("dqkv", -1, mul({N, Q}), act, kPass);
+  (m ? m->datt_ : sink) = take("datt", -1, mul({N, H, D}), act, kPass);
+  (m ? m->dfc_ : sink) = take("dfc", -1, mul({N, FF}), act, kPass);
+  (m ? m->dact_ : sink) = take("dact", -1, mul({N, F}), act, kPass);
+  if (sp) (m ? m->gathered_ : sink) = take("gathered", -1, mul({NG, C}), act, kPass);
+  (m ? m->scratch_ : sink) = take("scratch", -1, scratch, DType::U8, kPass);
   (m ? m->rope_cos_ : fsink) = stat("rope_cos", -1, mul({T, D}) / 2);
   (m ? m->rope_sin_ : fsink) = stat("rope_sin", -1, mul({T, D}) / 2);
   if (m) m->chunk_rows_ = chunk_rows;
   if (plan) {
     plan->bytes = static_cast<size_t>(off);
     plan->recompute = recompute;
+    plan->shared_bytes = static_cast<size_t>(soff);
   }
+  if (split) *shared_bytes = static_cast<size_t>(soff);
   return static_cast<size_t>(off);
 }
 
@@ -460,13 +467,16 @@ void Model::allocate(int64_t B, int64_t T, int optimizer_moments, Recompute reco
   // are the host's: a device-resident model's allocations fail with the backend's error instead.
   if (!on_device())
     check_memory_fits(estimate_memory(cfg_, B, T, optimizer_moments, 1, ops_->dtype, recompute), cfg_, "model");
+  // Several slots: [slot 0 | slot 1 | ... | the transient buffers, once].
   ActivationPlan plan;
-  const size_t total = layout_activations(cfg_, B, T, *ops_, recompute, nullptr, nullptr, &plan);
+  size_t shared = 0;
+  const size_t per =
+      layout_activations(cfg_, B, T, *ops_, recompute, nullptr, nullptr, &plan, slots > 1 ? &shared : nullptr);
   max_B_ = B;
   max_T_ = T;
-  acts_.resize(*backend_,
-               static_cast<size_t>(checked_mul(static_cast<int64_t>(total), slots, "activation slots x arena bytes")),
-               DType::U8);
+  const int64_t total = checked_add(checked_mul(static_cast<int64_t>(per), slots, "activation slots x arena bytes"),
+                                    static_cast<int64_t>(shared), "activation slots + shared buffers");
+  acts_.resize(*backend_, static_cast<size_t>(total), DType::U8);
   plan_ = std::move(plan);
   slots_ = slots;
   la_.assign(static_cast<size_t>(cfg_.num_hidden_layers), {});
@@ -483,8 +493,10 @@ void Model::allocate(int64_t B, int64_t T, int optimizer_moments, Recompute reco
 
 void Model::use_slot(int64_t i) {
   LATHE_CHECK(i >= 0 && i < slots_ && max_B_ > 0, "activation slot {} of {} (allocated: {})", i, slots_, max_B_ > 0);
-  layout_activations(cfg_, max_B_, max_T_, *ops_, plan_.recompute, this,
-                     static_cast<std::byte*>(acts_.data()) + static_cast<size_t>(i) * plan_.bytes, nullptr);
+  std::byte* base = static_cast<std::byte*>(acts_.data());
+  size_t shared = 0;
+  layout_activations(cfg_, max_B_, max_T_, *ops_, plan_.recompute, this, base + static_cast<size_t>(i) * plan_.bytes,
+                     nullptr, slots_ > 1 ? &shared : nullptr, base + static_cast<size_t>(slots_) * plan_.bytes);
 }
 
 void* Model::residual(int64_t l) {

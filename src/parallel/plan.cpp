@@ -11,6 +11,7 @@
 #include "core/checked.h"
 #include "core/error.h"
 #include "core/timer.h"
+#include "dist/comm.h"
 #include "models/model.h"
 #include "parallel/pipeline_schedule.h"
 
@@ -218,18 +219,35 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l, Schedule
         static_cast<int64_t>((i + 1 < ap.entries.size() ? ap.entries[i + 1].offset : ap.bytes) - a.offset);
     const Split sp = split_of(a.name);
     const int64_t bytes = sp == Split::Wide || (sp == Split::Hidden && l.sequence) ? ceil_div(padded, t) : padded;
-    const std::string_view name = a.name;
     if (a.layer >= 0) {
       const auto ru = static_cast<size_t>(rank_of(a.layer));
       layer_acts[ru] = checked_add(layer_acts[ru], bytes, what);
-    } else if (name == "emb") {  // a chunk's input (embedding output or received activation), kept for backward
-      std::fill(input_acts.begin(), input_acts.end(), bytes);
-    } else if (name == "lnf" || name == "lnf_mean" || name == "lnf_rstd" || name == "losses") {
-      once_acts.back() = checked_add(once_acts.back(), bytes, what);
-    } else {  // working buffers of one pass at a time: gradients, scratch, recompute sets, RoPE
+    } else if (!a.transient) {
+      // Kept per (micro-batch, chunk) in flight, as each slot of a stage's arena holds them: the
+      // chunk's input (embedding output or received activation), the gradient of the residual
+      // stream (the head's output on the last stage, received on the others, then sent back) and
+      // the RoPE tables.
+      for (int64_t& o : input_acts) o = checked_add(o, bytes, what);
+    } else {  // working buffers of one pass at a time, once per stage (Model::allocate shares them
+              // between slots): gradients, scratch, the head's buffers, recompute sets
       for (int64_t& o : once_acts) o = checked_add(o, bytes, what);
     }
   }
+  // Communication buffers: the pipeline's copies of the messages it sends (an activation down, a
+  // gradient up), and the staging of the host reductions (dist/comm.h: what one all-reduce or
+  // reduce-scatter of X bytes holds, X itself up to half of kReduceStagingBytes, then that bound):
+  // the data-parallel gradient buckets (parallel.bucket_mb, 25 MB by default) and the tensor
+  // all-reduces of one activation can run at once (two progress threads); a tied embedding's
+  // gradient sum between the first and last stage runs alone, after the schedule.
+  const int64_t act_bytes_mb = checked_product({B, T, C, act_size}, what);
+  auto staging = [](int64_t x) {
+    constexpr auto cap = static_cast<int64_t>(dist::Communicator::kReduceStagingBytes);
+    return x <= cap / 2 ? x : cap;
+  };
+  int64_t comm = p > 1 ? 2 * ceil_div(act_bytes_mb, l.sequence ? t : 1) : 0;
+  int64_t reductions = t > 1 ? staging(act_bytes_mb) : 0;
+  if (p > 1 && cfg.tie_word_embeddings) reductions = std::max(reductions, staging(4 * ceil_div(ps.wte, t)));
+  comm = checked_add(comm, reductions, what);
   const int64_t layer_params = ps.layer_repl + ceil_div(ps.layer - ps.layer_repl, t);
   std::vector<int64_t> rank_params(static_cast<size_t>(p));
   const int64_t moment_shards = l.zero > 0 ? d : 1;
@@ -250,7 +268,8 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l, Schedule
     mem.activations = checked_add(checked_add(ceil_div(checked_mul(layer_acts[ru], mem.in_flight, what), v),
                                               checked_mul(input_acts[ru], mem.in_flight, what), what),
                                   once_acts[ru], what);
-    if (p > 1) mem.comm = 2 * ceil_div(checked_product({B, T, C, act_size}, what), l.sequence ? t : 1);
+    // A gradient bucket is at most the rank's gradient buffer.
+    mem.comm = d > 1 ? checked_add(comm, staging(std::min(int64_t{25} << 20, mem.grads)), what) : comm;
     if (r == 0 || mem.total() > e.memory.total()) e.memory = mem;
   }
   e.fits = mach.memory_bytes <= 0 || e.memory.total() <= mach.memory_bytes;

@@ -13,13 +13,19 @@
 //   activations: Model::plan_activations's entries, each placed on its stage: a decoder layer's
 //     buffers times the micro-batches in flight on that stage (1F1B: min(p - s, m), from the
 //     schedule simulator; interleaved: the (micro-batch, chunk) pairs in flight x 1/v of the rank's
-//     layers), the stage input (`emb`) too; the final norm and loss on the last stage
-//     once; backward scratch and recompute sets once per stage. Tensor parallel divides the
+//     layers), the other kept buffers (the stage input `emb`, the residual-stream gradient `dres`,
+//     RoPE tables) too; the transient ones (ActivationEntry::transient: gradients of the running
+//     layer, the head's buffers, scratch, recompute sets) once per stage, as a stage's arena of
+//     several slots shares them (Model::allocate). Tensor parallel divides the
 //     head-/MLP-width buffers (qkv, att, lse, fc, act and their gradients); the hidden-width ones
 //     (norms, residuals) are divided too only with sequence parallel;
-//   communication buffers: a send and a receive buffer of one activation with pipeline > 1.
-// With data x 1 x 1 this is exactly estimate_memory() of models/memory.h, the figure `lathe check
-// --world N` prints (tested).
+//   communication buffers: with pipeline > 1 the copies of the messages in flight (an activation
+//     and a gradient); the host reductions' staging (dist/comm.h kReduceStagingBytes: X bytes for
+//     a reduction of X up to half of it, then that bound) of a gradient bucket with data > 1 (25 MB
+//     or the rank's gradients), plus a tensor all-reduce of one activation with tensor > 1, or the
+//     tied embedding's gradient sum between first and last stage if larger.
+// With data x 1 x 1 this is estimate_memory() of models/memory.h, the figure `lathe check --world
+// N` prints, plus the bucket staging (tested).
 //
 // Step time: each stage's forward and backward per micro-batch from its FLOPs (Model's convention
 // 6 N + 12 L C T per token, split per stage; x 4/3 on the layers with full recompute) / peak, plus

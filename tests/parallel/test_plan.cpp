@@ -54,8 +54,9 @@ TEST(Plan, DataParallelMemoryIsLatheChecks) {
           EXPECT_EQ(e.memory.moments, ref.optimizer_bytes);
           EXPECT_EQ(e.memory.compute_weights, ref.compute_weight_bytes);
           EXPECT_EQ(e.memory.activations, ref.activation_bytes) << preset << " " << recompute_name(rc);
-          EXPECT_EQ(e.memory.comm, 0);
-          EXPECT_EQ(e.memory.total(), ref.total_bytes());
+          // The gradient bucket's reduction staging: the whole (small) gradient buffer here.
+          EXPECT_EQ(e.memory.comm, ref.grad_bytes);
+          EXPECT_EQ(e.memory.total(), ref.total_bytes() + ref.grad_bytes);
           EXPECT_EQ(e.micro_batches, 2);  // 24 samples / (3 x 4)
         }
 }
@@ -79,10 +80,12 @@ TEST(Plan, HandComputedTwoByTwo) {
   // Activations of stage 0 (N = 32 rows, fp32): per micro-batch the layer keeps ln1, res1, ln2,
   // res2 (32 x 48 floats = 6144 B each, whole without sequence parallel) and 4 row statistics
   // (128 B each) = 25088 B, and qkv (18432), att (6144), lse (512), fc (24576), act (24576) halved
-  // = 37120 B; its input (emb, 6144 B) too: (62208 + 6144) x 2 in flight. Once: the gradient
-  // buffers dres, dln (6144 each), dqkv, datt, dfc, dact halved (9216 + 3072 + 12288 + 12288), the
-  // RoPE tables (2 x 384 B) and the kernels' scratch (from the plan: backend-dependent; the head's
-  // logits chunk holds the rank's V / 2 columns, vocab parallel).
+  // = 37120 B; its input (emb, 6144 B), the residual-stream gradient (dres, 6144 B) and the RoPE
+  // tables (2 x 384 B) too, kept per slot: (62208 + 6144 + 6144 + 768) x 2 in flight. Once (the
+  // slots share them): the gradient buffers dln (6144), dqkv, datt, dfc, dact halved (9216 + 3072
+  // + 12288 + 12288), the head's lnf (6144), its two row statistics and the losses (128 B each),
+  // and the kernels' scratch (from the plan: backend-dependent; the head's logits chunk holds the
+  // rank's V / 2 columns, vocab parallel).
   ModelConfig rank_vocab = j.model;
   rank_vocab.vocab_size /= 2;
   const ActivationPlan ap = Model::plan_activations(rank_vocab, 2, 16);
@@ -90,8 +93,12 @@ TEST(Plan, HandComputedTwoByTwo) {
   for (size_t i = 0; i < ap.entries.size(); ++i)
     if (std::string_view(ap.entries[i].name) == "scratch")
       scratch = static_cast<int64_t>(ap.entries[i + 1].offset - ap.entries[i].offset);
-  EXPECT_EQ(e.memory.activations, (62208 + 6144) * 2 + 6144 * 2 + 9216 + 3072 + 12288 + 12288 + 2 * 384 + scratch);
-  EXPECT_EQ(e.memory.comm, 2 * 6144);  // a send and a receive buffer of one activation
+  EXPECT_EQ(e.memory.activations,
+            (62208 + 6144 + 6144 + 768) * 2 + 6144 + 9216 + 3072 + 12288 + 12288 + 6144 + 3 * 128 + scratch);
+  // The copies of an activation and a gradient in flight, and the larger of the host reductions'
+  // staging: a tensor all-reduce of one activation (6144 B) or the tied wte's gradient half
+  // (4 x 2304 B) summed between the first and last stage.
+  EXPECT_EQ(e.memory.comm, 2 * 6144 + 4 * 2304);
 
   // Time at 1 GFLOP/s. Per token a layer costs 6 x 28272 + 12 C T = 178848 FLOP; the rest of the
   // model (head, 6 x (wte + ln_f)) 28224. Forward = 1/3, over 32 tokens, / 2 tensor ranks:
@@ -194,6 +201,32 @@ TEST(Plan, KnobsMoveTheFiguresTheRightWay) {
   small.memory_bytes = z0.memory.total() - 1;
   EXPECT_FALSE(plan::estimate(j, small, {8, 1, 1, false, 0, Recompute::None}).fits);
   EXPECT_TRUE(plan::estimate(j, small, {8, 1, 1, false, 1, Recompute::None}).fits);
+}
+
+TEST(Plan, PipelineStageActivationsAreTheStageArena) {
+  // The oracle: the arena a pipeline stage actually allocates (its layers' model, one slot per
+  // micro-batch the schedule holds there, as PipelineExecutor does; the slots share the transient
+  // buffers). 1F1B, no tensor parallelism: equal to the byte, for the heaviest stage and the last.
+  for (const char* preset : {"gpt2-debug", "llama-debug"})
+    for (int64_t p : {2, 3})
+      for (Recompute rc : {Recompute::None, Recompute::Selective, Recompute::Full}) {
+        Job j = job_of(preset, p, 2, 16, 8);
+        j.model.num_hidden_layers = 6;
+        const Estimate e = plan::estimate(j, machine(), Layout{1, 1, p, false, 0, rc});
+        ASSERT_TRUE(e.reject.empty()) << e.reject;
+        ModelConfig stage = j.model;
+        stage.num_hidden_layers = e.stage_layers[static_cast<size_t>(e.memory.stage)];
+        auto m = build_model(stage);
+        m->allocate(2, 16, 0, rc, e.memory.in_flight);
+        EXPECT_EQ(e.memory.stage, 0) << preset;  // the most micro-batches in flight
+        EXPECT_EQ(e.memory.in_flight, p) << preset;
+        EXPECT_EQ(e.memory.activations, static_cast<int64_t>(m->activation_bytes()))
+            << preset << " p " << p << " " << recompute_name(rc);
+        // A single slot (the last stage's) is the plain arena.
+        m->allocate(2, 16, 0, rc, 1);
+        EXPECT_EQ(static_cast<size_t>(m->activation_bytes()),
+                  Model::plan_activations(stage, 2, 16, ComputeSpec{}, rc).bytes);
+      }
 }
 
 TEST(Plan, InterleavedSchedule) {
