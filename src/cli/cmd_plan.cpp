@@ -156,7 +156,8 @@ int run_plan(int argc, char** argv) {
   fmt::print(
       "schedule 1F1B (vp > 1: interleaved 1F1B); memory per rank in {} (its heaviest pipeline stage): fp32 parameters "
       "+ gradients (+ "
-      "compute-dtype weight copies), AdamW moments, activations (micro-batches held), p2p buffers; comm% = "
+      "compute-dtype weight copies), AdamW moments, activations (micro-batches held), comm buffers (messages, "
+      "reduction staging); comm% = "
       "tensor + pipeline + data-parallel time over the step (not overlapped)\n\n",
       in_gb ? "GB" : "MB");
   fmt::print(

@@ -1,8 +1,11 @@
 """`lathe plan`'s memory per rank against the measured peak resident memory per rank (issue 10:
-within 15% on 3 layouts). A GPT-2 of 51M parameters (8 layers, width 512, vocabulary 50304) so that
-parameters, gradients, moments and activations dominate the process's fixed memory (binary, MPI,
-OpenBLAS: ~40 MB, which the plan does not count); each layout trains 2 steps under mpirun, 1
-thread per rank, and its metrics give the largest peak RSS over the ranks."""
+within 15% on 3 layouts). A GPT-2 of 59M parameters (8 layers, width 512, the preset's MLP width
+3072, vocabulary 50304) so that parameters, gradients, moments and activations dominate the
+process's fixed memory (binary, MPI, OpenBLAS: ~22 MB in the CPU build scripts/test.sh makes, which
+the plan does not count); each layout trains 2 steps under mpirun, 1 thread per rank, and its
+metrics give the largest peak RSS over the ranks. A CUDA build (-DLATHE_CUDA=ON) maps the CUDA
+runtime and cuBLASLt: ~150 MB more resident per process before any model memory, so the test is
+skipped there (exit 77) rather than compared with a figure that is not the plan's."""
 import json
 import os
 import shutil
@@ -19,19 +22,20 @@ TMP = tempfile.mkdtemp(prefix="lathe_planmem_")
 MODEL = {"preset": "gpt2-124m", "n_layer": 8, "n_embd": 512, "n_head": 8, "vocab_size": 50304, "n_positions": 128}
 TRAINING = {"micro_batch_size": 4, "seq_len": 128, "grad_accum_steps": 2, "steps": 2, "log_interval": 1,
             "eval_interval": 0, "threads": 1, "peak_gflops": 100, "seed": 3}
-# (name, processes, recipe overrides): data x tensor [x pipeline], ZeRO.
+# (name, processes, recipe overrides): data x tensor [x pipeline], ZeRO. Measured on the idle
+# 2-core VM (plan / peak RSS): DP=2 ZeRO 1 971 / 1002 MB (3.1%), TP=2 616 / 668 MB (7.6%), PP=2 944
+# / 970 MB (2.7%); DP=2 1208 / 1244 MB (2.9%) runs with LATHE_PLAN_MEMORY_ALL=1 (ZeRO 1's path
+# without the moment shards), as does DP=2 x TP=2 ZeRO 2, measured 640 MB against the plan's 514 MB
+# (19.7%): at startup each rank still holds the whole model's weights (238 MB) while its tensor
+# shard's activations are allocated (the trainer frees the whole model only after the rank model
+# is set up); in the steps it measures ~525 MB.
 LAYOUTS = [
-    ("dp2", 2, {"parallel__data": 2}),
     ("dp2_zero1", 2, {"parallel__data": 2, "parallel__zero": 1}),
     ("tp2", 2, {"parallel__tensor": 2}),
+    ("pp2", 2, {"parallel__pipeline": 2}),
 ]
-# Not among them (LATHE_PLAN_MEMORY_ALL=1 runs them too), measured off by more than 15%:
-# PP=2 measures 1153 MB against the plan's 925 MB (19.8%): the startup holds the whole model while
-# the stage's model is built, and step boundaries add ~100 MB the plan does not count;
-# DP=2 x TP=2 with ZeRO 2 measures 640 MB against 496 MB (22.5%): the plan counts no buffers of
-# the ZeRO gradient reduce-scatter.
 if os.environ.get("LATHE_PLAN_MEMORY_ALL"):
-    LAYOUTS += [("pp2", 2, {"parallel__pipeline": 2}),
+    LAYOUTS += [("dp2", 2, {"parallel__data": 2}),
                 ("dp2_tp2_zero2", 4, {"parallel__data": 2, "parallel__tensor": 2, "parallel__zero": 2})]
 
 
@@ -53,6 +57,13 @@ def main():
     if not MPIRUN:
         print("FAIL mpirun not found (apt-get install openmpi-bin)")
         return 1
+    ldd = shutil.which("ldd")
+    if ldd:
+        libs = subprocess.run([ldd, LATHE], capture_output=True, text=True).stdout
+        if "libcudart" in libs or "libcublas" in libs:
+            print(f"SKIP {LATHE} is a CUDA build: its CUDA libraries add ~150 MB resident per process that the "
+                  "plan does not count; run this test with the CPU build (cmake -DLATHE_CUDA=OFF, as scripts/test.sh)")
+            return 77
     data = mpi_train.make_data(TMP)
     for name, np_, over in LAYOUTS:
         out = os.path.join(TMP, name)
