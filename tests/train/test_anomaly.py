@@ -33,8 +33,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from kill_test_lib import ENV, LATHE, make_data, run  # noqa: E402
-
-failures = []
+from train_helpers import check, finish, records  # noqa: E402
 
 # Constant lr (the lr check is exact), loss watched (z > 6 after 4 steps), the norm not: an early
 # norm rise is no spike to detect here, and the 100x loss spike is unmistakable.
@@ -53,16 +52,6 @@ POLICY = ("{{enabled: true, warmup_steps: 4, grad_norm_z_threshold: 0, lr_steps:
 
 def policy(lr_steps=0, after=0, maxrb=3, extra=""):
     return POLICY.format(lr_steps=lr_steps, after=after, maxrb=maxrb, extra=extra)
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        failures.append(what)
-
-
-def records(out):
-    return [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in l]
 
 
 def field(out, key):
@@ -232,12 +221,8 @@ def main():
         check(p3.returncode == 0 and field(dpz, "loss") == field(dpc, "loss") and weights(dpz) == weights(dpc),
               f"mpirun -np 2 ZeRO 1: the rolled-back run equals the clean one{p3.stderr.strip()[-300:]}")
 
-    shutil.rmtree(tmp, ignore_errors=True)
-    if failures:
-        print(f"{len(failures)} FAILED")
-        sys.exit(1)
-    print("all passed")
+    return finish(tmp, keep_on_failure=False)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

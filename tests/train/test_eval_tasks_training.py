@@ -7,35 +7,20 @@ counts are all-reduced: tasks_items is the whole file and the accuracy again equ
 --tasks` on that run's model. A missing task file is refused before training, naming the key."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import megatron_writer  # noqa: E402
-
-LATHE = os.environ.get("LATHE_BIN") or os.path.join(os.environ.get("LATHE_BINARY_DIR", os.path.join(HERE, "..", "..", "build")), "lathe")
-MPIRUN = shutil.which("mpirun")
-ENV = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-           OMPI_MCA_rmaps_base_oversubscribe="1")
-failures = []
-
-
-def check(ok, what):
-    print(("ok   " if ok else "FAIL ") + what, flush=True)
-    if not ok:
-        failures.append(what)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_helpers import ENV, LATHE, MPIRUN, check, finish, patterned_data, write_recipe  # noqa: E402
 
 
 def main():
     import numpy as np
     tmp = tempfile.mkdtemp(prefix="lathe_eval_tasks_training_")
     rng = np.random.default_rng(7)
-    data = os.path.join(tmp, "data")
     # Patterned sequences so that a few steps already prefer some endings over others.
-    megatron_writer.write(data, [(np.arange(300) * (d % 5 + 1) + rng.integers(0, 3, 300)) % 96 for d in range(40)])
+    data = patterned_data(tmp, rng)
     tasks = os.path.join(tmp, "tasks.jsonl")
     with open(tasks, "w") as f:
         for i in range(13):  # odd: the two replicas score 7 and 6 items
@@ -48,15 +33,10 @@ def main():
             f.write(json.dumps({"context_ids": ctx, "ending_ids": endings, "label": i % 3}) + "\n")
 
     def recipe(out, tasks_path=tasks):
-        r = {"model": {"preset": "gpt2-debug", "n_positions": 64},
-             "data": {"train": data, "valid_fraction": 0.1},
-             "optimizer": {"name": "adamw", "lr": 3e-3}, "schedule": {"name": "cosine", "warmup_steps": 2},
-             "training": {"micro_batch_size": 2, "seq_len": 64, "steps": 8, "eval_interval": 0, "log_interval": 1,
-                          "threads": 1, "peak_gflops": 100, "seed": 3, "eval_tasks": tasks_path,
-                          "eval_tasks_interval": 3},
-             "output": {"dir": out}}
-        json.dump(r, open(out + ".yaml", "w"))
-        return out + ".yaml"
+        return write_recipe(out, data, {"micro_batch_size": 2, "seq_len": 64, "steps": 8, "eval_interval": 0,
+                                        "log_interval": 1, "threads": 1, "peak_gflops": 100, "seed": 3,
+                                        "eval_tasks": tasks_path, "eval_tasks_interval": 3},
+                            model={"preset": "gpt2-debug", "n_positions": 64})
 
     def task_recs(out):
         return [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if '"tasks_acc"' in l]
@@ -141,10 +121,7 @@ def main():
     check(p.returncode == 1 and "training.eval_tasks" in p.stderr and "missing.jsonl" in p.stderr
           and not os.path.exists(os.path.join(bad, "model")),
           f"a missing task file is refused naming the key and the file ({p.stderr.strip()[-200:]})")
-    if not failures:
-        shutil.rmtree(tmp, ignore_errors=True)
-    print(f"{len(failures)} failed" if failures else "all passed")
-    return 1 if failures else 0
+    return finish(tmp)
 
 
 if __name__ == "__main__":

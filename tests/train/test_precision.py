@@ -37,8 +37,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from kill_test_lib import ENV, LATHE, make_data, run, xxh64  # noqa: E402
-
-failures = []
+from train_helpers import check, finish, records  # noqa: E402
 
 RECIPE = """
 model: {{preset: gpt2-debug, vocab_size: 256}}
@@ -49,16 +48,6 @@ training: {{micro_batch_size: 4, seq_len: 32, steps: 8, seed: 7, eval_interval: 
 output: {{dir: {out}, checkpoint_every: 1}}
 """
 SCALED = ["--set", "precision.loss_scale.enabled=true", "--set", "precision.loss_scale.growth_interval=2"]
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        failures.append(what)
-
-
-def records(out):
-    return [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in l]
 
 
 def field(out, key):
@@ -287,12 +276,8 @@ def main():
     check("note precision.loss_scale is ignored" in p.stdout and "ok   precision: fp32 compute" in p.stdout,
           "lathe check: precision line, and loss_scale keys for fp32 are ignored with a note")
 
-    shutil.rmtree(tmp, ignore_errors=True)
-    if failures:
-        print(f"{len(failures)} FAILED")
-        sys.exit(1)
-    print("all passed")
+    return finish(tmp, keep_on_failure=False)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

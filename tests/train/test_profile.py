@@ -6,26 +6,12 @@ change the losses; under mpirun every rank writes its own trace with the collect
 communication thread's track. A bad --profile-steps is a usage error."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import megatron_writer  # noqa: E402
-
-LATHE = os.environ.get("LATHE_BIN") or os.path.join(os.environ.get("LATHE_BINARY_DIR", os.path.join(HERE, "..", "..", "build")), "lathe")
-MPIRUN = shutil.which("mpirun")
-ENV = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-           OMPI_MCA_rmaps_base_oversubscribe="1")
-failures = []
-
-
-def check(ok, what):
-    print(("ok   " if ok else "FAIL ") + what, flush=True)
-    if not ok:
-        failures.append(what)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_helpers import ENV, LATHE, MPIRUN, check, finish, losses, patterned_data, write_recipe  # noqa: E402
 
 
 def spans_nest(events):
@@ -48,25 +34,18 @@ def spans_nest(events):
 def main():
     import numpy as np
     tmp = tempfile.mkdtemp(prefix="lathe_profile_")
-    rng = np.random.default_rng(2)
-    data = os.path.join(tmp, "data")
-    megatron_writer.write(data, [(np.arange(300) * (d % 5 + 1) + rng.integers(0, 3, 300)) % 96 for d in range(40)])
+    data = patterned_data(tmp, np.random.default_rng(2))
 
     def recipe(out):
-        r = {"model": {"preset": "gpt2-debug"}, "data": {"train": data, "valid_fraction": 0.1},
-             "optimizer": {"name": "adamw", "lr": 3e-3}, "schedule": {"name": "cosine", "warmup_steps": 2},
-             "training": {"micro_batch_size": 2, "seq_len": 32, "grad_accum_steps": 2, "steps": 6, "eval_interval": 0,
-                          "log_interval": 1, "threads": 1, "peak_gflops": 100, "seed": 5},
-             "output": {"dir": out}}
-        json.dump(r, open(out + ".yaml", "w"))
-        return out + ".yaml"
+        return write_recipe(out, data, {"micro_batch_size": 2, "seq_len": 32, "grad_accum_steps": 2, "steps": 6,
+                                        "eval_interval": 0, "log_interval": 1, "threads": 1, "peak_gflops": 100,
+                                        "seed": 5})
 
     plain, prof = os.path.join(tmp, "plain"), os.path.join(tmp, "prof")
     p0 = subprocess.run([LATHE, "train", recipe(plain), "--quiet"], capture_output=True, text=True, timeout=300)
     p1 = subprocess.run([LATHE, "train", recipe(prof), "--quiet", "--profile-steps", "3-4"], capture_output=True,
                         text=True, timeout=300)
     check(p0.returncode == 0 and p1.returncode == 0, "training with and without --profile-steps")
-    losses = lambda d: [json.loads(l)["loss"] for l in open(os.path.join(d, "metrics.jsonl")) if '"loss"' in l]
     check(losses(plain) == losses(prof), "profiling does not change the losses")
     path = os.path.join(prof, "trace", "rank00000.json")
     check(os.path.exists(path) and "profile: wrote" in p1.stdout, "OUTPUT/trace/rank00000.json written and logged")
@@ -135,10 +114,7 @@ def main():
     p = subprocess.run([LATHE, "train", recipe(os.path.join(tmp, "bad")), "--profile-steps", "5-2"],
                        capture_output=True, text=True)
     check(p.returncode == 2 and "--profile-steps" in p.stderr, "--profile-steps 5-2 is a usage error")
-    if not failures:
-        shutil.rmtree(tmp, ignore_errors=True)
-    print(f"{len(failures)} failed" if failures else "all passed")
-    return 1 if failures else 0
+    return finish(tmp)
 
 
 if __name__ == "__main__":

@@ -4,50 +4,35 @@ checks every gradient), the activation memory the run reports shrinks none > sel
 mode may change on resume (logged, not refused), and a bad value names the key."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import megatron_writer  # noqa: E402
-
-LATHE = os.environ.get("LATHE_BIN") or os.path.join(os.environ.get("LATHE_BINARY_DIR", os.path.join(HERE, "..", "..", "build")), "lathe")
-failures = []
-
-
-def check(ok, what):
-    print(("ok   " if ok else "FAIL ") + what, flush=True)
-    if not ok:
-        failures.append(what)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_helpers import LATHE, check, finish, losses, patterned_data, write_recipe  # noqa: E402
 
 
 def main():
     import numpy as np
     tmp = tempfile.mkdtemp(prefix="lathe_recompute_")
-    rng = np.random.default_rng(4)
-    data = os.path.join(tmp, "data")
-    megatron_writer.write(data, [(np.arange(300) * (d % 5 + 1) + rng.integers(0, 3, 300)) % 96 for d in range(40)])
+    data = patterned_data(tmp, np.random.default_rng(4))
     outs = {}
     for preset, prec in (("gpt2-debug", "fp32"), ("llama-debug", "bf16")):
         for mode in ("none", "selective", "full"):
             out = os.path.join(tmp, f"{preset}_{prec}_{mode}")
-            r = {"model": {"preset": preset}, "data": {"train": data, "valid_fraction": 0.1},
-                 "optimizer": {"name": "adamw", "lr": 3e-3}, "schedule": {"name": "cosine", "warmup_steps": 2},
-                 "training": {"micro_batch_size": 8, "seq_len": 64, "grad_accum_steps": 2, "steps": 6,
-                              "eval_interval": 0, "log_interval": 1, "threads": 2, "peak_gflops": 100, "seed": 5,
-                              },
-                 "precision": {"compute": prec}, "recompute": mode, "output": {"dir": out, "checkpoint_every": 3}}
-            json.dump(r, open(out + ".yaml", "w"))
-            p = subprocess.run([LATHE, "train", out + ".yaml"], capture_output=True, text=True, timeout=300)
+            recipe = write_recipe(out, data, {"micro_batch_size": 8, "seq_len": 64, "grad_accum_steps": 2, "steps": 6,
+                                              "eval_interval": 0, "log_interval": 1, "threads": 2, "peak_gflops": 100,
+                                              "seed": 5},
+                                  model={"preset": preset}, precision={"compute": prec}, recompute=mode,
+                                  output={"dir": out, "checkpoint_every": 3})
+            p = subprocess.run([LATHE, "train", recipe], capture_output=True, text=True, timeout=300)
             check(p.returncode == 0, f"{preset} {prec} recompute {mode} trains")
             act = [l for l in p.stdout.splitlines() if "memory estimate per rank" in l]
             outs[(preset, prec, mode)] = (out, act[0] if act else "")
         runs = [outs[(preset, prec, m)] for m in ("none", "selective", "full")]
-        losses = [[json.loads(l)["loss"] for l in open(os.path.join(o, "metrics.jsonl")) if '"loss"' in l] for o, _ in runs]
+        ls = [losses(o) for o, _ in runs]
         blobs = [open(os.path.join(o, "model", "model.safetensors"), "rb").read() for o, _ in runs]
-        check(losses[0] == losses[1] == losses[2] and blobs[0] == blobs[1] == blobs[2],
+        check(ls[0] == ls[1] == ls[2] and blobs[0] == blobs[1] == blobs[2],
               f"{preset} {prec}: none, selective and full give bit-identical losses and weights")
         mb = []
         for _, line in runs:
@@ -65,10 +50,7 @@ def main():
     p = subprocess.run([LATHE, "check", out + ".yaml", "--set", "recompute=most"], capture_output=True, text=True)
     check(p.returncode == 1 and "recompute" in p.stderr and "none, selective, full" in p.stderr,
           "a bad recompute value names the key and the choices")
-    if not failures:
-        shutil.rmtree(tmp, ignore_errors=True)
-    print(f"{len(failures)} failed" if failures else "all passed")
-    return 1 if failures else 0
+    return finish(tmp)
 
 
 if __name__ == "__main__":
