@@ -13,21 +13,15 @@ import shutil
 import struct
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.environ.get("LATHE_SOURCE_DIR", os.path.join(HERE, "..", "..")), "tests"))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hostile_ckpt import canonical, reseal_text, train_base  # noqa: E402 (puts tests/ on the path)
 from hostile import Cases, run_lathe  # noqa: E402
-from kill_test_lib import HOSTILE_RECIPE as RECIPE, make_data, xxh64  # noqa: E402
+from kill_test_lib import xxh64  # noqa: E402
 
 
 cases = Cases()
 tmp = cases.tmp
-data = make_data(tmp, "shake", 20000)
-recipe = os.path.join(tmp, "recipe.yaml")
-base_run = os.path.join(tmp, "base")
-open(recipe, "w").write(RECIPE.format(data=data, out=base_run))
-run_lathe(["train", recipe, "--quiet", "--stop-after", "2"], rc=0, timeout=120)
-BASE = os.path.join(base_run, "checkpoints", "step_00000002")
+recipe, base_run, BASE = train_base(tmp)
 assert os.path.isdir(BASE), os.listdir(os.path.join(base_run, "checkpoints"))
 n_case = [0]
 
@@ -45,16 +39,6 @@ def split_state(ckpt):
     head, tail = '{"body":', ',"body_xxh64":'
     assert text.startswith(head), text[:40]
     return text[len(head):text.rindex(tail)]
-
-
-def canonical(body):
-    return json.dumps(body, separators=(",", ":"), sort_keys=True, ensure_ascii=False, allow_nan=True)
-
-
-def reseal_text(ckpt, body_text):
-    digest = format(xxh64(body_text.encode("utf-8")), "016x")
-    open(os.path.join(ckpt, "state.json"), "w", encoding="utf-8").write(
-        '{"body":' + body_text + ',"body_xxh64":"' + digest + '"}\n')
 
 
 def reseal(ckpt, edit):

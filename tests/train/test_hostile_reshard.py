@@ -11,20 +11,14 @@ import os
 import shutil
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.environ.get("LATHE_SOURCE_DIR", os.path.join(HERE, "..", "..")), "tests"))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hostile_ckpt import canonical, reseal_text, train_base  # noqa: E402 (puts tests/ on the path)
 from hostile import Cases, run_lathe  # noqa: E402
-from kill_test_lib import HOSTILE_RECIPE as RECIPE, make_data, xxh64  # noqa: E402
+from kill_test_lib import xxh64  # noqa: E402
 
 cases = Cases()
 tmp = cases.tmp
-data = make_data(tmp, "shake", 20000)
-recipe = os.path.join(tmp, "recipe.yaml")
-base_run = os.path.join(tmp, "base")
-open(recipe, "w").write(RECIPE.format(data=data, out=base_run))
-run_lathe(["train", recipe, "--quiet", "--stop-after", "2"], rc=0, timeout=120)
-BASE = os.path.join(base_run, "checkpoints", "step_00000002")
+recipe, base_run, BASE = train_base(tmp)
 DP2 = os.path.join(tmp, "dp2")
 run_lathe(["checkpoint", "reshard", BASE, "--to", DP2, "--data", "2"], rc=0, stream="stdout",
           must=["data 2"], timeout=120)
@@ -41,12 +35,9 @@ def fresh():
 
 
 def reseal(ckpt, edit):
-    text = open(os.path.join(ckpt, "state.json"), encoding="utf-8").read()
-    body = json.loads(text)["body"]
+    body = json.loads(open(os.path.join(ckpt, "state.json"), encoding="utf-8").read())["body"]
     edit(body)
-    t = json.dumps(body, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
-    open(os.path.join(ckpt, "state.json"), "w").write(
-        '{"body":' + t + ',"body_xxh64":"' + format(xxh64(t.encode("utf-8")), "016x") + '"}\n')
+    reseal_text(ckpt, canonical(body))
 
 
 def out_dir():
