@@ -142,6 +142,7 @@ class Model(torch.nn.Module):
         return x @ self.w(head).T
 
 
+# Shared with torch_reference_docs.py: compare() records every mismatch here, finish() reports them.
 failures = []
 
 
@@ -154,6 +155,25 @@ def compare(what, lathe_t, torch_t, tol=TOL):
     if not (err <= tol):
         failures.append(f"{what}: relative error {err:.3e} (max |torch| {scale:.3e})")
     return err
+
+
+def grad_error(model, sd, grads, tol=TOL):
+    """Compares lathe's gradient of every parameter with the torch model's (a parameter the loss
+    does not reach has gradient 0); returns the worst relative error."""
+    gmax = 0.0
+    for name in sd:
+        g = model.w(name).grad
+        gmax = max(gmax, compare(f"grad {name}", grads[name], g if g is not None else torch.zeros_like(grads[name]),
+                                 tol))
+    return gmax
+
+
+def finish():
+    """Lists the mismatches (the first 30); the exit code: 1 when there was one."""
+    if failures:
+        print("MISMATCH:\n  " + "\n  ".join(failures[:30]))
+        return 1
+    return 0
 
 
 def main(d):
@@ -173,11 +193,7 @@ def main(d):
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), tgts[0].reshape(-1))
     worst["loss"] = compare("loss", out["loss"], loss)
     loss.backward()
-    gmax = 0.0
-    for name in sd:
-        g = model.w(name).grad
-        gmax = max(gmax, compare(f"grad {name}", grads[name], g if g is not None else torch.zeros_like(grads[name])))
-    worst["grads"] = gmax
+    worst["grads"] = grad_error(model, sd, grads)
 
     # 3 AdamW steps, accumulation 2 (loss = mean over both micro-batches' tokens), clip 0.5
     model = Model(cfg, sd)
@@ -202,10 +218,7 @@ def main(d):
         pmax = max(pmax, compare(f"param after 3 steps {name}", after[name], model.w(name), TOL_AFTER_STEPS))
     worst["params_after_3_steps"] = pmax
     print(f"{cfg['model_type']}: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()) + f" (tolerance {TOL}; {TOL_AFTER_STEPS} after steps)")
-    if failures:
-        print("MISMATCH:\n  " + "\n  ".join(failures[:30]))
-        return 1
-    return 0
+    return finish()
 
 
 if __name__ == "__main__":

@@ -18,20 +18,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_reference import Model, read_st  # noqa: E402
+from torch_reference import Model, compare, failures, finish, grad_error, read_st  # noqa: E402
 
 TOL = 1e-5
-failures = []
-
-
-def compare(what, lathe_t, torch_t):
-    lathe_t, torch_t = lathe_t.double(), torch_t.detach().double()
-    assert lathe_t.shape == torch_t.shape, f"{what}: shape {tuple(lathe_t.shape)} vs {tuple(torch_t.shape)}"
-    scale = torch_t.abs().max().item()
-    err = (lathe_t - torch_t).abs().max().item() / (scale if scale > 0 else 1.0)
-    if not (err <= TOL):
-        failures.append(f"{what}: relative error {err:.3e} (max |torch| {scale:.3e})")
-    return err
 
 
 def documents(row, eod):
@@ -76,25 +65,18 @@ def main(d):
             for s, e in segs:
                 pos[s:e] = torch.arange(e - s) if reset else torch.arange(s, e)
             logits[b] = model(toks[b : b + 1], pos)[0]
-    worst = {"logits": compare("logits", docs["logits"], logits)}
+    worst = {"logits": compare("logits", docs["logits"], logits, TOL)}
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), tgts.reshape(-1), ignore_index=-1)
-    worst["loss"] = compare("loss", docs["loss"], loss)
+    worst["loss"] = compare("loss", docs["loss"], loss, TOL)
     loss.backward()
-    gmax = 0.0
-    for name in sd:
-        g = model.w(name).grad
-        gmax = max(gmax, compare(f"grad {name}", grads[name], g if g is not None else torch.zeros_like(grads[name])))
-    worst["grads"] = gmax
+    worst["grads"] = grad_error(model, sd, grads, TOL)
     print(
         f"{cfg['model_type']} documents per sample {pieces} (attention {'document' if attention else 'causal'}, "
         f"reset positions {bool(reset)}, loss mask {bool(mask)}): "
         + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
         + f" (tolerance {TOL})"
     )
-    if failures:
-        print("MISMATCH:\n  " + "\n  ".join(failures[:30]))
-        return 1
-    return 0
+    return finish()
 
 
 if __name__ == "__main__":
