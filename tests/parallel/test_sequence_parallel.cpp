@@ -16,68 +16,25 @@
 #include <mutex>
 
 #include "core/error.h"
-#include "core/rng.h"
 #include "dist/comm.h"
 #include "models/memory.h"
 #include "models/model.h"
 #include "parallel/tensor_parallel.h"
+#include "tp_fixtures.h"
 
 using namespace lathe;
 using namespace lathe::parallel;
+using namespace lathe::tp_test;
 
 namespace {
 
-struct Family {
-  const char* name;
-  ModelConfig cfg;
-  std::vector<int> degrees;
-};
-std::vector<Family> families() {
-  ModelConfig untied = ModelConfig::preset("llama-debug");
-  untied.tie_word_embeddings = false;
-  untied.attention_bias = true;  // q/k/v and o_proj biases (a row-parallel bias on the shard)
-  return {{"gpt2", ModelConfig::preset("gpt2-debug"), {2, 4}},     // fused c_attn, LayerNorm with bias
-          {"llama_gqa", ModelConfig::preset("llama-debug"), {2}},  // 4 query heads, 2 KV heads, RMSNorm
-          {"qwen2", ModelConfig::preset("qwen2-debug"), {2}},      // q/k/v biases, tied
-          {"llama_untied_bias", untied, {2}}};
-}
-
-// Deterministic init, with biases and norm weights perturbed so that their use and gradients show.
-void perturbed_init(Model& m) {
-  m.init_weights(42);
-  Rng prng(7);
-  for (const ParamSpec& s : m.params().specs())
-    if (s.init != Init::Normal)
-      for (int64_t i = 0; i < s.numel(); ++i) m.param_data()[s.offset + i] += 0.1f * prng.normal();
-  m.refresh_compute_weights();
-}
-
-double rel_err(const float* a, const float* b, int64_t n) {
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    num += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
-    den += static_cast<double>(b[i]) * b[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
+std::vector<Family> families() { return base_families(); }
 
 constexpr int64_t kB = 2, kT = 12;  // N = 24 rows: 12 per rank at tp 2, 6 at tp 4
 constexpr int kSteps = 5;
 constexpr float kLr = 0.05f;
 
-struct Batch {
-  std::vector<int32_t> tokens, targets;
-};
-Batch batch(const ModelConfig& cfg, int step, int64_t T = kT) {
-  Rng rng(1000 + static_cast<uint64_t>(step));
-  Batch b;
-  for (int64_t i = 0; i < kB * T; ++i) {
-    b.tokens.push_back(static_cast<int32_t>(rng.next_u64() % static_cast<uint64_t>(cfg.vocab_size)));
-    b.targets.push_back(static_cast<int32_t>(rng.next_u64() % static_cast<uint64_t>(cfg.vocab_size)));
-  }
-  b.targets[3] = -1;  // an ignored target
-  return b;
-}
+Batch batch(const ModelConfig& cfg, int step, int64_t T = kT) { return random_batch(cfg, step, kB, T); }
 
 // What one run gives: the loss of every step (every rank's), and the gradients of the last step and
 // the final weights as global flat buffers (gathered from the shards).
@@ -93,11 +50,7 @@ Trace run_single(const ModelConfig& cfg, DType dt = DType::F32) {
   Trace t;
   t.losses.resize(1);
   for (int s = 0; s < kSteps; ++s) {
-    const Batch b = batch(cfg, s);
-    m->zero_grad();
-    t.losses[0].push_back(m->forward_backward(b.tokens.data(), b.targets.data(), kB, kT, 1.0f / (kB * kT), true));
-    for (size_t i = 0; i < m->num_params(); ++i) m->param_data()[i] -= kLr * m->grad_data()[i];
-    m->refresh_compute_weights();
+    t.losses[0].push_back(sgd_step(*m, batch(cfg, s), kB, kT, kLr));
   }
   t.grads.assign(m->grad_data(), m->grad_data() + m->num_params());
   t.weights.assign(m->param_data(), m->param_data() + m->num_params());
@@ -114,19 +67,10 @@ Trace run_parallel(const ModelConfig& cfg, int tp, bool sequence, Recompute rc =
   std::mutex mu;
   dist::run_threads(tp, [&](dist::Communicator& comm) {
     const int r = comm.rank();
-    auto m = build_model(tensor_parallel_config(cfg, tp, sequence), ComputeSpec{nullptr, dt});
-    scatter_shard(gt, global->param_data(), m->params(), m->param_data(), r, tp);
-    m->refresh_compute_weights();
-    attach_tensor_parallel(*m, comm);
+    auto m = attached_shard(*global, tensor_parallel_config(cfg, tp, sequence), comm, r, tp, ComputeSpec{nullptr, dt});
     m->allocate(kB, kT, 0, rc);
     std::vector<double> losses;
-    for (int s = 0; s < kSteps; ++s) {
-      const Batch b = batch(cfg, s);
-      m->zero_grad();
-      losses.push_back(m->forward_backward(b.tokens.data(), b.targets.data(), kB, kT, 1.0f / (kB * kT), true));
-      for (size_t i = 0; i < m->num_params(); ++i) m->param_data()[i] -= kLr * m->grad_data()[i];
-      m->refresh_compute_weights();
-    }
+    for (int s = 0; s < kSteps; ++s) losses.push_back(sgd_step(*m, batch(cfg, s), kB, kT, kLr));
     std::vector<float> g(gt.total()), w(gt.total());
     gather_global(comm, gt, m->params(), m->grad_data(), g.data());
     gather_global(comm, gt, m->params(), m->param_data(), w.data());
@@ -219,10 +163,7 @@ TEST(SequenceParallel, ForwardOnlyPassOfRowsThatDoNotSplitIsPadded) {
   std::vector<std::string> errors(2);
   dist::run_threads(2, [&](dist::Communicator& comm) {
     const int r = comm.rank();
-    auto m = build_model(tensor_parallel_config(cfg, 2, true));
-    scatter_shard(global->params(), global->param_data(), m->params(), m->param_data(), r, 2);
-    m->refresh_compute_weights();
-    attach_tensor_parallel(*m, comm);
+    auto m = attached_shard(*global, tensor_parallel_config(cfg, 2, true), comm, r, 2);
     m->allocate(kB, kT);
     std::vector<float> logits(ref.size());
     m->forward_logits(b.tokens.data(), B, T, logits.data());

@@ -23,21 +23,16 @@
 #include "kernels/backend.h"
 #include "models/model.h"
 #include "parallel/tensor_parallel.h"
+#include "tp_fixtures.h"
 
 using namespace lathe;
 using namespace lathe::parallel;
+using namespace lathe::tp_test;
 
 namespace {
 
-struct Family {
-  const char* name;
-  ModelConfig cfg;
-  std::vector<int> degrees;
-};
+// tp_fixtures.h's four layouts, then vocabularies the degree does not divide.
 std::vector<Family> families() {
-  ModelConfig untied = ModelConfig::preset("llama-debug");
-  untied.tie_word_embeddings = false;
-  untied.attention_bias = true;  // q/k/v and o_proj biases
   // Vocabularies the degree does not divide (uneven vocabulary shards).
   ModelConfig gpt2_v = ModelConfig::preset("gpt2-debug");
   gpt2_v.vocab_size = 50257;  // GPT-2's own vocabulary: 25129 + 25128 rows at tp=2
@@ -48,52 +43,19 @@ std::vector<Family> families() {
   llama_v.vocab_size = 101;
   ModelConfig qwen2_v = ModelConfig::preset("qwen2-debug");  // tied: wte is also the head
   qwen2_v.vocab_size = 101;
-  return {{"gpt2", ModelConfig::preset("gpt2-debug"), {2, 4}},
-          {"llama_gqa", ModelConfig::preset("llama-debug"), {2}},  // 4 query heads, 2 KV heads
-          {"qwen2", ModelConfig::preset("qwen2-debug"), {2}},
-          {"llama_untied_bias", untied, {2}},
-          {"gpt2_v50257", gpt2_v, {2}},
-          {"gpt2_h6_v97", gpt2_h6, {2, 3}},
-          {"llama_gqa_v101", llama_v, {2}},
-          {"qwen2_tied_v101", qwen2_v, {2}}};
-}
-
-// Deterministic init, with biases and norm weights perturbed so that their use and gradients show.
-void perturbed_init(Model& m) {
-  m.init_weights(42);
-  Rng prng(7);
-  for (const ParamSpec& s : m.params().specs())
-    if (s.init != Init::Normal)
-      for (int64_t i = 0; i < s.numel(); ++i) m.param_data()[s.offset + i] += 0.1f * prng.normal();
-  m.refresh_compute_weights();
-}
-
-double rel_err(const float* a, const float* b, int64_t n) {
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    num += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
-    den += static_cast<double>(b[i]) * b[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  std::vector<Family> f = base_families();
+  f.insert(f.end(), {{"gpt2_v50257", gpt2_v, {2}},
+                     {"gpt2_h6_v97", gpt2_h6, {2, 3}},
+                     {"llama_gqa_v101", llama_v, {2}},
+                     {"qwen2_tied_v101", qwen2_v, {2}}});
+  return f;
 }
 
 constexpr int64_t kB = 2, kT = 13;
 constexpr int kSteps = 5;
 constexpr float kLr = 0.05f;
 
-struct Batch {
-  std::vector<int32_t> tokens, targets;
-};
-Batch batch(const ModelConfig& cfg, int step) {
-  Rng rng(1000 + static_cast<uint64_t>(step));
-  Batch b;
-  for (int64_t i = 0; i < kB * kT; ++i) {
-    b.tokens.push_back(static_cast<int32_t>(rng.next_u64() % static_cast<uint64_t>(cfg.vocab_size)));
-    b.targets.push_back(static_cast<int32_t>(rng.next_u64() % static_cast<uint64_t>(cfg.vocab_size)));
-  }
-  b.targets[3] = -1;  // an ignored target
-  return b;
-}
+Batch batch(const ModelConfig& cfg, int step) { return random_batch(cfg, step, kB, kT); }
 
 // kSteps of plain SGD; returns the loss of every step and the gradients of the last one.
 struct Trace {
@@ -105,13 +67,7 @@ Trace run_single(const ModelConfig& cfg) {
   perturbed_init(*m);
   m->allocate(kB, kT);
   Trace t;
-  for (int s = 0; s < kSteps; ++s) {
-    const Batch b = batch(cfg, s);
-    m->zero_grad();
-    t.losses.push_back(m->forward_backward(b.tokens.data(), b.targets.data(), kB, kT, 1.0f / (kB * kT), true));
-    for (size_t i = 0; i < m->num_params(); ++i) m->param_data()[i] -= kLr * m->grad_data()[i];
-    m->refresh_compute_weights();
-  }
+  for (int s = 0; s < kSteps; ++s) t.losses.push_back(sgd_step(*m, batch(cfg, s), kB, kT, kLr));
   t.last_grads.assign(m->grad_data(), m->grad_data() + m->num_params());
   return t;
 }
@@ -132,19 +88,10 @@ TEST(TensorParallel, MatchesOneProcess) {
       std::vector<std::vector<float>> replicated_grads(static_cast<size_t>(tp));
       dist::run_threads(tp, [&](dist::Communicator& comm) {
         const int r = comm.rank();
-        auto m = build_model(tensor_parallel_config(f.cfg, tp, false, r));
-        scatter_shard(gt, global->param_data(), m->params(), m->param_data(), r, tp);
-        m->refresh_compute_weights();
-        attach_tensor_parallel(*m, comm);
+        auto m = attached_shard(*global, tensor_parallel_config(f.cfg, tp, false, r), comm, r, tp);
         m->allocate(kB, kT);
-        for (int s = 0; s < kSteps; ++s) {
-          const Batch b = batch(f.cfg, s);
-          m->zero_grad();
-          losses[static_cast<size_t>(r)].push_back(
-              m->forward_backward(b.tokens.data(), b.targets.data(), kB, kT, 1.0f / (kB * kT), true));
-          for (size_t i = 0; i < m->num_params(); ++i) m->param_data()[i] -= kLr * m->grad_data()[i];
-          m->refresh_compute_weights();
-        }
+        for (int s = 0; s < kSteps; ++s)
+          losses[static_cast<size_t>(r)].push_back(sgd_step(*m, batch(f.cfg, s), kB, kT, kLr));
         std::vector<float> g(gt.total());
         gather_global(comm, gt, m->params(), m->grad_data(), g.data());
         std::vector<float> rep;
@@ -311,10 +258,7 @@ TEST(TensorParallel, GatheredLogitsMatchOneProcess) {
     std::mutex mu;
     std::vector<std::vector<float>> got(static_cast<size_t>(tp)), got_last(static_cast<size_t>(tp));
     dist::run_threads(tp, [&](dist::Communicator& comm) {
-      auto m = build_model(tensor_parallel_config(f.cfg, tp, false, comm.rank()));
-      scatter_shard(global->params(), global->param_data(), m->params(), m->param_data(), comm.rank(), tp);
-      m->refresh_compute_weights();
-      attach_tensor_parallel(*m, comm);
+      auto m = attached_shard(*global, tensor_parallel_config(f.cfg, tp, false, comm.rank()), comm, comm.rank(), tp);
       m->allocate(kB, kT);
       std::vector<float> lg(kB * kT * V), last(kB * V);
       m->forward_logits(b.tokens.data(), kB, kT, lg.data());
