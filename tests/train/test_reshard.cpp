@@ -9,6 +9,7 @@
 #include <fstream>
 #include <random>
 
+#include "ckpt_fixtures.h"
 #include "core/error.h"
 #include "dist/comm.h"
 #include "io/fs.h"
@@ -22,13 +23,9 @@
 namespace lathe {
 namespace {
 namespace fs = std::filesystem;
+using ckpt_test::reseal;
 
-std::string temp_dir(const std::string& tag) {
-  const fs::path p = fs::temp_directory_path() / ("lathe_reshard_" + tag + std::to_string(::getpid()));
-  fs::remove_all(p);
-  fs::create_directories(p);
-  return p.string();
-}
+std::string temp_dir(const std::string& tag) { return ckpt_test::fresh_temp_dir("lathe_reshard_", tag); }
 
 // The global state of a gpt2-debug model: weights and two moments, random (second moments >= 0).
 struct Global {
@@ -119,16 +116,6 @@ TEST(Reshard, TensorParallelRankReadsOnlyItsShard) {
     }
     fs::remove_all(run);
   }
-}
-
-// Rewrites state.json's body with `edit` and reseals its checksum.
-void reseal(const std::string& dir, const std::function<void(nlohmann::json&)>& edit) {
-  const std::string path = (fs::path(dir) / "state.json").string();
-  nlohmann::json doc = nlohmann::json::parse(io::read_file(path));
-  edit(doc["body"]);
-  const std::string text = doc["body"].dump();
-  doc["body_xxh64"] = hex64(Xxh64::hash(text.data(), text.size()));
-  std::ofstream(path) << doc.dump();
 }
 
 // Replaces the two optimizer shard files by files of boxes: file 0 holds the first half of every
