@@ -20,11 +20,13 @@
 #include "config/model_config.h"
 #include "core/rng.h"
 #include "io/safetensors.h"
+#include "model_fixtures.h"
 #include "models/documents.h"
 #include "models/hf_weights.h"
 
 namespace fs = std::filesystem;
 using namespace lathe;
+using namespace lathe::model_test;
 
 namespace {
 
@@ -53,17 +55,8 @@ struct Mode {
   bool attention = true, reset = true, mask = true;
 };
 
-std::unique_ptr<Model> make_model(const ModelConfig& cfg, DType dt = DType::F32) {
-  auto model = build_model(cfg, ComputeSpec{nullptr, dt});
-  model->init_weights(42);
-  // Biases and norm weights start at 0 / 1; perturb them so their use is exercised.
-  Rng prng(7);
-  for (const ParamSpec& s : model->params().specs())
-    if (s.init != Init::Normal)
-      for (int64_t i = 0; i < s.numel(); ++i) model->param_data()[s.offset + i] += 0.1f * prng.normal();
-  model->refresh_compute_weights();
-  return model;
-}
+// Biases and norm weights start at 0 / 1; perturbed so their use is exercised.
+std::unique_ptr<Model> make_model(const ModelConfig& cfg, DType dt = DType::F32) { return perturbed_model(cfg, dt); }
 
 Outputs run(Model& model, const std::vector<int32_t>& toks, std::vector<int32_t>& tgts, const Mode& m,
             Recompute rc = Recompute::None) {
@@ -88,17 +81,11 @@ Outputs run(Model& model, const std::vector<int32_t>& toks, std::vector<int32_t>
   return out;
 }
 
-std::vector<int32_t> make_targets(int64_t V) {
-  Rng rng(13);
-  std::vector<int32_t> t(kB * kT);
-  for (auto& x : t) x = static_cast<int32_t>(rng.below(V));
-  return t;
-}
+std::vector<int32_t> make_targets(int64_t V) { return random_tokens(kB * kT, V, 13); }
 
 void check_with_torch(const std::string& name, const ModelConfig& cfg, const Mode& m) {
   const fs::path dir = fs::temp_directory_path() / fmt::format("lathe_docattn_{}_{}", name, getpid());
-  fs::remove_all(dir);
-  fs::create_directories(dir);
+  fresh_dir(dir);
   auto model = make_model(cfg);
   model->allocate(kB, kT);
   save_hf_model(*model, (dir / "model").string());
@@ -116,13 +103,9 @@ void check_with_torch(const std::string& name, const ModelConfig& cfg, const Mod
   save_hf_tensors(*model, model->grad_data(), (dir / "grads.safetensors").string());
   const std::string cmd =
       fmt::format("/usr/bin/python3 {}/tests/models/torch_reference_docs.py {} 2>&1", LATHE_SOURCE_DIR, dir.string());
-  FILE* p = popen(cmd.c_str(), "r");
-  ASSERT_NE(p, nullptr);
+  int rc;
   std::string out;
-  char buf[4096];
-  while (fgets(buf, sizeof buf, p)) out += buf;
-  const int rc = pclose(p);
-  std::cout << out;
+  ASSERT_NO_FATAL_FAILURE(run_oracle(cmd, rc, out));
   EXPECT_EQ(rc, 0) << "torch_reference_docs.py reported a mismatch for " << name << ":\n" << out;
   if (rc == 0) fs::remove_all(dir);
 }

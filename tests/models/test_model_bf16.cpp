@@ -27,12 +27,14 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "io/safetensors.h"
+#include "model_fixtures.h"
 #include "models/hf_weights.h"
 #include "models/memory.h"
 #include "models/model.h"
 #include "optim/optimizer.h"
 
 using namespace lathe;
+using namespace lathe::model_test;
 
 namespace {
 
@@ -55,16 +57,7 @@ std::vector<Family> families() {
 
 // A model of `dt` whose fp32 weights are those of `ref` (deterministic init, biases and norm
 // weights perturbed so that their use and gradients are exercised, as test_model_parity).
-std::unique_ptr<Model> make(const ModelConfig& cfg, DType dt) {
-  auto m = build_model(cfg, ComputeSpec{nullptr, dt});
-  m->init_weights(42);
-  Rng prng(7);
-  for (const ParamSpec& s : m->params().specs())
-    if (s.init != Init::Normal)
-      for (int64_t i = 0; i < s.numel(); ++i) m->param_data()[s.offset + i] += 0.1f * prng.normal();
-  m->refresh_compute_weights();
-  return m;
-}
+std::unique_ptr<Model> make(const ModelConfig& cfg, DType dt) { return perturbed_model(cfg, dt); }
 
 double rel_err(const float* a, const float* b, int64_t n) {
   double num = 0, den = 0;
@@ -73,13 +66,6 @@ double rel_err(const float* a, const float* b, int64_t n) {
     den = std::max(den, std::fabs(static_cast<double>(b[i])));
   }
   return den > 0 ? num / den : num;
-}
-
-std::vector<int32_t> random_tokens(int64_t n, int64_t V, uint64_t seed) {
-  Rng rng(seed);
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (auto& x : t) x = static_cast<int32_t>(rng.below(V));
-  return t;
 }
 
 class HalfModel : public ::testing::TestWithParam<DType> {};
@@ -284,8 +270,7 @@ TEST_P(HalfModel, TorchOracle) {
     SCOPED_TRACE(f.name);
     const fs::path dir =
         fs::temp_directory_path() / fmt::format("lathe_half_{}_{}_{}", f.name, compute_dtype_name(dt), getpid());
-    fs::remove_all(dir);
-    fs::create_directories(dir);
+    fresh_dir(dir);
     const int64_t B = 2, T = 9, N = B * T, V = f.cfg.vocab_size;
     auto m = make(f.cfg, dt);
     m->allocate(B, T);
@@ -304,13 +289,9 @@ TEST_P(HalfModel, TorchOracle) {
     save_hf_tensors(*m, m->grad_data(), (dir / "grads.safetensors").string());
     const std::string cmd = fmt::format("/usr/bin/python3 {}/tests/models/torch_reference_bf16.py {} {} 2>&1",
                                         LATHE_SOURCE_DIR, dir.string(), compute_dtype_name(dt));
-    FILE* p = popen(cmd.c_str(), "r");
-    ASSERT_NE(p, nullptr);
+    int rc;
     std::string out;
-    char buf[4096];
-    while (fgets(buf, sizeof buf, p)) out += buf;
-    const int rc = pclose(p);
-    std::cout << out;
+    ASSERT_NO_FATAL_FAILURE(run_oracle(cmd, rc, out));
     EXPECT_EQ(rc, 0) << out;
     if (rc == 0) fs::remove_all(dir);
   }
