@@ -36,3 +36,25 @@ assert m.version('llama_cpp_python') == '0.3.36'" 2>/dev/null; then
   CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" $PY -m pip install -q --break-system-packages \
     -r "$(dirname "$0")/requirements-llama-cpp.txt"
 fi
+# cuDNN's frontend headers (header-only C++; the CUDA build's model.attention_kernel: cudnn,
+# src/kernels/cuda/attention_cudnn.cpp): taken from the nvidia-cudnn-frontend wheel on PyPI (its
+# include/ folder) into /usr/local/include/cudnn-frontend/include, where CMake looks. Only where a CUDA
+# toolkit with cuDNN is installed; without them the option is refused at run time.
+if [ -f /usr/local/cuda/include/cudnn.h ] && [ ! -f /usr/local/include/cudnn-frontend/include/cudnn_frontend.h ]; then
+  echo "setup: installing cuDNN frontend headers 1.32.0 into /usr/local/include/cudnn-frontend/include"
+  tmp=$(mktemp -d)
+  $PY -m pip download -q --no-deps nvidia-cudnn-frontend==1.32.0 -d "$tmp"
+  $SUDO $PY - "$tmp" <<'PYEOF'
+import glob, os, sys, zipfile
+whl = glob.glob(os.path.join(sys.argv[1], "nvidia_cudnn_frontend-*.whl"))[0]
+dst = "/usr/local/include/cudnn-frontend/include"  # its headers include "../include/..."
+with zipfile.ZipFile(whl) as z:
+    for m in z.namelist():
+        if m.startswith("include/") and not m.endswith("/"):
+            p = os.path.join(dst, m[len("include/"):])
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            with open(p, "wb") as f:
+                f.write(z.read(m))
+PYEOF
+  rm -rf "$tmp"
+fi

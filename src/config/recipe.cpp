@@ -300,6 +300,8 @@ const std::map<std::string, std::vector<std::string>> kSectionKeys = {
      {"data", "tensor", "pipeline", "virtual_stages", "stage_layers", "zero", "bucket_mb", "timeout_s", "sequence"}},
 };
 const std::vector<std::string> kModelBaseKeys = {"preset", "init_from", "config"};
+// model.attention_kernel: lathe's attention kernels or cuDNN's fused SDPA (CUDA, bf16/fp16).
+const std::vector<std::string> kAttentionKernels = {"lathe", "cudnn"};
 const std::vector<std::string> kSchedules = {"cosine", "linear", "constant", "wsd"};
 const std::vector<std::string> kDecayShapes = {"linear", "cosine", "1-sqrt"};
 const std::vector<std::string> kOptimizers = {"adamw", "lamb"};
@@ -424,6 +426,10 @@ class Parser {
     get_double(par, "parallel", "timeout_s", &r.parallel.timeout_s);
 
     validate(r);
+    if (r.attention_kernel == "cudnn" && r.data.attention == "document")
+      r.notes.push_back(
+          "model.attention_kernel: cudnn with data.attention: document: document-masked passes run lathe's attention "
+          "kernel (cuDNN's SDPA here is plain causal)");
     return r;
   }
 
@@ -612,9 +618,18 @@ class Parser {
         if (k == "init_from") r.init_from = val;
       }
     }
+    if (m.contains("attention_kernel") && !m["attention_kernel"].is_null()) {  // not an HF field
+      const json& ak = m["attention_kernel"];
+      if (!ak.is_string() || std::find(kAttentionKernels.begin(), kAttentionKernels.end(), ak.get<std::string>()) ==
+                                 kAttentionKernels.end())
+        bad("model.attention_kernel",
+            fmt::format("must be one of {} (default lathe), got '{}'", join(kAttentionKernels), value_str(ak)));
+      r.attention_kernel = ak.get<std::string>();
+    }
     json explicit_ = json::object();
     for (auto it = m.begin(); it != m.end(); ++it)
-      if (std::find(kModelBaseKeys.begin(), kModelBaseKeys.end(), it.key()) == kModelBaseKeys.end())
+      if (std::find(kModelBaseKeys.begin(), kModelBaseKeys.end(), it.key()) == kModelBaseKeys.end() &&
+          it.key() != "attention_kernel")
         explicit_[it.key()] = it.value();
 
     std::string mt;
@@ -739,6 +754,18 @@ class Parser {
     need(d.eod_token >= -1 && d.eod_token < r.model.vocab_size, "data.eod_token",
          fmt::format("{} is outside the model's vocabulary [0, {}) (-1: the tokenizer's EOS id)", d.eod_token,
                      r.model.vocab_size));
+    // model.attention_kernel: cudnn (whether this build has cuDNN is checked where the op table is
+    // chosen, train/preflight.cpp's compute_spec)
+    if (r.attention_kernel == "cudnn") {
+      need(r.device == "cuda", "model.attention_kernel",
+           fmt::format("cudnn runs on GPUs only and this recipe's device is {}: set device: cuda, or "
+                       "model.attention_kernel: lathe",
+                       r.device));
+      need(r.precision.compute == "bf16" || r.precision.compute == "fp16", "model.attention_kernel",
+           fmt::format("cudnn (cuDNN's fused SDPA) computes in bf16 or fp16 only and precision.compute is {}: set "
+                       "precision.compute: bf16, or model.attention_kernel: lathe",
+                       r.precision.compute));
+    }
     // training
     in_range("training.micro_batch_size", t.micro_batch_size, 1, kMaxMicroBatch);
     in_range("training.grad_accum_steps", t.grad_accum_steps, 1, kMaxGradAccum);
@@ -945,6 +972,7 @@ json Recipe::to_json() const {
   j["device"] = device;
   json m = model.to_hf_json();
   if (!init_from.empty()) m["init_from"] = init_from;
+  if (attention_kernel != "lathe") m["attention_kernel"] = attention_kernel;
   j["model"] = m;
   j["data"] = {{"train", data.train},
                {"valid", data.valid},

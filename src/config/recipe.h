@@ -65,6 +65,10 @@ struct Recipe {
   // Where the model computes: cpu | cuda (a top-level value: `device: cuda`, `--set device=cuda`).
   // cuda needs a CUDA build and a visible GPU (train/device_select.h says which is missing).
   std::string device = "cpu";
+  // model.attention_kernel: lathe (default: lathe's attention kernels) | cudnn (cuDNN's fused SDPA
+  // forward and backward; device: cuda with bf16/fp16 compute in a build with cuDNN; document-masked
+  // passes still run lathe's kernel). Not an HF config field: a key of the recipe's model section.
+  std::string attention_kernel = "lathe";
   ModelConfig model;
   std::string init_from;  // HF dir whose weights initialize the model; "" = random init
 

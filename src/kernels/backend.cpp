@@ -76,6 +76,22 @@ const Ops& ops_for(const Backend& backend, DType compute) {
               have.empty() ? std::string("none") : fmt::format("{}", fmt::join(have, ", ")));
 }
 
+const Ops* Backend::cudnn_attention_ops(DType, std::string* why) const {
+  *why = fmt::format("the {} backend has no cuDNN attention (cuDNN's SDPA runs on device: cuda)", name());
+  return nullptr;
+}
+
+const Ops& ops_for(const Backend& backend, DType compute, std::string_view attention_kernel) {
+  if (attention_kernel == "lathe") return ops_for(backend, compute);
+  if (attention_kernel != "cudnn") throw_error("unknown attention kernel '{}' (known: lathe, cudnn)", attention_kernel);
+  std::string why;
+  const Ops* t = backend.cudnn_attention_ops(compute, &why);
+  if (!t)
+    throw_error("attention kernel cudnn: not available on {} in {}: {}", backend.name(), compute_dtype_name(compute),
+                why);
+  return *t;
+}
+
 std::vector<std::pair<const Backend*, DType>> implemented_ops() {
   std::vector<std::pair<const Backend*, DType>> out;
   for (const Backend* b : backends())

@@ -54,6 +54,13 @@ struct Ops {
                          int64_t N, bool accumulate) = nullptr;
   void (*matmul_backward)(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
                           const void* weight, int64_t M, int64_t K, int64_t N, bool accumulate_dinp) = nullptr;
+  // The GELU MLP's up-projection fused: pre[M,N] = inp[M,K] @ weight[N,K]^T (+ bias[N]) and
+  // out[M,N] = gelu(pre), both "=" in the table's dtype; backward is gelu_backward(pre) then
+  // matmul_backward, as for the unfused pair. The CPU tables run exactly that pair
+  // (matmul_forward, gelu_forward: the same bits); CUDA uses cuBLASLt's GELU_AUX_BIAS epilogue, whose
+  // GELU reads the fp32 accumulator (the unrounded pre) where the shape allows (kernels/cuda/matmul.cu).
+  void (*matmul_bias_gelu_forward)(void* out, void* pre, const void* inp, const void* weight, const float* bias,
+                                   int64_t M, int64_t K, int64_t N) = nullptr;
 
   // ---- token + learned position embedding -----------------------------------------------------
   // positions [B, T] (nullptr: position t): the wpe row of each token (documents restart at 0).
@@ -147,11 +154,28 @@ class Backend {
   virtual void copy(void* dst, const void* src, size_t bytes, CopyKind kind) const = 0;
   // Waits until every operation issued on this backend has finished (a no-op on the CPU).
   virtual void synchronize() const = 0;
+  // Staged host -> backend copies of per-pass inputs (token ids, targets), overlapped with compute.
+  // stage_upload copies `bytes` of host `src` into host staging memory (src may be reused as soon as
+  // it returns; on CUDA a ring of pinned buffers) and starts the copy into backend memory `dst` on a
+  // copy stream, ordered AFTER the work issued on this backend so far (which may still read dst's
+  // old contents) and concurrent with the work issued later; the host does not wait for it. It
+  // returns a ticket: wait_staged(ticket) makes the work issued afterwards wait for that copy (on
+  // CUDA the compute stream waits on the copy's event; the host still does not wait). Defaults (CPU,
+  // the stand-in): a plain copy() and nothing to wait for.
+  virtual uint64_t stage_upload(void* dst, const void* src, size_t bytes) const {
+    copy(dst, src, bytes, CopyKind::HostToDevice);
+    return 0;
+  }
+  virtual void wait_staged(uint64_t ticket) const { (void)ticket; }
   // The op tables of this backend, complete or not (one per compute dtype).
   virtual std::vector<const Ops*> op_tables() const = 0;
   // Why this backend cannot run in this process ("" when it can): e.g. the CUDA backend on a machine
   // without a GPU ("cudaGetDeviceCount: CUDA driver version is insufficient ..."). Tests skip with it.
   virtual std::string unavailable() const { return {}; }
+  // The complete table of `compute` whose attention slots run cuDNN's fused SDPA (the recipe's
+  // model.attention_kernel: cudnn), or nullptr with *why saying what is missing (this backend has
+  // none: the CPU; a build without cuDNN; a dtype cuDNN's SDPA does not compute in).
+  virtual const Ops* cudnn_attention_ops(DType compute, std::string* why) const;
 };
 
 const Backend& cpu_backend();
@@ -173,6 +197,9 @@ std::string compute_dtype_name(DType t);
 // the dtypes that implement that op there: "[matmul_forward] no bf16 implementation on cpu;
 // implemented: fp32".
 const Ops& ops_for(const Backend& backend, DType compute);
+// ops_for with the attention slots of `attention_kernel`: "lathe" (ops_for's table) or "cudnn"
+// (Backend::cudnn_attention_ops). Throws naming the kernel, the backend, the dtype and the reason.
+const Ops& ops_for(const Backend& backend, DType compute, std::string_view attention_kernel);
 // The table of (backend, dtype) as registered (possibly partial), or nullptr.
 const Ops* find_ops(const Backend& backend, DType compute);
 // Every (backend, compute dtype) with a complete table.
@@ -221,6 +248,7 @@ void for_each_op(const Ops& o, F&& f) {
 #define LATHE_OP(name) f(#name, o.name != nullptr)
   LATHE_OP(matmul_forward);
   LATHE_OP(matmul_backward);
+  LATHE_OP(matmul_bias_gelu_forward);
   LATHE_OP(embedding_forward);
   LATHE_OP(embedding_backward);
   LATHE_OP(layernorm_forward);
@@ -247,7 +275,7 @@ void for_each_op(const Ops& o, F&& f) {
 #undef LATHE_OP
 }
 // A slot added to Ops but not to the list above would escape the completeness check of ops_for.
-static_assert(sizeof(Ops) == offsetof(Ops, matmul_forward) + 25 * sizeof(void (*)()),
+static_assert(sizeof(Ops) == offsetof(Ops, matmul_forward) + 26 * sizeof(void (*)()),
               "Ops gained or lost a slot: update for_each_op");
 
 }  // namespace lathe

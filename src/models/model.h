@@ -57,6 +57,9 @@ struct ComputeSpec {
   // false: no gradient buffer (a model that only holds weights: the whole model a tensor-parallel
   // run assembles for checkpoints and export); backward passes are then an error.
   bool gradients = true;
+  // The attention slots' kernels: "lathe" (the table's own) or "cudnn" (cuDNN's fused SDPA; the
+  // recipe's model.attention_kernel; kernels/backend.h's ops_for with a kernel).
+  std::string attention_kernel = "lathe";
 };
 
 // One buffer of the activation arena: what it holds, how many elements of which dtype, and where.
@@ -226,6 +229,15 @@ class Model {
   // Composes the per-block passes below and calls the hooks.
   double forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, float grad_scale,
                           bool backward);
+  // Device-resident models: starts the upload of a coming pass's token ids and targets (host [n]
+  // each; either may be nullptr) through the backend's staging (Backend::stage_upload: pinned ring,
+  // copy stream), so that the copy overlaps the work issued before that pass: the trainer stages
+  // micro-batch i+1 before running micro-batch i. The host arrays must stay unchanged until that
+  // pass has run or drop_staged_inputs(). A pass whose tokens (targets) pointer and length match a
+  // staged array uses its device copy (its compute waits for the copy, the host does not); other
+  // passes upload their own ids the same way. Both do nothing on host-memory models.
+  void stage_inputs(const int32_t* tokens, const int32_t* targets, int64_t n);
+  void drop_staged_inputs();
   void set_hooks(StepHooks hooks) { hooks_ = std::move(hooks); }
   StepHooks& hooks() { return hooks_; }
   const StepHooks& hooks() const { return hooks_; }
@@ -326,9 +338,11 @@ class Model {
     if (!on_device()) return doc_pos_.data();
     return static_cast<const int32_t*>(ddocs_.data()) + static_cast<size_t>(max_B_ * max_T_);
   }
-  // A host int32 array in backend memory: itself on the CPU, else copied into `buf` (device models:
-  // the token ids and targets of each pass).
-  const int32_t* to_backend(const int32_t* host, int64_t n, DeviceBuffer& buf) const;
+  // A host int32 array of token ids (`tokens`) or targets in backend memory: itself on the CPU,
+  // else a staged device copy (stage_inputs) or one uploaded now through Backend::stage_upload.
+  // `pass_start` (embedding forward): copies uploaded by earlier passes are stale (the caller may
+  // have refilled the same host array); the backward of the pass reuses the forward's copy.
+  const int32_t* to_backend(const int32_t* host, int64_t n, bool tokens, bool pass_start = false);
   void check_documents_shape(int64_t B, int64_t T) const;
   // The weight a kernel of the op table reads for the fp32 master `m`: the master itself in an
   // fp32 model, else the element at the same offset of the compute-dtype copy (nullptr stays null).
@@ -357,6 +371,20 @@ class Model {
   // Device-resident models only (on_device()): backend copies of params_ / grads_, the token ids
   // and targets of the current pass, and the documents ([2, max_B, max_T]: doc_start | positions).
   DeviceBuffer dparams_, dgrads_, dtokens_, dtargets_, ddocs_;
+  // What each of the kIdSlots device slots (max_B x max_T ids each) of dtokens_ / dtargets_ holds:
+  // the host array it was copied from (nullptr: nothing valid), the staging ticket, when it was
+  // staged (age: a counter), and whether stage_inputs put it there for a coming pass.
+  struct StagedIds {
+    const int32_t* host = nullptr;
+    int64_t n = 0;
+    uint64_t ticket = 0, age = 0;
+    bool prefetched = false;
+  };
+  static constexpr int kIdSlots = 3;  // the staged next pass, the current pass, one spare
+  StagedIds staged_[2][kIdSlots];     // [0]: tokens, [1]: targets
+  uint64_t staged_age_ = 0;
+  // Uploads host[n] into a free (else the oldest) slot of `kind`; returns the slot.
+  int stage_ids(const int32_t* host, int64_t n, int kind, bool prefetched);
   DeviceBuffer cweights_;  // compute-dtype copy of params_ (empty for fp32)
   bool cweights_refreshed_ = false;
   ModelPtrs p_, g_;

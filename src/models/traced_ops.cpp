@@ -31,6 +31,7 @@ struct W<I, M, Name, R (*)(A...)> {
 #define LATHE_TRACED_NAME(name) constexpr const char* k_##name = #name;
 LATHE_TRACED_NAME(matmul_forward)
 LATHE_TRACED_NAME(matmul_backward)
+LATHE_TRACED_NAME(matmul_bias_gelu_forward)
 LATHE_TRACED_NAME(embedding_forward)
 LATHE_TRACED_NAME(embedding_backward)
 LATHE_TRACED_NAME(layernorm_forward)
@@ -58,6 +59,7 @@ void fill(Ops& t, const Ops& in) {
 #define LATHE_WRAP(name) t.name = in.name ? &W<I, &Ops::name, &k_##name>::call : nullptr;
   LATHE_WRAP(matmul_forward)
   LATHE_WRAP(matmul_backward)
+  LATHE_WRAP(matmul_bias_gelu_forward)
   LATHE_WRAP(embedding_forward)
   LATHE_WRAP(embedding_backward)
   LATHE_WRAP(layernorm_forward)

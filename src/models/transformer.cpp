@@ -35,7 +35,7 @@ Model::Model(ModelConfig cfg, Arch arch, ParamTable table, ComputeSpec compute)
       backend_(compute.backend ? compute.backend : &cpu_backend()),
       // Before any allocation: refuses a missing table. Traced: each kernel call is a profiler span
       // of its kind when profiling is on (models/traced_ops.h).
-      ops_(&traced_ops(ops_for(*backend_, compute.dtype))),
+      ops_(&traced_ops(ops_for(*backend_, compute.dtype, compute.attention_kernel))),
       act_size_(static_cast<int64_t>(dtype_size(compute.dtype))) {
   // Host parameters and gradients: the model's memory on the CPU backend, the staging copies of a
   // device-resident model (whose kernels read dparams_ / dgrads_, allocated here once).
@@ -227,12 +227,63 @@ void Model::download_grads() {
   backend_->synchronize();
 }
 
-const int32_t* Model::to_backend(const int32_t* host, int64_t n, DeviceBuffer& buf) const {
+int Model::stage_ids(const int32_t* host, int64_t n, int kind, bool prefetched) {
+  DeviceBuffer& buf = kind == 0 ? dtokens_ : dtargets_;
+  const int64_t per_slot = max_B_ * max_T_;
+  LATHE_CHECK(n >= 0 && n <= per_slot && static_cast<size_t>(per_slot * kIdSlots) <= buf.size(),
+              "model: {} ids exceed the {} a device slot holds (allocate() first)", n, per_slot);
+  StagedIds* slots = staged_[kind];
+  // A free slot, else the oldest one that no coming pass waits for, else the oldest.
+  int victim = -1;
+  for (int pass = 0; pass < 3 && victim < 0; ++pass)
+    for (int i = 0; i < kIdSlots; ++i) {
+      const StagedIds& e = slots[i];
+      const bool ok = pass == 0 ? e.host == nullptr : pass == 1 ? !e.prefetched : true;
+      if (ok && (victim < 0 || e.age < slots[victim].age)) victim = i;
+    }
+  // The copy is ordered after the work issued so far, which may still read this slot's old ids.
+  StagedIds& e = slots[victim];
+  e.ticket = backend_->stage_upload(static_cast<int32_t*>(buf.data()) + victim * per_slot, host,
+                                    static_cast<size_t>(n) * sizeof(int32_t));
+  e.host = host;
+  e.n = n;
+  e.age = ++staged_age_;
+  e.prefetched = prefetched;
+  return victim;
+}
+
+void Model::stage_inputs(const int32_t* tokens, const int32_t* targets, int64_t n) {
+  if (!on_device()) return;
+  const int32_t* arrays[2] = {tokens, targets};
+  for (int kind = 0; kind < 2; ++kind) {
+    if (arrays[kind] == nullptr) continue;
+    for (StagedIds& e : staged_[kind])  // an older copy of the same array is stale
+      if (e.host == arrays[kind]) e = StagedIds{};
+    stage_ids(arrays[kind], n, kind, true);
+  }
+}
+
+void Model::drop_staged_inputs() {
+  for (auto& slots : staged_)
+    for (StagedIds& e : slots) e = StagedIds{};
+}
+
+const int32_t* Model::to_backend(const int32_t* host, int64_t n, bool tokens, bool pass_start) {
   if (!on_device() || host == nullptr) return host;
-  LATHE_CHECK(static_cast<size_t>(n) <= buf.size(), "model: {} ids exceed the {} the device buffer holds", n,
-              buf.size());
-  backend_->copy(buf.data(), host, static_cast<size_t>(n) * sizeof(int32_t), CopyKind::HostToDevice);
-  return static_cast<const int32_t*>(buf.data());
+  const int kind = tokens ? 0 : 1;
+  StagedIds* slots = staged_[kind];
+  // Copies made by earlier passes: the host array may have been refilled since (only stage_inputs'
+  // callers promise otherwise). Targets are read once per pass, so theirs never carry over.
+  if (pass_start || !tokens)
+    for (int i = 0; i < kIdSlots; ++i)
+      if (!slots[i].prefetched) slots[i] = StagedIds{};
+  int slot = -1;
+  for (int i = 0; i < kIdSlots; ++i)
+    if (slots[i].host == host && slots[i].n == n) slot = i;
+  if (slot < 0) slot = stage_ids(host, n, kind, false);
+  slots[slot].prefetched = false;  // consumed by this pass
+  backend_->wait_staged(slots[slot].ticket);
+  return static_cast<const int32_t*>((tokens ? dtokens_ : dtargets_).data()) + slot * max_B_ * max_T_;
 }
 
 void Model::refresh_compute_weights() {
@@ -481,8 +532,9 @@ void Model::allocate(int64_t B, int64_t T, int optimizer_moments, Recompute reco
   slots_ = slots;
   la_.assign(static_cast<size_t>(cfg_.num_hidden_layers), {});
   if (on_device()) {  // per-pass ids in device memory (copied in by each pass)
-    dtokens_.resize(*backend_, static_cast<size_t>(B * T), DType::I32);
-    dtargets_.resize(*backend_, static_cast<size_t>(B * T), DType::I32);
+    dtokens_.resize(*backend_, static_cast<size_t>(kIdSlots * B * T), DType::I32);
+    dtargets_.resize(*backend_, static_cast<size_t>(kIdSlots * B * T), DType::I32);
+    drop_staged_inputs();
     ddocs_.resize(*backend_, static_cast<size_t>(2 * B * T), DType::I32);
   }
   for (int64_t i = slots - 1; i >= 0; --i) {  // every slot's RoPE tables; slot 0 current at the end
@@ -539,7 +591,7 @@ void Model::embedding_forward(const int32_t* tokens, int64_t B, int64_t T) {
   // split vocabulary are reduce-scattered (the all-reduce's sums, on the rank's rows), a whole
   // vocabulary's rows are taken.
   const bool sp = seq_parallel();
-  ops_->embedding_forward(sp ? gathered_ : emb_, to_backend(tokens, N, dtokens_), cw(p_.wte),
+  ops_->embedding_forward(sp ? gathered_ : emb_, to_backend(tokens, N, true, true), cw(p_.wte),
                           vb == 0 ? cw(p_.wpe) : nullptr, B, T, C, doc_positions(), vb, cfg_.vocab_size);
   if (!sp) {
     if (vp) hooks_.reduce_partial(emb_, N * C);
@@ -678,8 +730,15 @@ void Model::layer_forward_into(int64_t l, int64_t B, int64_t T, bool output) {
   row_parallel_forward(a.res1, a.att, w.o_w, w.o_b, N, H * D, C);
   ops_->residual_forward(a.res1, a.res1, x, S * C);
   norm_forward(l, true, S);
-  ops_->matmul_forward(a.fc, sp ? gather_rows(a.ln2, S) : a.ln2, cw(w.fc_w), w.fc_b, N, C, FF, false);
-  mlp_activation_forward(l, N);
+  // GELU MLP: fc and its GELU in one op (CUDA: cuBLASLt's GELU epilogue; CPU: the same pair). Not
+  // under selective recompute, which recomputes the activation alone (mlp_activation_forward) and
+  // must reproduce the forward's bits.
+  if (arch_.gelu_mlp && plan_.recompute != Recompute::Selective)
+    ops_->matmul_bias_gelu_forward(a.act, a.fc, sp ? gather_rows(a.ln2, S) : a.ln2, cw(w.fc_w), w.fc_b, N, C, FF);
+  else {
+    ops_->matmul_forward(a.fc, sp ? gather_rows(a.ln2, S) : a.ln2, cw(w.fc_w), w.fc_b, N, C, FF, false);
+    mlp_activation_forward(l, N);
+  }
   if (!output) return;  // backward reads nothing past the MLP activation
   row_parallel_forward(a.res2, a.act, w.proj_w, w.proj_b, N, F, C);
   ops_->residual_forward(a.res2, a.res2, a.res1, S * C);
@@ -738,9 +797,8 @@ double Model::head_loss(const int32_t* targets, int64_t B, int64_t T, float grad
   // targets are range-checked by lm_head_loss
   float* dlm = arch_.tied_lm_head ? g_.wte : g_.lm_head;
   const VocabParallel* vp = vocab_parallel();
-  const double loss_sum =
-      ops_->lm_head_loss(losses_, dln_, dlm, lnf_, cw(p_.lm_head), to_backend(targets, N, dtargets_), N, C, V,
-                         grad_scale, backward, scratch_, chunk_rows_, vp);
+  const double loss_sum = ops_->lm_head_loss(losses_, dln_, dlm, lnf_, cw(p_.lm_head), to_backend(targets, N, false), N,
+                                             C, V, grad_scale, backward, scratch_, chunk_rows_, vp);
   if (!backward) return loss_sum;
   // Each vocab shard's dlogits @ w covers its vocabulary rows only: summed over the group (with
   // sequence parallelism reduce-scattered into the rank's rows; a whole vocabulary's rows are taken).
@@ -814,7 +872,7 @@ void Model::embedding_backward(const int32_t* tokens, int64_t B, int64_t T) {
   const VocabParallel* vp = vocab_parallel();
   const int64_t S = stream_rows(B, T, true);
   const void* dout = seq_parallel() ? gather_rows(dres_, S) : dres_;
-  ops_->embedding_backward(g_.wte, g_.wpe, dout, to_backend(tokens, B * T, dtokens_), B, T, cfg_.hidden_size,
+  ops_->embedding_backward(g_.wte, g_.wpe, dout, to_backend(tokens, B * T, true), B, T, cfg_.hidden_size,
                            doc_positions(), vp ? vp->vocab_begin : 0, cfg_.vocab_size);
 }
 #undef LATHE_DIMS

@@ -225,6 +225,13 @@ ComputeSpec compute_spec(const Recipe& r) {
         "implemented dtype)",
         r.source, c, c, spec.backend->name(), e.what());
   }
+  spec.attention_kernel = r.attention_kernel;
+  try {
+    (void)ops_for(*spec.backend, spec.dtype, spec.attention_kernel);
+  } catch (const Error& e) {
+    throw_error("{}: model.attention_kernel: {}: {} (set model.attention_kernel: lathe)", r.source, r.attention_kernel,
+                e.what());
+  }
   return spec;
 }
 

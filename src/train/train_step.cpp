@@ -101,12 +101,17 @@ StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
   }
   for (int64_t m = 0; m < (p.pipe ? 0 : p.accum); ++m) {
     trace::Scope span("forward+backward micro-batch", trace::Cat::Compute, m);
+    // Device models: micro-batch m+1's ids start their (pinned, async) copy now, overlapping m's
+    // compute (Model::stage_inputs; nothing on the CPU).
+    for (int64_t s = m == 0 ? 0 : m + 1; s <= m + 1 && s < p.accum; ++s)
+      p.model.stage_inputs(p.inputs.data() + s * B * T, p.targets.data() + s * B * T, B * T);
     set_batch_documents(p.model, p.docs, p.inputs.data() + m * B * T, B, T, doc_start, positions);
     p.sync_this_pass = m + 1 == p.accum;  // gradients are final during the last micro-batch's backward
     loss_sum +=
         p.model.forward_backward(p.inputs.data() + m * B * T, p.targets.data() + m * B * T, B, T, grad_scale, true);
   }
   p.sync_this_pass = false;
+  p.model.drop_staged_inputs();  // the loader refills these arrays for the next step
   if (stall_rank && stall_step && std::atoi(stall_rank) == p.world.rank() && std::atoll(stall_step) == step + 1)
     std::this_thread::sleep_for(std::chrono::hours(1));
   if (p.sync) st.comm_wait_s = p.sync->finish();

@@ -37,6 +37,7 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM: 989)")
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds per run")
+    ap.add_argument("--attention-kernel", default="lathe", help="model.attention_kernel: lathe | cudnn")
     a = ap.parse_args()
     lathe = os.path.join(a.build, "lathe")
     tmp = tempfile.mkdtemp(prefix="lathe_bench_gpu_")
@@ -45,12 +46,13 @@ def main():
     tokens = (a.steps + 2) * max(batches) * (a.seq + 1) + 1
     megatron_writer.write(os.path.join(tmp, "d"), [rng.integers(0, 50257, tokens)], dtype=np.uint16)
     flops_tok = 6 * N_PARAMS + 12 * L * a.seq * C
-    print(f"GPT-2 124M bf16, T={a.seq}, {a.steps} steps per B (median of steps 3..), cross-check "
+    print(f"GPT-2 124M bf16 (attention: {a.attention_kernel}), T={a.seq}, {a.steps} steps per B (median of steps 3..), cross-check "
           f"{flops_tok / 1e9:.2f} GFLOP/token vs {a.peak_tflops:.0f} TFLOP/s")
     print(f"{'B':>4} {'tokens/s':>10} {'ms/step':>9} {'MFU lathe':>10} {'MFU 6N+12LTC':>13}")
     for B in batches:
         out = os.path.join(tmp, f"b{B}")
-        rec = {"model": {"preset": "gpt2-124m", "vocab_size": V}, "device": "cuda",
+        rec = {"model": {"preset": "gpt2-124m", "vocab_size": V, "attention_kernel": a.attention_kernel},
+               "device": "cuda",
                "precision": {"compute": "bf16"},
                "data": {"train": os.path.join(tmp, "d"), "valid_fraction": 0.0},
                "optimizer": {"name": "adamw", "lr": 6e-4},

@@ -19,6 +19,10 @@ JOBS=${JOBS:-16}
 stamp "configure $BUILD (CUDA arch ${CUDA_ARCH:-90})"
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DLATHE_CUDA=ON -DLATHE_BUILD_BENCH=OFF \
   -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" "${LAUNCHER[@]}" >/dev/null || exit 1
+# cudaopt: whether this build has cuDNN's SDPA (model.attention_kernel: cudnn; scripts/setup.sh
+# installs the cudnn-frontend headers). Without them its test cases are skipped, saying why.
+[ -f /usr/local/include/cudnn-frontend/include/cudnn_frontend.h ] && stamp "cuDNN frontend headers: present" ||
+  stamp "cuDNN frontend headers: MISSING (scripts/setup.sh): the cuDNN SDPA checks will be skipped"
 # The CUDA test binaries: the op tests, tests/cuda/test_*.cpp, and other areas' CUDA tests.
 TESTS=(test_backend_ops $(ls tests/cuda/test_*.cpp 2>/dev/null | xargs -n1 basename 2>/dev/null | sed 's/\.cpp$//'))
 stamp "build lathe ${TESTS[*]} (-j$JOBS)"
@@ -48,5 +52,8 @@ LATHE_BIN="$BUILD/lathe" timeout 300 /usr/bin/python3 tests/train/test_device_dp
 rc=$?
 [ "$rc" = 0 ] || [ "$rc" = 77 ] || { echo "test_device_dp_train: FAILED (rc $rc)"; FAIL=1; }
 [ "$rc" = 77 ] && echo "test_device_dp_train: SKIPPED (reason above), not passed"
+# cudaopt: the same benchmark at B=16 with cuDNN's SDPA (model.attention_kernel: cudnn) beside lathe's.
+stamp "GPT-2 124M bf16 benchmark, cuDNN SDPA"
+timeout 120 python3 tests/cuda/bench_gpu.py --build "$BUILD" --batches 16 --steps "${STEPS:-8}" --attention-kernel cudnn
 stamp "done (tests $([ $FAIL = 0 ] && echo passed || echo FAILED))"
 exit $FAIL

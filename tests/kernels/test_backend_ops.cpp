@@ -102,7 +102,10 @@ VecF rounded(VecF v, DType dt) {
 struct Target {
   const Backend* backend;
   const Ops* ops;
-  std::string name() const { return std::string(backend->name()) + "_" + compute_dtype_name(ops->dtype); }
+  std::string variant = {};  // "cudnn": the table of Backend::cudnn_attention_ops (attention cases only)
+  std::string name() const {
+    return std::string(backend->name()) + "_" + compute_dtype_name(ops->dtype) + (variant.empty() ? "" : "_" + variant);
+  }
 };
 
 // ---- an emulated bf16 table (test only) ---------------------------------------------------------
@@ -138,6 +141,15 @@ Ops make() {
     VecF dxv = acc ? in(dx, M * K) : VecF(M * K), gv = in(g, M * N), xv = in(x, M * K), wv = in(w, N * K);
     f32().matmul_backward(fp(dxv, dx), dw, db, gv.data(), xv.data(), wv.data(), M, K, N, acc);
     out(dx, dxv);
+  };
+  o.matmul_bias_gelu_forward = [](void* y, void* pre, const void* x, const void* w, const float* b, int64_t M,
+                                  int64_t K, int64_t N) {
+    VecF yv(M * N), pv(M * N), xv = in(x, M * K), wv = in(w, N * K);
+    f32().matmul_forward(pv.data(), xv.data(), wv.data(), b, M, K, N, false);
+    out(pre, pv);
+    pv = in(pre, M * N);  // the GELU reads the rounded pre, as the CPU bf16 table does
+    f32().gelu_forward(yv.data(), pv.data(), M * N);
+    out(y, yv);
   };
   o.embedding_forward = [](void* y, const int32_t* tok, const void* wte, const void* wpe, int64_t B, int64_t T,
                            int64_t C, const int32_t* pos, int64_t vb, int64_t vr) {
@@ -276,6 +288,13 @@ std::vector<Target> all_targets() {
   for (const Backend* b : backends())
     for (const Ops* t : b->op_tables())
       if (t) v.push_back({b, t});
+  // The cuDNN SDPA tables (model.attention_kernel: cudnn) where this build has them: the CUDA
+  // build's bf16 / fp16 (skipped without a GPU like the other CUDA tables).
+  for (const Backend* b : backends())
+    for (DType dt : {DType::BF16, DType::F16}) {
+      std::string why;
+      if (const Ops* t = b->cudnn_attention_ops(dt, &why)) v.push_back({b, t, "cudnn"});
+    }
   v.push_back({&emu::backend(), emu::backend().op_tables()[0]});
   return v;
 }
@@ -429,6 +448,34 @@ void case_matmul(const Target& t) {
       auto gw3 = r.f32(VecF(N * K, 0.0f), "dweight only");
       t.ops->matmul_backward(nullptr, gw3->f(), nullptr, dg->p(), dx->p(), dw->p(), M, K, N, false);
       r.check(*gw3, rdw, "dweight only (dinp null)");
+    }
+}
+
+// The fused GELU MLP up-projection: pre = x @ w^T (+ b) and out = gelu(pre) against the double
+// reference of the pair. Shapes with N a multiple of 8 (cuBLASLt's epilogue applies: 64, 104) and
+// odd ones (the CUDA table's unfused fallback). The GELU of a fused epilogue reads the fp32
+// accumulator and one of the unfused pair the rounded pre: out is checked against gelu of the exact
+// pre, which both meet within the dtype's tolerance (one extra rounding of pre, |gelu'| <= 1.13).
+void case_matmul_gelu(const Target& t) {
+  struct S {
+    int64_t M, K, N;
+  };
+  const S shapes[] = {{1, 1, 1}, {3, 33, 67}, {67, 31, 33}, {33, 67, 64}, {67, 64, 104}};
+  for (const S& s : shapes)
+    for (int bias = 0; bias < 2; ++bias) {
+      const int64_t M = s.M, K = s.K, N = s.N;
+      Run r{t, "matmul_gelu " + dims({M, K, N}) + (bias ? " bias" : "")};
+      Rng rng(150 + M * 7 + K * 13 + N * 17 + bias);
+      VecF x = r.act_in(randn(M * K, rng)), w = r.act_in(randn(N * K, rng)), b = randn(N, rng);
+      VecD bd = to_double(b), pre;
+      ref_matmul_fwd(pre, to_double(x), to_double(w), bias ? &bd : nullptr, M, K, N);
+      VecD act(pre.size());
+      for (size_t i = 0; i < pre.size(); ++i) act[i] = ref_gelu(pre[i]);
+      auto dx = r.act(x, "x"), dw = r.act(w, "w"), db = r.f32(b, "b");
+      auto out = r.act(VecF(M * N, kNaN), "out"), dpre = r.act(VecF(M * N, kNaN), "pre");
+      t.ops->matmul_bias_gelu_forward(out->p(), dpre->p(), dx->p(), dw->p(), bias ? db->f() : nullptr, M, K, N);
+      r.check(*dpre, pre, "pre");
+      r.check(*out, act, "out = gelu(pre)");
     }
 }
 
@@ -633,7 +680,7 @@ void case_attention(const Target& t) {
   const std::pair<int64_t, int64_t> heads[] = {{1, 1}, {4, 2}, {6, 1}, {3, 3}};
   for (int64_t B : {1, 2})
     for (int64_t T : kOdd)
-      for (int64_t D : {1, 3, 8})
+      for (int64_t D : {1, 3, 8, 64})  // 8, 64: cuDNN's SDPA runs them (1, 3: lathe's kernels)
         for (auto [H, KVH] : heads) {
           const AttnShape s{B, T, H, KVH, D};
           Run r{t, "attention " + dims({B, T, H, KVH, D})};
@@ -777,6 +824,7 @@ struct Case {
 const std::vector<Case>& cases() {
   static const std::vector<Case> all = {
       {"matmul", {"matmul_forward", "matmul_backward"}, case_matmul},
+      {"matmul_gelu", {"matmul_bias_gelu_forward"}, case_matmul_gelu},
       {"embedding", {"embedding_forward", "embedding_backward"}, case_embedding},
       {"layernorm", {"layernorm_forward", "layernorm_backward", "layernorm_scratch_bytes"}, case_layernorm},
       {"rmsnorm", {"rmsnorm_forward", "rmsnorm_backward", "rmsnorm_scratch_bytes"}, case_rmsnorm},
@@ -803,7 +851,10 @@ struct Param {
 std::vector<Param> all_params() {
   std::vector<Param> v;
   for (const Target& t : all_targets())
-    for (const Case& c : cases()) v.push_back({t, &c});
+    for (const Case& c : cases())
+      // A variant table differs in its attention slots only.
+      if (t.variant.empty() || std::string_view(c.op) == "attention" || std::string_view(c.op) == "documents")
+        v.push_back({t, &c});
   return v;
 }
 
@@ -923,6 +974,31 @@ class FakeBackend final : public Backend {
   Ops fp32_, bf16_;
 };
 
+// model.attention_kernel: "lathe" is ops_for's table; "cudnn" is refused where there is none, naming
+// the backend, the dtype and why (the CPU backend has none; a CPU-only build's cuda stand-in has none).
+TEST(BackendRegistry, CudnnAttentionKernelIsRefusedWhereMissing) {
+  EXPECT_EQ(&ops_for(cpu_backend(), DType::BF16, "lathe"), &ops_for(cpu_backend(), DType::BF16));
+  std::string e = error_of([&] { ops_for(cpu_backend(), DType::BF16, "cudnn"); });
+  EXPECT_EQ(e,
+            "attention kernel cudnn: not available on cpu in bf16: the cpu backend has no cuDNN attention (cuDNN's "
+            "SDPA runs on device: cuda)");
+  EXPECT_NE(error_of([&] { ops_for(cpu_backend(), DType::F32, "flash"); }).find("unknown attention kernel 'flash'"),
+            std::string::npos);
+  std::string why;
+  const Ops* t = cuda_backend().cudnn_attention_ops(DType::F32, &why);
+  EXPECT_EQ(t, nullptr);  // fp32: never (cuDNN's SDPA is bf16 / fp16), or no cuDNN at all
+  EXPECT_FALSE(why.empty());
+  if (const Ops* b = cuda_backend().cudnn_attention_ops(DType::BF16, &why)) {  // CUDA build with cuDNN
+    const Ops& plain = ops_for(cuda_backend(), DType::BF16);
+    EXPECT_NE(b->attention_forward, plain.attention_forward);
+    EXPECT_EQ(b->matmul_forward, plain.matmul_forward);  // only the attention slots differ
+    EXPECT_EQ(&ops_for(cuda_backend(), DType::BF16, "cudnn"), b);
+  } else {
+    EXPECT_NE(error_of([&] { ops_for(cuda_backend(), DType::BF16, "cudnn"); }).find("not available on cuda"),
+              std::string::npos);
+  }
+}
+
 TEST(BackendRegistry, PartialTableNamesTheMissingOp) {
   const FakeBackend fake;
   EXPECT_EQ(error_of([&] { ops_for(fake, DType::BF16); }),
@@ -951,6 +1027,11 @@ TEST(BackendRegistry, CpuFp32TableIsTheOpsHKernelsBitForBit) {
     same(dx1, dx2, "matmul_backward dinp");
     same(dw1, dw2, "matmul_backward dweight");
     same(db1, db2, "matmul_backward dbias");
+    VecF pre(N * V), act1(N * V), act2(N * V);
+    o.matmul_bias_gelu_forward(act2.data(), pre.data(), x.data(), w.data(), b.data(), N, C, V);
+    same(o1, pre, "matmul_bias_gelu_forward pre");
+    cpu::gelu_forward(act1.data(), o1.data(), N * V);
+    same(act1, act2, "matmul_bias_gelu_forward out");
   }
   {
     VecF o1(N * C), o2(N * C), m1(N), m2(N), r1(N), r2(N), s1(o.layernorm_scratch_bytes(C) / 4), s2 = s1;

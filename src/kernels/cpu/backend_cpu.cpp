@@ -103,6 +103,7 @@ Ops make_fp32_ops() {
   o.dtype = DType::F32;
   o.matmul_forward = matmul_forward_f32;
   o.matmul_backward = matmul_backward_f32;
+  o.matmul_bias_gelu_forward = matmul_bias_gelu_unfused<fp32_ops>;
   o.embedding_forward = embedding_forward_f32;
   o.embedding_backward = embedding_backward_f32;
   o.layernorm_forward = layernorm_forward_f32;

@@ -640,6 +640,10 @@ Ops make_half_ops() {
   o.dtype = P::kDtype;
   o.matmul_forward = matmul_forward_h<P, Mm>;
   o.matmul_backward = matmul_backward_h<P, Mm>;
+  if constexpr (P::kDtype == DType::BF16)
+    o.matmul_bias_gelu_forward = matmul_bias_gelu_unfused<bf16_ops>;
+  else
+    o.matmul_bias_gelu_forward = matmul_bias_gelu_unfused<fp16_ops>;
   o.embedding_forward = embedding_forward_h<P>;
   o.embedding_backward = embedding_backward_h<P>;
   o.layernorm_forward = layernorm_forward_h<P>;

@@ -13,4 +13,14 @@ const Ops& bf16_ops();
 // generation has no fp16 GEMM instructions; see ops_half.cpp).
 const Ops& fp16_ops();
 
+// The matmul_bias_gelu_forward slot of the CPU tables: Table()'s own matmul_forward into pre, then
+// its gelu_forward (the unfused pair, bit for bit).
+template <const Ops& (*Table)()>
+void matmul_bias_gelu_unfused(void* out, void* pre, const void* inp, const void* weight, const float* bias, int64_t M,
+                              int64_t K, int64_t N) {
+  const Ops& t = Table();
+  t.matmul_forward(pre, inp, weight, bias, M, K, N, false);
+  t.gelu_forward(out, pre, M * N);
+}
+
 }  // namespace lathe::cpu

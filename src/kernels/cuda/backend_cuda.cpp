@@ -4,7 +4,8 @@
 //
 // Copies: host <-> device copies wait for the stream before returning, so callers may reuse or read
 // their host buffer at once (as on the CPU backend); device -> device copies and memsets are
-// stream-ordered and return at once. Overlapped staging uses runtime.h's pinned_staging directly.
+// stream-ordered and return at once. stage_upload / wait_staged: the pinned ring and copy stream of
+// runtime.h (per-pass token ids and targets, overlapped with compute).
 #include <fmt/format.h>
 
 #include "core/error.h"
@@ -25,6 +26,7 @@ Ops make_ops() {
   o.dtype = D;
   o.matmul_forward = matmul_forward<D>;
   o.matmul_backward = matmul_backward<D>;
+  o.matmul_bias_gelu_forward = matmul_bias_gelu_forward<D>;
   o.embedding_forward = embedding_forward<D>;
   o.embedding_backward = embedding_backward<D>;
   o.layernorm_forward = layernorm_forward<D>;
@@ -48,6 +50,15 @@ Ops make_ops() {
   o.lm_head_loss = lm_head_loss<D>;
   o.lm_head_loss_scratch_bytes = lm_head_loss_scratch_bytes<D>;
   o.logits_forward = logits_forward<D>;
+  return o;
+}
+
+// The bf16 / fp16 tables with cuDNN's SDPA in the attention slots (model.attention_kernel: cudnn).
+template <DType D>
+Ops make_cudnn_ops() {
+  Ops o = make_ops<D>();
+  o.attention_forward = cudnn_attention_forward<D>;
+  o.attention_backward = cudnn_attention_backward<D>;
   return o;
 }
 
@@ -107,9 +118,27 @@ class CudaBackend final : public Backend {
     LATHE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind_of(kind), cuda::stream()));
     if (kind != CopyKind::DeviceToDevice) LATHE_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
   }
-  void synchronize() const override { LATHE_CUDA_CHECK(cudaStreamSynchronize(cuda::stream())); }
+  void synchronize() const override {
+    LATHE_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
+    cuda::synchronize_uploads();
+  }
+  uint64_t stage_upload(void* dst, const void* src, size_t bytes) const override {
+    return cuda::stage_upload(dst, src, bytes);
+  }
+  void wait_staged(uint64_t ticket) const override { cuda::wait_staged(ticket); }
   std::vector<const Ops*> op_tables() const override { return {&fp32_ops(), &bf16_ops(), &fp16_ops()}; }
   std::string unavailable() const override { return cuda::unavailable_reason(); }
+  const Ops* cudnn_attention_ops(DType compute, std::string* why) const override {
+    if (std::string e = cuda::cudnn_unavailable_reason(); !e.empty()) {
+      *why = e;
+      return nullptr;
+    }
+    static const Ops bf16 = make_cudnn_ops<DType::BF16>(), fp16 = make_cudnn_ops<DType::F16>();
+    if (compute == DType::BF16) return &bf16;
+    if (compute == DType::F16) return &fp16;
+    *why = "cuDNN's SDPA computes in bf16 or fp16, not " + compute_dtype_name(compute);
+    return nullptr;
+  }
 
  private:
   static double gib(size_t b) { return static_cast<double>(b) / (1024.0 * 1024.0 * 1024.0); }

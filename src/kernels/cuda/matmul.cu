@@ -10,6 +10,11 @@
 // reference), alpha/beta fp32; "+=" is beta = 1 with C = D (the sum formed in fp32, rounded once).
 // The bias is the BIAS epilogue (fp32 bias vector) when cuBLASLt offers it for the types, else a
 // bias_add after the GEMM. dbias is a deterministic two-pass column sum (launch.h col_sum_plan).
+// matmul_bias_gelu_forward: the GELU_AUX_BIAS epilogue (GELU_AUX without a bias) writes
+// out = gelu(acc + bias) from the fp32 accumulator and the pre-activation acc + bias as aux (rounded
+// to the table's dtype; backward's gelu_backward reads it), when cuBLASLt has an algorithm for the
+// shape (aux leading dimension N divisible by 8, bias 16-byte aligned); else the GEMM and the GELU
+// kernel apart. cuBLASLt's GELU is the tanh approximation, as lathe's (kernels/cpu/ops.h).
 //
 // Descriptors, layouts and the heuristic's algorithm are cached per (shape, types, transposes,
 // epilogue, pointer alignments): the same call always runs the same algorithm, so results are
@@ -55,7 +60,11 @@ struct GemmKey {
   DType ab, cd;
   bool bias;
   uint32_t al_a, al_b, al_c, al_bias;
-  auto tie() const { return std::tie(ta, tb, m, n, k, lda, ldb, ldc, ab, cd, bias, al_a, al_b, al_c, al_bias); }
+  bool gelu = false;    // GELU_AUX(_BIAS) epilogue: D = gelu(pre), aux = pre (matmul_bias_gelu_forward)
+  uint32_t al_aux = 0;  // the aux pointer's alignment (the heuristic reads the pointer)
+  auto tie() const {
+    return std::tie(ta, tb, m, n, k, lda, ldb, ldc, ab, cd, bias, al_a, al_b, al_c, al_bias, gelu, al_aux);
+  }
   bool operator<(const GemmKey& o) const { return tie() < o.tie(); }
 };
 
@@ -64,6 +73,7 @@ struct GemmPlan {
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
   bool fused_bias = false;  // false with a bias: bias_add after the GEMM
+  bool fused_gelu = false;  // GELU_AUX(_BIAS) plan built (else the caller runs the unfused pair)
 };
 
 std::mutex g_mu;
@@ -80,18 +90,29 @@ std::string describe(const GemmKey& k) {
          n(k.al_c) + ")";
 }
 
-// Builds the plan; with fuse_bias, returns false when no algorithm supports the BIAS epilogue.
-bool build_plan(const GemmKey& k, bool fuse_bias, GemmPlan& p) {
+// Builds the plan; with fuse_bias or gelu_aux, returns false when no algorithm supports the
+// epilogue (BIAS, GELU_AUX, GELU_AUX_BIAS). gelu_aux: `aux` is the pre-activation output's address.
+bool build_plan(const GemmKey& k, bool fuse_bias, GemmPlan& p, bool gelu_aux = false, const void* aux = nullptr) {
   const cublasOperation_t ta = k.ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb = k.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
   LATHE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   LATHE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
   LATHE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
-  if (fuse_bias) {
-    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-    const cudaDataType_t bias_type = CUDA_R_32F;
+  if (fuse_bias || gelu_aux) {
+    const cublasLtEpilogue_t epi = !gelu_aux   ? CUBLASLT_EPILOGUE_BIAS
+                                   : fuse_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
+                                               : CUBLASLT_EPILOGUE_GELU_AUX;
     LATHE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+  }
+  if (fuse_bias) {
+    const cudaDataType_t bias_type = CUDA_R_32F;
     LATHE_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
+  }
+  if (gelu_aux) {  // aux (the GELU input) laid out as D: same type (the default), same leading dimension
+    const int64_t ld = k.ldc;
+    LATHE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof(ld)));
+    LATHE_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux)));
   }
   // Stored (pre-op) shapes: op(A) is m x k, op(B) is k x n, C/D m x n, all column-major.
   LATHE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, cuda_type(k.ab), k.ta ? k.k : k.m, k.ta ? k.m : k.k, k.lda));
@@ -119,12 +140,13 @@ bool build_plan(const GemmKey& k, bool fuse_bias, GemmPlan& p) {
     cublasLtMatrixLayoutDestroy(p.b);
     cublasLtMatrixLayoutDestroy(p.c);
     p = GemmPlan{};
-    if (fuse_bias) return false;
+    if (fuse_bias || gelu_aux) return false;
     if (st != CUBLAS_STATUS_SUCCESS) throw_cublas(st, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
     fail("cuda matmul: cuBLASLt has no algorithm for " + describe(k));
   }
   p.algo = result.algo;
   p.fused_bias = fuse_bias;
+  p.fused_gelu = gelu_aux;
   return true;
 }
 
@@ -135,6 +157,18 @@ const GemmPlan& plan_for(const GemmKey& k) {
   GemmPlan p;
   // The epilogue reads the bias vector with 16-byte loads: an unaligned bias is added separately.
   if (!(k.bias && k.al_bias >= 16 && build_plan(k, true, p))) build_plan(k, false, p);
+  return plans().emplace(k, p).first->second;
+}
+
+// The GELU_AUX(_BIAS) plan of k (k.gelu), or one with fused_gelu = false when cuBLASLt has none for
+// these shapes, types and alignments (the caller then runs the GEMM and the GELU kernel apart).
+const GemmPlan& gelu_plan_for(const GemmKey& k, const void* aux) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = plans().find(k);
+  if (it != plans().end()) return it->second;
+  GemmPlan p;
+  // cuBLASLt: the aux leading dimension divisible by 8; the bias read with 16-byte loads.
+  if (k.ldc % 8 == 0 && (!k.bias || k.al_bias >= 16)) build_plan(k, k.bias, p, true, aux);
   return plans().emplace(k, p).first->second;
 }
 
@@ -239,6 +273,32 @@ void matmul_forward(void* out, const void* inp, const void* weight, const float*
 }
 
 template <DType D>
+void matmul_bias_gelu_forward(void* out, void* pre, const void* inp, const void* weight, const float* bias, int64_t M,
+                              int64_t K, int64_t N) {
+  if (M <= 0 || N <= 0) return;
+  LATHE_CUDA_REQUIRE(K >= 1, "cuda matmul: inner dimension " + std::to_string(K) + " (must be >= 1)");
+  // As matmul_forward: out^T [N x M] = op_T(weight) . op_N(inp^T), with D = out and aux = pre.
+  GemmKey key{
+      true,           false,          N, M, K, K, K, N, D, D, bias != nullptr, alignment(weight), alignment(inp),
+      alignment(out), alignment(bias)};
+  key.gelu = true;
+  key.al_aux = alignment(pre);
+  const GemmPlan& p = gelu_plan_for(key, pre);
+  if (!p.fused_gelu) {  // the unfused pair: the same contract, the GELU read from the rounded pre
+    matmul_forward<D>(pre, inp, weight, bias, M, K, N, false);
+    gelu_forward<D>(out, pre, M * N);
+    return;
+  }
+  if (p.fused_bias)
+    LATHE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  LATHE_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &pre, sizeof(pre)));
+  const float alpha = 1.0f, beta = 0.0f;
+  LATHE_CUBLAS_CHECK(cublasLtMatmul(cublaslt(), p.desc, &alpha, weight, p.a, inp, p.b, &beta, out, p.c, out, p.c,
+                                    &p.algo, cublaslt_workspace(), kCublasLtWorkspaceBytes, stream()));
+}
+
+template <DType D>
 void matmul_backward(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp, const void* weight,
                      int64_t M, int64_t K, int64_t N, bool accumulate_dinp) {
   if (dinp) gemm(false, false, K, M, N, weight, K, dout, N, dinp, K, D, D, accumulate_dinp ? 1.0f : 0.0f, nullptr);
@@ -252,6 +312,8 @@ void gemm_nt_f32out(float* out, const void* a, const void* b, int64_t M, int64_t
 }
 
 LATHE_CUDA_INSTANTIATE(matmul_forward, (void*, const void*, const void*, const float*, int64_t, int64_t, int64_t, bool))
+LATHE_CUDA_INSTANTIATE(matmul_bias_gelu_forward,
+                       (void*, void*, const void*, const void*, const float*, int64_t, int64_t, int64_t))
 LATHE_CUDA_INSTANTIATE(matmul_backward,
                        (void*, float*, float*, const void*, const void*, const void*, int64_t, int64_t, int64_t, bool))
 LATHE_CUDA_INSTANTIATE(col_sums_add, (float*, const void*, int64_t, int64_t))

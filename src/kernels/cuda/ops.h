@@ -14,6 +14,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "core/dtype.h"
 #include "kernels/backend.h"  // VocabParallel
@@ -29,6 +30,10 @@ namespace lathe::cuda {
 template <DType D>
 void matmul_forward(void* out, const void* inp, const void* weight, const float* bias, int64_t M, int64_t K, int64_t N,
                     bool accumulate);
+// out = gelu(pre), pre[M,N] = inp @ weight^T (+ bias): cuBLASLt's GELU_AUX(_BIAS) epilogue (matmul.cu).
+template <DType D>
+void matmul_bias_gelu_forward(void* out, void* pre, const void* inp, const void* weight, const float* bias, int64_t M,
+                              int64_t K, int64_t N);
 template <DType D>
 void matmul_backward(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp, const void* weight,
                      int64_t M, int64_t K, int64_t N, bool accumulate_dinp);
@@ -110,6 +115,19 @@ template <DType D>
 void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse, int64_t B,
                         int64_t T, int64_t H, int64_t KVH, int64_t Dh, void* scratch, const int32_t* doc_start);
 size_t attention_scratch_bytes(int64_t T, int64_t Dh);
+
+// ---- attention_cudnn.cpp: cuDNN's fused SDPA (model.attention_kernel: cudnn), bf16 and fp16 -------
+// The attention slots' contract (lse = cuDNN's softmax stats, the natural-log log-sum-exp as above).
+// Passes with doc_start, and shapes cuDNN cannot run (decided once per shape for both directions),
+// use the kernels above. cudnn_unavailable_reason: "" when this build has cuDNN and it can be used.
+std::string cudnn_unavailable_reason();
+template <DType D>
+void cudnn_attention_forward(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
+                             int64_t Dh, void* scratch, const int32_t* doc_start);
+template <DType D>
+void cudnn_attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
+                              int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t Dh, void* scratch,
+                              const int32_t* doc_start);
 
 // ---- lm_head_loss.cu: fused lm head + softmax + cross-entropy in chunks of rows -------------------
 // Per chunk of R rows: logits [R, V] fp32 (gemm_nt_f32out), one block per row for max / exp-sum

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 #include "core/error.h"
@@ -34,6 +35,17 @@ struct State {
   size_t slot_bytes[kSlots] = {};
   void* pinned = nullptr;
   size_t pinned_bytes = 0;
+  // Staged uploads (runtime.h): created on the first one.
+  struct Staging {
+    void* host = nullptr;  // pinned
+    size_t bytes = 0;
+    cudaEvent_t done = nullptr;  // recorded on copy_stream after this buffer's copy
+    uint64_t ticket = 0;         // the upload that used it last (0: none)
+  };
+  cudaStream_t copy_stream = nullptr;
+  cudaEvent_t issued = nullptr;  // recorded on `stream` at each upload: the copy waits for it
+  Staging ring[kStagingSlots];
+  uint64_t next_ticket = 1;
   std::mutex mu;
 };
 
@@ -112,6 +124,53 @@ void* pinned_staging(size_t bytes) {
     s.pinned_bytes = bytes;
   }
   return s.pinned;
+}
+
+uint64_t stage_upload(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return 0;
+  State& s = ready();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (!s.copy_stream) {
+    LATHE_CUDA_CHECK(cudaStreamCreateWithFlags(&s.copy_stream, cudaStreamNonBlocking));
+    LATHE_CUDA_CHECK(cudaEventCreateWithFlags(&s.issued, cudaEventDisableTiming));
+    for (State::Staging& b : s.ring) LATHE_CUDA_CHECK(cudaEventCreateWithFlags(&b.done, cudaEventDisableTiming));
+  }
+  const uint64_t ticket = s.next_ticket++;
+  State::Staging& b = s.ring[ticket % kStagingSlots];
+  // The copy out of this pinned buffer kStagingSlots uploads ago must be done before it is refilled.
+  if (b.ticket) LATHE_CUDA_CHECK(cudaEventSynchronize(b.done));
+  if (bytes > b.bytes) {
+    if (b.host) LATHE_CUDA_CHECK(cudaFreeHost(b.host));
+    b.host = nullptr;
+    b.bytes = 0;
+    const size_t grown = (bytes + 4095) / 4096 * 4096;
+    LATHE_CUDA_CHECK(cudaMallocHost(&b.host, grown));
+    b.bytes = grown;
+  }
+  std::memcpy(b.host, src, bytes);
+  // After the work issued so far (it may still read dst's previous contents), concurrent with later work.
+  LATHE_CUDA_CHECK(cudaEventRecord(s.issued, s.stream));
+  LATHE_CUDA_CHECK(cudaStreamWaitEvent(s.copy_stream, s.issued, 0));
+  LATHE_CUDA_CHECK(cudaMemcpyAsync(dst, b.host, bytes, cudaMemcpyHostToDevice, s.copy_stream));
+  LATHE_CUDA_CHECK(cudaEventRecord(b.done, s.copy_stream));
+  b.ticket = ticket;
+  return ticket;
+}
+
+void wait_staged(uint64_t ticket) {
+  if (ticket == 0) return;
+  State& s = ready();
+  std::lock_guard<std::mutex> lock(s.mu);
+  const State::Staging& b = s.ring[ticket % kStagingSlots];
+  // A buffer reused since: its old copy was waited for on the host before the reuse (done).
+  if (b.ticket != ticket) return;
+  LATHE_CUDA_CHECK(cudaStreamWaitEvent(s.stream, b.done, 0));
+}
+
+void synchronize_uploads() {
+  State& s = ready();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.copy_stream) LATHE_CUDA_CHECK(cudaStreamSynchronize(s.copy_stream));
 }
 
 std::string device_description() {

@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 namespace lathe::cuda {
@@ -54,11 +55,29 @@ void* cublaslt_workspace();  // kCublasLtWorkspaceBytes of device memory
 // A device buffer of at least `bytes` for internal use by one kernel family (slot < kSlots),
 // allocated the first time and grown (never shrunk) when a call needs more; stream-ordered reuse.
 constexpr int kSlots = 8;
-enum Slot : int { kSlotColSum = 0, kSlotEmbedding = 1, kSlotAttention = 2, kSlotLoss = 3, kSlotOptim = 4 };
+enum Slot : int {
+  kSlotColSum = 0,
+  kSlotEmbedding = 1,
+  kSlotAttention = 2,
+  kSlotLoss = 3,
+  kSlotOptim = 4,
+  kSlotCudnn = 5  // cuDNN SDPA workspaces (attention_cudnn.cpp)
+};
 void* workspace(int slot, size_t bytes);
 // A pinned (page-locked) host buffer of at least `bytes`, grown when needed; for staging copies.
 // The caller orders its use against stream() (the buffer is shared by the process).
 void* pinned_staging(size_t bytes);
+// Staged uploads of per-pass inputs (Backend::stage_upload / wait_staged, kernels/backend.h): a
+// second (copy) stream and a ring of kStagingSlots pinned host buffers, each with an event recorded
+// after its copy. An upload memcpys into the next ring buffer (after a host wait on that buffer's
+// previous copy, issued kStagingSlots uploads earlier and normally long done), makes the copy stream
+// wait for the work issued so far on stream(), copies, and records the buffer's event; wait_staged
+// makes stream() wait on that event. Ticket 0: nothing to wait for.
+constexpr int kStagingSlots = 8;
+uint64_t stage_upload(void* dst, const void* src, size_t bytes);
+void wait_staged(uint64_t ticket);
+// Waits on the host for every staged upload issued so far (Backend::synchronize).
+void synchronize_uploads();
 // Human-readable name and memory of device(): "NVIDIA H200 (sm_90, 139.8 GiB)".
 std::string device_description();
 
