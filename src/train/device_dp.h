@@ -2,38 +2,34 @@
 // `mpirun -np N lathe train recipe.yaml --set device=cuda`).
 //
 // Two communicators of the same ranks (the trainer's data-parallel group):
-//  * the DEVICE group (NCCL, dist/nccl_comm.h) moves backend buffers and nothing else: the
-//    gradient buckets (ZeRO 0: all_reduce; ZeRO 1/2: reduce_scatter onto this rank's FlatShards
-//    shard, in place: parallel::GradSync over the device group) and, after a ZeRO 1/2 update, the all-gather of the
-//    weights' shards;
-//  * the HOST group (MPI, the trainer's `dpc`) carries the step's scalars: the loss sum and the
-//    token count (trainer.cpp), the gradient norm's chunk sums under ZeRO (a few doubles per rank),
-//    LAMB's per-chunk sums, stop flags. Their sums are lathe's rank-order host sums (dist/comm.h).
+//  * the DEVICE group (NCCL, dist/nccl_comm.h) moves backend buffers and nothing else: the gradient buckets (ZeRO 0:
+//    all_reduce; ZeRO 1/2: reduce_scatter onto this rank's FlatShards shard, in place: parallel::GradSync over the
+//    device group) and, after a ZeRO 1/2 update, the all-gather of the weights' shards;
+//  * the HOST group (MPI, the trainer's `dpc`) carries the step's scalars: the loss sum and the token count
+//    (trainer.cpp), the gradient norm's chunk sums under ZeRO (a few doubles per rank), LAMB's per-chunk sums, stop
+//    flags. Their sums are lathe's rank-order host sums (dist/comm.h).
 //
-// When the gradients are reduced: bucketed during the last micro-batch's backward, from the
-// model's grads_ready hook, through parallel::GradSync (the CPU path's bucketing, buckets cut from
-// the end of the buffer backwards) on the device group. The hook fires when a block's backward
-// kernels have been *issued*, not when they are done, so before each bucket's reduction is issued
-// the compute stream is synchronised (GradSync::set_before_issue); the NCCL kernels then run on
-// their own stream while the rest of backward runs on the compute stream. The price: one stream
-// synchronisation per bucket (the host stops queueing kernels ahead until the stream drains;
-// parallel.bucket_mb sets how many). LATHE_DEVICE_DP_OVERLAP=0 reduces every bucket after backward
-// instead (one synchronisation, nothing overlapped), and so does tensor parallelism (its hooks'
-// NCCL collectives on another communicator would otherwise run while buckets are in flight, in an
-// order that may differ between ranks: NCCL's rule for several communicators on one GPU). A finer scheme would record
-// an event at the hook and make the NCCL stream wait on it (no host synchronisation): the Backend interface has no
-// events yet.
-// ZeRO 2 on the device reduces exactly as ZeRO 1 does: the device gradient buffer is allocated
-// whole once (models/model.h) and backward writes it in full, so there is nothing to hand back
-// (the CPU path releases host pages outside the shard; a device path would need a shard-sized
-// gradient buffer and per-bucket reduce-scatter during backward). Moments are shard-sized for
-// ZeRO 1 and 2 (train/device_step.h: DeviceOptimizer).
+// When the gradients are reduced: bucketed during the last micro-batch's backward, from the model's grads_ready hook,
+// through parallel::GradSync (the CPU path's bucketing, buckets cut from the end of the buffer backwards) on the device
+// group. The hook fires when a block's backward kernels have been *issued*, not when they are done, so before each
+// bucket's reduction is issued the compute stream is synchronised (GradSync::set_before_issue); the NCCL kernels then
+// run on their own stream while the rest of backward runs on the compute stream. The price: one stream synchronisation
+// per bucket (the host stops queueing kernels ahead until the stream drains; parallel.bucket_mb sets how many).
+// LATHE_DEVICE_DP_OVERLAP=0 reduces every bucket after backward instead (one synchronisation, nothing overlapped), and
+// so does tensor parallelism (its hooks' NCCL collectives on another communicator would otherwise run while buckets are
+// in flight, in an order that may differ between ranks: NCCL's rule for several communicators on one GPU). A finer
+// scheme would record an event at the hook and make the NCCL stream wait on it (no host synchronisation): the Backend
+// interface has no events yet.
 //
-// Numerics: NCCL's own ring/tree sums, not lathe's rank-order sum, so a DP=N device run equals
-// the DP=N CPU run within float reassociation (a few ulp per step), not bit for bit; every rank
-// of the device group receives the same bits, so replicas stay identical. Over the thread
-// communicator (tests, a host "device") the results are bit-identical to GradSync +
-// ShardedOptimizer (tests/train/test_device_dp.cpp).
+// ZeRO 2 on the device reduces exactly as ZeRO 1 does: the device gradient buffer is allocated whole once
+// (models/model.h) and backward writes it in full, so there is nothing to hand back (the CPU path releases host pages
+// outside the shard; a device path would need a shard-sized gradient buffer and per-bucket reduce-scatter during
+// backward). Moments are shard-sized for ZeRO 1 and 2 (train/device_step.h: DeviceOptimizer).
+//
+// Numerics: NCCL's own ring/tree sums, not lathe's rank-order sum, so a DP=N device run equals the DP=N CPU run within
+// float reassociation (a few ulp per step), not bit for bit; every rank of the device group receives the same bits, so
+// replicas stay identical. Over the thread communicator (tests, a host "device") the results are bit-identical to
+// GradSync + ShardedOptimizer (tests/train/test_device_dp.cpp).
 #pragma once
 #include <cstddef>
 #include <memory>
