@@ -96,9 +96,11 @@ inline void reduce_scatter_in_pieces(Communicator& c) {
   size_t off = 0;
   for (int r = 0; r < c.rank(); ++r) off += counts[static_cast<size_t>(r)];
   const size_t mine = counts[static_cast<size_t>(c.rank())];
-  // Cheap values of varied magnitude (no sin/pow: a few million of them per rank).
+  // Cheap values of varied magnitude (no sin/pow: a few million of them per rank). Integers below
+  // 2^24 times powers of two: exact products, so a compiler that fuses the product into the sum
+  // below (FMA contraction) cannot change the expected bits.
   auto v = [](int rank, size_t i) {
-    const float scale = i % 3 == 0 ? 1e-3f : i % 3 == 1 ? 1.0f : 1e3f;
+    const float scale = i % 3 == 0 ? 0x1p-10f : i % 3 == 1 ? 1.0f : 0x1p10f;
     return static_cast<float>((i * 2654435761u + static_cast<size_t>(rank) * 40503u) % 1000003) * scale;
   };
   std::vector<float> want(mine);
