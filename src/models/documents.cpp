@@ -77,8 +77,10 @@ void Model::set_documents(const int32_t* doc_start, const int32_t* positions, in
   if (on_device()) {  // the kernels read them from device memory: [doc_start | positions], max_B x max_T each
     auto* d = static_cast<int32_t*>(ddocs_.data());
     const size_t half = static_cast<size_t>(max_B_ * max_T_);
-    if (doc_start) backend_->copy(d, doc_start, n * sizeof(int32_t), CopyKind::HostToDevice);
-    if (positions) backend_->copy(d + half, positions, n * sizeof(int32_t), CopyKind::HostToDevice);
+    // Staged (Backend::stage_upload): ordered after the passes already issued, which may still read
+    // the previous documents; the passes issued next wait for it on the device, the host does not.
+    if (doc_start) backend_->wait_staged(backend_->stage_upload(d, doc_start, n * sizeof(int32_t)));
+    if (positions) backend_->wait_staged(backend_->stage_upload(d + half, positions, n * sizeof(int32_t)));
   }
 }
 

@@ -81,8 +81,9 @@ struct PassResults {
 // `accum` micro-batches per step, 2 steps; the inputs of each step refilled into the same arrays (as
 // the trainer's loader does). staged: micro-batch m+1 staged before m runs (the trainer's order).
 // Then two evaluation passes that refill one array without staging (a stale copy would repeat).
-PassResults train(Model& m, int64_t B, int64_t T, int64_t accum, bool staged) {
+PassResults train(Model& m, int64_t B, int64_t T, int64_t accum, bool staged, bool documents = false) {
   const int64_t V = m.config().vocab_size, n = B * T;
+  std::vector<int32_t> doc(static_cast<size_t>(n)), pos(doc.size());
   std::vector<int32_t> in(static_cast<size_t>(accum * n)), tg(in.size());
   PassResults r;
   m.zero_grad();
@@ -92,10 +93,20 @@ PassResults train(Model& m, int64_t B, int64_t T, int64_t accum, bool staged) {
     for (int64_t k = 0; k < accum; ++k) {
       for (int64_t s = k == 0 ? 0 : k + 1; staged && s <= k + 1 && s < accum; ++s)
         m.stage_inputs(in.data() + s * n, tg.data() + s * n, n);
+      if (documents) {  // documents of a length that changes with each pass (staged copies too)
+        const int64_t len = 3 + (step * accum + k) % 5;
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t t = i % T;
+          doc[static_cast<size_t>(i)] = static_cast<int32_t>(t / len * len);
+          pos[static_cast<size_t>(i)] = static_cast<int32_t>(t % len);
+        }
+        m.set_documents(doc.data(), pos.data(), B, T);
+      }
       r.losses.push_back(m.forward_backward(in.data() + k * n, tg.data() + k * n, B, T, 0.01f, true));
     }
     m.drop_staged_inputs();
   }
+  if (documents) m.set_documents(nullptr, nullptr, 0, 0);
   std::vector<int32_t> ev(static_cast<size_t>(n)), evt(ev.size());
   for (int64_t k = 0; k < 2; ++k) {
     ev = random_ids(n, V, 300 + k);
@@ -132,6 +143,24 @@ TEST(StagedInputs, DeferredCopiesGiveTheCpuResultsAndUploadEachIdOnce) {
     // by the pass itself): the backward reuses its forward's copy of the tokens.
     EXPECT_EQ(dev.uploads_, 2 * (6 + 2));
   }
+}
+
+// Documents (set_documents before each pass, as the trainer does) go through the same staging.
+TEST(StagedInputs, DeferredCopiesOfDocumentsGiveTheCpuResults) {
+  const ModelConfig cfg = ModelConfig::preset("gpt2-debug");
+  const int64_t B = 2, T = 16, accum = 3;
+  auto host = build_model(cfg);
+  host->init_weights(7);
+  host->allocate(B, T);
+  const PassResults want = train(*host, B, T, accum, true, true);
+  DeferredDevice dev;
+  auto m = build_model(cfg, ComputeSpec{&dev, DType::F32});
+  m->init_weights(7);
+  m->allocate(B, T);
+  const PassResults got = train(*m, B, T, accum, true, true);
+  EXPECT_EQ(got.losses, want.losses);
+  ASSERT_EQ(got.grads.size(), want.grads.size());
+  EXPECT_EQ(std::memcmp(got.grads.data(), want.grads.data(), want.grads.size() * sizeof(float)), 0);
 }
 
 TEST(StagedInputs, HostModelsIgnoreStaging) {
