@@ -60,6 +60,10 @@ struct ComputeSpec {
   // The attention slots' kernels: "lathe" (the table's own) or "cudnn" (cuDNN's fused SDPA; the
   // recipe's model.attention_kernel; kernels/backend.h's ops_for with a kernel).
   std::string attention_kernel = "lathe";
+  // false: no parameter buffers either, only the table and the config (the whole model of a tensor
+  // or pipeline parallel run, whose ranks each initialise or read their own share: no rank ever
+  // holds every weight). param_data() is then null and every pass is an error.
+  bool parameters = true;
 };
 
 // One buffer of the activation arena: what it holds, how many elements of which dtype, and where.
@@ -70,7 +74,7 @@ struct ActivationEntry {
   int64_t layer;     // decoder layer, or -1 for buffers of the whole model
   int64_t count;     // elements
   DType dtype;
-  size_t offset;              // bytes from the start of the arena (64-byte aligned)
+  size_t offset;  // bytes from the start of the arena (64-byte aligned)
   // A working buffer of one pass (gradients of the layer being run, the head's buffers, the
   // scratch, recompute sets): nothing in it outlives the forward or backward call that writes it,
   // so an arena of several slots (Model::allocate) holds it once for all of them.
@@ -151,6 +155,9 @@ class Model {
   const Backend& backend() const { return *backend_; }
   const Ops& ops() const { return *ops_; }
   DType compute_dtype() const { return ops_->dtype; }
+  // How a model like this one computes (backend, dtype, attention kernel), with gradients: what
+  // the shards and stages built from a whole model use (parallel/model_parallel.h).
+  ComputeSpec compute_spec() const { return ComputeSpec{backend_, compute_dtype(), true, attention_kernel_}; }
   size_t num_params() const { return table_.total(); }
   // The fp32 master of every tensor by role, resolved from the table (incremental decoding,
   // models/kv_cache.h), and the weight a kernel of the op table reads for one of them.
@@ -364,6 +371,7 @@ class Model {
   ModelConfig cfg_;
   Arch arch_;
   ParamTable table_;
+  std::string attention_kernel_;  // ComputeSpec::attention_kernel
   const Backend* backend_;
   const Ops* ops_;
   int64_t act_size_;  // bytes per element of the compute dtype

@@ -32,6 +32,7 @@ Model::Model(ModelConfig cfg, Arch arch, ParamTable table, ComputeSpec compute)
     : cfg_(std::move(cfg)),
       arch_(arch),
       table_(std::move(table)),
+      attention_kernel_(compute.attention_kernel),
       backend_(compute.backend ? compute.backend : &cpu_backend()),
       // Before any allocation: refuses a missing table. Traced: each kernel call is a profiler span
       // of its kind when profiling is on (models/traced_ops.h).
@@ -39,15 +40,16 @@ Model::Model(ModelConfig cfg, Arch arch, ParamTable table, ComputeSpec compute)
       act_size_(static_cast<int64_t>(dtype_size(compute.dtype))) {
   // Host parameters and gradients: the model's memory on the CPU backend, the staging copies of a
   // device-resident model (whose kernels read dparams_ / dgrads_, allocated here once).
-  params_.resize(table_.total());
-  if (compute.gradients) grads_.resize(table_.total());
-  if (compute.dtype != DType::F32) cweights_.resize(*backend_, table_.total(), compute.dtype);
-  if (on_device()) {
+  const bool weights = compute.parameters, grads = compute.parameters && compute.gradients;
+  if (weights) params_.resize(table_.total());
+  if (grads) grads_.resize(table_.total());
+  if (weights && compute.dtype != DType::F32) cweights_.resize(*backend_, table_.total(), compute.dtype);
+  if (on_device() && weights) {
     dparams_.resize(*backend_, table_.total(), DType::F32);
-    if (compute.gradients) dgrads_.resize(*backend_, table_.total(), DType::F32);
+    if (grads) dgrads_.resize(*backend_, table_.total(), DType::F32);
   }
-  p_ = resolve(backend_param_data());
-  if (compute.gradients) g_ = resolve(backend_grad_data());
+  if (weights) p_ = resolve(backend_param_data());
+  if (grads) g_ = resolve(backend_grad_data());
   // Which block's backward completes each tensor's gradient (StepHooks numbering).
   const int64_t L = cfg_.num_hidden_layers;
   grad_ranges_by_block_.assign(static_cast<size_t>(L + 2), {});
@@ -206,6 +208,8 @@ void init_param_values(const ParamSpec& s, uint64_t seed, float* p) {
 }
 
 void Model::init_weights(uint64_t seed) {
+  LATHE_CHECK(params_.size() == table_.total() || table_.total() == 0,
+              "model: init_weights on a model built without parameters (ComputeSpec::parameters false)");
   for (const ParamSpec& s : table_.specs()) init_param_values(s, seed, params_.data() + s.offset);
   upload_params();
   refresh_compute_weights();
@@ -510,6 +514,8 @@ ActivationPlan Model::plan_activations(const ModelConfig& cfg, int64_t B, int64_
 void Model::allocate(int64_t B, int64_t T, int optimizer_moments, Recompute recompute, int64_t slots) {
   LATHE_CHECK(B >= 1 && T >= 1, "batch {} x seq_len {}: both must be >= 1", B, T);
   LATHE_CHECK(slots >= 1 && slots <= 4096, "activation slots {} must be in [1, 4096]", slots);
+  LATHE_CHECK(params_.size() == table_.total() || table_.total() == 0,
+              "model: allocate on a model built without parameters (ComputeSpec::parameters false)");
   LATHE_CHECK(!arch_.learned_pos || T <= cfg_.max_position_embeddings,
               "seq_len {} exceeds the model's max_position_embeddings {}", T, cfg_.max_position_embeddings);
   LATHE_CHECK(T <= kMaxPositions, "seq_len {} exceeds lathe's maximum {}", T, kMaxPositions);

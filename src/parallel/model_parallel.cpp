@@ -32,13 +32,15 @@ ProcessGroups make_process_groups(dist::Communicator& world, const RankLayout& l
 
 std::unique_ptr<Model> build_rank_model(const Model& whole, int tp, int tp_rank, bool sequence,
                                         const PipelineLayout* stage) {
-  const ComputeSpec spec{&whole.backend(), whole.compute_dtype()};
+  const ComputeSpec spec = whole.compute_spec();
   if (tp == 1) return stage ? build_stage_model(whole, *stage) : build_model(whole.config(), spec);
   const ModelConfig shard_cfg = tensor_parallel_config(whole.config(), tp, sequence, tp_rank);
   if (!stage) return build_model(shard_cfg, spec);
   // The stage of the tensor shard: the shard's table (the family's builder makes it) cut to the
-  // stage's tensors. The whole-depth shard is built without gradients and dropped at once.
-  const std::unique_ptr<Model> shard = build_model(shard_cfg, ComputeSpec{spec.backend, spec.dtype, false});
+  // stage's tensors. The whole-depth shard is a table only (no parameters), dropped at once.
+  ComputeSpec table_only = spec;
+  table_only.gradients = table_only.parameters = false;
+  const std::unique_ptr<Model> shard = build_model(shard_cfg, table_only);
   ModelConfig cfg = shard->config();
   cfg.num_hidden_layers = stage->local_layers;
   Arch arch = shard->arch();

@@ -93,8 +93,7 @@ std::unique_ptr<Model> build_stage_model(const Model& whole, const PipelineLayou
   Arch arch = whole.arch();
   arch.embedding = layout.first();
   arch.head = layout.last();
-  return std::make_unique<Model>(cfg, arch, stage_table(whole.params(), layout),
-                                 ComputeSpec{&whole.backend(), whole.compute_dtype()});
+  return std::make_unique<Model>(cfg, arch, stage_table(whole.params(), layout), whole.compute_spec());
 }
 
 void scatter_stage(const ParamTable& global, const float* g, const ParamTable& local, float* l) {

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -383,7 +384,13 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
       r, static_cast<int>(std::max<int64_t>(1, r.parallel.data) * r.parallel.tensor * r.parallel.pipeline));
   // With tensor or pipeline parallelism this is the whole model, which only holds weights (each
   // rank trains its shard of its stage): no gradient buffer.
-  spec.gradients = r.parallel.tensor == 1 && r.parallel.pipeline == 1;
+  const bool sharded = r.parallel.tensor > 1 || r.parallel.pipeline > 1;
+  spec.gradients = !sharded;
+  // Without init_from it is even a table only: each rank initialises (the whole model's values,
+  // sliced) or reads from the checkpoint its own share, so no rank ever holds every weight
+  // (train/trainer.cpp). init_from still loads the whole HF model once per rank.
+  pf.table_only = sharded && r.init_from.empty() && !check_only;
+  if (pf.table_only) spec.parameters = false;
   log.ok(fmt::format(
       "precision: {} compute on {}, fp32 master weights, gradients and moments; {}", r.precision.compute,
       spec.backend->name(),
@@ -428,10 +435,24 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   // Per process: ZeRO 1/2 divide the moments by the data degree.
   const int64_t data = std::max<int64_t>(1, r.parallel.data);
   const Recompute rc = parse_recompute(r.recompute, r.source + ": recompute");
-  const MemoryEstimate est = estimate_memory(r.model, B, T, kMoments, r.parallel.zero > 0 ? data : 1, spec.dtype, rc);
-  check_memory_fits(est, r.model, r.source);
+  // Tensor / pipeline parallelism: one rank's share, not the whole model (which no rank holds):
+  // its tensor shard with the most layers a pipeline rank gets (embedding and head counted as if
+  // every stage had them; one micro-batch's activations; `lathe plan` has the exact per-stage figure).
+  ModelConfig per_rank = r.model;
+  if (r.parallel.tensor > 1)
+    per_rank = parallel::tensor_parallel_config(r.model, static_cast<int>(r.parallel.tensor), r.parallel.sequence);
+  if (r.parallel.pipeline > 1) {
+    const int64_t chunks = r.parallel.pipeline * r.parallel.virtual_stages;
+    int64_t most = (r.model.num_hidden_layers + chunks - 1) / chunks * r.parallel.virtual_stages;
+    if (!r.parallel.stage_layers.empty())
+      most =
+          *std::max_element(r.parallel.stage_layers.begin(), r.parallel.stage_layers.end()) * r.parallel.virtual_stages;
+    per_rank.num_hidden_layers = std::max<int64_t>(1, std::min(most, r.model.num_hidden_layers));
+  }
+  const MemoryEstimate est = estimate_memory(per_rank, B, T, kMoments, r.parallel.zero > 0 ? data : 1, spec.dtype, rc);
+  check_memory_fits(est, per_rank, r.source);
   const MachineMemory mm = machine_memory();
-  log.ok(fmt::format("memory: {} fits ({} {})", est.breakdown(), mm.source,
+  log.ok(fmt::format("memory{}: {} fits ({} {})", sharded ? " per rank" : "", est.breakdown(), mm.source,
                      mm.bytes > 0 ? format_bytes(mm.bytes) : std::string("unknown")));
   if (!pf.ckpt.empty()) {
     pf.model = build_model(r.model, spec);  // weights come from the checkpoint below
@@ -467,9 +488,9 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
                                                   : fmt::format("{} (first ranks) or {}", shard.vocab_size, last_rows),
                     shard.global_vocab()));
     // One rank's figure (its shard of the parameters, its activations; sequence parallelism's saving).
-    log.ok(fmt::format("memory per tensor-parallel rank: {}",
-                       estimate_memory(shard, B, T, kMoments, r.parallel.zero > 0 ? data : 1, spec.dtype, rc)
-                           .breakdown()));
+    log.ok(fmt::format(
+        "memory per tensor-parallel rank: {}",
+        estimate_memory(shard, B, T, kMoments, r.parallel.zero > 0 ? data : 1, spec.dtype, rc).breakdown()));
   }
   if (r.parallel.pipeline > 1) {
     // The stages and the schedule must work for this model (errors name the values); the trainer
@@ -486,6 +507,11 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
     auto full = optim::make_optimizer(ocfg, pf.model->num_params());
     load_checkpoint(pf.ckpt, *pf.model, full.get());
     log.ok(fmt::format("checkpoint {}: step {}, files, tensor table, weights and moments valid", pf.ckpt, pf.cs.step));
+  } else if (!pf.ckpt.empty() && pf.table_only) {
+    // Sizes and checksums of every file; each rank reads its own weights and moments
+    // (train/trainer.cpp), checking each tensor's shape against the table.
+    verify_checkpoint(pf.ckpt);
+    log.ok(fmt::format("checkpoint {}: step {}, files valid (each rank reads its share)", pf.ckpt, pf.cs.step));
   } else if (!pf.ckpt.empty()) {
     // The weights now; each rank reads only the moments of its own shard (train/trainer.cpp), so no
     // rank ever holds the full moments of a ZeRO run.

@@ -50,7 +50,10 @@ struct Preflight {
   std::string ckpt;              // checkpoint this run continues from; "" = fresh start
   CheckpointState cs;            // its state (when ckpt is set)
   std::unique_ptr<Model> model;  // built; weights from init_from or the checkpoint (else to be initialised)
-  std::string init_report;       // load report of model.init_from ("" otherwise)
+  // Tensor / pipeline parallelism without init_from (train, not check): `model` is the whole
+  // model's table only (no parameters); the ranks initialise or read their own shares.
+  bool table_only = false;
+  std::string init_report;  // load report of model.init_from ("" otherwise)
 };
 
 struct PreflightLog {

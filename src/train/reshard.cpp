@@ -249,6 +249,21 @@ void load_moments_sharded(const CheckpointPieces& ck, const ParamTable& global, 
     }
 }
 
+void load_weights_sharded(const CheckpointPieces& ck, const ParamTable& global, const ParamTable& local, int rank,
+                          int tp, float* out) {
+  for (const ParamSpec& l : local.specs()) {
+    const ParamSpec* g = global.find(l.name);
+    LATHE_CHECK(g != nullptr, "internal: the rank's model has '{}', which the global model has not", l.name);
+    if (g->numel() == 0) continue;
+    ck.check(l.name, g->shape);
+    for (const parallel::SliceRun& r : parallel::shard_runs(*g, l, rank, tp)) {
+      float* dst = out + l.offset + static_cast<size_t>(r.local);
+      ck.read(l.name, r.global, r.count, dst);
+      check_values(ck.dir(), l.name, dst, r.count, r.global);
+    }
+  }
+}
+
 // ---- offline resharding --------------------------------------------------------------------
 
 void validate_layout(const ModelConfig& cfg, const CheckpointLayout& to) {

@@ -100,6 +100,12 @@ class CheckpointPieces {
 void load_moments_sharded(const CheckpointPieces& ck, const ParamTable& global, const ParamTable& local, int rank,
                           int tp, const MomentSlice& slice);
 
+// This rank's weights: every tensor of `local` (its tensor shard of its pipeline stage: tensors of
+// `global` by name) read from the checkpoint's pieces into the local flat buffer `out` (laid out
+// by `local`), only the runs it holds. Values must be finite.
+void load_weights_sharded(const CheckpointPieces& ck, const ParamTable& global, const ParamTable& local, int rank,
+                          int tp, float* out);
+
 // Validates `to` against the checkpoint's model (tensor degree dividing heads, KV heads and the MLP
 // width; pipeline degree at most the layer count; ZeRO 0-2; world size); errors name the option
 // and the value.

@@ -237,7 +237,8 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
       throw_error("{}: training.eval_tasks: {}", r.source, e.what());
     }
   }
-  if (ckpt.empty() && r.init_from.empty()) model->init_weights(static_cast<uint64_t>(r.training.seed));
+  if (ckpt.empty() && r.init_from.empty() && !pf.table_only)
+    model->init_weights(static_cast<uint64_t>(r.training.seed));
   // Tensor and/or pipeline parallelism: preflight's model is the whole model (init, init_from or
   // checkpoint weights, activations not allocated); each rank computes with its tensor shard of
   // its pipeline stage (parallel/model_parallel.h), the pipeline's stages run by the schedule's
@@ -256,7 +257,12 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     model = parallel::build_rank_model(*whole, tp, tp_rank, r.parallel.sequence, pp > 1 ? &pl : nullptr);
     share = std::make_unique<parallel::RankShare>(whole->params(), model->params(), pp > 1 ? &pl : nullptr, tp_rank, tp,
                                                   tp_group.get(), pp_group.get());
-    share->scatter(whole->param_data(), model->param_data());
+    if (!pf.table_only)  // init_from: every rank loaded the whole HF model
+      share->scatter(whole->param_data(), model->param_data());
+    else if (!ckpt.empty())  // only this rank's runs of each weight (train/reshard.h)
+      load_weights_sharded(CheckpointPieces(ckpt), whole->params(), model->params(), tp_rank, tp, model->param_data());
+    else  // the values init_weights gives the whole model, drawn tensor by tensor and sliced
+      parallel::init_shard(*model, whole->params(), tp_rank, tp, static_cast<uint64_t>(r.training.seed));
     model->upload_params();  // device: cuda: the shard's weights (no-op on the CPU)
     // parallel::attach_tensor_parallel on the CPU; device: cuda the hooks on an NCCL group.
     if (tp > 1) tp_device = attach_tensor_parallel_on_device(*model, *tp_group);

@@ -25,10 +25,8 @@ TRAINING = {"micro_batch_size": 4, "seq_len": 128, "grad_accum_steps": 2, "steps
 # (name, processes, recipe overrides): data x tensor [x pipeline], ZeRO. Measured on the idle
 # 2-core VM (plan / peak RSS): DP=2 ZeRO 1 971 / 1002 MB (3.1%), TP=2 616 / 668 MB (7.6%), PP=2 944
 # / 970 MB (2.7%); DP=2 1208 / 1244 MB (2.9%) runs with LATHE_PLAN_MEMORY_ALL=1 (ZeRO 1's path
-# without the moment shards), as does DP=2 x TP=2 ZeRO 2, measured 640 MB against the plan's 514 MB
-# (19.7%): at startup each rank still holds the whole model's weights (238 MB) while its tensor
-# shard's activations are allocated (the trainer frees the whole model only after the rank model
-# is set up); in the steps it measures ~525 MB.
+# without the moment shards), as does DP=2 x TP=2 ZeRO 2: 514 / 567 MB (9.3%; 19.7% while every
+# rank still built the whole model's weights at startup).
 LAYOUTS = [
     ("dp2_zero1", 2, {"parallel__data": 2, "parallel__zero": 1}),
     ("tp2", 2, {"parallel__tensor": 2}),
