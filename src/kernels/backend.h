@@ -167,6 +167,14 @@ class Backend {
     return 0;
   }
   virtual void wait_staged(uint64_t ticket) const { (void)ticket; }
+  // dst[n] (BF16 or F16) = src[n] (fp32), both in this backend's memory, ordered on its stream:
+  // the compute-dtype weight copies refreshed where the masters are (after every optimizer step of
+  // a device-resident model). Returns false when the backend has no such conversion (the caller
+  // then converts a host copy).
+  virtual bool convert_from_f32(void* dst, DType dst_dtype, const float* src, int64_t n) const {
+    (void)dst, (void)dst_dtype, (void)src, (void)n;
+    return false;
+  }
   // The op tables of this backend, complete or not (one per compute dtype).
   virtual std::vector<const Ops*> op_tables() const = 0;
   // Why this backend cannot run in this process ("" when it can): e.g. the CUDA backend on a machine

@@ -293,8 +293,13 @@ const int32_t* Model::to_backend(const int32_t* host, int64_t n, bool tokens, bo
 void Model::refresh_compute_weights() {
   if (cweights_.size() == 0) return;
   if (on_device()) {
-    // The fp32 masters are on the device (the optimizer wrote them there): converted on the host
-    // from a downloaded copy, then uploaded (a device conversion kernel would save the round trip).
+    // The fp32 masters are on the device (the optimizer wrote them there): converted there when
+    // the backend can (CUDA: convert.cu), else on the host from a downloaded copy, then uploaded.
+    if (backend_->convert_from_f32(cweights_.data(), cweights_.dtype(), static_cast<const float*>(dparams_.data()),
+                                   static_cast<int64_t>(table_.total()))) {
+      cweights_refreshed_ = true;
+      return;
+    }
     download_params();
     const int64_t n = static_cast<int64_t>(table_.total());
     std::vector<uint16_t> tmp(static_cast<size_t>(n));

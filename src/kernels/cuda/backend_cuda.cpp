@@ -126,6 +126,10 @@ class CudaBackend final : public Backend {
     return cuda::stage_upload(dst, src, bytes);
   }
   void wait_staged(uint64_t ticket) const override { cuda::wait_staged(ticket); }
+  bool convert_from_f32(void* dst, DType dst_dtype, const float* src, int64_t n) const override {
+    cuda::convert(dst, dst_dtype, src, DType::F32, n);  // convert.cu, on the compute stream
+    return true;
+  }
   std::vector<const Ops*> op_tables() const override { return {&fp32_ops(), &bf16_ops(), &fp16_ops()}; }
   std::string unavailable() const override { return cuda::unavailable_reason(); }
   const Ops* cudnn_attention_ops(DType compute, std::string* why) const override {
