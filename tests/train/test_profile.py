@@ -80,12 +80,16 @@ def main():
     # its op-table slot, nested in its layer (spans_nest above covers them too).
     kern = [e for e in ev if e["ph"] == "X" and e["cat"] == "kernel"]
     knames = {e["name"] for e in kern}
+    # (GPT-2's fc GEMM, bias and GELU are one slot, matmul_bias_gelu_forward: the fused epilogue.)
     want = {"matmul_forward", "matmul_backward", "attention_forward", "attention_backward", "layernorm_forward",
-            "layernorm_backward", "gelu_forward", "gelu_backward", "lm_head_loss", "embedding_forward"}
+            "layernorm_backward", "matmul_bias_gelu_forward", "gelu_backward", "lm_head_loss", "embedding_forward"}
     check(want <= knames, f"kernel spans by kind ({sorted(knames)})")
-    # GPT-2 forward per layer: qkv, attention output, fc and proj GEMMs = 4 matmul_forward per layer.
+    # GPT-2 forward per layer: qkv, attention output and proj GEMMs = 3 matmul_forward, and the fc
+    # GEMM with its GELU = 1 matmul_bias_gelu_forward.
     mf = sum(1 for e in kern if e["name"] == "matmul_forward")
-    check(mf == 4 * n_layer * len(mb), f"4 matmul_forward per layer per micro-batch ({mf})")
+    check(mf == 3 * n_layer * len(mb), f"3 matmul_forward per layer per micro-batch ({mf})")
+    mg = sum(1 for e in kern if e["name"] == "matmul_bias_gelu_forward")
+    check(mg == n_layer * len(mb), f"1 matmul_bias_gelu_forward per layer per micro-batch ({mg})")
     # The optimizer share in metrics.jsonl is the optimizer span's share of the step.
     opt = {e["ts"]: e["dur"] for e in ev if e["ph"] == "X" and e["name"] == "grad norm + optimizer"}
     st3 = [e for e in steps if e["args"]["index"] == 3][0]
