@@ -15,22 +15,24 @@ namespace lathe {
 
 namespace {
 
+// The comma-separated step numbers of environment variable `name` ("3,5"; empty when unset).
+std::vector<int64_t> steps_from_env(const char* name) {
+  std::vector<int64_t> v;
+  for (const char* c = std::getenv(name); c && *c;) {
+    char* end = nullptr;
+    const long long x = std::strtoll(c, &end, 10);
+    if (end == c) break;
+    v.push_back(x);
+    c = *end == ',' ? end + 1 : end;
+  }
+  return v;
+}
+
 // Test hook: LATHE_TEST_NONFINITE_STEPS="3,5" makes the gradients of those optimizer steps
 // (1-based) non-finite, as an fp16 overflow would: one element of this rank's part of the reduced
 // gradient (its ZeRO shard; with ZeRO 0 element 0 on every rank) becomes +Inf.
 bool inject_non_finite(int64_t step) {
-  static const std::vector<int64_t> steps = [] {
-    std::vector<int64_t> v;
-    const char* e = std::getenv("LATHE_TEST_NONFINITE_STEPS");
-    for (const char* c = e; c && *c;) {
-      char* end = nullptr;
-      const long long x = std::strtoll(c, &end, 10);
-      if (end == c) break;
-      v.push_back(x);
-      c = *end == ',' ? end + 1 : end;
-    }
-    return v;
-  }();
+  static const std::vector<int64_t> steps = steps_from_env("LATHE_TEST_NONFINITE_STEPS");
   return std::find(steps.begin(), steps.end(), step) != steps.end();
 }
 
@@ -39,18 +41,7 @@ bool inject_non_finite(int64_t step) {
 // LATHE_TEST_LOSS_SPIKE_FACTOR (default 100), once each per process: a step re-run after a
 // rollback is not spiked again. Returns the factor for `step` (1 = none).
 double inject_loss_spike(int64_t step) {
-  static std::vector<int64_t> steps = [] {
-    std::vector<int64_t> v;
-    const char* e = std::getenv("LATHE_TEST_LOSS_SPIKE_STEPS");
-    for (const char* c = e; c && *c;) {
-      char* end = nullptr;
-      const long long x = std::strtoll(c, &end, 10);
-      if (end == c) break;
-      v.push_back(x);
-      c = *end == ',' ? end + 1 : end;
-    }
-    return v;
-  }();
+  static std::vector<int64_t> steps = steps_from_env("LATHE_TEST_LOSS_SPIKE_STEPS");
   auto it = std::find(steps.begin(), steps.end(), step);
   if (it == steps.end()) return 1.0;
   steps.erase(it);
