@@ -41,12 +41,7 @@ std::unique_ptr<Model> build_rank_model(const Model& whole, int tp, int tp_rank,
   ComputeSpec table_only = spec;
   table_only.gradients = table_only.parameters = false;
   const std::unique_ptr<Model> shard = build_model(shard_cfg, table_only);
-  ModelConfig cfg = shard->config();
-  cfg.num_hidden_layers = stage->local_layers;
-  Arch arch = shard->arch();
-  arch.embedding = stage->first();
-  arch.head = stage->last();
-  return std::make_unique<Model>(cfg, arch, stage_table(shard->params(), *stage), spec);
+  return build_stage_model(*shard, *stage);  // computes like the shard's spec, with parameters and gradients
 }
 
 RankShare::RankShare(const ParamTable& whole, const ParamTable& local, const PipelineLayout* stage, int tp_rank, int tp,
