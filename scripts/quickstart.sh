@@ -7,5 +7,5 @@ bash scripts/setup.sh
 BUILD_TARGET=lathe bash scripts/build.sh -DLATHE_CUDA=OFF  # CPU-only (CUDA: README, "CUDA backend")
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)}
 ./build/lathe tokenize --tokenizer byte --input data/tinyshakespeare.txt --output data/shakespeare_byte --overwrite
-./build/lathe train configs/quickstart.yaml "$@"
+./build/lathe train configs/quickstart.yaml $([[ " $* " == *" --resume"* ]] || echo --overwrite) "$@"  # a rerun replaces runs/quickstart (moved aside)
 ./build/lathe generate --model runs/quickstart/model --prompt "ROMEO:" --max-new-tokens 200 --seed 1

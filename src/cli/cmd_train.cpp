@@ -1,7 +1,7 @@
-// lathe train RECIPE.yaml [--set key.path=value ...] [--save-every N] [--resume auto|PATH]
+// lathe train RECIPE.yaml [--set key.path=value ...] [--save-every N] [--resume auto|PATH | --overwrite]
 //                         [--force-resume-changes] [--stop-after N]
-// Exit codes: 0 done (or stopped by --stop-after), 1 error, 75 (kExitInterrupted) stopped by
-// SIGTERM/SIGINT after saving a checkpoint.
+// Exit codes: 0 done (or stopped by --stop-after), 1 error, 2 usage error (an option out of its
+// range), 75 (kExitInterrupted) stopped by SIGTERM/SIGINT after saving a checkpoint.
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -19,7 +19,7 @@ int run_train(int argc, char** argv) {
   std::string recipe_path, resume;
   std::vector<std::string> sets;
   int64_t save_every = -1, checkpoint_every = -1, stop_after = 0;
-  bool quiet = false, force = false;
+  bool quiet = false, force = false, overwrite = false;
   app.add_option("recipe", recipe_path, "recipe file (YAML)")->required();
   app.add_option("--set", sets, "override a recipe value: --set training.steps=10 (repeatable)");
   app.add_option("--save-every", save_every, "write a Hugging Face model directory every N steps");
@@ -28,6 +28,9 @@ int run_train(int argc, char** argv) {
   app.add_option("--resume", resume,
                  "continue a run: 'auto' = newest complete checkpoint of output.dir (fresh start if none), "
                  "or a checkpoint directory");
+  app.add_flag("--overwrite", overwrite,
+               "start a new run even if output.dir holds one: the old run directory is moved aside to "
+               "OUTPUT.DIR.replaced-N (nothing is deleted); without it such a run is refused");
   app.add_flag("--force-resume-changes", force,
                "resume even if the recipe changed in ways that break exactness (the differences are logged)");
   app.add_option("--stop-after", stop_after,
@@ -50,6 +53,22 @@ int run_train(int argc, char** argv) {
       "On SIGTERM or SIGINT a checkpoint is saved at the next step boundary and lathe exits with code 75; "
       "a second signal stops immediately.");
   LATHE_CLI_PARSE(app, argc, argv);
+  // Values the parser accepts but that mean nothing: refused by name, as a usage error.
+  auto usage = [&](const std::string& what) {
+    std::fprintf(stderr, "lathe train: usage error: %s\nRun 'lathe train --help' for the options.\n", what.c_str());
+    return 2;
+  };
+  if (app.count("--stop-after") && stop_after < 1)
+    return usage(fmt::format("--stop-after {} must be >= 1 (optimizer steps; omit it to train to the end)", stop_after));
+  if (app.count("--checkpoint-every") && checkpoint_every < 0)
+    return usage(fmt::format("--checkpoint-every {} must be >= 0 (steps; 0 = only on a signal or --stop-after)",
+                             checkpoint_every));
+  if (app.count("--save-every") && save_every < 0)
+    return usage(fmt::format("--save-every {} must be >= 0 (steps; 0 = only at the end)", save_every));
+  if (app.count("--resume") && resume.empty())
+    return usage("--resume is empty: give 'auto' or a checkpoint directory (omit --resume to start a new run)");
+  if (overwrite && app.count("--resume") && resume == "auto")
+    return usage("--overwrite starts a new run (moving the old one aside) and --resume auto continues it: use one");
   if (save_every >= 0) sets.push_back(fmt::format("output.save_every={}", save_every));
   if (checkpoint_every >= 0) sets.push_back(fmt::format("output.checkpoint_every={}", checkpoint_every));
   lathe::Recipe recipe = lathe::load_recipe(recipe_path, sets);
@@ -60,6 +79,7 @@ int run_train(int argc, char** argv) {
   opts.quiet = quiet;
   opts.resume = resume;
   opts.force_resume_changes = force;
+  opts.overwrite = overwrite;
   opts.stop_after_steps = stop_after;
   opts.handle_signals = true;
   if (!profile.empty()) {

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <future>
 #include <map>
@@ -596,12 +597,19 @@ std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string&
 }
 
 namespace {
+// keep_last, and whether the newest healthy checkpoint survives it (anomaly rollback on).
+struct Retention {
+  int keep_last = 0;
+  bool keep_healthy = false;
+};
+
 // Collective over `group` when it is given (every rank calls it; rank 0 owns the directory).
 // Or offline (`offline` set, no group): one process writes every part of offline->parts, as the
 // ranks of a run would have written them, with canonical file layouts.
 void save_checkpoint_impl(const std::string& run_dir, const Model& model, const MomentSlice* moments,
-                          const CheckpointState& st, int keep_last, CheckpointSaveInfo* info, dist::Communicator* group,
+                          const CheckpointState& st, Retention keep, CheckpointSaveInfo* info, dist::Communicator* group,
                           const OfflineCheckpoint* offline = nullptr) {
+  const int keep_last = keep.keep_last;
   const auto t_start = std::chrono::steady_clock::now();
   if (info) *info = {};
   const int rank = group ? group->rank() : 0, world = group ? group->size() : 1;
@@ -730,13 +738,18 @@ void save_checkpoint_impl(const std::string& run_dir, const Model& model, const 
   io::fsync_dir(tmp.string());
   test_sleep();
 
-  // Into place. A checkpoint of the same step (from an abandoned timeline) is moved aside first.
-  std::error_code ec;
-  const fs::path aside = root / (name + ".replaced.tmp");
-  if (fs::exists(final_dir)) fs::rename(final_dir, aside);
+  // Into place. A checkpoint of the same step that this save did not write (another timeline's)
+  // is moved aside, never deleted: step_X.abandoned-<unix time>[-N] (no .tmp suffix, so no later
+  // save's cleanup removes it, and no step name, so no resume picks it).
+  if (fs::exists(fs::symlink_status(final_dir))) {
+    fs::path aside = root / (name + fmt::format(".abandoned-{}", static_cast<int64_t>(std::time(nullptr))));
+    for (int n = 2; fs::exists(fs::symlink_status(aside)); ++n)
+      aside = root / (name + fmt::format(".abandoned-{}-{}", static_cast<int64_t>(std::time(nullptr)), n));
+    fs::rename(final_dir, aside);
+    if (info) info->moved_aside = aside.string();
+  }
   fs::rename(tmp, final_dir);
   io::fsync_dir(root.string());
-  if (fs::exists(aside)) fs::remove_all(aside, ec);
   io::atomic_write_file((root / "latest").string(), name + "\n");
   if (group) group->barrier();  // the other ranks continue once the checkpoint is complete
 
@@ -750,8 +763,18 @@ void save_checkpoint_impl(const std::string& run_dir, const Model& model, const 
     for (auto& [s, dir] : list_checkpoints(run_dir))
       if (s < st.step) older.push_back(dir);
     const size_t keep_older = static_cast<size_t>(keep_last - 1);
+    // Anomaly rollback needs a healthy checkpoint: the newest one recorded healthy is kept beyond
+    // keep_last while the new one is not healthy (it is the rollback target).
+    std::string healthy;
+    if (keep.keep_healthy && !(st.has_health && st.health.healthy))
+      for (auto it = older.rbegin(); it != older.rend() && healthy.empty(); ++it) try {
+          const CheckpointState c = read_checkpoint_state(*it);
+          if (c.has_health && c.health.healthy) healthy = *it;
+        } catch (const Error&) {  // not a rollback target either
+        }
     std::vector<fs::path> doomed;
     for (size_t i = 0; i + keep_older < older.size(); ++i) {
+      if (older[i] == healthy) continue;
       // Renamed first (atomic), so a crash mid-delete leaves a *.tmp leftover, never a step_X that
       // looks like a damaged checkpoint. Freeing GBs of extents takes a while: a background
       // thread does it while training continues.
@@ -779,10 +802,10 @@ MomentSlice moment_slice(optim::Optimizer& opt, size_t buffer_begin, size_t begi
 
 namespace {
 void save_guarded(const std::string& run_dir, const Model& model, const MomentSlice* moments, const CheckpointState& st,
-                  int keep_last, CheckpointSaveInfo* info, dist::Communicator* group,
+                  Retention keep, CheckpointSaveInfo* info, dist::Communicator* group,
                   const OfflineCheckpoint* offline = nullptr) {
   try {
-    save_checkpoint_impl(run_dir, model, moments, st, keep_last, info, group, offline);
+    save_checkpoint_impl(run_dir, model, moments, st, keep, info, group, offline);
   } catch (const fs::filesystem_error& e) {
     // Which checkpoint and where: the library message names only the failing operation.
     throw_error("saving the checkpoint of step {} under {}/checkpoints (output.dir): {}", st.step, run_dir, e.what());
@@ -791,27 +814,28 @@ void save_guarded(const std::string& run_dir, const Model& model, const MomentSl
 }  // namespace
 
 void save_checkpoint(const std::string& run_dir, const Model& model, optim::Optimizer* opt, const CheckpointState& st,
-                     int keep_last, CheckpointSaveInfo* info) {
-  if (!opt) return save_guarded(run_dir, model, nullptr, st, keep_last, info, nullptr);
+                     int keep_last, CheckpointSaveInfo* info, bool keep_healthy) {
+  const Retention keep{keep_last, keep_healthy};
+  if (!opt) return save_guarded(run_dir, model, nullptr, st, keep, info, nullptr);
   for (auto& [bname, buf] : opt->state_buffers())
     LATHE_CHECK(buf->size() == model.num_params(),
                 "internal: optimizer state '{}' has {} floats, the model {} parameters", bname, buf->size(),
                 model.num_params());
   const MomentSlice m = moment_slice(*opt, 0, 0, model.num_params());
-  save_guarded(run_dir, model, &m, st, keep_last, info, nullptr);
+  save_guarded(run_dir, model, &m, st, keep, info, nullptr);
 }
 
 void save_checkpoint_sharded(const std::string& run_dir, const Model& model, const MomentSlice& mine,
                              const CheckpointState& st, int keep_last, CheckpointSaveInfo* info,
-                             dist::Communicator& group) {
-  save_guarded(run_dir, model, &mine, st, keep_last, info, &group);
+                             dist::Communicator& group, bool keep_healthy) {
+  save_guarded(run_dir, model, &mine, st, Retention{keep_last, keep_healthy}, info, &group);
 }
 
 void save_checkpoint_offline(const std::string& run_dir, const Model& model, const OfflineCheckpoint& parts,
                              const CheckpointState& st, CheckpointSaveInfo* info) {
   LATHE_CHECK(parts.shard_files || parts.parts.size() <= 1, "internal: {} optimizer parts need per-rank shard files",
               parts.parts.size());
-  save_guarded(run_dir, model, nullptr, st, 0, info, nullptr, &parts);
+  save_guarded(run_dir, model, nullptr, st, Retention{}, info, nullptr, &parts);
 }
 
 void load_checkpoint_moments(const std::string& ckpt_dir, const Model& model, const MomentSlice& slice) {
@@ -872,15 +896,23 @@ std::string find_latest_checkpoint(const std::string& run_dir, std::string* log)
       if (n.size() > 4 && n.compare(n.size() - 4, 4, ".tmp") == 0)
         note(fmt::format("ignoring {}: incomplete (a save was interrupted)", e.path().string()));
     }
-  std::string found;
+  std::string found, refused;
   for (auto it = all.rbegin(); it != all.rend() && found.empty(); ++it) {
     try {
       verify_checkpoint(it->second);
       found = it->second;
     } catch (const Error& e) {
       note(fmt::format("skipping checkpoint {}: {}", it->second, e.what()));
+      refused += fmt::format("\n  {}: {}", it->second, e.what());
     }
   }
+  // Checkpoints exist but none can be resumed: neither a fresh start over them nor a guess.
+  if (found.empty() && !all.empty())
+    throw_error(
+        "{}: none of the {} checkpoint{} can be resumed:{}\nRepair or restore one and resume it with --resume "
+        "DIR, or move them aside yourself; a new run in this output.dir needs --overwrite (which moves the old "
+        "run aside)",
+        root.string(), all.size(), all.size() == 1 ? "" : "s", refused);
   const std::string ln = latest_note(root, found);
   if (!ln.empty()) note(ln);
   return found;

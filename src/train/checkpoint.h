@@ -116,18 +116,22 @@ struct CheckpointSaveInfo {
   int64_t bytes = 0;            // all files of the checkpoint
   double seconds_complete = 0;  // until the checkpoint is complete, fsynced and `latest` points to it
   double seconds_total = 0;     // including renaming old checkpoints away (keep_last)
+  std::string moved_aside;      // a checkpoint of the same step found in place, moved here ("" if none)
 };
 
 // Writes RUN_DIR/checkpoints/step_XXXXXXXX/ atomically (tmp dir, fsync files + dir, rename), then
 // updates RUN_DIR/checkpoints/latest atomically; keep_last > 0 deletes older complete checkpoints
 // only after the new one is complete (renamed to *.deleting.tmp at once, deleted by a background
-// thread; see wait_for_checkpoint_cleanup). An existing step_XXXXXXXX/ of the same step is replaced.
+// thread; see wait_for_checkpoint_cleanup). keep_healthy (anomaly rollback on): the newest
+// checkpoint whose state records it healthy is never removed by keep_last (it is the rollback
+// target) while the new one is not healthy. An existing step_XXXXXXXX/ of the same step (another
+// timeline's) is moved aside to step_XXXXXXXX.abandoned-<unix time> (info->moved_aside), never deleted.
 // Data files go through O_DIRECT (buffered where the filesystem refuses it); model and optimizer
 // files are written concurrently. Extra memory: 4 staging buffers of 16 MB.
 // Test hook: env LATHE_TEST_CKPT_SLEEP_MS=N sleeps N ms after the data files, after recipe.yaml
 // and before the rename.
 void save_checkpoint(const std::string& run_dir, const Model& model, optim::Optimizer* opt, const CheckpointState& st,
-                     int keep_last, CheckpointSaveInfo* info = nullptr);
+                     int keep_last, CheckpointSaveInfo* info = nullptr, bool keep_healthy = false);
 
 // A rank's part of the optimizer moments: flat elements [begin, end) of the model's P-element
 // parameter layout; buffers[i] = {"exp_avg", pointer to flat element `begin` of that moment}.
@@ -150,7 +154,7 @@ MomentSlice moment_slice(optim::Optimizer& opt, size_t buffer_begin, size_t begi
 // sees (a shared filesystem when the ranks are on several hosts).
 void save_checkpoint_sharded(const std::string& run_dir, const Model& model, const MomentSlice& mine,
                              const CheckpointState& st, int keep_last, CheckpointSaveInfo* info,
-                             dist::Communicator& group);
+                             dist::Communicator& group, bool keep_healthy = false);
 
 // What one process writes in place of a run's ranks (offline resharding, train/reshard.h): parts[r]
 // is writer rank r's flat range of the moments (none: a checkpoint without optimizer state), in
@@ -177,7 +181,8 @@ void load_checkpoint_moments(const std::string& ckpt_dir, const Model& model, co
 // `latest` (a crash between the rename and its update leaves it one checkpoint behind): a
 // `latest` that does not hold the name of a step_XXXXXXXX directory inside checkpoints/ (garbage,
 // "../..", an absolute path, a missing step) is ignored with a note in *log, never followed.
-// A checkpoints/ that exists but cannot be read (symlink loop, permissions) is an error.
+// A checkpoints/ that exists but cannot be read (symlink loop, permissions) is an error, and so
+// is one whose step_XXXXXXXX checkpoints are all refused (the message names each and why).
 std::string find_latest_checkpoint(const std::string& run_dir, std::string* log = nullptr);
 
 // Verifies checksums and shapes, fills model params (and optimizer moments if opt != nullptr).

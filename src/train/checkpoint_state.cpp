@@ -302,6 +302,12 @@ CheckpointState parse_checkpoint_state(std::string_view text, const std::string&
   if (rng.size() > 1024) f.fail("rng", fmt::format("has {} values (at most 1024)", rng.size()));
   for (size_t i = 0; i < rng.size(); ++i) st.rng.push_back(f.uint64(rng[i], fmt::format("rng[{}]", i)));
   st.loss_scale = f.number(f.member(body, "loss_scale", "loss_scale"), "loss_scale", 0.0, true);
+  // What the scaler can hold: a float whose reciprocal (the gradients' unscale factor) is a finite
+  // float, and at most its cap 2^100.
+  if (st.loss_scale < static_cast<double>(std::numeric_limits<float>::min()) || st.loss_scale > 0x1p100)
+    f.fail("loss_scale", fmt::format("is {}, outside the loss scaler's range [2^-126 (the smallest normal float), "
+                                     "2^100]",
+                                     st.loss_scale));
   // The loss scaler's counters (optional: absent in checkpoints written before them).
   if (body.contains("loss_scale_dynamic")) {
     if (!body["loss_scale_dynamic"].is_boolean())

@@ -52,6 +52,8 @@ int32_t sample_token(const float* logits, int64_t V, const SamplingOptions& opts
 std::vector<int32_t> generate(Model& model, const std::vector<int32_t>& prompt, const SamplingOptions& opts,
                               const std::function<void(int32_t)>& on_token) {
   LATHE_CHECK(!prompt.empty(), "generate: the prompt is empty (give at least one token)");
+  // Generation is plain causal attention over positions 0..: never a training batch's documents.
+  model.set_documents(nullptr, nullptr, 0, 0);
   const int64_t V = model.config().global_vocab();  // forward_last_logits' width, also for a vocab shard
   const bool allocated = model.max_batch() >= 1 && model.max_seq() >= 1;
   const int64_t window = allocated ? model.max_seq() : model.config().max_position_embeddings;

@@ -26,7 +26,7 @@ struct SamplingOptions {
 // the model is not allocated). With opts.kv_cache the tokens come from the KV cache while the
 // sequence fits the window; past it (and without the cache) each new token reruns the window of
 // the last tokens, so the output is the same either way. on_token is called with each new id as
-// it is produced.
+// it is produced. The model's documents (Model::set_documents) are cleared first: causal attention.
 std::vector<int32_t> generate(Model& model, const std::vector<int32_t>& prompt, const SamplingOptions& opts,
                               const std::function<void(int32_t)>& on_token = {});
 

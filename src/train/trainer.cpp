@@ -49,6 +49,7 @@
 #include "train/peak.h"
 #include "train/preflight.h"
 #include "train/reshard.h"
+#include "train/run_dir.h"
 #include "train/run_outputs.h"
 #include "train/train_step.h"
 
@@ -154,7 +155,10 @@ std::pair<double, int64_t> evaluate_samples(Model& model, const data::IndexedDat
       std::copy(window.begin(), window.begin() + T, in.begin() + r * T);
       std::copy(window.begin() + 1, window.end(), tg.begin() + r * T);
     }
-    if (docs) set_batch_documents(model, *docs, in.data(), b, T, doc_start, positions);
+    if (docs && docs->model_needs_documents())
+      set_batch_documents(model, *docs, in.data(), b, T, doc_start, positions);
+    else  // plain causal attention, whatever documents an earlier pass left set
+      model.set_documents(nullptr, nullptr, 0, 0);
     if (docs && docs->mask_loss)
       tokens += mask_loss_after_eod(in.data(), tg.data(), b * T, docs->eod);
     else
@@ -211,6 +215,8 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   // This machine's copy bandwidth for the plan line printed at start, measured before anything
   // large is allocated (its two 64 MB buffers must not add to the run's peak memory).
   const double copy_gbps = world->size() > 1 ? lathe::plan::measure_copy_gbps() : 100.0;
+  // A new run never reuses a directory that holds another run (--overwrite moves it aside first).
+  claim_run_dir(r, opts.resume.empty() ? r.training.resume : opts.resume, opts.overwrite, *world, say);
   PreflightLog plog{log, say};
   Preflight pf = preflight(r, opts, plog, /*check_only=*/false);
   const std::string& ckpt = pf.ckpt;
@@ -313,11 +319,8 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   // without dynamic scaling restarts the scale at precision.loss_scale.initial).
   optim::LossScaler scaler(loss_scale_config(r));
   if (!ckpt.empty()) {
-    optim::LossScalerState ls;
-    ls.scale = cs.loss_scale_dynamic ? cs.loss_scale : scaler.scale();
-    ls.good_steps = cs.loss_scale_dynamic ? cs.loss_scale_good_steps : 0;
-    ls.skipped_steps = cs.skipped_steps;
-    ls.consecutive_skipped = cs.consecutive_skipped_steps;
+    const optim::LossScalerState ls =
+        resume_loss_scale(cs, ckpt, scaler.scale(), scaler.dynamic(), r.precision.loss_scale.min, say);
     scaler.restore(ls, (fs::path(ckpt) / "state.json").string());
     if (scaler.dynamic() && !cs.loss_scale_dynamic)
       say(fmt::format("resume: the checkpoint's run did not scale the loss; starting at loss scale {}",
@@ -402,17 +405,8 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
           fmt::format("resume: WARNING: the checkpoint was written with {} threads, this run uses {}: losses will "
                       "not be bit-identical to an uninterrupted run (float sums change order)",
                       cs.threads, threads));
-    // Newer checkpoints in this run directory belong to an abandoned timeline (corrupt ones that
-    // auto skipped, or a deliberate resume from an older step): move them aside so that a later
-    // --resume auto cannot pick them and keep_last does not count them.
-    for (auto& [s, dir] : rank0 ? list_checkpoints(r.output.dir) : decltype(list_checkpoints(r.output.dir)){}) {
-      std::error_code ec;
-      if (s <= start_step || fs::equivalent(dir, ckpt, ec)) continue;
-      const std::string aside = dir + fmt::format(".abandoned-{}", static_cast<int64_t>(std::time(nullptr)));
-      fs::rename(dir, aside, ec);
-      if (ec) throw_error("{}: cannot move this newer checkpoint aside to {}: {}", dir, aside, ec.message());
-      say(fmt::format("resume: moved newer checkpoint {} aside to {}", dir, aside));
-    }
+    // Newer checkpoints in this run directory belong to an abandoned timeline: moved aside.
+    if (rank0) move_newer_checkpoints_aside(r.output.dir, ckpt, start_step, say);
   } else if (!r.init_from.empty()) {
     log(fmt::format("init_from {}: {}", r.init_from, pf.init_report));
   }
@@ -601,6 +595,9 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     st.has_anomaly = anomaly.enabled() || anomaly.state().skipped_updates > 0;
     st.anomaly = anomaly.state();
     CheckpointSaveInfo info;
+    // keep_last never removes the newest healthy checkpoint while anomaly rollback may need it.
+    const int keep_last = static_cast<int>(r.output.keep_last);
+    const bool keep_healthy = r.training.anomaly.enabled && r.training.anomaly.rollback_after > 0;
     // Every rank writes the moments of its part of the flat buffer (its ZeRO shard; with ZeRO 0 the
     // same cut, so the ranks share the writing), rank 0 the weights and state.json once all are done.
     if (sharded) {
@@ -626,19 +623,20 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
         part.end = part.begin + cut[static_cast<size_t>(dp_rank)];
         for (size_t i = 0; i < all.size(); ++i)
           part.buffers.push_back({mine.buffers[i].first, all[i].data() + part.begin});
-        save_checkpoint_sharded(r.output.dir, w, part, st, static_cast<int>(r.output.keep_last), &info, *ckpt_writers);
+        save_checkpoint_sharded(r.output.dir, w, part, st, keep_last, &info, *ckpt_writers, keep_healthy);
       }
       shard_group->barrier();  // the checkpoint is complete before any rank of the replica goes on
       release_whole();
     } else if (dp == 1) {
-      save_checkpoint(r.output.dir, *model, &opt.local(), st, static_cast<int>(r.output.keep_last), &info);
+      save_checkpoint(r.output.dir, *model, &opt.local(), st, keep_last, &info, keep_healthy);
     } else {
       const parallel::FlatShards& sh = opt.shards();
       save_checkpoint_sharded(r.output.dir, *model,
                               moment_slice(opt.local(), opt.state_begin(), sh.begin(rank), sh.end(rank)), st,
-                              static_cast<int>(r.output.keep_last), &info, *world);
+                              keep_last, &info, *world, keep_healthy);
     }
     result.last_checkpoint = (fs::path(r.output.dir) / "checkpoints" / fmt::format("step_{:08d}", done)).string();
+    if (!info.moved_aside.empty()) say(fmt::format("moved the existing {} aside to {}", result.last_checkpoint, info.moved_aside));
     const double mb = static_cast<double>(info.bytes) / 1e6;
     log(fmt::format(
         "saved checkpoint {} ({:.1f} MB in {:.2f} s, {:.0f} MB/s{})", result.last_checkpoint, mb, info.seconds_complete,
@@ -998,7 +996,8 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     so.top_k = 40;
     so.seed = static_cast<uint64_t>(r.training.seed);
     so.vocab_limit = tokenizer->vocab_size();
-    auto ids = generate(final_model, prompt, so);  // the whole model: no collective on one rank
+    final_model.set_documents(nullptr, nullptr, 0, 0);  // causal: not the last batch's documents
+    auto ids = generate(final_model, prompt, so);        // the whole model: no collective on one rank
     log("sample:\n" + tokenizer->decode(ids) + "\n");
   }
   return result;

@@ -46,6 +46,9 @@ struct TrainOptions {
   std::string resume;
   // Resume even when the recipe changed in ways that break exactness (each change is logged).
   bool force_resume_changes = false;
+  // --overwrite: a new run into an output.dir that holds another run moves that run aside
+  // (train/run_dir.h) instead of being refused.
+  bool overwrite = false;
   // > 0: after this many optimizer steps (counted from step 0), save a checkpoint and return
   // without the end-of-run outputs (as a preemption would; for tests and time-sliced jobs).
   int64_t stop_after_steps = 0;

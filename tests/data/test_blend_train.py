@@ -167,7 +167,7 @@ def main():
     rng = np.random.default_rng(9)
     docs = [(np.arange(rng.integers(60, 200)) * (d % 5 + 1)) % 60 + 80 for d in range(30)]
     megatron_writer.write(prefixes[1], docs)
-    p = run(["train", recipe(prefixes, c)])
+    p = run(["train", recipe(prefixes, c), "--overwrite"])  # a new run in c (the old one moved aside, the cache kept)
     after = cache_files(c)
     check(" built in " in p.stdout and len(after) == 1 and after != before,
           f"a changed prefix invalidates the cache ({before} -> {after})")

@@ -227,13 +227,32 @@ TEST(Checkpoint, KeepLastTmpDirsAndReplace) {
   EXPECT_EQ(all[1].first, 5);
   EXPECT_FALSE(fs::exists(run + "/checkpoints/step_00000009.tmp"));
   EXPECT_EQ(io::read_file(run + "/checkpoints/latest"), "step_00000005\n");
-  // Saving a step that exists replaces it.
+  // Saving a step that exists replaces it; the one found in place is moved aside, never deleted.
+  const std::string old_state = io::read_file(run + "/checkpoints/step_00000005/state.json");
   m->param_data()[0] += 1.0f;
-  save_checkpoint(run, *m, opt.get(), some_state(5), 2);
+  CheckpointSaveInfo info;
+  save_checkpoint(run, *m, opt.get(), some_state(5), 2, &info);
   auto m2 = debug_model(2);
   load_checkpoint(run + "/checkpoints/step_00000005", *m2, nullptr);
   EXPECT_EQ(m2->param_data()[0], m->param_data()[0]);
   EXPECT_EQ(list_checkpoints(run).size(), 2u);
+  ASSERT_NE(info.moved_aside.find("step_00000005.abandoned-"), std::string::npos) << info.moved_aside;
+  EXPECT_EQ(io::read_file(info.moved_aside + "/state.json"), old_state);
+  fs::remove_all(run);
+}
+
+TEST(Checkpoint, NoValidCheckpointIsAnErrorNamingEach) {
+  const std::string run = tmpdir("none_valid");
+  auto m = debug_model(1);
+  save_checkpoint(run, *m, nullptr, some_state(1), 0);
+  save_checkpoint(run, *m, nullptr, some_state(2), 0);
+  for (const char* s : {"/checkpoints/step_00000001/model.safetensors", "/checkpoints/step_00000002/recipe.yaml"})
+    flip_byte(run + s, 10);
+  std::string log;
+  const std::string err = error_of([&] { find_latest_checkpoint(run, &log); });
+  EXPECT_NE(err.find("none of the 2 checkpoints can be resumed"), std::string::npos) << err;
+  EXPECT_NE(err.find(run + "/checkpoints/step_00000001/model.safetensors"), std::string::npos) << err;
+  EXPECT_NE(err.find(run + "/checkpoints/step_00000002/recipe.yaml"), std::string::npos) << err;
   fs::remove_all(run);
 }
 

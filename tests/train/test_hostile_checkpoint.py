@@ -79,12 +79,12 @@ with cases.case("state.json nested 60,000 levels (resealed)"):
     reseal_text(ckpt, body[:-1] + ',"x":' + "[" * 60000 + "]" * 60000 + "}")
     resume(run_dir, ckpt, ["state.json", "nests deeper"])
 
-with cases.case("resume auto skips a deep state.json and says why"):
+with cases.case("resume auto refuses its only checkpoint with a deep state.json, says why, starts nothing"):
     run_dir, ckpt = fresh()
     reseal_text(ckpt, split_state(ckpt)[:-1] + ',"x":' + "[" * 60000 + "]" * 60000 + "}")
     run_lathe(["train", recipe, "--quiet", "--resume", "auto", "--set", f"output.dir={run_dir}",
-               "--set", "training.steps=2"], rc=0, must=["nests deeper", "starting fresh"], stream="stdout",
-              timeout=60, mem_mb=2048)
+               "--set", "training.steps=2"], rc=1, must=["nests deeper", "none of the 1 checkpoint can be resumed"],
+              must_not=["starting fresh"], timeout=60, mem_mb=2048)
 
 
 # ---- 2. malformed tensors[*] entries: the field is named, no nlohmann type error ----
