@@ -50,7 +50,9 @@ bool resume_continues_dir(const std::string& resume, const std::string& out_dir)
   if (resume.empty()) return false;
   if (resume == "auto") return true;
   std::error_code ec;
-  const fs::path parent = fs::path(resume).lexically_normal().parent_path();
+  fs::path ck = fs::path(resume).lexically_normal();
+  if (ck.filename().empty()) ck = ck.parent_path();  // "run/checkpoints/step_00000002/"
+  const fs::path parent = ck.parent_path();
   const fs::path mine = fs::path(out_dir.empty() ? "." : out_dir) / "checkpoints";
   if (fs::equivalent(parent.empty() ? fs::path(".") : parent, mine, ec)) return true;
   // Not created yet or not comparable on disk: compare the absolute, normalised paths.
@@ -64,6 +66,22 @@ std::string join(const std::vector<std::string>& v) {
   return s;
 }
 
+}  // namespace
+
+std::string run_dir_refusal(const Recipe& r, const std::string& resume) {
+  const std::string& dir = r.output.dir;
+  if (resume_continues_dir(resume, dir)) return "";
+  const std::vector<std::string> held = run_entries(dir);
+  if (held.empty()) return "";
+  const std::string why = resume.empty() ? "without --resume" : fmt::format("resuming from {}, outside it,", resume);
+  return fmt::format(
+      "{}: output.dir already holds a training run ({}); lathe train {} never reuses a run directory. "
+      "Continue that run with --resume auto, or start a new one with --overwrite (the old run directory is "
+      "moved aside to {}.replaced-N, nothing is deleted), or set output.dir to another directory",
+      dir, join(held), why, fs::path(dir).lexically_normal().string());
+}
+
+namespace {
 // Rank 0's verdict: "" (go on) or the error every rank reports.
 std::string claim_on_rank0(const Recipe& r, const std::string& resume, bool overwrite,
                            const std::function<void(const std::string&)>& say) {
@@ -73,16 +91,10 @@ std::string claim_on_rank0(const Recipe& r, const std::string& resume, bool over
         "--overwrite starts a new run in output.dir {} (moving the old one aside), but the resume setting ({}) "
         "continues the run there: use one or the other",
         dir, resume == "auto" ? "--resume auto / training.resume: auto" : resume);
-  if (resume_continues_dir(resume, dir)) return "";
+  const std::string refusal = run_dir_refusal(r, resume);
+  if (refusal.empty()) return "";
+  if (!overwrite) return refusal;
   const std::vector<std::string> held = run_entries(dir);
-  if (held.empty()) return "";
-  const std::string why = resume.empty() ? "without --resume" : fmt::format("resuming from {}, outside it,", resume);
-  if (!overwrite)
-    return fmt::format(
-        "{}: output.dir already holds a training run ({}); lathe train {} never reuses a run directory. "
-        "Continue that run with --resume auto, or start a new one with --overwrite (the old run directory is "
-        "moved aside to {}.replaced-N, nothing is deleted), or set output.dir to another directory",
-        dir, join(held), why, fs::path(dir).lexically_normal().string());
   // Moving the directory that holds the process's working directory would move the new run too.
   std::error_code ec;
   fs::path abs = fs::absolute(dir).lexically_normal();  // a symlink is moved itself, not its target

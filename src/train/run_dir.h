@@ -26,6 +26,11 @@ std::vector<std::string> run_entries(const std::string& dir);
 // run of output.dir `out_dir` (auto, or a checkpoint inside OUT_DIR/checkpoints).
 bool resume_continues_dir(const std::string& resume, const std::string& out_dir);
 
+// Why a run with this resume setting may not start in output.dir without --overwrite ("" when it
+// may): the directory holds a run that this one does not continue. No side effects (for `lathe
+// check` too).
+std::string run_dir_refusal(const Recipe& r, const std::string& resume);
+
 // The check before any work of a training run (collective over `world`: rank 0 looks and acts,
 // every rank ends with the same message). A run that does not continue output.dir's run (no
 // resume, or a resume from a checkpoint elsewhere) into a directory that holds a run is refused,

@@ -135,13 +135,13 @@ with cases.case("resume after a blended prefix changed size is refused naming lo
 with cases.case("document attention: a blended prefix without the EOD id is named; an EOD id beyond the vocabulary"):
     eod_web = cases.path("data", "eod_web")
     megatron_writer.write(eod_web, [np.append(np.arange(40 + d) % 50, 255) for d in range(12)])
-    doc = {"attention": "document", "eod_token": 255}
+    doc = {"attention": "document", "eod_token": 255, "tokenizer": "byte"}  # as real corpora
     run_lathe(["check", recipe("eod_ok", [{"prefix": eod_web, "weight": 1}], data_extra=doc)], rc=0, stream="stdout",
               must=[f"data.blend[0].prefix {eod_web}: 12 of 12 sequences checked end with the EOD id 255"])
     check("eod_missing", [{"prefix": eod_web, "weight": 1}, {"prefix": CODE, "weight": 1}],
           [f"data.blend[1].prefix {CODE}: the EOD id 255 occurs nowhere", "--append-eos"], data_extra=doc)
     check("eod_vocab", [{"prefix": eod_web, "weight": 1}], ["data.eod_token", "256"],
-          data_extra={"attention": "document", "eod_token": 256})
+          data_extra={"attention": "document", "eod_token": 256, "tokenizer": "byte"})
 
 
 def reseal_state(ckpt, edit):

@@ -38,11 +38,12 @@ def check(ok, what):
 
 def recipe(tmp, data, name, preset, prec="fp32", docs=True, steps=6, accum=2, **data_keys):
     out = os.path.join(tmp, name)
-    d = {"train": data, "valid_fraction": 0.1}
+    # A tokenizer, as real corpora have: the run ends with a sample, which must run causal (issue 23 C1).
+    d = {"train": data, "valid_fraction": 0.1, "tokenizer": "byte"}
     if docs:
         d.update({"attention": "document", "reset_position_ids": True, "mask_loss_after_eod": True, "eod_token": EOD})
     d.update(data_keys)
-    r = {"model": {"preset": preset}, "data": d,
+    r = {"model": {"preset": preset, "vocab_size": 256}, "data": d,
          "optimizer": {"name": "adamw", "lr": 3e-3}, "schedule": {"name": "cosine", "warmup_steps": 2},
          "training": {"micro_batch_size": 4, "seq_len": 64, "grad_accum_steps": accum, "steps": steps,
                       "eval_interval": 3, "eval_batches": 2, "log_interval": 1, "peak_gflops": 100, "seed": 5},
@@ -82,7 +83,8 @@ def main():
         out = recipe(tmp, data, f"{preset}_docs", preset, prec)
         p = run(["train", out + ".yaml"])
         check(p.returncode == 0 and f"documents: document attention, positions restart at each document, loss "
-              f"after EOD masked (EOD id {EOD})" in p.stdout, f"{preset} {prec}: trains with documents, logs them")
+              f"after EOD masked (EOD id {EOD})" in p.stdout and "sample:" in p.stdout,
+              f"{preset} {prec}: trains with documents, logs them, ends with a sample")
         base = recipe(tmp, data, f"{preset}_causal", preset, prec, docs=False)
         q = run(["train", base + ".yaml"])
         check(q.returncode == 0 and "documents:" not in q.stdout, f"{preset} {prec}: the causal run logs no documents")
@@ -138,7 +140,7 @@ def main():
     # Bad values name the key.
     out = recipe(tmp, data, "bad", "gpt2-debug")
     for sets, must in ((["data.attention=documents"], ["data.attention", "causal", "document"]),
-                       (["data.eod_token=96"], ["data.eod_token", "96", "vocabulary"]),
+                       (["data.eod_token=256"], ["data.eod_token", "256", "vocabulary"]),
                        (["data.eod_token=-1", "data.tokenizer=byte", "model.vocab_size=256"],
                         ["data.eod_token", "no EOS"])):
         args = ["train", out + ".yaml"]
