@@ -116,12 +116,12 @@ std::string claim_on_rank0(const Recipe& r, const std::string& resume, bool over
     return fmt::format("{}: --overwrite: cannot move the old run aside to {}: {} (move it yourself, or set output.dir "
                        "to another directory)",
                        dir, aside, ec.message());
-  // The data cache is content-addressed and shared by the runs of this directory: it stays.
+  // The new run's directory (preflight proved it writable), with the data cache: content-addressed
+  // and shared by the runs of this directory, it stays.
+  fs::create_directories(abs, ec);
+  if (ec) return fmt::format("{}: --overwrite: cannot create the directory again: {}", dir, ec.message());
   const fs::path cache = fs::path(aside) / "data_cache";
-  if (fs::is_directory(cache, ec)) {
-    fs::create_directories(abs, ec);
-    if (!ec) fs::rename(cache, abs / "data_cache", ec);
-  }
+  if (fs::is_directory(cache, ec)) fs::rename(cache, abs / "data_cache", ec);
   say(fmt::format("--overwrite: moved the old run in {} ({}) aside to {}{}", dir, join(held), aside,
                   fs::is_directory(abs / "data_cache", ec) ? " (its data_cache/ stays for the new run)" : ""));
   return "";

@@ -215,10 +215,11 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   // This machine's copy bandwidth for the plan line printed at start, measured before anything
   // large is allocated (its two 64 MB buffers must not add to the run's peak memory).
   const double copy_gbps = world->size() > 1 ? lathe::plan::measure_copy_gbps() : 100.0;
-  // A new run never reuses a directory that holds another run (--overwrite moves it aside first).
-  claim_run_dir(r, opts.resume.empty() ? r.training.resume : opts.resume, opts.overwrite, *world, say);
   PreflightLog plog{log, say};
   Preflight pf = preflight(r, opts, plog, /*check_only=*/false);
+  // Before anything is written: a new run never reuses a directory that holds another run
+  // (--overwrite moves it aside). After preflight, so that its errors come first, as in `lathe check`.
+  claim_run_dir(r, opts.resume.empty() ? r.training.resume : opts.resume, opts.overwrite, *world, say);
   const std::string& ckpt = pf.ckpt;
   const CheckpointState& cs = pf.cs;
   std::unique_ptr<Model> model = std::move(pf.model);

@@ -18,7 +18,8 @@ implies, compared bit for bit:
     rollback equal, shifted by the skipped steps, those of a run whose three steps since the
     checkpoint were skipped as non-finite (same weights, same data, same AdamW step count)
   * resume after a rollback, inside the lowered-lr stretch: equal to the uninterrupted run
-  * no healthy checkpoint kept: the rollback is logged as unavailable and the run continues
+  * keep_last keeps the newest healthy checkpoint beyond its count, and the rollback goes there
+  * no healthy checkpoint: the rollback is logged as unavailable and the run continues
   * the cap: a second rollback with max_rollbacks 1 stops the run with exit 1 naming the key
   * anomalies.jsonl lists every detection and action; state.json records health; `lathe report`
     lists the anomalies and marks them on the loss plot
@@ -184,11 +185,20 @@ def main():
     check([e["event"] for e in events(cut)] == [e["event"] for e in events(full)],
           "anomalies.jsonl continues across the resume")
 
-    # ---- no healthy checkpoint left (keep_last 3 keeps 6, 8, 10, each within 3 steps of an anomaly):
+    # ---- keep_last 3 would keep only 6, 8 and 10, each within 3 steps of an anomaly: the newest
+    # healthy checkpoint (4) is kept beyond it while rollback may need it (issue 23 S9), and the
+    # rollback goes there
+    kl, p = train(tmp, data, "keep_healthy", anomaly=policy(after=2), spikes="9,11", nonfinite="6",
+                  args=("--set", "output.keep_last=3"))
+    back = [e for e in events(kl) if e["event"] == "rollback"]
+    check(len(back) == 1 and back[0]["to_step"] == 4 and "no checkpoint recorded as healthy" not in p.stdout,
+          f"keep_last 3 keeps the newest healthy checkpoint (4) and rolls back to it: {back}")
+
+    # ---- no healthy checkpoint (checkpoints every 6 steps: 6 is within 3 steps of an anomaly):
     # the rollback is unavailable, the run continues, and step 12 (after the restarted window) is
     # still unhealthy
     un, p = train(tmp, data, "unavail", anomaly=policy(after=2), spikes="9,11", nonfinite="6",
-                  args=("--set", "output.keep_last=3"))
+                  args=("--set", "output.checkpoint_every=6"))
     ev = [(e["step"], e["event"]) for e in events(un) if e["event"] not in ("skip",)]
     check(ev == [(6, "anomaly"), (9, "anomaly"), (11, "anomaly"), (11, "rollback_unavailable")] and
           state(un, 12)["health"]["healthy"] is False and state(un, 16)["health"]["healthy"] is True and

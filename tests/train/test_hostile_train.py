@@ -118,6 +118,9 @@ run_dir = os.path.join(tmp, "out_base")
 base = recipe("base")
 run_lathe(["train", base, "--quiet", "--stop-after", "2"], rc=0, timeout=120)
 ckpt0 = os.path.join(run_dir, "checkpoints", "step_00000002")
+# The forged checkpoints below are resumed into a fresh output.dir: out_base holds a run, which a
+# resume from elsewhere may not reuse (issue 23 D1).
+into = recipe("resume_into")
 
 
 def forged_checkpoint(name, edit, prepare=None):
@@ -138,11 +141,11 @@ def forged_checkpoint(name, edit, prepare=None):
 
 with cases.case("resume checkpoint with another optimizer (--resume)"):
     d = forged_checkpoint("lamb", lambda b: b.__setitem__("optimizer", "lamb"))
-    both_fail(base, ["state.json", "'optimizer'"], extra=["--resume", d])
+    both_fail(into, ["state.json", "'optimizer'"], extra=["--resume", d])
 
 with cases.case("resume checkpoint with inconsistent consumed_samples (training.resume)"):
     d = forged_checkpoint("consumed", lambda b: b.__setitem__("consumed_samples", 3))
-    both_fail(base, ["state.json", "consumed_samples"], extra=["--set", f"training.resume={d}"])
+    both_fail(into, ["state.json", "consumed_samples"], extra=["--set", f"training.resume={d}"])
 
 with cases.case("resume checkpoint with a corrupt model file"):
     d = os.path.join(tmp, "ck_flip")
@@ -152,7 +155,7 @@ with cases.case("resume checkpoint with a corrupt model file"):
         c = f.read(1)
         f.seek(5000)
         f.write(bytes([c[0] ^ 1]))
-    both_fail(base, ["model.safetensors", "checksum"], extra=["--resume", d])
+    both_fail(into, ["model.safetensors", "checksum"], extra=["--resume", d])
 
 def nan_moment(d):
     path = os.path.join(d, "optimizer.safetensors")
@@ -167,15 +170,15 @@ def nan_moment(d):
 with cases.case("resume checkpoint with a NaN moment (data, resealed)"):
     d = forged_checkpoint("nan", lambda b: b["files"]["optimizer.safetensors"].__setitem__(
         "xxh64", open(os.path.join(tmp, "ck_nan", "digest")).read()), prepare=nan_moment)
-    both_fail(base, ["optimizer.safetensors", "exp_avg/transformer.wpe.weight", "nan"], extra=["--resume", d])
+    both_fail(into, ["optimizer.safetensors", "exp_avg/transformer.wpe.weight", "nan"], extra=["--resume", d])
 
 with cases.case("resume checkpoint with more skipped steps than steps (resealed)"):
     d = forged_checkpoint("skipped", lambda b: b.__setitem__("skipped_steps", 3))
-    both_fail(base, ["state.json", "'skipped_steps' is 3"], extra=["--resume", d])
+    both_fail(into, ["state.json", "'skipped_steps' is 3"], extra=["--resume", d])
 
 with cases.case("resume checkpoint with a non-boolean loss_scale_dynamic (resealed)"):
     d = forged_checkpoint("dynamic", lambda b: b.__setitem__("loss_scale_dynamic", "yes"))
-    both_fail(base, ["state.json", "'loss_scale_dynamic' must be true or false"], extra=["--resume", d])
+    both_fail(into, ["state.json", "'loss_scale_dynamic' must be true or false"], extra=["--resume", d])
 
 with cases.case("unknown precision.compute"):
     both_fail(base, ["precision.compute", "'fp8' is not supported", "fp32, bf16, fp16"],
