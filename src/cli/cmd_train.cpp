@@ -59,7 +59,8 @@ int run_train(int argc, char** argv) {
     return 2;
   };
   if (app.count("--stop-after") && stop_after < 1)
-    return usage(fmt::format("--stop-after {} must be >= 1 (optimizer steps; omit it to train to the end)", stop_after));
+    return usage(
+        fmt::format("--stop-after {} must be >= 1 (optimizer steps; omit it to train to the end)", stop_after));
   if (app.count("--checkpoint-every") && checkpoint_every < 0)
     return usage(fmt::format("--checkpoint-every {} must be >= 0 (steps; 0 = only on a signal or --stop-after)",
                              checkpoint_every));

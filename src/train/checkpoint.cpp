@@ -607,8 +607,8 @@ struct Retention {
 // Or offline (`offline` set, no group): one process writes every part of offline->parts, as the
 // ranks of a run would have written them, with canonical file layouts.
 void save_checkpoint_impl(const std::string& run_dir, const Model& model, const MomentSlice* moments,
-                          const CheckpointState& st, Retention keep, CheckpointSaveInfo* info, dist::Communicator* group,
-                          const OfflineCheckpoint* offline = nullptr) {
+                          const CheckpointState& st, Retention keep, CheckpointSaveInfo* info,
+                          dist::Communicator* group, const OfflineCheckpoint* offline = nullptr) {
   const int keep_last = keep.keep_last;
   const auto t_start = std::chrono::steady_clock::now();
   if (info) *info = {};

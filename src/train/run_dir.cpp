@@ -98,7 +98,7 @@ std::string claim_on_rank0(const Recipe& r, const std::string& resume, bool over
   // Moving the directory that holds the process's working directory would move the new run too.
   std::error_code ec;
   fs::path abs = fs::absolute(dir).lexically_normal();  // a symlink is moved itself, not its target
-  if (abs.filename().empty()) abs = abs.parent_path();   // "runs/x/"
+  if (abs.filename().empty()) abs = abs.parent_path();  // "runs/x/"
   const fs::path cwd = fs::current_path(ec);
   const std::string rel = cwd.lexically_relative(fs::weakly_canonical(abs, ec)).string();
   if (rel.empty() || rel == "." || rel.rfind("..", 0) != 0)
@@ -113,9 +113,10 @@ std::string claim_on_rank0(const Recipe& r, const std::string& resume, bool over
   }
   fs::rename(abs, aside, ec);
   if (ec)
-    return fmt::format("{}: --overwrite: cannot move the old run aside to {}: {} (move it yourself, or set output.dir "
-                       "to another directory)",
-                       dir, aside, ec.message());
+    return fmt::format(
+        "{}: --overwrite: cannot move the old run aside to {}: {} (move it yourself, or set output.dir "
+        "to another directory)",
+        dir, aside, ec.message());
   // The new run's directory (preflight proved it writable), with the data cache: content-addressed
   // and shared by the runs of this directory, it stays.
   fs::create_directories(abs, ec);
@@ -154,8 +155,7 @@ void move_newer_checkpoints_aside(const std::string& run_dir, const std::string&
 }
 
 optim::LossScalerState resume_loss_scale(const CheckpointState& cs, const std::string& ckpt, double current_scale,
-                                         bool dynamic, double min,
-                                         const std::function<void(const std::string&)>& say) {
+                                         bool dynamic, double min, const std::function<void(const std::string&)>& say) {
   optim::LossScalerState ls;
   ls.scale = cs.loss_scale_dynamic ? cs.loss_scale : current_scale;
   ls.good_steps = cs.loss_scale_dynamic ? cs.loss_scale_good_steps : 0;
@@ -176,7 +176,8 @@ optim::LossScalerState resume_loss_scale(const CheckpointState& cs, const std::s
         "(precision.loss_scale.min; the scaler never goes below it) (the checkpoint is damaged or was edited by "
         "hand; resume from another checkpoint, or start fresh)",
         sp, ls.scale, saved && saved->is_number() ? saved->get<double>() : min);
-  say(fmt::format("resume: the checkpoint's loss scale {} is below precision.loss_scale.min {} (raised since the "
+  say(
+      fmt::format("resume: the checkpoint's loss scale {} is below precision.loss_scale.min {} (raised since the "
                   "checkpoint, which had {}): starting at {}",
                   ls.scale, min, saved->get<double>(), min));
   ls.scale = min;

@@ -36,8 +36,8 @@ std::string run_dir_refusal(const Recipe& r, const std::string& resume);
 // resume, or a resume from a checkpoint elsewhere) into a directory that holds a run is refused,
 // naming the directory, what it holds and the ways forward; with `overwrite` the old run directory
 // is moved aside to OUTPUT.DIR.replaced-N (the first free N) and the new run starts in an empty one
-// but for the old data_cache/ (`say` tells where the old run went). Nothing is deleted. `overwrite` with a resume of output.dir's
-// own run is a contradiction and refused.
+// but for the old data_cache/ (`say` tells where the old run went). Nothing is deleted. `overwrite` with a resume of
+// output.dir's own run is a contradiction and refused.
 void claim_run_dir(const Recipe& r, const std::string& resume, bool overwrite, dist::Communicator& world,
                    const std::function<void(const std::string&)>& say);
 
@@ -54,7 +54,6 @@ void move_newer_checkpoints_aside(const std::string& run_dir, const std::string&
 // field, as the state.json checks do); when the recipe raised the minimum since, the scale starts
 // at the new minimum (said).
 optim::LossScalerState resume_loss_scale(const CheckpointState& cs, const std::string& ckpt, double current_scale,
-                                         bool dynamic, double min,
-                                         const std::function<void(const std::string&)>& say);
+                                         bool dynamic, double min, const std::function<void(const std::string&)>& say);
 
 }  // namespace lathe

@@ -217,8 +217,8 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   const double copy_gbps = world->size() > 1 ? lathe::plan::measure_copy_gbps() : 100.0;
   PreflightLog plog{log, say};
   Preflight pf = preflight(r, opts, plog, /*check_only=*/false);
-  // Before anything is written: a new run never reuses a directory that holds another run
-  // (--overwrite moves it aside). After preflight, so that its errors come first, as in `lathe check`.
+  // Before any write, after preflight's errors (as `lathe check` orders them): a new run never reuses
+  // a directory that holds another run (--overwrite moves it aside).
   claim_run_dir(r, opts.resume.empty() ? r.training.resume : opts.resume, opts.overwrite, *world, say);
   const std::string& ckpt = pf.ckpt;
   const CheckpointState& cs = pf.cs;
@@ -596,8 +596,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     st.has_anomaly = anomaly.enabled() || anomaly.state().skipped_updates > 0;
     st.anomaly = anomaly.state();
     CheckpointSaveInfo info;
-    // keep_last never removes the newest healthy checkpoint while anomaly rollback may need it.
-    const int keep_last = static_cast<int>(r.output.keep_last);
+    const int keep_last = static_cast<int>(r.output.keep_last);  // sparing the newest healthy one for rollback
     const bool keep_healthy = r.training.anomaly.enabled && r.training.anomaly.rollback_after > 0;
     // Every rank writes the moments of its part of the flat buffer (its ZeRO shard; with ZeRO 0 the
     // same cut, so the ranks share the writing), rank 0 the weights and state.json once all are done.
@@ -633,11 +632,12 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     } else {
       const parallel::FlatShards& sh = opt.shards();
       save_checkpoint_sharded(r.output.dir, *model,
-                              moment_slice(opt.local(), opt.state_begin(), sh.begin(rank), sh.end(rank)), st,
-                              keep_last, &info, *world, keep_healthy);
+                              moment_slice(opt.local(), opt.state_begin(), sh.begin(rank), sh.end(rank)), st, keep_last,
+                              &info, *world, keep_healthy);
     }
     result.last_checkpoint = (fs::path(r.output.dir) / "checkpoints" / fmt::format("step_{:08d}", done)).string();
-    if (!info.moved_aside.empty()) say(fmt::format("moved the existing {} aside to {}", result.last_checkpoint, info.moved_aside));
+    if (!info.moved_aside.empty())
+      say(fmt::format("moved the existing {} aside to {}", result.last_checkpoint, info.moved_aside));
     const double mb = static_cast<double>(info.bytes) / 1e6;
     log(fmt::format(
         "saved checkpoint {} ({:.1f} MB in {:.2f} s, {:.0f} MB/s{})", result.last_checkpoint, mb, info.seconds_complete,
@@ -997,8 +997,8 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     so.top_k = 40;
     so.seed = static_cast<uint64_t>(r.training.seed);
     so.vocab_limit = tokenizer->vocab_size();
-    final_model.set_documents(nullptr, nullptr, 0, 0);  // causal: not the last batch's documents
-    auto ids = generate(final_model, prompt, so);        // the whole model: no collective on one rank
+    // The whole model: no collective on one rank. generate() clears the last batch's documents: causal.
+    auto ids = generate(final_model, prompt, so);
     log("sample:\n" + tokenizer->decode(ids) + "\n");
   }
   return result;
