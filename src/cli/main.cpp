@@ -70,6 +70,7 @@ int main(int argc, char** argv) {
     // A stop request (SIGINT / SIGTERM) honoured before any result was written: not a failure.
     fmt::print(stderr, "{}: {}{}\n", prog, lathe::dist::job_rank_prefix(), e.what());
     std::fflush(stderr);
+    lathe::dist::end_job_after_error(e.exit_code());  // no rank of an MPI job waits for this one
     return e.exit_code();
   } catch (const lathe::Error& e) {
     return fail(e.what());
