@@ -186,10 +186,14 @@ void preflight_blend(const Recipe& r, const TrainOptions& opts, const PreflightL
 // tokens are read; refused when they are the whole dataset, noted when it is larger.
 void check_has_targets(const data::IndexedDataset& ds, const std::string& what, int32_t eod, const Recipe& r,
                        const PreflightLog& log) {
+  // Read in chunks from the start: real data ends the check within its first chunk.
   const int64_t n = std::min<int64_t>(ds.total_tokens(), int64_t{1} << 20);
-  std::vector<int32_t> head(static_cast<size_t>(n));
-  if (n > 0) ds.read_global(0, n, head.data());
-  if (std::any_of(head.begin(), head.end(), [eod](int32_t t) { return t != eod; })) return;
+  std::vector<int32_t> chunk(4096);
+  for (int64_t at = 0; at < n; at += static_cast<int64_t>(chunk.size())) {
+    const int64_t len = std::min<int64_t>(n - at, static_cast<int64_t>(chunk.size()));
+    ds.read_global(at, len, chunk.data());
+    if (std::any_of(chunk.begin(), chunk.begin() + len, [eod](int32_t t) { return t != eod; })) return;
+  }
   if (n == ds.total_tokens())
     throw_error(
         "{}: {}: every one of its {} tokens is the EOD id {}, so with data.mask_loss_after_eod: true no token is a "
