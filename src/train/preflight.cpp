@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <limits>
@@ -628,6 +629,12 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
     log.ok(fmt::format("checkpoint {}: step {}, files, tensor table and weights valid", pf.ckpt, pf.cs.step));
   }
   preflight_tokens_and_tasks(r, log, pf);
+  // A stop request that arrived during the checks: stop before step 1 rather than after it.
+  if (opts.handle_signals && !check_only && g_stop_request.load() != 0)
+    throw Interrupted(fmt::format("received {} during startup: stopped before step 1 (nothing trained, no checkpoint "
+                                  "written); run the same command again to start",
+                                  g_stop_request.load() == SIGTERM ? "SIGTERM" : "SIGINT"),
+                      kExitStopped);
   return pf;
 }
 

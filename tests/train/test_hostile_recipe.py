@@ -13,6 +13,7 @@ Env: LATHE_BIN, LATHE_SOURCE_DIR. Run: /usr/bin/python3 test_hostile_recipe.py
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -120,5 +121,30 @@ with cases.case("H3: SIGINT during blend planning stops it: exit 75, no plan cac
     cache = os.path.join(out, "data_cache")
     left = os.listdir(cache) if os.path.isdir(cache) else []
     assert not left, f"the interrupted run left {left}"
+
+
+with cases.case("H3: SIGINT after planning, during the remaining startup checks: stopped before step 1 (exit 75)"):
+    # A large training.eval_tasks file keeps preflight's last step busy for a while after the model
+    # line; the signal sent then must not let the run reach step 1.
+    item = json.dumps({"context": "the quick brown fox " * 10, "endings": [" jumps", " sleeps"], "label": 0})
+    big = tasks("big.jsonl", [item] * 100_000)
+    r = recipe("sigint_late", training_extra={"eval_tasks": big, "steps": 4})
+    p = subprocess.Popen([LATHE, "train", r], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    killer = threading.Timer(120, p.kill)
+    killer.start()
+    seen = []
+    for line in iter(p.stdout.readline, b""):
+        seen.append(line.decode())
+        if re.match(r"model \w+: \d+ parameters$", seen[-1].strip()):  # preflight's line before eval_tasks
+            p.send_signal(signal.SIGINT)
+            break
+    rest, err = p.communicate()
+    killer.cancel()
+    log = "".join(seen) + rest.decode()
+    assert p.returncode == 75, f"exit {p.returncode}\nstdout: {log[-2000:]}\nstderr: {err.decode()[-2000:]}"
+    assert "stopped before step 1" in err.decode(), err.decode()
+    assert "step " not in log.replace("step 1", ""), log[-2000:]
+    assert not os.path.exists(cases.path("runs", "sigint_late", "checkpoints", "step_00000001")), log[-2000:]
 
 cases.finish()
