@@ -1,7 +1,8 @@
 // lathe check RECIPE.yaml [--set key=value ...] [--resume auto|PATH] [--force-resume-changes] [--world N]:
 // runs exactly the checks `lathe train` runs before its first step (train/preflight.h: recipe,
 // datasets and their token ranges, model/tokenizer consistency, optimizer and schedule, output
-// directory writable, model dimensions and memory, init_from weights, resume checkpoint) without
+// directory writable, model dimensions and memory, init_from weights, resume checkpoint, the EOD
+// id the document settings need, training.eval_tasks, the blend plan's size and cache path) without
 // training, printing each check that held. --world N checks the layout of an N-process job (the
 // degrees, the global batch, memory per rank with ZeRO) on one machine before submitting it. Exit code 0 when train would start, 1 on the first
 // failure (the same message `lathe train` prints), 2 for a usage error.

@@ -10,6 +10,7 @@
 #include "cli/command.h"
 #include "core/blas_env.h"
 #include "core/error.h"
+#include "core/stop.h"
 #include "dist/comm.h"
 
 namespace lathe::cli {
@@ -65,6 +66,12 @@ int main(int argc, char** argv) {
   };
   try {
     return it->second.fn(argc - 1, argv + 1);
+  } catch (const lathe::Interrupted& e) {
+    // A stop request (SIGINT / SIGTERM) honoured before any result was written: not a failure.
+    fmt::print(stderr, "{}: {}{}\n", prog, lathe::dist::job_rank_prefix(), e.what());
+    std::fflush(stderr);
+    lathe::dist::end_job_after_error(e.exit_code());  // no rank of an MPI job waits for this one
+    return e.exit_code();
   } catch (const lathe::Error& e) {
     return fail(e.what());
   } catch (const std::bad_alloc&) {

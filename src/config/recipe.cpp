@@ -385,7 +385,8 @@ class Parser {
       const json& rc = root_["recompute"];
       if (!rc.is_string() ||
           std::find(kRecomputeModes.begin(), kRecomputeModes.end(), rc.get<std::string>()) == kRecomputeModes.end())
-        bad("recompute", fmt::format("must be one of {} (default none), got '{}'", join(kRecomputeModes), value_str(rc)));
+        bad("recompute",
+            fmt::format("must be one of {} (default none), got '{}'", join(kRecomputeModes), value_str(rc)));
       r.recompute = rc.get<std::string>();
     }
     // device: cpu | cuda (top-level, as recompute): whether this build and machine can run it is
@@ -849,7 +850,11 @@ class Parser {
     in_range("parallel.zero", p.zero, 0, 2, " (0: replicated optimizer, 1: sharded moments, 2: also gradients)");
     need(p.bucket_mb > 0 && p.bucket_mb <= 65536, "parallel.bucket_mb",
          fmt::format("{} must be in (0, 65536]", p.bucket_mb));
-    need(p.timeout_s >= 0, "parallel.timeout_s", fmt::format("{} must be >= 0 (0 = no watchdog)", p.timeout_s));
+    // A watchdog below 1 s aborts the first all-reduce of any real job (1e-300 passed before);
+    // above ~116 days it is no watchdog at all (and the clock arithmetic overflows).
+    need(p.timeout_s == 0 || (p.timeout_s >= kMinTimeoutS && p.timeout_s <= kMaxTimeoutS), "parallel.timeout_s",
+         fmt::format("{} must be 0 (no watchdog) or in [{}, {}] seconds (default 300)", p.timeout_s, kMinTimeoutS,
+                     kMaxTimeoutS));
     // precision (the same bounds as optim::validate(LossScaleConfig), named with the file here)
     const auto& pr = r.precision;
     need(std::find(kComputeDtypes.begin(), kComputeDtypes.end(), pr.compute) != kComputeDtypes.end(),
@@ -858,15 +863,20 @@ class Parser {
     // training.anomaly (the bounds are checked whether or not it is enabled: a recipe that turns it
     // on later must not start failing then)
     const auto& a = t.anomaly;
-    in_range("training.anomaly.warmup_steps", a.warmup_steps, 0, kMaxSteps, " (default 100)");
+    // The z-scores need statistics: with 0 observed steps the deviation is 0 and every step would be
+    // a spike (z ~ 1e12).
+    in_range("training.anomaly.warmup_steps", a.warmup_steps, 1, kMaxSteps,
+             " (steps observed before spikes are detected; default 100)");
     need(a.ema_decay > 0 && a.ema_decay < 1, "training.anomaly.ema_decay",
          fmt::format("{} must be in (0, 1) (default 0.99: statistics over about the last 100 steps)", a.ema_decay));
     need(a.loss_z_threshold >= 0, "training.anomaly.loss_z_threshold",
          fmt::format("{} must be >= 0 (0 = the loss is not watched; default 6)", a.loss_z_threshold));
     need(a.grad_norm_z_threshold >= 0, "training.anomaly.grad_norm_z_threshold",
          fmt::format("{} must be >= 0 (0 = the gradient norm is not watched; default 6)", a.grad_norm_z_threshold));
-    need(a.min_rel_std >= 0 && a.min_rel_std <= 100, "training.anomaly.min_rel_std",
-         fmt::format("{} must be in [0, 100] (default 0.01)", a.min_rel_std));
+    // 0 lets a deviation of 0 (a few equal losses) turn any change into z ~ 1e12.
+    need(a.min_rel_std >= kMinRelStd && a.min_rel_std <= 100, "training.anomaly.min_rel_std",
+         fmt::format("{} must be in [{}, 100] (default 0.01: the deviation is at least 1% of the mean)", a.min_rel_std,
+                     kMinRelStd));
     need(a.lr_factor > 0 && a.lr_factor <= 1, "training.anomaly.lr_factor",
          fmt::format("{} must be in (0, 1] (default 0.5; 1 = never lowered)", a.lr_factor));
     in_range("training.anomaly.lr_steps", a.lr_steps, 0, kMaxSteps, " (0 = never lowered)");
@@ -881,15 +891,17 @@ class Parser {
                        "training.anomaly.rollback_after: 0 (never roll back)",
                        a.rollback_after));
     const auto& l = pr.loss_scale;
-    need(l.initial > 0 && l.initial <= 0x1p100, "precision.loss_scale.initial",
-         fmt::format("{} must be > 0 and <= 2^100 (default 65536 = 2^16)", l.initial));
+    // [2^-100, 2^100]: the scale and its reciprocal (the unscaling factor) are normal floats; below
+    // float's range 1 / scale is inf and the weights become NaN.
+    need(l.initial >= 0x1p-100 && l.initial <= 0x1p100, "precision.loss_scale.initial",
+         fmt::format("{} must be in [2^-100, 2^100] (default 65536 = 2^16)", l.initial));
     in_range("precision.loss_scale.growth_interval", l.growth_interval, 1, kMaxSteps, " (default 2000)");
     need(l.backoff > 0 && l.backoff < 1, "precision.loss_scale.backoff",
          fmt::format("{} must be in (0, 1) (default 0.5)", l.backoff));
     need(l.growth > 1 && l.growth <= 65536, "precision.loss_scale.growth",
          fmt::format("{} must be in (1, 65536] (default 2)", l.growth));
-    need(l.min > 0 && l.min <= l.initial, "precision.loss_scale.min",
-         fmt::format("{} must be > 0 and <= precision.loss_scale.initial = {} (default 1)", l.min, l.initial));
+    need(l.min >= 0x1p-100 && l.min <= l.initial, "precision.loss_scale.min",
+         fmt::format("{} must be >= 2^-100 and <= precision.loss_scale.initial = {} (default 1)", l.min, l.initial));
   }
 };
 

@@ -56,6 +56,9 @@ constexpr int64_t kMaxThreads = 4096;             // training.threads in [0, 409
 constexpr int64_t kMaxPrefetch = 64;              // data.prefetch in [0, 64]
 constexpr int64_t kMaxKeepLast = 1'000'000;       // output.keep_last in [0, 1e6]
 constexpr int64_t kMaxRanks = 1 << 20;            // parallel degrees
+// parallel.timeout_s: 0 (no watchdog) or in [1 s, ~116 days]; training.anomaly.min_rel_std >= 1e-6.
+constexpr double kMinTimeoutS = 1, kMaxTimeoutS = 1e7;
+constexpr double kMinRelStd = 1e-6;
 
 struct Recipe {
   std::string source;  // file path (or the name given to parse_recipe)

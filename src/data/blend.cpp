@@ -2,11 +2,12 @@
 
 #include <fmt/format.h>
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <functional>
 
 #include "core/error.h"
+#include "core/stop.h"
 
 namespace lathe::data {
 
@@ -47,26 +48,49 @@ int64_t FeistelPermutation::operator()(int64_t i) const {
   return static_cast<int64_t>(x);
 }
 
-BlendPlan plan_blend(const std::vector<BlendSource>& sources, int64_t total, uint64_t seed) {
+std::vector<double> blend_shares(const std::vector<BlendSource>& sources) {
+  double wmax = 0;
+  for (const auto& s : sources) wmax = std::max(wmax, s.weight);
+  std::vector<double> share(sources.size(), 0.0);
+  if (!(wmax > 0) || !std::isfinite(wmax)) return share;
+  double sum = 0;  // of weights <= 1: at most the number of sources
+  for (const auto& s : sources) sum += s.weight / wmax;
+  for (size_t i = 0; i < sources.size(); ++i) share[i] = sources[i].weight / wmax / sum;
+  return share;
+}
+
+BlendPlan plan_blend(const std::vector<BlendSource>& sources, int64_t total, uint64_t seed, const StopFn& stop) {
   LATHE_CHECK(!sources.empty(), "data.blend: no datasets");
   LATHE_CHECK(sources.size() < (uint64_t{1} << 32), "data.blend: {} datasets", sources.size());
   LATHE_CHECK(total >= 0, "data.blend: {} samples", total);
-  double wsum = 0;
   for (const auto& s : sources) {
-    LATHE_CHECK(std::isfinite(s.weight) && s.weight > 0, "data.blend: {}: weight {} must be a positive number",
-                s.name, s.weight);
+    LATHE_CHECK(std::isfinite(s.weight) && s.weight > 0, "data.blend: {}: weight {} must be a positive number", s.name,
+                s.weight);
     LATHE_CHECK(s.samples >= 1, "data.blend: {}: no sample of seq_len tokens (the dataset is too small)", s.name);
     LATHE_CHECK(std::isfinite(s.max_epochs) && s.max_epochs >= 0, "data.blend: {}: epochs {} must be >= 0", s.name,
                 s.max_epochs);
-    wsum += s.weight;
   }
+  constexpr int64_t kChunk = int64_t{1} << 20;  // samples between two polls of `stop`
+  auto poll = [&](int64_t done, const char* pass) {
+    if (stop && stop())
+      throw Interrupted(fmt::format("data.blend: planning stopped by a signal at sample {} of {} ({}); nothing was "
+                                    "written (the blend-plan cache included)",
+                                    done, total, pass),
+                        kExitStopped);
+  };
   const size_t D = sources.size();
   BlendPlan p;
   p.dataset.resize(static_cast<size_t>(total));
   p.sample.resize(static_cast<size_t>(total));
   p.taken.assign(D, 0);
+  // Due-time steps 1 / share. A sum of weights that overflows (1e308 + 1e308) takes the shares of
+  // the weights divided by the largest; a finite one keeps wsum / weight, bit for bit, so plans
+  // and checkpoints of earlier runs stay valid.
+  double wsum = 0;
+  for (const auto& s : sources) wsum += s.weight;
+  const std::vector<double> share = blend_shares(sources);
   std::vector<double> inv(D);
-  for (size_t i = 0; i < D; ++i) inv[i] = wsum / sources[i].weight;
+  for (size_t i = 0; i < D; ++i) inv[i] = std::isfinite(wsum) ? wsum / sources[i].weight : 1.0 / share[i];
   // (due time, source): smallest first, ties to the lower source index. Keys are distinct (the
   // index breaks ties), so the order of the samples is fixed by the keys, whatever the heap does.
   // A hand-written binary min-heap whose top is replaced in place and sifted down: one pass over
@@ -92,6 +116,7 @@ BlendPlan plan_blend(const std::vector<BlendSource>& sources, int64_t total, uin
   // Pass 1 (sequential: each choice depends on the previous ones): the dataset of every sample, and
   // its index t within that dataset's stream (kept in p.sample until pass 2).
   for (int64_t k = 0; k < total; ++k) {
+    if (k % kChunk == 0) poll(k, "choosing datasets");
     const uint32_t i = heap[0].second;
     const int64_t t = p.taken[i]++;
     heap[0].first = (static_cast<double>(t + 1) + 0.5) * inv[i];
@@ -102,22 +127,27 @@ BlendPlan plan_blend(const std::vector<BlendSource>& sources, int64_t total, uin
   // Pass 2 (independent per sample, so in parallel; the same values as a sequential loop): stream
   // index t of dataset i is sample perm_e(t mod n) of epoch e = t / n. Each thread keeps one
   // permutation per dataset, rebuilt when that dataset's epoch changes.
+  // In blocks of 16 chunks, `stop` polled between them.
+  for (int64_t k0 = 0; k0 < total; k0 += 16 * kChunk) {
+    poll(k0, "permuting samples");
+    const int64_t k1 = std::min(total, k0 + 16 * kChunk);
 #pragma omp parallel
-  {
-    std::vector<FeistelPermutation> perm;
-    std::vector<int64_t> perm_epoch(D, -1);
-    perm.reserve(D);
-    for (size_t i = 0; i < D; ++i) perm.emplace_back(sources[i].samples, 0);
+    {
+      std::vector<FeistelPermutation> perm;
+      std::vector<int64_t> perm_epoch(D, -1);
+      perm.reserve(D);
+      for (size_t i = 0; i < D; ++i) perm.emplace_back(sources[i].samples, 0);
 #pragma omp for schedule(static)
-    for (int64_t k = 0; k < total; ++k) {
-      const uint32_t i = p.dataset[static_cast<size_t>(k)];
-      const int64_t t = p.sample[static_cast<size_t>(k)], n = sources[i].samples, epoch = t / n;
-      if (epoch != perm_epoch[i]) {
-        perm[i] = FeistelPermutation(
-            n, splitmix(seed ^ splitmix((static_cast<uint64_t>(i) << 32) ^ static_cast<uint64_t>(epoch))));
-        perm_epoch[i] = epoch;
+      for (int64_t k = k0; k < k1; ++k) {
+        const uint32_t i = p.dataset[static_cast<size_t>(k)];
+        const int64_t t = p.sample[static_cast<size_t>(k)], n = sources[i].samples, epoch = t / n;
+        if (epoch != perm_epoch[i]) {
+          perm[i] = FeistelPermutation(
+              n, splitmix(seed ^ splitmix((static_cast<uint64_t>(i) << 32) ^ static_cast<uint64_t>(epoch))));
+          perm_epoch[i] = epoch;
+        }
+        p.sample[static_cast<size_t>(k)] = perm[i](t % n);
       }
-      p.sample[static_cast<size_t>(k)] = perm[i](t % n);
     }
   }
   p.epochs.resize(D);

@@ -15,6 +15,7 @@
 // 1,000 datasets plans as fast as one.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -34,9 +35,20 @@ struct BlendPlan {
   std::vector<double> epochs;     // per source: taken / samples
 };
 
+// Polled between chunks of planning (about every million samples): true = stop now (a SIGINT to
+// `lathe train`, core/stop.h); plan_blend then throws lathe::Interrupted.
+using StopFn = std::function<bool()>;
+
 // The plan of `total` samples. Errors name the source: weight <= 0 or not finite, no samples, or a
-// max_epochs cap that the run would exceed (with how many samples the run needs from it).
-BlendPlan plan_blend(const std::vector<BlendSource>& sources, int64_t total, uint64_t seed);
+// max_epochs cap that the run would exceed (with how many samples the run needs from it). Weights
+// are divided by the largest first, so any finite positive weights work (1e308 + 1e308 does not
+// overflow to inf, which would starve every dataset but the first).
+BlendPlan plan_blend(const std::vector<BlendSource>& sources, int64_t total, uint64_t seed,
+                     const StopFn& stop = nullptr);
+
+// Each source's share of the samples, weight / sum of weights, computed without overflow (the
+// weights divided by the largest first).
+std::vector<double> blend_shares(const std::vector<BlendSource>& sources);
 
 // A keyed pseudo-random permutation of [0, n): permute(i) for i in [0, n) visits every element
 // once. Exposed for tests.

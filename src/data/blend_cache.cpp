@@ -2,11 +2,13 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -81,6 +83,17 @@ OpenedBlend open_blend(const std::vector<BlendEntryInput>& entries, int64_t seq_
           "from one tokenizer: re-tokenize them with the same tokenizer (lathe tokenize picks the dtype from its "
           "vocabulary size)",
           i, e.prefix, dtype_name(ds->dtype()), entries[0].prefix, dtype_name(ob.datasets[0]->dtype()));
+    // One dataset twice (however its path is spelled) would repeat its samples: refused, both named.
+    std::error_code ec;
+    const fs::path bin = fs::weakly_canonical(fs::absolute(e.prefix + ".bin", ec), ec);
+    for (size_t j = 0; j < i && !ec; ++j) {
+      std::error_code ec2;
+      if (fs::equivalent(bin, fs::path(entries[j].prefix + ".bin"), ec2) && !ec2)
+        throw_error(
+            "data.blend[{}].prefix {} is the same dataset as data.blend[{}].prefix {} ({}): its samples would be "
+            "planned twice and repeat; merge the two entries into one (with the sum of their weights)",
+            i, e.prefix, j, entries[j].prefix, bin.string());
+    }
     const int64_t n = num_samples(ds->total_tokens(), seq_len);
     LATHE_CHECK(n >= 1,
                 "data.blend[{}].prefix {}: {} tokens give no sample of training.seq_len {} (a sample needs seq_len + 1 "
@@ -181,7 +194,11 @@ std::shared_ptr<BlendPlan> read_blend_cache(const std::string& path, uint64_t in
 }
 
 void write_blend_cache(const std::string& path, uint64_t inputs_hash, const BlendPlan& plan) {
-  io::AtomicFileWriter w(path);
+  // Written to PATH.PID (its temporary PATH.PID.tmp) and renamed to PATH: a writer killed midway
+  // leaves files whose PID names no live process, which the next writer removes
+  // (remove_stale_blend_files).
+  const std::string staged = fmt::format("{}.{}", path, ::getpid());
+  io::AtomicFileWriter w(staged);
   io::Xxh64 h;
   auto put = [&](const void* p, size_t n) {
     w.write(p, n);
@@ -196,24 +213,90 @@ void write_blend_cache(const std::string& path, uint64_t inputs_hash, const Blen
   const uint64_t sum = h.digest();
   w.write(&sum, 8);
   w.commit();
+  if (std::rename(staged.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(staged.c_str());
+    throw_error(
+        "{}: cannot rename the new blend plan {} into place: {} (remove what is at {}, or fix the directory's "
+        "permissions)",
+        path, staged, std::strerror(err), path);
+  }
+}
+
+namespace {
+
+// "blend-" + 16 hex digits + ".bin": a plan file.
+bool is_plan_name(const std::string& n) {
+  if (n.size() != 26 || n.rfind("blend-", 0) != 0 || n.substr(22) != ".bin") return false;
+  return std::all_of(n.begin() + 6, n.begin() + 22,
+                     [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+}
+
+// A writer's leftover: PLAN.PID, PLAN.PID.tmp, or PLAN.tmp (lathe before PIDs were in the name;
+// no lathe writes it now). Sets *pid (0 for PLAN.tmp). False for other names.
+bool is_temp_name(const std::string& n, long* pid) {
+  if (n.size() <= 26 || !is_plan_name(n.substr(0, 26)) || n[26] != '.') return false;
+  std::string rest = n.substr(27);
+  if (rest == "tmp") {
+    *pid = 0;
+    return true;
+  }
+  if (rest.size() > 4 && rest.substr(rest.size() - 4) == ".tmp") rest.resize(rest.size() - 4);
+  if (rest.empty() || rest.size() > 10 ||
+      !std::all_of(rest.begin(), rest.end(), [](char c) { return c >= '0' && c <= '9'; }))
+    return false;
+  *pid = std::stol(rest);
+  return *pid > 0;
+}
+
+bool process_alive(long pid) {
+  if (pid == static_cast<long>(::getpid())) return true;
+  return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM;
+}
+
+}  // namespace
+
+int remove_stale_blend_files(const std::string& cache_dir, const std::string& keep) {
+  int removed = 0;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(cache_dir, ec)) {
+    const std::string n = e.path().filename().string();
+    long pid = 0;
+    const bool stale = n != keep && (is_plan_name(n) || (is_temp_name(n, &pid) && (pid == 0 || !process_alive(pid))));
+    std::error_code rec;
+    if (stale && e.is_regular_file(rec) && fs::remove(e.path(), rec)) ++removed;
+  }
+  return removed;
 }
 
 CachedPlan cached_blend_plan(const std::vector<BlendSource>& sources, int64_t seq_len, uint64_t seed, int64_t total,
-                             const std::string& cache_dir, bool write) {
+                             const std::string& cache_dir, bool write, const StopFn& stop) {
   CachedPlan c;
   const double t0 = now_seconds();
   const uint64_t hash = blend_inputs_hash(sources, seq_len, seed, total);
   std::string why = "no cache directory";
   if (!cache_dir.empty()) {
     c.path = blend_cache_path(cache_dir, hash);
+    // What a write would trip over, refused before planning (and by `lathe check`, which never writes).
+    std::error_code ec;
+    const fs::file_status ds = fs::status(cache_dir, ec);
+    LATHE_CHECK(!fs::exists(ds) || fs::is_directory(ds),
+                "{}: the blend-plan cache directory is a {}, not a directory: remove it (lathe keeps the plan of the "
+                "run's data.blend there)",
+                cache_dir, fs::is_regular_file(ds) ? "file" : "special file");
+    LATHE_CHECK(!fs::is_directory(fs::status(c.path, ec)),
+                "{}: the blend-plan cache path is a directory, so the plan cannot be written there: remove it (lathe "
+                "rebuilds the plan)",
+                c.path);
     if (auto p = read_blend_cache(c.path, hash, sources, total, &why)) {
       c.plan = std::move(p);
       c.status = "reused";
+      if (write) remove_stale_blend_files(cache_dir, fs::path(c.path).filename().string());
       c.seconds = now_seconds() - t0;
       return c;
     }
   }
-  c.plan = std::make_shared<const BlendPlan>(plan_blend(sources, total, seed));
+  c.plan = std::make_shared<const BlendPlan>(plan_blend(sources, total, seed, stop));
   const bool existed = why != "no cache file" && why != "no cache directory";
   if (cache_dir.empty() || !write) {
     c.status = existed ? fmt::format("planned in memory (the cache {}: {})", c.path, why) : "planned in memory";
@@ -225,12 +308,9 @@ CachedPlan cached_blend_plan(const std::vector<BlendSource>& sources, int64_t se
                   ec.message());
     write_blend_cache(c.path, hash, *c.plan);
     c.status = existed ? fmt::format("rebuilt (the cache was unusable: {})", why) : "built";
-    // Plans of earlier inputs (another seq_len, steps or changed prefixes) in this directory.
-    const std::string mine = fs::path(c.path).filename().string();
-    for (const auto& e : fs::directory_iterator(cache_dir, ec)) {
-      const std::string n = e.path().filename().string();
-      if (n != mine && n.size() == 26 && n.rfind("blend-", 0) == 0 && n.substr(22) == ".bin") fs::remove(e.path(), ec);
-    }
+    // Plans of earlier inputs (another seq_len, steps or changed prefixes) in this directory, and
+    // the temporary files of writers that died.
+    remove_stale_blend_files(cache_dir, fs::path(c.path).filename().string());
   }
   c.seconds = now_seconds() - t0;
   return c;

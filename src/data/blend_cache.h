@@ -34,7 +34,8 @@ struct OpenedBlend {
 
 // Opens every prefix. Errors name the entry ("data.blend[2] (data/code): ..."): a missing or
 // malformed prefix, a dataset with fewer than seq_len + 2 tokens (no sample), a token dtype that
-// differs from entry 0's (a blend mixes datasets of one tokenizer: one dtype).
+// differs from entry 0's (a blend mixes datasets of one tokenizer: one dtype), two entries naming
+// one dataset (data/a, ./data/a, data//a or a link to it: its samples would repeat; both named).
 OpenedBlend open_blend(const std::vector<BlendEntryInput>& entries, int64_t seq_len);
 
 // XXH64 of the plan's inputs (see the header comment).
@@ -48,10 +49,18 @@ struct CachedPlan {
 };
 
 // The plan of `total` samples, from cache_dir/blend-HASH.bin when that file is valid for these
-// inputs; otherwise planned (plan_blend) and, when `write`, saved there (the directory created;
-// other blend-*.bin files of the directory, plans of earlier inputs, removed). cache_dir "" = no cache.
+// inputs; otherwise planned (plan_blend, polling `stop`) and, when `write`, saved there (the
+// directory created; written as blend-HASH.bin.PID.tmp and renamed). With `write`, the directory is
+// also cleaned: other blend-*.bin files (plans of earlier inputs) and the temporary files of
+// writers that died (their PID in the name is no live process; a SIGKILL mid-write leaves one).
+// cache_dir "" = no cache. Refused, whether or not `write`, naming the path: a cache path that is a
+// directory (the rename would fail after planning), a cache_dir that is a file.
 CachedPlan cached_blend_plan(const std::vector<BlendSource>& sources, int64_t seq_len, uint64_t seed, int64_t total,
-                             const std::string& cache_dir, bool write);
+                             const std::string& cache_dir, bool write, const StopFn& stop = nullptr);
+
+// Removes the stale files of cache_dir named in cached_blend_plan (`keep`: the file name in use).
+// Returns how many were removed. Exposed for tests.
+int remove_stale_blend_files(const std::string& cache_dir, const std::string& keep);
 
 // The cache file of these inputs in cache_dir.
 std::string blend_cache_path(const std::string& cache_dir, uint64_t inputs_hash);

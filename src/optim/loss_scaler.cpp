@@ -11,13 +11,15 @@ namespace lathe::optim {
 namespace {
 // Upper bounds that keep every product finite and the counters far from overflow.
 constexpr double kMaxScale = 0x1p100;
+// And the lower bound that keeps the unscaling factor 1 / scale a finite float (2^100).
+constexpr double kMinScale = 0x1p-100;
 constexpr int64_t kMaxInterval = 1'000'000'000'000;
 }  // namespace
 
 void validate(const LossScaleConfig& c) {
   auto fin = [](double v) { return std::isfinite(v); };
-  LATHE_CHECK(fin(c.initial) && c.initial > 0 && c.initial <= kMaxScale,
-              "precision.loss_scale.initial: {} must be > 0 and <= 2^100 (default 65536 = 2^16)", c.initial);
+  LATHE_CHECK(fin(c.initial) && c.initial >= kMinScale && c.initial <= kMaxScale,
+              "precision.loss_scale.initial: {} must be in [2^-100, 2^100] (default 65536 = 2^16)", c.initial);
   LATHE_CHECK(c.growth_interval >= 1 && c.growth_interval <= kMaxInterval,
               "precision.loss_scale.growth_interval: {} must be in [1, {}] (default 2000 clean steps)",
               c.growth_interval, kMaxInterval);
@@ -26,9 +28,9 @@ void validate(const LossScaleConfig& c) {
   LATHE_CHECK(fin(c.growth) && c.growth > 1 && c.growth <= 65536,
               "precision.loss_scale.growth: {} must be in (1, 65536] (default 2: double after growth_interval)",
               c.growth);
-  LATHE_CHECK(fin(c.min) && c.min > 0 && c.min <= c.initial,
-              "precision.loss_scale.min: {} must be > 0 and <= precision.loss_scale.initial = {} (default 1)", c.min,
-              c.initial);
+  LATHE_CHECK(fin(c.min) && c.min >= kMinScale && c.min <= c.initial,
+              "precision.loss_scale.min: {} must be >= 2^-100 and <= precision.loss_scale.initial = {} (default 1)",
+              c.min, c.initial);
   LATHE_CHECK(c.max_skipped_steps >= 0 && c.max_skipped_steps <= kMaxInterval,
               "training.max_skipped_steps: {} must be in [0, {}] (0 = never stop on skipped steps)",
               c.max_skipped_steps, kMaxInterval);

@@ -60,7 +60,8 @@ AnomalyDecision AnomalyPolicy::observe(int64_t step, double loss, double grad_no
                : !loss_ok           ? "loss not finite"
                                     : "grad norm not finite";
   } else if (!scaler_skipped) {
-    const bool detecting = st_.loss.n >= cfg_.warmup_steps;
+    // Never with no statistics (n 0: deviation 0, every step a spike), whatever warmup_steps says.
+    const bool detecting = st_.loss.n >= std::max<int64_t>(cfg_.warmup_steps, 1);
     if (detecting) {
       d.loss_z = st_.loss.z(loss, cfg_.min_rel_std);
       d.grad_norm_z = st_.grad_norm.z(grad_norm, cfg_.min_rel_std);

@@ -41,6 +41,7 @@ std::vector<McItem> read_mc_tasks(const std::string& path, const tok::Tokenizer*
     const nlohmann::json j = io::parse_json(line, where);
     LATHE_CHECK(j.is_object(), "{}: expected an object {{\"context\", \"endings\", \"label\"}}", where);
     McItem it;
+    it.line = n;
     const bool text = j.contains("context");
     LATHE_CHECK(text || j.contains("context_ids"), "{}: needs \"context\" (text) or \"context_ids\" (token ids)",
                 where);
@@ -79,6 +80,21 @@ std::vector<McItem> read_mc_tasks(const std::string& path, const tok::Tokenizer*
   return items;
 }
 
+int64_t check_mc_items_fit(const std::vector<McItem>& items, int64_t max_t, const std::string& path,
+                           const std::string& max_t_what) {
+  int64_t longest = 0;
+  for (const McItem& it : items)
+    for (size_t e = 0; e < it.endings.size(); ++e) {
+      const int64_t len = static_cast<int64_t>(it.endings[e].size());
+      LATHE_CHECK(len < max_t,
+                  "{} line {}: ending {} has {} tokens, which do not fit the {} positions scored ({}) with one context "
+                  "token before it; shorten the ending or raise {}",
+                  path, it.line, e, len, max_t, max_t_what, max_t_what);
+      longest = std::max(longest, len);
+    }
+  return longest;
+}
+
 std::string model_dir_tokenizer(const std::string& model_dir) {
   if (std::filesystem::exists(model_dir + "/tokenizer.json")) return model_dir;
   const std::string lj = model_dir + "/lathe.json";
@@ -109,9 +125,9 @@ McScores score_mc_items(Model& model, const std::vector<McItem>& items, int64_t 
     for (size_t e = 0; e < it.endings.size(); ++e) {
       const auto& end = it.endings[e];
       LATHE_CHECK(static_cast<int64_t>(end.size()) < max_t,
-                  "{}: an ending of {} tokens does not fit the {} positions evaluated (it needs one context token "
-                  "before it)",
-                  path, end.size(), max_t);
+                  "{} line {}: ending {} has {} tokens, which do not fit the {} positions evaluated (it needs one "
+                  "context token before it)",
+                  path, it.line, e, end.size(), max_t);
       // The context cut from the left so that context + ending fit max_t positions.
       const size_t keep = std::min(it.context.size(), static_cast<size_t>(max_t) - end.size());
       std::vector<int32_t> seq(it.context.end() - static_cast<std::ptrdiff_t>(keep), it.context.end());

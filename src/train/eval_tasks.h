@@ -24,12 +24,20 @@ struct McItem {
   std::vector<int32_t> context;               // token ids
   std::vector<std::vector<int32_t>> endings;  // token ids of each ending (>= 2 endings, none empty)
   int64_t label = 0;                          // index of the right ending
+  int64_t line = 0;                           // of the JSONL file (1-based), for errors
 };
 
 // Reads and checks every item (errors name the file, the line and the key). `tok` may be null
 // when every item is already tokenized; a text item then fails with `no_tokenizer_fix` as the fix.
 std::vector<McItem> read_mc_tasks(const std::string& path, const tok::Tokenizer* tok, int64_t vocab,
                                   const std::string& no_tokenizer_fix = "pass --tokenizer");
+
+// Every ending must fit the `max_t` positions scored with one context token before it (ending
+// tokens < max_t; the context is cut from the left). Throws lathe::Error naming "PATH line N", the
+// ending, its length and `max_t_what` (the setting that gives max_t, e.g. training.seq_len).
+// Returns the longest ending's tokens.
+int64_t check_mc_items_fit(const std::vector<McItem>& items, int64_t max_t, const std::string& path,
+                           const std::string& max_t_what);
 
 // The tokenizer a model directory records: DIR itself when it holds tokenizer.json, else
 // lathe.json's "tokenizer"; "" when neither says.

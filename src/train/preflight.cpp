@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 
 #include "core/checked.h"
 #include "core/error.h"
@@ -144,23 +146,31 @@ void preflight_blend(const Recipe& r, const TrainOptions& opts, const PreflightL
   const int64_t total = blend_plan_samples(r);
   const bool rank0 = opts.world == nullptr || opts.world->rank() == 0;
   const std::string cache_dir = (fs::path(r.output.dir.empty() ? "." : r.output.dir) / "data_cache").string();
+  // `lathe train` polls its stop request (SIGINT / SIGTERM) while planning: a long plan is not
+  // finished (nor cached) only to stop after step 1.
+  data::StopFn stop;
+  if (opts.handle_signals && !check_only) stop = [] { return g_stop_request.load() != 0; };
+  if (total >= (int64_t{1} << 24))
+    log.note(fmt::format("data.blend: the plan of {} samples ({}) is read from {} or built now (SIGINT stops it)",
+                         total, format_bytes(total * kBlendPlanBytesPerSample), cache_dir));
   data::CachedPlan c;
   try {
     c = data::cached_blend_plan(ob.sources, T, static_cast<uint64_t>(r.training.seed), total, cache_dir,
-                                !check_only && rank0);
+                                !check_only && rank0, stop);
+  } catch (const Interrupted&) {
+    throw;
   } catch (const Error& e) {
     throw_error("{}: data.blend: {}", r.source, e.what());
   }
   pf.blend_plan = c.plan;
-  double wsum = 0;
-  for (const auto& s : ob.sources) wsum += s.weight;
+  const std::vector<double> share = data::blend_shares(ob.sources);
   for (size_t i = 0; i < ob.sources.size(); ++i) {
     const auto& s = ob.sources[i];
     log.ok(fmt::format(
         "data.blend[{}] {}: {} {} tokens, {} samples of seq_len {}; weight {} ({:.2f}%): {} samples of the run "
         "({:.2f}%), {:.3f} epochs{}",
         i, s.name, ob.datasets[i]->total_tokens(), dtype_name(ob.datasets[i]->dtype()), s.samples, T, s.weight,
-        100 * s.weight / wsum, c.plan->taken[i], total ? 100.0 * c.plan->taken[i] / total : 0.0, c.plan->epochs[i],
+        100 * share[i], c.plan->taken[i], total ? 100.0 * c.plan->taken[i] / total : 0.0, c.plan->epochs[i],
         s.max_epochs > 0 ? fmt::format(" (cap {})", s.max_epochs) : std::string()));
   }
   log.ok(fmt::format("data.blend: {} datasets, plan of {} samples ({} steps x global batch {}{}) {} in {:.3f} s{}",
@@ -172,20 +182,90 @@ void preflight_blend(const Recipe& r, const TrainOptions& opts, const PreflightL
              : fmt::format("validation: {} samples (data.valid {})", pf.valid_samples.size(), r.data.valid));
 }
 
+// data.mask_loss_after_eod drops every target whose input token is the EOD id: a dataset of EOD
+// ids only has nothing to train or validate on (its loss would print as 0.0000). Its first 1M
+// tokens are read; refused when they are the whole dataset, noted when it is larger.
+void check_has_targets(const data::IndexedDataset& ds, const std::string& what, int32_t eod, const Recipe& r,
+                       const PreflightLog& log) {
+  // Read in chunks from the start: real data ends the check within its first chunk.
+  const int64_t n = std::min<int64_t>(ds.total_tokens(), int64_t{1} << 20);
+  std::vector<int32_t> chunk(4096);
+  for (int64_t at = 0; at < n; at += static_cast<int64_t>(chunk.size())) {
+    const int64_t len = std::min<int64_t>(n - at, static_cast<int64_t>(chunk.size()));
+    ds.read_global(at, len, chunk.data());
+    if (std::any_of(chunk.begin(), chunk.begin() + len, [eod](int32_t t) { return t != eod; })) return;
+  }
+  if (n == ds.total_tokens())
+    throw_error(
+        "{}: {}: every one of its {} tokens is the EOD id {}, so with data.mask_loss_after_eod: true no token is a "
+        "target (no loss to train or validate on): use data that holds documents, or set data.mask_loss_after_eod: "
+        "false",
+        r.source, what, n, eod);
+  log.note(
+      fmt::format("{}: its first {} tokens are all the EOD id {}: with data.mask_loss_after_eod their samples "
+                  "have no targets",
+                  what, n, eod));
+}
+
 }  // namespace
 
 int64_t blend_plan_samples(const Recipe& r) {
   const int64_t G = global_batch_samples(r);
-  int64_t total = checked_mul(r.training.steps, G, "training.steps x global batch (samples of the run)");
+  const int64_t run = checked_mul(r.training.steps, G, "training.steps x global batch (samples of the run)");
+  int64_t total = run, skipped = 0;
   const auto& a = r.training.anomaly;
-  if (a.enabled && a.rollback_after > 0 && a.rollback_window > 0) {
+  const bool rollbacks = a.enabled && a.rollback_after > 0 && a.rollback_window > 0;
+  if (rollbacks) {
     // Each rollback skips skip_samples, or by default the samples consumed since the checkpoint
     // (at most the run's); max_rollbacks of them before the run stops.
     const int64_t per = a.skip_samples >= 0 ? a.skip_samples : total;
-    total = checked_add(total, checked_mul(a.max_rollbacks, per, "training.anomaly.max_rollbacks x skipped samples"),
-                        "blend plan samples");
+    skipped = checked_mul(a.max_rollbacks, per, "training.anomaly.max_rollbacks x skipped samples");
+    total = checked_add(total, skipped, "blend plan samples");
   }
+  // The plan is held in memory whole (and written to its cache file): refused with its size and
+  // the keys that make it, never left to a generic out-of-memory after minutes of planning.
+  const MachineMemory mm = machine_memory();
+  const int64_t cap = mm.bytes > 0 ? mm.bytes / 2 : int64_t{1} << 40;
+  const int64_t per_sample = kBlendPlanBytesPerSample;
+  if (total > cap / per_sample)
+    throw_error(
+        "{}: data.blend: the blend plan of {} samples needs {} ({} bytes a sample, in memory and in its cache file), "
+        "more than half of {} ({}): training.steps {} x global batch {} (training.micro_batch_size x grad_accum_steps "
+        "x parallel.data) = {} samples{}. Lower training.steps{}",
+        r.source, total,
+        format_bytes(total > std::numeric_limits<int64_t>::max() / per_sample ? std::numeric_limits<int64_t>::max()
+                                                                              : total * per_sample),
+        per_sample, mm.bytes > 0 ? mm.source : std::string("the 1 TiB limit used when the memory is unknown"),
+        format_bytes(mm.bytes > 0 ? mm.bytes : int64_t{1} << 40), r.training.steps, G, run,
+        rollbacks ? fmt::format(
+                        " + training.anomaly.max_rollbacks {} x training.anomaly.skip_samples {} = {} samples "
+                        "that rollbacks may skip",
+                        a.max_rollbacks,
+                        a.skip_samples >= 0 ? fmt::format("{}", a.skip_samples) : fmt::format("-1 (the run's {})", run),
+                        skipped)
+                  : std::string(),
+        rollbacks ? " or training.anomaly.skip_samples / max_rollbacks" : "");
   return total;
+}
+
+DocumentOptions recipe_documents(const Recipe& r, const tok::Tokenizer* tokenizer) {
+  DocumentOptions o;
+  o.document_attention = parse_attention_mode(r.data.attention) == AttentionMode::Document;
+  o.reset_positions = r.data.reset_position_ids;
+  o.mask_loss = r.data.mask_loss_after_eod;
+  if (!o.any()) return o;
+  int64_t eod = r.data.eod_token;
+  if (eod < 0 && tokenizer != nullptr && tokenizer->eos_id()) eod = *tokenizer->eos_id();
+  LATHE_CHECK(eod >= 0 && eod < r.model.vocab_size,
+              "{}: data.eod_token is needed by data.attention: document, data.reset_position_ids and "
+              "data.mask_loss_after_eod, and {} — set data.eod_token to the id that ends each document (the one "
+              "`lathe tokenize --append-eos` appended)",
+              r.source,
+              eod >= 0                   ? fmt::format("{} is outside the vocabulary [0, {})", eod, r.model.vocab_size)
+              : r.data.tokenizer.empty() ? std::string("no data.tokenizer gives an EOS id")
+                                         : fmt::format("data.tokenizer '{}' has no EOS token", r.data.tokenizer));
+  o.eod = static_cast<int32_t>(eod);
+  return o;
 }
 
 optim::OptimConfig optimizer_config(const Recipe& r) {
@@ -317,6 +397,36 @@ void check_resume_state(const CheckpointState& cs, const Recipe& r, int64_t trai
               "{}: field 'optimizer' is {} but the recipe's optimizer.name is '{}': the saved moments belong to "
               "another optimizer (resume with optimizer.name: {}, or start fresh)",
               sp, name, r.optimizer.name, name);
+}
+
+// Step 7 (train/preflight.h): the tokenizer, the EOD settings and their data, training.eval_tasks.
+static void preflight_tokens_and_tasks(const Recipe& r, const PreflightLog& log, Preflight& pf) {
+  if (!r.data.tokenizer.empty()) pf.tokenizer = tok::load_tokenizer(r.data.tokenizer);
+  pf.docs = recipe_documents(r, pf.tokenizer.get());
+  if (pf.docs.mask_loss) {
+    if (pf.train_ds) check_has_targets(*pf.train_ds, "data.train " + r.data.train, pf.docs.eod, r, log);
+    for (size_t i = 0; i < pf.blend_ds.size(); ++i)
+      check_has_targets(*pf.blend_ds[i], fmt::format("data.blend[{}].prefix {}", i, r.data.blend[i].prefix),
+                        pf.docs.eod, r, log);
+    if (pf.valid_ds && pf.valid_ds != pf.train_ds)  // the final validation runs whatever eval_interval says
+      check_has_targets(*pf.valid_ds, "data.valid " + r.data.valid, pf.docs.eod, r, log);
+  }
+  if (pf.docs.any())
+    log.ok(fmt::format("documents: EOD id {} (data.attention {}, reset_position_ids {}, mask_loss_after_eod {})",
+                       pf.docs.eod, r.data.attention, r.data.reset_position_ids, r.data.mask_loss_after_eod));
+  if (r.training.eval_tasks.empty()) return;
+  const ModelConfig& mc = pf.model->config();
+  const int64_t max_t = std::min<int64_t>(r.training.seq_len, mc.max_position_embeddings);
+  try {
+    pf.mc_items = read_mc_tasks(r.training.eval_tasks, pf.tokenizer.get(), mc.vocab_size,
+                                "set data.tokenizer in the recipe, "
+                                "or give token ids");
+    const int64_t longest = check_mc_items_fit(pf.mc_items, max_t, r.training.eval_tasks, "training.seq_len");
+    log.ok(fmt::format("training.eval_tasks {}: {} items, longest ending {} tokens < {} positions scored",
+                       r.training.eval_tasks, pf.mc_items.size(), longest, max_t));
+  } catch (const Error& e) {
+    throw_error("{}: training.eval_tasks: {}", r.source, e.what());
+  }
 }
 
 void resolve_layout(Recipe& r, int64_t world) {
@@ -518,6 +628,13 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
     load_checkpoint(pf.ckpt, *pf.model, nullptr);
     log.ok(fmt::format("checkpoint {}: step {}, files, tensor table and weights valid", pf.ckpt, pf.cs.step));
   }
+  preflight_tokens_and_tasks(r, log, pf);
+  // A stop request that arrived during the checks: stop before step 1 rather than after it.
+  if (opts.handle_signals && !check_only && g_stop_request.load() != 0)
+    throw Interrupted(fmt::format("received {} during startup: stopped before step 1 (nothing trained, no checkpoint "
+                                  "written); run the same command again to start",
+                                  g_stop_request.load() == SIGTERM ? "SIGTERM" : "SIGINT"),
+                      kExitStopped);
   return pf;
 }
 

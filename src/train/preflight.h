@@ -20,6 +20,13 @@
 //   6. the model: built from the recipe (dimensions; the memory check of build_model), or loaded
 //      from model.init_from (the strict HF loader: every tensor name, shape and dtype), or with a
 //      checkpoint its tensor table matched and its weights and moments loaded (finite values).
+//   7. data.tokenizer loaded; the EOD id that data.attention: document, reset_position_ids and
+//      mask_loss_after_eod need (data.eod_token or the tokenizer's EOS); with mask_loss_after_eod,
+//      that each training / validation dataset has targets (not every token the EOD id);
+//      training.eval_tasks read and checked (the file, every line, labels, token ids, and every
+//      ending shorter than the positions scored, named by line).
+// A stop request (core/stop.h: SIGINT / SIGTERM to `lathe train`, opts.handle_signals) during the
+// blend planning throws lathe::Interrupted (exit 75, nothing written).
 // Train continues from the returned state (model, optimizer, datasets, checkpoint); check prints
 // each line passed to `ok` and discards the rest.
 #pragma once
@@ -29,13 +36,17 @@
 #include <vector>
 
 #include "config/recipe.h"
+#include "core/stop.h"
 #include "data/blend.h"
 #include "data/indexed_dataset.h"
+#include "models/documents.h"
 #include "models/model.h"
 #include "optim/loss_scaler.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
+#include "tokenizer/tokenizer.h"
 #include "train/checkpoint.h"
+#include "train/eval_tasks.h"
 #include "train/trainer.h"
 
 namespace lathe {
@@ -54,6 +65,10 @@ struct Preflight {
   // model's table only (no parameters); the ranks initialise or read their own shares.
   bool table_only = false;
   std::string init_report;  // load report of model.init_from ("" otherwise)
+  // Step 7: data.tokenizer (null when unset), the EOD settings and training.eval_tasks' items.
+  std::unique_ptr<tok::Tokenizer> tokenizer;
+  DocumentOptions docs;
+  std::vector<McItem> mc_items;
 };
 
 struct PreflightLog {
@@ -63,8 +78,16 @@ struct PreflightLog {
 
 // Samples the blend plan of a data.blend run holds: training.steps x global batch, plus what anomaly
 // rollbacks (training.anomaly) may skip: the plan is a prefix-stable sequence, so a longer plan
-// hands out the same samples first.
+// hands out the same samples first. Refused (naming the plan's size, the memory and the keys
+// training.steps, the batch and training.anomaly.skip_samples / max_rollbacks) when the plan
+// (12 bytes a sample, in memory and in its cache file) would take more than half this machine's
+// memory (models/memory.h machine_memory; 1 TiB when unknown).
 int64_t blend_plan_samples(const Recipe& r);
+constexpr int64_t kBlendPlanBytesPerSample = 12;  // u32 dataset + i64 sample (data/blend_cache.h)
+
+// data.attention: document / reset_position_ids / mask_loss_after_eod with their EOD id:
+// data.eod_token, or the tokenizer's EOS id; refused naming data.eod_token when neither gives one.
+DocumentOptions recipe_documents(const Recipe& r, const tok::Tokenizer* tokenizer);
 // The recipe's optimizer and schedule sections in optim's terms.
 optim::OptimConfig optimizer_config(const Recipe& r);
 optim::ScheduleConfig schedule_config(const Recipe& r);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <thread>
 
@@ -145,7 +146,12 @@ StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
       // optimizer update (one pass less over the gradients; bit-identical to scaling them first).
       // AdamW/LAMB's bias correction counts the updates applied, not skipped steps (as torch.optim
       // under GradScaler, whose skipped steps do not advance the optimizer's step).
-      const float coef = optim::clip_coefficient(st.norm, p.grad_clip) * static_cast<float>(1.0 / st.loss_scale);
+      const float unscale = static_cast<float>(1.0 / st.loss_scale);
+      LATHE_CHECK(std::isfinite(unscale) && unscale > 0,
+                  "step {}: the loss scale {} has no finite float reciprocal (1 / scale = {}); the update would turn "
+                  "the weights into NaN: keep precision.loss_scale in [2^-100, 2^100]",
+                  step + 1, st.loss_scale, unscale);
+      const float coef = optim::clip_coefficient(st.norm, p.grad_clip) * unscale;
       const int64_t updates = step + 1 - skipped_before - p.anomaly.state().skipped_updates;
       if (p.dev)
         p.dev->step(st.lr, updates, coef);

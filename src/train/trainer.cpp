@@ -61,7 +61,7 @@ namespace {
 
 // SIGTERM/SIGINT: the first one sets the flag (checked at step boundaries) and restores the
 // default action, so a second one terminates the process as usual.
-std::atomic<int> g_stop_signal{0};
+std::atomic<int>& g_stop_signal = g_stop_request;  // core/stop.h: polled by blend planning too
 extern "C" void on_stop_signal(int sig) {
   g_stop_signal.store(sig);
   std::signal(sig, SIG_DFL);

@@ -105,6 +105,28 @@ for key, model in (("model.layer_norm_epsilon", "gpt2-debug"), ("model.initializ
     with cases.case(f"{key} = 1e999 (+inf)"):
         check([base, "--set", f"model.preset={model}", "--set", f"{key}=1e999"], [key.split(".")[-1], "finite"])
 
+# ------------------------------------------------- numeric bounds that passed check (issue 23 S1, S2, S8)
+with cases.case("loss scale below float range (1 / scale = inf: NaN weights, exit 0)"):
+    ls = ["--set", "precision.loss_scale.enabled=true"]
+    check([base] + ls + ["--set", "precision.loss_scale.initial=1e-39", "--set", "precision.loss_scale.min=1e-40"],
+          ["precision.loss_scale.initial", "1e-39", "2^-100"])
+    check([base] + ls + ["--set", "precision.loss_scale.min=1e-40"], ["precision.loss_scale.min", "1e-40", "2^-100"])
+    check([base, "--set", "precision.compute=fp16", "--set", "precision.loss_scale.initial=1e-300",
+           "--set", "precision.loss_scale.min=1e-320"], ["precision.loss_scale.initial", "2^-100"])
+    check([base] + ls + ["--set", "precision.loss_scale.initial=7.9e-31", "--set", "precision.loss_scale.min=7.9e-31"],
+          ["lathe train", "can start"], rc=0, stream="stdout")  # 2^-100 itself is allowed
+
+with cases.case("anomaly warmup_steps 0 and min_rel_std 0 (z ~ 1e12: every step skipped)"):
+    an = ["--set", "training.anomaly.enabled=true"]
+    check([base] + an + ["--set", "training.anomaly.warmup_steps=0"], ["training.anomaly.warmup_steps", "0 must be >= 1"])
+    check([base] + an + ["--set", "training.anomaly.min_rel_std=0"], ["training.anomaly.min_rel_std", "0 must be in"])
+
+with cases.case("parallel.timeout_s 1e-300 (the watchdog aborts the first all-reduce)"):
+    check([base, "--set", "parallel.timeout_s=1e-300"], ["parallel.timeout_s", "1e-300", "must be 0 (no watchdog) or in"])
+    check([base, "--set", "parallel.timeout_s=0.5"], ["parallel.timeout_s", "0.5"])
+    check([base, "--set", "parallel.timeout_s=1e300"], ["parallel.timeout_s", "1e+300"])
+    check([base, "--set", "parallel.timeout_s=0"], ["can start"], rc=0, stream="stdout")
+
 # ------------------------------------------------------------------------- integer bounds, overflow
 with cases.case("grad_accum_steps 10^12 (a step that never finishes)"):
     check([base, "--set", "training.grad_accum_steps=1000000000000"],

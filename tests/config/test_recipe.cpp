@@ -484,7 +484,8 @@ TEST(Recipe, PrecisionErrorsNameKeyAndValue) {
   expect_error(kGood + std::string("precision: bf16\n"), {"precision", "expected a mapping"});
   expect_error(kGood, {"precision.loss_scale.enabled", "expected true or false", "yes please"},
                {"precision.loss_scale.enabled=yes please"});
-  expect_error(kGood, {"precision.loss_scale.initial", "0", "must be > 0"}, {"precision.loss_scale.initial=0"});
+  expect_error(kGood, {"precision.loss_scale.initial", "0", "must be in [2^-100, 2^100]"},
+               {"precision.loss_scale.initial=0"});
   expect_error(kGood, {"precision.loss_scale.initial", "1e+200"}, {"precision.loss_scale.initial=1e200"});
   expect_error(kGood, {"precision.loss_scale.initial", "not a finite"}, {"precision.loss_scale.initial=1e999"});
   expect_error(kGood, {"precision.loss_scale.growth_interval", "0"}, {"precision.loss_scale.growth_interval=0"});

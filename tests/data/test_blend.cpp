@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/stop.h"
 #include "data/blend.h"
 
 namespace lathe::data {
@@ -57,7 +58,8 @@ TEST(Blend, SharesFollowTheWeightsAtEveryPrefix) {
   for (int64_t k = 0; k < N; ++k)
     if (p.dataset[static_cast<size_t>(k)] == 2) books.push_back(p.sample[static_cast<size_t>(k)]);
   for (size_t e = 0; e + 100 <= books.size(); e += 100) {
-    std::set<int64_t> epoch(books.begin() + static_cast<std::ptrdiff_t>(e), books.begin() + static_cast<std::ptrdiff_t>(e + 100));
+    std::set<int64_t> epoch(books.begin() + static_cast<std::ptrdiff_t>(e),
+                            books.begin() + static_cast<std::ptrdiff_t>(e + 100));
     EXPECT_EQ(epoch.size(), 100u) << "epoch " << e / 100;
   }
   EXPECT_NE(std::vector<int64_t>(books.begin(), books.begin() + 100),
@@ -120,6 +122,33 @@ TEST(Blend, ErrorsNameTheDataset) {
   EXPECT_NE(cap.find("data/books"), std::string::npos) << cap;
   EXPECT_NE(cap.find("5.00 epochs"), std::string::npos) << cap;
   EXPECT_EQ(err({{"data/web", 1, 1000}, {"data/books", 1, 10, 5.0}}, 100), "");  // exactly at the cap
+}
+
+TEST(Blend, HugeWeightsDoNotOverflowTheirSum) {
+  // Issue 23 S5: 1e308 + 1e308 = inf made every due time inf: one dataset took every sample.
+  std::vector<BlendSource> s = {{"a", 1e308, 100}, {"b", 1e308, 100}, {"c", 0.5e308, 100}};
+  const BlendPlan p = plan_blend(s, 1000, 3);
+  EXPECT_EQ(p.taken, (std::vector<int64_t>{400, 400, 200}));
+  const std::vector<double> share = blend_shares(s);
+  EXPECT_DOUBLE_EQ(share[0], 0.4);
+  EXPECT_DOUBLE_EQ(share[2], 0.2);
+  // Finite sums keep the plan of earlier versions exactly: the same as weights 2, 2, 1.
+  std::vector<BlendSource> small = {{"a", 2, 100}, {"b", 2, 100}, {"c", 1, 100}};
+  EXPECT_EQ(plan_blend(small, 1000, 3).dataset, p.dataset);
+}
+
+TEST(Blend, StopRequestInterruptsPlanning) {
+  // Issue 23 H3: a SIGINT during planning (the stop function) ends it with lathe::Interrupted.
+  std::vector<BlendSource> s = {{"a", 1, 100}, {"b", 1, 100}};
+  int polls = 0;
+  try {
+    plan_blend(s, int64_t{1} << 22, 1, [&] { return ++polls >= 2; });
+    ADD_FAILURE() << "planning ignored the stop request";
+  } catch (const Interrupted& e) {
+    EXPECT_EQ(e.exit_code(), 75);
+    EXPECT_NE(std::string(e.what()).find("planning stopped by a signal"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(polls, 2);
 }
 
 TEST(Blend, AThousandDatasetsPlanFast) {

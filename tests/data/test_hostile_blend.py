@@ -143,6 +143,78 @@ with cases.case("document attention: a blended prefix without the EOD id is name
     check("eod_vocab", [{"prefix": eod_web, "weight": 1}], ["data.eod_token", "256"],
           data_extra={"attention": "document", "eod_token": 256, "tokenizer": "byte"})
 
+# ------------------------------------------------------------------------------ issue 23 (hostile pass 2026-12-01)
+with cases.case("S5: weights 1e308 + 1e308 overflow their sum: both datasets keep their 50% share"):
+    r = recipe("huge_w", [{"prefix": WEB, "weight": 1e308}, {"prefix": CODE, "weight": 1e308}])
+    p = run_lathe(["check", r], rc=0, stream="stdout", must=["(50.00%)"])
+    assert p.stdout.decode().count("(50.00%)") == 4, p.stdout.decode()  # asked and planned, per dataset
+    p = run_lathe(["data", "blend-plan", r], rc=0, stream="stdout")
+    assert p.stdout.decode().count(" 50.000% ") == 2, p.stdout.decode()  # observed
+
+with cases.case("S12: one dataset named twice (data/a, ./data/a, data//a) is refused naming both entries"):
+    d, b = os.path.split(WEB)
+    for other in (os.path.join(d, ".", b), d + "//" + b, os.path.join(d, "..", os.path.basename(d), b)):
+        check("dup", [{"prefix": WEB, "weight": 1}, {"prefix": CODE, "weight": 1}, {"prefix": other, "weight": 2}],
+              ["data.blend[2].prefix " + other, "same dataset as data.blend[0].prefix " + WEB, "merge"])
+    link = cases.path("data", "weblink")
+    for ext in (".bin", ".idx"):
+        os.symlink(WEB + ext, link + ext)
+    check("duplink", [{"prefix": WEB, "weight": 1}, {"prefix": link, "weight": 1}],
+          ["data.blend[1].prefix " + link, "data.blend[0].prefix " + WEB])
+
+
+def cache_files(name):
+    d = cases.path("runs", name, "data_cache")
+    return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
+
+with cases.case("S4: a directory at the blend-cache path: check refuses as train does, before planning"):
+    r = recipe("cachedir", good())
+    run_lathe(["train", r, "--quiet"], rc=0, timeout=120)
+    [plan] = cache_files("cachedir")
+    f = cases.path("runs", "cachedir", "data_cache", plan)
+    os.remove(f)
+    os.makedirs(os.path.join(f, "inside"))
+    for cmd in ("check", "train"):
+        run_lathe([cmd, r], rc=1, timeout=120, must=[plan, "is a directory", "remove it"])
+    data_cache = cases.path("runs", "cachedir2", "data_cache")
+    os.makedirs(os.path.dirname(data_cache), exist_ok=True)
+    open(data_cache, "w").write("x")  # data_cache itself a file
+    run_lathe(["check", recipe("cachedir2", good())], rc=1, must=["data_cache", "not a directory"])
+
+with cases.case("H2/U3: a blend plan beyond memory is refused naming its size and the keys, never a generic OOM"):
+    rb = {"enabled": True, "rollback_after": 2, "skip_samples": 10 ** 12}
+    r = recipe("huge_skip", good(), training_extra={"anomaly": rb})
+    text = json.loads(open(r).read())
+    text["output"]["checkpoint_every"] = 2
+    open(r, "w").write(json.dumps(text))
+    for cmd in (["check", r], ["train", r], ["data", "blend-plan", r]):
+        run_lathe(cmd, rc=1, timeout=60, must=["blend plan", "training.anomaly.skip_samples 1000000000000",
+                                               "training.anomaly.max_rollbacks"], must_not=["out of memory"])
+    # 2 x 10^12 samples (24 TB): beyond any machine (the cap is half its memory, 1 TiB when unknown).
+    r = recipe("huge_steps", good(), training_extra={"steps": 10 ** 12})
+    for cmd in (["check", r], ["data", "blend-plan", r]):
+        run_lathe(cmd, rc=1, timeout=60, must=["blend plan of 2000000000000 samples", "training.steps 1000000000000"],
+                  must_not=["out of memory"])
+
+with cases.case("D6: stale blend-plan temporaries of dead writers are removed, live and foreign files kept"):
+    r = recipe("stale", good())
+    run_lathe(["train", r, "--quiet"], rc=0, timeout=120)
+    [plan] = cache_files("stale")
+    h = "0123456789abcdef"
+    stale = [f"blend-{h}.bin.tmp", f"blend-{h}.bin.999999999.tmp", f"blend-{h}.bin.999999999", "blend-fedcba9876543210.bin"]
+    keep = [f"blend-{h}.bin.{os.getpid()}.tmp", "notes.txt", "blend-x.bin.tmp", f"blend-{h}.bin.12ab.tmp"]
+    for n in stale + keep:
+        open(cases.path("runs", "stale", "data_cache", n), "w").write("x")
+    run_lathe(["train", r, "--quiet"], rc=0, timeout=120)  # reuses the plan, cleans the directory
+    assert cache_files("stale") == sorted([plan] + keep), cache_files("stale")
+    for n in keep[1:]:
+        os.remove(cases.path("runs", "stale", "data_cache", n))
+    os.remove(cases.path("runs", "stale", "data_cache", plan))
+    run_lathe(["train", r, "--quiet"], rc=0, timeout=120)  # rebuilds: written under a PID name, renamed
+    assert cache_files("stale") == sorted([plan, keep[0]]), cache_files("stale")
+
+
 
 def reseal_state(ckpt, edit):
     """Edits the text of state.json's body (edit: str -> str) and recomputes body_xxh64 with the

@@ -203,6 +203,14 @@ TEST(LossScaler, ValidateNamesTheField) {
   c = {};
   c.min = 2 * c.initial;
   expect(c, "precision.loss_scale.min");
+  // Below 2^-100 the unscaling factor 1 / scale is no finite float (issue 23 S1: NaN weights).
+  c = {};
+  c.initial = 1e-39;
+  c.min = 1e-40;
+  expect(c, "precision.loss_scale.initial");
+  c = {};
+  c.min = 1e-40;
+  expect(c, "precision.loss_scale.min");
   c = {};
   c.max_skipped_steps = -1;
   expect(c, "training.max_skipped_steps");

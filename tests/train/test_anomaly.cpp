@@ -287,3 +287,15 @@ TEST(AnomalyPolicy, StateThroughStateJson) {
   hb["anomalies"] = -2;
   EXPECT_NE(error_of({{"health", hb}}).find("'health.anomalies'"), std::string::npos);
 }
+
+TEST(AnomalyPolicy, NoStatisticsNoSpikes) {
+  // Issue 23 S2: with warmup_steps 0 (refused by the recipe since) the first step was compared with
+  // empty statistics (deviation 0, floored at 1e-12): z ~ 1e12, every step skipped. A policy never
+  // detects before it has observed a step.
+  AnomalyConfig c = on();
+  c.warmup_steps = 0;
+  AnomalyPolicy p(c);
+  const AnomalyDecision d = p.observe(1, loss_at(1), norm_at(1), false, false);
+  EXPECT_FALSE(d.anomaly) << d.reason << " z " << d.loss_z;
+  EXPECT_FALSE(d.skip);
+}

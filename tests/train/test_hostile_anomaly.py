@@ -26,7 +26,7 @@ BAD = [
     ("training.anomaly.loss_z_threshold=-3", ["training.anomaly.loss_z_threshold", "-3 must be >= 0"]),
     ("training.anomaly.grad_norm_z_threshold=.nan", ["training.anomaly.grad_norm_z_threshold", "expected a number"]),
     ("training.anomaly.min_rel_std=1e999", ["training.anomaly.min_rel_std", "not a finite number"]),
-    ("training.anomaly.warmup_steps=-1", ["training.anomaly.warmup_steps", "-1 must be >= 0"]),
+    ("training.anomaly.warmup_steps=-1", ["training.anomaly.warmup_steps", "-1 must be >= 1"]),
     ("training.anomaly.lr_steps=abc", ["training.anomaly.lr_steps", "expected an integer, got 'abc'"]),
     ("training.anomaly.rollback_window=0", ["training.anomaly.rollback_window", "0 must be >= 1"]),
     ("training.anomaly.skip_samples=-2", ["training.anomaly.skip_samples", "-2 must be >= -1"]),
