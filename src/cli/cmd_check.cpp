@@ -14,6 +14,7 @@
 #include "cli/command.h"
 #include "config/recipe.h"
 #include "train/preflight.h"
+#include "train/run_dir.h"
 
 namespace {
 
@@ -26,6 +27,8 @@ int run_check(int argc, char** argv) {
   app.add_option("--set", sets, "override a recipe value (repeatable)");
   app.add_option("--resume", opts.resume, "check resuming as `lathe train --resume` would: 'auto' or a checkpoint");
   app.add_flag("--force-resume-changes", opts.force_resume_changes, "as for `lathe train`");
+  app.add_flag("--overwrite", opts.overwrite, "check as `lathe train --overwrite` would (an old run in output.dir is "
+                                              "moved aside)");
   int64_t world = 1;
   app.add_option("--world", world, "check for a job of this many processes (mpirun -np N): degrees, global batch, "
                                    "memory per rank")
@@ -46,6 +49,14 @@ int run_check(int argc, char** argv) {
     std::fflush(stdout);
   };
   lathe::preflight(r, opts, lathe::PreflightLog{ok, note}, /*check_only=*/true);
+  // The run-directory check `lathe train` makes right after preflight (train/run_dir.h).
+  if (!opts.overwrite) {
+    const std::string refusal = lathe::run_dir_refusal(r, opts.resume.empty() ? r.training.resume : opts.resume);
+    if (!refusal.empty()) lathe::throw_error("{}", refusal);
+    ok(fmt::format("output.dir {} holds no other run", r.output.dir));
+  } else {
+    note(fmt::format("--overwrite: a run in output.dir {} would be moved aside", r.output.dir));
+  }
   fmt::print("ok   lathe train {} can start\n", path);
   return 0;
 }

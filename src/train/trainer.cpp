@@ -59,6 +59,16 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// A validation pass whose evaluated tokens are all masked (mask_loss_after_eod) has no loss: the
+// record carries val_tokens 0 and no val_loss, the log says why, instead of a loss of 0.0000.
+constexpr const char* kNoValidationTargets =
+    "no target tokens in the evaluated batches (every token follows an EOD under data.mask_loss_after_eod)";
+nlohmann::json validation_record(int64_t step, double loss, int64_t tokens) {
+  nlohmann::json j = {{"step", step}, {"val_tokens", tokens}};
+  if (tokens) j["val_loss"] = loss;
+  return j;
+}
+
 // SIGTERM/SIGINT: the first one sets the flag (checked at step boundaries) and restores the
 // default action, so a second one terminates the process as usual.
 std::atomic<int>& g_stop_signal = g_stop_request;  // core/stop.h: polled by blend planning too
@@ -922,8 +932,9 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     if (!eval_subset.empty() && r.training.eval_interval > 0 && (step + 1) % r.training.eval_interval == 0 && !last) {
       trace::Scope span("validation", trace::Cat::Eval, step + 1);
       auto [vl, vt] = evaluate(eval_subset);
-      write_metrics({{"step", step + 1}, {"val_loss", vl}, {"val_tokens", vt}});
-      log(fmt::format("step {:>6}/{} | validation loss {:.4f} ({} tokens)", step + 1, r.training.steps, vl, vt));
+      write_metrics(validation_record(step + 1, vl, vt));
+      log(vt ? fmt::format("step {:>6}/{} | validation loss {:.4f} ({} tokens)", step + 1, r.training.steps, vl, vt)
+             : fmt::format("step {:>6}/{} | validation: {}", step + 1, r.training.steps, kNoValidationTargets));
     }
     if (!mc_items.empty() && tasks_interval > 0 && (step + 1) % tasks_interval == 0 && !last) score_tasks(step + 1);
     if (r.output.save_every > 0 && (step + 1) % r.output.save_every == 0 && !last) {
@@ -968,8 +979,9 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
                                    valid_samples.begin() + std::min<int64_t>(valid_samples.size(), 256 * B));
     auto [vl, vt] = evaluate(final_set);
     result.final_val_loss = vl;
-    write_metrics({{"step", r.training.steps}, {"val_loss", vl}, {"val_tokens", vt}});
-    log(fmt::format("final validation loss {:.4f} over {} tokens", vl, vt));
+    write_metrics(validation_record(r.training.steps, vl, vt));
+    log(vt ? fmt::format("final validation loss {:.4f} over {} tokens", vl, vt)
+           : fmt::format("final validation: {}", kNoValidationTargets));
   }
   if (!mc_items.empty()) score_tasks(r.training.steps);
   result.model_dir = (fs::path(r.output.dir) / "model").string();

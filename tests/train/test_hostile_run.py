@@ -97,6 +97,13 @@ with cases.case("D1: a new run into a directory that holds a run is refused, the
     if snapshot(out) != before:
         raise Failure("the refused run changed the old run's files")
 
+with cases.case("D1: lathe check refuses what train refuses (the same message), and passes --resume auto / --overwrite"):
+    run_lathe(["check", rec], rc=1, must=[f"{out}: output.dir already holds a training run", "--overwrite"])
+    run_lathe(["check", rec, "--resume", "auto"], rc=0, stream="stdout", must=["can start"])
+    run_lathe(["check", rec, "--overwrite"], rc=0, stream="stdout", must=["would be moved aside", "can start"])
+    if snapshot(out) != before:
+        raise Failure("lathe check changed the old run's files")
+
 with cases.case("D1: a resume from a checkpoint elsewhere into a directory that holds a run is refused"):
     rec2, out2 = recipe("other")
     run_lathe(["train", rec2, "--quiet", "--stop-after", "2"], rc=0, timeout=120)
