@@ -486,6 +486,44 @@ TEST(MatmulBf16, Fp32PathMatchesOneDnn) {
   }
 }
 
+// "+=" adds the old value after the GEMM, as oneDNN's sum post-op does (dst = fp32(gemm + dst)):
+// the result is bit for bit the GEMM from zero plus the old value, one rounding per element. A
+// gradient accumulated in two parts (the tied wte: lm head here, embedding there; split over
+// pipeline stages and summed by a collective) then has the same bits wherever the parts are
+// computed. Long reductions (1024: several K blocks of a blocked GEMM, which a beta = 1 sgemm
+// would add into the old value one block at a time), on every path this process has.
+TEST(MatmulBf16, AccumulateAddsAfterTheGemm) {
+  std::vector<cpu::Bf16Gemm> paths{cpu::Bf16Gemm::Fp32};
+  if (cpu::bf16_gemm_process_path() == cpu::Bf16Gemm::OneDnn) paths.push_back(cpu::Bf16Gemm::OneDnn);
+  Rng rng(31);
+  const int64_t M = 1024, K = 1024, N = 48;
+  Mat x(M * K, rng, 1.0f), w(N * K, rng, 0.05f), g(M * N, rng, 1.0f), b(N, rng, 1.0f);
+  std::vector<float> old_out(M * N), old_dx(M * K), old_dw(N * K);
+  for (auto* v : {&old_out, &old_dx, &old_dw})
+    for (auto& e : *v) e = rng.normal() * 3.0f;
+  for (cpu::Bf16Gemm path : paths) {
+    SCOPED_TRACE(cpu::bf16_gemm_name(path));
+    cpu::bf16_gemm_force_for_thread(path);
+    std::vector<float> zero_out(M * N), acc_out = old_out;
+    cpu::matmul_forward_bf16(zero_out.data(), x.h.data(), w.h.data(), b.f.data(), M, K, N);
+    cpu::matmul_forward_bf16(acc_out.data(), x.h.data(), w.h.data(), b.f.data(), M, K, N, true);
+    std::vector<float> zero_dx(M * K), acc_dx = old_dx, zero_dw(N * K, 0.0f), acc_dw = old_dw;
+    cpu::matmul_backward_bf16(zero_dx.data(), zero_dw.data(), nullptr, g.h.data(), x.h.data(), w.h.data(), M, K, N);
+    cpu::matmul_backward_bf16(acc_dx.data(), acc_dw.data(), nullptr, g.h.data(), x.h.data(), w.h.data(), M, K, N,
+                              true);
+    cpu::bf16_gemm_force_for_thread(std::nullopt);
+    int bad = 0;
+    for (size_t i = 0; i < acc_out.size(); ++i) bad += bits(acc_out[i]) != bits(zero_out[i] + old_out[i]);
+    EXPECT_EQ(bad, 0) << "forward +=: elements that are not fp32(gemm + bias) + old";
+    bad = 0;
+    for (size_t i = 0; i < acc_dx.size(); ++i) bad += bits(acc_dx[i]) != bits(zero_dx[i] + old_dx[i]);
+    EXPECT_EQ(bad, 0) << "dinp +=: elements that are not gemm + old";
+    bad = 0;
+    for (size_t i = 0; i < acc_dw.size(); ++i) bad += bits(acc_dw[i]) != bits(zero_dw[i] + old_dw[i]);
+    EXPECT_EQ(bad, 0) << "dweight +=: elements that are not gemm + old";
+  }
+}
+
 // The start line names the instruction set and the path; where the path is not native it says
 // that bf16 is not faster than fp32. Run again with DNNL_MAX_CPU_ISA=AVX2 and LATHE_CPU_ISA=avx2
 // (CTest's avx2_ registration, tests/CMakeLists.txt), the process must take the fp32 path.

@@ -47,6 +47,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "kernels/cpu/col_sums.h"
+#include "kernels/cpu/half.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/ops_bf16.h"
@@ -303,18 +304,39 @@ const float* widened(int slot, const uint16_t* src, int64_t n) {
   return dst;
 }
 
+// dst = r (+ bias per column) (+ dst when accumulating), or the bf16 of r (+ bias): oneDNN's order
+// (the GEMM's fp32 sum, then the bias, then the sum post-op's dst), one fp32 rounding each. The
+// old dst is added after the GEMM, never fed into its K loop (as a beta = 1 sgemm would), so a
+// gradient accumulated in two parts gets the bits of the two parts summed (tied weights across
+// pipeline stages give the bits of one process, as on the oneDNN path).
+template <typename T>
+void epilogue(T* dst, const float* r, const float* bias, int64_t rows, int64_t cols, bool accumulate) {
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* __restrict ri = r + i * cols;
+    T* __restrict di = dst + i * cols;
+    for (int64_t j = 0; j < cols; ++j) {
+      const float v = bias ? ri[j] + bias[j] : ri[j];
+      if constexpr (std::is_same_v<T, float>) {
+        di[j] = accumulate ? v + di[j] : v;
+      } else {
+        di[j] = Bf16::st(v);
+      }
+    }
+  }
+}
+
 template <typename T>
 void forward_fp32(T* out, const uint16_t* inp, const uint16_t* weight, const float* bias, int64_t M, int64_t K,
                   int64_t N, bool accumulate) {
   const float* x = widened(0, inp, M * K);
   const float* w = widened(1, weight, N * K);
   if constexpr (std::is_same_v<T, float>) {
-    matmul_forward(out, x, w, bias, M, K, N, accumulate);
-  } else {
-    float* o = scratch(2, M * N);
-    matmul_forward(o, x, w, bias, M, K, N, false);
-    convert_fp32_to_bf16(out, o, M * N);
+    if (bias == nullptr && !accumulate) return matmul_forward(out, x, w, nullptr, M, K, N, false);
   }
+  float* o = scratch(2, M * N);
+  matmul_forward(o, x, w, nullptr, M, K, N, false);
+  epilogue(out, o, bias, M, N, accumulate);
 }
 
 // dinp and dweight of matmul_backward_bf16 (dbias is summed from the bf16 dout by the caller,
@@ -325,17 +347,20 @@ void backward_fp32(T* dinp, float* dweight, const uint16_t* dout, const uint16_t
   const float* g = widened(0, dout, M * N);
   if (dinp != nullptr) {
     const float* w = widened(1, weight, N * K);
-    if constexpr (std::is_same_v<T, float>) {
-      matmul_backward(dinp, nullptr, nullptr, g, nullptr, w, M, K, N, accumulate_dinp);
-    } else {
-      float* d = scratch(2, M * K);
-      matmul_backward(d, nullptr, nullptr, g, nullptr, w, M, K, N, false);
-      convert_fp32_to_bf16(dinp, d, M * K);
-    }
+    float* d = nullptr;  // "=" into an fp32 dinp directly, else through scratch and the epilogue
+    if constexpr (std::is_same_v<T, float>) d = accumulate_dinp ? nullptr : dinp;
+    const bool direct = d != nullptr;
+    if (!direct) d = scratch(2, M * K);
+    matmul_backward(d, nullptr, nullptr, g, nullptr, w, M, K, N, false);
+    if (!direct) epilogue(dinp, d, nullptr, M, K, accumulate_dinp);
   }
   if (dweight != nullptr) {
     const float* x = widened(1, inp, M * K);
-    matmul_backward(nullptr, dweight, nullptr, g, x, nullptr, M, K, N, false);
+    float* d = scratch(3, N * K);  // matmul_backward adds into dweight: from zero, the GEMM alone
+#pragma omp parallel for schedule(static) if (N * K >= kParallelMin)
+    for (int64_t i = 0; i < N; ++i) std::memset(d + i * K, 0, sizeof(float) * K);
+    matmul_backward(nullptr, d, nullptr, g, x, nullptr, M, K, N, false);
+    epilogue(dweight, d, nullptr, N, K, true);
   }
 }
 
