@@ -21,12 +21,18 @@ std::string lower(std::string s) {
 // one oneDNN ignores as well (it then runs at the CPU's level), so it caps nothing here either.
 bool dnnl_cap(const std::string& v, Isa& out) {
   const std::string s = lower(v);
-  if (s == "sse41" || s == "avx") out = Isa::Baseline;
-  else if (s == "avx2" || s == "avx2_vnni" || s == "avx2_vnni_2") out = Isa::Avx2;
-  else if (s == "avx512_core" || s == "avx512_core_vnni") out = Isa::Avx512;
-  else if (s == "avx512_core_bf16" || s == "avx512_core_fp16") out = Isa::Avx512Bf16;
-  else if (s == "avx512_core_amx" || s == "avx512_core_amx_fp16" || s == "all") out = Isa::Amx;
-  else return false;
+  if (s == "sse41" || s == "avx")
+    out = Isa::Baseline;
+  else if (s == "avx2" || s == "avx2_vnni" || s == "avx2_vnni_2")
+    out = Isa::Avx2;
+  else if (s == "avx512_core" || s == "avx512_core_vnni")
+    out = Isa::Avx512;
+  else if (s == "avx512_core_bf16" || s == "avx512_core_fp16")
+    out = Isa::Avx512Bf16;
+  else if (s == "avx512_core_amx" || s == "avx512_core_amx_fp16" || s == "all")
+    out = Isa::Amx;
+  else
+    return false;
   return true;
 }
 
@@ -42,16 +48,23 @@ Choice decide() {
   if (const char* v = std::getenv("LATHE_CPU_ISA"); v != nullptr && *v != '\0') {
     const std::string s = lower(v);
     Isa cap = Isa::Amx;
-    if (s == "native") cap = Isa::Amx;
-    else if (s == "x86-64" || s == "x86_64" || s == "sse41") cap = Isa::Baseline;
-    else if (s == "avx2") cap = Isa::Avx2;
-    else if (s == "avx512") cap = Isa::Avx512;
-    else if (s == "avx512_bf16") cap = Isa::Avx512Bf16;
-    else if (s == "amx") cap = Isa::Amx;
+    if (s == "native")
+      cap = Isa::Amx;
+    else if (s == "x86-64" || s == "x86_64" || s == "sse41")
+      cap = Isa::Baseline;
+    else if (s == "avx2")
+      cap = Isa::Avx2;
+    else if (s == "avx512")
+      cap = Isa::Avx512;
+    else if (s == "avx512_bf16")
+      cap = Isa::Avx512Bf16;
+    else if (s == "amx")
+      cap = Isa::Amx;
     else
-      throw_error("LATHE_CPU_ISA={}: unknown instruction set; use one of x86-64, avx2, avx512, avx512_bf16, amx, "
-                  "native (or unset it)",
-                  v);
+      throw_error(
+          "LATHE_CPU_ISA={}: unknown instruction set; use one of x86-64, avx2, avx512, avx512_bf16, amx, "
+          "native (or unset it)",
+          v);
     if (cap < c.isa) c.isa = cap, c.reason = std::string("LATHE_CPU_ISA=") + v;
   }
   for (const char* var : {"ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"}) {
