@@ -24,6 +24,8 @@
 #include "data/blend_cache.h"
 #include "io/fs.h"
 #include "io/xxh64.h"
+#include "kernels/cpu/isa.h"
+#include "kernels/cpu/ops_bf16.h"
 #include "models/hf_weights.h"
 #include "models/memory.h"
 #include "optim/clip.h"
@@ -476,6 +478,14 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
                                  {"peak_gflops", peak},
                                  {"peak_source", peak_source},
                                  {"precision", r.precision.compute},
+                                 // The instruction set found and the host bf16 GEMM path
+                                 // (kernels/cpu/ops_bf16.h; fp16 always widens to fp32).
+                                 {"isa", cpu::isa_name(cpu::cpu_isa())},
+                                 {"bf16_gemm", gpu                              ? "device"
+                                               : r.precision.compute == "bf16" ? cpu::bf16_gemm_name(
+                                                                                     cpu::bf16_gemm_process_path())
+                                               : r.precision.compute == "fp16" ? "fp32"
+                                                                               : "none"},
                                  {"parameters", P},
                                  {"started_unix", static_cast<int64_t>(std::time(nullptr))}};
     io::atomic_write_file((fs::path(r.output.dir) / "run_info.json").string(), info.dump(2) + "\n");

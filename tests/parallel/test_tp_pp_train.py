@@ -76,15 +76,22 @@ def main():
 
     # bf16 with full recompute: the messages are bf16 activations. The oracle is TP=2 alone in bf16
     # (a half-width bf16 GEMM rounds differently from the whole one, so TP=2 bf16 is itself ~2% off
-    # one process on the gradient norm by step 5): the pipeline adds nothing but the tied wte's
-    # summation order, so losses are bit-identical and norms within 1e-8 (measured 5e-10).
+    # one process on the gradient norm by step 5): the pipeline adds nothing but float summation
+    # order (the gradient norm's sum over stages, 5e-10 relative; the clip scale from it), so the
+    # fp32 masters differ in their last bits. Where such a difference crosses a bf16 rounding
+    # boundary a weight copy differs by one bf16 rounding (2^-8 relative): from then on the runs
+    # drift apart like two bf16 runs in different summation orders. Losses: within 1e-5 (the
+    # summation-order tolerance above; measured bit-identical over 5 steps on oneDNN's bf16 path,
+    # 1.8e-6 at step 5 on the AVX2 path); gradient norms within 2^-8 (one bf16 rounding of the
+    # weights moves a gradient by at most as much, to first order; measured 1e-4 on the AVX2 path).
     bf_tp = train(2, data, "gpt2", "gpt2_tp2_bf16", precision__compute="bf16", recompute="full",
                   parallel__tensor=2)
     bf = train(4, data, "gpt2", "gpt2_tp2_pp2_bf16", precision__compute="bf16", recompute="full", **TPP)
-    check(len(series(bf, "loss")) == 5 and series(bf, "loss") == series(bf_tp, "loss"),
-          "gpt2 bf16 + full recompute: TP=2 x PP=2 losses bit-identical to TP=2")
+    e = rel(series(bf, "loss"), series(bf_tp, "loss"))
+    check(len(series(bf, "loss")) == 5 and e <= 1e-5,
+          f"gpt2 bf16 + full recompute: TP=2 x PP=2 losses match TP=2 (max rel {e:.2e} <= 1e-5)")
     e = rel(series(bf, "grad_norm"), series(bf_tp, "grad_norm"))
-    check(e <= 1e-8, f"gpt2 bf16 + full recompute: TP=2 x PP=2 gradient norms match TP=2 (max rel {e:.2e} <= 1e-8)")
+    check(e <= 2 ** -8, f"gpt2 bf16 + full recompute: TP=2 x PP=2 gradient norms match TP=2 (max rel {e:.2e} <= 2^-8)")
 
     # DP=2 x TP=2 x PP=2 on 8 ranks with ZeRO 1: 2 micro-batches per replica, the same global batch.
     d8 = train(8, data, "gpt2", "gpt2_dp2_tp2_pp2_zero1", training__grad_accum_steps=2, parallel__zero=1, **TPP)

@@ -23,16 +23,33 @@
 // Determinism: for a fixed primitive (thread count included in the key) oneDNN's brgemm matmul
 // splits work statically and reduces any K split in a fixed order; tests check bit-identical
 // repeats.
+//
+// Two paths, chosen once per process (bf16_gemm_path, issue 22):
+//  * onednn: the above, where oneDNN can create a bf16 matmul (oneDNN 2.6 needs at least
+//    avx512_core for bf16; AVX512-BF16 / AMX run it natively, plain AVX-512 emulates the bf16
+//    dot products inside its kernels);
+//  * fp32: everywhere else (AVX2-only CPUs, oneDNN capped by DNNL_MAX_CPU_ISA, LATHE_CPU_ISA=avx2,
+//    lathe built without oneDNN). Each bf16 operand is widened to fp32 once per call (exact: bf16
+//    is the upper half of an fp32), in parallel, into per-thread scratch grown once and reused;
+//    the fp32 GEMM (cpu::matmul_forward / matmul_backward, the fp32 model's own) computes with fp32
+//    accumulation; a bf16 destination is rounded once (round to nearest even) from the fp32 result
+//    including the bias. Same numerics as the oneDNN path up to the fp32 summation order, same
+//    dst / bias / accumulate semantics; deterministic as the fp32 GEMM is (fixed thread count). It
+//    does the fp32 GEMM's work plus the widening, so bf16 is not faster than fp32 there.
 #include <omp.h>
 
 #include <cstring>
 #include <memory>
 #include <type_traits>
 #include <unordered_map>
+#include <vector>
 
 #include "core/dtype.h"
 #include "core/error.h"
 #include "kernels/cpu/col_sums.h"
+#include "kernels/cpu/half.h"
+#include "kernels/cpu/isa.h"
+#include "kernels/cpu/ops.h"
 #include "kernels/cpu/ops_bf16.h"
 
 #ifdef LATHE_HAVE_DNNL
@@ -231,16 +248,121 @@ Key key(Op op, int64_t M, int64_t K, int64_t N, bool accumulate, bool bias, bool
   return Key{M, K, N, op, accumulate, bias, dst_bf16, omp_get_max_threads()};
 }
 
-#else  // !LATHE_HAVE_DNNL
+#endif  // LATHE_HAVE_DNNL
 
-[[noreturn]] void no_dnnl(const char* fn) {
-  throw_error(
-      "{}: lathe was built without oneDNN, which the bf16 GEMMs need: install it (apt-get install libdnnl-dev, "
-      "or run scripts/setup.sh) and rebuild, or train with precision compute: fp32",
-      fn);
+// ---- path choice ---------------------------------------------------------------------------------
+
+struct PathChoice {
+  Bf16Gemm path = Bf16Gemm::Fp32;
+  std::string detail;  // onednn: its implementation name; fp32: why oneDNN is not used
+};
+
+PathChoice choose_path() {
+  PathChoice c;
+#ifdef LATHE_HAVE_DNNL
+  const dnnl_version_t* v = dnnl_version();
+  if (cpu_isa() < Isa::Avx512) {
+    c.detail = fmt::format("oneDNN {}.{}.{} has bf16 GEMMs from avx512 up only", v->major, v->minor, v->patch);
+    return c;
+  }
+  // Creating one primitive is the test (and caches it for this thread): oneDNN may still refuse,
+  // e.g. when capped below the CPU by its own environment variable.
+  try {
+    c.detail = lookup(key(Op::Forward, 64, 64, 64, false, false, false)).impl;
+    c.path = Bf16Gemm::OneDnn;
+  } catch (const Error& e) {
+    c.detail = e.what();
+  }
+#else
+  c.detail = "lathe was built without oneDNN (libdnnl-dev)";
+#endif
+  return c;
 }
 
-#endif
+const PathChoice& path_choice() {
+  static const PathChoice c = choose_path();
+  return c;
+}
+
+// Test override of this thread's path (ops_bf16.h): -1 none, else a Bf16Gemm.
+thread_local int forced_path = -1;
+
+// ---- fp32 path -------------------------------------------------------------------------------------
+
+// Per-thread fp32 operands (in-process data-parallel tests run one model per thread), grown on
+// the first call that needs more and then reused: no allocation per training step.
+float* scratch(int slot, int64_t floats) {
+  static thread_local std::vector<float> bufs[4];
+  std::vector<float>& b = bufs[slot];
+  if (b.size() < static_cast<size_t>(floats)) b.resize(static_cast<size_t>(floats));
+  return b.data();
+}
+
+const float* widened(int slot, const uint16_t* src, int64_t n) {
+  float* dst = scratch(slot, n);
+  convert_bf16_to_fp32(dst, src, n);
+  return dst;
+}
+
+// dst = r (+ bias per column) (+ dst when accumulating), or the bf16 of r (+ bias): oneDNN's order
+// (the GEMM's fp32 sum, then the bias, then the sum post-op's dst), one fp32 rounding each. The
+// old dst is added after the GEMM, never fed into its K loop (as a beta = 1 sgemm would), so a
+// gradient accumulated in two parts gets the bits of the two parts summed (tied weights across
+// pipeline stages give the bits of one process, as on the oneDNN path).
+template <typename T>
+void epilogue(T* dst, const float* r, const float* bias, int64_t rows, int64_t cols, bool accumulate) {
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* __restrict ri = r + i * cols;
+    T* __restrict di = dst + i * cols;
+    for (int64_t j = 0; j < cols; ++j) {
+      const float v = bias ? ri[j] + bias[j] : ri[j];
+      if constexpr (std::is_same_v<T, float>) {
+        di[j] = accumulate ? v + di[j] : v;
+      } else {
+        di[j] = Bf16::st(v);
+      }
+    }
+  }
+}
+
+template <typename T>
+void forward_fp32(T* out, const uint16_t* inp, const uint16_t* weight, const float* bias, int64_t M, int64_t K,
+                  int64_t N, bool accumulate) {
+  const float* x = widened(0, inp, M * K);
+  const float* w = widened(1, weight, N * K);
+  if constexpr (std::is_same_v<T, float>) {
+    if (bias == nullptr && !accumulate) return matmul_forward(out, x, w, nullptr, M, K, N, false);
+  }
+  float* o = scratch(2, M * N);
+  matmul_forward(o, x, w, nullptr, M, K, N, false);
+  epilogue(out, o, bias, M, N, accumulate);
+}
+
+// dinp and dweight of matmul_backward_bf16 (dbias is summed from the bf16 dout by the caller,
+// as on the oneDNN path); dout is widened once for both.
+template <typename T>
+void backward_fp32(T* dinp, float* dweight, const uint16_t* dout, const uint16_t* inp, const uint16_t* weight,
+                   int64_t M, int64_t K, int64_t N, bool accumulate_dinp) {
+  const float* g = widened(0, dout, M * N);
+  if (dinp != nullptr) {
+    const float* w = widened(1, weight, N * K);
+    float* d = nullptr;  // "=" into an fp32 dinp directly, else through scratch and the epilogue
+    if constexpr (std::is_same_v<T, float>) d = accumulate_dinp ? nullptr : dinp;
+    const bool direct = d != nullptr;
+    if (!direct) d = scratch(2, M * K);
+    matmul_backward(d, nullptr, nullptr, g, nullptr, w, M, K, N, false);
+    if (!direct) epilogue(dinp, d, nullptr, M, K, accumulate_dinp);
+  }
+  if (dweight != nullptr) {
+    const float* x = widened(1, inp, M * K);
+    float* d = scratch(3, N * K);  // matmul_backward adds into dweight: from zero, the GEMM alone
+#pragma omp parallel for schedule(static) if (N * K >= kParallelMin)
+    for (int64_t i = 0; i < N; ++i) std::memset(d + i * K, 0, sizeof(float) * K);
+    matmul_backward(nullptr, d, nullptr, g, x, nullptr, M, K, N, false);
+    epilogue(dweight, d, nullptr, N, K, true);
+  }
+}
 
 template <typename T>
 void forward_impl(const char* fn, T* out, const uint16_t* inp, const uint16_t* weight, const float* bias, int64_t M,
@@ -248,10 +370,9 @@ void forward_impl(const char* fn, T* out, const uint16_t* inp, const uint16_t* w
   check_dims(fn, M, K, N);
   if (M == 0 || N == 0) return;
   if (K == 0) return fill_k0(out, bias, M, N, accumulate);
+  if (bf16_gemm_path() == Bf16Gemm::Fp32) return forward_fp32(out, inp, weight, bias, M, K, N, accumulate);
 #ifdef LATHE_HAVE_DNNL
   run(key(Op::Forward, M, K, N, accumulate, bias != nullptr, std::is_same_v<T, uint16_t>), out, inp, weight, bias);
-#else
-  no_dnnl(fn);
 #endif
 }
 
@@ -259,23 +380,19 @@ template <typename T>
 void backward_impl(const char* fn, T* dinp, float* dweight, float* dbias, const uint16_t* dout, const uint16_t* inp,
                    const uint16_t* weight, int64_t M, int64_t K, int64_t N, bool accumulate_dinp) {
   check_dims(fn, M, K, N);
-  if (dinp != nullptr && M > 0 && K > 0) {
-    if (N == 0) {
-      if (!accumulate_dinp) std::memset(dinp, 0, sizeof(T) * M * K);
-    } else {
+  const bool gemm_dinp = dinp != nullptr && M > 0 && K > 0 && N > 0;
+  const bool gemm_dweight = dweight != nullptr && M > 0 && N > 0 && K > 0;
+  if (dinp != nullptr && M > 0 && K > 0 && N == 0 && !accumulate_dinp) std::memset(dinp, 0, sizeof(T) * M * K);
+  if (bf16_gemm_path() == Bf16Gemm::Fp32) {
+    if (gemm_dinp || gemm_dweight)
+      backward_fp32(gemm_dinp ? dinp : nullptr, gemm_dweight ? dweight : nullptr, dout, inp, weight, M, K, N,
+                    accumulate_dinp);
+  } else {
 #ifdef LATHE_HAVE_DNNL
+    if (gemm_dinp)
       run(key(Op::BackwardData, M, K, N, accumulate_dinp, false, std::is_same_v<T, uint16_t>), dinp, dout, weight,
           nullptr);
-#else
-      no_dnnl(fn);
-#endif
-    }
-  }
-  if (dweight != nullptr && M > 0 && N > 0 && K > 0) {
-#ifdef LATHE_HAVE_DNNL
-    run(key(Op::BackwardWeights, M, K, N, true, false, false), dweight, dout, inp, nullptr);
-#else
-    no_dnnl(fn);
+    if (gemm_dweight) run(key(Op::BackwardWeights, M, K, N, true, false, false), dweight, dout, inp, nullptr);
 #endif
   }
   if (dbias != nullptr && M > 0 && N > 0) bias_backward(dbias, dout, M, N);
@@ -283,23 +400,54 @@ void backward_impl(const char* fn, T* dinp, float* dweight, float* dbias, const 
 
 }  // namespace
 
-bool bf16_matmul_available() {
-#ifdef LATHE_HAVE_DNNL
-  return true;
-#else
-  return false;
-#endif
+Bf16Gemm bf16_gemm_process_path() { return path_choice().path; }
+
+Bf16Gemm bf16_gemm_path() {
+  return forced_path >= 0 ? static_cast<Bf16Gemm>(forced_path) : bf16_gemm_process_path();
 }
 
+const char* bf16_gemm_name(Bf16Gemm path) { return path == Bf16Gemm::OneDnn ? "onednn" : "fp32"; }
+
+void bf16_gemm_force_for_thread(std::optional<Bf16Gemm> path) {
+  LATHE_CHECK(!path || *path != Bf16Gemm::OneDnn || bf16_gemm_process_path() == Bf16Gemm::OneDnn,
+              "bf16_gemm_force_for_thread(onednn): this process cannot use oneDNN's bf16 GEMMs ({})",
+              path_choice().detail);
+  forced_path = path ? static_cast<int>(*path) : -1;
+}
+
+std::string lowp_compute_line(std::string_view compute) {
+  const std::string cap = cpu_isa_cap_reason();
+  const std::string isa = fmt::format("cpu instruction set {}{}", isa_name(cpu_isa()),
+                                      cap.empty() ? std::string() : " (capped by " + cap + ")");
+  if (compute == "fp16")
+    return isa + ": fp16 GEMMs widen their operands to fp32 and run the fp32 GEMM (no fp16 GEMM kernels on CPUs); "
+                 "fp16 will not be faster than fp32 on this CPU, only smaller";
+  const PathChoice& c = path_choice();
+  if (c.path == Bf16Gemm::OneDnn)
+    return fmt::format("{}: {} GEMMs on oneDNN ({}){}", isa, compute, c.detail,
+                       cpu_isa() >= Isa::Avx512Bf16
+                           ? ""
+                           : "; no AVX512-BF16: bf16 products emulated in fp32, bf16 may not be faster than fp32 here");
+  return fmt::format(
+      "{}: {} GEMMs widen their operands to fp32 and run the fp32 GEMM ({}); bf16 will not be faster than fp32 on "
+      "this CPU, only smaller (same numerics: bf16 storage, fp32 accumulation)",
+      isa, compute, c.detail);
+}
+
+bool bf16_matmul_available() { return true; }
+
 std::string bf16_matmul_backend_info() {
+  const PathChoice& c = path_choice();
+  if (c.path == Bf16Gemm::Fp32)
+    return fmt::format("fp32 path: bf16 operands widened to fp32, fp32 GEMM ({}; cpu {})", c.detail,
+                       isa_name(cpu_isa()));
 #ifdef LATHE_HAVE_DNNL
   const dnnl_version_t* v = dnnl_version();
-  const Entry& e = lookup(key(Op::Forward, 64, 64, 64, false, false, false));
   return fmt::format("oneDNN {}.{}.{} ({}), forward GEMM {}{}", v->major, v->minor, v->patch,
-                     v->cpu_runtime == DNNL_RUNTIME_OMP ? "OpenMP" : "not OpenMP: its own thread pool", e.impl,
-                     cpu_has_avx512_bf16() ? "" : " (this CPU has no AVX512-BF16: slower path, same results)");
+                     v->cpu_runtime == DNNL_RUNTIME_OMP ? "OpenMP" : "not OpenMP: its own thread pool", c.detail,
+                     cpu_isa() >= Isa::Avx512Bf16 ? "" : " (no AVX512-BF16: bf16 products emulated in fp32)");
 #else
-  return "unavailable: lathe was built without oneDNN (apt-get install libdnnl-dev and rebuild)";
+  return "?";
 #endif
 }
 

@@ -8,25 +8,47 @@
 //  * lathe allocates nothing per call except at the first call for a new shape, which creates and
 //    caches the oneDNN primitive and its scratch memory (per calling thread, keyed by shape,
 //    operation, accumulate/bias/dtype variant and the OpenMP thread count), so training steps
-//    reuse them (oneDNN's execute itself still makes a few small bookkeeping allocations);
+//    reuse them (oneDNN's execute itself still makes a few small bookkeeping allocations); on the
+//    fp32 path, per-thread fp32 operand copies are grown on first need and reused;
 //  * results are deterministic for a fixed thread count (two calls give bit-identical results).
-// The GEMMs run on oneDNN (Debian's libdnnl-dev, OpenMP build: the same libgomp workers as the
-// rest of lathe). Built without oneDNN, every GEMM here throws an error naming the package.
+// Two paths, chosen once per process (matmul_bf16.cpp): oneDNN's bf16 matmul (Debian's
+// libdnnl-dev, OpenMP build) where it can be created (AVX-512 and up), else operands widened to
+// fp32 and the fp32 GEMM (AVX2-only CPUs, oneDNN capped by DNNL_MAX_CPU_ISA, LATHE_CPU_ISA=avx2,
+// built without oneDNN): same numerics up to the fp32 summation order, not faster than fp32.
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 
 namespace lathe::cpu {
 
-// ---- availability ----------------------------------------------------------------------------
-// True when lathe was built with oneDNN (the GEMMs below work).
+// ---- availability and path ---------------------------------------------------------------------
+// True: the GEMMs below work on every x86-64 CPU (the fp32 path needs no oneDNN). Kept for callers
+// written when they needed oneDNN.
 bool bf16_matmul_available();
+
+enum class Bf16Gemm : int { OneDnn = 0, Fp32 = 1 };
+// The process's path, chosen at the first call: OneDnn where cpu_isa() (kernels/cpu/isa.h) is
+// avx512 or above and oneDNN creates a bf16 matmul, else Fp32.
+Bf16Gemm bf16_gemm_process_path();
+// The calling thread's path: the process's, unless a test forced another on this thread.
+Bf16Gemm bf16_gemm_path();
+// "onednn" / "fp32" (logs, run_info.json's bf16_gemm).
+const char* bf16_gemm_name(Bf16Gemm path);
+// Tests: run this thread's bf16 GEMMs on `path` (nullopt: back to the process's path). Forcing
+// OneDnn in a process that cannot use it throws, saying why.
+void bf16_gemm_force_for_thread(std::optional<Bf16Gemm> path);
+// The one start line of a bf16 / fp16 run (`lathe train`, `lathe check`): the instruction set
+// found (and what capped it), the GEMM path of `compute` ("bf16" or "fp16"), and, where that path
+// is not native, that it will not be faster than fp32 on this CPU.
+std::string lowp_compute_line(std::string_view compute);
 // True when the CPU has AVX512-BF16 (vdpbf16ps / vcvtne2ps2bf16). Without it oneDNN still gives
 // correct bf16 GEMMs on a slower path (bf16 converted to fp32 inside the kernel).
 bool cpu_has_avx512_bf16();
-// One line for logs: "oneDNN 2.6.3 (OpenMP), forward GEMM brg:avx512_core_bf16" or why the
-// bf16 GEMMs are unavailable. Creates (and caches) one small primitive to ask oneDNN.
+// One line for logs: "oneDNN 2.6.3 (OpenMP), forward GEMM brg:avx512_core_bf16", or the fp32
+// path and why oneDNN is not used.
 std::string bf16_matmul_backend_info();
 
 // ---- conversion (OpenMP-parallel, vectorised) --------------------------------------------------
