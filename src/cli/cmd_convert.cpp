@@ -249,15 +249,24 @@ int run_convert(int argc, char** argv) {
   HfLoadOptions lo;
   lo.resize_vocab = resize;
   std::string report;
+  {  // no output may be the source directory, lie inside it, or be the same path as the other (D3, D5)
+    std::vector<io::PathUse> in{{from, "the --from-hf directory", true}};
+    if (!gguf_tok.empty() && gguf_tok != "byte") in.push_back({gguf_tok, "--gguf-tokenizer", false});
+    std::vector<io::PathUse> outs;
+    if (!to.empty()) outs.push_back({to, "--to", true});
+    if (!gguf.empty()) outs.push_back({gguf, "--to-gguf", false});
+    if (!to.empty())
+      for (const char* f :
+           {"config.json", "model.safetensors", "model.safetensors.index.json", "generation_config.json"})
+        outs.push_back({(fs::path(to) / f).string(), fmt::format("--to's {}", f), false});
+    io::check_output_paths(in, outs);
+  }
   auto model = load_hf_model(from, &report, lo);
   fmt::print("{}: {} ({} parameters): {}\n", from, model->config().model_type, model->num_params(), report);
   if (!to.empty()) {
     HfSaveOptions so;
     so.dtype = dtype;
     so.max_shard_bytes = parse_size(shard_s);
-    std::error_code ec;
-    if (fs::equivalent(to, from, ec))  // false (with ec) when either is missing
-      throw_error("--to {} is the --from-hf directory; write to another directory", to);
     so.extra_files = tokenizer_files_in(from);
     std::unique_ptr<progress::Bar> bar;  // per tensor written (issue 13 item 5)
     so.on_tensor = [&](int64_t done, int64_t total) {
@@ -306,6 +315,7 @@ int run_logits(int argc, char** argv) {
   app.add_option("--tokens", toks, "comma-separated token ids (repeat for more sequences)")->required();
   app.add_option("--out", out, "output file: float32 [n_seq, T, V] concatenated")->required();
   LATHE_CLI_PARSE(app, argc, argv);
+  io::check_output_paths({{model_dir, "--model", true}}, {{out, "--out", false}});
   std::string report;
   auto model = load_hf_model(model_dir, &report);
   std::vector<std::vector<int32_t>> seqs;

@@ -390,7 +390,8 @@ std::string save_onnx(const Model& model, const std::string& path, const OnnxExp
               "no bf16 kernels for most operators)",
               dtype_name(opts.dtype));
   LATHE_CHECK(opts.static_seq_len >= 0 && opts.static_seq_len <= cfg.max_position_embeddings,
-              "--static-seq-len {} must be in [1, max_position_embeddings = {}] (0 = dynamic shapes)",
+              "--static-seq-len {} must be in [1, max_position_embeddings = {}] (leave it out for dynamic shapes "
+              "with past key/values)",
               opts.static_seq_len, cfg.max_position_embeddings);
   Exporter ex(model, opts);
   const io::onnx::Graph g = ex.build();
