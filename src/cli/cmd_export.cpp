@@ -32,6 +32,7 @@ namespace lathe::cli {
 DType parse_dtype(const std::string& s, const std::string& flag);
 uint64_t parse_size(const std::string& s);
 std::vector<std::string> tokenizer_files_in(const std::string& dir);
+std::vector<io::PathUse> hf_dir_inputs(const std::string& dir, const std::string& what);
 
 namespace {
 
@@ -119,23 +120,31 @@ Source load_source(const std::string& path) {
 // an input, lie inside the source directory, or share its path with another output (D3, D5).
 void check_export_paths(const Source& s, const std::string& to, const std::string& gguf, const std::string& onnx,
                         const std::vector<std::string>& tok_files, const std::string& gguf_tok) {
-  std::vector<io::PathUse> in{{s.read_dir, "the source directory", true}};
-  std::error_code ec;  // a tokenizer is a file or a directory of files
-  if (!s.tokenizer.empty() && s.tokenizer != "byte")
-    in.push_back({s.tokenizer, "the tokenizer", fs::is_directory(s.tokenizer, ec)});
-  if (!gguf_tok.empty() && gguf_tok != "byte")
-    in.push_back({gguf_tok, "--gguf-tokenizer", fs::is_directory(gguf_tok, ec)});
-  for (const auto& f : tok_files) in.push_back({f, "the tokenizer file", false});
+  // A checkpoint directory is lathe's own (checksummed): nothing may be written inside it. Beside an
+  // HF directory's files a new file is fine (model.gguf next to model.safetensors).
+  std::vector<io::PathUse> in = s.hf_dir.empty()
+                                    ? std::vector<io::PathUse>{{s.read_dir, "the source directory", io::PathUse::Dir}}
+                                    : hf_dir_inputs(s.hf_dir, "the source directory");
+  // A tokenizer is a file, or a directory read like an HF directory's tokenizer files.
+  const auto add_tokenizer = [&](const std::string& t, const std::string& what) {
+    if (t.empty() || t == "byte") return;
+    std::error_code ec;
+    if (!fs::is_directory(t, ec)) return in.push_back({t, what});
+    for (auto& u : hf_dir_inputs(t, what)) in.push_back(std::move(u));
+  };
+  add_tokenizer(s.tokenizer, "the tokenizer");
+  add_tokenizer(gguf_tok, "--gguf-tokenizer");
+  for (const auto& f : tok_files) in.push_back({f, "the tokenizer file"});
   std::vector<io::PathUse> out;
   if (!to.empty()) {
-    out.push_back({to, "--to", true});
+    out.push_back({to, "--to", io::PathUse::Dir});
     for (const char* f : {"config.json", "model.safetensors", "model.safetensors.index.json", "generation_config.json"})
-      out.push_back({(fs::path(to) / f).string(), fmt::format("--to's {}", f), false});
+      out.push_back({(fs::path(to) / f).string(), fmt::format("--to's {}", f)});
   }
-  if (!gguf.empty()) out.push_back({gguf, "--to-gguf", false});
+  if (!gguf.empty()) out.push_back({gguf, "--to-gguf"});
   if (!onnx.empty()) {
-    out.push_back({onnx, "--to-onnx", false});
-    out.push_back({onnx + ".data", "--to-onnx's external-data file", false});
+    out.push_back({onnx, "--to-onnx"});
+    out.push_back({onnx + ".data", "--to-onnx's external-data file"});
   }
   io::check_output_paths(in, out);
   // The external-data file of --to-onnx X is X.<hash>.data (io/onnx_writer.h): the export removes

@@ -401,13 +401,14 @@ int run_report(int argc, char** argv) {
   // --out may be none of the report's inputs, nor inside a run's checkpoints/ or model/ (D4).
   std::vector<lathe::io::PathUse> in;
   for (const auto& d : dirs) {
-    in.push_back({d, "the run directory", false});
+    in.push_back({d, "the run directory"});
     for (const char* f : {"metrics.jsonl", "recipe.yaml", "run_info.json", "anomalies.jsonl", "lathe.json"})
-      in.push_back({(fs::path(d) / f).string(), fmt::format("the run's {}", f), false});
+      in.push_back({(fs::path(d) / f).string(), fmt::format("the run's {}", f)});
     for (const char* sub : {"checkpoints", "model"})
-      in.push_back({(fs::path(d) / sub).string(), fmt::format("the run's {}/ directory", sub), true});
+      in.push_back(
+          {(fs::path(d) / sub).string(), fmt::format("the run's {}/ directory", sub), lathe::io::PathUse::Dir});
   }
-  lathe::io::check_output_paths(in, {{out, "--out", false}});
+  lathe::io::check_output_paths(in, {{out, "--out"}});
   std::vector<Run> runs;
   for (const auto& d : dirs) runs.push_back(load_run(d));
   lathe::io::atomic_write_file(out, build_html(runs));

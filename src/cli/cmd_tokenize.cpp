@@ -39,21 +39,21 @@ CLI::Validator byte_size_validator() {
 void check_tokenize_paths(const lathe::tok::PreprocessOptions& opt, const std::string& stats_json,
                           const std::string& tokenizer) {
   std::vector<lathe::io::PathUse> in;
-  if (tokenizer != "byte") in.push_back({tokenizer, "--tokenizer", false});
+  if (tokenizer != "byte") in.push_back({tokenizer, "--tokenizer"});
   for (const std::string& pattern : opt.inputs) {
     glob_t g{};
     if (::glob(pattern.c_str(), 0, nullptr, &g) == 0)
-      for (size_t i = 0; i < g.gl_pathc; ++i) in.push_back({g.gl_pathv[i], "--input", false});
+      for (size_t i = 0; i < g.gl_pathc; ++i) in.push_back({g.gl_pathv[i], "--input"});
     else
-      in.push_back({pattern, "--input", false});
+      in.push_back({pattern, "--input"});
     ::globfree(&g);
   }
   const std::string& p = opt.output_prefix;
-  std::vector<lathe::io::PathUse> out{{p + ".bin", "--output's .bin", false},
-                                      {p + ".idx", "--output's .idx", false},
-                                      {p + "_00000.bin", "--output's first shard", false},
-                                      {p + "_00000.idx", "--output's first shard index", false}};
-  if (!stats_json.empty()) out.push_back({stats_json, "--stats-json", false});
+  std::vector<lathe::io::PathUse> out{{p + ".bin", "--output's .bin"},
+                                      {p + ".idx", "--output's .idx"},
+                                      {p + "_00000.bin", "--output's first shard"},
+                                      {p + "_00000.idx", "--output's first shard index"}};
+  if (!stats_json.empty()) out.push_back({stats_json, "--stats-json"});
   lathe::io::check_output_paths(in, out);
 }
 

@@ -134,12 +134,13 @@ bool path_within(const std::string& path, const std::string& dir) {
 void check_output_paths(const std::vector<PathUse>& inputs, const std::vector<PathUse>& outputs) {
   for (size_t i = 0; i < outputs.size(); ++i) {
     const PathUse& o = outputs[i];
-    LATHE_CHECK(!o.path.empty(), "{} \"\": an empty path; give the {} to write", o.what, o.dir ? "directory" : "file");
+    LATHE_CHECK(!o.path.empty(), "{} \"\": an empty path; give the {} to write", o.what,
+                o.kind == PathUse::File ? "file" : "directory");
     for (const PathUse& in : inputs) {
       if (same_path(o.path, in.path))
         throw_error("{} {} is {} ({}): it would be overwritten; write to another path", o.what, o.path, in.what,
                     in.path);
-      if (in.dir && path_within(o.path, in.path))
+      if (in.kind == PathUse::Dir && path_within(o.path, in.path))
         throw_error("{} {} lies inside {} {}: writing there would change the input; write outside it", o.what, o.path,
                     in.what, in.path);
     }

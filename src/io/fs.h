@@ -40,13 +40,18 @@ bool path_within(const std::string& path, const std::string& dir);
 
 // A path a command reads or writes, with the option that named it ("--to-onnx", "the source").
 struct PathUse {
+  enum Kind {
+    File,  // one file or directory: an output may not be it
+    Dir,   // a directory whose every path is input: nothing may be written inside it either
+  };
   std::string path;
   std::string what;
-  bool dir = false;  // a directory: nothing may be written inside it (inputs) / be it (outputs)
+  Kind kind = File;
 };
 // Every writing command calls this before it writes anything. Refuses (naming both options and
-// paths) an output that is one of the inputs, lies inside an input directory, or names the same
-// path as another output. Empty output paths are refused too ("--to \"\"" would write into the current directory).
+// paths) an output that is one of the inputs, lies inside an input Dir, or names the same path
+// as another output. Empty output paths are refused too ("--to \"\""
+// would write into the current directory).
 void check_output_paths(const std::vector<PathUse>& inputs, const std::vector<PathUse>& outputs);
 
 // Streaming version of atomic_write_file for large outputs (safetensors, checkpoints):

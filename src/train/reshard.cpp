@@ -312,7 +312,7 @@ ReshardResult reshard_checkpoint(const std::string& src, const std::string& dst_
   const fs::path out = fs::path(dst_run_dir) / "checkpoints" / fmt::format("step_{:08d}", st.step);
   // The output run directory: not empty (that is the current directory), not inside the source
   // checkpoint (S11), and the checkpoint it gets is not the source itself.
-  io::check_output_paths({{src, "the source checkpoint", true}}, {{dst_run_dir, "--to", true}});
+  io::check_output_paths({{src, "the source checkpoint", io::PathUse::Dir}}, {{dst_run_dir, "--to", io::PathUse::Dir}});
   std::error_code ec;
   LATHE_CHECK(!fs::exists(out, ec),
               "{}: already exists (lathe checkpoint reshard never overwrites a checkpoint); remove it or choose "

@@ -68,6 +68,21 @@ for name, src, args, must in [
         run_lathe(["export", src, *args], rc=1, must=must)
         unchanged()
 
+with cases.case("D3: an HF source directory: its weights and the names its loader reads are refused, new files not"):
+    open(os.path.join(model_dir, "extra.safetensors"), "wb").write(b"x")
+    for f in ("extra.safetensors", "model.safetensors.index.json", "lathe.json", "config.json"):
+        run_lathe(["export", model_dir, "--to-gguf", os.path.join(model_dir, f), "--gguf-tokenizer", "byte"], rc=1,
+                  must=["--to-gguf", f])
+    run_lathe(["convert", "--from-hf", model_dir, "--to-gguf", os.path.join(model_dir, "model.safetensors"),
+               "--gguf-tokenizer", "byte"], rc=1, must=["--to-gguf", "--from-hf"])
+    run_lathe(["logits", "--model", model_dir, "--tokens", "1,2", "--out", os.path.join(model_dir, "config.json")],
+              rc=1, must=["--out", "config.json"])
+    os.remove(os.path.join(model_dir, "extra.safetensors"))
+    unchanged()
+    gg = os.path.join(model_dir, "model.gguf")  # a new file beside the HF files: fine
+    run_lathe(["export", model_dir, "--to-gguf", gg, "--gguf-tokenizer", "byte"], rc=0)
+    os.remove(gg)
+
 with cases.case("D3: export --to-onnx through a symlink to the source's file"):
     link = cases.path("links", "m.onnx")
     os.symlink(os.path.join(ckpt, "model.safetensors"), link)
