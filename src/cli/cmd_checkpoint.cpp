@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/command.h"
+#include "core/stop_signal.h"
 #include "train/checkpoint.h"
 #include "train/reshard.h"
 
@@ -30,6 +31,14 @@ void usage() {
 std::string layout_str(const CheckpointLayout& l) {
   return fmt::format("tensor {} x pipeline {} x data {} (ZeRO {}; {} rank{})", l.tensor, l.pipeline, l.data, l.zero,
                      l.world(), l.world() == 1 ? "" : "s");
+}
+
+// "a, b, c" for a few files; the first and last two with a count for many (a --data 1000 layout
+// writes 1001 files: one line per run, not a thousand names).
+std::string files_summary(const std::vector<std::string>& files) {
+  if (files.size() <= 6) return fmt::format("{}", fmt::join(files, ", "));
+  return fmt::format("{} files: {}, {}, ..., {}, {}", files.size(), files[0], files[1], files[files.size() - 2],
+                     files.back());
 }
 
 int run_reshard(int argc, char** argv) {
@@ -51,9 +60,10 @@ int run_reshard(int argc, char** argv) {
   if (app.count("--pipeline")) to.pipeline = pipeline;
   if (app.count("--data")) to.data = data;
   if (app.count("--zero")) to.zero = zero;
+  StopSignalGuard stop;  // SIGINT/SIGTERM: stop at a safe point, remove what this run began
   const ReshardResult r = reshard_checkpoint(src, dst, to);
   fmt::print("resharded {}\n  from {}\n  to   {}\nwrote {} ({:.1f} MB: {})\n", src, layout_str(r.from),
-             layout_str(r.to), r.dir, static_cast<double>(r.bytes) / 1e6, fmt::join(r.files, ", "));
+             layout_str(r.to), r.dir, static_cast<double>(r.bytes) / 1e6, files_summary(r.files));
   return 0;
 }
 

@@ -222,6 +222,23 @@ bool verify_against_transformers(Model& model, const std::string& hf_dir, double
   return ok;
 }
 
+// What reading an HF directory `dir` touches, as inputs of io::check_output_paths: the directory
+// itself, its *.safetensors files, and the names the loader and tokenizers look for even where
+// absent (a new model.safetensors.index.json or lathe.json written there would change what the
+// directory loads as). Other new files beside them are fine (model.gguf next to the weights).
+std::vector<io::PathUse> hf_dir_inputs(const std::string& dir, const std::string& what) {
+  std::vector<io::PathUse> in{{dir, what}};
+  for (const char* f : {"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                        "lathe.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                        "merges.txt", "encoder.json", "vocab.bpe", "special_tokens_map.json"})
+    in.push_back({(fs::path(dir) / f).string(), fmt::format("{}'s {}", what, f)});
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
+    if (it->path().extension() == ".safetensors")
+      in.push_back({it->path().string(), fmt::format("{}'s {}", what, it->path().filename().string())});
+  return in;
+}
+
 namespace {
 
 int run_convert(int argc, char** argv) {
@@ -249,15 +266,24 @@ int run_convert(int argc, char** argv) {
   HfLoadOptions lo;
   lo.resize_vocab = resize;
   std::string report;
+  {  // no output may be the source directory, lie inside it, or be the same path as the other (D3, D5)
+    std::vector<io::PathUse> in = hf_dir_inputs(from, "the --from-hf directory");
+    if (!gguf_tok.empty() && gguf_tok != "byte") in.push_back({gguf_tok, "--gguf-tokenizer"});
+    std::vector<io::PathUse> outs;
+    if (!to.empty()) outs.push_back({to, "--to", io::PathUse::Dir});
+    if (!gguf.empty()) outs.push_back({gguf, "--to-gguf"});
+    if (!to.empty())
+      for (const char* f :
+           {"config.json", "model.safetensors", "model.safetensors.index.json", "generation_config.json"})
+        outs.push_back({(fs::path(to) / f).string(), fmt::format("--to's {}", f)});
+    io::check_output_paths(in, outs);
+  }
   auto model = load_hf_model(from, &report, lo);
   fmt::print("{}: {} ({} parameters): {}\n", from, model->config().model_type, model->num_params(), report);
   if (!to.empty()) {
     HfSaveOptions so;
     so.dtype = dtype;
     so.max_shard_bytes = parse_size(shard_s);
-    std::error_code ec;
-    if (fs::equivalent(to, from, ec))  // false (with ec) when either is missing
-      throw_error("--to {} is the --from-hf directory; write to another directory", to);
     so.extra_files = tokenizer_files_in(from);
     std::unique_ptr<progress::Bar> bar;  // per tensor written (issue 13 item 5)
     so.on_tensor = [&](int64_t done, int64_t total) {
@@ -306,6 +332,7 @@ int run_logits(int argc, char** argv) {
   app.add_option("--tokens", toks, "comma-separated token ids (repeat for more sequences)")->required();
   app.add_option("--out", out, "output file: float32 [n_seq, T, V] concatenated")->required();
   LATHE_CLI_PARSE(app, argc, argv);
+  io::check_output_paths(hf_dir_inputs(model_dir, "--model"), {{out, "--out"}});
   std::string report;
   auto model = load_hf_model(model_dir, &report);
   std::vector<std::vector<int32_t>> seqs;

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -96,7 +97,7 @@ int run_inspect(int argc, char** argv) {
   app.add_option("prefix", prefix, "dataset prefix (PREFIX.bin + PREFIX.idx)")->required();
   app.add_option("--tokenizer", tokenizer_path, "decode ids with this tokenizer (dir, file or 'byte')");
   app.add_option("--eod", eod, "end-of-document token id (default: the tokenizer's EOS, if any)")
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 31));
+      ->check(CLI::Range(int64_t{0}, int64_t{std::numeric_limits<int32_t>::max()}));  // ids are int32 (C2)
   app.add_option("--samples", samples, "sequences to decode at the end")->check(CLI::Range(int64_t{0}, int64_t{100}));
   app.add_flag("--json", as_json, "print one JSON object");
   LATHE_CLI_PARSE(app, argc, argv);

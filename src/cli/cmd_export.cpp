@@ -15,9 +15,12 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/command.h"
+#include "cli/validators.h"
 #include "core/progress.h"
+#include "core/stop_signal.h"
 #include "io/fs.h"
 #include "io/json.h"
+#include "io/onnx_writer.h"
 #include "models/hf_weights.h"
 #include "models/onnx_export.h"
 #include "tokenizer/tokenizer.h"
@@ -29,6 +32,7 @@ namespace lathe::cli {
 DType parse_dtype(const std::string& s, const std::string& flag);
 uint64_t parse_size(const std::string& s);
 std::vector<std::string> tokenizer_files_in(const std::string& dir);
+std::vector<io::PathUse> hf_dir_inputs(const std::string& dir, const std::string& what);
 
 namespace {
 
@@ -38,6 +42,7 @@ struct Source {
   std::unique_ptr<Model> model;
   std::string tokenizer;  // data.tokenizer of the run ("", "byte" or a path)
   std::string hf_dir;     // set when the source is an HF directory (its tokenizer files are copied)
+  std::string read_dir;   // the directory the weights were read from (checkpoint or HF directory)
   std::string desc;
 };
 
@@ -93,6 +98,7 @@ Source load_source(const std::string& path) {
         st.recipe["data"]["tokenizer"].is_string())
       s.tokenizer = st.recipe["data"]["tokenizer"].get<std::string>();
     s.desc = fmt::format("checkpoint {} (step {})", ckpt, st.step);
+    s.read_dir = ckpt;
     return s;
   }
   const fs::path hf = is_hf_dir(p) ? p : p / "model";
@@ -103,9 +109,49 @@ Source load_source(const std::string& path) {
   std::string report;
   s.model = load_hf_model(hf.string(), &report);
   s.hf_dir = hf.string();
+  s.read_dir = s.hf_dir;
   s.tokenizer = recorded_tokenizer(hf / "lathe.json");
   s.desc = fmt::format("Hugging Face directory {} ({})", hf.string(), report);
   return s;
+}
+
+// What the export reads (the source's directory, the tokenizer files) and writes (--to and the
+// files it puts there, --to-gguf, --to-onnx with its external-data companion): no output may be
+// an input, lie inside the source directory, or share its path with another output (D3, D5).
+void check_export_paths(const Source& s, const std::string& to, const std::string& gguf, const std::string& onnx,
+                        const std::vector<std::string>& tok_files, const std::string& gguf_tok) {
+  // A checkpoint directory is lathe's own (checksummed): nothing may be written inside it. Beside an
+  // HF directory's files a new file is fine (model.gguf next to model.safetensors).
+  std::vector<io::PathUse> in = s.hf_dir.empty()
+                                    ? std::vector<io::PathUse>{{s.read_dir, "the source directory", io::PathUse::Dir}}
+                                    : hf_dir_inputs(s.hf_dir, "the source directory");
+  // A tokenizer is a file, or a directory read like an HF directory's tokenizer files.
+  const auto add_tokenizer = [&](const std::string& t, const std::string& what) {
+    if (t.empty() || t == "byte") return;
+    std::error_code ec;
+    if (!fs::is_directory(t, ec)) return in.push_back({t, what});
+    for (auto& u : hf_dir_inputs(t, what)) in.push_back(std::move(u));
+  };
+  add_tokenizer(s.tokenizer, "the tokenizer");
+  add_tokenizer(gguf_tok, "--gguf-tokenizer");
+  for (const auto& f : tok_files) in.push_back({f, "the tokenizer file"});
+  std::vector<io::PathUse> out;
+  if (!to.empty()) {
+    out.push_back({to, "--to", io::PathUse::Dir});
+    for (const char* f : {"config.json", "model.safetensors", "model.safetensors.index.json", "generation_config.json"})
+      out.push_back({(fs::path(to) / f).string(), fmt::format("--to's {}", f)});
+  }
+  if (!gguf.empty()) out.push_back({gguf, "--to-gguf"});
+  if (!onnx.empty()) {
+    out.push_back({onnx, "--to-onnx"});
+    out.push_back({onnx + ".data", "--to-onnx's external-data file"});
+  }
+  io::check_output_paths(in, out);
+  // The external-data file of --to-onnx X is X.<hash>.data (io/onnx_writer.h): the export removes
+  // the stale ones of that naming, so no other output may take such a name.
+  if (!onnx.empty() && !gguf.empty() && io::same_path(io::parent_dir(gguf), io::parent_dir(onnx)) &&
+      io::onnx::is_external_data_name(fs::path(onnx).filename().string(), fs::path(gguf).filename().string()))
+    throw_error("--to-gguf {} has the name of an external-data file of --to-onnx {}; give another name", gguf, onnx);
 }
 
 int run_export(int argc, char** argv) {
@@ -124,9 +170,11 @@ int run_export(int argc, char** argv) {
   int64_t onnx_seq = 0;
   bool onnx_external = false;
   app.add_option("--to-onnx", onnx, "also write an ONNX decoder graph for onnxruntime (fp32 or fp16)");
-  app.add_option("--static-seq-len", onnx_seq, "ONNX: fixed-shape graph [1, N] without past key/values")
-      ->check(CLI::PositiveNumber);
-  app.add_flag("--external-data", onnx_external, "ONNX: weights in FILE.data (automatic above 2 GiB)");
+  app.add_option("--static-seq-len", onnx_seq,
+                 "ONNX: fixed-shape graph [1, N] without past key/values, N in [1, max_position_embeddings] "
+                 "(default: dynamic shapes with past key/values)")
+      ->check(int_range(1));
+  app.add_flag("--external-data", onnx_external, "ONNX: weights in FILE.<hash>.data beside it (automatic above 2 GiB)");
   LATHE_CLI_PARSE(app, argc, argv);
   LATHE_CHECK(!to.empty() || !gguf.empty() || !onnx.empty(),
               "nothing to do: give --to DIR, --to-gguf FILE and/or --to-onnx FILE");
@@ -138,8 +186,8 @@ int run_export(int argc, char** argv) {
                 "--to-onnx writes fp32 or fp16 graphs; --dtype {} is not supported (onnxruntime's CPU provider has "
                 "no bf16 kernels for most operators)",
                 dtype_s);
+  StopSignalGuard stop;  // SIGINT/SIGTERM: the writers stop at the next tensor and remove their temporaries
   Source s = load_source(src);
-  fmt::print("source: {}\n", s.desc);
 
   // Tokenizer files: the run's data.tokenizer, else those beside an HF source.
   std::vector<std::string> tok_files;
@@ -153,14 +201,14 @@ int run_export(int argc, char** argv) {
     tok_files = tokenizer_files_in(s.hf_dir);
     if (!tok_files.empty()) tok_note = fmt::format("{} tokenizer file(s) from {}", tok_files.size(), s.hf_dir);
   }
+  check_export_paths(s, to, gguf, onnx, tok_files, gguf_tok);
+  throw_if_stopped("lathe export", "nothing was written");
+  fmt::print("source: {}\n", s.desc);
   if (!to.empty()) {
     HfSaveOptions so;
     so.dtype = dtype;
     so.max_shard_bytes = parse_size(shard_s);
     so.extra_files = tok_files;
-    std::error_code ec;
-    if (!s.hf_dir.empty() && present(to) && fs::equivalent(to, s.hf_dir, ec))
-      throw_error("--to {} is the source directory; write to another directory", to);
     std::unique_ptr<progress::Bar> bar;  // per tensor written (issue 13 item 5)
     so.on_tensor = [&](int64_t done, int64_t total) {
       if (!bar) bar = std::make_unique<progress::Bar>("write " + to, total, "tensors", !no_progress);

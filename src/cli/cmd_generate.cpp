@@ -3,11 +3,14 @@
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "cli/command.h"
+#include "cli/validators.h"
 #include "io/fs.h"
 #include "io/json.h"
 #include "models/hf_weights.h"
@@ -37,6 +40,22 @@ std::string default_tokenizer(const std::string& dir) {
   lathe::throw_error("{}: no tokenizer files and no tokenizer recorded in lathe.json; pass --tokenizer PATH", dir);
 }
 
+// --seed as text: CLI11 reads "-1" for an unsigned option as an option-looking second value and
+// says "At Most 1 required but received 2"; this names the rule instead.
+CLI::Validator seed_validator() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        const std::string rule = "the seed must be a non-negative integer below 2^64";
+        if (s.empty() || s.size() > 20 || s.find_first_not_of("0123456789") != std::string::npos)
+          return fmt::format("{}, got '{}'", rule, s);
+        errno = 0;
+        (void)std::strtoull(s.c_str(), nullptr, 10);
+        if (errno == ERANGE) return fmt::format("{}, got {}", rule, s);
+        return "";
+      },
+      "SEED");
+}
+
 int run_generate(int argc, char** argv) {
   CLI::App app{"Sample text from a model", "lathe generate"};
   std::string model_dir, prompt, tok_path;
@@ -48,15 +67,21 @@ int run_generate(int argc, char** argv) {
   app.add_option("--model", model_dir, "Hugging Face model directory")->required();
   app.add_option("--prompt", prompt, "prompt text")->required();
   app.add_option("--tokenizer", tok_path, "tokenizer (default: the model directory's)");
-  app.add_option("--max-new-tokens", so.max_new_tokens, "tokens to generate");
-  app.add_option("--temperature", so.temperature, "softmax temperature (0 = greedy)");
-  app.add_option("--top-k", so.top_k, "keep the k most likely tokens (0 = all)");
-  app.add_option("--top-p", so.top_p, "nucleus sampling mass (1 = off)");
-  app.add_option("--seed", so.seed, "random seed");
+  // Out-of-range values are usage errors (exit 2), NaN and infinities included.
+  app.add_option("--max-new-tokens", so.max_new_tokens, "tokens to generate (1 to 2^24)")
+      ->check(lathe::cli::int_range(1, int64_t{1} << 24));
+  app.add_option("--temperature", so.temperature, "softmax temperature, finite, in [0, 100] (0 = greedy)")
+      ->check(lathe::cli::real_range(0, 100));
+  app.add_option("--top-k", so.top_k, "keep the k most likely tokens (0 = all)")->check(lathe::cli::int_range(0));
+  app.add_option("--top-p", so.top_p, "nucleus sampling mass in (0, 1] (1 = off)")
+      ->check(lathe::cli::real_range(0, 1, /*lo_open=*/true));
+  std::string seed_s = "0";
+  app.add_option("--seed", seed_s, "random seed: an integer in [0, 2^64)")->check(seed_validator());
   bool no_kv_cache = false;
   app.add_flag("--no-kv-cache", no_kv_cache,
                "recompute the whole context for every new token (the reference path; same output, slower)");
   LATHE_CLI_PARSE(app, argc, argv);
+  so.seed = std::stoull(seed_s);  // checked by seed_validator
   auto model = lathe::load_hf_model(model_dir);
   auto tokenizer = lathe::tok::load_tokenizer(tok_path.empty() ? default_tokenizer(model_dir) : tok_path);
   LATHE_CHECK(tokenizer->vocab_size() <= model->config().vocab_size,

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cli/command.h"
+#include "cli/validators.h"
 #include "config/recipe.h"
 #include "core/timer.h"
 #include "models/memory.h"
@@ -45,16 +46,16 @@ int run_plan(int argc, char** argv) {
       ->required()
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_option("--memory-gb", memory_gb, "memory per rank in GB (default: this machine's memory / world)")
-      ->check(CLI::Range(0.0, 1e9));
+      ->check(lathe::cli::real_range(0, 1e9, /*lo_open=*/true));
   app.add_option("--peak-gflops", peak,
                  "per-rank GEMM throughput in GFLOP/s in the compute dtype (default: training.peak_gflops, else "
                  "measured here with a GEMM probe)")
-      ->check(CLI::Range(1e-3, 1e12));
+      ->check(lathe::cli::real_range(1e-3, 1e12));
   app.add_option("--link-gbps", link,
                  "per-rank bandwidth between nodes, Gbit/s one direction (default: measured here with a memcpy)")
-      ->check(CLI::Range(1e-6, 1e9));
+      ->check(lathe::cli::real_range(1e-6, 1e9));
   app.add_option("--intra-gbps", intra, "per-rank bandwidth inside a node, Gbit/s (default: --link-gbps)")
-      ->check(CLI::Range(1e-6, 1e9));
+      ->check(lathe::cli::real_range(1e-6, 1e9));
   app.add_option("--gpus-per-node", gpus_per_node, "ranks per node (default: world, one machine)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_option("--global-batch", global_batch,
@@ -70,6 +71,13 @@ int run_plan(int argc, char** argv) {
       ->check(CLI::Range(int64_t{1}, int64_t{1024}));
   app.add_flag("--json", json, "print every layout (valid and rejected) as JSON");
   LATHE_CLI_PARSE(app, argc, argv);
+  if (gpus_per_node > world) {  // ranks per node: a node of the job holds at most the whole job
+    std::fprintf(stderr,
+                 "lathe plan: usage error: --gpus-per-node %lld is more than --world %lld (the ranks of the job per "
+                 "node: at most the world size)\n",
+                 static_cast<long long>(gpus_per_node), static_cast<long long>(world));
+    return 2;
+  }
 
   lathe::Recipe r = lathe::load_recipe(path, sets);
   lathe::plan::Job job;

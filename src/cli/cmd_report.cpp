@@ -78,18 +78,31 @@ Run load_run(const std::string& dir) {
               "{}: not a lathe run directory: no metrics.jsonl (pass the output.dir of a `lathe train` run)", dir);
   std::istringstream lines(lathe::io::read_file(mpath));
   std::string line;
-  int64_t n = 0;
+  int64_t n = 0, nonempty = 0, skipped = 0, first_skipped = 0;
+  std::string first_why;
+  auto skip = [&](const std::string& why) {
+    run.notes.push_back(fmt::format("skipped line {} of metrics.jsonl: {}", n, why));
+    if (skipped++ == 0) {
+      first_skipped = n;
+      first_why = why;
+    }
+  };
   while (std::getline(lines, line)) {
     ++n;
     if (line.empty()) continue;
+    ++nonempty;
     json j;
     try {
       j = lathe::io::parse_json(line, fmt::format("{} line {}", mpath, n));
     } catch (const lathe::Error& e) {
-      run.notes.push_back(fmt::format("skipped line {} of metrics.jsonl: {}", n, e.what()));
+      skip(e.what());
       continue;
     }
-    if (!j.is_object() || !j.contains("step") || !j["step"].is_number_integer()) continue;
+    if (!j.is_object()) {
+      skip(fmt::format("a JSON {}, not an object", lathe::io::json_type_name(j)));
+      continue;
+    }
+    if (!j.contains("step") || !j["step"].is_number_integer()) continue;
     const int64_t step = j["step"].get<int64_t>();
     if (j.contains("peak_rss_mb_max_rank")) run.end = j;
     for (auto it = j.begin(); it != j.end(); ++it) {
@@ -98,6 +111,15 @@ Run load_run(const std::string& dir) {
       if (it.value().is_null()) run.series[it.key()][step] = kNaN;  // a non-finite value of the run
     }
   }
+  // A file of which no line reads (random bytes, a binary file, a truncation inside the first line)
+  // is not a run to report on (S13); skipped lines of a readable one are said on stderr too.
+  LATHE_CHECK(nonempty == 0 || skipped < nonempty,
+              "{}: none of its {} lines is a JSON record (line {}: {}); is this the metrics.jsonl of a `lathe train` "
+              "run?",
+              mpath, nonempty, first_skipped, first_why);
+  if (skipped > 0)
+    fmt::print(stderr, "lathe report: note: {}: skipped {} of {} lines that do not parse (first: line {}: {})\n", mpath,
+               skipped, nonempty, first_skipped, first_why);
   const std::string rpath = (fs::path(dir) / "recipe.yaml").string();
   if (fs::exists(rpath)) run.recipe = lathe::io::read_file(rpath);
   const std::string ipath = (fs::path(dir) / "run_info.json").string();
@@ -376,6 +398,17 @@ int run_report(int argc, char** argv) {
     }
     out = (fs::path(dirs[0]) / "report.html").string();
   }
+  // --out may be none of the report's inputs, nor inside a run's checkpoints/ or model/ (D4).
+  std::vector<lathe::io::PathUse> in;
+  for (const auto& d : dirs) {
+    in.push_back({d, "the run directory"});
+    for (const char* f : {"metrics.jsonl", "recipe.yaml", "run_info.json", "anomalies.jsonl", "lathe.json"})
+      in.push_back({(fs::path(d) / f).string(), fmt::format("the run's {}", f)});
+    for (const char* sub : {"checkpoints", "model"})
+      in.push_back(
+          {(fs::path(d) / sub).string(), fmt::format("the run's {}/ directory", sub), lathe::io::PathUse::Dir});
+  }
+  lathe::io::check_output_paths(in, {{out, "--out"}});
   std::vector<Run> runs;
   for (const auto& d : dirs) runs.push_back(load_run(d));
   lathe::io::atomic_write_file(out, build_html(runs));

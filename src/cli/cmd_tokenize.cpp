@@ -2,6 +2,7 @@
 //                [--text-key text] [--split-lines] [--max-shard-size 512MB] [--strict] [--overwrite]
 // Corpus -> Megatron .bin/.idx shards; pipeline and naming rules in src/tokenizer/preprocess.h.
 #include <fmt/format.h>
+#include <glob.h>
 
 #include <CLI/CLI.hpp>
 #include <csignal>
@@ -11,6 +12,7 @@
 
 #include "cli/command.h"
 #include "core/error.h"
+#include "io/fs.h"
 #include "tokenizer/preprocess.h"
 #include "tokenizer/tokenizer.h"
 
@@ -30,6 +32,29 @@ CLI::Validator byte_size_validator() {
         }
       },
       "SIZE");
+}
+
+// No output (PREFIX.bin/.idx, the first shard's PREFIX_00000.bin/.idx, --stats-json) may be an
+// input file (after glob expansion) or the tokenizer, nor two outputs one path.
+void check_tokenize_paths(const lathe::tok::PreprocessOptions& opt, const std::string& stats_json,
+                          const std::string& tokenizer) {
+  std::vector<lathe::io::PathUse> in;
+  if (tokenizer != "byte") in.push_back({tokenizer, "--tokenizer"});
+  for (const std::string& pattern : opt.inputs) {
+    glob_t g{};
+    if (::glob(pattern.c_str(), 0, nullptr, &g) == 0)
+      for (size_t i = 0; i < g.gl_pathc; ++i) in.push_back({g.gl_pathv[i], "--input"});
+    else
+      in.push_back({pattern, "--input"});
+    ::globfree(&g);
+  }
+  const std::string& p = opt.output_prefix;
+  std::vector<lathe::io::PathUse> out{{p + ".bin", "--output's .bin"},
+                                      {p + ".idx", "--output's .idx"},
+                                      {p + "_00000.bin", "--output's first shard"},
+                                      {p + "_00000.idx", "--output's first shard index"}};
+  if (!stats_json.empty()) out.push_back({stats_json, "--stats-json"});
+  lathe::io::check_output_paths(in, out);
 }
 
 int run_tokenize(int argc, char** argv) {
@@ -74,6 +99,7 @@ int run_tokenize(int argc, char** argv) {
   opt.progress = !no_progress;
   LATHE_CHECK(opt.batch_bytes >= 1, "--batch-bytes must be at least 1");
 
+  check_tokenize_paths(opt, stats_json, tokenizer);
   auto tok = load_tokenizer(tokenizer);
   preprocess_cancel_flag().store(false);
   std::signal(SIGINT, on_interrupt);

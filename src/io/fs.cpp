@@ -7,8 +7,10 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 
 #include "core/error.h"
+#include "core/stop_signal.h"
 
 namespace lathe::io {
 
@@ -104,6 +106,53 @@ std::string read_file(const std::string& path) {
   return out;
 }
 
+std::string canonical_path(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path p = fs::absolute(fs::path(path), ec);
+  if (ec) p = fs::path(path);
+  fs::path c = fs::weakly_canonical(p, ec);
+  if (ec) c = p.lexically_normal();
+  std::string s = c.lexically_normal().string();
+  while (s.size() > 1 && s.back() == '/') s.pop_back();
+  return s;
+}
+
+bool same_path(const std::string& a, const std::string& b) {
+  if (canonical_path(a) == canonical_path(b)) return true;
+  std::error_code ec;
+  return std::filesystem::equivalent(a, b, ec) && !ec;  // false when either is missing
+}
+
+bool path_within(const std::string& path, const std::string& dir) {
+  if (same_path(path, dir)) return true;
+  const std::string p = canonical_path(path), d = canonical_path(dir);
+  if (d == "/") return true;
+  return p.size() > d.size() && p.compare(0, d.size(), d) == 0 && p[d.size()] == '/';
+}
+
+void check_output_paths(const std::vector<PathUse>& inputs, const std::vector<PathUse>& outputs) {
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const PathUse& o = outputs[i];
+    LATHE_CHECK(!o.path.empty(), "{} \"\": an empty path; give the {} to write", o.what,
+                o.kind == PathUse::File ? "file" : "directory");
+    for (const PathUse& in : inputs) {
+      if (same_path(o.path, in.path))
+        throw_error("{} {} is {} ({}): it would be overwritten; write to another path", o.what, o.path, in.what,
+                    in.path);
+      if (in.kind == PathUse::Dir && path_within(o.path, in.path))
+        throw_error("{} {} lies inside {} {}: writing there would change the input; write outside it", o.what, o.path,
+                    in.what, in.path);
+    }
+    for (size_t j = 0; j < i; ++j) {
+      const PathUse& q = outputs[j];
+      if (same_path(o.path, q.path))
+        throw_error("{} {} and {} {} are the same path: one output would replace the other; give two paths", q.what,
+                    q.path, o.what, o.path);
+    }
+  }
+}
+
 void atomic_write_file(const std::string& path, std::string_view contents) {
   AtomicFileWriter w(path);
   w.write(contents.data(), contents.size());
@@ -132,6 +181,11 @@ void AtomicFileWriter::flush() {
 
 void AtomicFileWriter::write(const void* data, size_t n) {
   LATHE_CHECK(fd_ >= 0 && !committed_, "{}: write after commit", path_);
+  // Under a StopSignalGuard (export, reshard) a SIGINT/SIGTERM stops here; the destructor removes
+  // the temporary and `path` keeps what it held.
+  if (const int sig = stop_signal())
+    throw_error("{}: interrupted by {} while writing it; the temporary {} is removed, {} is unchanged", path_,
+                signal_name(sig), tmp_, path_);
   const char* p = static_cast<const char*>(data);
   written_ += n;
   if (buf_.size() + n > buf_.capacity()) flush();

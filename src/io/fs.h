@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace lathe::io {
 
@@ -25,6 +26,33 @@ void require_regular_file(const std::string& path);
 const char* file_kind(unsigned mode);
 // Directory part of a path ("." when there is none).
 std::string parent_dir(const std::string& path);
+
+// ---- outputs that must not overwrite inputs -----------------------------------------------
+// Absolute, normalised form of a path that may not exist yet: the existing part's symlinks are
+// resolved (std::filesystem::weakly_canonical), "." and ".." removed, no trailing slash. Never
+// throws: an unreadable component keeps the lexical form.
+std::string canonical_path(const std::string& path);
+// True when both name the same file or directory: equal canonical paths, or (both existing) the
+// same inode (a hard link).
+bool same_path(const std::string& a, const std::string& b);
+// True when `path` is `dir` or lies anywhere below it (canonical paths, component-wise).
+bool path_within(const std::string& path, const std::string& dir);
+
+// A path a command reads or writes, with the option that named it ("--to-onnx", "the source").
+struct PathUse {
+  enum Kind {
+    File,  // one file or directory: an output may not be it
+    Dir,   // a directory whose every path is input: nothing may be written inside it either
+  };
+  std::string path;
+  std::string what;
+  Kind kind = File;
+};
+// Every writing command calls this before it writes anything. Refuses (naming both options and
+// paths) an output that is one of the inputs, lies inside an input Dir, or names the same path
+// as another output. Empty output paths are refused too ("--to \"\""
+// would write into the current directory).
+void check_output_paths(const std::vector<PathUse>& inputs, const std::vector<PathUse>& outputs);
 
 // Streaming version of atomic_write_file for large outputs (safetensors, checkpoints):
 //   AtomicFileWriter w(path); w.write(p, n); ...; w.commit();

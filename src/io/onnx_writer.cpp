@@ -10,10 +10,13 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <memory>
 
 #include "core/error.h"
+#include "core/stop_signal.h"
 #include "io/fs.h"
+#include "io/xxh64.h"
 
 namespace lathe::io::onnx {
 
@@ -253,6 +256,60 @@ void check_tensor(const Tensor& t) {
 
 }  // namespace
 
+std::string external_data_name(const std::string& model_file, uint64_t hash) {
+  return model_file + "." + hex64(hash) + ".data";
+}
+
+bool is_external_data_name(const std::string& model_file, const std::string& name) {
+  const std::string pre = model_file + ".", suf = ".data";
+  if (name.size() != pre.size() + 16 + suf.size() || name.compare(0, pre.size(), pre) != 0 ||
+      name.compare(name.size() - suf.size(), suf.size(), suf) != 0)
+    return false;
+  const std::string mid = name.substr(pre.size(), 16);
+  return mid.find_first_not_of("0123456789abcdef") == std::string::npos;
+}
+
+namespace {
+// "<path>.tmp" and the "<data file>.tmp" of an earlier export to `path` that was killed.
+void remove_stale_temporaries(const std::string& path) {
+  namespace fs = std::filesystem;
+  const fs::path p(path);
+  const fs::path dir = p.parent_path().empty() ? fs::path(".") : p.parent_path();
+  const std::string file = p.filename().string();
+  std::error_code ec;
+  fs::remove(path + ".tmp", ec);
+  fs::remove(path + ".data.tmp", ec);  // the fixed name of earlier versions
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string n = it->path().filename().string();
+    if (n.size() > 4 && n.compare(n.size() - 4, 4, ".tmp") == 0 &&
+        is_external_data_name(file, n.substr(0, n.size() - 4)))
+      fs::remove(it->path(), ec);
+  }
+}
+
+// Data files of `path`'s naming other than `keep` (the one the graph just written names; "" for an
+// inline graph): left by earlier exports, or by one killed between its two renames.
+void remove_stale_external_data(const std::string& path, const std::string& keep) {
+  namespace fs = std::filesystem;
+  const fs::path p(path);
+  const fs::path dir = p.parent_path().empty() ? fs::path(".") : p.parent_path();
+  const std::string file = p.filename().string();
+  std::error_code ec;
+  std::vector<fs::path> stale;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string n = it->path().filename().string();
+    if (n != keep && is_external_data_name(file, n)) stale.push_back(it->path());
+  }
+  for (const auto& s : stale) fs::remove(s, ec);
+}
+
+void check_interrupt(const std::string& path) {
+  if (const int sig = stop_signal())
+    throw_error("{}: interrupted by {} before the file was complete; nothing was written (temporary files removed)",
+                path, signal_name(sig));
+}
+}  // namespace
+
 WriteResult write_model(const std::string& path, const Graph& graph, const ModelProtoInfo& info,
                         const WriteOptions& opts) {
   for (const Tensor& t : graph.initializers) check_tensor(t);
@@ -269,26 +326,34 @@ WriteResult write_model(const std::string& path, const Graph& graph, const Model
     external = probe.size() > std::min(opts.inline_limit, kProtoLimit);
   }
   WriteResult r;
+  remove_stale_temporaries(path);
   std::vector<uint64_t> offsets(graph.initializers.size(), 0);
   std::string location;
   std::unique_ptr<AtomicFileWriter> data;
   if (external) {
-    location = std::filesystem::path(path).filename().string() + ".data";
-    r.data_path = path + ".data";
+    // The data file's bytes: 64-byte aligned tensors (mmap-friendly), emitted twice (hash, write).
+    auto layout = [&](const std::function<void(const void*, size_t)>& emit) {
+      static const char zeros[64] = {};
+      uint64_t off = 0;
+      for (size_t i = 0; i < graph.initializers.size(); ++i) {
+        const Tensor& t = graph.initializers[i];
+        if (t.data.size() < opts.external_min_bytes) continue;
+        const uint64_t pad = (64 - off % 64) % 64;
+        emit(zeros, pad);
+        off += pad;
+        offsets[i] = off;
+        check_interrupt(path);
+        emit(t.data.data(), t.data.size());
+        off += t.data.size();
+      }
+      return off;
+    };
+    Xxh64 h;
+    layout([&](const void* p, size_t n) { h.update(p, n); });
+    location = external_data_name(std::filesystem::path(path).filename().string(), h.digest());
+    r.data_path = (std::filesystem::path(path).parent_path() / location).string();
     data = std::make_unique<AtomicFileWriter>(r.data_path);
-    static const char zeros[64] = {};
-    uint64_t off = 0;
-    for (size_t i = 0; i < graph.initializers.size(); ++i) {
-      const Tensor& t = graph.initializers[i];
-      if (t.data.size() < opts.external_min_bytes) continue;
-      const uint64_t pad = (64 - off % 64) % 64;  // 64-byte aligned tensors (mmap-friendly)
-      data->write(zeros, pad);
-      off += pad;
-      offsets[i] = off;
-      data->write(t.data.data(), t.data.size());
-      off += t.data.size();
-    }
-    r.data_bytes = off;
+    r.data_bytes = layout([&](const void* p, size_t n) { data->write(p, n); });
   }
   Message m;
   model_proto(m, graph, info, external ? &location : nullptr, offsets, opts.external_min_bytes);
@@ -299,8 +364,13 @@ WriteResult write_model(const std::string& path, const Graph& graph, const Model
   AtomicFileWriter out(path);
   auto sink = [&](const void* p, size_t n) { out.write(p, n); };
   m.write(sink);
+  // Publication order: the data file first, under a name no earlier graph uses (its content hash),
+  // then the graph by rename over `path`. A kill between the two leaves the old graph with its old
+  // data file (plus an unreferenced new one, removed by the next export); never a mismatched pair.
+  check_interrupt(path);
   if (data) data->commit();
   out.commit();
+  remove_stale_external_data(path, location);
   return r;
 }
 

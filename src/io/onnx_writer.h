@@ -98,10 +98,17 @@ struct ModelProtoInfo {
 // Largest protobuf message (2 GiB - 1): above it the weights must be external.
 constexpr uint64_t kProtoLimit = (uint64_t{1} << 31) - 1;
 
+// The external-data file of model file M (a file name, no directory): "M.<xxh64 of its bytes, 16
+// hex digits>.data", beside M. A new name for new contents lets the pair be published in an order
+// a kill cannot mismatch (see write_model).
+std::string external_data_name(const std::string& model_file, uint64_t hash);
+// True for a name of that form (what an export to M may create and remove).
+bool is_external_data_name(const std::string& model_file, const std::string& name);
+
 struct WriteOptions {
-  // Initializers of at least `external_min_bytes` go to "<path>.data" (the name stored in the
-  // model is the file name only, so the pair can be moved together). Automatic when the model with
-  // its weights inline would be larger than `inline_limit` (tests lower it to exercise the switch).
+  // Initializers of at least `external_min_bytes` go to the external-data file (external_data_name;
+  // the name stored in the model is the file name only, so the pair can be moved together). Automatic when the model
+  // with its weights inline would be larger than `inline_limit` (tests lower it to exercise the switch).
   bool external_data = false;
   size_t external_min_bytes = 1024;
   uint64_t inline_limit = kProtoLimit;
@@ -112,9 +119,12 @@ struct WriteResult {
   std::string data_path;  // empty without external data
 };
 
-// Writes the model atomically (temporary files renamed at the end: the external data file first,
-// then the model, so a model file never names a data file that is not complete). Errors name the
-// path.
+// Writes the model atomically: temporary files renamed at the end, the external data file first
+// (under its content-hash name, so the previous graph's data file is untouched), then the model,
+// whose rename is the single switch from the old pair to the new one; data files of the old
+// naming left beside it are then removed, as are temporaries of an earlier killed export to the
+// same path. Under a StopSignalGuard (core/stop_signal.h) a SIGINT/SIGTERM stops it at the next
+// tensor and removes its temporaries. Errors name the path.
 WriteResult write_model(const std::string& path, const Graph& graph, const ModelProtoInfo& info,
                         const WriteOptions& opts = {});
 

@@ -390,7 +390,8 @@ std::string save_onnx(const Model& model, const std::string& path, const OnnxExp
               "no bf16 kernels for most operators)",
               dtype_name(opts.dtype));
   LATHE_CHECK(opts.static_seq_len >= 0 && opts.static_seq_len <= cfg.max_position_embeddings,
-              "--static-seq-len {} must be in [1, max_position_embeddings = {}] (0 = dynamic shapes)",
+              "--static-seq-len {} must be in [1, max_position_embeddings = {}] (leave it out for dynamic shapes "
+              "with past key/values)",
               opts.static_seq_len, cfg.max_position_embeddings);
   Exporter ex(model, opts);
   const io::onnx::Graph g = ex.build();
@@ -407,7 +408,8 @@ std::string save_onnx(const Model& model, const std::string& path, const OnnxExp
                    {"static_seq_len", std::to_string(opts.static_seq_len)}};
   io::onnx::WriteOptions wo;
   wo.external_data = opts.external_data;
-  // Test hook: a lower size above which the weights go to FILE.data (the 2 GiB switch, on tiny models).
+  // Test hook: a lower size above which the weights go to the external-data file (the 2 GiB switch, on tiny
+  // models).
   if (const char* e = std::getenv("LATHE_TEST_ONNX_INLINE_LIMIT")) wo.inline_limit = std::strtoull(e, nullptr, 10);
   const io::onnx::WriteResult r = io::onnx::write_model(path, g, info, wo);
   std::string shape = opts.static_seq_len > 0 ? fmt::format("static [1, {}], no past key/values", opts.static_seq_len)

@@ -9,7 +9,9 @@
 #include <set>
 
 #include "core/error.h"
+#include "core/stop_signal.h"
 #include "dist/comm.h"
+#include "io/fs.h"
 #include "io/safetensors.h"
 #include "optim/chunks.h"
 #include "parallel/flat_shards.h"
@@ -308,12 +310,17 @@ ReshardResult reshard_checkpoint(const std::string& src, const std::string& dst_
   res.from = checkpoint_layout(st);
   res.to = to;
   const fs::path out = fs::path(dst_run_dir) / "checkpoints" / fmt::format("step_{:08d}", st.step);
+  // The output run directory: not empty (that is the current directory), not inside the source
+  // checkpoint (S11), and the checkpoint it gets is not the source itself.
+  io::check_output_paths({{src, "the source checkpoint", io::PathUse::Dir}}, {{dst_run_dir, "--to", io::PathUse::Dir}});
   std::error_code ec;
   LATHE_CHECK(!fs::exists(out, ec),
               "{}: already exists (lathe checkpoint reshard never overwrites a checkpoint); remove it or choose "
               "another --to",
               out.string());
   res.dir = out.string();
+  constexpr const char* kUndone = "nothing was written";
+  throw_if_stopped("lathe checkpoint reshard", kUndone);
 
   // The global state: every weight whole, every moment as a flat buffer of the model's layout.
   std::unique_ptr<Model> model = build_model(cfg, ComputeSpec{nullptr, DType::F32, /*gradients=*/false});
@@ -339,6 +346,13 @@ ReshardResult reshard_checkpoint(const std::string& src, const std::string& dst_
     if (std::find(moment_names.begin(), moment_names.end(), m) == moment_names.end()) moment_names.push_back(m);
   }
   const size_t P = model->num_params();
+  // Every data rank of a ZeRO run holds a share of the flat moments: more ranks than elements
+  // would write empty shard files by the thousand (H1).
+  LATHE_CHECK(moment_names.empty() || to.data <= static_cast<int64_t>(P),
+              "--data {}: the model has {} parameters, so at most {} data-parallel ranks can each hold a share of "
+              "the optimizer moments; give a smaller --data",
+              to.data, P, P);
+  throw_if_stopped("lathe checkpoint reshard", kUndone);
   std::vector<std::vector<float>> moments(moment_names.size(), std::vector<float>(P));
   OfflineCheckpoint parts;
   if (!moment_names.empty()) {
@@ -377,8 +391,19 @@ ReshardResult reshard_checkpoint(const std::string& src, const std::string& dst_
   par["data"] = to.data;
   par["zero"] = to.zero;
   CheckpointSaveInfo info;
-  save_checkpoint_offline(dst_run_dir, *model, parts, ns, &info);
-  verify_checkpoint(res.dir);  // what was written reads back with its checksums
+  throw_if_stopped("lathe checkpoint reshard", kUndone);
+  try {
+    save_checkpoint_offline(dst_run_dir, *model, parts, ns, &info);
+    throw_if_stopped("lathe checkpoint reshard", "the checkpoint it had written is removed");
+    verify_checkpoint(res.dir);  // what was written reads back with its checksums
+  } catch (...) {
+    // Our own temporary directory (save_checkpoint_offline's naming) and, when the failure or a
+    // signal came after its rename, the checkpoint this call created: nothing half-done is left.
+    std::error_code rec;
+    fs::remove_all(fs::path(res.dir + ".tmp"), rec);
+    fs::remove_all(out, rec);
+    throw;
+  }
   res.bytes = info.bytes;
   for (const CheckpointFile& f : read_checkpoint_state(res.dir).files) res.files.push_back(f.name);
   return res;

@@ -55,4 +55,22 @@ with cases.case("recipe behind a symlink loop is named"):
     os.symlink(a, b)
     run_lathe(["check", a], rc=1, must=["loop_a.yaml", "symbolic links"])
 
+# ---- generate: sampling options outside their documented ranges are usage errors (S6, U2) -------
+# They were accepted with exit 0 (--max-new-tokens -5 printed the prompt only; NaN/inf sampled).
+gen = ["generate", "--model", cases.path("no_model"), "--prompt", "x"]
+for opt, value, must in [("--max-new-tokens", "-5", "integer in [1,"), ("--max-new-tokens", "0", "integer in [1,"),
+                         ("--top-p", "2", "(0, 1]"), ("--top-p", "-1", "(0, 1]"), ("--top-p", "nan", "finite"),
+                         ("--top-p", "0", "(0, 1]"), ("--temperature", "-1", "[0, 100]"),
+                         ("--temperature", "nan", "finite"), ("--temperature", "inf", "finite"),
+                         ("--top-k", "-3", ">= 0"), ("--seed", "-1", "non-negative integer"),
+                         ("--seed", "18446744073709551616", "below 2^64"), ("--seed", "1.5", "non-negative integer")]:
+    with cases.case(f"generate {opt} {value} is a usage error naming the rule"):
+        p = run_lathe(gen + [opt + "=" + value], rc=2, must=[opt, must], must_not=["At Most"])
+        if opt == "--seed":  # also the space-separated form that gave "At Most 1 required but received 2"
+            run_lathe(gen + [opt, value], rc=2, must=[must], must_not=["At Most"])
+
+with cases.case("control: in-range sampling options reach the model loader"):
+    run_lathe(gen + ["--top-p", "1", "--temperature", "0", "--top-k", "0", "--seed", "18446744073709551615",
+                     "--max-new-tokens", "1"], rc=1, must=["no_model"])
+
 cases.finish()

@@ -38,7 +38,13 @@ for name, extra, flag in [("--virtual-stages 0", ["--virtual-stages", "0"], "vir
                           ("--memory-gb -1", ["--memory-gb", "-1"], "memory-gb"),
                           ("--top -1", ["--top", "-1"], "top"),
                           ("--world 0", ["--world", "0"], "world"),
-                          ("--peak-gflops 0", ["--peak-gflops", "0"], "peak-gflops")]:
+                          ("--peak-gflops 0", ["--peak-gflops", "0"], "peak-gflops"),
+                          # S7: these replaced the value by the machine default (or ran the probe)
+                          ("--memory-gb 0", ["--memory-gb", "0"], "memory-gb"),
+                          ("--memory-gb nan", ["--memory-gb", "nan"], "memory-gb"),
+                          ("--peak-gflops nan", ["--peak-gflops", "nan"], "peak-gflops"),
+                          ("--link-gbps inf", ["--link-gbps", "inf"], "link-gbps"),
+                          ("--gpus-per-node above --world", ["--gpus-per-node", "1048576"], "gpus-per-node")]:
     with cases.case(name):
         args = ["plan", recipe] + (["--world", "2"] if "--world" not in extra else []) + extra
         p = run_lathe(args, rc=2, timeout=30)

@@ -230,4 +230,18 @@ with cases.case("a directory in place of the .idx is named as one"):
     os.makedirs(p + ".idx")
     evaluate(p, must=[p + ".idx", "is a directory"])
 
+with cases.case("data inspect --eod 2^31 is a usage error (it cast to int32 -2^31 and crashed, SIGSEGV)"):
+    p = cases.path("ds", "inspect")
+    write_dataset(p, DOCS_IDS)
+    run_lathe(["data", "inspect", p, "--eod", "2147483648"], rc=2, must=["--eod", "2147483647"])
+    run_lathe(["data", "inspect", p, "--eod", "2147483647"], rc=0, stream="stdout", must=["2147483647"])
+
+with cases.case("tokenize --stats-json on its own --input, or on the .idx it writes, is refused"):
+    src = cases.write("stats_in.txt", "one line\ntwo lines\n")
+    before = open(src).read()
+    tokenize([src], "st", "--split-lines", "--stats-json", src, rc=1, must=["--stats-json", "--input"])
+    assert open(src).read() == before
+    tokenize([src], "st2", "--split-lines", "--stats-json", cases.path("out", "st2") + ".idx", rc=1,
+             must=["--stats-json", "same path"])
+
 cases.finish()

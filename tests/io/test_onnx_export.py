@@ -17,13 +17,15 @@ and Qwen2 (q/k/v biases, tied, rope_theta 1e6). For each:
   * --dtype fp16: weights fp16 in the file; logits within 4e-3 x max(1, largest |logit|) of lathe
     fp32 (fp16 keeps 11 significant bits, ~5e-4 relative per rounding of weights and activations;
     measured 4.5e-4 .. 6.7e-4 here with logits up to ~1)
-  * --external-data: FILE.data holds the weights, logits bit-identical to the inline file
+  * --external-data: FILE.<hash>.data holds the weights, logits bit-identical to the inline file
 A llama trained by `lathe train` for one step is exported from its run directory (checkpoint) and
 compared the same way; the automatic switch to external data (limit lowered by a test hook); a
 Mistral with sliding_window 4 step by step against transformers (lathe refuses such lengths). Bad input: bf16, --static-seq-len beyond max_position_embeddings or without
 --to-onnx, a file in a missing directory: exit 1/2 with the value and the fix named.
 """
+import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -230,8 +232,9 @@ def check_family(tmp, kind):
     check_graph(epath, cfg, False)
     le, _ = Runner(epath, cfg)([a, b])
     li, _ = r([a, b])
-    check(os.path.getsize(epath + ".data") > os.path.getsize(epath) and np.array_equal(le, li),
-          f"{kind} external data: {os.path.getsize(epath + '.data')} B in .data, "
+    edata = external_data_file(epath)
+    check(os.path.getsize(edata) > os.path.getsize(epath) and np.array_equal(le, li),
+          f"{kind} external data: {os.path.getsize(edata)} B in {os.path.basename(edata)}, "
           f"{os.path.getsize(epath)} B model, logits identical to the inline file")
 
 
@@ -264,6 +267,14 @@ output: {{dir: {run_dir}, checkpoint_every: 1}}
           f"(the step moved logits by {maxdiff(ref, ref_init):.2e})")
 
 
+def external_data_file(path):
+    """The external-data file beside PATH: PATH.<16 hex digits of its XXH64>.data (the name changes
+    with the contents, so a graph and its data are published in an order a kill cannot mismatch)."""
+    found = [f for f in glob.glob(glob.escape(path) + ".*.data")
+             if re.fullmatch(r"[0-9a-f]{16}", f[len(path) + 1:-len(".data")])]
+    return found[0] if len(found) == 1 else None
+
+
 def check_auto_external(tmp):
     """The switch to external data above the protobuf limit, on a tiny model: the test hook lowers
     the limit from 2 GiB to 50 kB (the llama export is ~106 kB inline)."""
@@ -272,7 +283,7 @@ def check_auto_external(tmp):
     p = subprocess.run([LATHE, "export", d, "--to-onnx", path], capture_output=True, text=True,
                        env=dict(os.environ, LATHE_TEST_ONNX_INLINE_LIMIT="50000"))
     cfg = transformers.AutoConfig.from_pretrained(d)
-    ok = p.returncode == 0 and os.path.exists(path + ".data")
+    ok = p.returncode == 0 and external_data_file(path) is not None
     if ok:
         check_graph(path, cfg, False)
         seq = [[3, 1, 4, 1, 5, 9, 2, 6]]

@@ -6,12 +6,16 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 
 #include "core/error.h"
+#include "core/stop_signal.h"
 #include "io/fs.h"
 #include "io/onnx_writer.h"
+#include "io/xxh64.h"
 
 using namespace lathe;
 using namespace lathe::io::onnx;
@@ -103,8 +107,11 @@ TEST(OnnxWriter, ExternalDataOffsetsAndInlineSmallTensors) {
   o.external_min_bytes = 8;  // W (8 B) and S (8 B) external, H (4 B) inline
   const std::string path = tmpdir() + "/ext.onnx";
   const WriteResult r = write_model(path, g, info, o);
-  ASSERT_EQ(r.data_path, path + ".data");
   const std::string data = io::read_file(r.data_path);
+  // Named by its content (XXH64), beside the model: "ext.onnx.<16 hex>.data".
+  const std::string location = external_data_name("ext.onnx", io::Xxh64::hash(data.data(), data.size()));
+  ASSERT_EQ(r.data_path, tmpdir() + "/" + location);
+  ASSERT_EQ(location.size(), 30u);
   ASSERT_EQ(data.size(), 72u);  // W at 0, S at 64 (64-byte aligned)
   EXPECT_EQ(r.data_bytes, 72u);
   EXPECT_EQ(data.substr(0, 8), g.initializers[0].data);
@@ -113,9 +120,7 @@ TEST(OnnxWriter, ExternalDataOffsetsAndInlineSmallTensors) {
   const std::string model = io::read_file(path);
   EXPECT_EQ(model.size(), r.model_bytes);
   // location = file name only; offsets as decimal strings; data_location (14) = EXTERNAL (1)
-  EXPECT_NE(model.find("location\x12\x0d"
-                       "ext.onnx.data"),
-            std::string::npos);
+  EXPECT_NE(model.find("location\x12\x1e" + location), std::string::npos);
   EXPECT_NE(model.find(std::string("offset\x12\x02"
                                    "64",
                                    10)),
@@ -150,6 +155,112 @@ TEST(OnnxWriter, RefusesATensorWhoseBytesDoNotMatchItsShape) {
     EXPECT_NE(std::string(e.what()).find("'W' has 8 bytes for 3 float32 elements"), std::string::npos) << e.what();
   }
   EXPECT_FALSE(fs::exists(path));
+}
+
+// D6 (hostile pass 2026-12-01): the data file used to be renamed to the fixed "<path>.data" and
+// then the graph over <path>: a kill between the two paired the new weights with the old graph.
+// Now new weights get a new name, the graph's rename is the only switch, and what the old graph
+// named is removed afterwards: at every point the graph on disk names a complete data file of its
+// own export.
+TEST(OnnxWriter, ExternalDataPairStaysConsistentAcrossRewrites) {
+  const std::string dir = tmpdir() + "/pair";
+  fs::create_directories(dir);
+  const std::string path = dir + "/m.onnx";
+  Graph g;
+  ModelProtoInfo info;
+  make(g, info);
+  WriteOptions o;
+  o.external_data = true;
+  o.external_min_bytes = 8;
+  const WriteResult a = write_model(path, g, info, o);
+  const std::string graph_a = io::read_file(path), data_a = io::read_file(a.data_path);
+  // New weights: a new data file name; the old one is gone once the new graph is in place.
+  g.initializers[0].data[0] ^= 0x55;
+  const WriteResult b = write_model(path, g, info, o);
+  EXPECT_NE(a.data_path, b.data_path);
+  EXPECT_FALSE(fs::exists(a.data_path));
+  EXPECT_NE(io::read_file(path).find(fs::path(b.data_path).filename().string()), std::string::npos);
+  // What a kill between the two renames leaves: graph A with data A, plus B's data unreferenced.
+  // The old pair is intact (A's data file was never touched by B's write until B's graph landed).
+  io::atomic_write_file(path, graph_a);
+  io::atomic_write_file(a.data_path, data_a);
+  EXPECT_NE(io::read_file(path).find(fs::path(a.data_path).filename().string()), std::string::npos);
+  EXPECT_EQ(io::read_file(a.data_path), data_a);
+  // The next export removes the orphan and the temporaries of its naming, nothing else.
+  io::atomic_write_file(path + ".tmp", "stale");
+  io::atomic_write_file(b.data_path + ".tmp", "stale");
+  io::atomic_write_file(dir + "/m.onnx.other", "kept");
+  const WriteResult c = write_model(path, g, info, o);
+  EXPECT_EQ(c.data_path, b.data_path);  // same bytes, same name
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"m.onnx", fs::path(c.data_path).filename().string(), "m.onnx.other"}));
+  // Inline again: no data file of its naming stays.
+  o.external_data = false;
+  write_model(path, g, info, o);
+  EXPECT_FALSE(fs::exists(c.data_path));
+  EXPECT_TRUE(fs::exists(dir + "/m.onnx.other"));
+}
+
+TEST(OnnxWriter, ExternalDataNames) {
+  EXPECT_EQ(external_data_name("m.onnx", 0xabcdef), "m.onnx.0000000000abcdef.data");
+  EXPECT_TRUE(is_external_data_name("m.onnx", "m.onnx.0000000000abcdef.data"));
+  EXPECT_FALSE(is_external_data_name("m.onnx", "m.onnx.data"));
+  EXPECT_FALSE(is_external_data_name("m.onnx", "m.onnx.0000000000ABCDEF.data"));
+  EXPECT_FALSE(is_external_data_name("m.onnx", "n.onnx.0000000000abcdef.data"));
+  EXPECT_FALSE(is_external_data_name("m.onnx", "m.onnx.0000000000abcdef.data.tmp"));
+}
+
+// D6: a SIGINT under the tools' StopSignalGuard stops the write; no file and no temporary remain,
+// and an existing pair is untouched.
+TEST(OnnxWriter, SignalStopsTheWriteAndLeavesNothing) {
+  const std::string dir = tmpdir() + "/sig";
+  fs::create_directories(dir);
+  const std::string path = dir + "/s.onnx";
+  Graph g;
+  ModelProtoInfo info;
+  make(g, info);
+  WriteOptions o;
+  o.external_data = true;
+  o.external_min_bytes = 8;
+  const WriteResult old = write_model(path, g, info, o);
+  const std::string old_graph = io::read_file(path);
+  g.initializers[0].data[0] ^= 0x55;
+  {
+    StopSignalGuard guard;
+    std::raise(SIGINT);
+    try {
+      write_model(path, g, info, o);
+      FAIL() << "expected an error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("interrupted by SIGINT"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(io::read_file(path), old_graph);
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"s.onnx", fs::path(old.data_path).filename().string()}));
+}
+
+// The streaming writer itself: a signal between two writes unwinds, the temporary is removed and
+// the destination keeps its old contents.
+TEST(AtomicFileWriter, SignalRemovesTheTemporary) {
+  const std::string path = tmpdir() + "/w.bin";
+  io::atomic_write_file(path, "old");
+  StopSignalGuard guard;
+  try {
+    io::AtomicFileWriter w(path);
+    w.write("new", 3);
+    std::raise(SIGTERM);
+    w.write("more", 4);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("interrupted by SIGTERM"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(fs::exists(path + ".tmp"));
+  EXPECT_EQ(io::read_file(path), "old");
 }
 
 }  // namespace
