@@ -232,8 +232,7 @@ int run_blend_plan(int argc, char** argv) {
   const std::string cache = (std::filesystem::path(r.output.dir.empty() ? "." : r.output.dir) / "data_cache").string();
   const lathe::data::CachedPlan c = lathe::data::cached_blend_plan(
       ob.sources, T, static_cast<uint64_t>(r.training.seed), total, cache, /*write=*/false);
-  double wsum = 0;
-  for (const auto& s : ob.sources) wsum += s.weight;
+  const std::vector<double> shares = lathe::data::blend_shares(ob.sources);  // no overflow for huge weights
   json j = {{"recipe", path},   {"steps", r.training.steps}, {"global_batch", G},
             {"seq_len", T},     {"seed", r.training.seed},   {"samples", total},
             {"plan", c.status}, {"plan_seconds", c.seconds}, {"cache", c.path}};
@@ -243,7 +242,7 @@ int run_blend_plan(int argc, char** argv) {
     ds.push_back({{"index", i},
                   {"prefix", s.name},
                   {"weight", s.weight},
-                  {"share_asked", s.weight / wsum},
+                  {"share_asked", shares[i]},
                   {"share_observed", total ? static_cast<double>(c.plan->taken[i]) / static_cast<double>(total) : 0.0},
                   {"samples_available", s.samples},
                   {"samples_taken", c.plan->taken[i]},

@@ -150,6 +150,7 @@ with cases.case("S5: weights 1e308 + 1e308 overflow their sum: both datasets kee
     assert p.stdout.decode().count("(50.00%)") == 4, p.stdout.decode()  # asked and planned, per dataset
     p = run_lathe(["data", "blend-plan", r], rc=0, stream="stdout")
     assert p.stdout.decode().count(" 50.000% ") == 2, p.stdout.decode()  # observed
+    assert p.stdout.decode().count(" 50.00%  ") == 2, p.stdout.decode()  # asked (was 0.00%: the sum overflowed)
 
 with cases.case("S12: one dataset named twice (data/a, ./data/a, data//a) is refused naming both entries"):
     d, b = os.path.split(WEB)
@@ -206,12 +207,13 @@ with cases.case("D6: stale blend-plan temporaries of dead writers are removed, l
     keep = [f"blend-{h}.bin.{os.getpid()}.tmp", "notes.txt", "blend-x.bin.tmp", f"blend-{h}.bin.12ab.tmp"]
     for n in stale + keep:
         open(cases.path("runs", "stale", "data_cache", n), "w").write("x")
-    run_lathe(["train", r, "--quiet"], rc=0, timeout=120)  # reuses the plan, cleans the directory
+    # --overwrite: the old run moves aside, its data_cache/ comes back into the new run (train/run_dir.h)
+    run_lathe(["train", r, "--quiet", "--overwrite"], rc=0, timeout=120)  # reuses the plan, cleans the directory
     assert cache_files("stale") == sorted([plan] + keep), cache_files("stale")
     for n in keep[1:]:
         os.remove(cases.path("runs", "stale", "data_cache", n))
     os.remove(cases.path("runs", "stale", "data_cache", plan))
-    run_lathe(["train", r, "--quiet"], rc=0, timeout=120)  # rebuilds: written under a PID name, renamed
+    run_lathe(["train", r, "--quiet", "--overwrite"], rc=0, timeout=120)  # rebuilds: written under a PID name, renamed
     assert cache_files("stale") == sorted([plan, keep[0]]), cache_files("stale")
 
 
