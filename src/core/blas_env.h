@@ -20,8 +20,12 @@
 
 namespace lathe {
 
-// GOMP_SPINCOUNT when the CPUs are not oversubscribed (libgomp: about 100k spins per ms).
-inline constexpr const char* kSpinCount = "200000";
+// GOMP_SPINCOUNT when the CPUs are not oversubscribed (libgomp: about 100k spins per ms, so ~0.2 ms:
+// longer than the gaps between the parallel regions of a step or a token, short enough that load
+// arriving after start costs little). Measured with bench/bench_oversubscribed.py on a 2-core
+// machine that other jobs kept busy: generate at 2 threads 16-70 ms/token with 20000, 56-76 with
+// 200000, 231-358 with ACTIVE, 4-13 passive.
+inline constexpr const char* kSpinCount = "20000";
 
 // What decides the wait policy at start.
 struct OmpLoad {
