@@ -1,13 +1,30 @@
 #!/usr/bin/env bash
-# Installs everything lathe needs to build and test on Debian 12 (idempotent; run as root or with sudo).
+# Installs what lathe needs on Debian 12 (idempotent; run as root or with sudo).
+#   bash scripts/setup.sh          the runtime: compiler, CMake and the libraries the `lathe` binary
+#                                  links (what scripts/quickstart.sh needs; no Python)
+#   bash scripts/setup.sh --test   the runtime and the test extras: GoogleTest/benchmark, Python
+#                                  with torch/numpy (the oracles), the PyPI oracles, llama-cpp-python,
+#                                  Chromium, cuDNN frontend headers (what scripts/test.sh needs)
 set -euo pipefail
 SUDO=""
 [ "$(id -u)" = 0 ] || SUDO=sudo
-PKGS=(build-essential cmake pkg-config git
+TEST=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) TEST=1 ;;
+    -h | --help) sed -n '2,7p' "$0"; exit 0 ;;
+    *) echo "setup.sh: unknown argument '$arg' (expected nothing or --test)" >&2; exit 2 ;;
+  esac
+done
+RUNTIME_PKGS=(build-essential cmake pkg-config git
       libopenblas-openmp-dev libyaml-cpp-dev nlohmann-json3-dev libcli11-dev libfmt-dev
-      libgtest-dev libgmock-dev libbenchmark-dev libsentencepiece-dev sentencepiece
-      libpcre2-dev libzstd-dev zlib1g-dev zstd libjemalloc2 openmpi-bin libopenmpi-dev libdnnl-dev
+      libsentencepiece-dev libpcre2-dev libzstd-dev zlib1g-dev zstd openmpi-bin libopenmpi-dev libdnnl-dev)
+# sentencepiece (spm_train/spm_encode): tokenizer oracle; libjemalloc2: PyTorch's allocator in bench/;
+# ca-certificates: pip's downloads.
+TEST_PKGS=(libgtest-dev libgmock-dev libbenchmark-dev sentencepiece libjemalloc2 ca-certificates
       python3 python3-pip python3-numpy python3-torch python3-pil chromium)
+PKGS=("${RUNTIME_PKGS[@]}")
+[ "$TEST" = 1 ] && PKGS+=("${TEST_PKGS[@]}")
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -15,8 +32,13 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing ${missing[*]}"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+  # The runtime needs none of its packages' recommends (gfortran, Mesa/X11 libraries, OpenCL headers,
+  # GnuPG, manuals: 108 more packages, 71 MB more to download); the test extras keep them.
+  NOREC=(--no-install-recommends)
+  [ "$TEST" = 1 ] && NOREC=()
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${NOREC[@]}" "${missing[@]}" >/dev/null
 fi
+[ "$TEST" = 1 ] || exit 0
 # PyPI oracles for the tokenizer tests, installed into Debian's python3 (the one with torch).
 PY=/usr/bin/python3
 # The packages import, and those whose version others can move (transformers pulls in its own

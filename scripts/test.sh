@@ -3,17 +3,31 @@
 # tests with AddressSanitizer + UndefinedBehaviorSanitizer and run them too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh --test  # the runtime and the test extras
 # ccache when available: the CUDA stage below then reuses every object that does not involve CUDA.
 LAUNCHER=()
 command -v ccache >/dev/null 2>&1 && LAUNCHER=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
-bash scripts/build.sh -DLATHE_CUDA=OFF "${LAUNCHER[@]}"
+# Tests and benchmarks ON explicitly: scripts/quickstart.sh configures the same build/ without them.
+bash scripts/build.sh -DLATHE_CUDA=OFF -DLATHE_BUILD_TESTS=ON -DLATHE_BUILD_BENCH=ON "${LAUNCHER[@]}"
 export OMP_NUM_THREADS=2
-# ctest -j2 runs two tests at once on 2 cores: spinning OpenMP workers (lathe's default ACTIVE wait
-# policy, fastest on dedicated cores) would then take each other's time slices, and a small
-# training test ran at ~2 s/step instead of ~0.15 s. Tests measure results, not speed: wait passively.
+# ctest -j2 runs two tests at once on 2 cores. lathe itself now spins only briefly and waits
+# passively when it sees the cores taken at start (src/core/blas_env.h), but tests start while
+# other tests come and go; they measure results, not speed: wait passively, always (the test
+# binaries and PyTorch oracles do not go through lathe's start-up check anyway).
 export OMP_WAIT_POLICY=PASSIVE
 (cd build && ctest --output-on-failure -j2 --timeout 900)
+# Portable build (-DLATHE_ARCH=x86-64-v3, opt-in: LATHE_TEST_PORTABLE=1): every object is compiled
+# again for another -march (minutes on 2 cores with a cold ccache), so CI does not run it; the
+# native build's test_cpu_isa already runs every dispatch path this CPU has, forced in-process.
+if [ "${LATHE_TEST_PORTABLE:-0}" = 1 ]; then
+  BUILD_DIR=build-v3 BUILD_TARGET="lathe test_cpu_isa test_ops_basic" bash scripts/build.sh -DLATHE_CUDA=OFF \
+    -DLATHE_ARCH=x86-64-v3 -DLATHE_BUILD_BENCH=OFF "${LAUNCHER[@]}"
+  for isa in native avx2; do
+    echo "== portable build, LATHE_CPU_ISA=$isa =="
+    LATHE_CPU_ISA=$isa ./build-v3/tests/test_cpu_isa --gtest_brief=1
+    LATHE_CPU_ISA=$isa ./build-v3/tests/test_ops_basic --gtest_brief=1
+  done
+fi
 if [ "${LATHE_SKIP_SANITIZE:-0}" != 1 ]; then
   BUILD_DIR=build-asan bash scripts/build.sh -DLATHE_SANITIZE=ON -DLATHE_BUILD_BENCH=OFF -DLATHE_CUDA=OFF
   # Python-driven tests exercise the same code through the Release binary; under the sanitizers

@@ -9,6 +9,7 @@
 
 #include "cli/command.h"
 #include "core/blas_env.h"
+#include "core/cpu_isa.h"
 #include "core/error.h"
 #include "core/stop.h"
 #include "dist/comm.h"
@@ -65,6 +66,7 @@ int main(int argc, char** argv) {
     return 1;
   };
   try {
+    lathe::cpu_isa();  // reads LATHE_CPU_ISA: a bad value fails here, naming it
     return it->second.fn(argc - 1, argv + 1);
   } catch (const lathe::Interrupted& e) {
     // A stop request (SIGINT / SIGTERM) honoured before any result was written: not a failure.

@@ -1,11 +1,18 @@
 #include "core/blas_env.h"
 
 #include <cblas.h>
+#include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
 
 namespace lathe {
 
@@ -13,6 +20,56 @@ std::string blas_kernel_name() {
   const char* name = openblas_get_corename();
   return name ? name : "unknown";
 }
+
+namespace {
+
+// A positive integer from the environment, or 0 when unset / not a number.
+long env_count(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return 0;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  return (end != nullptr && (*end == '\0' || *end == ',') && n > 0) ? n : 0;
+}
+
+// Runnable tasks on the machine other than this process: /proc/loadavg's "running/total" field
+// counts the runnable tasks now (this one included). The median of a few samples 2 ms apart, so
+// a compiler starting or ending at that moment does not decide it.
+int other_runnable_tasks() {
+  std::vector<int> samples;
+  for (int i = 0; i < 5; ++i) {
+    std::ifstream f("/proc/loadavg");
+    std::string a, b, c, running;
+    if (!(f >> a >> b >> c >> running)) return 0;
+    samples.push_back(std::atoi(running.c_str()) - 1);
+    if (i + 1 < 5) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  std::sort(samples.begin(), samples.end());
+  return std::max(samples[samples.size() / 2], 0);
+}
+
+}  // namespace
+
+OmpLoad omp_load() {
+  OmpLoad l;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  l.cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
+  if (l.cpus < 1) l.cpus = 1;
+  // OMP_NUM_THREADS may be a list ("4,2": the first level counts); libgomp's default is one per CPU.
+  l.threads = static_cast<int>(env_count("OMP_NUM_THREADS"));
+  if (l.threads == 0) l.threads = l.cpus;
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "LOCAL_WORLD_SIZE"}) {
+    if (const long n = env_count(name)) {
+      l.local_ranks = static_cast<int>(n);
+      break;
+    }
+  }
+  l.other_busy = other_runnable_tasks();
+  return l;
+}
+
+bool OmpLoad::oversubscribed() const { return threads * local_ranks + other_busy > cpus; }
 
 void ensure_fast_runtime(int argc, char** argv) {
   (void)argc;
@@ -26,7 +83,20 @@ void ensure_fast_runtime(int argc, char** argv) {
     }
   }
   if (std::getenv("OMP_WAIT_POLICY") == nullptr && std::getenv("GOMP_SPINCOUNT") == nullptr) {
-    setenv("OMP_WAIT_POLICY", "ACTIVE", 1);
+    const OmpLoad l = omp_load();
+    if (l.oversubscribed()) {
+      setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+      const long local_rank = env_count("OMPI_COMM_WORLD_LOCAL_RANK") + env_count("MPI_LOCALRANKID");
+      if (local_rank == 0) {
+        std::fprintf(stderr,
+                     "lathe: note: %d OpenMP threads x %d local process(es) + %d other busy task(s) > %d CPUs: "
+                     "threads wait passively (OMP_WAIT_POLICY=PASSIVE; set OMP_WAIT_POLICY or GOMP_SPINCOUNT to "
+                     "choose)\n",
+                     l.threads, l.local_ranks, l.other_busy, l.cpus);
+      }
+    } else {
+      setenv("GOMP_SPINCOUNT", kSpinCount, 1);
+    }
     changed = true;
   }
   if (!changed) return;

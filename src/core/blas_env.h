@@ -4,15 +4,38 @@
 //  * OPENBLAS_CORETYPE=SkylakeX where OpenBLAS 0.3.21 (Debian 12) does not recognise an AVX-512
 //    CPU (e.g. Xeon family 6 model 207) and falls back to its generic "Prescott" kernels, which
 //    run every GEMM ~5x slower.
-//  * OMP_WAIT_POLICY=ACTIVE: a training step is hundreds of short parallel regions; when an idle
-//    OpenMP worker sleeps, waking its (virtual) CPU took a full scheduler tick (4 ms) on the
-//    development VMs, which made 2 threads 5x slower than 1 (measured: 1273 ms vs 247 ms per
-//    step of the L=4 C=256 benchmark; 250-290 ms with 2 spinning threads under load). A finite
-//    GOMP_SPINCOUNT measured no better. Set OMP_WAIT_POLICY=PASSIVE to share the cores politely.
+//  * How idle OpenMP workers wait. A training step is hundreds of short parallel regions; when an
+//    idle worker sleeps, waking its (virtual) CPU took a full scheduler tick (4 ms) on the
+//    development VMs, which made 2 threads 5x slower than 1 (1273 ms vs 247 ms per step of the
+//    L=4 C=256 benchmark). Spinning forever (OMP_WAIT_POLICY=ACTIVE, the old default) collapses
+//    when the cores are shared: a spinning worker holds the core the thread it waits for needs
+//    (lathe generate at 2 threads with 2 other busy processes: 134-165 ms/token vs 0.6-0.9 idle).
+//    So: when this process's OpenMP threads x local MPI ranks + the other runnable tasks exceed
+//    the CPUs it may run on, it says so in one line and waits passively; otherwise workers spin
+//    for a bounded time (GOMP_SPINCOUNT=kSpinCount) and then sleep, so load that arrives later
+//    costs a bounded amount too (bench/bench_oversubscribed.py measures both).
+//    OMP_WAIT_POLICY or GOMP_SPINCOUNT set by the user are always kept.
 #pragma once
 #include <string>
 
 namespace lathe {
+
+// GOMP_SPINCOUNT when the CPUs are not oversubscribed (libgomp: about 100k spins per ms, so ~0.2 ms:
+// longer than the gaps between the parallel regions of a step or a token, short enough that load
+// arriving after start costs little). Measured with bench/bench_oversubscribed.py on a 2-core
+// machine that other jobs kept busy: generate at 2 threads 16-70 ms/token with 20000, 56-76 with
+// 200000, 231-358 with ACTIVE, 4-13 passive.
+inline constexpr const char* kSpinCount = "20000";
+
+// What decides the wait policy at start.
+struct OmpLoad {
+  int cpus = 1;          // CPUs this process may run on (sched_getaffinity)
+  int threads = 1;       // OMP_NUM_THREADS (first level), else one per CPU
+  int local_ranks = 1;   // processes of this job on this host (Open MPI / MPICH / torchrun variables)
+  int other_busy = 0;    // runnable tasks other than this one (/proc/loadavg, median of 5 samples)
+  bool oversubscribed() const;
+};
+OmpLoad omp_load();
 
 // Call first thing in main(). Returns only if no re-exec was needed (or it failed).
 void ensure_fast_runtime(int argc, char** argv);

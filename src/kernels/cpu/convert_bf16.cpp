@@ -1,4 +1,5 @@
-// fp32 <-> bf16 conversion, vectorised and OpenMP-parallel (see ops_bf16.h for the contract).
+// fp32 <-> bf16 conversion, vectorised and OpenMP-parallel (see ops_bf16.h for the contract), and
+// the AVX-512 row conversions of half.h's Fp16.
 //
 // fp32 -> bf16 must give exactly what core/dtype.h's scalar fp32_to_bf16 gives, so that bf16
 // weights, activations and exported checkpoints round the same way whichever path made them.
@@ -7,6 +8,8 @@
 // 0x0002). So the hardware result is used and the rare block that holds a subnormal is redone
 // with the integer rounding (same formula as the scalar code). Without AVX512-BF16 the integer
 // rounding runs on AVX-512F lanes, and without AVX-512 the compiler vectorises the scalar loop.
+// The AVX-512 variants carry target attributes, so they are compiled whatever LATHE_ARCH is and
+// chosen at run time by core/cpu_isa.h (LATHE_CPU_ISA=avx2 forces the portable code).
 // GCC 12 warns about the deliberately undefined pass-through operand of AVX-512 intrinsics
 // (_mm512_undefined_epi32, GCC PR 105593, fixed in 13); the warning is located in the header.
 #if defined(__GNUC__) && !defined(__clang__)
@@ -18,7 +21,9 @@
 #pragma GCC diagnostic pop
 #endif
 
+#include "core/cpu_isa.h"
 #include "core/dtype.h"
+#include "kernels/cpu/half.h"
 #include "kernels/cpu/ops_bf16.h"
 
 namespace lathe::cpu {
@@ -34,9 +39,11 @@ inline void fp32_to_bf16_scalar(uint16_t* dst, const float* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = fp32_to_bf16(src[i]);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define LATHE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define LATHE_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
 // Integer RNE on 16 lanes: (u + 0x7fff + ((u >> 16) & 1)) >> 16, NaN -> (u >> 16) | 0x40.
-inline __m256i fp32_to_bf16_int16(__m512i u) {
+LATHE_AVX512 inline __m256i fp32_to_bf16_int16(__m512i u) {
   const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
   const __mmask16 nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f800000));
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -44,11 +51,10 @@ inline __m256i fp32_to_bf16_int16(__m512i u) {
   const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
   return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
 }
-#endif
 
-// Converts [0, n) where n is a multiple of 32 (the caller converts the tail with the scalar code).
-inline void fp32_to_bf16_block(uint16_t* dst, const float* src, int64_t n) {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// The block converters below convert [0, n) where n is a multiple of 32 (the caller converts the
+// tail with the scalar code).
+LATHE_AVX512BF16 void fp32_to_bf16_block_avx512bf16(uint16_t* dst, const float* src, int64_t n) {
   const __m512i exp_mask = _mm512_set1_epi32(0x7f800000);
   const __m512i man_mask = _mm512_set1_epi32(0x007fffff);
   for (int64_t i = 0; i < n; i += 32) {
@@ -64,32 +70,38 @@ inline void fp32_to_bf16_block(uint16_t* dst, const float* src, int64_t n) {
     }
     _mm512_storeu_si512(dst + i, r);
   }
-#elif defined(__AVX512F__) && defined(__AVX512BW__)
+}
+
+LATHE_AVX512 void fp32_to_bf16_block_avx512(uint16_t* dst, const float* src, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), fp32_to_bf16_int16(_mm512_loadu_si512(src + i)));
   }
-#else
-  fp32_to_bf16_scalar(dst, src, n);
-#endif
 }
 
-inline void bf16_to_fp32_block(float* dst, const uint16_t* src, int64_t n) {
-#if defined(__AVX512F__)
+// Portable (LATHE_ARCH) code: the compiler vectorises the scalar formula.
+void fp32_to_bf16_block_portable(uint16_t* dst, const float* src, int64_t n) { fp32_to_bf16_scalar(dst, src, n); }
+
+LATHE_AVX512 void bf16_to_fp32_block_avx512(float* dst, const uint16_t* src, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
     _mm512_storeu_si512(dst + i, _mm512_slli_epi32(w, 16));
   }
   for (; i < n; ++i) dst[i] = bf16_to_fp32(src[i]);
-#else
+}
+
+void bf16_to_fp32_block_portable(float* dst, const uint16_t* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_fp32(src[i]);
-#endif
 }
 
 }  // namespace
 
 void convert_fp32_to_bf16(uint16_t* dst, const float* src, int64_t n) {
   if (n <= 0) return;
+  const CpuIsa isa = cpu_isa();
+  auto* const fp32_to_bf16_block = isa == CpuIsa::Avx512Bf16 ? fp32_to_bf16_block_avx512bf16
+                                   : isa == CpuIsa::Avx512   ? fp32_to_bf16_block_avx512
+                                                             : fp32_to_bf16_block_portable;
   const int64_t nchunks = (n + kChunk - 1) / kChunk;
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
   for (int64_t c = 0; c < nchunks; ++c) {
@@ -103,6 +115,7 @@ void convert_fp32_to_bf16(uint16_t* dst, const float* src, int64_t n) {
 
 void convert_bf16_to_fp32(float* dst, const uint16_t* src, int64_t n) {
   if (n <= 0) return;
+  auto* const bf16_to_fp32_block = cpu_isa() >= CpuIsa::Avx512 ? bf16_to_fp32_block_avx512 : bf16_to_fp32_block_portable;
   const int64_t nchunks = (n + kChunk - 1) / kChunk;
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
   for (int64_t c = 0; c < nchunks; ++c) {
@@ -110,6 +123,21 @@ void convert_bf16_to_fp32(float* dst, const uint16_t* src, int64_t n) {
     const int64_t len = (n - i0 < kChunk) ? n - i0 : kChunk;
     bf16_to_fp32_block(dst + i0, src + i0, len);
   }
+}
+
+LATHE_AVX512 void fp16_to_fp32_rows_avx512(float* __restrict dst, const uint16_t* __restrict src, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i]);
+}
+
+LATHE_AVX512 void fp32_to_fp16_rows_avx512(uint16_t* __restrict dst, const float* __restrict src, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; i < n; ++i) dst[i] = static_cast<uint16_t>(_cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT));
 }
 
 bool cpu_has_avx512_bf16() {

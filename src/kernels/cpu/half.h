@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/cpu_isa.h"
 #include "core/dtype.h"
 
 namespace lathe::cpu {
@@ -42,24 +43,32 @@ struct Bf16 {
   }
 };
 
+// AVX-512 row conversions of Fp16 (kernels/cpu/convert_bf16.cpp); call only when cpu_isa() >= Avx512.
+void fp16_to_fp32_rows_avx512(float* __restrict dst, const uint16_t* __restrict src, int64_t n);
+void fp32_to_fp16_rows_avx512(uint16_t* __restrict dst, const float* __restrict src, int64_t n);
+
 struct Fp16 {
   static constexpr DType kDtype = DType::F16;
   static float ld(uint16_t h) { return _cvtsh_ss(h); }
   static uint16_t st(float f) { return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT)); }
+  // Rows: AVX-512 where cpu_isa() allows it (convert_bf16.cpp, compiled for it whatever LATHE_ARCH
+  // is), else F16C on 8 lanes (x86-64-v3); the same hardware rounding, so bit-identical.
   static void to_f32(float* __restrict dst, const uint16_t* __restrict src, int64_t n) {
+    if (cpu_isa() >= CpuIsa::Avx512) return fp16_to_fp32_rows_avx512(dst, src, n);
     int64_t i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= n; i += 16)
-      _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#if defined(__F16C__) && defined(__AVX__)
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
 #endif
     for (; i < n; ++i) dst[i] = ld(src[i]);
   }
   static void from_f32(uint16_t* __restrict dst, const float* __restrict src, int64_t n) {
+    if (cpu_isa() >= CpuIsa::Avx512) return fp32_to_fp16_rows_avx512(dst, src, n);
     int64_t i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= n; i += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
-                          _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#if defined(__F16C__) && defined(__AVX__)
+    for (; i + 8 <= n; i += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #endif
     for (; i < n; ++i) dst[i] = st(src[i]);
   }

@@ -1,0 +1,49 @@
+// The start-up wait-policy decision (core/blas_env.h): oversubscribed when this process's OpenMP
+// threads x local ranks + other runnable tasks exceed the CPUs; omp_load() reads the thread and
+// rank counts from the environment.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "core/blas_env.h"
+
+namespace lathe {
+namespace {
+
+OmpLoad load(int cpus, int threads, int ranks, int busy) {
+  OmpLoad l;
+  l.cpus = cpus;
+  l.threads = threads;
+  l.local_ranks = ranks;
+  l.other_busy = busy;
+  return l;
+}
+
+TEST(OmpLoad, OversubscribedWhenThreadsRanksAndOtherWorkExceedTheCpus) {
+  EXPECT_FALSE(load(2, 2, 1, 0).oversubscribed());  // idle machine: spin (bounded)
+  EXPECT_FALSE(load(2, 1, 1, 1).oversubscribed());  // one thread, one core taken: fits
+  EXPECT_TRUE(load(2, 2, 1, 2).oversubscribed());   // both cores busy elsewhere (issue 22)
+  EXPECT_TRUE(load(2, 2, 1, 1).oversubscribed());   // one core busy elsewhere
+  EXPECT_TRUE(load(2, 1, 3, 0).oversubscribed());   // mpirun -np 3 on 2 cores
+  EXPECT_FALSE(load(16, 4, 4, 0).oversubscribed());
+  EXPECT_TRUE(load(16, 4, 4, 1).oversubscribed());
+}
+
+TEST(OmpLoad, ReadsThreadsAndLocalRanksFromTheEnvironment) {
+  const char* old_threads = std::getenv("OMP_NUM_THREADS");
+  const std::string saved = old_threads ? old_threads : "";
+  setenv("OMP_NUM_THREADS", "3,1", 1);  // nested list: the first level counts
+  setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "5", 1);
+  const OmpLoad l = omp_load();
+  EXPECT_EQ(l.threads, 3);
+  EXPECT_EQ(l.local_ranks, 5);
+  EXPECT_GE(l.cpus, 1);
+  EXPECT_GE(l.other_busy, 0);
+  EXPECT_TRUE(l.oversubscribed() == (15 + l.other_busy > l.cpus));
+  unsetenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  if (old_threads) setenv("OMP_NUM_THREADS", saved.c_str(), 1); else unsetenv("OMP_NUM_THREADS");
+}
+
+}  // namespace
+}  // namespace lathe
