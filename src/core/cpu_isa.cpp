@@ -14,7 +14,7 @@ std::atomic<int> g_cpu_isa{-1};
 CpuIsa cpu_isa_supported() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) {
-    return __builtin_cpu_supports("avx512bf16") ? CpuIsa::Avx512Bf16 : CpuIsa::Avx512;
+    return __builtin_cpu_supports("avx512_bf16") ? CpuIsa::Avx512Bf16 : CpuIsa::Avx512;
   }
   return CpuIsa::Avx2;
 }
@@ -26,7 +26,7 @@ std::string_view cpu_isa_name(CpuIsa isa) {
     case CpuIsa::Avx512:
       return "avx512";
     case CpuIsa::Avx512Bf16:
-      return "avx512bf16";
+      return "avx512_bf16";
   }
   return "?";
 }
@@ -51,10 +51,10 @@ CpuIsa detail::detect_cpu_isa() {
       use = CpuIsa::Avx2;
     } else if (v == "avx512") {
       use = CpuIsa::Avx512;
-    } else if (v == "avx512bf16") {
+    } else if (v == "avx512_bf16") {
       use = CpuIsa::Avx512Bf16;
     } else {
-      throw_error("LATHE_CPU_ISA='{}' is not one of native, avx2, avx512, avx512bf16 (unset it for native)", v);
+      throw_error("LATHE_CPU_ISA='{}' is not one of native, avx2, avx512, avx512_bf16 (unset it for native)", v);
     }
     if (static_cast<int>(use) > static_cast<int>(have)) {
       throw_error("LATHE_CPU_ISA='{}' but this CPU supports at most '{}': unset it or set LATHE_CPU_ISA={}", v,

@@ -6,7 +6,7 @@
 // conversions with one rounding rule). OpenBLAS and oneDNN dispatch on their own (OPENBLAS_CORETYPE,
 // DNNL_MAX_CPU_ISA cap them).
 //
-// LATHE_CPU_ISA caps the choice: "native" (default: the best the CPU has), "avx512bf16", "avx512",
+// LATHE_CPU_ISA caps the choice: "native" (default: the best the CPU has), "avx512_bf16", "avx512",
 // "avx2". A value above what the CPU has, or an unknown one, is an error naming the value.
 #pragma once
 #include <atomic>
@@ -34,7 +34,7 @@ inline CpuIsa cpu_isa() {
 // Tests: force a path in-process (must be <= cpu_isa_supported(), else throws).
 void set_cpu_isa(CpuIsa isa);
 
-// "avx2", "avx512", "avx512bf16".
+// "avx2", "avx512", "avx512_bf16".
 std::string_view cpu_isa_name(CpuIsa isa);
 
 }  // namespace lathe

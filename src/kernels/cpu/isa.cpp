@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "core/cpu_isa.h"
 #include "core/error.h"
 
 namespace lathe::cpu {
@@ -45,26 +46,11 @@ Choice decide() {
   Choice c;
   c.hardware = cpu_isa_hardware();
   c.isa = c.hardware;
-  if (const char* v = std::getenv("LATHE_CPU_ISA"); v != nullptr && *v != '\0') {
-    const std::string s = lower(v);
-    Isa cap = Isa::Amx;
-    if (s == "native")
-      cap = Isa::Amx;
-    else if (s == "x86-64" || s == "x86_64" || s == "sse41")
-      cap = Isa::Baseline;
-    else if (s == "avx2")
-      cap = Isa::Avx2;
-    else if (s == "avx512")
-      cap = Isa::Avx512;
-    else if (s == "avx512_bf16")
-      cap = Isa::Avx512Bf16;
-    else if (s == "amx")
-      cap = Isa::Amx;
-    else
-      throw_error(
-          "LATHE_CPU_ISA={}: unknown instruction set; use one of x86-64, avx2, avx512, avx512_bf16, amx, "
-          "native (or unset it)",
-          v);
+  // LATHE_CPU_ISA is parsed and validated in one place, core/cpu_isa.h (which the hand-written
+  // conversions dispatch on); its level caps the GEMM path here too.
+  if (const char* v = std::getenv("LATHE_CPU_ISA"); v != nullptr && *v != '\0' && std::string(v) != "native") {
+    const CpuIsa core = lathe::cpu_isa();
+    const Isa cap = core == CpuIsa::Avx2 ? Isa::Avx2 : core == CpuIsa::Avx512 ? Isa::Avx512 : Isa::Avx512Bf16;
     if (cap < c.isa) c.isa = cap, c.reason = std::string("LATHE_CPU_ISA=") + v;
   }
   for (const char* var : {"ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"}) {

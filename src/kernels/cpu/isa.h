@@ -1,7 +1,8 @@
 // The x86-64 instruction set lathe finds at start, and what may cap it (issue 22).
 //
 // cpu_isa() is the CPU's best level among those lathe tells apart, capped by
-//  * LATHE_CPU_ISA (lathe's own switch: avx2, avx512, avx512_bf16, amx or native), e.g.
+//  * LATHE_CPU_ISA (lathe's own switch, parsed and validated in core/cpu_isa.h: avx2, avx512,
+//    avx512_bf16 or native), e.g.
 //    LATHE_CPU_ISA=avx2 makes an AVX-512 machine take the paths an AVX2-only machine takes;
 //  * ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA (oneDNN's own cap, which oneDNN applies to itself:
 //    SSE41, AVX, AVX2, AVX2_VNNI, AVX512_CORE, AVX512_CORE_VNNI, AVX512_CORE_BF16,
