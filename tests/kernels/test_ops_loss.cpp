@@ -252,3 +252,36 @@ TEST(LmHeadLoss, AllTargetsIgnored) {
 }
 
 }  // namespace
+
+// vec_math's rows are defined on 16 logical lanes whatever the hardware width (one AVX-512 vector
+// or two AVX2 halves): lane i sums elements j = i mod 16 in float over blocks of 1024, the lanes
+// are added in order in double, the tail in scalar. This scalar model of that order must give the
+// same bits on every build, so an AVX2 machine and an AVX-512 machine agree.
+TEST(VecMath, ExpShiftSumIsTheSixteenLaneModelBitForBit) {
+  namespace vec = lathe::cpu::vec;
+  for (int64_t n : {1, 15, 16, 17, 100, 1023, 1024, 1040, 5000}) {
+    std::vector<float> s = randn(static_cast<size_t>(n), 7 + static_cast<uint32_t>(n), 3.0f), e = s;
+    const float m = vec::row_max(s.data(), n);
+    EXPECT_EQ(m, *std::max_element(s.begin(), s.end())) << "n=" << n;
+    double model = 0.0;
+    int64_t j = 0;
+    for (; j + 16 <= n;) {
+      float lane[16] = {};
+      const int64_t end = std::min(n - (n - j) % 16, j + 1024);
+      for (; j < end; j += 16)
+        for (int i = 0; i < 16; ++i) {
+          e[j + i] = vec::exp1(s[j + i] - m);
+          lane[i] += e[j + i];
+        }
+      double block = 0.0;
+      for (float x : lane) block += x;
+      model += block;
+    }
+    for (; j < n; ++j) model += (e[j] = vec::exp1(s[j] - m));
+    std::vector<float> got = s;
+    const double sum = vec::exp_shift_sum(got.data(), n, m);
+    EXPECT_EQ(sum, model) << "n=" << n;
+    EXPECT_EQ(vec::exp_shift_sum_nostore(s.data(), n, m), model) << "n=" << n;
+    EXPECT_EQ(0, std::memcmp(got.data(), e.data(), sizeof(float) * n)) << "n=" << n;
+  }
+}

@@ -46,24 +46,24 @@ namespace {
 // broadcast scalars (so A may be a transposed view) and each B row is contiguous along N.
 // OpenBLAS packs both operands on every call, which dominates at these sizes (T <= a few hundred,
 // D = 64): measured 25-45 GFLOP/s per core against 135 for large sgemm. This register-blocked
-// kernel (6 rows x 64 columns = 24 accumulators of 16 floats) needs no packing. GCC vector
-// extensions keep it portable: without AVX-512 each 16-float vector is split by the compiler.
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned load/store
-
-inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
-inline void store16(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
+// kernel (MR = 6 rows x NV hardware vectors of columns) needs no packing. Column blocks are 64
+// wide with AVX-512 (6 x 4 accumulators of 16 floats) and 16 wide otherwise (6 x 2 of 8 floats:
+// AVX2 has 16 vector registers; 6 x 64 columns there spilled the accumulators to the stack on
+// every k, 12% of an AVX2 training step). Each element of C is the same sum in the same k order
+// whatever the blocking, so the results do not depend on it.
+using vec::vf;
+constexpr int kColsBig = vec::kW == 16 ? 64 : 16;  // columns of the wide block (a multiple of 16)
 
 template <int MR, int NV>
 inline void micro(int64_t K, float alpha, const float* A, int64_t a_rs, int64_t a_cs, const float* B, int64_t ldb,
                   bool accumulate, float* C, int64_t ldc) {
-  v16 acc[MR][NV];
+  vf acc[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) acc[i][v] = v16{};
+    for (int v = 0; v < NV; ++v) acc[i][v] = vf{};
   for (int64_t k = 0; k < K; ++k) {
     const float* b = B + k * ldb;
-    v16 bv[NV];
-    for (int v = 0; v < NV; ++v) bv[v] = load16(b + 16 * v);
+    vf bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = vec::load(b + vec::kW * v);
     const float* a = A + k * a_cs;
     for (int i = 0; i < MR; ++i) {
       const float ai = a[i * a_rs];
@@ -72,8 +72,8 @@ inline void micro(int64_t K, float alpha, const float* A, int64_t a_rs, int64_t 
   }
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < NV; ++v) {
-      float* c = C + i * ldc + 16 * v;
-      store16(c, accumulate ? load16(c) + alpha * acc[i][v] : alpha * acc[i][v]);
+      float* c = C + i * ldc + vec::kW * v;
+      vec::store(c, accumulate ? vec::load(c) + alpha * acc[i][v] : alpha * acc[i][v]);
     }
 }
 
@@ -138,7 +138,7 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int
     // kN with documents: rows from the first whose document starts at or after the block's end
     // need nothing of this block.
     const int64_t i_end =
-        causal == Causal::kN && lo ? std::lower_bound(lo, lo + M, static_cast<int32_t>(j + 16 * NV)) - lo : M;
+        causal == Causal::kN && lo ? std::lower_bound(lo, lo + M, static_cast<int32_t>(j + vec::kW * NV)) - lo : M;
     for (int64_t i = i_start; i < i_end; i += MR) {
       const int64_t mr = std::min(MR, i_end - i);
       const auto [k0, k1] = k_range(i, mr);
@@ -147,8 +147,8 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int
     }
   };
   int64_t j = 0;
-  for (; j + 64 <= N; j += 64) block.template operator()<4>(j);
-  for (; j + 16 <= N; j += 16) block.template operator()<1>(j);
+  for (; j + kColsBig <= N; j += kColsBig) block.template operator()<kColsBig / vec::kW>(j);
+  for (; j + 16 <= N; j += 16) block.template operator()<16 / vec::kW>(j);
   if (j == N) return;
   // Column tail (< 16 columns: odd head sizes and ragged tiles), plain loops over the full range
   // (zero A entries contribute exact zeros).
@@ -158,23 +158,6 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int
       for (int64_t k = 0; k < K; ++k) acc += A[i * a_rs + k * a_cs] * B[k * ldb + jj];
       C[i * ldc + jj] = accumulate ? C[i * ldc + jj] + alpha * acc : alpha * acc;
     }
-}
-
-// Max of s[0:n] with 16 independent lanes (GCC does not vectorise the std::max reduction; max is
-// exact, so the result does not depend on the order).
-inline float row_max(const float* s, int64_t n) {
-  int64_t j = 0;
-  float m = -INFINITY;
-  if (n >= 16) {
-    v16 acc = load16(s);
-    for (j = 16; j + 16 <= n; j += 16) {
-      const v16 x = load16(s + j);
-      acc = acc > x ? acc : x;
-    }
-    for (int i = 0; i < 16; ++i) m = std::max(m, acc[i]);
-  }
-  for (; j < n; ++j) m = std::max(m, s[j]);
-  return m;
 }
 
 // dst[T, D] = src[T, D] with row stride ld, packed.
@@ -289,7 +272,7 @@ void forward_head(float* out, float* lse, const float* qkv, int64_t T, int64_t H
       float* s = S + r * w;
       // keys [lo, hi) of the tile: the query's document (or 0) up to the query itself
       const int64_t lo = lo_p ? lo_p[r] : 0, hi = off + r + 1;
-      const float m = row_max(s + lo, hi - lo);
+      const float m = vec::row_max(s + lo, hi - lo);
       const float sum = static_cast<float>(vec::exp_shift_sum(s + lo, hi - lo, m));
       vec::scale(s + lo, hi - lo, 1.0f / sum);
       for (int64_t j = 0; j < lo; ++j) s[j] = 0.0f;
