@@ -75,9 +75,19 @@ void ensure_fast_runtime(int argc, char** argv) {
   (void)argc;
   if (std::getenv("LATHE_RUNTIME_SET") != nullptr) return;  // already re-executed once
   bool changed = false;
-  if (std::getenv("OPENBLAS_CORETYPE") == nullptr && std::strcmp(openblas_get_corename(), "Prescott") == 0) {
+  // OpenBLAS 0.3.21 (Debian 12) knows no AVX-512 AMD core: Zen 4/5 get its AVX2 "Haswell"/"Zen"
+  // kernels (sgemm ~105 GFLOP/s on one Zen 5 core against 180-210 with "SkylakeX"; the small GPT-2
+  // step at T=256 1.15 s -> 0.6 s), and some Xeons get the generic "Prescott". Where the CPU has
+  // AVX-512 (and LATHE_CPU_ISA does not cap lathe to AVX2) use the SkylakeX kernels.
+  const char* isa_cap = std::getenv("LATHE_CPU_ISA");
+  const bool capped_to_avx2 = isa_cap != nullptr && std::strcmp(isa_cap, "avx2") == 0;
+  const char* core = openblas_get_corename();
+  const bool avx2_kernels = std::strcmp(core, "Prescott") == 0 || std::strcmp(core, "Haswell") == 0 ||
+                            std::strcmp(core, "Zen") == 0;
+  if (std::getenv("OPENBLAS_CORETYPE") == nullptr && avx2_kernels && !capped_to_avx2) {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) {
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
       setenv("OPENBLAS_CORETYPE", "SkylakeX", 1);
       changed = true;
     }

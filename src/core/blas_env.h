@@ -2,8 +2,8 @@
 // OpenBLAS and libgomp read them when they load. ensure_fast_runtime() sets what is missing and
 // re-executes the binary once (a user's own settings are always respected):
 //  * OPENBLAS_CORETYPE=SkylakeX where OpenBLAS 0.3.21 (Debian 12) does not recognise an AVX-512
-//    CPU (e.g. Xeon family 6 model 207) and falls back to its generic "Prescott" kernels, which
-//    run every GEMM ~5x slower.
+//    CPU and picks AVX2 or generic kernels: "Prescott" on some Xeons (e.g. family 6 model 207,
+//    every GEMM ~5x slower), "Haswell"/"Zen" on AMD Zen 4/5 (~2x slower). Not with LATHE_CPU_ISA=avx2.
 //  * How idle OpenMP workers wait. A training step is hundreds of short parallel regions; when an
 //    idle worker sleeps, waking its (virtual) CPU took a full scheduler tick (4 ms) on the
 //    development VMs, which made 2 threads 5x slower than 1 (1273 ms vs 247 ms per step of the

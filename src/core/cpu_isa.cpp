@@ -14,7 +14,7 @@ std::atomic<int> g_cpu_isa{-1};
 CpuIsa cpu_isa_supported() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) {
-    return __builtin_cpu_supports("avx512_bf16") ? CpuIsa::Avx512Bf16 : CpuIsa::Avx512;
+    return __builtin_cpu_supports("avx512bf16") ? CpuIsa::Avx512Bf16 : CpuIsa::Avx512;
   }
   return CpuIsa::Avx2;
 }
