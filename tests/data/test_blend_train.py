@@ -153,7 +153,7 @@ def main():
     blob = bytearray(open(cf, "rb").read())
     blob[len(blob) // 2] ^= 0xFF
     open(cf, "wb").write(bytes(blob))
-    p = run(["check", recipe(prefixes, b, every=3)])
+    p = run(["check", recipe(prefixes, b, every=3), "--overwrite"])  # b holds a run: check a new one there
     check("the cache " in p.stdout and "checksum mismatch" in p.stdout, "lathe check: a corrupt cache is named, not used")
     c = os.path.join(TMP, "c")
     os.makedirs(os.path.join(c, "data_cache"))
