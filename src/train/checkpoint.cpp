@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "core/stop_signal.h"
 #include "io/fs.h"
 #include "io/json.h"
 #include "io/safetensors.h"
@@ -184,6 +185,11 @@ class HashedWriter {
   // Hands n bytes (a multiple of kAlign, already hashed) to the writer thread. One write is in
   // flight at a time, so a staging buffer is free again once the next submit() returns.
   void submit(const char* buf, size_t n, bool staging) {
+    // Under a StopSignalGuard (lathe checkpoint reshard) a SIGINT/SIGTERM stops between pieces of
+    // at most 32 MB; the destructor removes the file. lathe train has its own handler and finishes
+    // the checkpoint it is writing (stop_signal() is 0 there).
+    if (const int sig = stop_signal())
+      throw_error("{}: interrupted by {} while writing it; the partial file is removed", path_, signal_name(sig));
     wait();
     const off_t at = static_cast<off_t>(offset_);
     pending_ = std::async(std::launch::async, [this, buf, n, at] { return pwrite_all(buf, n, at); });

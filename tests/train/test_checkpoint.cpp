@@ -5,11 +5,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <random>
 
 #include "core/error.h"
+#include "core/stop_signal.h"
 #include "io/fs.h"
 #include "io/safetensors.h"
 #include "train/checkpoint.h"
@@ -238,6 +240,30 @@ TEST(Checkpoint, KeepLastTmpDirsAndReplace) {
   EXPECT_EQ(list_checkpoints(run).size(), 2u);
   ASSERT_NE(info.moved_aside.find("step_00000005.abandoned-"), std::string::npos) << info.moved_aside;
   EXPECT_EQ(io::read_file(info.moved_aside + "/state.json"), old_state);
+  fs::remove_all(run);
+}
+
+// Under a StopSignalGuard (lathe checkpoint reshard) a signal stops the data writer between its
+// pieces: the save fails naming the signal and publishes no step directory.
+TEST(Checkpoint, SignalUnderStopGuardStopsTheWriterAndLeavesNothing) {
+  const std::string run = tmpdir("stopped");
+  auto m = debug_model(1);
+  {
+    StopSignalGuard guard;
+    ::raise(SIGINT);  // recorded by the guard's handler, not delivered as a kill
+    ASSERT_EQ(stop_signal(), SIGINT);
+    const std::string err = error_of([&] { save_checkpoint(run, *m, nullptr, some_state(1), 0); });
+    EXPECT_NE(err.find("interrupted by SIGINT"), std::string::npos) << err;
+    // At the first data file (weights are written first), not only at the small files after it.
+    EXPECT_NE(err.find("model.safetensors: interrupted"), std::string::npos) << err;
+  }
+  EXPECT_FALSE(fs::exists(run + "/checkpoints/step_00000001")) << "a stopped save published its step";
+  // Without a guard (lathe train's own handler) the writer never stops half-way; the stopped
+  // save's step_X.tmp (reshard removes its own) is cleaned by the next save.
+  save_checkpoint(run, *m, nullptr, some_state(1), 0);
+  verify_checkpoint(run + "/checkpoints/step_00000001");
+  for (const auto& e : fs::directory_iterator(run + "/checkpoints"))
+    EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << "left behind: " << e.path();
   fs::remove_all(run);
 }
 
