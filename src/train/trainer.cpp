@@ -130,27 +130,6 @@ void check_layout(Recipe& r, dist::Communicator& world) {
   }
 }
 
-// data.attention / reset_position_ids / mask_loss_after_eod with the EOD id: data.eod_token, or
-// the tokenizer's EOS id.
-DocumentOptions document_options(const Recipe& r, const tok::Tokenizer* tokenizer) {
-  DocumentOptions o;
-  o.document_attention = parse_attention_mode(r.data.attention) == AttentionMode::Document;
-  o.reset_positions = r.data.reset_position_ids;
-  o.mask_loss = r.data.mask_loss_after_eod;
-  if (!o.any()) return o;
-  int64_t eod = r.data.eod_token;
-  if (eod < 0 && tokenizer != nullptr && tokenizer->eos_id()) eod = *tokenizer->eos_id();
-  LATHE_CHECK(eod >= 0 && eod < r.model.vocab_size,
-              "{}: data.eod_token is needed by data.attention: document, data.reset_position_ids and "
-              "data.mask_loss_after_eod, and {} — set data.eod_token to the id that ends each document (the one "
-              "`lathe tokenize --append-eos` appended)",
-              r.source,
-              eod >= 0 ? fmt::format("{} is outside the vocabulary [0, {})", eod, r.model.vocab_size)
-                       : fmt::format("data.tokenizer '{}' has no EOS token", r.data.tokenizer));
-  o.eod = static_cast<int32_t>(eod);
-  return o;
-}
-
 }  // namespace
 
 std::pair<double, int64_t> evaluate_samples(Model& model, const data::IndexedDataset& ds,
@@ -239,23 +218,14 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   auto valid_ds = pf.valid_ds;
   const std::vector<int64_t>& train_samples = pf.train_samples;
   const std::vector<int64_t>& valid_samples = pf.valid_samples;
-  std::unique_ptr<tok::Tokenizer> tokenizer;
-  if (!r.data.tokenizer.empty()) tokenizer = tok::load_tokenizer(r.data.tokenizer);
-  const DocumentOptions docs = document_options(r, tokenizer.get());
+  // data.tokenizer, the EOD settings and training.eval_tasks' items: loaded and checked by preflight.
+  std::unique_ptr<tok::Tokenizer> tokenizer = std::move(pf.tokenizer);
+  const DocumentOptions docs = pf.docs;
   if (docs.any())
     log(fmt::format("documents: {} attention, positions {}, loss after EOD {} (EOD id {})", r.data.attention,
                     docs.reset_positions ? "restart at each document" : "0..seq_len-1",
                     docs.mask_loss ? "masked" : "trained", docs.eod));
-  // training.eval_tasks: the multiple-choice items, read and checked before any training work.
-  std::vector<McItem> mc_items;
-  if (!r.training.eval_tasks.empty()) {
-    try {
-      mc_items = read_mc_tasks(r.training.eval_tasks, tokenizer.get(), model->config().vocab_size,
-                               "set data.tokenizer in the recipe, or give token ids");
-    } catch (const Error& e) {
-      throw_error("{}: training.eval_tasks: {}", r.source, e.what());
-    }
-  }
+  const std::vector<McItem> mc_items = std::move(pf.mc_items);
   if (ckpt.empty() && r.init_from.empty() && !pf.table_only)
     model->init_weights(static_cast<uint64_t>(r.training.seed));
   // Tensor and/or pipeline parallelism: preflight's model is the whole model (init, init_from or
