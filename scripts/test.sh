@@ -29,7 +29,7 @@ if [ "${LATHE_TEST_PORTABLE:-0}" = 1 ]; then
   done
 fi
 if [ "${LATHE_SKIP_SANITIZE:-0}" != 1 ]; then
-  BUILD_DIR=build-asan bash scripts/build.sh -DLATHE_SANITIZE=ON -DLATHE_BUILD_BENCH=OFF -DLATHE_CUDA=OFF
+  BUILD_DIR=build-asan bash scripts/build.sh -DLATHE_SANITIZE=ON -DLATHE_BUILD_BENCH=OFF -DLATHE_CUDA=OFF "${LAUNCHER[@]}"
   # Python-driven tests exercise the same code through the Release binary; under the sanitizers
   # run the C++ unit tests (kernels, data, optim, io, config, tokenizer, models).
   (cd build-asan && ASAN_OPTIONS=detect_leaks=0 ctest --output-on-failure -j2 --timeout 1800 -E '^py_')
