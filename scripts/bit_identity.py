@@ -156,27 +156,39 @@ def main():
             json.dump(r, f)
         return out
 
+    DEVICE = {"LATHE_TEST_DEVICE_PATH_ON_HOST": "1"}
     runs = [
-        ("gpt2_fp32", recipe("gpt2_fp32"), 1, []),
-        ("llama_fp32", recipe("llama_fp32", "llama-debug"), 1, []),
-        ("gpt2_bf16", recipe("gpt2_bf16", precision__compute="bf16"), 1, []),
-        ("llama_fp16", recipe("llama_fp16", "llama-debug", precision__compute="fp16"), 1, []),
-        ("gpt2_recompute", recipe("gpt2_recompute", recompute="full"), 1, []),
+        # (name, output dir, processes, extra environment)
+        ("gpt2_fp32", recipe("gpt2_fp32"), 1, {}),
+        ("llama_fp32", recipe("llama_fp32", "llama-debug"), 1, {}),
+        ("gpt2_bf16", recipe("gpt2_bf16", precision__compute="bf16"), 1, {}),
+        ("llama_fp16", recipe("llama_fp16", "llama-debug", precision__compute="fp16"), 1, {}),
+        ("gpt2_recompute", recipe("gpt2_recompute", recompute="full"), 1, {}),
         ("llama_docs", recipe("llama_docs", "llama-debug", data__attention="document", data__reset_position_ids=True,
-                              data__mask_loss_after_eod=True, data__eod_token=eod), 1, []),
-        ("gpt2_tasks", recipe("gpt2_tasks", training={"eval_tasks": tasks, "eval_tasks_interval": 3}), 1, []),
-        ("gpt2_lamb_wsd", recipe("gpt2_lamb_wsd", optimizer__name="lamb", schedule__name="wsd"), 1, []),
-        ("gpt2_dp2_zero1", recipe("gpt2_dp2_zero1", training={"micro_batch_size": 2}, parallel__zero=1), 2, []),
+                              data__mask_loss_after_eod=True, data__eod_token=eod), 1, {}),
+        ("gpt2_tasks", recipe("gpt2_tasks", training={"eval_tasks": tasks, "eval_tasks_interval": 3}), 1, {}),
+        ("gpt2_lamb_wsd", recipe("gpt2_lamb_wsd", optimizer__name="lamb", schedule__name="wsd"), 1, {}),
+        ("gpt2_dp2_zero1", recipe("gpt2_dp2_zero1", training={"micro_batch_size": 2}, parallel__zero=1), 2, {}),
         ("llama_dp2_zero2", recipe("llama_dp2_zero2", "llama-debug", training={"micro_batch_size": 2},
-                                   parallel__zero=2), 2, []),
-        ("gpt2_tp2_sp", recipe("gpt2_tp2_sp", parallel__tensor=2, parallel__sequence=True), 2, []),
-        ("llama_pp2", recipe("llama_pp2", "llama-debug", parallel__pipeline=2), 2, []),
-        ("gpt2_tp2_pp2", recipe("gpt2_tp2_pp2", parallel__tensor=2, parallel__pipeline=2), 4, []),
+                                   parallel__zero=2), 2, {}),
+        ("gpt2_tp2_sp", recipe("gpt2_tp2_sp", parallel__tensor=2, parallel__sequence=True), 2, {}),
+        ("llama_pp2", recipe("llama_pp2", "llama-debug", parallel__pipeline=2), 2, {}),
+        ("gpt2_tp2_pp2", recipe("gpt2_tp2_pp2", parallel__tensor=2, parallel__pipeline=2), 4, {}),
+        # The device step path on the host (train/device_step.h's test hook: CPU model, device wiring).
+        ("dev_gpt2_dp2_zero1", recipe("dev_gpt2_dp2_zero1", training={"micro_batch_size": 2}, parallel__zero=1), 2,
+         DEVICE),
+        ("dev_llama_tp2", recipe("dev_llama_tp2", "llama-debug", parallel__tensor=2), 2, DEVICE),
+        ("dev_gpt2_one", recipe("dev_gpt2_one", precision__compute="bf16"), 1, DEVICE),
     ]
     rows = []
-    for name, out, np_, extra in runs:
-        cmd = ([shutil.which("mpirun"), "-np", str(np_)] if np_ > 1 else []) + [lathe, "train", out + ".yaml", *extra]
-        p = subprocess.run(cmd, capture_output=True, text=True, env=envm if np_ > 1 else env1, timeout=900)
+    for name, out, np_, extra_env in runs:
+        cmd = ([shutil.which("mpirun"), "-np", str(np_)] if np_ > 1 else []) + [lathe, "train", out + ".yaml"]
+        env = dict(envm if np_ > 1 else env1, **extra_env)
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+        if extra_env is DEVICE and "trains through the device path" not in p.stderr:
+            rows.append(f"{name} FAILED: the device path on the host was not taken")
+            print(rows[-1], flush=True)
+            continue
         if p.returncode != 0:
             rows.append(f"{name} FAILED rc={p.returncode}: {p.stderr.strip()[-300:]}")
             print(rows[-1], flush=True)
