@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "core/checked.h"
@@ -120,6 +121,23 @@ class ParamTable {
     return *p;
   }
   size_t total() const { return total_; }
+
+  // The flat [begin, end) runs of the tensors `pred(const ParamSpec&)` selects, in table order,
+  // adjacent tensors merged into one run: what a rank owns for gradient norms and clipping
+  // (parallel/), which tensors a block's backward completes (models/transformer.cpp).
+  template <class Pred>
+  std::vector<std::pair<size_t, size_t>> ranges(Pred pred) const {
+    std::vector<std::pair<size_t, size_t>> out;
+    for (const ParamSpec& s : specs_) {
+      if (!pred(s)) continue;
+      const size_t b = s.offset, e = s.offset + static_cast<size_t>(s.numel());
+      if (!out.empty() && out.back().second == b)
+        out.back().second = e;
+      else
+        out.push_back({b, e});
+    }
+    return out;
+  }
 
  private:
   std::vector<ParamSpec> specs_;

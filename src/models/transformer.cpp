@@ -52,16 +52,12 @@ Model::Model(ModelConfig cfg, Arch arch, ParamTable table, ComputeSpec compute)
   if (grads) g_ = resolve(backend_grad_data());
   // Which block's backward completes each tensor's gradient (StepHooks numbering).
   const int64_t L = cfg_.num_hidden_layers;
-  grad_ranges_by_block_.assign(static_cast<size_t>(L + 2), {});
-  for (const ParamSpec& s : table_.specs()) {
-    const int64_t block = s.layer >= 0 ? s.layer + 1 : (s.role == Role::Wte || s.role == Role::Wpe) ? 0 : L + 1;
-    auto& ranges = grad_ranges_by_block_[static_cast<size_t>(block)];
-    const size_t b = s.offset, e = s.offset + static_cast<size_t>(s.numel());
-    if (!ranges.empty() && ranges.back().second == b)
-      ranges.back().second = e;  // adjacent tensors: one range
-    else
-      ranges.push_back({b, e});
-  }
+  auto block_of = [L](const ParamSpec& s) -> int64_t {
+    return s.layer >= 0 ? s.layer + 1 : (s.role == Role::Wte || s.role == Role::Wpe) ? 0 : L + 1;
+  };
+  grad_ranges_by_block_.clear();
+  for (int64_t block = 0; block < L + 2; ++block)
+    grad_ranges_by_block_.push_back(table_.ranges([&](const ParamSpec& s) { return block_of(s) == block; }));
 }
 
 ModelPtrs Model::resolve(float* base) const {

@@ -82,19 +82,12 @@ void RankShare::gather(const float* l, float* g) const {
 }
 
 std::vector<std::pair<size_t, size_t>> RankShare::owned_ranges() const {
-  std::vector<std::pair<size_t, size_t>> out;
-  for (const ParamSpec& s : local_.specs()) {
+  return local_.ranges([&](const ParamSpec& s) {
     const bool split =
         tp_ > 1 && (s.shard == ShardRule::Column || s.shard == ShardRule::Row || s.shard == ShardRule::Vocab);
-    if (!split && tp_rank_ != 0) continue;  // replicated: counted by tensor rank 0
-    if (layout_ && layout_->tied && s.role == Role::Wte && !layout_->first()) continue;  // counted on stage 0
-    const size_t b = s.offset, e = s.offset + static_cast<size_t>(s.numel());
-    if (!out.empty() && out.back().second == b)
-      out.back().second = e;
-    else
-      out.push_back({b, e});
-  }
-  return out;
+    if (!split && tp_rank_ != 0) return false;                                       // replicated: tensor rank 0's
+    return !(layout_ && layout_->tied && s.role == Role::Wte && !layout_->first());  // tied wte: stage 0's
+  });
 }
 
 }  // namespace lathe::parallel

@@ -133,17 +133,4 @@ void gather_stages(dist::Communicator& pp, const PipelineLayout& layout, const P
   }
 }
 
-std::vector<std::pair<size_t, size_t>> stage_owned_ranges(const PipelineLayout& layout, const ParamTable& local) {
-  std::vector<std::pair<size_t, size_t>> out;
-  for (const ParamSpec& s : local.specs()) {
-    if (layout.tied && s.role == Role::Wte && !layout.first()) continue;  // counted on rank 0
-    const size_t b = s.offset, e = s.offset + static_cast<size_t>(s.numel());
-    if (!out.empty() && out.back().second == b)
-      out.back().second = e;
-    else
-      out.push_back({b, e});
-  }
-  return out;
-}
-
 }  // namespace lathe::parallel

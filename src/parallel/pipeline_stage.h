@@ -77,8 +77,4 @@ void scatter_stage(const ParamTable& global, const float* g, const ParamTable& l
 void gather_stages(dist::Communicator& pp, const PipelineLayout& layout, const ParamTable& global,
                    const ParamTable& local, const float* l, float* g);
 
-// [begin, end) ranges of the stage buffer this rank counts in global sums (a tied wte only on
-// rank 0), merged where adjacent.
-std::vector<std::pair<size_t, size_t>> stage_owned_ranges(const PipelineLayout& layout, const ParamTable& local);
-
 }  // namespace lathe::parallel

@@ -333,17 +333,9 @@ void attach_tensor_parallel(Model& m, dist::Communicator& tp_group) {
 }
 
 std::vector<std::pair<size_t, size_t>> owned_ranges(const ParamTable& local, int rank) {
-  std::vector<std::pair<size_t, size_t>> out;
-  for (const ParamSpec& s : local.specs()) {
-    const bool sharded = s.shard == ShardRule::Column || s.shard == ShardRule::Row || s.shard == ShardRule::Vocab;
-    if (!sharded && rank != 0) continue;
-    const size_t b = s.offset, e = s.offset + static_cast<size_t>(s.numel());
-    if (!out.empty() && out.back().second == b)
-      out.back().second = e;
-    else
-      out.push_back({b, e});
-  }
-  return out;
+  return local.ranges([&](const ParamSpec& s) {
+    return rank == 0 || s.shard == ShardRule::Column || s.shard == ShardRule::Row || s.shard == ShardRule::Vocab;
+  });
 }
 
 double tensor_parallel_grad_norm(dist::Communicator& tp_group, const float* grads,
