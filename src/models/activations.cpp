@@ -1,0 +1,218 @@
+// The activation arena's layout: one walk over the blocks that sizes the arena (plan), places
+// every activation of a micro-batch in it (allocate / use_slot: one slot per in-flight micro-batch
+// under pipeline parallelism, the recompute policy deciding what is kept) and names each entry for
+// the memory report (ActivationEntry::label). Shapes per entry are in the walk's comments.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/checked.h"
+#include "kernels/backend.h"
+#include "models/memory.h"
+#include "models/model.h"
+
+namespace lathe {
+
+std::string ActivationEntry::label() const {
+  return layer >= 0 ? fmt::format("layers.{}.{}", layer, name) : std::string(name);
+}
+
+size_t Model::layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, const Ops& ops, Recompute recompute,
+                                 Model* m, std::byte* base, ActivationPlan* plan, size_t* shared_bytes,
+                                 std::byte* shared) {
+  // Every size below is a product of config fields and (B, T): checked, so that a hostile config or
+  // --batch/--seq-len is refused instead of wrapping into a small arena that kernels overrun.
+  const std::string what = fmt::format("activations of {} for batch {} x seq_len {}", cfg.model_type, B, T);
+  auto mul = [&](std::initializer_list<int64_t> f) { return checked_product(f, what); };
+  const bool gelu_mlp = cfg.is_gpt2();  // the Arch of each family (gpt2.cpp, llama.cpp)
+  const int64_t N = mul({B, T}), C = cfg.hidden_size, H = cfg.num_attention_heads, KV = cfg.num_key_value_heads,
+                D = cfg.head_dim(), Q = mul({checked_add(H, mul({2, KV}), what), D}), F = cfg.intermediate_size,
+                FF = gelu_mlp ? F : mul({2, F}), V = cfg.vocab_size, L = cfg.num_hidden_layers;
+  // Rows of the residual stream held here: S = N, or with sequence parallelism this rank's
+  // ceil(N / tp) (norms, their statistics, residuals, their gradient); the gathered rows (tp*S >= N)
+  // are the column-parallel GEMMs' input and the lm head's.
+  const bool sp = cfg.sequence_parallel && cfg.tensor_parts > 1;
+  const int64_t S = cfg.rows_held(N), NG = sp ? mul({S, cfg.tensor_parts}) : N;
+  // Logit chunks of up to 256 rows keep the lm-head GEMMs large while holding at most
+  // 256 x V floats of logits (51 MB at V=50257) instead of N x V.
+  // The CPU 16-bit tables take 512: their dw GEMM (oneDNN, K = chunk rows) ran 20% faster at
+  // K=512 than at 256 (bench/bench_lm_head.cpp: GPT-2 124M head 1.14x vs 1.07x of the previous
+  // kernel) for 77 MB more scratch at V=50257.
+  const bool cpu_half = std::string_view(ops.backend) == "cpu" && ops.dtype != DType::F32;
+  const int64_t chunk_rows = std::min<int64_t>(N, cpu_half ? 512 : 256);
+  // The scratch is shared by the kernels that need one (never two at a time): the backend says how much.
+  const int64_t scratch = std::max({static_cast<int64_t>(ops.attention_scratch_bytes(T, D)),
+                                    static_cast<int64_t>(ops.layernorm_scratch_bytes(C)),
+                                    static_cast<int64_t>(ops.rmsnorm_scratch_bytes(C)),
+                                    static_cast<int64_t>(ops.lm_head_loss_scratch_bytes(chunk_rows, V))});
+  const DType act = ops.dtype;
+  int64_t off = 0, soff = 0;  // bytes: of the (per-slot) arena, of the shared region when split
+  const bool split = shared_bytes != nullptr;
+  auto take = [&](const char* name, int64_t layer, int64_t count, DType dtype, bool transient = false) -> void* {
+    const int64_t bytes = checked_mul(count, static_cast<int64_t>(dtype_size(dtype)), what);
+    int64_t& at = split && transient ? soff : off;
+    std::byte* from = split && transient ? shared : base;
+    if (plan) plan->entries.push_back({name, layer, count, dtype, static_cast<size_t>(at), transient});
+    void* p = from ? from + at : nullptr;
+    at = checked_add(at, checked_add(bytes, 63, what) / 64 * 64, what);  // keep 64-byte alignment
+    return p;
+  };
+  auto stat = [&](const char* name, int64_t layer, int64_t count, bool transient = false) {
+    return static_cast<float*>(take(name, layer, count, DType::F32, transient));
+  };
+  constexpr bool kPass = true;  // transient: a working buffer of one pass
+  // Per layer: what the recompute mode keeps (none: everything; the layout of none is the layout
+  // before recompute existed, entry for entry).
+  const bool full = recompute == Recompute::Full, selective = recompute == Recompute::Selective;
+  LayerActs unused{};
+  auto layer = [&](int64_t l) -> LayerActs& { return m ? m->la_[static_cast<size_t>(l)] : unused; };
+  for (int64_t l = 0; l < L; ++l) {
+    LayerActs& a = layer(l);
+    if (full) {  // only the output, which is the next layer's (or the final norm's) input
+      a.res2 = take("res2", l, mul({S, C}), act);
+      continue;
+    }
+    if (!selective) a.ln1 = take("ln1", l, mul({S, C}), act);
+    a.ln1_mean = stat("ln1_mean", l, S);
+    a.ln1_rstd = stat("ln1_rstd", l, S);
+    a.qkv = take("qkv", l, mul({N, Q}), act);
+    a.att = take("att", l, mul({N, H, D}), act);
+    a.lse = stat("lse", l, mul({B, H, T}));
+    a.res1 = take("res1", l, mul({S, C}), act);
+    if (!selective) a.ln2 = take("ln2", l, mul({S, C}), act);
+    a.ln2_mean = stat("ln2_mean", l, S);
+    a.ln2_rstd = stat("ln2_rstd", l, S);
+    a.fc = take("fc", l, mul({N, FF}), act);
+    if (!selective) a.act = take("act", l, mul({N, F}), act);
+    a.res2 = take("res2", l, mul({S, C}), act);
+  }
+  // The set shared by every layer: whichever layer runs (forward, or backward's recompute) writes it.
+  if (full) {
+    LayerActs s{};
+    s.ln1 = take("shared.ln1", -1, mul({S, C}), act, kPass);
+    s.ln1_mean = stat("shared.ln1_mean", -1, S, kPass);
+    s.ln1_rstd = stat("shared.ln1_rstd", -1, S, kPass);
+    s.qkv = take("shared.qkv", -1, mul({N, Q}), act, kPass);
+    s.att = take("shared.att", -1, mul({N, H, D}), act, kPass);
+    s.lse = stat("shared.lse", -1, mul({B, H, T}), kPass);
+    s.res1 = take("shared.res1", -1, mul({S, C}), act, kPass);
+    s.ln2 = take("shared.ln2", -1, mul({S, C}), act, kPass);
+    s.ln2_mean = stat("shared.ln2_mean", -1, S, kPass);
+    s.ln2_rstd = stat("shared.ln2_rstd", -1, S, kPass);
+    s.fc = take("shared.fc", -1, mul({N, FF}), act, kPass);
+    s.act = take("shared.act", -1, mul({N, F}), act, kPass);
+    for (int64_t l = 0; l < L; ++l) {
+      LayerActs& a = layer(l);
+      void* res2 = a.res2;
+      a = s;
+      a.res2 = res2;
+    }
+  } else if (selective) {
+    // ln1 and ln2 are never needed at the same time: forward's qkv GEMM consumes ln1 before ln2 is
+    // written, and backward recomputes ln1 only after the fc GEMM's backward has read ln2. So one
+    // buffer holds both.
+    void* ln = take("shared.ln", -1, mul({S, C}), act, kPass);
+    void* mlp_act = take("shared.act", -1, mul({N, F}), act, kPass);
+    for (int64_t l = 0; l < L; ++l) {
+      LayerActs& a = layer(l);
+      a.ln1 = a.ln2 = ln;
+      a.act = mlp_act;
+    }
+  }
+  void* sink = nullptr;
+  float* fsink = nullptr;
+  (m ? m->emb_ : sink) = take("emb", -1, mul({S, C}), act);
+  (m ? m->lnf_ : sink) = take("lnf", -1, mul({NG, C}), act, kPass);  // gathered: the lm head's input
+  (m ? m->lnf_mean_ : fsink) = stat("lnf_mean", -1, S, kPass);
+  (m ? m->lnf_rstd_ : fsink) = stat("lnf_rstd", -1, S, kPass);
+  (m ? m->losses_ : fsink) = stat("losses", -1, N, kPass);
+  (m ? m->dres_ : sink) = take("dres", -1, mul({S, C}), act);
+  (m ? m->dln_ : sink) = take("dln", -1, mul({N, C}), act, kPass);
+  (m ? m->dqkv_ : sink) = take("dqkv", -1, mul({N, Q}), act, kPass);
+  (m ? m->datt_ : sink) = take("datt", -1, mul({N, H, D}), act, kPass);
+  (m ? m->dfc_ : sink) = take("dfc", -1, mul({N, FF}), act, kPass);
+  (m ? m->dact_ : sink) = take("dact", -1, mul({N, F}), act, kPass);
+  if (sp) (m ? m->gathered_ : sink) = take("gathered", -1, mul({NG, C}), act, kPass);
+  (m ? m->scratch_ : sink) = take("scratch", -1, scratch, DType::U8, kPass);
+  (m ? m->rope_cos_ : fsink) = stat("rope_cos", -1, mul({T, D}) / 2);
+  (m ? m->rope_sin_ : fsink) = stat("rope_sin", -1, mul({T, D}) / 2);
+  if (m) m->chunk_rows_ = chunk_rows;
+  if (plan) {
+    plan->bytes = static_cast<size_t>(off);
+    plan->recompute = recompute;
+    plan->shared_bytes = static_cast<size_t>(soff);
+  }
+  if (split) *shared_bytes = static_cast<size_t>(soff);
+  return static_cast<size_t>(off);
+}
+
+int64_t Model::activation_floats(const ModelConfig& cfg, int64_t B, int64_t T, Recompute recompute) {
+  LATHE_CHECK(B >= 1 && T >= 1, "batch {} x seq_len {}: both must be >= 1", B, T);
+  return static_cast<int64_t>(
+             layout_activations(cfg, B, T, ops_for(cpu_backend(), DType::F32), recompute, nullptr, nullptr, nullptr)) /
+         4;
+}
+
+ActivationPlan Model::plan_activations(const ModelConfig& cfg, int64_t B, int64_t T, const ComputeSpec& compute,
+                                       Recompute recompute) {
+  LATHE_CHECK(B >= 1 && T >= 1, "batch {} x seq_len {}: both must be >= 1", B, T);
+  const Ops& ops = ops_for(compute.backend ? *compute.backend : cpu_backend(), compute.dtype);
+  ActivationPlan plan;
+  layout_activations(cfg, B, T, ops, recompute, nullptr, nullptr, &plan);
+  return plan;
+}
+
+void Model::allocate(int64_t B, int64_t T, int optimizer_moments, Recompute recompute, int64_t slots) {
+  LATHE_CHECK(B >= 1 && T >= 1, "batch {} x seq_len {}: both must be >= 1", B, T);
+  LATHE_CHECK(slots >= 1 && slots <= 4096, "activation slots {} must be in [1, 4096]", slots);
+  LATHE_CHECK(params_.size() == table_.total() || table_.total() == 0,
+              "model: allocate on a model built without parameters (ComputeSpec::parameters false)");
+  LATHE_CHECK(!arch_.learned_pos || T <= cfg_.max_position_embeddings,
+              "seq_len {} exceeds the model's max_position_embeddings {}", T, cfg_.max_position_embeddings);
+  LATHE_CHECK(T <= kMaxPositions, "seq_len {} exceeds lathe's maximum {}", T, kMaxPositions);
+  if (B == max_B_ && T == max_T_ && recompute == plan_.recompute && slots == slots_) return;
+  // Before any allocation: refuse what cannot fit, with the figures (models/memory.h). The figures
+  // are the host's: a device-resident model's allocations fail with the backend's error instead.
+  if (!on_device())
+    check_memory_fits(estimate_memory(cfg_, B, T, optimizer_moments, 1, ops_->dtype, recompute), cfg_, "model");
+  // Several slots: [slot 0 | slot 1 | ... | the transient buffers, once].
+  ActivationPlan plan;
+  size_t shared = 0;
+  const size_t per =
+      layout_activations(cfg_, B, T, *ops_, recompute, nullptr, nullptr, &plan, slots > 1 ? &shared : nullptr);
+  max_B_ = B;
+  max_T_ = T;
+  const int64_t total = checked_add(checked_mul(static_cast<int64_t>(per), slots, "activation slots x arena bytes"),
+                                    static_cast<int64_t>(shared), "activation slots + shared buffers");
+  acts_.resize(*backend_, static_cast<size_t>(total), DType::U8);
+  plan_ = std::move(plan);
+  slots_ = slots;
+  la_.assign(static_cast<size_t>(cfg_.num_hidden_layers), {});
+  if (on_device()) {  // per-pass ids in device memory (copied in by each pass)
+    dtokens_.resize(*backend_, static_cast<size_t>(kIdSlots * B * T), DType::I32);
+    dtargets_.resize(*backend_, static_cast<size_t>(kIdSlots * B * T), DType::I32);
+    drop_staged_inputs();
+    ddocs_.resize(*backend_, static_cast<size_t>(2 * B * T), DType::I32);
+  }
+  for (int64_t i = slots - 1; i >= 0; --i) {  // every slot's RoPE tables; slot 0 current at the end
+    use_slot(i);
+    if (!arch_.learned_pos) ops_->rope_tables(rope_cos_, rope_sin_, T, cfg_.head_dim(), cfg_.rope_theta);
+  }
+}
+
+void Model::use_slot(int64_t i) {
+  LATHE_CHECK(i >= 0 && i < slots_ && max_B_ > 0, "activation slot {} of {} (allocated: {})", i, slots_, max_B_ > 0);
+  std::byte* base = static_cast<std::byte*>(acts_.data());
+  size_t shared = 0;
+  layout_activations(cfg_, max_B_, max_T_, *ops_, plan_.recompute, this, base + static_cast<size_t>(i) * plan_.bytes,
+                     nullptr, slots_ > 1 ? &shared : nullptr, base + static_cast<size_t>(slots_) * plan_.bytes);
+}
+
+void* Model::residual(int64_t l) {
+  LATHE_CHECK(l >= 0 && l <= static_cast<int64_t>(la_.size()) && max_B_ > 0,
+              "residual stream of layer {} (the model has {} layers; allocated: {})", l, la_.size(), max_B_ > 0);
+  return const_cast<void*>(layer_input(l));
+}
+
+}  // namespace lathe
