@@ -1,8 +1,9 @@
 // Full training steps (forward + backward + AdamW + for bf16/fp16 the refresh of the weight
 // copies) of a model preset at B x T on random tokens, computing in fp32, bf16 or fp16.
-// Prints one JSON line: ms/step (mean after warm-up), tokens/s, MFU against a GEMM probe of the
-// compute dtype (fp32: sgemm; bf16: oneDNN bf16 GEMM at the model's largest GEMM shape), peak RSS
-// and lathe's analytical memory estimate. --recompute plans the activations with that recompute
+// Prints one JSON line: ms/step (mean after warm-up) and cpu_ms_per_step (the CPU time of all of
+// the process's threads per step), tokens/s, MFU against a GEMM probe of the compute dtype (fp32:
+// sgemm; bf16: oneDNN bf16 GEMM at the model's largest GEMM shape), peak RSS and lathe's analytical
+// memory estimate. --recompute plans the activations with that recompute
 // mode (models/recompute.h); activation_mb is the arena it allocated. --plan prints, without
 // running, one line per recompute mode: the activation arena's bytes from the plan and the estimate.
 //   bench_train_step PRESET B T [STEPS] [--dtype fp32|bf16|fp16] [--recompute none|selective|full] [--plan]
@@ -128,7 +129,7 @@ int main(int argc, char** argv) {
   for (auto& t : tok) t = int32_t(rng.below(cfg.vocab_size));
   for (auto& t : tgt) t = int32_t(rng.below(cfg.vocab_size));
   const double est = double(estimate_memory(cfg, B, T, 2, 1, dtype, recompute).total_bytes());
-  double total = 0, fb = 0, upd = 0, cpu_fb = 0;
+  double total = 0, fb = 0, upd = 0, cpu_fb = 0, cpu_total = 0;
   int measured = 0;
   for (int s = 0; s < steps + 1; ++s) {
     const double t0 = now_seconds(), c0 = process_cpu_seconds();
@@ -138,12 +139,13 @@ int main(int argc, char** argv) {
     const double norm = optim::global_grad_norm(model->grad_data(), model->num_params());
     opt->step(model->param_data(), model->grad_data(), ranges, 1e-4, s + 1, optim::clip_coefficient(norm, 1.0));
     model->refresh_compute_weights();  // counted in the optimizer's time
-    const double t2 = now_seconds();
+    const double t2 = now_seconds(), c2 = process_cpu_seconds();
     if (s > 0) {  // first step is warm-up
       total += t2 - t0;
       fb += t1 - t0;
       upd += t2 - t1;
       cpu_fb += c1 - c0;
+      cpu_total += c2 - c0;
       ++measured;
     }
   }
@@ -163,6 +165,7 @@ int main(int argc, char** argv) {
                       {"ms_forward_backward", 1e3 * fb / measured},
                       {"ms_optimizer", 1e3 * upd / measured},
                       {"cpu_ms_forward_backward", 1e3 * cpu_fb / measured},
+                      {"cpu_ms_per_step", 1e3 * cpu_total / measured},
                       {"tokens_per_s", tok_s},
                       {"peak_gflops", peak},
                       {"peak_probe", dtype == DType::BF16 ? "bf16 oneDNN GEMM" : "fp32 sgemm"},

@@ -66,9 +66,9 @@ def main():
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-4)
     idx = torch.randint(0, V, (B, T))
     tgt = torch.randint(0, V, (B, T))
-    times = []
+    times, cpu = [], []
     for s in range(steps + 1):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad(set_to_none=True)
         if autocast:
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -79,11 +79,13 @@ def main():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)  # all of the process's threads
     dt = sum(times[1:]) / steps
     n = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
     flops_tok = 6 * n + 12 * L * C * T
     print(json.dumps({"impl": "torch", "torch": torch.__version__, "autocast_bf16": autocast, "threads": torch.get_num_threads(),
-                      "ms_per_step": dt * 1e3, "tokens_per_s": B * T / dt, "flops_per_token": flops_tok,
+                      "ms_per_step": dt * 1e3, "cpu_ms_per_step": sum(cpu[1:]) / steps * 1e3,
+                      "tokens_per_s": B * T / dt, "flops_per_token": flops_tok,
                       "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3}))
 
 

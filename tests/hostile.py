@@ -79,6 +79,16 @@ def run_lathe(args, *, rc=1, must=(), must_not=(), timeout=60, mem_mb=3072, stdi
     return p
 
 
+def error_text(p):
+    """The text after "lathe CMD: error: " in the stderr of CompletedProcess p (to compare the
+    messages of two commands); a Failure when there is no error line."""
+    err = p.stderr.decode("utf-8", "replace")
+    marker = ": error: "
+    if marker not in err:
+        raise Failure(f"no error line: {err}")
+    return err[err.index(marker) + len(marker):].strip()
+
+
 class Cases:
     """Collects named cases so that one failing case does not hide the others."""
 

@@ -38,8 +38,18 @@ static void usage() {
   fmt::print(stderr, "\nRun 'lathe <command> --help' for the options of a command.\n");
 }
 
+// Whether this invocation runs a command (not usage, --help, --version, an unknown command or a
+// command's --help): only then are the OpenBLAS/OpenMP start-up settings and their note wanted.
+static bool runs_command(int argc, char** argv) {
+  if (argc < 2 || lathe::cli::commands().count(argv[1]) == 0) return false;
+  for (int i = 2; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) return false;
+  }
+  return true;
+}
+
 int main(int argc, char** argv) {
-  lathe::ensure_fast_runtime(argc, argv);
+  if (runs_command(argc, argv)) lathe::ensure_fast_runtime(argc, argv);
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     usage();
     return argc < 2 ? 2 : 0;

@@ -37,7 +37,8 @@ struct OmpLoad {
 };
 OmpLoad omp_load();
 
-// Call first thing in main(). Returns only if no re-exec was needed (or it failed).
+// Call first thing in main() (lathe calls it for invocations that run a command, not for --help or
+// --version). Returns only if no re-exec was needed (or it failed).
 void ensure_fast_runtime(int argc, char** argv);
 
 // "SkylakeX", "Haswell", "Prescott", ... as OpenBLAS reports it.

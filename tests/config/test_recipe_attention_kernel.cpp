@@ -8,6 +8,7 @@
 
 #include "config/recipe.h"
 #include "core/error.h"
+#include "error_of.h"
 
 using namespace lathe;
 
@@ -20,12 +21,7 @@ std::string recipe(const std::string& model_extra, const std::string& top = "dev
 }
 
 std::string error_of(const std::string& text) {
-  try {
-    parse_recipe(text, "r.yaml");
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
+  return lathe::test::error_of([&] { parse_recipe(text, "r.yaml"); });
 }
 
 TEST(AttentionKernelKey, DefaultsToLatheAndAcceptsCudnnOnCudaInHalfPrecision) {

@@ -17,6 +17,7 @@
 #include "config/recipe.h"
 #include "core/error.h"
 #include "core/rng.h"
+#include "error_of.h"
 #include "kernels/backend.h"
 #include "models/model.h"
 
@@ -24,14 +25,7 @@ using namespace lathe;
 
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+std::string error_of(const std::function<void()>& f) { return lathe::test::exception_of(f); }
 
 TEST(AttentionKernelModel, CpuModelsRefuseCudnnNamingTheKernel) {
   ComputeSpec spec{&cpu_backend(), DType::BF16};

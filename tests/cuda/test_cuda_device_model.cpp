@@ -17,6 +17,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "dist/nccl_comm.h"
+#include "error_of.h"
 #include "kernels/backend.h"
 #include "models/model.h"
 #include "optim/optimizer.h"
@@ -27,14 +28,7 @@ using namespace lathe;
 
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+std::string error_of(const std::function<void()>& f) { return lathe::test::exception_of(f); }
 
 TEST(DeviceModelCpu, HostModelsStageNothing) {
   auto m = build_model(ModelConfig::preset("gpt2-debug"));

@@ -13,6 +13,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "error_of.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/launch.h"
 #ifdef LATHE_HAVE_CUDA
@@ -24,14 +25,7 @@ using namespace lathe::cuda;
 
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using lathe::test::error_of;
 
 TEST(CudaLaunch, Grid1dCoversEveryElementWithinLimits) {
   EXPECT_EQ(grid_1d(0), 1);  // an empty launch still has a valid grid (the kernel's loop does nothing)

@@ -17,20 +17,14 @@
 #include "dist/comm.h"
 #include "dist/device_bootstrap.h"
 #include "dist/nccl_comm.h"
+#include "error_of.h"
 
 using namespace lathe;
 using namespace lathe::dist;
 
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+std::string error_of(const std::function<void()>& f) { return lathe::test::exception_of(f); }
 
 auto env_of(std::map<std::string, std::string> vars) {
   return [vars = std::move(vars)](const char* name) -> const char* {

@@ -10,9 +10,12 @@
 #include <csignal>
 #include <cstring>
 #include <filesystem>
+#include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "core/stop_signal.h"
+#include "error_of.h"
 #include "io/fs.h"
 #include "io/onnx_writer.h"
 #include "io/xxh64.h"
@@ -22,6 +25,8 @@ using namespace lathe::io::onnx;
 namespace fs = std::filesystem;
 
 namespace {
+
+using lathe::test::error_of;
 
 std::string tmpdir() {
   static std::string d = [] {
@@ -77,6 +82,22 @@ void make(Graph& g, ModelProtoInfo& info) {
   info.metadata = {{"k", "v"}};
 }
 
+// The options that put every initializer of at least 8 bytes (W and S, not H) in the data file.
+WriteOptions external_from_8_bytes() {
+  WriteOptions o;
+  o.external_data = true;
+  o.external_min_bytes = 8;
+  return o;
+}
+
+// The file names in DIR, sorted.
+std::vector<std::string> names_in(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
 const char* kGolden =
     "080812056c617468651a01743ac5010a130a01580a01571201591a0361646422034164640a4a0a015912015a1a0466616b652204"
     "46616b652a140a046178697318ffffffffffffffffff01a001022a110a07657073696c6f6e15acc52737a001012a0d0a047065726d"
@@ -102,9 +123,7 @@ TEST(OnnxWriter, ExternalDataOffsetsAndInlineSmallTensors) {
   Graph g;
   ModelProtoInfo info;
   make(g, info);
-  WriteOptions o;
-  o.external_data = true;
-  o.external_min_bytes = 8;  // W (8 B) and S (8 B) external, H (4 B) inline
+  const WriteOptions o = external_from_8_bytes();  // W (8 B) and S (8 B) external, H (4 B) inline
   const std::string path = tmpdir() + "/ext.onnx";
   const WriteResult r = write_model(path, g, info, o);
   const std::string data = io::read_file(r.data_path);
@@ -148,12 +167,8 @@ TEST(OnnxWriter, RefusesATensorWhoseBytesDoNotMatchItsShape) {
   make(g, info);
   g.initializers[0].dims = {3};
   const std::string path = tmpdir() + "/bad.onnx";
-  try {
-    write_model(path, g, info);
-    FAIL() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("'W' has 8 bytes for 3 float32 elements"), std::string::npos) << e.what();
-  }
+  const std::string e = error_of([&] { write_model(path, g, info); });
+  EXPECT_NE(e.find("'W' has 8 bytes for 3 float32 elements"), std::string::npos) << e;
   EXPECT_FALSE(fs::exists(path));
 }
 
@@ -169,9 +184,7 @@ TEST(OnnxWriter, ExternalDataPairStaysConsistentAcrossRewrites) {
   Graph g;
   ModelProtoInfo info;
   make(g, info);
-  WriteOptions o;
-  o.external_data = true;
-  o.external_min_bytes = 8;
+  WriteOptions o = external_from_8_bytes();
   const WriteResult a = write_model(path, g, info, o);
   const std::string graph_a = io::read_file(path), data_a = io::read_file(a.data_path);
   // New weights: a new data file name; the old one is gone once the new graph is in place.
@@ -192,10 +205,8 @@ TEST(OnnxWriter, ExternalDataPairStaysConsistentAcrossRewrites) {
   io::atomic_write_file(dir + "/m.onnx.other", "kept");
   const WriteResult c = write_model(path, g, info, o);
   EXPECT_EQ(c.data_path, b.data_path);  // same bytes, same name
-  std::vector<std::string> names;
-  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
-  std::sort(names.begin(), names.end());
-  EXPECT_EQ(names, (std::vector<std::string>{"m.onnx", fs::path(c.data_path).filename().string(), "m.onnx.other"}));
+  EXPECT_EQ(names_in(dir),
+            (std::vector<std::string>{"m.onnx", fs::path(c.data_path).filename().string(), "m.onnx.other"}));
   // Inline again: no data file of its naming stays.
   o.external_data = false;
   write_model(path, g, info, o);
@@ -221,27 +232,18 @@ TEST(OnnxWriter, SignalStopsTheWriteAndLeavesNothing) {
   Graph g;
   ModelProtoInfo info;
   make(g, info);
-  WriteOptions o;
-  o.external_data = true;
-  o.external_min_bytes = 8;
+  const WriteOptions o = external_from_8_bytes();
   const WriteResult old = write_model(path, g, info, o);
   const std::string old_graph = io::read_file(path);
   g.initializers[0].data[0] ^= 0x55;
   {
     StopSignalGuard guard;
     std::raise(SIGINT);
-    try {
-      write_model(path, g, info, o);
-      FAIL() << "expected an error";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("interrupted by SIGINT"), std::string::npos) << e.what();
-    }
+    const std::string e = error_of([&] { write_model(path, g, info, o); });
+    EXPECT_NE(e.find("interrupted by SIGINT"), std::string::npos) << e;
   }
   EXPECT_EQ(io::read_file(path), old_graph);
-  std::vector<std::string> names;
-  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
-  std::sort(names.begin(), names.end());
-  EXPECT_EQ(names, (std::vector<std::string>{"s.onnx", fs::path(old.data_path).filename().string()}));
+  EXPECT_EQ(names_in(dir), (std::vector<std::string>{"s.onnx", fs::path(old.data_path).filename().string()}));
 }
 
 // The streaming writer itself: a signal between two writes unwinds, the temporary is removed and
@@ -250,15 +252,13 @@ TEST(AtomicFileWriter, SignalRemovesTheTemporary) {
   const std::string path = tmpdir() + "/w.bin";
   io::atomic_write_file(path, "old");
   StopSignalGuard guard;
-  try {
+  const std::string e = error_of([&] {
     io::AtomicFileWriter w(path);
     w.write("new", 3);
     std::raise(SIGTERM);
     w.write("more", 4);
-    FAIL() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("interrupted by SIGTERM"), std::string::npos) << e.what();
-  }
+  });
+  EXPECT_NE(e.find("interrupted by SIGTERM"), std::string::npos) << e;
   EXPECT_FALSE(fs::exists(path + ".tmp"));
   EXPECT_EQ(io::read_file(path), "old");
 }

@@ -31,6 +31,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/rng.h"
+#include "error_of.h"
 #include "gradcheck_basic.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/ops.h"
@@ -895,14 +896,7 @@ TEST(BackendOps, EveryOpHasACase) {
 
 // ================================ registry and dispatch errors =================================
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using lathe::test::error_of;
 
 TEST(BackendRegistry, CpuBf16AndFp16AreImplementedAndComplete) {
   for (DType dt : {DType::BF16, DType::F16}) {

@@ -17,6 +17,7 @@
 #include "config/model_config.h"
 #include "core/error.h"
 #include "core/rng.h"
+#include "error_of.h"
 #include "models/kv_cache.h"
 #include "models/model.h"
 
@@ -24,14 +25,7 @@ using namespace lathe;
 
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using lathe::test::error_of;
 
 std::unique_ptr<Model> make(const std::string& preset, int64_t T, DType dt = DType::F32) {
   auto m = build_model(ModelConfig::preset(preset), ComputeSpec{nullptr, dt});

@@ -26,6 +26,7 @@
 #include "config/model_config.h"
 #include "core/error.h"
 #include "core/rng.h"
+#include "error_of.h"
 #include "io/safetensors.h"
 #include "model_fixtures.h"
 #include "models/hf_weights.h"
@@ -200,14 +201,7 @@ TEST_P(HalfModel, AdamWLossCurveTracksFp32) {
   }
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using lathe::test::error_of;
 
 // Forward refuses weight copies that were never filled or are stale, naming the fix.
 TEST_P(HalfModel, StaleWeightCopiesAreRefused) {

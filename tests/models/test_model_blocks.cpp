@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "config/model_config.h"
+#include "error_of.h"
 #include "kernels/backend.h"
 #include "models/model.h"
 #include "models/traced_ops.h"
@@ -18,14 +19,7 @@
 using namespace lathe;
 
 namespace {
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using lathe::test::error_of;
 
 std::vector<int32_t> tokens_for(const ModelConfig& c, int64_t n, int salt) {
   std::vector<int32_t> t(static_cast<size_t>(n));

@@ -16,6 +16,7 @@
 #include "config/model_config.h"
 #include "core/error.h"
 #include "core/rng.h"
+#include "error_of.h"
 #include "models/memory.h"
 #include "models/model.h"
 #include "optim/optimizer.h"
@@ -24,14 +25,7 @@ using namespace lathe;
 
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using lathe::test::error_of;
 
 ModelConfig family(const std::string& name) {
   if (name == "llama_untied_bias") {  // lm_head and q|k|v biases too

@@ -8,6 +8,7 @@
 #include <functional>
 
 #include "config/model_config.h"
+#include "error_of.h"
 #include "io/fs.h"
 #include "models/model.h"
 #include "models/onnx_export.h"
@@ -26,14 +27,7 @@ std::string tmp_path(const std::string& name) {
   return d + "/" + name;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using lathe::test::error_of;
 
 void expect_refused(const Model& m, const OnnxExportOptions& o, std::initializer_list<const char*> must) {
   const std::string path = tmp_path("refused.onnx");

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "config/model_config.h"
+#include "error_of.h"
 #include "models/memory.h"
 #include "models/model.h"
 
@@ -13,14 +14,7 @@ using namespace lathe;
 namespace {
 std::unique_ptr<Model> dummy_builder(const ModelConfig& c) { return build_gpt2(c); }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using lathe::test::error_of;
 }  // namespace
 
 TEST(ModelRegistry, DuplicateNameNamesBothRegistrants) {

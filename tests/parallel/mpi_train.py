@@ -1,31 +1,18 @@
-"""What the mpirun training tests share (test_dp_train.py, test_tp_train.py): the binary, the
-environment for ranks sharing this machine's cores, a small structured dataset, recipe files,
-running lathe under mpirun (or alone for np = 1), and the check/failure bookkeeping."""
+"""What the mpirun training tests share (test_dp_train.py, test_tp_train.py, test_pp_train.py, ...):
+on top of tests/common/run_harness.py (the binary, the rank environment, running lathe under mpirun,
+the check/failure bookkeeping), a small structured dataset, recipe files, comparisons of runs, and
+the six-layer GPT-2 / Llama models of the pipeline tests."""
 import json
 import os
-import shutil
-import subprocess
 import sys
-import time
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "train"))
+sys.path.insert(0, os.path.join(HERE, "..", "common"))
 import megatron_writer  # noqa: E402
-
-LATHE = os.environ.get("LATHE_BIN", os.path.join(HERE, "..", "..", "build", "lathe"))
-MPIRUN = shutil.which("mpirun")
-# 1 OpenMP thread per rank (the ranks share the cores); root and oversubscription allowed.
-ENV = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-           OMPI_MCA_rmaps_base_oversubscribe="1")
-failures = []
-
-
-def check(ok, what):
-    print(("ok   " if ok else "FAIL ") + what, flush=True)
-    if not ok:
-        failures.append(what)
+from run_harness import ENV, LATHE, MPIRUN, check, failures, metrics, run  # noqa: E402,F401 (re-exported)
 
 
 def make_data(tmp):
@@ -56,20 +43,9 @@ def write_recipe(data, preset, out, training, **kw):
     return path
 
 
-def run(np_, args, timeout=300, env=None):
-    cmd = ([MPIRUN, "-np", str(np_)] if np_ > 1 else []) + [LATHE] + args
-    t0 = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or ENV)
-    return p, time.time() - t0
-
-
 def weights(out):
     from safetensors.numpy import load_file
     return load_file(os.path.join(out, "model", "model.safetensors"))
-
-
-def metrics(out):
-    return [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
 
 
 def series(out, key):
@@ -144,3 +120,23 @@ def same_run(a, ref, what, steps=slice(None), tol=1e-5, ref_name="one process"):
     e = rel(series(a, "grad_norm")[steps], series(ref, "grad_norm")[steps])
     check(e <= tol, f"{what}: gradient norms match (max rel {e:.2e} <= {tol})")
 
+
+
+# The pipeline tests' runs (test_pp_train.py, test_tp_pp_train.py): 5 steps of 4 micro-batches of
+# 2x32 and 6-layer models, so that 2, 3 and 6 (virtual) stages divide them; 4 heads (2 KV heads for
+# Llama) and vocabulary 96 split over 2 tensor ranks.
+PIPELINE_TRAINING = {"micro_batch_size": 2, "seq_len": 32, "grad_accum_steps": 4, "steps": 5, "eval_interval": 5,
+                     "eval_batches": 2, "log_interval": 1, "threads": 1, "peak_gflops": 100, "seed": 5}
+PIPELINE_MODELS = {"gpt2": {"preset": "gpt2-debug", "n_layer": 6},
+                   "llama": {"preset": "llama-debug", "num_hidden_layers": 6}}
+
+
+def pipeline_recipe(data, family, out, **kw):
+    """OUT.yaml: PIPELINE_TRAINING with PIPELINE_MODELS[family] ("gpt2" or "llama"); kw as model_recipe."""
+    return model_recipe(data, PIPELINE_MODELS[family], out, PIPELINE_TRAINING, **kw)
+
+
+def pipeline_train(tmp, np_, data, family, name, extra=(), **kw):
+    """Trains pipeline_recipe into TMP/NAME on np_ ranks, checks that it succeeded, returns TMP/NAME."""
+    out = os.path.join(tmp, name)
+    return train_checked(np_, pipeline_recipe(data, family, out, **kw), out, name, extra)

@@ -7,20 +7,14 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "error_of.h"
 #include "parallel/pipeline_schedule.h"
 
 using namespace lathe::pipeline;
 
 namespace {
 
-std::string error_of(auto&& fn) {
-  try {
-    fn();
-  } catch (const lathe::Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using lathe::test::error_of;
 
 Costs costs(double f, double b) {
   Costs c;

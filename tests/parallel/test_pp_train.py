@@ -13,6 +13,7 @@ interleaved (virtual_stages), uneven parallel.stage_layers; DP=2 x PP=2 on 4 ran
 2); a PP=2 checkpoint resumed in one process and a one-process checkpoint resumed at PP=3 (the
 checkpoints hold the whole model); and the errors for layouts the model or the step cannot take.
 1 OpenMP thread per rank (the ranks share this machine's cores)."""
+import functools
 import os
 import shutil
 import subprocess
@@ -27,19 +28,9 @@ from mpi_train import (ENV, LATHE, MPIRUN, check, failures, rel, same_run, val_l
 import mpi_train  # noqa: E402
 
 TMP = tempfile.mkdtemp(prefix="lathe_pp_")
-TRAINING = {"micro_batch_size": 2, "seq_len": 32, "grad_accum_steps": 4, "steps": 5, "eval_interval": 5,
-            "eval_batches": 2, "log_interval": 1, "threads": 1, "peak_gflops": 100, "seed": 5}
-# 6 decoder layers, so that 2, 3 and 6 (virtual) stages divide them.
-MODELS = {"gpt2": {"preset": "gpt2-debug", "n_layer": 6}, "llama": {"preset": "llama-debug", "num_hidden_layers": 6}}
-
-
-def recipe(data, family, out, **kw):
-    return mpi_train.model_recipe(data, MODELS[family], out, TRAINING, **kw)
-
-
-def train(np_, data, family, name, extra=(), **kw):
-    out = os.path.join(TMP, name)
-    return mpi_train.train_checked(np_, recipe(data, family, out, **kw), out, name, extra)
+# The 6-layer GPT-2 / Llama runs of the pipeline tests (mpi_train.py).
+recipe = mpi_train.pipeline_recipe
+train = functools.partial(mpi_train.pipeline_train, TMP)
 
 
 def main():

@@ -13,6 +13,7 @@ PP=2 on 8 ranks (ZeRO 1), bf16 against TP=2 in bf16, and checkpoints: a TP=2 x P
 and in one process must continue within 1e-5 of the uninterrupted run, and `lathe checkpoint
 reshard` of it to DP=4 and back must give files byte-identical to resharding it to itself."""
 import filecmp
+import functools
 import json
 import os
 import shutil
@@ -27,20 +28,10 @@ from mpi_train import (ENV, LATHE, MPIRUN, check, failures, rel, same_run, serie
 import mpi_train  # noqa: E402
 
 TMP = tempfile.mkdtemp(prefix="lathe_tp_pp_")
-TRAINING = {"micro_batch_size": 2, "seq_len": 32, "grad_accum_steps": 4, "steps": 5, "eval_interval": 5,
-            "eval_batches": 2, "log_interval": 1, "threads": 1, "peak_gflops": 100, "seed": 5}
-# 6 decoder layers; 4 heads (2 KV heads for Llama) and vocabulary 96 split over 2 tensor ranks.
-MODELS = {"gpt2": {"preset": "gpt2-debug", "n_layer": 6}, "llama": {"preset": "llama-debug", "num_hidden_layers": 6}}
+# The 6-layer GPT-2 / Llama runs of the pipeline tests (mpi_train.py).
+recipe = mpi_train.pipeline_recipe
+train = functools.partial(mpi_train.pipeline_train, TMP)
 TPP = {"parallel__tensor": 2, "parallel__pipeline": 2}
-
-
-def recipe(data, family, out, **kw):
-    return mpi_train.model_recipe(data, MODELS[family], out, TRAINING, **kw)
-
-
-def train(np_, data, family, name, extra=(), **kw):
-    out = os.path.join(TMP, name)
-    return mpi_train.train_checked(np_, recipe(data, family, out, **kw), out, name, extra)
 
 
 def main():

@@ -42,6 +42,15 @@ output: {{dir: {out}}}
 """
 
 
+def hostile_recipe(tmp, data, name, extra="", out=None):
+    """TMP/NAME.yaml: HOSTILE_RECIPE on `data` into `out` (TMP/out_NAME unless given), plus the YAML
+    lines `extra`. Returns the path."""
+    p = os.path.join(tmp, name + ".yaml")
+    with open(p, "w") as f:
+        f.write(HOSTILE_RECIPE.format(data=data, out=out or os.path.join(tmp, "out_" + name)) + extra)
+    return p
+
+
 def make_data(tmp, name, nbytes):
     text = open(os.path.join(SRC, "data", "tinyshakespeare.txt"), "rb").read()[:nbytes]
     prefix = os.path.join(tmp, name)

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "error_of.h"
 #include "io/xxh64.h"
 #include "train/anomaly.h"
 #include "train/checkpoint.h"
@@ -256,12 +257,7 @@ TEST(AnomalyPolicy, StateThroughStateJson) {
   EXPECT_FALSE(old.has_health || old.has_anomaly);
   // Damaged fields are named.
   auto error_of = [](const json& extra) {
-    try {
-      parse_checkpoint_state(state_json(extra), "s.json");
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
+    return lathe::test::error_of([&] { parse_checkpoint_state(state_json(extra), "s.json"); });
   };
   json a = anomaly_state_to_json(p.state());
   json bad = a;

@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "core/stop_signal.h"
+#include "error_of.h"
 #include "io/fs.h"
 #include "io/safetensors.h"
 #include "train/checkpoint.h"
@@ -83,14 +84,7 @@ void flip_byte(const std::string& path, size_t at) {
   f.put(c);
 }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using lathe::test::error_of;
 
 }  // namespace
 

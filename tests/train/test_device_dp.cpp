@@ -22,6 +22,7 @@
 #include "core/error.h"
 #include "dist/comm.h"
 #include "dist/nccl_comm.h"
+#include "error_of.h"
 #include "models/model.h"
 #include "optim/optimizer.h"
 #include "parallel/grad_sync.h"
@@ -33,14 +34,7 @@ using namespace lathe;
 
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+std::string error_of(const std::function<void()>& f) { return lathe::test::exception_of(f); }
 
 float grad_of(int rank, int step, size_t i) {
   return static_cast<float>(std::sin(0.0013 * static_cast<double>(i) * (rank + 1) + step) *

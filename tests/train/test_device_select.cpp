@@ -7,6 +7,7 @@
 
 #include "config/recipe.h"
 #include "core/error.h"
+#include "error_of.h"
 #include "train/checkpoint.h"
 #include "train/device_select.h"
 #include "train/peak.h"
@@ -21,14 +22,7 @@ data: {train: data/x, valid_fraction: 0.1}
 training: {micro_batch_size: 2, seq_len: 16, steps: 4}
 )";
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using lathe::test::error_of;
 
 TEST(DeviceKey, DefaultsToCpuAndParses) {
   EXPECT_EQ(parse_recipe(kRecipe, "r.yaml").device, "cpu");

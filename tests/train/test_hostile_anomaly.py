@@ -8,14 +8,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.environ.get("LATHE_SOURCE_DIR", os.path.join(HERE, "..", "..")), "tests"))
 sys.path.insert(0, HERE)
 from hostile import Cases, run_lathe  # noqa: E402
-from kill_test_lib import HOSTILE_RECIPE, make_data  # noqa: E402
+from kill_test_lib import hostile_recipe, make_data  # noqa: E402
 
 cases = Cases()
 tmp = cases.tmp
 data = make_data(tmp, "shake", 20000)
-recipe = os.path.join(tmp, "r.yaml")
 out = os.path.join(tmp, "out")
-open(recipe, "w").write(HOSTILE_RECIPE.format(data=data, out=out))
+recipe = hostile_recipe(tmp, data, "r", out=out)
 ON = ["--set", "training.anomaly.enabled=true", "--set", "output.checkpoint_every=2"]
 
 BAD = [

@@ -9,8 +9,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.environ.get("LATHE_SOURCE_DIR", os.path.join(HERE, "..", "..")), "tests"))
 sys.path.insert(0, HERE)
-from hostile import Cases, Failure, run_lathe  # noqa: E402
-from kill_test_lib import HOSTILE_RECIPE as RECIPE, make_data  # noqa: E402
+from hostile import Cases, Failure, error_text, run_lathe  # noqa: E402
+from kill_test_lib import hostile_recipe, make_data  # noqa: E402
 
 cases = Cases()
 tmp = cases.tmp
@@ -18,17 +18,7 @@ data = make_data(tmp, "shake", 20000)
 
 
 def recipe(name, extra=""):
-    p = os.path.join(tmp, name + ".yaml")
-    open(p, "w").write(RECIPE.format(data=data, out=os.path.join(tmp, "out_" + name)) + extra)
-    return p
-
-
-def error_text(p):
-    err = p.stderr.decode("utf-8", "replace")
-    marker = ": error: "
-    if marker not in err:
-        raise Failure(f"no error line: {err}")
-    return err[err.index(marker) + len(marker):].strip()
+    return hostile_recipe(tmp, data, name, extra)
 
 
 with cases.case("device: cuda without a usable GPU: check and train refuse with the same reason"):

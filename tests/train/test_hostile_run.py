@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.environ.get("LATHE_SOURCE_DIR", os.path.join(
 sys.path.insert(0, HERE)
 from hostile import LATHE, SANITIZED, Cases, Failure, run_lathe  # noqa: E402
 from hostile_ckpt import canonical, reseal_text  # noqa: E402
-from kill_test_lib import HOSTILE_RECIPE, make_data  # noqa: E402
+from kill_test_lib import hostile_recipe, make_data  # noqa: E402
 
 cases = Cases()
 tmp = cases.tmp
@@ -40,9 +40,8 @@ data = make_data(tmp, "shake", 20000)
 def recipe(name, extra=""):
     """TMP/NAME.yaml: HOSTILE_RECIPE (gpt2-debug, vocab 256, 4 steps of 2x16) into TMP/NAME, plus
     `extra` YAML lines."""
-    p = os.path.join(tmp, name + ".yaml")
-    open(p, "w").write(HOSTILE_RECIPE.format(data=data, out=os.path.join(tmp, name)) + extra)
-    return p, os.path.join(tmp, name)
+    out = os.path.join(tmp, name)
+    return hostile_recipe(tmp, data, name, extra, out), out
 
 
 def snapshot(d):

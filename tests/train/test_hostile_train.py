@@ -17,7 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.environ.get("LATHE_SOURCE_DIR", os.path.join(HERE, "..", "..")), "tests"))
 sys.path.insert(0, HERE)
 import megatron_writer  # noqa: E402
-from hostile import Cases, Failure, run_lathe  # noqa: E402
+from hostile import Cases, Failure, error_text, run_lathe  # noqa: E402
 from kill_test_lib import HOSTILE_RECIPE as RECIPE, make_data, xxh64  # noqa: E402
 
 
@@ -32,13 +32,6 @@ def recipe(name, body=None, **fmt):
     args.update(fmt)
     open(p, "w").write((body or RECIPE).format(**args))
     return p
-
-
-def error_text(p):
-    err = p.stderr.decode("utf-8", "replace")
-    marker = ": error: "
-    assert marker in err, err
-    return err[err.index(marker) + len(marker):].strip()
 
 
 def both_fail(rec, must, extra=(), mem_mb=3072):

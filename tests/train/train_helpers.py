@@ -1,29 +1,17 @@
 """What the single-recipe training tests share (test_bf16_fallback.py, test_recompute.py,
 test_eval_tasks_training.py, test_profile.py; test_anomaly.py and test_precision.py take the
-check/records bookkeeping): the binary, the environment for mpirun ranks sharing this machine's
-cores, a small patterned dataset, the recipe they start from, and the check/failure bookkeeping.
-Not a test itself (tests/CMakeLists.txt registers only test_*.py)."""
+check/records bookkeeping): on top of tests/common/run_harness.py (the binary, the environment for
+mpirun ranks, the check/failure bookkeeping, metrics.jsonl), a small patterned dataset and the
+recipe they start from. Not a test itself (tests/CMakeLists.txt registers only test_*.py)."""
 import json
 import os
-import shutil
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "common"))
 import megatron_writer  # noqa: E402
-
-LATHE = os.environ.get("LATHE_BIN") or os.path.join(os.environ.get("LATHE_BINARY_DIR", os.path.join(HERE, "..", "..", "build")), "lathe")
-MPIRUN = shutil.which("mpirun")
-# 1 OpenMP thread per rank (the ranks share the cores); root and oversubscription allowed.
-ENV = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-           OMPI_MCA_rmaps_base_oversubscribe="1")
-failures = []
-
-
-def check(ok, what):
-    print(("ok   " if ok else "FAIL ") + what, flush=True)
-    if not ok:
-        failures.append(what)
+from run_harness import ENV, LATHE, MPIRUN, check, failures, finish, records  # noqa: E402,F401 (re-exported)
 
 
 def patterned_data(tmp, rng):
@@ -48,19 +36,5 @@ def write_recipe(out, data, training, model=None, **sections):
     return out + ".yaml"
 
 
-def records(out):
-    """The metrics.jsonl records of OUT's training steps (those with a loss)."""
-    return [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in l]
-
-
 def losses(out):
     return [r["loss"] for r in records(out)]
-
-
-def finish(tmp, keep_on_failure=True):
-    """The summary line and the exit status (1 when a check failed). TMP is removed, but kept to
-    look at when a check failed and keep_on_failure."""
-    if not (failures and keep_on_failure):
-        shutil.rmtree(tmp, ignore_errors=True)
-    print(f"{len(failures)} failed" if failures else "all passed")
-    return 1 if failures else 0
