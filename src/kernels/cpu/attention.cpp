@@ -33,7 +33,7 @@
 #include <utility>
 
 #include "core/error.h"
-#include "kernels/cpu/half.h"
+#include "kernels/cpu/storage.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/ops_half.h"
 #include "kernels/cpu/vec_math.h"

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "kernels/cpu/op_slots.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/tables.h"
 
@@ -32,25 +33,6 @@ void embedding_backward_f32(float* dwte, float* dwpe, const void* dout, const in
                             int64_t C, const int32_t* positions, int64_t vocab_begin, int64_t vocab_rows) {
   embedding_backward(dwte, dwpe, f(dout), tokens, B, T, C, positions, vocab_begin, vocab_rows);
 }
-void layernorm_forward_f32(void* out, float* mean, float* rstd, const void* inp, const float* weight, const float* bias,
-                           int64_t N, int64_t C, float eps) {
-  layernorm_forward(f(out), mean, rstd, f(inp), weight, bias, N, C, eps);
-}
-void layernorm_backward_f32(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
-                            const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
-                            void* scratch) {
-  layernorm_backward(f(dinp), dweight, dbias, f(dout), f(inp), weight, mean, rstd, N, C, f(scratch));
-}
-size_t layernorm_scratch_bytes_f32(int64_t C) { return layernorm_scratch_floats(C) * sizeof(float); }
-void rmsnorm_forward_f32(void* out, float* rstd, const void* inp, const float* weight, int64_t N, int64_t C,
-                         float eps) {
-  rmsnorm_forward(f(out), rstd, f(inp), weight, N, C, eps);
-}
-void rmsnorm_backward_f32(void* dinp, float* dweight, const void* dout, const void* inp, const float* weight,
-                          const float* rstd, int64_t N, int64_t C, void* scratch) {
-  rmsnorm_backward(f(dinp), dweight, f(dout), f(inp), weight, rstd, N, C, f(scratch));
-}
-size_t rmsnorm_scratch_bytes_f32(int64_t C) { return rmsnorm_scratch_floats(C) * sizeof(float); }
 void gelu_forward_f32(void* out, const void* inp, int64_t n) { gelu_forward(f(out), f(inp), n); }
 void gelu_backward_f32(void* dinp, const void* inp, const void* dout, int64_t n) {
   gelu_backward(f(dinp), f(inp), f(dout), n);
@@ -106,12 +88,8 @@ Ops make_fp32_ops() {
   o.matmul_bias_gelu_forward = matmul_bias_gelu_unfused<fp32_ops>;
   o.embedding_forward = embedding_forward_f32;
   o.embedding_backward = embedding_backward_f32;
-  o.layernorm_forward = layernorm_forward_f32;
-  o.layernorm_backward = layernorm_backward_f32;
-  o.layernorm_scratch_bytes = layernorm_scratch_bytes_f32;
-  o.rmsnorm_forward = rmsnorm_forward_f32;
-  o.rmsnorm_backward = rmsnorm_backward_f32;
-  o.rmsnorm_scratch_bytes = rmsnorm_scratch_bytes_f32;
+  add_layernorm<F32>(o);
+  add_rmsnorm<F32>(o);
   o.gelu_forward = gelu_forward_f32;
   o.gelu_backward = gelu_backward_f32;
   o.swiglu_forward = swiglu_forward_f32;

@@ -23,7 +23,7 @@
 
 #include "core/cpu_isa.h"
 #include "core/dtype.h"
-#include "kernels/cpu/half.h"
+#include "kernels/cpu/storage.h"
 #include "kernels/cpu/ops_bf16.h"
 
 namespace lathe::cpu {

@@ -47,7 +47,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "kernels/cpu/col_sums.h"
-#include "kernels/cpu/half.h"
+#include "kernels/cpu/storage.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/ops_bf16.h"

@@ -1,6 +1,6 @@
 // The CPU bf16 and fp16 op tables (issue 9): 16-bit activations, fp32 math inside every kernel.
 //
-// One template per op, instantiated for the two storage types of kernels/cpu/half.h:
+// One template per op, instantiated for the two storage types of kernels/cpu/storage.h:
 //  * GEMMs: bf16 on oneDNN (kernels/cpu/ops_bf16.h: bf16 operands, fp32 accumulation, each output
 //    rounded once from its fp32 sum). fp16: oneDNN 2.6.3 has no f16 matmul on CPUs without
 //    AVX512-FP16 (probed 2026-11-30 on this machine's AVX512-BF16 Xeon: "could not create a
@@ -27,9 +27,9 @@
 #include <cstring>
 
 #include "core/error.h"
-#include "kernels/cpu/half.h"
+#include "kernels/cpu/storage.h"
 #include "kernels/cpu/lm_head_tiles.h"
-#include "kernels/cpu/norm_rows.h"
+#include "kernels/cpu/op_slots.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/ops_bf16.h"
 #include "kernels/cpu/pointwise_math.h"
@@ -222,147 +222,6 @@ void embedding_backward_h(float* dwte, float* dwpe, const void* dout_v, const in
           for (int64_t c = 0; c < C; ++c) d[c] += g[c];
         }
       }
-    }
-  }
-}
-
-// ---- LayerNorm / RMSNorm -------------------------------------------------------------------------
-template <class P>
-void layernorm_forward_h(void* out_v, float* mean, float* rstd, const void* inp_v, const float* weight,
-                         const float* bias, int64_t N, int64_t C, float eps) {
-  const u16* inp = h(inp_v);
-  u16* out = h(out_v);
-#pragma omp parallel if (N * C >= kParallelMin)
-  {
-    float* __restrict x = thread_rows(0, static_cast<size_t>(C));
-    float* __restrict o = thread_rows(1, static_cast<size_t>(C));
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-      P::to_f32(x, inp + n * C, C);
-      layernorm_row(o, mean + n, rstd + n, x, weight, bias, C, eps);
-      P::from_f32(out + n * C, o, C);
-    }
-  }
-}
-
-// Scratch: per thread 2C partial parameter gradients (as fp32), then per thread 3C widened rows.
-size_t layernorm_scratch_bytes_h(int64_t C) { return static_cast<size_t>(5 * C * omp_get_max_threads()) * 4; }
-
-template <class P>
-void layernorm_backward_h(void* dinp_v, float* dweight, float* dbias, const void* dout_v, const void* inp_v,
-                          const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
-                          void* scratch_v) {
-  const float inv_c = 1.0f / static_cast<float>(C);
-  float* scratch = static_cast<float*>(scratch_v);
-  const int64_t max_thr = omp_get_max_threads();
-  const u16 *dout = h(dout_v), *inp = h(inp_v);
-  u16* dinp = h(dinp_v);
-#pragma omp parallel if (N * C >= kParallelMin)
-  {
-    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    float* __restrict pw = scratch + tid * 2 * C;
-    float* __restrict pb = pw + C;
-    float* __restrict x = scratch + max_thr * 2 * C + tid * 3 * C;
-    float* __restrict g = x + C;
-    float* __restrict dx = g + C;
-    for (int64_t c = 0; c < 2 * C; ++c) pw[c] = 0.0f;
-    const int64_t n0 = N * tid / nt, n1 = N * (tid + 1) / nt;
-    for (int64_t n = n0; n < n1; ++n) {
-      P::to_f32(x, inp + n * C, C);
-      P::to_f32(g, dout + n * C, C);
-      P::to_f32(dx, dinp + n * C, C);
-      const float m = mean[n], r = rstd[n];
-      float sum_dxhat = 0.0f, sum_dxhat_xhat = 0.0f;
-#pragma omp simd reduction(+ : sum_dxhat, sum_dxhat_xhat)
-      for (int64_t c = 0; c < C; ++c) {
-        const float xhat = (x[c] - m) * r;
-        const float dxhat = g[c] * weight[c];
-        sum_dxhat += dxhat;
-        sum_dxhat_xhat += dxhat * xhat;
-        pw[c] += g[c] * xhat;
-        pb[c] += g[c];
-      }
-      const float a = sum_dxhat * inv_c, b = sum_dxhat_xhat * inv_c;
-      for (int64_t c = 0; c < C; ++c) {
-        const float xhat = (x[c] - m) * r;
-        dx[c] += (g[c] * weight[c] - a - xhat * b) * r;
-      }
-      P::from_f32(dinp + n * C, dx, C);
-    }
-#pragma omp barrier
-    const int64_t c0 = C * tid / nt, c1 = C * (tid + 1) / nt;
-    for (int64_t c = c0; c < c1; ++c) {
-      float sw = 0.0f, sb = 0.0f;
-      for (int64_t t = 0; t < nt; ++t) {
-        sw += scratch[t * 2 * C + c];
-        sb += scratch[t * 2 * C + C + c];
-      }
-      dweight[c] += sw;
-      if (dbias != nullptr) dbias[c] += sb;
-    }
-  }
-}
-
-template <class P>
-void rmsnorm_forward_h(void* out_v, float* rstd, const void* inp_v, const float* weight, int64_t N, int64_t C,
-                       float eps) {
-  const u16* inp = h(inp_v);
-  u16* out = h(out_v);
-#pragma omp parallel if (N * C >= kParallelMin)
-  {
-    float* __restrict x = thread_rows(0, static_cast<size_t>(C));
-    float* __restrict o = thread_rows(1, static_cast<size_t>(C));
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-      P::to_f32(x, inp + n * C, C);
-      rmsnorm_row(o, rstd + n, x, weight, C, eps);
-      P::from_f32(out + n * C, o, C);
-    }
-  }
-}
-
-// Scratch: per thread C partial dweight, then per thread 3C widened rows.
-size_t rmsnorm_scratch_bytes_h(int64_t C) { return static_cast<size_t>(4 * C * omp_get_max_threads()) * 4; }
-
-template <class P>
-void rmsnorm_backward_h(void* dinp_v, float* dweight, const void* dout_v, const void* inp_v, const float* weight,
-                        const float* rstd, int64_t N, int64_t C, void* scratch_v) {
-  const float inv_c = 1.0f / static_cast<float>(C);
-  float* scratch = static_cast<float*>(scratch_v);
-  const int64_t max_thr = omp_get_max_threads();
-  const u16 *dout = h(dout_v), *inp = h(inp_v);
-  u16* dinp = h(dinp_v);
-#pragma omp parallel if (N * C >= kParallelMin)
-  {
-    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    float* __restrict pw = scratch + tid * C;
-    float* __restrict x = scratch + max_thr * C + tid * 3 * C;
-    float* __restrict g = x + C;
-    float* __restrict dx = g + C;
-    for (int64_t c = 0; c < C; ++c) pw[c] = 0.0f;
-    const int64_t n0 = N * tid / nt, n1 = N * (tid + 1) / nt;
-    for (int64_t n = n0; n < n1; ++n) {
-      P::to_f32(x, inp + n * C, C);
-      P::to_f32(g, dout + n * C, C);
-      P::to_f32(dx, dinp + n * C, C);
-      const float r = rstd[n];
-      float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t c = 0; c < C; ++c) {
-        const float xhat = x[c] * r;
-        s += g[c] * weight[c] * xhat;
-        pw[c] += g[c] * xhat;
-      }
-      const float b = s * inv_c;
-      for (int64_t c = 0; c < C; ++c) dx[c] += (g[c] * weight[c] - x[c] * r * b) * r;
-      P::from_f32(dinp + n * C, dx, C);
-    }
-#pragma omp barrier
-    const int64_t c0 = C * tid / nt, c1 = C * (tid + 1) / nt;
-    for (int64_t c = c0; c < c1; ++c) {
-      float sw = 0.0f;
-      for (int64_t t = 0; t < nt; ++t) sw += scratch[t * C + c];
-      dweight[c] += sw;
     }
   }
 }
@@ -646,12 +505,8 @@ Ops make_half_ops() {
     o.matmul_bias_gelu_forward = matmul_bias_gelu_unfused<fp16_ops>;
   o.embedding_forward = embedding_forward_h<P>;
   o.embedding_backward = embedding_backward_h<P>;
-  o.layernorm_forward = layernorm_forward_h<P>;
-  o.layernorm_backward = layernorm_backward_h<P>;
-  o.layernorm_scratch_bytes = layernorm_scratch_bytes_h;
-  o.rmsnorm_forward = rmsnorm_forward_h<P>;
-  o.rmsnorm_backward = rmsnorm_backward_h<P>;
-  o.rmsnorm_scratch_bytes = rmsnorm_scratch_bytes_h;
+  add_layernorm<P>(o);
+  add_rmsnorm<P>(o);
   o.gelu_forward = gelu_forward_h<P>;
   o.gelu_backward = gelu_backward_h<P>;
   o.swiglu_forward = swiglu_forward_h<P>;
