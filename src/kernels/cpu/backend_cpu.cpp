@@ -25,34 +25,6 @@ void matmul_backward_f32(void* dinp, float* dweight, float* dbias, const void* d
                          const void* weight, int64_t M, int64_t K, int64_t N, bool accumulate_dinp) {
   matmul_backward(f(dinp), dweight, dbias, f(dout), f(inp), f(weight), M, K, N, accumulate_dinp);
 }
-void embedding_forward_f32(void* out, const int32_t* tokens, const void* wte, const void* wpe, int64_t B, int64_t T,
-                           int64_t C, const int32_t* positions, int64_t vocab_begin, int64_t vocab_rows) {
-  embedding_forward(f(out), tokens, f(wte), f(wpe), B, T, C, positions, vocab_begin, vocab_rows);
-}
-void embedding_backward_f32(float* dwte, float* dwpe, const void* dout, const int32_t* tokens, int64_t B, int64_t T,
-                            int64_t C, const int32_t* positions, int64_t vocab_begin, int64_t vocab_rows) {
-  embedding_backward(dwte, dwpe, f(dout), tokens, B, T, C, positions, vocab_begin, vocab_rows);
-}
-void gelu_forward_f32(void* out, const void* inp, int64_t n) { gelu_forward(f(out), f(inp), n); }
-void gelu_backward_f32(void* dinp, const void* inp, const void* dout, int64_t n) {
-  gelu_backward(f(dinp), f(inp), f(dout), n);
-}
-void swiglu_forward_f32(void* out, const void* inp, int64_t N, int64_t F) { swiglu_forward(f(out), f(inp), N, F); }
-void swiglu_backward_f32(void* dinp, const void* inp, const void* dout, int64_t N, int64_t F) {
-  swiglu_backward(f(dinp), f(inp), f(dout), N, F);
-}
-void residual_forward_f32(void* out, const void* a, const void* b, int64_t n) {
-  residual_forward(f(out), f(a), f(b), n);
-}
-void bias_add_f32(void* out, const float* bias, int64_t N, int64_t C) { bias_add(f(out), bias, N, C); }
-void rope_forward_f32(void* x, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
-                      int64_t D, int64_t row_stride, const int32_t* positions) {
-  rope_forward(f(x), cos_table, sin_table, B, T, n_heads, D, row_stride, positions);
-}
-void rope_backward_f32(void* dx, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
-                       int64_t D, int64_t row_stride, const int32_t* positions) {
-  rope_backward(f(dx), cos_table, sin_table, B, T, n_heads, D, row_stride, positions);
-}
 void attention_forward_f32(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
                            int64_t D, void* scratch, const int32_t* doc_start) {
   attention_forward(f(out), lse, f(qkv), B, T, H, KVH, D, f(scratch), doc_start);
@@ -86,19 +58,11 @@ Ops make_fp32_ops() {
   o.matmul_forward = matmul_forward_f32;
   o.matmul_backward = matmul_backward_f32;
   o.matmul_bias_gelu_forward = matmul_bias_gelu_unfused<fp32_ops>;
-  o.embedding_forward = embedding_forward_f32;
-  o.embedding_backward = embedding_backward_f32;
+  add_embedding<F32>(o);
   add_layernorm<F32>(o);
   add_rmsnorm<F32>(o);
-  o.gelu_forward = gelu_forward_f32;
-  o.gelu_backward = gelu_backward_f32;
-  o.swiglu_forward = swiglu_forward_f32;
-  o.swiglu_backward = swiglu_backward_f32;
-  o.residual_forward = residual_forward_f32;
-  o.bias_add = bias_add_f32;
-  o.rope_tables = rope_tables;  // fp32 tables in every dtype: the kernel itself
-  o.rope_forward = rope_forward_f32;
-  o.rope_backward = rope_backward_f32;
+  add_pointwise<F32>(o);
+  add_rope<F32>(o);
   o.attention_forward = attention_forward_f32;
   o.attention_backward = attention_backward_f32;
   o.attention_scratch_bytes = attention_scratch_bytes_f32;
