@@ -1,5 +1,5 @@
 // fp32 <-> bf16 conversion, vectorised and OpenMP-parallel (see ops_bf16.h for the contract), and
-// the AVX-512 row conversions of half.h's Fp16.
+// the AVX-512 row conversions of storage.h's Fp16.
 //
 // fp32 -> bf16 must give exactly what core/dtype.h's scalar fp32_to_bf16 gives, so that bf16
 // weights, activations and exported checkpoints round the same way whichever path made them.

@@ -11,7 +11,6 @@
 
 #include <cmath>
 
-#include "kernels/cpu/norm_rows.h"
 #include "kernels/cpu/op_slots.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/storage.h"
@@ -19,6 +18,32 @@
 namespace lathe::cpu {
 
 namespace {
+
+// o[C] = (x - mean) * rstd * weight (+ bias); *mean, *rstd of x. Two passes (mean, then centred
+// sum of squares): no cancellation, and both vectorise. omp simd reduction lets the compiler
+// reassociate the float sums; the order is still fixed for a given build.
+inline void layernorm_row(float* __restrict o, float* mean, float* rstd, const float* __restrict x,
+                          const float* weight, const float* bias, int64_t C, float eps) {
+  const float inv_c = 1.0f / static_cast<float>(C);
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t c = 0; c < C; ++c) s += x[c];
+  const float m = s * inv_c;
+  float v = 0.0f;
+#pragma omp simd reduction(+ : v)
+  for (int64_t c = 0; c < C; ++c) {
+    const float d = x[c] - m;
+    v += d * d;
+  }
+  const float r = 1.0f / std::sqrt(v * inv_c + eps);
+  if (bias != nullptr) {
+    for (int64_t c = 0; c < C; ++c) o[c] = (x[c] - m) * r * weight[c] + bias[c];
+  } else {
+    for (int64_t c = 0; c < C; ++c) o[c] = (x[c] - m) * r * weight[c];
+  }
+  *mean = m;
+  *rstd = r;
+}
 
 // Below this many elements one thread does the work. The thread count orders the parameter-gradient
 // sums, so each table keeps its own threshold (the 16-bit ones, which also widen and round, fork later).

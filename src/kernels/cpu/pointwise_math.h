@@ -1,5 +1,5 @@
-// Element formulas shared by the fp32 pointwise kernels (pointwise.cpp) and the 16-bit tables
-// (ops_half.cpp): the same fp32 math whatever the storage type. See pointwise.cpp for why.
+// Element formulas of the pointwise kernels (pointwise.cpp, one template for every storage type):
+// the same fp32 math whatever the storage type. See pointwise.cpp for why.
 #pragma once
 #include <bit>
 #include <cstdint>

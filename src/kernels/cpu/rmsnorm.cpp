@@ -9,7 +9,6 @@
 
 #include <cmath>
 
-#include "kernels/cpu/norm_rows.h"
 #include "kernels/cpu/op_slots.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/storage.h"
@@ -17,6 +16,18 @@
 namespace lathe::cpu {
 
 namespace {
+
+// o[C] = weight * (x * rstd) (HF's order), *rstd = 1 / sqrt(mean(x^2) + eps).
+inline void rmsnorm_row(float* __restrict o, float* rstd, const float* __restrict x, const float* weight, int64_t C,
+                        float eps) {
+  const float inv_c = 1.0f / static_cast<float>(C);
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t c = 0; c < C; ++c) ss += x[c] * x[c];
+  const float r = 1.0f / std::sqrt(ss * inv_c + eps);
+  for (int64_t c = 0; c < C; ++c) o[c] = weight[c] * (x[c] * r);
+  *rstd = r;
+}
 
 // As layernorm.cpp: the thread count orders the dweight sums, so each table keeps its threshold.
 template <class S>
