@@ -33,9 +33,9 @@
 #include <utility>
 
 #include "core/error.h"
-#include "kernels/cpu/storage.h"
-#include "kernels/cpu/ops.h"
 #include "kernels/cpu/op_slots.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/cpu/storage.h"
 #include "kernels/cpu/vec_math.h"
 
 namespace lathe::cpu {
@@ -496,8 +496,8 @@ void forward_f32(void* out, float* lse, const void* qkv, int64_t B, int64_t T, i
   attention_forward(static_cast<float*>(out), lse, static_cast<const float*>(qkv), B, T, H, KVH, D,
                     static_cast<float*>(scratch), doc_start);
 }
-void backward_f32(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse, int64_t B, int64_t T,
-                  int64_t H, int64_t KVH, int64_t D, void* scratch, const int32_t* doc_start) {
+void backward_f32(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse, int64_t B,
+                  int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch, const int32_t* doc_start) {
   attention_backward(static_cast<float*>(dqkv), static_cast<const float*>(dout), static_cast<const float*>(qkv),
                      static_cast<const float*>(out), lse, B, T, H, KVH, D, static_cast<float*>(scratch), doc_start);
 }

@@ -22,8 +22,8 @@ namespace {
 // o[C] = (x - mean) * rstd * weight (+ bias); *mean, *rstd of x. Two passes (mean, then centred
 // sum of squares): no cancellation, and both vectorise. omp simd reduction lets the compiler
 // reassociate the float sums; the order is still fixed for a given build.
-inline void layernorm_row(float* __restrict o, float* mean, float* rstd, const float* __restrict x,
-                          const float* weight, const float* bias, int64_t C, float eps) {
+inline void layernorm_row(float* __restrict o, float* mean, float* rstd, const float* __restrict x, const float* weight,
+                          const float* bias, int64_t C, float eps) {
   const float inv_c = 1.0f / static_cast<float>(C);
   float s = 0.0f;
 #pragma omp simd reduction(+ : s)

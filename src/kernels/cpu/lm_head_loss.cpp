@@ -154,7 +154,8 @@ double loss_t(float* losses, void* dx, float* dw, const void* x, const void* w, 
   if (vp != nullptr)
     return lm_head_loss_vp<S>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows, *vp);
   const int64_t R = std::min(chunk_rows, std::max<int64_t>(N, 1));
-  int64_t width = head::tile_width(R, V, omp_get_max_threads(), S::kFp32 ? head::kTileFloatsF32 : head::kTileFloatsHalf);
+  int64_t width =
+      head::tile_width(R, V, omp_get_max_threads(), S::kFp32 ? head::kTileFloatsF32 : head::kTileFloatsHalf);
   if (!S::kFp32 && head::bench_tile_width_override > 0) width = head::bench_tile_width_override;
   return loss_tiled<S>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows, width);
 }

@@ -119,7 +119,7 @@ double lm_head_loss_vp(float* losses, void* dx_v, float* dw, const void* x_v, co
   return total;
 }
 
-#define LATHE_VP(S)                                                                                             \
+#define LATHE_VP(S)                                                                                            \
   template double lm_head_loss_vp<S>(float*, void*, float*, const void*, const void*, const int32_t*, int64_t, \
                                      int64_t, int64_t, float, bool, void*, int64_t, const VocabParallel&);
 LATHE_VP(F32)

@@ -29,9 +29,9 @@ template <class S>
 void add_lm_head_loss(Ops& o);  // lm_head_loss.cpp (with the vocab-parallel twin)
 
 // In an op's file: the add_<op> of every storage type.
-#define LATHE_CPU_ADD_SLOTS(fn)     \
-  template void fn<F32>(Ops & o);   \
-  template void fn<Bf16>(Ops & o);  \
+#define LATHE_CPU_ADD_SLOTS(fn)    \
+  template void fn<F32>(Ops & o);  \
+  template void fn<Bf16>(Ops & o); \
   template void fn<Fp16>(Ops & o);
 
 }  // namespace lathe::cpu

@@ -66,7 +66,7 @@ struct Fp16 {
   // Rows: AVX-512 where cpu_isa() allows it (convert_bf16.cpp, compiled for it whatever LATHE_ARCH
   // is), else F16C on 8 lanes (x86-64-v3); the same hardware rounding, so bit-identical.
   static void to_f32(float* __restrict dst, const uint16_t* __restrict src, int64_t n) {
-    if (cpu_isa() >= CpuIsa::Avx512) return fp16_to_fp32_rows_avx512(dst, src, n);
+    if (lathe::cpu_isa() >= CpuIsa::Avx512) return fp16_to_fp32_rows_avx512(dst, src, n);
     int64_t i = 0;
 #if defined(__F16C__) && defined(__AVX__)
     for (; i + 8 <= n; i += 8)
@@ -75,7 +75,7 @@ struct Fp16 {
     for (; i < n; ++i) dst[i] = ld(src[i]);
   }
   static void from_f32(uint16_t* __restrict dst, const float* __restrict src, int64_t n) {
-    if (cpu_isa() >= CpuIsa::Avx512) return fp32_to_fp16_rows_avx512(dst, src, n);
+    if (lathe::cpu_isa() >= CpuIsa::Avx512) return fp32_to_fp16_rows_avx512(dst, src, n);
     int64_t i = 0;
 #if defined(__F16C__) && defined(__AVX__)
     for (; i + 8 <= n; i += 8)
