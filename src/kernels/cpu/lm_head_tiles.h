@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/backend.h"  // VocabParallel
 #include "kernels/cpu/vec_math.h"
 
 namespace lathe::cpu::head {
