@@ -17,6 +17,7 @@
 #endif
 
 #include <bit>
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
