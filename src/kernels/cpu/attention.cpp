@@ -33,9 +33,9 @@
 #include <utility>
 
 #include "core/error.h"
-#include "kernels/cpu/half.h"
+#include "kernels/cpu/op_slots.h"
 #include "kernels/cpu/ops.h"
-#include "kernels/cpu/ops_half.h"
+#include "kernels/cpu/storage.h"
 #include "kernels/cpu/vec_math.h"
 
 namespace lathe::cpu {
@@ -485,27 +485,41 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
                    scratch + static_cast<int64_t>(omp_get_thread_num()) * per_thread);
 }
 
-size_t attention_scratch_bytes_half(int64_t T, int64_t D) {
+namespace {
+
+size_t scratch_bytes_half(int64_t T, int64_t D) {
   return static_cast<size_t>(omp_get_max_threads()) * static_cast<size_t>(tile_floats(T, D) + half_extra_floats(T, D)) *
          sizeof(float);
 }
-void attention_forward_bf16(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                            int64_t D, void* scratch, const int32_t* doc_start) {
-  attention_forward_half<Bf16>(out, lse, qkv, B, T, H, KVH, D, scratch, doc_start);
+void forward_f32(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
+                 void* scratch, const int32_t* doc_start) {
+  attention_forward(static_cast<float*>(out), lse, static_cast<const float*>(qkv), B, T, H, KVH, D,
+                    static_cast<float*>(scratch), doc_start);
 }
-void attention_backward_bf16(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
-                             int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch,
-                             const int32_t* doc_start) {
-  attention_backward_half<Bf16>(dqkv, dout, qkv, out, lse, B, T, H, KVH, D, scratch, doc_start);
+void backward_f32(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse, int64_t B,
+                  int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch, const int32_t* doc_start) {
+  attention_backward(static_cast<float*>(dqkv), static_cast<const float*>(dout), static_cast<const float*>(qkv),
+                     static_cast<const float*>(out), lse, B, T, H, KVH, D, static_cast<float*>(scratch), doc_start);
 }
-void attention_forward_fp16(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                            int64_t D, void* scratch, const int32_t* doc_start) {
-  attention_forward_half<Fp16>(out, lse, qkv, B, T, H, KVH, D, scratch, doc_start);
+size_t scratch_bytes_f32(int64_t T, int64_t D) { return attention_scratch_floats(T, D) * sizeof(float); }
+
+}  // namespace
+
+// fp32 runs on the strided q|k|v directly, a 16-bit table on one widened head at a time (above):
+// two drivers of the same per-head code, kept apart because the fp32 one sums a kv head's dK, dV
+// over its query heads inside backward_group and the 16-bit one per head, in fp32 accumulators.
+template <class S>
+void add_attention(Ops& o) {
+  if constexpr (S::kFp32) {
+    o.attention_forward = forward_f32;
+    o.attention_backward = backward_f32;
+    o.attention_scratch_bytes = scratch_bytes_f32;
+  } else {
+    o.attention_forward = attention_forward_half<S>;
+    o.attention_backward = attention_backward_half<S>;
+    o.attention_scratch_bytes = scratch_bytes_half;
+  }
 }
-void attention_backward_fp16(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
-                             int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch,
-                             const int32_t* doc_start) {
-  attention_backward_half<Fp16>(dqkv, dout, qkv, out, lse, B, T, H, KVH, D, scratch, doc_start);
-}
+LATHE_CPU_ADD_SLOTS(add_attention)
 
 }  // namespace lathe::cpu

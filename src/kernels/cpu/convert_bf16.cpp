@@ -1,8 +1,11 @@
 // fp32 <-> bf16 conversion, vectorised and OpenMP-parallel (see ops_bf16.h for the contract), and
-// the AVX-512 row conversions of half.h's Fp16.
+// the AVX-512 row conversions of storage.h's Fp16.
 //
 // fp32 -> bf16 must give exactly what core/dtype.h's scalar fp32_to_bf16 gives, so that bf16
-// weights, activations and exported checkpoints round the same way whichever path made them.
+// weights, activations and exported checkpoints round the same way whichever path made them. The
+// kernels' one scalar rounding is storage.h's Bf16::st (the same formula without a branch, so that
+// it vectorises; test_cpu_isa checks it against core's); fp32_to_bf16_int16 below is it on AVX-512
+// lanes.
 // AVX512-BF16's vcvtne2ps2bf16 rounds to nearest even and quiets NaNs like the scalar code, but
 // it treats subnormal inputs as zero (measured on Zen 4: 0x00018000 -> 0x0000, scalar gives
 // 0x0002). So the hardware result is used and the rare block that holds a subnormal is redone
@@ -23,8 +26,8 @@
 
 #include "core/cpu_isa.h"
 #include "core/dtype.h"
-#include "kernels/cpu/half.h"
 #include "kernels/cpu/ops_bf16.h"
+#include "kernels/cpu/storage.h"
 
 namespace lathe::cpu {
 
@@ -35,14 +38,12 @@ constexpr int64_t kParallelMin = 1 << 15;
 // Elements per parallel chunk: a multiple of every vector width used below.
 constexpr int64_t kChunk = 1 << 12;
 
-inline void fp32_to_bf16_scalar(uint16_t* dst, const float* src, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = fp32_to_bf16(src[i]);
-}
+inline void fp32_to_bf16_scalar(uint16_t* dst, const float* src, int64_t n) { Bf16::from_f32(dst, src, n); }
 
 #define LATHE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define LATHE_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
-// Integer RNE on 16 lanes: (u + 0x7fff + ((u >> 16) & 1)) >> 16, NaN -> (u >> 16) | 0x40.
+// Bf16::st on 16 lanes (integer RNE): (u + 0x7fff + ((u >> 16) & 1)) >> 16, NaN -> (u >> 16) | 0x40.
 LATHE_AVX512 inline __m256i fp32_to_bf16_int16(__m512i u) {
   const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
   const __mmask16 nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f800000));
@@ -87,12 +88,10 @@ LATHE_AVX512 void bf16_to_fp32_block_avx512(float* dst, const uint16_t* src, int
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
     _mm512_storeu_si512(dst + i, _mm512_slli_epi32(w, 16));
   }
-  for (; i < n; ++i) dst[i] = bf16_to_fp32(src[i]);
+  for (; i < n; ++i) dst[i] = Bf16::ld(src[i]);
 }
 
-void bf16_to_fp32_block_portable(float* dst, const uint16_t* src, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_fp32(src[i]);
-}
+void bf16_to_fp32_block_portable(float* dst, const uint16_t* src, int64_t n) { Bf16::to_f32(dst, src, n); }
 
 }  // namespace
 
@@ -115,7 +114,8 @@ void convert_fp32_to_bf16(uint16_t* dst, const float* src, int64_t n) {
 
 void convert_bf16_to_fp32(float* dst, const uint16_t* src, int64_t n) {
   if (n <= 0) return;
-  auto* const bf16_to_fp32_block = cpu_isa() >= CpuIsa::Avx512 ? bf16_to_fp32_block_avx512 : bf16_to_fp32_block_portable;
+  auto* const bf16_to_fp32_block =
+      cpu_isa() >= CpuIsa::Avx512 ? bf16_to_fp32_block_avx512 : bf16_to_fp32_block_portable;
   const int64_t nchunks = (n + kChunk - 1) / kChunk;
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
   for (int64_t c = 0; c < nchunks; ++c) {

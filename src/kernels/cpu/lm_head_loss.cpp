@@ -1,4 +1,7 @@
-// Fused lm head + softmax + cross-entropy, chunked over rows (contract in ops.h), fp32.
+// Fused lm head + softmax + cross-entropy, chunked over rows (contract in ops.h), one template for
+// every storage type (kernels/cpu/storage.h): the logits, max / exp / sum and the loss are fp32
+// (sums in double) whatever the storage; a 16-bit table rounds each tile's dlogits once to 16 bits
+// for its GEMMs (gemm.h) and rounds dx once from its fp32 sum.
 //
 // Per chunk of R = chunk_rows rows (x[N,C], w[V,C], scratch[R,V] holding the chunk's column
 // tiles, lm_head_tiles.h), parallel over the tiles (OpenMP, static: each thread owns a fixed run
@@ -10,8 +13,11 @@
 //      per-(row, tile) dlogits factor (head::combine).
 //   3. backward, per tile, again while it is hot: dlogits = e * factor - grad_scale at the target,
 //      dw[v0:v0+vb] += dlogits^T @ x_chunk (the tile's own rows of dw: no two threads share
-//      one), and dx_part += dlogits @ w[v0:v0+vb] into the thread's partial [R,C]; the partials
-//      are then added in thread order into dx (overwrite). Deterministic for a fixed thread count.
+//      one), and dx_part += dlogits @ w[v0:v0+vb] into the thread's partial [R,C] (thread 0's:
+//      dx itself for F32, an fp32 row block otherwise); the partials are then added in thread
+//      order. Deterministic for a fixed thread count.
+// Scratch: fp32 logits [R, V], then for 16-bit storage the 16-bit dlogits [R, V] (both in tile
+// layout).
 // Before (one sgemm over the whole chunk, then per-row passes) the 51 MB of logits of a 256-row
 // chunk at V=50257 went to memory and back three times; now each tile is read from memory once
 // between step 1 and step 3 and every other pass hits L2.
@@ -25,8 +31,11 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/cpu/gemm.h"
 #include "kernels/cpu/lm_head_tiles.h"
+#include "kernels/cpu/op_slots.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/storage.h"
 
 namespace lathe::cpu {
 
@@ -43,36 +52,59 @@ void check_lm_head_args(const int32_t* targets, int64_t N, int64_t C, int64_t V,
   }
 }
 
-double lm_head_loss_tiled(float* losses, float* dx, float* dw, const float* x, const float* w, const int32_t* targets,
-                          int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, float* scratch,
-                          int64_t chunk_rows, int64_t tile_width) {
-  check_lm_head_args(targets, N, C, V, backward, dx, dw, chunk_rows);
+namespace {
+
+// The dlogits tile as the GEMMs of S read it: the fp32 tile itself, or rounded once into dl16.
+template <class S>
+const typename S::T* tile_storage(const float* tile, typename S::T* dl16, int64_t n) {
+  if constexpr (S::kFp32) {
+    return tile;
+  } else {
+    S::from_f32(dl16, tile, n);
+    return dl16;
+  }
+}
+
+template <class S>
+double loss_tiled(float* losses, void* dx_v, float* dw, const void* x_v, const void* w_v, const int32_t* targets,
+                  int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, void* scratch_v, int64_t chunk_rows,
+                  int64_t tile_width) {
+  using St = typename S::T;
+  check_lm_head_args(targets, N, C, V, backward, dx_v, dw, chunk_rows);
   LATHE_CHECK(tile_width >= 1, "lm_head_loss: tile width must be >= 1, got {}", tile_width);
+  const auto *x = as<S>(x_v), *w = as<S>(w_v);
+  auto* dx = as<S>(dx_v);
+  const int64_t R_max = std::min(chunk_rows, std::max<int64_t>(N, 1));
+  float* logits = static_cast<float*>(scratch_v);
+  St* dlog = S::kFp32 ? nullptr
+                      : reinterpret_cast<St*>(static_cast<char*>(scratch_v) +
+                                              static_cast<size_t>(R_max) * static_cast<size_t>(V) * sizeof(float));
   // The calling thread's buffers, grown once; bound to references here because inside the
   // parallel regions a thread_local name would resolve to each worker's own instance.
   static thread_local head::Stats tls_stats;
-  static thread_local std::vector<float> tls_partials;  // [threads-1][R*C] dx partials of threads 1..
+  // [threads-1][R*C] dx partials of threads 1.., then (16-bit storage) thread 0's fp32 dx [R*C].
+  static thread_local std::vector<float> tls_partials;
   head::Stats& st = tls_stats;
   std::vector<float>& partials = tls_partials;
   const int nthreads = omp_get_max_threads();
+  const int64_t nparts = S::kFp32 ? nthreads - 1 : nthreads;
 
   double total = 0.0;
   for (int64_t n0 = 0; n0 < N; n0 += chunk_rows) {
     const int64_t R = std::min(chunk_rows, N - n0);
     const head::Tiling tl(R, V, std::min(tile_width, V));
-    const float* xc = x + n0 * C;
+    const St* xc = x + n0 * C;
     const int32_t* tg = targets + n0;
     st.resize(R, tl.nb);
     const int64_t RC = R * C;
     const bool par = head::parallel_worth(tl, C);
-    if (backward && partials.size() < static_cast<size_t>((nthreads - 1) * RC))
-      partials.resize(static_cast<size_t>((nthreads - 1) * RC));
+    if (backward && partials.size() < static_cast<size_t>(nparts * RC))
+      partials.resize(static_cast<size_t>(nparts * RC));
 
 #pragma omp parallel for schedule(static) if (par)
     for (int64_t b = 0; b < tl.nb; ++b) {
-      float* tile = scratch + tl.offset(b);
-      const int64_t vb = tl.vb(b);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, R, vb, C, 1.0f, xc, C, w + tl.v0(b) * C, C, 0.0f, tile, vb);
+      float* tile = logits + tl.offset(b);
+      Gemm<S>::logits(tile, xc, w + tl.v0(b) * C, R, C, tl.vb(b));
       head::tile_stats(tile, tl, b, tg, backward, st);
     }
     head::combine(tl, tg, grad_scale, backward, st, losses + n0);
@@ -81,30 +113,32 @@ double lm_head_loss_tiled(float* losses, float* dx, float* dw, const float* x, c
     total += chunk_total;
     if (!backward) continue;
 
-    float* dxc = dx + n0 * C;
+    St* dxc = dx + n0 * C;
+    float* dx0 = out_row<S>(partials.data() + (nthreads - 1) * RC, dxc);  // thread 0's partial
 #pragma omp parallel if (par)
     {
       const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-      float* acc = t == 0 ? dxc : partials.data() + (t - 1) * RC;
+      float* acc = t == 0 ? dx0 : partials.data() + (t - 1) * RC;
       std::fill(acc, acc + RC, 0.0f);
 #pragma omp for schedule(static)
       for (int64_t b = 0; b < tl.nb; ++b) {
-        float* tile = scratch + tl.offset(b);
+        float* tile = logits + tl.offset(b);
         const int64_t vb = tl.vb(b);
-        const float* wb = w + tl.v0(b) * C;
         head::tile_dlogits(tile, tl, b, tg, grad_scale, st);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, R, C, vb, 1.0f, tile, vb, wb, C, 1.0f, acc, C);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, vb, C, R, 1.0f, tile, vb, xc, C, 1.0f, dw + tl.v0(b) * C,
-                    C);
+        const St* dl = tile_storage<S>(tile, dlog + tl.offset(b), R * vb);
+        Gemm<S>::bwd_f32(acc, dw + tl.v0(b) * C, nullptr, dl, xc, w + tl.v0(b) * C, R, C, vb, true);
       }  // implicit barrier: every partial is complete
-      if (nt > 1) {
+      // dx = the partials summed in thread order (16-bit: rounded once).
+      if (nt > 1 || !S::kFp32) {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < RC; i += 256) {
-          const int64_t end = std::min(RC, i + 256);
+        for (int64_t i = 0; i < RC; i += 1024) {
+          const int64_t n = std::min<int64_t>(1024, RC - i);
+          float* sum = dx0 + i;
           for (int p = 0; p + 1 < nt; ++p) {
-            const float* src = partials.data() + p * RC;
-            for (int64_t j = i; j < end; ++j) dxc[j] += src[j];
+            const float* src = partials.data() + p * RC + i;
+            for (int64_t j = 0; j < n; ++j) sum[j] += src[j];
           }
+          write_row<S>(dxc + i, sum, n);
         }
       }
     }
@@ -112,12 +146,46 @@ double lm_head_loss_tiled(float* losses, float* dx, float* dw, const float* x, c
   return total;
 }
 
+// The table slot: the tile width of the storage type, or the vocab-parallel twin.
+template <class S>
+double loss_t(float* losses, void* dx, float* dw, const void* x, const void* w, const int32_t* targets, int64_t N,
+              int64_t C, int64_t V, float grad_scale, bool backward, void* scratch, int64_t chunk_rows,
+              const VocabParallel* vp) {
+  if (vp != nullptr)
+    return lm_head_loss_vp<S>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows, *vp);
+  const int64_t R = std::min(chunk_rows, std::max<int64_t>(N, 1));
+  int64_t width =
+      head::tile_width(R, V, omp_get_max_threads(), S::kFp32 ? head::kTileFloatsF32 : head::kTileFloatsHalf);
+  if (!S::kFp32 && head::bench_tile_width_override > 0) width = head::bench_tile_width_override;
+  return loss_tiled<S>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows, width);
+}
+
+// fp32 logits [R, V] (tile layout), then for 16-bit storage the 16-bit dlogits [R, V], 64-byte aligned.
+template <class S>
+size_t scratch_bytes(int64_t chunk_rows, int64_t V) {
+  const size_t n = static_cast<size_t>(chunk_rows) * static_cast<size_t>(V);
+  return n * sizeof(float) + (S::kFp32 ? 0 : (n * sizeof(typename S::T) + 63) / 64 * 64);
+}
+
+}  // namespace
+
+double lm_head_loss_tiled(float* losses, float* dx, float* dw, const float* x, const float* w, const int32_t* targets,
+                          int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, float* scratch,
+                          int64_t chunk_rows, int64_t tile_width) {
+  return loss_tiled<F32>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows, tile_width);
+}
+
 double lm_head_loss(float* losses, float* dx, float* dw, const float* x, const float* w, const int32_t* targets,
                     int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, float* scratch,
                     int64_t chunk_rows) {
-  const int64_t R = std::min(chunk_rows, std::max<int64_t>(N, 1));
-  return lm_head_loss_tiled(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows,
-                            head::tile_width(R, V, omp_get_max_threads(), head::kTileFloatsF32));
+  return loss_t<F32>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows, nullptr);
 }
+
+template <class S>
+void add_lm_head_loss(Ops& o) {
+  o.lm_head_loss = loss_t<S>;
+  o.lm_head_loss_scratch_bytes = scratch_bytes<S>;
+}
+LATHE_CPU_ADD_SLOTS(add_lm_head_loss)
 
 }  // namespace lathe::cpu

@@ -12,7 +12,6 @@
 // Two collectives of R and 2R doubles per chunk. Against one process the values differ only in the
 // order the exp sum is added (per shard, then across shards) and in the GEMMs' split of V, so losses
 // agree to ~1e-7 relative and gradients to the fp32 rounding of the GEMM sums.
-#include <cblas.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -21,7 +20,10 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/lm_head_tiles.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/storage.h"
 #include "kernels/cpu/vec_math.h"
 
 namespace lathe::cpu {
@@ -83,22 +85,52 @@ double vocab_parallel_softmax_rows(float* s, float* losses, const int32_t* targe
   return total;
 }
 
-double lm_head_loss_vocab_parallel(float* losses, float* dx, float* dw, const float* x, const float* w,
-                                   const int32_t* targets, int64_t N, int64_t C, int64_t V, float grad_scale,
-                                   bool backward, float* scratch, int64_t chunk_rows, const VocabParallel& vp) {
-  check_vocab_parallel_args(targets, N, C, V, chunk_rows, backward, dx != nullptr && dw != nullptr, vp);
+// Local logits in fp32 whatever the storage; a 16-bit table rounds dlogits once to 16 bits for the
+// two backward GEMMs (gemm.h) and gets dx rounded once.
+template <class S>
+double lm_head_loss_vp(float* losses, void* dx_v, float* dw, const void* x_v, const void* w_v, const int32_t* targets,
+                       int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, void* scratch_v,
+                       int64_t chunk_rows, const VocabParallel& vp) {
+  using St = typename S::T;
+  check_vocab_parallel_args(targets, N, C, V, chunk_rows, backward, dx_v != nullptr && dw != nullptr, vp);
+  const auto *x = as<S>(x_v), *w = as<S>(w_v);
+  auto* dx = as<S>(dx_v);
+  float* logits = static_cast<float*>(scratch_v);
+  St* dlog = nullptr;  // the 16-bit dlogits after the fp32 logits
+  if constexpr (!S::kFp32)
+    dlog = reinterpret_cast<St*>(static_cast<char*>(scratch_v) +
+                                 static_cast<size_t>(std::min(chunk_rows, std::max<int64_t>(N, 1))) *
+                                     static_cast<size_t>(V) * sizeof(float));
   double total = 0.0;
   for (int64_t n0 = 0; n0 < N; n0 += chunk_rows) {
     const int64_t R = std::min(chunk_rows, N - n0);
-    const float* xc = x + n0 * C;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, R, V, C, 1.0f, xc, C, w, C, 0.0f, scratch, V);
-    total += vocab_parallel_softmax_rows(scratch, losses + n0, targets + n0, R, V, grad_scale, backward, vp);
-    if (backward) {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, R, C, V, 1.0f, scratch, V, w, C, 0.0f, dx + n0 * C, C);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, V, C, R, 1.0f, scratch, V, xc, C, 1.0f, dw, C);
+    const St* xc = x + n0 * C;
+    Gemm<S>::logits(logits, xc, w, R, C, V);
+    total += vocab_parallel_softmax_rows(logits, losses + n0, targets + n0, R, V, grad_scale, backward, vp);
+    if (!backward) continue;
+    if constexpr (S::kFp32) {
+      Gemm<S>::bwd(dx + n0 * C, dw, nullptr, logits, xc, w, R, C, V);
+    } else {
+#pragma omp parallel for schedule(static)
+      for (int64_t r = 0; r < R; ++r) S::from_f32(dlog + r * V, logits + r * V, V);
+      Gemm<S>::bwd(dx + n0 * C, dw, nullptr, dlog, xc, w, R, C, V);
     }
   }
   return total;
+}
+
+#define LATHE_VP(S)                                                                                            \
+  template double lm_head_loss_vp<S>(float*, void*, float*, const void*, const void*, const int32_t*, int64_t, \
+                                     int64_t, int64_t, float, bool, void*, int64_t, const VocabParallel&);
+LATHE_VP(F32)
+LATHE_VP(Bf16)
+LATHE_VP(Fp16)
+#undef LATHE_VP
+
+double lm_head_loss_vocab_parallel(float* losses, float* dx, float* dw, const float* x, const float* w,
+                                   const int32_t* targets, int64_t N, int64_t C, int64_t V, float grad_scale,
+                                   bool backward, float* scratch, int64_t chunk_rows, const VocabParallel& vp) {
+  return lm_head_loss_vp<F32>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows, vp);
 }
 
 }  // namespace lathe::cpu

@@ -1,5 +1,5 @@
-// The pieces of the fused lm head + softmax + cross-entropy that every dtype shares (fp32 in
-// lm_head_loss.cpp, bf16/fp16 in ops_half.cpp; a vocab-parallel variant can reuse them too).
+// The pieces of the fused lm head + softmax + cross-entropy that every storage type's kernel
+// (lm_head_loss.cpp, one template for fp32, bf16 and fp16) uses.
 //
 // One chunk of R rows is processed in column tiles of the vocabulary: tile b covers columns
 // [b*Vb, b*Vb + vb) (vb = Vb except for the last) and its logits are stored contiguously as
@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/backend.h"  // VocabParallel
 #include "kernels/cpu/vec_math.h"
 
 namespace lathe::cpu::head {
@@ -133,4 +134,10 @@ void check_lm_head_args(const int32_t* targets, int64_t N, int64_t C, int64_t V,
 double lm_head_loss_tiled(float* losses, float* dx, float* dw, const float* x, const float* w, const int32_t* targets,
                           int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, float* scratch,
                           int64_t chunk_rows, int64_t tile_width);
+// The vocab-parallel lm_head_loss of storage type S (lm_head_loss_vocab_parallel.cpp; the contract
+// is kernels/backend.h's Ops::lm_head_loss). Same scratch as S's lm_head_loss.
+template <class S>
+double lm_head_loss_vp(float* losses, void* dx, float* dw, const void* x, const void* w, const int32_t* targets,
+                       int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, void* scratch,
+                       int64_t chunk_rows, const VocabParallel& vp);
 }  // namespace lathe::cpu

@@ -1,4 +1,6 @@
-// Linear layer forward/backward on OpenBLAS sgemm (PyTorch nn.Linear layout: weight[N, K]).
+// Linear layer forward/backward (PyTorch nn.Linear layout: weight[N, K]): the fp32 GEMMs on OpenBLAS
+// sgemm, and the table slots of every storage type on them or on the 16-bit GEMMs (gemm.h), where
+// "+=" into a 16-bit output adds in fp32 and rounds the sum once.
 //
 // OpenBLAS is the OpenMP build, so its GEMMs run on the same OpenMP workers as the rest of the
 // kernels (and run single-threaded when called from inside a parallel region). OpenBLAS splits
@@ -12,7 +14,10 @@
 
 #include "core/error.h"
 #include "kernels/cpu/col_sums.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/op_slots.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/storage.h"
 
 namespace lathe::cpu {
 
@@ -79,5 +84,43 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
   }
   if (dbias != nullptr && M > 0 && N > 0) add_column_sums(dbias, dout, M, N, [](float x) { return x; });
 }
+
+namespace {
+
+template <class S>
+void forward_t(void* out_v, const void* inp, const void* weight, const float* bias, int64_t M, int64_t K, int64_t N,
+               bool accumulate) {
+  auto* out = as<S>(out_v);
+  if (!accumulate) return Gemm<S>::fwd(out, as<S>(inp), as<S>(weight), bias, M, K, N);
+  float* t = update_all<S>(3, out, M * N);  // out += ...: the sum in fp32, rounded once
+  Gemm<S>::fwd_f32(t, as<S>(inp), as<S>(weight), bias, M, K, N, true);
+  write_all<S>(out, t, M * N);
+}
+
+template <class S>
+void backward_t(void* dinp_v, float* dweight, float* dbias, const void* dout, const void* inp, const void* weight,
+                int64_t M, int64_t K, int64_t N, bool accumulate_dinp) {
+  auto* dinp = as<S>(dinp_v);
+  if (dinp == nullptr || !accumulate_dinp)
+    return Gemm<S>::bwd(dinp, dweight, dbias, as<S>(dout), as<S>(inp), as<S>(weight), M, K, N);
+  float* t = update_all<S>(3, dinp, M * K);
+  Gemm<S>::bwd_f32(t, dweight, dbias, as<S>(dout), as<S>(inp), as<S>(weight), M, K, N, true);
+  write_all<S>(dinp, t, M * K);
+}
+
+template <class S>
+void logits_t(float* logits, const void* x, const void* w, int64_t M, int64_t C, int64_t V) {
+  Gemm<S>::fwd_f32(logits, as<S>(x), as<S>(w), nullptr, M, C, V, false);
+}
+
+}  // namespace
+
+template <class S>
+void add_matmul(Ops& o) {
+  o.matmul_forward = forward_t<S>;
+  o.matmul_backward = backward_t<S>;
+  o.logits_forward = logits_t<S>;
+}
+LATHE_CPU_ADD_SLOTS(add_matmul)
 
 }  // namespace lathe::cpu

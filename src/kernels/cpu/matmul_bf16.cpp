@@ -47,10 +47,10 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "kernels/cpu/col_sums.h"
-#include "kernels/cpu/half.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/ops_bf16.h"
+#include "kernels/cpu/storage.h"
 
 #ifdef LATHE_HAVE_DNNL
 #include <oneapi/dnnl/dnnl.hpp>
@@ -77,7 +77,7 @@ void fill_k0(T* out, const float* bias, int64_t M, int64_t N, bool accumulate) {
       if constexpr (std::is_same_v<T, float>) {
         out[i * N + j] = accumulate ? out[i * N + j] + b : b;
       } else {
-        out[i * N + j] = fp32_to_bf16(b);
+        out[i * N + j] = Bf16::st(b);
       }
     }
   }
@@ -85,7 +85,7 @@ void fill_k0(T* out, const float* bias, int64_t M, int64_t N, bool accumulate) {
 
 // dbias[N] += column sums of dout[M,N] (bf16), each column summed in row order in fp32.
 void bias_backward(float* dbias, const uint16_t* dout, int64_t M, int64_t N) {
-  add_column_sums(dbias, dout, M, N, [](uint16_t x) { return bf16_to_fp32(x); });
+  add_column_sums(dbias, dout, M, N, [](uint16_t x) { return Bf16::ld(x); });
 }
 
 #ifdef LATHE_HAVE_DNNL

@@ -1,8 +1,9 @@
 // CPU kernels: forward and backward of every op a decoder-only transformer needs, fp32,
 // row-major, OpenMP across batch / heads / rows. Forward and backward live side by side in one
-// .cpp per op. Shapes are given in the comments; N = B*T rows. The model reaches them through the
-// CPU fp32 op table (kernels/backend.h, kernels/cpu/backend_cpu.cpp), the contract every backend
-// table mirrors.
+// .cpp per op, as one template per kernel for every storage type (kernels/cpu/storage.h); these
+// are the fp32 instances. Shapes are given in the comments; N = B*T rows. The model reaches them
+// through the CPU op tables (kernels/backend.h, kernels/cpu/tables.cpp), the contract every
+// backend table mirrors.
 //
 // Gradient conventions (the model relies on these):
 //  * Parameter gradients (dweight, dbias, dwte, ...) always ACCUMULATE (+=): they collect over

@@ -1,10 +1,29 @@
-// Element formulas shared by the fp32 pointwise kernels (pointwise.cpp) and the 16-bit tables
-// (ops_half.cpp): the same fp32 math whatever the storage type. See pointwise.cpp for why.
+// Element formulas of the pointwise kernels (pointwise.cpp, one template for every storage type):
+// the same fp32 math whatever the storage type. See pointwise.cpp for why.
 #pragma once
 #include <bit>
 #include <cstdint>
 
 namespace lathe::cpu {
+
+// The Cephes expf polynomial, the one copy every exp of the CPU kernels uses (exp_vec below,
+// vec::exp1 and vec::expv in vec_math.h): for x in the clamped range and n = round(x / ln2) (a
+// float), returns e^(x - n ln2) with r = x - n ln2 in two steps (Cody-Waite) so that r keeps full
+// precision. V is float or a GCC float vector (lane by lane, bit-identical to float). The callers
+// differ only in the clamp and in how they scale by 2^n, which set their results at the ends of
+// the range (kept as they are: the bits of every kernel depend on them).
+template <class V>
+inline V exp_poly(V x, V n) {
+  V r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;  // the constant in every lane
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.0f;
+}
 
 inline float exp_vec(float x) {
   // Clamp so that 2^n stays a normal float: exp saturates at ~2.4e38 and ~1.2e-38, which is
@@ -15,16 +34,7 @@ inline float exp_vec(float x) {
   const float shifter = 12582912.0f;
   const float t = x * 1.44269504088896341f + shifter;
   const float n = t - shifter;
-  // r = x - n ln2 in two steps (Cody-Waite) so that r keeps full precision.
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
+  const float y = exp_poly(x, n);
   // Scale by 2^n through the exponent bits; n is in [-126, 127]. n is read from the mantissa of t
   // (t = shifter + n exactly) rather than converted from float, so a NaN input has no undefined
   // float-to-int conversion: it just propagates through y.

@@ -2,41 +2,84 @@
 //   forward:  out[N,C], rstd[N] saved for backward.
 //   backward: with xhat = x * rstd and dxhat = dout * weight,
 //             dinp[N,C] += rstd * (dxhat - xhat * mean(dxhat * xhat)),  dweight[C] += sum_n dout * xhat.
+// One template per kernel for every storage type (kernels/cpu/storage.h), as layernorm.cpp.
 // Parameter-gradient partials per thread in the caller's scratch, combined in thread order
 // (deterministic for a fixed thread count).
 #include <omp.h>
 
 #include <cmath>
 
-#include "kernels/cpu/norm_rows.h"
+#include "kernels/cpu/op_slots.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/storage.h"
 
 namespace lathe::cpu {
 
 namespace {
-constexpr int64_t kParallelMin = 1 << 14;
-}  // namespace
 
-size_t rmsnorm_scratch_floats(int64_t C) { return static_cast<size_t>(C * omp_get_max_threads()); }
-
-void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C, float eps) {
-#pragma omp parallel for schedule(static) if (N * C >= kParallelMin)
-  for (int64_t n = 0; n < N; ++n) rmsnorm_row(out + n * C, rstd + n, inp + n * C, weight, C, eps);
+// o[C] = weight * (x * rstd) (HF's order), *rstd = 1 / sqrt(mean(x^2) + eps).
+inline void rmsnorm_row(float* __restrict o, float* rstd, const float* __restrict x, const float* weight, int64_t C,
+                        float eps) {
+  const float inv_c = 1.0f / static_cast<float>(C);
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t c = 0; c < C; ++c) ss += x[c] * x[c];
+  const float r = 1.0f / std::sqrt(ss * inv_c + eps);
+  for (int64_t c = 0; c < C; ++c) o[c] = weight[c] * (x[c] * r);
+  *rstd = r;
 }
 
-void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
-                      const float* rstd, int64_t N, int64_t C, float* scratch) {
+// As layernorm.cpp: the thread count orders the dweight sums, so each table keeps its threshold.
+template <class S>
+constexpr int64_t kParallelMin = S::kFp32 ? 1 << 14 : 1 << 15;
+
+// Scratch: per thread C partial dweight, then (16-bit storage) per thread 3C widened rows.
+template <class S>
+size_t scratch_floats(int64_t C) {
+  return static_cast<size_t>((S::kFp32 ? 1 : 4) * C * omp_get_max_threads());
+}
+template <class S>
+size_t scratch_bytes(int64_t C) {
+  return scratch_floats<S>(C) * sizeof(float);
+}
+
+template <class S>
+void forward(void* out_v, float* rstd, const void* inp_v, const float* weight, int64_t N, int64_t C, float eps) {
+  const auto* inp = as<S>(inp_v);
+  auto* out = as<S>(out_v);
+#pragma omp parallel if (N * C >= kParallelMin<S>)
+  {
+    float* x = work_row<S>(0, static_cast<size_t>(C));
+    float* o = work_row<S>(1, static_cast<size_t>(C));
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      float* on = out_row<S>(o, out + n * C);
+      rmsnorm_row(on, rstd + n, read_row<S>(x, inp + n * C, C), weight, C, eps);
+      write_row<S>(out + n * C, on, C);
+    }
+  }
+}
+
+template <class S>
+void backward(void* dinp_v, float* dweight, const void* dout_v, const void* inp_v, const float* weight,
+              const float* rstd, int64_t N, int64_t C, void* scratch_v) {
   const float inv_c = 1.0f / static_cast<float>(C);
-#pragma omp parallel if (N * C >= kParallelMin)
+  float* scratch = static_cast<float*>(scratch_v);
+  const int64_t max_thr = omp_get_max_threads();
+  const auto *dout = as<S>(dout_v), *inp = as<S>(inp_v);
+  auto* dinp = as<S>(dinp_v);
+#pragma omp parallel if (N * C >= kParallelMin<S>)
   {
     const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
     float* __restrict pw = scratch + tid * C;  // partial dweight of this thread
+    // The widened rows of a 16-bit table (unused by F32, whose rows are read in place).
+    float* rows = S::kFp32 ? scratch : scratch + max_thr * C + tid * 3 * C;
     for (int64_t c = 0; c < C; ++c) pw[c] = 0.0f;
     const int64_t n0 = N * tid / nt, n1 = N * (tid + 1) / nt;
     for (int64_t n = n0; n < n1; ++n) {
-      const float* __restrict x = inp + n * C;
-      const float* __restrict g = dout + n * C;
-      float* __restrict dx = dinp + n * C;
+      const float* __restrict x = read_row<S>(rows, inp + n * C, C);
+      const float* __restrict g = read_row<S>(rows + C, dout + n * C, C);
+      float* __restrict dx = update_row<S>(rows + 2 * C, dinp + n * C, C);
       const float r = rstd[n];
       float s = 0.0f;  // sum of dxhat * xhat
 #pragma omp simd reduction(+ : s)
@@ -47,6 +90,7 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
       }
       const float b = s * inv_c;
       for (int64_t c = 0; c < C; ++c) dx[c] += (g[c] * weight[c] - x[c] * r * b) * r;
+      write_row<S>(dinp + n * C, dx, C);
     }
 #pragma omp barrier
     const int64_t c0 = C * tid / nt, c1 = C * (tid + 1) / nt;
@@ -57,5 +101,26 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
     }
   }
 }
+
+}  // namespace
+
+size_t rmsnorm_scratch_floats(int64_t C) { return scratch_floats<F32>(C); }
+
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C, float eps) {
+  forward<F32>(out, rstd, inp, weight, N, C, eps);
+}
+
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                      const float* rstd, int64_t N, int64_t C, float* scratch) {
+  backward<F32>(dinp, dweight, dout, inp, weight, rstd, N, C, scratch);
+}
+
+template <class S>
+void add_rmsnorm(Ops& o) {
+  o.rmsnorm_forward = forward<S>;
+  o.rmsnorm_backward = backward<S>;
+  o.rmsnorm_scratch_bytes = scratch_bytes<S>;
+}
+LATHE_CPU_ADD_SLOTS(add_rmsnorm)
 
 }  // namespace lathe::cpu

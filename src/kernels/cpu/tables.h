@@ -7,10 +7,10 @@ namespace lathe::cpu {
 // fp32: the reference implementation, the kernels of kernels/cpu/ops.h as they are.
 const Ops& fp32_ops();
 // bf16: 16-bit activations and GEMM weights, oneDNN bf16 GEMMs with fp32 accumulation, fp32 math
-// in every other kernel (kernels/cpu/ops_half.cpp).
+// in every other kernel (kernels/cpu/tables.cpp).
 const Ops& bf16_ops();
 // fp16: fp16 storage, fp32 compute, GEMMs on widened fp32 copies (a correctness path: this CPU
-// generation has no fp16 GEMM instructions; see ops_half.cpp).
+// generation has no fp16 GEMM instructions; see gemm.h).
 const Ops& fp16_ops();
 
 // The matmul_bias_gelu_forward slot of the CPU tables: Table()'s own matmul_forward into pre, then

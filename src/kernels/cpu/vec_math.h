@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/cpu/pointwise_math.h"
+
 namespace lathe::cpu::vec {
 
 #if defined(__AVX512F__)
@@ -20,7 +22,7 @@ constexpr int kW = 16;  // floats per hardware vector
 #else
 constexpr int kW = 8;
 #endif
-constexpr int kLanes = 16;          // logical lanes of the reductions
+constexpr int kLanes = 16;           // logical lanes of the reductions
 constexpr int kParts = kLanes / kW;  // hardware vectors per 16 logical lanes
 typedef float vf __attribute__((vector_size(4 * kW)));
 typedef int32_t vi __attribute__((vector_size(4 * kW)));
@@ -33,20 +35,13 @@ inline vf load(const float* p) {
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf splat(float x) { return vf{} + x; }
 
-// exp(x), Cephes expf polynomial (about 1-2 ulp); 0 below -87.3 (inputs here are <= 0).
+// exp(x), the Cephes expf polynomial (cpu::exp_poly, about 1-2 ulp); 0 below -87.3 (inputs here
+// are <= 0).
 inline float exp1(float x) {
   const float xc = std::min(std::max(x, -87.3f), 88.3f);
   const float big = 12582912.0f;  // 1.5 * 2^23: adding and subtracting rounds to an integer
   const float n = (xc * 1.44269504088896341f + big) - big;
-  float r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
+  const float y = exp_poly(xc, n);
   const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
   return x < -87.3f ? 0.0f : y * std::bit_cast<float>(e);
 }
@@ -58,15 +53,7 @@ inline vf expv(vf x) {
   xc = xc > hi ? hi : xc;
   const vf big = splat(12582912.0f);
   const vf n = (xc * 1.44269504088896341f + big) - big;
-  vf r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  vf p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const vf y = p * r * r + r + 1.0f;
+  const vf y = exp_poly(xc, n);
   const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
   vf scale;
   std::memcpy(&scale, &e, sizeof scale);
