@@ -1,6 +1,6 @@
 // lathe export CHECKPOINT_OR_RUN_OR_MODEL_DIR --to DIR [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]
 //              [--to-gguf FILE [--gguf-pre NAME] [--gguf-tokenizer PATH]]
-//              [--to-onnx FILE [--static-seq-len N] [--external-data]]   (models/onnx_export.h)
+//              [--to-onnx FILE [--static-seq-len N] [--external-data]]   (interop/onnx_export.h)
 // Source, in this order:
 //   * a checkpoint directory (state.json: checksums verified, weights loaded by load_checkpoint);
 //   * a run directory (its newest complete checkpoint; corrupt ones are skipped and said so;
@@ -18,11 +18,12 @@
 #include "cli/validators.h"
 #include "core/progress.h"
 #include "core/stop_signal.h"
+#include "interop/gguf_export.h"
+#include "interop/hf_weights.h"
+#include "interop/onnx_export.h"
 #include "io/fs.h"
 #include "io/json.h"
 #include "io/onnx_writer.h"
-#include "models/hf_weights.h"
-#include "models/onnx_export.h"
 #include "tokenizer/tokenizer.h"
 #include "train/checkpoint.h"
 

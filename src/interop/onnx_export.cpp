@@ -12,7 +12,7 @@
 // logits = norm_f(x) @ lm_head^T (tied: a Transpose of the embedding, stored once).
 // fp16 graphs keep weights, activations, past/present and logits in fp16 and compute the norms,
 // GELU and softmax in fp32 (Cast around them), as HF models do in fp16; norm weights stay fp32.
-#include "models/onnx_export.h"
+#include "interop/onnx_export.h"
 
 #include <fmt/format.h>
 

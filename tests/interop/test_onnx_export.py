@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """ONNX export (`lathe export SRC --to-onnx FILE`) run with onnxruntime's CPU provider against
 `lathe logits` on the same weights (lathe's logits are checked against transformers elsewhere:
-tests/io/test_hf_roundtrip.py).
+tests/interop/test_hf_roundtrip.py).
 
 Tiny random models (weights perturbed so biases and norm weights are not trivial): GPT-2 (learned
 positions, LayerNorm, GELU tanh, fused c_attn, tied head), Llama (GQA 4/2, untied, rope_theta 5e5)

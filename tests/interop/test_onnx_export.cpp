@@ -8,9 +8,9 @@
 #include <functional>
 
 #include "config/model_config.h"
+#include "interop/onnx_export.h"
 #include "io/fs.h"
 #include "models/model.h"
-#include "models/onnx_export.h"
 
 using namespace lathe;
 namespace fs = std::filesystem;

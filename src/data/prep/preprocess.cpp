@@ -1,4 +1,4 @@
-#include "tokenizer/preprocess.h"
+#include "data/prep/preprocess.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>
