@@ -25,8 +25,9 @@
 
 #include "cli/command.h"
 #include "core/progress.h"
+#include "interop/gguf_export.h"
+#include "interop/hf_weights.h"
 #include "io/fs.h"
-#include "models/hf_weights.h"
 
 namespace lathe::cli {
 

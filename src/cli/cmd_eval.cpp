@@ -25,11 +25,11 @@
 #include "core/progress.h"
 #include "core/timer.h"
 #include "data/loader.h"
+#include "eval/eval_tasks.h"
+#include "interop/hf_weights.h"
 #include "io/fs.h"
 #include "io/json.h"
-#include "models/hf_weights.h"
 #include "tokenizer/tokenizer.h"
-#include "train/eval_tasks.h"
 #include "train/trainer.h"
 
 namespace {

@@ -1,6 +1,6 @@
 // lathe export CHECKPOINT_OR_RUN_OR_MODEL_DIR --to DIR [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]
 //              [--to-gguf FILE [--gguf-pre NAME] [--gguf-tokenizer PATH]]
-//              [--to-onnx FILE [--static-seq-len N] [--external-data]]   (models/onnx_export.h)
+//              [--to-onnx FILE [--static-seq-len N] [--external-data]]   (interop/onnx_export.h)
 // Source, in this order:
 //   * a checkpoint directory (state.json: checksums verified, weights loaded by load_checkpoint);
 //   * a run directory (its newest complete checkpoint; corrupt ones are skipped and said so;
@@ -11,6 +11,9 @@
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
+#include <charconv>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -18,11 +21,12 @@
 #include "cli/validators.h"
 #include "core/progress.h"
 #include "core/stop_signal.h"
+#include "interop/gguf_export.h"
+#include "interop/hf_weights.h"
+#include "interop/onnx_export.h"
 #include "io/fs.h"
 #include "io/json.h"
 #include "io/onnx_writer.h"
-#include "models/hf_weights.h"
-#include "models/onnx_export.h"
 #include "tokenizer/tokenizer.h"
 #include "train/checkpoint.h"
 
@@ -154,6 +158,21 @@ void check_export_paths(const Source& s, const std::string& to, const std::strin
     throw_error("--to-gguf {} has the name of an external-data file of --to-onnx {}; give another name", gguf, onnx);
 }
 
+// Test hook, read here and nowhere else (the library takes OnnxExportOptions::inline_limit):
+// LATHE_TEST_ONNX_INLINE_LIMIT=BYTES lowers the size above which --to-onnx moves the weights to
+// FILE.<hash>.data by itself, so tests reach the 2 GiB switch with tiny models.
+uint64_t onnx_inline_limit() {
+  const char* e = std::getenv("LATHE_TEST_ONNX_INLINE_LIMIT");
+  if (e == nullptr) return io::onnx::kProtoLimit;
+  const char* end = e + std::strlen(e);
+  uint64_t v = 0;
+  const auto [p, ec] = std::from_chars(e, end, v);
+  LATHE_CHECK(p != e && p == end && ec == std::errc(),
+              "LATHE_TEST_ONNX_INLINE_LIMIT={}: expected a size in bytes (digits only); unset it for the 2 GiB default",
+              e);
+  return v;
+}
+
 int run_export(int argc, char** argv) {
   CLI::App app{"Checkpoint or run -> Hugging Face directory (and GGUF)", "lathe export"};
   std::string src, to, dtype_s = "fp32", shard_s = "5GB", gguf, gguf_pre, gguf_tok;
@@ -186,6 +205,7 @@ int run_export(int argc, char** argv) {
                 "--to-onnx writes fp32 or fp16 graphs; --dtype {} is not supported (onnxruntime's CPU provider has "
                 "no bf16 kernels for most operators)",
                 dtype_s);
+  const uint64_t onnx_limit = onnx_inline_limit();  // before the model is loaded: a bad value fails at once
   StopSignalGuard stop;  // SIGINT/SIGTERM: the writers stop at the next tensor and remove their temporaries
   Source s = load_source(src);
 
@@ -236,6 +256,7 @@ int run_export(int argc, char** argv) {
     oo.dtype = dtype;
     oo.static_seq_len = onnx_seq;
     oo.external_data = onnx_external;
+    oo.inline_limit = onnx_limit;
     fmt::print("{}\n", save_onnx(*s.model, onnx, oo));
   }
   return 0;

@@ -11,12 +11,12 @@
 
 #include "cli/command.h"
 #include "cli/validators.h"
+#include "eval/generate.h"
+#include "interop/hf_weights.h"
 #include "io/fs.h"
 #include "io/json.h"
-#include "models/hf_weights.h"
 #include "models/kv_cache.h"
 #include "tokenizer/tokenizer.h"
-#include "train/generate.h"
 
 namespace {
 

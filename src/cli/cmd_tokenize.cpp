@@ -1,6 +1,6 @@
 // lathe tokenize --tokenizer PATH --input FILES/GLOBS... --output PREFIX [--workers N] [--append-eos]
 //                [--text-key text] [--split-lines] [--max-shard-size 512MB] [--strict] [--overwrite]
-// Corpus -> Megatron .bin/.idx shards; pipeline and naming rules in src/tokenizer/preprocess.h.
+// Corpus -> Megatron .bin/.idx shards; pipeline and naming rules in src/data/prep/preprocess.h.
 #include <fmt/format.h>
 #include <glob.h>
 
@@ -12,8 +12,8 @@
 
 #include "cli/command.h"
 #include "core/error.h"
+#include "data/prep/preprocess.h"
 #include "io/fs.h"
-#include "tokenizer/preprocess.h"
 #include "tokenizer/tokenizer.h"
 
 namespace {

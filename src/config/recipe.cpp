@@ -15,9 +15,9 @@
 
 #include "core/checked.h"
 #include "core/error.h"
+#include "core/utf8.h"  // header-only: the one UTF-8 validator
 #include "io/fs.h"
 #include "io/json.h"
-#include "tokenizer/utf8.h"  // header-only: the one UTF-8 validator
 
 namespace lathe {
 

@@ -7,7 +7,8 @@
 #include <queue>
 
 #include "core/error.h"
-#include "tokenizer/utf8.h"
+#include "core/utf8.h"
+#include "tokenizer/byte_level.h"
 #include "tokenizer/word_cache.h"
 
 namespace lathe::tok {

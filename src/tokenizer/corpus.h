@@ -19,7 +19,7 @@
 #include <string_view>
 #include <vector>
 
-#include "tokenizer/utf8.h"  // is_valid_utf8
+#include "core/utf8.h"  // is_valid_utf8
 
 namespace lathe::tok {
 

@@ -4,10 +4,11 @@
 #include <limits>
 
 #include "core/error.h"
+#include "core/utf8.h"
 #include "io/json.h"
 #include "tokenizer/bpe.h"
+#include "tokenizer/byte_level.h"
 #include "tokenizer/nfc.h"
-#include "tokenizer/utf8.h"
 
 namespace lathe::tok {
 

@@ -4,11 +4,11 @@
 #include <unordered_map>
 
 #include "core/error.h"
+#include "core/utf8.h"
 #include "io/fs.h"
 #include "io/json.h"
 #include "tokenizer/bpe.h"
 #include "tokenizer/hf_components.h"
-#include "tokenizer/utf8.h"
 
 namespace lathe::tok {
 

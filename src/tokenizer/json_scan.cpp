@@ -3,7 +3,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "tokenizer/utf8.h"
+#include "core/utf8.h"
 
 namespace lathe::tok {
 

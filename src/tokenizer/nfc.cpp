@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "core/utf8.h"
 #include "tokenizer/nfc_data.h"
-#include "tokenizer/utf8.h"
 
 namespace lathe::tok {
 

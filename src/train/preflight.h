@@ -39,6 +39,7 @@
 #include "core/stop.h"
 #include "data/blend.h"
 #include "data/indexed_dataset.h"
+#include "eval/eval_tasks.h"
 #include "models/documents.h"
 #include "models/model.h"
 #include "optim/loss_scaler.h"
@@ -46,7 +47,6 @@
 #include "optim/schedule.h"
 #include "tokenizer/tokenizer.h"
 #include "train/checkpoint.h"
-#include "train/eval_tasks.h"
 #include "train/trainer.h"
 
 namespace lathe {

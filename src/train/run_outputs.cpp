@@ -2,8 +2,8 @@
 
 #include <filesystem>
 
+#include "interop/hf_weights.h"
 #include "io/fs.h"
-#include "models/hf_weights.h"
 
 namespace lathe {
 

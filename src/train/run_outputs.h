@@ -29,7 +29,7 @@ class MetricsWriter {
   std::FILE* f_;
 };
 
-// The HF model directory `dir` of `model` (models/hf_weights.h) and lathe.json naming `tokenizer`.
+// The HF model directory `dir` of `model` (interop/hf_weights.h) and lathe.json naming `tokenizer`.
 void write_model_dir(const Model& model, const std::string& dir, const std::string& tokenizer);
 
 // Keeps the records of steps <= `step` of the JSONL file `path` (a resumed run rewrites what came

@@ -19,10 +19,10 @@
 
 #include "config/model_config.h"
 #include "core/rng.h"
+#include "interop/hf_weights.h"
 #include "io/safetensors.h"
 #include "model_fixtures.h"
 #include "models/documents.h"
-#include "models/hf_weights.h"
 
 namespace fs = std::filesystem;
 using namespace lathe;

@@ -12,8 +12,8 @@
 
 #include "config/model_config.h"
 #include "core/rng.h"
+#include "interop/hf_weights.h"
 #include "io/safetensors.h"
-#include "models/hf_weights.h"
 #include "optim/clip.h"
 #include "optim/optimizer.h"
 

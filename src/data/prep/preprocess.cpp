@@ -1,4 +1,4 @@
-#include "tokenizer/preprocess.h"
+#include "data/prep/preprocess.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -124,25 +124,29 @@ void process_batch(const InBatch& in, const Tokenizer& tok, const PreprocessOpti
   }
 }
 
-}  // namespace
+// The options checked and the output place prepared, before any thread starts.
+struct RunSetup {
+  std::optional<int32_t> eos;  // appended to every document (--append-eos)
+  bool check_utf8 = false;
+  DType dtype = DType::U16;
+};
 
-PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions& opt) {
-  const double t0 = now_seconds();
+RunSetup check_and_prepare(const Tokenizer& tok, const PreprocessOptions& opt) {
   LATHE_CHECK(!opt.output_prefix.empty(), "--output: empty prefix");
   LATHE_CHECK(opt.workers >= 1 && opt.workers <= 1024, "--workers {}: must be between 1 and 1024", opt.workers);
   LATHE_CHECK(opt.max_shard_bytes >= 1, "--max-shard-size must be at least 1 byte");
-  std::optional<int32_t> eos;
+  RunSetup s;
   if (opt.append_eos) {
-    eos = tok.eos_id();
-    LATHE_CHECK(eos.has_value(),
+    s.eos = tok.eos_id();
+    LATHE_CHECK(s.eos.has_value(),
                 "--append-eos: tokenizer '{}' has no EOS token (declare eos_token in tokenizer_config.json, or drop "
                 "--append-eos)",
                 tok.kind());
   }
   // A byte-level tokenizer encodes any bytes, so invalid UTF-8 is only skipped for the others;
   // --strict promises that invalid UTF-8 is an error whatever the tokenizer.
-  const bool check_utf8 = !tok.is_byte_level() || opt.strict;
-  const DType dtype = data::optimal_token_dtype(tok.vocab_size());
+  s.check_utf8 = !tok.is_byte_level() || opt.strict;
+  s.dtype = data::optimal_token_dtype(tok.vocab_size());
   const std::string& prefix = opt.output_prefix;
 
   // Refuse to mix with an earlier run's outputs.
@@ -153,19 +157,22 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
   if (!existing.empty() && !opt.overwrite)
     throw_error("output '{}' already exists; pass --overwrite to replace it, or choose another --output",
                 existing.front());
-  {
-    std::string dir = std::filesystem::path(prefix).parent_path().string();
-    if (!dir.empty()) {
-      std::error_code ec;
-      std::filesystem::create_directories(dir, ec);
-      LATHE_CHECK(!ec, "--output '{}': cannot create directory '{}': {}", prefix, dir, ec.message());
-    }
+  std::string dir = std::filesystem::path(prefix).parent_path().string();
+  if (!dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    LATHE_CHECK(!ec, "--output '{}': cannot create directory '{}': {}", prefix, dir, ec.message());
   }
+  return s;
+}
 
-  std::vector<std::string> files = expand_input_patterns(opt.inputs);
-  RecordReader reader(files, RecordReader::Options{opt.format, opt.split_lines});
+// The state the reader thread, the worker threads and the writer (the calling thread) share, and
+// the reader's and workers' loops. One mutex: batches are ~1 MB so contention is negligible.
+struct Pipeline {
+  const PreprocessOptions& opt;
+  const std::vector<std::string>& files;
+  RecordReader& reader;
 
-  // ---- shared state (one mutex: batches are ~1 MB so contention is negligible)
   std::mutex mu;
   std::condition_variable cv;  // any state change
   std::deque<InBatch> work;
@@ -180,18 +187,25 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
   // max_inflight batches exist, so the pools stay small.
   std::vector<std::string> spare_text;  // chunk buffers, back from the workers to the reader
   std::vector<OutBatch> spare_out;      // token batches, back from the writer to the workers
-  const uint64_t max_inflight = static_cast<uint64_t>(opt.workers) * 2 + 4;
-  auto fail = [&](std::exception_ptr e) {
-    std::lock_guard<std::mutex> lk(mu);
-    if (!error) error = e;
-    stop = true;
-    cv.notify_all();
-  };
+  const uint64_t max_inflight;
 
   double reader_cpu = 0, workers_cpu = 0;
   std::string largest_doc;  // see PreprocessStats::largest_single_document (reader thread only)
   uint64_t largest_doc_bytes = 0;
-  std::thread reader_thread([&] {
+
+  Pipeline(const PreprocessOptions& o, const std::vector<std::string>& f, RecordReader& r)
+      : opt(o), files(f), reader(r), max_inflight(static_cast<uint64_t>(o.workers) * 2 + 4) {}
+
+  void fail(std::exception_ptr e) {
+    std::lock_guard<std::mutex> lk(mu);
+    if (!error) error = e;
+    stop = true;
+    cv.notify_all();
+  }
+
+  // The reader thread: input chunks grouped into numbered batches, at most max_inflight ahead of
+  // the writer.
+  void read_all() {
     try {
       InBatch b;
       size_t bytes = 0;
@@ -247,57 +261,196 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
     } catch (...) {
       fail(std::current_exception());
     }
-  });
-
-  std::vector<std::thread> workers;
-  for (int w = 0; w < opt.workers; ++w) {
-    workers.emplace_back([&] {
-      try {
-        for (;;) {
-          InBatch b;
-          OutBatch o;
-          {
-            std::unique_lock<std::mutex> lk(mu);
-            cv.wait(lk, [&] { return stop || !work.empty() || reader_finished; });
-            if (stop || work.empty()) {
-              workers_cpu += thread_cpu_seconds();
-              return;
-            }
-            b = std::move(work.front());
-            work.pop_front();
-            if (!spare_out.empty()) {
-              o = std::move(spare_out.back());
-              spare_out.pop_back();
-            }
-          }
-          process_batch(b, tok, opt, eos, check_utf8, o);
-          std::lock_guard<std::mutex> lk(mu);
-          for (InputChunk& c : b.chunks) spare_text.push_back(std::move(c.data));
-          done.emplace(b.seq, std::move(o));
-          cv.notify_all();
-        }
-      } catch (...) {
-        fail(std::current_exception());
-      }
-    });
   }
 
-  // ---- writer (this thread)
+  // A worker thread: encodes batches until the input is exhausted or the run stops.
+  void encode_all(const Tokenizer& tok, const RunSetup& setup) {
+    try {
+      for (;;) {
+        InBatch b;
+        OutBatch o;
+        {
+          std::unique_lock<std::mutex> lk(mu);
+          cv.wait(lk, [&] { return stop || !work.empty() || reader_finished; });
+          if (stop || work.empty()) {
+            workers_cpu += thread_cpu_seconds();
+            return;
+          }
+          b = std::move(work.front());
+          work.pop_front();
+          if (!spare_out.empty()) {
+            o = std::move(spare_out.back());
+            spare_out.pop_back();
+          }
+        }
+        process_batch(b, tok, opt, setup.eos, setup.check_utf8, o);
+        std::lock_guard<std::mutex> lk(mu);
+        for (InputChunk& c : b.chunks) spare_text.push_back(std::move(c.data));
+        done.emplace(b.seq, std::move(o));
+        cv.notify_all();
+      }
+    } catch (...) {
+      fail(std::current_exception());
+    }
+  }
+
+  // The writer's side: hands back the batch written last (`o`, recycled) and takes the next batch
+  // in input order into `o`. False when all batches were written or the run stopped on an error;
+  // throws when interrupted.
+  bool take_next(OutBatch& o) {
+    for (;;) {
+      std::unique_lock<std::mutex> lk(mu);
+      if (o.tokens.capacity() > 0) spare_out.push_back(std::move(o));  // the batch written last round
+      o = OutBatch{};
+      cv.wait_for(lk, std::chrono::milliseconds(200),
+                  [&] { return stop || done.count(next_write) || (reader_finished && next_write == batches_read); });
+      if (preprocess_cancel_flag().load()) throw_error("interrupted; partial outputs removed");
+      if (stop) return false;
+      auto it = done.find(next_write);
+      if (it == done.end()) {
+        if (reader_finished && next_write == batches_read) return false;
+        continue;
+      }
+      o = std::move(it->second);
+      done.erase(it);
+      ++next_write;
+      cv.notify_all();
+      return true;
+    }
+  }
+};
+
+// The shards of one run: written under "<name>.incomplete", published under their final names
+// only at the end (see preprocess.h).
+class ShardSet {
+ public:
+  ShardSet(std::string prefix, DType dtype) : prefix_(std::move(prefix)), dtype_(dtype) {}
+
+  void open_shard() {
+    incomplete_.push_back(shard_name(prefix_, incomplete_.size()) + ".incomplete");
+    writer_ = std::make_unique<data::IndexedDatasetWriter>(incomplete_.back(), dtype_);
+  }
+
+  // Documents go to the current shard in blocks; a new shard starts when the next document
+  // would push the .bin past the limit (a document larger than the limit gets its own).
+  void add(const OutBatch& o, uint64_t max_shard_bytes, PreprocessStats& st) {
+    const size_t itemsize = dtype_size(dtype_);
+    const size_t n_docs = o.lengths.size();
+    size_t i = 0, off = 0;
+    while (i < n_docs) {
+      uint64_t bin = writer_->bin_bytes();
+      size_t j = i, end = off;
+      while (j < n_docs) {
+        const uint64_t bytes = uint64_t(o.lengths[j]) * itemsize;
+        if ((writer_->num_documents() > 0 || j > i) && bin + bytes > max_shard_bytes) break;
+        bin += bytes;
+        end += o.lengths[j];
+        ++j;
+      }
+      if (j == i) {
+        writer_->finalize();
+        st.output_documents.push_back(writer_->num_documents());
+        open_shard();
+        continue;
+      }
+      writer_->add_documents(std::span<const int32_t>(o.tokens.data() + off, end - off),
+                             std::span<const uint32_t>(o.lengths.data() + i, j - i));
+      st.documents += j - i;
+      st.tokens += end - off;
+      i = j;
+      off = end;
+    }
+  }
+
+  // Removes everything written (the writer's temporaries and the finished incomplete shards).
+  void remove_incomplete() {
+    writer_.reset();  // removes its temp files
+    for (const auto& p : incomplete_)
+      for (const char* ext : {".bin", ".idx"}) ::unlink((p + ext).c_str());
+  }
+
+  // Finishes the last shard and gives every shard its final name (.bin before .idx, so that a
+  // visible .idx always has its complete .bin); with `overwrite`, outputs of an earlier run that
+  // this run did not replace are removed.
+  void publish(bool overwrite, PreprocessStats& st) {
+    try {
+      writer_->finalize();
+      st.output_documents.push_back(writer_->num_documents());
+      writer_.reset();
+    } catch (...) {
+      remove_incomplete();
+      throw;
+    }
+    const size_t n = incomplete_.size();
+    for (size_t k = 0; k < n; ++k) st.outputs.push_back(n == 1 ? prefix_ : shard_name(prefix_, k));
+    for (size_t k = 0; k < n; ++k)
+      for (const char* ext : {".bin", ".idx"}) {
+        std::string from = incomplete_[k] + ext, to = st.outputs[k] + ext;
+        if (::rename(from.c_str(), to.c_str()) != 0)
+          throw_error("renaming '{}' to '{}' failed: {}", from, to, std::strerror(errno));
+      }
+    if (overwrite) {
+      if (n > 1)
+        for (const char* ext : {".bin", ".idx"}) ::unlink((prefix_ + ext).c_str());
+      for (size_t k = (n == 1 ? 0 : n);; ++k) {
+        bool any = false;
+        for (const char* ext : {".bin", ".idx"}) any |= ::unlink((shard_name(prefix_, k) + ext).c_str()) == 0;
+        if (!any) break;
+      }
+    }
+    io::fsync_dir(io::parent_dir(prefix_));
+  }
+
+ private:
+  std::string prefix_;
+  DType dtype_;
+  std::vector<std::string> incomplete_;  // finalized shards under temporary names
+  std::unique_ptr<data::IndexedDatasetWriter> writer_;
+};
+
+// Counts a batch's skipped records and keeps the first examples; the first bad one is an error
+// under --strict.
+void record_skips(const OutBatch& o, const std::vector<std::string>& files, const PreprocessOptions& opt,
+                  PreprocessStats& st) {
+  for (const Skip& s : o.skips) {
+    if (opt.strict && s.reason != SkipReason::Empty)
+      throw_error("{}{}: {}{}{} (--strict; drop it to skip such records)", files[s.file_index],
+                  s.line ? fmt::format(":{}", s.line) : std::string(), skip_reason_name(s.reason),
+                  s.detail.empty() ? "" : ": ", s.detail);
+    ++st.skipped[static_cast<int>(s.reason)];
+    if (st.examples.size() < opt.max_examples && s.reason != SkipReason::Empty)
+      st.examples.push_back({files[s.file_index], s.line, s.reason, s.detail});
+  }
+}
+
+// The error of a run that read records but kept none, with the skip counts.
+[[noreturn]] void throw_no_documents(const PreprocessStats& st) {
+  std::string why;
+  for (int r = 0; r < static_cast<int>(SkipReason::Count); ++r)
+    if (st.skipped[r])
+      why += fmt::format("{}{} {}", why.empty() ? "" : ", ", st.skipped[r], skip_reason_name(SkipReason(r)));
+  throw_error("no document was written from {} records{}{}; check --text-key / --split-lines / the inputs",
+              st.records, why.empty() ? "" : ": ", why);
+}
+
+}  // namespace
+
+PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions& opt) {
+  const double t0 = now_seconds();
+  const RunSetup setup = check_and_prepare(tok, opt);
+  const std::vector<std::string> files = expand_input_patterns(opt.inputs);
+  RecordReader reader(files, RecordReader::Options{opt.format, opt.split_lines});
+
+  Pipeline pipe(opt, files, reader);
+  std::thread reader_thread([&] { pipe.read_all(); });
+  std::vector<std::thread> workers;
+  for (int w = 0; w < opt.workers; ++w) workers.emplace_back([&] { pipe.encode_all(tok, setup); });
+
+  // ---- writer (this thread): batches in input order into the shards
   PreprocessStats st;
   st.vocab_size = tok.vocab_size();
-  st.dtype = std::string(dtype_name(dtype));
-  std::vector<std::string> incomplete;  // finalized shards under temporary names
-  std::unique_ptr<data::IndexedDatasetWriter> writer;
-  const size_t itemsize = dtype_size(dtype);
-  auto open_shard = [&] {
-    incomplete.push_back(shard_name(prefix, incomplete.size()) + ".incomplete");
-    writer = std::make_unique<data::IndexedDatasetWriter>(incomplete.back(), dtype);
-  };
-  auto remove_incomplete = [&] {
-    writer.reset();  // removes its temp files
-    for (const auto& p : incomplete)
-      for (const char* ext : {".bin", ".idx"}) ::unlink((p + ext).c_str());
-  };
+  st.dtype = std::string(dtype_name(setup.dtype));
+  ShardSet shards(opt.output_prefix, setup.dtype);
   const double writer_cpu0 = thread_cpu_seconds();
   ProgressLine bar(opt.progress);
   const uint64_t total_file_bytes = std::max<uint64_t>(1, reader.total_file_bytes());
@@ -309,127 +462,41 @@ PreprocessStats preprocess_corpus(const Tokenizer& tok, const PreprocessOptions&
                          100 * frac, st.input_bytes / 1e6 / el, format_count(double(st.documents)),
                          format_count(double(st.tokens)), format_duration(progress::eta_seconds(frac, 1.0, el))));
   };
-
   try {
-    open_shard();
+    shards.open_shard();
     OutBatch o;
-    for (;;) {
-      {
-        std::unique_lock<std::mutex> lk(mu);
-        if (o.tokens.capacity() > 0) spare_out.push_back(std::move(o));  // the batch written last round
-        o = OutBatch{};
-        cv.wait_for(lk, std::chrono::milliseconds(200),
-                    [&] { return stop || done.count(next_write) || (reader_finished && next_write == batches_read); });
-        if (preprocess_cancel_flag().load()) throw_error("interrupted; partial outputs removed");
-        if (stop) break;
-        auto it = done.find(next_write);
-        if (it == done.end()) {
-          if (reader_finished && next_write == batches_read) break;
-          continue;
-        }
-        o = std::move(it->second);
-        done.erase(it);
-        ++next_write;
-        cv.notify_all();
-      }
-      for (const Skip& s : o.skips) {
-        if (opt.strict && s.reason != SkipReason::Empty)
-          throw_error("{}{}: {}{}{} (--strict; drop it to skip such records)", files[s.file_index],
-                      s.line ? fmt::format(":{}", s.line) : std::string(), skip_reason_name(s.reason),
-                      s.detail.empty() ? "" : ": ", s.detail);
-        ++st.skipped[static_cast<int>(s.reason)];
-        if (st.examples.size() < opt.max_examples && s.reason != SkipReason::Empty)
-          st.examples.push_back({files[s.file_index], s.line, s.reason, s.detail});
-      }
-      // Documents go to the current shard in blocks; a new shard starts when the next document
-      // would push the .bin past the limit (a document larger than the limit gets its own).
-      const size_t n_docs = o.lengths.size();
-      size_t i = 0, off = 0;
-      while (i < n_docs) {
-        uint64_t bin = writer->bin_bytes();
-        size_t j = i, end = off;
-        while (j < n_docs) {
-          const uint64_t bytes = uint64_t(o.lengths[j]) * itemsize;
-          if ((writer->num_documents() > 0 || j > i) && bin + bytes > opt.max_shard_bytes) break;
-          bin += bytes;
-          end += o.lengths[j];
-          ++j;
-        }
-        if (j == i) {
-          writer->finalize();
-          st.output_documents.push_back(writer->num_documents());
-          open_shard();
-          continue;
-        }
-        writer->add_documents(std::span<const int32_t>(o.tokens.data() + off, end - off),
-                              std::span<const uint32_t>(o.lengths.data() + i, j - i));
-        st.documents += j - i;
-        st.tokens += end - off;
-        i = j;
-        off = end;
-      }
+    while (pipe.take_next(o)) {
+      record_skips(o, files, opt, st);
+      shards.add(o, opt.max_shard_bytes, st);
       st.text_bytes += o.text_bytes;
       st.input_bytes += o.input_bytes;
       st.records += o.records;
       draw(o.raw_pos, false);
     }
   } catch (...) {
-    fail(std::current_exception());
+    pipe.fail(std::current_exception());
   }
   reader_thread.join();
   for (auto& t : workers) t.join();
-  st.reader_cpu_seconds = reader_cpu;
-  st.largest_single_document = largest_doc;
-  st.largest_single_document_bytes = largest_doc_bytes;
-  st.workers_cpu_seconds = workers_cpu;
+  st.reader_cpu_seconds = pipe.reader_cpu;
+  st.largest_single_document = pipe.largest_doc;
+  st.largest_single_document_bytes = pipe.largest_doc_bytes;
+  st.workers_cpu_seconds = pipe.workers_cpu;
   st.writer_cpu_seconds = thread_cpu_seconds() - writer_cpu0;
-  if (error || preprocess_cancel_flag().load()) {
+  if (pipe.error || preprocess_cancel_flag().load()) {
     bar.finish();
-    remove_incomplete();
-    if (error) std::rethrow_exception(error);
+    shards.remove_incomplete();
+    if (pipe.error) std::rethrow_exception(pipe.error);
     throw_error("interrupted; partial outputs removed");
   }
   draw(reader.total_file_bytes(), true);
   bar.finish();
 
   if (st.documents == 0) {
-    remove_incomplete();
-    std::string why;
-    for (int r = 0; r < static_cast<int>(SkipReason::Count); ++r)
-      if (st.skipped[r])
-        why += fmt::format("{}{} {}", why.empty() ? "" : ", ", st.skipped[r], skip_reason_name(SkipReason(r)));
-    throw_error("no document was written from {} records{}{}; check --text-key / --split-lines / the inputs",
-                st.records, why.empty() ? "" : ": ", why);
+    shards.remove_incomplete();
+    throw_no_documents(st);
   }
-  try {
-    writer->finalize();
-    st.output_documents.push_back(writer->num_documents());
-    writer.reset();
-  } catch (...) {
-    remove_incomplete();
-    throw;
-  }
-
-  // Final names: .bin before .idx so that a visible .idx always has its complete .bin.
-  const size_t n = incomplete.size();
-  for (size_t k = 0; k < n; ++k) st.outputs.push_back(n == 1 ? prefix : shard_name(prefix, k));
-  for (size_t k = 0; k < n; ++k)
-    for (const char* ext : {".bin", ".idx"}) {
-      std::string from = incomplete[k] + ext, to = st.outputs[k] + ext;
-      if (::rename(from.c_str(), to.c_str()) != 0)
-        throw_error("renaming '{}' to '{}' failed: {}", from, to, std::strerror(errno));
-    }
-  // With --overwrite, drop outputs of an earlier run that this run did not replace.
-  if (opt.overwrite) {
-    if (n > 1)
-      for (const char* ext : {".bin", ".idx"}) ::unlink((prefix + ext).c_str());
-    for (size_t k = (n == 1 ? 0 : n);; ++k) {
-      bool any = false;
-      for (const char* ext : {".bin", ".idx"}) any |= ::unlink((shard_name(prefix, k) + ext).c_str()) == 0;
-      if (!any) break;
-    }
-  }
-  io::fsync_dir(io::parent_dir(prefix));
+  shards.publish(opt.overwrite, st);
   st.seconds = now_seconds() - t0;
   return st;
 }

@@ -1,5 +1,5 @@
 // GGUF export for llama.cpp (shared/reference/gguf.md): a lathe model as a GGUF v3 file that
-// llama.cpp runs like lathe (tested against llama.cpp itself in tests/io/test_gguf_llama_cpp.py).
+// llama.cpp runs like lathe (tested against llama.cpp itself in tests/interop/test_gguf_llama_cpp.py).
 //
 //   llama, mistral -> architecture "llama": q/k rows permuted from HF's rotate_half order to
 //                     llama.cpp's interleaved (NORM) RoPE order.
@@ -7,7 +7,7 @@
 //   gpt2           -> "gpt2" (LayerNorm with biases, learned positions, fused qkv; llama.cpp's
 //                     GELU reads a fp16 table, so its logits differ from lathe's by ~1e-3).
 // dtype F32 or F16 (1-D tensors stay F32, as llama.cpp's converter does). The tokenizer is written
-// as tokenizer.ggml.* by models/gguf_tokenizer.h; none -> tokenizer.ggml.model = "no_vocab".
+// as tokenizer.ggml.* by interop/gguf_tokenizer.h; none -> tokenizer.ggml.model = "no_vocab".
 // What llama.cpp cannot represent (a sliding window shorter than the context, a GELU other than
 // tanh, a tokenizer whose pre-tokenizer llama.cpp has no name for, ...) is refused with the reason.
 #pragma once

@@ -1,4 +1,4 @@
-#include "models/gguf_export.h"
+#include "interop/gguf_export.h"
 
 #include <fmt/format.h>
 
@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "core/error.h"
+#include "interop/gguf_tokenizer.h"
 #include "io/gguf.h"
-#include "models/gguf_tokenizer.h"
 
 namespace lathe {
 

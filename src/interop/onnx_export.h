@@ -16,6 +16,7 @@
 #include <string>
 
 #include "core/dtype.h"
+#include "io/onnx_writer.h"
 #include "models/model.h"
 
 namespace lathe {
@@ -24,6 +25,9 @@ struct OnnxExportOptions {
   DType dtype = DType::F32;    // F32 or F16 (weights, activations, past/present and logits)
   int64_t static_seq_len = 0;  // > 0: fixed-shape graph [1, N] without past key/values
   bool external_data = false;  // weights in FILE.data even below 2 GiB
+  // Above this size of the graph with its weights inline, the weights go to FILE.data by
+  // themselves (the protobuf limit; lathe export lowers it only for its tests, on tiny models).
+  uint64_t inline_limit = io::onnx::kProtoLimit;
 };
 
 // Writes `path` (and path + ".data" when external). Returns a one-line summary. Refuses a family,

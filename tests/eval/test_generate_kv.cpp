@@ -9,9 +9,9 @@
 
 #include "config/model_config.h"
 #include "core/rng.h"
+#include "eval/generate.h"
 #include "models/kv_cache.h"
 #include "models/model.h"
-#include "train/generate.h"
 
 using namespace lathe;
 

@@ -1,4 +1,4 @@
-#include "models/hf_weights.h"
+#include "interop/hf_weights.h"
 
 #include <fmt/format.h>
 

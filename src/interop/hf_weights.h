@@ -1,3 +1,9 @@
+// src/interop/: lathe models in and out of other tools' formats. This room owns the Hugging Face
+// directory import/export (this file), the GGUF export for llama.cpp with its tokenizer metadata
+// (gguf_export.h, gguf_tokenizer.h) and the ONNX decoder export (onnx_export.h). It builds on
+// models/ (the Model and its parameter table), io/ (the safetensors, GGUF and ONNX file writers)
+// and tokenizer/ (the vocabulary GGUF carries); train/ and cli/ call it, models/ does not know it.
+//
 // Hugging Face model directories in and out: config.json + model.safetensors (or shards with
 // model.safetensors.index.json) with HF names and layouts (GPT-2 Conv1D weights transposed), so
 // `transformers` loads what lathe writes and lathe loads what `transformers` saves.
@@ -14,7 +20,6 @@
 #include <vector>
 
 #include "core/dtype.h"
-#include "models/gguf_export.h"
 #include "models/model.h"
 
 namespace lathe {
@@ -59,7 +64,5 @@ std::string load_hf_weights(Model& model, const std::string& dir, const HfLoadOp
 // config.json -> built model with the weights loaded.
 std::unique_ptr<Model> load_hf_model(const std::string& dir, std::string* report = nullptr,
                                      const HfLoadOptions& opts = {});
-
-// GGUF export (save_gguf) moved to models/gguf_export.h, included here for older callers.
 
 }  // namespace lathe

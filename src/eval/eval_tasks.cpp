@@ -1,4 +1,4 @@
-#include "train/eval_tasks.h"
+#include "eval/eval_tasks.h"
 
 #include <fmt/format.h>
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """ONNX export (`lathe export SRC --to-onnx FILE`) run with onnxruntime's CPU provider against
 `lathe logits` on the same weights (lathe's logits are checked against transformers elsewhere:
-tests/io/test_hf_roundtrip.py).
+tests/interop/test_hf_roundtrip.py).
 
 Tiny random models (weights perturbed so biases and norm weights are not trivial): GPT-2 (learned
 positions, LayerNorm, GELU tanh, fused c_attn, tied head), Llama (GQA 4/2, untied, rope_theta 5e5)
@@ -289,6 +289,13 @@ def check_auto_external(tmp):
         seq = [[3, 1, 4, 1, 5, 9, 2, 6]]
         ok = np.array_equal(Runner(path, cfg)(seq)[0], Runner(os.path.join(tmp, "llama.onnx"), cfg)(seq)[0])
     check(ok, f"above the inline limit the weights go to FILE.data by themselves: {p.stdout.strip()[-120:]}")
+    # The hook is read by the CLI and handed to the library (OnnxExportOptions::inline_limit): a
+    # value that is not a byte count is refused by name, before the model is loaded.
+    bad = os.path.join(tmp, "bad_limit.onnx")
+    p = subprocess.run([LATHE, "export", d, "--to-onnx", bad], capture_output=True, text=True,
+                       env=dict(os.environ, LATHE_TEST_ONNX_INLINE_LIMIT="50kB"))
+    check(p.returncode == 1 and "LATHE_TEST_ONNX_INLINE_LIMIT=50kB" in p.stderr and not os.path.exists(bad),
+          f"a malformed LATHE_TEST_ONNX_INLINE_LIMIT is refused by name: {p.stderr.strip()[-160:]}")
 
 
 def check_sliding_window(tmp):

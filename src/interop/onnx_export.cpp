@@ -12,7 +12,7 @@
 // logits = norm_f(x) @ lm_head^T (tied: a Transpose of the embedding, stored once).
 // fp16 graphs keep weights, activations, past/present and logits in fp16 and compute the norms,
 // GELU and softmax in fp32 (Cast around them), as HF models do in fp16; norm weights stay fp32.
-#include "models/onnx_export.h"
+#include "interop/onnx_export.h"
 
 #include <fmt/format.h>
 
@@ -408,9 +408,7 @@ std::string save_onnx(const Model& model, const std::string& path, const OnnxExp
                    {"static_seq_len", std::to_string(opts.static_seq_len)}};
   io::onnx::WriteOptions wo;
   wo.external_data = opts.external_data;
-  // Test hook: a lower size above which the weights go to the external-data file (the 2 GiB switch, on tiny
-  // models).
-  if (const char* e = std::getenv("LATHE_TEST_ONNX_INLINE_LIMIT")) wo.inline_limit = std::strtoull(e, nullptr, 10);
+  wo.inline_limit = opts.inline_limit;
   const io::onnx::WriteResult r = io::onnx::write_model(path, g, info, wo);
   std::string shape = opts.static_seq_len > 0 ? fmt::format("static [1, {}], no past key/values", opts.static_seq_len)
                                               : "dynamic shapes with past key/values";

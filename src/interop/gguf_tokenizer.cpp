@@ -1,4 +1,4 @@
-#include "models/gguf_tokenizer.h"
+#include "interop/gguf_tokenizer.h"
 
 #include <fmt/format.h>
 

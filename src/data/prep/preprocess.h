@@ -1,3 +1,8 @@
+// src/data/prep/: making training data. This room owns `lathe tokenize`: corpus text in (read
+// with tokenizer/corpus.h, also what the BPE trainer reads), Megatron .bin/.idx token shards out
+// (data/indexed_dataset.h's format, which the rest of data/ reads back). It is the one part of
+// data/ that uses tokenizer/; tokenizer/ does not depend on data/.
+//
 // Corpus preprocessing: text / JSONL (optionally .gz/.zst) -> Megatron .bin/.idx token shards.
 //
 // Pipeline (preprocess_corpus):

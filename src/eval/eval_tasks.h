@@ -1,3 +1,8 @@
+// src/eval/: measuring and using a trained model, outside the training loop's own concerns. This
+// room owns multiple-choice task scoring (this file) and text generation with the KV cache
+// (generate.h). It builds on models/ and tokenizer/; `lathe eval`, `lathe generate` and the
+// trainer's periodic evaluation and samples (train/) call it.
+//
 // Multiple-choice evaluation (issue 13 item 7), shared by `lathe eval --tasks` and the trainer's
 // periodic in-training evaluation (recipe training.eval_tasks).
 //
