@@ -8,11 +8,8 @@
 #include <functional>
 
 #include "config/model_config.h"
-<<<<<<< HEAD:tests/models/test_onnx_export.cpp
 #include "error_of.h"
-=======
 #include "interop/onnx_export.h"
->>>>>>> rooms:tests/interop/test_onnx_export.cpp
 #include "io/fs.h"
 #include "models/model.h"
 
