@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstdlib>
 #include <thread>
 
 #include "core/error.h"
@@ -16,47 +15,23 @@ namespace lathe {
 
 namespace {
 
-// The comma-separated step numbers of environment variable `name` ("3,5"; empty when unset).
-std::vector<int64_t> steps_from_env(const char* name) {
-  std::vector<int64_t> v;
-  for (const char* c = std::getenv(name); c && *c;) {
-    char* end = nullptr;
-    const long long x = std::strtoll(c, &end, 10);
-    if (end == c) break;
-    v.push_back(x);
-    c = *end == ',' ? end + 1 : end;
-  }
-  return v;
+// FaultPlan::nonfinite_steps: one element of this rank's part of the reduced gradient becomes +Inf.
+bool inject_non_finite(const FaultPlan& f, int64_t step) {
+  return std::find(f.nonfinite_steps.begin(), f.nonfinite_steps.end(), step) != f.nonfinite_steps.end();
 }
 
-// Test hook: LATHE_TEST_NONFINITE_STEPS="3,5" makes the gradients of those optimizer steps
-// (1-based) non-finite, as an fp16 overflow would: one element of this rank's part of the reduced
-// gradient (its ZeRO shard; with ZeRO 0 element 0 on every rank) becomes +Inf.
-bool inject_non_finite(int64_t step) {
-  static const std::vector<int64_t> steps = steps_from_env("LATHE_TEST_NONFINITE_STEPS");
-  return std::find(steps.begin(), steps.end(), step) != steps.end();
-}
-
-// Test hook: LATHE_TEST_LOSS_SPIKE_STEPS="9,10" multiplies the global loss and this rank's part of
-// the reduced gradient (so the global norm) of those optimizer steps (1-based) by
-// LATHE_TEST_LOSS_SPIKE_FACTOR (default 100), once each per process: a step re-run after a
-// rollback is not spiked again. Returns the factor for `step` (1 = none).
-double inject_loss_spike(int64_t step) {
-  static std::vector<int64_t> steps = steps_from_env("LATHE_TEST_LOSS_SPIKE_STEPS");
-  auto it = std::find(steps.begin(), steps.end(), step);
-  if (it == steps.end()) return 1.0;
-  steps.erase(it);
-  const char* f = std::getenv("LATHE_TEST_LOSS_SPIKE_FACTOR");
-  return f ? std::atof(f) : 100.0;
+// FaultPlan::loss_spike_steps: the factor for `step` (1 = none). Each listed step spikes once: it
+// leaves the list, so the same step re-run after a rollback trains normally.
+double inject_loss_spike(FaultPlan& f, int64_t step) {
+  auto it = std::find(f.loss_spike_steps.begin(), f.loss_spike_steps.end(), step);
+  if (it == f.loss_spike_steps.end()) return 1.0;
+  f.loss_spike_steps.erase(it);
+  return f.loss_spike_factor;
 }
 
 }  // namespace
 
 StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
-  // Test hook (tests/parallel): rank LATHE_TEST_STALL_RANK stops before the gradient reduction of
-  // step LATHE_TEST_STALL_STEP, as a hung process would; the others' watchdog must end the job.
-  static const char* stall_rank = std::getenv("LATHE_TEST_STALL_RANK");
-  static const char* stall_step = std::getenv("LATHE_TEST_STALL_STEP");
   StepStats st;
   const double t0 = now_seconds();
   trace::Scope step_span("step", trace::Cat::Step, step + 1);
@@ -104,15 +79,15 @@ StepStats train_step(StepParts& p, int64_t step, const StepStats& prev) {
   }
   p.sync_this_pass = false;
   p.model.drop_staged_inputs();  // the loader refills these arrays for the next step
-  if (stall_rank && stall_step && std::atoi(stall_rank) == p.world.rank() && std::atoll(stall_step) == step + 1)
+  if (p.faults.stall_rank == p.world.rank() && p.faults.stall_step == step + 1)  // a hung rank (tests/parallel)
     std::this_thread::sleep_for(std::chrono::hours(1));
   if (p.sync) st.comm_wait_s = p.sync->finish();
   if (p.dev) st.comm_wait_s = p.dev->reduce_grads();  // device: cuda: over NCCL after backward (device_dp.h)
   if (p.world.size() > 1) p.world.all_reduce(&loss_sum, 1, DType::F64);
   st.loss = loss_sum / static_cast<double>(targets_kept);
-  if (inject_non_finite(step + 1) && p.opt.state_end() > p.opt.state_begin())
+  if (inject_non_finite(p.faults, step + 1) && p.opt.state_end() > p.opt.state_begin())
     p.model.grad_data()[p.opt.state_begin()] = INFINITY;
-  if (const double spike = inject_loss_spike(step + 1); spike != 1.0) {
+  if (const double spike = inject_loss_spike(p.faults, step + 1); spike != 1.0) {
     st.loss *= spike;
     float* g = p.model.grad_data();
     for (size_t i = p.opt.state_begin(); i < p.opt.state_end(); ++i) g[i] *= static_cast<float>(spike);

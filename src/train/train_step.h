@@ -19,6 +19,7 @@
 #include "parallel/sharded_optimizer.h"
 #include "train/anomaly.h"
 #include "train/device_step.h"
+#include "train/fault_plan.h"
 
 namespace lathe {
 
@@ -42,6 +43,7 @@ struct StepParts {
   std::vector<int32_t>& targets;
   AnomalyPolicy& anomaly;                      // loss-spike and NaN policy (train/anomaly.h): may skip, lowers the lr
   const DocumentOptions& docs;                 // documents in the samples (data.attention etc.)
+  FaultPlan& faults;                           // tests' injected faults (train/fault_plan.h); empty: none
   parallel::PipelineExecutor* pipe = nullptr;  // pipeline parallelism: runs the step's micro-batches
   DeviceOptimizer* dev = nullptr;              // device: cuda: the norm and update run on the device
 };

@@ -52,6 +52,8 @@
 #include "train/preflight.h"
 #include "train/reshard.h"
 #include "train/run_dir.h"
+#include "train/run_control.h"
+#include "train/run_log.h"
 #include "train/run_outputs.h"
 #include "train/train_step.h"
 
@@ -70,37 +72,6 @@ nlohmann::json validation_record(int64_t step, double loss, int64_t tokens) {
   if (tokens) j["val_loss"] = loss;
   return j;
 }
-
-// SIGTERM/SIGINT: the first one sets the flag (checked at step boundaries) and restores the
-// default action, so a second one terminates the process as usual.
-std::atomic<int>& g_stop_signal = g_stop_request;  // core/stop.h: polled by blend planning too
-extern "C" void on_stop_signal(int sig) {
-  g_stop_signal.store(sig);
-  std::signal(sig, SIG_DFL);
-}
-
-class SignalGuard {
- public:
-  explicit SignalGuard(bool on) : on_(on) {
-    if (!on_) return;
-    g_stop_signal.store(0);
-    struct sigaction sa {};
-    sa.sa_handler = on_stop_signal;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGTERM, &sa, &old_term_);
-    sigaction(SIGINT, &sa, &old_int_);
-  }
-  ~SignalGuard() {
-    if (!on_) return;
-    sigaction(SIGTERM, &old_term_, nullptr);
-    sigaction(SIGINT, &old_int_, nullptr);
-  }
-
- private:
-  bool on_;
-  struct sigaction old_term_ {
-  }, old_int_{};
-};
 
 // The layout every rank must agree on before any work: the degrees against the number of processes,
 // and the same recipe on every rank (a different --set on one host would otherwise train nonsense).
@@ -168,17 +139,11 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     world = own_world.get();
   }
   const bool rank0 = world->rank() == 0;
-  // Only rank 0 prints, writes metrics, recipe.yaml, checkpoints' state and the HF model.
-  auto log = [&](const std::string& s) {
-    if (rank0 && !opts.quiet) fmt::print("{}\n", s);
-    std::fflush(stdout);
-  };
-  // Resume decisions are printed even with --quiet: they say which state the run continues from.
-  auto say = [&](const std::string& s) {
-    if (rank0) fmt::print("{}\n", s);
-    std::fflush(stdout);
-  };
   Recipe r = recipe;
+  // Only rank 0 prints, writes metrics, recipe.yaml, checkpoints' state and the HF model.
+  RunLog rlog(r, rank0, opts.quiet);
+  auto log = rlog.log_fn();
+  auto say = rlog.say_fn();
   check_layout(r, *world);
   // This rank's coordinates and groups (parallel/model_parallel.h: tensor fastest, then data,
   // then pipeline, so a tensor group is tp consecutive ranks: one host when ranks fill hosts in order).
@@ -190,7 +155,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   std::unique_ptr<dist::Communicator>&tp_group = groups.tp, &dp_group = groups.dp, &pp_group = groups.pp,
   &ckpt_writers = groups.ckpt_writers;
   dist::Communicator& dpc = dp_group ? *dp_group : *world;  // the data-parallel group
-  SignalGuard signals(opts.handle_signals);
+  RunControl control(opts, r, *world, dp, rlog);
   struct CleanupJoin {  // old checkpoints are removed in the background; done before returning
     ~CleanupJoin() { wait_for_checkpoint_cleanup(); }
   } cleanup_join;
@@ -206,8 +171,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   // This machine's copy bandwidth for the plan line printed at start, measured before anything
   // large is allocated (its two 64 MB buffers must not add to the run's peak memory).
   const double copy_gbps = world->size() > 1 ? lathe::plan::measure_copy_gbps() : 100.0;
-  PreflightLog plog{log, say};
-  Preflight pf = preflight(r, opts, plog, /*check_only=*/false);
+  Preflight pf = preflight(r, opts, rlog.preflight_log(), /*check_only=*/false);
   // Before any write, after preflight's errors (as `lathe check` orders them): a new run never reuses
   // a directory that holds another run (--overwrite moves it aside).
   claim_run_dir(r, opts.resume.empty() ? r.training.resume : opts.resume, opts.overwrite, *world, say);
@@ -395,122 +359,35 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   }
 
   // ---- outputs (output.dir exists and is writable: preflight) ----
-  const std::string metrics_path = (fs::path(r.output.dir) / "metrics.jsonl").string();
-  if (rank0 && !ckpt.empty()) trim_metrics(metrics_path, start_step);
-  const std::string resolved = r.to_yaml();
-  if (rank0) io::atomic_write_file((fs::path(r.output.dir) / "recipe.yaml").string(), resolved);
-  log("resolved recipe (saved to " + (fs::path(r.output.dir) / "recipe.yaml").string() + "):\n" + resolved);
-
-  // MFU denominator: training.peak_gflops, else the GPU's dense peak (table or estimate), else the CPU probe.
-  const std::optional<GpuInfo> gpu = model->backend().device() == DeviceKind::Host ? std::nullopt : current_gpu_info();
-  const PeakChoice peak_choice =
-      choose_peak(r.training.peak_gflops, gpu ? &*gpu : nullptr, model->compute_dtype(), &measure_peak_gflops);
-  const double peak = peak_choice.gflops;
-  const char* peak_source = r.training.peak_gflops > 0 ? "recipe"
-                            : !gpu                     ? "GEMM probe"
-                            : peak_choice.estimated    ? "GPU estimate"
-                                                       : "GPU table";
-  // Per rank: parameters and gradients whole, moments of this rank's shard (ZeRO).
-  const double moments = 2.0 * 4 * static_cast<double>(opt.state_end() - opt.state_begin());
-  const double wcopy = static_cast<double>(model->compute_weight_bytes());  // bf16/fp16 weight copies
-  const double est = static_cast<double>(P) * 4 * 2 + moments + static_cast<double>(model->activation_bytes()) + wcopy;
-  log(fmt::format(
-      "model {}: {:.2f}M parameters; precision {}{}; threads {}; peak {:.1f} GFLOP/s ({}; OpenBLAS kernel {})",
-      r.model.model_type, P / 1e6, r.precision.compute,
-      scaler.dynamic() ? fmt::format(" (loss scale {})", scaler.scale()) : std::string(), threads, peak,
-      r.training.peak_gflops > 0 ? std::string("from recipe")
-      : !gpu                     ? std::string("measured by GEMM probe")
-                                 : peak_choice.source,
-      blas_kernel_name()));
-  if (rank0) {
-    // What ran where, for `lathe report` and for anyone comparing runs later.
-    auto cpu_model = [] {
-      std::ifstream f("/proc/cpuinfo");
-      std::string line;
-      while (std::getline(f, line))
-        if (line.rfind("model name", 0) == 0 && line.find(':') != std::string::npos)
-          return line.substr(line.find(':') + 2);
-      return std::string("unknown");
-    };
-    char host[256] = {0};
-    ::gethostname(host, sizeof(host) - 1);
-    const MachineMemory mm = machine_memory();
-    const nlohmann::json info = {{"lathe_version", LATHE_VERSION},
-                                 {"host", host},
-                                 {"cpu", cpu_model()},
-                                 {"cores_online", static_cast<int64_t>(::sysconf(_SC_NPROCESSORS_ONLN))},
-                                 {"memory_bytes", mm.bytes},
-                                 {"world_size", world->size()},
-                                 {"tensor_parallel", tp},
-                                 {"pipeline_parallel", pp},
-                                 {"threads_per_rank", threads},
-                                 {"openblas_kernel", blas_kernel_name()},
-                                 {"peak_gflops", peak},
-                                 {"peak_source", peak_source},
-                                 {"precision", r.precision.compute},
-                                 // The instruction set found and the host bf16 GEMM path
-                                 // (kernels/cpu/ops_bf16.h; fp16 always widens to fp32).
-                                 {"isa", cpu::isa_name(cpu::cpu_isa())},
-                                 {"bf16_gemm", gpu                              ? "device"
-                                               : r.precision.compute == "bf16" ? cpu::bf16_gemm_name(
-                                                                                     cpu::bf16_gemm_process_path())
-                                               : r.precision.compute == "fp16" ? "fp32"
-                                                                               : "none"},
-                                 {"parameters", P},
-                                 {"started_unix", static_cast<int64_t>(std::time(nullptr))}};
-    io::atomic_write_file((fs::path(r.output.dir) / "run_info.json").string(), info.dump(2) + "\n");
-  }
-  if (tp > 1)
-    log(fmt::format("tensor parallel: {} ranks per replica, {} of {} parameters on each (the rest of {} replicated)",
-                    tp, P, whole_P, r.model.model_type));
-  if (pp > 1) log(parallel::describe_pipeline(pl) + fmt::format("; {} of {} parameters on this rank", P, whole_P));
-  if (dp > 1)
-    log(fmt::format(
-        "data parallel: {} ranks, global batch {} samples ({} per rank as {} x {}), ZeRO {}, buckets of {:.1f} MB", dp,
-        G, B * accum, accum, B, r.parallel.zero, bucket_elems * 4 / 1e6));
-  log(fmt::format(
-      "memory estimate per rank: params {:.1f} MB + grads {:.1f} MB + {} moments {:.1f} MB{} + activations "
-      "({}) {:.1f} MB = {:.1f} MB",
-      P * 4 / 1e6, P * 4 / 1e6, r.optimizer.name, moments / 1e6,
-      wcopy > 0 ? fmt::format(" + {} weight copies {:.1f} MB", r.precision.compute, wcopy / 1e6) : std::string(),
-      r.precision.compute, model->activation_bytes() / 1e6, est / 1e6));
-  {
-    // What `lathe plan` predicts for this very layout (same peak; this machine's copy bandwidth),
-    // so a run shows how far it is from its plan.
-    lathe::plan::Job job;
-    job.model = whole_cfg;
-    job.world = world->size();
-    job.micro_batch = B;
-    job.seq_len = T;
-    job.global_batch = G;
-    job.compute = model->compute_dtype();
-    lathe::plan::Machine m;
-    m.peak_gflops = peak;
-    m.inter_gbps = m.intra_gbps = copy_gbps;
-    m.gpus_per_node = world->size();
-    lathe::plan::Layout l;
-    l.data = dp;
-    l.tensor = tp;
-    l.pipeline = pp;
-    l.virtual_stages = r.parallel.virtual_stages;
-    l.zero = static_cast<int>(r.parallel.zero);
-    l.recompute = model->recompute();
-    const lathe::plan::Estimate e = lathe::plan::estimate(job, m, l);
-    if (e.reject.empty())
-      log(fmt::format(
-          "plan for this layout ({}): {:.1f} MB per rank, {:.0f} ms per step, {:.0f} tokens/s{} "
-          "(predicted by lathe plan at {:.0f} GFLOP/s and {:.1f} Gbit/s)",
-          l.name(), e.memory.total() / 1e6, e.step_s * 1e3, e.tokens_per_s,
-          e.bubble > 0 ? fmt::format(", bubble {:.1f}%", 100 * e.bubble) : std::string(), peak, m.inter_gbps));
-  }
   // A blend (data.blend) reads global sample g of the run from the plan (dataset, sample); one
   // pass, no loader epochs: the plan covers training.steps x G samples and already repeats and
   // reshuffles each dataset (data/blend.h). Ranks take their rows of each global batch as below.
   const auto& plan = pf.blend_plan;
-  log(plan ? fmt::format("data: blend of {} datasets, {} planned samples, {} validation samples of {} tokens",
-                         pf.blend_ds.size(), plan->dataset.size(), valid_samples.size(), T)
-           : fmt::format("data: {} train samples, {} validation samples of {} tokens", train_samples.size(),
-                         valid_samples.size(), T));
+  rlog.startup(StartupFacts{
+      .model = *model,
+      .whole_cfg = whole_cfg,
+      .whole_params = whole_P,
+      .whole_flops_per_token = whole_flops_per_token,
+      .world_size = world->size(),
+      .tp = tp,
+      .pp = pp,
+      .dp = dp,
+      .threads = threads,
+      .B = B,
+      .T = T,
+      .accum = accum,
+      .G = G,
+      .copy_gbps = copy_gbps,
+      .moment_elems = opt.state_end() - opt.state_begin(),
+      .bucket_elems = bucket_elems,
+      .pipeline = pp > 1 ? &pl : nullptr,
+      .scaler = scaler,
+      .resumed = !ckpt.empty(),
+      .start_step = start_step,
+      .data_line = plan ? fmt::format("data: blend of {} datasets, {} planned samples, {} validation samples of {} tokens",
+                                      pf.blend_ds.size(), plan->dataset.size(), valid_samples.size(), T)
+                        : fmt::format("data: {} train samples, {} validation samples of {} tokens",
+                                      train_samples.size(), valid_samples.size(), T)});
 
   std::unique_ptr<data::DataLoader> loader_ptr =
       plan
@@ -535,25 +412,12 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   std::vector<int64_t> eval_subset(valid_samples.begin(),
                                    valid_samples.begin() + std::min<int64_t>(static_cast<int64_t>(valid_samples.size()),
                                                                              r.training.eval_batches * B));
-  std::unique_ptr<MetricsWriter> metrics_file;
-  if (rank0) metrics_file = std::make_unique<MetricsWriter>(metrics_path, !ckpt.empty());
-  auto write_metrics = [&](const nlohmann::json& j) {
-    if (metrics_file) metrics_file->write(j);
-  };
-  // OUTPUT/anomalies.jsonl: one line per detection and per action of the anomaly policy (appended
-  // across resumes and rollbacks: it is the audit trail). Only written with the policy on.
-  std::unique_ptr<MetricsWriter> anomaly_file;
-  if (rank0 && anomaly.enabled())
-    anomaly_file =
-        std::make_unique<MetricsWriter>((fs::path(r.output.dir) / "anomalies.jsonl").string(), !ckpt.empty());
-  auto audit = [&](nlohmann::json j, const std::string& line) {
-    if (anomaly_file) anomaly_file->write(j);
-    say(line);
-  };
+  rlog.open_records(!ckpt.empty(), anomaly.enabled());
+  auto write_metrics = [&](const nlohmann::json& j) { rlog.metrics(j); };
+  auto audit = [&](const nlohmann::json& j, const std::string& line) { rlog.audit(j, line); };
   double last_loss = NAN, last_norm = NAN;  // of the last step: the health of a checkpoint
 
   std::vector<int32_t> inputs(static_cast<size_t>(B * accum * T)), targets(static_cast<size_t>(B * accum * T));
-  const double flops_per_step = whole_flops_per_token * static_cast<double>(G * T);
   TrainResult result;
   result.start_step = result.end_step = start_step;
   result.resumed_from = ckpt;
@@ -685,6 +549,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   };
   if (start_step == r.training.steps && start_step > 0)
     say(fmt::format("resume: the checkpoint is at the final step {}; only the end-of-run outputs remain", start_step));
+  FaultPlan faults = opts.faults;  // train_step strikes a spike from it once it has fired
   StepParts parts{*model,
                   loader,
                   opt,
@@ -704,9 +569,9 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
                   targets,
                   anomaly,
                   docs,
+                  faults,
                   pipe.get(),
                   dev_opt.get()};
-  const std::string precision = r.precision.compute;
   // The anomaly policy's actions after step `step` (0-based) with stats `st`, each a line in
   // anomalies.jsonl and the log. Returns the step to continue from after a rollback (the healthy
   // checkpoint's), or -1. Every rank runs it with the same decision (the loss and norm are global).
@@ -782,13 +647,9 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
       dev_opt->upload_state();
     }
     release_whole();
-    if (rank0) {
-      // The curves continue from the checkpoint (as after a resume); anomalies.jsonl keeps everything.
-      metrics_file.reset();
-      trim_metrics(metrics_path, target.step);
-      metrics_file = std::make_unique<MetricsWriter>(metrics_path, true);
-      move_checkpoints_after(r.output.dir, target.step);
-    }
+    // The curves continue from the checkpoint (as after a resume); anomalies.jsonl keeps everything.
+    rlog.restart_metrics_at(target.step);
+    if (rank0) move_checkpoints_after(r.output.dir, target.step);
     world->barrier();
     result.losses.resize(static_cast<size_t>(std::max<int64_t>(0, target.step - result.start_step)));
     const data::LoaderState &before = rb.before, &after = rb.after;
@@ -809,100 +670,15 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     return target.step;
   };
   StepStats prev;
-  double comm_total = 0;
-  // ETA in the step log line: remaining steps x the mean step time of this process's steps.
-  double step_time_sum = 0;
-  int64_t steps_timed = 0;
   for (int64_t step = start_step; step < r.training.steps; ++step) {
-    // --profile-steps A-B: record steps A..B (1-based) and write OUTPUT/trace/rankRRRRR.json.
-    if (opts.profile_first > 0 && step + 1 == opts.profile_first) {
-      trace::start();
-      trace::set_thread_name("main");
-    }
+    control.before_step(step);
     const StepStats st = train_step(parts, step, prev);
-    if (opts.profile_first > 0 && step + 1 == std::min(opts.profile_last, r.training.steps)) {
-      trace::stop();
-      const fs::path dir = fs::path(r.output.dir) / "trace";
-      fs::create_directories(dir);
-      const std::string path = (dir / fmt::format("rank{:05d}.json", rank)).string();
-      const auto sum =
-          trace::write_chrome_json(path, rank, fmt::format("rank {}", rank),
-                                   nlohmann::json({{"lathe_version", LATHE_VERSION},
-                                                   {"steps", fmt::format("{}-{}", opts.profile_first, step + 1)},
-                                                   {"world_size", dp}})
-                                       .dump());
-      say(
-          fmt::format("profile: wrote {} ({} spans on {} threads, steps {}-{}; open in ui.perfetto.dev or "
-                      "chrome://tracing)",
-                      path, sum.spans, sum.threads, opts.profile_first, step + 1));
-    }
+    control.after_step(step);
     if (!st.skipped) prev = st;
     last_loss = st.loss;
     last_norm = st.norm;
-    const int64_t skipped_total = scaler.state().skipped_steps;
-    const double loss = st.loss, norm = st.norm, lr = st.lr, dt = st.seconds, wait = st.data_wait_s,
-                 comm_wait = st.comm_wait_s;
-    comm_total += comm_wait;
-    step_time_sum += dt;
-    ++steps_timed;
-    const double eta_s = static_cast<double>(r.training.steps - (step + 1)) * step_time_sum / steps_timed;
-    result.losses.push_back(loss);
-    const double tok_s = static_cast<double>(G * T) / dt;
-    const double mfu = peak > 0 ? flops_per_step / dt / (peak * 1e9) : 0.0;  // 0: unknown GPU peak
-    nlohmann::json rec = {{"step", step + 1},
-                          {"loss", loss},
-                          {"lr", lr},
-                          {"grad_norm", norm},
-                          {"tokens_per_s", tok_s},
-                          {"mfu", mfu},
-                          {"ms_per_step", dt * 1e3},
-                          {"data_wait_pct", 100.0 * wait / dt},
-                          {"comm_exposed_ms", comm_wait * 1e3},
-                          {"comm_exposed_pct", 100.0 * comm_wait / dt},
-                          {"optimizer_ms", st.optimizer_s * 1e3},
-                          {"optimizer_pct", 100.0 * st.optimizer_s / dt},
-                          // the rest of the step: forward and backward (and what is not measured apart)
-                          {"compute_pct", 100.0 * std::max(0.0, dt - wait - comm_wait - st.optimizer_s) / dt},
-                          {"world_size", dp},
-                          {"tokens", (step + 1) * G * T},
-                          {"precision", precision},
-                          {"loss_scale", st.loss_scale},
-                          {"skipped", st.skipped},
-                          {"skipped_steps", skipped_total},
-                          {"eta_s", eta_s}};
-    if (pp > 1)  // the schedule's idle share of the step, (p-1)/(v m + p-1) (not measured)
-      rec["bubble_pct"] = 100 * pipeline::bubble_formula(pp, accum, r.parallel.virtual_stages);
-    if (anomaly.enabled()) {  // the policy's verdict and the factor this step's lr carried
-      rec["anomaly"] = st.anomaly.anomaly;
-      rec["anomalies"] = anomaly.state().anomalies;
-      rec["lr_factor"] = st.lr_factor;
-    }
-    write_metrics(rec);
-
-    // The precision, the loss scale this step carried (fp16) and the skipped steps so far.
-    const std::string prec =
-        fmt::format("{}{}{}", precision, scaler.dynamic() ? fmt::format(" scale {}", st.loss_scale) : std::string(),
-                    skipped_total ? fmt::format(" | skipped {}", skipped_total) : std::string());
-    if (st.skipped)  // always logged, whatever log_interval
-      log(fmt::format(
-          "step {:>6}/{} | SKIPPED: {} not finite (loss {:.4f}, grad norm {:.4f}); weights and moments unchanged, "
-          "batch consumed | {}{} | skipped {} ({} in a row; training.max_skipped_steps {})",
-          step + 1, r.training.steps,
-          !std::isfinite(st.norm) && !std::isfinite(st.loss) ? "the loss and the gradient norm are"
-          : std::isfinite(st.norm)                           ? "the loss is"
-                                                             : "the gradient norm is",
-          loss, norm, precision,
-          scaler.dynamic() ? fmt::format(" scale {} -> {}", st.loss_scale, scaler.scale()) : std::string(),
-          skipped_total, scaler.state().consecutive_skipped, r.training.max_skipped_steps));
-    else if ((step + 1) % r.training.log_interval == 0 || step == 0 || step + 1 == r.training.steps)
-      log(fmt::format(
-          "step {:>6}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.4f} | {} | {:.0f} tok/s | MFU {:.1f}% | "
-          "{:.1f} ms | data wait {:.1f}% | optimizer {:.1f}%{} | ETA {}",
-          step + 1, r.training.steps, loss, lr, norm, prec, tok_s, 100 * mfu, dt * 1e3, 100.0 * wait / dt,
-          100.0 * st.optimizer_s / dt,
-          dp > 1 ? fmt::format(" | comm exposed {:.1f} ms ({:.1f}%)", comm_wait * 1e3, 100.0 * comm_wait / dt)
-                 : std::string(),
-          progress::format_duration(eta_s)));
+    result.losses.push_back(st.loss);
+    rlog.step(step, st, scaler, anomaly);
     if (const int64_t back = act_on_anomaly(step, st); back >= 0) {
       step = back - 1;  // the loop's ++step continues with the checkpoint's next step
       prev = StepStats{};
@@ -925,26 +701,15 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
       log("saved " + dir);
     }
     result.end_step = step + 1;
-    // Every rank stops at the same step: a signal seen by any rank counts for all.
-    int64_t sig64 = opts.handle_signals ? g_stop_signal.load() : 0;
-    if (world->size() > 1) world->all_reduce(&sig64, 1, DType::I64, dist::ReduceOp::Max);
-    const int sig = static_cast<int>(sig64);
-    const bool stop_here = !last && opts.stop_after_steps > 0 && step + 1 >= opts.stop_after_steps;
+    const StopRequest stop = control.stop_requested(step + 1, last);
     const bool periodic = r.output.checkpoint_every > 0 && ((step + 1) % r.output.checkpoint_every == 0 || last);
-    if (periodic || ((sig || stop_here) && !last)) {
+    if (periodic || stop) {
       trace::Scope span("checkpoint save", trace::Cat::Io, step + 1);
-      checkpoint(step + 1, lr);
+      checkpoint(step + 1, st.lr);
     }
-    if (sig && !last) {
-      say(
-          fmt::format("received {}: saved a checkpoint at step {} and stopped; continue with --resume auto "
-                      "(exit code {})",
-                      sig == SIGTERM ? "SIGTERM" : "SIGINT", step + 1, kExitInterrupted));
-      result.interrupted = true;
-      return result;
-    }
-    if (stop_here) {
-      say(fmt::format("stopped after step {} as requested (--stop-after); continue with --resume auto", step + 1));
+    if (stop) {
+      control.announce(stop, step + 1);
+      result.interrupted = stop.signal != 0;
       return result;
     }
   }
@@ -970,14 +735,7 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
   log(fmt::format("saved Hugging Face model directory {}", result.model_dir));
   int64_t peak_rss = static_cast<int64_t>(peak_rss_bytes());
   if (world->size() > 1) world->all_reduce(&peak_rss, 1, DType::I64, dist::ReduceOp::Max);
-  log(fmt::format("peak resident memory {:.1f} MB{}, during the training steps {:.1f} MB (estimate {:.1f} MB per rank)",
-                  peak_rss / 1e6, world->size() > 1 ? " (largest rank)" : "", train_peak_rss / 1e6, est / 1e6));
-  write_metrics({{"step", r.training.steps},
-                 {"world_size", dp},
-                 {"peak_rss_mb_max_rank", peak_rss / 1e6},
-                 {"train_peak_rss_mb_max_rank", train_peak_rss / 1e6},
-                 {"skipped_steps", scaler.state().skipped_steps},
-                 {"comm_exposed_s_total", comm_total}});
+  rlog.finish(peak_rss, train_peak_rss, world->size(), scaler.state().skipped_steps);
   world->barrier();  // the model directory is complete before any rank returns
 
   if (rank0 && opts.sample_at_end && tokenizer) {

@@ -20,6 +20,7 @@
 #include "dist/comm.h"
 #include "models/documents.h"
 #include "models/model.h"
+#include "train/fault_plan.h"
 
 namespace lathe {
 
@@ -62,6 +63,9 @@ struct TrainOptions {
   // --profile-steps A-B: record the steps A..B (1-based, inclusive) with the profiler and write
   // OUTPUT/trace/rankRRRRR.json (Chrome trace events). 0 = off.
   int64_t profile_first = 0, profile_last = 0;
+  // Faults tests inject (train/fault_plan.h); `lathe train` fills it from the LATHE_TEST_*
+  // environment variables. Empty: none.
+  FaultPlan faults;
 };
 
 TrainResult train(const Recipe& recipe, const TrainOptions& opts = {});
