@@ -40,8 +40,7 @@ SignalGuard::~SignalGuard() {
   sigaction(SIGINT, &old_int_, nullptr);
 }
 
-RunControl::RunControl(const TrainOptions& opts, const Recipe& r, dist::Communicator& world, int dp,
-                       const RunLog& log)
+RunControl::RunControl(const TrainOptions& opts, const Recipe& r, dist::Communicator& world, int dp, const RunLog& log)
     : opts_(opts), r_(r), world_(world), dp_(dp), log_(log), signals_(opts.handle_signals) {}
 
 void RunControl::before_step(int64_t step) {
@@ -58,11 +57,12 @@ void RunControl::after_step(int64_t step) {
   fs::create_directories(dir);
   const int rank = world_.rank();
   const std::string path = (dir / fmt::format("rank{:05d}.json", rank)).string();
-  const auto sum = trace::write_chrome_json(path, rank, fmt::format("rank {}", rank),
-                                            nlohmann::json({{"lathe_version", LATHE_VERSION},
-                                                            {"steps", fmt::format("{}-{}", opts_.profile_first, step + 1)},
-                                                            {"world_size", dp_}})
-                                                .dump());
+  const auto sum =
+      trace::write_chrome_json(path, rank, fmt::format("rank {}", rank),
+                               nlohmann::json({{"lathe_version", LATHE_VERSION},
+                                               {"steps", fmt::format("{}-{}", opts_.profile_first, step + 1)},
+                                               {"world_size", dp_}})
+                                   .dump());
   log_.say(
       fmt::format("profile: wrote {} ({} spans on {} threads, steps {}-{}; open in ui.perfetto.dev or "
                   "chrome://tracing)",

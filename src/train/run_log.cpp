@@ -84,7 +84,8 @@ void RunLog::startup(const StartupFacts& f) {
     log(fmt::format("tensor parallel: {} ranks per replica, {} of {} parameters on each (the rest of {} replicated)",
                     f.tp, P, f.whole_params, r_.model.model_type));
   if (f.pp > 1)
-    log(parallel::describe_pipeline(*f.pipeline) + fmt::format("; {} of {} parameters on this rank", P, f.whole_params));
+    log(parallel::describe_pipeline(*f.pipeline) +
+        fmt::format("; {} of {} parameters on this rank", P, f.whole_params));
   if (f.dp > 1)
     log(fmt::format(
         "data parallel: {} ranks, global batch {} samples ({} per rank as {} x {}), ZeRO {}, buckets of {:.1f} MB",
@@ -113,29 +114,29 @@ void RunLog::write_run_info(const StartupFacts& f, double peak, const char* peak
   char host[256] = {0};
   ::gethostname(host, sizeof(host) - 1);
   const MachineMemory mm = machine_memory();
-  const nlohmann::json info = {{"lathe_version", LATHE_VERSION},
-                               {"host", host},
-                               {"cpu", cpu_model_name()},
-                               {"cores_online", static_cast<int64_t>(::sysconf(_SC_NPROCESSORS_ONLN))},
-                               {"memory_bytes", mm.bytes},
-                               {"world_size", f.world_size},
-                               {"tensor_parallel", f.tp},
-                               {"pipeline_parallel", f.pp},
-                               {"threads_per_rank", f.threads},
-                               {"openblas_kernel", blas_kernel_name()},
-                               {"peak_gflops", peak},
-                               {"peak_source", peak_source},
-                               {"precision", r_.precision.compute},
-                               // The instruction set found and the host bf16 GEMM path
-                               // (kernels/cpu/ops_bf16.h; fp16 always widens to fp32).
-                               {"isa", cpu::isa_name(cpu::cpu_isa())},
-                               {"bf16_gemm", gpu                               ? "device"
-                                             : r_.precision.compute == "bf16" ? cpu::bf16_gemm_name(
-                                                                                    cpu::bf16_gemm_process_path())
-                                             : r_.precision.compute == "fp16" ? "fp32"
-                                                                              : "none"},
-                               {"parameters", f.model.num_params()},
-                               {"started_unix", static_cast<int64_t>(std::time(nullptr))}};
+  const nlohmann::json info = {
+      {"lathe_version", LATHE_VERSION},
+      {"host", host},
+      {"cpu", cpu_model_name()},
+      {"cores_online", static_cast<int64_t>(::sysconf(_SC_NPROCESSORS_ONLN))},
+      {"memory_bytes", mm.bytes},
+      {"world_size", f.world_size},
+      {"tensor_parallel", f.tp},
+      {"pipeline_parallel", f.pp},
+      {"threads_per_rank", f.threads},
+      {"openblas_kernel", blas_kernel_name()},
+      {"peak_gflops", peak},
+      {"peak_source", peak_source},
+      {"precision", r_.precision.compute},
+      // The instruction set found and the host bf16 GEMM path
+      // (kernels/cpu/ops_bf16.h; fp16 always widens to fp32).
+      {"isa", cpu::isa_name(cpu::cpu_isa())},
+      {"bf16_gemm", gpu                              ? "device"
+                    : r_.precision.compute == "bf16" ? cpu::bf16_gemm_name(cpu::bf16_gemm_process_path())
+                    : r_.precision.compute == "fp16" ? "fp32"
+                                                     : "none"},
+      {"parameters", f.model.num_params()},
+      {"started_unix", static_cast<int64_t>(std::time(nullptr))}};
   io::atomic_write_file((fs::path(r_.output.dir) / "run_info.json").string(), info.dump(2) + "\n");
 }
 

@@ -29,10 +29,10 @@ struct StartupFacts {
   size_t whole_params = 0;
   double whole_flops_per_token = 0;
   int world_size = 1, tp = 1, pp = 1, dp = 1, threads = 1;
-  int64_t B = 1, T = 1, accum = 1, G = 1;  // micro-batch, seq_len, accumulation, global batch (samples)
-  double copy_gbps = 100;                  // this machine's copy bandwidth (for the plan line)
-  size_t moment_elems = 0;                 // of this rank's optimizer shard (ZeRO)
-  size_t bucket_elems = 0;                 // of the data-parallel gradient reduction
+  int64_t B = 1, T = 1, accum = 1, G = 1;              // micro-batch, seq_len, accumulation, global batch (samples)
+  double copy_gbps = 100;                              // this machine's copy bandwidth (for the plan line)
+  size_t moment_elems = 0;                             // of this rank's optimizer shard (ZeRO)
+  size_t bucket_elems = 0;                             // of the data-parallel gradient reduction
   const parallel::PipelineLayout* pipeline = nullptr;  // pipeline parallelism: this rank's stage
   const optim::LossScaler& scaler;
   bool resumed = false;  // a resume: metrics.jsonl keeps the records up to start_step
