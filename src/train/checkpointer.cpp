@@ -6,14 +6,27 @@
 #include <filesystem>
 
 #include "data/blend_cache.h"
+#include "io/fs.h"
 #include "io/xxh64.h"
+#include "models/hf_weights.h"
 #include "train/checkpoint.h"
 #include "train/reshard.h"
-#include "train/run_outputs.h"
 
 namespace lathe {
 
 namespace fs = std::filesystem;
+
+namespace {
+
+// The HF model directory `dir` of `model` (models/hf_weights.h) and lathe's note of the tokenizer
+// it was trained with (lathe.json, read by generate and eval).
+void write_model_dir(const Model& model, const std::string& dir, const std::string& tokenizer) {
+  save_hf_model(model, dir);
+  nlohmann::json meta = {{"tokenizer", tokenizer}, {"lathe_version", LATHE_VERSION}};
+  io::atomic_write_file((fs::path(dir) / "lathe.json").string(), meta.dump(2) + "\n");
+}
+
+}  // namespace
 
 void load_rank_moments(const std::string& dir, RankModel& rm, parallel::ShardedOptimizer& opt) {
   const MomentSlice mine = moment_slice(opt.local(), opt.state_begin(), opt.state_begin(), opt.state_end());

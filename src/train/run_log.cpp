@@ -12,6 +12,7 @@
 #include <optional>
 
 #include "core/blas_env.h"
+#include "core/error.h"
 #include "core/progress.h"
 #include "core/sysinfo.h"
 #include "io/fs.h"
@@ -38,6 +39,36 @@ std::string cpu_model_name() {
 }
 
 }  // namespace
+
+MetricsWriter::MetricsWriter(const std::string& path, bool append) : f_(std::fopen(path.c_str(), append ? "a" : "w")) {
+  LATHE_CHECK(f_ != nullptr, "{}: cannot open for writing", path);
+}
+
+MetricsWriter::~MetricsWriter() { std::fclose(f_); }
+
+void MetricsWriter::write(const nlohmann::json& j) {
+  std::string s = j.dump() + "\n";
+  std::fwrite(s.data(), 1, s.size(), f_);
+  std::fflush(f_);
+}
+
+void trim_metrics(const std::string& path, int64_t step) {
+  if (!fs::exists(path)) return;
+  std::string text = io::read_file(path), kept;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t nl = text.find('\n', pos);
+    if (nl == std::string::npos) break;  // a torn last line from a crash
+    const std::string line = text.substr(pos, nl - pos);
+    pos = nl + 1;
+    try {
+      auto j = nlohmann::json::parse(line);
+      if (j.value("step", int64_t{0}) <= step) kept += line + "\n";
+    } catch (const nlohmann::json::exception&) {
+    }
+  }
+  io::atomic_write_file(path, kept);
+}
 
 void RunLog::log(const std::string& s) const {
   if (rank0_ && !quiet_) fmt::print("{}\n", s);

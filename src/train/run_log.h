@@ -5,6 +5,7 @@
 // so no caller tests the rank before logging. Internal to src/train (train/trainer.cpp).
 #pragma once
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -16,10 +17,26 @@
 #include "parallel/pipeline_stage.h"
 #include "train/anomaly.h"
 #include "train/preflight.h"
-#include "train/run_outputs.h"
 #include "train/train_step.h"
 
 namespace lathe {
+
+// Appends one JSON object per line and flushes, so a crash loses at most the current line.
+class MetricsWriter {
+ public:
+  MetricsWriter(const std::string& path, bool append);
+  ~MetricsWriter();
+  MetricsWriter(const MetricsWriter&) = delete;
+  MetricsWriter& operator=(const MetricsWriter&) = delete;
+  void write(const nlohmann::json& j);
+
+ private:
+  std::FILE* f_;
+};
+
+// Keeps the records of steps <= `step` of the JSONL file `path` (a resumed run rewrites what came
+// after its checkpoint); a torn last line from a crash is dropped. No-op when it does not exist.
+void trim_metrics(const std::string& path, int64_t step);
 
 // The facts the startup report states; gathered by the session once the rank's model and the
 // optimizer exist.

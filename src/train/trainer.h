@@ -7,7 +7,9 @@
 // lower the lr, roll back to a healthy checkpoint; OUTPUT/anomalies.jsonl) -- a log line and a
 // JSONL metrics record; periodic validation; full-state
 // checkpoints (checkpoint.h) every output.checkpoint_every steps, on SIGTERM/SIGINT and at
-// --stop-after; bit-exact resume; HF model directory at the end.
+// --stop-after; bit-exact resume; HF model directory at the end. train() (train/trainer.cpp) keeps
+// the order of these events; the parts that do them and own their state are opened by
+// TrainSession (train/session.h).
 #pragma once
 #include <functional>
 #include <memory>
@@ -70,7 +72,8 @@ struct TrainOptions {
 
 TrainResult train(const Recipe& recipe, const TrainOptions& opts = {});
 
-// Mean next-token loss of `model` over the given samples of `ds`, in order, batched by B.
+// Mean next-token loss of `model` over the given samples of `ds`, in order, batched by B
+// (train/evaluator.cpp; also `lathe eval`).
 // Returns {loss, tokens}. With `docs`, the samples' documents are applied as in training (document
 // attention, restarted positions; targets masked after EOD are not counted). `forward` (optional)
 // runs the forward pass of b rows and returns their loss sum (a pipeline's stages); unset:
