@@ -48,7 +48,7 @@ RollbackResult restore_for_rollback(
     return st;
   }();
   model.refresh_compute_weights();  // the bf16/fp16 copies of the restored weights
-  // As a resume does (train/trainer.cpp): a checkpoint of a run without dynamic scaling keeps the
+  // As a resume does (train/session.cpp): a checkpoint of a run without dynamic scaling keeps the
   // current scale.
   optim::LossScalerState ls;
   ls.scale = c.loss_scale_dynamic ? c.loss_scale : scaler.scale();

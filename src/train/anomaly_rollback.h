@@ -1,6 +1,6 @@
 // The anomaly policy's actions (train/anomaly.h decides; AnomalyResponder acts: audit lines, stop,
 // rollback) and the I/O half of a rollback (find the checkpoint, restore the training state from
-// it). Used by train/trainer.cpp.
+// it). Used by train/session.cpp.
 #pragma once
 #include <cstdint>
 #include <functional>

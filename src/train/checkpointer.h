@@ -3,7 +3,7 @@
 // writes it (one process; data ranks sharing the moments; tensor/pipeline ranks gathering the whole
 // model for their replica's writer), the moments read back on a resume or rollback, and the HF
 // model directories (every output.save_every steps and at the end). Format and protocol:
-// train/checkpoint.h. Internal to src/train (train/trainer.cpp).
+// train/checkpoint.h. Internal to src/train (opened by train/session.cpp).
 #pragma once
 #include <cstdint>
 #include <string>

@@ -1,7 +1,7 @@
 // What steers a run from outside its recipe: SIGTERM/SIGINT (checkpoint at the next step boundary
 // and stop), --stop-after N (as a preemption would), and the --profile-steps window. Every rank
 // takes the same decision at the same step: a signal seen by any rank counts for all. Internal to
-// src/train (train/trainer.cpp).
+// src/train (opened by train/session.cpp).
 #pragma once
 #include <csignal>
 #include <cstdint>

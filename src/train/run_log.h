@@ -2,7 +2,7 @@
 // the layout, memory and plan lines), OUTPUT/metrics.jsonl (one record per step, validation, task
 // scores, checkpoints, the end of the run) and OUTPUT/anomalies.jsonl (the anomaly policy's audit
 // trail). Only rank 0 prints and writes these files: the one place that decides it is this class,
-// so no caller tests the rank before logging. Internal to src/train (train/trainer.cpp).
+// so no caller tests the rank before logging. Internal to src/train (opened by train/session.cpp).
 #pragma once
 #include <cstdint>
 #include <cstdio>
