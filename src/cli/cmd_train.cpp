@@ -6,6 +6,7 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <cstdlib>
 
 #include "cli/command.h"
 #include "config/recipe.h"
@@ -13,6 +14,34 @@
 #include "train/trainer.h"
 
 namespace {
+
+// The comma-separated step numbers of environment variable `name` ("3,5"; empty when unset).
+std::vector<int64_t> steps_from_env(const char* name) {
+  std::vector<int64_t> v;
+  for (const char* c = std::getenv(name); c && *c;) {
+    char* end = nullptr;
+    const long long x = std::strtoll(c, &end, 10);
+    if (end == c) break;
+    v.push_back(x);
+    c = *end == ',' ? end + 1 : end;
+  }
+  return v;
+}
+
+// The test hooks' faults (train/fault_plan.h), read here once so that the library never reads them.
+lathe::FaultPlan fault_plan_from_env() {
+  lathe::FaultPlan f;
+  f.nonfinite_steps = steps_from_env("LATHE_TEST_NONFINITE_STEPS");
+  f.loss_spike_steps = steps_from_env("LATHE_TEST_LOSS_SPIKE_STEPS");
+  if (const char* factor = std::getenv("LATHE_TEST_LOSS_SPIKE_FACTOR")) f.loss_spike_factor = std::atof(factor);
+  const char* stall_rank = std::getenv("LATHE_TEST_STALL_RANK");
+  const char* stall_step = std::getenv("LATHE_TEST_STALL_STEP");
+  if (stall_rank && stall_step) {
+    f.stall_rank = std::atoi(stall_rank);
+    f.stall_step = std::atoll(stall_step);
+  }
+  return f;
+}
 
 int run_train(int argc, char** argv) {
   CLI::App app{"Train a model from a YAML recipe", "lathe train"};
@@ -83,6 +112,7 @@ int run_train(int argc, char** argv) {
   opts.overwrite = overwrite;
   opts.stop_after_steps = stop_after;
   opts.handle_signals = true;
+  opts.faults = fault_plan_from_env();
   if (!profile.empty()) {
     long long a = 0, b = 0;
     char dash = 0;

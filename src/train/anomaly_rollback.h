@@ -1,8 +1,10 @@
-// The I/O half of the anomaly policy's rollback (train/anomaly.h decides when; this finds the
-// checkpoint and restores the training state from it). Used by train/trainer.cpp.
+// The anomaly policy's actions (train/anomaly.h decides; AnomalyResponder acts: audit lines, stop,
+// rollback) and the I/O half of a rollback (find the checkpoint, restore the training state from
+// it). Used by train/session.cpp.
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -13,6 +15,11 @@
 #include "parallel/sharded_optimizer.h"
 #include "train/anomaly.h"
 #include "train/checkpoint.h"
+#include "train/checkpointer.h"
+#include "train/device_step.h"
+#include "train/rank_model.h"
+#include "train/run_log.h"
+#include "train/train_step.h"
 
 namespace lathe {
 
@@ -45,5 +52,40 @@ RollbackResult restore_for_rollback(
 // Rank 0: checkpoints of run_dir newer than `step` belong to an abandoned timeline; they are
 // renamed to step_XXXXXXXX.abandoned-TIME so that --resume auto and keep_last ignore them.
 void move_checkpoints_after(const std::string& run_dir, int64_t step);
+
+// What the run does about the anomaly policy's verdict on a step: each detection and action is a
+// line in OUTPUT/anomalies.jsonl and the log; a stop ends the run with an error that says how to
+// go on; a rollback restores the newest healthy checkpoint (weights, this rank's moments, loss
+// scale, data position plus the samples skipped), trims metrics.jsonl and moves newer checkpoints
+// aside. Every rank acts alike (the loss and norm the policy sees are global).
+class AnomalyResponder {
+ public:
+  struct Parts {
+    const Recipe& r;
+    Topology& topo;
+    RankModel& rm;
+    parallel::ShardedOptimizer& opt;
+    DeviceOptimizer* dev;  // device: cuda: the restored state is uploaded
+    data::DataLoader& loader;
+    optim::LossScaler& scaler;
+    AnomalyPolicy& policy;
+    Checkpointer& ckpt;
+    int64_t epoch_samples;        // what the loader draws from (a blend: its one-pass plan)
+    int64_t G;                    // samples per step
+    std::vector<double>& losses;  // the run's per-step losses, cut back on a rollback
+    int64_t start_step;           // the step losses[0] follows
+    RunLog& log;
+  };
+  explicit AnomalyResponder(const Parts& p) : p_(p) {}
+  // After step `step` (0-based) with stats `st`: the step to continue from after a rollback (the
+  // healthy checkpoint's), else nothing.
+  std::optional<int64_t> act(int64_t step, const StepStats& st);
+
+ private:
+  std::optional<int64_t> roll_back(int64_t step, const StepStats& st, const std::string& at,
+                                   const nlohmann::json& base);
+
+  Parts p_;
+};
 
 }  // namespace lathe

@@ -7,7 +7,9 @@
 // lower the lr, roll back to a healthy checkpoint; OUTPUT/anomalies.jsonl) -- a log line and a
 // JSONL metrics record; periodic validation; full-state
 // checkpoints (checkpoint.h) every output.checkpoint_every steps, on SIGTERM/SIGINT and at
-// --stop-after; bit-exact resume; HF model directory at the end.
+// --stop-after; bit-exact resume; HF model directory at the end. train() (train/trainer.cpp) keeps
+// the order of these events; the parts that do them and own their state are opened by
+// TrainSession (train/session.h).
 #pragma once
 #include <functional>
 #include <memory>
@@ -20,6 +22,7 @@
 #include "dist/comm.h"
 #include "models/documents.h"
 #include "models/model.h"
+#include "train/fault_plan.h"
 
 namespace lathe {
 
@@ -62,11 +65,15 @@ struct TrainOptions {
   // --profile-steps A-B: record the steps A..B (1-based, inclusive) with the profiler and write
   // OUTPUT/trace/rankRRRRR.json (Chrome trace events). 0 = off.
   int64_t profile_first = 0, profile_last = 0;
+  // Faults tests inject (train/fault_plan.h); `lathe train` fills it from the LATHE_TEST_*
+  // environment variables. Empty: none.
+  FaultPlan faults;
 };
 
 TrainResult train(const Recipe& recipe, const TrainOptions& opts = {});
 
-// Mean next-token loss of `model` over the given samples of `ds`, in order, batched by B.
+// Mean next-token loss of `model` over the given samples of `ds`, in order, batched by B
+// (train/evaluator.cpp; also `lathe eval`).
 // Returns {loss, tokens}. With `docs`, the samples' documents are applied as in training (document
 // attention, restarted positions; targets masked after EOD are not counted). `forward` (optional)
 // runs the forward pass of b rows and returns their loss sum (a pipeline's stages); unset:
