@@ -1,5 +1,6 @@
-// safetensors reader (mmap) and writer. Format: shared/reference/safetensors.md —
-//   u64le N | N bytes JSON header (padded with spaces) | tensor bytes back to back.
+// safetensors reader (mmap) and writer (plain, or aligned for checkpoints' O_DIRECT writes). Format:
+// shared/reference/safetensors.md — u64le N | N bytes JSON header (padded with spaces) | tensor
+// bytes back to back.
 // The reader enforces every check of the reference Rust reader (header bounds, duplicate keys,
 // contiguous non-overlapping offsets covering the whole buffer, nbytes == numel * dtype size) and
 // names the file and the tensor in every error.

@@ -1,3 +1,8 @@
+// Checkpoint format and save protocol (checkpoint.h): the data files' tensors and state.json
+// tables, loading parameters and moments back (whole tensors or flat pieces of any number of
+// shards), and the crash-safe save (tmp dir, fsync, rename, `latest`). Around it: the writers in
+// io/safetensors.h (aligned mode) and io/direct_writer.h, state.json in checkpoint_state.cpp, the
+// checkpoints/ directory (names, listing, leftovers, keep_last) in checkpoint_dir.cpp.
 #include "train/checkpoint.h"
 
 #include <fmt/format.h>
@@ -15,8 +20,8 @@
 #include <thread>
 
 #include "core/error.h"
-#include "io/fs.h"
 #include "io/direct_writer.h"
+#include "io/fs.h"
 #include "io/safetensors.h"
 #include "train/checkpoint_dir.h"
 #include "train/checkpoint_format.h"
@@ -31,6 +36,7 @@ using json = nlohmann::json;
 namespace {
 
 using namespace ckpt_format;
+
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -58,7 +64,7 @@ json file_entry(const io::WrittenFile& f) { return {{"bytes", f.bytes}, {"xxh64"
 // A data file (fp32 safetensors, io's aligned mode: Addresses for a run's zero-copy O_DIRECT
 // writes, Canonical for offline writers) written in one pass with its checksum. Returns {state.json
 // "files" entry, "tensors" entries}; the alignment pads are not listed.
-std::pair<json, json> write_st(const std::string& path, const std::vector<StTensor>& ts, io::StAlign align) {
+std::pair<json, json> write_data_file(const std::string& path, const std::vector<StTensor>& ts, io::StAlign align) {
   std::vector<io::StWriteEntry> entries;
   json tensors = json::array();
   for (const StTensor& t : ts) {
@@ -296,15 +302,15 @@ void save_checkpoint_impl(const std::string& run_dir, const Model& model, const 
   if (rank == 0) {
     for (const ParamSpec& s : model.params().specs())
       model_ts.push_back({s.name, s.shape, model.param_data() + s.offset});
-    model_job = std::async(std::launch::async,
-                           [&] { return write_st((tmp / kModelFile).string(), model_ts, align); });
+    model_job =
+        std::async(std::launch::async, [&] { return write_data_file((tmp / kModelFile).string(), model_ts, align); });
   }
   if (offline) {
     const int64_t n = static_cast<int64_t>(offline->parts.size());
     for (int64_t r = 0; r < n; ++r) {
       const std::string file = offline->shard_files ? optim_shard_file(r, n) : std::string(kOptimFile);
       auto [f, t] =
-          write_st((tmp / file).string(), moment_tensors(model, offline->parts[static_cast<size_t>(r)]), align);
+          write_data_file((tmp / file).string(), moment_tensors(model, offline->parts[static_cast<size_t>(r)]), align);
       files[file] = f;
       tensors[file] = t;
     }
@@ -313,7 +319,7 @@ void save_checkpoint_impl(const std::string& run_dir, const Model& model, const 
   json mine = json::object();
   if (moments) {
     const std::string file = group ? optim_shard_file(rank, world) : std::string(kOptimFile);
-    auto [f, t] = write_st((tmp / file).string(), moment_tensors(model, *moments), align);
+    auto [f, t] = write_data_file((tmp / file).string(), moment_tensors(model, *moments), align);
     mine = {{"file", file}, {"entry", f}, {"tensors", t}};
   }
   if (group) {
@@ -452,8 +458,8 @@ CheckpointState load_checkpoint(const std::string& ckpt_dir, Model& model, optim
     std::set<std::string> used;
     load_flat(f, model, "", model.param_data(), &used);
     for (const auto& t : f.tensors())
-      LATHE_CHECK(used.count(t.name) || io::is_st_pad(t.name), "{}: unexpected tensor '{}' (not a parameter of this model)",
-                  mpath, t.name);
+      LATHE_CHECK(used.count(t.name) || io::is_st_pad(t.name),
+                  "{}: unexpected tensor '{}' (not a parameter of this model)", mpath, t.name);
     model.upload_params();  // a device-resident model computes from its backend copy (no-op on the CPU)
   }
   if (opt) {

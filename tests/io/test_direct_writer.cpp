@@ -2,8 +2,6 @@
 // and XXH64, whichever path each piece takes (staged through the aligned buffers, written straight
 // from the caller's memory when address and file offset share their page offset, the padded tail),
 // on a disk filesystem (O_DIRECT) and on /dev/shm (tmpfs refuses O_DIRECT: the buffered fallback).
-#include "io/direct_writer.h"
-
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -14,6 +12,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "io/direct_writer.h"
 #include "io/fs.h"
 #include "io/xxh64.h"
 
@@ -48,11 +47,16 @@ struct Source {
 TEST(DirectWriter, HashAndBytesMatchAtOddSizes) {
   Source src(48u << 20);
   // {source offset, length}. The file position after the pieces before is their length sum.
-  const std::pair<size_t, size_t> pieces[] = {
-      {0, 1},          {1, 4095},           {4096, 4097}, {8193, 3}, {8196, (2u << 20) + 17},  // zero-copy
-      {100, 7},        {(2u << 20) + 133, (17u << 20) + 4096 * 3 + 5},                         // staged
-      {0, 0},          {5, (3u << 20) + 1},                                                   // staged
-      {(25u << 20) + 4096 - 1, (20u << 20) + 12345}};
+  const std::pair<size_t, size_t> pieces[] = {{0, 1},
+                                              {1, 4095},
+                                              {4096, 4097},
+                                              {8193, 3},
+                                              {8196, (2u << 20) + 17},  // zero-copy
+                                              {100, 7},
+                                              {(2u << 20) + 133, (17u << 20) + 4096 * 3 + 5},  // staged
+                                              {0, 0},
+                                              {5, (3u << 20) + 1},  // staged
+                                              {(25u << 20) + 4096 - 1, (20u << 20) + 12345}};
   for (const std::string& dir : roots()) {
     const std::string path = dir + "/odd.bin";
     std::string expect;

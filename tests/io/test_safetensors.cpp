@@ -1,14 +1,15 @@
 // safetensors reader/writer: round trips, byte layout against the spec's worked example, and every
 // malformed-file class the reference reader rejects. The StPyBridge tests exchange files with the
 // independent numpy implementation in test_safetensors_py.py (they skip unless it drives them).
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -376,8 +377,8 @@ TEST(SafetensorsAligned, AddressesPadsAndOffsets) {
   float* arena = static_cast<float*>(std::aligned_alloc(4096, arena_floats * 4));
   for (size_t i = 0; i < arena_floats; ++i) arena[i] = static_cast<float>(i) * 0.5f - 7.0f;
   for (size_t shift : {size_t{0}, size_t{24}, size_t{1000}}) {
-    float* x = arena + shift;  // 8-aligned addresses, as every float buffer lathe allocates
-    float* y = x + 77;         // follows x: no pad
+    float* x = arena + shift;              // 8-aligned addresses, as every float buffer lathe allocates
+    float* y = x + 77;                     // follows x: no pad
     float* z = arena + 20000 + shift / 2;  // not after y: a pad unless it happens to line up
     const std::vector<StWriteEntry> ts = {
         {"x", DType::F32, {7, 11}, x}, {"y", DType::F32, {5}, y}, {"z", DType::F32, {3, 3}, z}};
@@ -419,11 +420,45 @@ TEST(SafetensorsAligned, AddressesPadsAndOffsets) {
 TEST(SafetensorsAligned, RejectsBadInput) {
   float v = 1;
   const std::string path = tmpdir() + "/bad_aligned.safetensors";
-  EXPECT_THROW(write_safetensors_aligned(path, {{"a", DType::F32, {1}, &v}, {"a", DType::F32, {1}, &v}},
-                                         StAlign::Canonical),
-               Error);
+  EXPECT_THROW(
+      write_safetensors_aligned(path, {{"a", DType::F32, {1}, &v}, {"a", DType::F32, {1}, &v}}, StAlign::Canonical),
+      Error);
   EXPECT_THROW(write_safetensors_aligned(path, {{"a", DType::F32, {-1}, &v}}, StAlign::Addresses), Error);
   EXPECT_FALSE(fs::exists(path));
+}
+
+// The one read loop (read_file and the checkpoint checksum): pieces of at most `chunk` bytes, in
+// order, all of them; the fd is closed afterwards.
+TEST(Fs, ReadToEndInChunks) {
+  std::string text;
+  for (int i = 0; i < 5000; ++i) text += static_cast<char>('a' + i % 26);
+  const std::string p = tmpdir() + "/chunks.txt";
+  atomic_write_file(p, text);
+  size_t size = 0;
+  const int fd = open_input(p, &size);
+  std::string back;
+  size_t calls = 0;
+  const size_t n = read_to_end(fd, p, 999, [&](const char* b, size_t m) {
+    EXPECT_LE(m, 999u);
+    back.append(b, m);
+    ++calls;
+  });
+  EXPECT_EQ(n, text.size());
+  EXPECT_EQ(size, text.size());
+  EXPECT_EQ(back, text);
+  EXPECT_GE(calls, 6u);
+  EXPECT_EQ(::fcntl(fd, F_GETFD), -1);  // closed
+  EXPECT_EQ(read_file(p), text);
+}
+
+// entry_present: anything at the path counts, a dangling symlink too; nothing there does not.
+TEST(Fs, EntryPresent) {
+  const std::string link = tmpdir() + "/dangling", none = tmpdir() + "/nothing_here";
+  fs::remove(link);
+  fs::create_symlink(tmpdir() + "/no_target", link);
+  EXPECT_TRUE(entry_present(link));
+  EXPECT_TRUE(entry_present(tmpdir()));
+  EXPECT_FALSE(entry_present(none));
 }
 
 TEST(StPyBridge, WriteForPython) {
