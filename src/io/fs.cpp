@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <vector>
 
 #include "core/error.h"
 #include "core/stop_signal.h"
@@ -85,24 +86,38 @@ int open_input(const std::string& path, size_t* size) {
 
 void require_regular_file(const std::string& path) { ::close(open_input(path)); }
 
+bool entry_present(const std::string& path) {
+  struct stat sb;
+  return ::lstat(path.c_str(), &sb) == 0 || errno != ENOENT;
+}
+
+size_t read_to_end(int fd, const std::string& path, size_t chunk,
+                   const std::function<void(const char*, size_t)>& on_chunk) {
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  std::vector<char> buf(chunk);
+  size_t total = 0;
+  for (;;) {
+    ssize_t r = ::read(fd, buf.data(), buf.size());
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      throw_error("{}: read failed: {}", path, errno_str());
+    }
+    if (r == 0) break;
+    on_chunk(buf.data(), static_cast<size_t>(r));
+    total += static_cast<size_t>(r);
+  }
+  return total;
+}
+
 std::string read_file(const std::string& path) {
   size_t size = 0;
   int fd = open_input(path, &size);
   std::string out;
   out.reserve(size);
-  char buf[1 << 16];
-  for (;;) {
-    ssize_t r = ::read(fd, buf, sizeof(buf));
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      int err = errno;
-      ::close(fd);
-      throw_error("{}: read failed: {}", path, std::strerror(err));
-    }
-    if (r == 0) break;
-    out.append(buf, static_cast<size_t>(r));
-  }
-  ::close(fd);
+  read_to_end(fd, path, size_t{1} << 16, [&](const char* p, size_t n) { out.append(p, n); });
   return out;
 }
 

@@ -3,6 +3,7 @@
 // leaves either the old file or the new one, never a torn one.
 #pragma once
 #include <cstddef>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -15,6 +16,13 @@ void atomic_write_file(const std::string& path, std::string_view contents);
 void fsync_dir(const std::string& dir);
 // Whole file as bytes (only a regular file, see open_input). Errors name the path.
 std::string read_file(const std::string& path);
+// Reads `fd` (from open_input) to its end in pieces of at most `chunk` bytes, handing each to
+// on_chunk, and closes it (also when an error unwinds). Returns the byte count. Errors name `path`.
+size_t read_to_end(int fd, const std::string& path, size_t chunk,
+                   const std::function<void(const char*, size_t)>& on_chunk);
+// True when anything (even a broken or looping symlink) is at `path`, or when that cannot be told
+// (any lstat error but ENOENT): "missing" messages are only given when nothing is there.
+bool entry_present(const std::string& path);
 // Opens an input file read-only and returns the fd (O_CLOEXEC, blocking). Only a regular file is
 // accepted: a FIFO (which would block forever), a directory, a device or a socket is refused with
 // its kind named; a symlink loop, a missing file or a permission problem names the path. `size`

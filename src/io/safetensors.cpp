@@ -5,11 +5,13 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <set>
 
 #include "core/error.h"
+#include "io/direct_writer.h"
 #include "io/fs.h"
 #include "io/json.h"
 
@@ -317,9 +319,11 @@ struct PlannedTensor {
   size_t nbytes;
 };
 
-// Header JSON text (padded) for tensors laid out back to back in the given order.
+// Header JSON text for tensors laid out back to back in the given order, padded with spaces until
+// the data section (file offset 8 + N) is congruent to `residue` modulo `align` (align 8, residue
+// 0: N a multiple of 8).
 std::string build_header(const std::string& path, const std::vector<PlannedTensor>& ts,
-                         const std::map<std::string, std::string>& metadata) {
+                         const std::map<std::string, std::string>& metadata, size_t align = 8, size_t residue = 0) {
   std::set<std::string> seen;
   std::string h = "{";
   std::map<std::string, std::string> meta = metadata;
@@ -352,12 +356,13 @@ std::string build_header(const std::string& path, const std::vector<PlannedTenso
     off += t.nbytes;
   }
   h += "}";
-  while (h.size() % 8 != 0) h += ' ';
+  while ((8 + h.size()) % align != residue) h += ' ';  // every residue is reached within `align` spaces
   LATHE_CHECK(h.size() <= kMaxHeader, "{}: header of {} bytes exceeds the 100 MB format limit", path, h.size());
   return h;
 }
 
-void write_prefix(AtomicFileWriter& w, const std::string& header) {
+template <class Writer>
+void write_prefix(Writer& w, const std::string& header) {
   uint64_t n = header.size();
   unsigned char len[8];
   for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
@@ -365,22 +370,60 @@ void write_prefix(AtomicFileWriter& w, const std::string& header) {
   w.write(header.data(), header.size());
 }
 
-}  // namespace
-
-void write_safetensors(const std::string& path, const std::vector<StWriteEntry>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+std::vector<PlannedTensor> plan_entries(const std::string& path, const std::vector<StWriteEntry>& tensors) {
   std::vector<PlannedTensor> plan;
   for (const auto& t : tensors) {
     size_t nb = static_cast<size_t>(numel(t.shape)) * dtype_size(t.dtype);
     LATHE_CHECK(t.data != nullptr || nb == 0, "{}: tensor '{}': null data", path, t.name);
     plan.push_back({t.name, t.dtype, t.shape, nb});
   }
+  return plan;
+}
+
+}  // namespace
+
+void write_safetensors(const std::string& path, const std::vector<StWriteEntry>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  const std::vector<PlannedTensor> plan = plan_entries(path, tensors);
   std::string header = build_header(path, plan, metadata);
   AtomicFileWriter w(path);
   write_prefix(w, header);
   for (size_t i = 0; i < tensors.size(); ++i)
     if (plan[i].nbytes) w.write(tensors[i].data, plan[i].nbytes);
   w.commit();
+}
+
+WrittenFile write_safetensors_aligned(const std::string& path, const std::vector<StWriteEntry>& tensors, StAlign align,
+                                      const std::map<std::string, std::string>& metadata) {
+  constexpr size_t A = DirectWriter::kAlign;
+  const std::vector<PlannedTensor> given = plan_entries(path, tensors);
+  const bool follow = align == StAlign::Addresses;
+  // With pads: the planned tensors and their sources in file order.
+  std::vector<PlannedTensor> plan;
+  std::vector<const void*> src;
+  static const std::vector<char> zeros(A, 0);
+  const uintptr_t first = tensors.empty() || !follow ? 0 : reinterpret_cast<uintptr_t>(tensors[0].data);
+  size_t off = 0;  // data-section offset
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    if (follow && i > 0 && t.data != static_cast<const char*>(tensors[i - 1].data) + given[i - 1].nbytes) {
+      // Want (data_start + off) % A == addr % A with data_start % A == first % A.
+      const size_t pad = (reinterpret_cast<uintptr_t>(t.data) - first - off) % A;
+      if (pad) {
+        plan.push_back({std::string(kStPadPrefix) + t.name, DType::U8, Shape{static_cast<int64_t>(pad)}, pad});
+        src.push_back(zeros.data());
+        off += pad;
+      }
+    }
+    plan.push_back(given[i]);
+    src.push_back(t.data);
+    off += given[i].nbytes;
+  }
+  const std::string header = build_header(path, plan, metadata, A, first % A);
+  DirectWriter w(path);
+  write_prefix(w, header);
+  for (size_t i = 0; i < plan.size(); ++i) w.write(src[i], plan[i].nbytes);
+  return w.commit();
 }
 
 void write_safetensors_f32(const std::string& path, const std::vector<StWriteF32>& tensors, DType out_dtype,

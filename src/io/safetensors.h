@@ -1,5 +1,6 @@
-// safetensors reader (mmap) and writer. Format: shared/reference/safetensors.md —
-//   u64le N | N bytes JSON header (padded with spaces) | tensor bytes back to back.
+// safetensors reader (mmap) and writer (plain, or aligned for checkpoints' O_DIRECT writes). Format:
+// shared/reference/safetensors.md — u64le N | N bytes JSON header (padded with spaces) | tensor
+// bytes back to back.
 // The reader enforces every check of the reference Rust reader (header bounds, duplicate keys,
 // contiguous non-overlapping offsets covering the whole buffer, nbytes == numel * dtype size) and
 // names the file and the tensor in every error.
@@ -14,6 +15,7 @@
 
 #include "core/dtype.h"
 #include "core/tensor.h"
+#include "io/direct_writer.h"
 
 namespace lathe::io {
 
@@ -78,6 +80,26 @@ struct StWriteEntry {
 // "__metadata__" and negative dims are errors.
 void write_safetensors(const std::string& path, const std::vector<StWriteEntry>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
+
+// Aligned mode, for checkpoint data files (train/checkpoint.cpp): the same format and header, but
+// written in place through io::DirectWriter (O_DIRECT, XXH64 on the way; the caller's directory
+// rename is the atomic step, an unwound writer removes the file), returning the file's size and
+// checksum. The JSON header is padded with spaces (its length stays a multiple of 8 when the first
+// address is 8-aligned) so that the data section starts where the mode wants it:
+//   Canonical  at a multiple of 4096, tensors back to back: the bytes depend on the tensors only
+//              (offline writers, train/reshard.h).
+//   Addresses  at a file offset congruent to the first tensor's address modulo 4096; where a tensor
+//              does not follow the previous one in memory (exp_avg -> exp_avg_sq), a U8 tensor
+//              "__lathe_pad__/<next name>" of < 4096 zero bytes restores that congruence, so that
+//              DirectWriter writes large stretches straight from the caller's memory (zero-copy).
+//              The bytes then depend on buffer addresses; the tensors do not. Readers of such files
+//              skip the pads (is_st_pad).
+// The checks of write_safetensors apply; a pad's name counts as a tensor name.
+enum class StAlign { Canonical, Addresses };
+inline constexpr std::string_view kStPadPrefix = "__lathe_pad__/";
+inline bool is_st_pad(std::string_view name) { return name.substr(0, kStPadPrefix.size()) == kStPadPrefix; }
+WrittenFile write_safetensors_aligned(const std::string& path, const std::vector<StWriteEntry>& tensors, StAlign align,
+                                      const std::map<std::string, std::string>& metadata = {});
 
 // fp32 sources converted on the fly to out_dtype (F32, BF16 round-to-nearest-even, or F16).
 struct StWriteF32 {

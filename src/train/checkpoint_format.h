@@ -1,10 +1,16 @@
 // Names and constants of the checkpoint format (checkpoint.h describes the layout), shared by the
-// writer (checkpoint.cpp) and the state.json reader (checkpoint_state.cpp). Internal to src/train.
+// writer (checkpoint.cpp), the state.json reader and writer (checkpoint_state.cpp) and the
+// resharder (reshard.cpp). Internal to src/train.
 #pragma once
 #include <fmt/format.h>
 
 #include <cstdint>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
+
+namespace lathe {
+struct CheckpointState;
+}
 
 namespace lathe::ckpt_format {
 
@@ -42,5 +48,21 @@ inline bool is_optim_file(const std::string& name) {
   int64_t r, w;
   return name == kOptimFile || parse_optim_shard_file(name, &r, &w);
 }
+
+// ---- checkpoint_state.cpp: state.json and the files it lists ----
+
+// DIR/state.json.
+std::string state_path(const std::string& dir);
+// Throws unless `dir` is a directory (naming it and what a checkpoint directory looks like).
+void require_checkpoint_dir(const std::string& dir);
+// DIR/state.json parsed and validated field by field (parse_checkpoint_state); missing -> error.
+CheckpointState read_state(const std::string& dir);
+// Every file `cs` lists exists in `dir` with the recorded size and XXH64.
+void verify_files(const std::string& dir, const CheckpointState& cs);
+// The text of state.json for `st` (checkpoint_state.cpp, beside its reader): {"body": ...,
+// "body_xxh64": ...} and a newline. optimizer: the optimizer's name, "" when no moments were saved;
+// world_size: the number of writer ranks; files and tensors: the tables the save computed.
+std::string state_json_text(const CheckpointState& st, const std::string& optimizer, int64_t world_size,
+                            const nlohmann::json& files, const nlohmann::json& tensors);
 
 }  // namespace lathe::ckpt_format

@@ -1,21 +1,26 @@
-// state.json reader: the text of an untrusted file -> CheckpointState, every field checked by type
-// and range and named in the error ("state.json: field 'tensors.model.safetensors[3].slice' must
-// be ..."), so no nlohmann type error, no recursion on a hostile value, no out-of-range integer
-// reaches the trainer. See parse_checkpoint_state in checkpoint.h for the order of the checks.
+// state.json, the checkpoint's table of contents: the reader (the text of an untrusted file ->
+// CheckpointState, every field checked by type and range and named in the error ("state.json: field
+// 'tensors.model.safetensors[3].slice' must be ..."), so no nlohmann type error, no recursion on a
+// hostile value, no out-of-range integer reaches the trainer; see parse_checkpoint_state in
+// checkpoint.h for the order of the checks), the writer (state_json_text), and the verification of
+// the files it lists (sizes and XXH64).
 #include <fmt/format.h>
 
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <limits>
 #include <set>
 
 #include "core/error.h"
+#include "io/fs.h"
 #include "io/json.h"
 #include "train/checkpoint.h"
 #include "train/checkpoint_format.h"
 
 namespace lathe {
 
+namespace fs = std::filesystem;
 using json = nlohmann::json;
 using namespace ckpt_format;
 
@@ -335,6 +340,98 @@ CheckpointState parse_checkpoint_state(std::string_view text, const std::string&
   st.files = read_files(f, body, st.world_size);
   st.tensors = read_tensors(f, body, st.files);
   return st;
+}
+
+std::string ckpt_format::state_json_text(const CheckpointState& st, const std::string& optimizer, int64_t world_size,
+                                         const json& files, const json& tensors) {
+  json loader = {{"epoch", st.loader.epoch}, {"position", st.loader.position}};
+  if (!st.blend_taken.empty()) loader["blend"] = {{"taken", st.blend_taken}, {"plan_xxh64", st.blend_plan_xxh64}};
+  json body = {{"format", kFormat},
+               {"format_version", kFormatVersion},
+               {"lathe_version", st.lathe_version.empty() ? std::string(LATHE_VERSION) : st.lathe_version},
+               {"step", st.step},
+               {"consumed_samples", st.consumed_samples},
+               {"loader", loader},
+               {"rng", st.rng},
+               {"loss_scale", st.loss_scale},
+               {"loss_scale_dynamic", st.loss_scale_dynamic},
+               {"loss_scale_good_steps", st.loss_scale_good_steps},
+               {"skipped_steps", st.skipped_steps},
+               {"consecutive_skipped_steps", st.consecutive_skipped_steps},
+               {"lr", st.lr},
+               {"threads", st.threads},
+               {"optimizer", optimizer},
+               {"recipe", st.recipe},
+               {"world", {{"world_size", world_size}, {"rank", 0}}},
+               {"files", files},
+               {"tensors", tensors}};
+  if (st.has_health) {  // non-finite values are null (JSON has no NaN)
+    auto fin = [](double x) { return std::isfinite(x) ? json(x) : json(nullptr); };
+    body["health"] = {{"loss", fin(st.health.loss)},
+                      {"grad_norm", fin(st.health.grad_norm)},
+                      {"anomalies", st.health.anomalies},
+                      {"healthy", st.health.healthy}};
+  }
+  if (st.has_anomaly) body["anomaly"] = anomaly_state_to_json(st.anomaly);
+  const std::string text = body.dump();
+  json doc = {{"body", body}, {"body_xxh64", hex64(Xxh64::hash(text.data(), text.size()))}};
+  return doc.dump() + "\n";
+}
+
+// ---- reading a checkpoint directory's state.json and verifying the files it lists ----------
+
+std::string ckpt_format::state_path(const std::string& dir) { return (fs::path(dir) / kStateFile).string(); }
+
+namespace {
+constexpr size_t kChunk = 8u << 20;  // read size when verifying
+
+uint64_t hash_file(const std::string& path, size_t* size) {
+  Xxh64 h;
+  *size = io::read_to_end(io::open_input(path), path, kChunk, [&](const char* p, size_t n) { h.update(p, n); });
+  return h.digest();
+}
+
+}  // namespace
+
+void ckpt_format::require_checkpoint_dir(const std::string& dir) {
+  std::error_code ec;
+  const bool is_dir = fs::is_directory(dir, ec);
+  if (ec && ec != std::errc::no_such_file_or_directory)
+    throw_error("{}: cannot read the checkpoint directory: {}", dir, ec.message());
+  LATHE_CHECK(is_dir,
+              "{}: not a directory (expected a checkpoint directory such as "
+              "RUN_DIR/checkpoints/step_00000100)",
+              dir);
+}
+
+CheckpointState ckpt_format::read_state(const std::string& dir) {
+  const std::string path = state_path(dir);
+  LATHE_CHECK(io::entry_present(path), "{}: missing (not a complete lathe checkpoint directory)", path);
+  return parse_checkpoint_state(io::read_file(path), path);
+}
+
+void ckpt_format::verify_files(const std::string& dir, const CheckpointState& cs) {
+  const std::string sp = state_path(dir);
+  for (const CheckpointFile& cf : cs.files) {
+    const std::string path = (fs::path(dir) / cf.name).string();
+    LATHE_CHECK(io::entry_present(path), "{}: missing (listed in {}; the checkpoint is incomplete)", path, sp);
+    size_t size = 0;
+    const std::string got = hex64(hash_file(path, &size));
+    LATHE_CHECK(size == static_cast<size_t>(cf.bytes), "{}: corrupt or truncated: {} bytes, {} records {}", path, size,
+                sp, cf.bytes);
+    LATHE_CHECK(got == cf.xxh64, "{}: corrupt: checksum mismatch (recorded xxh64 {}, computed {})", path, cf.xxh64,
+                got);
+  }
+}
+
+CheckpointState read_checkpoint_state(const std::string& ckpt_dir) {
+  require_checkpoint_dir(ckpt_dir);
+  return read_state(ckpt_dir);
+}
+
+void verify_checkpoint(const std::string& ckpt_dir) {
+  require_checkpoint_dir(ckpt_dir);
+  verify_files(ckpt_dir, read_state(ckpt_dir));
 }
 
 }  // namespace lathe

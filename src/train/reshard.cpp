@@ -17,6 +17,7 @@
 #include "parallel/flat_shards.h"
 #include "parallel/pipeline_schedule.h"
 #include "parallel/tensor_parallel.h"
+#include "train/checkpoint_dir.h"
 #include "train/checkpoint_format.h"
 
 namespace lathe {
@@ -26,10 +27,6 @@ using json = nlohmann::json;
 using namespace ckpt_format;
 
 namespace {
-
-constexpr const char* kPadPrefix = "__lathe_pad__/";  // alignment pads of checkpoint.cpp's writer
-
-std::string state_path(const std::string& dir) { return (fs::path(dir) / kStateFile).string(); }
 
 int64_t parallel_field(const json& recipe, const char* key, int64_t dflt) {
   if (!recipe.is_object() || !recipe.contains("parallel") || !recipe["parallel"].is_object()) return dflt;
@@ -145,7 +142,7 @@ CheckpointPieces::CheckpointPieces(const std::string& ckpt_dir) : dir_(ckpt_dir)
       }
     }
     for (const auto& t : f.tensors())
-      LATHE_CHECK(listed.count(t.name) || t.name.rfind(kPadPrefix, 0) == 0,
+      LATHE_CHECK(listed.count(t.name) || io::is_st_pad(t.name),
                   "{}: field 'tensors.{}' does not list tensor '{}' of the file (the table and the file disagree)", sp,
                   file, t.name);
   }
@@ -309,7 +306,7 @@ ReshardResult reshard_checkpoint(const std::string& src, const std::string& dst_
   ReshardResult res;
   res.from = checkpoint_layout(st);
   res.to = to;
-  const fs::path out = fs::path(dst_run_dir) / "checkpoints" / fmt::format("step_{:08d}", st.step);
+  const fs::path out = fs::path(dst_run_dir) / "checkpoints" / ckpt_dir::step_name(st.step);
   // The output run directory: not empty (that is the current directory), not inside the source
   // checkpoint (S11), and the checkpoint it gets is not the source itself.
   io::check_output_paths({{src, "the source checkpoint", io::PathUse::Dir}}, {{dst_run_dir, "--to", io::PathUse::Dir}});

@@ -1,12 +1,15 @@
 // safetensors reader/writer: round trips, byte layout against the spec's worked example, and every
 // malformed-file class the reference reader rejects. The StPyBridge tests exchange files with the
 // independent numpy implementation in test_safetensors_py.py (they skip unless it drives them).
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -14,6 +17,7 @@
 #include "core/error.h"
 #include "io/fs.h"
 #include "io/safetensors.h"
+#include "io/xxh64.h"
 
 using namespace lathe;
 using namespace lathe::io;
@@ -334,6 +338,128 @@ TEST(Fs, AtomicWriteAndRead) {
 
 // ---- Cross-check with the independent numpy implementation (test_safetensors_py.py) ----
 // Values: pattern() above; python recomputes them (exact in fp32).
+
+// Aligned mode, Canonical: the same header as write_safetensors up to the padding, the data
+// section at a 4096 multiple, no pads; the reader loads it and the reported size and XXH64 are
+// those of the file.
+TEST(SafetensorsAligned, CanonicalHeaderAndReader) {
+  std::vector<float> a = pattern(1000, 1.0f), b = pattern(333, 2.0f);
+  const std::vector<StWriteEntry> ts = {{"a", DType::F32, {10, 100}, a.data()}, {"b", DType::F32, {333}, b.data()}};
+  const std::map<std::string, std::string> meta = {{"lathe_layout", "lathe"}};
+  const std::string plain = tmpdir() + "/plain.safetensors", aligned = tmpdir() + "/canonical.safetensors";
+  write_safetensors(plain, ts, meta);
+  const WrittenFile w = write_safetensors_aligned(aligned, ts, StAlign::Canonical, meta);
+  const std::string pb = bytes_of(plain), ab = bytes_of(aligned);
+  EXPECT_EQ(w.bytes, ab.size());
+  EXPECT_EQ(w.xxh64, Xxh64::hash(ab.data(), ab.size()));
+  SafetensorsFile f(aligned), g(plain);
+  EXPECT_EQ((8 + f.header_size()) % 4096, 0u);
+  EXPECT_EQ(f.header_size() % 8, 0u);
+  // Same JSON text (the plain one padded to 8 only), same data section.
+  auto trim = [](std::string h) { return h.substr(0, h.find_last_not_of(' ') + 1); };
+  EXPECT_EQ(trim(ab.substr(8, f.header_size())), trim(pb.substr(8, g.header_size())));
+  EXPECT_EQ(ab.substr(8 + f.header_size()), pb.substr(8 + g.header_size()));
+  ASSERT_EQ(f.tensors().size(), 2u);
+  std::vector<float> out(1000);
+  f.read_f32(*f.find("a"), out.data());
+  EXPECT_EQ(out, a);
+  EXPECT_EQ(f.metadata().at("lathe_layout"), "lathe");
+  EXPECT_EQ(f.metadata().at("format"), "pt");
+}
+
+// Aligned mode, Addresses: the data section starts congruent to the first tensor's address mod
+// 4096, a U8 pad tensor "__lathe_pad__/<next>" of < 4096 zero bytes restores the congruence where
+// a tensor does not follow the previous one in memory, every real tensor then sits at a file
+// offset congruent to its address, and the reader loads the values.
+TEST(SafetensorsAligned, AddressesPadsAndOffsets) {
+  // One page-aligned arena; tensors at chosen addresses: x and y back to back, z elsewhere.
+  const size_t arena_floats = 1 << 16;
+  float* arena = static_cast<float*>(std::aligned_alloc(4096, arena_floats * 4));
+  for (size_t i = 0; i < arena_floats; ++i) arena[i] = static_cast<float>(i) * 0.5f - 7.0f;
+  for (size_t shift : {size_t{0}, size_t{24}, size_t{1000}}) {
+    float* x = arena + shift;              // 8-aligned addresses, as every float buffer lathe allocates
+    float* y = x + 77;                     // follows x: no pad
+    float* z = arena + 20000 + shift / 2;  // not after y: a pad unless it happens to line up
+    const std::vector<StWriteEntry> ts = {
+        {"x", DType::F32, {7, 11}, x}, {"y", DType::F32, {5}, y}, {"z", DType::F32, {3, 3}, z}};
+    const std::string path = tmpdir() + "/addresses.safetensors";
+    const WrittenFile w = write_safetensors_aligned(path, ts, StAlign::Addresses, {{"lathe_layout", "lathe"}});
+    const std::string bytes = bytes_of(path);
+    EXPECT_EQ(w.bytes, bytes.size());
+    EXPECT_EQ(w.xxh64, Xxh64::hash(bytes.data(), bytes.size()));
+    SafetensorsFile f(path);
+    const size_t data_start = 8 + f.header_size();
+    EXPECT_EQ(f.header_size() % 8, 0u);
+    EXPECT_EQ(data_start % 4096, reinterpret_cast<uintptr_t>(x) % 4096);
+    const size_t gap = (reinterpret_cast<uintptr_t>(z) - reinterpret_cast<uintptr_t>(y + 5)) % 4096;
+    ASSERT_EQ(f.tensors().size(), gap ? 4u : 3u) << shift;
+    for (const StWriteEntry& t : ts) {
+      const StTensorInfo* info = f.find(t.name);
+      ASSERT_NE(info, nullptr);
+      EXPECT_EQ((data_start + info->data_offset) % 4096, reinterpret_cast<uintptr_t>(t.data) % 4096) << t.name;
+      std::vector<float> out(static_cast<size_t>(numel(t.shape)));
+      f.read_f32(*info, out.data());
+      EXPECT_EQ(0, std::memcmp(out.data(), t.data, out.size() * 4)) << t.name;
+      EXPECT_FALSE(is_st_pad(t.name));
+    }
+    if (gap) {
+      const StTensorInfo* pad = f.find("__lathe_pad__/z");
+      ASSERT_NE(pad, nullptr);
+      EXPECT_TRUE(is_st_pad(pad->name));
+      EXPECT_EQ(pad->dtype_code, "U8");
+      EXPECT_LT(pad->nbytes, 4096u);
+      EXPECT_EQ(pad->data_offset, f.find("y")->data_offset + 20);  // between y and z
+      const char* p = static_cast<const char*>(f.data(*pad));
+      EXPECT_TRUE(std::all_of(p, p + pad->nbytes, [](char c) { return c == 0; }));
+    }
+  }
+  std::free(arena);
+}
+
+// The checks of write_safetensors hold in aligned mode too.
+TEST(SafetensorsAligned, RejectsBadInput) {
+  float v = 1;
+  const std::string path = tmpdir() + "/bad_aligned.safetensors";
+  EXPECT_THROW(
+      write_safetensors_aligned(path, {{"a", DType::F32, {1}, &v}, {"a", DType::F32, {1}, &v}}, StAlign::Canonical),
+      Error);
+  EXPECT_THROW(write_safetensors_aligned(path, {{"a", DType::F32, {-1}, &v}}, StAlign::Addresses), Error);
+  EXPECT_FALSE(fs::exists(path));
+}
+
+// The one read loop (read_file and the checkpoint checksum): pieces of at most `chunk` bytes, in
+// order, all of them; the fd is closed afterwards.
+TEST(Fs, ReadToEndInChunks) {
+  std::string text;
+  for (int i = 0; i < 5000; ++i) text += static_cast<char>('a' + i % 26);
+  const std::string p = tmpdir() + "/chunks.txt";
+  atomic_write_file(p, text);
+  size_t size = 0;
+  const int fd = open_input(p, &size);
+  std::string back;
+  size_t calls = 0;
+  const size_t n = read_to_end(fd, p, 999, [&](const char* b, size_t m) {
+    EXPECT_LE(m, 999u);
+    back.append(b, m);
+    ++calls;
+  });
+  EXPECT_EQ(n, text.size());
+  EXPECT_EQ(size, text.size());
+  EXPECT_EQ(back, text);
+  EXPECT_GE(calls, 6u);
+  EXPECT_EQ(::fcntl(fd, F_GETFD), -1);  // closed
+  EXPECT_EQ(read_file(p), text);
+}
+
+// entry_present: anything at the path counts, a dangling symlink too; nothing there does not.
+TEST(Fs, EntryPresent) {
+  const std::string link = tmpdir() + "/dangling", none = tmpdir() + "/nothing_here";
+  fs::remove(link);
+  fs::create_symlink(tmpdir() + "/no_target", link);
+  EXPECT_TRUE(entry_present(link));
+  EXPECT_TRUE(entry_present(tmpdir()));
+  EXPECT_FALSE(entry_present(none));
+}
 
 TEST(StPyBridge, WriteForPython) {
   const char* dir = std::getenv("LATHE_ST_BRIDGE_DIR");
