@@ -4,6 +4,10 @@
 //   recipe.yaml: unknown key 'optimizer.lrr' (did you mean 'optimizer.lr'?)
 //   recipe.yaml: training.seq_len: expected an integer, got 'abc'
 //   recipe.yaml: training.seq_len = 512 exceeds model.max_position_embeddings = 256
+// Each key is one row of config/recipe_schema.cpp (its member here, whose initializer is the
+// default; its bounds; its effect on a resume); the rows generate parsing, the known keys,
+// the bounds checks and to_json. The optimizer, schedule and loss-scale sections are optim's
+// configs (optim/optimizer.h, schedule.h, loss_scaler.h) with their defaults.
 //
 // Example:
 //   model:    {preset: gpt2-debug, n_layer: 4}     # or init_from: HF_DIR, or config: x.json,
