@@ -75,7 +75,6 @@ class Parser {
     parse_model(section("model"), r);
     schema::parse(root_, r, rep_);
     resolve_loss_scale(r);
-    schema::check_bounds(r, rep_);
     validate_data_and_training(r);
     validate_the_rest(r);
     if (r.attention_kernel == "cudnn" && r.data.attention == "document")
@@ -238,7 +237,8 @@ class Parser {
     // Unknown keys can only come from the base config.json (explicit ones were checked above).
   }
 
-  // The checks that relate keys to each other (each key's own bounds: schema::check_bounds).
+  // Each section's rows (schema::check_bounds) and the checks that relate keys to each other, in
+  // the order a recipe with several errors has always reported the first one.
   void validate_data_and_training(const Recipe& r) const {
     const auto& t = r.training;
     const auto& d = r.data;
@@ -250,6 +250,7 @@ class Parser {
          "weighted data.blend of prefixes");
     need(d.train.empty() || d.blend.empty(), "data.blend",
          fmt::format("and data.train ({}) are both set: a run trains on one or the other; remove one", d.train));
+    schema::check_bounds(r, rep_, "data");
     if (d.tokenizer == "byte")
       need(r.model.vocab_size >= 256, "data.tokenizer",
            fmt::format("'byte' needs model vocab_size >= 256, got {}", r.model.vocab_size));
@@ -268,6 +269,7 @@ class Parser {
                        "precision.compute: bf16, or model.attention_kernel: lathe",
                        r.precision.compute));
     }
+    schema::check_bounds(r, rep_, "training");
     need(t.seq_len <= r.model.max_position_embeddings, "training.seq_len",
          fmt::format("{} exceeds the model's max_position_embeddings{} = {}", t.seq_len,
                      r.model.is_gpt2() ? " (n_positions)" : "", r.model.max_position_embeddings));
@@ -290,6 +292,8 @@ class Parser {
       need(!d.valid.empty() || d.valid_fraction > 0, "training.eval_interval",
            fmt::format("{} needs validation data: set data.valid or data.valid_fraction > 0 (or eval_interval 0)",
                        t.eval_interval));
+    schema::check_bounds(r, rep_, "optimizer");
+    schema::check_bounds(r, rep_, "schedule");
     const auto& s = r.schedule;
     need(s.warmup_steps <= t.steps, "schedule.warmup_steps",
          fmt::format("{} exceeds training.steps = {}", s.warmup_steps, t.steps));
@@ -303,6 +307,8 @@ class Parser {
       if (!ok) bad(path, msg);
     };
     need(!r.output.dir.empty(), "output.dir", "is empty");
+    schema::check_bounds(r, rep_, "output");
+    schema::check_bounds(r, rep_, "parallel");
     // parallel (the degrees against the world size: when training starts, train/trainer.cpp)
     const auto& p = r.parallel;
     // Sequence parallelism shards the N = micro_batch_size x seq_len rows over the tensor ranks.
@@ -321,12 +327,15 @@ class Parser {
     need(p.timeout_s == 0 || (p.timeout_s >= kMinTimeoutS && p.timeout_s <= kMaxTimeoutS), "parallel.timeout_s",
          fmt::format("{} must be 0 (no watchdog) or in [{}, {}] seconds (default 300)", p.timeout_s, kMinTimeoutS,
                      kMaxTimeoutS));
+    schema::check_bounds(r, rep_, "precision");
+    schema::check_bounds(r, rep_, "training.anomaly");
     const auto& a = t.anomaly;
     if (a.enabled && a.rollback_after > 0)
       need(r.output.checkpoint_every > 0, "training.anomaly.rollback_after",
            fmt::format("{} needs checkpoints to roll back to: set output.checkpoint_every > 0, or "
                        "training.anomaly.rollback_after: 0 (never roll back)",
                        a.rollback_after));
+    schema::check_bounds(r, rep_, "precision.loss_scale");
     const auto& l = r.precision.loss_scale;
     need(l.min >= 0x1p-100 && l.min <= l.initial, "precision.loss_scale.min",
          fmt::format("{} must be >= 2^-100 and <= precision.loss_scale.initial = {} (default 1)", l.min, l.initial));

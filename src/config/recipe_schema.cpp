@@ -508,8 +508,9 @@ void check_int(const Field& f, int64_t v, const Reporter& rep) {
 
 }  // namespace
 
-void check_bounds(const Recipe& r, const Reporter& rep) {
+void check_bounds(const Recipe& r, const Reporter& rep, const std::string& section) {
   for (const Field& f : fields()) {
+    if (f.section() != section) continue;
     switch (f.kind) {
       case Kind::Int:
         check_int(f, at<int64_t>(f, r), rep);

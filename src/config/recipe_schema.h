@@ -139,8 +139,8 @@ void parse_field(const Field& f, const nlohmann::json& obj, Recipe& r, const Rep
 // The rows outside the model section from the YAML tree `root`: type errors, unknown keys of
 // nested sections; absent keys keep the Recipe's defaults.
 void parse(const nlohmann::json& root, Recipe& r, const Reporter& rep);
-// The rows' bounds and choices.
-void check_bounds(const Recipe& r, const Reporter& rep);
+// The bounds and choices of the rows directly in `section` ("training": not training.anomaly).
+void check_bounds(const Recipe& r, const Reporter& rep, const std::string& section);
 // The value of a row as it appears in to_json, and to_json's rows (into j, model section included).
 nlohmann::json value_json(const Field& f, const Recipe& r);
 void write_json(const Recipe& r, nlohmann::json& j);

@@ -1,7 +1,10 @@
 // The recipe schema (config/recipe_schema.h): every row is a known key that parses, bounds-checks,
 // appears in to_json and re-loads; the optimizer, schedule and loss-scale sections are optim's
 // configs with one set of defaults; each key's resume class.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
+
+#include <cmath>
 
 #include "config/recipe.h"
 #include "config/recipe_diff.h"
@@ -107,4 +110,26 @@ TEST(RecipeSchema, ResumeClasses) {
   ASSERT_EQ(d.size(), 1u);
   EXPECT_EQ(d[0].key, "optimizer.lr");
   EXPECT_TRUE(d[0].breaks_exactness);
+}
+
+// Every row's bounds and choices are checked (config/recipe.cpp calls check_bounds per section).
+TEST(RecipeSchema, EveryBoundIsChecked) {
+  int checked = 0;
+  for (const schema::Field& f : schema::fields()) {
+    std::string value;
+    const bool integer = f.kind == schema::Kind::Int || f.kind == schema::Kind::Int32;
+    if (integer && f.min > INT32_MIN)
+      value = fmt::format("{}", f.min - 1);
+    else if (f.kind == schema::Kind::Float && !std::isinf(f.lo))
+      value = fmt::format("{}", f.lo_open ? f.lo : f.lo - 1);
+    else if (f.kind == schema::Kind::Text && !f.choices.empty())
+      value = "zzz";
+    else
+      continue;
+    SCOPED_TRACE(std::string(f.path) + "=" + value);
+    const std::string m = error_of({std::string(f.path) + "=" + value});
+    EXPECT_NE(m.find(std::string(f.path) + ": "), std::string::npos) << m;
+    ++checked;
+  }
+  EXPECT_GT(checked, 40);
 }
