@@ -75,8 +75,8 @@ class Parser {
     parse_model(section("model"), r);
     schema::parse(root_, r, rep_);
     resolve_loss_scale(r);
-    validate_data_and_training(r);
-    validate_the_rest(r);
+    check_data_training_schedule(r);
+    check_output_parallel_precision(r);
     if (r.attention_kernel == "cudnn" && r.data.attention == "document")
       r.notes.push_back(
           "model.attention_kernel: cudnn with data.attention: document: document-masked passes run lathe's attention "
@@ -239,7 +239,7 @@ class Parser {
 
   // Each section's rows (schema::check_bounds) and the checks that relate keys to each other, in
   // the order a recipe with several errors has always reported the first one.
-  void validate_data_and_training(const Recipe& r) const {
+  void check_data_training_schedule(const Recipe& r) const {
     const auto& t = r.training;
     const auto& d = r.data;
     auto need = [&](bool ok, const std::string& path, const std::string& msg) {
@@ -301,7 +301,7 @@ class Parser {
          fmt::format("{} exceeds optimizer.lr = {}", s.min_lr, r.optimizer.lr));
   }
 
-  void validate_the_rest(const Recipe& r) const {
+  void check_output_parallel_precision(const Recipe& r) const {
     const auto& t = r.training;
     auto need = [&](bool ok, const std::string& path, const std::string& msg) {
       if (!ok) bad(path, msg);
