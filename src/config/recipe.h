@@ -4,6 +4,10 @@
 //   recipe.yaml: unknown key 'optimizer.lrr' (did you mean 'optimizer.lr'?)
 //   recipe.yaml: training.seq_len: expected an integer, got 'abc'
 //   recipe.yaml: training.seq_len = 512 exceeds model.max_position_embeddings = 256
+// Each key is one row of config/recipe_schema.cpp (its member here, whose initializer is the
+// default; its bounds; its effect on a resume); the rows generate parsing, the known keys,
+// the bounds checks and to_json. The optimizer, schedule and loss-scale sections are optim's
+// configs (optim/optimizer.h, schedule.h, loss_scaler.h) with their defaults.
 //
 // Example:
 //   model:    {preset: gpt2-debug, n_layer: 4}     # or init_from: HF_DIR, or config: x.json,
@@ -40,6 +44,9 @@
 #include <vector>
 
 #include "config/model_config.h"
+#include "optim/loss_scaler.h"
+#include "optim/optimizer.h"
+#include "optim/schedule.h"
 
 namespace lathe {
 
@@ -99,24 +106,20 @@ struct Recipe {
     int64_t eod_token = -1;            // -1: the tokenizer's EOS id (needed by the three above)
   } data;
 
-  struct Optimizer {
-    std::string name = "adamw";  // "adamw" or "lamb"
-    double lr = 3e-4, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1,
-           grad_clip = 1.0;  // grad_clip 0 = no clipping
-  } optimizer;
+  // optimizer: {name, lr, beta1, beta2, eps, weight_decay, grad_clip} (optim/optimizer.h, with the
+  // defaults). grad_clip 0 = no clipping.
+  using Optimizer = optim::OptimConfig;
+  Optimizer optimizer;
 
-  struct Schedule {
-    // "cosine": linear warmup, cosine from lr to min_lr at `steps`.
-    // "linear": linear warmup, linear decay to min_lr at `steps`.
-    // "constant": linear warmup, then lr.
-    // "wsd": warmup, stable at lr, then the last decay_fraction of steps decays to min_lr with
-    //        decay_shape "linear", "cosine" or "1-sqrt".
-    std::string name = "cosine";
-    int64_t warmup_steps = 0;
-    double min_lr = 0.0;
-    double decay_fraction = 0.2;  // wsd only, (0, 1]
-    std::string decay_shape = "linear";
-  } schedule;
+  // schedule: {name, warmup_steps, min_lr, decay_fraction, decay_shape} (optim/schedule.h, with the
+  // defaults; the peak rate is optimizer.lr and the length training.steps).
+  // "cosine": linear warmup, cosine from lr to min_lr at `steps`.
+  // "linear": linear warmup, linear decay to min_lr at `steps`.
+  // "constant": linear warmup, then lr.
+  // "wsd": warmup, stable at lr, then the last decay_fraction of steps decays to min_lr with
+  //        decay_shape "linear", "cosine" or "1-sqrt".
+  using Schedule = optim::ScheduleSpec;
+  Schedule schedule;
 
   struct Training {
     int64_t micro_batch_size = 4, seq_len = 64, grad_accum_steps = 1, steps = 100, seed = 1234,
@@ -129,7 +132,7 @@ struct Recipe {
     std::string resume;
     // A step whose loss or gradient norm is NaN/Inf is skipped (no update; data, step counter and
     // schedule advance). This many consecutive skipped steps stop the run; 0 = never stop.
-    int64_t max_skipped_steps = 20;
+    int64_t max_skipped_steps = optim::kDefaultMaxSkippedSteps;
     // Multiple-choice task file (train/eval_tasks.h; JSONL context/endings/label) scored every
     // eval_tasks_interval steps (0 = at training.eval_interval) and at the end; "" = none.
     std::string eval_tasks;
@@ -157,16 +160,12 @@ struct Recipe {
   // checkpoints stay fp32 whatever it is.
   struct Precision {
     std::string compute = "fp32";
-    // Dynamic loss scaling: on for fp16 unless `enabled: false`; ignored for fp32/bf16 (with a
-    // note) unless `enabled: true`, which scales the loss in any precision (exact in fp32 with
-    // power-of-two scales: tests use it to exercise the scaler without an fp16 model).
-    // Defaults as PyTorch's GradScaler and Megatron.
-    struct LossScale {
-      bool enabled = false;  // resolved: true for fp16 unless set
-      double initial = 65536.0;
-      int64_t growth_interval = 2000;
-      double backoff = 0.5, growth = 2.0, min = 1.0;
-    } loss_scale;
+    // Dynamic loss scaling (optim/loss_scaler.h, with the defaults): on for fp16 unless `enabled:
+    // false`; ignored for fp32/bf16 (with a note) unless `enabled: true`, which scales the loss in
+    // any precision (exact in fp32 with power-of-two scales: tests use it to exercise the scaler
+    // without an fp16 model).
+    using LossScale = optim::LossScaleSpec;
+    LossScale loss_scale;  // enabled: resolved, true for fp16 unless set
   } precision;
 
   // Multi-process layout (issue 8). The product of the degrees is the number of processes
@@ -210,6 +209,17 @@ struct Recipe {
 // the degree is resolved against the world size when training starts).
 inline int64_t global_batch_samples(const Recipe& r) {
   return r.training.micro_batch_size * r.training.grad_accum_steps * std::max<int64_t>(1, r.parallel.data);
+}
+
+// The recipe's settings in optim's terms: the optimizer section itself; the schedule section with
+// the peak rate (optimizer.lr) and the run's length (training.steps); precision.loss_scale with
+// training.max_skipped_steps.
+inline const optim::OptimConfig& optimizer_config(const Recipe& r) { return r.optimizer; }
+inline optim::ScheduleConfig schedule_config(const Recipe& r) {
+  return {r.schedule, r.optimizer.lr, r.training.steps};
+}
+inline optim::LossScaleConfig loss_scale_config(const Recipe& r) {
+  return {r.precision.loss_scale, r.training.max_skipped_steps};
 }
 
 Recipe load_recipe(const std::string& path, const std::vector<std::string>& overrides = {});

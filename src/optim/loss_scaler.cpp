@@ -38,7 +38,7 @@ void validate(const LossScaleConfig& c) {
 
 LossScaler::LossScaler(const LossScaleConfig& cfg) : cfg_(cfg) {
   validate(cfg_);
-  st_.scale = cfg_.dynamic ? cfg_.initial : 1.0;
+  st_.scale = cfg_.enabled ? cfg_.initial : 1.0;
 }
 
 void LossScaler::restore(const LossScalerState& st, const std::string& what) {
@@ -49,7 +49,7 @@ void LossScaler::restore(const LossScalerState& st, const std::string& what) {
               "{}: loss scaler counters are inconsistent (good steps {}, skipped {}, consecutive skipped {})", what,
               st.good_steps, st.skipped_steps, st.consecutive_skipped);
   st_ = st;
-  if (!cfg_.dynamic) {
+  if (!cfg_.enabled) {
     st_.scale = 1.0;
     st_.good_steps = 0;
   }
@@ -61,21 +61,21 @@ LossScaler::Verdict LossScaler::update(bool found_non_finite, int64_t step) {
   if (!found_non_finite) {
     st_.consecutive_skipped = 0;
     first_skipped_ = 0;
-    if (cfg_.dynamic && ++st_.good_steps >= cfg_.growth_interval) {
+    if (cfg_.enabled && ++st_.good_steps >= cfg_.growth_interval) {
       const double grown = st_.scale * cfg_.growth;
       if (grown <= kMaxScale) st_.scale = grown;
       st_.good_steps = 0;
     }
     return Verdict::Apply;
   }
-  if (cfg_.dynamic && st_.scale <= cfg_.min) {
+  if (cfg_.enabled && st_.scale <= cfg_.min) {
     stop_ = fmt::format(
         "step {}: the gradients are non-finite at the minimum loss scale {} (precision.loss_scale.min): fp16 cannot "
         "represent them. Use precision.compute: bf16 (or fp32), or lower optimizer.lr",
         step, st_.scale);
     return Verdict::Stop;
   }
-  if (cfg_.dynamic) {
+  if (cfg_.enabled) {
     st_.scale = std::max(st_.scale * cfg_.backoff, cfg_.min);
     st_.good_steps = 0;
   }
@@ -86,7 +86,7 @@ LossScaler::Verdict LossScaler::update(bool found_non_finite, int64_t step) {
         "steps {}-{}: {} consecutive steps had a non-finite loss or gradient norm and were skipped "
         "(training.max_skipped_steps = {}{})",
         first_skipped_, step, st_.consecutive_skipped, cfg_.max_skipped_steps,
-        cfg_.dynamic ? fmt::format("; loss scale now {}", st_.scale) : std::string());
+        cfg_.enabled ? fmt::format("; loss scale now {}", st_.scale) : std::string());
     return Verdict::Stop;
   }
   return Verdict::Skip;

@@ -27,14 +27,23 @@
 
 namespace lathe::optim {
 
-struct LossScaleConfig {
-  bool dynamic = false;  // fp16 (or precision.loss_scale.enabled); false: scale fixed at 1
+// Dynamic loss scaling: the recipe's `precision.loss_scale` section (config/recipe.h) as it is.
+// Defaults as PyTorch's GradScaler and Megatron.
+struct LossScaleSpec {
+  bool enabled = false;  // dynamic scaling (the recipe turns it on for fp16 unless set); false: scale fixed at 1
   double initial = 65536.0;
   int64_t growth_interval = 2000;  // clean steps in a row before the scale grows
   double backoff = 0.5;            // in (0, 1)
   double growth = 2.0;             // > 1
   double min = 1.0;                // > 0, <= initial
-  int64_t max_skipped_steps = 20;  // consecutive skipped steps that stop the run; 0 = never
+};
+
+// Consecutive skipped steps that stop a run by default (training.max_skipped_steps); 0 = never.
+constexpr int64_t kDefaultMaxSkippedSteps = 20;
+
+// The scaler's settings: the spec and training.max_skipped_steps.
+struct LossScaleConfig : LossScaleSpec {
+  int64_t max_skipped_steps = kDefaultMaxSkippedSteps;
 };
 
 // Throws lathe::Error naming the field (precision.loss_scale.*, training.max_skipped_steps).
@@ -57,7 +66,7 @@ class LossScaler {
 
   // The factor for the loss gradient of the next step (1 without dynamic scaling).
   double scale() const { return st_.scale; }
-  bool dynamic() const { return cfg_.dynamic; }
+  bool dynamic() const { return cfg_.enabled; }
   const LossScaleConfig& config() const { return cfg_; }
   const LossScalerState& state() const { return st_; }
   // Continues from a checkpoint's state. `what` names the source in errors (a scale that is not

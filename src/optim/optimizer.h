@@ -35,9 +35,15 @@ struct ChunkSums {
 };
 using ChunkSumsGather = std::function<std::vector<ChunkSums>(const std::vector<ChunkSums>&)>;
 
+// The recipe's `optimizer` section (config/recipe.h) as it is: these are its defaults.
+// lr is the peak rate the schedule starts from (ScheduleConfig::lr; step() takes the scheduled
+// rate) and grad_clip the global norm the trainer clips to (0 = no clipping); the optimizers
+// themselves read name, betas, eps and weight_decay.
 struct OptimConfig {
   std::string name = "adamw";  // "adamw" | "lamb"
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
+  double lr = 3e-4;
+  double grad_clip = 1.0;
 };
 
 class Optimizer {

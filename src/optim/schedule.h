@@ -15,14 +15,21 @@
 
 namespace lathe::optim {
 
-struct ScheduleConfig {
+// The shape of a schedule: the recipe's `schedule` section (config/recipe.h) as it is, with its
+// defaults (decay_fraction 0.2 is what every recipe without the key has always run with).
+struct ScheduleSpec {
   std::string name = "cosine";  // constant | linear | cosine | wsd
-  double lr = 3e-4;
-  double min_lr = 0.0;
   int64_t warmup_steps = 0;
-  int64_t total_steps = 1;
-  double decay_fraction = 0.1;         // wsd only
+  double min_lr = 0.0;
+  double decay_fraction = 0.2;         // wsd only, (0, 1]
   std::string decay_shape = "linear";  // wsd only: linear | cosine | 1-sqrt
+};
+
+// A schedule over a run: the spec, the peak rate (optimizer.lr) and the run's length
+// (training.steps).
+struct ScheduleConfig : ScheduleSpec {
+  double lr = 3e-4;
+  int64_t total_steps = 1;
 };
 
 double lr_at(const ScheduleConfig& cfg, int64_t step);

@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "config/model_config.h"
+#include "config/recipe_diff.h"  // RecipeChange, diff_recipes (its callers include this header)
 #include "data/loader.h"
 #include "dist/comm.h"
 #include "io/xxh64.h"
@@ -213,23 +214,7 @@ void verify_checkpoint(const std::string& ckpt_dir);
 // Complete checkpoints (step_XXXXXXXX dirs, not verified) of RUN_DIR, ascending by step.
 std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string& run_dir);
 
-// One differing key between a checkpoint's recipe and the new one ("training.seq_len").
-struct RecipeChange {
-  std::string key, before, after;
-  bool breaks_exactness = false;
-};
-// Compares two Recipe::to_json() trees key by key. Breaking (resume would not continue the same
-// run): model.* (except model.init_from, which only matters at initialisation), data.train,
-// data.valid, data.valid_fraction, optimizer.* (including lr: it changes every later update),
-// schedule.*, training.{micro_batch_size, seq_len, grad_accum_steps, seed}, precision.* (the
-// compute dtype; the loss scale's settings only where scaling is on in either recipe), and any
-// key not listed as harmless. Harmless: training.{steps, eval_interval, eval_batches,
-// log_interval, threads, peak_gflops, resume, max_skipped_steps}, output.*, data.{tokenizer,
-// prefetch}, parallel.*, device (cpu <-> cuda: checkpoints are host fp32). (training.steps is allowed by design even though decaying schedules are
-// recomputed for the new total; threads changes the float summation order, the trainer warns
-// about it.) Keys added after a checkpoint was written (precision.*, training.max_skipped_steps)
-// compare as their old implied value when absent: fp32, no loss scaling.
-std::vector<RecipeChange> diff_recipes(const nlohmann::json& before, const nlohmann::json& after);
+// RecipeChange and diff_recipes: config/recipe_diff.h.
 
 using io::hex64;  // the checksum of checkpoint files (io/xxh64.h)
 using io::Xxh64;

@@ -268,29 +268,6 @@ DocumentOptions recipe_documents(const Recipe& r, const tok::Tokenizer* tokenize
   return o;
 }
 
-optim::OptimConfig optimizer_config(const Recipe& r) {
-  optim::OptimConfig c;
-  c.name = r.optimizer.name;
-  c.beta1 = r.optimizer.beta1;
-  c.beta2 = r.optimizer.beta2;
-  c.eps = r.optimizer.eps;
-  c.weight_decay = r.optimizer.weight_decay;
-  return c;
-}
-
-optim::LossScaleConfig loss_scale_config(const Recipe& r) {
-  optim::LossScaleConfig c;
-  const auto& l = r.precision.loss_scale;
-  c.dynamic = l.enabled;
-  c.initial = l.initial;
-  c.growth_interval = l.growth_interval;
-  c.backoff = l.backoff;
-  c.growth = l.growth;
-  c.min = l.min;
-  c.max_skipped_steps = r.training.max_skipped_steps;
-  return c;
-}
-
 ComputeSpec compute_spec(const Recipe& r) {
   ComputeSpec spec;
   spec.backend = &select_backend(r);  // device: cpu | cuda, refused with the reason (train/device_select.h)
@@ -314,18 +291,6 @@ ComputeSpec compute_spec(const Recipe& r) {
                 e.what());
   }
   return spec;
-}
-
-optim::ScheduleConfig schedule_config(const Recipe& r) {
-  optim::ScheduleConfig s;
-  s.name = r.schedule.name;
-  s.lr = r.optimizer.lr;
-  s.min_lr = r.schedule.min_lr;
-  s.warmup_steps = r.schedule.warmup_steps;
-  s.total_steps = r.training.steps;
-  s.decay_fraction = r.schedule.decay_fraction;
-  s.decay_shape = r.schedule.decay_shape;
-  return s;
 }
 
 void check_resume_state(const CheckpointState& cs, const Recipe& r, int64_t train_samples, bool exact,
@@ -504,7 +469,7 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   log.ok(fmt::format(
       "precision: {} compute on {}, fp32 master weights, gradients and moments; {}", r.precision.compute,
       spec.backend->name(),
-      lscfg.dynamic ? fmt::format("dynamic loss scaling from {} (x{} after {} clean steps, x{} on overflow, min {})",
+      lscfg.enabled ? fmt::format("dynamic loss scaling from {} (x{} after {} clean steps, x{} on overflow, min {})",
                                   lscfg.initial, lscfg.growth, lscfg.growth_interval, lscfg.backoff, lscfg.min)
                     : std::string("no loss scaling")));
   for (const std::string& n : r.notes) log.note(n);

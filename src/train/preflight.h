@@ -88,11 +88,8 @@ constexpr int64_t kBlendPlanBytesPerSample = 12;  // u32 dataset + i64 sample (d
 // data.attention: document / reset_position_ids / mask_loss_after_eod with their EOD id:
 // data.eod_token, or the tokenizer's EOS id; refused naming data.eod_token when neither gives one.
 DocumentOptions recipe_documents(const Recipe& r, const tok::Tokenizer* tokenizer);
-// The recipe's optimizer and schedule sections in optim's terms.
-optim::OptimConfig optimizer_config(const Recipe& r);
-optim::ScheduleConfig schedule_config(const Recipe& r);
-// precision.loss_scale and training.max_skipped_steps in optim's terms.
-optim::LossScaleConfig loss_scale_config(const Recipe& r);
+// The recipe's sections in optim's terms (optimizer_config, schedule_config, loss_scale_config):
+// config/recipe.h.
 // precision.compute on the backend of the recipe's device (train/device_select.h: refused with the reason
 // when this build or machine cannot run it). Throws lathe::Error naming the recipe, precision.compute
 // and the missing op (kernels/backend.h ops_for) when this build has no complete table for it.

@@ -16,7 +16,7 @@ namespace {
 
 LossScaleConfig fp16(double initial = 65536, int64_t interval = 3, int64_t max_skipped = 0) {
   LossScaleConfig c;
-  c.dynamic = true;
+  c.enabled = true;
   c.initial = initial;
   c.growth_interval = interval;
   c.max_skipped_steps = max_skipped;
@@ -50,8 +50,8 @@ TEST(LossScaler, DefaultsArePyTorchAndMegatron) {
   EXPECT_EQ(c.backoff, 0.5);
   EXPECT_EQ(c.growth, 2.0);
   EXPECT_EQ(c.min, 1.0);
-  EXPECT_FALSE(c.dynamic);
-  c.dynamic = true;
+  EXPECT_FALSE(c.enabled);
+  c.enabled = true;
   EXPECT_EQ(LossScaler(c).scale(), 65536.0);
 }
 

@@ -119,7 +119,16 @@ json run_clip(const fs::path& dir) {
 
 json run_schedules() {
   json out = json::array();
-  auto add = [&](ScheduleConfig c) {
+  auto add = [&](const char* name, double lr, double min_lr, int64_t warmup, int64_t total, double fraction,
+                 const char* shape) {
+    ScheduleConfig c;
+    c.name = name;
+    c.lr = lr;
+    c.min_lr = min_lr;
+    c.warmup_steps = warmup;
+    c.total_steps = total;
+    c.decay_fraction = fraction;
+    c.decay_shape = shape;
     validate(c);
     std::vector<double> lrs;
     for (int64_t s = 0; s < c.total_steps + 3; ++s) lrs.push_back(lr_at(c, s));
@@ -132,17 +141,17 @@ json run_schedules() {
                    {"decay_shape", c.decay_shape},
                    {"lrs", lrs}});
   };
-  add({"constant", 1e-3, 0.0, 10, 50, 0.1, "linear"});
-  add({"constant", 1e-3, 0.0, 0, 5, 0.1, "linear"});
-  add({"linear", 6e-4, 6e-5, 7, 100, 0.1, "linear"});
-  add({"linear", 6e-4, 0.0, 0, 1, 0.1, "linear"});
-  add({"cosine", 3e-4, 3e-5, 20, 200, 0.1, "linear"});
-  add({"cosine", 3e-4, 0.0, 0, 37, 0.1, "linear"});
-  add({"cosine", 1e-3, 1e-4, 10, 10, 0.1, "linear"});  // warmup only
-  for (const char* shape : {"linear", "cosine", "1-sqrt"}) add({"wsd", 2e-3, 2e-4, 10, 100, 0.2, shape});
-  add({"wsd", 2e-3, 0.0, 5, 33, 0.1, "1-sqrt"});
-  add({"wsd", 2e-3, 0.0, 0, 20, 0.0, "linear"});   // no decay phase
-  add({"wsd", 2e-3, 1e-5, 0, 20, 1.0, "cosine"});  // all decay
+  add("constant", 1e-3, 0.0, 10, 50, 0.1, "linear");
+  add("constant", 1e-3, 0.0, 0, 5, 0.1, "linear");
+  add("linear", 6e-4, 6e-5, 7, 100, 0.1, "linear");
+  add("linear", 6e-4, 0.0, 0, 1, 0.1, "linear");
+  add("cosine", 3e-4, 3e-5, 20, 200, 0.1, "linear");
+  add("cosine", 3e-4, 0.0, 0, 37, 0.1, "linear");
+  add("cosine", 1e-3, 1e-4, 10, 10, 0.1, "linear");  // warmup only
+  for (const char* shape : {"linear", "cosine", "1-sqrt"}) add("wsd", 2e-3, 2e-4, 10, 100, 0.2, shape);
+  add("wsd", 2e-3, 0.0, 5, 33, 0.1, "1-sqrt");
+  add("wsd", 2e-3, 0.0, 0, 20, 0.0, "linear");   // no decay phase
+  add("wsd", 2e-3, 1e-5, 0, 20, 1.0, "cosine");  // all decay
   return out;
 }
 
