@@ -244,7 +244,7 @@ TEST(TensorParallel, VocabParallelLossMatchesWholeVocabularyInEveryTable) {
   }
 }
 
-// forward_logits of the shard models (local logits gathered by StepHooks::gather_vocab) are the
+// forward_logits of the shard models (local logits gathered by gather_from_tensor_region) are the
 // one-process logits: the same dot products, so within 1e-5 relative (the layers' reductions).
 TEST(TensorParallel, GatheredLogitsMatchOneProcess) {
   for (const Family& f : families()) {
