@@ -39,7 +39,7 @@ struct VocabParallel {
   // In place over `count` doubles in the backend's memory, across the vocab-parallel group: the
   // element-wise maximum when `max`, else the sum (in rank order, src/dist/comm.h). Called in the
   // same order on every rank (collective). A plain function pointer and its context: the model has
-  // no communicator (tensor_parallel.cpp installs both through StepHooks::vocab).
+  // no communicator (tensor_parallel.cpp installs both through StepHooks::tp.vocab).
   void (*all_reduce)(void* ctx, double* buf, int64_t count, bool max) = nullptr;
   void* ctx = nullptr;
 };

@@ -19,7 +19,7 @@ std::string kv_cache_unsupported_reason(const Model& model) {
   if (dt != DType::F32 && dt != DType::BF16 && dt != DType::F16)
     return fmt::format("the KV cache decodes fp32, bf16 and fp16 models; this model computes in {}",
                        compute_dtype_name(dt));
-  if (model.hooks().reduce_partial)
+  if (model.hooks().tp.tensor_parallel())
     return "the KV cache does not decode a model whose layers are split by tensor parallelism";
   if (model.backend().device() != DeviceKind::Host) return "the KV cache decodes on the cpu backend only";
   return {};

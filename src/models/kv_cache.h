@@ -8,7 +8,7 @@
 // Every compute dtype of the CPU tables: activations stay in the compute dtype through the op table
 // (bf16/fp16 read the 16-bit weight copies), keys and values are cached widened to fp32 (exact),
 // and the attention loop widens q and rounds its output once, as the 16-bit attention kernels do.
-// A model whose layers are split by tensor parallelism (StepHooks::reduce_partial) is refused
+// A model whose layers are split by tensor parallelism (StepHooks::tp) is refused
 // (kv_cache_unsupported_reason says why; generation then recomputes the context per token).
 #pragma once
 #include <cstdint>

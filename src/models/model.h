@@ -15,6 +15,7 @@
 #include "kernels/backend.h"
 #include "models/param_table.h"
 #include "models/recompute.h"
+#include "models/tp_mappings.h"
 
 namespace lathe {
 
@@ -99,41 +100,10 @@ struct StepHooks {
   // The gradients in [begin, end) of the flat buffer are complete for this backward pass (every
   // tensor is reported once, after the last block that adds to it: a tied wte after the embedding).
   std::function<void(size_t begin, size_t end)> grads_ready;
-  // Tensor parallelism (src/parallel/tensor_parallel.h): `buf` ([N, C], compute dtype) holds this
-  // rank's partial sum and must become the sum over the tensor-parallel group (an all-reduce).
-  // Called in forward on the output of the row-parallel GEMMs (attention output, MLP down/c_proj),
-  // whose bias the model adds after it (once, not once per rank), and in backward on the input
-  // gradient of the column-parallel GEMMs (q|k|v, fc or gate|up). Unset: the layers are whole.
-  std::function<void(void* buf, int64_t count)> reduce_partial;
-  // Vocab-parallel embedding and head (tensor parallelism): this rank's wte / lm_head hold rows
-  // [vocab.vocab_begin, + config().vocab_size) of config().global_vocab(). all_reduce unset: the
-  // whole vocabulary. When set, reduce_partial also sums the embedding's partial outputs (the shard
-  // holding row 0 adds wpe) and the head's partial input gradient, and gather_vocab is needed for
-  // forward_logits.
-  VocabParallel vocab;
-  // Vocab parallel: `local` [M, V_local] fp32 logits of this rank -> `whole` [M, global V] (every
-  // rank's columns in rank order; an all-gather). Used by forward_logits / forward_last_logits.
-  std::function<void(const float* local, float* whole, int64_t M, int64_t v_local)> gather_vocab;
-  // Sequence parallelism (ModelConfig::sequence_parallel, installed by attach_tensor_parallel): a
-  // pass over N = B*T rows holds S = cfg.rows_held(N) rows of the residual stream, rows
-  // [r*S, (r+1)*S) of the N rows padded to tp*S; counts are elements of the compute dtype (S*C).
-  // gather_rows: every rank's `shard` [S, C] into `full` [tp*S, C] in rank order (an all-gather):
-  //   before the column-parallel GEMMs (q|k|v, fc or gate|up; in backward again for their weight
-  //   gradients) and on the residual gradient before the row-parallel GEMMs' backward and the
-  //   embedding's backward.
-  std::function<void(const void* shard, void* full, int64_t shard_count)> gather_rows;
-  // reduce_scatter_rows: `full` [tp*S, C] holds this rank's partial sums; `shard` [S, C] receives
-  //   the group's sum of this rank's rows (`shard` may be `full`'s start): after the row-parallel
-  //   GEMMs (o_proj, c_proj / down) in place of reduce_partial, and on the column-parallel GEMMs'
-  //   input gradient in backward.
-  std::function<void(void* full, void* shard, int64_t shard_count)> reduce_scatter_rows;
-  // take_rows: `full` [tp*S, C] is the same on every rank; `shard` receives this rank's rows (no
-  //   communication; `shard` may be `full`'s start): the embedding output entering the stream, the
-  //   lm head's input gradient leaving it.
-  std::function<void(const void* full, void* shard, int64_t shard_count)> take_rows;
-  // reduce_norm_grads: `count` fp32 norm weight (and bias) gradients of this rank's rows, to be
-  //   summed over the group in rank order (an all-reduce); the model then adds them to its grads.
-  std::function<void(float* grads, int64_t count)> reduce_norm_grads;
+  // Tensor and sequence parallelism (parallel/tensor_parallel.h): the group's collectives and the
+  // vocabulary shard, called as the named forward/backward pairs of models/tp_mappings.h.
+  // Unset: the layers are whole.
+  TpMappings tp;
 };
 
 // The initial values of one tensor of the table (what Model::init_weights writes at s.offset):
@@ -304,7 +274,8 @@ class Model {
   void norm_forward(int64_t l, bool second, int64_t rows);
   // LayerNorm / RMSNorm backward over `rows` rows: dx += (rows x C), weight (and bias) gradients
   // added to dw (db). Tensor-parallel shards sum the weight gradients in tensor_parts row chunks
-  // (sequence parallelism: this rank's rows, then reduce_norm_grads), see ModelConfig::tensor_parts.
+  // (sequence parallelism: this rank's rows, then reduce_sequence_norm_grads), see
+  // ModelConfig::tensor_parts.
   void norm_backward(void* dx, float* dw, float* db, const void* dout, const void* x, const float* w, const float* mean,
                      const float* rstd, int64_t rows);
   // Sequence parallelism is on (ModelConfig::sequence_parallel with tensor_parts > 1).
@@ -312,15 +283,15 @@ class Model {
   // Rows of the stream a pass over B x T holds (N, or this rank's S with sequence parallelism);
   // checks the row hooks are installed, and with `backward` that tensor_parts divides B*T.
   int64_t stream_rows(int64_t B, int64_t T, bool backward) const;
-  // Sequence parallelism: all-gathers [S, C] `shard` into gathered_ [tp*S, C] and returns it.
-  const void* gather_rows(const void* shard, int64_t S);
-  // The input gradient of a column-parallel GEMM in dln_ [N, C]: summed over the group (tensor
-  // parallelism), and with sequence parallelism reduce-scattered into dln_'s first S rows.
+  // The input gradient of a column-parallel GEMM in dln_ [N, C]: copy_to_tensor_region's backward
+  // (an all-reduce), with sequence parallelism gather_from_sequence_region's (a reduce-scatter into
+  // dln_'s first S rows).
   void reduce_input_grad(int64_t N, int64_t S);
   // GELU / SwiGLU of layer l's MLP pre-activation (fc -> act).
   void mlp_activation_forward(int64_t l, int64_t N);
   // out[N, C] = in[N, K] @ w^T (+ bias): a GEMM whose input features may be split over
-  // tensor-parallel ranks (StepHooks::reduce_partial sums the partial products before the bias).
+  // tensor-parallel ranks (reduce_from_tensor_region / reduce_scatter_to_sequence_region sum the
+  // partial products before the bias).
   void row_parallel_forward(void* out, const void* in, const float* w, const float* bias, int64_t N, int64_t K,
                             int64_t C);
   // The residual stream entering layer l ([N, C]: the embeddings or layer l-1's output).
@@ -364,7 +335,7 @@ class Model {
   // Tensors whose gradients are complete after each block's backward (block numbering of StepHooks).
   std::vector<std::vector<std::pair<size_t, size_t>>> grad_ranges_by_block_;
   StepHooks hooks_;
-  // &hooks_.vocab when the embedding and head are vocab-parallel, else nullptr (error for a vocab
+  // &hooks_.tp.vocab when the embedding and head are vocab-parallel, else nullptr (error for a vocab
   // shard's model without the hook).
   const VocabParallel* vocab_parallel() const;
 

@@ -252,28 +252,30 @@ void Model::embedding_forward(const int32_t* tokens, int64_t B, int64_t T) {
   const bool sp = seq_parallel();
   ops_->embedding_forward(sp ? gathered_ : emb_, to_backend(tokens, N, true, true), cw(p_.wte),
                           vb == 0 ? cw(p_.wpe) : nullptr, B, T, C, doc_positions(), vb, cfg_.vocab_size);
+  const TpMappings& tp = hooks_.tp;
   if (!sp) {
-    if (vp) hooks_.reduce_partial(emb_, N * C);
+    if (vp) tp.reduce_from_tensor_region_forward(emb_, N * C);
     return;
   }
   const int64_t pad = S * cfg_.tensor_parts - N;
   if (pad > 0) backend_->memset(act_at(gathered_, N * C), 0, static_cast<size_t>(pad * C * act_size_));
   if (vp)
-    hooks_.reduce_scatter_rows(gathered_, emb_, S * C);
+    tp.reduce_scatter_to_sequence_region_forward(gathered_, emb_, S * C);
   else
-    hooks_.take_rows(gathered_, emb_, S * C);
+    tp.scatter_to_sequence_region_forward(gathered_, emb_, S * C);
 }
 
 const VocabParallel* Model::vocab_parallel() const {
-  if (hooks_.vocab.all_reduce == nullptr) {
+  if (hooks_.tp.vocab.all_reduce == nullptr) {
     LATHE_CHECK(cfg_.global_vocab() == cfg_.vocab_size,
                 "model: this model holds {} of the {} vocabulary rows (a tensor-parallel shard) but has no "
                 "vocab-parallel reduction; attach it with parallel::attach_tensor_parallel",
                 cfg_.vocab_size, cfg_.global_vocab());
     return nullptr;
   }
-  LATHE_CHECK(hooks_.reduce_partial != nullptr, "model: the vocab-parallel head needs StepHooks::reduce_partial too");
-  return &hooks_.vocab;
+  LATHE_CHECK(hooks_.tp.tensor_parallel(),
+              "model: the vocab-parallel head needs the tensor-parallel all-reduce too (StepHooks::tp.comm)");
+  return &hooks_.tp.vocab;
 }
 
 int64_t Model::stream_rows(int64_t B, int64_t T, bool backward) const {
@@ -283,8 +285,8 @@ int64_t Model::stream_rows(int64_t B, int64_t T, bool backward) const {
               "sequence parallelism runs on host memory only for now (the {} backend's model is in device memory); "
               "set parallel.sequence: false",
               backend_->name());
-  LATHE_CHECK(hooks_.gather_rows && hooks_.reduce_scatter_rows && hooks_.take_rows && hooks_.reduce_norm_grads,
-              "model: a sequence-parallel config ({} parts) needs the row hooks of StepHooks; "
+  LATHE_CHECK(hooks_.tp.sequence_parallel(),
+              "model: a sequence-parallel config ({} parts) needs the row collectives of StepHooks::tp; "
               "parallel::attach_tensor_parallel installs them",
               cfg_.tensor_parts);
   LATHE_CHECK(!backward || N % cfg_.tensor_parts == 0,
@@ -294,16 +296,11 @@ int64_t Model::stream_rows(int64_t B, int64_t T, bool backward) const {
   return cfg_.rows_held(N);
 }
 
-const void* Model::gather_rows(const void* shard, int64_t S) {
-  hooks_.gather_rows(shard, gathered_, S * cfg_.hidden_size);
-  return gathered_;
-}
-
 void Model::reduce_input_grad(int64_t N, int64_t S) {
   if (seq_parallel())
-    hooks_.reduce_scatter_rows(dln_, dln_, S * cfg_.hidden_size);
-  else if (hooks_.reduce_partial)
-    hooks_.reduce_partial(dln_, N * cfg_.hidden_size);
+    hooks_.tp.gather_from_sequence_region_backward(dln_, dln_, S * cfg_.hidden_size);
+  else if (hooks_.tp.tensor_parallel())
+    hooks_.tp.copy_to_tensor_region_backward(dln_, N * cfg_.hidden_size);
 }
 
 void Model::norm_backward(void* dx, float* dw, float* db, const void* dout, const void* x, const float* w,
@@ -326,7 +323,7 @@ void Model::norm_backward(void* dx, float* dw, float* db, const void* dout, cons
     return;
   }
   // The weight gradients of the pass's rows are summed on their own, then added once: with
-  // sequence parallelism ((0 + rank 0's rows) + rank 1's rows) + ... by reduce_norm_grads (the
+  // sequence parallelism ((0 + rank 0's rows) + rank 1's rows) + ... by reduce_sequence_norm_grads (the
   // communicator sums in rank order), and without it the same chunks in the same order here, so
   // tensor parallelism with and without sequence parallelism give the same bits.
   const int64_t nw = arch_.layernorm ? 2 * C : C;
@@ -335,7 +332,7 @@ void Model::norm_backward(void* dx, float* dw, float* db, const void* dout, cons
   float* ab = arch_.layernorm ? aw + C : nullptr;
   const int64_t chunk = rows / parts;
   for (int64_t k = 0; k < parts; ++k) run(k * chunk, chunk, aw, ab);
-  if (sp) hooks_.reduce_norm_grads(aw, nw);
+  if (sp) hooks_.tp.reduce_sequence_norm_grads(aw, nw);
   for (int64_t c = 0; c < C; ++c) dw[c] += aw[c];
   if (db != nullptr && ab != nullptr)
     for (int64_t c = 0; c < C; ++c) db[c] += ab[c];
@@ -378,9 +375,11 @@ void Model::layer_forward_into(int64_t l, int64_t B, int64_t T, bool output) {
   // outputs are gathered to the N rows the column-parallel GEMMs read).
   const bool sp = seq_parallel();
   const int64_t S = stream_rows(B, T, false);
+  const TpMappings& tp = hooks_.tp;
   const void* x = layer_input(l);  // [S, C] residual stream in
   norm_forward(l, false, S);
-  ops_->matmul_forward(a.qkv, sp ? gather_rows(a.ln1, S) : a.ln1, cw(w.qkv_w), w.qkv_b, N, C, Q, false);
+  ops_->matmul_forward(a.qkv, sp ? tp.gather_from_sequence_region_forward(a.ln1, gathered_, S * C) : a.ln1, cw(w.qkv_w),
+                       w.qkv_b, N, C, Q, false);
   if (!arch_.learned_pos) {
     ops_->rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, D, Q, doc_positions());
     ops_->rope_forward(act_at(a.qkv, H * D), rope_cos_, rope_sin_, B, T, KV, D, Q, doc_positions());
@@ -393,9 +392,12 @@ void Model::layer_forward_into(int64_t l, int64_t B, int64_t T, bool output) {
   // under selective recompute, which recomputes the activation alone (mlp_activation_forward) and
   // must reproduce the forward's bits.
   if (arch_.gelu_mlp && plan_.recompute != Recompute::Selective)
-    ops_->matmul_bias_gelu_forward(a.act, a.fc, sp ? gather_rows(a.ln2, S) : a.ln2, cw(w.fc_w), w.fc_b, N, C, FF);
+    ops_->matmul_bias_gelu_forward(a.act, a.fc,
+                                   sp ? tp.gather_from_sequence_region_forward(a.ln2, gathered_, S * C) : a.ln2,
+                                   cw(w.fc_w), w.fc_b, N, C, FF);
   else {
-    ops_->matmul_forward(a.fc, sp ? gather_rows(a.ln2, S) : a.ln2, cw(w.fc_w), w.fc_b, N, C, FF, false);
+    ops_->matmul_forward(a.fc, sp ? tp.gather_from_sequence_region_forward(a.ln2, gathered_, S * C) : a.ln2, cw(w.fc_w),
+                         w.fc_b, N, C, FF, false);
     mlp_activation_forward(l, N);
   }
   if (!output) return;  // backward reads nothing past the MLP activation
@@ -411,16 +413,16 @@ void Model::row_parallel_forward(void* out, const void* in, const float* w, cons
     const int64_t S = cfg_.rows_held(N), pad = S * cfg_.tensor_parts - N;
     ops_->matmul_forward(gathered_, in, cw(w), nullptr, N, K, C, false);
     if (pad > 0) backend_->memset(act_at(gathered_, N * C), 0, static_cast<size_t>(pad * C * act_size_));
-    hooks_.reduce_scatter_rows(gathered_, out, S * C);
+    hooks_.tp.reduce_scatter_to_sequence_region_forward(gathered_, out, S * C);
     if (bias) ops_->bias_add(out, bias, S, C);
     return;
   }
-  if (!hooks_.reduce_partial) {  // whole layer: the bias is fused into the GEMM
+  if (!hooks_.tp.tensor_parallel()) {  // whole layer: the bias is fused into the GEMM
     ops_->matmul_forward(out, in, cw(w), bias, N, K, C, false);
     return;
   }
   ops_->matmul_forward(out, in, cw(w), nullptr, N, K, C, false);  // this rank's partial product
-  hooks_.reduce_partial(out, N * C);
+  hooks_.tp.reduce_from_tensor_region_forward(out, N * C);
   if (bias) ops_->bias_add(out, bias, N, C);
 }
 
@@ -437,7 +439,7 @@ void Model::final_norm_forward(int64_t B, int64_t T) {
     ops_->layernorm_forward(out, lnf_mean_, lnf_rstd_, x, p_.lnf_w, p_.lnf_b, S, C, eps);
   else
     ops_->rmsnorm_forward(out, lnf_rstd_, x, p_.lnf_w, S, C, eps);
-  if (sp) hooks_.gather_rows(gathered_, lnf_, S * C);
+  if (sp) hooks_.tp.gather_from_sequence_region_forward(gathered_, lnf_, S * C);
 }
 
 // Forward up to the final norm (logits and generation use it without the loss).
@@ -459,16 +461,18 @@ double Model::head_loss(const int32_t* targets, int64_t B, int64_t T, float grad
   const double loss_sum = ops_->lm_head_loss(losses_, dln_, dlm, lnf_, cw(p_.lm_head), to_backend(targets, N, false), N,
                                              C, V, grad_scale, backward, scratch_, chunk_rows_, vp);
   if (!backward) return loss_sum;
-  // Each vocab shard's dlogits @ w covers its vocabulary rows only: summed over the group (with
-  // sequence parallelism reduce-scattered into the rank's rows; a whole vocabulary's rows are taken).
+  // Each vocab shard's dlogits @ w covers its vocabulary rows only: summed over the group (the head
+  // is a column-parallel region; with sequence parallelism the backward of final_norm_forward's
+  // gather: reduce-scattered into the rank's rows, a whole vocabulary's rows are taken).
   const int64_t S = stream_rows(B, T, true);
+  const TpMappings& tp = hooks_.tp;
   if (seq_parallel()) {
     if (vp)
-      hooks_.reduce_scatter_rows(dln_, dln_, S * C);
+      tp.gather_from_sequence_region_backward(dln_, dln_, S * C);
     else
-      hooks_.take_rows(dln_, dln_, S * C);
+      tp.gather_from_sequence_region_backward_whole(dln_, dln_, S * C);
   } else if (vp) {
-    hooks_.reduce_partial(dln_, N * C);
+    tp.copy_to_tensor_region_backward(dln_, N * C);
   }
   // dres_ carries dL/d(residual stream) downwards; norms add into it.
   backend_->memset(dres_, 0, static_cast<size_t>(S * C * act_size_));
@@ -489,6 +493,7 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
   // of all N rows are gathered again here (Megatron does the same rather than keep them).
   const bool sp = seq_parallel();
   const int64_t S = stream_rows(B, T, true);
+  const TpMappings& tp = hooks_.tp;
   // Recompute what the plan did not keep for this layer: the same kernels on the same kept inputs
   // as the forward pass, so the values (and all that follows) are bit-identical to keeping them.
   if (plan_.recompute == Recompute::Full) {
@@ -498,18 +503,22 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
     mlp_activation_forward(l, N);
   }
   // MLP: res2 = res1 + proj(act(fc(norm2(res1))))
-  ops_->matmul_backward(dact_, gw.proj_w, gw.proj_b, sp ? gather_rows(dres_, S) : dres_, a.act, cw(w.proj_w), N, F, C,
-                        false);
+  ops_->matmul_backward(dact_, gw.proj_w, gw.proj_b,
+                        sp ? tp.reduce_scatter_to_sequence_region_backward(dres_, gathered_, S * C) : dres_, a.act,
+                        cw(w.proj_w), N, F, C, false);
   if (arch_.gelu_mlp)
     ops_->gelu_backward(dfc_, a.fc, dact_, N * F);
   else
     ops_->swiglu_backward(dfc_, a.fc, dact_, N, F);
-  ops_->matmul_backward(dln_, gw.fc_w, gw.fc_b, dfc_, sp ? gather_rows(a.ln2, S) : a.ln2, cw(w.fc_w), N, C, FF, false);
+  ops_->matmul_backward(dln_, gw.fc_w, gw.fc_b, dfc_,
+                        sp ? tp.gather_from_sequence_region_forward(a.ln2, gathered_, S * C) : a.ln2, cw(w.fc_w), N, C,
+                        FF, false);
   reduce_input_grad(N, S);
   norm_backward(dres_, gw.ln2_w, gw.ln2_b, dln_, a.res1, w.ln2_w, a.ln2_mean, a.ln2_rstd, S);
   // Attention: res1 = x + o(attn(qkv(norm1(x))))
-  ops_->matmul_backward(datt_, gw.o_w, gw.o_b, sp ? gather_rows(dres_, S) : dres_, a.att, cw(w.o_w), N, H * D, C,
-                        false);
+  ops_->matmul_backward(datt_, gw.o_w, gw.o_b,
+                        sp ? tp.reduce_scatter_to_sequence_region_backward(dres_, gathered_, S * C) : dres_, a.att,
+                        cw(w.o_w), N, H * D, C, false);
   ops_->attention_backward(dqkv_, datt_, a.qkv, a.att, a.lse, B, T, H, KV, D, scratch_, doc_starts());
   if (!arch_.learned_pos) {
     ops_->rope_backward(dqkv_, rope_cos_, rope_sin_, B, T, H, D, Q, doc_positions());
@@ -517,8 +526,9 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
   }
   // ln1 into the shared buffer, now that the fc GEMM's backward is done with ln2.
   if (plan_.recompute == Recompute::Selective) norm_forward(l, false, S);
-  ops_->matmul_backward(dln_, gw.qkv_w, gw.qkv_b, dqkv_, sp ? gather_rows(a.ln1, S) : a.ln1, cw(w.qkv_w), N, C, Q,
-                        false);
+  ops_->matmul_backward(dln_, gw.qkv_w, gw.qkv_b, dqkv_,
+                        sp ? tp.gather_from_sequence_region_forward(a.ln1, gathered_, S * C) : a.ln1, cw(w.qkv_w), N, C,
+                        Q, false);
   reduce_input_grad(N, S);
   norm_backward(dres_, gw.ln1_w, gw.ln1_b, dln_, x, w.ln1_w, a.ln1_mean, a.ln1_rstd, S);
 }
@@ -528,9 +538,14 @@ void Model::embedding_backward(const int32_t* tokens, int64_t B, int64_t T) {
   LATHE_CHECK(has_gradients(), "model: backward pass on a model built without gradients");
   // dres_ is whole on every rank (sequence parallelism: gathered from every rank's rows): each
   // vocab shard adds its own rows of dwte; dwpe (replicated) is the same on every rank.
+  // The backward of embedding_forward's way into the stream: a split vocabulary's rows were
+  // reduce-scattered, a whole one's scattered (both all-gather the gradient).
   const VocabParallel* vp = vocab_parallel();
-  const int64_t S = stream_rows(B, T, true);
-  const void* dout = seq_parallel() ? gather_rows(dres_, S) : dres_;
+  const int64_t S = stream_rows(B, T, true), SC = S * cfg_.hidden_size;
+  const TpMappings& tp = hooks_.tp;
+  const void* dout = !seq_parallel() ? dres_
+                     : vp            ? tp.reduce_scatter_to_sequence_region_backward(dres_, gathered_, SC)
+                                     : tp.scatter_to_sequence_region_backward(dres_, gathered_, SC);
   ops_->embedding_backward(g_.wte, g_.wpe, dout, to_backend(tokens, B * T, true), B, T, cfg_.hidden_size,
                            doc_positions(), vp ? vp->vocab_begin : 0, cfg_.vocab_size);
 }
@@ -591,17 +606,19 @@ void Model::head_logits(int64_t B, int64_t T, float* logits) {
     return;
   }
   // Vocab parallel: this rank's columns [B*T, V_local], then every rank's gathered into [B*T, V].
-  LATHE_CHECK(hooks_.gather_vocab != nullptr, "model: vocab-parallel logits need StepHooks::gather_vocab");
+  LATHE_CHECK(hooks_.tp.comm.gather_vocab != nullptr,
+              "model: vocab-parallel logits need StepHooks::tp.comm.gather_vocab (gather_from_tensor_region)");
   std::vector<float> local(static_cast<size_t>(B * T * cfg_.vocab_size));
   ops_->logits_forward(local.data(), lnf_, cw(p_.lm_head), B * T, cfg_.hidden_size, cfg_.vocab_size);
-  hooks_.gather_vocab(local.data(), logits, B * T, cfg_.vocab_size);
+  hooks_.tp.gather_from_tensor_region_forward(local.data(), logits, B * T, cfg_.vocab_size);
 }
 
 void Model::forward_last_logits(const int32_t* tokens, int64_t B, int64_t T, float* logits) {
   forward_body(tokens, B, T);
   const int64_t C = cfg_.hidden_size, V = cfg_.vocab_size;
   const bool vp = vocab_parallel() != nullptr;
-  LATHE_CHECK(!vp || hooks_.gather_vocab != nullptr, "model: vocab-parallel logits need StepHooks::gather_vocab");
+  LATHE_CHECK(!vp || hooks_.tp.comm.gather_vocab != nullptr,
+              "model: vocab-parallel logits need StepHooks::tp.comm.gather_vocab (gather_from_tensor_region)");
   std::vector<float> local(vp ? static_cast<size_t>(B * V) : 0);
   if (on_device()) {  // as forward_logits: into a device buffer, then to the host
     DeviceBuffer d(*backend_, static_cast<size_t>(B * V), DType::F32);
@@ -615,7 +632,7 @@ void Model::forward_last_logits(const int32_t* tokens, int64_t B, int64_t T, flo
   for (int64_t b = 0; b < B; ++b)
     ops_->logits_forward(vp ? local.data() + b * V : logits + b * V, act_at(lnf_, (b * T + T - 1) * C), cw(p_.lm_head),
                          1, C, V);
-  if (vp) hooks_.gather_vocab(local.data(), logits, B, V);
+  if (vp) hooks_.tp.gather_from_tensor_region_forward(local.data(), logits, B, V);
 }
 
 }  // namespace lathe

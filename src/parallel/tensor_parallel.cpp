@@ -195,14 +195,14 @@ void init_shard(Model& m, const ParamTable& global, int rank, int tp, uint64_t s
 }
 
 namespace {
-// StepHooks::vocab's reduction: the per-row statistics of the vocab-parallel loss (max, then sums).
+// StepHooks::tp.vocab's reduction: the per-row statistics of the vocab-parallel loss (max, then sums).
 void vocab_all_reduce(void* ctx, double* buf, int64_t count, bool max) {
   static_cast<dist::Communicator*>(ctx)->all_reduce(buf, static_cast<size_t>(count), DType::F64,
                                                     max ? dist::ReduceOp::Max : dist::ReduceOp::Sum);
 }
 
 // The vocab-parallel embedding and head: this rank's rows of the vocabulary, the loss statistics'
-// reduction and the gathering of logits (evaluation).
+// reduction and the gathering of logits (evaluation: gather_from_tensor_region).
 void attach_vocab_parallel(Model& m, dist::Communicator& tp_group) {
   const ModelConfig& cfg = m.config();
   const int tp = tp_group.size();
@@ -213,7 +213,7 @@ void attach_vocab_parallel(Model& m, dist::Communicator& tp_group) {
               "tensor parallel: rank {}'s model holds {} vocabulary rows, not its {} of {}; build it from "
               "tensor_parallel_config with its rank",
               tp_group.rank(), cfg.vocab_size, mine.rows, V);
-  VocabParallel& vp = m.hooks().vocab;
+  VocabParallel& vp = m.hooks().tp.vocab;
   vp.vocab_begin = mine.begin;
   vp.global_V = V;
   vp.all_reduce = vocab_all_reduce;
@@ -221,7 +221,7 @@ void attach_vocab_parallel(Model& m, dist::Communicator& tp_group) {
   dist::Communicator* group = &tp_group;
   // [M, V_r] on rank r -> all-gather (rank r's block of M * V_r after the lower ranks') -> [M, V]
   // (rank r's columns at vocab_shard(V, tp, r).begin).
-  m.hooks().gather_vocab = [group, V](const float* local, float* whole, int64_t M, int64_t Vl) {
+  m.hooks().tp.comm.gather_vocab = [group, V](const float* local, float* whole, int64_t M, int64_t Vl) {
     const int n = group->size();
     LATHE_CHECK(Vl == vocab_shard(V, n, group->rank()).rows, "internal: gather_vocab of {} columns on rank {}", Vl,
                 group->rank());
@@ -243,29 +243,30 @@ void attach_vocab_parallel(Model& m, dist::Communicator& tp_group) {
   };
 }
 
-// The sequence-parallel row hooks (see StepHooks): counts are per rank, in compute-dtype elements.
+// The sequence-parallel row collectives (models/tp_mappings.h's TpCollectives: the sequence pairs'
+// halves and the norm-gradient reduction): counts are per rank, in compute-dtype elements.
 void attach_sequence_parallel(Model& m, dist::Communicator* group) {
   const DType dt = m.compute_dtype();
   const size_t es = dtype_size(dt);
   const int tp = group->size(), rank = group->rank();
   auto counts = [tp](int64_t n) { return std::vector<size_t>(static_cast<size_t>(tp), static_cast<size_t>(n)); };
-  StepHooks& h = m.hooks();
+  TpCollectives& h = m.hooks().tp.comm;
   // An all-gather moves bytes: the same for every dtype. send aliases nothing of recv here.
-  h.gather_rows = [group, dt, counts](const void* shard, void* full, int64_t n) {
+  h.all_gather_rows = [group, dt, counts](const void* shard, void* full, int64_t n) {
     group->all_gather(shard, full, counts(n), dt);
   };
-  h.take_rows = [rank, es](const void* full, void* shard, int64_t n) {
+  h.split_rows = [rank, es](const void* full, void* shard, int64_t n) {
     const auto* src = static_cast<const std::byte*>(full) + static_cast<size_t>(rank) * static_cast<size_t>(n) * es;
     if (src != shard) std::memmove(shard, src, static_cast<size_t>(n) * es);
   };
-  h.reduce_norm_grads = [group](float* g, int64_t n) { group->all_reduce(g, static_cast<size_t>(n), DType::F32); };
+  h.all_reduce_f32 = [group](float* g, int64_t n) { group->all_reduce(g, static_cast<size_t>(n), DType::F32); };
   if (dt == DType::F32) {
     h.reduce_scatter_rows = [group, counts](void* full, void* shard, int64_t n) {
       group->reduce_scatter(full, shard, counts(n), DType::F32);
     };
     return;
   }
-  // 16-bit: widened, summed in fp32 in rank order and rounded once, as reduce_partial does, so each
+  // 16-bit: widened, summed in fp32 in rank order and rounded once, as all_reduce does, so each
   // row equals the all-reduce's. [tp*S, C] fp32 staging per call.
   auto staging = std::make_shared<std::vector<float>>();
   h.reduce_scatter_rows = [group, staging, dt, tp, counts](void* full, void* shard, int64_t n) {
@@ -303,7 +304,7 @@ void attach_tensor_parallel(Model& m, dist::Communicator& tp_group) {
     attach_sequence_parallel(m, group);
   }
   if (dt == DType::F32) {
-    m.hooks().reduce_partial = [group](void* buf, int64_t count) {
+    m.hooks().tp.comm.all_reduce = [group](void* buf, int64_t count) {
       group->all_reduce(buf, static_cast<size_t>(count), DType::F32);
     };
     return;
@@ -314,7 +315,7 @@ void attach_tensor_parallel(Model& m, dist::Communicator& tp_group) {
   // widened, the sum taken in fp32 in rank order, and rounded once, so a row-parallel output carries
   // tp + 1 roundings where one process has one. [N, C] fp32 staging per call.
   auto staging = std::make_shared<std::vector<float>>();
-  m.hooks().reduce_partial = [group, staging, dt](void* buf, int64_t count) {
+  m.hooks().tp.comm.all_reduce = [group, staging, dt](void* buf, int64_t count) {
     staging->resize(static_cast<size_t>(count));
     auto* h = static_cast<uint16_t*>(buf);
     float* f = staging->data();

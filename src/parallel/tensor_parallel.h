@@ -1,9 +1,11 @@
 // Tensor parallelism (Megatron-LM's column/row splits) applied to a model from outside: each rank
 // builds the family's model from a config with its share of the heads and of the MLP width
 // (tensor_parallel_config), so the model body runs unchanged on smaller GEMMs; the shard rules of
-// the parameter table say which slice of each global tensor a rank holds; and one hook
-// (StepHooks::reduce_partial) sums the partial products of the row-parallel GEMMs in forward and
-// the partial input gradients of the column-parallel GEMMs in backward (Megatron's g and f).
+// the parameter table say which slice of each global tensor a rank holds; and the group's
+// collectives, installed on the model's StepHooks::tp, are called as Megatron's paired mappings
+// (models/tp_mappings.h): reduce_from_tensor_region ("g") sums the partial products of the
+// row-parallel GEMMs in forward, copy_to_tensor_region ("f") the partial input gradients of the
+// column-parallel GEMMs in backward (one all-reduce).
 //
 //   q|k|v, fc / gate|up   Column  rows split (per section: GPT-2's fused c_attn gives each rank its
 //                                  heads of q, of k and of v), bias split the same way
@@ -13,7 +15,7 @@
 //   wte, lm_head          Vocab   rows split: rank r holds vocab_shard(V, tp, r) (V/tp rows each when
 //                                  tp divides V, else the first V % tp ranks one row more)
 //
-// Vocab parallel (Megatron's VocabParallelEmbedding and parallel cross-entropy; StepHooks::vocab):
+// Vocab parallel (Megatron's VocabParallelEmbedding and parallel cross-entropy; StepHooks::tp.vocab):
 // the embedding looks up the rank's own tokens (zero rows for the others; wpe added by rank 0) and
 // the partial outputs are all-reduced; the head computes local logits [rows, V/tp] per chunk, the
 // row max all-reduced (max), the sum of exp and the target logit all-reduced (sum), so the whole
@@ -30,12 +32,14 @@
 // Sequence parallelism (`sequence`, Megatron's --sequence-parallel): between the parallel regions
 // rank r holds only rows [r*N/tp, (r+1)*N/tp) of the [N = B*T, C] residual stream, with its norms
 // and their statistics (activation memory of those buffers / tp). The all-reduce after a
-// row-parallel GEMM becomes a reduce-scatter into the rank's rows, an all-gather of the norm output
-// precedes each column-parallel GEMM; in backward the duals (all-gather of the residual gradient
-// before the row-parallel GEMMs' backward, reduce-scatter of the column-parallel input gradient).
-// The embedding output enters the stream by each rank taking its rows; the final norm runs on the
-// rows and is all-gathered before the lm head. Norm weights see only the rank's rows, so their
-// gradients are summed over the group (StepHooks::reduce_norm_grads). Every value is the one of
+// row-parallel GEMM becomes a reduce-scatter into the rank's rows (reduce_scatter_to_sequence_region),
+// an all-gather of the norm output precedes each column-parallel GEMM (gather_from_sequence_region);
+// in backward the duals (all-gather of the residual gradient before the row-parallel GEMMs'
+// backward, reduce-scatter of the column-parallel input gradient). The embedding output enters the
+// stream by each rank taking its rows (scatter_to_sequence_region; a split vocabulary's partial
+// lookups are reduce-scattered); the final norm runs on the rows and is all-gathered before the lm
+// head. Norm weights see only the rank's rows, so their
+// gradients are summed over the group (reduce_sequence_norm_grads). Every value is the one of
 // tensor parallelism without it, bit for bit: the reductions sum the same partials in the same
 // rank order, and a shard config sums its norm-weight gradients in tp row chunks either way.
 #pragma once
@@ -90,13 +94,13 @@ void gather_global(dist::Communicator& tp_group, const ParamTable& global, const
 // refreshes the compute-dtype copies.
 void init_shard(Model& local, const ParamTable& global, int rank, int tp, uint64_t seed);
 
-// Installs StepHooks::reduce_partial on `m`: an all-reduce over `tp_group` (deterministic, in rank
-// order, src/dist/comm.h); bf16/fp16 activations are summed in fp32 and rounded once. And the
-// vocab-parallel hooks (StepHooks::vocab: this rank's vocabulary rows, the loss statistics'
-// all-reduce; gather_vocab for logits). With a sequence-parallel config also the row hooks
-// (gather_rows: all-gather; reduce_scatter_rows: reduce-scatter, 16-bit summed in fp32 as above;
-// take_rows: this rank's rows; reduce_norm_grads: fp32 all-reduce). tp_group must outlive the
-// model's passes and have m.config().tensor_parts ranks.
+// Installs the collectives of StepHooks::tp on `m` (models/tp_mappings.h, whose pairs the model
+// calls): all_reduce over `tp_group` (deterministic, in rank order, src/dist/comm.h; bf16/fp16
+// activations are summed in fp32 and rounded once); the vocab-parallel shard (StepHooks::tp.vocab:
+// this rank's vocabulary rows, the loss statistics' all-reduce) and gather_vocab for logits. With a
+// sequence-parallel config also the row collectives (all_gather_rows; reduce_scatter_rows, 16-bit
+// summed in fp32 as above; split_rows: this rank's rows; all_reduce_f32: the norm gradients).
+// tp_group must outlive the model's passes and have m.config().tensor_parts ranks.
 void attach_tensor_parallel(Model& m, dist::Communicator& tp_group);
 
 // Which elements of the local flat buffer count towards global sums (gradient norm, parameter

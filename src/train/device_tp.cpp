@@ -12,7 +12,7 @@ namespace lathe {
 
 namespace {
 
-// StepHooks::vocab's reduction over the device group: fp64 device buffers (the per-row max, then
+// StepHooks::tp.vocab's reduction over the device group: fp64 device buffers (the per-row max, then
 // the sums of the vocab-parallel loss).
 struct VocabCtx {
   dist::Communicator* group;
@@ -25,38 +25,40 @@ void device_vocab_all_reduce(void* ctx, double* buf, int64_t count, bool max) {
   c->group->all_reduce(buf, static_cast<size_t>(count), DType::F64, max ? dist::ReduceOp::Max : dist::ReduceOp::Sum);
 }
 
-// The CPU hooks (parallel::attach_tensor_parallel over `g`) made device-safe: the backend's stream
-// synchronised before each collective, 16-bit reductions in NCCL's own type, take_rows a device copy.
-void install_device_hooks(Model& m, dist::Communicator* g) {
+// The CPU collectives (parallel::attach_tensor_parallel over `g`; models/tp_mappings.h) made
+// device-safe: the backend's stream synchronised before each collective, 16-bit reductions in NCCL's
+// own type, split_rows a device copy. Only those the CPU installed are replaced.
+void install_device_collectives(Model& m, dist::Communicator* g) {
   const Backend* be = &m.backend();
   const DType dt = m.compute_dtype();
   const size_t es = dtype_size(dt);
   const int tp = g->size(), rank = g->rank();
   auto counts = [tp](int64_t n) { return std::vector<size_t>(static_cast<size_t>(tp), static_cast<size_t>(n)); };
-  StepHooks& h = m.hooks();
+  TpMappings& tpm = m.hooks().tp;
+  TpCollectives& h = tpm.comm;
   auto ctx = std::make_shared<VocabCtx>(VocabCtx{g, be});
-  // ctx lives as long as this hook (the model's): the vocab hook is a plain pointer + context.
-  h.reduce_partial = [g, be, dt, ctx](void* buf, int64_t n) {
+  // ctx lives as long as this collective (the model's): the vocab reduction is a plain pointer + context.
+  h.all_reduce = [g, be, dt, ctx](void* buf, int64_t n) {
     be->synchronize();
     g->all_reduce(buf, static_cast<size_t>(n), dt);
   };
-  if (h.vocab.all_reduce) {
-    h.vocab.all_reduce = device_vocab_all_reduce;
-    h.vocab.ctx = ctx.get();
+  if (tpm.vocab.all_reduce) {
+    tpm.vocab.all_reduce = device_vocab_all_reduce;
+    tpm.vocab.ctx = ctx.get();
   }
-  if (h.gather_rows)
-    h.gather_rows = [g, be, dt, counts](const void* shard, void* full, int64_t n) {
+  if (h.all_gather_rows)
+    h.all_gather_rows = [g, be, dt, counts](const void* shard, void* full, int64_t n) {
       be->synchronize();
       g->all_gather(shard, full, counts(n), dt);
     };
-  if (h.take_rows)
-    h.take_rows = [be, rank, es](const void* full, void* shard, int64_t n) {
+  if (h.split_rows)
+    h.split_rows = [be, rank, es](const void* full, void* shard, int64_t n) {
       const auto* src = static_cast<const std::byte*>(full) + static_cast<size_t>(rank) * static_cast<size_t>(n) * es;
       // rank > 0: [rank*n, (rank+1)*n) and [0, n) do not overlap (stream-ordered copy, no wait).
       if (src != shard) be->copy(shard, src, static_cast<size_t>(n) * es, CopyKind::DeviceToDevice);
     };
-  if (h.reduce_norm_grads)
-    h.reduce_norm_grads = [g, be](float* grads, int64_t n) {
+  if (h.all_reduce_f32)
+    h.all_reduce_f32 = [g, be](float* grads, int64_t n) {
       be->synchronize();
       g->all_reduce(grads, static_cast<size_t>(n), DType::F32);
     };
@@ -85,9 +87,9 @@ std::unique_ptr<dist::Communicator> attach_tensor_parallel_on_device(Model& mode
     group = dist::make_nccl_communicator(tp_host, k->device_index());  // collective over tp_host
   }
   parallel::attach_tensor_parallel(model, *group);
-  // The host test path takes the device hooks too where they run on host memory (fp32: the 16-bit
+  // The host test path takes the device collectives too where they run on host memory (fp32: the 16-bit
   // ones reduce in NCCL's 16-bit types, which the host communicators do not have).
-  if (!on_host || model.compute_dtype() == DType::F32) install_device_hooks(model, group.get());
+  if (!on_host || model.compute_dtype() == DType::F32) install_device_collectives(model, group.get());
   return group;
 }
 

@@ -1,15 +1,16 @@
 // Tensor parallelism (parallel/tensor_parallel.h) of a device-resident model (device: cuda): the
-// model's StepHooks get an NCCL group of the tensor-parallel ranks, so the partial sums of the
-// row-parallel GEMMs, the vocab-parallel loss statistics and (sequence parallelism) the row
-// gathers and reduce-scatters move device buffers over NCCL, never through host copies.
+// collectives of the model's StepHooks::tp (models/tp_mappings.h) run over an NCCL group of the
+// tensor-parallel ranks, so the partial sums of the row-parallel GEMMs, the vocab-parallel loss
+// statistics and (sequence parallelism) the row gathers and reduce-scatters move device buffers
+// over NCCL, never through host copies.
 //
-//  * Every hook first synchronises the backend's stream: the model issues the hook when the kernels
+//  * Every collective first synchronises the backend's stream: the model calls it when the kernels
 //    that write its buffer have been *issued*; NCCL runs on its own stream (dist/nccl_comm.h) and
 //    its blocking calls return with the result complete, so the next kernels see it.
-//  * fp32: the same hooks as the CPU (all_reduce / reduce_scatter / all_gather of the group);
+//  * fp32: the same collectives as the CPU (all_reduce / reduce_scatter / all_gather of the group);
 //    bf16/fp16: NCCL reduces in the 16-bit type itself (a sum rounded at each of NCCL's steps:
 //    one rounding at tp = 2, as the CPU's widen-sum-round; more for larger tp) where the CPU path
-//    widens to fp32 and sums in rank order. take_rows is a device-to-device copy.
+//    widens to fp32 and sums in rank order. split_rows is a device-to-device copy.
 //  * The vocab-parallel statistics are fp64 device buffers (kernels/cuda/lm_head_loss.cu), reduced
 //    with NCCL's max / sum.
 //  * What stays refused on the device (check_device_layout): LAMB (its per-tensor norms under
@@ -29,8 +30,8 @@ namespace lathe {
 // Replaces parallel::attach_tensor_parallel for the trainer: on a host model (the CPU path) it is
 // exactly that and returns null; on a device model (or the host test path of train/device_step.h:
 // LATHE_TEST_DEVICE_PATH_ON_HOST, which runs the CPU model through here with a second host group)
-// it builds the device group over `tp_host` (NCCL; collective) and installs the hooks over it. The returned group
-// must outlive the model's passes.
+// it builds the device group over `tp_host` (NCCL; collective) and installs the collectives over it.
+// The returned group must outlive the model's passes.
 std::unique_ptr<dist::Communicator> attach_tensor_parallel_on_device(Model& model, dist::Communicator& tp_host);
 
 // The gradient norm of tensor parallelism (parallel::tensor_parallel_grad_norm) with the chunk sums

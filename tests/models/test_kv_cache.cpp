@@ -161,7 +161,7 @@ TEST(KvCache, RefusesWhatItCannotDecode) {
   EXPECT_NE(e.find("outside the vocabulary"), std::string::npos) << e;
   EXPECT_EQ(c.size(), 0);
   // Tensor-parallel layers (a partial sum to reduce) are refused by name.
-  g->hooks().reduce_partial = [](void*, int64_t) {};
+  g->hooks().tp.comm.all_reduce = [](void*, int64_t) {};
   EXPECT_NE(kv_cache_unsupported_reason(*g).find("tensor parallelism"), std::string::npos);
   e = error_of([&] { KvCache ct(*g, 1, 4); });
   EXPECT_NE(e.find("tensor parallelism"), std::string::npos) << e;

@@ -13,12 +13,15 @@
 
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <mutex>
+#include <string>
 
 #include "core/error.h"
 #include "dist/comm.h"
 #include "models/memory.h"
 #include "models/model.h"
+#include "models/tp_mappings.h"
 #include "parallel/tensor_parallel.h"
 #include "tp_fixtures.h"
 
@@ -235,5 +238,54 @@ TEST(SequenceParallel, ErrorsNameTheSetting) {
     FAIL() << "a sequence-parallel pass without hooks ran";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("attach_tensor_parallel"), std::string::npos) << e.what();
+  }
+}
+
+// The collectives a training pass calls, counted per kind, follow the region pairs of
+// models/tp_mappings.h (L layers; a tensor-parallel shard's vocabulary is always split):
+//  * without sequence parallelism, all-reduces: reduce_from_tensor_region forward after the 2L
+//    row-parallel GEMMs and the embedding, copy_to_tensor_region backward on the 2L column-parallel
+//    input gradients and the head's (4L + 2);
+//  * with it, no all-reduce; all-gathers: gather_from_sequence_region forward before the 2L
+//    column-parallel GEMMs and the lm head, again before their 2L weight gradients, and
+//    reduce_scatter_to_sequence_region backward before the 2L row-parallel GEMMs' backward and the
+//    embedding's (6L + 2); reduce-scatters: the forwards of reduce_scatter_to_sequence_region (2L + 1)
+//    and the backwards of gather_from_sequence_region (2L + 1); no split (the vocabulary is split);
+//    the norm weights' fp32 all-reduce for the 2L layer norms and the final norm (2L + 1).
+TEST(SequenceParallel, EveryRegionsCollectivesRunOncePerDirection) {
+  const ModelConfig cfg = ModelConfig::preset("gpt2-debug");
+  const int64_t L = cfg.num_hidden_layers;
+  auto global = build_model(cfg);
+  perturbed_init(*global);
+  for (bool sequence : {false, true}) {
+    std::vector<std::map<std::string, int64_t>> counts(2);
+    dist::run_threads(2, [&](dist::Communicator& comm) {
+      auto m = attached_shard(*global, tensor_parallel_config(cfg, 2, sequence), comm, comm.rank(), 2);
+      m->allocate(kB, kT);
+      std::map<std::string, int64_t>& n = counts[static_cast<size_t>(comm.rank())];
+      TpCollectives& c = m->hooks().tp.comm;
+      auto wrap = [&n](auto& fn, const char* name) {
+        if (!fn) return;
+        fn = [inner = fn, &n, name](auto... args) {
+          ++n[name];
+          inner(args...);
+        };
+      };
+      wrap(c.all_reduce, "all_reduce");
+      wrap(c.all_gather_rows, "all_gather_rows");
+      wrap(c.reduce_scatter_rows, "reduce_scatter_rows");
+      wrap(c.split_rows, "split_rows");
+      wrap(c.all_reduce_f32, "all_reduce_f32");
+      wrap(c.gather_vocab, "gather_vocab");
+      const Batch b = batch(cfg, 0);
+      m->forward_backward(b.tokens.data(), b.targets.data(), kB, kT, 1.0f / (kB * kT), true);
+    });
+    const std::map<std::string, int64_t> want = sequence
+                                                    ? std::map<std::string, int64_t>{{"all_gather_rows", 6 * L + 2},
+                                                                                     {"reduce_scatter_rows", 4 * L + 2},
+                                                                                     {"all_reduce_f32", 2 * L + 1}}
+                                                    : std::map<std::string, int64_t>{{"all_reduce", 4 * L + 2}};
+    EXPECT_EQ(counts[0], want) << "sequence " << sequence;
+    EXPECT_EQ(counts[1], want) << "sequence " << sequence;
   }
 }

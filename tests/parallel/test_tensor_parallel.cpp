@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <mutex>
+#include <string>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -22,6 +23,7 @@
 #include "dist/comm.h"
 #include "kernels/backend.h"
 #include "models/model.h"
+#include "models/tp_mappings.h"
 #include "parallel/tensor_parallel.h"
 #include "tp_fixtures.h"
 
@@ -242,7 +244,7 @@ TEST(TensorParallel, VocabParallelLossMatchesWholeVocabularyInEveryTable) {
   }
 }
 
-// forward_logits of the shard models (local logits gathered by StepHooks::gather_vocab) are the
+// forward_logits of the shard models (local logits gathered by gather_from_tensor_region) are the
 // one-process logits: the same dot products, so within 1e-5 relative (the layers' reductions).
 TEST(TensorParallel, GatheredLogitsMatchOneProcess) {
   for (const Family& f : families()) {
@@ -405,4 +407,54 @@ TEST(TensorParallel, ShardConfigCountsItsOwnParameters) {
         EXPECT_EQ(c.num_parameters(), static_cast<int64_t>(build_model(c)->num_params()))
             << f.name << " tp=" << tp << " rank " << r;
       }
+}
+
+// Each half of the region pairs (models/tp_mappings.h) calls the collective the table names, on
+// the buffers it is given; identity halves are not calls. Recorded on stand-in collectives.
+TEST(TensorParallel, RegionPairsCallTheirCollectives) {
+  std::vector<std::string> log;
+  TpMappings tp;
+  EXPECT_FALSE(tp.tensor_parallel());
+  EXPECT_FALSE(tp.sequence_parallel());
+  char full[8], shard[4];
+  float f32[2], whole[4];
+  auto entry = [](const char* what, const void* a, const void* b, int64_t n) {
+    return fmt::format("{} {} {} {}", what, a, b, n);
+  };
+  auto note = [&](const char* what, const void* a, const void* b, int64_t n) { log.push_back(entry(what, a, b, n)); };
+  tp.comm.all_reduce = [&](void* buf, int64_t n) { note("all_reduce", buf, nullptr, n); };
+  tp.comm.all_gather_rows = [&](const void* s, void* f, int64_t n) { note("all_gather", s, f, n); };
+  tp.comm.reduce_scatter_rows = [&](void* f, void* s, int64_t n) { note("reduce_scatter", f, s, n); };
+  tp.comm.split_rows = [&](const void* f, void* s, int64_t n) { note("split", f, s, n); };
+  tp.comm.all_reduce_f32 = [&](float* g, int64_t n) { note("all_reduce_f32", g, nullptr, n); };
+  tp.comm.gather_vocab = [&](const float* l, float* w, int64_t M, int64_t v) { note("gather_vocab", l, w, M * v); };
+  EXPECT_TRUE(tp.tensor_parallel());
+  EXPECT_TRUE(tp.sequence_parallel());
+  auto expect = [&](const std::string& want) {
+    ASSERT_EQ(log.size(), 1u) << want;
+    EXPECT_EQ(log[0], want);
+    log.clear();
+  };
+  tp.copy_to_tensor_region_backward(full, 8);
+  expect(entry("all_reduce", full, nullptr, 8));
+  tp.reduce_from_tensor_region_forward(full, 8);
+  expect(entry("all_reduce", full, nullptr, 8));
+  EXPECT_EQ(tp.gather_from_sequence_region_forward(shard, full, 4), full);
+  expect(entry("all_gather", shard, full, 4));
+  tp.gather_from_sequence_region_backward(full, shard, 4);
+  expect(entry("reduce_scatter", full, shard, 4));
+  tp.gather_from_sequence_region_backward_whole(full, shard, 4);
+  expect(entry("split", full, shard, 4));
+  tp.reduce_scatter_to_sequence_region_forward(full, shard, 4);
+  expect(entry("reduce_scatter", full, shard, 4));
+  EXPECT_EQ(tp.reduce_scatter_to_sequence_region_backward(shard, full, 4), full);
+  expect(entry("all_gather", shard, full, 4));
+  tp.scatter_to_sequence_region_forward(full, shard, 4);
+  expect(entry("split", full, shard, 4));
+  EXPECT_EQ(tp.scatter_to_sequence_region_backward(shard, full, 4), full);
+  expect(entry("all_gather", shard, full, 4));
+  tp.gather_from_tensor_region_forward(f32, whole, 1, 2);
+  expect(entry("gather_vocab", f32, whole, 2));
+  tp.reduce_sequence_norm_grads(f32, 2);
+  expect(entry("all_reduce_f32", f32, nullptr, 2));
 }
