@@ -310,7 +310,7 @@ class Parser {
     need(!r.output.dir.empty(), "output.dir", "is empty");
     schema::check_bounds(r, rep_, "output");
     schema::check_bounds(r, rep_, "parallel");
-    // parallel (the degrees against the world size: when training starts, train/trainer.cpp)
+    // parallel (the degrees against the world size: when training starts, train/session.cpp)
     const auto& p = r.parallel;
     // Sequence parallelism shards the N = micro_batch_size x seq_len rows over the tensor ranks.
     need(!p.sequence || p.tensor > 1, "parallel.sequence",

@@ -133,7 +133,7 @@ struct Recipe {
     // A step whose loss or gradient norm is NaN/Inf is skipped (no update; data, step counter and
     // schedule advance). This many consecutive skipped steps stop the run; 0 = never stop.
     int64_t max_skipped_steps = optim::kDefaultMaxSkippedSteps;
-    // Multiple-choice task file (train/eval_tasks.h; JSONL context/endings/label) scored every
+    // Multiple-choice task file (eval/eval_tasks.h; JSONL context/endings/label) scored every
     // eval_tasks_interval steps (0 = at training.eval_interval) and at the end; "" = none.
     std::string eval_tasks;
     int64_t eval_tasks_interval = 0;

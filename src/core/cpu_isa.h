@@ -1,5 +1,5 @@
 // The instruction set lathe's own hand-written kernels use, chosen once per process at run time
-// (the fp32 <-> bf16/fp16 conversions of kernels/cpu/convert_bf16.cpp and half.h). Those kernels
+// (the fp32 <-> bf16/fp16 conversions of kernels/cpu/convert_bf16.cpp and storage.h). Those kernels
 // are compiled for AVX-512 / AVX512-BF16 with per-function target attributes whatever the build's
 // LATHE_ARCH is, so one portable binary (-DLATHE_ARCH=x86-64-v3) runs them where the CPU has them
 // and the AVX2 (x86-64-v3) code elsewhere; every path gives bit-identical results (they are exact

@@ -1,5 +1,5 @@
 // A stop request (SIGINT / SIGTERM) that long work before the training loop polls: `lathe train`'s
-// signal handler (train/trainer.cpp) stores the signal here, and blend planning (data/blend.h)
+// signal handler (train/run_control.cpp) stores the signal here, and blend planning (data/blend.h)
 // checks it between chunks so that a signal during startup stops it promptly (issue 23 H3).
 // `Interrupted` is the error such work throws: the CLI prints it and exits with its code (75, as a
 // run stopped at a step boundary) instead of 1.

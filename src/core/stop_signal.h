@@ -3,7 +3,7 @@
 // default action, so a second one ends the process at once, as in `lathe train`); the tool polls
 // stop_signal() at safe points (between tensors, between files) and unwinds with an error, its
 // RAII writers removing their temporaries (io::AtomicFileWriter). Without a guard stop_signal() is
-// always 0. `lathe train` keeps its own handler (train/trainer.cpp): it saves a checkpoint instead.
+// always 0. `lathe train` keeps its own handler (train/run_control.cpp): it saves a checkpoint instead.
 #pragma once
 
 namespace lathe {

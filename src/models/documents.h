@@ -31,7 +31,7 @@ void documents_from_eod(const int32_t* tokens, int64_t B, int64_t T, int32_t eod
 // are [n]; returns the number of targets that are not ignored afterwards (target >= 0).
 int64_t mask_loss_after_eod(const int32_t* tokens, int32_t* targets, int64_t n, int32_t eod);
 
-// What a recipe's data section asks of the samples, with the EOD id resolved (train/trainer.cpp).
+// What a recipe's data section asks of the samples, with the EOD id resolved (train/preflight.h recipe_documents).
 struct DocumentOptions {
   bool document_attention = false;  // data.attention: document
   bool reset_positions = false;     // data.reset_position_ids

@@ -28,7 +28,7 @@ struct RankLayout {
   int tp = 1, dp = 1, pp = 1;
   int tp_rank = 0, dp_rank = 0, pp_rank = 0;
   // The layout of world rank `rank` of `world` ranks with tensor degree tp and pipeline degree pp
-  // (world must be a multiple of tp * pp: train/trainer.cpp checks it with the recipe's names).
+  // (world must be a multiple of tp * pp: train/session.cpp checks it with the recipe's names).
   static RankLayout of(int rank, int world, int tp, int pp);
   bool model_parallel() const { return tp > 1 || pp > 1; }
 };

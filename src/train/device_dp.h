@@ -6,7 +6,7 @@
 //    all_reduce; ZeRO 1/2: reduce_scatter onto this rank's FlatShards shard, in place: parallel::GradSync over the
 //    device group) and, after a ZeRO 1/2 update, the all-gather of the weights' shards;
 //  * the HOST group (MPI, the trainer's `dpc`) carries the step's scalars: the loss sum and the token count
-//    (trainer.cpp), the gradient norm's chunk sums under ZeRO (a few doubles per rank), LAMB's per-chunk sums, stop
+//    (train/train_step.cpp), the gradient norm's chunk sums under ZeRO (a few doubles per rank), LAMB's per-chunk sums, stop
 //    flags. Their sums are lathe's rank-order host sums (dist/comm.h).
 //
 // When the gradients are reduced: bucketed during the last micro-batch's backward, from the model's grads_ready hook,

@@ -8,7 +8,7 @@
 // elements from the overlapping pieces only: the files are mmap'ed and just those byte ranges are
 // touched, so a rank resuming with another layout reads its share, never whole files.
 //
-// What a run of a layout (tensor T, pipeline P, data D, ZeRO Z) writes (train/trainer.cpp), which
+// What a run of a layout (tensor T, pipeline P, data D, ZeRO Z) writes (train/checkpointer.cpp), which
 // reshard_checkpoint reproduces offline:
 //   model.safetensors            every weight whole (rank 0 of the run, gathered across T)
 //   T = P = D = 1                optimizer.safetensors: every moment whole

@@ -1,5 +1,5 @@
 // The run directory (output.dir) at the start of `lathe train`: never silently reused, and what a
-// resume does to the checkpoints of a timeline it abandons. Internal to src/train (trainer.cpp).
+// resume does to the checkpoints of a timeline it abandons. Internal to src/train (train/session.cpp).
 //
 // A run directory "holds a run" when it contains what a training run leaves behind: metrics.jsonl,
 // anomalies.jsonl, a non-empty checkpoints/, model/, trace/ or a step_XXXXXXXX HF directory
