@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <csignal>
 #include <cstring>
@@ -69,7 +70,10 @@ void probe_output_dir(const Recipe& r, bool check_only) {
   if (ec)
     throw_error("{}: cannot create the directory: {} (set output.dir to a writable location)", out_field(r),
                 ec.message());
-  const std::string probe = (dir / fmt::format(".lathe_write_probe.{}", ::getpid())).string();
+  // Unique per call, not only per process: the ranks of an in-process (thread) group check the
+  // same directory at the same time.
+  static std::atomic<uint64_t> probes{0};
+  const std::string probe = (dir / fmt::format(".lathe_write_probe.{}.{}", ::getpid(), probes++)).string();
   const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   const int err = errno;
   if (fd >= 0) {
