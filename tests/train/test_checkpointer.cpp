@@ -120,8 +120,9 @@ TEST_P(CheckpointerRoundTrip, SaveThenRestoreContinuesTheRun) {
     EXPECT_FALSE(me.fresh.moments[0] == me.saved.moments[0]) << "the moments after 2 steps are not the fresh zeros";
     EXPECT_EQ(me.fresh.loader.position, 0);
   }
-  if (world == 2 && zero == 1)
+  if (world == 2 && zero == 1) {
     EXPECT_FALSE(res[0].saved.moments[0] == res[1].saved.moments[0]) << "ZeRO 1: each rank holds its own shard";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, CheckpointerRoundTrip,
