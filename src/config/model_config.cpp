@@ -8,6 +8,7 @@
 #include "core/checked.h"
 #include "core/error.h"
 #include "io/json.h"
+#include "io/json_fields.h"
 
 namespace lathe {
 
@@ -86,42 +87,24 @@ std::string value_str(const json& v) {
 struct Reader {
   const json& j;
   std::string_view source, prefix;
+  io::JsonFields f{io::JsonFields::Style::Expected,
+                   [source = source, prefix = prefix](const std::string& key, const std::string& what) {
+                     throw_error("{}: {}{}: {}", source, prefix, key, what);
+                   },
+                   value_str};
 
-  [[noreturn]] void fail(const std::string& key, const std::string& what) const {
-    throw_error("{}: {}{}: {}", source, prefix, key, what);
-  }
-  bool has(const std::string& k) const { return j.contains(k) && !j.at(k).is_null(); }
-  int64_t get_int(const std::string& k) const {
-    const json& v = j.at(k);
-    if (!v.is_number_integer()) fail(k, fmt::format("expected an integer, got '{}'", value_str(v)));
-    if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
-      fail(k, fmt::format("{} does not fit a 64-bit integer", value_str(v)));
-    return v.get<int64_t>();
-  }
-  double get_double(const std::string& k) const {
-    const json& v = j.at(k);
-    if (!v.is_number()) fail(k, fmt::format("expected a number, got '{}'", value_str(v)));
-    const double d = v.get<double>();
-    // A recipe's 1e999 arrives as inf; it would pass every "> 0" check.
-    if (!std::isfinite(d)) fail(k, fmt::format("{} is not a finite number", d));
-    return d;
-  }
+  [[noreturn]] void fail(const std::string& key, const std::string& what) const { f.fail(key, what); }
+  bool has(const std::string& k) const { return io::JsonFields::find(j, k) != nullptr; }
+  int64_t get_int(const std::string& k) const { return f.integer(j.at(k), k); }
+  double get_double(const std::string& k) const { return f.number(j.at(k), k); }
   // Size fields: null is not "absent" (HF would crash on it); say so rather than take a default.
   bool has_size(const std::string& k) const {
     if (j.contains(k) && j.at(k).is_null())
       fail(k, "expected an integer, got null (remove the key to use the default, or give the value)");
     return has(k);
   }
-  bool get_bool(const std::string& k) const {
-    const json& v = j.at(k);
-    if (!v.is_boolean()) fail(k, fmt::format("expected true or false, got '{}'", value_str(v)));
-    return v.get<bool>();
-  }
-  std::string get_string(const std::string& k) const {
-    const json& v = j.at(k);
-    if (!v.is_string()) fail(k, fmt::format("expected a string, got '{}'", value_str(v)));
-    return v.get<std::string>();
-  }
+  bool get_bool(const std::string& k) const { return f.boolean(j.at(k), k); }
+  std::string get_string(const std::string& k) const { return f.string(j.at(k), k); }
   // Token ids: integer, null (absent) or a list of integers (first is used).
   // Ids are int32 tokens; -1 is the old "none" spelling (written back as null).
   int64_t get_token(const std::string& k) const {

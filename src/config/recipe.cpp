@@ -12,6 +12,7 @@
 #include "core/utf8.h"  // header-only: the one UTF-8 validator
 #include "io/fs.h"
 #include "io/json.h"
+#include "io/json_fields.h"
 #include "io/yaml.h"
 
 namespace lathe {
@@ -91,6 +92,12 @@ class Parser {
   schema::Reporter rep_;
 
   [[noreturn]] void bad(const std::string& path, const std::string& msg) const { rep_.bad(path, msg); }
+  // Typed reads worded as the schema's rows word them ("PATH: expected a string, got '...'").
+  io::JsonFields reader() const {
+    return io::JsonFields(
+        io::JsonFields::Style::Expected, [this](const std::string& path, const std::string& what) { bad(path, what); },
+        describe);
+  }
 
   void check_unknown_sections() const {
     if (root_.is_null()) return;
@@ -178,9 +185,7 @@ class Parser {
 
     std::string mt;
     if (explicit_.contains("model_type")) {
-      if (!explicit_["model_type"].is_string())
-        bad("model.model_type", fmt::format("expected a string, got '{}'", describe(explicit_["model_type"])));
-      mt = explicit_["model_type"].get<std::string>();
+      mt = reader().string(explicit_["model_type"], "model.model_type");
     } else if (!base.is_null()) {
       mt = base.value("model_type", "");
     } else {

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "io/json_fields.h"
 #include "io/yaml.h"
 
 namespace lathe::schema {
@@ -48,11 +49,19 @@ void Reporter::bad(const std::string& path, const std::string& msg) const {
   throw_error("{}: {}{}: {}", src_, origin(path), io::excerpt(path), msg);
 }
 
+namespace {
+// Typed reads of YAML values, worded "SRC: [--set ...: ]PATH: expected an integer, got '...'".
+io::JsonFields reader(const Reporter& rep) {
+  return io::JsonFields(
+      io::JsonFields::Style::Expected, [&rep](const std::string& path, const std::string& what) { rep.bad(path, what); },
+      describe);
+}
+}  // namespace
+
 std::string text(const json& v, const std::string& path, const Reporter& rep) {
   if (v.is_null()) return "";
   if (v.is_number()) return v.dump();  // e.g. `dir: 2024` is a plain YAML int; treat it as the text
-  if (!v.is_string()) rep.bad(path, fmt::format("expected a string, got '{}'", describe(v)));
-  return v.get<std::string>();
+  return reader(rep).string(v, path);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -133,11 +142,7 @@ void parse_blend(const json& b, Recipe& r, const Reporter& rep) {
     if (!e.contains("weight")) rep.bad(at + ".weight", "is missing: give a positive weight (weights need not sum to 1)");
     auto number = [&](const char* k, double* out) {  // as a Float row
       if (!e.contains(k)) return;
-      const json& v = e[k];
-      if (!v.is_number()) rep.bad(at + "." + k, fmt::format("expected a number, got '{}'", describe(v)));
-      const double d = v.get<double>();
-      if (!std::isfinite(d)) rep.bad(at + "." + k, fmt::format("{} is not a finite number", d));
-      *out = d;
+      *out = reader(rep).number(e[k], at + "." + k);
     };
     number("weight", &x.weight);
     if (!(x.weight > 0)) rep.bad(at + ".weight", fmt::format("{} must be > 0 (weights need not sum to 1)", x.weight));
@@ -431,30 +436,19 @@ void parse_field(const Field& f, const json& obj, Recipe& r, const Reporter& rep
   const json& v = obj[name];
   switch (f.kind) {
     case Kind::Int:
-    case Kind::Int32: {
+    case Kind::Int32:
       if (v.is_string() && io::yaml_int_out_of_range(v.get_ref<const std::string&>()))  // kept as text by load_yaml
         rep.bad(path, fmt::format("{} does not fit a 64-bit integer", describe(v)));
-      if (!v.is_number_integer()) rep.bad(path, fmt::format("expected an integer, got '{}'", describe(v)));
-      const int64_t x = v.get<int64_t>();
-      if (f.kind == Kind::Int) {
-        at<int64_t>(f, r) = x;
-        return;
-      }
-      if (x < INT32_MIN || x > INT32_MAX) rep.bad(path, fmt::format("{} is out of range", x));
-      at<int>(f, r) = static_cast<int>(x);
+      if (f.kind == Kind::Int)
+        at<int64_t>(f, r) = reader(rep).integer(v, path);
+      else
+        at<int>(f, r) = static_cast<int>(reader(rep).integer(v, path, INT32_MIN, INT32_MAX));
       return;
-    }
-    case Kind::Float: {
-      // Every float must be finite: 1e999 reads as inf, which passes "> 0" and "<= x" checks.
-      if (!v.is_number()) rep.bad(path, fmt::format("expected a number, got '{}'", describe(v)));
-      const double d = v.get<double>();
-      if (!std::isfinite(d)) rep.bad(path, fmt::format("{} is not a finite number", d));
-      at<double>(f, r) = d;
+    case Kind::Float:  // every float must be finite: 1e999 reads as inf, which passes "> 0" and "<= x" checks
+      at<double>(f, r) = reader(rep).number(v, path);
       return;
-    }
     case Kind::Bool:
-      if (!v.is_boolean()) rep.bad(path, fmt::format("expected true or false, got '{}'", describe(v)));
-      at<bool>(f, r) = v.get<bool>();
+      at<bool>(f, r) = reader(rep).boolean(v, path);
       return;
     case Kind::Text:
       at<std::string>(f, r) = text(v, path, rep);

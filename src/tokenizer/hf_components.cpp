@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "core/utf8.h"
 #include "io/json.h"
+#include "io/json_fields.h"
 #include "tokenizer/bpe.h"
 #include "tokenizer/byte_level.h"
 #include "tokenizer/nfc.h"
@@ -28,71 +29,56 @@ std::string quote(std::string_view s) {
   return io::json_excerpt(json(std::string(s.substr(0, 200))), 80);
 }
 
-const json* find(const json& obj, std::string_view key) {
-  if (!obj.is_object()) return nullptr;
-  auto it = obj.find(std::string(key));
-  if (it == obj.end() || it->is_null()) return nullptr;
-  return &*it;
+const json* find(const json& obj, std::string_view key) { return io::JsonFields::find(obj, key); }
+
+namespace {
+// tokenizer.json's wording: "FILE: PATH must be WHAT, got TYPE: EXCERPT", "FILE: PATH is missing (...)".
+io::JsonFields fields(const std::string& file) {
+  return io::JsonFields(io::JsonFields::Style::MustBe, [&file](const std::string& path, const std::string& what) {
+    throw_error("{}: {} {}", file, path.empty() ? "the top level" : path, what);
+  });
 }
+}  // namespace
 
 void type_error(const std::string& file, const std::string& path, const char* what, const json& got) {
-  throw_error("{}: {} must be {}, got {}{}{}", file, path.empty() ? "the top level" : path, what,
-              io::json_type_name(got), got.is_null() ? "" : ": ", got.is_null() ? "" : io::json_excerpt(got, 60));
+  fields(file).wrong(path, got, what);
 }
 
 void require_object(const json& v, const std::string& file, const std::string& path) {
-  if (!v.is_object()) type_error(file, path, "an object", v);
+  fields(file).object(v, path);
 }
 
 namespace {
 const json& required(const json& obj, std::string_view key, const std::string& file, const std::string& path,
                      const char* what) {
   require_object(obj, file, path);
-  const json* v = find(obj, key);
-  if (!v) throw_error("{}: {} is missing (it must be {})", file, join(path, key), what);
-  return *v;
+  return fields(file).at(obj, key, join(path, key), what);
 }
 }  // namespace
 
 const json& object(const json& obj, std::string_view key, const std::string& file, const std::string& path) {
-  const json& v = required(obj, key, file, path, "an object");
-  if (!v.is_object()) type_error(file, join(path, key), "an object", v);
-  return v;
+  return fields(file).object(required(obj, key, file, path, "an object"), join(path, key));
 }
 const json& array(const json& obj, std::string_view key, const std::string& file, const std::string& path) {
-  const json& v = required(obj, key, file, path, "a list");
-  if (!v.is_array()) type_error(file, join(path, key), "a list", v);
-  return v;
+  return fields(file).array(required(obj, key, file, path, "a list"), join(path, key));
 }
 std::string string(const json& obj, std::string_view key, const std::string& file, const std::string& path) {
-  const json& v = required(obj, key, file, path, "a string");
-  if (!v.is_string()) type_error(file, join(path, key), "a string", v);
-  return v.get<std::string>();
+  return fields(file).string(required(obj, key, file, path, "a string"), join(path, key));
 }
 std::optional<std::string> opt_string(const json& obj, std::string_view key, const std::string& file,
                                       const std::string& path) {
   const json* v = find(obj, key);
   if (!v) return std::nullopt;
-  if (!v->is_string()) type_error(file, join(path, key), "a string", *v);
-  return v->get<std::string>();
+  return fields(file).string(*v, join(path, key));
 }
 bool opt_bool(const json& obj, std::string_view key, bool dflt, const std::string& file, const std::string& path) {
   const json* v = find(obj, key);
-  if (!v) return dflt;
-  if (!v->is_boolean()) type_error(file, join(path, key), "a boolean (true or false)", *v);
-  return v->get<bool>();
+  return v ? fields(file).boolean(*v, join(path, key)) : dflt;
 }
 int64_t opt_int(const json& obj, std::string_view key, int64_t dflt, int64_t lo, int64_t hi, const std::string& file,
                 const std::string& path) {
   const json* v = find(obj, key);
-  if (!v) return dflt;
-  const std::string what = fmt::format("an integer in [{}, {}]", lo, hi);
-  if (!v->is_number_integer()) type_error(file, join(path, key), what.c_str(), *v);
-  if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(hi))
-    type_error(file, join(path, key), what.c_str(), *v);
-  const int64_t x = v->get<int64_t>();
-  if (x < lo || x > hi) type_error(file, join(path, key), what.c_str(), *v);
-  return x;
+  return v ? fields(file).integer(*v, join(path, key), lo, hi) : dflt;
 }
 
 int32_t token_id(const json& v, int64_t limit, const std::string& file, const std::string& path) {

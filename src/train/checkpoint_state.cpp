@@ -15,6 +15,7 @@
 #include "core/error.h"
 #include "io/fs.h"
 #include "io/json.h"
+#include "io/json_fields.h"
 #include "train/checkpoint.h"
 #include "train/checkpoint_format.h"
 
@@ -33,67 +34,15 @@ constexpr int64_t kMaxDim = int64_t{1} << 40;
 constexpr int64_t kMaxCount = int64_t{1} << 53;
 
 // Field-by-field access to the body with errors naming the file and the field path.
-class Fields {
- public:
-  explicit Fields(const std::string& path) : path_(path) {}
-
-  [[noreturn]] void fail(const std::string& field, const std::string& what) const {
+using Fields = io::JsonFields;
+Fields state_fields(const std::string& path) {
+  return Fields(Fields::Style::Field, [&path](const std::string& field, const std::string& what) {
     throw_error(
         "{}: field '{}' {} (the checkpoint is damaged or was edited by hand; resume from another "
         "checkpoint, or start fresh)",
-        path_, field, what);
-  }
-  [[noreturn]] void wrong(const std::string& field, const json& v, std::string_view want) const {
-    fail(field, fmt::format("must be {}, got {} {}", want, io::json_type_name(v), io::json_excerpt(v, 60)));
-  }
-
-  const json& member(const json& obj, const std::string& key, const std::string& field) const {
-    auto it = obj.find(key);
-    if (it == obj.end()) fail(field, "is missing");
-    return *it;
-  }
-  const json& object(const json& v, const std::string& field) const {
-    if (!v.is_object()) wrong(field, v, "an object");
-    return v;
-  }
-  const json& array(const json& v, const std::string& field) const {
-    if (!v.is_array()) wrong(field, v, "an array");
-    return v;
-  }
-  int64_t integer(const json& v, const std::string& field, int64_t lo, int64_t hi) const {
-    int64_t x = 0;
-    if (v.is_number_unsigned()) {
-      const uint64_t u = v.get<uint64_t>();
-      if (u > static_cast<uint64_t>(hi)) fail(field, fmt::format("is {}, above the largest allowed {}", u, hi));
-      x = static_cast<int64_t>(u);
-    } else if (v.is_number_integer()) {
-      x = v.get<int64_t>();
-    } else {
-      wrong(field, v, "an integer");
-    }
-    if (x < lo || x > hi) fail(field, fmt::format("is {}, outside [{}, {}]", x, lo, hi));
-    return x;
-  }
-  uint64_t uint64(const json& v, const std::string& field) const {
-    if (!v.is_number_unsigned()) wrong(field, v, "an unsigned 64-bit integer");
-    return v.get<uint64_t>();
-  }
-  // A finite number >= lo (or > lo when strict).
-  double number(const json& v, const std::string& field, double lo, bool strict) const {
-    if (!v.is_number()) wrong(field, v, "a number");
-    const double x = v.get<double>();
-    if (!std::isfinite(x) || x < lo || (strict && x == lo))
-      fail(field, fmt::format("is {}, must be finite and {} {}", x, strict ? ">" : ">=", lo));
-    return x;
-  }
-  std::string string(const json& v, const std::string& field) const {
-    if (!v.is_string()) wrong(field, v, "a string");
-    return v.get<std::string>();
-  }
-
- private:
-  const std::string& path_;
-};
+        path, field, what);
+  });
+}
 
 bool is_hex16(const std::string& s) {
   if (s.size() != 16) return false;
@@ -103,7 +52,7 @@ bool is_hex16(const std::string& s) {
 }
 
 std::vector<CheckpointFile> read_files(const Fields& f, const json& body, int64_t world) {
-  const json& files = f.object(f.member(body, "files", "files"), "files");
+  const json& files = f.object(f.at(body, "files", "files"), "files");
   static const std::set<std::string> known = {kModelFile, kOptimFile, kRecipeFile};
   std::vector<CheckpointFile> out;
   std::set<int64_t> shard_ranks;
@@ -123,8 +72,8 @@ std::vector<CheckpointFile> read_files(const Fields& f, const json& body, int64_
     CheckpointFile cf;
     cf.name = it.key();
     cf.bytes =
-        f.integer(f.member(meta, "bytes", field + ".bytes"), field + ".bytes", 0, std::numeric_limits<int64_t>::max());
-    cf.xxh64 = f.string(f.member(meta, "xxh64", field + ".xxh64"), field + ".xxh64");
+        f.integer(f.at(meta, "bytes", field + ".bytes"), field + ".bytes", 0, std::numeric_limits<int64_t>::max());
+    cf.xxh64 = f.string(f.at(meta, "xxh64", field + ".xxh64"), field + ".xxh64");
     if (!is_hex16(cf.xxh64)) f.fail(field + ".xxh64", "must be 16 lowercase hex digits");
     out.push_back(std::move(cf));
   }
@@ -149,7 +98,7 @@ std::vector<CheckpointFile> read_files(const Fields& f, const json& body, int64_
 
 std::map<std::string, std::vector<CheckpointTensor>> read_tensors(const Fields& f, const json& body,
                                                                   const std::vector<CheckpointFile>& files) {
-  const json& tensors = f.object(f.member(body, "tensors", "tensors"), "tensors");
+  const json& tensors = f.object(f.at(body, "tensors", "tensors"), "tensors");
   std::map<std::string, std::vector<CheckpointTensor>> out;
   for (auto it = tensors.begin(); it != tensors.end(); ++it) {
     const std::string fkey = "tensors." + it.key();
@@ -163,15 +112,15 @@ std::map<std::string, std::vector<CheckpointTensor>> read_tensors(const Fields& 
       const std::string field = fmt::format("{}[{}]", fkey, i);
       const json& e = f.object(entries[i], field);
       CheckpointTensor t;
-      t.name = f.string(f.member(e, "name", field + ".name"), field + ".name");
+      t.name = f.string(f.at(e, "name", field + ".name"), field + ".name");
       if (t.name.empty()) f.fail(field + ".name", "is empty");
       if (!seen.insert(t.name).second)
         f.fail(field + ".name", fmt::format("lists tensor {} twice", io::json_excerpt(json(t.name), 80)));
-      t.dtype = f.string(f.member(e, "dtype", field + ".dtype"), field + ".dtype");
+      t.dtype = f.string(f.at(e, "dtype", field + ".dtype"), field + ".dtype");
       if (t.dtype != kTensorDtype)
         f.fail(field + ".dtype", fmt::format("is {}; checkpoint format version {} holds {} tensors only",
                                              io::json_excerpt(json(t.dtype), 40), kFormatVersion, kTensorDtype));
-      const json& gs = f.array(f.member(e, "global_shape", field + ".global_shape"), field + ".global_shape");
+      const json& gs = f.array(f.at(e, "global_shape", field + ".global_shape"), field + ".global_shape");
       if (gs.size() > 8) f.fail(field + ".global_shape", fmt::format("has {} dimensions (at most 8)", gs.size()));
       for (size_t d = 0; d < gs.size(); ++d)
         t.global_shape.push_back(f.integer(gs[d], fmt::format("{}.global_shape[{}]", field, d), 0, kMaxDim));
@@ -192,7 +141,7 @@ std::map<std::string, std::vector<CheckpointTensor>> read_tensors(const Fields& 
         continue;
       }
       const std::string sfield = field + ".slice";
-      const json& sl = f.array(f.member(e, "slice", sfield), sfield);
+      const json& sl = f.array(f.at(e, "slice", sfield), sfield);
       if (sl.size() != gs.size())
         f.fail(sfield,
                fmt::format("has {} [start, end) pairs for a {}-dimensional global_shape", sl.size(), gs.size()));
@@ -219,10 +168,10 @@ void read_health(const Fields& f, const json& body, CheckpointState* st) {
   if (body.contains("health")) {
     const json& h = f.object(body["health"], "health");
     st->has_health = true;
-    st->health.loss = finite_or_null(f.member(h, "loss", "health.loss"), "health.loss");
-    st->health.grad_norm = finite_or_null(f.member(h, "grad_norm", "health.grad_norm"), "health.grad_norm");
-    st->health.anomalies = f.integer(f.member(h, "anomalies", "health.anomalies"), "health.anomalies", 0, kMaxCount);
-    const json& ok = f.member(h, "healthy", "health.healthy");
+    st->health.loss = finite_or_null(f.at(h, "loss", "health.loss"), "health.loss");
+    st->health.grad_norm = finite_or_null(f.at(h, "grad_norm", "health.grad_norm"), "health.grad_norm");
+    st->health.anomalies = f.integer(f.at(h, "anomalies", "health.anomalies"), "health.anomalies", 0, kMaxCount);
+    const json& ok = f.at(h, "healthy", "health.healthy");
     if (!ok.is_boolean()) f.wrong("health.healthy", ok, "true or false");
     st->health.healthy = ok.get<bool>();
   }
@@ -232,15 +181,15 @@ void read_health(const Fields& f, const json& body, CheckpointState* st) {
   AnomalyState& x = st->anomaly;
   for (auto [key, stat] : {std::pair<const char*, RunningStat*>{"loss", &x.loss}, {"grad_norm", &x.grad_norm}}) {
     const std::string field = std::string("anomaly.") + key;
-    const json& o = f.object(f.member(a, key, field), field);
-    stat->n = f.integer(f.member(o, "n", field + ".n"), field + ".n", 0, kMaxCount);
+    const json& o = f.object(f.at(a, key, field), field);
+    stat->n = f.integer(f.at(o, "n", field + ".n"), field + ".n", 0, kMaxCount);
     stat->mean =
-        f.number(f.member(o, "mean", field + ".mean"), field + ".mean", -std::numeric_limits<double>::max(), false);
-    stat->var = f.number(f.member(o, "var", field + ".var"), field + ".var", 0.0, false);
+        f.number(f.at(o, "mean", field + ".mean"), field + ".mean", -std::numeric_limits<double>::max(), false);
+    stat->var = f.number(f.at(o, "var", field + ".var"), field + ".var", 0.0, false);
   }
   x.lr_steps_left =
-      f.integer(f.member(a, "lr_steps_left", "anomaly.lr_steps_left"), "anomaly.lr_steps_left", 0, kMaxCount);
-  const json& recent = f.array(f.member(a, "recent", "anomaly.recent"), "anomaly.recent");
+      f.integer(f.at(a, "lr_steps_left", "anomaly.lr_steps_left"), "anomaly.lr_steps_left", 0, kMaxCount);
+  const json& recent = f.array(f.at(a, "recent", "anomaly.recent"), "anomaly.recent");
   if (recent.size() > (size_t{1} << 24))
     f.fail("anomaly.recent", fmt::format("has {} entries (at most 2^24)", recent.size()));
   for (size_t i = 0; i < recent.size(); ++i) {
@@ -253,9 +202,9 @@ void read_health(const Fields& f, const json& body, CheckpointState* st) {
                    : x.recent.empty()         ? 0
                                               : x.recent.back();
   x.skipped_updates =
-      f.integer(f.member(a, "skipped_updates", "anomaly.skipped_updates"), "anomaly.skipped_updates", 0, st->step);
-  x.anomalies = f.integer(f.member(a, "anomalies", "anomaly.anomalies"), "anomaly.anomalies", 0, kMaxCount);
-  x.rollbacks = f.integer(f.member(a, "rollbacks", "anomaly.rollbacks"), "anomaly.rollbacks", 0, kMaxCount);
+      f.integer(f.at(a, "skipped_updates", "anomaly.skipped_updates"), "anomaly.skipped_updates", 0, st->step);
+  x.anomalies = f.integer(f.at(a, "anomalies", "anomaly.anomalies"), "anomaly.anomalies", 0, kMaxCount);
+  x.rollbacks = f.integer(f.at(a, "rollbacks", "anomaly.rollbacks"), "anomaly.rollbacks", 0, kMaxCount);
 }
 
 }  // namespace
@@ -276,37 +225,37 @@ CheckpointState parse_checkpoint_state(std::string_view text, const std::string&
   LATHE_CHECK(got == want, "{}: corrupt: checksum mismatch (recorded xxh64 {}, computed {})", path,
               io::json_excerpt(json(want), 40), got);
 
-  const Fields f(path);
+  const Fields f = state_fields(path);
   const std::string format =
       body.contains("format") && body["format"].is_string() ? body["format"].get<std::string>() : std::string();
   LATHE_CHECK(format == kFormat, "{}: not a lathe checkpoint (field 'format' is {}, expected \"{}\")", path,
               body.contains("format") ? io::json_excerpt(body["format"], 60) : std::string("missing"), kFormat);
-  const int64_t version = f.integer(f.member(body, "format_version", "format_version"), "format_version", 0, 1 << 30);
+  const int64_t version = f.integer(f.at(body, "format_version", "format_version"), "format_version", 0, 1 << 30);
   LATHE_CHECK(version == kFormatVersion,
               "{}: checkpoint format version {} is not supported by lathe {} (reads version {})", path, version,
               LATHE_VERSION, kFormatVersion);
 
   CheckpointState st;
-  st.step = f.integer(f.member(body, "step", "step"), "step", 0, kMaxCount);
+  st.step = f.integer(f.at(body, "step", "step"), "step", 0, kMaxCount);
   st.consumed_samples =
-      f.integer(f.member(body, "consumed_samples", "consumed_samples"), "consumed_samples", 0, kMaxCount);
-  const json& loader = f.object(f.member(body, "loader", "loader"), "loader");
-  st.loader.epoch = f.integer(f.member(loader, "epoch", "loader.epoch"), "loader.epoch", 0, kMaxCount);
-  st.loader.position = f.integer(f.member(loader, "position", "loader.position"), "loader.position", 0, kMaxCount);
+      f.integer(f.at(body, "consumed_samples", "consumed_samples"), "consumed_samples", 0, kMaxCount);
+  const json& loader = f.object(f.at(body, "loader", "loader"), "loader");
+  st.loader.epoch = f.integer(f.at(loader, "epoch", "loader.epoch"), "loader.epoch", 0, kMaxCount);
+  st.loader.position = f.integer(f.at(loader, "position", "loader.position"), "loader.position", 0, kMaxCount);
   if (loader.contains("blend")) {  // data.blend runs only
     const json& b = f.object(loader["blend"], "loader.blend");
-    const json& taken = f.array(f.member(b, "taken", "loader.blend.taken"), "loader.blend.taken");
+    const json& taken = f.array(f.at(b, "taken", "loader.blend.taken"), "loader.blend.taken");
     if (taken.empty() || taken.size() > (size_t{1} << 24))
       f.fail("loader.blend.taken", fmt::format("has {} entries (one per blended dataset)", taken.size()));
     for (size_t i = 0; i < taken.size(); ++i)
       st.blend_taken.push_back(f.integer(taken[i], fmt::format("loader.blend.taken[{}]", i), 0, st.loader.position));
-    st.blend_plan_xxh64 = f.string(f.member(b, "plan_xxh64", "loader.blend.plan_xxh64"), "loader.blend.plan_xxh64");
+    st.blend_plan_xxh64 = f.string(f.at(b, "plan_xxh64", "loader.blend.plan_xxh64"), "loader.blend.plan_xxh64");
   }
-  const json& rng = f.array(f.member(body, "rng", "rng"), "rng");
+  const json& rng = f.array(f.at(body, "rng", "rng"), "rng");
   if (rng.empty()) f.fail("rng", "is empty (a checkpoint always records the trainer's RNG state)");
   if (rng.size() > 1024) f.fail("rng", fmt::format("has {} values (at most 1024)", rng.size()));
   for (size_t i = 0; i < rng.size(); ++i) st.rng.push_back(f.uint64(rng[i], fmt::format("rng[{}]", i)));
-  st.loss_scale = f.number(f.member(body, "loss_scale", "loss_scale"), "loss_scale", 0.0, true);
+  st.loss_scale = f.number(f.at(body, "loss_scale", "loss_scale"), "loss_scale", 0.0, true);
   // What the scaler can hold: a float whose reciprocal (the gradients' unscale factor) is a finite
   // float, and at most its cap 2^100.
   if (st.loss_scale < static_cast<double>(std::numeric_limits<float>::min()) || st.loss_scale > 0x1p100)
@@ -326,16 +275,16 @@ CheckpointState parse_checkpoint_state(std::string_view text, const std::string&
     st.consecutive_skipped_steps =
         f.integer(body["consecutive_skipped_steps"], "consecutive_skipped_steps", 0, st.skipped_steps);
   read_health(f, body, &st);
-  st.recipe = f.object(f.member(body, "recipe", "recipe"), "recipe");
-  st.lathe_version = f.string(f.member(body, "lathe_version", "lathe_version"), "lathe_version");
+  st.recipe = f.object(f.at(body, "recipe", "recipe"), "recipe");
+  st.lathe_version = f.string(f.at(body, "lathe_version", "lathe_version"), "lathe_version");
   // lr, threads and optimizer are informational additions: absent means "not recorded".
   if (body.contains("lr")) st.lr = f.number(body["lr"], "lr", 0.0, false);
   if (body.contains("threads")) st.threads = static_cast<int>(f.integer(body["threads"], "threads", 0, 1 << 20));
   if (body.contains("optimizer")) st.optimizer = f.string(body["optimizer"], "optimizer");
   if (body.contains("world")) {
     const json& w = f.object(body["world"], "world");
-    st.world_size = f.integer(f.member(w, "world_size", "world.world_size"), "world.world_size", 1, 1 << 20);
-    st.rank = f.integer(f.member(w, "rank", "world.rank"), "world.rank", 0, st.world_size - 1);
+    st.world_size = f.integer(f.at(w, "world_size", "world.world_size"), "world.world_size", 1, 1 << 20);
+    st.rank = f.integer(f.at(w, "rank", "world.rank"), "world.rank", 0, st.world_size - 1);
   }
   st.files = read_files(f, body, st.world_size);
   st.tensors = read_tensors(f, body, st.files);
