@@ -1,5 +1,6 @@
-// The kernel backend seam: a Backend owns a kind of memory (alloc/free/memset/copy/synchronize) and
-// one op table per compute dtype it implements. The model body calls kernels only through an `Ops`
+// The kernel backend seam: a Backend owns a kind of memory (alloc/free/memset/copy/synchronize),
+// one op table per compute dtype it implements, and one table of training-step ops (the optimizer
+// update, gradient norm, non-finite check and scale over fp32 buffers: kernels/step_ops.h). The model body calls kernels only through an `Ops`
 // table, so a bf16 path and a CUDA backend plug in as new tables without touching the body.
 //
 // One table per (backend, compute dtype), as ggml's backend vtables: `Ops` is a struct of function
@@ -26,6 +27,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "kernels/step_ops.h"
 
 namespace lathe {
 
@@ -177,6 +179,10 @@ class Backend {
   }
   // The op tables of this backend, complete or not (one per compute dtype).
   virtual std::vector<const Ops*> op_tables() const = 0;
+  // The training-step ops of this backend (kernels/step_ops.h: optimizer update, gradient norm,
+  // non-finite check, scale over fp32 buffers in its memory), or nullptr when it has none (the
+  // no-CUDA stand-in).
+  virtual const StepOps* step_ops() const { return nullptr; }
   // Why this backend cannot run in this process ("" when it can): e.g. the CUDA backend on a machine
   // without a GPU ("cudaGetDeviceCount: CUDA driver version is insufficient ..."). Tests skip with it.
   virtual std::string unavailable() const { return {}; }

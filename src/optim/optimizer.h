@@ -13,27 +13,21 @@
 #include <vector>
 
 #include "core/buffer.h"
+#include "kernels/step_ops.h"
 
 namespace lathe::optim {
 
-struct ParamRange {
-  size_t offset;
-  size_t size;
-  bool decay;
-  // Which parameter tensor (its index in the model's table; -1: this range alone). A tensor cut
-  // by a ZeRO shard boundary appears as one range on each rank holding part of it, with one id.
-  int64_t tensor = -1;
-};
+// A parameter tensor's place in the flat buffers (kernels/step_ops.h's StepRange: offset, size,
+// decay, and its tensor id, -1: this range alone; a tensor cut by a ZeRO shard boundary appears as
+// one range on each rank holding part of it, with one id).
+using ParamRange = StepRange;
 
 // LAMB's per-tensor norms come from partial sums per chunk (optim/chunks.h). Under ZeRO a tensor's
 // chunks sit on several ranks: the optimizer hands its chunk sums (flat order) to a ChunkSumsGather,
 // which returns the chunk sums of every rank in flat order (rank order), so that each rank adds a
 // tensor's chunks in the same order a single process does: bit-identical trust ratios.
-struct ChunkSums {
-  int64_t tensor;  // ParamRange::tensor of the chunk's range
-  double p, u;     // sum of p^2 and of u^2 over the chunk
-};
-using ChunkSumsGather = std::function<std::vector<ChunkSums>(const std::vector<ChunkSums>&)>;
+using ChunkSums = StepChunkSums;  // tensor id; sums of p^2 and of u^2 over the chunk
+using ChunkSumsGather = StepChunkSumsGather;
 
 // The recipe's `optimizer` section (config/recipe.h) as it is: these are its defaults.
 // lr is the peak rate the schedule starts from (ScheduleConfig::lr; step() takes the scheduled
@@ -45,6 +39,8 @@ struct OptimConfig {
   double lr = 3e-4;
   double grad_clip = 1.0;
 };
+// The hyper-parameters the step kernels read (kernels/step_ops.h).
+inline StepHyper step_hyper(const OptimConfig& cfg) { return {cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay}; }
 
 class Optimizer {
  public:

@@ -14,97 +14,7 @@
 #include "train/device_tp.h"
 #include "train/preflight.h"
 
-#ifdef LATHE_HAVE_CUDA
-#include "kernels/cuda/optimizer.h"
-#include "kernels/cuda/runtime.h"
-#endif
-
 namespace lathe {
-
-namespace {
-
-// host_step_kernels(): optim/'s optimizers over caller-held moments (a fresh optimizer per call,
-// its state loaded from and stored back to m and v: tests only, so the copies do not matter).
-size_t ranges_end(std::span<const optim::ParamRange> ranges) {
-  size_t n = 0;
-  for (const auto& r : ranges) n = std::max(n, r.offset + r.size);
-  return n;
-}
-
-void host_update(std::unique_ptr<optim::Optimizer> opt, float* params, const float* grads, float* m, float* v,
-                 std::span<const optim::ParamRange> ranges, double lr, int64_t step, float grad_scale, size_t n) {
-  auto st = opt->state_buffers();
-  std::copy(m, m + n, st[0].second->data());
-  std::copy(v, v + n, st[1].second->data());
-  opt->step(params, grads, ranges, lr, step, grad_scale);
-  std::copy(st[0].second->data(), st[0].second->data() + n, m);
-  std::copy(st[1].second->data(), st[1].second->data() + n, v);
-}
-
-void host_adamw(float* params, const float* grads, float* m, float* v, std::span<const optim::ParamRange> ranges,
-                const optim::OptimConfig& cfg, double lr, int64_t step, float grad_scale) {
-  const size_t n = ranges_end(ranges);
-  host_update(optim::make_adamw(cfg, n), params, grads, m, v, ranges, lr, step, grad_scale, n);
-}
-
-void host_lamb(float* params, const float* grads, float* m, float* v, std::span<const optim::ParamRange> ranges,
-               const optim::OptimConfig& cfg, double lr, int64_t step, float grad_scale,
-               const optim::ChunkSumsGather& gather) {
-  const size_t n = ranges_end(ranges);
-  auto opt = optim::make_lamb(cfg, n);
-  if (gather) opt->set_chunk_sums_gather(gather);
-  host_update(std::move(opt), params, grads, m, v, ranges, lr, step, grad_scale, n);
-}
-
-bool host_non_finite(const float* x, size_t n) {
-  for (size_t i = 0; i < n; ++i)
-    if (!std::isfinite(x[i])) return true;
-  return false;
-}
-
-void host_scale(float* x, size_t n, float s) {
-  for (size_t i = 0; i < n; ++i) x[i] *= s;
-}
-
-}  // namespace
-
-const StepKernels* host_step_kernels() {
-  static const StepKernels k = [] {
-    StepKernels t;
-    t.backend = "cpu";
-    t.adamw_step = &host_adamw;
-    t.lamb_step = &host_lamb;
-    t.global_grad_norm = &optim::global_grad_norm;
-    t.has_non_finite = &host_non_finite;
-    t.scale_inplace = &host_scale;
-    t.grad_sq_chunk_sums = &optim::grad_sq_chunk_sums;
-    t.device_index = [] { return -1; };
-    return t;
-  }();
-  return &k;
-}
-
-const StepKernels* step_kernels(const Backend& backend) {
-  if (backend.device() == DeviceKind::Host) return nullptr;
-#ifdef LATHE_HAVE_CUDA
-  if (&backend == &cuda_backend()) {  // the real one, not the no-CUDA stand-in of the same name
-    static const StepKernels k = [] {
-      StepKernels t;
-      t.backend = "cuda";
-      t.adamw_step = &cuda::adamw_step;
-      t.lamb_step = &cuda::lamb_step;
-      t.global_grad_norm = &cuda::global_grad_norm;
-      t.has_non_finite = &cuda::has_non_finite;
-      t.scale_inplace = &cuda::scale_inplace;
-      t.grad_sq_chunk_sums = &cuda::grad_sq_chunk_sums;
-      t.device_index = [] { return cuda::device(); };
-      return t;
-    }();
-    return &k;
-  }
-#endif
-  return nullptr;
-}
 
 void check_device_layout(const Recipe& r, int world_size) {
   if (r.device == "cpu") return;
@@ -129,16 +39,15 @@ void check_device_layout(const Recipe& r, int world_size) {
 }
 
 DeviceOptimizer::DeviceOptimizer(Model& model, const optim::OptimConfig& cfg, std::vector<optim::ParamRange> ranges,
-                                 optim::Optimizer& host, std::unique_ptr<DeviceDataParallel> dp,
-                                 const StepKernels* kernels)
+                                 optim::Optimizer& host, std::unique_ptr<DeviceDataParallel> dp)
     : model_(model),
       cfg_(cfg),
       host_(host),
-      k_(kernels ? kernels : step_kernels(model.backend())),
+      k_(model.backend().step_ops()),
       dp_(std::move(dp)),
       begin_(dp_ ? dp_->state_begin() : 0),
       end_(dp_ ? dp_->state_end() : model.num_params()) {
-  LATHE_CHECK(k_, "device optimizer: the {} backend has no optimizer kernels in this build", model.backend().name());
+  LATHE_CHECK(k_, "device optimizer: the {} backend has no step ops in this build", model.backend().name());
   LATHE_CHECK(model.has_gradients(), "device optimizer: the model has no gradients");
   LATHE_CHECK(!dp_ || dp_->shards().total() == model.num_params(),
               "device optimizer: shards of {} elements for a model of {} parameters", dp_ ? dp_->shards().total() : 0,
@@ -177,10 +86,10 @@ void DeviceOptimizer::step(double lr, int64_t step, float grad_scale) {
   auto* m = static_cast<float*>(m_.data());
   auto* v = static_cast<float*>(v_.data());
   if (cfg_.name == "lamb")
-    k_->lamb_step(p + begin_, g + begin_, m, v, ranges_, cfg_, lr, step, grad_scale,
+    k_->lamb_step(p + begin_, g + begin_, m, v, ranges_, optim::step_hyper(cfg_), lr, step, grad_scale,
                   dp_ ? dp_->chunk_sums_gather() : optim::ChunkSumsGather{});
   else
-    k_->adamw_step(p + begin_, g + begin_, m, v, ranges_, cfg_, lr, step, grad_scale);
+    k_->adamw_step(p + begin_, g + begin_, m, v, ranges_, optim::step_hyper(cfg_), lr, step, grad_scale);
   if (dp_) dp_->gather_params(p);
 }
 
@@ -222,9 +131,9 @@ std::unique_ptr<DeviceOptimizer> make_device_optimizer(Model& model, const Recip
   const bool on_host =
       !model.on_device() && device_path_on_host() && !(r.parallel.tensor > 1 && r.optimizer.name == "lamb");
   if (!model.on_device() && !on_host) return nullptr;
-  const StepKernels* k = on_host ? host_step_kernels() : step_kernels(model.backend());
-  LATHE_CHECK(k && k->device_index, "{}: device: {}: the {} backend has no step kernels in this build", r.source,
-              r.device, model.backend().name());
+  const StepOps* k = model.backend().step_ops();  // on_host: the cpu backend's, optim/'s own kernels
+  LATHE_CHECK(k && k->device_index, "{}: device: {}: the {} backend has no step ops in this build", r.source, r.device,
+              model.backend().name());
   if (on_host && dp.rank() == 0)  // so that a test sees the hook took effect
     fmt::print(stderr,
                "LATHE_TEST_DEVICE_PATH_ON_HOST: the cpu model trains through the device path ({} ranks, ZeRO {})\n",
@@ -244,8 +153,7 @@ std::unique_ptr<DeviceOptimizer> make_device_optimizer(Model& model, const Recip
     ddp = std::make_unique<DeviceDataParallel>(dp, std::move(group), opt.shards(), opt.zero(), bucket_elems,
                                                model.backend(), model.backend_grad_data(), overlap);
   }
-  return std::make_unique<DeviceOptimizer>(model, optimizer_config(r), std::move(ranges), opt.local(), std::move(ddp),
-                                           k);
+  return std::make_unique<DeviceOptimizer>(model, optimizer_config(r), std::move(ranges), opt.local(), std::move(ddp));
 }
 
 }  // namespace lathe

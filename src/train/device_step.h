@@ -1,6 +1,6 @@
 // The optimizer step of a device-resident model (Model::on_device()): gradient norm, non-finite
-// check, scaling and the AdamW / LAMB update run where the buffers are, through a small table per
-// backend, so the trainer names no backend (it never calls lathe::cuda:: directly).
+// check, scaling and the AdamW / LAMB update run where the buffers are, through the backend's step
+// ops (Backend::step_ops(), kernels/step_ops.h), so the trainer names no backend.
 //
 // DeviceOptimizer owns the moments in backend memory (allocated once) and stages them through the
 // host optimizer's buffers for checkpoints: download_state() before a save, upload_state() after a
@@ -30,31 +30,6 @@ class ShardedOptimizer;
 
 namespace lathe {
 
-// Training-step kernels of a backend over flat fp32 buffers in its memory (kernels/cuda/optimizer.h
-// on CUDA: same formulas, same order and float scalars as optim/, a few ulp from FMA contraction).
-struct StepKernels {
-  const char* backend = "";
-  void (*adamw_step)(float* params, const float* grads, float* m, float* v, std::span<const optim::ParamRange> ranges,
-                     const optim::OptimConfig& cfg, double lr, int64_t step, float grad_scale) = nullptr;
-  void (*lamb_step)(float* params, const float* grads, float* m, float* v, std::span<const optim::ParamRange> ranges,
-                    const optim::OptimConfig& cfg, double lr, int64_t step, float grad_scale,
-                    const optim::ChunkSumsGather& gather) = nullptr;
-  double (*global_grad_norm)(const float* grads, size_t n) = nullptr;  // waits; the host gets the norm
-  bool (*has_non_finite)(const float* x, size_t n) = nullptr;          // waits
-  void (*scale_inplace)(float* x, size_t n, float s) = nullptr;        // stream-ordered
-  // Per-chunk sums of squares into host memory (optim::grad_sq_chunk_sums; ZeRO's sharded norm). Waits.
-  void (*grad_sq_chunk_sums)(const float* grads, size_t n, double* out_host) = nullptr;
-  // The GPU of this process (the NCCL communicator's device); -1 for the host table.
-  int (*device_index)() = nullptr;
-};
-
-// The step kernels of `backend`: nullptr for host backends (the CPU path uses optim/ directly) and
-// for the stand-in "cuda" backend of a build without CUDA.
-const StepKernels* step_kernels(const Backend& backend);
-// optim/'s CPU code behind the same table (host memory; bit-identical to optim::Optimizer::step):
-// a host "device" for testing the device path's logic without a GPU (tests/train/test_device_dp.cpp).
-const StepKernels* host_step_kernels();
-
 // The layouts the device path runs: one process, or data and tensor parallelism over NCCL (any
 // ZeRO stage; train/device_dp.h, train/device_tp.h) in a build with NCCL, and pipeline parallelism
 // (host-staged messages); with tensor parallelism neither LAMB nor training.eval_tasks. Throws naming the recipe key,
@@ -65,10 +40,10 @@ class DeviceOptimizer {
  public:
   // `host` is the trainer's optimizer: its state buffers are the staging copies of the moments
   // (sized dp->state_end() - dp->state_begin() under ZeRO, as ShardedOptimizer::local()).
-  // dp: data parallelism (null: one process). kernels: null = step_kernels(model.backend()).
+  // dp: data parallelism (null: one process). Runs the step ops of the model's backend (on a CPU
+  // model: optim/'s own kernels, cpu_backend().step_ops()).
   DeviceOptimizer(Model& model, const optim::OptimConfig& cfg, std::vector<optim::ParamRange> ranges,
-                  optim::Optimizer& host, std::unique_ptr<DeviceDataParallel> dp = nullptr,
-                  const StepKernels* kernels = nullptr);
+                  optim::Optimizer& host, std::unique_ptr<DeviceDataParallel> dp = nullptr);
   ~DeviceOptimizer();
   // From the model's grads_ready hook (the step's last backward): buckets reduced as they fill.
   void grads_ready(size_t begin, size_t end) {
@@ -98,7 +73,7 @@ class DeviceOptimizer {
   optim::OptimConfig cfg_;
   std::vector<optim::ParamRange> ranges_;  // relative to begin_
   optim::Optimizer& host_;
-  const StepKernels* k_;
+  const StepOps* k_;
   std::unique_ptr<DeviceDataParallel> dp_;
   size_t begin_ = 0, end_ = 0;                // the moments' part of the flat buffer
   dist::Communicator* norm_group_ = nullptr;  // tensor parallelism (set_grad_norm_group)
@@ -113,7 +88,8 @@ class DeviceOptimizer {
 // LATHE_DEVICE_DP_OVERLAP=0 reduces the buckets after backward instead of from the grads_ready
 // hook during it (train/device_dp.h).
 // Test hook: LATHE_TEST_DEVICE_PATH_ON_HOST=1 sends a CPU model (except LAMB under tensor
-// parallelism) through this path too (host_step_kernels, a second host group standing in for NCCL),
+// parallelism) through this path too (the cpu backend's step ops, a second host group standing in
+// for NCCL),
 // so the trainer's device wiring is tested end to end on the CPU: its results must be bit-identical
 // to the CPU path's (tests/train/test_device_dp_host.py).
 // Whether LATHE_TEST_DEVICE_PATH_ON_HOST=1 is set (read once).

@@ -81,8 +81,8 @@ std::unique_ptr<dist::Communicator> attach_tensor_parallel_on_device(Model& mode
   if (on_host) {
     group = tp_host.split(0, tp_host.rank(), tp_host.name() + "-device");
   } else {
-    const StepKernels* k = step_kernels(model.backend());
-    LATHE_CHECK(k && k->device_index, "tensor parallel: the {} backend has no step kernels in this build",
+    const StepOps* k = model.backend().step_ops();
+    LATHE_CHECK(k && k->device_index, "tensor parallel: the {} backend has no step ops in this build",
                 model.backend().name());
     group = dist::make_nccl_communicator(tp_host, k->device_index());  // collective over tp_host
   }

@@ -34,7 +34,6 @@
 #include "optim/optimizer.h"
 #ifdef LATHE_HAVE_CUDA
 #include "kernels/cuda/ops.h"
-#include "kernels/cuda/optimizer.h"
 #endif
 
 using namespace lathe;
@@ -489,7 +488,8 @@ TEST(CudaFusedOps, LmHeadLossVocabParallelMatchesTheWholeVocabulary) {
   }
 }
 
-// ---- optimizers and gradient norm ------------------------------------------------------------------
+// ---- optimizers and gradient norm: the CUDA backend's step ops (kernels/step_ops.h) ---------------
+const StepOps& cuda_step() { return *cuda_backend().step_ops(); }
 constexpr size_t kP = 3 * optim::kChunk + 123;
 std::vector<optim::ParamRange> test_ranges() {
   const size_t K = optim::kChunk;
@@ -517,11 +517,11 @@ void optimizer_case(const std::string& name) {
     opt->step(p_cpu.data(), g.data(), ranges, lr, step, grad_scale);
     d_g.put(g);
     if (name == "adamw")
-      cuda::adamw_step(d_p.as<float>(), d_g.as<float>(), d_m.as<float>(), d_v.as<float>(), ranges, cfg, lr, step,
-                       grad_scale);
+      cuda_step().adamw_step(d_p.as<float>(), d_g.as<float>(), d_m.as<float>(), d_v.as<float>(), ranges,
+                             optim::step_hyper(cfg), lr, step, grad_scale);
     else
-      cuda::lamb_step(d_p.as<float>(), d_g.as<float>(), d_m.as<float>(), d_v.as<float>(), ranges, cfg, lr, step,
-                      grad_scale, {});
+      cuda_step().lamb_step(d_p.as<float>(), d_g.as<float>(), d_m.as<float>(), d_v.as<float>(), ranges,
+                            optim::step_hyper(cfg), lr, step, grad_scale, {});
   }
   const std::vector<float> p_gpu = d_p.get<float>(kP);
   const auto state = opt->state_buffers();
@@ -570,8 +570,8 @@ TEST(CudaFusedOps, LambGatherSeesEveryChunkAndKeepsTheResult) {
         gathered = local.size();
         return local;
       };
-    cuda::lamb_step(d_p.as<float>(), d_g.as<float>(), d_m.as<float>(), d_v.as<float>(), ranges, cfg, 1e-2, 1, 1.0f,
-                    gather);
+    cuda_step().lamb_step(d_p.as<float>(), d_g.as<float>(), d_m.as<float>(), d_v.as<float>(), ranges,
+                          optim::step_hyper(cfg), 1e-2, 1, 1.0f, gather);
     results.push_back(d_p.get<float>(kP));
   }
   EXPECT_EQ(gathered, optim::make_chunks(ranges).size());
@@ -587,14 +587,14 @@ TEST(CudaFusedOps, GradNormNonFiniteAndScale) {
   const size_t nchunks = (n + optim::kChunk - 1) / optim::kChunk;
   std::vector<double> want(nchunks), got(nchunks);
   optim::grad_sq_chunk_sums(g.data(), n, want.data());
-  cuda::grad_sq_chunk_sums(d.as<float>(), n, got.data());
+  cuda_step().grad_sq_chunk_sums(d.as<float>(), n, got.data());
   for (size_t c = 0; c < nchunks; ++c) EXPECT_NEAR(got[c], want[c], 1e-12 * want[c]) << "chunk " << c;
-  const double norm = cuda::global_grad_norm(d.as<float>(), n);
+  const double norm = cuda_step().global_grad_norm(d.as<float>(), n);
   EXPECT_NEAR(norm, optim::global_grad_norm(g.data(), n), 1e-12 * norm);
-  EXPECT_EQ(cuda::global_grad_norm(d.as<float>(), n), norm) << "deterministic";
+  EXPECT_EQ(cuda_step().global_grad_norm(d.as<float>(), n), norm) << "deterministic";
 
-  EXPECT_FALSE(cuda::has_non_finite(d.as<float>(), n));
-  cuda::scale_inplace(d.as<float>(), n, 0.25f);
+  EXPECT_FALSE(cuda_step().has_non_finite(d.as<float>(), n));
+  cuda_step().scale_inplace(d.as<float>(), n, 0.25f);
   const std::vector<float> scaled = d.get<float>(n);
   for (size_t i = 0; i < n; ++i) ASSERT_EQ(scaled[i], g[i] * 0.25f) << i;
   for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
@@ -602,8 +602,8 @@ TEST(CudaFusedOps, GradNormNonFiniteAndScale) {
     std::vector<float> h = g;
     h[n - 1] = bad;
     d.put(h);
-    EXPECT_TRUE(cuda::has_non_finite(d.as<float>(), n)) << bad;
-    EXPECT_FALSE(cuda::has_non_finite(d.as<float>(), n - 1)) << "only the first n - 1 elements";
+    EXPECT_TRUE(cuda_step().has_non_finite(d.as<float>(), n)) << bad;
+    EXPECT_FALSE(cuda_step().has_non_finite(d.as<float>(), n - 1)) << "only the first n - 1 elements";
   }
 }
 

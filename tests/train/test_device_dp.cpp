@@ -1,6 +1,6 @@
 // The device path's data parallelism (train/device_dp.h, train/device_step.h) without a GPU: the
-// model is a CPU model, the step kernels are optim/'s CPU code behind the device table
-// (host_step_kernels) and the "NCCL" group is a second thread communicator of the same ranks.
+// model is a CPU model, the step ops are the cpu backend's (Backend::step_ops(): optim/'s own
+// kernels) and the "NCCL" group is a second thread communicator of the same ranks.
 // Oracle: the CPU trainer's own data parallelism (GradSync + ShardedOptimizer) on the same
 // gradients. Over threads both reduce in rank order, so the norms, the updated weights and the
 // moments (what a checkpoint stages) must be BIT-identical for DP = 2 and 3, ZeRO 0/1/2, AdamW and
@@ -83,7 +83,7 @@ TEST_P(DeviceDp, BitIdenticalToTheCpuDataParallelPath) {
     auto ddp = std::make_unique<DeviceDataParallel>(world, std::move(dev_group), staging.shards(), c.zero, c.bucket,
                                                     model->backend(), model->backend_grad_data());
     EXPECT_EQ(ddp->num_buckets(), sync.num_buckets());
-    DeviceOptimizer dev(*model, cfg, ranges, staging.local(), std::move(ddp), host_step_kernels());
+    DeviceOptimizer dev(*model, cfg, ranges, staging.local(), std::move(ddp));
     EXPECT_EQ(staging.state_begin(), dev.data_parallel()->state_begin());
     for (int step = 1; step <= 2; ++step) {
       sync.zero_grads();

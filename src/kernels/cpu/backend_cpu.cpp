@@ -1,10 +1,12 @@
-// The CPU backend: host memory and the CPU op tables (kernels/cpu/tables.cpp). The fp32 table's
+// The CPU backend: host memory, the CPU op tables (kernels/cpu/tables.cpp) and step ops
+// (kernels/cpu/step.cpp: optim/'s own AdamW, LAMB and gradient norm). The fp32 table's
 // slots are the kernels behind kernels/cpu/ops.h's functions (both are the F32 instance of each
 // op's template), so results are those of the direct calls, bit for bit.
 #include <cstdlib>
 #include <cstring>
 
 #include "core/error.h"
+#include "kernels/cpu/step.h"
 #include "kernels/cpu/tables.h"
 
 namespace lathe {
@@ -31,6 +33,7 @@ class CpuBackend final : public Backend {
   }
   void synchronize() const override {}
   std::vector<const Ops*> op_tables() const override { return {&cpu::fp32_ops(), &cpu::bf16_ops(), &cpu::fp16_ops()}; }
+  const StepOps* step_ops() const override { return &cpu::step_ops(); }
 };
 
 }  // namespace

@@ -1,5 +1,6 @@
-// The CUDA backend (issue 12): device memory on the process's GPU and stream (runtime.h), and one
-// op table per compute dtype (fp32, bf16, fp16) of the kernels of kernels/cuda/ops.h. Registered
+// The CUDA backend (issue 12): device memory on the process's GPU and stream (runtime.h), one op
+// table per compute dtype (fp32, bf16, fp16) of the kernels of kernels/cuda/ops.h, and the step ops
+// of kernels/cuda/optimizer.h. Registered
 // under the name "cuda" (kernels/backend.cpp's registry) in builds with LATHE_CUDA=ON.
 //
 // Copies: host <-> device copies wait for the stream before returning, so callers may reuse or read
@@ -12,6 +13,7 @@
 #include "kernels/backend.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/optimizer.h"
 #include "kernels/cuda/runtime.h"
 
 namespace lathe {
@@ -75,6 +77,23 @@ const Ops& fp16_ops() {
   return t;
 }
 
+// The training-step ops (kernels/cuda/optimizer.h).
+const StepOps& cuda_step_ops() {
+  static const StepOps t = [] {
+    StepOps o;
+    o.backend = "cuda";
+    o.adamw_step = &adamw_step;
+    o.lamb_step = &lamb_step;
+    o.grad_sq_chunk_sums = &grad_sq_chunk_sums;
+    o.global_grad_norm = &global_grad_norm;
+    o.has_non_finite = &has_non_finite;
+    o.scale_inplace = &scale_inplace;
+    o.device_index = [] { return cuda::device(); };
+    return o;
+  }();
+  return t;
+}
+
 cudaMemcpyKind kind_of(CopyKind k) {
   switch (k) {
     case CopyKind::HostToDevice:
@@ -131,6 +150,7 @@ class CudaBackend final : public Backend {
     return true;
   }
   std::vector<const Ops*> op_tables() const override { return {&fp32_ops(), &bf16_ops(), &fp16_ops()}; }
+  const StepOps* step_ops() const override { return &cuda_step_ops(); }
   std::string unavailable() const override { return cuda::unavailable_reason(); }
   const Ops* cudnn_attention_ops(DType compute, std::string* why) const override {
     if (std::string e = cuda::cudnn_unavailable_reason(); !e.empty()) {

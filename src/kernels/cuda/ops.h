@@ -147,6 +147,6 @@ size_t lm_head_loss_scratch_bytes(int64_t chunk_rows, int64_t V);
 template <DType D>
 void logits_forward(float* logits, const void* x, const void* w, int64_t M, int64_t C, int64_t V);
 
-// The optimizer and gradient-norm kernels (optimizer.cu) are declared in kernels/cuda/optimizer.h.
+// The training-step ops (optimizer.cu: the StepOps table) are declared in kernels/cuda/optimizer.h.
 
 }  // namespace lathe::cuda

@@ -1,16 +1,16 @@
 // Optimizer, gradient-norm, non-finite and scale kernels on CUDA over the flat fp32 buffers
 // (declarations and contracts: kernels/cuda/optimizer.h; work split: kernels/cuda/optimizer_launch.h).
 //
-// AdamW and LAMB use the formulas of optim/adamw.cpp and optim/lamb.cpp in the same order with the
+// AdamW and LAMB use the formulas of kernels/cpu/step.cpp (optim/'s) in the same order with the
 // same float scalars (computed on the host in double and rounded once, as the CPU code does), one
-// block per chunk of optim/chunks.h. Differences to the CPU are at the ulp level: nvcc and GCC
+// block per chunk of kernels/step_ops.h. Differences to the CPU are at the ulp level: nvcc and GCC
 // contract different a*b+c into FMAs (both compile with contraction on), and IEEE sqrt / division
 // are exact in both (no fast math here).
 //
 // Reductions (LAMB's per-chunk ||p||^2 and ||u||^2, the gradient's per-chunk sum of squares) are
 // double, one block per chunk in a fixed order (block_sum), and the chunk sums are added on the
 // host in chunk order: deterministic, and the same partition as the CPU (so ZeRO's chunk-sum
-// exchange and optim::norm_from_chunk_sums apply unchanged).
+// exchange and norm_from_step_chunk_sums apply unchanged).
 // clang-format off
 #include "kernels/cuda/device_util.cuh"  // first: it configures fmt for nvcc
 // clang-format on
@@ -37,8 +37,8 @@ constexpr int kOptThreads = optim_launch::kThreads;
 // table is uploaded once), and small buffers for chunk sums, LAMB's scales and the non-finite flag.
 struct State {
   std::mutex mu;
-  std::vector<optim::ParamRange> ranges;  // the ranges the device table was built from
-  std::vector<DeviceChunk> chunks;        // host copy (kept alive while the copy is in flight)
+  std::vector<StepRange> ranges;    // the ranges the device table was built from
+  std::vector<DeviceChunk> chunks;  // host copy (kept alive while the copy is in flight)
   DeviceChunk* dev_chunks = nullptr;
   size_t chunk_cap = 0;
   double* sums = nullptr;  // per-chunk sums
@@ -66,7 +66,7 @@ T* grow(T* p, size_t& cap, size_t n) {
   return static_cast<T*>(q);
 }
 
-bool same_ranges(std::span<const optim::ParamRange> a, const std::vector<optim::ParamRange>& b) {
+bool same_ranges(std::span<const StepRange> a, const std::vector<StepRange>& b) {
   if (a.size() != b.size()) return false;
   for (size_t i = 0; i < a.size(); ++i)
     if (a[i].offset != b[i].offset || a[i].size != b[i].size || a[i].decay != b[i].decay || a[i].tensor != b[i].tensor)
@@ -75,7 +75,7 @@ bool same_ranges(std::span<const optim::ParamRange> a, const std::vector<optim::
 }
 
 // The device chunk table of `ranges` (caller holds st.mu).
-const DeviceChunk* chunk_table(State& st, std::span<const optim::ParamRange> ranges) {
+const DeviceChunk* chunk_table(State& st, std::span<const StepRange> ranges) {
   if (!same_ranges(ranges, st.ranges) || st.dev_chunks == nullptr) {
     st.ranges.assign(ranges.begin(), ranges.end());
     st.chunks = optim_launch::device_chunks(ranges);
@@ -87,7 +87,7 @@ const DeviceChunk* chunk_table(State& st, std::span<const optim::ParamRange> ran
   return st.dev_chunks;
 }
 
-void check_ranges(const char* who, std::span<const optim::ParamRange> ranges, int64_t step) {
+void check_ranges(const char* who, std::span<const StepRange> ranges, int64_t step) {
   LATHE_CU_CHECK(step >= 1, "{}: step must be >= 1, got {}", who, step);
   for (size_t r = 0; r < ranges.size(); ++r)
     LATHE_CU_CHECK(ranges[r].offset + ranges[r].size >= ranges[r].offset,
@@ -120,7 +120,7 @@ struct LambScalars {
   float inv_bc1, inv_bc2, b1, one_minus_b1, b2, one_minus_b2, eps, wd, grad_scale;
 };
 
-// LAMB's update direction from the updated moments and the old parameter (optim/lamb.cpp `update`).
+// LAMB's update direction from the updated moments and the old parameter (kernels/cpu/step.cpp `update`).
 __device__ __forceinline__ float lamb_u(float mi, float vi, float p, float w, const LambScalars& k) {
   return (mi * k.inv_bc1) / (sqrtf(vi * k.inv_bc2) + k.eps) + w * p;
 }
@@ -168,8 +168,8 @@ __global__ void __launch_bounds__(kOptThreads)
 __global__ void __launch_bounds__(kOptThreads)
     sq_chunk_kernel(const float* __restrict__ x, int64_t n, double* __restrict__ sums) {
   __shared__ double red[kOptThreads / 32];
-  const int64_t b = static_cast<int64_t>(blockIdx.x) * static_cast<int64_t>(optim::kChunk);
-  const int64_t e = min(b + static_cast<int64_t>(optim::kChunk), n);
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * static_cast<int64_t>(kStepChunk);
+  const int64_t e = min(b + static_cast<int64_t>(kStepChunk), n);
   double s = 0.0;
   for (int64_t i = b + threadIdx.x; i < e; i += kOptThreads) s += static_cast<double>(x[i]) * x[i];
   s = block_sum<kOptThreads>(s, red);
@@ -200,8 +200,8 @@ unsigned elementwise_grid(size_t n) {
 
 }  // namespace
 
-void adamw_step(float* params, const float* grads, float* m, float* v, std::span<const optim::ParamRange> ranges,
-                const optim::OptimConfig& cfg, double lr, int64_t step, float grad_scale) {
+void adamw_step(float* params, const float* grads, float* m, float* v, std::span<const StepRange> ranges,
+                const StepHyper& cfg, double lr, int64_t step, float grad_scale) {
   check_ranges("adamw", ranges, step);
   const double bc1 = 1.0 - std::pow(cfg.beta1, static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(cfg.beta2, static_cast<double>(step));
@@ -224,9 +224,8 @@ void adamw_step(float* params, const float* grads, float* m, float* v, std::span
   check_launch("adamw_step");
 }
 
-void lamb_step(float* params, const float* grads, float* m, float* v, std::span<const optim::ParamRange> ranges,
-               const optim::OptimConfig& cfg, double lr, int64_t step, float grad_scale,
-               const optim::ChunkSumsGather& gather) {
+void lamb_step(float* params, const float* grads, float* m, float* v, std::span<const StepRange> ranges,
+               const StepHyper& cfg, double lr, int64_t step, float grad_scale, const StepChunkSumsGather& gather) {
   check_ranges("lamb", ranges, step);
   LambScalars k;
   k.inv_bc1 = static_cast<float>(1.0 / (1.0 - std::pow(cfg.beta1, static_cast<double>(step))));
@@ -254,18 +253,18 @@ void lamb_step(float* params, const float* grads, float* m, float* v, std::span<
     LATHE_CUDA_CHECK(cudaStreamSynchronize(s));
   }
 
-  // Per-range norms and trust ratios, as optim/lamb.cpp (under ZeRO every rank's chunks, in flat
+  // Per-range norms and trust ratios, as kernels/cpu/step.cpp (under ZeRO every rank's chunks, in flat
   // order, through `gather`; a rank may hold no chunk and still take part in the exchange).
   std::vector<double> pn(ranges.size(), 0.0), un(ranges.size(), 0.0);
   if (gather) {
-    std::vector<optim::ChunkSums> local(nchunks);
+    std::vector<StepChunkSums> local(nchunks);
     for (size_t c = 0; c < nchunks; ++c) {
       const size_t r = static_cast<size_t>(st.chunks[c].range);
       LATHE_CU_CHECK(ranges[r].tensor >= 0, "lamb: range {} has no tensor id (needed under ZeRO)", r);
       local[c] = {ranges[r].tensor, sums[2 * c], sums[2 * c + 1]};
     }
     std::unordered_map<int64_t, std::pair<double, double>> total;
-    for (const optim::ChunkSums& cs : gather(local)) {
+    for (const StepChunkSums& cs : gather(local)) {
       auto& t = total[cs.tensor];
       t.first += cs.p;
       t.second += cs.u;
@@ -312,9 +311,7 @@ void grad_sq_chunk_sums(const float* grads, size_t n, double* out_host) {
 double global_grad_norm(const float* grads, size_t n) {
   std::vector<double> sums(optim_launch::flat_chunks(n));
   grad_sq_chunk_sums(grads, n, sums.data());
-  double total = 0.0;  // chunk order, as optim::norm_from_chunk_sums
-  for (const double x : sums) total += x;
-  return std::sqrt(total);
+  return norm_from_step_chunk_sums(sums.data(), sums.size());  // chunk order, as on the CPU
 }
 
 bool has_non_finite(const float* x, size_t n) {
