@@ -43,9 +43,9 @@ if [ "${LATHE_SKIP_CUDA:-0}" != 1 ]; then
     start=$(date +%s)
     cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DLATHE_CUDA=ON -DLATHE_BUILD_BENCH=OFF \
       -DCMAKE_CUDA_COMPILER="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" "${LAUNCHER[@]}" >/dev/null
-    cmake --build build-cuda -j"$(nproc)" --target lathe test_backend_ops test_cuda_launch
-    (cd build-cuda && ctest --output-on-failure -j2 --timeout 600 -R '^(Registry/BackendOps|BackendOps|BackendRegistry|CudaLaunch|CudaBackend)\.')
-    (cd build-cuda && ctest -R '^Registry/BackendOps.*cuda_' -N | tail -1)
+    cmake --build build-cuda -j"$(nproc)" --target lathe test_backend_ops test_backend_step_ops test_backend_registry test_cuda_launch
+    (cd build-cuda && ctest --output-on-failure -j2 --timeout 600 -R '^(Registry/BackendOps|BackendOps|Registry/BackendOpsStep|BackendOpsStep|BackendRegistry|CudaLaunch|CudaBackend)\.')
+    (cd build-cuda && ctest -R '^Registry/BackendOps(Step)?.*cuda_' -N | tail -1)
     ./build-cuda/tests/test_cuda_launch --gtest_filter='CudaBackend.Memory*' | grep -A1 ': Skipped' || true
     echo "== CUDA stage: $(($(date +%s) - start)) s =="
   else

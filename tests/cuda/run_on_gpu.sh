@@ -24,14 +24,15 @@ cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DLATHE_CUDA=ON -DLATHE_BUILD_
 [ -f /usr/local/include/cudnn-frontend/include/cudnn_frontend.h ] && stamp "cuDNN frontend headers: present" ||
   stamp "cuDNN frontend headers: MISSING (scripts/setup.sh): the cuDNN SDPA checks will be skipped"
 # The CUDA test binaries: the op tests, tests/cuda/test_*.cpp, and other areas' CUDA tests.
-TESTS=(test_backend_ops $(ls tests/cuda/test_*.cpp 2>/dev/null | xargs -n1 basename 2>/dev/null | sed 's/\.cpp$//'))
+TESTS=(test_backend_ops test_backend_step_ops test_backend_registry $(ls tests/cuda/test_*.cpp 2>/dev/null | xargs -n1 basename 2>/dev/null | sed 's/\.cpp$//'))
 stamp "build lathe ${TESTS[*]} (-j$JOBS)"
 cmake --build "$BUILD" -j"$JOBS" --target lathe "${TESTS[@]}" 2>&1 | grep -E "error|warning: |Error" | head -40
 [ -x "$BUILD/lathe" ] || { stamp "build failed"; exit 1; }
 FAIL=0
 for t in "${TESTS[@]}"; do
   filter='*'
-  [ "$t" = test_backend_ops ] && filter='*cuda*:BackendRegistry.*:BackendOps.*'
+  [ "$t" = test_backend_ops ] && filter='*cuda*:BackendOps.*'
+  [ "$t" = test_backend_step_ops ] && filter='*cuda*:BackendOpsStep.*'
   stamp "test $t ($filter)"
   timeout 240 "$BUILD/tests/$t" --gtest_filter="$filter" >"$BUILD/$t.log" 2>&1
   rc=$?
