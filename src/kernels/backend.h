@@ -21,6 +21,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -139,6 +140,15 @@ template <typename F>
 void for_each_op(const Ops& ops, F&& f);
 
 enum class DeviceKind : uint8_t { Host, Cuda };
+
+// What a device backend reports about the device this process computes on: the MFU peak's
+// estimate (train/peak.h) and the run's startup report.
+struct DeviceInfo {
+  std::string name;  // "NVIDIA H200"
+  int cc_major = 0, cc_minor = 0;
+  int sm_count = 0;
+  int clock_khz = 0;  // peak SM clock
+};
 std::string_view device_kind_name(DeviceKind k);
 
 enum class CopyKind : uint8_t { HostToDevice, DeviceToHost, DeviceToDevice };
@@ -179,6 +189,8 @@ class Backend {
   }
   // The op tables of this backend, complete or not (one per compute dtype).
   virtual std::vector<const Ops*> op_tables() const = 0;
+  // The device's facts; std::nullopt for host backends and where no device is usable.
+  virtual std::optional<DeviceInfo> device_info() const { return std::nullopt; }
   // The training-step ops of this backend (kernels/step_ops.h: optimizer update, gradient norm,
   // non-finite check, scale over fp32 buffers in its memory), or nullptr when it has none (the
   // no-CUDA stand-in).

@@ -21,9 +21,4 @@ std::string backend_unavailable_reason(const Backend& backend);
 // value and the fix (rebuild with -DLATHE_CUDA=ON, make a GPU visible, or set device: cpu).
 const Backend& select_backend(const Recipe& r);
 
-// What the CUDA runtime reports for the device this process uses (name, compute capability, SMs,
-// clock): std::nullopt on a build without CUDA or without a visible GPU (train/device_cuda.cpp on
-// a CUDA build; a stub otherwise).
-std::optional<GpuInfo> current_gpu_info();
-
 }  // namespace lathe

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "kernels/backend.h"
 
 namespace lathe {
 
@@ -30,12 +31,7 @@ const std::vector<GpuPeak>& gpu_peak_table();
 const GpuPeak* find_gpu_peak(std::string_view device_name);
 
 // What the CUDA runtime says about a device (train/device_select.h fills it on a CUDA build).
-struct GpuInfo {
-  std::string name;  // "NVIDIA H200"
-  int cc_major = 0, cc_minor = 0;
-  int sm_count = 0;
-  int clock_khz = 0;  // peak SM clock
-};
+using GpuInfo = DeviceInfo;  // what the backend reports (kernels/backend.h Backend::device_info)
 // Dense peak GFLOP/s from SMs x clock x FLOP per SM per clock of the architecture's data-centre
 // part (sm_80: 2048 bf16 / 128 fp32; sm_90: 4096 / 256; ...); 0 when the architecture is unknown.
 // GeForce parts of an architecture often have half the bf16 rate: an estimate, said as such.

@@ -89,7 +89,7 @@ void RunLog::startup(const StartupFacts& f) {
 
   const Model& model = f.model;
   // MFU denominator: training.peak_gflops, else the GPU's dense peak (table or estimate), else the CPU probe.
-  const std::optional<GpuInfo> gpu = model.backend().device() == DeviceKind::Host ? std::nullopt : current_gpu_info();
+  const std::optional<GpuInfo> gpu = model.backend().device_info();
   const PeakChoice peak_choice =
       choose_peak(r_.training.peak_gflops, gpu ? &*gpu : nullptr, model.compute_dtype(), &measure_peak_gflops);
   const double peak = peak_choice.gflops;

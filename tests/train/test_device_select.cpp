@@ -84,7 +84,8 @@ TEST(DeviceSelect, CudaWithoutUsableGpuIsRefusedWithReasonAndFix) {
   else
     EXPECT_NE(e.find("CUDA_VISIBLE_DEVICES"), std::string::npos) << e;
   // No GPU -> no GPU info, so MFU falls back to the recipe / CPU probe.
-  EXPECT_FALSE(current_gpu_info().has_value());
+  EXPECT_FALSE(cuda_backend().device_info().has_value());
+  EXPECT_FALSE(cpu_backend().device_info().has_value());  // a host backend has no device facts
 }
 
 TEST(GpuPeak, TableMatchesWholeWordsMostSpecificFirst) {

@@ -152,6 +152,20 @@ class CudaBackend final : public Backend {
   std::vector<const Ops*> op_tables() const override { return {&fp32_ops(), &bf16_ops(), &fp16_ops()}; }
   const StepOps* step_ops() const override { return &cuda_step_ops(); }
   std::string unavailable() const override { return cuda::unavailable_reason(); }
+  std::optional<DeviceInfo> device_info() const override {
+    if (!cuda::unavailable_reason().empty()) return std::nullopt;
+    const int dev = cuda::device();  // the backend's GPU of this process
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, dev) != cudaSuccess) return std::nullopt;
+    DeviceInfo g;
+    g.name = prop.name;
+    g.cc_major = prop.major;
+    g.cc_minor = prop.minor;
+    g.sm_count = prop.multiProcessorCount;
+    // cudaDeviceProp::clockRate is gone in CUDA 13: the attribute (kHz) instead.
+    if (cudaDeviceGetAttribute(&g.clock_khz, cudaDevAttrClockRate, dev) != cudaSuccess) g.clock_khz = 0;
+    return g;
+  }
   const Ops* cudnn_attention_ops(DType compute, std::string* why) const override {
     if (std::string e = cuda::cudnn_unavailable_reason(); !e.empty()) {
       *why = e;
