@@ -29,19 +29,24 @@ bool PipelineLayout::holds(const ParamSpec& s, int r) const {
 }
 
 PipelineLayout pipeline_layout(const Recipe& r, int64_t layers, bool tied, int rank) {
+  return pipeline_layout(r.parallel, r.training.grad_accum_steps, r.source, layers, tied, rank);
+}
+
+PipelineLayout pipeline_layout(const Recipe::Parallel& par, int64_t micro_batches, const std::string& source,
+                               int64_t layers, bool tied, int rank) {
   PipelineLayout l;
-  const int64_t p = r.parallel.pipeline, v = r.parallel.virtual_stages;
+  const int64_t p = par.pipeline, v = par.virtual_stages;
   l.spec.kind = v > 1 ? pipeline::Kind::Interleaved : pipeline::Kind::OneFOneB;
   l.spec.stages = p;
-  l.spec.micro_batches = r.training.grad_accum_steps;
+  l.spec.micro_batches = micro_batches;
   l.spec.virtual_stages = v;
-  pipeline::validate(l.spec, r.source);
-  LATHE_CHECK(!r.parallel.stage_layers.empty() || layers % (p * v) == 0,
+  pipeline::validate(l.spec, source);
+  LATHE_CHECK(!par.stage_layers.empty() || layers % (p * v) == 0,
               "{}: parallel.pipeline {} x parallel.virtual_stages {} = {} stages do not divide the model's {} layers "
               "(num_hidden_layers): give parallel.stage_layers (one count per stage, summing to {}) or a degree that "
               "divides {}",
-              r.source, p, v, p * v, layers, layers, layers);
-  l.vstage_layers = pipeline::assign_layers(layers, p, v, r.parallel.stage_layers, r.source);
+              source, p, v, p * v, layers, layers, layers);
+  l.vstage_layers = pipeline::assign_layers(layers, p, v, par.stage_layers, source);
   l.rank = rank;
   l.tied = tied;
   int64_t global = 0;

@@ -53,6 +53,9 @@ struct PipelineLayout {
 // layers, a layer count the stages do not divide without stage_layers, an interleaved schedule
 // whose micro-batches are not a multiple of the stages.
 PipelineLayout pipeline_layout(const Recipe& r, int64_t layers, bool tied, int rank);
+// The same from the recipe's parallel section, its micro-batches per step and its name (`source`).
+PipelineLayout pipeline_layout(const Recipe::Parallel& par, int64_t micro_batches, const std::string& source,
+                               int64_t layers, bool tied, int rank);
 
 // One line for the log: "pipeline 2 stages (1f1b, 8 micro-batches): layers [2, 2]; bubble 11.1%
 // (formula (p-1)/(v m + p-1)), at most 2 micro-batches in flight per rank".

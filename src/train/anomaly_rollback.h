@@ -12,12 +12,12 @@
 #include "dist/comm.h"
 #include "models/model.h"
 #include "optim/loss_scaler.h"
+#include "parallel/parallelize.h"
 #include "parallel/sharded_optimizer.h"
 #include "train/anomaly.h"
 #include "train/checkpoint.h"
 #include "train/checkpointer.h"
 #include "train/device_step.h"
-#include "train/rank_model.h"
 #include "train/run_log.h"
 #include "train/train_step.h"
 

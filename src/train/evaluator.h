@@ -12,7 +12,7 @@
 #include "data/indexed_dataset.h"
 #include "eval/eval_tasks.h"
 #include "models/documents.h"
-#include "train/rank_model.h"
+#include "parallel/parallelize.h"
 #include "train/run_log.h"
 
 namespace lathe {

@@ -17,6 +17,8 @@
 #include "tokenizer/tokenizer.h"
 #include "train/checkpoint.h"
 #include "train/consistency.h"
+#include "train/device_tp.h"
+#include "train/reshard.h"
 #include "train/run_dir.h"
 
 namespace lathe {
@@ -64,7 +66,7 @@ TrainSession::TrainSession(const Recipe& recipe, const TrainOptions& opts)
       r_(recipe),
       log_(r_, world_.rank() == 0, opts.quiet) {
   check_layout(r_, world_);
-  topo_ = std::make_unique<Topology>(world_, r_);
+  topo_ = std::make_unique<Topology>(world_, r_.parallel);
   const int dp = topo_->lay.dp;
   control_ = std::make_unique<RunControl>(opts, r_, world_, dp, log_);
   if (r_.training.threads > 0) omp_set_num_threads(r_.training.threads);
@@ -74,7 +76,7 @@ TrainSession::TrainSession(const Recipe& recipe, const TrainOptions& opts)
   geo_.accum = r_.training.grad_accum_steps;
   geo_.G = geo_.B * geo_.accum * dp;
   open_inputs();
-  rm_ = std::make_unique<RankModel>(r_, pf_, *topo_, geo_.B, geo_.T);
+  open_model();
   restore_counters();
   open_optimizer();
   open_resume();
@@ -101,6 +103,24 @@ void TrainSession::open_inputs() {
     log_.log(fmt::format("documents: {} attention, positions {}, loss after EOD {} (EOD id {})", r_.data.attention,
                          docs.reset_positions ? "restart at each document" : "0..seq_len-1",
                          docs.mask_loss ? "masked" : "trained", docs.eod));
+}
+
+// This rank's model from preflight's (whole; its weights from init_from or the checkpoint, or only
+// its table under tensor/pipeline parallelism): parallel::parallelize cuts the shard and stage,
+// gives them their weights and attaches the tensor-parallel hooks and the pipeline executor.
+void TrainSession::open_model() {
+  parallel::ParallelConfig cfg = parallel::ParallelConfig::of(r_);
+  cfg.attach_tp = attach_tensor_parallel_on_device;  // the CPU's hooks on a host model; device: cuda NCCL
+  cfg.stage_through_host = device_path_on_host();     // test hook (train/device_step.h)
+  parallel::InitialWeights w;
+  w.whole_has_weights = !pf_.table_only;
+  w.fresh = pf_.ckpt.empty() && r_.init_from.empty();
+  w.seed = static_cast<uint64_t>(r_.training.seed);
+  if (!pf_.ckpt.empty())  // only this rank's runs of each weight (train/reshard.h)
+    w.load_shard = [ckpt = pf_.ckpt](const ParamTable& whole, Model& local, int tp_rank, int tp) {
+      load_weights_sharded(CheckpointPieces(ckpt), whole, local.params(), tp_rank, tp, local.param_data());
+    };
+  rm_ = parallel::parallelize(std::move(pf_.model), *topo_, cfg, w, geo_.B, geo_.T);
 }
 
 // Loss scale and skipped-step counters, and the loss-spike and NaN policy's statistics: a resume

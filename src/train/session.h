@@ -16,6 +16,7 @@
 #include "optim/loss_scaler.h"
 #include "optim/schedule.h"
 #include "parallel/grad_sync.h"
+#include "parallel/parallelize.h"
 #include "parallel/sharded_optimizer.h"
 #include "train/anomaly.h"
 #include "train/anomaly_rollback.h"
@@ -23,7 +24,6 @@
 #include "train/device_step.h"
 #include "train/evaluator.h"
 #include "train/preflight.h"
-#include "train/rank_model.h"
 #include "train/run_control.h"
 #include "train/run_log.h"
 #include "train/train_step.h"
@@ -62,6 +62,7 @@ class TrainSession {
 
  private:
   void open_inputs();
+  void open_model();
   void restore_counters();
   void open_optimizer();
   void open_resume();

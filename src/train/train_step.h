@@ -17,12 +17,12 @@
 #include "optim/loss_scaler.h"
 #include "optim/schedule.h"
 #include "parallel/grad_sync.h"
+#include "parallel/parallelize.h"
 #include "parallel/pipeline_executor.h"
 #include "parallel/sharded_optimizer.h"
 #include "train/anomaly.h"
 #include "train/device_step.h"
 #include "train/fault_plan.h"
-#include "train/rank_model.h"
 
 namespace lathe {
 

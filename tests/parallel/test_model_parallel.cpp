@@ -5,6 +5,7 @@
 // ranks; scatter then gather must give the whole model's weights back bit for bit; the owned
 // ranges must count every element of the whole model exactly once over a replica (the sum of
 // squares of the owned weights equals the whole model's, and the element counts add up).
+// Also parallel::parallelize (parallel/parallelize.h), the last test.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -13,6 +14,7 @@
 #include "dist/comm.h"
 #include "models/model.h"
 #include "parallel/model_parallel.h"
+#include "parallel/parallelize.h"
 #include "parallel/pipeline_stage.h"
 
 using namespace lathe;
@@ -128,4 +130,60 @@ TEST(ModelParallel, ShareRoundTripsAndCountsEachElementOnce) {
                              ShareCase{"gpt2 tied, pp3", "gpt2-debug", 3, 96, true, 1, 3},
                              ShareCase{"llama tp2", "llama-debug", 2, 97, false, 2, 1}})
     check_share(c);
+}
+
+// parallel/parallelize.h: the rank's model from the whole model (with its weights: each rank takes
+// its share; a table only: init_shard draws the same values), its stage, hooks and executor.
+// Oracles: current_whole() (gather over the replica) gives the whole model's weights back bit for
+// bit; a table-only fresh start gives every rank the same weights as the whole model's init_weights
+// with the same seed, scattered.
+TEST(ModelParallel, ParallelizeGivesEachRankItsShareOfTheWholeModel) {
+  for (auto [tp, pp] : {std::pair{2, 2}, std::pair{2, 1}, std::pair{1, 2}}) {
+    SCOPED_TRACE(testing::Message() << "tp " << tp << " pp " << pp);
+    ModelConfig cfg = ModelConfig::preset("gpt2-debug");
+    cfg.num_hidden_layers = 4;
+    cfg.vocab_size = 97;
+    const uint64_t seed = 11;
+    auto ref = build_model(cfg, ComputeSpec{nullptr, DType::F32, false});
+    ref->init_weights(seed);
+    const size_t P = ref->num_params();
+    Recipe r;
+    r.source = "test";
+    r.parallel.tensor = tp;
+    r.parallel.pipeline = pp;
+    r.training.grad_accum_steps = 2;
+    const ParallelConfig pc = ParallelConfig::of(r);
+    std::mutex mu;
+    dist::run_threads(tp * pp, [&](dist::Communicator& w) {
+      Topology topo(w, r.parallel);
+      // From the whole model's weights (fresh: init_weights(seed) on it first).
+      InitialWeights from_whole;
+      from_whole.fresh = true;
+      from_whole.seed = seed;
+      auto a = parallelize(build_model(cfg, ComputeSpec{nullptr, DType::F32, false}), topo, pc, from_whole, 1, 8);
+      // From the whole model's table only: init_shard.
+      ComputeSpec table{nullptr, DType::F32, false};
+      table.parameters = false;
+      InitialWeights from_table = from_whole;
+      from_table.whole_has_weights = false;
+      auto b = parallelize(build_model(cfg, table), topo, pc, from_table, 1, 8);
+      const size_t n = a->model().num_params();
+      size_t differ = 0;
+      for (size_t i = 0; i < n; ++i) differ += a->model().param_data()[i] != b->model().param_data()[i];
+      Model& whole = a->current_whole();
+      size_t differ_whole = 0;
+      for (size_t i = 0; i < P; ++i) differ_whole += whole.param_data()[i] != ref->param_data()[i];
+      a->release_whole();
+      std::lock_guard<std::mutex> lk(mu);
+      EXPECT_TRUE(a->sharded());
+      EXPECT_EQ(a->whole_params(), P);
+      EXPECT_EQ(a->pipe() != nullptr, pp > 1);
+      EXPECT_EQ(a->tp(), tp);
+      EXPECT_EQ(a->tp_rank(), topo.lay.tp_rank);
+      EXPECT_EQ(b->model().num_params(), n);
+      EXPECT_LT(n, P);
+      EXPECT_EQ(differ, 0u) << "rank " << w.rank() << ": init_shard differs from the whole model's init, scattered";
+      EXPECT_EQ(differ_whole, 0u) << "rank " << w.rank() << ": current_whole differs from the whole model";
+    });
+  }
 }
