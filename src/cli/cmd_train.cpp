@@ -40,6 +40,9 @@ lathe::FaultPlan fault_plan_from_env() {
     f.stall_rank = std::atoi(stall_rank);
     f.stall_step = std::atoll(stall_step);
   }
+  if (const char* ms = std::getenv("LATHE_TEST_CKPT_SLEEP_MS")) f.checkpoint_pause_ms = std::atoi(ms);
+  const char* on_host = std::getenv("LATHE_TEST_DEVICE_PATH_ON_HOST");
+  f.device_path_on_host = on_host != nullptr && std::string(on_host) == "1";
   return f;
 }
 

@@ -41,11 +41,8 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-void test_sleep() {
-  static const int ms = [] {
-    const char* e = std::getenv("LATHE_TEST_CKPT_SLEEP_MS");
-    return e ? std::atoi(e) : 0;
-  }();
+// The test pause of a save (FaultPlan::checkpoint_pause_ms, passed in by the trainer).
+void test_pause(int ms) {
   if (ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
 }
 
@@ -272,6 +269,7 @@ void load_moments(const std::string& dir, const CheckpointState& st, const Model
 struct Retention {
   int keep_last = 0;
   bool keep_healthy = false;
+  int pause_ms = 0;  // the test pause (save_checkpoint's pause_ms)
 };
 
 // Collective over `group` when it is given (every rank calls it; rank 0 owns the directory).
@@ -346,7 +344,7 @@ void save_checkpoint_impl(const std::string& run_dir, const Model& model, const 
     files[kOptimFile] = mine["entry"];
     tensors[kOptimFile] = mine["tensors"];
   }
-  test_sleep();  // a test kills a rank here: its shard is written, the checkpoint not yet published
+  test_pause(keep.pause_ms);  // a test kills a rank here: its shard is written, the checkpoint not yet published
   if (rank != 0) {
     group->barrier();  // until rank 0 has published the checkpoint (or the job ends on its error)
     return;
@@ -356,7 +354,7 @@ void save_checkpoint_impl(const std::string& run_dir, const Model& model, const 
     auto [f, t] = model_job.get();
     files[kModelFile] = f;
     tensors[kModelFile] = t;
-    test_sleep();
+    test_pause(keep.pause_ms);
   }
   {
     io::DirectWriter w((tmp / kRecipeFile).string());
@@ -364,12 +362,12 @@ void save_checkpoint_impl(const std::string& run_dir, const Model& model, const 
         "# resolved recipe of this checkpoint (JSON, which is valid YAML)\n" + st.recipe.dump(2) + "\n";
     w.write(text.data(), text.size());
     files[kRecipeFile] = file_entry(w.commit());
-    test_sleep();
+    test_pause(keep.pause_ms);
   }
   const int64_t world_size = offline && offline->shard_files ? static_cast<int64_t>(offline->parts.size()) : world;
   io::atomic_write_file((tmp / kStateFile).string(), state_json_text(st, opt_name, world_size, files, tensors));
   io::fsync_dir(tmp.string());
-  test_sleep();
+  test_pause(keep.pause_ms);
 
   // Into place. A checkpoint of the same step that this save did not write (another timeline's)
   // is moved aside, never deleted.
@@ -416,8 +414,8 @@ void save_guarded(const std::string& run_dir, const Model& model, const MomentSl
 }  // namespace
 
 void save_checkpoint(const std::string& run_dir, const Model& model, optim::Optimizer* opt, const CheckpointState& st,
-                     int keep_last, CheckpointSaveInfo* info, bool keep_healthy) {
-  const Retention keep{keep_last, keep_healthy};
+                     int keep_last, CheckpointSaveInfo* info, bool keep_healthy, int pause_ms) {
+  const Retention keep{keep_last, keep_healthy, pause_ms};
   if (!opt) return save_guarded(run_dir, model, nullptr, st, keep, info, nullptr);
   for (auto& [bname, buf] : opt->state_buffers())
     LATHE_CHECK(buf->size() == model.num_params(),
@@ -429,8 +427,8 @@ void save_checkpoint(const std::string& run_dir, const Model& model, optim::Opti
 
 void save_checkpoint_sharded(const std::string& run_dir, const Model& model, const MomentSlice& mine,
                              const CheckpointState& st, int keep_last, CheckpointSaveInfo* info,
-                             dist::Communicator& group, bool keep_healthy) {
-  save_guarded(run_dir, model, &mine, st, Retention{keep_last, keep_healthy}, info, &group);
+                             dist::Communicator& group, bool keep_healthy, int pause_ms) {
+  save_guarded(run_dir, model, &mine, st, Retention{keep_last, keep_healthy, pause_ms}, info, &group);
 }
 
 void save_checkpoint_offline(const std::string& run_dir, const Model& model, const OfflineCheckpoint& parts,

@@ -129,10 +129,10 @@ struct CheckpointSaveInfo {
 // timeline's) is moved aside to step_XXXXXXXX.abandoned-<unix time> (info->moved_aside), never deleted.
 // Data files go through O_DIRECT (buffered where the filesystem refuses it); model and optimizer
 // files are written concurrently. Extra memory: 4 staging buffers of 16 MB.
-// Test hook: env LATHE_TEST_CKPT_SLEEP_MS=N sleeps N ms after the data files, after recipe.yaml
-// and before the rename.
+// Test hook: pause_ms > 0 (FaultPlan::checkpoint_pause_ms) pauses that long after the data files,
+// after recipe.yaml and before the rename.
 void save_checkpoint(const std::string& run_dir, const Model& model, optim::Optimizer* opt, const CheckpointState& st,
-                     int keep_last, CheckpointSaveInfo* info = nullptr, bool keep_healthy = false);
+                     int keep_last, CheckpointSaveInfo* info = nullptr, bool keep_healthy = false, int pause_ms = 0);
 
 // A rank's part of the optimizer moments: flat elements [begin, end) of the model's P-element
 // parameter layout; buffers[i] = {"exp_avg", pointer to flat element `begin` of that moment}.
@@ -155,7 +155,7 @@ MomentSlice moment_slice(optim::Optimizer& opt, size_t buffer_begin, size_t begi
 // sees (a shared filesystem when the ranks are on several hosts).
 void save_checkpoint_sharded(const std::string& run_dir, const Model& model, const MomentSlice& mine,
                              const CheckpointState& st, int keep_last, CheckpointSaveInfo* info,
-                             dist::Communicator& group, bool keep_healthy = false);
+                             dist::Communicator& group, bool keep_healthy = false, int pause_ms = 0);
 
 // What one process writes in place of a run's ranks (offline resharding, train/reshard.h): parts[r]
 // is writer rank r's flat range of the moments (none: a checkpoint without optimizer state), in

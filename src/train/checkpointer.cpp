@@ -83,13 +83,13 @@ void Checkpointer::save(int64_t done, double lr) {
   if (p_.rm.sharded()) {
     save_sharded(st, info);
   } else if (p_.topo.lay.dp == 1) {
-    save_checkpoint(r.output.dir, model, &opt.local(), st, keep_last, &info, keep_healthy);
+    save_checkpoint(r.output.dir, model, &opt.local(), st, keep_last, &info, keep_healthy, p_.pause_ms);
   } else {
     const parallel::FlatShards& sh = opt.shards();
     const int rank = p_.topo.rank();
     save_checkpoint_sharded(r.output.dir, model,
                             moment_slice(opt.local(), opt.state_begin(), sh.begin(rank), sh.end(rank)), st, keep_last,
-                            &info, p_.topo.world, keep_healthy);
+                            &info, p_.topo.world, keep_healthy, p_.pause_ms);
   }
   last_saved_ = (fs::path(r.output.dir) / "checkpoints" / fmt::format("step_{:08d}", done)).string();
   if (!info.moved_aside.empty())
@@ -135,7 +135,7 @@ void Checkpointer::save_sharded(const CheckpointState& st, CheckpointSaveInfo& i
     for (size_t i = 0; i < all.size(); ++i) part.buffers.push_back({mine.buffers[i].first, all[i].data() + part.begin});
     const bool keep_healthy = r.training.anomaly.enabled && r.training.anomaly.rollback_after > 0;
     save_checkpoint_sharded(r.output.dir, w, part, st, static_cast<int>(r.output.keep_last), &info,
-                            *p_.topo.groups.ckpt_writers, keep_healthy);
+                            *p_.topo.groups.ckpt_writers, keep_healthy, p_.pause_ms);
   }
   p_.topo.replica()->barrier();  // the checkpoint is complete before any rank of the replica goes on
   p_.rm.release_whole();

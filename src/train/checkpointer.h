@@ -41,6 +41,7 @@ class Checkpointer {
     int64_t G;  // samples per step
     int threads;
     RunLog& log;
+    int pause_ms = 0;  // the test pause of every save (FaultPlan::checkpoint_pause_ms)
   };
   explicit Checkpointer(const Parts& p) : p_(p) {}
 

@@ -117,19 +117,12 @@ void DeviceOptimizer::upload_state() {
   model_.backend().synchronize();
 }
 
-bool device_path_on_host() {
-  static const bool on = [] {
-    const char* e = std::getenv("LATHE_TEST_DEVICE_PATH_ON_HOST");
-    return e != nullptr && std::string(e) == "1";
-  }();
-  return on;
-}
-
 std::unique_ptr<DeviceOptimizer> make_device_optimizer(Model& model, const Recipe& r,
                                                        std::vector<optim::ParamRange> ranges,
-                                                       parallel::ShardedOptimizer& opt, dist::Communicator& dp) {
+                                                       parallel::ShardedOptimizer& opt, dist::Communicator& dp,
+                                                       bool device_path_on_host) {
   const bool on_host =
-      !model.on_device() && device_path_on_host() && !(r.parallel.tensor > 1 && r.optimizer.name == "lamb");
+      !model.on_device() && device_path_on_host && !(r.parallel.tensor > 1 && r.optimizer.name == "lamb");
   if (!model.on_device() && !on_host) return nullptr;
   const StepOps* k = model.backend().step_ops();  // on_host: the cpu backend's, optim/'s own kernels
   LATHE_CHECK(k && k->device_index, "{}: device: {}: the {} backend has no step ops in this build", r.source, r.device,

@@ -87,15 +87,14 @@ class DeviceOptimizer {
 // (buckets of r.parallel.bucket_mb). `dp` and `opt` must outlive the result.
 // LATHE_DEVICE_DP_OVERLAP=0 reduces the buckets after backward instead of from the grads_ready
 // hook during it (train/device_dp.h).
-// Test hook: LATHE_TEST_DEVICE_PATH_ON_HOST=1 sends a CPU model (except LAMB under tensor
-// parallelism) through this path too (the cpu backend's step ops, a second host group standing in
-// for NCCL),
-// so the trainer's device wiring is tested end to end on the CPU: its results must be bit-identical
-// to the CPU path's (tests/train/test_device_dp_host.py).
-// Whether LATHE_TEST_DEVICE_PATH_ON_HOST=1 is set (read once).
-bool device_path_on_host();
+// Test hook: device_path_on_host (FaultPlan::device_path_on_host, LATHE_TEST_DEVICE_PATH_ON_HOST=1
+// read by lathe train) sends a CPU model (except LAMB under tensor parallelism) through this path
+// too (the cpu backend's step ops, a second host group standing in for NCCL), so the trainer's
+// device wiring is tested end to end on the CPU: its results must be bit-identical to the CPU
+// path's (tests/train/test_device_dp_host.py).
 std::unique_ptr<DeviceOptimizer> make_device_optimizer(Model& model, const Recipe& r,
                                                        std::vector<optim::ParamRange> ranges,
-                                                       parallel::ShardedOptimizer& opt, dist::Communicator& dp);
+                                                       parallel::ShardedOptimizer& opt, dist::Communicator& dp,
+                                                       bool device_path_on_host = false);
 
 }  // namespace lathe

@@ -71,8 +71,9 @@ void install_device_collectives(Model& m, dist::Communicator* g) {
 
 }  // namespace
 
-std::unique_ptr<dist::Communicator> attach_tensor_parallel_on_device(Model& model, dist::Communicator& tp_host) {
-  const bool on_host = !model.on_device() && device_path_on_host();
+std::unique_ptr<dist::Communicator> attach_tensor_parallel_on_device(Model& model, dist::Communicator& tp_host,
+                                                                     bool device_path_on_host) {
+  const bool on_host = !model.on_device() && device_path_on_host;
   if (tp_host.size() == 1 || (!model.on_device() && !on_host)) {
     parallel::attach_tensor_parallel(model, tp_host);
     return nullptr;

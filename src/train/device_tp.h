@@ -32,7 +32,9 @@ namespace lathe {
 // LATHE_TEST_DEVICE_PATH_ON_HOST, which runs the CPU model through here with a second host group)
 // it builds the device group over `tp_host` (NCCL; collective) and installs the collectives over it.
 // The returned group must outlive the model's passes.
-std::unique_ptr<dist::Communicator> attach_tensor_parallel_on_device(Model& model, dist::Communicator& tp_host);
+// device_path_on_host: FaultPlan::device_path_on_host (a host model through the device wiring).
+std::unique_ptr<dist::Communicator> attach_tensor_parallel_on_device(Model& model, dist::Communicator& tp_host,
+                                                                     bool device_path_on_host = false);
 
 // The gradient norm of tensor parallelism (parallel::tensor_parallel_grad_norm) with the chunk sums
 // of backend memory: each owned range's chunk sums by `chunk_sums` (host results), added in order,

@@ -23,6 +23,13 @@ struct FaultPlan {
   // watchdog must end the job. -1: no stall.
   int stall_rank = -1;
   int64_t stall_step = -1;
+  // LATHE_TEST_CKPT_SLEEP_MS=N: every checkpoint save pauses N ms after the data files, after
+  // recipe.yaml and before the rename, so a kill test can aim into those windows. 0: none.
+  int checkpoint_pause_ms = 0;
+  // LATHE_TEST_DEVICE_PATH_ON_HOST=1: a CPU model trains through the device step path (the CPU's
+  // step ops behind the device wiring, a second host group standing in for NCCL; train/device_step.h),
+  // so that wiring is tested bit for bit against the CPU path without a GPU.
+  bool device_path_on_host = false;
 };
 
 }  // namespace lathe

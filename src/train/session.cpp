@@ -110,8 +110,11 @@ void TrainSession::open_inputs() {
 // gives them their weights and attaches the tensor-parallel hooks and the pipeline executor.
 void TrainSession::open_model() {
   parallel::ParallelConfig cfg = parallel::ParallelConfig::of(r_);
-  cfg.attach_tp = attach_tensor_parallel_on_device;  // the CPU's hooks on a host model; device: cuda NCCL
-  cfg.stage_through_host = device_path_on_host();     // test hook (train/device_step.h)
+  const bool on_host = opts_.faults.device_path_on_host;              // test hook (train/fault_plan.h)
+  cfg.attach_tp = [on_host](Model& m, dist::Communicator& tp_host) {  // the CPU's hooks on a host model; NCCL on cuda
+    return attach_tensor_parallel_on_device(m, tp_host, on_host);
+  };
+  cfg.stage_through_host = on_host;
   parallel::InitialWeights w;
   w.whole_has_weights = !pf_.table_only;
   w.fresh = pf_.ckpt.empty() && r_.init_from.empty();
@@ -171,7 +174,7 @@ void TrainSession::open_optimizer() {
   if (!pf_.ckpt.empty()) load_rank_moments(pf_.ckpt, *rm_, opt);
   // device: cuda: norm and update on the device, moments staged through opt.local() (train/device_step.h).
   // Data parallelism: gradients and ZeRO's weight shards over NCCL, scalars over dpc (train/device_dp.h).
-  grads_.dev = make_device_optimizer(model, r_, ranges_, opt, dpc);
+  grads_.dev = make_device_optimizer(model, r_, ranges_, opt, dpc, opts_.faults.device_path_on_host);
   if (grads_.dev) grads_.dev->upload_state();
   rm_->release_whole();
   // Tensor parallelism: the norm counts each element of the whole model once. With ZeRO only this
@@ -288,7 +291,8 @@ void TrainSession::open_parts() {
   result_.resumed_from = pf_.ckpt;
   const data::BlendPlan* plan = pf_.blend_plan.get();
   ckpt_ = std::make_unique<Checkpointer>(Checkpointer::Parts{r_, *topo_, *rm_, *grads_.opt, grads_.dev.get(), *loader_,
-                                                             plan, *scaler_, *policy_, geo_.G, threads_, log_});
+                                                             plan, *scaler_, *policy_, geo_.G, threads_, log_,
+                                                             opts_.faults.checkpoint_pause_ms});
   if (start_step_ == r_.training.steps && start_step_ > 0)
     log_.say(
         fmt::format("resume: the checkpoint is at the final step {}; only the end-of-run outputs remain", start_step_));
