@@ -13,21 +13,10 @@
 // rounding runs on AVX-512F lanes, and without AVX-512 the compiler vectorises the scalar loop.
 // The AVX-512 variants carry target attributes, so they are compiled whatever LATHE_ARCH is and
 // chosen at run time by core/cpu_isa.h (LATHE_CPU_ISA=avx2 forces the portable code).
-// GCC 12 warns about the deliberately undefined pass-through operand of AVX-512 intrinsics
-// (_mm512_undefined_epi32, GCC PR 105593, fixed in 13); the warning is located in the header.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-
 #include "core/cpu_isa.h"
 #include "core/dtype.h"
 #include "kernels/cpu/ops_bf16.h"
-#include "kernels/cpu/storage.h"
+#include "kernels/cpu/storage.h"  // <immintrin.h>, with GCC 12's AVX-512 false warning silenced (PR 105593)
 
 namespace lathe::cpu {
 
