@@ -174,7 +174,7 @@ def main():
         ("gpt2_tp2_sp", recipe("gpt2_tp2_sp", parallel__tensor=2, parallel__sequence=True), 2, {}),
         ("llama_pp2", recipe("llama_pp2", "llama-debug", parallel__pipeline=2), 2, {}),
         ("gpt2_tp2_pp2", recipe("gpt2_tp2_pp2", parallel__tensor=2, parallel__pipeline=2), 4, {}),
-        # The device step path on the host (train/device_step.h's test hook: CPU model, device wiring).
+        # The device step path on the host (parallel/dist_optimizer.h's test hook: CPU model, device wiring).
         ("dev_gpt2_dp2_zero1", recipe("dev_gpt2_dp2_zero1", training={"micro_batch_size": 2}, parallel__zero=1), 2,
          DEVICE),
         ("dev_llama_tp2", recipe("dev_llama_tp2", "llama-debug", parallel__tensor=2), 2, DEVICE),

@@ -73,7 +73,7 @@ struct Recipe {
   // results; models/recompute.h). A top-level value of the recipe: `recompute: full`.
   std::string recompute = "none";
   // Where the model computes: cpu | cuda (a top-level value: `device: cuda`, `--set device=cuda`).
-  // cuda needs a CUDA build and a visible GPU (train/device_select.h says which is missing).
+  // cuda needs a CUDA build and a visible GPU (kernels/backend_select.h says which is missing).
   std::string device = "cpu";
   // model.attention_kernel: lathe (default: lathe's attention kernels) | cudnn (cuDNN's fused SDPA
   // forward and backward; device: cuda with bf16/fp16 compute in a build with cuDNN; document-masked

@@ -25,7 +25,7 @@
 //
 // The model knows no communicator: the group's collectives (TpCollectives) are installed from
 // outside by parallel::attach_tensor_parallel (host communicators) and, for device-resident models,
-// attach_tensor_parallel_on_device (train/device_tp.h); the model calls only the pairs' halves.
+// attach_tensor_parallel_on_device (parallel/tensor_parallel.h); the model calls only the pairs' halves.
 #pragma once
 #include <cstdint>
 #include <functional>

@@ -1,8 +1,8 @@
 #include "parallel/grad_sync.h"
 
-#include <algorithm>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -127,10 +127,6 @@ double GradSync::finish() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-double sharded_grad_norm(dist::Communicator& dp, const float* grads, const FlatShards& shards) {
-  return sharded_grad_norm(dp, grads, shards, &optim::grad_sq_chunk_sums);
-}
-
 double sharded_grad_norm(dist::Communicator& dp, const float* grads, const FlatShards& shards, ChunkSqSums chunk_sums) {
   const size_t k = optim::kChunk;
   std::vector<size_t> chunks(static_cast<size_t>(dp.size()));
@@ -158,10 +154,6 @@ std::vector<optim::ParamRange> ranges_in_shard(const std::vector<optim::ParamRan
     if (hi > lo) out.push_back({lo - b, hi - lo, r.decay, r.tensor});
   }
   return out;
-}
-
-void gather_shards(dist::Communicator& dp, float* params, const FlatShards& shards) {
-  dp.all_gather(params + shards.begin(dp.rank()), params, shards.sizes(), DType::F32);
 }
 
 }  // namespace lathe::parallel

@@ -46,7 +46,7 @@ class GradSync {
 
   size_t num_buckets() const { return buckets_.size(); }
   // Called right before each bucket's reduction is issued. A device-resident model's gradients
-  // are written by kernels still queued when backward reports them: train/device_dp.h synchronises
+  // are written by kernels still queued when backward reports them: parallel/dist_optimizer.h synchronises
   // the compute stream here (grads then points to device memory, zero must not be 2 and
   // zero_grads is not used: both touch the buffer from the host).
   void set_before_issue(std::function<void()> f) { before_issue_ = std::move(f); }
@@ -78,20 +78,15 @@ class GradSync {
   std::function<void()> before_issue_;
 };
 
-// Global L2 norm of the reduced gradients when each rank holds only its shard (zero >= 1):
-// chunk partial sums of the shard, all-gathered and summed in chunk order. Bit-identical to
-// optim::global_grad_norm over the whole reduced buffer (the shards hold whole chunks).
-double sharded_grad_norm(dist::Communicator& dp, const float* grads, const FlatShards& shards);
-// The same with this rank's chunk sums computed by `chunk_sums(shard, n, out_host)` (a device
-// kernel, train/device_step.h: grads is then backend memory); only the doubles travel, over `dp`.
+// Global L2 norm of the reduced gradients when each rank holds only its shard (zero >= 1): this
+// rank's chunk sums of squares by `chunk_sums(shard, n, out_host)` (the backend's step op: grads may
+// be backend memory), all-gathered over `dp` (only the doubles travel) and summed in chunk order.
+// Bit-identical to the global norm of the whole reduced buffer (the shards hold whole chunks).
 using ChunkSqSums = void (*)(const float* grads, size_t n, double* out_host);
 double sharded_grad_norm(dist::Communicator& dp, const float* grads, const FlatShards& shards, ChunkSqSums chunk_sums);
 
 // The parameter ranges clipped to the shard [b, e) and rebased to b: what a ZeRO rank passes to
 // Optimizer::step together with params + b, grads + b and moments sized e - b.
 std::vector<optim::ParamRange> ranges_in_shard(const std::vector<optim::ParamRange>& ranges, size_t b, size_t e);
-
-// After each rank updated its shard of params[P]: every rank receives every shard (in place).
-void gather_shards(dist::Communicator& dp, float* params, const FlatShards& shards);
 
 }  // namespace lathe::parallel

@@ -1,5 +1,8 @@
 #include "parallel/parallelize.h"
 
+#include <fmt/format.h>
+
+#include "dist/nccl_comm.h"
 #include "models/recompute.h"
 #include "parallel/tensor_parallel.h"
 
@@ -96,6 +99,28 @@ Model& RankModel::current_whole() {
   gather(model_->param_data(), w.param_data());
   w.upload_params();
   return w;
+}
+
+void check_device_layout(const Recipe& r, int world_size) {
+  if (r.device == "cpu") return;
+  auto refuse = [&](const std::string& what, const std::string& why) {
+    throw_error(
+        "{}: device: {} does not run {} yet: {} (device: {} runs one process, or data and tensor "
+        "parallelism over NCCL with any parallel.zero; use device: cpu for this layout)",
+        r.source, r.device, what, why, r.device);
+  };
+  if (r.parallel.tensor > 1 && r.optimizer.name == "lamb")
+    refuse(fmt::format("optimizer.name = lamb with parallel.tensor = {}", r.parallel.tensor),
+           "LAMB's per-tensor norms under tensor parallelism are not gathered over the tensor group by the device "
+           "optimizer (use adamw)");
+  if (r.parallel.tensor > 1 && !r.training.eval_tasks.empty())
+    refuse(fmt::format("training.eval_tasks with parallel.tensor = {}", r.parallel.tensor),
+           "the device model's logits are not vocab parallel (remove training.eval_tasks, or score the model "
+           "afterwards with lathe eval)");
+  if (world_size > 1 && !dist::have_nccl())
+    refuse(fmt::format("this job has {} processes (data or tensor parallelism)", world_size),
+           "this lathe was built without NCCL (nccl.h and libnccl were not found when it was configured: install "
+           "NCCL and rebuild with -DLATHE_CUDA=ON)");
 }
 
 }  // namespace lathe::parallel

@@ -40,14 +40,15 @@ struct Topology {
 
 // What parallelize needs of the recipe: its parallel section and the few settings around it.
 struct ParallelConfig {
-  Recipe::Parallel parallel;   // degrees, sequence, virtual_stages, stage_layers
-  int64_t micro_batches = 1;   // training.grad_accum_steps: the pipeline schedule's micro-batches
-  std::string recompute;       // the recipe's recompute (parsed under model parallelism)
-  std::string source;          // the recipe's name, for errors
+  Recipe::Parallel parallel;  // degrees, sequence, virtual_stages, stage_layers
+  int64_t micro_batches = 1;  // training.grad_accum_steps: the pipeline schedule's micro-batches
+  std::string recompute;      // the recipe's recompute (parsed under model parallelism)
+  std::string source;         // the recipe's name, for errors
   // Replaces attach_tensor_parallel (null: that one, on the host group): the device backends'
-  // collectives (train/device_tp.h); returns a group that must outlive the model's passes.
+  // collectives (attach_tensor_parallel_on_device, tensor_parallel.h); returns a group that must
+  // outlive the model's passes.
   std::function<std::unique_ptr<dist::Communicator>(Model&, dist::Communicator& tp_host)> attach_tp;
-  bool stage_through_host = false;  // the pipeline's device staging on the CPU (train/device_step.h test hook)
+  bool stage_through_host = false;  // the pipeline's device staging on the CPU (parallel/dist_optimizer.h's test hook)
   static ParallelConfig of(const Recipe& r);  // everything but attach_tp / stage_through_host
 };
 
@@ -129,6 +130,12 @@ class RankModel {
   size_t whole_params_ = 0;
   double whole_flops_per_token_ = 0;
 };
+
+// The layouts a device (device: cuda) runs: one process, or data and tensor parallelism over NCCL
+// (any ZeRO stage) in a build with NCCL, and pipeline parallelism (host-staged messages); with
+// tensor parallelism neither LAMB nor training.eval_tasks. Throws naming the recipe key, the reason
+// and the fix otherwise (lathe check and train call it through preflight; nothing for device: cpu).
+void check_device_layout(const Recipe& r, int world_size);
 
 }  // namespace lathe::parallel
 

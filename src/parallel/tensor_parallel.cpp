@@ -339,17 +339,4 @@ std::vector<std::pair<size_t, size_t>> owned_ranges(const ParamTable& local, int
   });
 }
 
-double tensor_parallel_grad_norm(dist::Communicator& tp_group, const float* grads,
-                                 const std::vector<std::pair<size_t, size_t>>& owned) {
-  double sum = 0;
-  std::vector<double> chunks;
-  for (const auto& [b, e] : owned) {
-    chunks.assign((e - b + optim::kChunk - 1) / optim::kChunk, 0.0);
-    optim::grad_sq_chunk_sums(grads + b, e - b, chunks.data());
-    for (double c : chunks) sum += c;
-  }
-  tp_group.all_reduce(&sum, 1, DType::F64);
-  return std::sqrt(sum);
-}
-
 }  // namespace lathe::parallel

@@ -44,6 +44,7 @@
 // rank order, and a shard config sums its norm-weight gradients in tp row chunks either way.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "config/model_config.h"
@@ -108,10 +109,13 @@ void attach_tensor_parallel(Model& m, dist::Communicator& tp_group);
 // Returns [begin, end) ranges in floats, merged where adjacent.
 std::vector<std::pair<size_t, size_t>> owned_ranges(const ParamTable& local, int rank);
 
-// The L2 norm of the whole model's gradient from each rank's local gradient buffer: the squares of
-// `owned` (owned_ranges) in double, chunked as optim::global_grad_norm, summed across the group in
-// rank order. The same value on every rank; NaN/Inf anywhere gives a non-finite norm everywhere.
-double tensor_parallel_grad_norm(dist::Communicator& tp_group, const float* grads,
-                                 const std::vector<std::pair<size_t, size_t>>& owned);
+// attach_tensor_parallel for the trainer, whatever the memory (tensor_parallel_device.cpp): on a
+// host model exactly that (returns null); on a device model (or, with device_path_on_host, the host
+// test path of parallel/dist_optimizer.h that runs a CPU model through the device wiring over a
+// second host group) it builds the device group over `tp_host` (NCCL; collective) and installs the
+// collectives over it, each after a synchronisation of the backend's stream. The returned group must
+// outlive the model's passes.
+std::unique_ptr<dist::Communicator> attach_tensor_parallel_on_device(Model& model, dist::Communicator& tp_host,
+                                                                     bool device_path_on_host = false);
 
 }  // namespace lathe::parallel

@@ -33,7 +33,7 @@ RollbackTarget find_healthy_checkpoint(const std::string& run_dir, int64_t max_s
 }
 
 RollbackResult restore_for_rollback(
-    const RollbackTarget& t, int64_t step_done, int64_t skip_samples, Model& model, parallel::ShardedOptimizer& opt,
+    const RollbackTarget& t, int64_t step_done, int64_t skip_samples, Model& model, parallel::DistOptimizer& opt,
     data::DataLoader& loader, optim::LossScaler& scaler, AnomalyPolicy& policy, int64_t epoch_samples, int64_t G,
     const std::function<CheckpointState(const std::string&)>& load_weights_and_moments) {
   wait_for_checkpoint_cleanup();  // no background deletion under our feet
@@ -158,10 +158,11 @@ std::optional<int64_t> AnomalyResponder::roll_back(int64_t step, const StepStats
   // A blend is one pass over its plan (sized for the rollbacks by preflight): its "epoch" is the plan.
   const RollbackResult rb = restore_for_rollback(target, step + 1, ac.skip_samples, rm.model(), p_.opt, p_.loader,
                                                  p_.scaler, p_.policy, p_.epoch_samples, p_.G, load_tp);
-  if (p_.dev) {  // the restored moments, and the weights (a tensor-parallel shard is scattered on the host)
+  if (p_.opt
+          .device_path()) {  // the restored moments, and the weights (a tensor-parallel shard is scattered on the host)
     rm.model().upload_params();
     rm.model().refresh_compute_weights();
-    p_.dev->upload_state();
+    p_.opt.upload_state();
   }
   rm.release_whole();
   // The curves continue from the checkpoint (as after a resume); anomalies.jsonl keeps everything.

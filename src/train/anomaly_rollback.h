@@ -12,12 +12,11 @@
 #include "dist/comm.h"
 #include "models/model.h"
 #include "optim/loss_scaler.h"
+#include "parallel/dist_optimizer.h"
 #include "parallel/parallelize.h"
-#include "parallel/sharded_optimizer.h"
 #include "train/anomaly.h"
 #include "train/checkpoint.h"
 #include "train/checkpointer.h"
-#include "train/device_step.h"
 #include "train/run_log.h"
 #include "train/train_step.h"
 
@@ -45,7 +44,7 @@ struct RollbackResult {
 // since the checkpoint are skipped). epoch_samples: the training samples the loader draws from;
 // G: samples per step.
 RollbackResult restore_for_rollback(
-    const RollbackTarget& t, int64_t step_done, int64_t skip_samples, Model& model, parallel::ShardedOptimizer& opt,
+    const RollbackTarget& t, int64_t step_done, int64_t skip_samples, Model& model, parallel::DistOptimizer& opt,
     data::DataLoader& loader, optim::LossScaler& scaler, AnomalyPolicy& policy, int64_t epoch_samples, int64_t G,
     const std::function<CheckpointState(const std::string&)>& load_weights_and_moments = {});
 
@@ -64,8 +63,7 @@ class AnomalyResponder {
     const Recipe& r;
     Topology& topo;
     RankModel& rm;
-    parallel::ShardedOptimizer& opt;
-    DeviceOptimizer* dev;  // device: cuda: the restored state is uploaded
+    parallel::DistOptimizer& opt;
     data::DataLoader& loader;
     optim::LossScaler& scaler;
     AnomalyPolicy& policy;

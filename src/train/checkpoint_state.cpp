@@ -187,8 +187,7 @@ void read_health(const Fields& f, const json& body, CheckpointState* st) {
         f.number(f.at(o, "mean", field + ".mean"), field + ".mean", -std::numeric_limits<double>::max(), false);
     stat->var = f.number(f.at(o, "var", field + ".var"), field + ".var", 0.0, false);
   }
-  x.lr_steps_left =
-      f.integer(f.at(a, "lr_steps_left", "anomaly.lr_steps_left"), "anomaly.lr_steps_left", 0, kMaxCount);
+  x.lr_steps_left = f.integer(f.at(a, "lr_steps_left", "anomaly.lr_steps_left"), "anomaly.lr_steps_left", 0, kMaxCount);
   const json& recent = f.array(f.at(a, "recent", "anomaly.recent"), "anomaly.recent");
   if (recent.size() > (size_t{1} << 24))
     f.fail("anomaly.recent", fmt::format("has {} entries (at most 2^24)", recent.size()));
@@ -237,8 +236,7 @@ CheckpointState parse_checkpoint_state(std::string_view text, const std::string&
 
   CheckpointState st;
   st.step = f.integer(f.at(body, "step", "step"), "step", 0, kMaxCount);
-  st.consumed_samples =
-      f.integer(f.at(body, "consumed_samples", "consumed_samples"), "consumed_samples", 0, kMaxCount);
+  st.consumed_samples = f.integer(f.at(body, "consumed_samples", "consumed_samples"), "consumed_samples", 0, kMaxCount);
   const json& loader = f.object(f.at(body, "loader", "loader"), "loader");
   st.loader.epoch = f.integer(f.at(loader, "epoch", "loader.epoch"), "loader.epoch", 0, kMaxCount);
   st.loader.position = f.integer(f.at(loader, "position", "loader.position"), "loader.position", 0, kMaxCount);

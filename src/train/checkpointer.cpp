@@ -28,7 +28,7 @@ void write_model_dir(const Model& model, const std::string& dir, const std::stri
 
 }  // namespace
 
-void load_rank_moments(const std::string& dir, RankModel& rm, parallel::ShardedOptimizer& opt) {
+void load_rank_moments(const std::string& dir, RankModel& rm, parallel::DistOptimizer& opt) {
   const MomentSlice mine = moment_slice(opt.local(), opt.state_begin(), opt.state_begin(), opt.state_end());
   if (!rm.sharded()) {
     load_checkpoint_moments(dir, rm.model(), mine);
@@ -46,9 +46,9 @@ bool Checkpointer::due(int64_t done, bool last) const {
 void Checkpointer::save(int64_t done, double lr) {
   const Recipe& r = p_.r;
   Model& model = p_.rm.model();
-  if (p_.dev) {  // host fp32 checkpoints whatever the device
+  if (p_.opt.device_path()) {  // host fp32 checkpoints whatever the device
     model.download_params();
-    p_.dev->download_state();
+    p_.opt.download_state();
   }
   CheckpointState st;
   st.step = done;
@@ -79,7 +79,7 @@ void Checkpointer::save(int64_t done, double lr) {
   const bool keep_healthy = r.training.anomaly.enabled && r.training.anomaly.rollback_after > 0;
   // Every rank writes the moments of its part of the flat buffer (its ZeRO shard; with ZeRO 0 the
   // same cut, so the ranks share the writing), rank 0 the weights and state.json once all are done.
-  parallel::ShardedOptimizer& opt = p_.opt;
+  parallel::DistOptimizer& opt = p_.opt;
   if (p_.rm.sharded()) {
     save_sharded(st, info);
   } else if (p_.topo.lay.dp == 1) {
@@ -112,7 +112,7 @@ void Checkpointer::save(int64_t done, double lr) {
 // ranks' writers: it resumes at any tensor-parallel or pipeline layout, or in one process.
 void Checkpointer::save_sharded(const CheckpointState& st, CheckpointSaveInfo& info) {
   const Recipe& r = p_.r;
-  parallel::ShardedOptimizer& opt = p_.opt;
+  parallel::DistOptimizer& opt = p_.opt;
   const int dp = p_.topo.lay.dp, dp_rank = p_.topo.lay.dp_rank;
   const size_t P = p_.rm.model().num_params();
   Model& w = p_.rm.current_whole();

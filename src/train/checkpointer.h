@@ -12,10 +12,9 @@
 #include "data/blend.h"
 #include "data/loader.h"
 #include "optim/loss_scaler.h"
+#include "parallel/dist_optimizer.h"
 #include "parallel/parallelize.h"
-#include "parallel/sharded_optimizer.h"
 #include "train/anomaly.h"
-#include "train/device_step.h"
 #include "train/run_log.h"
 #include "train/train_step.h"
 
@@ -24,7 +23,7 @@ namespace lathe {
 // This rank's moments from checkpoint `dir` (resume, rollback), whatever layout wrote it
 // (re-sharded by flat offset: train/checkpoint.h); with tensor or pipeline parallelism only the
 // runs of each global moment that land in this rank's tensors and its ZeRO shard are read.
-void load_rank_moments(const std::string& dir, RankModel& rm, parallel::ShardedOptimizer& opt);
+void load_rank_moments(const std::string& dir, RankModel& rm, parallel::DistOptimizer& opt);
 
 class Checkpointer {
  public:
@@ -32,8 +31,7 @@ class Checkpointer {
     const Recipe& r;
     Topology& topo;
     RankModel& rm;
-    parallel::ShardedOptimizer& opt;
-    DeviceOptimizer* dev;  // device: cuda: weights and moments are downloaded before a save
+    parallel::DistOptimizer& opt;
     const data::DataLoader& loader;
     const data::BlendPlan* plan;  // data.blend: the plan whose prefix a checkpoint records
     const optim::LossScaler& scaler;

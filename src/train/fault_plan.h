@@ -27,7 +27,7 @@ struct FaultPlan {
   // recipe.yaml and before the rename, so a kill test can aim into those windows. 0: none.
   int checkpoint_pause_ms = 0;
   // LATHE_TEST_DEVICE_PATH_ON_HOST=1: a CPU model trains through the device step path (the CPU's
-  // step ops behind the device wiring, a second host group standing in for NCCL; train/device_step.h),
+  // step ops behind the device wiring, a second host group standing in for NCCL; parallel/dist_optimizer.h),
   // so that wiring is tested bit for bit against the CPU path without a GPU.
   bool device_path_on_host = false;
 };

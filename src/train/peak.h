@@ -30,7 +30,7 @@ const std::vector<GpuPeak>& gpu_peak_table();
 // The table entry for a device name (cudaDeviceProp::name), or nullptr.
 const GpuPeak* find_gpu_peak(std::string_view device_name);
 
-// What the CUDA runtime says about a device (train/device_select.h fills it on a CUDA build).
+// What the CUDA runtime says about a device (Backend::device_info() fills it on a CUDA build).
 using GpuInfo = DeviceInfo;  // what the backend reports (kernels/backend.h Backend::device_info)
 // Dense peak GFLOP/s from SMs x clock x FLOP per SM per clock of the architecture's data-centre
 // part (sm_80: 2048 bf16 / 128 fp32; sm_90: 4096 / 256; ...); 0 when the architecture is unknown.

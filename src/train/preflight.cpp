@@ -21,15 +21,15 @@
 #include "io/json.h"
 #include "io/xxh64.h"
 #include "kernels/backend.h"
+#include "kernels/backend_select.h"
 #include "kernels/cpu/ops_bf16.h"
 #include "models/memory.h"
 #include "models/recompute.h"
 #include "optim/schedule.h"
+#include "parallel/parallelize.h"
 #include "parallel/pipeline_stage.h"
 #include "parallel/tensor_parallel.h"
 #include "train/consistency.h"
-#include "train/device_select.h"
-#include "train/device_step.h"
 #include "train/preflight_resume.h"
 
 namespace lathe {
@@ -228,7 +228,7 @@ DocumentOptions recipe_documents(const Recipe& r, const tok::Tokenizer* tokenize
 
 ComputeSpec compute_spec(const Recipe& r) {
   ComputeSpec spec;
-  spec.backend = &select_backend(r);  // device: cpu | cuda, refused with the reason (train/device_select.h)
+  spec.backend = &select_backend(r.device, r.source);  // cpu | cuda, refused with the reason (kernels/backend_select.h)
   const std::string& c = r.precision.compute;
   spec.dtype = c == "bf16" ? DType::BF16 : c == "fp16" ? DType::F16 : DType::F32;
   LATHE_CHECK(compute_dtype_name(spec.dtype) == c, "{}: precision.compute '{}' is not one of fp32, bf16, fp16",
@@ -341,8 +341,8 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   optim::validate(lscfg);
   log.ok(fmt::format("optimizer {} and schedule {} settings are valid", r.optimizer.name, r.schedule.name));
   ComputeSpec spec = compute_spec(r);
-  // device: cuda runs the layouts train/device_step.h lists (one process so far).
-  check_device_layout(
+  // device: cuda runs the layouts parallel/parallelize.h lists.
+  parallel::check_device_layout(
       r, static_cast<int>(std::max<int64_t>(1, r.parallel.data) * r.parallel.tensor * r.parallel.pipeline));
   // With tensor or pipeline parallelism this is the whole model, which only holds weights (each
   // rank trains its shard of its stage): no gradient buffer.

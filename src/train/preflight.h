@@ -90,7 +90,7 @@ constexpr int64_t kBlendPlanBytesPerSample = 12;  // u32 dataset + i64 sample (d
 DocumentOptions recipe_documents(const Recipe& r, const tok::Tokenizer* tokenizer);
 // The recipe's sections in optim's terms (optimizer_config, schedule_config, loss_scale_config):
 // config/recipe.h.
-// precision.compute on the backend of the recipe's device (train/device_select.h: refused with the reason
+// precision.compute on the backend of the recipe's device (kernels/backend_select.h: refused with the reason
 // when this build or machine cannot run it). Throws lathe::Error naming the recipe, precision.compute
 // and the missing op (kernels/backend.h ops_for) when this build has no complete table for it.
 ComputeSpec compute_spec(const Recipe& r);

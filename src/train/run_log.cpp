@@ -21,7 +21,6 @@
 #include "models/memory.h"
 #include "parallel/pipeline_schedule.h"
 #include "parallel/plan.h"
-#include "train/device_select.h"
 #include "train/peak.h"
 
 namespace lathe {

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -17,7 +18,6 @@
 #include "tokenizer/tokenizer.h"
 #include "train/checkpoint.h"
 #include "train/consistency.h"
-#include "train/device_tp.h"
 #include "train/reshard.h"
 #include "train/run_dir.h"
 
@@ -112,7 +112,7 @@ void TrainSession::open_model() {
   parallel::ParallelConfig cfg = parallel::ParallelConfig::of(r_);
   const bool on_host = opts_.faults.device_path_on_host;              // test hook (train/fault_plan.h)
   cfg.attach_tp = [on_host](Model& m, dist::Communicator& tp_host) {  // the CPU's hooks on a host model; NCCL on cuda
-    return attach_tensor_parallel_on_device(m, tp_host, on_host);
+    return parallel::attach_tensor_parallel_on_device(m, tp_host, on_host);
   };
   cfg.stage_through_host = on_host;
   parallel::InitialWeights w;
@@ -146,21 +146,37 @@ void TrainSession::restore_counters() {
   if (!ckpt.empty() && cs.has_anomaly) policy_->restore(cs.anomaly);
 }
 
-// The optimizer over this rank's part of the flat buffer (ZeRO) and the data-parallel gradient
-// reduction, fed by the model's grads_ready hook during the last micro-batch's backward.
+// The distributed optimizer (parallel/dist_optimizer.h): the data-parallel gradient reduction,
+// fed by the model's grads_ready hook during the last micro-batch's backward, the global norm and
+// the update of this rank's part of the flat buffer (ZeRO), on the model's backend.
 void TrainSession::open_optimizer() {
   Model& model = rm_->model();
-  const int tp = topo_->lay.tp, dp = topo_->lay.dp;
   dist::Communicator& dpc = topo_->data();
   for (const ParamSpec& s : model.params().specs())
     ranges_.push_back({s.offset, static_cast<size_t>(s.numel()), s.decay, static_cast<int64_t>(ranges_.size())});
   sched_ = schedule_config(r_);
-  grads_.data = &dpc;
-  grads_.grad_clip = r_.optimizer.grad_clip;
-  grads_.opt = std::make_unique<parallel::ShardedOptimizer>(dpc, optimizer_config(r_), model.num_params(), ranges_,
-                                                            static_cast<int>(r_.parallel.zero));
-  parallel::ShardedOptimizer& opt = *grads_.opt;
-  if (tp > 1) {
+  parallel::DistOptimizerConfig cfg;
+  cfg.optim = optimizer_config(r_);
+  cfg.zero = static_cast<int>(r_.parallel.zero);
+  cfg.bucket_elems = static_cast<size_t>(std::max(1.0, r_.parallel.bucket_mb * (1 << 20) / 4));
+  // Device models overlap the buckets with backward except under tensor parallelism: its hooks'
+  // NCCL collectives (another communicator) would then run while buckets are in flight, and NCCL
+  // requires the operations of communicators sharing a GPU in the same order on every rank.
+  // LATHE_DEVICE_DP_OVERLAP=0 turns the overlap off (one stream synchronisation per step, not per bucket).
+  const char* ov = std::getenv("LATHE_DEVICE_DP_OVERLAP");
+  cfg.overlap = !(ov && std::string(ov) == "0") && topo_->lay.tp == 1;
+  // Test hook (train/fault_plan.h): a CPU model through the device wiring (not LAMB under tensor
+  // parallelism, which the device path refuses).
+  cfg.device_path_on_host = opts_.faults.device_path_on_host && !(topo_->lay.tp > 1 && cfg.optim.name == "lamb");
+  opt_ = std::make_unique<parallel::DistOptimizer>(
+      parallel::FlatState{&model.backend(), model.backend_param_data(), model.backend_grad_data(), model.num_params()},
+      dpc, cfg, ranges_);
+  parallel::DistOptimizer& opt = *opt_;
+  if (cfg.device_path_on_host && !model.on_device() && log_.rank0())  // so that a test sees the hook took effect
+    fmt::print(stderr,
+               "LATHE_TEST_DEVICE_PATH_ON_HOST: the cpu model trains through the device path ({} ranks, ZeRO {})\n",
+               dpc.size(), opt.zero());
+  if (rm_->tp() > 1) {
     // LAMB's per-tensor norms add the shards of split tensors over the tensor group: the tensors
     // a rank other than 0 owns (owned_ranges) are exactly the split ones.
     const auto split = parallel::owned_ranges(model.params(), 1);
@@ -170,39 +186,15 @@ void TrainSession::open_optimizer() {
                                          [&](const auto& sp) { return s.offset >= sp.first && s.offset < sp.second; }));
     opt.set_tensor_parallel(*topo_->groups.tp, std::move(split_tensor));
   }
-  const size_t state_b = opt.state_begin(), state_e = opt.state_end();  // this rank's moments (ZeRO shard)
   if (!pf_.ckpt.empty()) load_rank_moments(pf_.ckpt, *rm_, opt);
-  // device: cuda: norm and update on the device, moments staged through opt.local() (train/device_step.h).
-  // Data parallelism: gradients and ZeRO's weight shards over NCCL, scalars over dpc (train/device_dp.h).
-  grads_.dev = make_device_optimizer(model, r_, ranges_, opt, dpc, opts_.faults.device_path_on_host);
-  if (grads_.dev) grads_.dev->upload_state();
+  opt.upload_state();  // device: the moments live in backend memory
   rm_->release_whole();
   // Tensor parallelism: the norm counts each element of the whole model once. With ZeRO only this
   // rank's shard of the gradient is reduced, so the squares are summed over the world.
   // Pipeline parallelism: each stage counts its own tensors (a tied wte on the first stage only).
-  const bool sharded = rm_->sharded();
-  grads_.tp_norm_group = sharded ? (r_.parallel.zero > 0 ? &world_ : topo_->replica()) : nullptr;
-  grads_.tp_owned = rm_->owned();
-  if (sharded && r_.parallel.zero > 0) {
-    std::vector<std::pair<size_t, size_t>> in_shard;
-    for (auto [b, e] : grads_.tp_owned)
-      if (std::max(b, state_b) < std::min(e, state_e)) in_shard.push_back({std::max(b, state_b), std::min(e, state_e)});
-    grads_.tp_owned = std::move(in_shard);
-  }
-  if (grads_.dev && grads_.tp_norm_group) grads_.dev->set_grad_norm_group(*grads_.tp_norm_group, grads_.tp_owned);
-  bucket_elems_ = static_cast<size_t>(std::max(1.0, r_.parallel.bucket_mb * (1 << 20) / 4));
-  GradientPath& g = grads_;
-  if (dp > 1 && !g.dev) {
-    g.sync = std::make_unique<parallel::GradSync>(dpc, model.grad_data(), opt.shards(),
-                                                  static_cast<int>(r_.parallel.zero), bucket_elems_);
-    model.hooks().grads_ready = [&g](size_t b, size_t e) {  // keeps the tensor-parallel hook
-      if (g.sync_this_pass) g.sync->ready(b, e);
-    };
-  }
-  if (dp > 1 && g.dev)  // device: cuda: buckets reduced over NCCL as backward fills them (train/device_dp.h)
-    model.hooks().grads_ready = [&g](size_t b, size_t e) {
-      if (g.sync_this_pass) g.dev->grads_ready(b, e);
-    };
+  if (rm_->sharded()) opt.set_grad_norm_group(r_.parallel.zero > 0 ? world_ : *topo_->replica(), rm_->owned());
+  if (opt.reduces())  // keeps the tensor-parallel hooks
+    model.hooks().grads_ready = [&opt](size_t b, size_t e) { opt.grads_ready(b, e); };
 }
 
 void TrainSession::open_resume() {
@@ -243,8 +235,8 @@ void TrainSession::report_startup() {
       .accum = geo_.accum,
       .G = geo_.G,
       .copy_gbps = copy_gbps_,
-      .moment_elems = grads_.opt->state_end() - grads_.opt->state_begin(),
-      .bucket_elems = bucket_elems_,
+      .moment_elems = opt_->state_end() - opt_->state_begin(),
+      .bucket_elems = static_cast<size_t>(std::max(1.0, r_.parallel.bucket_mb * (1 << 20) / 4)),
       .pipeline = lay.pp > 1 ? &rm_->stage() : nullptr,
       .scaler = *scaler_,
       .resumed = !pf_.ckpt.empty(),
@@ -290,23 +282,23 @@ void TrainSession::open_parts() {
   result_.start_step = result_.end_step = start_step_;
   result_.resumed_from = pf_.ckpt;
   const data::BlendPlan* plan = pf_.blend_plan.get();
-  ckpt_ = std::make_unique<Checkpointer>(Checkpointer::Parts{r_, *topo_, *rm_, *grads_.opt, grads_.dev.get(), *loader_,
-                                                             plan, *scaler_, *policy_, geo_.G, threads_, log_,
-                                                             opts_.faults.checkpoint_pause_ms});
+  ckpt_ =
+      std::make_unique<Checkpointer>(Checkpointer::Parts{r_, *topo_, *rm_, *opt_, *loader_, plan, *scaler_, *policy_,
+                                                         geo_.G, threads_, log_, opts_.faults.checkpoint_pause_ms});
   if (start_step_ == r_.training.steps && start_step_ > 0)
     log_.say(
         fmt::format("resume: the checkpoint is at the final step {}; only the end-of-run outputs remain", start_step_));
   faults_ = opts_.faults;
   step_ = std::make_unique<StepContext>(
-      StepContext{*rm_, *loader_, grads_, *scaler_, *policy_, sched_, geo_, pf_.docs, faults_});
+      StepContext{*rm_, *loader_, *opt_, topo_->data(), *scaler_, *policy_, sched_, geo_, pf_.docs, faults_});
   const size_t rows = static_cast<size_t>(geo_.B * geo_.accum * geo_.T);
   step_->inputs.resize(rows);
   step_->targets.resize(rows);
   // A blend is one pass over its plan (sized for the rollbacks by preflight): its "epoch" is the plan.
   const int64_t epoch_samples = static_cast<int64_t>(plan ? plan->dataset.size() : pf_.train_samples.size());
-  responder_ = std::make_unique<AnomalyResponder>(
-      AnomalyResponder::Parts{r_, *topo_, *rm_, *grads_.opt, grads_.dev.get(), *loader_, *scaler_, *policy_, *ckpt_,
-                              epoch_samples, geo_.G, result_.losses, result_.start_step, log_});
+  responder_ = std::make_unique<AnomalyResponder>(AnomalyResponder::Parts{r_, *topo_, *rm_, *opt_, *loader_, *scaler_,
+                                                                          *policy_, *ckpt_, epoch_samples, geo_.G,
+                                                                          result_.losses, result_.start_step, log_});
 }
 
 void TrainSession::record(int64_t step, const StepStats& st) {

@@ -15,13 +15,11 @@
 #include "dist/comm.h"
 #include "optim/loss_scaler.h"
 #include "optim/schedule.h"
-#include "parallel/grad_sync.h"
+#include "parallel/dist_optimizer.h"
 #include "parallel/parallelize.h"
-#include "parallel/sharded_optimizer.h"
 #include "train/anomaly.h"
 #include "train/anomaly_rollback.h"
 #include "train/checkpointer.h"
-#include "train/device_step.h"
 #include "train/evaluator.h"
 #include "train/preflight.h"
 #include "train/run_control.h"
@@ -91,8 +89,7 @@ class TrainSession {
   std::unique_ptr<AnomalyPolicy> policy_;
   std::vector<optim::ParamRange> ranges_;
   optim::ScheduleConfig sched_;
-  GradientPath grads_;
-  size_t bucket_elems_ = 0;
+  std::unique_ptr<parallel::DistOptimizer> opt_;
   int64_t start_step_ = 0;
   std::unique_ptr<data::DataLoader> loader_;
   std::unique_ptr<Evaluator> eval_;

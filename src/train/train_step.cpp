@@ -9,7 +9,6 @@
 #include "core/timer.h"
 #include "core/trace.h"
 #include "optim/clip.h"
-#include "parallel/tensor_parallel.h"
 
 namespace lathe {
 
@@ -34,9 +33,8 @@ double inject_loss_spike(FaultPlan& f, int64_t step) {
 StepStats train_step(StepContext& c, int64_t step, const StepStats& prev) {
   Model& model = c.rm.model();
   parallel::PipelineExecutor* pipe = c.rm.pipe();
-  GradientPath& g = c.grads;
-  parallel::ShardedOptimizer& opt = *g.opt;
-  dist::Communicator& data = *g.data;
+  parallel::DistOptimizer& opt = c.opt;
+  dist::Communicator& data = c.data;
   StepStats st;
   const double t0 = now_seconds();
   trace::Scope step_span("step", trace::Cat::Step, step + 1);
@@ -46,10 +44,7 @@ StepStats train_step(StepContext& c, int64_t step, const StepStats& prev) {
   st.step = step + 1;
   st.loss_scale = c.scaler.scale();
   double loss_sum = 0;
-  if (g.sync)
-    g.sync->zero_grads();  // ZeRO 2: only the shard (the rest was released as zeros)
-  else
-    model.zero_grad();
+  opt.zero_grads();  // ZeRO 2: only the shard (the rest was released as zeros)
   {
     trace::Scope span("data wait", trace::Cat::Data);
     st.data_wait_s = c.loader.next(c.inputs.data(), c.targets.data());
@@ -69,7 +64,9 @@ StepStats train_step(StepContext& c, int64_t step, const StepStats& prev) {
     loss_sum = pipe->step(c.inputs.data(), c.targets.data(), grad_scale, [&](int64_t m) {
       set_batch_documents(model, c.docs, c.inputs.data() + m * B * T, B, T, doc_start, positions);
     });
-    if (g.sync) g.sync->ready(0, model.num_params());
+    opt.set_last_backward(true);
+    opt.grads_ready(0, model.num_params());
+    opt.set_last_backward(false);
   }
   for (int64_t m = 0; m < (pipe ? 0 : accum); ++m) {
     trace::Scope span("forward+backward micro-batch", trace::Cat::Compute, m);
@@ -78,16 +75,15 @@ StepStats train_step(StepContext& c, int64_t step, const StepStats& prev) {
     for (int64_t s = m == 0 ? 0 : m + 1; s <= m + 1 && s < accum; ++s)
       model.stage_inputs(c.inputs.data() + s * B * T, c.targets.data() + s * B * T, B * T);
     set_batch_documents(model, c.docs, c.inputs.data() + m * B * T, B, T, doc_start, positions);
-    g.sync_this_pass = m + 1 == accum;  // gradients are final during the last micro-batch's backward
+    opt.set_last_backward(m + 1 == accum);  // gradients are final during the last micro-batch's backward
     loss_sum +=
         model.forward_backward(c.inputs.data() + m * B * T, c.targets.data() + m * B * T, B, T, grad_scale, true);
   }
-  g.sync_this_pass = false;
+  opt.set_last_backward(false);
   model.drop_staged_inputs();  // the loader refills these arrays for the next step
   if (c.faults.stall_rank == data.rank() && c.faults.stall_step == step + 1)  // a hung rank (tests/parallel)
     std::this_thread::sleep_for(std::chrono::hours(1));
-  if (g.sync) st.comm_wait_s = g.sync->finish();
-  if (g.dev) st.comm_wait_s = g.dev->reduce_grads();  // device: cuda: over NCCL after backward (device_dp.h)
+  st.comm_wait_s = opt.reduce_grads();  // the buckets backward did not issue, and the wait for all
   if (data.size() > 1) data.all_reduce(&loss_sum, 1, DType::F64);
   st.loss = loss_sum / static_cast<double>(targets_kept);
   if (inject_non_finite(c.faults, step + 1) && opt.state_end() > opt.state_begin())
@@ -100,10 +96,7 @@ StepStats train_step(StepContext& c, int64_t step, const StepStats& prev) {
   const double t_opt = now_seconds();  // norm, scaler and update: the optimizer's share of the step
   trace::Scope opt_span("grad norm + optimizer", trace::Cat::Optimizer);
   // The norm of the unscaled gradients (dividing by a power of two is exact).
-  st.norm = (g.dev             ? g.dev->grad_norm()
-             : g.tp_norm_group ? parallel::tensor_parallel_grad_norm(*g.tp_norm_group, model.grad_data(), g.tp_owned)
-                               : opt.grad_norm(model.grad_data())) /
-            st.loss_scale;
+  st.norm = opt.grad_norm() / st.loss_scale;
   st.lr_factor = c.anomaly.lr_factor();  // < 1 for a while after an anomaly
   st.lr = optim::lr_at(c.sched, step) * st.lr_factor;
   const int64_t skipped_before = c.scaler.state().skipped_steps;
@@ -131,12 +124,9 @@ StepStats train_step(StepContext& c, int64_t step, const StepStats& prev) {
                   "step {}: the loss scale {} has no finite float reciprocal (1 / scale = {}); the update would turn "
                   "the weights into NaN: keep precision.loss_scale in [2^-100, 2^100]",
                   step + 1, st.loss_scale, unscale);
-      const float coef = optim::clip_coefficient(st.norm, g.grad_clip) * unscale;
+      const float coef = optim::clip_coefficient(st.norm, opt.grad_clip()) * unscale;
       const int64_t updates = step + 1 - skipped_before - c.anomaly.state().skipped_updates;
-      if (g.dev)
-        g.dev->step(st.lr, updates, coef);
-      else
-        opt.step(model.param_data(), model.grad_data(), st.lr, updates, coef);
+      opt.step(st.lr, updates, coef);
       model.refresh_compute_weights();  // the bf16/fp16 copies of the new weights
       break;
     }

@@ -16,12 +16,10 @@
 #include "models/model.h"
 #include "optim/loss_scaler.h"
 #include "optim/schedule.h"
-#include "parallel/grad_sync.h"
+#include "parallel/dist_optimizer.h"
 #include "parallel/parallelize.h"
 #include "parallel/pipeline_executor.h"
-#include "parallel/sharded_optimizer.h"
 #include "train/anomaly.h"
-#include "train/device_step.h"
 #include "train/fault_plan.h"
 
 namespace lathe {
@@ -31,31 +29,14 @@ struct BatchGeometry {
   int64_t B = 1, T = 1, accum = 1, G = 1;
 };
 
-// This rank's gradient path: the data-parallel reduction (buckets issued by the model's
-// grads_ready hook during the last micro-batch's backward), the global gradient norm and the
-// optimizer update of its part of the flat buffer (ZeRO); on a device (train/device_step.h) the
-// device optimizer does the reduction, norm and update. Opened by train/session.cpp; issue 24
-// item 2 makes it one distributed-optimizer type for host and device.
-struct GradientPath {
-  std::unique_ptr<parallel::ShardedOptimizer> opt;
-  std::unique_ptr<DeviceOptimizer> dev;      // device: cuda: the norm and update run on the device
-  std::unique_ptr<parallel::GradSync> sync;  // data parallelism on the host; null otherwise
-  bool sync_this_pass = false;               // read by the grads_ready hook: only the last micro-batch reduces
-  dist::Communicator* data = nullptr;        // the data-parallel group (the world without tensor/pipeline)
-  // Tensor/pipeline parallelism: the group the gradient norm's squares are summed over (the
-  // replica, or the world with ZeRO) and the elements of the gradient buffer this rank counts.
-  dist::Communicator* tp_norm_group = nullptr;
-  std::vector<std::pair<size_t, size_t>> tp_owned;
-  double grad_clip = 0;  // optimizer.grad_clip (global norm)
-};
-
 // What one optimizer step works on (owned by the run's session, train/session.h).
 struct StepContext {
-  RankModel& rm;             // this rank's model (and pipeline executor)
-  data::DataLoader& loader;  // hands out this rank's B x accum rows of each global batch
-  GradientPath& grads;
-  optim::LossScaler& scaler;  // loss scale (fp16) and the skipping of non-finite steps
-  AnomalyPolicy& anomaly;     // loss-spike and NaN policy (train/anomaly.h): may skip, lowers the lr
+  RankModel& rm;                 // this rank's model (and pipeline executor)
+  data::DataLoader& loader;      // hands out this rank's B x accum rows of each global batch
+  parallel::DistOptimizer& opt;  // reduction, norm and update (parallel/dist_optimizer.h)
+  dist::Communicator& data;      // the data-parallel group: the loss and token counts are summed over it
+  optim::LossScaler& scaler;     // loss scale (fp16) and the skipping of non-finite steps
+  AnomalyPolicy& anomaly;        // loss-spike and NaN policy (train/anomaly.h): may skip, lowers the lr
   const optim::ScheduleConfig& sched;
   BatchGeometry geo;
   const DocumentOptions& docs;    // documents in the samples (data.attention etc.)

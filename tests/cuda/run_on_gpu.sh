@@ -44,7 +44,7 @@ for t in "${TESTS[@]}"; do
 done
 stamp "GPT-2 124M bf16 benchmark"
 timeout 330 python3 tests/cuda/bench_gpu.py --build "$BUILD" --batches "${BATCHES:-16,32,64}" --steps "${STEPS:-8}"
-# Data parallelism over NCCL (train/device_dp.h): mpirun -np 2 --set device=cuda vs the CPU's DP=2
+# Data parallelism over NCCL (parallel/dist_optimizer.h): mpirun -np 2 --set device=cuda vs the CPU's DP=2
 # (tolerances in the script). Needs >= 2 GPUs; with one it checks that two ranks on one GPU are
 # refused by name, then skips (rc 77) with that reason. About 1-2 minutes (gpt2-debug, ~14 runs).
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')

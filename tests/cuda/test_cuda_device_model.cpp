@@ -19,10 +19,11 @@
 #include "dist/nccl_comm.h"
 #include "error_of.h"
 #include "kernels/backend.h"
+#include "kernels/backend_select.h"
 #include "models/model.h"
 #include "optim/optimizer.h"
-#include "train/device_select.h"
-#include "train/device_step.h"
+#include "parallel/dist_optimizer.h"
+#include "parallel/parallelize.h"
 
 using namespace lathe;
 
@@ -49,18 +50,18 @@ TEST(DeviceModelCpu, HostModelsStageNothing) {
 TEST(DeviceModelCpu, DeviceLayoutsTheDevicePathLacksAreRefused) {
   const char* y = "model: {preset: gpt2-debug}\ndata: {train: x}\ndevice: cuda\n";
   Recipe r = parse_recipe(y, "r.yaml");
-  EXPECT_NO_THROW(check_device_layout(r, 1));
-  // Data parallelism runs over NCCL where it was built (tests/train/test_device_dp.cpp has the rest).
-  std::string e = error_of([&] { check_device_layout(r, 4); });
+  EXPECT_NO_THROW(parallel::check_device_layout(r, 1));
+  // Data parallelism runs over NCCL where it was built (tests/parallel/test_dist_optimizer.cpp has the rest).
+  std::string e = error_of([&] { parallel::check_device_layout(r, 4); });
   if (!dist::have_nccl()) {
     EXPECT_NE(e.find("r.yaml: device: cuda does not run this job has 4 processes"), std::string::npos) << e;
     EXPECT_NE(e.find("use device: cpu"), std::string::npos) << e;
   }
   r = parse_recipe(y, "r.yaml", {"parallel.tensor=2", "optimizer.name=lamb"});
-  e = error_of([&] { check_device_layout(r, 2); });
+  e = error_of([&] { parallel::check_device_layout(r, 2); });
   EXPECT_NE(e.find("optimizer.name = lamb with parallel.tensor = 2"), std::string::npos) << e;
   r = parse_recipe(y, "r.yaml", {"device=cpu"});
-  EXPECT_NO_THROW(check_device_layout(r, 8));  // the CPU runs every layout
+  EXPECT_NO_THROW(parallel::check_device_layout(r, 8));  // the CPU runs every layout
 }
 
 // ---- on a GPU ----------------------------------------------------------------------------------
@@ -140,9 +141,11 @@ TEST_P(DeviceParity, Fp32LossGradsLogitsAndAdamwMatchTheCpu) {
     ranges.push_back({s.offset, static_cast<size_t>(s.numel()), s.decay, static_cast<int64_t>(ranges.size())});
   optim::OptimConfig oc;
   auto host_cpu = optim::make_optimizer(oc, cpu->num_params());
-  auto host_dev = optim::make_optimizer(oc, dev->num_params());
+  auto own_world = dist::make_local_communicator();  // one process: no data parallelism
   host_cpu->step(cpu->param_data(), cpu->grad_data(), ranges, 1e-3, 1, 0.5f);
-  DeviceOptimizer dopt(*dev, oc, ranges, *host_dev);
+  parallel::DistOptimizer dopt(
+      parallel::FlatState{&dev->backend(), dev->backend_param_data(), dev->backend_grad_data(), dev->num_params()},
+      *own_world, parallel::DistOptimizerConfig{.optim = oc}, ranges);
   EXPECT_NEAR(dopt.grad_norm(), std::sqrt([&] {
                 double s = 0;
                 for (size_t i = 0; i < cpu->num_params(); ++i) s += double(cpu->grad_data()[i]) * cpu->grad_data()[i];
@@ -156,8 +159,8 @@ TEST_P(DeviceParity, Fp32LossGradsLogitsAndAdamwMatchTheCpu) {
   EXPECT_LE(rel_diff(pd, pc), 1e-5);
   // Moments come back to the host optimizer for checkpoints.
   dopt.download_state();
-  EXPECT_LE(rel_diff(std::vector<float>(host_dev->state_buffers()[0].second->data(),
-                                        host_dev->state_buffers()[0].second->data() + dev->num_params()),
+  EXPECT_LE(rel_diff(std::vector<float>(dopt.local().state_buffers()[0].second->data(),
+                                        dopt.local().state_buffers()[0].second->data() + dev->num_params()),
                      std::vector<float>(host_cpu->state_buffers()[0].second->data(),
                                         host_cpu->state_buffers()[0].second->data() + cpu->num_params())),
             1e-5);

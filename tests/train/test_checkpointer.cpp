@@ -22,7 +22,7 @@ using namespace lathe::session_test;
 
 std::vector<std::vector<float>> moments_of(TrainSession& s) {
   std::vector<std::vector<float>> out;
-  for (auto& [name, buf] : s.step_context().grads.opt->local().state_buffers())
+  for (auto& [name, buf] : s.step_context().opt.local().state_buffers())
     out.emplace_back(buf->data(), buf->data() + buf->size());
   return out;
 }

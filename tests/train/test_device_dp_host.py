@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""The trainer's device data-parallel wiring (train/device_dp.h, train/device_step.h) end to end on
+"""The trainer's device data-parallel wiring (parallel/dist_optimizer.h) end to end on
 the CPU: LATHE_TEST_DEVICE_PATH_ON_HOST=1 sends the CPU model through the device path (the step
 kernels are optim/'s CPU code behind the device table; a second MPI group of the same ranks stands
 in for NCCL). Over MPI both paths sum in rank order with the same optimizer code, so the oracle is
 exact: the device path's losses and final weights must be BIT-identical to the CPU path's for
 DP = 2 with ZeRO 0/1/2 (AdamW), ZeRO 1 (LAMB, bf16 compute), one process, tensor parallelism (TP=2, with
-sequence parallelism, TP=2 x DP=2 ZeRO 1; train/device_tp.h), pipeline parallelism with its
+sequence parallelism, TP=2 x DP=2 ZeRO 1; parallel/tensor_parallel_device.cpp), pipeline parallelism with its
 host-staged messages (PP=2, PP=2 x DP=2 ZeRO 1 LAMB, TP=2 x PP=2), and runs checkpointed at step 4
 (moments staged off the "device") and resumed (staged back), which equal the uninterrupted runs.
 What this cannot check: NCCL itself, the CUDA kernels, the stream synchronisation and the 16-bit
@@ -53,7 +53,7 @@ def main():
         cpu = train(2, data, f"cpu_zero{z}", False, parallel__zero=z)
         dev = train(2, data, f"dev_zero{z}", True, parallel__zero=z)
         check(same(dev, cpu), f"DP=2 ZeRO {z}: the device path's losses and final weights are bit-identical to the CPU path's")
-    # Buckets reduced after backward instead of from the grads_ready hook (train/device_dp.h).
+    # Buckets reduced after backward instead of from the grads_ready hook (parallel/dist_optimizer.h).
     dev = train(2, data, "dev_zero1_after", True, env={"LATHE_DEVICE_DP_OVERLAP": "0"}, parallel__zero=1)
     check(same(dev, os.path.join(TMP, "cpu_zero1")), "DP=2 ZeRO 1, LATHE_DEVICE_DP_OVERLAP=0: bit-identical to the CPU path")
     cpu = train(2, data, "cpu_lamb", False, parallel__zero=1, optimizer__name="lamb")
@@ -66,7 +66,7 @@ def main():
     dev1 = train(1, data, "dev_one", True, training__grad_accum_steps=4)
     check(same(dev1, cpu1), "one process: bit-identical to the CPU path")
 
-    # Tensor parallelism (train/device_tp.h: its device hooks (fp32) over a second group standing in
+    # Tensor parallelism (parallel/tensor_parallel_device.cpp: its device hooks (fp32) over a second group standing in
     # for NCCL, the norm over the owned ranges): TP=2, TP=2 with sequence parallelism, TP=2 x DP=2 with ZeRO 1.
     for name, np_, kw in (("tp2", 2, {}), ("tp2_sp", 2, {"parallel__sequence": True}),
                           ("tp2_dp2_zero1", 4, {"parallel__zero": 1, "training__grad_accum_steps": 1})):

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """`mpirun -np 2 lathe train recipe.yaml --set device=cuda`: data parallelism over NCCL (one GPU per
-rank; train/device_dp.h) against the CPU's data parallelism. Needs a CUDA build of lathe with NCCL
+rank; parallel/dist_optimizer.h) against the CPU's data parallelism. Needs a CUDA build of lathe with NCCL
 and at least 2 visible GPUs; anywhere else it prints why and exits 77 (SKIPPED, never a pass).
 
 On a machine with exactly ONE GPU it first checks the refusal: two ranks on one GPU end the job
@@ -22,7 +22,7 @@ With >= 2 GPUs (gpt2-debug, fp32, 10 AdamW steps, global batch 8 = 2 ranks x 2 x
   * a device DP=2 ZeRO 1 checkpoint (step 5) resumes on the CPU in one process and finishes
     within the CPU tolerance of the uninterrupted device run (checkpoints are host fp32).
   * LAMB with ZeRO 1 on the device trains (finite losses within 1e-3 of the CPU DP=2 LAMB run).
-  * tensor parallelism (train/device_tp.h): TP=2 device vs TP=2 CPU (losses 1e-4, weights 1e-3),
+  * tensor parallelism (parallel/tensor_parallel_device.cpp): TP=2 device vs TP=2 CPU (losses 1e-4, weights 1e-3),
     sequence parallelism vs not on the device (1e-5), TP=2 x DP=2 ZeRO 1 with 4 GPUs.
   * pipeline parallelism (host-staged messages): PP=2 device vs PP=2 CPU (losses 1e-4, weights 1e-3).
 """
@@ -67,7 +67,7 @@ def recipe(data, name, **kw):
 
 
 # LATHE_TEST_DEVICE_DP_DRYRUN=1 checks this script's own flow on a machine without GPUs: "cuda" runs
-# become CPU runs through the device path (LATHE_TEST_DEVICE_PATH_ON_HOST, train/device_step.h), so
+# become CPU runs through the device path (LATHE_TEST_DEVICE_PATH_ON_HOST, parallel/dist_optimizer.h), so
 # every comparison holds trivially; it says nothing about the GPU.
 DRY = os.environ.get("LATHE_TEST_DEVICE_DP_DRYRUN") == "1"
 
@@ -163,7 +163,7 @@ def checks(data, n):
     w = worst_rel(series(ld, "loss"), series(lc, "loss"))
     check(w < 1e-3, f"LAMB ZeRO 1: device DP=2 vs CPU DP=2 losses within 1e-3 (worst {w:.1e})")
 
-    # Tensor parallelism (train/device_tp.h): TP=2 on the device vs TP=2 on the CPU, fp32 AdamW.
+    # Tensor parallelism (parallel/tensor_parallel_device.cpp): TP=2 on the device vs TP=2 on the CPU, fp32 AdamW.
     tc = train(2, data, "tp2_cpu", "cpu", parallel__tensor=2)
     td = train(2, data, "tp2_cuda", "cuda", parallel__tensor=2)
     w = worst_rel(series(td, "loss"), series(tc, "loss"))

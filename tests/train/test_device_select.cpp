@@ -8,8 +8,8 @@
 #include "config/recipe.h"
 #include "core/error.h"
 #include "error_of.h"
+#include "kernels/backend_select.h"
 #include "train/checkpoint.h"
-#include "train/device_select.h"
 #include "train/peak.h"
 
 using namespace lathe;
@@ -67,7 +67,7 @@ TEST(DeviceKey, ResumeAcrossDevicesIsNotABreakingChange) {
 
 TEST(DeviceSelect, CpuIsTheHostBackend) {
   const Recipe r = parse_recipe(kRecipe, "r.yaml");
-  EXPECT_EQ(&select_backend(r), &cpu_backend());
+  EXPECT_EQ(&select_backend(r.device, r.source), &cpu_backend());
   EXPECT_EQ(backend_unavailable_reason(cpu_backend()), "");
 }
 
@@ -75,7 +75,7 @@ TEST(DeviceSelect, CudaWithoutUsableGpuIsRefusedWithReasonAndFix) {
   const Recipe r = parse_recipe(kRecipe, "r.yaml", {"device=cuda"});
   const std::string why = backend_unavailable_reason(backend_by_name("cuda"));
   if (why.empty()) GTEST_SKIP() << "this build has CUDA and a usable GPU: device: cuda is accepted here";
-  const std::string e = error_of([&] { select_backend(r); });
+  const std::string e = error_of([&] { select_backend(r.device, r.source); });
   EXPECT_NE(e.find("r.yaml: device: cuda: "), std::string::npos) << e;
   EXPECT_NE(e.find(why), std::string::npos) << e;
   EXPECT_NE(e.find("or set device: cpu"), std::string::npos) << e;

@@ -4,9 +4,8 @@
 // and for ZeRO 0, 1 and 2, and the single process's to a tolerance (float summation order); a
 // different seed changes them (so the comparisons can fail), the same seed does not, and the
 // two-rank runs really split the batch over two ranks.
-#include <gtest/gtest.h>
-
 #include <fmt/format.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
@@ -40,8 +39,8 @@ std::vector<RankRun> run(int world, const std::string& data, const fs::path& out
     me.weights = weights_of(s);
     StepContext& c = s.step_context();
     me.last_inputs = c.inputs;
-    me.data_ranks = c.grads.data->size();
-    me.moment_elems = c.grads.opt->state_end() - c.grads.opt->state_begin();
+    me.data_ranks = c.data.size();
+    me.moment_elems = c.opt.state_end() - c.opt.state_begin();
     me.params = c.rm.model().num_params();
   });
   return ranks;
@@ -110,8 +109,10 @@ TEST_P(TrainStepDataParallel, TwoRanksEqualOneProcess) {
       SCOPED_TRACE("rank " + std::to_string(r));
       const RankRun& got = dp[static_cast<size_t>(r)];
       EXPECT_EQ(got.data_ranks, 2) << "the step must have run on a data-parallel group of 2";
-      if (zero > 0) EXPECT_LT(got.moment_elems, got.params) << "ZeRO holds only this rank's shard of the moments";
-      else EXPECT_EQ(got.moment_elems, got.params);
+      if (zero > 0)
+        EXPECT_LT(got.moment_elems, got.params) << "ZeRO holds only this rank's shard of the moments";
+      else
+        EXPECT_EQ(got.moment_elems, got.params);
       // Bit for bit: every rank and every ZeRO stage the same as rank 0 with ZeRO 0.
       const RankRun& base = zero == 0 ? dp[0] : zero0[0];
       EXPECT_EQ(difference(got.steps.losses, base.steps.losses), "") << "losses";

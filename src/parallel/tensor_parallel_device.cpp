@@ -1,14 +1,29 @@
-#include "train/device_tp.h"
-
+// Tensor parallelism of a device-resident model (device: cuda): the collectives of the model's
+// StepHooks::tp (models/tp_mappings.h) run over an NCCL group of the tensor-parallel ranks, so the
+// partial sums of the row-parallel GEMMs, the vocab-parallel loss statistics and (sequence
+// parallelism) the row gathers and reduce-scatters move device buffers over NCCL, never through
+// host copies.
+//
+//  * Every collective first synchronises the backend's stream: the model calls it when the kernels
+//    that write its buffer have been *issued*; NCCL runs on its own stream (dist/nccl_comm.h) and
+//    its blocking calls return with the result complete, so the next kernels see it.
+//  * fp32: the same collectives as the CPU (all_reduce / reduce_scatter / all_gather of the group);
+//    bf16/fp16: NCCL reduces in the 16-bit type itself (a sum rounded at each of NCCL's steps:
+//    one rounding at tp = 2, as the CPU's widen-sum-round; more for larger tp) where the CPU path
+//    widens to fp32 and sums in rank order. split_rows is a device-to-device copy.
+//  * The vocab-parallel statistics are fp64 device buffers (kernels/cuda/lm_head_loss.cu), reduced
+//    with NCCL's max / sum.
+//  * What stays refused on the device (parallel/parallelize.h: check_device_layout): LAMB (its
+//    per-tensor norms under tensor parallelism are not gathered for the device moments) and
+//    training.eval_tasks (the device forward_logits is never vocab parallel).
 #include <cmath>
+#include <memory>
 
 #include "core/error.h"
 #include "dist/nccl_comm.h"
-#include "optim/chunks.h"
 #include "parallel/tensor_parallel.h"
-#include "train/device_step.h"
 
-namespace lathe {
+namespace lathe::parallel {
 
 namespace {
 
@@ -75,7 +90,7 @@ std::unique_ptr<dist::Communicator> attach_tensor_parallel_on_device(Model& mode
                                                                      bool device_path_on_host) {
   const bool on_host = !model.on_device() && device_path_on_host;
   if (tp_host.size() == 1 || (!model.on_device() && !on_host)) {
-    parallel::attach_tensor_parallel(model, tp_host);
+    attach_tensor_parallel(model, tp_host);
     return nullptr;
   }
   std::unique_ptr<dist::Communicator> group;
@@ -87,27 +102,11 @@ std::unique_ptr<dist::Communicator> attach_tensor_parallel_on_device(Model& mode
                 model.backend().name());
     group = dist::make_nccl_communicator(tp_host, k->device_index());  // collective over tp_host
   }
-  parallel::attach_tensor_parallel(model, *group);
+  attach_tensor_parallel(model, *group);
   // The host test path takes the device collectives too where they run on host memory (fp32: the 16-bit
   // ones reduce in NCCL's 16-bit types, which the host communicators do not have).
   if (!on_host || model.compute_dtype() == DType::F32) install_device_collectives(model, group.get());
   return group;
 }
 
-double device_tensor_parallel_grad_norm(dist::Communicator& group, const float* grads,
-                                        const std::vector<std::pair<size_t, size_t>>& owned,
-                                        DeviceChunkSqSums chunk_sums) {
-  // As parallel::tensor_parallel_grad_norm: chunk sums of each owned range added in order, then
-  // the group's sum.
-  double sum = 0;
-  std::vector<double> chunks;
-  for (const auto& [b, e] : owned) {
-    chunks.assign((e - b + optim::kChunk - 1) / optim::kChunk, 0.0);
-    chunk_sums(grads + b, e - b, chunks.data());
-    for (double c : chunks) sum += c;
-  }
-  group.all_reduce(&sum, 1, DType::F64);
-  return std::sqrt(sum);
-}
-
-}  // namespace lathe
+}  // namespace lathe::parallel

@@ -1,4 +1,4 @@
-#include "train/device_select.h"
+#include "kernels/backend_select.h"
 
 #include <fmt/format.h>
 
@@ -18,14 +18,14 @@ std::string backend_unavailable_reason(const Backend& backend) {
   return {};
 }
 
-const Backend& select_backend(const Recipe& r) {
-  if (r.device == "cpu") return cpu_backend();
-  LATHE_CHECK(r.device == "cuda", "{}: device: must be one of cpu, cuda (default cpu), got '{}'", r.source, r.device);
+const Backend& select_backend(std::string_view device, std::string_view source) {
+  if (device == "cpu") return cpu_backend();
+  LATHE_CHECK(device == "cuda", "{}: device: must be one of cpu, cuda (default cpu), got '{}'", source, device);
   const Backend& b = backend_by_name("cuda");
   const std::string why = backend_unavailable_reason(b);
   if (why.empty()) return b;
   const bool no_build = why.find("built without CUDA") != std::string::npos;
-  throw_error("{}: device: cuda: {} ({})", r.source, why,
+  throw_error("{}: device: cuda: {} ({})", source, why,
               no_build ? "rebuild with cmake -DLATHE_CUDA=ON on a machine with the CUDA toolkit, or set device: cpu"
                        : "make a GPU visible to this process (nvidia-smi, CUDA_VISIBLE_DEVICES), or set device: cpu");
 }

@@ -1,0 +1,151 @@
+// The distributed optimizer of a run (issue 24 item 2): one type for the host and the device. It
+// owns what happens to the flat gradient buffer [P] after backward and the update of the flat
+// parameter buffer [P], whatever the layout:
+//
+//   * gradient reduction over the data-parallel group, in buckets issued while the step's last
+//     backward still runs (parallel::GradSync: ZeRO 0 all-reduce, ZeRO 1/2 reduce-scatter onto
+//     this rank's FlatShards shard; ZeRO 2 hands host pages outside the shard back);
+//   * the global gradient norm: the whole buffer, the shards' chunk sums under ZeRO, or, under
+//     tensor/pipeline parallelism, the elements this rank counts summed over a norm group;
+//   * the AdamW / LAMB update of this rank's part ([state_begin, state_end): its shard under ZeRO
+//     1/2), then the shards all-gathered; LAMB's per-tensor norms gather chunk sums over the data
+//     group (ZeRO) and the tensor group (split tensors).
+//
+// The kernels are the backend's step ops (kernels/step_ops.h: the CPU table is optim/'s own
+// kernels, bit for bit), so one code path runs on the CPU and on a GPU. What differs by memory:
+//   * host model: the reduction runs over the data group itself and the moments are the host
+//     optimizer's buffers (local(): the checkpoint's view);
+//   * device model (device: cuda): the buckets and the weight shards move over a DEVICE group of
+//     the same ranks (NCCL, bootstrapped over the data group), whose buffers are backend memory; the
+//     scalars (norm chunk sums, LAMB sums) stay on the host group. Before each bucket is issued the
+//     compute stream is synchronised (the grads_ready hook fires when backward's kernels are issued,
+//     not done). ZeRO 2 reduces as ZeRO 1 (device memory has no pages to hand back). The moments
+//     live in backend memory; local()'s buffers stage them for checkpoints (download_state before
+//     a save, upload_state after a load). NCCL sums in its own ring/tree order: a DP=N device run
+//     equals the CPU run within float reassociation, and every rank receives the same bits.
+//   * test hook `device_path_on_host` (FaultPlan::device_path_on_host): a host model through the
+//     device wiring (backend-memory moments staged through local(), a second host group standing in
+//     for NCCL, the stream synchronisation): bit-identical to the host path
+//     (tests/train/test_device_dp_host.py, tests/parallel/test_dist_optimizer.cpp).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dist/comm.h"
+#include "kernels/backend.h"
+#include "optim/optimizer.h"
+#include "parallel/flat_shards.h"
+#include "parallel/grad_sync.h"
+
+namespace lathe::parallel {
+
+// The flat buffers the optimizer works on, in `backend` memory: params[P] and grads[P].
+struct FlatState {
+  const Backend* backend = nullptr;
+  float* params = nullptr;
+  float* grads = nullptr;
+  size_t size = 0;  // P
+};
+
+struct DistOptimizerConfig {
+  optim::OptimConfig optim;  // the recipe's optimizer section (name, betas, eps, weight decay, grad_clip)
+  int zero = 0;              // parallel.zero
+  size_t bucket_elems = 1;   // parallel.bucket_mb * 2^20 / 4
+  // Device models: issue buckets from the grads_ready hook during backward (false: all after
+  // backward; so under tensor parallelism, whose hooks' NCCL collectives on another communicator
+  // must be ordered the same way on every rank).
+  bool overlap = true;
+  bool device_path_on_host = false;  // test hook (above)
+};
+
+class DistOptimizer {
+ public:
+  // Collective over `data` when the path is the device's and data has several ranks (the device
+  // group is made then). Fresh (zero) moments; a resume fills local()'s buffers then upload_state().
+  // ranges: the model's tensors (StepRange::tensor = index in its table).
+  DistOptimizer(FlatState flat, dist::Communicator& data, const DistOptimizerConfig& cfg,
+                std::vector<optim::ParamRange> ranges);
+  ~DistOptimizer();
+  DistOptimizer(const DistOptimizer&) = delete;  // the hooks and gathers hold `this`
+  DistOptimizer& operator=(const DistOptimizer&) = delete;
+
+  int zero() const { return zero_; }
+  const FlatShards& shards() const { return shards_; }
+  // [state_begin, state_end): the part of the flat buffer whose moments this rank holds and updates.
+  size_t state_begin() const { return zero_ ? shards_.begin(data_.rank()) : 0; }
+  size_t state_end() const { return zero_ ? shards_.end(data_.rank()) : shards_.total(); }
+  double grad_clip() const { return cfg_.optim.grad_clip; }
+  bool device_path() const { return staged_; }
+  // The host moments (sized state_end - state_begin): the checkpoint's view of the optimizer.
+  optim::Optimizer& local() { return *host_; }
+
+  // Tensor parallelism: LAMB's per-tensor norms add every tensor rank's chunk sums of the split
+  // tensors (split[id] for tensor id) and take tensor rank 0's of the replicated ones. The trust
+  // ratios then equal one process's up to summation order. `tp` must outlive the optimizer.
+  void set_tensor_parallel(dist::Communicator& tp, std::vector<bool> split);
+  // Tensor/pipeline parallelism: the norm counts the elements `owned` of this rank's buffer (clipped
+  // to the shard under ZeRO) and sums their squares over `group` (the replica, or the world with
+  // ZeRO). `group` must outlive the optimizer.
+  void set_grad_norm_group(dist::Communicator& group, std::vector<std::pair<size_t, size_t>> owned);
+
+  // The step's events, in order.
+  // Zeroes the gradients before the first micro-batch (ZeRO 2 on the host: only the shard).
+  void zero_grads();
+  // True when the data group has several ranks: the model's grads_ready hook should feed
+  // grads_ready() (StepHooks::grads_ready).
+  bool reduces() const { return sync_ != nullptr; }
+  // The gradients of the micro-batch now in backward are the step's final ones (the last one).
+  void set_last_backward(bool last) { last_backward_ = last; }
+  // From the model's grads_ready hook (or a pipeline after its schedule): [begin, end) is final.
+  // Only during the last backward; a bucket whose elements are all final is issued at once.
+  void grads_ready(size_t begin, size_t end);
+  // After the step's backward: the buckets not yet issued are, and all are waited for. Returns the
+  // seconds spent waiting (the communication backward did not hide); 0 in one process.
+  double reduce_grads();
+  // The global L2 norm of the reduced gradients (NaN/Inf if any is), the same on every rank.
+  double grad_norm();
+  // One update (lr already scheduled; `step` counts applied updates from 1; grad_scale multiplies
+  // every gradient as read: clipping coefficient x loss-scale reciprocal). Parameters complete on
+  // every rank after.
+  void step(double lr, int64_t step, float grad_scale);
+
+  // Device path: moments backend -> local() (before a checkpoint) and local() -> backend (after a
+  // load). Nothing on the host path (local()'s buffers are the moments).
+  void download_state();
+  void upload_state();
+
+ private:
+  std::pair<float*, float*> moments();
+  optim::ChunkSumsGather chunk_sums_gather();
+
+  FlatState flat_;
+  dist::Communicator& data_;
+  DistOptimizerConfig cfg_;
+  const StepOps* k_;
+  int zero_;
+  bool staged_;  // the device path: moments in backend memory, the reduction over device_group_
+  FlatShards shards_;
+  std::vector<optim::ParamRange> ranges_;  // this rank's, relative to state_begin()
+  std::unique_ptr<optim::Optimizer> host_;
+  DeviceBuffer m_, v_;                                // device path: the moments
+  std::unique_ptr<dist::Communicator> device_group_;  // device path with several data ranks
+  dist::Communicator* move_ = nullptr;                // where buckets and weight shards travel
+  std::unique_ptr<GradSync> sync_;                    // several data ranks
+  bool last_backward_ = false;
+  dist::Communicator* tp_ = nullptr;  // LAMB under tensor parallelism
+  std::vector<bool> tp_split_;
+  dist::Communicator* norm_group_ = nullptr;
+  std::vector<std::pair<size_t, size_t>> norm_owned_;
+};
+
+// Collective over `c`: every rank's `mine` concatenated in rank order (ranks may hold different
+// counts); counts_out receives each rank's count. LAMB's chunk-sum gathers (host memory).
+std::vector<optim::ChunkSums> all_gather_chunk_sums(dist::Communicator& c, const std::vector<optim::ChunkSums>& mine,
+                                                    std::vector<int64_t>* counts_out = nullptr);
+
+}  // namespace lathe::parallel
