@@ -249,6 +249,47 @@ ModelConfig load_hf_config(const std::string& dir) {
   return ModelConfig::from_hf_json(io::read_json_file(path), path, false);
 }
 
+ModelConfig init_from_config(const ModelConfig& recipe_model, const std::string& dir, std::string_view recipe_source,
+                             std::vector<std::string>* changes) {
+  const ModelConfig file = load_hf_config(dir);
+  if (recipe_model == file) return file;
+  // The HF names whose value sets a weight's shape or presence (the strict loader would refuse the
+  // directory's tensors, or worse, accept them with another meaning).
+  static const std::set<std::string> shapes = {"model_type",
+                                               "vocab_size",
+                                               "hidden_size",
+                                               "n_embd",
+                                               "num_hidden_layers",
+                                               "n_layer",
+                                               "num_attention_heads",
+                                               "n_head",
+                                               "num_key_value_heads",
+                                               "intermediate_size",
+                                               "n_inner",
+                                               "head_dim",
+                                               "tie_word_embeddings",
+                                               "attention_bias",
+                                               "mlp_bias",
+                                               "n_positions",
+                                               "n_ctx"};
+  static const std::set<std::string> bookkeeping = {"architectures", "torch_dtype", "transformers_version"};
+  const nlohmann::json a = file.to_hf_json(), b = recipe_model.to_hf_json();
+  std::set<std::string> keys;
+  for (auto it = a.begin(); it != a.end(); ++it) keys.insert(it.key());
+  for (auto it = b.begin(); it != b.end(); ++it) keys.insert(it.key());
+  const std::string path = (fs::path(dir) / "config.json").string();
+  for (const std::string& k : keys) {
+    const nlohmann::json va = a.value(k, nlohmann::json()), vb = b.value(k, nlohmann::json());
+    if (va == vb || bookkeeping.count(k)) continue;
+    LATHE_CHECK(!shapes.count(k),
+                "{}: model.{}: {} differs from {} of model.init_from's {}: init_from loads that directory's weights, "
+                "whose shapes follow its value (drop model.{} from the recipe, or start from a model of that shape)",
+                recipe_source, k, vb.dump(), va.dump(), path, k);
+    if (changes) changes->push_back(fmt::format("{}: {} -> {}", k, va.dump(), vb.dump()));
+  }
+  return recipe_model;
+}
+
 std::vector<std::string> hf_weight_files(const std::string& dir) {
   const fs::path single = fs::path(dir) / "model.safetensors";
   const fs::path index = fs::path(dir) / "model.safetensors.index.json";

@@ -53,6 +53,16 @@ void save_hf_tensors(const Model& model, const float* flat, const std::string& p
 // Reads DIR/config.json (errors name the file and key).
 ModelConfig load_hf_config(const std::string& dir);
 
+// model.init_from DIR with a recipe whose `model` section (`recipe_model`: DIR's config.json with
+// the recipe's explicit keys merged over it) may override DIR's values: the config the run trains,
+// checkpoints and exports. Keys that leave the parameter shapes alone (rope_theta, rope_scaling,
+// max_position_embeddings of RoPE models, sliding_window, norm epsilon, token ids, ...) take the
+// recipe's value; a key that would change a weight's shape (hidden_size, layers, heads, vocab_size,
+// tying, biases, model_type, ...) is refused naming it, both values and the fix. `changes` receives
+// "key: DIR's value -> the recipe's" for each override (for the startup log).
+ModelConfig init_from_config(const ModelConfig& recipe_model, const std::string& dir, std::string_view recipe_source,
+                             std::vector<std::string>* changes = nullptr);
+
 // The weight files of DIR: model.safetensors, or the shards of model.safetensors.index.json
 // (every listed file must exist). pytorch_model.bin alone is refused with a conversion command.
 std::vector<std::string> hf_weight_files(const std::string& dir);

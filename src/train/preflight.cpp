@@ -405,13 +405,16 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   if (!pf.ckpt.empty()) {
     pf.model = build_model(r.model, spec);  // weights come from the checkpoint below
   } else if (!r.init_from.empty()) {
-    // load_hf_model's steps, with the compute spec: the file's config (its memory checked before
-    // anything is allocated), the model, the strict weight loader.
-    const ModelConfig hf = load_hf_config(r.init_from);
+    // load_hf_model's steps, with the compute spec: the directory's config with the recipe's
+    // overrides (rope_theta, rope_scaling, ...; shape keys refused), its memory checked before
+    // anything is allocated, the model, the strict weight loader.
+    std::vector<std::string> overrides;
+    const ModelConfig hf = init_from_config(r.model, r.init_from, r.source, &overrides);
     check_memory_fits(estimate_memory(hf, 0, 0, 0, 1, spec.dtype), hf,
                       (fs::path(r.init_from) / "config.json").string());
     pf.model = build_model(hf, spec);
     pf.init_report = load_hf_weights(*pf.model, r.init_from);
+    for (const std::string& o : overrides) pf.init_report += "; the recipe overrides " + o;
     log.ok(fmt::format("model.init_from {}: {}", r.init_from, pf.init_report));
   } else {
     pf.model = build_model(r.model, spec);

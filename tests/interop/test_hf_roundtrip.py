@@ -177,6 +177,37 @@ def edited_copy(src, dst, edit):
     return dst
 
 
+def first_loss(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return next(json.loads(l)["loss"] for l in f if '"loss"' in l)
+
+
+def init_from_overrides(llama, tmp, data):
+    """model: {init_from: DIR, rope_theta: X} trains, checkpoints and exports with X (the long-context
+    continuation recipe); a key that changes a weight's shape is refused naming it."""
+    base_theta = json.load(open(os.path.join(llama, "config.json")))["rope_theta"]
+    run_dir = os.path.join(tmp, "theta_run")
+    recipe = os.path.join(tmp, "theta.yaml")
+    open(recipe, "w").write(RECIPE.format(init=llama, data=data, out=run_dir).replace(
+        "  init_from: " + llama, "  init_from: " + llama + "\n  rope_theta: 500000.0"))
+    p = run(["train", recipe])
+    check(f"the recipe overrides rope_theta: {base_theta} -> 500000.0" in p.stdout,
+          "init_from + rope_theta: the startup report names the override")
+    cfg = json.load(open(os.path.join(run_dir, "model", "config.json")))
+    check(cfg["rope_theta"] == 500000.0, f"init_from + rope_theta: the exported config.json says {cfg['rope_theta']}")
+    # The same step without the override (the roundtrip's run) has another loss: the override trains.
+    plain, theta = first_loss(os.path.join(tmp, "llama_run")), first_loss(run_dir)
+    check(plain != theta, f"init_from + rope_theta: the first loss differs from the run without it ({plain} vs {theta})")
+    # The exported model is the trained one with the new rope_theta: transformers agrees with lathe.
+    diff = maxdiff(lathe_logits(os.path.join(run_dir, "model"), tmp)[0], hf_logits(os.path.join(run_dir, "model")))
+    check(diff < 1e-4, f"init_from + rope_theta: exported model, transformers equals lathe ({diff:.2e})")
+    bad = os.path.join(tmp, "ffn.yaml")
+    open(bad, "w").write(RECIPE.format(init=llama, data=data, out=os.path.join(tmp, "ffn_run")).replace(
+        "  init_from: " + llama, "  init_from: " + llama + "\n  intermediate_size: 96"))
+    expect_fail(["train", bad], ["model.intermediate_size: 96 differs from 64", "init_from", "drop model.intermediate_size"],
+                "init_from + intermediate_size: refused naming the key")
+
+
 def main():
     tmp = tempfile.mkdtemp(prefix="lathe_hf_test_")
     data = os.path.join(tmp, "bytes")
@@ -184,6 +215,7 @@ def main():
     megatron_writer.write(data, [rng.integers(0, 256, 600) for _ in range(4)])
     dirs = {k: roundtrip(k, tmp, data) for k in ("gpt2", "llama", "qwen2")}
     llama = dirs["llama"]
+    init_from_overrides(llama, tmp, data)
 
     # mistral (llama math, its own config class and default sliding window): import only
     torch.manual_seed(4)
