@@ -286,6 +286,7 @@ int run_convert(int argc, char** argv) {
     so.dtype = dtype;
     so.max_shard_bytes = parse_size(shard_s);
     so.extra_files = tokenizer_files_in(from);
+    so.generation_config = generation_config_in(from);
     std::unique_ptr<progress::Bar> bar;  // per tensor written (issue 13 item 5)
     so.on_tensor = [&](int64_t done, int64_t total) {
       if (!bar) bar = std::make_unique<progress::Bar>("write " + to, total, "tensors", !no_progress);

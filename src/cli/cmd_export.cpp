@@ -229,6 +229,7 @@ int run_export(int argc, char** argv) {
     so.dtype = dtype;
     so.max_shard_bytes = parse_size(shard_s);
     so.extra_files = tok_files;
+    if (!s.hf_dir.empty()) so.generation_config = generation_config_in(s.hf_dir);
     std::unique_ptr<progress::Bar> bar;  // per tensor written (issue 13 item 5)
     so.on_tensor = [&](int64_t done, int64_t total) {
       if (!bar) bar = std::make_unique<progress::Bar>("write " + to, total, "tensors", !no_progress);
@@ -245,7 +246,7 @@ int run_export(int argc, char** argv) {
     go.pre = gguf_pre;
     go.model_dir = s.hf_dir;  // its generation_config.json
     // The tokenizer lathe used: --gguf-tokenizer, the run's data.tokenizer, else the HF directory's.
-    go.tokenizer = !gguf_tok.empty()       ? gguf_tok
+    go.tokenizer = !gguf_tok.empty()      ? gguf_tok
                    : !s.tokenizer.empty() ? s.tokenizer
                    : s.hf_dir.empty()     ? ""
                                           : gguf_tokenizer_in(s.hf_dir);

@@ -187,6 +187,7 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
                   near.empty() ? std::string() : fmt::format(" (did you mean '{}{}'?)", key_prefix, near));
     }
     c.ignored_keys.push_back(it.key());
+    c.ignored_reasons.push_back(fmt::format("not a field lathe's {} config reads", c.model_type));
   }
   // Keys that would change the math if set: reject rather than silently compute something else.
   auto require_bool = [&](const char* k, bool want, const char* why) {
@@ -201,6 +202,10 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
     if (p < 0 || p >= 1) r.fail(k, fmt::format("dropout probability {} outside [0, 1)", p));
     if (strict_unknown && p != 0)
       r.fail(k, fmt::format("{} is not supported: lathe does not implement dropout (set 0 or remove)", p));
+    if (p != 0) {  // a config.json: the weights still load; training runs without dropout
+      c.ignored_keys.push_back(k);
+      c.ignored_reasons.push_back(fmt::format("{}: lathe trains without dropout", p));
+    }
   }
 
   if (r.has_size("vocab_size")) c.vocab_size = r.get_int("vocab_size");
@@ -208,6 +213,8 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
   for (auto [k, dst] : {std::pair{"bos_token_id", &c.bos_token_id}, std::pair{"eos_token_id", &c.eos_token_id},
                         std::pair{"pad_token_id", &c.pad_token_id}})
     if (j.contains(k)) *dst = r.get_token(k);
+  if (j.contains("eos_token_id") && j["eos_token_id"].is_array() && j["eos_token_id"].size() > 1)
+    for (const json& id : j["eos_token_id"]) c.eos_token_ids.push_back(id.get<int64_t>());  // integers: get_token
 
   if (c.is_gpt2()) {
     // GPT2Config class defaults.
@@ -403,6 +410,9 @@ void ModelConfig::validate(std::string_view source, std::string_view prefix) con
                           std::pair{"pad_token_id", pad_token_id}})
     LATHE_CHECK(id >= -1 && id <= INT32_MAX, "{}: {}{} = {} is out of range (0 .. {}, or -1 / null for none)", source,
                 prefix, name, id, INT32_MAX);
+  for (int64_t id : eos_token_ids)
+    LATHE_CHECK(id >= 0 && id <= INT32_MAX, "{}: {}eos_token_id: {} in the list is out of range (0 .. {})", source,
+                prefix, id, INT32_MAX);
   // The parameter count is the largest product formed from these fields; it must fit 64 bits.
   (void)num_parameters();
 }
@@ -452,6 +462,7 @@ json ModelConfig::to_hf_json() const {
   for (auto [k, v] : {std::pair{"bos_token_id", bos_token_id}, std::pair{"eos_token_id", eos_token_id},
                       std::pair{"pad_token_id", pad_token_id}})
     j[k] = v >= 0 ? json(v) : json(nullptr);
+  if (eos_token_ids.size() > 1) j["eos_token_id"] = eos_token_ids;
   if (is_gpt2()) {
     j["architectures"] = {"GPT2LMHeadModel"};
     j["n_positions"] = max_position_embeddings;
@@ -573,6 +584,14 @@ ModelConfig ModelConfig::preset(std::string_view name) {
   return c;
 }
 
+std::string ModelConfig::ignored_note() const {
+  std::string out;
+  for (size_t i = 0; i < ignored_keys.size(); ++i)
+    out += fmt::format("{}{} ({})", out.empty() ? "config.json keys not used: " : ", ", ignored_keys[i],
+                       i < ignored_reasons.size() ? ignored_reasons[i] : "not read");
+  return out;
+}
+
 bool operator==(const ModelConfig& a, const ModelConfig& b) {
   return a.model_type == b.model_type && a.family == b.family && a.vocab_size == b.vocab_size &&
          a.hidden_size == b.hidden_size && a.num_hidden_layers == b.num_hidden_layers &&
@@ -581,9 +600,10 @@ bool operator==(const ModelConfig& a, const ModelConfig& b) {
          a.norm_eps == b.norm_eps && a.rope_theta == b.rope_theta && a.tie_word_embeddings == b.tie_word_embeddings &&
          a.attention_bias == b.attention_bias && a.initializer_range == b.initializer_range &&
          a.hidden_act == b.hidden_act && a.bos_token_id == b.bos_token_id && a.eos_token_id == b.eos_token_id &&
-         a.pad_token_id == b.pad_token_id && a.sliding_window == b.sliding_window &&
-         a.shard_head_dim == b.shard_head_dim && a.shard_global_vocab == b.shard_global_vocab &&
-         a.tensor_parts == b.tensor_parts && a.sequence_parallel == b.sequence_parallel;
+         a.eos_token_ids == b.eos_token_ids && a.pad_token_id == b.pad_token_id &&
+         a.sliding_window == b.sliding_window && a.shard_head_dim == b.shard_head_dim &&
+         a.shard_global_vocab == b.shard_global_vocab && a.tensor_parts == b.tensor_parts &&
+         a.sequence_parallel == b.sequence_parallel;
 }
 
 }  // namespace lathe

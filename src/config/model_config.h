@@ -39,6 +39,10 @@ struct ModelConfig {
   std::string hidden_act;
   // -1 = absent; a list (eos) -> its first id. gpt2 defaults 50256 only when vocab_size > 50256.
   int64_t bos_token_id = -1, eos_token_id = -1, pad_token_id = -1;
+  // config.json's eos_token_id when it is a list of several ids (Llama 3.x Instruct: <|end_of_text|>,
+  // <|eom_id|>, <|eot_id|>), in its order (eos_token_id is the first); written back as that list.
+  // Empty for a single id.
+  std::vector<int64_t> eos_token_ids;
   // Addition. mistral / qwen2 sliding-window attention width; 0 = none (full causal attention).
   // lathe implements full attention only, so check_seq_len() refuses sequences longer than the
   // window (there the two differ); a window >= the sequence length is the same math.
@@ -93,7 +97,12 @@ struct ModelConfig {
   // Same, with `key_prefix` put in front of key names in errors (recipes pass "model.").
   static ModelConfig from_hf_json(const nlohmann::json& j, std::string_view source, std::string_view key_prefix,
                                   bool strict_unknown);
-  std::vector<std::string> ignored_keys;
+  // config.json keys lathe reads and does not use, and why (same order): unknown keys (transformers
+  // ignores keys its config class does not read too), non-zero dropout (lathe trains without it).
+  // Listed once in the startup output of convert, train (init_from) and eval: ignored_note().
+  std::vector<std::string> ignored_keys, ignored_reasons;
+  // "config.json keys not used: k (why), ..." or "" when there are none.
+  std::string ignored_note() const;
 
   // A complete HF config.json that transformers 4.x loads: model_type, architectures
   // (GPT2LMHeadModel / LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM), the family's

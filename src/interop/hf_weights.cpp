@@ -229,8 +229,12 @@ void save_hf_model(const Model& model, const std::string& dir, const HfSaveOptio
   json gen = {{"_from_model_config", true}};
   const ModelConfig& c = model.config();
   if (c.bos_token_id >= 0) gen["bos_token_id"] = c.bos_token_id;
-  if (c.eos_token_id >= 0) gen["eos_token_id"] = c.eos_token_id;
+  if (c.eos_token_ids.size() > 1)
+    gen["eos_token_id"] = c.eos_token_ids;
+  else if (c.eos_token_id >= 0)
+    gen["eos_token_id"] = c.eos_token_id;
   if (c.pad_token_id >= 0) gen["pad_token_id"] = c.pad_token_id;
+  if (!opts.generation_config.empty()) gen = io::read_json_file(opts.generation_config);  // the source's, as it is
   io::atomic_write_file((fs::path(dir) / "generation_config.json").string(), gen.dump(2) + "\n");
   for (const auto& f : opts.extra_files) {
     const fs::path dst = fs::path(dir) / fs::path(f).filename();
@@ -242,6 +246,11 @@ void save_hf_model(const Model& model, const std::string& dir, const HfSaveOptio
 
 // ------------------------------------------------------------------------------------ loading
 
+std::string generation_config_in(const std::string& dir) {
+  const fs::path p = fs::path(dir) / "generation_config.json";
+  return entry_exists(p.string()) ? p.string() : std::string();
+}
+
 ModelConfig load_hf_config(const std::string& dir) {
   const std::string path = (fs::path(dir) / "config.json").string();
   LATHE_CHECK(entry_exists(path), "{}: not found (a Hugging Face model directory needs config.json)", path);
@@ -252,6 +261,7 @@ ModelConfig load_hf_config(const std::string& dir) {
 ModelConfig init_from_config(const ModelConfig& recipe_model, const std::string& dir, std::string_view recipe_source,
                              std::vector<std::string>* changes) {
   const ModelConfig file = load_hf_config(dir);
+  if (changes && !file.ignored_note().empty()) changes->push_back(file.ignored_note());
   if (recipe_model == file) return file;
   // The HF names whose value sets a weight's shape or presence (the strict loader would refuse the
   // directory's tensors, or worse, accept them with another meaning).
@@ -285,7 +295,7 @@ ModelConfig init_from_config(const ModelConfig& recipe_model, const std::string&
                 "{}: model.{}: {} differs from {} of model.init_from's {}: init_from loads that directory's weights, "
                 "whose shapes follow its value (drop model.{} from the recipe, or start from a model of that shape)",
                 recipe_source, k, vb.dump(), va.dump(), path, k);
-    if (changes) changes->push_back(fmt::format("{}: {} -> {}", k, va.dump(), vb.dump()));
+    if (changes) changes->push_back(fmt::format("the recipe overrides {}: {} -> {}", k, va.dump(), vb.dump()));
   }
   return recipe_model;
 }
@@ -501,6 +511,7 @@ std::unique_ptr<Model> load_hf_model(const std::string& dir, std::string* report
   check_memory_fits(estimate_memory(cfg, 0, 0, 0), cfg, cfg_path);
   auto model = build_model(cfg);
   std::string r = load_hf_weights(*model, dir, opts);
+  if (!cfg.ignored_note().empty()) r += "; " + cfg.ignored_note();
   if (report) *report = r;
   return model;
 }

@@ -36,6 +36,10 @@ struct HfSaveOptions {
   uint64_t max_shard_bytes = 5'000'000'000ull;  // above this: model-0000i-of-0000n.safetensors + index
   // Files copied into the directory next to the weights (tokenizer files); each must exist.
   std::vector<std::string> extra_files;
+  // The source model's generation_config.json (generation_config_in): copied as it is (its stop ids,
+  // e.g. Llama 3.x Instruct's <|eot_id|>, and sampling defaults) instead of the one written from
+  // config.json's token ids. Empty: written from the config.
+  std::string generation_config;
   // Called after each tensor is written with (tensors written, tensors in all) (progress display).
   std::function<void(int64_t done, int64_t total)> on_tensor;
 };
@@ -50,6 +54,9 @@ void save_hf_model(const Model& model, const std::string& dir, DType dtype = DTy
 // moments) as one safetensors file with HF names and layouts.
 void save_hf_tensors(const Model& model, const float* flat, const std::string& path, DType dtype = DType::F32);
 
+// DIR/generation_config.json when DIR has one, else "" (HfSaveOptions::generation_config).
+std::string generation_config_in(const std::string& dir);
+
 // Reads DIR/config.json (errors name the file and key).
 ModelConfig load_hf_config(const std::string& dir);
 
@@ -59,7 +66,8 @@ ModelConfig load_hf_config(const std::string& dir);
 // max_position_embeddings of RoPE models, sliding_window, norm epsilon, token ids, ...) take the
 // recipe's value; a key that would change a weight's shape (hidden_size, layers, heads, vocab_size,
 // tying, biases, model_type, ...) is refused naming it, both values and the fix. `changes` receives
-// "key: DIR's value -> the recipe's" for each override (for the startup log).
+// "the recipe overrides key: DIR's value -> the recipe's" for each override and the config.json keys
+// lathe does not use (ModelConfig::ignored_note), for the startup log.
 ModelConfig init_from_config(const ModelConfig& recipe_model, const std::string& dir, std::string_view recipe_source,
                              std::vector<std::string>* changes = nullptr);
 

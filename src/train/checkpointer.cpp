@@ -19,9 +19,13 @@ namespace fs = std::filesystem;
 namespace {
 
 // The HF model directory `dir` of `model` (interop/hf_weights.h) and lathe's note of the tokenizer
-// it was trained with (lathe.json, read by generate and eval).
-void write_model_dir(const Model& model, const std::string& dir, const std::string& tokenizer) {
-  save_hf_model(model, dir);
+// it was trained with (lathe.json, read by generate and eval); model.init_from's
+// generation_config.json (stop ids, sampling defaults) carries over.
+void write_model_dir(const Model& model, const std::string& dir, const Recipe& r) {
+  HfSaveOptions so;
+  if (!r.init_from.empty()) so.generation_config = generation_config_in(r.init_from);
+  save_hf_model(model, dir, so);
+  const std::string& tokenizer = r.data.tokenizer;
   nlohmann::json meta = {{"tokenizer", tokenizer}, {"lathe_version", LATHE_VERSION}};
   io::atomic_write_file((fs::path(dir) / "lathe.json").string(), meta.dump(2) + "\n");
 }
@@ -146,14 +150,14 @@ void Checkpointer::maybe_export_hf(int64_t done, bool last) {
   if (r.output.save_every <= 0 || done % r.output.save_every != 0 || last) return;
   const std::string dir = (fs::path(r.output.dir) / fmt::format("step_{:08d}", done)).string();
   Model& w = p_.rm.current_whole();  // collective with tensor parallelism
-  if (p_.log.rank0()) write_model_dir(w, dir, r.data.tokenizer);
+  if (p_.log.rank0()) write_model_dir(w, dir, r);
   p_.rm.release_whole();
   p_.log.log("saved " + dir);
 }
 
 Model& Checkpointer::export_final(const std::string& dir) {
   Model& w = p_.rm.current_whole();  // collective with tensor parallelism
-  if (p_.log.rank0()) write_model_dir(w, dir, p_.r.data.tokenizer);
+  if (p_.log.rank0()) write_model_dir(w, dir, p_.r);
   p_.log.log(fmt::format("saved Hugging Face model directory {}", dir));
   return w;
 }

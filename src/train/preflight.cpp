@@ -414,7 +414,7 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
                       (fs::path(r.init_from) / "config.json").string());
     pf.model = build_model(hf, spec);
     pf.init_report = load_hf_weights(*pf.model, r.init_from);
-    for (const std::string& o : overrides) pf.init_report += "; the recipe overrides " + o;
+    for (const std::string& o : overrides) pf.init_report += "; " + o;
     log.ok(fmt::format("model.init_from {}: {}", r.init_from, pf.init_report));
   } else {
     pf.model = build_model(r.model, spec);

@@ -79,7 +79,10 @@ TEST(ModelConfig, ParseGpt2) {
   EXPECT_EQ(c.eos_token_id, 50256);
   EXPECT_EQ(c.pad_token_id, -1);
   EXPECT_EQ(c.head_dim(), 64);
-  EXPECT_TRUE(c.ignored_keys.empty());
+  // HF's gpt2 config.json trains with dropout 0.1: lathe has none, and says so once (not silently).
+  for (const std::string& k : c.ignored_keys) EXPECT_NE(k.find("drop"), std::string::npos) << k;
+  EXPECT_NE(c.ignored_note().find("resid_pdrop (0.1: lathe trains without dropout)"), std::string::npos)
+      << c.ignored_note();
   // GPT-2 small: 124,439,808 parameters (reference §5: 137,022,720 minus 12 mask buffers of 1024^2).
   EXPECT_EQ(c.num_parameters(), 137022720 - 12 * 1048576);
   EXPECT_EQ(c, ModelConfig::preset("gpt2-124m"));

@@ -208,6 +208,39 @@ def init_from_overrides(llama, tmp, data):
                 "init_from + intermediate_size: refused naming the key")
 
 
+def unused_keys_and_stop_ids(llama, tmp, data):
+    """Nothing silent: config.json keys lathe does not use are listed once with the reason; an
+    eos_token_id list and the source's generation_config.json survive convert and training."""
+    src = os.path.join(tmp, "llama_extra")
+    shutil.copytree(llama, src)
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    cfg.update({"use_mrope": False, "attention_dropout": 0.1, "eos_token_id": [2, 5, 7]})
+    json.dump(cfg, open(os.path.join(src, "config.json"), "w"))
+    gen = {"bos_token_id": 1, "eos_token_id": [2, 5, 7], "do_sample": True, "temperature": 0.6, "top_p": 0.9}
+    json.dump(gen, open(os.path.join(src, "generation_config.json"), "w"))
+    out = os.path.join(tmp, "llama_extra_out")
+    p = run(["convert", "--from-hf", src, "--to", out])
+    check("use_mrope (not a field lathe's llama config reads)" in p.stdout,
+          "convert lists an unknown config.json key with the reason")
+    check("attention_dropout (0.1: lathe trains without dropout)" in p.stdout,
+          "convert lists a non-zero config.json dropout as not used")
+    check(json.load(open(os.path.join(out, "config.json")))["eos_token_id"] == [2, 5, 7],
+          "convert keeps the whole eos_token_id list in config.json")
+    check(json.load(open(os.path.join(out, "generation_config.json"))) == gen,
+          "convert copies the source's generation_config.json")
+    hf_gen = transformers.GenerationConfig.from_pretrained(out)
+    check(hf_gen.eos_token_id == [2, 5, 7], f"transformers reads the stop ids back ({hf_gen.eos_token_id})")
+    run_dir = os.path.join(tmp, "extra_run")
+    recipe = os.path.join(tmp, "extra.yaml")
+    open(recipe, "w").write(RECIPE.format(init=src, data=data, out=run_dir))
+    p = run(["train", recipe])
+    check("use_mrope (not a field" in p.stdout, "train init_from lists the unused keys")
+    check(json.load(open(os.path.join(run_dir, "model", "generation_config.json"))) == gen,
+          "train: the run's model directory keeps init_from's generation_config.json")
+    check(json.load(open(os.path.join(run_dir, "model", "config.json")))["eos_token_id"] == [2, 5, 7],
+          "train: the run's config.json keeps the eos_token_id list")
+
+
 def main():
     tmp = tempfile.mkdtemp(prefix="lathe_hf_test_")
     data = os.path.join(tmp, "bytes")
@@ -216,6 +249,7 @@ def main():
     dirs = {k: roundtrip(k, tmp, data) for k in ("gpt2", "llama", "qwen2")}
     llama = dirs["llama"]
     init_from_overrides(llama, tmp, data)
+    unused_keys_and_stop_ids(llama, tmp, data)
 
     # mistral (llama math, its own config class and default sliding window): import only
     torch.manual_seed(4)
