@@ -1,7 +1,8 @@
 // The kernel backend seam: a Backend owns a kind of memory (alloc/free/memset/copy/synchronize),
 // one op table per compute dtype it implements, and one table of training-step ops (the optimizer
-// update, gradient norm, non-finite check and scale over fp32 buffers: kernels/step_ops.h). The model body calls kernels only through an `Ops`
-// table, so a bf16 path and a CUDA backend plug in as new tables without touching the body.
+// update, gradient norm, non-finite check and scale over fp32 buffers: kernels/step_ops.h). The model body calls
+// kernels only through an `Ops` table, so a bf16 path and a CUDA backend plug in as new tables without touching the
+// body.
 //
 // One table per (backend, compute dtype), as ggml's backend vtables: `Ops` is a struct of function
 // pointers with the operations of kernels/cpu/ops.h (same argument order, same gradient conventions,
@@ -88,6 +89,15 @@ struct Ops {
   void (*rmsnorm_backward)(void* dinp, float* dweight, const void* dout, const void* inp, const float* weight,
                            const float* rstd, int64_t N, int64_t C, void* scratch) = nullptr;
   size_t (*rmsnorm_scratch_bytes)(int64_t C) = nullptr;
+  // Per-head RMSNorm in place (Qwen3's q_norm / k_norm; kernels/cpu/rmsnorm.cpp states it): rows of
+  // D elements, row (n, h) of N tokens x `heads` at x + n * stride + h * D (elements of the compute
+  // dtype). Forward copies each row to saved[(n * heads + h) * D] (backward's input) and normalises
+  // it in place (rstd[N * heads]); backward overwrites the rows' d(out) with d(in), dweight[D] +=.
+  void (*head_rmsnorm_forward)(void* x, void* saved, float* rstd, const float* weight, int64_t N, int64_t heads,
+                               int64_t D, int64_t stride, float eps) = nullptr;
+  void (*head_rmsnorm_backward)(void* dx, float* dweight, const void* saved, const float* weight, const float* rstd,
+                                int64_t N, int64_t heads, int64_t D, int64_t stride, void* scratch) = nullptr;
+  size_t (*head_rmsnorm_scratch_bytes)(int64_t D) = nullptr;
 
   // ---- pointwise -------------------------------------------------------------------------------
   void (*gelu_forward)(void* out, const void* inp, int64_t n) = nullptr;
@@ -283,6 +293,9 @@ void for_each_op(const Ops& o, F&& f) {
   LATHE_OP(rmsnorm_forward);
   LATHE_OP(rmsnorm_backward);
   LATHE_OP(rmsnorm_scratch_bytes);
+  LATHE_OP(head_rmsnorm_forward);
+  LATHE_OP(head_rmsnorm_backward);
+  LATHE_OP(head_rmsnorm_scratch_bytes);
   LATHE_OP(gelu_forward);
   LATHE_OP(gelu_backward);
   LATHE_OP(swiglu_forward);
@@ -301,7 +314,7 @@ void for_each_op(const Ops& o, F&& f) {
 #undef LATHE_OP
 }
 // A slot added to Ops but not to the list above would escape the completeness check of ops_for.
-static_assert(sizeof(Ops) == offsetof(Ops, matmul_forward) + 26 * sizeof(void (*)()),
+static_assert(sizeof(Ops) == offsetof(Ops, matmul_forward) + 29 * sizeof(void (*)()),
               "Ops gained or lost a slot: update for_each_op");
 
 }  // namespace lathe

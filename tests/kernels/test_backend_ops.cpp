@@ -30,11 +30,11 @@
 #include <string>
 #include <vector>
 
+#include "backend_buffers.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "error_of.h"
-#include "backend_buffers.h"
 #include "gradcheck_basic.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/ops.h"
@@ -151,6 +151,21 @@ Ops make() {
                           int64_t N, int64_t C, void* scratch) {
     VecF dxv = in(dx, N * C), gv = in(g, N * C), xv = in(x, N * C);
     f32().rmsnorm_backward(dxv.data(), dw, gv.data(), xv.data(), w, rstd, N, C, scratch);
+    out(dx, dxv);
+  };
+  o.head_rmsnorm_forward = [](void* x, void* saved, float* rstd, const float* w, int64_t N, int64_t heads, int64_t D,
+                              int64_t stride, float eps) {
+    const int64_t n = (N - 1) * stride + heads * D;  // the span the rows cover
+    VecF xv = in(x, n), sv(N * heads * D);
+    f32().head_rmsnorm_forward(xv.data(), sv.data(), rstd, w, N, heads, D, stride, eps);
+    out(x, xv);
+    out(saved, sv);
+  };
+  o.head_rmsnorm_backward = [](void* dx, float* dw, const void* saved, const float* w, const float* rstd, int64_t N,
+                               int64_t heads, int64_t D, int64_t stride, void* scratch) {
+    const int64_t n = (N - 1) * stride + heads * D;
+    VecF dxv = in(dx, n), sv = in(saved, N * heads * D);
+    f32().head_rmsnorm_backward(dxv.data(), dw, sv.data(), w, rstd, N, heads, D, stride, scratch);
     out(dx, dxv);
   };
   o.gelu_forward = [](void* y, const void* x, int64_t n) {
@@ -460,6 +475,45 @@ void case_rmsnorm(const Target& t) {
     }
 }
 
+// Per-head RMSNorm in place on strided rows (Qwen3's q_norm / k_norm on the q or k block of a fused
+// qkv row): the reference gathers the rows, normalises them as rmsnorm does and scatters them back;
+// the elements between the rows (the rest of the qkv row) must come back untouched.
+void case_head_rmsnorm(const Target& t) {
+  const float eps = 1e-6f;
+  for (int64_t N : {1, 3, 33})
+    for (int64_t heads : {1, 3})
+      for (int64_t D : {1, 31, 64}) {
+        const int64_t gap = 5, stride = heads * D + gap, rows = N * heads;
+        Run r{t, "head_rmsnorm " + dims({N, heads, D})};
+        Rng rng(450 + N * 100 + heads * 10 + D);
+        const VecF buf = r.act_in(randn(N * stride, rng, 2.0f)), w = randn(D, rng),
+                   g = r.act_in(randn(N * stride, rng));
+        auto at = [&](int64_t row, int64_t c) { return (row / heads) * stride + (row % heads) * D + c; };
+        VecD x(rows * D), gr(rows * D);
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t c = 0; c < D; ++c) x[i * D + c] = buf[at(i, c)], gr[i * D + c] = g[at(i, c)];
+        VecD ref, rrstd, rdx, rdw;
+        ref_rmsnorm_fwd(ref, rrstd, x, to_double(w), rows, D, eps);
+        ref_rmsnorm_bwd(rdx, rdw, gr, x, to_double(w), rows, D, eps);
+        VecD want_fwd = to_double(buf), want_bwd = to_double(g);
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t c = 0; c < D; ++c) want_fwd[at(i, c)] = ref[i * D + c], want_bwd[at(i, c)] = rdx[i * D + c];
+        auto dx = r.act(buf, "x"), dw = r.f32(w, "w"), saved = r.act(VecF(rows * D, kNaN), "saved");
+        auto rstd = r.f32(VecF(rows, kNaN), "rstd");
+        t.ops->head_rmsnorm_forward(dx->p(), saved->p(), rstd->f(), dw->f(), N, heads, D, stride, eps);
+        r.check(*dx, want_fwd, "forward (in place, gaps untouched)");
+        r.check(*saved, x, "forward saved rows");
+        r.check(*rstd, rrstd, "forward rstd");
+        auto scratch = r.scratch(t.ops->head_rmsnorm_scratch_bytes(D));
+        const VecF pre_w = randn(D, rng);
+        auto gw = r.f32(pre_w, "dweight"), dg = r.act(g, "dout");
+        t.ops->head_rmsnorm_backward(dg->p(), gw->f(), saved->p(), dw->f(), rstd->f(), N, heads, D, stride,
+                                     scratch->p());
+        r.check(*dg, want_bwd, "backward (overwrites dout, gaps untouched)");
+        r.check(*gw, plus(pre_w, rdw), "dweight (+=)");
+      }
+}
+
 void case_gelu(const Target& t) {
   for (int64_t n : {1, 3, 31, 33, 67, 100003}) {
     Run r{t, "gelu n=" + std::to_string(n)};
@@ -725,6 +779,9 @@ const std::vector<Case>& cases() {
       {"embedding", {"embedding_forward", "embedding_backward"}, case_embedding},
       {"layernorm", {"layernorm_forward", "layernorm_backward", "layernorm_scratch_bytes"}, case_layernorm},
       {"rmsnorm", {"rmsnorm_forward", "rmsnorm_backward", "rmsnorm_scratch_bytes"}, case_rmsnorm},
+      {"head_rmsnorm",
+       {"head_rmsnorm_forward", "head_rmsnorm_backward", "head_rmsnorm_scratch_bytes"},
+       case_head_rmsnorm},
       {"gelu", {"gelu_forward", "gelu_backward"}, case_gelu},
       {"swiglu", {"swiglu_forward", "swiglu_backward"}, case_swiglu},
       {"residual", {"residual_forward"}, case_residual},

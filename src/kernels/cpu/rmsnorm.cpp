@@ -7,6 +7,7 @@
 // (deterministic for a fixed thread count).
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/cpu/op_slots.h"
@@ -47,7 +48,7 @@ template <class S>
 void forward(void* out_v, float* rstd, const void* inp_v, const float* weight, int64_t N, int64_t C, float eps) {
   const auto* inp = as<S>(inp_v);
   auto* out = as<S>(out_v);
-#pragma omp parallel if (N * C >= kParallelMin<S>)
+#pragma omp parallel if (N * C >= kParallelMin <S>)
   {
     float* x = work_row<S>(0, static_cast<size_t>(C));
     float* o = work_row<S>(1, static_cast<size_t>(C));
@@ -68,7 +69,7 @@ void backward(void* dinp_v, float* dweight, const void* dout_v, const void* inp_
   const int64_t max_thr = omp_get_max_threads();
   const auto *dout = as<S>(dout_v), *inp = as<S>(inp_v);
   auto* dinp = as<S>(dinp_v);
-#pragma omp parallel if (N * C >= kParallelMin<S>)
+#pragma omp parallel if (N * C >= kParallelMin <S>)
   {
     const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
     float* __restrict pw = scratch + tid * C;  // partial dweight of this thread
@@ -102,6 +103,82 @@ void backward(void* dinp_v, float* dweight, const void* dout_v, const void* inp_
   }
 }
 
+// Per-head RMSNorm (Qwen3's q_norm / k_norm: each head's D features normalised, one weight[D]
+// shared by the heads), in place on rows that are not contiguous: row (n, h), n < N tokens,
+// h < heads, is at x + n * stride + h * D (the q or k block of a fused qkv row). The arithmetic of
+// each row is rmsnorm_row's.
+//   forward:  saved[(n * heads + h) * D, +D) = the row (backward's x), then row = weight * xhat.
+//   backward: the rows hold d(out) and are overwritten with d(in); dweight[D] += sum dout * xhat.
+template <class S>
+void head_forward(void* x_v, void* saved_v, float* rstd, const float* weight, int64_t N, int64_t heads, int64_t D,
+                  int64_t stride, float eps) {
+  auto* x = as<S>(x_v);
+  auto* saved = as<S>(saved_v);
+  const int64_t rows = N * heads;
+#pragma omp parallel if (rows * D >= kParallelMin <S>)
+  {
+    float* xw = thread_rows(0, static_cast<size_t>(D));
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      typename S::T* row = x + (r / heads) * stride + (r % heads) * D;
+      std::copy(row, row + D, saved + r * D);
+      // fp32: the row is read from its saved copy and written in place; 16-bit: widened first.
+      const float* xf = read_row<S>(xw, saved + r * D, D);
+      float* o = out_row<S>(thread_rows(1, static_cast<size_t>(D)), row);
+      rmsnorm_row(o, rstd + r, xf, weight, D, eps);
+      write_row<S>(row, o, D);
+    }
+  }
+}
+
+template <class S>
+void head_backward(void* dx_v, float* dweight, const void* saved_v, const float* weight, const float* rstd, int64_t N,
+                   int64_t heads, int64_t D, int64_t stride, void* scratch_v) {
+  const float inv_d = 1.0f / static_cast<float>(D);
+  float* scratch = static_cast<float*>(scratch_v);
+  const int64_t max_thr = omp_get_max_threads(), rows = N * heads;
+  auto* dx = as<S>(dx_v);
+  const auto* saved = as<S>(saved_v);
+#pragma omp parallel if (rows * D >= kParallelMin <S>)
+  {
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    float* __restrict pw = scratch + tid * D;           // partial dweight of this thread
+    float* work = scratch + max_thr * D + tid * 3 * D;  // x, dout as fp32, dx
+    for (int64_t c = 0; c < D; ++c) pw[c] = 0.0f;
+    const int64_t r0 = rows * tid / nt, r1 = rows * (tid + 1) / nt;
+    for (int64_t r = r0; r < r1; ++r) {
+      typename S::T* row = dx + (r / heads) * stride + (r % heads) * D;
+      const float* __restrict x = read_row<S>(work, saved + r * D, D);
+      float* __restrict g = work + D;  // a copy: the row is overwritten below
+      if constexpr (S::kFp32)
+        std::copy(row, row + D, g);
+      else
+        S::to_f32(g, row, D);
+      float* __restrict d = out_row<S>(work + 2 * D, row);
+      const float rs = rstd[r];
+      float s = 0.0f;  // sum of dxhat * xhat
+#pragma omp simd reduction(+ : s)
+      for (int64_t c = 0; c < D; ++c) {
+        const float xhat = x[c] * rs;
+        s += g[c] * weight[c] * xhat;
+        pw[c] += g[c] * xhat;
+      }
+      const float b = s * inv_d;
+      for (int64_t c = 0; c < D; ++c) d[c] = (g[c] * weight[c] - x[c] * rs * b) * rs;
+      write_row<S>(row, d, D);
+    }
+#pragma omp barrier
+    const int64_t c0 = D * tid / nt, c1 = D * (tid + 1) / nt;
+    for (int64_t c = c0; c < c1; ++c) {
+      float sw = 0.0f;
+      for (int64_t t = 0; t < nt; ++t) sw += scratch[t * D + c];
+      dweight[c] += sw;
+    }
+  }
+}
+
+size_t head_scratch_bytes(int64_t D) { return static_cast<size_t>(4 * D * omp_get_max_threads()) * sizeof(float); }
+
 }  // namespace
 
 size_t rmsnorm_scratch_floats(int64_t C) { return scratch_floats<F32>(C); }
@@ -120,6 +197,9 @@ void add_rmsnorm(Ops& o) {
   o.rmsnorm_forward = forward<S>;
   o.rmsnorm_backward = backward<S>;
   o.rmsnorm_scratch_bytes = scratch_bytes<S>;
+  o.head_rmsnorm_forward = head_forward<S>;
+  o.head_rmsnorm_backward = head_backward<S>;
+  o.head_rmsnorm_scratch_bytes = head_scratch_bytes;
 }
 LATHE_CPU_ADD_SLOTS(add_rmsnorm)
 

@@ -37,6 +37,9 @@ Ops make_ops() {
   o.rmsnorm_forward = rmsnorm_forward<D>;
   o.rmsnorm_backward = rmsnorm_backward<D>;
   o.rmsnorm_scratch_bytes = rmsnorm_scratch_bytes;  // launch.h
+  o.head_rmsnorm_forward = head_rmsnorm_forward<D>;
+  o.head_rmsnorm_backward = head_rmsnorm_backward<D>;
+  o.head_rmsnorm_scratch_bytes = rmsnorm_scratch_bytes;  // launch.h: kNormPartials x D partials
   o.gelu_forward = gelu_forward<D>;
   o.gelu_backward = gelu_backward<D>;
   o.swiglu_forward = swiglu_forward<D>;

@@ -67,7 +67,14 @@ void rmsnorm_forward(void* out, float* rstd, const void* inp, const float* weigh
 template <DType D>
 void rmsnorm_backward(void* dinp, float* dweight, const void* dout, const void* inp, const float* weight,
                       const float* rstd, int64_t N, int64_t C, void* scratch);
-// Scratch sizes: layernorm_scratch_bytes / rmsnorm_scratch_bytes of launch.h.
+template <DType D>
+void head_rmsnorm_forward(void* x, void* saved, float* rstd, const float* weight, int64_t N, int64_t heads, int64_t Dh,
+                          int64_t stride, float eps);
+template <DType D>
+void head_rmsnorm_backward(void* dx, float* dweight, const void* saved, const float* weight, const float* rstd,
+                           int64_t N, int64_t heads, int64_t Dh, int64_t stride, void* scratch);
+// Scratch sizes: layernorm_scratch_bytes / rmsnorm_scratch_bytes of launch.h (the per-head norm's
+// is rmsnorm_scratch_bytes(D).
 
 // ---- pointwise.cu -----------------------------------------------------------------------------------
 template <DType D>
