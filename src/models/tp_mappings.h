@@ -59,7 +59,7 @@ struct TpCollectives {
 struct TpMappings {
   TpCollectives comm;
   // Vocab-parallel embedding and head: this rank's wte / lm_head hold rows
-  // [vocab.vocab_begin, + config().vocab_size) of config().global_vocab(). all_reduce unset: the
+  // [vocab.vocab_begin, + config().vocab_size) of Model::global_vocab(). all_reduce unset: the
   // whole vocabulary. When set, the embedding's partial outputs (the shard holding row 0 adds wpe)
   // leave through reduce_from_tensor_region (or reduce_scatter_to_sequence_region) and the head's
   // input enters through copy_to_tensor_region; gather_from_tensor_region serves forward_logits.

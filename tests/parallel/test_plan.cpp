@@ -268,7 +268,7 @@ TEST(Plan, TensorParallelMatchesTheRankModel) {
       const Job j = job_of(preset, t, 2, 32, 2);
       const Estimate e = plan::estimate(j, machine(), Layout{1, t, 1, false, 0, Recompute::None});
       ASSERT_TRUE(e.reject.empty()) << e.reject;
-      const ModelConfig rank = parallel::tensor_parallel_config(j.model, static_cast<int>(t));
+      const ModelConfig rank = parallel::shard_config(j.model, static_cast<int>(t));
       ModelConfig one = rank, two = rank;
       one.num_hidden_layers = 1;
       two.num_hidden_layers = 2;
