@@ -41,7 +41,7 @@ struct TpCollectives {
   // In place: `buf` holds this rank's partial sum and becomes the group's sum (16-bit: widened,
   // summed in fp32 in rank order and rounded once on the host communicators).
   std::function<void(void* buf, int64_t count)> all_reduce;
-  // Sequence parallelism (ModelConfig::sequence_parallel): every rank's `shard` into `full`.
+  // Sequence parallelism (TensorShard::sequence_parallel): every rank's `shard` into `full`.
   std::function<void(const void* shard, void* full, int64_t shard_count)> all_gather_rows;
   // `full` holds this rank's partial sums; `shard` receives the group's sum of this rank's rows
   // (`shard` may be `full`'s start; 16-bit summed in fp32 as all_reduce).

@@ -296,7 +296,7 @@ int64_t Model::stream_rows(int64_t B, int64_t T, bool backward) const {
               "set parallel.sequence: false",
               backend_->name());
   LATHE_CHECK(hooks_.tp.sequence_parallel(),
-              "model: a sequence-parallel config ({} parts) needs the row collectives of StepHooks::tp; "
+              "model: a sequence-parallel shard ({} parts) needs the row collectives of StepHooks::tp; "
               "parallel::attach_tensor_parallel installs them",
               shard_.parts);
   LATHE_CHECK(!backward || N % shard_.parts == 0,

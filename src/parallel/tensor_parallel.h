@@ -41,7 +41,8 @@
 // head. Norm weights see only the rank's rows, so their
 // gradients are summed over the group (reduce_sequence_norm_grads). Every value is the one of
 // tensor parallelism without it, bit for bit: the reductions sum the same partials in the same
-// rank order, and a shard config sums its norm-weight gradients in tp row chunks either way.
+// rank order, and a shard model (TensorShard::parts) sums its norm-weight gradients in tp row chunks
+// either way.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -105,8 +106,10 @@ void init_shard(Model& local, const ParamTable& global, int rank, int tp, uint64
 // calls): all_reduce over `tp_group` (deterministic, in rank order, src/dist/comm.h; bf16/fp16
 // activations are summed in fp32 and rounded once); the vocab-parallel shard (StepHooks::tp.vocab:
 // this rank's vocabulary rows, the loss statistics' all-reduce) and gather_vocab for logits. With a
-// sequence-parallel config also the row collectives (all_gather_rows; reduce_scatter_rows, 16-bit
-// summed in fp32 as above; split_rows: this rank's rows; all_reduce_f32: the norm gradients).
+// sequence-parallel shard (TensorShard) also the row collectives (all_gather_rows;
+// reduce_scatter_rows, 16-bit summed in fp32 as above; split_rows: this rank's rows;
+// all_reduce_f32: the norm gradients). `m` must be a shard model of tp_group.size() parts
+// (build_shard_model), else an error.
 // tp_group must outlive the model's passes and have m.tensor_shard().parts ranks.
 void attach_tensor_parallel(Model& m, dist::Communicator& tp_group);
 
