@@ -279,12 +279,15 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
     if (act != "silu" && act != "swish")
       r.fail("hidden_act", fmt::format("'{}' is not supported for {} (only silu)", act, c.model_type));
     c.hidden_act = "silu";
-    if (r.has("head_dim") && c.num_attention_heads > 0 &&
-        checked_mul(r.get_int("head_dim"), c.num_attention_heads,
-                    fmt::format("{}: head_dim x num_attention_heads", source)) != c.hidden_size)
-      r.fail("head_dim", fmt::format("{} != hidden_size / num_attention_heads = {} / {}: an explicit head "
-                                     "dimension is not supported",
-                                     r.get_int("head_dim"), c.hidden_size, c.num_attention_heads));
+    // transformers 4.45: LlamaConfig and MistralConfig take head_dim (MistralConfig reads 0 as absent:
+    // `head_dim or hidden_size // num_attention_heads`); Qwen2Config has none in 4.45 but later
+    // releases read it as llama does. validate() checks it (> 0, even).
+    if (r.has("head_dim") && !(mistral && r.get_int("head_dim") == 0)) {
+      c.explicit_head_dim = r.get_int("head_dim");
+      if (c.explicit_head_dim <= 0)
+        r.fail("head_dim",
+               fmt::format("{} must be > 0 (or absent: hidden_size / num_attention_heads)", c.explicit_head_dim));
+    }
     if (r.has("rope_scaling"))
       r.fail("rope_scaling",
              fmt::format("'{}' is not supported (only null: plain RoPE)", value_str(j["rope_scaling"])));
@@ -389,8 +392,14 @@ void ModelConfig::validate(std::string_view source, std::string_view prefix) con
   bounded("num_key_value_heads", num_key_value_heads, kMaxHiddenSize);
   bounded("intermediate_size", intermediate_size, kMaxIntermediateSize);
   bounded("max_position_embeddings", max_position_embeddings, kMaxPositions);
-  LATHE_CHECK(hidden_size % num_attention_heads == 0, "{}: {} = {} is not divisible by {} = {}", source,
-              hf("hidden_size"), hidden_size, hf("num_attention_heads"), num_attention_heads);
+  if (explicit_head_dim != 0) {
+    // gpt2's config.json has no head_dim; its tensor-parallel shard configs (heads / tp) set it.
+    bounded("head_dim", explicit_head_dim, kMaxHiddenSize);
+  } else {
+    LATHE_CHECK(hidden_size % num_attention_heads == 0, "{}: {} = {} is not divisible by {} = {}{}", source,
+                hf("hidden_size"), hidden_size, hf("num_attention_heads"), num_attention_heads,
+                is_llama() ? fmt::format(" (or give {}: the width of one head)", hf("head_dim")) : std::string());
+  }
   LATHE_CHECK(num_attention_heads % num_key_value_heads == 0, "{}: {} = {} is not divisible by {} = {}", source,
               hf("num_attention_heads"), num_attention_heads, hf("num_key_value_heads"), num_key_value_heads);
   if (is_gpt2())
@@ -398,8 +407,11 @@ void ModelConfig::validate(std::string_view source, std::string_view prefix) con
                 "{}: gpt2 has no grouped-query attention: num_key_value_heads = {} must equal {} = {}", source,
                 num_key_value_heads, hf("num_attention_heads"), num_attention_heads);
   if (is_llama()) {
-    LATHE_CHECK(head_dim() % 2 == 0, "{}: head_dim = {} / {} = {} / {} = {} must be even for RoPE", source,
-                hf("hidden_size"), hf("num_attention_heads"), hidden_size, num_attention_heads, head_dim());
+    if (explicit_head_dim != 0)
+      LATHE_CHECK(head_dim() % 2 == 0, "{}: {} = {} must be even for RoPE", source, hf("head_dim"), head_dim());
+    else
+      LATHE_CHECK(head_dim() % 2 == 0, "{}: head_dim = {} / {} = {} / {} = {} must be even for RoPE", source,
+                  hf("hidden_size"), hf("num_attention_heads"), hidden_size, num_attention_heads, head_dim());
     finite_positive("rope_theta", rope_theta);
   }
   finite_positive("norm_eps", norm_eps);
@@ -438,7 +450,7 @@ int64_t ModelConfig::num_parameters() const {
   };
   const int64_t C = hidden_size, V = vocab_size, F = intermediate_size, L = num_hidden_layers;
   if (is_gpt2()) {
-    // HD = heads x head_dim: C, except in a tensor-parallel shard's config (shard_head_dim).
+    // HD = heads x head_dim: C, except in a tensor-parallel shard's config (heads / tp).
     const int64_t HD = mul({num_attention_heads, head_dim()});
     int64_t block =
         sum({mul({2, C}), mul({C, 3, HD}), mul({3, HD}), mul({HD, C}), C, mul({2, C}), mul({C, F}), F, mul({F, C}), C});
@@ -489,6 +501,8 @@ json ModelConfig::to_hf_json() const {
   j["num_hidden_layers"] = num_hidden_layers;
   j["num_attention_heads"] = num_attention_heads;
   j["num_key_value_heads"] = num_key_value_heads;
+  // Always written, as transformers 4.45's LlamaConfig / MistralConfig save it (= hidden / heads
+  // unless explicit); Qwen2Config 4.45 ignores it and derives the same value when not explicit.
   j["head_dim"] = head_dim();
   j["hidden_act"] = hidden_act.empty() ? "silu" : hidden_act;
   j["max_position_embeddings"] = max_position_embeddings;
@@ -601,9 +615,7 @@ bool operator==(const ModelConfig& a, const ModelConfig& b) {
          a.attention_bias == b.attention_bias && a.initializer_range == b.initializer_range &&
          a.hidden_act == b.hidden_act && a.bos_token_id == b.bos_token_id && a.eos_token_id == b.eos_token_id &&
          a.eos_token_ids == b.eos_token_ids && a.pad_token_id == b.pad_token_id &&
-         a.sliding_window == b.sliding_window && a.shard_head_dim == b.shard_head_dim &&
-         a.shard_global_vocab == b.shard_global_vocab && a.tensor_parts == b.tensor_parts &&
-         a.sequence_parallel == b.sequence_parallel;
+         a.sliding_window == b.sliding_window && a.head_dim() == b.head_dim();
 }
 
 }  // namespace lathe

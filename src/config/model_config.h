@@ -48,33 +48,20 @@ struct ModelConfig {
   // window (there the two differ); a window >= the sequence length is the same math.
   int64_t sliding_window = 0;
 
-  // > 0: the head width of a tensor-parallel shard's config, whose num_attention_heads counts only
-  // this rank's heads (src/parallel/tensor_parallel.h); never read from or written to config.json.
-  int64_t shard_head_dim = 0;
-  // > 0: the whole vocabulary of a tensor-parallel shard's config, whose vocab_size counts only this
-  // rank's rows of wte / lm_head (vocab parallel); never read from or written to config.json.
-  int64_t shard_global_vocab = 0;
-  // The vocabulary token ids and targets range over (vocab_size, except in a shard's config).
-  int64_t global_vocab() const { return shard_global_vocab > 0 ? shard_global_vocab : vocab_size; }
-  // A tensor-parallel shard's config only (never read from or written to config.json):
-  // `tensor_parts` = the tensor-parallel degree it is a shard of (> 1: the norm-weight gradients
-  // of a pass are summed over that many equal row chunks, the order in which sequence parallelism
-  // sums them over ranks, so TP and TP+SP give the same bits); with `sequence_parallel` the
-  // residual stream, the norms and their statistics hold rows [r*N/tp, (r+1)*N/tp) of a pass's
-  // N = B*T rows (Megatron's sequence parallelism; the StepHooks gather_rows / reduce_scatter_rows
-  // / take_rows / reduce_norm_grads move the rows).
-  int64_t tensor_parts = 1;
-  bool sequence_parallel = false;
-  // Rows of the residual stream a pass over n = B*T rows holds: ceil(n / tensor_parts) with
-  // sequence parallelism (a forward-only pass of n not divisible is padded), else n.
-  int64_t rows_held(int64_t n) const {
-    return sequence_parallel && tensor_parts > 1 ? (n + tensor_parts - 1) / tensor_parts : n;
-  }
+  // config.json `head_dim` (llama family): the width of one attention head when it is not
+  // hidden_size / num_attention_heads (Mistral-Nemo: 5120 / 32 heads of 128; Qwen3-0.6B: 1024 / 16
+  // heads of 128); q/k/v/o are sized heads x head_dim. 0 = absent: hidden_size / num_attention_heads.
+  // A tensor-parallel shard's config keeps the whole model's head width here (its heads are heads/tp).
+  int64_t explicit_head_dim = 0;
 
+  // The width of one attention head: explicit_head_dim, else hidden_size / num_attention_heads.
   int64_t head_dim() const {
-    if (shard_head_dim > 0) return shard_head_dim;
+    if (explicit_head_dim > 0) return explicit_head_dim;
     return num_attention_heads > 0 ? hidden_size / num_attention_heads : 0;
   }
+  // Width of the attention's q rows and of o_proj's input: heads x head_dim (hidden_size unless
+  // head_dim is explicit).
+  int64_t attention_width() const { return num_attention_heads * head_dim(); }
   bool is_gpt2() const { return family == "gpt2"; }
   bool is_llama() const { return family == "llama"; }
   // Addition. q/k/v projections carry a bias (gpt2: inside c_attn; llama: attention_bias; qwen2).
@@ -108,8 +95,8 @@ struct ModelConfig {
   // (GPT2LMHeadModel / LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM), the family's
   // field names, torch_dtype "float32".
   nlohmann::json to_hf_json() const;
-  // Heads divide hidden, kv heads divide heads, sizes in (0, kMax...], head_dim even for RoPE,
-  // finite positive floats, parameter count within 64 bits. Errors name the field and the values.
+  // Heads divide hidden (unless head_dim is explicit), kv heads divide heads, sizes in (0, kMax...], head_dim even for
+  // RoPE, finite positive floats, parameter count within 64 bits. Errors name the field and the values.
   void validate(std::string_view source) const;
   void validate(std::string_view source, std::string_view key_prefix) const;  // addition
   // Addition. seq_len <= max_position_embeddings and <= sliding_window (when set).
@@ -132,6 +119,8 @@ struct ModelConfig {
   static std::vector<std::string> known_keys(std::string_view model_type);
 };
 
-bool operator==(const ModelConfig& a, const ModelConfig& b);  // ignores ignored_keys
+// Ignores ignored_keys, and compares head_dim() rather than explicit_head_dim (an explicit
+// head_dim equal to hidden/heads is the same model: transformers writes it into every config.json).
+bool operator==(const ModelConfig& a, const ModelConfig& b);
 
 }  // namespace lathe

@@ -237,6 +237,18 @@ class Parser {
       for (const auto& k : g)
         if (explicit_.contains(k))
           for (const auto& other : g) merged.erase(other);
+    // A base's head_dim equal to its hidden_size / num_attention_heads is derived (transformers and
+    // to_hf_json write it into every llama-family config.json): overriding the width or the heads
+    // derives it again, unless model.head_dim is given too.
+    if (mt != "gpt2" && !explicit_.contains("head_dim") &&
+        (explicit_.contains("hidden_size") || explicit_.contains("num_attention_heads"))) {
+      const json *hd = io::JsonFields::find(merged, "head_dim"), *c = io::JsonFields::find(merged, "hidden_size"),
+                 *h = io::JsonFields::find(merged, "num_attention_heads");
+      if (hd && c && h && hd->is_number_integer() && c->is_number_integer() && h->is_number_integer() &&
+          h->get<int64_t>() > 0 && hd->get<int64_t>() == c->get<int64_t>() / h->get<int64_t>() &&
+          c->get<int64_t>() % h->get<int64_t>() == 0)
+        merged.erase("head_dim");
+    }
     for (auto it = explicit_.begin(); it != explicit_.end(); ++it) merged[it.key()] = it.value();
     merged["model_type"] = mt;
     r.model = ModelConfig::from_hf_json(merged, src_, "model.", false);

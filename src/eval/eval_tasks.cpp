@@ -107,14 +107,13 @@ std::string model_dir_tokenizer(const std::string& model_dir) {
 
 McScores score_mc_items(Model& model, const std::vector<McItem>& items, int64_t max_t, const std::string& path,
                         size_t first, size_t stride, progress::Bar* bar, const LogitsFn& logits_fn) {
-  const auto& cfg = model.config();
   LATHE_CHECK(stride >= 1 && max_t >= 2 && max_t <= model.max_seq() && model.max_batch() >= 1,
               "score_mc_items: the model is allocated for {}x{} tokens, {} positions asked", model.max_batch(),
               model.max_seq(), max_t);
   // Each ending is one sequence: plain causal attention and positions 0..T-1, whatever documents
   // a training step left set (the trainer sets them again for every micro-batch).
   model.set_documents(nullptr, nullptr, 0, 0);
-  const int64_t V = cfg.global_vocab();  // a tensor-parallel shard's forward_logits gathers every column
+  const int64_t V = model.global_vocab();  // a tensor-parallel shard's forward_logits gathers every column
   std::vector<float> logits;
   McScores out;
   for (size_t i = first; i < items.size(); i += stride) {

@@ -54,7 +54,7 @@ std::vector<int32_t> generate(Model& model, const std::vector<int32_t>& prompt, 
   LATHE_CHECK(!prompt.empty(), "generate: the prompt is empty (give at least one token)");
   // Generation is plain causal attention over positions 0..: never a training batch's documents.
   model.set_documents(nullptr, nullptr, 0, 0);
-  const int64_t V = model.config().global_vocab();  // forward_last_logits' width, also for a vocab shard
+  const int64_t V = model.global_vocab();  // forward_last_logits' width, also for a vocab shard
   const bool allocated = model.max_batch() >= 1 && model.max_seq() >= 1;
   const int64_t window = allocated ? model.max_seq() : model.config().max_position_embeddings;
   std::vector<int32_t> seq = prompt;

@@ -111,6 +111,12 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
     w.add_f32(arch + ".rope.freq_base", static_cast<float>(c.rope_theta));
     w.add_f32(arch + ".attention.layer_norm_rms_epsilon", static_cast<float>(c.norm_eps));
     w.add_u32(arch + ".rope.dimension_count", u32(D));
+    // llama.cpp takes n_embd / n_head as the head width unless these are given (as its
+    // convert_hf_to_gguf.py writes them for an explicit head_dim): Mistral-Nemo's 5120 / 32 heads of 128.
+    if (H * D != C) {
+      w.add_u32(arch + ".attention.key_length", u32(D));
+      w.add_u32(arch + ".attention.value_length", u32(D));
+    }
   }
   w.add_u32(arch + ".vocab_size", u32(c.vocab_size));
   std::string tok_desc = "no tokenizer (tokenizer.ggml.model = no_vocab)";

@@ -18,9 +18,9 @@ std::string ActivationEntry::label() const {
   return layer >= 0 ? fmt::format("layers.{}.{}", layer, name) : std::string(name);
 }
 
-size_t Model::layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, const Ops& ops, Recompute recompute,
-                                 Model* m, std::byte* base, ActivationPlan* plan, size_t* shared_bytes,
-                                 std::byte* shared) {
+size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shard, int64_t B, int64_t T, const Ops& ops,
+                                 Recompute recompute, Model* m, std::byte* base, ActivationPlan* plan,
+                                 size_t* shared_bytes, std::byte* shared) {
   // Every size below is a product of config fields and (B, T): checked, so that a hostile config or
   // --batch/--seq-len is refused instead of wrapping into a small arena that kernels overrun.
   const std::string what = fmt::format("activations of {} for batch {} x seq_len {}", cfg.model_type, B, T);
@@ -32,8 +32,8 @@ size_t Model::layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, c
   // Rows of the residual stream held here: S = N, or with sequence parallelism this rank's
   // ceil(N / tp) (norms, their statistics, residuals, their gradient); the gathered rows (tp*S >= N)
   // are the column-parallel GEMMs' input and the lm head's.
-  const bool sp = cfg.sequence_parallel && cfg.tensor_parts > 1;
-  const int64_t S = cfg.rows_held(N), NG = sp ? mul({S, cfg.tensor_parts}) : N;
+  const bool sp = shard.seq_parallel();
+  const int64_t S = shard.rows_held(N), NG = sp ? mul({S, shard.parts}) : N;
   // Logit chunks of up to 256 rows keep the lm-head GEMMs large while holding at most
   // 256 x V floats of logits (51 MB at V=50257) instead of N x V.
   // The CPU 16-bit tables take 512: their dw GEMM (oneDNN, K = chunk rows) ran 20% faster at
@@ -149,17 +149,17 @@ size_t Model::layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, c
 
 int64_t Model::activation_floats(const ModelConfig& cfg, int64_t B, int64_t T, Recompute recompute) {
   LATHE_CHECK(B >= 1 && T >= 1, "batch {} x seq_len {}: both must be >= 1", B, T);
-  return static_cast<int64_t>(
-             layout_activations(cfg, B, T, ops_for(cpu_backend(), DType::F32), recompute, nullptr, nullptr, nullptr)) /
+  return static_cast<int64_t>(layout_activations(cfg, {}, B, T, ops_for(cpu_backend(), DType::F32), recompute, nullptr,
+                                                 nullptr, nullptr)) /
          4;
 }
 
 ActivationPlan Model::plan_activations(const ModelConfig& cfg, int64_t B, int64_t T, const ComputeSpec& compute,
-                                       Recompute recompute) {
+                                       Recompute recompute, const TensorShard& shard) {
   LATHE_CHECK(B >= 1 && T >= 1, "batch {} x seq_len {}: both must be >= 1", B, T);
   const Ops& ops = ops_for(compute.backend ? *compute.backend : cpu_backend(), compute.dtype);
   ActivationPlan plan;
-  layout_activations(cfg, B, T, ops, recompute, nullptr, nullptr, &plan);
+  layout_activations(cfg, shard, B, T, ops, recompute, nullptr, nullptr, &plan);
   return plan;
 }
 
@@ -175,12 +175,12 @@ void Model::allocate(int64_t B, int64_t T, int optimizer_moments, Recompute reco
   // Before any allocation: refuse what cannot fit, with the figures (models/memory.h). The figures
   // are the host's: a device-resident model's allocations fail with the backend's error instead.
   if (!on_device())
-    check_memory_fits(estimate_memory(cfg_, B, T, optimizer_moments, 1, ops_->dtype, recompute), cfg_, "model");
+    check_memory_fits(estimate_memory(cfg_, B, T, optimizer_moments, 1, ops_->dtype, recompute, shard_), cfg_, "model");
   // Several slots: [slot 0 | slot 1 | ... | the transient buffers, once].
   ActivationPlan plan;
   size_t shared = 0;
   const size_t per =
-      layout_activations(cfg_, B, T, *ops_, recompute, nullptr, nullptr, &plan, slots > 1 ? &shared : nullptr);
+      layout_activations(cfg_, shard_, B, T, *ops_, recompute, nullptr, nullptr, &plan, slots > 1 ? &shared : nullptr);
   max_B_ = B;
   max_T_ = T;
   const int64_t total = checked_add(checked_mul(static_cast<int64_t>(per), slots, "activation slots x arena bytes"),
@@ -205,8 +205,9 @@ void Model::use_slot(int64_t i) {
   LATHE_CHECK(i >= 0 && i < slots_ && max_B_ > 0, "activation slot {} of {} (allocated: {})", i, slots_, max_B_ > 0);
   std::byte* base = static_cast<std::byte*>(acts_.data());
   size_t shared = 0;
-  layout_activations(cfg_, max_B_, max_T_, *ops_, plan_.recompute, this, base + static_cast<size_t>(i) * plan_.bytes,
-                     nullptr, slots_ > 1 ? &shared : nullptr, base + static_cast<size_t>(slots_) * plan_.bytes);
+  layout_activations(cfg_, shard_, max_B_, max_T_, *ops_, plan_.recompute, this,
+                     base + static_cast<size_t>(i) * plan_.bytes, nullptr, slots_ > 1 ? &shared : nullptr,
+                     base + static_cast<size_t>(slots_) * plan_.bytes);
 }
 
 void* Model::residual(int64_t l) {

@@ -52,7 +52,8 @@ std::string MemoryEstimate::breakdown() const {
 }
 
 MemoryEstimate estimate_memory(const ModelConfig& cfg, int64_t B, int64_t T, int optimizer_moments,
-                               int64_t moment_shards, DType compute_dtype, Recompute recompute) {
+                               int64_t moment_shards, DType compute_dtype, Recompute recompute,
+                               const TensorShard& shard) {
   LATHE_CHECK(moment_shards >= 1, "internal: {} moment shards", moment_shards);
   cfg.validate("model");  // bounds first: the products below assume them
   LATHE_CHECK(optimizer_moments >= 0 && optimizer_moments <= 8, "internal: {} optimizer moments", optimizer_moments);
@@ -71,15 +72,15 @@ MemoryEstimate estimate_memory(const ModelConfig& cfg, int64_t B, int64_t T, int
     e.seq_len = T;
     e.recompute = recompute;
     // The same layout walk as Model::allocate (so Model::activation_bytes equals this exactly).
-    e.activation_bytes =
-        static_cast<int64_t>(Model::plan_activations(cfg, B, T, ComputeSpec{nullptr, compute_dtype}, recompute).bytes);
-    if (cfg.sequence_parallel && cfg.tensor_parts > 1) {
-      ModelConfig whole_rows = cfg;
+    e.activation_bytes = static_cast<int64_t>(
+        Model::plan_activations(cfg, B, T, ComputeSpec{nullptr, compute_dtype}, recompute, shard).bytes);
+    if (shard.seq_parallel()) {
+      TensorShard whole_rows = shard;
       whole_rows.sequence_parallel = false;
-      e.sequence_parts = cfg.tensor_parts;
+      e.sequence_parts = shard.parts;
       e.sequence_saving_bytes =
           static_cast<int64_t>(
-              Model::plan_activations(whole_rows, B, T, ComputeSpec{nullptr, compute_dtype}, recompute).bytes) -
+              Model::plan_activations(cfg, B, T, ComputeSpec{nullptr, compute_dtype}, recompute, whole_rows).bytes) -
           e.activation_bytes;
     }
   }

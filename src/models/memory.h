@@ -15,6 +15,7 @@
 #include "config/model_config.h"
 #include "core/dtype.h"
 #include "models/recompute.h"
+#include "models/tensor_shard.h"
 
 namespace lathe {
 
@@ -28,7 +29,7 @@ struct MemoryEstimate {
   int64_t batch = 0, seq_len = 0;         // the (B, T) the activations are sized for; 0 = none
   int optimizer_moments = 0;
   int64_t moment_shards = 1;  // ZeRO: each rank holds 1/moment_shards of the moments
-  // Sequence parallelism (a tensor-parallel shard config with sequence_parallel): the stream is
+  // Sequence parallelism (a tensor-parallel shard with sequence_parallel): the stream is
   // sharded over sequence_parts ranks, and the arena is sequence_saving_bytes smaller than the same
   // shard's without it (the norms' and residuals' rows / tp, less one gathered [N, C] buffer).
   int64_t sequence_parts = 1, sequence_saving_bytes = 0;
@@ -44,12 +45,12 @@ struct MemoryEstimate {
 // (exactly: the same layout walk, Model::plan_activations) + for bf16/fp16 the compute-dtype copy
 // of the weights. B = T = 0: no activations. moment_shards > 1: per rank of a ZeRO group of that
 // size (moments divided). `recompute`: the plan of Model::allocate(B, T, moments, recompute).
-// A tensor-parallel shard config (parallel/tensor_parallel.h) gives one rank's figure; with
-// sequence parallelism the breakdown also says what it saves.
+// A tensor-parallel shard's config and `shard` (parallel/tensor_parallel.h) give one rank's figure;
+// with sequence parallelism the breakdown also says what it saves.
 // Validates `cfg` first; throws lathe::Error when a size does not fit 64 bits.
 MemoryEstimate estimate_memory(const ModelConfig& cfg, int64_t B, int64_t T, int optimizer_moments,
                                int64_t moment_shards = 1, DType compute_dtype = DType::F32,
-                               Recompute recompute = Recompute::None);
+                               Recompute recompute = Recompute::None, const TensorShard& shard = {});
 
 // Memory this process can use: the smallest of physical RAM (MemTotal in /proc/meminfo), the
 // cgroup limit (memory.max) and RLIMIT_AS. `source` says which one bounds it.

@@ -15,6 +15,7 @@
 #include "kernels/backend.h"
 #include "models/param_table.h"
 #include "models/recompute.h"
+#include "models/tensor_shard.h"
 #include "models/tp_mappings.h"
 
 namespace lathe {
@@ -120,6 +121,13 @@ class Model {
   Model(ModelConfig cfg, Arch arch, ParamTable table, ComputeSpec compute = {});
 
   const ModelConfig& config() const { return cfg_; }
+  // A tensor-parallel shard's model: the whole vocabulary, the degree and sequence parallelism
+  // (models/tensor_shard.h; whole model by default). Set by the tensor-parallel code before
+  // allocate() (error after: the arena's layout depends on it).
+  const TensorShard& tensor_shard() const { return shard_; }
+  void set_tensor_shard(const TensorShard& shard);
+  // The vocabulary token ids and targets range over (the config's vocab_size but in a vocab shard).
+  int64_t global_vocab() const { return shard_.vocab(cfg_); }
   const Arch& arch() const { return arch_; }
   const ParamTable& params() const { return table_; }
   const Backend& backend() const { return *backend_; }
@@ -238,7 +246,7 @@ class Model {
   double head_loss(const int32_t* targets, int64_t B, int64_t T, float grad_scale, bool backward);
   void layer_backward(int64_t l, int64_t B, int64_t T);
   void embedding_backward(const int32_t* tokens, int64_t B, int64_t T);
-  // logits [B, T, V] of every position (tests and parity checks; V = config().global_vocab()).
+  // logits [B, T, V] of every position (tests and parity checks; V = global_vocab()).
   void forward_logits(const int32_t* tokens, int64_t B, int64_t T, float* logits);
   // The head's part of forward_logits: the final norm of residual(L) and the logits [B, T, V]
   // (a pipeline's last stage, after its layers; collective over the tensor group when vocab parallel).
@@ -255,11 +263,13 @@ class Model {
   // Floats (4-byte units) of the activation arena allocate(B, T) reserves for `cfg` computing in
   // CPU fp32 (the same layout walk); overflow-checked, throws lathe::Error for sizes beyond 64 bits.
   static int64_t activation_floats(const ModelConfig& cfg, int64_t B, int64_t T, Recompute recompute = Recompute::None);
-  // The arena's layout for `cfg` at (B, T) computing with `compute`: entries and total bytes.
+  // The arena's layout for `cfg` (a shard's: with `shard`) at (B, T) computing with `compute`:
+  // entries and total bytes.
   static ActivationPlan plan_activations(const ModelConfig& cfg, int64_t B, int64_t T, const ComputeSpec& compute = {},
-                                         Recompute recompute = Recompute::None);
+                                         Recompute recompute = Recompute::None, const TensorShard& shard = {});
 
-  // 6*N + 12*L*C*T FLOP per token (N excludes position embeddings), the convention of the bench.
+  // 6*N + 12*L*(H*D)*T FLOP per token (N excludes position embeddings; H*D = C unless head_dim is
+  // explicit), the convention of the bench.
   double flops_per_token(int64_t T) const;
 
  private:
@@ -273,15 +283,15 @@ class Model {
   // the layer input): the forward pass and the recompute of Recompute::Selective call the same code.
   void norm_forward(int64_t l, bool second, int64_t rows);
   // LayerNorm / RMSNorm backward over `rows` rows: dx += (rows x C), weight (and bias) gradients
-  // added to dw (db). Tensor-parallel shards sum the weight gradients in tensor_parts row chunks
-  // (sequence parallelism: this rank's rows, then reduce_sequence_norm_grads), see
-  // ModelConfig::tensor_parts.
+  // added to dw (db). Tensor-parallel shards sum the weight gradients in TensorShard::parts row
+  // chunks (sequence parallelism: this rank's rows, then reduce_sequence_norm_grads), see
+  // TensorShard::parts.
   void norm_backward(void* dx, float* dw, float* db, const void* dout, const void* x, const float* w, const float* mean,
                      const float* rstd, int64_t rows);
-  // Sequence parallelism is on (ModelConfig::sequence_parallel with tensor_parts > 1).
-  bool seq_parallel() const { return cfg_.sequence_parallel && cfg_.tensor_parts > 1; }
+  // Sequence parallelism is on (TensorShard::sequence_parallel with parts > 1).
+  bool seq_parallel() const { return shard_.seq_parallel(); }
   // Rows of the stream a pass over B x T holds (N, or this rank's S with sequence parallelism);
-  // checks the row hooks are installed, and with `backward` that tensor_parts divides B*T.
+  // checks the row hooks are installed, and with `backward` that TensorShard::parts divides B*T.
   int64_t stream_rows(int64_t B, int64_t T, bool backward) const;
   // The input gradient of a column-parallel GEMM in dln_ [N, C]: copy_to_tensor_region's backward
   // (an all-reduce), with sequence parallelism gather_from_sequence_region's (a reduce-scatter into
@@ -300,9 +310,9 @@ class Model {
   // with `m` also points m's activations into `base` (m->la_ sized to the layer count by the caller).
   // Split (shared_bytes given: an arena of several slots): the transient entries are laid out
   // apart, from `shared` (their size in *shared_bytes), and the return value is one slot's size.
-  static size_t layout_activations(const ModelConfig& cfg, int64_t B, int64_t T, const Ops& ops, Recompute recompute,
-                                   Model* m, std::byte* base, ActivationPlan* plan, size_t* shared_bytes = nullptr,
-                                   std::byte* shared = nullptr);
+  static size_t layout_activations(const ModelConfig& cfg, const TensorShard& shard, int64_t B, int64_t T,
+                                   const Ops& ops, Recompute recompute, Model* m, std::byte* base, ActivationPlan* plan,
+                                   size_t* shared_bytes = nullptr, std::byte* shared = nullptr);
   // The element `i` elements past `p` in a compute-dtype buffer.
   void* act_at(void* p, int64_t i) const { return static_cast<std::byte*>(p) + i * act_size_; }
   const void* act_at(const void* p, int64_t i) const { return static_cast<const std::byte*>(p) + i * act_size_; }
@@ -340,6 +350,7 @@ class Model {
   const VocabParallel* vocab_parallel() const;
 
   ModelConfig cfg_;
+  TensorShard shard_;
   Arch arch_;
   ParamTable table_;
   std::string attention_kernel_;  // ComputeSpec::attention_kernel

@@ -41,7 +41,7 @@ struct TpCollectives {
   // In place: `buf` holds this rank's partial sum and becomes the group's sum (16-bit: widened,
   // summed in fp32 in rank order and rounded once on the host communicators).
   std::function<void(void* buf, int64_t count)> all_reduce;
-  // Sequence parallelism (ModelConfig::sequence_parallel): every rank's `shard` into `full`.
+  // Sequence parallelism (TensorShard::sequence_parallel): every rank's `shard` into `full`.
   std::function<void(const void* shard, void* full, int64_t shard_count)> all_gather_rows;
   // `full` holds this rank's partial sums; `shard` receives the group's sum of this rank's rows
   // (`shard` may be `full`'s start; 16-bit summed in fp32 as all_reduce).
@@ -59,7 +59,7 @@ struct TpCollectives {
 struct TpMappings {
   TpCollectives comm;
   // Vocab-parallel embedding and head: this rank's wte / lm_head hold rows
-  // [vocab.vocab_begin, + config().vocab_size) of config().global_vocab(). all_reduce unset: the
+  // [vocab.vocab_begin, + config().vocab_size) of Model::global_vocab(). all_reduce unset: the
   // whole vocabulary. When set, the embedding's partial outputs (the shard holding row 0 adds wpe)
   // leave through reduce_from_tensor_region (or reduce_scatter_to_sequence_region) and the head's
   // input enters through copy_to_tensor_region; gather_from_tensor_region serves forward_logits.

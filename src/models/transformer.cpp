@@ -59,6 +59,14 @@ Model::Model(ModelConfig cfg, Arch arch, ParamTable table, ComputeSpec compute)
     grad_ranges_by_block_.push_back(table_.ranges([&](const ParamSpec& s) { return block_of(s) == block; }));
 }
 
+void Model::set_tensor_shard(const TensorShard& shard) {
+  LATHE_CHECK(max_B_ == 0, "internal: set_tensor_shard after allocate (the activation arena's layout depends on it)");
+  LATHE_CHECK(shard.parts >= 1 && (shard.global_vocab == 0 || shard.global_vocab >= cfg_.vocab_size),
+              "internal: tensor shard of {} parts over {} vocabulary rows for a model holding {}", shard.parts,
+              shard.global_vocab, cfg_.vocab_size);
+  shard_ = shard;
+}
+
 ModelPtrs Model::resolve(float* base) const {
   const int64_t L = cfg_.num_hidden_layers;
   const int64_t C = cfg_.hidden_size, Q = (cfg_.num_attention_heads + 2 * cfg_.num_key_value_heads) * cfg_.head_dim(),
@@ -213,7 +221,9 @@ void Model::init_weights(uint64_t seed) {
 double Model::flops_per_token(int64_t T) const {
   double n = static_cast<double>(num_params());
   if (arch_.learned_pos && p_.wpe) n -= static_cast<double>(cfg_.max_position_embeddings * cfg_.hidden_size);
-  return 6.0 * n + 12.0 * cfg_.num_hidden_layers * cfg_.hidden_size * static_cast<double>(T);
+  // Attention scores and their weighted sum: 12 x (heads x head_dim) per layer and position (C
+  // unless head_dim is explicit).
+  return 6.0 * n + 12.0 * cfg_.num_hidden_layers * cfg_.attention_width() * static_cast<double>(T);
 }
 
 // Shapes used below (per micro-batch): N = B*T rows; C hidden; H query heads, KV key/value heads
@@ -232,7 +242,7 @@ void Model::embedding_forward(const int32_t* tokens, int64_t B, int64_t T) {
   LATHE_CHECK(B <= max_B_ && T <= max_T_, "batch {}x{} exceeds the allocated {}x{}", B, T, max_B_, max_T_);
   check_compute_weights();  // every pass starts here
   LATHE_DIMS;
-  const int64_t V = cfg_.global_vocab();
+  const int64_t V = global_vocab();
   for (int64_t i = 0; i < N; ++i)
     LATHE_CHECK(tokens[i] >= 0 && tokens[i] < V, "token id {} at position {} is outside the vocabulary [0, {})",
                 tokens[i], i, V);
@@ -257,7 +267,7 @@ void Model::embedding_forward(const int32_t* tokens, int64_t B, int64_t T) {
     if (vp) tp.reduce_from_tensor_region_forward(emb_, N * C);
     return;
   }
-  const int64_t pad = S * cfg_.tensor_parts - N;
+  const int64_t pad = S * shard_.parts - N;
   if (pad > 0) backend_->memset(act_at(gathered_, N * C), 0, static_cast<size_t>(pad * C * act_size_));
   if (vp)
     tp.reduce_scatter_to_sequence_region_forward(gathered_, emb_, S * C);
@@ -267,10 +277,10 @@ void Model::embedding_forward(const int32_t* tokens, int64_t B, int64_t T) {
 
 const VocabParallel* Model::vocab_parallel() const {
   if (hooks_.tp.vocab.all_reduce == nullptr) {
-    LATHE_CHECK(cfg_.global_vocab() == cfg_.vocab_size,
+    LATHE_CHECK(global_vocab() == cfg_.vocab_size,
                 "model: this model holds {} of the {} vocabulary rows (a tensor-parallel shard) but has no "
                 "vocab-parallel reduction; attach it with parallel::attach_tensor_parallel",
-                cfg_.vocab_size, cfg_.global_vocab());
+                cfg_.vocab_size, global_vocab());
     return nullptr;
   }
   LATHE_CHECK(hooks_.tp.tensor_parallel(),
@@ -286,14 +296,14 @@ int64_t Model::stream_rows(int64_t B, int64_t T, bool backward) const {
               "set parallel.sequence: false",
               backend_->name());
   LATHE_CHECK(hooks_.tp.sequence_parallel(),
-              "model: a sequence-parallel config ({} parts) needs the row collectives of StepHooks::tp; "
+              "model: a sequence-parallel shard ({} parts) needs the row collectives of StepHooks::tp; "
               "parallel::attach_tensor_parallel installs them",
-              cfg_.tensor_parts);
-  LATHE_CHECK(!backward || N % cfg_.tensor_parts == 0,
+              shard_.parts);
+  LATHE_CHECK(!backward || N % shard_.parts == 0,
               "sequence parallelism: batch {} x seq_len {} = {} rows do not split over {} tensor-parallel ranks; "
               "choose training.micro_batch_size x training.seq_len divisible by parallel.tensor = {}",
-              B, T, N, cfg_.tensor_parts, cfg_.tensor_parts);
-  return cfg_.rows_held(N);
+              B, T, N, shard_.parts, shard_.parts);
+  return shard_.rows_held(N);
 }
 
 void Model::reduce_input_grad(int64_t N, int64_t S) {
@@ -317,7 +327,7 @@ void Model::norm_backward(void* dx, float* dw, float* db, const void* dout, cons
   const bool sp = seq_parallel();
   // The chunk sums are added on the host (norm_acc_): a model in device memory runs the kernel whole.
   const bool host = backend_->device() == DeviceKind::Host;
-  const int64_t parts = sp || !host || cfg_.tensor_parts <= 1 || rows % cfg_.tensor_parts != 0 ? 1 : cfg_.tensor_parts;
+  const int64_t parts = sp || !host || shard_.parts <= 1 || rows % shard_.parts != 0 ? 1 : shard_.parts;
   if (!sp && parts == 1) {  // one process, or a tensor-parallel pass that does not split evenly
     run(0, rows, dw, db);
     return;
@@ -410,7 +420,7 @@ void Model::row_parallel_forward(void* out, const void* in, const float* w, cons
   if (seq_parallel()) {
     // Partial products of all N rows into gathered_ (padding rows zero), reduce-scattered into this
     // rank's S rows of `out`; the bias is added once, after the reduction.
-    const int64_t S = cfg_.rows_held(N), pad = S * cfg_.tensor_parts - N;
+    const int64_t S = shard_.rows_held(N), pad = S * shard_.parts - N;
     ops_->matmul_forward(gathered_, in, cw(w), nullptr, N, K, C, false);
     if (pad > 0) backend_->memset(act_at(gathered_, N * C), 0, static_cast<size_t>(pad * C * act_size_));
     hooks_.tp.reduce_scatter_to_sequence_region_forward(gathered_, out, S * C);

@@ -34,13 +34,12 @@ std::unique_ptr<Model> build_rank_model(const Model& whole, int tp, int tp_rank,
                                         const PipelineLayout* stage) {
   const ComputeSpec spec = whole.compute_spec();
   if (tp == 1) return stage ? build_stage_model(whole, *stage) : build_model(whole.config(), spec);
-  const ModelConfig shard_cfg = tensor_parallel_config(whole.config(), tp, sequence, tp_rank);
-  if (!stage) return build_model(shard_cfg, spec);
+  if (!stage) return build_shard_model(whole.config(), tp, sequence, tp_rank, spec);
   // The stage of the tensor shard: the shard's table (the family's builder makes it) cut to the
   // stage's tensors. The whole-depth shard is a table only (no parameters), dropped at once.
   ComputeSpec table_only = spec;
   table_only.gradients = table_only.parameters = false;
-  const std::unique_ptr<Model> shard = build_model(shard_cfg, table_only);
+  const std::unique_ptr<Model> shard = build_shard_model(whole.config(), tp, sequence, tp_rank, table_only);
   return build_stage_model(*shard, *stage);  // computes like the shard's spec, with parameters and gradients
 }
 

@@ -48,7 +48,7 @@ struct ProcessGroups {
 };
 ProcessGroups make_process_groups(dist::Communicator& world, const RankLayout& l);
 
-// This rank's model: the tensor shard (tensor_parallel_config(whole, tp, sequence, tp_rank)) of pipeline
+// This rank's model: the tensor shard (build_shard_model(whole, tp, sequence, tp_rank)) of pipeline
 // stage `stage` (null: the whole depth), computing like `whole`, weights not set (scatter_to_rank).
 // Activations are not allocated (the trainer or the pipeline executor does).
 std::unique_ptr<Model> build_rank_model(const Model& whole, int tp, int tp_rank, bool sequence,

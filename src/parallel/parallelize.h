@@ -71,8 +71,8 @@ class RankModel;
 // 6; the whole model is the rank's model, its activations allocated by the caller):
 //   0. weights of the whole model: init_weights(seed) when fresh and it holds its weights;
 //   1. PP cut: this rank's pipeline stage (pipeline_layout; pp > 1);
-//   2. TP cut: the stage's tensor shard (tensor_parallel_config; with parallel.sequence the
-//      sequence-parallel config) -> build_rank_model, and the RankShare that moves whole-layout
+//   2. TP cut: the stage's tensor shard (build_shard_model; with parallel.sequence the
+//      sequence-parallel TensorShard) -> build_rank_model, and the RankShare that moves whole-layout
 //      buffers to and from it;
 //   3. the shard's weights (scatter, load_shard or init_shard), uploaded to the backend;
 //   4. TP + SP collectives on the shard (attach_tensor_parallel or cfg.attach_tp; tp > 1);

@@ -100,7 +100,7 @@ double PipelineExecutor::step(const int32_t* inputs, const int32_t* targets, flo
   const int64_t p = layout_.stages(), S = p * layout_.spec.virtual_stages, N = B_ * T_;
   // This rank's rows of the residual stream [N, C] (sequence parallelism: its N / tp rows).
   const size_t bytes =
-      static_cast<size_t>(m_.config().rows_held(N) * m_.config().hidden_size) * dtype_size(m_.compute_dtype());
+      static_cast<size_t>(m_.tensor_shard().rows_held(N) * m_.config().hidden_size) * dtype_size(m_.compute_dtype());
   const int r = layout_.rank;
   double loss = 0;
   for (const pipeline::Action& a : schedule_[static_cast<size_t>(r)]) {
@@ -186,8 +186,8 @@ double PipelineExecutor::step(const int32_t* inputs, const int32_t* targets, flo
 
 void PipelineExecutor::forward_stages(const int32_t* tokens, int64_t b, int64_t T, const std::function<void()>& last) {
   const int64_t p = layout_.stages(), S = p * layout_.spec.virtual_stages;
-  const size_t bytes =
-      static_cast<size_t>(m_.config().rows_held(b * T) * m_.config().hidden_size) * dtype_size(m_.compute_dtype());
+  const size_t bytes = static_cast<size_t>(m_.tensor_shard().rows_held(b * T) * m_.config().hidden_size) *
+                       dtype_size(m_.compute_dtype());
   const int r = layout_.rank;
   m_.use_slot(0);
   // Virtual stages in order, one micro-batch: each rank runs its chunks when their input arrives.

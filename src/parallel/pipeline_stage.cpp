@@ -98,7 +98,9 @@ std::unique_ptr<Model> build_stage_model(const Model& whole, const PipelineLayou
   Arch arch = whole.arch();
   arch.embedding = layout.first();
   arch.head = layout.last();
-  return std::make_unique<Model>(cfg, arch, stage_table(whole.params(), layout), whole.compute_spec());
+  auto m = std::make_unique<Model>(cfg, arch, stage_table(whole.params(), layout), whole.compute_spec());
+  m->set_tensor_shard(whole.tensor_shard());  // a tensor shard's stage is a shard too
+  return m;
 }
 
 void scatter_stage(const ParamTable& global, const float* g, const ParamTable& local, float* l) {

@@ -24,12 +24,9 @@ VocabShard vocab_shard(int64_t V, int tp, int rank) {
   return {r * q + std::min(r, e), q + (r < e ? 1 : 0)};
 }
 
-ModelConfig tensor_parallel_config(const ModelConfig& global, int tp, bool sequence, int rank) {
+ModelConfig shard_config(const ModelConfig& global, int tp, int rank) {
   LATHE_CHECK(tp >= 1, "parallel.tensor = {}: must be >= 1", tp);
   LATHE_CHECK(rank >= 0 && rank < tp, "internal: tensor-parallel rank {} of {}", rank, tp);
-  LATHE_CHECK(!sequence || tp > 1,
-              "parallel.sequence = true needs parallel.tensor > 1 (it shards the sequence over the tensor-parallel "
-              "ranks); set parallel.tensor or parallel.sequence: false");
   if (tp == 1) return global;
   auto divides = [&](int64_t n, const char* key) {
     LATHE_CHECK(n % tp == 0,
@@ -46,15 +43,29 @@ ModelConfig tensor_parallel_config(const ModelConfig& global, int tp, bool seque
               "vocabulary rows across the tensor-parallel ranks, at least one row each; choose a degree of at most {}",
               tp, global.vocab_size, global.vocab_size);
   ModelConfig c = global;
-  c.shard_head_dim = global.head_dim();
+  c.explicit_head_dim = global.head_dim();  // heads / tp of the whole model's width
   c.num_attention_heads = global.num_attention_heads / tp;
   c.num_key_value_heads = global.num_key_value_heads / tp;
   c.intermediate_size = global.intermediate_size / tp;
-  c.shard_global_vocab = global.vocab_size;
   c.vocab_size = vocab_shard(global.vocab_size, tp, rank).rows;
-  c.tensor_parts = tp;
-  c.sequence_parallel = sequence;
   return c;
+}
+
+TensorShard tensor_shard(const ModelConfig& global, int tp, bool sequence) {
+  LATHE_CHECK(tp >= 1, "parallel.tensor = {}: must be >= 1", tp);
+  LATHE_CHECK(!sequence || tp > 1,
+              "parallel.sequence = true needs parallel.tensor > 1 (it shards the sequence over the tensor-parallel "
+              "ranks); set parallel.tensor or parallel.sequence: false");
+  if (tp == 1) return {};
+  return TensorShard{global.vocab_size, tp, sequence};
+}
+
+std::unique_ptr<Model> build_shard_model(const ModelConfig& global, int tp, bool sequence, int rank,
+                                         const ComputeSpec& compute) {
+  const TensorShard shard = tensor_shard(global, tp, sequence);
+  std::unique_ptr<Model> m = build_model(shard_config(global, tp, rank), compute);
+  m->set_tensor_shard(shard);
+  return m;
 }
 
 std::vector<SliceRun> shard_runs(const ParamSpec& g, const ParamSpec& l, int rank, int tp) {
@@ -206,12 +217,12 @@ void vocab_all_reduce(void* ctx, double* buf, int64_t count, bool max) {
 void attach_vocab_parallel(Model& m, dist::Communicator& tp_group) {
   const ModelConfig& cfg = m.config();
   const int tp = tp_group.size();
-  const int64_t V = cfg.global_vocab();
+  const int64_t V = m.global_vocab();
   LATHE_CHECK(V >= tp, "tensor parallel: a vocabulary of {} rows cannot be split over {} ranks", V, tp);
   const VocabShard mine = vocab_shard(V, tp, tp_group.rank());
   LATHE_CHECK(cfg.vocab_size == mine.rows,
               "tensor parallel: rank {}'s model holds {} vocabulary rows, not its {} of {}; build it from "
-              "tensor_parallel_config with its rank",
+              "shard_config with its rank",
               tp_group.rank(), cfg.vocab_size, mine.rows, V);
   VocabParallel& vp = m.hooks().tp.vocab;
   vp.vocab_begin = mine.begin;
@@ -292,13 +303,14 @@ void attach_sequence_parallel(Model& m, dist::Communicator* group) {
 
 void attach_tensor_parallel(Model& m, dist::Communicator& tp_group) {
   if (tp_group.size() == 1) return;
+  LATHE_CHECK(m.tensor_shard().parts == tp_group.size(),
+              "tensor parallel: the model is a shard of {} rank(s) but the group has {}; build each rank's model "
+              "with parallel::build_shard_model",
+              m.tensor_shard().parts, tp_group.size());
   attach_vocab_parallel(m, tp_group);
   dist::Communicator* group = &tp_group;
   const DType dt = m.compute_dtype();
-  LATHE_CHECK(m.config().tensor_parts <= 1 || m.config().tensor_parts == tp_group.size(),
-              "tensor parallel: the model is a shard of {} ranks but the group has {}", m.config().tensor_parts,
-              tp_group.size());
-  if (m.config().sequence_parallel) {
+  if (m.tensor_shard().sequence_parallel) {
     LATHE_CHECK(dt == DType::F32 || dt == DType::BF16 || dt == DType::F16,
                 "sequence parallel: no reduction for compute dtype {}", compute_dtype_name(dt));
     attach_sequence_parallel(m, group);

@@ -1,6 +1,6 @@
 // Tensor parallelism (Megatron-LM's column/row splits) applied to a model from outside: each rank
 // builds the family's model from a config with its share of the heads and of the MLP width
-// (tensor_parallel_config), so the model body runs unchanged on smaller GEMMs; the shard rules of
+// (shard_config), so the model body runs unchanged on smaller GEMMs; the shard rules of
 // the parameter table say which slice of each global tensor a rank holds; and the group's
 // collectives, installed on the model's StepHooks::tp, are called as Megatron's paired mappings
 // (models/tp_mappings.h): reduce_from_tensor_region ("g") sums the partial products of the
@@ -41,7 +41,8 @@
 // head. Norm weights see only the rank's rows, so their
 // gradients are summed over the group (reduce_sequence_norm_grads). Every value is the one of
 // tensor parallelism without it, bit for bit: the reductions sum the same partials in the same
-// rank order, and a shard config sums its norm-weight gradients in tp row chunks either way.
+// rank order, and a shard model (TensorShard::parts) sums its norm-weight gradients in tp row chunks
+// either way.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -63,12 +64,18 @@ struct VocabShard {
 VocabShard vocab_shard(int64_t V, int tp, int rank);
 
 // The config of rank `rank`'s model: attention heads, KV heads and the MLP width divided by tp,
-// head_dim kept, vocabulary rows vocab_shard(V, tp, rank).rows (vocab_size; shard_global_vocab keeps
-// the whole V), tensor_parts = tp; `sequence`: sequence parallelism (tp > 1 only). Ranks differ only
-// in vocab_size, and only when tp does not divide V; the default rank 0 holds the largest shard (the
-// per-rank figure of memory estimates). Errors name the value that tp does not divide (heads, KV
-// heads, MLP width) or a vocabulary smaller than tp.
-ModelConfig tensor_parallel_config(const ModelConfig& global, int tp, bool sequence = false, int rank = 0);
+// the whole model's head_dim (explicit_head_dim), vocabulary rows vocab_shard(V, tp, rank).rows
+// (vocab_size). Ranks differ only in vocab_size, and only when tp does not divide V; the default rank
+// 0 holds the largest shard (the per-rank figure of memory estimates). Errors name the value that tp
+// does not divide (heads, KV heads, MLP width) or a vocabulary smaller than tp. tp == 1: `global`.
+ModelConfig shard_config(const ModelConfig& global, int tp, int rank = 0);
+// What a shard model is beyond its config (models/tensor_shard.h): the whole vocabulary V, parts = tp
+// and `sequence`: sequence parallelism (tp > 1 only, else an error naming parallel.sequence).
+// tp == 1: a whole model's (default) TensorShard.
+TensorShard tensor_shard(const ModelConfig& global, int tp, bool sequence = false);
+// Rank `rank`'s shard model of `global`: build_model(shard_config) with set_tensor_shard(tensor_shard).
+std::unique_ptr<Model> build_shard_model(const ModelConfig& global, int tp, bool sequence, int rank,
+                                         const ComputeSpec& compute = {});
 
 // One contiguous run of a rank's shard: `count` floats at `global` in the global tensor and at
 // `local` in the rank's tensor (offsets within the tensors).
@@ -99,9 +106,11 @@ void init_shard(Model& local, const ParamTable& global, int rank, int tp, uint64
 // calls): all_reduce over `tp_group` (deterministic, in rank order, src/dist/comm.h; bf16/fp16
 // activations are summed in fp32 and rounded once); the vocab-parallel shard (StepHooks::tp.vocab:
 // this rank's vocabulary rows, the loss statistics' all-reduce) and gather_vocab for logits. With a
-// sequence-parallel config also the row collectives (all_gather_rows; reduce_scatter_rows, 16-bit
-// summed in fp32 as above; split_rows: this rank's rows; all_reduce_f32: the norm gradients).
-// tp_group must outlive the model's passes and have m.config().tensor_parts ranks.
+// sequence-parallel shard (TensorShard) also the row collectives (all_gather_rows;
+// reduce_scatter_rows, 16-bit summed in fp32 as above; split_rows: this rank's rows;
+// all_reduce_f32: the norm gradients). `m` must be a shard model of tp_group.size() parts
+// (build_shard_model), else an error.
+// tp_group must outlive the model's passes and have m.tensor_shard().parts ranks.
 void attach_tensor_parallel(Model& m, dist::Communicator& tp_group);
 
 // Which elements of the local flat buffer count towards global sums (gradient norm, parameter

@@ -387,8 +387,11 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   // its tensor shard with the most layers a pipeline rank gets (embedding and head counted as if
   // every stage had them; one micro-batch's activations; `lathe plan` has the exact per-stage figure).
   ModelConfig per_rank = r.model;
-  if (r.parallel.tensor > 1)
-    per_rank = parallel::tensor_parallel_config(r.model, static_cast<int>(r.parallel.tensor), r.parallel.sequence);
+  TensorShard per_rank_shard;
+  if (r.parallel.tensor > 1) {
+    per_rank = parallel::shard_config(r.model, static_cast<int>(r.parallel.tensor));
+    per_rank_shard = parallel::tensor_shard(r.model, static_cast<int>(r.parallel.tensor), r.parallel.sequence);
+  }
   if (r.parallel.pipeline > 1) {
     const int64_t chunks = r.parallel.pipeline * r.parallel.virtual_stages;
     int64_t most = (r.model.num_hidden_layers + chunks - 1) / chunks * r.parallel.virtual_stages;
@@ -397,7 +400,8 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
           *std::max_element(r.parallel.stage_layers.begin(), r.parallel.stage_layers.end()) * r.parallel.virtual_stages;
     per_rank.num_hidden_layers = std::max<int64_t>(1, std::min(most, r.model.num_hidden_layers));
   }
-  const MemoryEstimate est = estimate_memory(per_rank, B, T, kMoments, r.parallel.zero > 0 ? data : 1, spec.dtype, rc);
+  const MemoryEstimate est =
+      estimate_memory(per_rank, B, T, kMoments, r.parallel.zero > 0 ? data : 1, spec.dtype, rc, per_rank_shard);
   check_memory_fits(est, per_rank, r.source);
   const MachineMemory mm = machine_memory();
   log.ok(fmt::format("memory{}: {} fits ({} {})", sharded ? " per rank" : "", est.breakdown(), mm.source,
@@ -424,9 +428,10 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
     // Heads, KV heads and the MLP width must split evenly (the vocabulary may split unevenly); the
     // trainer builds each rank's model from this config and keeps pf.model (unallocated) as the
     // whole model for checkpoints. Rank 0's config: the largest vocabulary shard.
-    const ModelConfig shard =
-        parallel::tensor_parallel_config(pf.model->config(), static_cast<int>(r.parallel.tensor), r.parallel.sequence);
-    const int64_t last_rows = parallel::vocab_shard(shard.global_vocab(), static_cast<int>(r.parallel.tensor),
+    const int tp = static_cast<int>(r.parallel.tensor);
+    const ModelConfig shard = parallel::shard_config(pf.model->config(), tp);
+    const TensorShard ts = parallel::tensor_shard(pf.model->config(), tp, r.parallel.sequence);
+    const int64_t last_rows = parallel::vocab_shard(ts.vocab(shard), static_cast<int>(r.parallel.tensor),
                                                     static_cast<int>(r.parallel.tensor) - 1)
                                   .rows;
     log.ok(
@@ -437,11 +442,11 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
                     pf.model->config().num_key_value_heads, shard.intermediate_size,
                     last_rows == shard.vocab_size ? fmt::format("{}", shard.vocab_size)
                                                   : fmt::format("{} (first ranks) or {}", shard.vocab_size, last_rows),
-                    shard.global_vocab()));
+                    ts.vocab(shard)));
     // One rank's figure (its shard of the parameters, its activations; sequence parallelism's saving).
     log.ok(fmt::format(
         "memory per tensor-parallel rank: {}",
-        estimate_memory(shard, B, T, kMoments, r.parallel.zero > 0 ? data : 1, spec.dtype, rc).breakdown()));
+        estimate_memory(shard, B, T, kMoments, r.parallel.zero > 0 ? data : 1, spec.dtype, rc, ts).breakdown()));
   }
   if (r.parallel.pipeline > 1) {
     // The stages and the schedule must work for this model (errors name the values); the trainer

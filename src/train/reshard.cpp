@@ -280,7 +280,7 @@ void validate_layout(const ModelConfig& cfg, const CheckpointLayout& to) {
               kMaxRanks);
   if (to.tensor > 1) {
     try {
-      parallel::tensor_parallel_config(cfg, static_cast<int>(to.tensor));
+      parallel::shard_config(cfg, static_cast<int>(to.tensor));
     } catch (const Error& e) {
       throw_error("--tensor {}: {}", to.tensor, e.what());
     }

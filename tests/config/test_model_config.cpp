@@ -214,7 +214,6 @@ TEST(ModelConfig, UnsupportedKeys) {
   expect_error(kLlama, "rope_scaling", json{{"type", "linear"}, {"factor", 2.0}}, {"rope_scaling"});
   expect_error(kLlama, "rope_parameters", json{{"rope_type", "llama3"}}, {"rope_parameters.rope_type", "llama3"});
   expect_error(kLlama, "mlp_bias", true, {"mlp_bias"});
-  expect_error(kLlama, "head_dim", 256, {"head_dim", "256"});
   expect_error(kLlama, "hidden_act", "gelu", {"hidden_act", "gelu"});
   expect_error(kGpt2, "activation_function", "relu", {"activation_function", "relu"});
   expect_error(kGpt2, "activation_function", "gelu", {"activation_function"});
@@ -232,6 +231,72 @@ TEST(ModelConfig, UnsupportedKeys) {
   expect_error(kGpt2, "n_layer", "abc", {"n_layer", "expected an integer, got 'abc'"});
   expect_error(kLlama, "rms_norm_eps", "small", {"rms_norm_eps", "expected a number"});
   expect_error(kLlama, "tie_word_embeddings", 1, {"tie_word_embeddings", "true or false"});
+}
+
+// config.json head_dim (transformers 4.45 LlamaConfig / MistralConfig): q/k/v/o sized heads x
+// head_dim, which need not be hidden_size (Mistral-Nemo 12B: 32 heads of 128 with hidden 5120).
+TEST(ModelConfig, ExplicitHeadDim) {
+  json j = json::parse(kMistral);
+  j["hidden_size"] = 5120;
+  j["head_dim"] = 128;
+  j["intermediate_size"] = 14336;
+  j["num_hidden_layers"] = 40;
+  j["vocab_size"] = 131072;
+  j["sliding_window"] = nullptr;
+  const ModelConfig c = ModelConfig::from_hf_json(j, "nemo/config.json");
+  EXPECT_EQ(c.explicit_head_dim, 128);
+  EXPECT_EQ(c.head_dim(), 128);
+  EXPECT_EQ(c.attention_width(), 4096);
+  // Mistral-Nemo-Base-2407's published count: 12,247,782,400 parameters.
+  EXPECT_EQ(c.num_parameters(), int64_t{12247782400});
+  const json out = c.to_hf_json();
+  EXPECT_EQ(out["head_dim"], 128);
+  EXPECT_EQ(ModelConfig::from_hf_json(out, "round trip"), c);
+  // Without head_dim the same config is another model (5120 / 32 = 160 per head).
+  j.erase("head_dim");
+  const ModelConfig d = ModelConfig::from_hf_json(j, "nemo/config.json");
+  EXPECT_EQ(d.head_dim(), 160);
+  EXPECT_FALSE(d == c);
+  // An explicit head_dim equal to hidden / heads is the same model (transformers writes it always).
+  j["head_dim"] = 160;
+  EXPECT_EQ(ModelConfig::from_hf_json(j, "nemo/config.json"), d);
+  EXPECT_EQ(d.to_hf_json()["head_dim"], 160);
+  // Qwen3-0.6B's shape (16 heads of 128 with hidden 1024), and heads that do not divide hidden.
+  json q = json::parse(kLlama);
+  q["hidden_size"] = 1024;
+  q["num_attention_heads"] = 16;
+  q["num_key_value_heads"] = 8;
+  q["head_dim"] = 128;
+  EXPECT_EQ(ModelConfig::from_hf_json(q, "q.json").attention_width(), 2048);
+  q["hidden_size"] = 1000;  // 1000 % 16 != 0: fine with an explicit head_dim
+  EXPECT_EQ(ModelConfig::from_hf_json(q, "q.json").head_dim(), 128);
+  q.erase("head_dim");
+  try {
+    ModelConfig::from_hf_json(q, "q.json");
+    FAIL();
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("not divisible"), std::string::npos) << m;
+    EXPECT_NE(m.find("head_dim"), std::string::npos) << m;  // the hint
+  }
+  // Odd (RoPE rotates pairs), zero, negative: refused naming head_dim. Mistral reads 0 as absent.
+  expect_error(kLlama, "head_dim", 33, {"head_dim = 33", "even"});
+  expect_error(kLlama, "head_dim", 0, {"head_dim", "must be > 0"});
+  expect_error(kMistral, "head_dim", -4, {"head_dim", "must be > 0"});
+  json m0 = json::parse(kMistral);
+  m0["head_dim"] = 0;
+  EXPECT_EQ(ModelConfig::from_hf_json(m0, "m.json").head_dim(), 128);
+  // A recipe's model.head_dim (strict keys, "model." prefix in errors).
+  json r = json::parse(kLlama);
+  r["head_dim"] = 64;
+  EXPECT_EQ(ModelConfig::from_hf_json(r, "recipe.yaml", "model.", true).attention_width(), 2048);
+  r["head_dim"] = 7;
+  try {
+    ModelConfig::from_hf_json(r, "recipe.yaml", "model.", true);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model.head_dim = 7"), std::string::npos) << e.what();
+  }
 }
 
 TEST(ModelConfig, ValidateErrors) {

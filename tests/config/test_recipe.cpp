@@ -239,6 +239,29 @@ TEST(Recipe, ConfigAndInitFromFiles) {
   fs::remove_all(dir);
 }
 
+// model.head_dim: explicit in a recipe; a base's derived head_dim (= its hidden / heads, written into
+// every llama-family config.json) follows an overridden width or head count.
+TEST(Recipe, HeadDim) {
+  const std::string base = "model: {preset: llama-debug, ";
+  const std::string rest = "}\ndata: {train: x}\n";
+  Recipe a = parse_recipe(base + "hidden_size: 96" + rest, "r.yaml");
+  EXPECT_EQ(a.model.head_dim(), 24);
+  EXPECT_EQ(a.model.attention_width(), 96);
+  Recipe b = parse_recipe(base + "num_attention_heads: 2, num_key_value_heads: 2" + rest, "r.yaml");
+  EXPECT_EQ(b.model.head_dim(), 24);
+  Recipe c = parse_recipe(base + "hidden_size: 96, head_dim: 32" + rest, "r.yaml");
+  EXPECT_EQ(c.model.head_dim(), 32);
+  EXPECT_EQ(c.model.attention_width(), 128);
+  EXPECT_EQ(parse_recipe(c.to_yaml(), "x").model, c.model);  // recipe.yaml round trip
+  EXPECT_EQ(parse_recipe(base + "head_dim: 12" + rest, "r.yaml").model, ModelConfig::preset("llama-debug"));
+  try {
+    parse_recipe(base + "head_dim: 7" + rest, "r.yaml");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model.head_dim = 7"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Recipe, ShippedConfigsLoad) {
   for (const char* name : {"quickstart.yaml", "gpt2-124m.yaml", "llama-debug.yaml"}) {
     std::string path = std::string(LATHE_SOURCE_DIR) + "/configs/" + name;

@@ -65,12 +65,14 @@ def make_tokenizer(path, vocab_size):
     return tok
 
 
-def make(kind, d, V):
+def make(kind, d, V, head_dim=None):
     torch.manual_seed(11 if kind == "llama" else 12)
     common = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=48, vocab_size=V, max_position_embeddings=64, rms_norm_eps=1e-5)
     if kind == "llama":
-        m = transformers.LlamaForCausalLM(transformers.LlamaConfig(tie_word_embeddings=False, rope_theta=5e5, **common))
+        # head_dim: explicit (q/o 4 x head_dim wide, not hidden 32), as Mistral-Nemo's 32 x 128 != 5120
+        m = transformers.LlamaForCausalLM(transformers.LlamaConfig(tie_word_embeddings=False, rope_theta=5e5,
+                                                                   head_dim=head_dim, **common))
     else:
         m = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(tie_word_embeddings=True, rope_theta=1e6, **common))
     with torch.no_grad():
@@ -127,13 +129,19 @@ def check_file(path, model, kind, f16, tok_vocab=None):
     cfg = model.config
     arch = "llama" if kind == "llama" else "qwen2"
     U32, F32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
+    D = getattr(cfg, "head_dim", None) or 32 // 4
     want = {"general.architecture": (arch, gguf.GGUFValueType.STRING),
             f"{arch}.context_length": (64, U32), f"{arch}.embedding_length": (32, U32),
             f"{arch}.block_count": (2, U32), f"{arch}.feed_forward_length": (48, U32),
             f"{arch}.attention.head_count": (4, U32), f"{arch}.attention.head_count_kv": (2, U32),
-            f"{arch}.rope.dimension_count": (8, U32), "general.file_type": (1 if f16 else 0, U32),
+            f"{arch}.rope.dimension_count": (D, U32), "general.file_type": (1 if f16 else 0, U32),
             f"{arch}.rope.freq_base": (float(np.float32(cfg.rope_theta)), F32),
             f"{arch}.attention.layer_norm_rms_epsilon": (float(np.float32(1e-5)), F32)}
+    # llama.cpp reads the head width from key_length / value_length when it is not n_embd / n_head
+    # (absent otherwise, as convert_hf_to_gguf.py writes them only for an explicit head_dim).
+    kl = (D, U32) if D * 4 != 32 else (None, None)
+    want[f"{arch}.attention.key_length"] = kl
+    want[f"{arch}.attention.value_length"] = kl
     bad = [f"{k}={field(r, k)} (want {v})" for k, v in want.items() if field(r, k) != v]
     check(not bad, f"{tag}: metadata keys, values and types" + (f": {bad}" if bad else ""))
 
@@ -167,7 +175,7 @@ def check_file(path, model, kind, f16, tok_vocab=None):
     check(val_ok, f"{tag}: every tensor equals the source" + (" (q/k after undoing the permutation)" if kind == "llama" else " (no permutation)") + worst)
     if kind == "llama":
         # the permutation is really there: the raw q rows differ from HF's
-        q = np.asarray(got["blk.0.attn_q.weight"].data).reshape(32, 32).astype(np.float32)
+        q = np.asarray(got["blk.0.attn_q.weight"].data).reshape(4 * D, 32).astype(np.float32)
         check(not np.allclose(q, sd["model.layers.0.self_attn.q_proj.weight"], atol=1e-2),
               f"{tag}: attn_q is stored permuted (differs from HF row order)")
     last = max(r.tensors, key=lambda t: t.data_offset)
@@ -198,6 +206,13 @@ def main():
         p = run(["convert", "--from-hf", llama_dir, "--to-gguf", out, "--dtype", "fp16" if f16 else "fp32"])
         check("permuted" in p.stdout, "convert reports the q/k permutation: " + p.stdout.strip().splitlines()[-1])
         check_file(out, llama, "llama", f16, vocab)
+
+    # explicit head_dim 16: q/o 64 wide with hidden 32
+    hd_dir = os.path.join(tmp, "llama_hd")
+    hd = make("llama", hd_dir, V, head_dim=16)
+    out = os.path.join(tmp, "llama_hd.gguf")
+    run(["convert", "--from-hf", hd_dir, "--to-gguf", out])
+    check_file(out, hd, "llama", False)
 
     qwen_dir = os.path.join(tmp, "qwen2")
     qwen = make("qwen2", qwen_dir, V)

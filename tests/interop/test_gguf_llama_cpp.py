@@ -12,6 +12,7 @@ near-ties), each exported with `lathe convert --from-hf DIR --to-gguf FILE` (f32
            specials), config.json without BOS/EOS ids: EOS must come from tokenizer_config.json
   * spm    Llama with a SentencePiece BPE tokenizer.model (identity normalization, byte fallback)
   * byte   Llama with lathe's byte tokenizer (`--gguf-tokenizer byte`)
+  * mistral_hd  Mistral with an explicit head_dim (4 x 32 != hidden 64), byte tokenizer
 For each:
   * tokenization: llama.cpp's tokenize() (no BOS; special tokens parsed for byte-level BPE as lathe
     and HF match added tokens; not for SentencePiece, whose control pieces are plain text to
@@ -409,6 +410,17 @@ def main():
     g = os.path.join(tmp, "byte.gguf")
     export(d, g, ["--gguf-tokenizer", "byte"])
     check_model("byte", d, g, "gpt-2", False, tok="byte")
+
+    # --- Mistral with an explicit head_dim (4 heads of 32: q/o 128 wide, hidden 64), byte tokenizer:
+    # llama.cpp takes the head width from llama.attention.key_length / value_length
+    d = os.path.join(tmp, "mistral_hd")
+    randomize(transformers.MistralForCausalLM(transformers.MistralConfig(
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, head_dim=32, sliding_window=None,
+        **llama_cfg(256))), 6).save_pretrained(d)
+    g = os.path.join(tmp, "mistral_hd.gguf")
+    export(d, g, ["--gguf-tokenizer", "byte"])
+    llm = check_model("mistral_hd", d, g, "gpt-2", False, tok="byte")
+    check(llm.metadata.get("llama.attention.key_length") == "32", "mistral_hd: llama.attention.key_length 32")
 
     shutil.rmtree(tmp)
     print(f"({time.time() - t0:.1f} s)")

@@ -264,6 +264,29 @@ def main():
     diff = maxdiff(lathe_logits(md, tmp)[0], hf_logits(mi))
     check(diff < 1e-4, f"mistral: imported logits equal transformers (max abs diff {diff:.2e})")
 
+    # mistral with an explicit head_dim (Mistral-Nemo's shape scaled down: 4 heads of 32, q/o 128
+    # wide with hidden 96); weights of std 0.25 so that attention and RoPE matter. Import: logits;
+    # convert --verify: import and export (config.json head_dim 32 read back by transformers) PASS.
+    torch.manual_seed(5)
+    mh = transformers.MistralForCausalLM(transformers.MistralConfig(
+        num_hidden_layers=2, hidden_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        intermediate_size=192, vocab_size=256, max_position_embeddings=64, sliding_window=None))
+    with torch.no_grad():
+        for name, p_ in mh.named_parameters():
+            p_.normal_(0.0, 0.25) if p_.dim() >= 2 else p_.copy_(1.0 + 0.1 * torch.randn_like(p_))
+    mhd = os.path.join(tmp, "mistral_hd")
+    mh.save_pretrained(mhd)
+    ref = hf_logits(mh)
+    scale = max(float(np.abs(r).max()) for r in ref)
+    diff = maxdiff(lathe_logits(mhd, tmp)[0], ref)
+    check(diff < 1e-5 * scale, f"mistral head_dim 32 x 4 != hidden 96: imported logits equal transformers "
+                               f"(max abs diff {diff:.2e}, logits up to {scale:.1f})")
+    p = run(["convert", "--from-hf", mhd, "--to", os.path.join(tmp, "mistral_hd_out"), "--verify"], ok=False)
+    exported = json.load(open(os.path.join(tmp, "mistral_hd_out", "config.json")))
+    check(p.returncode == 0 and p.stdout.count("-> PASS") == 2 and exported.get("head_dim") == 32,
+          f"mistral head_dim: convert --verify import and export PASS, config.json head_dim "
+          f"{exported.get('head_dim')}\n{p.stdout}")
+
     # built-in parity check, import and export
     out = os.path.join(tmp, "conv")
     p = run(["convert", "--from-hf", llama, "--to", out, "--verify"], ok=False)

@@ -5,7 +5,8 @@ tests/interop/test_hf_roundtrip.py).
 
 Tiny random models (weights perturbed so biases and norm weights are not trivial): GPT-2 (learned
 positions, LayerNorm, GELU tanh, fused c_attn, tied head), Llama (GQA 4/2, untied, rope_theta 5e5)
-and Qwen2 (q/k/v biases, tied, rope_theta 1e6). For each:
+Qwen2 (q/k/v biases, tied, rope_theta 1e6) and a Mistral with an explicit head_dim (4 heads of 16:
+q/o 64 wide with hidden 32). For each:
   * onnx.checker.check_model (full_check: strict shape inference) passes; the graph uses only the
     default ONNX domain at opset 17, and its inputs/outputs are the optimum layout
   * fp32, empty past: logits of two sequences in one batch within 1e-4 of lathe
@@ -69,7 +70,7 @@ def run(args):
 
 
 def make(kind, d, V=96):
-    torch.manual_seed({"gpt2": 1, "llama": 2, "qwen2": 3}[kind])
+    torch.manual_seed({"gpt2": 1, "llama": 2, "qwen2": 3, "mistral_hd": 4}[kind])
     if kind == "gpt2":
         m = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=V,
                                                                  n_positions=64))
@@ -79,6 +80,9 @@ def make(kind, d, V=96):
         if kind == "llama":
             m = transformers.LlamaForCausalLM(transformers.LlamaConfig(tie_word_embeddings=False, rope_theta=5e5,
                                                                        **common))
+        elif kind == "mistral_hd":  # explicit head_dim: 4 heads of 16, q/o 64 wide with hidden 32
+            m = transformers.MistralForCausalLM(transformers.MistralConfig(tie_word_embeddings=False, head_dim=16,
+                                                                           sliding_window=None, **common))
         else:
             m = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(tie_word_embeddings=True, rope_theta=1e6,
                                                                        **common))
@@ -110,7 +114,7 @@ class Runner:
         self.sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
         self.L = cfg.num_hidden_layers
         self.KV = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.D = cfg.hidden_size // cfg.num_attention_heads
+        self.D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.inputs = {i.name: i for i in self.sess.get_inputs()}
         self.dtype = np.float16 if self.sess.get_outputs()[0].type == "tensor(float16)" else np.float32
 
@@ -166,7 +170,7 @@ def check_family(tmp, kind):
     d = os.path.join(tmp, kind)
     cfg = make(kind, d)
     V = cfg.vocab_size
-    rng = np.random.default_rng({"gpt2": 1, "llama": 2, "qwen2": 3}[kind])
+    rng = np.random.default_rng({"gpt2": 1, "llama": 2, "qwen2": 3, "mistral_hd": 4}[kind])
     a = rng.integers(0, V, 12).tolist()
     b = rng.integers(0, V, 12).tolist()
     short = rng.integers(0, V, 7).tolist()
@@ -358,7 +362,7 @@ def check_bad_input(tmp):
 def main():
     tmp = tempfile.mkdtemp(prefix="lathe_onnx_test_")
     try:
-        for kind in ("gpt2", "llama", "qwen2"):
+        for kind in ("gpt2", "llama", "qwen2", "mistral_hd"):
             check_family(tmp, kind)
         check_trained_run(tmp)
         check_auto_external(tmp)

@@ -32,6 +32,21 @@ inline std::unique_ptr<Model> perturbed_model(const ModelConfig& cfg, DType dt =
   return m;
 }
 
+// A mistral with an explicit head_dim (Mistral-Nemo's shape scaled down): hidden 96, 4 query heads
+// of 32 (q and o 128 wide, not 96), 2 KV heads, MLP 192, untied. `std`: the init std of the
+// weights (large enough that attention and RoPE matter in the oracle checks).
+inline ModelConfig mistral_head_dim_config(double std = 0.02) {
+  ModelConfig c = ModelConfig::preset("mistral-debug");
+  c.hidden_size = 96;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.explicit_head_dim = 32;
+  c.intermediate_size = 192;
+  c.initializer_range = std;
+  c.validate("mistral_head_dim_config");
+  return c;
+}
+
 // n token ids uniform in [0, V), from Rng(seed).
 inline std::vector<int32_t> random_tokens(int64_t n, int64_t V, uint64_t seed) {
   Rng rng(seed);

@@ -18,6 +18,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "error_of.h"
+#include "model_fixtures.h"
 #include "models/kv_cache.h"
 #include "models/model.h"
 
@@ -27,8 +28,13 @@ namespace {
 
 using lathe::test::error_of;
 
+// A preset, or "mistral-head-dim": model_fixtures.h's explicit head_dim (4 x 32 != hidden 96).
+ModelConfig config_of(const std::string& name) {
+  return name == "mistral-head-dim" ? model_test::mistral_head_dim_config(0.1) : ModelConfig::preset(name);
+}
+
 std::unique_ptr<Model> make(const std::string& preset, int64_t T, DType dt = DType::F32) {
-  auto m = build_model(ModelConfig::preset(preset), ComputeSpec{nullptr, dt});
+  auto m = build_model(config_of(preset), ComputeSpec{nullptr, dt});
   m->init_weights(42);
   // Biases and norm weights perturbed, so that a bias or norm the decoder dropped would show.
   Rng prng(7);
@@ -119,7 +125,8 @@ TEST_P(KvCacheFamily, BatchAndPrefillEqualStepwise) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, KvCacheFamily,
-                         ::testing::Combine(::testing::Values("gpt2-debug", "llama-debug", "qwen2-debug"),
+                         ::testing::Combine(::testing::Values("gpt2-debug", "llama-debug", "qwen2-debug",
+                                                              "mistral-head-dim"),
                                             ::testing::Values(1, 7)),
                          [](const auto& info) {
                            std::string n =

@@ -6,6 +6,7 @@
 
 #include "config/model_config.h"
 #include "error_of.h"
+#include "model_fixtures.h"
 #include "models/memory.h"
 #include "models/model.h"
 
@@ -61,6 +62,36 @@ TEST(ModelMemory, EstimateMatchesWhatTheModelAllocates) {
       EXPECT_NE(e.breakdown().find("activations (batch"), std::string::npos) << e.breakdown();
     }
   }
+}
+
+// Explicit head_dim (model_fixtures.h: hidden 96, 4 heads of 32, 2 KV heads, MLP 192, V 96, 2
+// layers, untied): parameters and the attention buffers counted by hand, with the q/o width
+// 4 x 32 = 128, not hidden 96.
+TEST(ModelMemory, ExplicitHeadDimSizes) {
+  const ModelConfig c = model_test::mistral_head_dim_config();
+  const int64_t C = 96, HD = 128, KVD = 64, F = 192, V = 96, L = 2;
+  const int64_t layer = 2 * C + C * HD + 2 * C * KVD + HD * C + 3 * C * F;
+  EXPECT_EQ(c.num_parameters(), 2 * V * C + L * layer + C);
+  const int64_t B = 2, T = 7, N = B * T;
+  const MemoryEstimate e = estimate_memory(c, B, T, 2);
+  EXPECT_EQ(e.num_params, c.num_parameters());
+  auto m = build_model(c);
+  EXPECT_EQ(static_cast<int64_t>(m->num_params()), c.num_parameters());
+  EXPECT_EQ(m->params().at("model.layers.0.self_attn.q_proj.weight").numel(), HD * C);
+  EXPECT_EQ(m->params().at("model.layers.1.self_attn.o_proj.weight").numel(), C * HD);
+  m->allocate(B, T);
+  EXPECT_EQ(e.activation_bytes, static_cast<int64_t>(m->activation_bytes()));
+  auto count = [&](const std::string& label) -> int64_t {
+    for (const ActivationEntry& a : m->activation_plan().entries)
+      if (a.label() == label) return a.count;
+    return -1;
+  };
+  EXPECT_EQ(count("layers.0.qkv"), N * (HD + 2 * KVD));
+  EXPECT_EQ(count("layers.1.att"), N * HD);
+  EXPECT_EQ(count("datt"), N * HD);
+  EXPECT_EQ(count("layers.0.res1"), N * C);
+  EXPECT_EQ(count("rope_cos"), T * 32 / 2);
+  EXPECT_DOUBLE_EQ(m->flops_per_token(T), 6.0 * static_cast<double>(c.num_parameters()) + 12.0 * L * HD * T);
 }
 
 // The arena used to be sized as the sum of the unrounded sizes + 4096 floats of slack while each

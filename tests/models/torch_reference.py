@@ -5,7 +5,9 @@ Reads the directory the C++ test wrote (HF model dir with config.json + model.sa
 token batches, lathe's logits/loss/gradients/parameters), rebuilds the model in plain PyTorch in
 float64 following HF's GPT-2 / Llama / Qwen2 / Mistral definitions, and compares. The safetensors
 files are parsed here from the spec (8-byte header length + JSON + raw data), independently of
-lathe's reader. Exit code 1 on any mismatch above the tolerance.
+lathe's reader. Exit code 1 on any mismatch above the tolerance. With --transformers the
+directory is also loaded by transformers in float32 and its logits, loss and gradients compared at
+1e-5 (the explicit head_dim case of test_model_parity.cpp).
 """
 import json
 import math
@@ -72,7 +74,7 @@ class Model(torch.nn.Module):
             C, H, L = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
             KV, eps = cfg.get("num_key_value_heads") or H, cfg["rms_norm_eps"]
             x = self.w("model.embed_tokens.weight")[idx]
-        D = C // H
+        D = (None if self.gpt2 else cfg.get("head_dim")) or C // H  # explicit head_dim: q/o width H*D != C
         if not self.gpt2:
             theta = cfg.get("rope_theta", 10000.0)
             inv = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
@@ -176,7 +178,37 @@ def finish():
     return 0
 
 
-def main(d):
+HF_TOL = 1e-5
+
+
+def check_transformers(d, cfg, toks, tgts, out, grads):
+    """The same model loaded by transformers (the pinned 4.45.2) from the written directory, in
+    float32: logits, loss and every gradient within HF_TOL of lathe's (fp32 against fp32)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    m = transformers.AutoModelForCausalLM.from_pretrained(f"{d}/model", torch_dtype=torch.float32,
+                                                         attn_implementation="eager")
+    V = cfg["vocab_size"]
+    logits = m(toks[0]).logits
+    worst = {"hf_logits": compare("transformers logits", out["logits"], logits, HF_TOL)}
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V).float(), tgts[0].reshape(-1))
+    worst["hf_loss"] = compare("transformers loss", out["loss"], loss, HF_TOL)
+    loss.backward()
+    gmax, gworst = 0.0, ""
+    params = dict(m.named_parameters())
+    for name in grads:
+        g = params[name].grad
+        e = compare(f"transformers grad {name}", grads[name], g if g is not None else torch.zeros_like(grads[name]),
+                    HF_TOL)
+        if e >= gmax:
+            gmax, gworst = e, name
+    worst[f"hf_grads (worst {gworst})"] = gmax
+    print(f"{cfg['model_type']} vs transformers {transformers.__version__} (fp32): "
+          + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()) + f" (tolerance {HF_TOL})")
+
+
+def main(d, with_transformers=False):
     cfg = json.load(open(f"{d}/model/config.json"))
     sd = read_st(f"{d}/model/model.safetensors")
     batches = read_st(f"{d}/batches.safetensors")
@@ -218,9 +250,12 @@ def main(d):
         pmax = max(pmax, compare(f"param after 3 steps {name}", after[name], model.w(name), TOL_AFTER_STEPS))
     worst["params_after_3_steps"] = pmax
     print(f"{cfg['model_type']}: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()) + f" (tolerance {TOL}; {TOL_AFTER_STEPS} after steps)")
+    if with_transformers:
+        check_transformers(d, cfg, toks, tgts, out, grads)
     return finish()
 
 
 if __name__ == "__main__":
     torch.set_default_dtype(torch.float64)
-    sys.exit(main(sys.argv[1]))
+    # --transformers: also compare against transformers itself (fp32), see check_transformers.
+    sys.exit(main(sys.argv[1], "--transformers" in sys.argv[2:]))

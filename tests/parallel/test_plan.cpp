@@ -4,6 +4,7 @@
 // collectives); invalid layouts excluded with the reason; the orderings the knobs must produce.
 #include <gtest/gtest.h>
 
+#include "../models/model_fixtures.h"
 #include "models/memory.h"
 #include "models/model.h"
 #include "parallel/plan.h"
@@ -19,7 +20,8 @@ namespace {
 
 Job job_of(const std::string& preset, int64_t world, int64_t B, int64_t T, int64_t G, DType dt = DType::F32) {
   Job j;
-  j.model = ModelConfig::preset(preset);
+  // "mistral-head-dim": an explicit head_dim (q/o 4 x 32 wide, hidden 96; tests/models/model_fixtures.h)
+  j.model = preset == "mistral-head-dim" ? model_test::mistral_head_dim_config() : ModelConfig::preset(preset);
   j.world = world;
   j.micro_batch = B;
   j.seq_len = T;
@@ -262,13 +264,13 @@ TEST(Plan, TensorParallelMatchesTheRankModel) {
   // layer parameters exactly, and the same activation arena up to the 64-byte padding of each
   // buffer (the plan halves padded sizes, the rank model pads halved ones). Both split the
   // vocabulary tensors by rows (vocab parallel), so the parameter counts agree exactly.
-  for (const char* preset : {"gpt2-debug", "llama-debug", "qwen2-debug"})
+  for (const char* preset : {"gpt2-debug", "llama-debug", "qwen2-debug", "mistral-head-dim"})
     for (int64_t t : {2, 4}) {
       if (std::string(preset) != "gpt2-debug" && t == 4) continue;  // 2 KV heads
       const Job j = job_of(preset, t, 2, 32, 2);
       const Estimate e = plan::estimate(j, machine(), Layout{1, t, 1, false, 0, Recompute::None});
       ASSERT_TRUE(e.reject.empty()) << e.reject;
-      const ModelConfig rank = parallel::tensor_parallel_config(j.model, static_cast<int>(t));
+      const ModelConfig rank = parallel::shard_config(j.model, static_cast<int>(t));
       ModelConfig one = rank, two = rank;
       one.num_hidden_layers = 1;
       two.num_hidden_layers = 2;

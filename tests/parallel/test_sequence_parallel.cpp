@@ -70,7 +70,7 @@ Trace run_parallel(const ModelConfig& cfg, int tp, bool sequence, Recompute rc =
   std::mutex mu;
   dist::run_threads(tp, [&](dist::Communicator& comm) {
     const int r = comm.rank();
-    auto m = attached_shard(*global, tensor_parallel_config(cfg, tp, sequence), comm, r, tp, ComputeSpec{nullptr, dt});
+    auto m = attached_shard(*global, comm, r, tp, sequence, ComputeSpec{nullptr, dt});
     m->allocate(kB, kT, 0, rc);
     std::vector<double> losses;
     for (int s = 0; s < kSteps; ++s) losses.push_back(sgd_step(*m, batch(cfg, s), kB, kT, kLr));
@@ -166,7 +166,7 @@ TEST(SequenceParallel, ForwardOnlyPassOfRowsThatDoNotSplitIsPadded) {
   std::vector<std::string> errors(2);
   dist::run_threads(2, [&](dist::Communicator& comm) {
     const int r = comm.rank();
-    auto m = attached_shard(*global, tensor_parallel_config(cfg, 2, true), comm, r, 2);
+    auto m = attached_shard(*global, comm, r, 2, true);
     m->allocate(kB, kT);
     std::vector<float> logits(ref.size());
     m->forward_logits(b.tokens.data(), B, T, logits.data());
@@ -189,9 +189,11 @@ TEST(SequenceParallel, ActivationArenaHoldsTheRanksRows) {
   // The stream's buffers hold N / tp rows; what is per head / MLP column is unchanged; one gathered
   // [N, C] buffer is added. The memory estimate of the shard config is the arena's size.
   for (const Family& f : families()) {
-    const ModelConfig tpc = tensor_parallel_config(f.cfg, 2), spc = tensor_parallel_config(f.cfg, 2, true);
+    const ModelConfig sc = shard_config(f.cfg, 2);
+    const TensorShard tps = tensor_shard(f.cfg, 2), sps = tensor_shard(f.cfg, 2, true);
     const int64_t B = 4, T = 32, N = B * T, C = f.cfg.hidden_size;
-    const ActivationPlan a = Model::plan_activations(tpc, B, T), s = Model::plan_activations(spc, B, T);
+    const ActivationPlan a = Model::plan_activations(sc, B, T, {}, Recompute::None, tps),
+                         s = Model::plan_activations(sc, B, T, {}, Recompute::None, sps);
     auto count = [](const ActivationPlan& p, const std::string& label) -> int64_t {
       for (const ActivationEntry& e : p.entries)
         if (e.label() == label) return e.count;
@@ -206,15 +208,15 @@ TEST(SequenceParallel, ActivationArenaHoldsTheRanksRows) {
     EXPECT_EQ(count(s, "gathered"), N * C) << f.name;
     EXPECT_EQ(count(a, "gathered"), -1) << f.name;
     EXPECT_LT(s.bytes, a.bytes) << f.name;
-    const MemoryEstimate e = estimate_memory(spc, B, T, 2);
+    const MemoryEstimate e = estimate_memory(sc, B, T, 2, 1, DType::F32, Recompute::None, sps);
     EXPECT_EQ(e.activation_bytes, static_cast<int64_t>(s.bytes)) << f.name;
     EXPECT_EQ(e.sequence_saving_bytes, static_cast<int64_t>(a.bytes - s.bytes)) << f.name;
     EXPECT_NE(e.breakdown().find(fmt::format("sequence parallel over 2 saves {}) {}", format_bytes(a.bytes - s.bytes),
                                              format_bytes(static_cast<int64_t>(s.bytes)))),
               std::string::npos)
         << e.breakdown();
-    EXPECT_EQ(estimate_memory(tpc, B, T, 2).sequence_saving_bytes, 0) << f.name;
-    auto m = build_model(spc);
+    EXPECT_EQ(estimate_memory(sc, B, T, 2, 1, DType::F32, Recompute::None, tps).sequence_saving_bytes, 0) << f.name;
+    auto m = build_shard_model(f.cfg, 2, true, 0);
     m->allocate(B, T);
     EXPECT_EQ(m->activation_bytes(), s.bytes) << f.name;
   }
@@ -223,13 +225,13 @@ TEST(SequenceParallel, ActivationArenaHoldsTheRanksRows) {
 TEST(SequenceParallel, ErrorsNameTheSetting) {
   const ModelConfig cfg = ModelConfig::preset("gpt2-debug");
   try {
-    tensor_parallel_config(cfg, 1, true);
+    tensor_shard(cfg, 1, true);
     FAIL() << "sequence parallelism without tensor parallelism accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("parallel.sequence"), std::string::npos) << e.what();
   }
   // A sequence-parallel shard run without the row hooks (attach_tensor_parallel not called).
-  auto m = build_model(tensor_parallel_config(cfg, 2, true));
+  auto m = build_shard_model(cfg, 2, true, 0);
   m->init_weights(1);
   m->allocate(kB, kT);
   const Batch b = batch(cfg, 0);
@@ -260,7 +262,7 @@ TEST(SequenceParallel, EveryRegionsCollectivesRunOncePerDirection) {
   for (bool sequence : {false, true}) {
     std::vector<std::map<std::string, int64_t>> counts(2);
     dist::run_threads(2, [&](dist::Communicator& comm) {
-      auto m = attached_shard(*global, tensor_parallel_config(cfg, 2, sequence), comm, comm.rank(), 2);
+      auto m = attached_shard(*global, comm, comm.rank(), 2, sequence);
       m->allocate(kB, kT);
       std::map<std::string, int64_t>& n = counts[static_cast<size_t>(comm.rank())];
       TpCollectives& c = m->hooks().tp.comm;

@@ -90,7 +90,7 @@ TEST(TensorParallel, MatchesOneProcess) {
       std::vector<std::vector<float>> replicated_grads(static_cast<size_t>(tp));
       dist::run_threads(tp, [&](dist::Communicator& comm) {
         const int r = comm.rank();
-        auto m = attached_shard(*global, tensor_parallel_config(f.cfg, tp, false, r), comm, r, tp);
+        auto m = attached_shard(*global, comm, r, tp);
         m->allocate(kB, kT);
         for (int s = 0; s < kSteps; ++s)
           losses[static_cast<size_t>(r)].push_back(sgd_step(*m, batch(f.cfg, s), kB, kT, kLr));
@@ -127,8 +127,8 @@ TEST(TensorParallel, InitShardIsTheSliceOfTheGlobalInit) {
     global->init_weights(1234);
     for (int tp : f.degrees)
       for (int r = 0; r < tp; ++r) {
-        auto a = build_model(tensor_parallel_config(f.cfg, tp, false, r));
-        auto b = build_model(tensor_parallel_config(f.cfg, tp, false, r));
+        auto a = build_model(shard_config(f.cfg, tp, r));
+        auto b = build_model(shard_config(f.cfg, tp, r));
         init_shard(*a, global->params(), r, tp, 1234);
         scatter_shard(global->params(), global->param_data(), b->params(), b->param_data(), r, tp);
         EXPECT_EQ(0, std::memcmp(a->param_data(), b->param_data(), a->num_params() * sizeof(float)))
@@ -141,7 +141,7 @@ TEST(TensorParallel, FusedQkvSectionsGiveEachRankItsHeads) {
   // GPT-2's c_attn [3*C, C]: rank r's rows are its heads of q, then of k, then of v.
   const ModelConfig cfg = ModelConfig::preset("gpt2-debug");  // C = 48, 4 heads of 12
   auto global = build_model(cfg);
-  auto local = build_model(tensor_parallel_config(cfg, 2));
+  auto local = build_model(shard_config(cfg, 2));
   const ParamSpec& g = global->params().at("transformer.h.0.attn.c_attn.weight");
   const ParamSpec& l = local->params().at("transformer.h.0.attn.c_attn.weight");
   const auto runs = shard_runs(g, l, 1, 2);
@@ -260,7 +260,7 @@ TEST(TensorParallel, GatheredLogitsMatchOneProcess) {
     std::mutex mu;
     std::vector<std::vector<float>> got(static_cast<size_t>(tp)), got_last(static_cast<size_t>(tp));
     dist::run_threads(tp, [&](dist::Communicator& comm) {
-      auto m = attached_shard(*global, tensor_parallel_config(f.cfg, tp, false, comm.rank()), comm, comm.rank(), tp);
+      auto m = attached_shard(*global, comm, comm.rank(), tp);
       m->allocate(kB, kT);
       std::vector<float> lg(kB * kT * V), last(kB * V);
       m->forward_logits(b.tokens.data(), kB, kT, lg.data());
@@ -278,7 +278,7 @@ TEST(TensorParallel, GatheredLogitsMatchOneProcess) {
 
 TEST(TensorParallel, ShardModelWithoutTheVocabHookIsRefused) {
   // A vocab shard's model run alone would look up wrong rows; it must say what is missing.
-  auto m = build_model(tensor_parallel_config(ModelConfig::preset("gpt2-debug"), 2));
+  auto m = build_shard_model(ModelConfig::preset("gpt2-debug"), 2, false, 0);
   m->init_weights(1);
   m->allocate(kB, kT);
   const Batch b = batch(ModelConfig::preset("gpt2-debug"), 0);
@@ -290,16 +290,45 @@ TEST(TensorParallel, ShardModelWithoutTheVocabHookIsRefused) {
   }
 }
 
+// The shard's config is a plain config.json (heads / tp with the whole model's head_dim); what
+// makes the model a shard (whole vocabulary, degree, sequence parallelism) is its TensorShard.
+TEST(TensorParallel, ShardStateLivesOnTheModelNotTheConfig) {
+  const ModelConfig g = model_test::mistral_head_dim_config();
+  const ModelConfig c = shard_config(g, 2, 1);
+  EXPECT_EQ(c.num_attention_heads, 2);
+  EXPECT_EQ(c.head_dim(), 32);
+  EXPECT_EQ(c.to_hf_json()["head_dim"], 32);
+  EXPECT_EQ(ModelConfig::from_hf_json(c.to_hf_json(), "shard"), c);
+  EXPECT_EQ(shard_config(g, 1), g);
+  EXPECT_TRUE(tensor_shard(g, 1).whole());
+  auto m = build_shard_model(g, 2, true, 1);
+  EXPECT_EQ(m->config(), c);
+  EXPECT_EQ(m->tensor_shard(), (TensorShard{96, 2, true}));
+  EXPECT_EQ(m->global_vocab(), 96);
+  EXPECT_EQ(m->tensor_shard().rows_held(13), 7);
+  // A model built from the shard config alone is a whole (small) model: attaching it is refused.
+  std::string err;
+  dist::run_threads(2, [&](dist::Communicator& comm) {
+    auto plain = build_model(shard_config(g, 2, comm.rank()));
+    try {
+      attach_tensor_parallel(*plain, comm);
+    } catch (const Error& e) {
+      if (comm.rank() == 0) err = e.what();
+    }
+  });
+  EXPECT_NE(err.find("build_shard_model"), std::string::npos) << err;
+}
+
 TEST(TensorParallel, DegreesThatDoNotDivideAreNamed) {
   const ModelConfig llama = ModelConfig::preset("llama-debug");  // 4 heads, 2 KV heads, F = 96
   try {
-    tensor_parallel_config(llama, 3);
+    shard_config(llama, 3);
     FAIL() << "tp=3 accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("num_attention_heads = 4"), std::string::npos) << e.what();
   }
   try {
-    tensor_parallel_config(llama, 4);
+    shard_config(llama, 4);
     FAIL() << "tp=4 accepted with 2 KV heads";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("num_key_value_heads = 2"), std::string::npos) << e.what();
@@ -308,14 +337,14 @@ TEST(TensorParallel, DegreesThatDoNotDivideAreNamed) {
   // 49 + 48; a padded 98 gives 49 each as before. Fewer rows than ranks is refused, naming both.
   ModelConfig odd = ModelConfig::preset("gpt2-debug");
   odd.vocab_size = 97;
-  EXPECT_EQ(tensor_parallel_config(odd, 2).vocab_size, 49);
-  EXPECT_EQ(tensor_parallel_config(odd, 2, false, 1).vocab_size, 48);
-  EXPECT_EQ(tensor_parallel_config(odd, 2, false, 1).global_vocab(), 97);
+  EXPECT_EQ(shard_config(odd, 2).vocab_size, 49);
+  EXPECT_EQ(shard_config(odd, 2, 1).vocab_size, 48);
+  EXPECT_EQ(tensor_shard(odd, 2).global_vocab, 97);
   odd.vocab_size = 98;
-  EXPECT_EQ(tensor_parallel_config(odd, 2, false, 1).vocab_size, 49);
+  EXPECT_EQ(shard_config(odd, 2, 1).vocab_size, 49);
   odd.vocab_size = 1;
   try {
-    tensor_parallel_config(odd, 2);
+    shard_config(odd, 2);
     FAIL() << "tp=2 accepted with vocab_size 1";
   } catch (const Error& e) {
     const std::string msg = e.what();
@@ -368,13 +397,13 @@ TEST(TensorParallel, UnevenVocabularyRoundTripsAndWrongRankIsRefused) {
     std::vector<std::string> errors(static_cast<size_t>(tp));
     dist::run_threads(tp, [&](dist::Communicator& comm) {
       const int r = comm.rank();
-      auto m = build_model(tensor_parallel_config(cfg, tp, false, r));
+      auto m = build_shard_model(cfg, tp, false, r);
       EXPECT_EQ(m->params().at("lm_head.weight").shape[0], vocab_shard(101, tp, r).rows);
       scatter_shard(gt, global->param_data(), m->params(), m->param_data(), r, tp);
       std::vector<float> g(gt.total(), -1.0f);
       gather_global(comm, gt, m->params(), m->param_data(), g.data());
       // Every rank builds rank 0's model: the last rank's rows differ (101 = 51 + 50, 34 + 34 + 33).
-      auto wrong = build_model(tensor_parallel_config(cfg, tp, false, 0));
+      auto wrong = build_shard_model(cfg, tp, false, 0);
       std::string err;
       try {
         attach_tensor_parallel(*wrong, comm);
@@ -391,7 +420,7 @@ TEST(TensorParallel, UnevenVocabularyRoundTripsAndWrongRankIsRefused) {
       const bool same_rows = vocab_shard(101, tp, r).rows == vocab_shard(101, tp, 0).rows;
       EXPECT_EQ(errors[static_cast<size_t>(r)].empty(), same_rows) << "tp=" << tp << " rank " << r;
       if (!same_rows) {
-        EXPECT_NE(errors[static_cast<size_t>(r)].find("tensor_parallel_config with its rank"), std::string::npos)
+        EXPECT_NE(errors[static_cast<size_t>(r)].find("shard_config with its rank"), std::string::npos)
             << errors[static_cast<size_t>(r)];
       }
     }
@@ -403,7 +432,7 @@ TEST(TensorParallel, ShardConfigCountsItsOwnParameters) {
   for (const Family& f : families())
     for (int tp : f.degrees)
       for (int r = 0; r < tp; ++r) {
-        const ModelConfig c = tensor_parallel_config(f.cfg, tp, false, r);
+        const ModelConfig c = shard_config(f.cfg, tp, r);
         EXPECT_EQ(c.num_parameters(), static_cast<int64_t>(build_model(c)->num_params()))
             << f.name << " tp=" << tp << " rank " << r;
       }

@@ -191,6 +191,22 @@ def main():
         e = rel(series(sp, "loss"), series(one, "loss"))
         check(e <= 1e-5, f"{preset}: TP=2 + SP losses match one process (max rel {e:.2e} <= 1e-5)")
 
+    # An explicit head_dim through the recipe (model.head_dim: 4 heads of 32, q/o 128 wide with hidden
+    # 96): TP=2 (2 heads of 32 per rank) and TP=2 + SP against one process, same tolerances.
+    hd = dict(model__hidden_size=96, model__num_attention_heads=4, model__num_key_value_heads=2,
+              model__head_dim=32, model__intermediate_size=192)
+    one = train(1, data, "mistral-debug", "mistral_hd_one", **hd)
+    tp2 = train(2, data, "mistral-debug", "mistral_hd_tp2", parallel__tensor=2, **hd)
+    sp = train(2, data, "mistral-debug", "mistral_hd_tp2_sp", parallel__tensor=2, parallel__sequence=True, **hd)
+    e = max(rel(series(tp2, "loss"), series(one, "loss")), rel(series(tp2, "grad_norm"), series(one, "grad_norm")))
+    ok, worst = weights_close(tp2, one, 1e-4)
+    cfg = json.load(open(os.path.join(tp2, "model", "config.json")))
+    check(e <= 1e-5 and ok and cfg["head_dim"] == 32 and weights(tp2)["model.layers.0.self_attn.q_proj.weight"].shape
+          == (128, 96), f"mistral head_dim 32 x 4 != hidden 96: TP=2 losses and gradient norms (max rel {e:.2e}) "
+          f"and final weights ({worst:.2e}) match one process; config.json head_dim {cfg['head_dim']}")
+    check(series(sp, "loss") == series(tp2, "loss") and series(sp, "grad_norm") == series(tp2, "grad_norm"),
+          "mistral head_dim: TP=2 + SP gives TP=2's losses and gradient norms bit for bit")
+
     # bf16: the row-parallel partial products are summed in fp32 and rounded once more than in one
     # process; each is one bf16 rounding (2^-8 relative) of values the loss averages over, so the
     # losses stay within 1e-2 relative of the one-process bf16 run over 10 steps (measured ~1e-4).

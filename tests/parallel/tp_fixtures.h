@@ -9,6 +9,7 @@
 #include <memory>
 #include <vector>
 
+#include "../models/model_fixtures.h"
 #include "config/model_config.h"
 #include "core/rng.h"
 #include "dist/comm.h"
@@ -32,7 +33,9 @@ inline std::vector<Family> base_families() {
   return {{"gpt2", ModelConfig::preset("gpt2-debug"), {2, 4}},     // fused c_attn, LayerNorm with bias
           {"llama_gqa", ModelConfig::preset("llama-debug"), {2}},  // 4 query heads, 2 KV heads, RMSNorm
           {"qwen2", ModelConfig::preset("qwen2-debug"), {2}},      // q/k/v biases, tied
-          {"llama_untied_bias", untied, {2}}};
+          {"llama_untied_bias", untied, {2}},
+          // explicit head_dim: 4 heads of 32 (q/o 128 wide) with hidden 96; 2 heads of 32 per rank
+          {"mistral_head_dim", model_test::mistral_head_dim_config(0.1), {2}}};
 }
 
 // Deterministic init, with biases and norm weights perturbed so that their use and gradients show.
@@ -84,9 +87,9 @@ inline double sgd_step(Model& m, const Batch& b, int64_t B, int64_t T, float lr)
 
 // Rank `rank`'s model of the shard config `local`: its slice of the global model's weights, hooked
 // to `comm` (the tensor-parallel group of `tp` ranks). Not yet allocated.
-inline std::unique_ptr<Model> attached_shard(const Model& global, const ModelConfig& local, dist::Communicator& comm,
-                                             int rank, int tp, const ComputeSpec& compute = {}) {
-  auto m = build_model(local, compute);
+inline std::unique_ptr<Model> attached_shard(const Model& global, dist::Communicator& comm, int rank, int tp,
+                                             bool sequence = false, const ComputeSpec& compute = {}) {
+  auto m = parallel::build_shard_model(global.config(), tp, sequence, rank, compute);
   parallel::scatter_shard(global.params(), global.param_data(), m->params(), m->param_data(), rank, tp);
   m->refresh_compute_weights();
   parallel::attach_tensor_parallel(*m, comm);

@@ -90,7 +90,7 @@ TEST(Reshard, TensorParallelRankReadsOnlyItsShard) {
     verify_checkpoint(dir);
     for (int tp : {1, 2, 4}) {
       for (int rank = 0; rank < tp; ++rank) {
-        auto local = build_model(parallel::tensor_parallel_config(cfg, tp, false, rank));
+        auto local = build_model(parallel::shard_config(cfg, tp, rank));
         const size_t L = local->num_params();
         // Oracle: the whole moments scattered to this rank (tensor_parallel.cpp), then its ZeRO cut.
         std::vector<float> want_m(L), want_v(L);
