@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "config/rope_scaling.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/rng.h"
@@ -186,15 +187,15 @@ Ops make() {
   // In place on rows of `stride` elements: widen the whole span the kernel touches (bf16 -> fp32
   // -> bf16 is exact for the columns it leaves alone).
   o.rope_forward = [](void* x, const float* cs, const float* sn, int64_t B, int64_t T, int64_t H, int64_t D,
-                      int64_t stride, const int32_t* pos) {
+                      int64_t rot, int64_t stride, const int32_t* pos) {
     VecF xv = in(x, (B * T - 1) * stride + H * D);
-    f32().rope_forward(xv.data(), cs, sn, B, T, H, D, stride, pos);
+    f32().rope_forward(xv.data(), cs, sn, B, T, H, D, rot, stride, pos);
     out(x, xv);
   };
   o.rope_backward = [](void* x, const float* cs, const float* sn, int64_t B, int64_t T, int64_t H, int64_t D,
-                       int64_t stride, const int32_t* pos) {
+                       int64_t rot, int64_t stride, const int32_t* pos) {
     VecF xv = in(x, (B * T - 1) * stride + H * D);
-    f32().rope_backward(xv.data(), cs, sn, B, T, H, D, stride, pos);
+    f32().rope_backward(xv.data(), cs, sn, B, T, H, D, rot, stride, pos);
     out(x, xv);
   };
   o.attention_forward = [](void* y, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
@@ -549,7 +550,7 @@ void case_rope(const Target& t) {
           const int64_t offset = 5, stride = offset + H * D + 7, half = D / 2;
           Rng rng(800 + B * 1000 + T * 10 + H + D);
           auto cs = r.f32(VecF(T * half, kNaN), "cos"), sn = r.f32(VecF(T * half, kNaN), "sin");
-          t.ops->rope_tables(cs->f(), sn->f(), T, D, 10000.0);
+          t.ops->rope_tables(cs->f(), sn->f(), T, D / 2, rope_default_inv_freq(D, 10000.0).data(), 1.0f);
           const VecF csh = cs->down(), snh = sn->down();
           for (int64_t tt = 0; tt < T; ++tt)
             for (int64_t i = 0; i < half; ++i) {
@@ -565,10 +566,10 @@ void case_rope(const Target& t) {
           // In place on a pointer `offset` elements into each row (element size of the dtype).
           const size_t off_bytes = offset * dtype_size(r.act_dt());
           auto y = r.act(x, "x");
-          t.ops->rope_forward(static_cast<char*>(y->p()) + off_bytes, cs->f(), sn->f(), B, T, H, D, stride, nullptr);
+          t.ops->rope_forward(static_cast<char*>(y->p()) + off_bytes, cs->f(), sn->f(), B, T, H, D, D, stride, nullptr);
           r.check(*y, ref, "forward");
           auto dx = r.act(g, "dx");
-          t.ops->rope_backward(static_cast<char*>(dx->p()) + off_bytes, cs->f(), sn->f(), B, T, H, D, stride, nullptr);
+          t.ops->rope_backward(static_cast<char*>(dx->p()) + off_bytes, cs->f(), sn->f(), B, T, H, D, D, stride, nullptr);
           r.check(*dx, rdx, "backward");
         }
 }
@@ -631,16 +632,16 @@ void case_documents(const Target& t) {
     r.check(*gpe, rdwpe, "embedding dwpe");
     // RoPE on the q section of a fused row with positions
     auto cs = r.f32(VecF(T * half, kNaN), "cos"), sn = r.f32(VecF(T * half, kNaN), "sin");
-    t.ops->rope_tables(cs->f(), sn->f(), T, D, 10000.0);
+    t.ops->rope_tables(cs->f(), sn->f(), T, D / 2, rope_default_inv_freq(D, 10000.0).data(), 1.0f);
     const VecD csd = to_double(cs->down()), snd = to_double(sn->down());
     const VecF x = r.act_in(randn(B * T * ld, rng)), gx = r.act_in(randn(B * T * ld, rng));
     VecD rref, rdx;
     ref_rope_fwd(rref, to_double(x), csd, snd, B, T, H, D, ld, 0, &pos);
     ref_rope_bwd(rdx, to_double(gx), csd, snd, B, T, H, D, ld, 0, &pos);
     auto y = r.act(x, "rope x"), dy = r.act(gx, "rope dx");
-    t.ops->rope_forward(y->p(), cs->f(), sn->f(), B, T, H, D, ld, r.ints(pos));
+    t.ops->rope_forward(y->p(), cs->f(), sn->f(), B, T, H, D, D, ld, r.ints(pos));
     r.check(*y, rref, "rope forward");
-    t.ops->rope_backward(dy->p(), cs->f(), sn->f(), B, T, H, D, ld, r.ints(pos));
+    t.ops->rope_backward(dy->p(), cs->f(), sn->f(), B, T, H, D, D, ld, r.ints(pos));
     r.check(*dy, rdx, "rope backward");
     // attention with doc_start
     const AttnShape s{B, T, H, KVH, D};
