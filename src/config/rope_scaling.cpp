@@ -79,7 +79,7 @@ RopeScaling RopeScaling::from_json(const json& j, std::string_view source, std::
   if (it == type_keys().end())
     fail(rt ? "rope_type" : "type",
          fmt::format("'{}' is not a RoPE type of transformers 4.45 (default, linear, dynamic, yarn, llama3, longrope)",
-                     type));
+                     type.size() <= 60 ? type : type.substr(0, 60) + "..."));
   r.type = type;
   const TypeKeys& tk = it->second;
   for (auto e = j.begin(); e != j.end(); ++e) {

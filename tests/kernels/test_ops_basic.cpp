@@ -495,4 +495,17 @@ TEST(Rope, ForwardBackwardOddShapes) {
         for (int64_t D : {2, 34, 66}) run_rope_case(B, T, H, D, true, 8000 + B * 1000 + T * 10 + H + D);
 }
 
+// RoPE scaling's attention factor multiplies the fp32 cos/sin (transformers: cos * attention_scaling).
+TEST(Rope, TablesApplyAttentionFactor) {
+  const int64_t T = 37, half = 5;
+  const std::vector<float> inv = {1.0f, 0.3f, 0.07f, 0.011f, 0.0009f};
+  VecF c1(T * half), s1(T * half), c2(T * half), s2(T * half);
+  cpu::rope_tables(c1.data(), s1.data(), T, half, inv.data(), 1.0f);
+  cpu::rope_tables(c2.data(), s2.data(), T, half, inv.data(), 1.25f);
+  for (int64_t k = 0; k < T * half; ++k) {
+    ASSERT_EQ(c2[k], c1[k] * 1.25f) << k;
+    ASSERT_EQ(s2[k], s1[k] * 1.25f) << k;
+  }
+}
+
 TEST(Rope, LargeParallelDeterministic) { run_rope_case(2, 131, 12, 64, false, 81); }
