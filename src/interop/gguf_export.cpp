@@ -34,6 +34,10 @@ std::vector<float> permute_rope_rows(const float* w, int64_t n_head, int64_t hd,
 // tensor of per-frequency divisors (llama.cpp: freq_i = base^(-2i/n_rot) / rope_freqs[i]). What
 // llama.cpp cannot reproduce is refused naming the key.
 void add_rope_scaling(io::GgufWriter& w, const ModelConfig& c, const std::string& arch) {
+  LATHE_CHECK(c.rotary_dim() == c.head_dim(),
+              "gguf export: partial_rotary_factor = {} ({} of {} dims rotate): llama.cpp's {} architecture requires "
+              "rope.dimension_count = head_dim (it refuses to load the file otherwise); export a model without it",
+              c.partial_rotary_factor, c.rotary_dim(), c.head_dim(), arch);
   const RopeScaling& r = c.rope_scaling;
   if (!r.active()) return;
   auto refuse = [&](const std::string& why) {
@@ -64,7 +68,8 @@ void add_rope_scaling(io::GgufWriter& w, const ModelConfig& c, const std::string
   const std::vector<float> plain = rope_default_inv_freq(c.rotary_dim(), c.rope_theta);
   std::vector<float> div(plain.size());
   for (size_t i = 0; i < div.size(); ++i) div[i] = plain[i] / f.inv_freq[i];
-  w.add_tensor_owned("rope_freqs.weight", {static_cast<int64_t>(div.size())}, std::move(div), DType::F32);
+  const Shape shape = {static_cast<int64_t>(div.size())};  // before div is moved from
+  w.add_tensor_owned("rope_freqs.weight", shape, std::move(div), DType::F32);
 }
 
 using NameMap = std::vector<std::pair<std::string, std::string>>;
