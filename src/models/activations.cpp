@@ -210,11 +210,14 @@ void Model::build_rope_tables(int64_t seq_len) {
 }
 
 // Dynamic NTK: transformers recomputes the frequencies for a sequence longer than
-// max_position_embeddings (from its length); all shorter ones share the plain tables.
+// max_position_embeddings, from max(position_ids) + 1 (the pass length, or the longest document
+// with positions restarting per document); all shorter ones share the plain tables. Called by the
+// forward only: a slot's backward uses the tables of its forward.
 void Model::rope_tables_for(int64_t T) {
   if (cfg_.rope_scaling.type != "dynamic") return;
   const int64_t P = cfg_.max_position_embeddings;
-  if (std::max(T, P) != std::max(rope_len_[static_cast<size_t>(slot_)], P)) build_rope_tables(T);
+  const int64_t L = doc_pos_.empty() ? T : int64_t{*std::max_element(doc_pos_.begin(), doc_pos_.end())} + 1;
+  if (std::max(L, P) != std::max(rope_len_[static_cast<size_t>(slot_)], P)) build_rope_tables(L);
 }
 
 void Model::use_slot(int64_t i) {

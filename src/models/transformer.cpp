@@ -523,7 +523,6 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
                         cw(w.o_w), N, H * D, C, false);
   ops_->attention_backward(dqkv_, datt_, a.qkv, a.att, a.lse, B, T, H, KV, D, scratch_, doc_starts());
   if (!arch_.learned_pos) {
-    rope_tables_for(T);
     const int64_t rot = cfg_.rotary_dim();
     ops_->rope_backward(dqkv_, rope_cos_, rope_sin_, B, T, H, D, rot, Q, doc_positions());
     ops_->rope_backward(act_at(dqkv_, H * D), rope_cos_, rope_sin_, B, T, KV, D, rot, Q, doc_positions());

@@ -239,6 +239,35 @@ TEST(RopeScaling, KvCacheEqualsFullForward) {
   }
 }
 
+// Dynamic NTK follows transformers' max(position_ids) + 1: a 29-token pass (max_position_embeddings
+// 16) of two documents whose positions restart (longest 15) keeps the plain frequencies, bit for
+// bit, while the same tokens as one document get the scaled ones.
+TEST(RopeScaling, DynamicFollowsDocumentPositions) {
+  const int64_t T = 29, V = 64;
+  ModelConfig dyn = cfg_with("llama", {{"rope_type", "dynamic"}, {"factor", 3.0}}, 16);
+  auto m = make_model(dyn, 1, T);
+  auto plain = make_model(cfg_with("llama", nullptr, 16), 1, T);
+  std::vector<int32_t> toks(T), start(T), pos(T);
+  for (int64_t t = 0; t < T; ++t) {
+    toks[t] = static_cast<int32_t>((7 * t + 3) % V);
+    start[t] = t < 14 ? 0 : 14;
+    pos[t] = static_cast<int32_t>(t - start[t]);
+  }
+  std::vector<float> a(T * V), b(T * V), c(T * V);
+  m->set_documents(start.data(), pos.data(), 1, T);
+  plain->set_documents(start.data(), pos.data(), 1, T);
+  m->forward_logits(toks.data(), 1, T, a.data());
+  plain->forward_logits(toks.data(), 1, T, b.data());
+  EXPECT_EQ(a, b) << "documents of <= 16 positions: plain RoPE";
+  m->set_documents(nullptr, nullptr, 1, T);
+  plain->set_documents(nullptr, nullptr, 1, T);
+  m->forward_logits(toks.data(), 1, T, a.data());
+  plain->forward_logits(toks.data(), 1, T, c.data());
+  float d = 0;
+  for (int64_t i = 0; i < T * V; ++i) d = std::max(d, std::fabs(a[i] - c[i]));
+  EXPECT_GT(d, 1e-3f) << "one 29-token document: NTK-scaled frequencies";
+}
+
 TEST(RopeScaling, ConfigRoundTrip) {
   for (const Case& c : parity_cases()) {
     const json j = c.cfg.to_hf_json();
