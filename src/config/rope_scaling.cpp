@@ -182,6 +182,14 @@ void validate_rope(const ModelConfig& c, std::string_view source, std::string_vi
   if (r.type == "dynamic")
     LATHE_CHECK(rot > 2, "{}: {}rope_scaling: dynamic needs more than 2 rotated dims (its exponent is rot/(rot-2))",
                 source, prefix);
+  // Values too large for fp32 (a factor of 1e300, say) would put inf or NaN into the tables.
+  const RopeFrequencies f = rope_frequencies(c, P);
+  bool finite = std::isfinite(f.attention_factor);
+  for (float x : f.inv_freq) finite = finite && std::isfinite(x);
+  LATHE_CHECK(finite,
+              "{}: {}rope_scaling {}: the RoPE frequencies or the attention factor are not finite in fp32 (attention "
+              "factor {}); use values of a real model",
+              source, prefix, io::json_excerpt(r.to_json()), f.attention_factor);
 }
 
 RopeFrequencies rope_frequencies(const ModelConfig& c, int64_t seq_len) {
