@@ -184,6 +184,14 @@ TEST(Recipe, Overrides) {
   EXPECT_DOUBLE_EQ(rs.model.partial_rotary_factor, 0.5);
   expect_error("model: {preset: llama-debug, rope_scaling: {rope_type: yarn}}\ndata: {train: x}\n",
                {"model.rope_scaling.factor: missing"});
+  // Dynamic NTK scaling may train past max_position_embeddings (128 in llama-debug); others may not.
+  Recipe dy = parse_recipe("model: {preset: llama-debug, rope_scaling: {rope_type: dynamic, factor: 2.0}}\n"
+                           "data: {train: x}\ntraining: {seq_len: 200}\n",
+                           "r.yaml");
+  EXPECT_EQ(dy.training.seq_len, 200);
+  expect_error("model: {preset: llama-debug, rope_scaling: {rope_type: linear, factor: 2.0}}\n"
+               "data: {train: x}\ntraining: {seq_len: 200}\n",
+               {"training.seq_len", "exceeds the model's max_position_embeddings"});
   expect_error(kGood, {"--set training.stpes=10", "unknown key 'training.stpes'", "did you mean 'training.steps'"},
                {"training.stpes=10"});
   expect_error(kGood, {"--set trainig.steps=10", "unknown section 'trainig'", "'training'"}, {"trainig.steps=10"});
