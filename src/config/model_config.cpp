@@ -160,6 +160,30 @@ std::vector<std::string> ModelConfig::known_keys(std::string_view model_type) {
   return keys;
 }
 
+namespace {
+
+// rope_scaling, the top-level original_max_position_embeddings (Phi-3's, read by longrope) and
+// partial_rotary_factor (config/rope_scaling.h).
+void read_rope_scaling(const Reader& r, ModelConfig& c, bool mistral, std::string_view key_prefix) {
+  if (r.has("rope_scaling")) {
+    c.rope_scaling = RopeScaling::from_json(r.j["rope_scaling"], r.source, key_prefix);
+    if (mistral && c.rope_scaling.active())
+      r.fail("rope_scaling", "transformers 4.45's mistral ignores rope_scaling (its rotary class is plain RoPE), so "
+                             "a scaled mistral would not load as trained; use model_type llama, or null");
+  }
+  if (r.has("original_max_position_embeddings"))
+    c.rope_scaling.config_original_max_position_embeddings =
+        r.f.integer(r.j["original_max_position_embeddings"], "original_max_position_embeddings", 1, kMaxPositions);
+  if (r.has("partial_rotary_factor")) {
+    c.partial_rotary_factor = r.get_double("partial_rotary_factor");
+    if (mistral && c.partial_rotary_factor != 1.0)
+      r.fail("partial_rotary_factor", "transformers 4.45's mistral ignores it (it rotates the whole head); use "
+                                      "model_type llama, or remove the key");
+  }
+}
+
+}  // namespace
+
 ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, bool strict_unknown) {
   return from_hf_json(j, source, "", strict_unknown);
 }
@@ -279,21 +303,7 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
       r.fail("head_dim", fmt::format("{} != hidden_size / num_attention_heads = {} / {}: an explicit head "
                                      "dimension is not supported",
                                      r.get_int("head_dim"), c.hidden_size, c.num_attention_heads));
-    if (r.has("rope_scaling")) {
-      c.rope_scaling = RopeScaling::from_json(j["rope_scaling"], source, key_prefix);
-      if (mistral && c.rope_scaling.active())
-        r.fail("rope_scaling", "transformers 4.45's mistral ignores rope_scaling (its rotary class is plain RoPE), so "
-                               "a scaled mistral would not load as trained; use model_type llama, or null");
-    }
-    if (r.has("original_max_position_embeddings"))  // top level: Phi-3's spelling, read by longrope
-      c.rope_scaling.config_original_max_position_embeddings =
-          r.f.integer(j["original_max_position_embeddings"], "original_max_position_embeddings", 1, kMaxPositions);
-    if (r.has("partial_rotary_factor")) {
-      c.partial_rotary_factor = r.get_double("partial_rotary_factor");
-      if (mistral && c.partial_rotary_factor != 1.0)
-        r.fail("partial_rotary_factor", "transformers 4.45's mistral ignores it (it rotates the whole head); use "
-                                        "model_type llama, or remove the key");
-    }
+    read_rope_scaling(r, c, mistral, key_prefix);
     if (r.has("rope_parameters")) {
       const json& rp = j["rope_parameters"];
       if (!rp.is_object()) r.fail("rope_parameters", fmt::format("expected an object, got '{}'", value_str(rp)));
