@@ -21,6 +21,7 @@
 #include <cstring>
 #include <functional>
 
+#include "config/rope_scaling.h"
 #include "core/buffer.h"
 #include "core/rng.h"
 #include "core/timer.h"
@@ -158,9 +159,9 @@ int main(int argc, char** argv) {
   {
     const int64_t B = 4, T = 64, H = 12, D = 64;
     Buffer<float> cs(T * D / 2), sn(T * D / 2);
-    cpu::rope_tables(cs.data(), sn.data(), T, D, 10000.0);
-    const double rf = best_seconds([&] { cpu::rope_forward(x.data(), cs.data(), sn.data(), B, T, H, D, 3 * H * D); });
-    const double rb = best_seconds([&] { cpu::rope_backward(x.data(), cs.data(), sn.data(), B, T, H, D, 3 * H * D); });
+    cpu::rope_tables(cs.data(), sn.data(), T, D / 2, rope_default_inv_freq(D, 10000.0).data(), 1.0f);
+    const double rf = best_seconds([&] { cpu::rope_forward(x.data(), cs.data(), sn.data(), B, T, H, D, D, 3 * H * D); });
+    const double rb = best_seconds([&] { cpu::rope_backward(x.data(), cs.data(), sn.data(), B, T, H, D, D, 3 * H * D); });
     std::printf("rope      B*T=256 H=12 D=64  fwd %7.3f ms   bwd %7.3f ms\n", ms(rf), ms(rb));
   }
   {

@@ -118,8 +118,8 @@ int run_eval(int argc, char** argv) {
     return 0;
   }
   const int64_t seq_len = seq_len_opt ? *seq_len_opt : std::min<int64_t>(1024, cfg.max_position_embeddings);
-  LATHE_CHECK(seq_len <= cfg.max_position_embeddings, "--seq-len {} exceeds the model's max_position_embeddings {}",
-              seq_len, cfg.max_position_embeddings);
+  LATHE_CHECK(seq_len <= cfg.max_position_embeddings || cfg.rope_scaling.type == "dynamic",
+              "--seq-len {} exceeds the model's max_position_embeddings {}", seq_len, cfg.max_position_embeddings);
   lathe::data::IndexedDataset ds(prefix);
   const int32_t mx = ds.max_token_id();
   LATHE_CHECK(mx < cfg.vocab_size, "{}: the dataset contains token id {} but the model's vocab_size is {}", prefix, mx,

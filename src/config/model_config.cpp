@@ -67,7 +67,8 @@ const std::vector<std::string> kLlamaKeys = {
     "hidden_size",         "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim",          "hidden_act",        "max_position_embeddings",
     "rms_norm_eps",        "rope_theta",        "rope_scaling",      "rope_parameters",
-    "attention_bias",      "mlp_bias",          "attention_dropout", "pretraining_tp"};
+    "attention_bias",      "mlp_bias",          "attention_dropout", "pretraining_tp",
+    "partial_rotary_factor", "original_max_position_embeddings"};
 const std::vector<std::string> kQwen2Extra = {"use_sliding_window", "sliding_window", "max_window_layers",
                                               "layer_types"};
 const std::vector<std::string> kMistralExtra = {"sliding_window", "layer_types"};
@@ -158,6 +159,30 @@ std::vector<std::string> ModelConfig::known_keys(std::string_view model_type) {
   }
   return keys;
 }
+
+namespace {
+
+// rope_scaling, the top-level original_max_position_embeddings (Phi-3's, read by longrope) and
+// partial_rotary_factor (config/rope_scaling.h).
+void read_rope_scaling(const Reader& r, ModelConfig& c, bool mistral, std::string_view key_prefix) {
+  if (r.has("rope_scaling")) {
+    c.rope_scaling = RopeScaling::from_json(r.j["rope_scaling"], r.source, key_prefix);
+    if (mistral && c.rope_scaling.active())
+      r.fail("rope_scaling", "transformers 4.45's mistral ignores rope_scaling (its rotary class is plain RoPE), so "
+                             "a scaled mistral would not load as trained; use model_type llama, or null");
+  }
+  if (r.has("original_max_position_embeddings"))
+    c.rope_scaling.config_original_max_position_embeddings =
+        r.f.integer(r.j["original_max_position_embeddings"], "original_max_position_embeddings", 1, kMaxPositions);
+  if (r.has("partial_rotary_factor")) {
+    c.partial_rotary_factor = r.get_double("partial_rotary_factor");
+    if (mistral && c.partial_rotary_factor != 1.0)
+      r.fail("partial_rotary_factor", "transformers 4.45's mistral ignores it (it rotates the whole head); use "
+                                      "model_type llama, or remove the key");
+  }
+}
+
+}  // namespace
 
 ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, bool strict_unknown) {
   return from_hf_json(j, source, "", strict_unknown);
@@ -288,9 +313,7 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
         r.fail("head_dim",
                fmt::format("{} must be > 0 (or absent: hidden_size / num_attention_heads)", c.explicit_head_dim));
     }
-    if (r.has("rope_scaling"))
-      r.fail("rope_scaling",
-             fmt::format("'{}' is not supported (only null: plain RoPE)", value_str(j["rope_scaling"])));
+    read_rope_scaling(r, c, mistral, key_prefix);
     if (r.has("rope_parameters")) {
       const json& rp = j["rope_parameters"];
       if (!rp.is_object()) r.fail("rope_parameters", fmt::format("expected an object, got '{}'", value_str(rp)));
@@ -413,6 +436,11 @@ void ModelConfig::validate(std::string_view source, std::string_view prefix) con
       LATHE_CHECK(head_dim() % 2 == 0, "{}: head_dim = {} / {} = {} / {} = {} must be even for RoPE", source,
                   hf("hidden_size"), hf("num_attention_heads"), hidden_size, num_attention_heads, head_dim());
     finite_positive("rope_theta", rope_theta);
+    validate_rope(*this, source, prefix);
+  } else {
+    LATHE_CHECK(!rope_scaling.active() && partial_rotary_factor == 1.0,
+                "{}: {}rope_scaling / partial_rotary_factor: gpt2 has learned positions, no RoPE; remove them", source,
+                prefix);
   }
   finite_positive("norm_eps", norm_eps);
   finite_positive("initializer_range", initializer_range);
@@ -430,7 +458,8 @@ void ModelConfig::validate(std::string_view source, std::string_view prefix) con
 }
 
 void ModelConfig::check_seq_len(int64_t seq_len, std::string_view source) const {
-  LATHE_CHECK(seq_len <= max_position_embeddings, "{}: seq_len = {} exceeds max_position_embeddings = {} of the model",
+  // Dynamic NTK scaling exists to run past max_position_embeddings (its tables follow seq_len).
+  LATHE_CHECK(seq_len <= max_position_embeddings || rope_scaling.type == "dynamic", "{}: seq_len = {} exceeds max_position_embeddings = {} of the model",
               source, seq_len, max_position_embeddings);
   LATHE_CHECK(sliding_window == 0 || seq_len <= sliding_window,
               "{}: seq_len = {} exceeds the model's sliding_window = {}; lathe implements full attention "
@@ -508,7 +537,10 @@ json ModelConfig::to_hf_json() const {
   j["max_position_embeddings"] = max_position_embeddings;
   j["rms_norm_eps"] = norm_eps;
   j["rope_theta"] = rope_theta;
-  j["rope_scaling"] = nullptr;
+  j["rope_scaling"] = rope_scaling.to_json();
+  if (rope_scaling.config_original_max_position_embeddings)
+    j["original_max_position_embeddings"] = *rope_scaling.config_original_max_position_embeddings;
+  if (partial_rotary_factor != 1.0) j["partial_rotary_factor"] = partial_rotary_factor;
   j["attention_dropout"] = 0.0;
   if (model_type == "llama") {
     j["attention_bias"] = attention_bias;
@@ -611,7 +643,8 @@ bool operator==(const ModelConfig& a, const ModelConfig& b) {
          a.hidden_size == b.hidden_size && a.num_hidden_layers == b.num_hidden_layers &&
          a.num_attention_heads == b.num_attention_heads && a.num_key_value_heads == b.num_key_value_heads &&
          a.intermediate_size == b.intermediate_size && a.max_position_embeddings == b.max_position_embeddings &&
-         a.norm_eps == b.norm_eps && a.rope_theta == b.rope_theta && a.tie_word_embeddings == b.tie_word_embeddings &&
+         a.norm_eps == b.norm_eps && a.rope_theta == b.rope_theta &&
+         a.rope_scaling == b.rope_scaling && a.partial_rotary_factor == b.partial_rotary_factor && a.tie_word_embeddings == b.tie_word_embeddings &&
          a.attention_bias == b.attention_bias && a.initializer_range == b.initializer_range &&
          a.hidden_act == b.hidden_act && a.bos_token_id == b.bos_token_id && a.eos_token_id == b.eos_token_id &&
          a.eos_token_ids == b.eos_token_ids && a.pad_token_id == b.pad_token_id &&

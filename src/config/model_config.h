@@ -9,6 +9,8 @@
 #include <string_view>
 #include <vector>
 
+#include "config/rope_scaling.h"
+
 namespace lathe {
 
 // Documented bounds of the dimensions (validate() refuses larger values naming the field). They are
@@ -29,6 +31,11 @@ struct ModelConfig {
   int64_t max_position_embeddings = 0;  // gpt2: n_positions
   double norm_eps = 1e-5;               // gpt2 layer_norm_epsilon; llama rms_norm_eps
   double rope_theta = 10000.0;          // llama family
+  // llama family: config.json rope_scaling (config/rope_scaling.h; type "" = null) and
+  // partial_rotary_factor (rotate the first int(head_dim x factor) dims of each head, the rest pass
+  // through; 1 = the whole head).
+  RopeScaling rope_scaling;
+  double partial_rotary_factor = 1.0;
   bool tie_word_embeddings = true;      // gpt2 always true
   // llama: attention_bias (q/k/v/o biases); qwen2: forced true and means q/k/v biases only (no
   // o_proj bias); mistral: false; gpt2: false here, but GPT-2 always has all its biases.
@@ -62,6 +69,11 @@ struct ModelConfig {
   // Width of the attention's q rows and of o_proj's input: heads x head_dim (hidden_size unless
   // head_dim is explicit).
   int64_t attention_width() const { return num_attention_heads * head_dim(); }
+  // Rotated dims of each head (RoPE tables are [T, rotary_dim() / 2]).
+  int64_t rotary_dim() const {
+    return partial_rotary_factor == 1.0 ? head_dim()
+                                        : static_cast<int64_t>(static_cast<double>(head_dim()) * partial_rotary_factor);
+  }
   bool is_gpt2() const { return family == "gpt2"; }
   bool is_llama() const { return family == "llama"; }
   // Addition. q/k/v projections carry a bias (gpt2: inside c_attn; llama: attention_bias; qwen2).
@@ -99,7 +111,8 @@ struct ModelConfig {
   // RoPE, finite positive floats, parameter count within 64 bits. Errors name the field and the values.
   void validate(std::string_view source) const;
   void validate(std::string_view source, std::string_view key_prefix) const;  // addition
-  // Addition. seq_len <= max_position_embeddings and <= sliding_window (when set).
+  // Addition. seq_len <= max_position_embeddings (except with dynamic RoPE scaling, made for longer
+  // sequences) and <= sliding_window (when set).
   void check_seq_len(int64_t seq_len, std::string_view source) const;
 
   // Presets (all validated):

@@ -288,7 +288,8 @@ class Parser {
                        r.precision.compute));
     }
     schema::check_bounds(r, rep_, "training");
-    need(t.seq_len <= r.model.max_position_embeddings, "training.seq_len",
+    // Dynamic NTK RoPE scaling exists to run past max_position_embeddings (model_config.h).
+    need(t.seq_len <= r.model.max_position_embeddings || r.model.rope_scaling.type == "dynamic", "training.seq_len",
          fmt::format("{} exceeds the model's max_position_embeddings{} = {}", t.seq_len,
                      r.model.is_gpt2() ? " (n_positions)" : "", r.model.max_position_embeddings));
     need(r.model.sliding_window == 0 || t.seq_len <= r.model.sliding_window, "training.seq_len",

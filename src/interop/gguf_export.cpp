@@ -16,16 +16,60 @@ namespace lathe {
 namespace {
 
 // HF rotate_half order -> llama.cpp interleaved order, per head: new row 2j = old row j,
-// new row 2j+1 = old row j + hd/2. W: [n_head*hd, cols] (cols = 1 for a bias).
-std::vector<float> permute_rope_rows(const float* w, int64_t n_head, int64_t hd, int64_t cols) {
-  std::vector<float> out(static_cast<size_t>(n_head * hd * cols));
+// new row 2j+1 = old row j + rot/2 for j < rot/2 (rot = the rotated rows of a head, hd unless
+// partial rotary; rows from rot on stay). W: [n_head*hd, cols] (cols = 1 for a bias).
+std::vector<float> permute_rope_rows(const float* w, int64_t n_head, int64_t hd, int64_t rot, int64_t cols) {
+  std::vector<float> out(w, w + n_head * hd * cols);
   for (int64_t h = 0; h < n_head; ++h)
-    for (int64_t j = 0; j < hd / 2; ++j)
+    for (int64_t j = 0; j < rot / 2; ++j)
       for (int64_t half = 0; half < 2; ++half) {
-        const float* src = w + ((h * hd) + half * (hd / 2) + j) * cols;
+        const float* src = w + ((h * hd) + half * (rot / 2) + j) * cols;
         std::copy(src, src + cols, out.begin() + ((h * hd) + 2 * j + half) * cols);
       }
   return out;
+}
+
+// RoPE scaling as llama.cpp reads it (convert_hf_to_gguf.py's keys): linear and yarn as
+// {arch}.rope.scaling.*, llama3 (and longrope without an attention factor) as the rope_freqs
+// tensor of per-frequency divisors (llama.cpp: freq_i = base^(-2i/n_rot) / rope_freqs[i]). What
+// llama.cpp cannot reproduce is refused naming the key.
+void add_rope_scaling(io::GgufWriter& w, const ModelConfig& c, const std::string& arch) {
+  LATHE_CHECK(c.rotary_dim() == c.head_dim(),
+              "gguf export: partial_rotary_factor = {} ({} of {} dims rotate): llama.cpp's {} architecture requires "
+              "rope.dimension_count = head_dim (it refuses to load the file otherwise); export a model without it",
+              c.partial_rotary_factor, c.rotary_dim(), c.head_dim(), arch);
+  const RopeScaling& r = c.rope_scaling;
+  if (!r.active()) return;
+  auto refuse = [&](const std::string& why) {
+    throw_error("gguf export: rope_scaling type '{}': {}; export a model without it (rope_scaling null)", r.type, why);
+  };
+  if (r.type == "dynamic") refuse("llama.cpp has no dynamic NTK scaling (frequencies that follow the length)");
+  if (r.type == "linear") {
+    w.add_string(arch + ".rope.scaling.type", "linear");
+    w.add_f32(arch + ".rope.scaling.factor", static_cast<float>(*r.factor));
+    return;
+  }
+  if (r.type == "yarn") {
+    if (r.attention_factor || r.beta_fast || r.beta_slow)
+      refuse("llama.cpp's yarn uses the default attention_factor (0.1 ln factor + 1) and beta_fast 32 / beta_slow "
+             "1; this config sets attention_factor/beta_fast/beta_slow");
+    w.add_string(arch + ".rope.scaling.type", "yarn");
+    w.add_f32(arch + ".rope.scaling.factor", static_cast<float>(*r.factor));
+    // transformers 4.45 computes yarn's correction range from max_position_embeddings.
+    w.add_u32(arch + ".rope.scaling.original_context_length", static_cast<uint32_t>(c.max_position_embeddings));
+    return;
+  }
+  const RopeFrequencies f = rope_frequencies(c, c.max_position_embeddings);
+  if (r.type == "longrope" && f.attention_factor != 1.0f)
+    refuse(fmt::format("llama.cpp's {} graph applies no longrope attention factor (here {}; only its phi3 "
+                       "architecture reads longrope)",
+                       arch, f.attention_factor));
+  // llama3, longrope: divisors of the plain frequencies, as an F32 tensor [rot/2].
+  const std::vector<float> plain = rope_default_inv_freq(c.rotary_dim(), c.rope_theta);
+  std::vector<float> div(plain.size());
+  for (size_t i = 0; i < div.size(); ++i) div[i] = plain[i] / f.inv_freq[i];
+  const Shape shape = {static_cast<int64_t>(div.size())};  // before div is moved from
+  w.add_tensor_owned("rope_freqs.weight", shape, std::move(div), DType::F32);
 }
 
 using NameMap = std::vector<std::pair<std::string, std::string>>;
@@ -110,7 +154,8 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
     w.add_u32(arch + ".attention.head_count_kv", u32(KV));
     w.add_f32(arch + ".rope.freq_base", static_cast<float>(c.rope_theta));
     w.add_f32(arch + ".attention.layer_norm_rms_epsilon", static_cast<float>(c.norm_eps));
-    w.add_u32(arch + ".rope.dimension_count", u32(D));
+    w.add_u32(arch + ".rope.dimension_count", u32(c.rotary_dim()));
+    add_rope_scaling(w, c, arch);
     // llama.cpp takes n_embd / n_head as the head width unless these are given (as its
     // convert_hf_to_gguf.py writes them for an explicit head_dim): Mistral-Nemo's 5120 / 32 heads of 128.
     if (H * D != C) {
@@ -167,7 +212,7 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
     const bool is_q = suffix.rfind("self_attn.q_proj.", 0) == 0, is_k = suffix.rfind("self_attn.k_proj.", 0) == 0;
     if (permute && (is_q || is_k)) {
       const int64_t cols = s.shape.size() == 2 ? s.shape[1] : 1;
-      w.add_tensor_owned(gname, s.shape, permute_rope_rows(data, is_q ? H : KV, D, cols), t);
+      w.add_tensor_owned(gname, s.shape, permute_rope_rows(data, is_q ? H : KV, D, c.rotary_dim(), cols), t);
     } else {
       w.add_tensor(gname, s.shape, data, t);
     }

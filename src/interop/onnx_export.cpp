@@ -216,14 +216,17 @@ class Exporter {
   std::string heads(const std::string& x, int64_t n) {
     return op("Transpose", {op("Reshape", {x, i64({0, 0, n, cfg_.head_dim()})})}, {attr_ints("perm", {0, 2, 1, 3})});
   }
-  // x [B, n, S, D]: (x1*cos - x2*sin, x2*cos + x1*sin), x1/x2 the two halves of D.
+  // x [B, n, S, D]: (x1*cos - x2*sin, x2*cos + x1*sin), x1/x2 the two halves of the first rot
+  // dims (partial rotary: the dims from rot on pass through).
   std::string rope(const std::string& x) {
-    const int64_t D = cfg_.head_dim(), half = D / 2;
+    const int64_t D = cfg_.head_dim(), rot = cfg_.rotary_dim(), half = rot / 2;
     const std::string x1 = op("Slice", {x, i64({0}), i64({half}), i64({3})});
-    const std::string x2 = op("Slice", {x, i64({half}), i64({D}), i64({3})});
+    const std::string x2 = op("Slice", {x, i64({half}), i64({rot}), i64({3})});
     const std::string a = op("Sub", {op("Mul", {x1, cos_}), op("Mul", {x2, sin_})});
     const std::string b = op("Add", {op("Mul", {x2, cos_}), op("Mul", {x1, sin_})});
-    return op("Concat", {a, b}, {attr_int("axis", 3)});
+    if (rot == D) return op("Concat", {a, b}, {attr_int("axis", 3)});
+    const std::string pass = op("Slice", {x, i64({rot}), i64({D}), i64({3})});
+    return op("Concat", {a, b, pass}, {attr_int("axis", 3)});
   }
   std::string gelu_tanh(const std::string& x) {  // 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
     const std::string xf = to_f32(x);
@@ -264,11 +267,19 @@ void Exporter::embedding_and_mask() {
                                encode(m_.param_data() + wpe[0]->offset, wpe[0]->numel(), act_, wpe[0]->name));
     x0_ = op("Add", {x0_, op("Gather", {w, "position_ids"})});
   } else {
-    // cos/sin [P, D/2] as lathe's RoPE kernel computes them (fp32 angles), gathered by position:
-    // [B, S, D/2] -> [B, 1, S, D/2], shared by every layer.
-    const int64_t P = cfg_.max_position_embeddings, half = cfg_.head_dim() / 2;
+    // cos/sin [P, rot/2] as lathe's RoPE kernel computes them (fp32 angles, RoPE scaling and its
+    // attention factor included), gathered by position: [B, S, rot/2] -> [B, 1, S, rot/2], shared
+    // by every layer. Dynamic NTK scaling has tables that depend on the sequence length, which
+    // baked tables cannot follow.
+    LATHE_CHECK(cfg_.rope_scaling.type != "dynamic",
+                "onnx export: rope_scaling type 'dynamic' (NTK) recomputes the RoPE frequencies from the sequence "
+                "length, which the exported graph's baked cos/sin tables cannot represent; export a copy whose "
+                "config.json has rope_scaling null (identical up to max_position_embeddings = {} tokens)",
+                cfg_.max_position_embeddings);
+    const int64_t P = cfg_.max_position_embeddings, half = cfg_.rotary_dim() / 2;
     std::vector<float> c(static_cast<size_t>(P * half)), s(c.size());
-    m_.ops().rope_tables(c.data(), s.data(), P, cfg_.head_dim(), cfg_.rope_theta);
+    const RopeFrequencies f = rope_frequencies(cfg_, P);
+    m_.ops().rope_tables(c.data(), s.data(), P, half, f.inv_freq.data(), f.attention_factor);
     const std::string ct = init("rope.cos", act_, {P, half}, encode(c.data(), P * half, act_, "rope.cos"));
     const std::string st = init("rope.sin", act_, {P, half}, encode(s.data(), P * half, act_, "rope.sin"));
     cos_ = op("Unsqueeze", {op("Gather", {ct, "position_ids"}), i64({1})}, {}, "rope/cos");

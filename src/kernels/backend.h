@@ -109,13 +109,17 @@ struct Ops {
   // tensor-parallel reduction of the partial products (src/parallel/tensor_parallel.h).
   void (*bias_add)(void* out, const float* bias, int64_t N, int64_t C) = nullptr;
 
-  // ---- rotary position embedding (tables fp32 [T, D/2]) ------------------------------------------
+  // ---- rotary position embedding (tables fp32 [T, rot/2]) ---------------------------------------
+  // rope_tables: inv_freq is host memory [half] (config/rope_scaling.h computes it; the CUDA slot
+  // copies it to the device), tables = cos/sin(float(t) * inv_freq) x attention_factor.
+  // rope_forward/backward rotate the first `rot` of the D dims of each head (rot = D: all).
   // positions [B, T] (nullptr: position t): the table row of each token.
-  void (*rope_tables)(float* cos_table, float* sin_table, int64_t T, int64_t D, double theta) = nullptr;
+  void (*rope_tables)(float* cos_table, float* sin_table, int64_t T, int64_t half, const float* inv_freq,
+                      float attention_factor) = nullptr;
   void (*rope_forward)(void* x, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
-                       int64_t D, int64_t row_stride, const int32_t* positions) = nullptr;
+                       int64_t D, int64_t rot, int64_t row_stride, const int32_t* positions) = nullptr;
   void (*rope_backward)(void* dx, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
-                        int64_t D, int64_t row_stride, const int32_t* positions) = nullptr;
+                        int64_t D, int64_t rot, int64_t row_stride, const int32_t* positions) = nullptr;
 
   // ---- causal grouped-query attention ----------------------------------------------------------
   // doc_start [B, T] (nullptr: plain causal): token t attends to keys [doc_start[b,t], t] only

@@ -195,14 +195,34 @@ void Model::allocate(int64_t B, int64_t T, int optimizer_moments, Recompute reco
     drop_staged_inputs();
     ddocs_.resize(*backend_, static_cast<size_t>(2 * B * T), DType::I32);
   }
+  rope_len_.assign(static_cast<size_t>(slots), 0);
   for (int64_t i = slots - 1; i >= 0; --i) {  // every slot's RoPE tables; slot 0 current at the end
     use_slot(i);
-    if (!arch_.learned_pos) ops_->rope_tables(rope_cos_, rope_sin_, T, cfg_.head_dim(), cfg_.rope_theta);
+    if (!arch_.learned_pos) build_rope_tables(T);
   }
+}
+
+// Tables [max_T_, rot/2] of the current slot, with the frequencies of a pass of seq_len tokens.
+void Model::build_rope_tables(int64_t seq_len) {
+  const RopeFrequencies f = rope_frequencies(cfg_, seq_len);
+  ops_->rope_tables(rope_cos_, rope_sin_, max_T_, cfg_.rotary_dim() / 2, f.inv_freq.data(), f.attention_factor);
+  rope_len_[static_cast<size_t>(slot_)] = seq_len;
+}
+
+// Dynamic NTK: transformers recomputes the frequencies for a sequence longer than
+// max_position_embeddings, from max(position_ids) + 1 (the pass length, or the longest document
+// with positions restarting per document); all shorter ones share the plain tables. Called by the
+// forward only: a slot's backward uses the tables of its forward.
+void Model::rope_tables_for(int64_t T) {
+  if (cfg_.rope_scaling.type != "dynamic") return;
+  const int64_t P = cfg_.max_position_embeddings;
+  const int64_t L = doc_pos_.empty() ? T : int64_t{*std::max_element(doc_pos_.begin(), doc_pos_.end())} + 1;
+  if (std::max(L, P) != std::max(rope_len_[static_cast<size_t>(slot_)], P)) build_rope_tables(L);
 }
 
 void Model::use_slot(int64_t i) {
   LATHE_CHECK(i >= 0 && i < slots_ && max_B_ > 0, "activation slot {} of {} (allocated: {})", i, slots_, max_B_ > 0);
+  slot_ = i;
   std::byte* base = static_cast<std::byte*>(acts_.data());
   size_t shared = 0;
   layout_activations(cfg_, shard_, max_B_, max_T_, *ops_, plan_.recompute, this,

@@ -41,11 +41,15 @@ KvCache::KvCache(const Model& model, int64_t batch, int64_t max_seq) : B_(batch)
   v_.assign(static_cast<size_t>(total), 0.0f);
   if (!model.arch().learned_pos) {
     // Angles depend on the position only (not on the table length), so these rows equal the
-    // model's own tables for every position both hold.
-    const int64_t half = checked_mul(max_seq, cfg.head_dim(), what) / 2;
-    rope_cos_.assign(static_cast<size_t>(half), 0.0f);
-    rope_sin_.assign(static_cast<size_t>(half), 0.0f);
-    model.ops().rope_tables(rope_cos_.data(), rope_sin_.data(), max_seq, cfg.head_dim(), cfg.rope_theta);
+    // model's own tables for every position both hold. Except with dynamic NTK scaling, whose
+    // frequencies follow the sequence length: they are those of the whole max_seq sequence, so
+    // the cache's logits are the full forward's over max_seq tokens (transformers' generate
+    // instead recomputes them per step and keeps keys rotated with the older ones).
+    const RopeFrequencies f = rope_frequencies(cfg, max_seq);
+    const int64_t half = cfg.rotary_dim() / 2, n = checked_mul(max_seq, half, what);
+    rope_cos_.assign(static_cast<size_t>(n), 0.0f);
+    rope_sin_.assign(static_cast<size_t>(n), 0.0f);
+    model.ops().rope_tables(rope_cos_.data(), rope_sin_.data(), max_seq, half, f.inv_freq.data(), f.attention_factor);
   }
 }
 
@@ -173,10 +177,11 @@ void decode_chunk(Model& model, KvCache& c, const int32_t* tokens, int64_t T, fl
     norm(ln, x, lw.ln1_w, lw.ln1_b, N);
     ops.matmul_forward(qkv, ln, model.compute_weight(lw.qkv_w), lw.qkv_b, N, C, Q, false);
     if (!arch.learned_pos) {  // rotate q and k at their absolute positions
-      const float* cs = c.rope_cos_.data() + pos * D / 2;
-      const float* sn = c.rope_sin_.data() + pos * D / 2;
-      ops.rope_forward(qkv, cs, sn, B, T, H, D, Q, nullptr);
-      ops.rope_forward(at(qkv, H * D), cs, sn, B, T, KV, D, Q, nullptr);
+      const int64_t rot = cfg.rotary_dim();
+      const float* cs = c.rope_cos_.data() + pos * (rot / 2);
+      const float* sn = c.rope_sin_.data() + pos * (rot / 2);
+      ops.rope_forward(qkv, cs, sn, B, T, H, D, rot, Q, nullptr);
+      ops.rope_forward(at(qkv, H * D), cs, sn, B, T, KV, D, rot, Q, nullptr);
     }
     // Append this chunk's keys and values, widened to fp32 (exact): qkv row (b, t) -> cache
     // [b, kvh, pos + t].

@@ -42,7 +42,7 @@ class KvCache {
   friend void decode_chunk(Model&, KvCache&, const int32_t*, int64_t, float*);
   int64_t B_, Tmax_, pos_ = 0, layer_stride_;
   std::vector<float> k_, v_;
-  std::vector<float> rope_cos_, rope_sin_;  // [Tmax, D/2] (rotary models)
+  std::vector<float> rope_cos_, rope_sin_;  // [Tmax, rot/2] (rotary models)
   // Work buffers of one chunk of T new tokens, grown on demand: residual stream x [B*T, C],
   // norm output [B*T, C], q|k|v [B*T, Q], attention output [B*T, H*D], MLP [B*T, FF] and
   // [B*T, F], attention block output res1 [B*T, C], norm statistics [B*T], and the last rows

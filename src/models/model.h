@@ -399,6 +399,12 @@ class Model {
   void *dres_ = nullptr, *dln_ = nullptr, *dqkv_ = nullptr, *datt_ = nullptr, *dfc_ = nullptr, *dact_ = nullptr;
   void* scratch_ = nullptr;
   float *rope_cos_ = nullptr, *rope_sin_ = nullptr;
+  // RoPE tables of each slot: the sequence length their frequencies were computed for (dynamic NTK
+  // scaling depends on it; rope_tables_for() rebuilds the current slot's when a pass differs).
+  std::vector<int64_t> rope_len_;
+  int64_t slot_ = 0;
+  void build_rope_tables(int64_t seq_len);
+  void rope_tables_for(int64_t T);
   std::vector<int32_t> doc_start_, doc_pos_;  // [docs_B_, docs_T_] each, or empty
   int64_t docs_B_ = 0, docs_T_ = 0;
 };

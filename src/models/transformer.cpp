@@ -391,8 +391,10 @@ void Model::layer_forward_into(int64_t l, int64_t B, int64_t T, bool output) {
   ops_->matmul_forward(a.qkv, sp ? tp.gather_from_sequence_region_forward(a.ln1, gathered_, S * C) : a.ln1, cw(w.qkv_w),
                        w.qkv_b, N, C, Q, false);
   if (!arch_.learned_pos) {
-    ops_->rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, D, Q, doc_positions());
-    ops_->rope_forward(act_at(a.qkv, H * D), rope_cos_, rope_sin_, B, T, KV, D, Q, doc_positions());
+    rope_tables_for(T);
+    const int64_t rot = cfg_.rotary_dim();
+    ops_->rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, D, rot, Q, doc_positions());
+    ops_->rope_forward(act_at(a.qkv, H * D), rope_cos_, rope_sin_, B, T, KV, D, rot, Q, doc_positions());
   }
   ops_->attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D, scratch_, doc_starts());
   row_parallel_forward(a.res1, a.att, w.o_w, w.o_b, N, H * D, C);
@@ -531,8 +533,9 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
                         cw(w.o_w), N, H * D, C, false);
   ops_->attention_backward(dqkv_, datt_, a.qkv, a.att, a.lse, B, T, H, KV, D, scratch_, doc_starts());
   if (!arch_.learned_pos) {
-    ops_->rope_backward(dqkv_, rope_cos_, rope_sin_, B, T, H, D, Q, doc_positions());
-    ops_->rope_backward(act_at(dqkv_, H * D), rope_cos_, rope_sin_, B, T, KV, D, Q, doc_positions());
+    const int64_t rot = cfg_.rotary_dim();
+    ops_->rope_backward(dqkv_, rope_cos_, rope_sin_, B, T, H, D, rot, Q, doc_positions());
+    ops_->rope_backward(act_at(dqkv_, H * D), rope_cos_, rope_sin_, B, T, KV, D, rot, Q, doc_positions());
   }
   // ln1 into the shared buffer, now that the fc GEMM's backward is done with ln2.
   if (plan_.recompute == Recompute::Selective) norm_forward(l, false, S);

@@ -210,6 +210,18 @@ with cases.case("config.json rope_scaling a 1 MB string: the message quotes a bo
     p = eval_(d, ["config.json", "rope_scaling"])
     assert len(p.stderr) < 2000, len(p.stderr)
 
+with cases.case("config.json rope_scaling long_factor of 10^6 numbers and a string: bounded message"):
+    lf = [1.0] * 1000000 + ["x"]
+    d = hf_dir("hf_rope_lf", raw=json.dumps(dict(good_cfg, model_type="llama", rope_scaling={
+        "rope_type": "longrope", "factor": 2.0, "short_factor": [1.0], "long_factor": lf})))
+    p = eval_(d, ["config.json", "rope_scaling.long_factor[1000000]", "expected a number"])
+    assert len(p.stderr) < 2000, len(p.stderr)
+
+with cases.case("config.json rope_scaling attention_factor 1e300 (inf in fp32 tables)"):
+    d = hf_dir("hf_rope_af", raw=json.dumps(dict(good_cfg, model_type="llama", rope_scaling={
+        "rope_type": "yarn", "factor": 2.0, "attention_factor": 1e300})))
+    eval_(d, ["config.json", "rope_scaling", "not finite in fp32"])
+
 with cases.case("config.json eos_token_id 2^40"):
     eval_(hf_dir("hf_eos", lambda c: c.update(eos_token_id=2**40)), ["config.json", "eos_token_id", "out of range"])
 

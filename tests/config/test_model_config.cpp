@@ -211,7 +211,7 @@ TEST(ModelConfig, UnknownKeys) {
 }
 
 TEST(ModelConfig, UnsupportedKeys) {
-  expect_error(kLlama, "rope_scaling", json{{"type", "linear"}, {"factor", 2.0}}, {"rope_scaling"});
+  expect_error(kLlama, "rope_scaling", json{{"type", "ntk"}, {"factor", 2.0}}, {"rope_scaling.type", "'ntk'"});
   expect_error(kLlama, "rope_parameters", json{{"rope_type", "llama3"}}, {"rope_parameters.rope_type", "llama3"});
   expect_error(kLlama, "mlp_bias", true, {"mlp_bias"});
   expect_error(kLlama, "hidden_act", "gelu", {"hidden_act", "gelu"});

@@ -172,6 +172,26 @@ TEST(Recipe, Overrides) {
   Recipe c = parse_recipe("model: {preset: llama-debug}\ndata: {train: x}\n", "r.yaml",
                           {"model.rope_parameters.rope_theta=500000.0"});
   EXPECT_DOUBLE_EQ(c.model.rope_theta, 500000.0);
+  // RoPE scaling and rope_theta set in the recipe (over a preset), and a nested override.
+  Recipe rs = parse_recipe(
+      "model: {preset: llama-debug, rope_theta: 500000.0, partial_rotary_factor: 0.5,\n"
+      "        rope_scaling: {rope_type: yarn, factor: 4.0, beta_fast: 16.0}}\ndata: {train: x}\n",
+      "r.yaml", {"model.rope_scaling.factor=8.0"});
+  EXPECT_DOUBLE_EQ(rs.model.rope_theta, 500000.0);
+  EXPECT_EQ(rs.model.rope_scaling.type, "yarn");
+  EXPECT_DOUBLE_EQ(*rs.model.rope_scaling.factor, 8.0);
+  EXPECT_DOUBLE_EQ(*rs.model.rope_scaling.beta_fast, 16.0);
+  EXPECT_DOUBLE_EQ(rs.model.partial_rotary_factor, 0.5);
+  expect_error("model: {preset: llama-debug, rope_scaling: {rope_type: yarn}}\ndata: {train: x}\n",
+               {"model.rope_scaling.factor: missing"});
+  // Dynamic NTK scaling may train past max_position_embeddings (128 in llama-debug); others may not.
+  Recipe dy = parse_recipe("model: {preset: llama-debug, rope_scaling: {rope_type: dynamic, factor: 2.0}}\n"
+                           "data: {train: x}\ntraining: {seq_len: 200}\n",
+                           "r.yaml");
+  EXPECT_EQ(dy.training.seq_len, 200);
+  expect_error("model: {preset: llama-debug, rope_scaling: {rope_type: linear, factor: 2.0}}\n"
+               "data: {train: x}\ntraining: {seq_len: 200}\n",
+               {"training.seq_len", "exceeds the model's max_position_embeddings"});
   expect_error(kGood, {"--set training.stpes=10", "unknown key 'training.stpes'", "did you mean 'training.steps'"},
                {"training.stpes=10"});
   expect_error(kGood, {"--set trainig.steps=10", "unknown section 'trainig'", "'training'"}, {"trainig.steps=10"});

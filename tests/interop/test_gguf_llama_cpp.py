@@ -326,6 +326,55 @@ def llama_cfg(V, **kw):
                 intermediate_size=96, vocab_size=V, max_position_embeddings=128, rms_norm_eps=1e-5, **kw)
 
 
+def check_rope_scaling(tmp, llama_dir):
+    """RoPE scaling as llama.cpp reads it: copies of the llama with each kind lathe exports
+    (linear: rope.scaling.*, llama3: the rope_freqs tensor, yarn: rope.scaling.* with
+    original_context_length): llama.cpp's f32 logits on a 20-token prompt within 1e-4 of lathe's
+    (lathe's are checked against transformers in tests/models/test_rope_scaling); dynamic NTK and
+    partial_rotary_factor (llama.cpp's llama refuses n_rot != head_dim) refused."""
+    kinds = {
+        "linear": {"rope_scaling": {"rope_type": "linear", "factor": 3.0}},
+        "llama3": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 32}},
+        "yarn": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+    }
+    ids = list(range(3, 23))
+    base = None
+    for kind, edit in kinds.items():
+        d = os.path.join(tmp, "rope_" + kind)
+        shutil.copytree(llama_dir, d)
+        cfg = json.load(open(os.path.join(d, "config.json")))
+        cfg.update(edit)
+        json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+        g = d + ".gguf"
+        export(d, g)
+        tmpf = g + ".logits"
+        lathe(["logits", "--model", d, "--tokens", ",".join(map(str, ids)), "--out", tmpf])
+        llm = load_llama(g)
+        ref = np.fromfile(tmpf, dtype=np.float32).reshape(len(ids), llm.n_vocab())
+        if base is None:
+            lathe(["logits", "--model", llama_dir, "--tokens", ",".join(map(str, ids)), "--out", tmpf + ".0"])
+            base = np.fromfile(tmpf + ".0", dtype=np.float32).reshape(ref.shape)
+        llm.reset()
+        llm.eval(ids)
+        got = np.array(llm.scores[:len(ids)], dtype=np.float32)
+        dd = float(np.abs(got - ref).max())
+        moved = float(np.abs(ref - base).max())
+        check(dd <= 1e-4 and moved > 1e-3, f"rope {kind}: llama.cpp f32 logits vs lathe: max |diff| {dd:.2e} <= 1e-4 "
+              f"(the scaling moves lathe's logits by {moved:.2e})")
+        del llm
+    for kind, edit, needle in (("dynamic", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "no dynamic NTK"),
+                               ("partial", {"partial_rotary_factor": 0.5}, "rope.dimension_count = head_dim")):
+        d = os.path.join(tmp, "rope_" + kind)
+        shutil.copytree(llama_dir, d)
+        cfg = json.load(open(os.path.join(d, "config.json")))
+        cfg.update(edit)
+        json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+        p = subprocess.run([LATHE, "convert", "--from-hf", d, "--to-gguf", d + ".gguf"], capture_output=True, text=True)
+        check(p.returncode == 1 and needle in p.stderr and not os.path.exists(d + ".gguf"),
+              f"rope {kind}: refused ({p.stderr.strip()[-200:]})")
+
+
 def main():
     t0 = time.time()
     tmp = tempfile.mkdtemp(prefix="lathe_gguf_llama_cpp_")
@@ -367,6 +416,7 @@ def main():
     bad = [t for t, w in zip(TEXTS, want) if v.tokenize(t.encode(), add_bos=False, special=True) != w]
     check(v.metadata.get("tokenizer.ggml.pre") == "llama-bpe" and not bad,
           f"llama ignore_merges: pre llama-bpe, tokenization equals lathe encode (differs on {bad})")
+    check_rope_scaling(tmp, d)
 
     # --- Qwen2 (q/k/v biases, tied), Qwen2 regex + NFC, config.json without BOS/EOS
     d = os.path.join(tmp, "qwen2")

@@ -25,6 +25,7 @@ Mistral with sliding_window 4 step by step against transformers (lathe refuses s
 --to-onnx, a file in a missing directory: exit 1/2 with the value and the fix named.
 """
 import glob
+import json
 import os
 import re
 import shutil
@@ -336,6 +337,79 @@ def check_sliding_window(tmp):
           f"(the window changes logits by {maxdiff(nowin, ref):.2e})")
 
 
+def check_rope_scaling(tmp):
+    """RoPE scaling baked into the tables: a llama with yarn (inv_freq ramp and the cos/sin
+    attention factor) against transformers 4.45, full and incremental; a copy with llama3 scaling
+    and partial_rotary_factor 0.5 (transformers 4.45's llama cannot run partial rotary; lathe's
+    logits are the oracle there, themselves checked against transformers with GPT-NeoX's partial
+    rotation in tests/models/test_rope_scaling); dynamic NTK refused (its tables follow the length)."""
+    d = os.path.join(tmp, "llama_yarn")
+    torch.manual_seed(5)
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=48, vocab_size=96, max_position_embeddings=64, rms_norm_eps=1e-5,
+                                   tie_word_embeddings=False, rope_theta=500.0,
+                                   rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    m = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            p.add_(0.05 * torch.randn_like(p))
+            if "q_proj" in n or "k_proj" in n:
+                p.mul_(15.0)  # attention scores O(1-10): RoPE and its factor move the logits
+    m.save_pretrained(d)
+    seq = np.random.default_rng(5).integers(0, 96, 20).tolist()
+    with torch.no_grad():
+        ref = m.eval()(torch.tensor([seq])).logits[0].numpy()
+        plain = transformers.LlamaForCausalLM.from_pretrained(d, rope_scaling=None).eval()
+        noscale = plain(torch.tensor([seq])).logits[0].numpy()
+    path = os.path.join(tmp, "llama_yarn.onnx")
+    run(["export", d, "--to-onnx", path])
+    r = Runner(path, cfg)
+    full, _ = r([seq])
+    logits, past = r([seq[:6]])
+    got = [logits[0]]
+    for t in range(6, len(seq)):
+        step, past = r([[seq[t]]], past=past)
+        got.append(step[0])
+    got = np.concatenate(got)
+    check(maxdiff(full[0], ref) < TOL and maxdiff(got, ref) < TOL and maxdiff(noscale, ref) > 1e-2,
+          f"llama yarn x4 vs transformers: full {maxdiff(full[0], ref):.2e}, prompt 6 + 14 steps {maxdiff(got, ref):.2e} "
+          f"(yarn changes the logits by {maxdiff(noscale, ref):.2e})")
+
+    def edited(name, edit):
+        e = os.path.join(tmp, name)
+        shutil.copytree(d, e)
+        c = json.load(open(os.path.join(e, "config.json")))
+        edit(c)
+        json.dump(c, open(os.path.join(e, "config.json"), "w"))
+        return e
+
+    p3 = edited("llama3_partial", lambda c: c.update(
+        partial_rotary_factor=0.5, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}))
+    want = lathe_logits(p3, [seq], 96)[0]
+    path3 = os.path.join(tmp, "llama3_partial.onnx")
+    run(["export", p3, "--to-onnx", path3])
+    r3 = Runner(path3, cfg)
+    full3, _ = r3([seq])
+    logits, past = r3([seq[:6]])
+    got3 = [logits[0]]
+    for t in range(6, len(seq)):
+        step, past = r3([[seq[t]]], past=past)
+        got3.append(step[0])
+    got3 = np.concatenate(got3)
+    check(maxdiff(full3[0], want) < TOL and maxdiff(got3, want) < TOL and maxdiff(want, ref) > 1e-2,
+          f"llama3 scaling + partial_rotary_factor 0.5 vs lathe logits: full {maxdiff(full3[0], want):.2e}, "
+          f"incremental {maxdiff(got3, want):.2e}")
+    pd = edited("llama_dynamic", lambda c: c.update(rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    cases = Cases()
+    with cases.case("dynamic NTK refused"):
+        run_lathe(["export", pd, "--to-onnx", os.path.join(tmp, "dyn.onnx")], rc=1,
+                  must=["rope_scaling type 'dynamic'", "baked", "rope_scaling null"])
+    check(not cases.failed and not os.path.exists(os.path.join(tmp, "dyn.onnx")),
+          "dynamic NTK: clear refusal, no file left")
+    shutil.rmtree(cases.tmp, ignore_errors=True)
+
+
 def check_bad_input(tmp):
     d = os.path.join(tmp, "gpt2")
     cases = Cases()
@@ -367,6 +441,7 @@ def main():
         check_trained_run(tmp)
         check_auto_external(tmp)
         check_sliding_window(tmp)
+        check_rope_scaling(tmp)
         check_bad_input(tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -169,12 +169,14 @@ inline void ref_swiglu_bwd(VecD& dinp, const VecD& inp, const VecD& dout, int64_
     }
 }
 
-// RoPE reference on x[B, T, stride], heads at column h*D; tables given as [T, D/2] doubles.
+// RoPE reference on x[B, T, stride], heads at column h*D; tables given as [T, rot/2] doubles
+// (rot: the rotated dims of a head, 0 = D; the rest pass through).
 // pos [B, T] (nullptr: t): the table row of each token.
 inline void ref_rope_fwd(VecD& y, const VecD& x, const VecD& cs, const VecD& sn, int64_t B, int64_t T, int64_t H,
-                         int64_t D, int64_t stride, int64_t offset, const std::vector<int32_t>* pos = nullptr) {
+                         int64_t D, int64_t stride, int64_t offset, const std::vector<int32_t>* pos = nullptr,
+                         int64_t rot = 0) {
   y = x;
-  const int64_t half = D / 2;
+  const int64_t half = (rot > 0 ? rot : D) / 2;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t)
       for (int64_t h = 0; h < H; ++h)
@@ -188,9 +190,10 @@ inline void ref_rope_fwd(VecD& y, const VecD& x, const VecD& cs, const VecD& sn,
         }
 }
 inline void ref_rope_bwd(VecD& dx, const VecD& dy, const VecD& cs, const VecD& sn, int64_t B, int64_t T, int64_t H,
-                         int64_t D, int64_t stride, int64_t offset, const std::vector<int32_t>* pos = nullptr) {
+                         int64_t D, int64_t stride, int64_t offset, const std::vector<int32_t>* pos = nullptr,
+                         int64_t rot = 0) {
   dx = dy;
-  const int64_t half = D / 2;
+  const int64_t half = (rot > 0 ? rot : D) / 2;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t)
       for (int64_t h = 0; h < H; ++h)

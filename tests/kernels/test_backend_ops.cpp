@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "config/rope_scaling.h"
 #include "backend_buffers.h"
 #include "core/dtype.h"
 #include "core/error.h"
@@ -201,15 +202,15 @@ Ops make() {
   // In place on rows of `stride` elements: widen the whole span the kernel touches (bf16 -> fp32
   // -> bf16 is exact for the columns it leaves alone).
   o.rope_forward = [](void* x, const float* cs, const float* sn, int64_t B, int64_t T, int64_t H, int64_t D,
-                      int64_t stride, const int32_t* pos) {
+                      int64_t rot, int64_t stride, const int32_t* pos) {
     VecF xv = in(x, (B * T - 1) * stride + H * D);
-    f32().rope_forward(xv.data(), cs, sn, B, T, H, D, stride, pos);
+    f32().rope_forward(xv.data(), cs, sn, B, T, H, D, rot, stride, pos);
     out(x, xv);
   };
   o.rope_backward = [](void* x, const float* cs, const float* sn, int64_t B, int64_t T, int64_t H, int64_t D,
-                       int64_t stride, const int32_t* pos) {
+                       int64_t rot, int64_t stride, const int32_t* pos) {
     VecF xv = in(x, (B * T - 1) * stride + H * D);
-    f32().rope_backward(xv.data(), cs, sn, B, T, H, D, stride, pos);
+    f32().rope_backward(xv.data(), cs, sn, B, T, H, D, rot, stride, pos);
     out(x, xv);
   };
   o.attention_forward = [](void* y, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
@@ -596,35 +597,39 @@ void case_rope(const Target& t) {
   for (int64_t B : {1, 3})
     for (int64_t T : kOdd)
       for (int64_t H : {1, 3})
-        for (int64_t D : {2, 34, 66}) {
-          Run r{t, "rope " + dims({B, T, H, D})};
-          // Rows hold columns before (offset) and after the rotated heads, which must not change:
-          // the k section of a fused qkv row.
-          const int64_t offset = 5, stride = offset + H * D + 7, half = D / 2;
-          Rng rng(800 + B * 1000 + T * 10 + H + D);
-          auto cs = r.f32(VecF(T * half, kNaN), "cos"), sn = r.f32(VecF(T * half, kNaN), "sin");
-          t.ops->rope_tables(cs->f(), sn->f(), T, D, 10000.0);
-          const VecF csh = cs->down(), snh = sn->down();
-          for (int64_t tt = 0; tt < T; ++tt)
-            for (int64_t i = 0; i < half; ++i) {
-              const double angle = tt * std::pow(10000.0, -2.0 * i / D);
-              const double tl = 1e-6 + angle * (std::log(10000.0) * 6e-8 + 3e-7);  // as test_ops_basic
-              ASSERT_NEAR(csh[tt * half + i], std::cos(angle), tl) << r.tag << " cos t=" << tt << " i=" << i;
-              ASSERT_NEAR(snh[tt * half + i], std::sin(angle), tl) << r.tag << " sin t=" << tt << " i=" << i;
-            }
-          const VecF x = r.act_in(randn(B * T * stride, rng)), g = r.act_in(randn(B * T * stride, rng));
-          VecD ref, rdx;
-          ref_rope_fwd(ref, to_double(x), to_double(csh), to_double(snh), B, T, H, D, stride, offset);
-          ref_rope_bwd(rdx, to_double(g), to_double(csh), to_double(snh), B, T, H, D, stride, offset);
-          // In place on a pointer `offset` elements into each row (element size of the dtype).
-          const size_t off_bytes = offset * dtype_size(r.act_dt());
-          auto y = r.act(x, "x");
-          t.ops->rope_forward(static_cast<char*>(y->p()) + off_bytes, cs->f(), sn->f(), B, T, H, D, stride, nullptr);
-          r.check(*y, ref, "forward");
-          auto dx = r.act(g, "dx");
-          t.ops->rope_backward(static_cast<char*>(dx->p()) + off_bytes, cs->f(), sn->f(), B, T, H, D, stride, nullptr);
-          r.check(*dx, rdx, "backward");
-        }
+        for (int64_t D : {2, 34, 66})
+          for (int64_t rot : {D, D - 4}) {  // D - 4: partial rotary (the last 4 dims pass through)
+            if (rot < 2) continue;
+            Run r{t, "rope " + dims({B, T, H, D, rot})};
+            // Rows hold columns before (offset) and after the rotated heads, which must not change:
+            // the k section of a fused qkv row.
+            const int64_t offset = 5, stride = offset + H * D + 7, half = rot / 2;
+            Rng rng(800 + B * 1000 + T * 10 + H + D + rot);
+            auto cs = r.f32(VecF(T * half, kNaN), "cos"), sn = r.f32(VecF(T * half, kNaN), "sin");
+            t.ops->rope_tables(cs->f(), sn->f(), T, half, rope_default_inv_freq(rot, 10000.0).data(), 1.0f);
+            const VecF csh = cs->down(), snh = sn->down();
+            for (int64_t tt = 0; tt < T; ++tt)
+              for (int64_t i = 0; i < half; ++i) {
+                const double angle = tt * std::pow(10000.0, -2.0 * i / rot);
+                const double tl = 1e-6 + angle * (std::log(10000.0) * 6e-8 + 3e-7);  // as test_ops_basic
+                ASSERT_NEAR(csh[tt * half + i], std::cos(angle), tl) << r.tag << " cos t=" << tt << " i=" << i;
+                ASSERT_NEAR(snh[tt * half + i], std::sin(angle), tl) << r.tag << " sin t=" << tt << " i=" << i;
+              }
+            const VecF x = r.act_in(randn(B * T * stride, rng)), g = r.act_in(randn(B * T * stride, rng));
+            VecD ref, rdx;
+            ref_rope_fwd(ref, to_double(x), to_double(csh), to_double(snh), B, T, H, D, stride, offset, nullptr, rot);
+            ref_rope_bwd(rdx, to_double(g), to_double(csh), to_double(snh), B, T, H, D, stride, offset, nullptr, rot);
+            // In place on a pointer `offset` elements into each row (element size of the dtype).
+            const size_t off_bytes = offset * dtype_size(r.act_dt());
+            auto y = r.act(x, "x");
+            t.ops->rope_forward(static_cast<char*>(y->p()) + off_bytes, cs->f(), sn->f(), B, T, H, D, rot, stride,
+                                nullptr);
+            r.check(*y, ref, "forward");
+            auto dx = r.act(g, "dx");
+            t.ops->rope_backward(static_cast<char*>(dx->p()) + off_bytes, cs->f(), sn->f(), B, T, H, D, rot, stride,
+                                 nullptr);
+            r.check(*dx, rdx, "backward");
+          }
 }
 
 void case_attention(const Target& t) {
@@ -685,16 +690,16 @@ void case_documents(const Target& t) {
     r.check(*gpe, rdwpe, "embedding dwpe");
     // RoPE on the q section of a fused row with positions
     auto cs = r.f32(VecF(T * half, kNaN), "cos"), sn = r.f32(VecF(T * half, kNaN), "sin");
-    t.ops->rope_tables(cs->f(), sn->f(), T, D, 10000.0);
+    t.ops->rope_tables(cs->f(), sn->f(), T, D / 2, rope_default_inv_freq(D, 10000.0).data(), 1.0f);
     const VecD csd = to_double(cs->down()), snd = to_double(sn->down());
     const VecF x = r.act_in(randn(B * T * ld, rng)), gx = r.act_in(randn(B * T * ld, rng));
     VecD rref, rdx;
     ref_rope_fwd(rref, to_double(x), csd, snd, B, T, H, D, ld, 0, &pos);
     ref_rope_bwd(rdx, to_double(gx), csd, snd, B, T, H, D, ld, 0, &pos);
     auto y = r.act(x, "rope x"), dy = r.act(gx, "rope dx");
-    t.ops->rope_forward(y->p(), cs->f(), sn->f(), B, T, H, D, ld, r.ints(pos));
+    t.ops->rope_forward(y->p(), cs->f(), sn->f(), B, T, H, D, D, ld, r.ints(pos));
     r.check(*y, rref, "rope forward");
-    t.ops->rope_backward(dy->p(), cs->f(), sn->f(), B, T, H, D, ld, r.ints(pos));
+    t.ops->rope_backward(dy->p(), cs->f(), sn->f(), B, T, H, D, D, ld, r.ints(pos));
     r.check(*dy, rdx, "rope backward");
     // attention with doc_start
     const AttnShape s{B, T, H, KVH, D};

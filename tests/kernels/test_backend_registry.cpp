@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "config/rope_scaling.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/rng.h"
@@ -220,15 +221,15 @@ TEST(BackendRegistry, CpuFp32TableIsTheOpsHKernelsBitForBit) {
   }
   {
     VecF c1(T * D / 2), s1(T * D / 2), c2(T * D / 2), s2(T * D / 2);
-    cpu::rope_tables(c1.data(), s1.data(), T, D, 10000.0);
-    o.rope_tables(c2.data(), s2.data(), T, D, 10000.0);
+    cpu::rope_tables(c1.data(), s1.data(), T, D / 2, rope_default_inv_freq(D, 10000.0).data(), 1.0f);
+    o.rope_tables(c2.data(), s2.data(), T, D / 2, rope_default_inv_freq(D, 10000.0).data(), 1.0f);
     same(c1, c2, "rope_tables cos");
     VecF qkv1 = randn(N * Q, rng), qkv2 = qkv1;
-    cpu::rope_forward(qkv1.data() + H * D, c1.data(), s1.data(), B, T, KVH, D, Q);
-    o.rope_forward(qkv2.data() + H * D, c2.data(), s2.data(), B, T, KVH, D, Q, nullptr);
+    cpu::rope_forward(qkv1.data() + H * D, c1.data(), s1.data(), B, T, KVH, D, D, Q);
+    o.rope_forward(qkv2.data() + H * D, c2.data(), s2.data(), B, T, KVH, D, D, Q, nullptr);
     same(qkv1, qkv2, "rope_forward");
-    cpu::rope_backward(qkv1.data(), c1.data(), s1.data(), B, T, H, D, Q);
-    o.rope_backward(qkv2.data(), c2.data(), s2.data(), B, T, H, D, Q, nullptr);
+    cpu::rope_backward(qkv1.data(), c1.data(), s1.data(), B, T, H, D, D, Q);
+    o.rope_backward(qkv2.data(), c2.data(), s2.data(), B, T, H, D, D, Q, nullptr);
     same(qkv1, qkv2, "rope_backward");
     VecF a1(N * H * D), a2(N * H * D), lse1(B * H * T), lse2(B * H * T), dq1(N * Q), dq2(N * Q);
     VecF as1(o.attention_scratch_bytes(T, D) / 4), as2 = as1;

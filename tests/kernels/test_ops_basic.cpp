@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "config/rope_scaling.h"
 #include "gradcheck_basic.h"
 #include "kernels/cpu/ops.h"
 #include "reference_ops.h"
@@ -436,7 +437,7 @@ TEST(Rope, TablesMatchDoubleAngles) {
       for (int64_t T : {1, 3, 67, 2048}) {
         const int64_t half = D / 2;
         VecF cs(T * half, kNaN), sn(T * half, kNaN);
-        cpu::rope_tables(cs.data(), sn.data(), T, D, theta);
+        cpu::rope_tables(cs.data(), sn.data(), T, D / 2, rope_default_inv_freq(D, theta).data(), 1.0f);
         for (int64_t t = 0; t < T; ++t)
           for (int64_t i = 0; i < half; ++i) {
             const double angle = t * std::pow(theta, -2.0 * i / D);
@@ -457,7 +458,7 @@ void run_rope_case(int64_t B, int64_t T, int64_t H, int64_t D, bool fd, uint64_t
   const int64_t half = D / 2;
   Rng rng(seed);
   VecF cs(T * half), sn(T * half);
-  cpu::rope_tables(cs.data(), sn.data(), T, D, 10000.0);
+  cpu::rope_tables(cs.data(), sn.data(), T, D / 2, rope_default_inv_freq(D, 10000.0).data(), 1.0f);
   VecD csd = to_double(cs), snd = to_double(sn);
   VecF x = randn(B * T * stride, rng), g = randn(B * T * stride, rng);
   VecD xd = to_double(x), gd = to_double(g);
@@ -465,17 +466,17 @@ void run_rope_case(int64_t B, int64_t T, int64_t H, int64_t D, bool fd, uint64_t
   ref_rope_fwd(ref, xd, csd, snd, B, T, H, D, stride, offset);
   ref_rope_bwd(rdx, gd, csd, snd, B, T, H, D, stride, offset);
   VecF y = x;
-  cpu::rope_forward(y.data() + offset, cs.data(), sn.data(), B, T, H, D, stride);
+  cpu::rope_forward(y.data() + offset, cs.data(), sn.data(), B, T, H, D, D, stride);
   expect_close(y, ref, 1e-6, 1e-6, tag + " forward");
   VecF dx = g;
-  cpu::rope_backward(dx.data() + offset, cs.data(), sn.data(), B, T, H, D, stride);
+  cpu::rope_backward(dx.data() + offset, cs.data(), sn.data(), B, T, H, D, D, stride);
   expect_close(dx, rdx, 1e-6, 1e-6, tag + " backward");
   // Backward is the inverse rotation: backward(forward(x)) == x up to rounding.
   VecF rt = y;
-  cpu::rope_backward(rt.data() + offset, cs.data(), sn.data(), B, T, H, D, stride);
+  cpu::rope_backward(rt.data() + offset, cs.data(), sn.data(), B, T, H, D, D, stride);
   expect_close(rt, xd, 1e-5, 1e-5, tag + " round trip");
   VecF y2 = x;
-  cpu::rope_forward(y2.data() + offset, cs.data(), sn.data(), B, T, H, D, stride);
+  cpu::rope_forward(y2.data() + offset, cs.data(), sn.data(), B, T, H, D, D, stride);
   EXPECT_TRUE(bit_equal(y, y2)) << tag << " determinism";
   if (fd) {
     auto loss = [&] {
@@ -492,6 +493,19 @@ TEST(Rope, ForwardBackwardOddShapes) {
     for (int64_t T : kOdd)
       for (int64_t H : {1, 3})
         for (int64_t D : {2, 34, 66}) run_rope_case(B, T, H, D, true, 8000 + B * 1000 + T * 10 + H + D);
+}
+
+// RoPE scaling's attention factor multiplies the fp32 cos/sin (transformers: cos * attention_scaling).
+TEST(Rope, TablesApplyAttentionFactor) {
+  const int64_t T = 37, half = 5;
+  const std::vector<float> inv = {1.0f, 0.3f, 0.07f, 0.011f, 0.0009f};
+  VecF c1(T * half), s1(T * half), c2(T * half), s2(T * half);
+  cpu::rope_tables(c1.data(), s1.data(), T, half, inv.data(), 1.0f);
+  cpu::rope_tables(c2.data(), s2.data(), T, half, inv.data(), 1.25f);
+  for (int64_t k = 0; k < T * half; ++k) {
+    ASSERT_EQ(c2[k], c1[k] * 1.25f) << k;
+    ASSERT_EQ(s2[k], s1[k] * 1.25f) << k;
+  }
 }
 
 TEST(Rope, LargeParallelDeterministic) { run_rope_case(2, 131, 12, 64, false, 81); }

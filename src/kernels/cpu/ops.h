@@ -87,18 +87,21 @@ void residual_forward(float* out, const float* a, const float* b, int64_t n);
 void bias_add(float* out, const float* bias, int64_t N, int64_t C);
 
 // ---- rotary position embedding (HF rotate_half convention) ------------------------------------
-// cos/sin tables [T, D/2]: angle(t, i) = t * theta^(-2i/D).
-void rope_tables(float* cos_table, float* sin_table, int64_t T, int64_t D, double theta);
+// cos/sin tables [T, half]: angle(t, i) = float(t) * inv_freq[i] (fp32 product), cos/sin of it,
+// times attention_factor (config/rope_scaling.h computes inv_freq and the factor).
+void rope_tables(float* cos_table, float* sin_table, int64_t T, int64_t half, const float* inv_freq,
+                 float attention_factor = 1.0f);
 // In place on x viewed as [B, T, row_stride] where each row holds `n_heads` heads of size D
-// starting at column 0 (pass a pointer to the q or k section of a fused qkv row):
-//   x1 = x[..., :D/2], x2 = x[..., D/2:];  x <- (x1*cos - x2*sin, x2*cos + x1*sin)
+// starting at column 0 (pass a pointer to the q or k section of a fused qkv row). The first `rot`
+// dims of each head rotate (tables [T, rot/2]), the other D - rot pass through:
+//   x1 = x[..., :rot/2], x2 = x[..., rot/2:rot];  (x1, x2) <- (x1*cos - x2*sin, x2*cos + x1*sin)
 // Row (b,t) uses table row t, or positions[b,t] when positions != nullptr ([B,T], each below the
 // tables' length: the caller checks).
 void rope_forward(float* x, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
-                  int64_t D, int64_t row_stride, const int32_t* positions = nullptr);
+                  int64_t D, int64_t rot, int64_t row_stride, const int32_t* positions = nullptr);
 // Gradient of rope_forward, in place (rotation by -angle).
 void rope_backward(float* dx, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
-                   int64_t D, int64_t row_stride, const int32_t* positions = nullptr);
+                   int64_t D, int64_t rot, int64_t row_stride, const int32_t* positions = nullptr);
 
 // ---- causal self-attention with grouped-query heads -----------------------------------------
 // qkv[B, T, (H + 2*KVH) * D]: per row, H query heads, then KVH key heads, then KVH value heads.

@@ -91,15 +91,16 @@ template <DType D>
 void bias_add(void* out, const float* bias, int64_t N, int64_t C);
 
 // ---- rope.cu -------------------------------------------------------------------------------------
-// Tables computed on the device with the CPU kernel's roundings (fp32 exponent/power/reciprocal/
-// product, cos/sin of that float angle in double).
-void rope_tables(float* cos_table, float* sin_table, int64_t T, int64_t D, double theta);
+// Tables computed on the device from a host inv_freq [half] with the CPU kernel's roundings (fp32
+// product t * inv_freq, cos/sin of that float angle in double, x attention_factor in fp32).
+void rope_tables(float* cos_table, float* sin_table, int64_t T, int64_t half, const float* inv_freq,
+                 float attention_factor);
 template <DType D>
 void rope_forward(void* x, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
-                  int64_t Dh, int64_t row_stride, const int32_t* positions);
+                  int64_t Dh, int64_t rot, int64_t row_stride, const int32_t* positions);
 template <DType D>
 void rope_backward(void* dx, const float* cos_table, const float* sin_table, int64_t B, int64_t T, int64_t n_heads,
-                   int64_t Dh, int64_t row_stride, const int32_t* positions);
+                   int64_t Dh, int64_t rot, int64_t row_stride, const int32_t* positions);
 
 // ---- convert.cu: element conversions (fp32 master weights -> bf16/fp16 copies, and back) ----------
 // dst[n] (dst_dtype) = src[n] (src_dtype), round to nearest even; F32, BF16, F16 in any pair.

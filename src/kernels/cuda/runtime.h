@@ -61,7 +61,8 @@ enum Slot : int {
   kSlotAttention = 2,
   kSlotLoss = 3,
   kSlotOptim = 4,
-  kSlotCudnn = 5  // cuDNN SDPA workspaces (attention_cudnn.cpp)
+  kSlotCudnn = 5,  // cuDNN SDPA workspaces (attention_cudnn.cpp)
+  kSlotRope = 6    // rope_tables' inv_freq copied from the host
 };
 void* workspace(int slot, size_t bytes);
 // A pinned (page-locked) host buffer of at least `bytes`, grown when needed; for staging copies.
