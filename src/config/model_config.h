@@ -40,9 +40,19 @@ struct ModelConfig {
   // -1 = absent; a list (eos) -> its first id. gpt2 defaults 50256 only when vocab_size > 50256.
   int64_t bos_token_id = -1, eos_token_id = -1, pad_token_id = -1;
   // Addition. mistral / qwen2 sliding-window attention width; 0 = none (full causal attention).
-  // lathe implements full attention only, so check_seq_len() refuses sequences longer than the
-  // window (there the two differ); a window >= the sequence length is the same math.
+  // A layer with the window attends keys j > t - window only (HF Mistral); a window >= the
+  // sequence length is full attention.
   int64_t sliding_window = 0;
+  // Addition. Which layers use sliding_window when only some do (qwen2 max_window_layers: layers
+  // >= it; or a layer_types list of sliding_attention / full_attention): one entry per layer,
+  // 1 = sliding. Empty = every layer uses sliding_window (a list naming one kind only is stored
+  // as empty, with sliding_window 0 when every layer is full_attention).
+  std::vector<uint8_t> sliding_layers;
+  // The attention window of layer l (0 = full attention).
+  int64_t layer_window(int64_t l) const {
+    return sliding_window > 0 && (sliding_layers.empty() || sliding_layers[static_cast<size_t>(l)]) ? sliding_window
+                                                                                                 : 0;
+  }
 
   // > 0: the head width of a tensor-parallel shard's config, whose num_attention_heads counts only
   // this rank's heads (src/parallel/tensor_parallel.h); never read from or written to config.json.
@@ -103,7 +113,7 @@ struct ModelConfig {
   // finite positive floats, parameter count within 64 bits. Errors name the field and the values.
   void validate(std::string_view source) const;
   void validate(std::string_view source, std::string_view key_prefix) const;  // addition
-  // Addition. seq_len <= max_position_embeddings and <= sliding_window (when set).
+  // Addition. seq_len <= max_position_embeddings.
   void check_seq_len(int64_t seq_len, std::string_view source) const;
 
   // Presets (all validated):

@@ -146,8 +146,6 @@ TEST(Recipe, ImpossibleValues) {
   expect_error(edit("  n_layer: 3", "  resid_pdrop: 0.1"), {"model.resid_pdrop", "dropout"});
   expect_error("model: {n_layer: 2}\ndata: {train: x}\n", {"model_type"});
   expect_error("model: {preset: gpt2-debug, model_type: llama}\ndata: {train: x}\n", {"model.model_type", "family"});
-  expect_error("model: {preset: mistral-debug, sliding_window: 32}\ndata: {train: x}\ntraining: {seq_len: 64}\n",
-               {"training.seq_len", "sliding_window"});
   expect_error("model: [1, 2]\n", {"model", "mapping"});
   expect_error("model: {preset: gpt2-debug\n", {"invalid YAML"});
 }
