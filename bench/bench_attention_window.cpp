@@ -5,14 +5,14 @@
 // kernel skips: tiles left of each query block's window are never computed), the thread count
 // and the CPU model. Full causal attention needs about T^2 / 2 scores, the window T x (window +
 // 32): at T = 8192 and window 1024 the ideal time ratio is about 2 x 1056 / 8192 = 0.26.
+#include <omp.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <random>
 #include <string>
-
-#include <omp.h>
 
 #include "core/buffer.h"
 #include "core/timer.h"

@@ -51,7 +51,7 @@ struct ModelConfig {
   // The attention window of layer l (0 = full attention).
   int64_t layer_window(int64_t l) const {
     return sliding_window > 0 && (sliding_layers.empty() || sliding_layers[static_cast<size_t>(l)]) ? sliding_window
-                                                                                                 : 0;
+                                                                                                    : 0;
   }
 
   // > 0: the head width of a tensor-parallel shard's config, whose num_attention_heads counts only

@@ -185,7 +185,7 @@ TEST(CudaAttentionLaunch, VisitedTilesCoverTheWindowMask) {
         // At most the diagonal tile and the (window + 63) / 64 + 1 tiles before it per query tile.
         EXPECT_LE(fwd_tiles, nt * ((window + attn::kTile - 1) / attn::kTile + 1)) << "T=" << T << " window=" << window;
       }
-  EXPECT_EQ(attn::window_lo(0, 0, 500), 0);     // no window
+  EXPECT_EQ(attn::window_lo(0, 0, 500), 0);      // no window
   EXPECT_EQ(attn::window_lo(0, 100, 500), 401);  // keys j > 500 - 100
   EXPECT_EQ(attn::window_lo(450, 100, 500), 450);
   EXPECT_EQ(attn::window_lo(0, 100, 50), 0);

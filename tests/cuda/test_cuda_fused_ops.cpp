@@ -140,8 +140,8 @@ void expect_close(const std::vector<float>& got, const std::vector<float>& want,
 // ---- attention -----------------------------------------------------------------------------------
 struct AttnCase {
   int64_t B, T, H, KVH, D;
-  double p_new_doc;     // < 0: no documents
-  int64_t window = 0;   // sliding window (0: none)
+  double p_new_doc;    // < 0: no documents
+  int64_t window = 0;  // sliding window (0: none)
 };
 
 std::vector<int32_t> make_docs(int64_t B, int64_t T, double p, uint32_t seed) {
@@ -171,14 +171,14 @@ void cuda_attention_backward(DType dt, void* dqkv, const void* dout, const void*
 TEST(CudaFusedOps, AttentionMatchesCpuForwardAndBackward) {
   REQUIRE_GPU();
   const AttnCase cases[] = {
-      {2, 67, 4, 2, 64, -1.0},    // GQA, odd T across two tiles
-      {1, 130, 3, 1, 128, 0.03},  // D = 128, documents, MQA
-      {2, 1, 2, 2, 40, -1.0},     // one token, D padded to 64
-      {1, 200, 2, 2, 16, 0.2},    // many short documents
-      {1, 129, 6, 3, 80, 0.01},   // D padded to 128, documents crossing tiles
-      {2, 300, 4, 2, 64, -1.0, 70},   // sliding window across tiles (issue 25)
-      {1, 259, 3, 1, 40, 0.02, 65},   // window with documents
-      {1, 130, 2, 2, 16, -1.0, 1},    // window of one key: each token's own value
+      {2, 67, 4, 2, 64, -1.0},       // GQA, odd T across two tiles
+      {1, 130, 3, 1, 128, 0.03},     // D = 128, documents, MQA
+      {2, 1, 2, 2, 40, -1.0},        // one token, D padded to 64
+      {1, 200, 2, 2, 16, 0.2},       // many short documents
+      {1, 129, 6, 3, 80, 0.01},      // D padded to 128, documents crossing tiles
+      {2, 300, 4, 2, 64, -1.0, 70},  // sliding window across tiles (issue 25)
+      {1, 259, 3, 1, 40, 0.02, 65},  // window with documents
+      {1, 130, 2, 2, 16, -1.0, 1},   // window of one key: each token's own value
   };
   for (DType dt : {DType::F32, DType::BF16}) {
     const Ops& cpu = ops_for(cpu_backend(), dt);

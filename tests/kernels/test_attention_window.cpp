@@ -132,8 +132,8 @@ TEST(AttentionWindow, MatchesReference) {
             const int64_t ld = (H + 2 * KVH) * D;
             const auto qkv = randn(s.B * T * ld, static_cast<uint32_t>(11 + T * 7 + D + H + window));
             const auto dout = randn(s.B * T * H * D, static_cast<uint32_t>(5 + T + D + window));
-            const std::vector<int32_t> ds = docs ? random_docs(s.B, T, 40, static_cast<uint32_t>(T + window))
-                                                 : std::vector<int32_t>{};
+            const std::vector<int32_t> ds =
+                docs ? random_docs(s.B, T, 40, static_cast<uint32_t>(T + window)) : std::vector<int32_t>{};
             const Result r = run(qkv, dout, s, docs ? ds.data() : nullptr, window);
             const Ref want = reference(qkv, dout, s, ds, window);
             SCOPED_TRACE(::testing::Message() << "B=2 T=" << T << " H=" << H << " KVH=" << KVH << " D=" << D

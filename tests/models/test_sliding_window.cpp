@@ -81,8 +81,8 @@ void check_with_transformers(const std::string& name, const ModelConfig& cfg) {
                                                              {"logits", DType::F32, Shape{kB, kT, V}, o.logits.data()},
                                                              {"loss", DType::F32, Shape{}, &loss}});
   save_hf_tensors(*model, model->grad_data(), (dir / "grads.safetensors").string());
-  const std::string cmd = fmt::format("/usr/bin/python3 {}/tests/models/torch_reference_window.py {} 2>&1",
-                                      LATHE_SOURCE_DIR, dir.string());
+  const std::string cmd =
+      fmt::format("/usr/bin/python3 {}/tests/models/torch_reference_window.py {} 2>&1", LATHE_SOURCE_DIR, dir.string());
   int rc;
   std::string out;
   ASSERT_NO_FATAL_FAILURE(run_oracle(cmd, rc, out));

@@ -120,7 +120,8 @@ size_t attention_scratch_bytes(int64_t T, int64_t Dh);
 // ---- attention_cudnn.cpp: cuDNN's fused SDPA (model.attention_kernel: cudnn), bf16 and fp16 -------
 // The attention slots' contract (lse = cuDNN's softmax stats, the natural-log log-sum-exp as above).
 // Passes with doc_start or a sliding window (window in [1, T)), and shapes cuDNN cannot run
-// (decided once per shape for both directions), use the kernels above. cudnn_unavailable_reason: "" when this build has cuDNN and it can be used.
+// (decided once per shape for both directions), use the kernels above. cudnn_unavailable_reason: "" when this build has
+// cuDNN and it can be used.
 std::string cudnn_unavailable_reason();
 template <DType D>
 void cudnn_attention_forward(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
