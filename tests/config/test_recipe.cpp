@@ -150,6 +150,18 @@ TEST(Recipe, ImpossibleValues) {
   expect_error("model: {preset: gpt2-debug\n", {"invalid YAML"});
 }
 
+// Sliding-window attention runs beyond the window (issue 25 item 5): seq_len is capped by
+// max_position_embeddings only.
+TEST(Recipe, SeqLenBeyondSlidingWindow) {
+  const Recipe r = parse_recipe("model: {preset: mistral-debug, sliding_window: 32}\ndata: {train: x}\n"
+                                "training: {seq_len: 128}\n",
+                                "recipe.yaml", {});
+  EXPECT_EQ(r.model.sliding_window, 32);
+  EXPECT_EQ(r.training.seq_len, 128);
+  expect_error("model: {preset: mistral-debug, sliding_window: 32}\ndata: {train: x}\ntraining: {seq_len: 129}\n",
+               {"training.seq_len", "max_position_embeddings"});
+}
+
 TEST(Recipe, Overrides) {
   Recipe r = parse_recipe(kGood, "recipe.yaml",
                           {"training.steps=10", "model.n_layer=2", "optimizer.lr=2e-3", "data.valid=data/v",
