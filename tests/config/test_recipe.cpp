@@ -153,9 +153,10 @@ TEST(Recipe, ImpossibleValues) {
 // Sliding-window attention runs beyond the window (issue 25 item 5): seq_len is capped by
 // max_position_embeddings only.
 TEST(Recipe, SeqLenBeyondSlidingWindow) {
-  const Recipe r = parse_recipe("model: {preset: mistral-debug, sliding_window: 32}\ndata: {train: x}\n"
-                                "training: {seq_len: 128}\n",
-                                "recipe.yaml", {});
+  const Recipe r = parse_recipe(
+      "model: {preset: mistral-debug, sliding_window: 32}\ndata: {train: x}\n"
+      "training: {seq_len: 128}\n",
+      "recipe.yaml", {});
   EXPECT_EQ(r.model.sliding_window, 32);
   EXPECT_EQ(r.training.seq_len, 128);
   expect_error("model: {preset: mistral-debug, sliding_window: 32}\ndata: {train: x}\ntraining: {seq_len: 129}\n",
