@@ -320,7 +320,8 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
       // later Qwen2Config derives from it. (4.45.2's eager and sdpa Qwen2 ignore the window.)
       const int64_t mwl = r.has("max_window_layers") ? r.get_int("max_window_layers") : 28;
       if (mwl < 0) r.fail("max_window_layers", fmt::format("{} must be >= 0", mwl));
-      if (c.sliding_window > 0 && mwl > 0) {
+      // (A layer count out of range is left to validate(), before anything is sized by it.)
+      if (c.sliding_window > 0 && mwl > 0 && c.num_hidden_layers >= 0 && c.num_hidden_layers <= kMaxLayers) {
         c.sliding_layers.assign(static_cast<size_t>(std::max<int64_t>(c.num_hidden_layers, 0)), 0);
         for (int64_t l = mwl; l < c.num_hidden_layers; ++l) c.sliding_layers[static_cast<size_t>(l)] = 1;
       }

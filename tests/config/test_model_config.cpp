@@ -168,6 +168,15 @@ TEST(ModelConfig, PerLayerSlidingWindows) {
   EXPECT_EQ(ModelConfig::from_hf_json(c.to_hf_json(), "back"), c);
   q.erase("max_window_layers");  // Qwen2Config's default 28 >= 24 layers: no layer slides
   EXPECT_EQ(ModelConfig::from_hf_json(q, "q").sliding_window, 0);
+  // A hostile layer count is refused by its own check, not met by a per-layer list of its size.
+  q["max_window_layers"] = 1;
+  q["num_hidden_layers"] = int64_t{1} << 40;
+  try {
+    ModelConfig::from_hf_json(q, "q");
+    FAIL() << "accepted 2^40 layers";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("num_hidden_layers"), std::string::npos) << e.what();
+  }
 
   json m = json::parse(kMistral);  // 32 layers
   m["sliding_window"] = 64;
