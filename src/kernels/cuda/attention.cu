@@ -17,11 +17,10 @@
 //
 // Masks: query i sees keys [lo_i, i], lo_i = doc_start[b, i] (clamped into [0, i], so a malformed
 // table cannot make a kernel read outside the sample) or 0, raised to i - window + 1 by a sliding
-// window (window > 0; window >= T is none): so key tiles left of the window are not visited either,
-// and a dK/dV block's query loop ends once the queries' windows have passed its keys. Key tiles left of a query tile's
-// first document are not visited; a key tile whose keys all precede every query of a later query tile's documents ends
-// the dK/dV kernel's query loop (document starts never decrease). The CPU kernels validate doc_start; here it is device
-// memory and trusted as built by models/documents.h.
+// window (window > 0, HF Mistral's keys j > i - window; window >= T is none). lo_i never decreases
+// with i. Key tiles left of a query tile's first row's lo are not visited; a key tile whose keys
+// all precede lo of a later query tile's first row ends the dK/dV kernel's query loop. The CPU
+// kernels validate doc_start; here it is device memory and trusted as built by models/documents.h.
 //
 // Not done: a tensor-core (mma / wgmma) path for bf16 and the cuDNN SDPA option; this kernel runs
 // on the CUDA cores (fp32 FMA), which keeps fp32 runs within fp32 rounding of the CPU reference.
