@@ -140,9 +140,9 @@ int main(int argc, char** argv) {
       for (int i = 0; i < 2; ++i) o.residual_forward(y.p(), y.p(), x.p(), N * C);
     });
     add("attention fwd", true,
-        [&] { o.attention_forward(y.p(), lse.f(), x.p(), B, T, H, KV, D, scratch.data(), nullptr); });
+        [&] { o.attention_forward(y.p(), lse.f(), x.p(), B, T, H, KV, D, scratch.data(), nullptr, 0); });
     add("attention bwd", true,
-        [&] { o.attention_backward(g.p(), y.p(), x.p(), y.p(), lse.f(), B, T, H, KV, D, scratch.data(), nullptr); });
+        [&] { o.attention_backward(g.p(), y.p(), x.p(), y.p(), lse.f(), B, T, H, KV, D, scratch.data(), nullptr, 0); });
     add("embedding fwd+bwd", false, [&] {
       o.embedding_forward(y.p(), tok.data(), w.p(), gpt2 ? x.p() : nullptr, B, T, C, nullptr, 0, V);
       o.embedding_backward(gw.f(), nullptr, g.p(), tok.data(), B, T, C, nullptr, 0, V);

@@ -63,12 +63,24 @@ const std::vector<std::string> kGpt2Keys = {
     // HF attribute_map aliases
     "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"};
 
-const std::vector<std::string> kLlamaKeys = {
-    "hidden_size",         "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim",          "hidden_act",        "max_position_embeddings",
-    "rms_norm_eps",        "rope_theta",        "rope_scaling",      "rope_parameters",
-    "attention_bias",      "mlp_bias",          "attention_dropout", "pretraining_tp",
-    "partial_rotary_factor", "original_max_position_embeddings"};
+const std::vector<std::string> kLlamaKeys = {"hidden_size",
+                                             "intermediate_size",
+                                             "num_hidden_layers",
+                                             "num_attention_heads",
+                                             "num_key_value_heads",
+                                             "head_dim",
+                                             "hidden_act",
+                                             "max_position_embeddings",
+                                             "rms_norm_eps",
+                                             "rope_theta",
+                                             "rope_scaling",
+                                             "rope_parameters",
+                                             "attention_bias",
+                                             "mlp_bias",
+                                             "attention_dropout",
+                                             "pretraining_tp",
+                                             "partial_rotary_factor",
+                                             "original_max_position_embeddings"};
 const std::vector<std::string> kQwen2Extra = {"use_sliding_window", "sliding_window", "max_window_layers",
                                               "layer_types"};
 const std::vector<std::string> kMistralExtra = {"sliding_window", "layer_types"};
@@ -168,8 +180,9 @@ void read_rope_scaling(const Reader& r, ModelConfig& c, bool mistral, std::strin
   if (r.has("rope_scaling")) {
     c.rope_scaling = RopeScaling::from_json(r.j["rope_scaling"], r.source, key_prefix);
     if (mistral && c.rope_scaling.active())
-      r.fail("rope_scaling", "transformers 4.45's mistral ignores rope_scaling (its rotary class is plain RoPE), so "
-                             "a scaled mistral would not load as trained; use model_type llama, or null");
+      r.fail("rope_scaling",
+             "transformers 4.45's mistral ignores rope_scaling (its rotary class is plain RoPE), so "
+             "a scaled mistral would not load as trained; use model_type llama, or null");
   }
   if (r.has("original_max_position_embeddings"))
     c.rope_scaling.config_original_max_position_embeddings =
@@ -177,8 +190,9 @@ void read_rope_scaling(const Reader& r, ModelConfig& c, bool mistral, std::strin
   if (r.has("partial_rotary_factor")) {
     c.partial_rotary_factor = r.get_double("partial_rotary_factor");
     if (mistral && c.partial_rotary_factor != 1.0)
-      r.fail("partial_rotary_factor", "transformers 4.45's mistral ignores it (it rotates the whole head); use "
-                                      "model_type llama, or remove the key");
+      r.fail("partial_rotary_factor",
+             "transformers 4.45's mistral ignores it (it rotates the whole head); use "
+             "model_type llama, or remove the key");
   }
 }
 
@@ -348,7 +362,16 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
         if (!r.has("sliding_window")) r.fail("sliding_window", "missing while use_sliding_window is true");
         c.sliding_window = r.get_int("sliding_window");
       }
-      if (r.has("max_window_layers")) (void)r.get_int("max_window_layers");
+      // Layers l >= max_window_layers use the window (Qwen2Config default 28): transformers 4.45.2
+      // Qwen2FlashAttention2 (`self.layer_idx >= self.config.max_window_layers`) and the layer_types
+      // later Qwen2Config derives from it. (4.45.2's eager and sdpa Qwen2 ignore the window.)
+      const int64_t mwl = r.has("max_window_layers") ? r.get_int("max_window_layers") : 28;
+      if (mwl < 0) r.fail("max_window_layers", fmt::format("{} must be >= 0", mwl));
+      // (A layer count out of range is left to validate(), before anything is sized by it.)
+      if (c.sliding_window > 0 && mwl > 0 && c.num_hidden_layers >= 0 && c.num_hidden_layers <= kMaxLayers) {
+        c.sliding_layers.assign(static_cast<size_t>(std::max<int64_t>(c.num_hidden_layers, 0)), 0);
+        for (int64_t l = mwl; l < c.num_hidden_layers; ++l) c.sliding_layers[static_cast<size_t>(l)] = 1;
+      }
     } else if (mistral) {
       if (r.has("attention_bias") && r.get_bool("attention_bias"))
         r.fail("attention_bias", "mistral has no attention biases; true is not supported");
@@ -363,13 +386,26 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
     if (r.has("layer_types")) {
       const json& lt = j["layer_types"];
       if (!lt.is_array()) r.fail("layer_types", fmt::format("expected a list, got '{}'", value_str(lt)));
+      if (static_cast<int64_t>(lt.size()) != c.num_hidden_layers)
+        r.fail("layer_types", fmt::format("has {} entries for {} layers (num_hidden_layers): give one per layer",
+                                          lt.size(), c.num_hidden_layers));
+      // layer_types decides which layers slide (over max_window_layers, as in later transformers).
+      c.sliding_layers.clear();
       for (const auto& t : lt) {
-        if (t == "full_attention") continue;
-        if (t == "sliding_attention" && c.sliding_window > 0) continue;
+        if (t == "full_attention" || (t == "sliding_attention" && c.sliding_window > 0)) {
+          c.sliding_layers.push_back(t == "sliding_attention" ? 1 : 0);
+          continue;
+        }
         r.fail("layer_types", fmt::format("entry {} is not supported (full_attention, or sliding_attention with a "
                                           "sliding_window)",
                                           io::json_excerpt(t)));
       }
+    }
+    // One kind only: every layer slides (empty list) or none does (no window).
+    if (!c.sliding_layers.empty()) {
+      const auto n = std::count(c.sliding_layers.begin(), c.sliding_layers.end(), uint8_t{1});
+      if (n == 0) c.sliding_window = 0;
+      if (n == 0 || n == static_cast<std::ptrdiff_t>(c.sliding_layers.size())) c.sliding_layers.clear();
     }
   }
   if (r.has("pretraining_tp")) (void)r.get_int("pretraining_tp");
@@ -459,12 +495,9 @@ void ModelConfig::validate(std::string_view source, std::string_view prefix) con
 
 void ModelConfig::check_seq_len(int64_t seq_len, std::string_view source) const {
   // Dynamic NTK scaling exists to run past max_position_embeddings (its tables follow seq_len).
-  LATHE_CHECK(seq_len <= max_position_embeddings || rope_scaling.type == "dynamic", "{}: seq_len = {} exceeds max_position_embeddings = {} of the model",
-              source, seq_len, max_position_embeddings);
-  LATHE_CHECK(sliding_window == 0 || seq_len <= sliding_window,
-              "{}: seq_len = {} exceeds the model's sliding_window = {}; lathe implements full attention "
-              "only, which differs from sliding-window attention beyond the window (use seq_len <= {})",
-              source, seq_len, sliding_window, sliding_window);
+  LATHE_CHECK(seq_len <= max_position_embeddings || rope_scaling.type == "dynamic",
+              "{}: seq_len = {} exceeds max_position_embeddings = {} of the model", source, seq_len,
+              max_position_embeddings);
 }
 
 int64_t ModelConfig::num_parameters() const {
@@ -549,9 +582,17 @@ json ModelConfig::to_hf_json() const {
   } else if (model_type == "qwen2") {
     j["use_sliding_window"] = sliding_window > 0;
     j["sliding_window"] = sliding_window > 0 ? json(sliding_window) : json(nullptr);
-    j["max_window_layers"] = sliding_window > 0 ? 0 : num_hidden_layers;
+    // The leading full-attention layers (all of them without a window).
+    int64_t full = sliding_window > 0 ? 0 : num_hidden_layers;
+    while (full < static_cast<int64_t>(sliding_layers.size()) && !sliding_layers[static_cast<size_t>(full)]) ++full;
+    j["max_window_layers"] = full;
   } else if (model_type == "mistral") {
     j["sliding_window"] = sliding_window > 0 ? json(sliding_window) : json(nullptr);
+  }
+  if (!sliding_layers.empty()) {  // which layers slide, whatever the model type's own key says
+    json lt = json::array();
+    for (uint8_t s : sliding_layers) lt.push_back(s ? "sliding_attention" : "full_attention");
+    j["layer_types"] = lt;
   }
   return j;
 }
@@ -643,12 +684,12 @@ bool operator==(const ModelConfig& a, const ModelConfig& b) {
          a.hidden_size == b.hidden_size && a.num_hidden_layers == b.num_hidden_layers &&
          a.num_attention_heads == b.num_attention_heads && a.num_key_value_heads == b.num_key_value_heads &&
          a.intermediate_size == b.intermediate_size && a.max_position_embeddings == b.max_position_embeddings &&
-         a.norm_eps == b.norm_eps && a.rope_theta == b.rope_theta &&
-         a.rope_scaling == b.rope_scaling && a.partial_rotary_factor == b.partial_rotary_factor && a.tie_word_embeddings == b.tie_word_embeddings &&
+         a.norm_eps == b.norm_eps && a.rope_theta == b.rope_theta && a.rope_scaling == b.rope_scaling &&
+         a.partial_rotary_factor == b.partial_rotary_factor && a.tie_word_embeddings == b.tie_word_embeddings &&
          a.attention_bias == b.attention_bias && a.initializer_range == b.initializer_range &&
          a.hidden_act == b.hidden_act && a.bos_token_id == b.bos_token_id && a.eos_token_id == b.eos_token_id &&
          a.eos_token_ids == b.eos_token_ids && a.pad_token_id == b.pad_token_id &&
-         a.sliding_window == b.sliding_window && a.head_dim() == b.head_dim();
+         a.sliding_window == b.sliding_window && a.sliding_layers == b.sliding_layers && a.head_dim() == b.head_dim();
 }
 
 }  // namespace lathe

@@ -36,7 +36,7 @@ struct ModelConfig {
   // through; 1 = the whole head).
   RopeScaling rope_scaling;
   double partial_rotary_factor = 1.0;
-  bool tie_word_embeddings = true;      // gpt2 always true
+  bool tie_word_embeddings = true;  // gpt2 always true
   // llama: attention_bias (q/k/v/o biases); qwen2: forced true and means q/k/v biases only (no
   // o_proj bias); mistral: false; gpt2: false here, but GPT-2 always has all its biases.
   bool attention_bias = false;
@@ -51,9 +51,19 @@ struct ModelConfig {
   // Empty for a single id.
   std::vector<int64_t> eos_token_ids;
   // Addition. mistral / qwen2 sliding-window attention width; 0 = none (full causal attention).
-  // lathe implements full attention only, so check_seq_len() refuses sequences longer than the
-  // window (there the two differ); a window >= the sequence length is the same math.
+  // A layer with the window attends keys j > t - window only (HF Mistral); a window >= the
+  // sequence length is full attention.
   int64_t sliding_window = 0;
+  // Addition. Which layers use sliding_window when only some do (qwen2 max_window_layers: layers
+  // >= it; or a layer_types list of sliding_attention / full_attention): one entry per layer,
+  // 1 = sliding. Empty = every layer uses sliding_window (a list naming one kind only is stored
+  // as empty, with sliding_window 0 when every layer is full_attention).
+  std::vector<uint8_t> sliding_layers;
+  // The attention window of layer l (0 = full attention).
+  int64_t layer_window(int64_t l) const {
+    return sliding_window > 0 && (sliding_layers.empty() || sliding_layers[static_cast<size_t>(l)]) ? sliding_window
+                                                                                                    : 0;
+  }
 
   // config.json `head_dim` (llama family): the width of one attention head when it is not
   // hidden_size / num_attention_heads (Mistral-Nemo: 5120 / 32 heads of 128; Qwen3-0.6B: 1024 / 16
@@ -112,7 +122,7 @@ struct ModelConfig {
   void validate(std::string_view source) const;
   void validate(std::string_view source, std::string_view key_prefix) const;  // addition
   // Addition. seq_len <= max_position_embeddings (except with dynamic RoPE scaling, made for longer
-  // sequences) and <= sliding_window (when set).
+  // sequences).
   void check_seq_len(int64_t seq_len, std::string_view source) const;
 
   // Presets (all validated):

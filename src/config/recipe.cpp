@@ -292,10 +292,6 @@ class Parser {
     need(t.seq_len <= r.model.max_position_embeddings || r.model.rope_scaling.type == "dynamic", "training.seq_len",
          fmt::format("{} exceeds the model's max_position_embeddings{} = {}", t.seq_len,
                      r.model.is_gpt2() ? " (n_positions)" : "", r.model.max_position_embeddings));
-    need(r.model.sliding_window == 0 || t.seq_len <= r.model.sliding_window, "training.seq_len",
-         fmt::format("{} exceeds model.sliding_window = {}; lathe implements full attention only, which differs "
-                     "from sliding-window attention beyond the window",
-                     t.seq_len, r.model.sliding_window));
     // Sample and token counters of the run (consumed_samples, tokens seen) must fit 64 bits.
     checked_product({t.steps, t.micro_batch_size, t.grad_accum_steps, t.seq_len,
                      std::max<int64_t>(1, std::min<int64_t>(r.parallel.data, kMaxRanks))},

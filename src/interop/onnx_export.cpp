@@ -404,6 +404,10 @@ std::string save_onnx(const Model& model, const std::string& path, const OnnxExp
               "--static-seq-len {} must be in [1, max_position_embeddings = {}] (leave it out for dynamic shapes "
               "with past key/values)",
               opts.static_seq_len, cfg.max_position_embeddings);
+  // The graph applies sliding_window to every layer (one mask); mixed layers would need one each.
+  LATHE_CHECK(cfg.sliding_layers.empty(),
+              "ONNX export: the model's layers mix sliding-window and full attention (layer_types / "
+              "max_window_layers); the ONNX graph has one attention mask for every layer, so it is not exported");
   Exporter ex(model, opts);
   const io::onnx::Graph g = ex.build();
   io::onnx::ModelProtoInfo info;

@@ -123,12 +123,13 @@ struct Ops {
 
   // ---- causal grouped-query attention ----------------------------------------------------------
   // doc_start [B, T] (nullptr: plain causal): token t attends to keys [doc_start[b,t], t] only
-  // (documents packed in a sample; kernels/cpu/ops.h states the contract).
+  // (documents packed in a sample; kernels/cpu/ops.h states the contract). window > 0: sliding
+  // window, token t also sees only keys j > t - window (0 = none; >= T is none too).
   void (*attention_forward)(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                            int64_t D, void* scratch, const int32_t* doc_start) = nullptr;
+                            int64_t D, void* scratch, const int32_t* doc_start, int64_t window) = nullptr;
   void (*attention_backward)(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
                              int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch,
-                             const int32_t* doc_start) = nullptr;
+                             const int32_t* doc_start, int64_t window) = nullptr;
   size_t (*attention_scratch_bytes)(int64_t T, int64_t D) = nullptr;
 
   // ---- lm head + softmax + cross-entropy, chunked over rows ------------------------------------

@@ -90,9 +90,10 @@ void store(void* p, int64_t i, float x, DType dt) {
 // 0..pos+t (the chunk's own keys already appended). qkv [B, T, Q] (q at column h*D) and out
 // [B, T, H*D] in the compute dtype; k/v cache [B, KV, Tmax, D] fp32. Scale 1/sqrt(D), softmax in
 // fp32 with the max subtracted, as attention_forward; 16-bit tables widen q|k|v to fp32 and round
-// the output once, as their attention kernels do.
+// the output once, as their attention kernels do. window > 0: query position i sees keys
+// j > i - window only (the layer's sliding window, as the kernels).
 void cached_attention(void* out, const void* qkv, const float* kc, const float* vc, int64_t B, int64_t T, int64_t pos,
-                      int64_t Tmax, int64_t H, int64_t KV, int64_t D, int64_t Q, DType dt) {
+                      int64_t Tmax, int64_t H, int64_t KV, int64_t D, int64_t Q, DType dt, int64_t window) {
   const int64_t group = H / KV;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int64_t jobs = B * H * T;
@@ -103,10 +104,11 @@ void cached_attention(void* out, const void* qkv, const float* kc, const float* 
 #pragma omp for schedule(static)
     for (int64_t job = 0; job < jobs; ++job) {
       const int64_t b = job / (H * T), h = job / T % H, t = job % T;
-      const int64_t n = pos + t + 1;  // keys visible to this query
+      const int64_t first = window > 0 ? std::max<int64_t>(0, pos + t + 1 - window) : 0;
+      const int64_t n = pos + t + 1 - first;  // keys visible to this query: [first, pos + t]
       for (int64_t d = 0; d < D; ++d) q[d] = load(qkv, (b * T + t) * Q + h * D + d, dt);
-      const float* k = kc + ((b * KV + h / group) * Tmax) * D;
-      const float* v = vc + ((b * KV + h / group) * Tmax) * D;
+      const float* k = kc + ((b * KV + h / group) * Tmax + first) * D;
+      const float* v = vc + ((b * KV + h / group) * Tmax + first) * D;
       float mx = -INFINITY;
       for (int64_t j = 0; j < n; ++j) {
         float s = 0.0f;
@@ -196,7 +198,7 @@ void decode_chunk(Model& model, KvCache& c, const int32_t* tokens, int64_t T, fl
             vc[dst + d] = load(qkv, row + (H + KV + g) * D + d, dt);
           }
         }
-    cached_attention(att, qkv, kc, vc, B, T, pos, c.Tmax_, H, KV, D, Q, dt);
+    cached_attention(att, qkv, kc, vc, B, T, pos, c.Tmax_, H, KV, D, Q, dt, cfg.layer_window(l));
     ops.matmul_forward(res1, att, model.compute_weight(lw.o_w), lw.o_b, N, H * D, C, false);
     ops.residual_forward(res1, res1, x, N * C);
     norm(ln, res1, lw.ln2_w, lw.ln2_b, N);

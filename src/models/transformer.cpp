@@ -49,6 +49,13 @@ Model::Model(ModelConfig cfg, Arch arch, ParamTable table, ComputeSpec compute)
   }
   if (weights) p_ = resolve(backend_param_data());
   if (grads) g_ = resolve(backend_grad_data());
+  // Per-layer sliding windows (ModelConfig::layer_window) name the whole network's layers; a
+  // pipeline stage's config keeps only its own layer count (parallel/pipeline_stage.cpp).
+  LATHE_CHECK(cfg_.sliding_layers.empty() || static_cast<int64_t>(cfg_.sliding_layers.size()) == cfg_.num_hidden_layers,
+              "model: {} per-layer sliding-window entries (layer_types / max_window_layers) for {} layers: a model "
+              "whose layers mix sliding and full attention cannot be split into pipeline stages yet (use "
+              "parallel.pipeline: 1)",
+              cfg_.sliding_layers.size(), cfg_.num_hidden_layers);
   // Which block's backward completes each tensor's gradient (StepHooks numbering).
   const int64_t L = cfg_.num_hidden_layers;
   auto block_of = [L](const ParamSpec& s) -> int64_t {
@@ -396,7 +403,7 @@ void Model::layer_forward_into(int64_t l, int64_t B, int64_t T, bool output) {
     ops_->rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, D, rot, Q, doc_positions());
     ops_->rope_forward(act_at(a.qkv, H * D), rope_cos_, rope_sin_, B, T, KV, D, rot, Q, doc_positions());
   }
-  ops_->attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D, scratch_, doc_starts());
+  ops_->attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D, scratch_, doc_starts(), cfg_.layer_window(l));
   row_parallel_forward(a.res1, a.att, w.o_w, w.o_b, N, H * D, C);
   ops_->residual_forward(a.res1, a.res1, x, S * C);
   norm_forward(l, true, S);
@@ -531,7 +538,8 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
   ops_->matmul_backward(datt_, gw.o_w, gw.o_b,
                         sp ? tp.reduce_scatter_to_sequence_region_backward(dres_, gathered_, S * C) : dres_, a.att,
                         cw(w.o_w), N, H * D, C, false);
-  ops_->attention_backward(dqkv_, datt_, a.qkv, a.att, a.lse, B, T, H, KV, D, scratch_, doc_starts());
+  ops_->attention_backward(dqkv_, datt_, a.qkv, a.att, a.lse, B, T, H, KV, D, scratch_, doc_starts(),
+                           cfg_.layer_window(l));
   if (!arch_.learned_pos) {
     const int64_t rot = cfg_.rotary_dim();
     ops_->rope_backward(dqkv_, rope_cos_, rope_sin_, B, T, H, D, rot, Q, doc_positions());

@@ -134,19 +134,78 @@ TEST(ModelConfig, ParseMistral) {
   EXPECT_EQ(c.intermediate_size, 14336);
   EXPECT_EQ(c.sliding_window, 4096);
   EXPECT_FALSE(c.attention_bias);
-  // Full attention == sliding window only while the sequence fits in the window.
-  EXPECT_NO_THROW(c.check_seq_len(4096, "x"));
-  try {
-    c.check_seq_len(4097, "x");
-    FAIL();
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("sliding_window"), std::string::npos);
-  }
+  // Sliding-window attention runs beyond the window (issue 25): only max_position_embeddings caps.
+  EXPECT_NO_THROW(c.check_seq_len(4097, "x"));
+  EXPECT_NO_THROW(c.check_seq_len(32768, "x"));
+  EXPECT_THROW(c.check_seq_len(32769, "x"), Error);
+  EXPECT_TRUE(c.sliding_layers.empty());  // every layer slides
+  EXPECT_EQ(c.layer_window(0), 4096);
+  EXPECT_EQ(c.layer_window(31), 4096);
   json j = json::parse(kMistral);
   j["sliding_window"] = nullptr;
   EXPECT_EQ(ModelConfig::from_hf_json(j, "m").sliding_window, 0);
   // Mistral-7B-v0.1: 7,241,732,096 parameters (published).
   EXPECT_EQ(c.num_parameters(), 7241732096LL);
+}
+
+// Which layers use the window (issue 25): qwen2's max_window_layers (layers >= it, as transformers
+// 4.45.2's Qwen2FlashAttention2; class default 28) and layer_types lists. The lists round-trip
+// through to_hf_json; a list of one kind collapses to every layer / no window.
+TEST(ModelConfig, PerLayerSlidingWindows) {
+  json q = json::parse(kQwen2);  // 24 layers
+  q["use_sliding_window"] = true;
+  q["sliding_window"] = 512;
+  q["max_window_layers"] = 20;
+  ModelConfig c = ModelConfig::from_hf_json(q, "q");
+  ASSERT_EQ(c.sliding_layers.size(), 24u);
+  EXPECT_EQ(c.layer_window(19), 0);
+  EXPECT_EQ(c.layer_window(20), 512);
+  EXPECT_EQ(c.layer_window(23), 512);
+  ModelConfig back = ModelConfig::from_hf_json(c.to_hf_json(), "back");
+  EXPECT_EQ(back, c);
+  EXPECT_EQ(c.to_hf_json()["max_window_layers"], 20);
+  q["max_window_layers"] = 0;  // every layer
+  c = ModelConfig::from_hf_json(q, "q");
+  EXPECT_TRUE(c.sliding_layers.empty());
+  EXPECT_EQ(c.layer_window(0), 512);
+  EXPECT_EQ(ModelConfig::from_hf_json(c.to_hf_json(), "back"), c);
+  q.erase("max_window_layers");  // Qwen2Config's default 28 >= 24 layers: no layer slides
+  EXPECT_EQ(ModelConfig::from_hf_json(q, "q").sliding_window, 0);
+  // A hostile layer count is refused by its own check, not met by a per-layer list of its size.
+  q["max_window_layers"] = 1;
+  q["num_hidden_layers"] = int64_t{1} << 40;
+  try {
+    ModelConfig::from_hf_json(q, "q");
+    FAIL() << "accepted 2^40 layers";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("num_hidden_layers"), std::string::npos) << e.what();
+  }
+
+  json m = json::parse(kMistral);  // 32 layers
+  m["sliding_window"] = 64;
+  json lt = json::array();
+  for (int l = 0; l < 32; ++l) lt.push_back(l % 4 == 3 ? "full_attention" : "sliding_attention");
+  m["layer_types"] = lt;
+  c = ModelConfig::from_hf_json(m, "m");
+  ASSERT_EQ(c.sliding_layers.size(), 32u);
+  EXPECT_EQ(c.layer_window(0), 64);
+  EXPECT_EQ(c.layer_window(3), 0);
+  back = ModelConfig::from_hf_json(c.to_hf_json(), "back");
+  EXPECT_EQ(back, c);
+  for (auto& e : lt) e = "full_attention";
+  m["layer_types"] = lt;
+  c = ModelConfig::from_hf_json(m, "m");
+  EXPECT_EQ(c.sliding_window, 0);
+  EXPECT_TRUE(c.sliding_layers.empty());
+  lt.erase(lt.begin());
+  m["layer_types"] = lt;
+  try {
+    ModelConfig::from_hf_json(m, "m");
+    FAIL() << "accepted 31 layer_types for 32 layers";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("layer_types"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("31 entries for 32 layers"), std::string::npos) << e.what();
+  }
 }
 
 TEST(ModelConfig, DefaultsAndAliases) {

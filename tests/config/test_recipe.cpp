@@ -146,10 +146,21 @@ TEST(Recipe, ImpossibleValues) {
   expect_error(edit("  n_layer: 3", "  resid_pdrop: 0.1"), {"model.resid_pdrop", "dropout"});
   expect_error("model: {n_layer: 2}\ndata: {train: x}\n", {"model_type"});
   expect_error("model: {preset: gpt2-debug, model_type: llama}\ndata: {train: x}\n", {"model.model_type", "family"});
-  expect_error("model: {preset: mistral-debug, sliding_window: 32}\ndata: {train: x}\ntraining: {seq_len: 64}\n",
-               {"training.seq_len", "sliding_window"});
   expect_error("model: [1, 2]\n", {"model", "mapping"});
   expect_error("model: {preset: gpt2-debug\n", {"invalid YAML"});
+}
+
+// Sliding-window attention runs beyond the window (issue 25 item 5): seq_len is capped by
+// max_position_embeddings only.
+TEST(Recipe, SeqLenBeyondSlidingWindow) {
+  const Recipe r = parse_recipe(
+      "model: {preset: mistral-debug, sliding_window: 32}\ndata: {train: x}\n"
+      "training: {seq_len: 128}\n",
+      "recipe.yaml", {});
+  EXPECT_EQ(r.model.sliding_window, 32);
+  EXPECT_EQ(r.training.seq_len, 128);
+  expect_error("model: {preset: mistral-debug, sliding_window: 32}\ndata: {train: x}\ntraining: {seq_len: 129}\n",
+               {"training.seq_len", "max_position_embeddings"});
 }
 
 TEST(Recipe, Overrides) {

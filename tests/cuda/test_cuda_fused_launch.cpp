@@ -142,6 +142,55 @@ TEST(CudaAttentionLaunch, VisitedTilesCoverTheDocumentMask) {
   }
 }
 
+// The same coverage under a sliding window (issue 25): lo_i = window_lo(ds[i], window, i) = the
+// later of the document start and i - window + 1. Every visible pair is visited, the loops agree,
+// no visited tile lies wholly left of its rows' windows, and a short window visits far fewer tiles.
+TEST(CudaAttentionLaunch, VisitedTilesCoverTheWindowMask) {
+  std::mt19937 rng(9);
+  for (int64_t T : {1, 65, 200, 333, 1000})
+    for (double p_new : {0.0, 0.02})
+      for (int64_t window : {1, 63, 64, 65, 130}) {
+        const std::vector<int32_t> ds = random_docs(T, rng, p_new);
+        std::vector<int64_t> lo(static_cast<size_t>(T));
+        for (int64_t i = 0; i < T; ++i) lo[i] = attn::window_lo(ds[i], window, i);
+        const int64_t nt = attn::num_tiles(T);
+        std::vector<char> fwd(static_cast<size_t>(T * T), 0), kv(static_cast<size_t>(T * T), 0);
+        int64_t fwd_tiles = 0, kv_tiles = 0;
+        for (int64_t qt = 0; qt < nt; ++qt) {
+          const int64_t i0 = qt * attn::kTile, nr = std::min<int64_t>(attn::kTile, T - i0);
+          for (int64_t j0 = attn::first_key(lo[i0], i0); j0 < i0 + nr; j0 += attn::kTile) {
+            ++fwd_tiles;
+            // No visited tile lies wholly left of its first row's window (nor so of later rows').
+            EXPECT_GE(j0 + attn::kTile - 1, lo[i0]) << "T=" << T << " window=" << window;
+            for (int64_t i = i0; i < i0 + nr; ++i)
+              for (int64_t j = j0; j < std::min(j0 + attn::kTile, i0 + nr); ++j) fwd[i * T + j] = 1;
+          }
+        }
+        for (int64_t kt = 0; kt < nt; ++kt) {
+          const int64_t j0 = kt * attn::kTile, nk = std::min<int64_t>(attn::kTile, T - j0);
+          for (int64_t qt = kt; qt < nt; ++qt) {
+            const int64_t i0 = qt * attn::kTile, nr = std::min<int64_t>(attn::kTile, T - i0);
+            if (!attn::query_tile_sees_keys(lo[i0], i0, j0, nk)) break;
+            ++kv_tiles;
+            for (int64_t i = i0; i < i0 + nr; ++i)
+              for (int64_t j = j0; j < j0 + nk; ++j) kv[i * T + j] = 1;
+          }
+        }
+        for (int64_t i = 0; i < T; ++i)
+          for (int64_t j = lo[i]; j <= i; ++j) {
+            ASSERT_TRUE(fwd[i * T + j]) << "T=" << T << " window=" << window << ": forward/dQ skip " << i << "," << j;
+            ASSERT_TRUE(kv[i * T + j]) << "T=" << T << " window=" << window << ": dK/dV skip " << i << "," << j;
+          }
+        EXPECT_EQ(fwd_tiles, kv_tiles) << "T=" << T << " window=" << window;
+        // At most the diagonal tile and the (window + 63) / 64 + 1 tiles before it per query tile.
+        EXPECT_LE(fwd_tiles, nt * ((window + attn::kTile - 1) / attn::kTile + 1)) << "T=" << T << " window=" << window;
+      }
+  EXPECT_EQ(attn::window_lo(0, 0, 500), 0);      // no window
+  EXPECT_EQ(attn::window_lo(0, 100, 500), 401);  // keys j > 500 - 100
+  EXPECT_EQ(attn::window_lo(450, 100, 500), 450);
+  EXPECT_EQ(attn::window_lo(0, 100, 50), 0);
+}
+
 TEST(CudaAttentionLaunch, FirstKeyClampsMalformedStarts) {
   EXPECT_EQ(attn::first_key(0, 100), 0);
   EXPECT_EQ(attn::first_key(70, 100), 64);

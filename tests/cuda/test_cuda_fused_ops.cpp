@@ -140,7 +140,8 @@ void expect_close(const std::vector<float>& got, const std::vector<float>& want,
 // ---- attention -----------------------------------------------------------------------------------
 struct AttnCase {
   int64_t B, T, H, KVH, D;
-  double p_new_doc;  // < 0: no documents
+  double p_new_doc;    // < 0: no documents
+  int64_t window = 0;  // sliding window (0: none)
 };
 
 std::vector<int32_t> make_docs(int64_t B, int64_t T, double p, uint32_t seed) {
@@ -155,33 +156,37 @@ std::vector<int32_t> make_docs(int64_t B, int64_t T, double p, uint32_t seed) {
 
 void cuda_attention_forward(DType dt, void* out, float* lse, const void* qkv, const AttnCase& c, const int32_t* ds) {
   if (dt == DType::F32)
-    cuda::attention_forward<DType::F32>(out, lse, qkv, c.B, c.T, c.H, c.KVH, c.D, nullptr, ds);
+    cuda::attention_forward<DType::F32>(out, lse, qkv, c.B, c.T, c.H, c.KVH, c.D, nullptr, ds, c.window);
   else
-    cuda::attention_forward<DType::BF16>(out, lse, qkv, c.B, c.T, c.H, c.KVH, c.D, nullptr, ds);
+    cuda::attention_forward<DType::BF16>(out, lse, qkv, c.B, c.T, c.H, c.KVH, c.D, nullptr, ds, c.window);
 }
 void cuda_attention_backward(DType dt, void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
                              const AttnCase& c, const int32_t* ds) {
   if (dt == DType::F32)
-    cuda::attention_backward<DType::F32>(dqkv, dout, qkv, out, lse, c.B, c.T, c.H, c.KVH, c.D, nullptr, ds);
+    cuda::attention_backward<DType::F32>(dqkv, dout, qkv, out, lse, c.B, c.T, c.H, c.KVH, c.D, nullptr, ds, c.window);
   else
-    cuda::attention_backward<DType::BF16>(dqkv, dout, qkv, out, lse, c.B, c.T, c.H, c.KVH, c.D, nullptr, ds);
+    cuda::attention_backward<DType::BF16>(dqkv, dout, qkv, out, lse, c.B, c.T, c.H, c.KVH, c.D, nullptr, ds, c.window);
 }
 
 TEST(CudaFusedOps, AttentionMatchesCpuForwardAndBackward) {
   REQUIRE_GPU();
   const AttnCase cases[] = {
-      {2, 67, 4, 2, 64, -1.0},    // GQA, odd T across two tiles
-      {1, 130, 3, 1, 128, 0.03},  // D = 128, documents, MQA
-      {2, 1, 2, 2, 40, -1.0},     // one token, D padded to 64
-      {1, 200, 2, 2, 16, 0.2},    // many short documents
-      {1, 129, 6, 3, 80, 0.01},   // D padded to 128, documents crossing tiles
+      {2, 67, 4, 2, 64, -1.0},       // GQA, odd T across two tiles
+      {1, 130, 3, 1, 128, 0.03},     // D = 128, documents, MQA
+      {2, 1, 2, 2, 40, -1.0},        // one token, D padded to 64
+      {1, 200, 2, 2, 16, 0.2},       // many short documents
+      {1, 129, 6, 3, 80, 0.01},      // D padded to 128, documents crossing tiles
+      {2, 300, 4, 2, 64, -1.0, 70},  // sliding window across tiles (issue 25)
+      {1, 259, 3, 1, 40, 0.02, 65},  // window with documents
+      {1, 130, 2, 2, 16, -1.0, 1},   // window of one key: each token's own value
   };
   for (DType dt : {DType::F32, DType::BF16}) {
     const Ops& cpu = ops_for(cpu_backend(), dt);
     for (const AttnCase& c : cases) {
       const std::string name = compute_dtype_name(dt) + " B=" + std::to_string(c.B) + " T=" + std::to_string(c.T) +
                                " H=" + std::to_string(c.H) + " KVH=" + std::to_string(c.KVH) +
-                               " D=" + std::to_string(c.D) + (c.p_new_doc >= 0 ? " docs" : "");
+                               " D=" + std::to_string(c.D) + (c.p_new_doc >= 0 ? " docs" : "") +
+                               (c.window > 0 ? " window=" + std::to_string(c.window) : "");
       SCOPED_TRACE(name);
       const int64_t nqkv = c.B * c.T * (c.H + 2 * c.KVH) * c.D, nout = c.B * c.T * c.H * c.D, nlse = c.B * c.H * c.T;
       const std::vector<uint8_t> qkv = encode(randn(nqkv, 1), dt), dout = encode(randn(nout, 2), dt);
@@ -193,9 +198,10 @@ TEST(CudaFusedOps, AttentionMatchesCpuForwardAndBackward) {
       std::vector<uint8_t> out(nout * elem_size(dt)), dqkv(nqkv * elem_size(dt));
       std::vector<float> lse(nlse);
       std::vector<uint8_t> scratch(cpu.attention_scratch_bytes(c.T, c.D));
-      cpu.attention_forward(out.data(), lse.data(), qkv.data(), c.B, c.T, c.H, c.KVH, c.D, scratch.data(), ds_host);
+      cpu.attention_forward(out.data(), lse.data(), qkv.data(), c.B, c.T, c.H, c.KVH, c.D, scratch.data(), ds_host,
+                            c.window);
       cpu.attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), c.B, c.T, c.H, c.KVH, c.D,
-                             scratch.data(), ds_host);
+                             scratch.data(), ds_host, c.window);
 
       // GPU
       Dev d_qkv(qkv.size()), d_dout(dout.size()), d_out(out.size()), d_dqkv(dqkv.size()), d_lse(nlse * 4),
@@ -257,7 +263,7 @@ TEST(CudaFusedOps, AttentionTimingGpt2Shape) {
 TEST(CudaFusedOps, AttentionRefusesHeadDimAbove128) {
   REQUIRE_GPU();
   try {
-    cuda::attention_forward<DType::F32>(nullptr, nullptr, nullptr, 1, 4, 2, 2, 160, nullptr, nullptr);
+    cuda::attention_forward<DType::F32>(nullptr, nullptr, nullptr, 1, 4, 2, 2, 160, nullptr, nullptr, 0);
     FAIL() << "expected an error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("head dim 160"), std::string::npos) << e.what();

@@ -21,7 +21,7 @@ q/o 64 wide with hidden 32). For each:
   * --external-data: FILE.<hash>.data holds the weights, logits bit-identical to the inline file
 A llama trained by `lathe train` for one step is exported from its run directory (checkpoint) and
 compared the same way; the automatic switch to external data (limit lowered by a test hook); a
-Mistral with sliding_window 4 step by step against transformers (lathe refuses such lengths). Bad input: bf16, --static-seq-len beyond max_position_embeddings or without
+Mistral with sliding_window 4 step by step against transformers. Bad input: bf16, --static-seq-len beyond max_position_embeddings or without
 --to-onnx, a file in a missing directory: exit 1/2 with the value and the fix named.
 """
 import glob
@@ -304,8 +304,8 @@ def check_auto_external(tmp):
 
 
 def check_sliding_window(tmp):
-    """Mistral with sliding_window 4 against transformers (lathe itself refuses sequences longer
-    than the window, so HF is the oracle here): token i attends to keys i-3..i."""
+    """Mistral with sliding_window 4 against transformers (the exported graph's own mask; lathe's
+    kernels are checked in tests/models/test_sliding_window.cpp): token i attends to keys i-3..i."""
     d = os.path.join(tmp, "mistral")
     torch.manual_seed(4)
     cfg = transformers.MistralConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,

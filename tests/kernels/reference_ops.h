@@ -216,9 +216,24 @@ inline void PrintTo(const AttnShape& s, std::ostream* os) {
   *os << "B=" << s.B << " T=" << s.T << " H=" << s.H << " KVH=" << s.KVH << " D=" << s.D;
 }
 
-// Naive causal GQA attention in double. out[B,T,H*D].
+// The first key of every query [B*T] under documents (doc_start [B, T], empty = none) and a
+// sliding window (0 = none): max(doc_start, t - window + 1), written naively as transformers
+// 4.45.2's Mistral mask states it (key j is excluded when j <= t - window).
+inline std::vector<int64_t> ref_first_keys(const std::vector<int32_t>& doc_start, int64_t window, const AttnShape& s) {
+  std::vector<int64_t> first(s.B * s.T, 0);
+  for (int64_t b = 0; b < s.B; ++b)
+    for (int64_t t = 0; t < s.T; ++t) {
+      int64_t j = doc_start.empty() ? 0 : doc_start[b * s.T + t];
+      while (window > 0 && j <= t - window) ++j;
+      first[b * s.T + t] = j;
+    }
+  return first;
+}
+
+// Naive causal GQA attention in double. out[B,T,H*D]. first [B*T] (nullptr: 0): query (b, t)
+// attends keys [first[b*T+t], t] only (ref_first_keys).
 inline void ref_attention_fwd(std::vector<double>& out, std::vector<double>& lse, const std::vector<double>& qkv,
-                              const AttnShape& s) {
+                              const AttnShape& s, const int64_t* first = nullptr) {
   const int64_t ld = (s.H + 2 * s.KVH) * s.D, rep = s.H / s.KVH;
   const double scale = 1.0 / std::sqrt(static_cast<double>(s.D));
   out.assign(s.B * s.T * s.H * s.D, 0.0);
@@ -228,8 +243,9 @@ inline void ref_attention_fwd(std::vector<double>& out, std::vector<double>& lse
     for (int64_t h = 0; h < s.H; ++h) {
       const int64_t g = h / rep;
       for (int64_t i = 0; i < s.T; ++i) {
+        const int64_t j0 = first ? first[b * s.T + i] : 0;
         double m = -INFINITY;
-        for (int64_t j = 0; j <= i; ++j) {
+        for (int64_t j = j0; j <= i; ++j) {
           double acc = 0;
           for (int64_t d = 0; d < s.D; ++d)
             acc += qkv[(b * s.T + i) * ld + h * s.D + d] * qkv[(b * s.T + j) * ld + (s.H + g) * s.D + d];
@@ -237,9 +253,9 @@ inline void ref_attention_fwd(std::vector<double>& out, std::vector<double>& lse
           m = std::max(m, p[j]);
         }
         double sum = 0;
-        for (int64_t j = 0; j <= i; ++j) sum += std::exp(p[j] - m);
+        for (int64_t j = j0; j <= i; ++j) sum += std::exp(p[j] - m);
         lse[(b * s.H + h) * s.T + i] = m + std::log(sum);
-        for (int64_t j = 0; j <= i; ++j) {
+        for (int64_t j = j0; j <= i; ++j) {
           const double pj = std::exp(p[j] - m) / sum;
           for (int64_t d = 0; d < s.D; ++d)
             out[(b * s.T + i) * s.H * s.D + h * s.D + d] += pj * qkv[(b * s.T + j) * ld + (s.H + s.KVH + g) * s.D + d];
@@ -250,7 +266,7 @@ inline void ref_attention_fwd(std::vector<double>& out, std::vector<double>& lse
 
 // Analytic gradient of L = sum(out * dout) w.r.t. qkv, double, with the full softmax matrix.
 inline std::vector<double> ref_attention_bwd(const std::vector<double>& qkv, const std::vector<double>& dout,
-                                             const AttnShape& s) {
+                                             const AttnShape& s, const int64_t* first = nullptr) {
   const int64_t ld = (s.H + 2 * s.KVH) * s.D, rep = s.H / s.KVH, T = s.T, D = s.D;
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   std::vector<double> dqkv(qkv.size(), 0.0), P(T * T), dP(T * T);
@@ -259,27 +275,29 @@ inline std::vector<double> ref_attention_bwd(const std::vector<double>& qkv, con
     for (int64_t h = 0; h < s.H; ++h) {
       const int64_t g = h / rep, kc = (s.H + g) * D, vc = (s.H + s.KVH + g) * D;
       for (int64_t i = 0; i < T; ++i) {
+        const int64_t j0 = first ? first[b * T + i] : 0;
         double m = -INFINITY;
-        for (int64_t j = 0; j <= i; ++j) {
+        for (int64_t j = j0; j <= i; ++j) {
           double acc = 0;
           for (int64_t d = 0; d < D; ++d) acc += Q(b, i, h, d) * qkv[(b * T + j) * ld + kc + d];
           P[i * T + j] = acc * scale;
           m = std::max(m, P[i * T + j]);
         }
         double sum = 0;
-        for (int64_t j = 0; j <= i; ++j) sum += std::exp(P[i * T + j] - m);
-        for (int64_t j = 0; j <= i; ++j) P[i * T + j] = std::exp(P[i * T + j] - m) / sum;
+        for (int64_t j = j0; j <= i; ++j) sum += std::exp(P[i * T + j] - m);
+        for (int64_t j = j0; j <= i; ++j) P[i * T + j] = std::exp(P[i * T + j] - m) / sum;
       }
       for (int64_t i = 0; i < T; ++i) {
+        const int64_t j0 = first ? first[b * T + i] : 0;
         const double* dO = &dout[(b * T + i) * s.H * D + h * D];
         double rowdot = 0;
-        for (int64_t j = 0; j <= i; ++j) {
+        for (int64_t j = j0; j <= i; ++j) {
           double acc = 0;
           for (int64_t d = 0; d < D; ++d) acc += dO[d] * qkv[(b * T + j) * ld + vc + d];
           dP[i * T + j] = acc;
           rowdot += acc * P[i * T + j];
         }
-        for (int64_t j = 0; j <= i; ++j) {
+        for (int64_t j = j0; j <= i; ++j) {
           const double ds = P[i * T + j] * (dP[i * T + j] - rowdot) * scale;
           for (int64_t d = 0; d < D; ++d) {
             dqkv[(b * T + i) * ld + h * D + d] += ds * qkv[(b * T + j) * ld + kc + d];

@@ -214,16 +214,17 @@ Ops make() {
     out(x, xv);
   };
   o.attention_forward = [](void* y, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                           int64_t D, void* scratch, const int32_t* ds) {
+                           int64_t D, void* scratch, const int32_t* ds, int64_t win) {
     VecF yv(B * T * H * D), qv = in(qkv, B * T * (H + 2 * KVH) * D);
-    f32().attention_forward(yv.data(), lse, qv.data(), B, T, H, KVH, D, scratch, ds);
+    f32().attention_forward(yv.data(), lse, qv.data(), B, T, H, KVH, D, scratch, ds, win);
     out(y, yv);
   };
   o.attention_backward = [](void* dqkv, const void* g, const void* qkv, const void* y, const float* lse, int64_t B,
-                            int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch, const int32_t* ds) {
+                            int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch, const int32_t* ds,
+                            int64_t win) {
     const int64_t nq = B * T * (H + 2 * KVH) * D, ny = B * T * H * D;
     VecF dqv(nq), gv = in(g, ny), qv = in(qkv, nq), yv = in(y, ny);
-    f32().attention_backward(dqv.data(), gv.data(), qv.data(), yv.data(), lse, B, T, H, KVH, D, scratch, ds);
+    f32().attention_backward(dqv.data(), gv.data(), qv.data(), yv.data(), lse, B, T, H, KVH, D, scratch, ds, win);
     out(dqkv, dqv);
   };
   o.lm_head_loss = [](float* losses, void* dx, float* dw, const void* x, const void* w, const int32_t* tg, int64_t N,
@@ -649,11 +650,11 @@ void case_attention(const Target& t) {
           auto dq = r.act(qkv, "qkv"), dg = r.act(g, "dout"), out = r.act(VecF(B * T * H * D, kNaN), "out"),
                lse = r.f32(VecF(B * H * T, kNaN), "lse"), gq = r.act(VecF(B * T * ld, kNaN), "dqkv");
           auto scratch = r.scratch(t.ops->attention_scratch_bytes(T, D));
-          t.ops->attention_forward(out->p(), lse->f(), dq->p(), B, T, H, KVH, D, scratch->p(), nullptr);
+          t.ops->attention_forward(out->p(), lse->f(), dq->p(), B, T, H, KVH, D, scratch->p(), nullptr, 0);
           r.check(*out, ref, "forward out");
           r.check(*lse, rlse, "forward lse");
           t.ops->attention_backward(gq->p(), dg->p(), dq->p(), out->p(), lse->f(), B, T, H, KVH, D, scratch->p(),
-                                    nullptr);
+                                    nullptr, 0);
           r.check(*gq, rdqkv, "dqkv");
         }
 }
@@ -709,13 +710,51 @@ void case_documents(const Target& t) {
     auto dq = r.act(qkv, "qkv"), dga = r.act(ga, "att dout"), aout = r.act(VecF(B * T * H * D, kNaN), "att out"),
          lse = r.f32(VecF(B * H * T, kNaN), "lse"), gq = r.act(VecF(B * T * ld, kNaN), "dqkv");
     auto scratch = r.scratch(t.ops->attention_scratch_bytes(T, D));
-    t.ops->attention_forward(aout->p(), lse->f(), dq->p(), B, T, H, KVH, D, scratch->p(), r.ints(ds));
+    t.ops->attention_forward(aout->p(), lse->f(), dq->p(), B, T, H, KVH, D, scratch->p(), r.ints(ds), 0);
     r.check(*aout, aref, "attention forward out");
     r.check(*lse, alse, "attention forward lse");
     t.ops->attention_backward(gq->p(), dga->p(), dq->p(), aout->p(), lse->f(), B, T, H, KVH, D, scratch->p(),
-                              r.ints(ds));
+                              r.ints(ds), 0);
     r.check(*gq, adq, "attention dqkv");
   }
+}
+
+// Sliding-window attention (issue 25): keys j > t - window only, with and without documents,
+// against the double reference with each query's first key (ref_first_keys).
+void case_window(const Target& t) {
+  for (int64_t T : {7, 67, 130})
+    for (int64_t D : {3, 8})
+      for (int64_t window : {1, 5, 16, 33})
+        for (bool docs : {false, true}) {
+          const int64_t B = 2, H = 4, KVH = 2, ld = (H + 2 * KVH) * D;
+          const AttnShape s{B, T, H, KVH, D};
+          Run r{t, "window " + dims({B, T, H, KVH, D, window, docs ? 1 : 0})};
+          Rng rng(1500 + T * 10 + D + window);
+          std::vector<int32_t> ds;
+          if (docs) {
+            ds.resize(B * T);
+            for (int64_t b = 0; b < B; ++b)
+              for (int64_t i = 0, start = 0; i < T; ++i) {
+                if (i > 0 && rng.below(20) == 0) start = i;
+                ds[b * T + i] = static_cast<int32_t>(start);
+              }
+          }
+          const std::vector<int64_t> first = ref_first_keys(ds, window, s);
+          const VecF qkv = r.act_in(randn(B * T * ld, rng)), g = r.act_in(randn(B * T * H * D, rng));
+          VecD ref, rlse;
+          ref_attention_fwd(ref, rlse, to_double(qkv), s, first.data());
+          const VecD rdqkv = ref_attention_bwd(to_double(qkv), to_double(g), s, first.data());
+          auto dq = r.act(qkv, "qkv"), dg = r.act(g, "dout"), out = r.act(VecF(B * T * H * D, kNaN), "out"),
+               lse = r.f32(VecF(B * H * T, kNaN), "lse"), gq = r.act(VecF(B * T * ld, kNaN), "dqkv");
+          const int32_t* dsp = docs ? r.ints(ds) : nullptr;
+          auto scratch = r.scratch(t.ops->attention_scratch_bytes(T, D));
+          t.ops->attention_forward(out->p(), lse->f(), dq->p(), B, T, H, KVH, D, scratch->p(), dsp, window);
+          r.check(*out, ref, "forward out");
+          r.check(*lse, rlse, "forward lse");
+          t.ops->attention_backward(gq->p(), dg->p(), dq->p(), out->p(), lse->f(), B, T, H, KVH, D, scratch->p(), dsp,
+                                    window);
+          r.check(*gq, rdqkv, "dqkv");
+        }
 }
 
 void case_lm_head_loss(const Target& t) {
@@ -797,6 +836,7 @@ const std::vector<Case>& cases() {
        {"embedding_forward", "embedding_backward", "rope_tables", "rope_forward", "rope_backward", "attention_forward",
         "attention_backward", "attention_scratch_bytes"},
        case_documents},
+      {"window", {"attention_forward", "attention_backward", "attention_scratch_bytes"}, case_window},
       {"lm_head_loss", {"lm_head_loss", "lm_head_loss_scratch_bytes"}, case_lm_head_loss},
       {"logits", {"logits_forward"}, case_logits},
   };
@@ -812,7 +852,8 @@ std::vector<Param> all_params() {
   for (const Target& t : all_targets())
     for (const Case& c : cases())
       // A variant table differs in its attention slots only.
-      if (t.variant.empty() || std::string_view(c.op) == "attention" || std::string_view(c.op) == "documents")
+      if (t.variant.empty() || std::string_view(c.op) == "attention" || std::string_view(c.op) == "documents" ||
+          std::string_view(c.op) == "window")
         v.push_back({t, &c});
   return v;
 }

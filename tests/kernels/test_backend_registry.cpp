@@ -235,12 +235,12 @@ TEST(BackendRegistry, CpuFp32TableIsTheOpsHKernelsBitForBit) {
     VecF as1(o.attention_scratch_bytes(T, D) / 4), as2 = as1;
     const VecF dout = randn(N * H * D, rng);
     cpu::attention_forward(a1.data(), lse1.data(), qkv1.data(), B, T, H, KVH, D, as1.data());
-    o.attention_forward(a2.data(), lse2.data(), qkv2.data(), B, T, H, KVH, D, as2.data(), nullptr);
+    o.attention_forward(a2.data(), lse2.data(), qkv2.data(), B, T, H, KVH, D, as2.data(), nullptr, 0);
     same(a1, a2, "attention_forward out");
     same(lse1, lse2, "attention_forward lse");
     cpu::attention_backward(dq1.data(), dout.data(), qkv1.data(), a1.data(), lse1.data(), B, T, H, KVH, D, as1.data());
     o.attention_backward(dq2.data(), dout.data(), qkv2.data(), a2.data(), lse2.data(), B, T, H, KVH, D, as2.data(),
-                         nullptr);
+                         nullptr, 0);
     same(dq1, dq2, "attention_backward");
     EXPECT_EQ(o.attention_scratch_bytes(T, D), cpu::attention_scratch_floats(T, D) * sizeof(float));
     EXPECT_EQ(o.layernorm_scratch_bytes(C), cpu::layernorm_scratch_floats(C) * sizeof(float));

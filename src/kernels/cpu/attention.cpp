@@ -21,6 +21,13 @@
 // (bench_attention docs, 1 core, T=1024, H=12, D=64, documents of mean length 114): fwd+bwd
 // 3.2-3.6x less time than causal attention over the whole sample.
 //
+// Sliding window (window > 0, issue 25): query t also sees only keys j > t - window, so its first
+// key is max(doc_start[t], t - window + 1) (transformers 4.45.2 MistralModel._update_causal_mask
+// excludes keys `arange(target_length) <= cache_position - sliding_window`, i.e. j <= t - window).
+// That bound never decreases with t either, so it takes the documents' place everywhere above: a
+// block's keys start at its first row's bound (rounded down to 16), so at T = 8192 and window 1024
+// a query block computes about window + 32 keys instead of up to T. window >= T is no window.
+//
 // Scratch per thread: two [Br, T] tiles (Br = clamp(T/2, 1, 64), so together at most one T x T
 // score tile for T >= 2), Br floats, and three [T, D] copies of one head (see tile_floats).
 #include <omp.h>
@@ -188,18 +195,34 @@ inline int64_t tile_floats(int64_t T, int64_t D) { return 2 * block_rows(T) * T 
 // computed. The first key is rounded down to a multiple of kKeyTile so that tile rows stay whole
 // 16-float vectors (the few keys of an earlier document inside that tile are masked to zero).
 constexpr int64_t kKeyTile = 16;
-inline int64_t key_begin(const int32_t* ds, int64_t i0) { return ds ? ds[i0] / kKeyTile * kKeyTile : 0; }
+// The lower bound of every query's keys in one batch row: its document start (ds, nullptr = 0)
+// and the sliding window (0 = none). first(t) never decreases with t.
+struct Mask {
+  const int32_t* ds = nullptr;
+  int64_t window = 0;
+  bool plain() const { return ds == nullptr && window == 0; }
+  int64_t first(int64_t t) const {
+    const int64_t d = ds ? ds[t] : 0;
+    return window > 0 ? std::max(d, t - window + 1) : d;
+  }
+};
+inline int64_t key_begin(const Mask& m, int64_t i0) { return m.first(i0) / kKeyTile * kKeyTile; }
 // [16 x 16] tiles of the score matrix a block of nr query rows and w key columns computes.
 inline int64_t score_tiles(int64_t nr, int64_t w) { return (nr + 15) / 16 * ((w + kKeyTile - 1) / kKeyTile); }
 constexpr int64_t kMaxBlockRows = 64;  // block_rows(T) <= 64
 // Query blocks with documents: shorter ones start closer to each row's document.
 constexpr int64_t kDocBlockRows = 32;
-// lo[r] = first tile column of query i0 + r's document (tile columns start at key k0) for the
-// nr rows of a block; nullptr without documents (tile_gemm's plain causal path).
-inline const int32_t* block_lo(int32_t* lo, const int32_t* ds, int64_t i0, int64_t nr, int64_t k0) {
-  if (ds == nullptr) return nullptr;
-  for (int64_t r = 0; r < nr; ++r) lo[r] = static_cast<int32_t>(ds[i0 + r] - k0);
+// lo[r] = first tile column of query i0 + r's keys (tile columns start at key k0) for the nr rows
+// of a block; nullptr without documents or window (tile_gemm's plain causal path).
+inline const int32_t* block_lo(int32_t* lo, const Mask& m, int64_t i0, int64_t nr, int64_t k0) {
+  if (m.plain()) return nullptr;
+  for (int64_t r = 0; r < nr; ++r) lo[r] = static_cast<int32_t>(m.first(i0 + r) - k0);
   return lo;
+}
+// The window of a call: negative is an error, window >= T is no window (every key is in it).
+int64_t effective_window(const char* fn, int64_t window, int64_t T) {
+  LATHE_CHECK(window >= 0, "{}: window = {} must be >= 0 (0 = no sliding window)", fn, window);
+  return window >= T ? 0 : window;
 }
 // [16 x 16] score tiles computed since the start of the process (tests and benches read them).
 std::atomic<int64_t> g_tiles_forward{0}, g_tiles_backward{0};
@@ -240,13 +263,13 @@ size_t attention_scratch_floats(int64_t T, int64_t D) {
 namespace {
 
 // Query head h of batch row b: the work of one forward task (scratch S: this thread's tile_floats).
-// ds: the document starts of batch row b ([T], see ops.h) or nullptr for plain causal attention.
+// m: the document starts of batch row b ([T], see ops.h; nullptr = none) and the window (0 = none).
 void forward_head(float* out, float* lse, const float* qkv, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t b,
-                  int64_t h, const int32_t* ds, float* S) {
+                  int64_t h, const Mask& m, float* S) {
   const int64_t ld = (H + 2 * KVH) * D;  // qkv row stride
   const int64_t ldo = H * D;             // out row stride
   const int64_t rep = H / KVH, g = h / rep;
-  const int64_t Br = ds ? std::min(block_rows(T), kDocBlockRows) : block_rows(T);
+  const int64_t Br = m.plain() ? block_rows(T) : std::min(block_rows(T), kDocBlockRows);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   float* Kt = S + 2 * Br * T + Br;  // [D, T]
   float* Vc = Kt + D * T;           // [T, D]
@@ -260,24 +283,24 @@ void forward_head(float* out, float* lse, const float* qkv, int64_t T, int64_t H
   int64_t tiles = 0;
   for (int64_t i0 = 0; i0 < T; i0 += Br) {
     const int64_t nr = std::min(Br, T - i0), nc = i0 + nr;
-    // Keys [k0, nc): k0 = 0 (causal), else the block's first document start rounded down to a
-    // 16-key tile; the tile [nr, w] has ld w and column j is key k0 + j.
-    const int64_t k0 = key_begin(ds, i0), w = nc - k0, off = i0 - k0;
+    // Keys [k0, nc): k0 = 0 (causal), else the block's first row's first key (document start or
+    // window) rounded down to a 16-key tile; the tile [nr, w] has ld w and column j is key k0 + j.
+    const int64_t k0 = key_begin(m, i0), w = nc - k0, off = i0 - k0;
     tiles += score_tiles(nr, w);
     int32_t row_lo[kMaxBlockRows];  // per query row: its document's first tile column
-    const int32_t* lo_p = block_lo(row_lo, ds, i0, nr, k0);
+    const int32_t* lo_p = block_lo(row_lo, m, i0, nr, k0);
     // S = scale * Q[i0:i0+nr] @ K[k0:nc]^T
     tile_gemm(nr, w, D, scale, q + i0 * ld, ld, 1, Kt + k0, T, false, S, w, Causal::kN, off, lo_p);
     for (int64_t r = 0; r < nr; ++r) {
       float* s = S + r * w;
       // keys [lo, hi) of the tile: the query's document (or 0) up to the query itself
       const int64_t lo = lo_p ? lo_p[r] : 0, hi = off + r + 1;
-      const float m = vec::row_max(s + lo, hi - lo);
-      const float sum = static_cast<float>(vec::exp_shift_sum(s + lo, hi - lo, m));
+      const float mx = vec::row_max(s + lo, hi - lo);
+      const float sum = static_cast<float>(vec::exp_shift_sum(s + lo, hi - lo, mx));
       vec::scale(s + lo, hi - lo, 1.0f / sum);
       for (int64_t j = 0; j < lo; ++j) s[j] = 0.0f;
       for (int64_t j = hi; j < w; ++j) s[j] = 0.0f;
-      l[i0 + r] = m + std::log(sum);
+      l[i0 + r] = mx + std::log(sum);
     }
     // O[i0:i0+nr] = P @ V[k0:nc]
     tile_gemm(nr, D, w, 1.0f, S, w, 1, Vc + k0 * D, D, false, o + i0 * ldo, ldo, Causal::kK, off, lo_p);
@@ -287,13 +310,13 @@ void forward_head(float* out, float* lse, const float* qkv, int64_t T, int64_t H
 
 // kv head g of batch row b and every query head of its group: one backward task (dK, dV of the kv
 // head and dQ of its query heads, written by one thread in a fixed order; P: tile_floats).
-// ds: document starts of batch row b or nullptr (as forward_head).
+// m: the mask of batch row b (as forward_head).
 void backward_group(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int64_t T,
-                    int64_t H, int64_t KVH, int64_t D, int64_t b, int64_t g, const int32_t* ds, float* P) {
+                    int64_t H, int64_t KVH, int64_t D, int64_t b, int64_t g, const Mask& m, float* P) {
   const int64_t ld = (H + 2 * KVH) * D;
   const int64_t ldo = H * D;
   const int64_t rep = H / KVH;
-  const int64_t Br = ds ? std::min(block_rows(T), kDocBlockRows) : block_rows(T);
+  const int64_t Br = m.plain() ? block_rows(T) : std::min(block_rows(T), kDocBlockRows);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   float* dS = P + Br * T;   // [Br, T]
   float* Di = dS + Br * T;  // [Br]
@@ -320,10 +343,10 @@ void backward_group(float* dqkv, const float* dout, const float* qkv, const floa
     const float* l = lse + (b * H + h) * T;
     for (int64_t i0 = 0; i0 < T; i0 += Br) {
       const int64_t nr = std::min(Br, T - i0), nc = i0 + nr;
-      const int64_t k0 = key_begin(ds, i0), w = nc - k0, off = i0 - k0;  // keys [k0, nc), as forward
+      const int64_t k0 = key_begin(m, i0), w = nc - k0, off = i0 - k0;  // keys [k0, nc), as forward
       tiles += score_tiles(nr, w);
       int32_t row_lo[kMaxBlockRows];
-      const int32_t* lo_p = block_lo(row_lo, ds, i0, nr, k0);
+      const int32_t* lo_p = block_lo(row_lo, m, i0, nr, k0);
       const float* qb = q + i0 * ld;
       const float* dob = dout_h + i0 * ldo;
       // P = exp(scale * Q K^T - lse), masked entries zeroed.
@@ -383,9 +406,10 @@ void narrow_cols(uint16_t* dst, const float* src, int64_t T, int64_t ncols, int6
 
 template <class P>
 void attention_forward_half(void* out_v, float* lse, const void* qkv_v, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                            int64_t D, void* scratch_v, const int32_t* doc_start) {
+                            int64_t D, void* scratch_v, const int32_t* doc_start, int64_t window) {
   check_shapes("attention_forward", B, T, H, KVH, D);
   check_documents("attention_forward", doc_start, B, T);
+  const int64_t win = effective_window("attention_forward", window, T);
   auto* out = static_cast<uint16_t*>(out_v);
   const auto* qkv = static_cast<const uint16_t*>(qkv_v);
   const int64_t ld = (H + 2 * KVH) * D, ldo = H * D, rep = H / KVH;
@@ -403,7 +427,8 @@ void attention_forward_half(void* out_v, float* lse, const void* qkv_v, int64_t 
       P::to_f32(mini + t * 3 * D + D, row + t * ld + (H + g) * D, D);
       P::to_f32(mini + t * 3 * D + 2 * D, row + t * ld + (H + KVH + g) * D, D);
     }
-    forward_head(mo, lse + (b * H + h) * T, mini, T, 1, 1, D, 0, 0, doc_start ? doc_start + b * T : nullptr, S);
+    forward_head(mo, lse + (b * H + h) * T, mini, T, 1, 1, D, 0, 0, Mask{doc_start ? doc_start + b * T : nullptr, win},
+                 S);
     narrow_cols<P>(out + b * T * ldo + h * D, mo, T, D, ldo);
   }
 }
@@ -411,9 +436,10 @@ void attention_forward_half(void* out_v, float* lse, const void* qkv_v, int64_t 
 template <class P>
 void attention_backward_half(void* dqkv_v, const void* dout_v, const void* qkv_v, const void* out_v, const float* lse,
                              int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch_v,
-                             const int32_t* doc_start) {
+                             const int32_t* doc_start, int64_t window) {
   check_shapes("attention_backward", B, T, H, KVH, D);
   check_documents("attention_backward", doc_start, B, T);
+  const int64_t win = effective_window("attention_backward", window, T);
   auto* dqkv = static_cast<uint16_t*>(dqkv_v);
   const auto* dout = static_cast<const uint16_t*>(dout_v);
   const auto* qkv = static_cast<const uint16_t*>(qkv_v);
@@ -442,7 +468,7 @@ void attention_backward_half(void* dqkv_v, const void* dout_v, const void* qkv_v
       widen_cols<P>(mo, out + b * T * ldo + h * D, T, D, ldo);
       widen_cols<P>(mdo, dout + b * T * ldo + h * D, T, D, ldo);
       backward_group(dmini, mdo, mini, mo, lse + (b * H + h) * T, T, 1, 1, D, 0, 0,
-                     doc_start ? doc_start + b * T : nullptr, P_);
+                     Mask{doc_start ? doc_start + b * T : nullptr, win}, P_);
       for (int64_t t = 0; t < T; ++t)  // dq: this head's only (columns [0, D) of the [T, 3D] gradient)
         P::from_f32(dqkv + (b * T + t) * ld + h * D, dmini + t * 3 * D, D);
       for (int64_t t = 0; t < T; ++t)
@@ -459,21 +485,24 @@ void attention_backward_half(void* dqkv_v, const void* dout_v, const void* qkv_v
 }  // namespace
 
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                       int64_t D, float* scratch, const int32_t* doc_start) {
+                       int64_t D, float* scratch, const int32_t* doc_start, int64_t window) {
   check_shapes("attention_forward", B, T, H, KVH, D);
   check_documents("attention_forward", doc_start, B, T);
+  const int64_t win = effective_window("attention_forward", window, T);
   const int64_t per_thread = tile_floats(T, D);
   const int max_thr = omp_get_max_threads();
 #pragma omp parallel for schedule(static) num_threads(max_thr)
   for (int64_t bh = 0; bh < B * H; ++bh)
-    forward_head(out, lse, qkv, T, H, KVH, D, bh / H, bh % H, doc_start ? doc_start + bh / H * T : nullptr,
+    forward_head(out, lse, qkv, T, H, KVH, D, bh / H, bh % H, Mask{doc_start ? doc_start + bh / H * T : nullptr, win},
                  scratch + static_cast<int64_t>(omp_get_thread_num()) * per_thread);
 }
 
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int64_t B,
-                        int64_t T, int64_t H, int64_t KVH, int64_t D, float* scratch, const int32_t* doc_start) {
+                        int64_t T, int64_t H, int64_t KVH, int64_t D, float* scratch, const int32_t* doc_start,
+                        int64_t window) {
   check_shapes("attention_backward", B, T, H, KVH, D);
   check_documents("attention_backward", doc_start, B, T);
+  const int64_t win = effective_window("attention_backward", window, T);
   const int64_t per_thread = tile_floats(T, D);
   const int max_thr = omp_get_max_threads();
   // One task per (b, kv head): it owns dK, dV of that kv head and dQ of every query head of its
@@ -481,7 +510,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
 #pragma omp parallel for schedule(static) num_threads(max_thr)
   for (int64_t bg = 0; bg < B * KVH; ++bg)
     backward_group(dqkv, dout, qkv, out, lse, T, H, KVH, D, bg / KVH, bg % KVH,
-                   doc_start ? doc_start + bg / KVH * T : nullptr,
+                   Mask{doc_start ? doc_start + bg / KVH * T : nullptr, win},
                    scratch + static_cast<int64_t>(omp_get_thread_num()) * per_thread);
 }
 
@@ -492,14 +521,16 @@ size_t scratch_bytes_half(int64_t T, int64_t D) {
          sizeof(float);
 }
 void forward_f32(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
-                 void* scratch, const int32_t* doc_start) {
+                 void* scratch, const int32_t* doc_start, int64_t window) {
   attention_forward(static_cast<float*>(out), lse, static_cast<const float*>(qkv), B, T, H, KVH, D,
-                    static_cast<float*>(scratch), doc_start);
+                    static_cast<float*>(scratch), doc_start, window);
 }
 void backward_f32(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse, int64_t B,
-                  int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch, const int32_t* doc_start) {
+                  int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch, const int32_t* doc_start,
+                  int64_t window) {
   attention_backward(static_cast<float*>(dqkv), static_cast<const float*>(dout), static_cast<const float*>(qkv),
-                     static_cast<const float*>(out), lse, B, T, H, KVH, D, static_cast<float*>(scratch), doc_start);
+                     static_cast<const float*>(out), lse, B, T, H, KVH, D, static_cast<float*>(scratch), doc_start,
+                     window);
 }
 size_t scratch_bytes_f32(int64_t T, int64_t D) { return attention_scratch_floats(T, D) * sizeof(float); }
 

@@ -113,14 +113,17 @@ void rope_backward(float* dx, const float* cos_table, const float* sin_table, in
 // token's document; doc_start[b,0] = 0 and each entry equals the previous one or its own index,
 // else an error) token t attends to keys [doc_start[b,t], t] only, and tiles of keys before a
 // query block's first document are skipped, not computed and masked (models/documents.h builds it).
+// Sliding window: with window > 0 token t also sees only keys j > t - window (HF Mistral's
+// sliding_window), i.e. keys [max(doc_start[b,t], t - window + 1), t]; tiles of keys before a
+// query block's first key are not computed. window >= T is the same as 0 (none); < 0 is an error.
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                       int64_t D, float* scratch, const int32_t* doc_start = nullptr);
+                       int64_t D, float* scratch, const int32_t* doc_start = nullptr, int64_t window = 0);
 // dqkv[B, T, (H+2*KVH)*D] = gradient w.r.t. qkv (overwrites). Recomputes probabilities from lse.
 // Parallel over (b, kv head) so that the dk/dv of a kv head shared by several query heads are
 // summed by one thread in a fixed order.
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int64_t B,
                         int64_t T, int64_t H, int64_t KVH, int64_t D, float* scratch,
-                        const int32_t* doc_start = nullptr);
+                        const int32_t* doc_start = nullptr, int64_t window = 0);
 size_t attention_scratch_floats(int64_t T, int64_t D);  // per-call total (covers all threads)
 // Work counters of the attention kernels (every table, all threads), cumulative since the process
 // started: [16 queries x 16 keys] score tiles computed by forward (per query head) and by backward

@@ -16,10 +16,11 @@
 // bit-reproducible (no atomics), and nothing needs scratch memory (attention_scratch_bytes = 0).
 //
 // Masks: query i sees keys [lo_i, i], lo_i = doc_start[b, i] (clamped into [0, i], so a malformed
-// table cannot make a kernel read outside the sample) or 0. Key tiles left of a query tile's first
-// document are not visited; a key tile whose keys all precede every query of a later query tile's
-// documents ends the dK/dV kernel's query loop (document starts never decrease). The CPU kernels
-// validate doc_start; here it is device memory and trusted as built by models/documents.h.
+// table cannot make a kernel read outside the sample) or 0, raised to i - window + 1 by a sliding
+// window (window > 0, HF Mistral's keys j > i - window; window >= T is none). lo_i never decreases
+// with i. Key tiles left of a query tile's first row's lo are not visited; a key tile whose keys
+// all precede lo of a later query tile's first row ends the dK/dV kernel's query loop. The CPU
+// kernels validate doc_start; here it is device memory and trusted as built by models/documents.h.
 //
 // Not done: a tensor-core (mma / wgmma) path for bf16 and the cuDNN SDPA option; this kernel runs
 // on the CUDA cores (fp32 FMA), which keeps fp32 runs within fp32 rounding of the CPU reference.
@@ -45,7 +46,8 @@ struct Geometry {
   int64_t ld;   // qkv row stride (H + 2*KVH) * D
   int64_t ldo;  // out row stride H * D
   int64_t ntiles;
-  float scale;  // 1 / sqrt(D)
+  float scale;     // 1 / sqrt(D)
+  int64_t window;  // sliding window (0 = none)
 };
 
 // dst[kTile, DP+1] <- rows [r0, r0 + n) of src (row stride ld, D columns), zero elsewhere.
@@ -74,6 +76,10 @@ __device__ __forceinline__ int64_t doc_lo(const int32_t* ds, int64_t i) {
   if (ds == nullptr) return 0;
   const int64_t s = ds[i];
   return s < 0 ? 0 : (s > i ? i : s);
+}
+// The first key query i sees: its document's, raised by the sliding window (window 0: none).
+__device__ __forceinline__ int64_t key_lo(const int32_t* ds, int64_t window, int64_t i) {
+  return attn::window_lo(doc_lo(ds, i), window, i);
 }
 
 // acc[i][j] = sum_d A[ty + 16 i][d] * Bm[tx + 16 j][d] over a [kTile, DP+1] pair of tiles.
@@ -123,7 +129,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = 0; i < 4; ++i) {
     const int r = ty + 16 * i;
     hi[i] = r < nr ? i0 + r : -1;
-    lo[i] = r < nr ? doc_lo(ds, i0 + r) : 0;
+    lo[i] = r < nr ? key_lo(ds, g.window, i0 + r) : 0;
   }
   float m[4], l[4], o[4][NJ];
 #pragma unroll
@@ -134,7 +140,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int jj = 0; jj < NJ; ++jj) o[i][jj] = 0.0f;
   }
   const int64_t k_end = i0 + nr;
-  for (int64_t j0 = attn::first_key(ds ? ds[i0] : 0, i0); j0 < k_end; j0 += kTile) {
+  for (int64_t j0 = attn::first_key(key_lo(ds, g.window, i0), i0); j0 < k_end; j0 += kTile) {
     const int64_t nk = min(static_cast<int64_t>(kTile), k_end - j0);
     __syncthreads();  // the previous tile's readers of sK, sV, sP are done
     load_tile<DP>(sK, base + (g.H + kvh) * g.D, j0, nk, g.ld, g.D);
@@ -221,7 +227,7 @@ __device__ void load_query_side(float* sQ, float* sdO, float* sL, float* sDi, fl
     if (lane == 0) {
       sDi[r] = acc;
       sL[r] = r < nr ? lse_bh[i0 + r] : 0.0f;
-      sLo[r] = r < nr ? static_cast<float>(doc_lo(ds, i0 + r)) : 0.0f;
+      sLo[r] = r < nr ? static_cast<float>(key_lo(ds, g.window, i0 + r)) : 0.0f;
     }
   }
 }
@@ -293,8 +299,8 @@ __global__ void __launch_bounds__(kThreads)
     const float* lse_bh = lse + (b * g.H + h) * g.T;
     for (int64_t qt = w.tile; qt < g.ntiles; ++qt) {
       const int64_t i0 = qt * kTile, nr = min(static_cast<int64_t>(kTile), g.T - i0);
-      // Documents: every query from i0 on starts its document after this key tile's last key.
-      if (ds && !attn::query_tile_sees_keys(ds[i0], i0, j0, nk)) break;
+      // Documents / window: every query from i0 on sees only keys after this key tile's last one.
+      if ((ds || g.window > 0) && !attn::query_tile_sees_keys(key_lo(ds, g.window, i0), i0, j0, nk)) break;
       __syncthreads();  // the previous query tile's readers are done
       load_query_side<DP>(sQ, sdO, sL, sDi, sLo, qkv_b, out_b, dout_b, lse_bh, ds, g, h, i0, nr);
       __syncthreads();
@@ -378,7 +384,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int jj = 0; jj < NJ; ++jj) dq[i][jj] = 0.0f;
   const int64_t k_end = i0 + nr;
-  for (int64_t j0 = attn::first_key(ds ? ds[i0] : 0, i0); j0 < k_end; j0 += kTile) {
+  for (int64_t j0 = attn::first_key(key_lo(ds, g.window, i0), i0); j0 < k_end; j0 += kTile) {
     const int64_t nk = min(static_cast<int64_t>(kTile), k_end - j0);
     __syncthreads();  // previous readers of sK, sdS done (and the query side loaded)
     load_tile<DP>(sK, qkv_b + (g.H + kvh) * g.D, j0, nk, g.ld, g.D);
@@ -419,7 +425,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---- host side ---------------------------------------------------------------------------------
-Geometry check_geometry(const char* fn, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D) {
+Geometry check_geometry(const char* fn, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t window) {
   LATHE_CU_CHECK(B >= 1 && T >= 1 && H >= 1 && KVH >= 1 && D >= 1,
                  "{}: invalid shape B={} T={} H={} KVH={} D={} (all must be >= 1)", fn, B, T, H, KVH, D);
   LATHE_CU_CHECK(H % KVH == 0, "{}: n_head {} is not a multiple of n_kv_head {}; set n_kv_head to a divisor of n_head",
@@ -428,6 +434,7 @@ Geometry check_geometry(const char* fn, int64_t B, int64_t T, int64_t H, int64_t
                  "{}: head dim {} is above the {} the CUDA attention kernel supports; use a model with n_embd / n_head "
                  "<= {} or the cpu backend",
                  fn, D, attn::kMaxHeadDim, attn::kMaxHeadDim);
+  LATHE_CU_CHECK(window >= 0, "{}: window = {} must be >= 0 (0 = no sliding window)", fn, window);
   LATHE_CU_CHECK(T < (int64_t{1} << 24), "{}: sequence length {} is above the CUDA attention kernel's limit 2^24", fn,
                  T);
   LATHE_CU_CHECK(attn::forward_blocks(B, T, H) <= attn::kMaxGrid && attn::dkdv_blocks(B, T, KVH) <= attn::kMaxGrid,
@@ -441,6 +448,7 @@ Geometry check_geometry(const char* fn, int64_t B, int64_t T, int64_t H, int64_t
   g.ldo = H * D;
   g.ntiles = attn::num_tiles(T);
   g.scale = 1.0f / std::sqrt(static_cast<float>(D));
+  g.window = window >= T ? 0 : window;  // a window over the whole sample is none
   return g;
 }
 
@@ -481,8 +489,8 @@ void backward_dp(St* dqkv, const St* dout, const St* qkv, const St* out, const f
 
 template <typename St>
 void forward_any(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
-                 const int32_t* doc_start) {
-  const Geometry g = check_geometry("attention_forward", B, T, H, KVH, D);
+                 const int32_t* doc_start, int64_t window) {
+  const Geometry g = check_geometry("attention_forward", B, T, H, KVH, D, window);
   auto* o = static_cast<St*>(out);
   const auto* x = static_cast<const St*>(qkv);
   switch (attn::head_dim_bucket(D)) {
@@ -499,8 +507,8 @@ void forward_any(void* out, float* lse, const void* qkv, int64_t B, int64_t T, i
 
 template <typename St>
 void backward_any(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse, int64_t B,
-                  int64_t T, int64_t H, int64_t KVH, int64_t D, const int32_t* doc_start) {
-  const Geometry g = check_geometry("attention_backward", B, T, H, KVH, D);
+                  int64_t T, int64_t H, int64_t KVH, int64_t D, const int32_t* doc_start, int64_t window) {
+  const Geometry g = check_geometry("attention_backward", B, T, H, KVH, D, window);
   auto* dx = static_cast<St*>(dqkv);
   const auto* dy = static_cast<const St*>(dout);
   const auto* x = static_cast<const St*>(qkv);
@@ -521,19 +529,20 @@ void backward_any(void* dqkv, const void* dout, const void* qkv, const void* out
 
 template <DType D>
 void attention_forward(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t Dh,
-                       void*, const int32_t* doc_start) {
-  forward_any<typename Elem<D>::T>(out, lse, qkv, B, T, H, KVH, Dh, doc_start);
+                       void*, const int32_t* doc_start, int64_t window) {
+  forward_any<typename Elem<D>::T>(out, lse, qkv, B, T, H, KVH, Dh, doc_start, window);
 }
 template <DType D>
 void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse, int64_t B,
-                        int64_t T, int64_t H, int64_t KVH, int64_t Dh, void*, const int32_t* doc_start) {
-  backward_any<typename Elem<D>::T>(dqkv, dout, qkv, out, lse, B, T, H, KVH, Dh, doc_start);
+                        int64_t T, int64_t H, int64_t KVH, int64_t Dh, void*, const int32_t* doc_start,
+                        int64_t window) {
+  backward_any<typename Elem<D>::T>(dqkv, dout, qkv, out, lse, B, T, H, KVH, Dh, doc_start, window);
 }
 size_t attention_scratch_bytes(int64_t, int64_t) { return 0; }
 
-LATHE_CUDA_INSTANTIATE(attention_forward,
-                       (void*, float*, const void*, int64_t, int64_t, int64_t, int64_t, int64_t, void*, const int32_t*))
+LATHE_CUDA_INSTANTIATE(attention_forward, (void*, float*, const void*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                           void*, const int32_t*, int64_t))
 LATHE_CUDA_INSTANTIATE(attention_backward, (void*, const void*, const void*, const void*, const float*, int64_t,
-                                            int64_t, int64_t, int64_t, int64_t, void*, const int32_t*))
+                                            int64_t, int64_t, int64_t, int64_t, void*, const int32_t*, int64_t))
 
 }  // namespace lathe::cuda

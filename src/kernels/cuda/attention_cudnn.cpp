@@ -187,9 +187,11 @@ std::string cudnn_unavailable_reason() {
 
 template <DType Dt>
 void cudnn_attention_forward(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                             int64_t D, void* scratch, const int32_t* doc_start) {
-  const Graphs* g = doc_start ? nullptr : graphs_for({B, T, H, KVH, D, Dt});
-  if (!g) return attention_forward<Dt>(out, lse, qkv, B, T, H, KVH, D, scratch, doc_start);
+                             int64_t D, void* scratch, const int32_t* doc_start, int64_t window) {
+  // A sliding window shorter than the sample runs lathe's kernels (as documents do).
+  const bool masked = doc_start || (window > 0 && window < T);
+  const Graphs* g = masked ? nullptr : graphs_for({B, T, H, KVH, D, Dt});
+  if (!g) return attention_forward<Dt>(out, lse, qkv, B, T, H, KVH, D, scratch, doc_start, window);
   auto* base = static_cast<std::byte*>(const_cast<void*>(qkv));
   const int64_t e = 2;  // bytes per bf16 / fp16 element
   std::unordered_map<TensorPtr, void*> pack = {
@@ -200,9 +202,10 @@ void cudnn_attention_forward(void* out, float* lse, const void* qkv, int64_t B, 
 template <DType Dt>
 void cudnn_attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
                               int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch,
-                              const int32_t* doc_start) {
-  const Graphs* g = doc_start ? nullptr : graphs_for({B, T, H, KVH, D, Dt});
-  if (!g) return attention_backward<Dt>(dqkv, dout, qkv, out, lse, B, T, H, KVH, D, scratch, doc_start);
+                              const int32_t* doc_start, int64_t window) {
+  const bool masked = doc_start || (window > 0 && window < T);
+  const Graphs* g = masked ? nullptr : graphs_for({B, T, H, KVH, D, Dt});
+  if (!g) return attention_backward<Dt>(dqkv, dout, qkv, out, lse, B, T, H, KVH, D, scratch, doc_start, window);
   auto* base = static_cast<std::byte*>(const_cast<void*>(qkv));
   auto* dbase = static_cast<std::byte*>(dqkv);
   const int64_t e = 2;
@@ -227,25 +230,25 @@ std::string cudnn_unavailable_reason() {
 
 template <DType Dt>
 void cudnn_attention_forward(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                             int64_t D, void* scratch, const int32_t* doc_start) {
+                             int64_t D, void* scratch, const int32_t* doc_start, int64_t window) {
   fail("cudnn attention: " + cudnn_unavailable_reason());
 }
 template <DType Dt>
 void cudnn_attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
                               int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch,
-                              const int32_t* doc_start) {
+                              const int32_t* doc_start, int64_t window) {
   fail("cudnn attention: " + cudnn_unavailable_reason());
 }
 
 #endif
 
 template void cudnn_attention_forward<DType::BF16>(void*, float*, const void*, int64_t, int64_t, int64_t, int64_t,
-                                                   int64_t, void*, const int32_t*);
+                                                   int64_t, void*, const int32_t*, int64_t);
 template void cudnn_attention_forward<DType::F16>(void*, float*, const void*, int64_t, int64_t, int64_t, int64_t,
-                                                  int64_t, void*, const int32_t*);
+                                                  int64_t, void*, const int32_t*, int64_t);
 template void cudnn_attention_backward<DType::BF16>(void*, const void*, const void*, const void*, const float*, int64_t,
-                                                    int64_t, int64_t, int64_t, int64_t, void*, const int32_t*);
+                                                    int64_t, int64_t, int64_t, int64_t, void*, const int32_t*, int64_t);
 template void cudnn_attention_backward<DType::F16>(void*, const void*, const void*, const void*, const float*, int64_t,
-                                                   int64_t, int64_t, int64_t, int64_t, void*, const int32_t*);
+                                                   int64_t, int64_t, int64_t, int64_t, void*, const int32_t*, int64_t);
 
 }  // namespace lathe::cuda

@@ -80,6 +80,12 @@ LATHE_HD constexpr BlockWork query_block(int64_t block, int64_t ntiles, int64_t 
 }
 LATHE_HD constexpr BlockWork key_block(int64_t block, int64_t heads) { return {block / heads, block % heads}; }
 
+// The first key query i may see under a sliding window (window > 0: keys j > i - window, as HF
+// Mistral; 0 = none) given its document's first key lo.
+LATHE_HD constexpr int64_t window_lo(int64_t lo, int64_t window, int64_t i) {
+  return window > 0 && i - window + 1 > lo ? i - window + 1 : lo;
+}
+
 // The first key of the tiles a query tile starting at row i0 visits: 0 (causal) or its first row's
 // document start (first_doc_start), rounded down to a key tile.
 LATHE_HD constexpr int64_t first_key(int64_t first_doc_start, int64_t i0) {
@@ -88,8 +94,8 @@ LATHE_HD constexpr int64_t first_key(int64_t first_doc_start, int64_t i0) {
 }
 
 // dK/dV kernel: whether query tile [i0, ...) (and so every later one) can see a key of the key tile
-// [j0, j0 + nk): false once the tile's first query starts its document after the key tile's last
-// key (document starts never decrease along a sample). first_doc_start: doc_start[i0] (0 without
+// [j0, j0 + nk): false once the tile's first query starts its document (or window) after the key
+// tile's last key (these first keys never decrease along a sample). first_doc_start: doc_start[i0] (0 without
 // documents), clamped into [0, i0] here as in the kernels.
 LATHE_HD constexpr bool query_tile_sees_keys(int64_t first_doc_start, int64_t i0, int64_t j0, int64_t nk) {
   const int64_t s = first_doc_start < 0 ? 0 : (first_doc_start > i0 ? i0 : first_doc_start);

@@ -115,27 +115,29 @@ void convert(void* dst, DType dst_dtype, const void* src, DType src_dtype, int64
 // tile; one kernel for dK/dV (a block per key tile and kv head loops over the group's query heads
 // and the query tiles at or after it: no atomics) and one for dQ (a block per query tile and head).
 // No scratch (attention_scratch_bytes = 0). Head dim D <= 128; doc_start as the CPU contract
-// (device memory, trusted: clamped into [0, t], not validated).
+// (device memory, trusted: clamped into [0, t], not validated); window as the CPU contract.
 template <DType D>
 void attention_forward(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t Dh,
-                       void* scratch, const int32_t* doc_start);
+                       void* scratch, const int32_t* doc_start, int64_t window);
 template <DType D>
 void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse, int64_t B,
-                        int64_t T, int64_t H, int64_t KVH, int64_t Dh, void* scratch, const int32_t* doc_start);
+                        int64_t T, int64_t H, int64_t KVH, int64_t Dh, void* scratch, const int32_t* doc_start,
+                        int64_t window);
 size_t attention_scratch_bytes(int64_t T, int64_t Dh);
 
 // ---- attention_cudnn.cpp: cuDNN's fused SDPA (model.attention_kernel: cudnn), bf16 and fp16 -------
 // The attention slots' contract (lse = cuDNN's softmax stats, the natural-log log-sum-exp as above).
-// Passes with doc_start, and shapes cuDNN cannot run (decided once per shape for both directions),
-// use the kernels above. cudnn_unavailable_reason: "" when this build has cuDNN and it can be used.
+// Passes with doc_start or a sliding window (window in [1, T)), and shapes cuDNN cannot run
+// (decided once per shape for both directions), use the kernels above. cudnn_unavailable_reason: "" when this build has
+// cuDNN and it can be used.
 std::string cudnn_unavailable_reason();
 template <DType D>
 void cudnn_attention_forward(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                             int64_t Dh, void* scratch, const int32_t* doc_start);
+                             int64_t Dh, void* scratch, const int32_t* doc_start, int64_t window);
 template <DType D>
 void cudnn_attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
                               int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t Dh, void* scratch,
-                              const int32_t* doc_start);
+                              const int32_t* doc_start, int64_t window);
 
 // ---- lm_head_loss.cu: fused lm head + softmax + cross-entropy in chunks of rows -------------------
 // Per chunk of R rows: logits [R, V] fp32 (gemm_nt_f32out), one block per row for max / exp-sum
