@@ -5,6 +5,7 @@
 #include <utility>
 #include <vector>
 
+#include "config/model_keys.h"
 #include "config/recipe_schema.h"
 
 namespace lathe {
@@ -12,8 +13,10 @@ namespace lathe {
 using json = nlohmann::json;
 
 namespace {
+// model.rope_scaling is one value (its keys only mean something together; a run that turns it on
+// names one change, not one per key).
 void flatten(const json& j, const std::string& prefix, std::map<std::string, json>* out) {
-  if (j.is_object()) {
+  if (j.is_object() && prefix != "model.rope_scaling") {
     for (auto it = j.begin(); it != j.end(); ++it)
       flatten(it.value(), prefix.empty() ? it.key() : prefix + "." + it.key(), out);
     if (j.empty() && !prefix.empty()) (*out)[prefix] = j;
@@ -64,7 +67,8 @@ std::vector<RecipeChange> diff_recipes(const json& before, const json& after) {
     const bool breaks = effect == schema::OnResume::Breaks ||
                         (effect == schema::OnResume::BatchSplit && !same_global_batch) ||
                         (effect == schema::OnResume::LossScale && scaling);
-    out.push_back({k, str(va, ia != a.end()), str(vb, ib != b.end()), breaks});
+    const bool shape = k.rfind("model.", 0) == 0 && is_model_shape_key(std::string_view(k).substr(6));
+    out.push_back({k, str(va, ia != a.end()), str(vb, ib != b.end()), breaks || shape, shape});
   }
   return out;
 }
