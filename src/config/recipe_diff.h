@@ -35,6 +35,10 @@ struct RecipeChange {
   bool shape = false;  // a model shape key: refused even with --force-resume-changes (implies breaks_exactness)
 };
 
+// Samples per optimizer step of a Recipe::to_json() tree (a checkpoint's recipe): micro_batch_size x
+// grad_accum_steps x parallel.data, each 1 when absent (a recipe from before the parallel section).
+int64_t recipe_global_batch(const nlohmann::json& recipe);
+
 // Compares two Recipe::to_json() trees key by key, classified as above.
 std::vector<RecipeChange> diff_recipes(const nlohmann::json& before, const nlohmann::json& after);
 

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "config/recipe_diff.h"
 #include "core/checked.h"
 #include "core/error.h"
 #include "data/blend_cache.h"
@@ -112,13 +113,16 @@ void check_resume_state(const CheckpointState& cs, const Recipe& r, int64_t trai
   LATHE_CHECK(cs.step <= r.training.steps,
               "{}: field 'step' is {}, beyond training.steps = {}; raise training.steps to continue", sp, cs.step,
               r.training.steps);
-  // One loader batch is one global batch (micro_batch_size x grad_accum_steps x parallel.data).
+  // One loader batch is one global batch (micro_batch_size x grad_accum_steps x parallel.data): the
+  // checkpoint's own (the batch may change with --force-resume-changes, e.g. fewer samples of a
+  // longer seq_len per step).
   const int64_t batches = cs.step;
-  const int64_t consumed = checked_mul(batches, G, "state.json step x global batch");
+  const int64_t G_ckpt = exact || !cs.recipe.is_object() ? G : recipe_global_batch(cs.recipe);
+  const int64_t consumed = checked_mul(batches, G_ckpt, "state.json step x global batch");
   LATHE_CHECK(cs.consumed_samples == consumed,
               "{}: field 'consumed_samples' is {} but step {} x global batch {} (training.micro_batch_size x "
-              "grad_accum_steps x parallel.data) = {}",
-              sp, cs.consumed_samples, cs.step, G, consumed);
+              "grad_accum_steps x parallel.data{}) = {}",
+              sp, cs.consumed_samples, cs.step, G_ckpt, G_ckpt == G ? "" : " of the checkpoint's recipe", consumed);
   // The loader hands out whole batches and starts a new epoch when the next batch would not fit,
   // so `batches` batches put it at exactly one (epoch, position).
   const int64_t per_epoch = train_samples / G;

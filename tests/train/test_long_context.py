@@ -5,7 +5,7 @@ attention, two ways:
       step, the learning rate is the schedule's at that step (not a restarted warmup), the AdamW
       moments are the checkpoint's (v of the first resumed step >= beta2 x the saved v, element by
       element: fresh moments would hold (1 - beta2) g^2), the data position is mapped onto the longer
-      samples and logged, the first long loss is near the short run's last loss (not a fresh
+      samples and logged (a smaller global batch too), the first long loss is near the short run's last loss (not a fresh
       model's), the new RoPE is in use (the loss differs from a continuation without rope_scaling),
       and the exported config.json carries rope_scaling; without --force-resume-changes the resume
       is refused naming model.rope_scaling, and a shape key is refused even with it;
@@ -43,7 +43,10 @@ def run(args, ok=True):
 
 
 def recipe(path, data, out, seq_len, steps, model, **extra):
-    training = {"seq_len": seq_len, "micro_batch_size": 2, "steps": steps, "log_interval": 1}
+    # The long run takes 1 sample of 256 tokens a step (the global batch changes too, as it may with
+    # --force-resume-changes: state.json's consumed_samples are the checkpoint's steps x its batch).
+    training = {"seq_len": seq_len, "micro_batch_size": 2 if seq_len == SHORT else 1, "steps": steps,
+                "log_interval": 1}
     r = write_recipe(path, data, training, model=model, output={"dir": out, "checkpoint_every": 1 if seq_len == LONG
                                                                 else steps}, **extra)
     j = json.load(open(r))  # the optimizer and schedule of this test
