@@ -131,6 +131,11 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
               "--to-gguf: sliding_window {} < context {}: llama.cpp's llama architecture would attend to the full "
               "context; refusing rather than writing a model that computes something else",
               c.sliding_window, c.max_position_embeddings);
+  LATHE_CHECK(!c.qk_norm,
+              "--to-gguf: {} has per-head q/k norms (self_attn.q_norm / k_norm), which the pinned llama.cpp "
+              "(llama-cpp-python's) has no architecture for; export the Hugging Face directory only (drop "
+              "--to-gguf) and convert it with a llama.cpp that knows qwen3",
+              c.model_type);
   // llama.cpp: llama (and mistral, converted as llama) use NORM RoPE -> q/k rows permuted;
   // qwen2 uses NEOX RoPE (HF's rotate_half) natively; gpt2 has no RoPE.
   const bool qwen = c.model_type == "qwen2";
