@@ -9,6 +9,7 @@ and stays near fp32; a run stopped after step 3 and resumed from its checkpoint 
 uninterrupted run's bits.
 """
 import os
+import shutil
 import sys
 import tempfile
 
@@ -60,6 +61,7 @@ def main():
         print(f"{len(failures)} FAILED")
         return 1
     print("all passed")
+    shutil.rmtree(TMP, ignore_errors=True)
     return 0
 
 
