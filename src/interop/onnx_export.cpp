@@ -312,6 +312,10 @@ std::string Exporter::layer(const std::string& x, int64_t l) {
   std::string q = heads(linear(h, l, Role::QkvW, Role::QkvB, 0, H * D, "q"), H);              // [B, H, S, D]
   std::string k = heads(linear(h, l, Role::QkvW, Role::QkvB, H * D, (H + KV) * D, "k"), KV);  // [B, KV, S, D]
   std::string v = heads(linear(h, l, Role::QkvW, Role::QkvB, (H + KV) * D, (H + 2 * KV) * D, "v"), KV);
+  if (arch_.qk_norm) {  // Qwen3: RMSNorm over each head's D features (the last axis), before RoPE
+    q = norm(q, l, Role::QNormW, Role::None);
+    k = norm(k, l, Role::KNormW, Role::None);
+  }
   if (!arch_.learned_pos) {
     q = rope(q);
     k = rope(k);
@@ -393,11 +397,6 @@ std::string save_onnx(const Model& model, const std::string& path, const OnnxExp
               "ONNX export: model_type '{}' (family '{}') has no ONNX graph builder; supported: gpt2, llama, qwen2, "
               "mistral",
               cfg.model_type, cfg.family);
-  LATHE_CHECK(!cfg.qk_norm,
-              "ONNX export: {} has per-head q/k norms (self_attn.q_norm / k_norm), which the graph builder does not "
-              "emit yet (the fix: a per-head RMSNorm over [.., heads, head_dim] between the q/k projections and RoPE "
-              "in src/interop/onnx_export.cpp); export the Hugging Face directory instead",
-              cfg.model_type);
   const char* act = cfg.is_gpt2() ? "gelu_new" : "silu";
   LATHE_CHECK(cfg.hidden_act == act, "ONNX export: {} with hidden_act '{}' is not supported (the graph builds {})",
               cfg.model_type, cfg.hidden_act, act);
