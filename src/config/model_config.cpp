@@ -217,7 +217,8 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
     throw_error("{}: {}model_type is missing (one of gpt2, llama, qwen2, mistral, qwen3)", source, key_prefix);
   c.model_type = r.get_string("model_type");
   if (std::find(kModelTypes.begin(), kModelTypes.end(), c.model_type) == kModelTypes.end())
-    r.fail("model_type", fmt::format("'{}' is not supported (supported: gpt2, llama, qwen2, mistral, qwen3)", c.model_type));
+    r.fail("model_type",
+           fmt::format("'{}' is not supported (supported: gpt2, llama, qwen2, mistral, qwen3)", c.model_type));
   c.family = family_of(c.model_type);
 
   // Unknown keys.

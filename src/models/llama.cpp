@@ -1,7 +1,7 @@
 // Llama family (HF LlamaForCausalLM; qwen2 and mistral map here): RMSNorm, rotary positions
 // (rotate_half), SwiGLU MLP, grouped-query attention, optional q/k/v(/o) biases, optional tied
-// lm_head, optional per-head q/k RMSNorm (qwen3). q/k/v and gate/up are separate HF tensors but adjacent in the flat buffer, so each
-// pair/triple runs as one GEMM: [q;k;v] is a [(H+2KV)*D, C] weight, [gate;up] a [2F, C] one.
+// lm_head, optional per-head q/k RMSNorm (qwen3). q/k/v and gate/up are separate HF tensors but adjacent in the flat
+// buffer, so each pair/triple runs as one GEMM: [q;k;v] is a [(H+2KV)*D, C] weight, [gate;up] a [2F, C] one.
 #include <fmt/format.h>
 
 #include "models/model.h"

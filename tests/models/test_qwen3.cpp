@@ -14,13 +14,13 @@
 #include <vector>
 
 #include "config/model_config.h"
+#include "error_of.h"
 #include "interop/hf_weights.h"
+#include "interop/onnx_export.h"
 #include "io/safetensors.h"
 #include "model_fixtures.h"
 #include "models/memory.h"
 #include "models/model.h"
-#include "error_of.h"
-#include "interop/onnx_export.h"
 
 namespace fs = std::filesystem;
 using namespace lathe;
@@ -50,8 +50,8 @@ fs::path write_case(const ModelConfig& cfg, int64_t B, int64_t T) {
   model->forward_logits(toks.data(), B, T, logits.data());
   model->zero_grad();
   const float loss = static_cast<float>(model->forward_backward(toks.data(), tgts.data(), B, T, 1.0f / N, true) / N);
-  io::write_safetensors((dir / "outputs.safetensors").string(), {{"logits", DType::F32, Shape{B, T, V}, logits.data()},
-                                                                 {"loss", DType::F32, Shape{}, &loss}});
+  io::write_safetensors((dir / "outputs.safetensors").string(),
+                        {{"logits", DType::F32, Shape{B, T, V}, logits.data()}, {"loss", DType::F32, Shape{}, &loss}});
   save_hf_tensors(*model, model->grad_data(), (dir / "grads.safetensors").string());
   return dir;
 }
@@ -92,10 +92,14 @@ TEST(Qwen3Config, PresetRoundTripsThroughConfigJson) {
 TEST(Qwen3Config, Qwen3ConfigClassDefaults) {
   // Qwen3Config: head_dim 128 when absent (not hidden / heads), attention_bias false (then no bias
   // at all), no sliding window unless use_sliding_window, no bos/eos defaults.
-  const ModelConfig c = ModelConfig::from_hf_json(
-      {{"model_type", "qwen3"}, {"hidden_size", 64}, {"num_attention_heads", 4}, {"num_key_value_heads", 2},
-       {"intermediate_size", 128}, {"num_hidden_layers", 1}, {"vocab_size", 100}},
-      "cfg");
+  const ModelConfig c = ModelConfig::from_hf_json({{"model_type", "qwen3"},
+                                                   {"hidden_size", 64},
+                                                   {"num_attention_heads", 4},
+                                                   {"num_key_value_heads", 2},
+                                                   {"intermediate_size", 128},
+                                                   {"num_hidden_layers", 1},
+                                                   {"vocab_size", 100}},
+                                                  "cfg");
   EXPECT_EQ(c.head_dim(), 128);
   EXPECT_TRUE(c.qk_norm);
   EXPECT_FALSE(c.attention_bias);
@@ -104,10 +108,15 @@ TEST(Qwen3Config, Qwen3ConfigClassDefaults) {
   EXPECT_EQ(c.bos_token_id, -1);
   EXPECT_EQ(c.max_position_embeddings, 32768);
   // attention_bias true: q/k/v and o biases (Qwen3Attention), unlike qwen2.
-  const ModelConfig b = ModelConfig::from_hf_json(
-      {{"model_type", "qwen3"}, {"hidden_size", 64}, {"num_attention_heads", 4}, {"head_dim", 16},
-       {"intermediate_size", 128}, {"num_hidden_layers", 1}, {"vocab_size", 100}, {"attention_bias", true}},
-      "cfg");
+  const ModelConfig b = ModelConfig::from_hf_json({{"model_type", "qwen3"},
+                                                   {"hidden_size", 64},
+                                                   {"num_attention_heads", 4},
+                                                   {"head_dim", 16},
+                                                   {"intermediate_size", 128},
+                                                   {"num_hidden_layers", 1},
+                                                   {"vocab_size", 100},
+                                                   {"attention_bias", true}},
+                                                  "cfg");
   EXPECT_TRUE(b.qkv_bias());
   EXPECT_TRUE(b.o_bias());
   EXPECT_EQ(static_cast<int64_t>(build_model(b)->num_params()), b.num_parameters());
@@ -154,7 +163,8 @@ TEST(Qwen3Model, MatchesTorchReferenceAndDroppingTheQNormFails) {
 TEST(Qwen3Model, ArenaHoldsTheSavedRowsAndRecomputeIsBitIdentical) {
   const ModelConfig cfg = qwen3_cfg();
   const int64_t B = 2, T = 7, N = B * T, H = 4, KV = 2, D = 16;
-  const auto toks = model_test::random_tokens(N, cfg.vocab_size, 5), tgts = model_test::random_tokens(N, cfg.vocab_size, 6);
+  const auto toks = model_test::random_tokens(N, cfg.vocab_size, 5),
+             tgts = model_test::random_tokens(N, cfg.vocab_size, 6);
   std::vector<float> ref_grads;
   double ref_loss = 0;
   for (Recompute rc : {Recompute::None, Recompute::Selective, Recompute::Full}) {
