@@ -23,8 +23,8 @@ constexpr int64_t kMaxIntermediateSize = int64_t{1} << 24;
 constexpr int64_t kMaxPositions = int64_t{1} << 26;  // max_position_embeddings, sliding_window
 
 struct ModelConfig {
-  std::string model_type;  // as in HF: "gpt2", "llama", "qwen2", "mistral"
-  std::string family;      // "gpt2" or "llama" (qwen2, mistral -> llama)
+  std::string model_type;  // as in HF: "gpt2", "llama", "qwen2", "mistral", "qwen3"
+  std::string family;      // "gpt2" or "llama" (qwen2, mistral, qwen3 -> llama)
   int64_t vocab_size = 0, hidden_size = 0, num_hidden_layers = 0, num_attention_heads = 0,
           num_key_value_heads = 0;      // gpt2: num_key_value_heads == num_attention_heads
   int64_t intermediate_size = 0;        // gpt2: n_inner or 4*hidden
