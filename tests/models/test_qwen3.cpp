@@ -127,6 +127,21 @@ TEST(Qwen3Config, Qwen3ConfigClassDefaults) {
             std::string::npos);
 }
 
+// Qwen3-0.6B's config.json (tests/fuzz/corpus): 16 heads of 128 with hidden 1024, q/k norms, tied;
+// 0.6B parameters, 0.44B without the embedding, as published; nothing ignored.
+TEST(Qwen3Config, Qwen3_0_6BConfigJson) {
+  std::ifstream f(fs::path(LATHE_SOURCE_DIR) / "tests/fuzz/corpus/hf_config/qwen3_0_6b.json");
+  const ModelConfig c = ModelConfig::from_hf_json(nlohmann::json::parse(f), "qwen3_0_6b.json");
+  EXPECT_TRUE(c.qk_norm);
+  EXPECT_EQ(c.head_dim(), 128);
+  EXPECT_EQ(c.attention_width(), 2048);
+  EXPECT_FALSE(c.qkv_bias());
+  EXPECT_EQ(c.sliding_window, 0);
+  EXPECT_TRUE(c.ignored_keys.empty()) << c.ignored_note();
+  EXPECT_EQ(c.num_parameters(), 596049920);
+  EXPECT_EQ(c.num_parameters() - c.vocab_size * c.hidden_size, 440467456);
+}
+
 TEST(Qwen3Model, TableHasTheNormsAsReplicatedNoDecayTensors) {
   auto m = build_model(ModelConfig::preset("qwen3-debug"));
   int found = 0;
