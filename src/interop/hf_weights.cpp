@@ -51,7 +51,7 @@ const std::vector<FamilyRules>& family_rules() {
        "transformer.wte.weight",
        "lm_head.weight",
        {"transformer.wte.weight"}},
-      {{"llama", "qwen2", "mistral"},
+      {{"llama", "qwen2", "mistral", "qwen3"},
        {},
        {".rotary_emb.inv_freq"},  // rotary buffer of older checkpoints
        "model.embed_tokens.weight",
