@@ -116,6 +116,10 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
   LATHE_CHECK(dtype == DType::F32 || dtype == DType::F16, "--to-gguf: dtype must be f32 or f16, not {}",
               dtype_name(dtype));
   const bool gpt2 = c.is_gpt2();
+  LATHE_CHECK(!c.is_gpt_neox(),
+              "--to-gguf: gpt_neox (llama.cpp's gptneox architecture) is not supported yet: the writer has no "
+              "mapping for its per-head query_key_value, partial rotary and parallel residual; export Hugging Face "
+              "safetensors (lathe export) and convert those with llama.cpp's convert_hf_to_gguf.py");
   LATHE_CHECK(gpt2 || c.is_llama(),
               "--to-gguf: GGUF export supports gpt2 and the llama family (llama, qwen2, mistral), not {}",
               c.model_type);

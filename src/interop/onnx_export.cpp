@@ -389,6 +389,9 @@ io::onnx::Graph Exporter::build() {
 
 std::string save_onnx(const Model& model, const std::string& path, const OnnxExportOptions& opts) {
   const ModelConfig& cfg = model.config();
+  LATHE_CHECK(!cfg.is_gpt_neox(),
+              "ONNX export: gpt_neox is not supported yet: the graph builder has no parallel residual, partial "
+              "rotary embedding or exact (erf) GELU; export Hugging Face safetensors (lathe export) instead");
   LATHE_CHECK(cfg.family == "gpt2" || cfg.family == "llama",
               "ONNX export: model_type '{}' (family '{}') has no ONNX graph builder; supported: gpt2, llama, qwen2, "
               "mistral",

@@ -49,6 +49,7 @@ ModelRegistry& model_registry() {
     r.add("llama", build_llama, "src/models/llama.cpp");
     r.add("qwen2", build_llama, "src/models/llama.cpp (qwen2: q/k/v biases)");
     r.add("mistral", build_llama, "src/models/llama.cpp (mistral)");
+    r.add("gpt_neox", build_gpt_neox, "src/models/gpt_neox.cpp");
     return r;
   }();
   return reg;

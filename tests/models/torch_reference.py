@@ -7,7 +7,8 @@ float64 following HF's GPT-2 / Llama / Qwen2 / Mistral definitions, and compares
 files are parsed here from the spec (8-byte header length + JSON + raw data), independently of
 lathe's reader. Exit code 1 on any mismatch above the tolerance. With --transformers the
 directory is also loaded by transformers in float32 and its logits, loss and gradients compared at
-1e-5 (the explicit head_dim case of test_model_parity.cpp).
+1e-5 (the explicit head_dim case of test_model_parity.cpp); --transformers-only runs that
+comparison alone (gpt_neox, which the float64 model here does not rebuild).
 """
 import json
 import math
@@ -208,8 +209,13 @@ def check_transformers(d, cfg, toks, tgts, out, grads):
           + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()) + f" (tolerance {HF_TOL})")
 
 
-def main(d, with_transformers=False):
+def main(d, with_transformers=False, transformers_only=False):
     cfg = json.load(open(f"{d}/model/config.json"))
+    if transformers_only:  # a family the float64 model here does not rebuild (gpt_neox)
+        batches = read_st(f"{d}/batches.safetensors")
+        check_transformers(d, cfg, batches["tokens"].long(), batches["targets"].long(),
+                           read_st(f"{d}/outputs.safetensors"), read_st(f"{d}/grads.safetensors"))
+        return finish()
     sd = read_st(f"{d}/model/model.safetensors")
     batches = read_st(f"{d}/batches.safetensors")
     toks, tgts = batches["tokens"].long(), batches["targets"].long()
@@ -257,5 +263,6 @@ def main(d, with_transformers=False):
 
 if __name__ == "__main__":
     torch.set_default_dtype(torch.float64)
-    # --transformers: also compare against transformers itself (fp32), see check_transformers.
-    sys.exit(main(sys.argv[1], "--transformers" in sys.argv[2:]))
+    # --transformers: also compare against transformers itself (fp32), see check_transformers;
+    # --transformers-only: that comparison alone.
+    sys.exit(main(sys.argv[1], "--transformers" in sys.argv[2:], "--transformers-only" in sys.argv[2:]))
