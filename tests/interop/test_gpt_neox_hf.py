@@ -11,6 +11,7 @@ so that attention and RoPE matter, norms and biases perturbed:
   * train one step (init_from, recompute full, checkpoint), `lathe export`: transformers loads the
     directory and its logits equal lathe's; the step changed them
   * `convert --verify`: import and export PASS
+  * the gpt-neox-debug preset in bf16 with selective recompute: resumed == uninterrupted
   * refused with the reason: GGUF and ONNX export, hidden_act relu, rope_scaling, a missing tensor
 """
 import json
@@ -131,6 +132,51 @@ output:
 """
 
 
+BF16 = """
+recompute: selective
+precision:
+  compute: bf16
+model:
+  preset: gpt-neox-debug
+data:
+  train: {data}
+  valid_fraction: 0.0
+optimizer:
+  lr: 1.0e-2
+training:
+  micro_batch_size: 2
+  seq_len: 16
+  steps: 4
+  eval_interval: 0
+  peak_gflops: 100
+output:
+  dir: {out}
+  checkpoint_every: 1
+"""
+
+
+def bf16_resume(tmp):
+    """The gpt-neox-debug preset trained in bf16 with selective recompute: interrupted after 2
+    steps and resumed from its checkpoint == uninterrupted (byte-identical final weights)."""
+    data = os.path.join(tmp, "small_vocab")
+    rng = np.random.default_rng(1)
+    megatron_writer.write(data, [rng.integers(0, 101, 600) for _ in range(4)])
+    outs = []
+    for name, stop in (("bf16_whole", None), ("bf16_resumed", 2)):
+        out, recipe = os.path.join(tmp, name), os.path.join(tmp, name + ".yaml")
+        open(recipe, "w").write(BF16.format(data=data, out=out))
+        if stop:
+            run(["train", recipe, "--stop-after", str(stop)])
+            run(["train", recipe, "--resume", "auto"])
+        else:
+            run(["train", recipe])
+        outs.append(open(os.path.join(out, "model", "model.safetensors"), "rb").read())
+        losses = [json.loads(line)["loss"] for line in open(os.path.join(out, "metrics.jsonl"))
+                  if '"loss"' in line]
+        check(len(losses) >= 2 and all(np.isfinite(losses)), f"{name}: bf16 losses finite ({losses})")
+    check(outs[0] == outs[1], "bf16 + selective recompute: resumed run's weights equal the uninterrupted run's")
+
+
 def main():
     tmp = tempfile.mkdtemp(prefix="lathe_neox_test_")
     data = os.path.join(tmp, "bytes")
@@ -168,6 +214,8 @@ def main():
 
     p = run(["convert", "--from-hf", d, "--to", os.path.join(tmp, "verify_out"), "--verify"], ok=False)
     check(p.returncode == 0 and p.stdout.count("-> PASS") == 2, f"convert --verify: import and export PASS\n{p.stdout}")
+
+    bf16_resume(tmp)
 
     # refusals naming the reason
     p = run(["export", run_dir, "--to-gguf", os.path.join(tmp, "m.gguf")], ok=False)
