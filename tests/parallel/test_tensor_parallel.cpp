@@ -45,13 +45,8 @@ std::vector<Family> families() {
   llama_v.vocab_size = 101;
   ModelConfig qwen2_v = ModelConfig::preset("qwen2-debug");  // tied: wte is also the head
   qwen2_v.vocab_size = 101;
-  // GPT-NeoX: parallel residual (two row-parallel reductions per layer), exact GELU, partial rotary;
-  // 2 heads of 24 (6 rotated dims) so tp=2 divides them, vocabulary 101 (uneven shards).
-  ModelConfig neox = ModelConfig::preset("gpt-neox-debug");
-  neox.num_attention_heads = neox.num_key_value_heads = 2;
   std::vector<Family> f = base_families();
-  f.insert(f.end(), {{"gpt_neox_parallel_residual", neox, {2}},
-                     {"gpt2_v50257", gpt2_v, {2}},
+  f.insert(f.end(), {{"gpt2_v50257", gpt2_v, {2}},
                      {"gpt2_h6_v97", gpt2_h6, {2, 3}},
                      {"llama_gqa_v101", llama_v, {2}},
                      {"qwen2_tied_v101", qwen2_v, {2}}});
