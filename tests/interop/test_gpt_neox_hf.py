@@ -12,7 +12,10 @@ so that attention and RoPE matter, norms and biases perturbed:
     directory and its logits equal lathe's; the step changed them
   * `convert --verify`: import and export PASS
   * the gpt-neox-debug preset in bf16 with selective recompute: resumed == uninterrupted
-  * refused with the reason: GGUF and ONNX export, hidden_act relu, rope_scaling, a missing tensor
+  * GGUF (llama.cpp gptneox) of tanh-GELU models, both residual forms, run by llama.cpp itself:
+    equal to transformers with llama.cpp's fp16 GELU table emulated (1e-4)
+  * refused with the reason: GGUF of an exact-GELU model (llama.cpp computes the tanh GELU), ONNX
+    export, hidden_act relu, rope_scaling, a missing tensor
 """
 import json
 import os
@@ -177,6 +180,48 @@ def bf16_resume(tmp):
     check(outs[0] == outs[1], "bf16 + selective recompute: resumed run's weights equal the uninterrupted run's")
 
 
+def gelu_fp16_table(kind):
+    """llama.cpp's GELU (ggml-cpu GGML_GELU_FP16): the tanh formula looked up at fp16(x), stored as
+    fp16; 0 below -10, x above 10."""
+    class Act(torch.nn.Module):
+        def forward(self, x):
+            y = torch.nn.functional.gelu(x.half().float(), approximate=kind).half().float()
+            return torch.where(x <= -10, torch.zeros_like(x), torch.where(x >= 10, x, y))
+    return Act()
+
+
+def gguf_llama_cpp(tmp):
+    """GGUF (llama.cpp's gptneox) of the tanh-GELU models, run by llama.cpp itself (f32 KV cache):
+    its logits equal transformers' with llama.cpp's fp16-table GELU emulated (the export is exact),
+    and lathe's within the table's effect."""
+    try:
+        import llama_cpp
+    except ImportError:
+        print("NOT RUN gguf: llama_cpp (llama-cpp-python) is not importable")
+        return
+    ids = [1, 5, 9, 200, 3, 3, 77, 255, 0, 12, 64, 128, 7, 7, 8, 90]
+    for name in ("tanh", "tanh_sequential"):
+        d, g = os.path.join(tmp, name), os.path.join(tmp, name + ".gguf")
+        p = run(["convert", "--from-hf", d, "--to-gguf", g])
+        check("architecture gptneox" in p.stdout, f"{name}: GGUF written as gptneox ({p.stdout.strip()[-160:]})")
+        llm = llama_cpp.Llama(model_path=g, n_ctx=64, n_threads=2, logits_all=True, verbose=False, type_k=0, type_v=0)
+        llm.eval(ids)
+        got = np.array(llm.scores[:len(ids)], dtype=np.float32)
+        m = transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32, attn_implementation="eager")
+        for layer in m.gpt_neox.layers:
+            layer.mlp.act = gelu_fp16_table("tanh")
+        with torch.no_grad():
+            ref = m(torch.tensor([ids])).logits[0].numpy()
+        e = float(np.abs(got - ref).max())
+        check(e < 1e-4, f"{name}: llama.cpp {llama_cpp.__version__} equals transformers with its fp16 GELU table "
+                        f"(max abs diff {e:.2e})")
+        out = os.path.join(tmp, "gg.f32")
+        run(["logits", "--model", d, "--tokens", ",".join(map(str, ids)), "--out", out])
+        ours = np.fromfile(out, dtype="<f4").reshape(len(ids), -1)
+        e = float(np.abs(got - ours).max())
+        check(e < 5e-3, f"{name}: llama.cpp within 5e-3 of lathe (the fp16 GELU table's effect: {e:.2e})")
+
+
 def main():
     tmp = tempfile.mkdtemp(prefix="lathe_neox_test_")
     data = os.path.join(tmp, "bytes")
@@ -184,7 +229,7 @@ def main():
     megatron_writer.write(data, [rng.integers(0, 256, 600) for _ in range(4)])
 
     for name, parallel, act, seed in (("parallel", True, "gelu", 1), ("sequential", False, "gelu", 2),
-                                      ("tanh", True, "gelu_new", 3)):
+                                      ("tanh", True, "gelu_new", 3), ("tanh_sequential", False, "gelu_new", 4)):
         d = os.path.join(tmp, name)
         m = make(d, seed, parallel, act)
         ours, rep = lathe_logits(d, tmp)
@@ -217,10 +262,12 @@ def main():
 
     bf16_resume(tmp)
 
+    gguf_llama_cpp(tmp)
+
     # refusals naming the reason
     p = run(["export", run_dir, "--to-gguf", os.path.join(tmp, "m.gguf")], ok=False)
-    check(p.returncode != 0 and "gptneox" in p.stderr and "not supported yet" in p.stderr,
-          f"GGUF export refused with the reason: {p.stderr.strip()[:300]}")
+    check(p.returncode != 0 and "gptneox" in p.stderr and "tanh GELU" in p.stderr,
+          f"GGUF export of an exact-GELU model refused with the reason: {p.stderr.strip()[:300]}")
     p = run(["export", run_dir, "--to-onnx", os.path.join(tmp, "m.onnx")], ok=False)
     check(p.returncode != 0 and "gpt_neox is not supported yet" in p.stderr,
           f"ONNX export refused with the reason: {p.stderr.strip()[:300]}")
