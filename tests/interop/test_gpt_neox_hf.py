@@ -14,8 +14,9 @@ so that attention and RoPE matter, norms and biases perturbed:
   * the gpt-neox-debug preset in bf16 with selective recompute: resumed == uninterrupted
   * GGUF (llama.cpp gptneox) of tanh-GELU models, both residual forms, run by llama.cpp itself:
     equal to transformers with llama.cpp's fp16 GELU table emulated (1e-4)
-  * refused with the reason: GGUF of an exact-GELU model (llama.cpp computes the tanh GELU), ONNX
-    export, hidden_act relu, rope_scaling, a missing tensor
+  * ONNX export (exact GELU + parallel residual, tanh GELU + sequential) run by onnxruntime
+  * refused with the reason: GGUF of an exact-GELU model (llama.cpp computes the tanh GELU),
+    hidden_act relu, rope_scaling, a missing tensor
 """
 import json
 import os
@@ -222,6 +223,43 @@ def gguf_llama_cpp(tmp):
         check(e < 5e-3, f"{name}: llama.cpp within 5e-3 of lathe (the fp16 GELU table's effect: {e:.2e})")
 
 
+def onnx_runtime(tmp, cases):
+    """`lathe export --to-onnx` run by onnxruntime (CPU): the whole sequence and then one token with
+    the past key/values equal lathe's logits (1e-4 relative). Cases: (source, its HF directory)."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        print("NOT RUN onnx: onnxruntime is not importable")
+        return
+    ids = TOKENS[0]
+    for src, hf in cases:
+        f = os.path.join(tmp, os.path.basename(src) + ".onnx")
+        run(["export", src, "--to-onnx", f])
+        cfg = json.load(open(os.path.join(hf, "config.json")))
+        L, H = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+        D = cfg["hidden_size"] // H
+        sess = ort.InferenceSession(f, providers=["CPUExecutionProvider"])
+
+        def step(tok, past, start):
+            n = len(tok)
+            feed = {"input_ids": np.array([tok], np.int64), "attention_mask": np.ones((1, start + n), np.int64),
+                    "position_ids": np.arange(start, start + n, dtype=np.int64)[None]}
+            for i in range(L):
+                feed[f"past_key_values.{i}.key"], feed[f"past_key_values.{i}.value"] = past[2 * i], past[2 * i + 1]
+            outs = sess.run(None, feed)
+            return outs[0][0], outs[1:]
+
+        empty = [np.zeros((1, H, 0, D), np.float32) for _ in range(2 * L)]
+        whole, _ = step(ids, empty, 0)
+        _, past = step(ids[:-1], empty, 0)
+        last, _ = step(ids[-1:], past, len(ids) - 1)
+        ours = lathe_logits(hf, tmp)[0][0]
+        e = reldiff([whole, last], [ours, ours[-1:]])
+        check(e < 1e-4, f"{os.path.basename(src)} ({cfg['hidden_act']}, parallel residual "
+                        f"{cfg['use_parallel_residual']}): onnxruntime {ort.__version__} equals lathe, whole sequence "
+                        f"and one step with past key/values (relative {e:.2e})")
+
+
 def main():
     tmp = tempfile.mkdtemp(prefix="lathe_neox_test_")
     data = os.path.join(tmp, "bytes")
@@ -268,9 +306,7 @@ def main():
     p = run(["export", run_dir, "--to-gguf", os.path.join(tmp, "m.gguf")], ok=False)
     check(p.returncode != 0 and "gptneox" in p.stderr and "tanh GELU" in p.stderr,
           f"GGUF export of an exact-GELU model refused with the reason: {p.stderr.strip()[:300]}")
-    p = run(["export", run_dir, "--to-onnx", os.path.join(tmp, "m.onnx")], ok=False)
-    check(p.returncode != 0 and "gpt_neox is not supported yet" in p.stderr,
-          f"ONNX export refused with the reason: {p.stderr.strip()[:300]}")
+    onnx_runtime(tmp, [(run_dir, exp), (os.path.join(tmp, "tanh_sequential"),) * 2])
 
     def edited(name, edit_cfg=None, edit_sd=None):
         dst = os.path.join(tmp, name)
