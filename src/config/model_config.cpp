@@ -82,29 +82,21 @@ const std::vector<std::string> kLlamaKeys = {"hidden_size",
                                              "partial_rotary_factor",
                                              "original_max_position_embeddings"};
 // transformers 4.45 GPTNeoXConfig.
-const std::vector<std::string> kGptNeoxKeys = {"hidden_size",
-                                               "intermediate_size",
-                                               "num_hidden_layers",
-                                               "num_attention_heads",
-                                               "hidden_act",
-                                               "rotary_pct",
-                                               "rotary_emb_base",
-                                               "partial_rotary_factor",
-                                               "rope_theta",
-                                               "rope_scaling",
-                                               "attention_dropout",
-                                               "hidden_dropout",
-                                               "classifier_dropout",
-                                               "max_position_embeddings",
-                                               "layer_norm_eps",
-                                               "use_parallel_residual",
+const std::vector<std::string> kGptNeoxKeys = {"hidden_size",        "intermediate_size",
+                                               "num_hidden_layers",  "num_attention_heads",
+                                               "hidden_act",         "rotary_pct",
+                                               "rotary_emb_base",    "partial_rotary_factor",
+                                               "rope_theta",         "rope_scaling",
+                                               "attention_dropout",  "hidden_dropout",
+                                               "classifier_dropout", "max_position_embeddings",
+                                               "layer_norm_eps",     "use_parallel_residual",
                                                "attention_bias"};
 const std::vector<std::string> kQwen2Extra = {"use_sliding_window", "sliding_window", "max_window_layers",
                                               "layer_types"};
 const std::vector<std::string> kMistralExtra = {"sliding_window", "layer_types"};
 
-const std::vector<std::string> kDropoutKeys = {"resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout",
-                                               "attention_dropout", "hidden_dropout"};
+const std::vector<std::string> kDropoutKeys = {"resid_pdrop",           "embd_pdrop",        "attn_pdrop",
+                                               "summary_first_dropout", "attention_dropout", "hidden_dropout"};
 
 // A value quoted in an error message, bounded (config.json is untrusted: a 1 MB string or a deep
 // array must not be copied into the message whole).
@@ -174,9 +166,7 @@ struct Reader {
   }
 };
 
-std::string family_of(const std::string& mt) {
-  return mt == "gpt2" || mt == "gpt_neox" ? mt : "llama";
-}
+std::string family_of(const std::string& mt) { return mt == "gpt2" || mt == "gpt_neox" ? mt : "llama"; }
 
 }  // namespace
 
@@ -234,8 +224,9 @@ void read_gpt_neox(const Reader& r, ModelConfig& c) {
   if (!j.contains("eos_token_id")) c.eos_token_id = 2;
   c.tie_word_embeddings = r.has("tie_word_embeddings") ? r.get_bool("tie_word_embeddings") : false;
   if (c.tie_word_embeddings)
-    r.fail("tie_word_embeddings", "true is not supported for gpt_neox (embed_out is its own tensor; HF's "
-                                  "GPTNeoXForCausalLM does not tie it either)");
+    r.fail("tie_word_embeddings",
+           "true is not supported for gpt_neox (embed_out is its own tensor; HF's "
+           "GPTNeoXForCausalLM does not tie it either)");
   // hidden_act: "gelu" is the exact (erf) GELU, gelu_new / gelu_pytorch_tanh the tanh one.
   const std::string act = r.has("hidden_act") ? r.get_string("hidden_act") : "gelu";
   if (act != "gelu" && act != "gelu_new" && act != "gelu_pytorch_tanh")
@@ -252,8 +243,8 @@ void read_gpt_neox(const Reader& r, ModelConfig& c) {
     if (r.has(other)) {
       const double o = r.get_double(other);
       if (r.has(name) && o != v)
-        r.fail(other, fmt::format("{} conflicts with {} = {} (transformers uses {}); give one of them", o, name, v,
-                                  name));
+        r.fail(other,
+               fmt::format("{} conflicts with {} = {} (transformers uses {}); give one of them", o, name, v, name));
       v = o;
     }
     return v;
@@ -281,7 +272,8 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
     throw_error("{}: {}model_type is missing (one of gpt2, llama, qwen2, mistral, gpt_neox)", source, key_prefix);
   c.model_type = r.get_string("model_type");
   if (std::find(kModelTypes.begin(), kModelTypes.end(), c.model_type) == kModelTypes.end())
-    r.fail("model_type", fmt::format("'{}' is not supported (supported: gpt2, llama, qwen2, mistral, gpt_neox)", c.model_type));
+    r.fail("model_type",
+           fmt::format("'{}' is not supported (supported: gpt2, llama, qwen2, mistral, gpt_neox)", c.model_type));
   c.family = family_of(c.model_type);
 
   // Unknown keys.
@@ -737,8 +729,8 @@ ModelConfig make_llama(const char* type, int64_t L, int64_t C, int64_t H, int64_
 }  // namespace
 
 std::vector<std::string> ModelConfig::preset_names() {
-  return {"gpt2-debug",    "gpt2-124m",         "gpt2-small-bench", "llama-debug",
-          "qwen2-debug",   "mistral-debug",     "llama-small-bench", "gpt-neox-debug"};
+  return {"gpt2-debug",  "gpt2-124m",     "gpt2-small-bench",  "llama-debug",
+          "qwen2-debug", "mistral-debug", "llama-small-bench", "gpt-neox-debug"};
 }
 
 ModelConfig ModelConfig::preset(std::string_view name) {

@@ -204,8 +204,8 @@ class Parser {
     for (auto& k : kModelBaseKeys) full.push_back("model." + k);
     for (auto it = explicit_.begin(); it != explicit_.end(); ++it) {
       if (std::find(known.begin(), known.end(), it.key()) == known.end()) rep_.unknown("model." + it.key(), "key", full);
-      static const std::set<std::string> dropout = {"resid_pdrop", "embd_pdrop",           "attn_pdrop",
-                                                    "attention_dropout", "summary_first_dropout", "hidden_dropout"};
+      static const std::set<std::string> dropout = {
+          "resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "summary_first_dropout", "hidden_dropout"};
       if (dropout.count(it.key()) && !(it.value().is_number() && it.value().get<double>() == 0.0))
         bad("model." + it.key(),
             fmt::format("{} is not supported: lathe does not implement dropout (use 0)", describe(it.value())));

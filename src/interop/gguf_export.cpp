@@ -121,8 +121,9 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
               "--to-gguf: GGUF export supports gpt2, gpt_neox and the llama family (llama, qwen2, mistral), not {}",
               c.model_type);
   if (neox)
-    LATHE_CHECK(c.attention_bias, "--to-gguf: gpt_neox without attention biases: llama.cpp's gptneox architecture "
-                                  "requires attn_qkv.bias and attn_output.bias");
+    LATHE_CHECK(c.attention_bias,
+                "--to-gguf: gpt_neox without attention biases: llama.cpp's gptneox architecture "
+                "requires attn_qkv.bias and attn_output.bias");
   if (gpt2 || neox)
     LATHE_CHECK(c.hidden_act == "gelu_new",
                 "--to-gguf: activation {} of this {} model: llama.cpp's {} architecture computes the tanh GELU "
@@ -222,18 +223,12 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
                                    {"gpt_neox.final_layer_norm.bias", "output_norm.bias"},
                                    {"embed_out.weight", "output.weight"}};
   static const NameMap neox_block = {
-      {"input_layernorm.weight", "attn_norm.weight"},
-      {"input_layernorm.bias", "attn_norm.bias"},
-      {"attention.query_key_value.weight", "attn_qkv.weight"},
-      {"attention.query_key_value.bias", "attn_qkv.bias"},
-      {"attention.dense.weight", "attn_output.weight"},
-      {"attention.dense.bias", "attn_output.bias"},
-      {"post_attention_layernorm.weight", "ffn_norm.weight"},
-      {"post_attention_layernorm.bias", "ffn_norm.bias"},
-      {"mlp.dense_h_to_4h.weight", "ffn_up.weight"},
-      {"mlp.dense_h_to_4h.bias", "ffn_up.bias"},
-      {"mlp.dense_4h_to_h.weight", "ffn_down.weight"},
-      {"mlp.dense_4h_to_h.bias", "ffn_down.bias"},
+      {"input_layernorm.weight", "attn_norm.weight"},          {"input_layernorm.bias", "attn_norm.bias"},
+      {"attention.query_key_value.weight", "attn_qkv.weight"}, {"attention.query_key_value.bias", "attn_qkv.bias"},
+      {"attention.dense.weight", "attn_output.weight"},        {"attention.dense.bias", "attn_output.bias"},
+      {"post_attention_layernorm.weight", "ffn_norm.weight"},  {"post_attention_layernorm.bias", "ffn_norm.bias"},
+      {"mlp.dense_h_to_4h.weight", "ffn_up.weight"},           {"mlp.dense_h_to_4h.bias", "ffn_up.bias"},
+      {"mlp.dense_4h_to_h.weight", "ffn_down.weight"},         {"mlp.dense_4h_to_h.bias", "ffn_down.bias"},
   };
   for (const ParamSpec& s : model.params().specs()) {
     const float* data = model.param_data() + s.offset;

@@ -547,8 +547,8 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
                         sp ? tp.gather_from_sequence_region_forward(a.ln2, gathered_, S * C) : a.ln2, cw(w.fc_w), N, C,
                         FF, false);
   reduce_input_grad(N, S);
-  norm_backward(dres_, gw.ln2_w, gw.ln2_b, dln_, arch_.parallel_residual ? x : a.res1, w.ln2_w, a.ln2_mean,
-                a.ln2_rstd, S);
+  norm_backward(dres_, gw.ln2_w, gw.ln2_b, dln_, arch_.parallel_residual ? x : a.res1, w.ln2_w, a.ln2_mean, a.ln2_rstd,
+                S);
   // Attention: res1 = x + o(attn(qkv(norm1(x))))
   if (!arch_.parallel_residual) o_backward();
   ops_->attention_backward(dqkv_, datt_, a.qkv, a.att, a.lse, B, T, H, KV, D, scratch_, doc_starts(),

@@ -1,6 +1,6 @@
-// Pointwise ops: GELU (tanh approximation; and exact, erf: gelu_erf_*), SwiGLU, residual add, bias add; one template per kernel
-// for every storage type (kernels/cpu/storage.h): 16-bit blocks and rows are widened, the fp32
-// formula of pointwise_math.h runs on them, the result is rounded once.
+// Pointwise ops: GELU (tanh approximation; and exact, erf: gelu_erf_*), SwiGLU, residual add, bias add; one template
+// per kernel for every storage type (kernels/cpu/storage.h): 16-bit blocks and rows are widened, the fp32 formula of
+// pointwise_math.h runs on them, the result is rounded once.
 //
 // libm's expf/tanhf do not vectorise without -ffast-math, and a scalar tanhf over the [N, 4C] MLP
 // activation costs a sizeable fraction of the surrounding GEMM. exp_vec (pointwise_math.h) is a

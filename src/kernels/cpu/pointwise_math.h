@@ -1,8 +1,8 @@
 // Element formulas of the pointwise kernels (pointwise.cpp, one template for every storage type):
 // the same fp32 math whatever the storage type. See pointwise.cpp for why.
 #pragma once
-#include <cmath>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 
 namespace lathe::cpu {

@@ -96,8 +96,8 @@ void gelu_backward(void* dinp, const void* inp, const void* dout, int64_t n) {
 template <DType D>
 void gelu_erf_forward(void* out, const void* inp, int64_t n) {
   if (n <= 0) return;
-  gelu_erf_forward_kernel<<<blocks(n), kThreads, 0, stream()>>>(static_cast<E<D>*>(out),
-                                                                 static_cast<const E<D>*>(inp), n);
+  gelu_erf_forward_kernel<<<blocks(n), kThreads, 0, stream()>>>(static_cast<E<D>*>(out), static_cast<const E<D>*>(inp),
+                                                                n);
   LATHE_CUDA_LAUNCHED(gelu_erf_forward_kernel);
 }
 template <DType D>
