@@ -16,7 +16,7 @@ namespace {
 
 using json = nlohmann::json;
 
-const std::vector<std::string> kModelTypes = {"gpt2", "llama", "qwen2", "mistral", "qwen3"};
+const std::vector<std::string> kModelTypes = {"gpt2", "llama", "qwen2", "mistral", "qwen3", "gpt_neox"};
 
 // Keys of every PretrainedConfig that never change the forward math.
 const std::vector<std::string> kCommonKeys = {"model_type",
@@ -81,6 +81,16 @@ const std::vector<std::string> kLlamaKeys = {"hidden_size",
                                              "pretraining_tp",
                                              "partial_rotary_factor",
                                              "original_max_position_embeddings"};
+// transformers 4.45 GPTNeoXConfig.
+const std::vector<std::string> kGptNeoxKeys = {"hidden_size",        "intermediate_size",
+                                               "num_hidden_layers",  "num_attention_heads",
+                                               "hidden_act",         "rotary_pct",
+                                               "rotary_emb_base",    "partial_rotary_factor",
+                                               "rope_theta",         "rope_scaling",
+                                               "attention_dropout",  "hidden_dropout",
+                                               "classifier_dropout", "max_position_embeddings",
+                                               "layer_norm_eps",     "use_parallel_residual",
+                                               "attention_bias"};
 const std::vector<std::string> kQwen2Extra = {"use_sliding_window", "sliding_window", "max_window_layers",
                                               "layer_types"};
 const std::vector<std::string> kMistralExtra = {"sliding_window", "layer_types"};
@@ -88,8 +98,8 @@ const std::vector<std::string> kMistralExtra = {"sliding_window", "layer_types"}
 const std::vector<std::string> kQwen3Extra = {"use_sliding_window", "sliding_window", "max_window_layers",
                                               "layer_types"};
 
-const std::vector<std::string> kDropoutKeys = {"resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout",
-                                               "attention_dropout"};
+const std::vector<std::string> kDropoutKeys = {"resid_pdrop",           "embd_pdrop",        "attn_pdrop",
+                                               "summary_first_dropout", "attention_dropout", "hidden_dropout"};
 
 // A value quoted in an error message, bounded (config.json is untrusted: a 1 MB string or a deep
 // array must not be copied into the message whole).
@@ -159,7 +169,7 @@ struct Reader {
   }
 };
 
-std::string family_of(const std::string& mt) { return mt == "gpt2" ? "gpt2" : "llama"; }
+std::string family_of(const std::string& mt) { return mt == "gpt2" || mt == "gpt_neox" ? mt : "llama"; }
 
 }  // namespace
 
@@ -167,6 +177,8 @@ std::vector<std::string> ModelConfig::known_keys(std::string_view model_type) {
   std::vector<std::string> keys = kCommonKeys;
   if (model_type == "gpt2") {
     keys.insert(keys.end(), kGpt2Keys.begin(), kGpt2Keys.end());
+  } else if (model_type == "gpt_neox") {
+    keys.insert(keys.end(), kGptNeoxKeys.begin(), kGptNeoxKeys.end());
   } else {
     keys.insert(keys.end(), kLlamaKeys.begin(), kLlamaKeys.end());
     if (model_type == "qwen2") keys.insert(keys.end(), kQwen2Extra.begin(), kQwen2Extra.end());
@@ -200,6 +212,53 @@ void read_rope_scaling(const Reader& r, ModelConfig& c, bool mistral, std::strin
   }
 }
 
+// GPTNeoXConfig (transformers 4.45) fields and class defaults (vocab_size, token ids and
+// initializer_range are read by the caller).
+void read_gpt_neox(const Reader& r, ModelConfig& c) {
+  const json& j = r.j;
+  if (!r.has("vocab_size")) c.vocab_size = 50432;
+  c.hidden_size = r.has_size("hidden_size") ? r.get_int("hidden_size") : 6144;
+  c.num_hidden_layers = r.has_size("num_hidden_layers") ? r.get_int("num_hidden_layers") : 44;
+  c.num_attention_heads = r.has_size("num_attention_heads") ? r.get_int("num_attention_heads") : 64;
+  c.num_key_value_heads = c.num_attention_heads;
+  c.intermediate_size = r.has_size("intermediate_size") ? r.get_int("intermediate_size") : 24576;
+  c.max_position_embeddings = r.has_size("max_position_embeddings") ? r.get_int("max_position_embeddings") : 2048;
+  c.norm_eps = r.has("layer_norm_eps") ? r.get_double("layer_norm_eps") : 1e-5;
+  if (!j.contains("bos_token_id")) c.bos_token_id = 0;
+  if (!j.contains("eos_token_id")) c.eos_token_id = 2;
+  c.tie_word_embeddings = r.has("tie_word_embeddings") ? r.get_bool("tie_word_embeddings") : false;
+  if (c.tie_word_embeddings)
+    r.fail("tie_word_embeddings",
+           "true is not supported for gpt_neox (embed_out is its own tensor; HF's "
+           "GPTNeoXForCausalLM does not tie it either)");
+  // hidden_act: "gelu" is the exact (erf) GELU, gelu_new / gelu_pytorch_tanh the tanh one.
+  const std::string act = r.has("hidden_act") ? r.get_string("hidden_act") : "gelu";
+  if (act != "gelu" && act != "gelu_new" && act != "gelu_pytorch_tanh")
+    r.fail("hidden_act", fmt::format("'{}' is not supported for gpt_neox (gelu: exact; gelu_new or "
+                                     "gelu_pytorch_tanh: tanh approximation)",
+                                     act));
+  c.hidden_act = act == "gelu" ? "gelu" : "gelu_new";
+  c.parallel_residual = r.has("use_parallel_residual") ? r.get_bool("use_parallel_residual") : true;
+  c.attention_bias = r.has("attention_bias") ? r.get_bool("attention_bias") : true;
+  // rotary_pct / rotary_emb_base are the config's own names; transformers also saves them as
+  // partial_rotary_factor / rope_theta (the same values): either spelling, equal when both given.
+  auto alias = [&](const char* name, const char* other, double dflt) {
+    double v = r.has(name) ? r.get_double(name) : dflt;
+    if (r.has(other)) {
+      const double o = r.get_double(other);
+      if (r.has(name) && o != v)
+        r.fail(other,
+               fmt::format("{} conflicts with {} = {} (transformers uses {}); give one of them", o, name, v, name));
+      v = o;
+    }
+    return v;
+  };
+  c.partial_rotary_factor = alias("rotary_pct", "partial_rotary_factor", 0.25);
+  c.rope_theta = alias("rotary_emb_base", "rope_theta", 10000.0);
+  if (r.has("rope_scaling") && !j["rope_scaling"].is_null())
+    r.fail("rope_scaling", "is not supported for gpt_neox yet (plain RoPE only): give null or remove it");
+}
+
 }  // namespace
 
 ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, bool strict_unknown) {
@@ -214,11 +273,12 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
   Reader r{j, source, key_prefix};
   ModelConfig c;
   if (!j.contains("model_type"))
-    throw_error("{}: {}model_type is missing (one of gpt2, llama, qwen2, mistral, qwen3)", source, key_prefix);
+    throw_error("{}: {}model_type is missing (one of gpt2, llama, qwen2, mistral, qwen3, gpt_neox)", source,
+                key_prefix);
   c.model_type = r.get_string("model_type");
   if (std::find(kModelTypes.begin(), kModelTypes.end(), c.model_type) == kModelTypes.end())
     r.fail("model_type",
-           fmt::format("'{}' is not supported (supported: gpt2, llama, qwen2, mistral, qwen3)", c.model_type));
+           fmt::format("'{}' is not supported (supported: gpt2, llama, qwen2, mistral, qwen3, gpt_neox)", c.model_type));
   c.family = family_of(c.model_type);
 
   // Unknown keys.
@@ -296,6 +356,8 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
     require_bool("tie_word_embeddings", true, "GPT-2's lm_head is always tied to wte in lathe");
     c.attention_bias = false;
     c.rope_theta = 10000.0;
+  } else if (c.is_gpt_neox()) {
+    read_gpt_neox(r, c);
   } else {
     // LlamaConfig / Qwen2Config / MistralConfig / Qwen3Config class defaults.
     const bool qwen3 = c.model_type == "qwen3", qwen = c.model_type == "qwen2" || qwen3,
@@ -442,7 +504,7 @@ void ModelConfig::validate(std::string_view source, std::string_view prefix) con
       if (f == "intermediate_size") return p + "n_inner";
       if (f == "norm_eps") return p + "layer_norm_epsilon";
     } else if (f == "norm_eps") {
-      return p + "rms_norm_eps";
+      return p + (is_gpt_neox() ? "layer_norm_eps" : "rms_norm_eps");
     }
     return p + std::string(f);
   };
@@ -456,7 +518,8 @@ void ModelConfig::validate(std::string_view source, std::string_view prefix) con
   auto finite_positive = [&](const char* field, double v) {
     LATHE_CHECK(std::isfinite(v) && v > 0, "{}: {} = {} must be a finite number > 0", source, hf(field), v);
   };
-  LATHE_CHECK(family == "gpt2" || family == "llama", "{}: family '{}' must be gpt2 or llama", source, family);
+  LATHE_CHECK(family == "gpt2" || family == "llama" || family == "gpt_neox",
+              "{}: family '{}' must be gpt2, llama or gpt_neox", source, family);
   bounded("vocab_size", vocab_size, kMaxVocabSize);
   bounded("hidden_size", hidden_size, kMaxHiddenSize);
   bounded("num_hidden_layers", num_hidden_layers, kMaxLayers);
@@ -474,11 +537,16 @@ void ModelConfig::validate(std::string_view source, std::string_view prefix) con
   }
   LATHE_CHECK(num_attention_heads % num_key_value_heads == 0, "{}: {} = {} is not divisible by {} = {}", source,
               hf("num_attention_heads"), num_attention_heads, hf("num_key_value_heads"), num_key_value_heads);
-  if (is_gpt2())
+  if (is_gpt2() || is_gpt_neox())
     LATHE_CHECK(num_key_value_heads == num_attention_heads,
-                "{}: gpt2 has no grouped-query attention: num_key_value_heads = {} must equal {} = {}", source,
+                "{}: {} has no grouped-query attention: num_key_value_heads = {} must equal {} = {}", source, family,
                 num_key_value_heads, hf("num_attention_heads"), num_attention_heads);
-  if (is_llama()) {
+  LATHE_CHECK(!parallel_residual || is_gpt_neox(), "{}: {}use_parallel_residual is a gpt_neox field ({} has none)",
+              source, prefix, model_type);
+  if (is_gpt_neox()) {  // rotary dims even (validate_rope); the head itself may be odd
+    finite_positive("rope_theta", rope_theta);
+    validate_rope(*this, source, prefix);
+  } else if (is_llama()) {
     if (explicit_head_dim != 0)
       LATHE_CHECK(head_dim() % 2 == 0, "{}: {} = {} must be even for RoPE", source, hf("head_dim"), head_dim());
     else
@@ -532,6 +600,14 @@ int64_t ModelConfig::num_parameters() const {
         sum({mul({2, C}), mul({C, 3, HD}), mul({3, HD}), mul({HD, C}), C, mul({2, C}), mul({C, F}), F, mul({F, C}), C});
     return sum({mul({V, C}), mul({max_position_embeddings, C}), mul({L, block}), mul({2, C})});
   }
+  if (is_gpt_neox()) {
+    // embed_in, per layer two LayerNorms, query_key_value, dense (biases with attention_bias),
+    // dense_h_to_4h and dense_4h_to_h with biases; final_layer_norm, embed_out (never tied).
+    const int64_t HD = mul({num_attention_heads, head_dim()});
+    int64_t block = sum({mul({4, C}), mul({C, 3, HD}), mul({HD, C}), mul({C, F}), F, mul({F, C}), C});
+    if (attention_bias) block = sum({block, mul({3, HD}), C});
+    return sum({mul({V, C}), mul({L, block}), mul({2, C}), tie_word_embeddings ? 0 : mul({V, C})});
+  }
   const int64_t hd = head_dim(), H = num_attention_heads, KV = num_key_value_heads;
   int64_t block = sum({mul({2, C}), mul({C, H, hd}), mul({2, C, KV, hd}), mul({H, hd, C}), mul({3, C, F})});
   if (qkv_bias()) block = sum({block, mul({H, hd}), mul({2, KV, hd})});
@@ -568,6 +644,24 @@ json ModelConfig::to_hf_json() const {
     j["scale_attn_weights"] = true;
     j["scale_attn_by_inverse_layer_idx"] = false;
     j["reorder_and_upcast_attn"] = false;
+    return j;
+  }
+  if (is_gpt_neox()) {
+    j["architectures"] = {"GPTNeoXForCausalLM"};
+    j["hidden_size"] = hidden_size;
+    j["intermediate_size"] = intermediate_size;
+    j["num_hidden_layers"] = num_hidden_layers;
+    j["num_attention_heads"] = num_attention_heads;
+    j["hidden_act"] = hidden_act.empty() ? "gelu" : hidden_act;
+    j["rotary_pct"] = partial_rotary_factor;
+    j["rotary_emb_base"] = rope_theta;
+    j["max_position_embeddings"] = max_position_embeddings;
+    j["layer_norm_eps"] = norm_eps;
+    j["use_parallel_residual"] = parallel_residual;
+    j["attention_bias"] = attention_bias;
+    j["rope_scaling"] = nullptr;
+    j["attention_dropout"] = 0.0;
+    j["hidden_dropout"] = 0.0;
     return j;
   }
   j["architectures"] = {model_type == "qwen2"     ? "Qwen2ForCausalLM"
@@ -653,7 +747,7 @@ ModelConfig make_llama(const char* type, int64_t L, int64_t C, int64_t H, int64_
 
 std::vector<std::string> ModelConfig::preset_names() {
   return {"gpt2-debug",  "gpt2-124m",     "gpt2-small-bench",  "llama-debug",
-          "qwen2-debug", "mistral-debug", "llama-small-bench", "qwen3-debug"};
+          "qwen2-debug", "mistral-debug", "llama-small-bench", "qwen3-debug", "gpt-neox-debug"};
 }
 
 ModelConfig ModelConfig::preset(std::string_view name) {
@@ -684,6 +778,16 @@ ModelConfig ModelConfig::preset(std::string_view name) {
     c.norm_eps = 1e-6;
   } else if (name == "llama-small-bench") {
     c = make_llama("llama", 4, 256, 4, 2, 688, 32000, 1024);
+  } else if (name == "gpt-neox-debug") {
+    // Pythia's shape at odd-ish sizes: 3 heads of 16 (4 rotated dims), MLP 100 wide, vocab 101.
+    c = make_llama("gpt_neox", 3, 48, 3, 3, 100, 101, 128);
+    c.family = "gpt_neox";
+    c.hidden_act = "gelu";
+    c.partial_rotary_factor = 0.25;
+    c.parallel_residual = true;
+    c.attention_bias = true;
+    c.bos_token_id = 0;
+    c.eos_token_id = 2;
   } else {
     std::string list;
     for (auto& n : preset_names()) list += (list.empty() ? "" : ", ") + n;
@@ -714,7 +818,7 @@ bool operator==(const ModelConfig& a, const ModelConfig& b) {
          a.hidden_act == b.hidden_act && a.bos_token_id == b.bos_token_id && a.eos_token_id == b.eos_token_id &&
          a.eos_token_ids == b.eos_token_ids && a.pad_token_id == b.pad_token_id &&
          a.sliding_window == b.sliding_window && a.sliding_layers == b.sliding_layers && a.head_dim() == b.head_dim() &&
-         a.qk_norm == b.qk_norm;
+         a.qk_norm == b.qk_norm && a.parallel_residual == b.parallel_residual;
 }
 
 }  // namespace lathe

@@ -23,8 +23,8 @@ constexpr int64_t kMaxIntermediateSize = int64_t{1} << 24;
 constexpr int64_t kMaxPositions = int64_t{1} << 26;  // max_position_embeddings, sliding_window
 
 struct ModelConfig {
-  std::string model_type;  // as in HF: "gpt2", "llama", "qwen2", "mistral", "qwen3"
-  std::string family;      // "gpt2" or "llama" (qwen2, mistral, qwen3 -> llama)
+  std::string model_type;  // as in HF: "gpt2", "llama", "qwen2", "mistral", "qwen3", "gpt_neox"
+  std::string family;      // "gpt2", "llama" (qwen2, mistral, qwen3 -> llama) or "gpt_neox"
   int64_t vocab_size = 0, hidden_size = 0, num_hidden_layers = 0, num_attention_heads = 0,
           num_key_value_heads = 0;      // gpt2: num_key_value_heads == num_attention_heads
   int64_t intermediate_size = 0;        // gpt2: n_inner or 4*hidden
@@ -44,6 +44,11 @@ struct ModelConfig {
   // Normalized: gpt2 -> "gelu_new" (tanh GELU; HF's "gelu_pytorch_tanh" is the same function and
   // is read as "gelu_new"); llama family -> "silu" ("swish" is read as "silu").
   std::string hidden_act;
+  // Addition. gpt_neox use_parallel_residual: x + attn(ln1(x)) + mlp(ln2(x)) (both branches read
+  // the layer input) instead of the sequential pre-norm order. gpt_neox's rotary_pct is
+  // partial_rotary_factor, its rotary_emb_base rope_theta, its attention_bias (q/k/v and dense
+  // biases) attention_bias, its hidden_act "gelu" the exact (erf) GELU.
+  bool parallel_residual = false;
   // -1 = absent; a list (eos) -> its first id. gpt2 defaults 50256 only when vocab_size > 50256.
   int64_t bos_token_id = -1, eos_token_id = -1, pad_token_id = -1;
   // config.json's eos_token_id when it is a list of several ids (Llama 3.x Instruct: <|end_of_text|>,
@@ -89,8 +94,16 @@ struct ModelConfig {
   }
   bool is_gpt2() const { return family == "gpt2"; }
   bool is_llama() const { return family == "llama"; }
+  bool is_gpt_neox() const { return family == "gpt_neox"; }  // addition
+  // Addition. Rotary positions (llama family, gpt_neox) rather than gpt2's learned ones.
+  bool rotary() const { return !is_gpt2(); }
+  // Addition. The family's norms are LayerNorms with biases and its MLP a GELU one (c_fc, c_proj)
+  // rather than RMSNorm and SwiGLU: gpt2 and gpt_neox.
+  bool gelu_mlp() const { return is_gpt2() || is_gpt_neox(); }
+  // Addition. The MLP's GELU is the exact (erf) one: hidden_act "gelu" (gpt_neox's default).
+  bool gelu_exact() const { return hidden_act == "gelu"; }
   // Addition. q/k/v projections carry a bias (gpt2: inside c_attn; llama: attention_bias; qwen2).
-  bool qkv_bias() const { return is_gpt2() || attention_bias; }
+  bool qkv_bias() const { return is_gpt2() || attention_bias; }  // gpt_neox: attention_bias
   // Addition. The attention output projection carries a bias (gpt2 c_proj; llama attention_bias;
   // never for qwen2).
   bool o_bias() const { return is_gpt2() || (attention_bias && model_type != "qwen2"); }
@@ -137,6 +150,8 @@ struct ModelConfig {
   //   mistral-debug     as llama-debug, sliding_window 0 (none)
   //   qwen3-debug       as llama-debug, head_dim 16 (4 heads of 16 in hidden 48), q/k norms, tied
   //   llama-small-bench L=4  C=256 H=4 KV=2 I=688 V=32000 P=1024
+  //   gpt-neox-debug    L=3  C=40  H=5 (D=8) I=72 V=83 P=96, rotary_pct 0.25, parallel residual,
+  //                     exact GELU, untied (Pythia's shape, odd-ish sizes)
   // Unknown name -> error listing the presets.
   static ModelConfig preset(std::string_view name);
   static std::vector<std::string> preset_names();

@@ -191,9 +191,9 @@ class Parser {
     } else {
       bad("model",
           "give model.preset, model.init_from, model.config, or model.model_type (gpt2, llama, qwen2, "
-          "mistral, qwen3) with its HF fields");
+          "mistral, qwen3, gpt_neox) with its HF fields");
     }
-    static const std::vector<std::string> types = {"gpt2", "llama", "qwen2", "mistral", "qwen3"};
+    static const std::vector<std::string> types = {"gpt2", "llama", "qwen2", "mistral", "qwen3", "gpt_neox"};
     if (std::find(types.begin(), types.end(), mt) == types.end())
       bad("model.model_type", fmt::format("'{}' is not supported (supported: {})", mt, join(types)));
 
@@ -204,8 +204,8 @@ class Parser {
     for (auto& k : kModelBaseKeys) full.push_back("model." + k);
     for (auto it = explicit_.begin(); it != explicit_.end(); ++it) {
       if (std::find(known.begin(), known.end(), it.key()) == known.end()) rep_.unknown("model." + it.key(), "key", full);
-      static const std::set<std::string> dropout = {"resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout",
-                                                    "summary_first_dropout"};
+      static const std::set<std::string> dropout = {
+          "resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "summary_first_dropout", "hidden_dropout"};
       if (dropout.count(it.key()) && !(it.value().is_number() && it.value().get<double>() == 0.0))
         bad("model." + it.key(),
             fmt::format("{} is not supported: lathe does not implement dropout (use 0)", describe(it.value())));
@@ -214,7 +214,7 @@ class Parser {
     json merged = base.is_null() ? json::object() : base;
     if (!base.is_null() && merged.value("model_type", "") != mt) {
       std::string from = merged.value("model_type", "");
-      if ((from == "gpt2") != (mt == "gpt2"))
+      if ((from == "gpt2") != (mt == "gpt2") || (from == "gpt_neox") != (mt == "gpt_neox"))
         bad("model.model_type", fmt::format("'{}' cannot replace model_type '{}' of {} (different architecture "
                                             "family); drop the base or use a matching one",
                                             mt, from, base_desc));
@@ -233,14 +233,17 @@ class Parser {
                                                                  {"n_head", "num_attention_heads"}};
     // Llama family: rope_theta also lives inside the v5 rope_parameters object.
     static const std::vector<std::vector<std::string>> llama_groups = {{"rope_theta", "rope_parameters"}};
-    for (const auto& g : mt == "gpt2" ? groups : llama_groups)
+    // GPT-NeoX: rotary_pct / rotary_emb_base and the names transformers also saves them under.
+    static const std::vector<std::vector<std::string>> neox_groups = {{"rotary_pct", "partial_rotary_factor"},
+                                                                      {"rotary_emb_base", "rope_theta"}};
+    for (const auto& g : mt == "gpt2" ? groups : mt == "gpt_neox" ? neox_groups : llama_groups)
       for (const auto& k : g)
         if (explicit_.contains(k))
           for (const auto& other : g) merged.erase(other);
     // A base's head_dim equal to its hidden_size / num_attention_heads is derived (transformers and
     // to_hf_json write it into every llama-family config.json): overriding the width or the heads
     // derives it again, unless model.head_dim is given too. (Not qwen3: its absent head_dim is 128.)
-    if (mt != "gpt2" && mt != "qwen3" && !explicit_.contains("head_dim") &&
+    if (mt != "gpt2" && mt != "gpt_neox" && mt != "qwen3" && !explicit_.contains("head_dim") &&
         (explicit_.contains("hidden_size") || explicit_.contains("num_attention_heads"))) {
       const json *hd = io::JsonFields::find(merged, "head_dim"), *c = io::JsonFields::find(merged, "hidden_size"),
                  *h = io::JsonFields::find(merged, "num_attention_heads");

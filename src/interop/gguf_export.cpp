@@ -116,14 +116,22 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
   LATHE_CHECK(dtype == DType::F32 || dtype == DType::F16, "--to-gguf: dtype must be f32 or f16, not {}",
               dtype_name(dtype));
   const bool gpt2 = c.is_gpt2();
-  LATHE_CHECK(gpt2 || c.is_llama(),
-              "--to-gguf: GGUF export supports gpt2 and the llama family (llama, qwen2, mistral, qwen3), not {}",
+  const bool neox = c.is_gpt_neox();
+  LATHE_CHECK(gpt2 || neox || c.is_llama(),
+              "--to-gguf: GGUF export supports gpt2, gpt_neox and the llama family (llama, qwen2, mistral, qwen3), not {}",
               c.model_type);
-  if (gpt2)
+  if (neox)
+    LATHE_CHECK(c.attention_bias,
+                "--to-gguf: gpt_neox without attention biases: llama.cpp's gptneox architecture "
+                "requires attn_qkv.bias and attn_output.bias");
+  if (gpt2 || neox)
     LATHE_CHECK(c.hidden_act == "gelu_new",
-                "--to-gguf: activation {} of this gpt2 model: llama.cpp's gpt2 architecture computes the tanh GELU "
-                "(gelu_new) only",
-                c.hidden_act);
+                "--to-gguf: activation {} of this {} model: llama.cpp's {} architecture computes the tanh GELU "
+                "(gelu_new) only{}",
+                c.hidden_act, c.model_type, gpt2 ? "gpt2" : "gptneox",
+                neox ? " (its logits would differ from this exact-GELU model's by ~1e-3; train with hidden_act "
+                       "gelu_new for a GGUF export, or export Hugging Face safetensors)"
+                     : "");
   else
     LATHE_CHECK(c.hidden_act == "silu", "--to-gguf: activation {}: llama.cpp's {} architecture computes SwiGLU (silu)",
                 c.hidden_act, c.model_type);
@@ -140,7 +148,9 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
   // qwen2 and qwen3 (per-head q/k norms: attn_q_norm / attn_k_norm) use NEOX RoPE (HF's rotate_half)
   // natively; gpt2 has no RoPE.
   const bool qwen = c.model_type == "qwen2";
-  const std::string arch = gpt2 ? "gpt2" : c.qk_norm ? "qwen3" : qwen ? "qwen2" : "llama";
+  // gptneox: NEOX RoPE (rotate_half) natively, its q|k|v fused as lathe's ([3][H][D], which
+  // convert_hf_to_gguf.py makes of HF's per-head rows too), the parallel residual a key.
+  const std::string arch = gpt2 ? "gpt2" : neox ? "gptneox" : c.qk_norm ? "qwen3" : qwen ? "qwen2" : "llama";
   const bool permute = arch == "llama";
   const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim(), C = c.hidden_size;
 
@@ -156,6 +166,11 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
   w.add_u32(arch + ".attention.head_count", u32(H));
   if (gpt2) {
     w.add_f32(arch + ".attention.layer_norm_epsilon", static_cast<float>(c.norm_eps));
+  } else if (neox) {
+    w.add_f32(arch + ".attention.layer_norm_epsilon", static_cast<float>(c.norm_eps));
+    w.add_f32(arch + ".rope.freq_base", static_cast<float>(c.rope_theta));
+    w.add_u32(arch + ".rope.dimension_count", u32(c.rotary_dim()));
+    w.add_bool(arch + ".use_parallel_residual", c.parallel_residual);
   } else {
     w.add_u32(arch + ".attention.head_count_kv", u32(KV));
     w.add_f32(arch + ".rope.freq_base", static_cast<float>(c.rope_theta));
@@ -211,11 +226,24 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
       {"mlp.c_fc.weight", "ffn_up.weight"},         {"mlp.c_fc.bias", "ffn_up.bias"},
       {"mlp.c_proj.weight", "ffn_down.weight"},     {"mlp.c_proj.bias", "ffn_down.bias"},
   };
+  static const NameMap neox_top = {{"gpt_neox.embed_in.weight", "token_embd.weight"},
+                                   {"gpt_neox.final_layer_norm.weight", "output_norm.weight"},
+                                   {"gpt_neox.final_layer_norm.bias", "output_norm.bias"},
+                                   {"embed_out.weight", "output.weight"}};
+  static const NameMap neox_block = {
+      {"input_layernorm.weight", "attn_norm.weight"},          {"input_layernorm.bias", "attn_norm.bias"},
+      {"attention.query_key_value.weight", "attn_qkv.weight"}, {"attention.query_key_value.bias", "attn_qkv.bias"},
+      {"attention.dense.weight", "attn_output.weight"},        {"attention.dense.bias", "attn_output.bias"},
+      {"post_attention_layernorm.weight", "ffn_norm.weight"},  {"post_attention_layernorm.bias", "ffn_norm.bias"},
+      {"mlp.dense_h_to_4h.weight", "ffn_up.weight"},           {"mlp.dense_h_to_4h.bias", "ffn_up.bias"},
+      {"mlp.dense_4h_to_h.weight", "ffn_down.weight"},         {"mlp.dense_4h_to_h.bias", "ffn_down.bias"},
+  };
   for (const ParamSpec& s : model.params().specs()) {
     const float* data = model.param_data() + s.offset;
     std::string suffix;
-    const std::string gname = gpt2 ? gguf_name(s.name, gpt2_top, "transformer.h.", gpt2_block, &suffix)
-                                   : gguf_name(s.name, llama_top, "model.layers.", llama_block, &suffix);
+    const std::string gname = gpt2   ? gguf_name(s.name, gpt2_top, "transformer.h.", gpt2_block, &suffix)
+                              : neox ? gguf_name(s.name, neox_top, "gpt_neox.layers.", neox_block, &suffix)
+                                     : gguf_name(s.name, llama_top, "model.layers.", llama_block, &suffix);
     const DType t = s.shape.size() >= 2 ? dtype : DType::F32;  // 1-D tensors stay F32
     const bool is_q = suffix.rfind("self_attn.q_proj.", 0) == 0, is_k = suffix.rfind("self_attn.k_proj.", 0) == 0;
     if (permute && (is_q || is_k)) {

@@ -38,6 +38,10 @@ struct FamilyRules {
   std::string embedding;                   // canonical token embedding
   std::string tied_head_in_file;           // lm_head a tied model's file may carry as a copy
   std::vector<std::string> vocab_tensors;  // rows = vocabulary, resized by resize_vocab
+  // Fused q|k|v tensors (suffix match) whose HF rows are interleaved per head, [H][q, k, v][D]
+  // (GPT-NeoX's query_key_value weight and bias), where lathe's are [q | k | v] = [3][H][D]: rows
+  // permuted on load and back on export (qkv_rows).
+  std::vector<std::string> qkv_per_head = {};
 };
 
 const std::vector<FamilyRules>& family_rules() {
@@ -57,6 +61,14 @@ const std::vector<FamilyRules>& family_rules() {
        "model.embed_tokens.weight",
        "lm_head.weight",
        {"model.embed_tokens.weight", "lm_head.weight"}},
+      {{"gpt_neox"},
+       {},
+       // causal-mask and rotary buffers of older checkpoints (Pythia's files carry all three)
+       {".attention.bias", ".attention.masked_bias", ".rotary_emb.inv_freq"},
+       "gpt_neox.embed_in.weight",
+       "",  // never tied
+       {"gpt_neox.embed_in.weight", "embed_out.weight"},
+       {".attention.query_key_value.weight", ".attention.query_key_value.bias"}},
   };
   return rules;
 }
@@ -69,6 +81,24 @@ const FamilyRules& rules_for(const ModelConfig& cfg) {
 
 bool ends_with(const std::string& s, const std::string& suf) {
   return s.size() >= suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0;
+}
+
+bool qkv_per_head(const FamilyRules& rules, const std::string& name) {
+  for (const auto& suf : rules.qkv_per_head)
+    if (ends_with(name, suf)) return true;
+  return false;
+}
+
+// The rows of a fused q|k|v tensor of `heads` heads: HF's per-head order [H][3][D] (to_hf) from
+// lathe's [3][H][D], or back. `n` values, rows of n / (3 * heads * D) values each.
+void qkv_rows(float* dst, const float* src, int64_t n, int64_t heads, bool to_hf) {
+  LATHE_CHECK(heads > 0 && n % (3 * heads) == 0, "internal: fused q|k|v tensor of {} values over {} heads", n, heads);
+  const int64_t block = n / (3 * heads);  // one head's rows of one of q, k, v
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t k = 0; k < 3; ++k) {
+      const int64_t hf = (h * 3 + k) * block, lathe = (k * heads + h) * block;
+      std::copy_n(src + (to_hf ? lathe : hf), block, dst + (to_hf ? hf : lathe));
+    }
 }
 
 // File tensor name -> parameter, or nullptr.
@@ -138,9 +168,15 @@ struct OutTensor {
 std::vector<OutTensor> hf_layout(const Model& model, const float* flat, std::vector<std::vector<float>>& keep) {
   std::vector<OutTensor> out;
   keep.reserve(model.params().specs().size());
+  const FamilyRules& rules = rules_for(model.config());
   for (const ParamSpec& s : model.params().specs()) {
     const float* src = flat + s.offset;
-    if (s.hf_transposed) {
+    if (qkv_per_head(rules, s.name)) {
+      std::vector<float> t(static_cast<size_t>(s.numel()));
+      qkv_rows(t.data(), src, s.numel(), model.config().num_attention_heads, true);
+      keep.push_back(std::move(t));
+      out.push_back({s.name, s.shape, keep.back().data()});
+    } else if (s.hf_transposed) {
       const int64_t rows = s.shape[0], cols = s.shape[1];  // lathe [out, in] -> HF Conv1D [in, out]
       std::vector<float> t(static_cast<size_t>(rows * cols));
       for (int64_t r = 0; r < rows; ++r)
@@ -401,6 +437,10 @@ std::string load_hf_weights(Model& model, const std::string& dir, const HfLoadOp
         const int64_t rows = s.shape[0], cols = s.shape[1];  // lathe [out, in]; file [in, out]
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t c = 0; c < cols; ++c) dst[r * cols + c] = tmp[c * rows + r];
+      } else if (qkv_per_head(rules, s.name)) {
+        std::vector<float> tmp(static_cast<size_t>(s.numel()));
+        st.read_f32(info, tmp.data());
+        qkv_rows(dst, tmp.data(), s.numel(), cfg.num_attention_heads, false);
       } else {
         st.read_f32(info, dst);  // for a resized vocabulary: the first Vf rows
       }

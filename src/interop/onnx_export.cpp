@@ -238,6 +238,12 @@ class Exporter {
     const std::string y = op("Mul", {op("Mul", {xf, scalar(0.5f, F)}), op("Add", {op("Tanh", {u}), scalar(1.0f, F)})});
     return to_act(y);
   }
+  std::string gelu_erf(const std::string& x) {  // 0.5 x (1 + erf(x / sqrt 2))
+    const std::string xf = to_f32(x);
+    const auto F = ElemType::Float;
+    const std::string e = op("Erf", {op("Mul", {xf, scalar(0.70710678118654752f, F)})});
+    return to_act(op("Mul", {op("Mul", {xf, scalar(0.5f, F)}), op("Add", {e, scalar(1.0f, F)})}));
+  }
   void embedding_and_mask();
   std::string layer(const std::string& x, int64_t l);
 
@@ -340,11 +346,13 @@ std::string Exporter::layer(const std::string& x, int64_t l) {
   o = op("Reshape", {op("Transpose", {op("Reshape", {o, i64({0, H, -1, D})})}, {attr_ints("perm", {0, 2, 1, 3})}),
                      i64({0, 0, H * D})});  // [B, S, H*D]
   const std::string x1 = op("Add", {x, linear(o, l, Role::OW, Role::OB, 0, C)});
-  const std::string h2 = norm(x1, l, Role::Ln2W, Role::Ln2B);
+  // The MLP's norm reads x + attn, or with the parallel residual (gpt_neox) the layer input.
+  const std::string h2 = norm(arch_.parallel_residual ? x : x1, l, Role::Ln2W, Role::Ln2B);
   const int64_t F = cfg_.intermediate_size;
   std::string a;
   if (arch_.gelu_mlp) {
-    a = gelu_tanh(linear(h2, l, Role::FcW, Role::FcB, 0, F));
+    const std::string fc = linear(h2, l, Role::FcW, Role::FcB, 0, F);
+    a = arch_.gelu_exact ? gelu_erf(fc) : gelu_tanh(fc);
   } else {  // silu(gate) * up; gate|up are rows [0, F) and [F, 2F) of the FcW run
     const std::string gate = linear(h2, l, Role::FcW, Role::FcB, 0, F, "gate");
     const std::string up = linear(h2, l, Role::FcW, Role::FcB, F, 2 * F, "up");
@@ -394,11 +402,12 @@ io::onnx::Graph Exporter::build() {
 
 std::string save_onnx(const Model& model, const std::string& path, const OnnxExportOptions& opts) {
   const ModelConfig& cfg = model.config();
-  LATHE_CHECK(cfg.family == "gpt2" || cfg.family == "llama",
+  LATHE_CHECK(cfg.family == "gpt2" || cfg.family == "llama" || cfg.family == "gpt_neox",
               "ONNX export: model_type '{}' (family '{}') has no ONNX graph builder; supported: gpt2, llama, qwen2, "
-              "mistral, qwen3",
+              "mistral, qwen3, gpt_neox",
               cfg.model_type, cfg.family);
-  const char* act = cfg.is_gpt2() ? "gelu_new" : "silu";
+  // gpt_neox: exact (gelu) or tanh (gelu_new) GELU, both built.
+  const char* act = cfg.gelu_mlp() ? (cfg.gelu_exact() ? "gelu" : "gelu_new") : "silu";
   LATHE_CHECK(cfg.hidden_act == act, "ONNX export: {} with hidden_act '{}' is not supported (the graph builds {})",
               cfg.model_type, cfg.hidden_act, act);
   LATHE_CHECK(opts.dtype == DType::F32 || opts.dtype == DType::F16,

@@ -102,6 +102,9 @@ struct Ops {
   // ---- pointwise -------------------------------------------------------------------------------
   void (*gelu_forward)(void* out, const void* inp, int64_t n) = nullptr;
   void (*gelu_backward)(void* dinp, const void* inp, const void* dout, int64_t n) = nullptr;
+  // Exact GELU x * Phi(x) (erf; HF "gelu", GPT-NeoX): the same contract as gelu_forward/backward.
+  void (*gelu_erf_forward)(void* out, const void* inp, int64_t n) = nullptr;
+  void (*gelu_erf_backward)(void* dinp, const void* inp, const void* dout, int64_t n) = nullptr;
   void (*swiglu_forward)(void* out, const void* inp, int64_t N, int64_t F) = nullptr;
   void (*swiglu_backward)(void* dinp, const void* inp, const void* dout, int64_t N, int64_t F) = nullptr;
   void (*residual_forward)(void* out, const void* a, const void* b, int64_t n) = nullptr;
@@ -303,6 +306,8 @@ void for_each_op(const Ops& o, F&& f) {
   LATHE_OP(head_rmsnorm_scratch_bytes);
   LATHE_OP(gelu_forward);
   LATHE_OP(gelu_backward);
+  LATHE_OP(gelu_erf_forward);
+  LATHE_OP(gelu_erf_backward);
   LATHE_OP(swiglu_forward);
   LATHE_OP(swiglu_backward);
   LATHE_OP(residual_forward);
@@ -319,7 +324,7 @@ void for_each_op(const Ops& o, F&& f) {
 #undef LATHE_OP
 }
 // A slot added to Ops but not to the list above would escape the completeness check of ops_for.
-static_assert(sizeof(Ops) == offsetof(Ops, matmul_forward) + 29 * sizeof(void (*)()),
+static_assert(sizeof(Ops) == offsetof(Ops, matmul_forward) + 31 * sizeof(void (*)()),
               "Ops gained or lost a slot: update for_each_op");
 
 }  // namespace lathe

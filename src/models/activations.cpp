@@ -25,8 +25,8 @@ size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shar
   // --batch/--seq-len is refused instead of wrapping into a small arena that kernels overrun.
   const std::string what = fmt::format("activations of {} for batch {} x seq_len {}", cfg.model_type, B, T);
   auto mul = [&](std::initializer_list<int64_t> f) { return checked_product(f, what); };
-  const bool gelu_mlp = cfg.is_gpt2();  // the Arch of each family (gpt2.cpp, llama.cpp)
-  const bool qk_norm = cfg.qk_norm;     // Arch::qk_norm (llama.cpp)
+  const bool gelu_mlp = cfg.gelu_mlp();  // the Arch of each family (gpt2.cpp, llama.cpp, gpt_neox.cpp)
+  const bool qk_norm = cfg.qk_norm;      // Arch::qk_norm (llama.cpp)
   const int64_t N = mul({B, T}), C = cfg.hidden_size, H = cfg.num_attention_heads, KV = cfg.num_key_value_heads,
                 D = cfg.head_dim(), Q = mul({checked_add(H, mul({2, KV}), what), D}), F = cfg.intermediate_size,
                 FF = gelu_mlp ? F : mul({2, F}), V = cfg.vocab_size, L = cfg.num_hidden_layers;

@@ -207,9 +207,11 @@ void decode_chunk(Model& model, KvCache& c, const int32_t* tokens, int64_t T, fl
     cached_attention(att, qkv, kc, vc, B, T, pos, c.Tmax_, H, KV, D, Q, dt, cfg.layer_window(l));
     ops.matmul_forward(res1, att, model.compute_weight(lw.o_w), lw.o_b, N, H * D, C, false);
     ops.residual_forward(res1, res1, x, N * C);
-    norm(ln, res1, lw.ln2_w, lw.ln2_b, N);
+    norm(ln, arch.parallel_residual ? x : res1, lw.ln2_w, lw.ln2_b, N);  // as Model::norm_forward
     ops.matmul_forward(fc, ln, model.compute_weight(lw.fc_w), lw.fc_b, N, C, FF, false);
-    if (arch.gelu_mlp)
+    if (arch.gelu_mlp && arch.gelu_exact)
+      ops.gelu_erf_forward(act, fc, N * F);
+    else if (arch.gelu_mlp)
       ops.gelu_forward(act, fc, N * F);
     else
       ops.swiglu_forward(act, fc, N, F);

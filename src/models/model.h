@@ -32,6 +32,11 @@ struct Arch {
   // Per-head RMSNorm of q and k (weights [head_dim], Role::QNormW / KNormW) between the q|k|v GEMM
   // and RoPE (Qwen3); its backward between RoPE's backward and the GEMM's.
   bool qk_norm = false;
+  // GPT-NeoX (use_parallel_residual): the MLP's norm reads the layer input x, not x + attn, so the
+  // layer is x + attn(ln1(x)) + mlp(ln2(x)); false: the sequential pre-norm order.
+  bool parallel_residual = false;
+  // The GELU MLP's activation is the exact (erf) GELU (gelu_erf_*), not the tanh approximation.
+  bool gelu_exact = false;
   // A pipeline stage's model (src/parallel/pipeline_stage.h) may hold only part of the network:
   // without `embedding` its table has no wte/wpe (the residual stream enters layer 0 from outside,
   // residual(0)); without `head` no final norm / lm_head (the stream leaves after its last layer).
@@ -447,5 +452,6 @@ std::unique_ptr<Model> build_model(const ModelConfig& cfg, const ComputeSpec& co
 // Family builders (src/models/gpt2.cpp, src/models/llama.cpp).
 std::unique_ptr<Model> build_gpt2(const ModelConfig& cfg, const ComputeSpec& compute = {});
 std::unique_ptr<Model> build_llama(const ModelConfig& cfg, const ComputeSpec& compute = {});
+std::unique_ptr<Model> build_gpt_neox(const ModelConfig& cfg, const ComputeSpec& compute = {});  // gpt_neox.cpp
 
 }  // namespace lathe

@@ -50,6 +50,7 @@ ModelRegistry& model_registry() {
     r.add("qwen2", build_llama, "src/models/llama.cpp (qwen2: q/k/v biases)");
     r.add("mistral", build_llama, "src/models/llama.cpp (mistral)");
     r.add("qwen3", build_llama, "src/models/llama.cpp (qwen3: q/k norms)");
+    r.add("gpt_neox", build_gpt_neox, "src/models/gpt_neox.cpp");
     return r;
   }();
   return reg;

@@ -368,7 +368,8 @@ void Model::norm_forward(int64_t l, bool second, int64_t rows) {
   const float eps = static_cast<float>(cfg_.norm_eps);
   const LayerPtrs& w = p_.layers[static_cast<size_t>(l)];
   LayerActs& a = la_[static_cast<size_t>(l)];
-  const void* in = second ? a.res1 : layer_input(l);
+  // The MLP's norm reads x + attn, or with the parallel residual the layer input itself.
+  const void* in = second && !arch_.parallel_residual ? a.res1 : layer_input(l);
   void* out = second ? a.ln2 : a.ln1;
   float* mean = second ? a.ln2_mean : a.ln1_mean;
   float* rstd = second ? a.ln2_rstd : a.ln1_rstd;
@@ -381,7 +382,9 @@ void Model::norm_forward(int64_t l, bool second, int64_t rows) {
 void Model::mlp_activation_forward(int64_t l, int64_t N) {
   const int64_t F = cfg_.intermediate_size;
   LayerActs& a = la_[static_cast<size_t>(l)];
-  if (arch_.gelu_mlp)
+  if (arch_.gelu_mlp && arch_.gelu_exact)
+    ops_->gelu_erf_forward(a.act, a.fc, N * F);
+  else if (arch_.gelu_mlp)
     ops_->gelu_forward(a.act, a.fc, N * F);
   else
     ops_->swiglu_forward(a.act, a.fc, N, F);
@@ -457,8 +460,8 @@ void Model::layer_forward_into(int64_t l, int64_t B, int64_t T, bool output) {
   norm_forward(l, true, S);
   // GELU MLP: fc and its GELU in one op (CUDA: cuBLASLt's GELU epilogue; CPU: the same pair). Not
   // under selective recompute, which recomputes the activation alone (mlp_activation_forward) and
-  // must reproduce the forward's bits.
-  if (arch_.gelu_mlp && plan_.recompute != Recompute::Selective)
+  // must reproduce the forward's bits. (The exact GELU has no fused form: fc, then its GELU.)
+  if (arch_.gelu_mlp && !arch_.gelu_exact && plan_.recompute != Recompute::Selective)
     ops_->matmul_bias_gelu_forward(a.act, a.fc,
                                    sp ? tp.gather_from_sequence_region_forward(a.ln2, gathered_, S * C) : a.ln2,
                                    cw(w.fc_w), w.fc_b, N, C, FF);
@@ -573,7 +576,18 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
   ops_->matmul_backward(dact_, gw.proj_w, gw.proj_b,
                         sp ? tp.reduce_scatter_to_sequence_region_backward(dres_, gathered_, S * C) : dres_, a.act,
                         cw(w.proj_w), N, F, C, false);
-  if (arch_.gelu_mlp)
+  // Attention's output projection reads d(res1): dres_ once ln2's gradient is added (sequential),
+  // or with the parallel residual (res2 = x + o(...) + mlp(norm2(x))) dres_ as it is now, before
+  // ln2's gradient goes to x.
+  auto o_backward = [&] {
+    ops_->matmul_backward(datt_, gw.o_w, gw.o_b,
+                          sp ? tp.reduce_scatter_to_sequence_region_backward(dres_, gathered_, S * C) : dres_, a.att,
+                          cw(w.o_w), N, H * D, C, false);
+  };
+  if (arch_.parallel_residual) o_backward();
+  if (arch_.gelu_mlp && arch_.gelu_exact)
+    ops_->gelu_erf_backward(dfc_, a.fc, dact_, N * F);
+  else if (arch_.gelu_mlp)
     ops_->gelu_backward(dfc_, a.fc, dact_, N * F);
   else
     ops_->swiglu_backward(dfc_, a.fc, dact_, N, F);
@@ -581,11 +595,10 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
                         sp ? tp.gather_from_sequence_region_forward(a.ln2, gathered_, S * C) : a.ln2, cw(w.fc_w), N, C,
                         FF, false);
   reduce_input_grad(N, S);
-  norm_backward(dres_, gw.ln2_w, gw.ln2_b, dln_, a.res1, w.ln2_w, a.ln2_mean, a.ln2_rstd, S);
+  norm_backward(dres_, gw.ln2_w, gw.ln2_b, dln_, arch_.parallel_residual ? x : a.res1, w.ln2_w, a.ln2_mean, a.ln2_rstd,
+                S);
   // Attention: res1 = x + o(attn(qkv(norm1(x))))
-  ops_->matmul_backward(datt_, gw.o_w, gw.o_b,
-                        sp ? tp.reduce_scatter_to_sequence_region_backward(dres_, gathered_, S * C) : dres_, a.att,
-                        cw(w.o_w), N, H * D, C, false);
+  if (!arch_.parallel_residual) o_backward();
   ops_->attention_backward(dqkv_, datt_, a.qkv, a.att, a.lse, B, T, H, KV, D, scratch_, doc_starts(),
                            cfg_.layer_window(l));
   if (!arch_.learned_pos) {

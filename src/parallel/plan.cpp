@@ -49,7 +49,7 @@ Params split_params(const ModelConfig& cfg) {
   s.wpe = cfg.is_gpt2() ? cfg.max_position_embeddings * C : 0;
   s.head = cfg.tie_word_embeddings ? 0 : s.wte;
   s.final_norm = one.num_parameters() - s.layer - s.wte - s.wpe - s.head;
-  s.layer_repl = (cfg.is_gpt2() ? 4 * C : 2 * C) + (cfg.o_bias() ? C : 0) + (cfg.is_gpt2() ? C : 0) +
+  s.layer_repl = (cfg.gelu_mlp() ? 4 * C : 2 * C) + (cfg.o_bias() ? C : 0) + (cfg.gelu_mlp() ? C : 0) +
                  (cfg.qk_norm ? 2 * cfg.head_dim() : 0);  // q/k norm weights: replicated
   LATHE_CHECK(s.final_norm >= 0 && s.layer_repl <= s.layer, "internal: parameter split of {} ({} per layer, {} rest)",
               cfg.model_type, s.layer, s.final_norm);

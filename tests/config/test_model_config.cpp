@@ -489,3 +489,56 @@ TEST(ModelConfigHostile, ParameterCountIsChecked) {
   c.vocab_size = INT64_MAX / 2;
   EXPECT_THROW(c.num_parameters(), Error);
 }
+
+// transformers 4.45.2 GPTNeoXConfig(num_hidden_layers=2, hidden_size=48, num_attention_heads=3,
+// intermediate_size=100, vocab_size=101, max_position_embeddings=64).save_pretrained's config.json:
+// rotary_pct / rotary_emb_base are saved again as partial_rotary_factor / rope_theta.
+const char* kGptNeox = R"({
+  "attention_bias": true, "attention_dropout": 0.0, "bos_token_id": 0, "classifier_dropout": 0.1,
+  "eos_token_id": 2, "hidden_act": "gelu", "hidden_dropout": 0.0, "hidden_size": 48, "initializer_range": 0.02,
+  "intermediate_size": 100, "layer_norm_eps": 1e-05, "max_position_embeddings": 64, "model_type": "gpt_neox",
+  "num_attention_heads": 3, "num_hidden_layers": 2, "partial_rotary_factor": 0.25, "rope_scaling": null,
+  "rope_theta": 10000, "rotary_emb_base": 10000, "rotary_pct": 0.25, "tie_word_embeddings": false,
+  "transformers_version": "4.45.2", "use_cache": true, "use_parallel_residual": true, "vocab_size": 101})";
+
+TEST(ModelConfig, ParseGptNeox) {
+  const auto c = ModelConfig::from_hf_json(json::parse(kGptNeox), "cfg.json", /*strict_unknown=*/true);
+  EXPECT_EQ(c.family, "gpt_neox");
+  EXPECT_TRUE(c.is_gpt_neox() && c.gelu_mlp() && c.rotary() && c.gelu_exact() && c.parallel_residual);
+  EXPECT_EQ(c.head_dim(), 16);
+  EXPECT_EQ(c.rotary_dim(), 4);  // int(16 * 0.25), as GPTNeoXAttention.rotary_ndims
+  EXPECT_EQ(c.rope_theta, 10000.0);
+  EXPECT_EQ(c.num_key_value_heads, 3);
+  EXPECT_FALSE(c.tie_word_embeddings);
+  EXPECT_TRUE(c.attention_bias);
+  EXPECT_EQ(c.num_parameters(), 48488);  // sum(p.numel()) of GPTNeoXForCausalLM(config)
+  EXPECT_EQ(ModelConfig::from_hf_json(c.to_hf_json(), "out", true), c);
+  EXPECT_EQ(c.to_hf_json()["architectures"][0], "GPTNeoXForCausalLM");
+  // Class defaults: GPTNeoXConfig() with only the model_type.
+  const auto d = ModelConfig::from_hf_json(json{{"model_type", "gpt_neox"}}, "cfg.json");
+  EXPECT_EQ(d.vocab_size, 50432);
+  EXPECT_EQ(d.hidden_size, 6144);
+  EXPECT_EQ(d.partial_rotary_factor, 0.25);
+  EXPECT_TRUE(d.parallel_residual && d.gelu_exact() && d.attention_bias);
+  // The sequential form and the tanh GELU are read as such.
+  json j = json::parse(kGptNeox);
+  j["use_parallel_residual"] = false;
+  j["hidden_act"] = "gelu_pytorch_tanh";
+  const auto s = ModelConfig::from_hf_json(j, "cfg.json");
+  EXPECT_FALSE(s.parallel_residual || s.gelu_exact());
+  EXPECT_EQ(s.hidden_act, "gelu_new");
+  // Refused, naming the key: other activations, conflicting aliases, rope_scaling, tied heads, odd rotary dims.
+  expect_error(kGptNeox, "hidden_act", "relu", {"hidden_act", "relu", "gelu"});
+  expect_error(kGptNeox, "partial_rotary_factor", 0.5, {"partial_rotary_factor", "rotary_pct"});
+  expect_error(kGptNeox, "rope_theta", 500.0, {"rope_theta", "rotary_emb_base"});
+  expect_error(kGptNeox, "rope_scaling", json{{"type", "linear"}, {"factor", 2.0}}, {"rope_scaling", "gpt_neox"});
+  expect_error(kGptNeox, "tie_word_embeddings", true, {"tie_word_embeddings", "embed_out"});
+  json odd = json::parse(kGptNeox);
+  odd.erase("partial_rotary_factor");
+  expect_error(odd.dump().c_str(), "rotary_pct", 0.2, {"partial_rotary_factor", "even"});  // 16 x 0.2 = 3 dims
+  expect_error(kGptNeox, "hidden_dropout", 0.1, {"hidden_dropout", "dropout"}, /*strict=*/true);
+  // use_parallel_residual is gpt_neox's alone.
+  ModelConfig g = ModelConfig::preset("gpt2-debug");
+  g.parallel_residual = true;
+  EXPECT_THROW(g.validate("x"), Error);
+}

@@ -149,6 +149,12 @@ inline double ref_gelu_grad(double x) {
   return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * s * (1.0 + 3.0 * 0.044715 * x * x);
 }
 
+// Exact GELU x * Phi(x) (erf) and its derivative Phi(x) + x * phi(x).
+inline double ref_gelu_erf(double x) { return 0.5 * x * std::erfc(-x / std::sqrt(2.0)); }
+inline double ref_gelu_erf_grad(double x) {
+  return 0.5 * std::erfc(-x / std::sqrt(2.0)) + x * std::exp(-0.5 * x * x) / std::sqrt(2.0 * M_PI);
+}
+
 inline double ref_sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 inline void ref_swiglu_fwd(VecD& out, const VecD& inp, int64_t N, int64_t F) {
   out.assign(N * F, 0.0);

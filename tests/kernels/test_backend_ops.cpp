@@ -179,6 +179,16 @@ Ops make() {
     f32().gelu_backward(dxv.data(), xv.data(), gv.data(), n);
     out(dx, dxv);
   };
+  o.gelu_erf_forward = [](void* y, const void* x, int64_t n) {
+    VecF yv(n), xv = in(x, n);
+    f32().gelu_erf_forward(yv.data(), xv.data(), n);
+    out(y, yv);
+  };
+  o.gelu_erf_backward = [](void* dx, const void* x, const void* g, int64_t n) {
+    VecF dxv(n), xv = in(x, n), gv = in(g, n);
+    f32().gelu_erf_backward(dxv.data(), xv.data(), gv.data(), n);
+    out(dx, dxv);
+  };
   o.swiglu_forward = [](void* y, const void* x, int64_t N, int64_t F) {
     VecF yv(N * F), xv = in(x, N * 2 * F);
     f32().swiglu_forward(yv.data(), xv.data(), N, F);
@@ -305,6 +315,11 @@ struct Run {
   void check(const Dev& got, const VecD& want, const std::string& what) const {
     const double tl = tol();
     expect_close(got.down(), want, tl * (1.0 + max_abs(want)), tl, tag + " " + what);
+  }
+  // Element by element: tol() absolute + tol() relative, not scaled by the largest value (which a
+  // few large inputs would make loose enough to let a near-miss formula through).
+  void check_elementwise(const Dev& got, const VecD& want, const std::string& what) const {
+    expect_close(got.down(), want, tol(), tol(), tag + " " + what);
   }
 };
 
@@ -516,9 +531,13 @@ void case_head_rmsnorm(const Target& t) {
       }
 }
 
-void case_gelu(const Target& t) {
+// Both GELUs: tanh (gelu_*) and exact (gelu_erf_*), against their double formulas.
+void check_gelu(const Target& t, bool exact) {
+  const char* name = exact ? "gelu_erf" : "gelu";
+  const auto fwd = exact ? t.ops->gelu_erf_forward : t.ops->gelu_forward;
+  const auto bwd = exact ? t.ops->gelu_erf_backward : t.ops->gelu_backward;
   for (int64_t n : {1, 3, 31, 33, 67, 100003}) {
-    Run r{t, "gelu n=" + std::to_string(n)};
+    Run r{t, std::string(name) + " n=" + std::to_string(n)};
     Rng rng(500 + n);
     VecF x = randn(n, rng, 3.0f);
     const float special[] = {0.0f, -12.0f, 12.0f, -5.0f, 5.0f, -0.3f, 1e-4f, -60.0f, 60.0f};
@@ -527,19 +546,28 @@ void case_gelu(const Target& t) {
     const VecF g = r.act_in(randn(n, rng));
     VecD ref(n), rdx(n);
     for (int64_t i = 0; i < n; ++i) {
-      ref[i] = ref_gelu(x[i]);
-      rdx[i] = ref_gelu_grad(x[i]) * g[i];
+      ref[i] = exact ? ref_gelu_erf(x[i]) : ref_gelu(x[i]);
+      rdx[i] = (exact ? ref_gelu_erf_grad(x[i]) : ref_gelu_grad(x[i])) * g[i];
     }
     auto dx = r.act(x, "x"), dg = r.act(g, "dout"), out = r.act(VecF(n, kNaN), "out"),
          gx = r.act(VecF(n, kNaN), "dinp");
-    t.ops->gelu_forward(out->p(), dx->p(), n);
-    r.check(*out, ref, "forward");
-    t.ops->gelu_backward(gx->p(), dx->p(), dg->p(), n);
-    r.check(*gx, rdx, "backward");
-    t.ops->gelu_backward(dg->p(), dx->p(), dg->p(), n);  // dinp may alias dout
-    r.check(*dg, rdx, "backward aliased");
+    // The exact GELU is checked element by element too: the tanh approximation is within 5e-4 of
+    // it, which the scaled tolerance of the +-60 inputs would accept in fp32.
+    auto chk = [&](const Dev& got, const VecD& want, const char* what) {
+      r.check(got, want, what);
+      if (exact) r.check_elementwise(got, want, std::string(what) + " (element by element)");
+    };
+    fwd(out->p(), dx->p(), n);
+    chk(*out, ref, "forward");
+    bwd(gx->p(), dx->p(), dg->p(), n);
+    chk(*gx, rdx, "backward");
+    bwd(dg->p(), dx->p(), dg->p(), n);  // dinp may alias dout
+    chk(*dg, rdx, "backward aliased");
   }
 }
+
+void case_gelu(const Target& t) { check_gelu(t, false); }
+void case_gelu_erf(const Target& t) { check_gelu(t, true); }
 
 void case_swiglu(const Target& t) {
   for (int64_t N : kOdd)
@@ -827,6 +855,7 @@ const std::vector<Case>& cases() {
        {"head_rmsnorm_forward", "head_rmsnorm_backward", "head_rmsnorm_scratch_bytes"},
        case_head_rmsnorm},
       {"gelu", {"gelu_forward", "gelu_backward"}, case_gelu},
+      {"gelu_erf", {"gelu_erf_forward", "gelu_erf_backward"}, case_gelu_erf},
       {"swiglu", {"swiglu_forward", "swiglu_backward"}, case_swiglu},
       {"residual", {"residual_forward"}, case_residual},
       {"bias_add", {"bias_add"}, case_bias_add},

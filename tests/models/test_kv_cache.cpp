@@ -126,7 +126,7 @@ TEST_P(KvCacheFamily, BatchAndPrefillEqualStepwise) {
 
 INSTANTIATE_TEST_SUITE_P(Families, KvCacheFamily,
                          ::testing::Combine(::testing::Values("gpt2-debug", "llama-debug", "qwen2-debug",
-                                                              "mistral-head-dim", "qwen3-debug"),
+                                                              "mistral-head-dim", "qwen3-debug", "gpt-neox-debug"),
                                             ::testing::Values(1, 7)),
                          [](const auto& info) {
                            std::string n =

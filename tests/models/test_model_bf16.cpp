@@ -54,7 +54,8 @@ std::vector<Family> families() {
           {"llama_gqa", ModelConfig::preset("llama-debug")},  // 4 query heads, 2 kv heads
           {"qwen2", ModelConfig::preset("qwen2-debug")},
           {"qwen3", ModelConfig::preset("qwen3-debug")},  // per-head q/k norms, head_dim 16 != 48 / 4
-          {"llama_untied_bias", untied}};
+          {"llama_untied_bias", untied},
+          {"gpt_neox", ModelConfig::preset("gpt-neox-debug")}};  // parallel residual, exact GELU, rotary 1/4
 }
 
 // A model of `dt` whose fp32 weights are those of `ref` (deterministic init, biases and norm

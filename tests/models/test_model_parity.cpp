@@ -137,3 +137,20 @@ TEST(ModelParity, Qwen3QkNorm) {
   c.initializer_range = 0.3;
   check({"qwen3", c}, 2, 8);
 }
+// GPT-NeoX (Pythia's shape at odd sizes: 3 heads of 16, rotary_pct 0.25 = 4 rotated dims, MLP 100
+// wide, vocab 101) against the float64 reference (with 3 AdamW steps) and against transformers'
+// GPTNeoXForCausalLM loading the exported directory (its query_key_value rows interleaved per
+// head): logits, loss and every gradient within 1e-5 in fp32.
+// Weights of std 0.2 (scores of order several units: attention and RoPE matter). Parallel and
+// sequential residual, exact GELU and (sequential) tanh GELU.
+ModelConfig neox_config(bool parallel, const char* act) {
+  ModelConfig c = cfg_of("gpt-neox-debug");
+  c.parallel_residual = parallel;
+  c.hidden_act = act;
+  c.initializer_range = 0.2;
+  c.validate("neox_config");
+  return c;
+}
+TEST(ModelParity, GptNeoxParallelResidual) { check({"neox_par", neox_config(true, "gelu")}, 2, 9, "--transformers"); }
+TEST(ModelParity, GptNeoxSequential) { check({"neox_seq", neox_config(false, "gelu")}, 1, 11, "--transformers"); }
+TEST(ModelParity, GptNeoxTanhGelu) { check({"neox_tanh", neox_config(false, "gelu_new")}, 2, 5, "--transformers"); }

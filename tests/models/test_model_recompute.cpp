@@ -165,7 +165,9 @@ TEST_P(RecomputeExact, LossesGradientsHooksAndAdamWStepsAreBitIdenticalToNone) {
 
 std::vector<Case> cases() {
   std::vector<Case> v;
-  for (const char* f : {"gpt2-debug", "llama-debug", "qwen2-debug", "llama_untied_bias", "qwen3-debug"})
+  // gpt-neox-debug: parallel residual (ln2 reads the layer input), exact GELU (no fused fc+GELU).
+  for (const char* f :
+       {"gpt2-debug", "llama-debug", "qwen2-debug", "llama_untied_bias", "qwen3-debug", "gpt-neox-debug"})
     for (DType dt : {DType::F32, DType::BF16})
       for (int t : {1, 2}) v.push_back({f, dt, t});
   return v;

@@ -29,7 +29,7 @@ TEST(ModelRegistry, DuplicateNameNamesBothRegistrants) {
 
 TEST(ModelRegistry, BuiltinsAndUnknownType) {
   auto names = model_registry().names();
-  for (const char* t : {"gpt2", "llama", "qwen2", "mistral"})
+  for (const char* t : {"gpt2", "llama", "qwen2", "mistral", "gpt_neox"})
     EXPECT_NE(std::find(names.begin(), names.end(), t), names.end()) << t;
   ModelConfig c = ModelConfig::preset("gpt2-debug");
   c.model_type = "bert";
@@ -39,7 +39,7 @@ TEST(ModelRegistry, BuiltinsAndUnknownType) {
 }
 
 TEST(ModelRegistry, EveryFamilyBuildsItsDebugPreset) {
-  for (const char* p : {"gpt2-debug", "llama-debug", "qwen2-debug", "mistral-debug"}) {
+  for (const char* p : {"gpt2-debug", "llama-debug", "qwen2-debug", "mistral-debug", "gpt-neox-debug"}) {
     ModelConfig c = ModelConfig::preset(p);
     auto m = build_model(c);
     EXPECT_EQ(static_cast<int64_t>(m->num_params()), c.num_parameters()) << p;
@@ -49,7 +49,7 @@ TEST(ModelRegistry, EveryFamilyBuildsItsDebugPreset) {
 // ------------------------------------------------------ sizes from untrusted configs (issue 14)
 
 TEST(ModelMemory, EstimateMatchesWhatTheModelAllocates) {
-  for (const char* p : {"gpt2-debug", "llama-debug", "qwen2-debug", "mistral-debug"}) {
+  for (const char* p : {"gpt2-debug", "llama-debug", "qwen2-debug", "mistral-debug", "gpt-neox-debug"}) {
     ModelConfig c = ModelConfig::preset(p);
     for (auto [B, T] : {std::pair<int64_t, int64_t>{1, 1}, {2, 7}, {3, 128}}) {
       auto m = build_model(c);

@@ -26,6 +26,15 @@ struct Family {
 };
 
 // The layouts every thread-rank tensor-parallel test covers.
+// gpt-neox-debug with 2 heads of 24 (6 rotated dims) so that tp=2 divides them: parallel residual
+// (two row-parallel reductions per layer), exact GELU, vocabulary 101 (uneven vocab shards).
+inline ModelConfig neox_h2_config() {
+  ModelConfig c = ModelConfig::preset("gpt-neox-debug");
+  c.num_attention_heads = c.num_key_value_heads = 2;
+  c.validate("neox_h2_config");
+  return c;
+}
+
 inline std::vector<Family> base_families() {
   ModelConfig untied = ModelConfig::preset("llama-debug");
   untied.tie_word_embeddings = false;
@@ -37,7 +46,8 @@ inline std::vector<Family> base_families() {
           // explicit head_dim: 4 heads of 32 (q/o 128 wide) with hidden 96; 2 heads of 32 per rank
           {"mistral_head_dim", model_test::mistral_head_dim_config(0.1), {2}},
           // per-head q/k norms (replicated weights, each rank its own heads), 4 heads of 16 in hidden 48
-          {"qwen3", ModelConfig::preset("qwen3-debug"), {2}}};
+          {"qwen3", ModelConfig::preset("qwen3-debug"), {2}},
+          {"gpt_neox_parallel_residual", neox_h2_config(), {2}}};
 }
 
 // Deterministic init, with biases and norm weights perturbed so that their use and gradients show.

@@ -1,6 +1,6 @@
-// Pointwise ops: GELU (tanh approximation), SwiGLU, residual add, bias add; one template per kernel
-// for every storage type (kernels/cpu/storage.h): 16-bit blocks and rows are widened, the fp32
-// formula of pointwise_math.h runs on them, the result is rounded once.
+// Pointwise ops: GELU (tanh approximation; and exact, erf: gelu_erf_*), SwiGLU, residual add, bias add; one template
+// per kernel for every storage type (kernels/cpu/storage.h): 16-bit blocks and rows are widened, the fp32 formula of
+// pointwise_math.h runs on them, the result is rounded once.
 //
 // libm's expf/tanhf do not vectorise without -ffast-math, and a scalar tanhf over the [N, 4C] MLP
 // activation costs a sizeable fraction of the surrounding GEMM. exp_vec (pointwise_math.h) is a
@@ -30,7 +30,7 @@ template <class S>
 constexpr int64_t kStackBlock = S::kFp32 ? 1 : kBlock;
 
 // out = f(inp), element by element, over blocks of kBlock.
-template <class S>
+template <class S, bool Exact = false>
 void gelu_forward_t(void* out_v, const void* inp_v, int64_t n) {
   const auto* inp = as<S>(inp_v);
   auto* out = as<S>(out_v);
@@ -42,14 +42,14 @@ void gelu_forward_t(void* out_v, const void* inp_v, int64_t n) {
     const float* x = read_row<S>(xb, inp + i0, len);
     float* o = out_row<S>(ob, out + i0);
 #pragma omp simd
-    for (int64_t i = 0; i < len; ++i) o[i] = gelu_elem(x[i]);
+    for (int64_t i = 0; i < len; ++i) o[i] = Exact ? gelu_erf_elem(x[i]) : gelu_elem(x[i]);
     write_row<S>(out + i0, o, len);
   }
 }
 
 // dinp = gelu'(inp) * dout; dinp may alias dout: element i is read before it is written (a 16-bit
 // block is widened before it is), and the loop has no carried dependence.
-template <class S>
+template <class S, bool Exact = false>
 void gelu_backward_t(void* dinp_v, const void* inp_v, const void* dout_v, int64_t n) {
   const auto *inp = as<S>(inp_v), *dout = as<S>(dout_v);
   auto* dinp = as<S>(dinp_v);
@@ -62,7 +62,7 @@ void gelu_backward_t(void* dinp_v, const void* inp_v, const void* dout_v, int64_
     const float* g = read_row<S>(gb, dout + i0, len);
     float* o = out_row<S>(ob, dinp + i0);
 #pragma omp simd
-    for (int64_t i = 0; i < len; ++i) o[i] = gelu_grad_elem(x[i], g[i]);
+    for (int64_t i = 0; i < len; ++i) o[i] = Exact ? gelu_erf_grad_elem(x[i], g[i]) : gelu_grad_elem(x[i], g[i]);
     write_row<S>(dinp + i0, o, len);
   }
 }
@@ -174,6 +174,8 @@ template <class S>
 void add_pointwise(Ops& o) {
   o.gelu_forward = gelu_forward_t<S>;
   o.gelu_backward = gelu_backward_t<S>;
+  o.gelu_erf_forward = gelu_forward_t<S, true>;
+  o.gelu_erf_backward = gelu_backward_t<S, true>;
   o.swiglu_forward = swiglu_forward_t<S>;
   o.swiglu_backward = swiglu_backward_t<S>;
   o.residual_forward = residual_forward_t<S>;

@@ -2,6 +2,7 @@
 // the same fp32 math whatever the storage type. See pointwise.cpp for why.
 #pragma once
 #include <bit>
+#include <cmath>
 #include <cstdint>
 
 namespace lathe::cpu {
@@ -56,6 +57,17 @@ inline float gelu_grad_elem(float x, float d) {
   const float du = kGeluS * (1.0f + 3.0f * kGeluA * x * x);
   const float sg = sigmoid_vec(2.0f * u);
   return d * (sg + 2.0f * x * sg * (1.0f - sg) * du);
+}
+
+// Exact GELU (HF "gelu", torch gelu(approximate="none")): x * Phi(x), Phi(x) = erfc(-x/sqrt2) / 2
+// (erfc, not 1 + erf: no cancellation for negative x);
+// gelu'(x) = Phi(x) + x * phi(x), phi(x) = exp(-x^2/2) / sqrt(2 pi). libm's erfcf/expf (scalar).
+constexpr float kInvSqrt2 = 0.70710678118654752f;
+constexpr float kInvSqrt2Pi = 0.39894228040143268f;
+inline float gelu_erf_elem(float x) { return 0.5f * x * std::erfc(-x * kInvSqrt2); }
+inline float gelu_erf_grad_elem(float x, float d) {
+  const float cdf = 0.5f * std::erfc(-x * kInvSqrt2);
+  return d * (cdf + x * kInvSqrt2Pi * std::exp(-0.5f * x * x));
 }
 
 }  // namespace lathe::cpu

@@ -42,6 +42,8 @@ Ops make_ops() {
   o.head_rmsnorm_scratch_bytes = rmsnorm_scratch_bytes;  // launch.h: kNormPartials x D partials
   o.gelu_forward = gelu_forward<D>;
   o.gelu_backward = gelu_backward<D>;
+  o.gelu_erf_forward = gelu_erf_forward<D>;
+  o.gelu_erf_backward = gelu_erf_backward<D>;
   o.swiglu_forward = swiglu_forward<D>;
   o.swiglu_backward = swiglu_backward<D>;
   o.residual_forward = residual_forward<D>;

@@ -82,6 +82,10 @@ void gelu_forward(void* out, const void* inp, int64_t n);
 template <DType D>
 void gelu_backward(void* dinp, const void* inp, const void* dout, int64_t n);
 template <DType D>
+void gelu_erf_forward(void* out, const void* inp, int64_t n);
+template <DType D>
+void gelu_erf_backward(void* dinp, const void* inp, const void* dout, int64_t n);
+template <DType D>
 void swiglu_forward(void* out, const void* inp, int64_t N, int64_t F);
 template <DType D>
 void swiglu_backward(void* dinp, const void* inp, const void* dout, int64_t N, int64_t F);

@@ -25,6 +25,20 @@ __device__ __forceinline__ float gelu_grad_f(float x, float d) {
   return d * (sg + 2.0f * x * sg * (1.0f - sg) * du);
 }
 
+// Exact GELU (erf): x * Phi(x), the CPU kernels' erfc form (kernels/cpu/pointwise_math.h).
+__device__ __forceinline__ float gelu_erf_f(float x) { return 0.5f * x * erfcf(-x * 0.70710678118654752f); }
+__device__ __forceinline__ float gelu_erf_grad_f(float x, float d) {
+  const float cdf = 0.5f * erfcf(-x * 0.70710678118654752f);
+  return d * (cdf + x * 0.39894228040143268f * expf(-0.5f * x * x));
+}
+template <class T>
+__global__ void gelu_erf_forward_kernel(T* out, const T* inp, int64_t n) {
+  LATHE_GRID_LOOP(i, n) out[i] = from_f<T>(gelu_erf_f(to_f(inp[i])));
+}
+template <class T>
+__global__ void gelu_erf_backward_kernel(T* dinp, const T* inp, const T* dout, int64_t n) {
+  LATHE_GRID_LOOP(i, n) dinp[i] = from_f<T>(gelu_erf_grad_f(to_f(inp[i]), to_f(dout[i])));
+}
 template <class T>
 __global__ void gelu_forward_kernel(T* out, const T* inp, int64_t n) {
   LATHE_GRID_LOOP(i, n) out[i] = from_f<T>(gelu_f(to_f(inp[i])));
@@ -80,6 +94,20 @@ void gelu_backward(void* dinp, const void* inp, const void* dout, int64_t n) {
   LATHE_CUDA_LAUNCHED(gelu_backward_kernel);
 }
 template <DType D>
+void gelu_erf_forward(void* out, const void* inp, int64_t n) {
+  if (n <= 0) return;
+  gelu_erf_forward_kernel<<<blocks(n), kThreads, 0, stream()>>>(static_cast<E<D>*>(out), static_cast<const E<D>*>(inp),
+                                                                n);
+  LATHE_CUDA_LAUNCHED(gelu_erf_forward_kernel);
+}
+template <DType D>
+void gelu_erf_backward(void* dinp, const void* inp, const void* dout, int64_t n) {
+  if (n <= 0) return;
+  gelu_erf_backward_kernel<<<blocks(n), kThreads, 0, stream()>>>(
+      static_cast<E<D>*>(dinp), static_cast<const E<D>*>(inp), static_cast<const E<D>*>(dout), n);
+  LATHE_CUDA_LAUNCHED(gelu_erf_backward_kernel);
+}
+template <DType D>
 void swiglu_forward(void* out, const void* inp, int64_t N, int64_t F) {
   if (N * F <= 0) return;
   swiglu_forward_kernel<<<blocks(N * F), kThreads, 0, stream()>>>(static_cast<E<D>*>(out),
@@ -109,6 +137,8 @@ void bias_add(void* out, const float* bias, int64_t N, int64_t C) {
 
 LATHE_CUDA_INSTANTIATE(gelu_forward, (void*, const void*, int64_t))
 LATHE_CUDA_INSTANTIATE(gelu_backward, (void*, const void*, const void*, int64_t))
+LATHE_CUDA_INSTANTIATE(gelu_erf_forward, (void*, const void*, int64_t))
+LATHE_CUDA_INSTANTIATE(gelu_erf_backward, (void*, const void*, const void*, int64_t))
 LATHE_CUDA_INSTANTIATE(swiglu_forward, (void*, const void*, int64_t, int64_t))
 LATHE_CUDA_INSTANTIATE(swiglu_backward, (void*, const void*, const void*, int64_t, int64_t))
 LATHE_CUDA_INSTANTIATE(residual_forward, (void*, const void*, const void*, int64_t))
