@@ -23,7 +23,7 @@ constexpr int64_t kMaxIntermediateSize = int64_t{1} << 24;
 constexpr int64_t kMaxPositions = int64_t{1} << 26;  // max_position_embeddings, sliding_window
 
 struct ModelConfig {
-  std::string model_type;  // as in HF: "gpt2", "llama", "qwen2", "mistral"
+  std::string model_type;  // as in HF: "gpt2", "llama", "qwen2", "mistral", "phi3"
   std::string family;      // "gpt2" or "llama" (qwen2, mistral -> llama)
   int64_t vocab_size = 0, hidden_size = 0, num_hidden_layers = 0, num_attention_heads = 0,
           num_key_value_heads = 0;      // gpt2: num_key_value_heads == num_attention_heads
@@ -60,9 +60,12 @@ struct ModelConfig {
   // as empty, with sliding_window 0 when every layer is full_attention).
   std::vector<uint8_t> sliding_layers;
   // The attention window of layer l (0 = full attention).
+  // phi3: config.json's sliding_window S reaches S + 1 keys (j >= t - S). transformers 4.45.2's
+  // Phi3 applies the window only in Phi3FlashAttention2, as flash-attn's window_size=(S, S) (its
+  // eager and sdpa masks ignore sliding_window); Phi-3-mini-4k's S = 2047 is a 2048-key window.
   int64_t layer_window(int64_t l) const {
-    return sliding_window > 0 && (sliding_layers.empty() || sliding_layers[static_cast<size_t>(l)]) ? sliding_window
-                                                                                                    : 0;
+    if (!(sliding_window > 0 && (sliding_layers.empty() || sliding_layers[static_cast<size_t>(l)]))) return 0;
+    return model_type == "phi3" ? sliding_window + 1 : sliding_window;
   }
 
   // config.json `head_dim` (llama family): the width of one attention head when it is not
@@ -133,6 +136,7 @@ struct ModelConfig {
   //   qwen2-debug       as llama-debug, q/k/v biases, tied, rope_theta 1e6
   //   mistral-debug     as llama-debug, sliding_window 0 (none)
   //   llama-small-bench L=4  C=256 H=4 KV=2 I=688 V=32000 P=1024
+  //   phi3-debug        as llama-debug, fused qkv / gate_up, longrope (original 32), sliding_window 23
   // Unknown name -> error listing the presets.
   static ModelConfig preset(std::string_view name);
   static std::vector<std::string> preset_names();

@@ -191,9 +191,9 @@ class Parser {
     } else {
       bad("model",
           "give model.preset, model.init_from, model.config, or model.model_type (gpt2, llama, qwen2, "
-          "mistral) with its HF fields");
+          "mistral, phi3) with its HF fields");
     }
-    static const std::vector<std::string> types = {"gpt2", "llama", "qwen2", "mistral"};
+    static const std::vector<std::string> types = {"gpt2", "llama", "qwen2", "mistral", "phi3"};
     if (std::find(types.begin(), types.end(), mt) == types.end())
       bad("model.model_type", fmt::format("'{}' is not supported (supported: {})", mt, join(types)));
 

@@ -119,6 +119,10 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
   LATHE_CHECK(gpt2 || c.is_llama(),
               "--to-gguf: GGUF export supports gpt2 and the llama family (llama, qwen2, mistral), not {}",
               c.model_type);
+  LATHE_CHECK(c.model_type != "phi3",
+              "--to-gguf: phi3 is not exported to GGUF: llama.cpp's phi3 architecture needs its own tensor names "
+              "(attn_qkv, ffn_up as gate|up), longrope's rope_factors_short/long tensors and sliding-window "
+              "metadata, which lathe's GGUF writer does not produce; export it with --to-hf (or --to-onnx)");
   if (gpt2)
     LATHE_CHECK(c.hidden_act == "gelu_new",
                 "--to-gguf: activation {} of this gpt2 model: llama.cpp's gpt2 architecture computes the tanh GELU "
