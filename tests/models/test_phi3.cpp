@@ -6,7 +6,8 @@
 //    (a) plain RoPE (untied and tied), (b) longrope with short factors (T <= original 16) and with
 //    long factors (T = 24 > 16: Phi3LongRoPEScaledRotaryEmbedding picks by the pass length), and
 //    (c) sliding_window 5 over 20 tokens (6 keys: flash-attn's window_size=(5, 5), the only 4.45
-//    path that applies it; the oracle gets that mask), also with longrope.
+//    path that applies it; the oracle gets that mask), also with longrope. The tokens hold the pad
+//    id (nn.Embedding padding_idx: its row gets no gradient from lookups; tied: from the head only).
 //  * Negative: lathe with gate|up swapped, or the window one key narrower (mistral's semantics),
 //    fails the same oracle.
 //  * KV cache decoding equals the full forward (window and long factors).
@@ -135,6 +136,8 @@ std::string compare(const Case& c, Model& hf_model, Model& lathe_model, const st
   std::vector<int32_t> toks(static_cast<size_t>(N)), tgts(toks.size());
   for (auto& t : toks) t = static_cast<int32_t>(rng.below(V));
   for (auto& t : tgts) t = static_cast<int32_t>(rng.below(V));
+  // The pad token (Phi3Model's nn.Embedding padding_idx: no gradient into its row from lookups).
+  toks[3] = toks[T + 5] = static_cast<int32_t>(c.cfg.pad_token_id);
   std::vector<float> logits(static_cast<size_t>(N * V));
   lathe_model.forward_logits(toks.data(), B, T, logits.data());
   lathe_model.zero_grad();
