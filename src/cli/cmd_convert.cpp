@@ -121,10 +121,21 @@ req = json.load(open(sys.argv[1]))
 model = transformers.AutoModelForCausalLM.from_pretrained(req["dir"], torch_dtype=torch.float32,
                                                           attn_implementation="eager")
 model.eval()
+# phi3: transformers 4.45 applies sliding_window only in Phi3FlashAttention2, as flash-attn's
+# window_size=(S, S) (S + 1 keys; lathe's ModelConfig::layer_window); its eager mask has none, so
+# that window is given as a 4D additive mask, which the eager model uses as it is.
+win = model.config.sliding_window if model.config.model_type == "phi3" else None
+def mask(T):
+    if win is None:
+        return None
+    i, j = torch.arange(T).reshape(-1, 1), torch.arange(T).reshape(1, -1)
+    m = torch.zeros(T, T).masked_fill(~((j <= i) & (i - j <= win)), torch.finfo(torch.float32).min)
+    return m[None, None]
 out = []
 with torch.no_grad():
     for s in req["seqs"]:
-        out.append(model(torch.tensor([s], dtype=torch.long)).logits[0].float().numpy().reshape(-1))
+        out.append(model(torch.tensor([s], dtype=torch.long), attention_mask=mask(len(s)),
+                         use_cache=False).logits[0].float().numpy().reshape(-1))
 np.concatenate(out).astype("<f4").tofile(req["out"])
 print("transformers", transformers.__version__, "torch", torch.__version__)
 )PY";
