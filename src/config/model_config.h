@@ -1,7 +1,8 @@
 // Model architecture hyper-parameters, read from / written to HF transformers config.json.
 // Two families share the code paths: "gpt2" (LayerNorm, learned positions, GELU-tanh MLP, Conv1D
 // weights) and "llama" (RMSNorm, rotate_half RoPE, SwiGLU, GQA) which also covers qwen2 (q/k/v
-// biases) and mistral (sliding window). Field meanings: shared/reference/hf-model-configs.md.
+// biases), mistral (sliding window) and phi3 (fused qkv_proj / gate_up_proj, Phi-3's longrope and
+// window: read_phi3 in model_config.cpp). Field meanings: shared/reference/hf-model-configs.md.
 #pragma once
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -117,7 +118,7 @@ struct ModelConfig {
   std::string ignored_note() const;
 
   // A complete HF config.json that transformers 4.x loads: model_type, architectures
-  // (GPT2LMHeadModel / LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM), the family's
+  // (GPT2LMHeadModel / LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM / Phi3ForCausalLM), the family's
   // field names, torch_dtype "float32".
   nlohmann::json to_hf_json() const;
   // Heads divide hidden (unless head_dim is explicit), kv heads divide heads, sizes in (0, kMax...], head_dim even for

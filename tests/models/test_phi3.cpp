@@ -300,6 +300,15 @@ TEST(Phi3, RefusalsNameKeyAndFix) {
   e = err([](json& j) { j["rope_scaling"]["short_factor"] = {1.0, 2.0}; });
   EXPECT_NE(e.find("short_factor has 2 entries"), std::string::npos) << e;
   EXPECT_EQ(err([](json& j) { j["head_dim"] = 10; }), "");  // equal to hidden / heads: same model
+  // A recipe (strict): unknown keys get a suggestion, dropout is refused.
+  json rj = phi3_json(nullptr, 5);
+  rj["sliding_windw"] = 5;
+  e = error_of([&] { ModelConfig::from_hf_json(rj, "r.yaml", "model.", true); });
+  EXPECT_NE(e.find("did you mean 'model.sliding_window'"), std::string::npos) << e;
+  rj.erase("sliding_windw");
+  rj["embd_pdrop"] = 0.1;
+  e = error_of([&] { ModelConfig::from_hf_json(rj, "r.yaml", "model.", true); });
+  EXPECT_NE(e.find("embd_pdrop: 0.1 is not supported"), std::string::npos) << e;
   // Dropout in a config.json: loads, listed as not used.
   json j = phi3_json(nullptr, nullptr);
   j["resid_pdrop"] = 0.1;
