@@ -117,12 +117,16 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
               dtype_name(dtype));
   const bool gpt2 = c.is_gpt2();
   LATHE_CHECK(gpt2 || c.is_llama(),
-              "--to-gguf: GGUF export supports gpt2 and the llama family (llama, qwen2, mistral), not {}",
+              "--to-gguf: GGUF export supports gpt2 and the llama family (llama, qwen2, mistral, phi3), not {}",
               c.model_type);
-  LATHE_CHECK(c.model_type != "phi3",
-              "--to-gguf: phi3 is not exported to GGUF: llama.cpp's phi3 architecture needs its own tensor names "
-              "(attn_qkv, ffn_up as gate|up), longrope's rope_factors_short/long tensors and sliding-window "
-              "metadata, which lathe's GGUF writer does not produce; export it with --to-hf (or --to-onnx)");
+  const bool phi3 = c.model_type == "phi3";
+  // phi3 goes to llama.cpp's phi3 architecture (fused attn_qkv, ffn_up = gate|up, NEOX RoPE);
+  // longrope is refused: llama.cpp picks its short / long factors by the context size, not by the
+  // pass length as transformers' Phi3 (and lathe) do.
+  LATHE_CHECK(!phi3 || !c.rope_scaling.active(),
+              "--to-gguf: this phi3 has rope_scaling longrope: llama.cpp chooses its short or long factors by the "
+              "context size, transformers' Phi3 (and lathe) by each pass's length, so the GGUF would compute "
+              "something else; export it with --to-hf");
   if (gpt2)
     LATHE_CHECK(c.hidden_act == "gelu_new",
                 "--to-gguf: activation {} of this gpt2 model: llama.cpp's gpt2 architecture computes the tanh GELU "
@@ -131,14 +135,16 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
   else
     LATHE_CHECK(c.hidden_act == "silu", "--to-gguf: activation {}: llama.cpp's {} architecture computes SwiGLU (silu)",
                 c.hidden_act, c.model_type);
-  LATHE_CHECK(c.sliding_window == 0 || c.sliding_window >= c.max_position_embeddings,
-              "--to-gguf: sliding_window {} < context {}: llama.cpp's llama architecture would attend to the full "
+  // (A phi3 window reaches sliding_window + 1 keys, ModelConfig::layer_window. llama.cpp 0.3.36's
+  // phi3 attended to the full context with phi3.attention.sliding_window set, measured.)
+  LATHE_CHECK(c.sliding_window == 0 || c.sliding_window + (phi3 ? 1 : 0) >= c.max_position_embeddings,
+              "--to-gguf: sliding_window {} < context {}: llama.cpp's {} architecture would attend to the full "
               "context; refusing rather than writing a model that computes something else",
-              c.sliding_window, c.max_position_embeddings);
+              c.sliding_window, c.max_position_embeddings, phi3 ? "phi3" : "llama");
   // llama.cpp: llama (and mistral, converted as llama) use NORM RoPE -> q/k rows permuted;
-  // qwen2 uses NEOX RoPE (HF's rotate_half) natively; gpt2 has no RoPE.
+  // qwen2 and phi3 use NEOX RoPE (HF's rotate_half) natively; gpt2 has no RoPE.
   const bool qwen = c.model_type == "qwen2";
-  const std::string arch = gpt2 ? "gpt2" : qwen ? "qwen2" : "llama";
+  const std::string arch = gpt2 ? "gpt2" : qwen ? "qwen2" : phi3 ? "phi3" : "llama";
   const bool permute = arch == "llama";
   const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim(), C = c.hidden_size;
 
@@ -193,6 +199,8 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
       {"self_attn.o_proj.bias", "attn_output.bias"},  {"post_attention_layernorm.weight", "ffn_norm.weight"},
       {"mlp.gate_proj.weight", "ffn_gate.weight"},    {"mlp.up_proj.weight", "ffn_up.weight"},
       {"mlp.down_proj.weight", "ffn_down.weight"},
+      // phi3's fused tensors, as llama.cpp's phi3 architecture reads them (ffn_up: gate rows first).
+      {"self_attn.qkv_proj.weight", "attn_qkv.weight"}, {"mlp.gate_up_proj.weight", "ffn_up.weight"},
   };
   // gpt2 is always tied: no output.weight, llama.cpp uses token_embd for the head.
   static const NameMap gpt2_top = {{"transformer.wte.weight", "token_embd.weight"},
