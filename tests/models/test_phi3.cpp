@@ -300,6 +300,19 @@ TEST(Phi3, RefusalsNameKeyAndFix) {
   e = err([](json& j) { j["rope_scaling"]["short_factor"] = {1.0, 2.0}; });
   EXPECT_NE(e.find("short_factor has 2 entries"), std::string::npos) << e;
   EXPECT_EQ(err([](json& j) { j["head_dim"] = 10; }), "");  // equal to hidden / heads: same model
+  // Hostile values: each refused naming the key, no crash.
+  e = err([](json& j) { j["rope_scaling"] = json::array({1, 2}); });
+  EXPECT_NE(e.find("config.json: rope_scaling: expected an object or null"), std::string::npos) << e;
+  e = err([](json& j) { j["rope_scaling"]["short_factor"][2] = "x"; });
+  EXPECT_NE(e.find("short_factor[2]"), std::string::npos) << e;
+  e = err([](json& j) { j["rope_scaling"]["type"] = 7; });
+  EXPECT_NE(e.find("rope_scaling.type: missing"), std::string::npos) << e;
+  e = err([](json& j) { j["sliding_window"] = -3; });
+  EXPECT_NE(e.find("sliding_window"), std::string::npos) << e;
+  e = err([](json& j) { j["sliding_window"] = "wide"; });
+  EXPECT_NE(e.find("sliding_window"), std::string::npos) << e;
+  e = err([](json& j) { j["original_max_position_embeddings"] = int64_t{1} << 40; });
+  EXPECT_NE(e.find("original_max_position_embeddings"), std::string::npos) << e;
   // A recipe (strict): unknown keys get a suggestion, dropout is refused.
   json rj = phi3_json(nullptr, 5);
   rj["sliding_windw"] = 5;
