@@ -265,7 +265,7 @@ int run_convert(int argc, char** argv) {
   app.add_option("--dtype", dtype_s, "output dtype: fp32, bf16 or fp16 (GGUF: fp32 or fp16)");
   app.add_option("--max-shard-size", shard_s, "shard model.safetensors above this size (default 5GB)");
   app.add_option("--resize-vocab", resize, "grow the vocabulary to N rows (new rows = mean embedding)");
-  app.add_option("--to-gguf", gguf, "also write a GGUF file for llama.cpp (gpt2, llama, qwen2, mistral, phi3)");
+  app.add_option("--to-gguf", gguf, "also write a GGUF file for llama.cpp (gpt2, llama, qwen2, mistral, qwen3, phi3)");
   app.add_option("--gguf-pre", gguf_pre, "llama.cpp pre-tokenizer name (default: derived from the tokenizer)");
   app.add_option("--gguf-tokenizer", gguf_tok, "tokenizer for the GGUF (default: the directory's tokenizer files)");
   bool no_progress = false;

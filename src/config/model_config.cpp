@@ -16,7 +16,7 @@ namespace {
 
 using json = nlohmann::json;
 
-const std::vector<std::string> kModelTypes = {"gpt2", "llama", "qwen2", "mistral", "phi3"};
+const std::vector<std::string> kModelTypes = {"gpt2", "llama", "qwen2", "mistral", "qwen3", "phi3"};
 
 // Keys of every PretrainedConfig that never change the forward math.
 const std::vector<std::string> kCommonKeys = {"model_type",
@@ -84,6 +84,9 @@ const std::vector<std::string> kLlamaKeys = {"hidden_size",
 const std::vector<std::string> kQwen2Extra = {"use_sliding_window", "sliding_window", "max_window_layers",
                                               "layer_types"};
 const std::vector<std::string> kMistralExtra = {"sliding_window", "layer_types"};
+// Qwen3Config: Qwen2's sliding-window keys (attention_bias, head_dim are llama keys).
+const std::vector<std::string> kQwen3Extra = {"use_sliding_window", "sliding_window", "max_window_layers",
+                                              "layer_types"};
 // Phi3Config 4.45 (original_max_position_embeddings is in kLlamaKeys already).
 const std::vector<std::string> kPhi3Extra = {"sliding_window", "resid_pdrop", "embd_pdrop"};
 
@@ -170,6 +173,7 @@ std::vector<std::string> ModelConfig::known_keys(std::string_view model_type) {
     keys.insert(keys.end(), kLlamaKeys.begin(), kLlamaKeys.end());
     if (model_type == "qwen2") keys.insert(keys.end(), kQwen2Extra.begin(), kQwen2Extra.end());
     if (model_type == "mistral") keys.insert(keys.end(), kMistralExtra.begin(), kMistralExtra.end());
+    if (model_type == "qwen3") keys.insert(keys.end(), kQwen3Extra.begin(), kQwen3Extra.end());
     if (model_type == "phi3") keys.insert(keys.end(), kPhi3Extra.begin(), kPhi3Extra.end());
   }
   return keys;
@@ -274,10 +278,11 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
   Reader r{j, source, key_prefix};
   ModelConfig c;
   if (!j.contains("model_type"))
-    throw_error("{}: {}model_type is missing (one of gpt2, llama, qwen2, mistral, phi3)", source, key_prefix);
+    throw_error("{}: {}model_type is missing (one of gpt2, llama, qwen2, mistral, qwen3, phi3)", source, key_prefix);
   c.model_type = r.get_string("model_type");
   if (std::find(kModelTypes.begin(), kModelTypes.end(), c.model_type) == kModelTypes.end())
-    r.fail("model_type", fmt::format("'{}' is not supported (supported: gpt2, llama, qwen2, mistral, phi3)", c.model_type));
+    r.fail("model_type",
+           fmt::format("'{}' is not supported (supported: gpt2, llama, qwen2, mistral, qwen3, phi3)", c.model_type));
   c.family = family_of(c.model_type);
 
   // Unknown keys.
@@ -356,8 +361,10 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
     c.attention_bias = false;
     c.rope_theta = 10000.0;
   } else {
-    // LlamaConfig / Qwen2Config / MistralConfig class defaults.
-    const bool qwen = c.model_type == "qwen2", mistral = c.model_type == "mistral", phi3 = c.model_type == "phi3";
+    // LlamaConfig / Qwen2Config / MistralConfig / Qwen3Config / Phi3Config class defaults.
+    const bool qwen3 = c.model_type == "qwen3", qwen = c.model_type == "qwen2" || qwen3,
+               mistral = c.model_type == "mistral", phi3 = c.model_type == "phi3";
+    c.qk_norm = qwen3;
     if (!r.has("vocab_size")) c.vocab_size = qwen ? 151936 : phi3 ? 32064 : 32000;
     c.hidden_size = r.has_size("hidden_size") ? r.get_int("hidden_size") : phi3 ? 3072 : 4096;
     c.intermediate_size = r.has_size("intermediate_size") ? r.get_int("intermediate_size")
@@ -395,6 +402,8 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
       if (c.explicit_head_dim <= 0)
         r.fail("head_dim",
                fmt::format("{} must be > 0 (or absent: hidden_size / num_attention_heads)", c.explicit_head_dim));
+    } else if (qwen3) {
+      c.explicit_head_dim = 128;  // Qwen3Config's default head_dim (not hidden_size / heads)
     }
     if (!phi3) read_rope_scaling(r, c, mistral, key_prefix);
     if (r.has("rope_parameters")) {
@@ -422,10 +431,14 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
     if (r.has("mlp_bias") && r.get_bool("mlp_bias"))
       r.fail("mlp_bias", "true is not supported (MLP without biases only)");
     if (qwen) {
-      // Qwen2 always has q/k/v biases; there is no switch in its config class.
-      if (r.has("attention_bias") && !r.get_bool("attention_bias"))
-        r.fail("attention_bias", "qwen2 always has q/k/v biases; false is not supported");
-      c.attention_bias = true;
+      if (qwen3) {  // Qwen3Attention: q/k/v/o biases all follow attention_bias (default false)
+        c.attention_bias = r.has("attention_bias") && r.get_bool("attention_bias");
+      } else {
+        // Qwen2 always has q/k/v biases; there is no switch in its config class.
+        if (r.has("attention_bias") && !r.get_bool("attention_bias"))
+          r.fail("attention_bias", "qwen2 always has q/k/v biases; false is not supported");
+        c.attention_bias = true;
+      }
       bool use_sw = r.has("use_sliding_window") && r.get_bool("use_sliding_window");
       if (use_sw) {
         if (!r.has("sliding_window")) r.fail("sliding_window", "missing while use_sliding_window is true");
@@ -545,6 +558,7 @@ void ModelConfig::validate(std::string_view source, std::string_view prefix) con
     finite_positive("rope_theta", rope_theta);
     validate_rope(*this, source, prefix);
   } else {
+    LATHE_CHECK(!qk_norm, "{}: gpt2 has no q/k norms (qk_norm is the llama family's: model_type qwen3)", source);
     LATHE_CHECK(!rope_scaling.active() && partial_rotary_factor == 1.0,
                 "{}: {}rope_scaling / partial_rotary_factor: gpt2 has learned positions, no RoPE; remove them", source,
                 prefix);
@@ -593,6 +607,7 @@ int64_t ModelConfig::num_parameters() const {
   int64_t block = sum({mul({2, C}), mul({C, H, hd}), mul({2, C, KV, hd}), mul({H, hd, C}), mul({3, C, F})});
   if (qkv_bias()) block = sum({block, mul({H, hd}), mul({2, KV, hd})});
   if (o_bias()) block = sum({block, C});
+  if (qk_norm) block = sum({block, mul({2, hd})});  // q_norm, k_norm weights [head_dim]
   return sum({mul({V, C}), mul({L, block}), C, tie_word_embeddings ? 0 : mul({V, C})});
 }
 
@@ -628,6 +643,7 @@ json ModelConfig::to_hf_json() const {
   }
   j["architectures"] = {model_type == "qwen2"     ? "Qwen2ForCausalLM"
                         : model_type == "mistral" ? "MistralForCausalLM"
+                        : model_type == "qwen3"   ? "Qwen3ForCausalLM"
                         : model_type == "phi3"    ? "Phi3ForCausalLM"
                                                   : "LlamaForCausalLM"};
   j["hidden_size"] = hidden_size;
@@ -651,7 +667,8 @@ json ModelConfig::to_hf_json() const {
     j["attention_bias"] = attention_bias;
     j["mlp_bias"] = false;
     j["pretraining_tp"] = 1;
-  } else if (model_type == "qwen2") {
+  } else if (model_type == "qwen2" || model_type == "qwen3") {
+    if (model_type == "qwen3") j["attention_bias"] = attention_bias;
     j["use_sliding_window"] = sliding_window > 0;
     j["sliding_window"] = sliding_window > 0 ? json(sliding_window) : json(nullptr);
     // The leading full-attention layers (all of them without a window).
@@ -711,8 +728,8 @@ ModelConfig make_llama(const char* type, int64_t L, int64_t C, int64_t H, int64_
 }  // namespace
 
 std::vector<std::string> ModelConfig::preset_names() {
-  return {"gpt2-debug",    "gpt2-124m",         "gpt2-small-bench", "llama-debug", "qwen2-debug",
-          "mistral-debug", "llama-small-bench", "phi3-debug"};
+  return {"gpt2-debug",  "gpt2-124m",     "gpt2-small-bench",  "llama-debug",
+          "qwen2-debug", "mistral-debug", "llama-small-bench", "qwen3-debug", "phi3-debug"};
 }
 
 ModelConfig ModelConfig::preset(std::string_view name) {
@@ -734,6 +751,13 @@ ModelConfig ModelConfig::preset(std::string_view name) {
     c.rope_theta = 1000000.0;
   } else if (name == "mistral-debug") {
     c = make_llama("mistral", 2, 48, 4, 2, 96, 96, 128);
+  } else if (name == "qwen3-debug") {
+    c = make_llama("qwen3", 2, 48, 4, 2, 96, 96, 128);
+    c.explicit_head_dim = 16;  // 4 heads of 16 = 64 wide, hidden 48: head_dim != hidden / heads
+    c.qk_norm = true;
+    c.tie_word_embeddings = true;
+    c.rope_theta = 1000000.0;
+    c.norm_eps = 1e-6;
   } else if (name == "phi3-debug") {
     // Phi-3 shape in small: longrope with original_max_position_embeddings 32 < max 128 (long
     // factors for passes longer than 32 tokens), sliding_window 23 (24 keys, see layer_window).
@@ -777,7 +801,8 @@ bool operator==(const ModelConfig& a, const ModelConfig& b) {
          a.attention_bias == b.attention_bias && a.initializer_range == b.initializer_range &&
          a.hidden_act == b.hidden_act && a.bos_token_id == b.bos_token_id && a.eos_token_id == b.eos_token_id &&
          a.eos_token_ids == b.eos_token_ids && a.pad_token_id == b.pad_token_id &&
-         a.sliding_window == b.sliding_window && a.sliding_layers == b.sliding_layers && a.head_dim() == b.head_dim();
+         a.sliding_window == b.sliding_window && a.sliding_layers == b.sliding_layers && a.head_dim() == b.head_dim() &&
+         a.qk_norm == b.qk_norm;
 }
 
 }  // namespace lathe

@@ -24,8 +24,8 @@ constexpr int64_t kMaxIntermediateSize = int64_t{1} << 24;
 constexpr int64_t kMaxPositions = int64_t{1} << 26;  // max_position_embeddings, sliding_window
 
 struct ModelConfig {
-  std::string model_type;  // as in HF: "gpt2", "llama", "qwen2", "mistral", "phi3"
-  std::string family;      // "gpt2" or "llama" (qwen2, mistral -> llama)
+  std::string model_type;  // as in HF: "gpt2", "llama", "qwen2", "mistral", "qwen3", "phi3"
+  std::string family;      // "gpt2" or "llama" (qwen2, mistral, qwen3, phi3 -> llama)
   int64_t vocab_size = 0, hidden_size = 0, num_hidden_layers = 0, num_attention_heads = 0,
           num_key_value_heads = 0;      // gpt2: num_key_value_heads == num_attention_heads
   int64_t intermediate_size = 0;        // gpt2: n_inner or 4*hidden
@@ -74,6 +74,9 @@ struct ModelConfig {
   // heads of 128); q/k/v/o are sized heads x head_dim. 0 = absent: hidden_size / num_attention_heads.
   // A tensor-parallel shard's config keeps the whole model's head width here (its heads are heads/tp).
   int64_t explicit_head_dim = 0;
+  // Addition. Qwen3: per-head RMSNorm of q and k (self_attn.q_norm / k_norm, weight [head_dim],
+  // eps norm_eps) after the projections, before RoPE. Set by from_hf_json for model_type qwen3.
+  bool qk_norm = false;
 
   // The width of one attention head: explicit_head_dim, else hidden_size / num_attention_heads.
   int64_t head_dim() const {
@@ -136,6 +139,7 @@ struct ModelConfig {
   //   llama-debug       L=2  C=48  H=4 KV=2 I=96  V=96 P=128, untied
   //   qwen2-debug       as llama-debug, q/k/v biases, tied, rope_theta 1e6
   //   mistral-debug     as llama-debug, sliding_window 0 (none)
+  //   qwen3-debug       as llama-debug, head_dim 16 (4 heads of 16 in hidden 48), q/k norms, tied
   //   llama-small-bench L=4  C=256 H=4 KV=2 I=688 V=32000 P=1024
   //   phi3-debug        as llama-debug, fused qkv / gate_up, longrope (original 32), sliding_window 23
   // Unknown name -> error listing the presets.

@@ -191,9 +191,9 @@ class Parser {
     } else {
       bad("model",
           "give model.preset, model.init_from, model.config, or model.model_type (gpt2, llama, qwen2, "
-          "mistral, phi3) with its HF fields");
+          "mistral, qwen3, phi3) with its HF fields");
     }
-    static const std::vector<std::string> types = {"gpt2", "llama", "qwen2", "mistral", "phi3"};
+    static const std::vector<std::string> types = {"gpt2", "llama", "qwen2", "mistral", "qwen3", "phi3"};
     if (std::find(types.begin(), types.end(), mt) == types.end())
       bad("model.model_type", fmt::format("'{}' is not supported (supported: {})", mt, join(types)));
 
@@ -239,8 +239,8 @@ class Parser {
           for (const auto& other : g) merged.erase(other);
     // A base's head_dim equal to its hidden_size / num_attention_heads is derived (transformers and
     // to_hf_json write it into every llama-family config.json): overriding the width or the heads
-    // derives it again, unless model.head_dim is given too.
-    if (mt != "gpt2" && !explicit_.contains("head_dim") &&
+    // derives it again, unless model.head_dim is given too. (Not qwen3: its absent head_dim is 128.)
+    if (mt != "gpt2" && mt != "qwen3" && !explicit_.contains("head_dim") &&
         (explicit_.contains("hidden_size") || explicit_.contains("num_attention_heads"))) {
       const json *hd = io::JsonFields::find(merged, "head_dim"), *c = io::JsonFields::find(merged, "hidden_size"),
                  *h = io::JsonFields::find(merged, "num_attention_heads");

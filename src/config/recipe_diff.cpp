@@ -5,6 +5,7 @@
 #include <utility>
 #include <vector>
 
+#include "config/model_keys.h"
 #include "config/recipe_schema.h"
 
 namespace lathe {
@@ -12,8 +13,10 @@ namespace lathe {
 using json = nlohmann::json;
 
 namespace {
+// model.rope_scaling is one value (its keys only mean something together; a run that turns it on
+// names one change, not one per key).
 void flatten(const json& j, const std::string& prefix, std::map<std::string, json>* out) {
-  if (j.is_object()) {
+  if (j.is_object() && prefix != "model.rope_scaling") {
     for (auto it = j.begin(); it != j.end(); ++it)
       flatten(it.value(), prefix.empty() ? it.key() : prefix + "." + it.key(), out);
     if (j.empty() && !prefix.empty()) (*out)[prefix] = j;
@@ -22,9 +25,16 @@ void flatten(const json& j, const std::string& prefix, std::map<std::string, jso
   (*out)[prefix] = j;
 }
 
+bool loss_scaling_on(const std::map<std::string, json>& flat) {
+  auto it = flat.find("precision.loss_scale.enabled");
+  return it != flat.end() && it->second == json(true);
+}
+
+}  // namespace
+
 // Samples per optimizer step: micro_batch_size x grad_accum_steps x parallel.data (a recipe written
 // before the parallel section had one process).
-int64_t global_batch(const json& recipe) {
+int64_t recipe_global_batch(const json& recipe) {
   const json& t = recipe.contains("training") ? recipe["training"] : json::object();
   const json& p = recipe.contains("parallel") ? recipe["parallel"] : json::object();
   auto get = [](const json& o, const char* k) {
@@ -32,13 +42,6 @@ int64_t global_batch(const json& recipe) {
   };
   return get(t, "micro_batch_size") * get(t, "grad_accum_steps") * get(p, "data");
 }
-
-bool loss_scaling_on(const std::map<std::string, json>& flat) {
-  auto it = flat.find("precision.loss_scale.enabled");
-  return it != flat.end() && it->second == json(true);
-}
-
-}  // namespace
 
 std::vector<RecipeChange> diff_recipes(const json& before, const json& after) {
   std::map<std::string, json> a, b;
@@ -53,7 +56,7 @@ std::vector<RecipeChange> diff_recipes(const json& before, const json& after) {
   for (auto& [k, v] : b) keys.insert(k);
   // Splitting the same global batch differently over processes and accumulation steps (e.g. data
   // 2 -> 4 with grad_accum_steps 4 -> 2) is allowed: every step still sees the same samples.
-  const bool same_global_batch = global_batch(before) == global_batch(after);
+  const bool same_global_batch = recipe_global_batch(before) == recipe_global_batch(after);
   std::vector<RecipeChange> out;
   for (const auto& k : keys) {
     auto ia = a.find(k), ib = b.find(k);
@@ -64,7 +67,8 @@ std::vector<RecipeChange> diff_recipes(const json& before, const json& after) {
     const bool breaks = effect == schema::OnResume::Breaks ||
                         (effect == schema::OnResume::BatchSplit && !same_global_batch) ||
                         (effect == schema::OnResume::LossScale && scaling);
-    out.push_back({k, str(va, ia != a.end()), str(vb, ib != b.end()), breaks});
+    const bool shape = k.rfind("model.", 0) == 0 && is_model_shape_key(std::string_view(k).substr(6));
+    out.push_back({k, str(va, ia != a.end()), str(vb, ib != b.end()), breaks || shape, shape});
   }
   return out;
 }

@@ -189,6 +189,9 @@ constexpr OnResume kHarmless = OnResume::Harmless;
 std::vector<Field> model_and_data() {
   return {
       // model: the HF fields are ModelConfig's; these two are the recipe's (parsed with the model).
+      // An HF field has no row: its class is the section's mixed one, Breaks (allowed with
+      // --force-resume-changes: rope_theta, rope_scaling, ...), except the shape keys
+      // (config/model_keys.h), which config/recipe_diff.cpp refuses even with the flag.
       key<&R::attention_kernel>("model.attention_kernel").choice({"lathe", "cudnn"}).only_if("model.attention_kernel"),
       key<&R::init_from>("model.init_from").with(kHarmless).only_if("model.init_from"),  // initialisation only
       key<&R::data, &R::Data::train>("data.train"),

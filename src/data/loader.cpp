@@ -1,8 +1,10 @@
 #include "data/loader.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
+#include "core/checked.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "core/timer.h"
@@ -105,6 +107,16 @@ std::vector<int64_t> DataLoader::epoch_order(int64_t epoch) const {
   Rng rng(splitmix64(x));
   for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[rng.below(i)]);
   return order;
+}
+
+LoaderState remap_seq_len(const LoaderState& st, int64_t from_len, int64_t to_len, int64_t batch_size,
+                          int64_t num_samples) {
+  LATHE_CHECK(from_len > 0 && to_len > 0 && batch_size > 0 && st.position >= 0,
+              "remap_seq_len: invalid arguments (seq_len {} -> {}, batch {}, position {})", from_len, to_len,
+              batch_size, st.position);
+  const int64_t tokens = checked_mul(st.position, from_len, "loader position x training.seq_len");
+  const int64_t position = std::min(tokens / to_len / batch_size * batch_size, std::max<int64_t>(num_samples, 0));
+  return {st.epoch, position};
 }
 
 LoaderState DataLoader::normalise(LoaderState st) const {

@@ -39,6 +39,16 @@ struct LoaderState {
   int64_t position = 0;
 };
 
+// A resume that changes training.seq_len (--force-resume-changes: a long-context continuation):
+// the checkpoint's `st`, in samples of `from_len` tokens, mapped onto this run's samples of `to_len`
+// tokens: the same epoch, as many tokens into it as the checkpoint had consumed (position x
+// from_len), rounded down to whole batches of `batch_size` (so at most one batch of tokens is seen
+// again), and at most `num_samples` (the end of the epoch: the loader moves to the next one). The
+// epoch's order is a permutation of the new samples, so the rest of the epoch is the same share of
+// the data but not exactly the tokens the old order had left.
+LoaderState remap_seq_len(const LoaderState& st, int64_t from_len, int64_t to_len, int64_t batch_size,
+                          int64_t num_samples);
+
 class DataLoader {
  public:
   // sample_ids: the samples this loader draws from (e.g. SampleSplit::train). Each epoch visits

@@ -117,7 +117,7 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
               dtype_name(dtype));
   const bool gpt2 = c.is_gpt2();
   LATHE_CHECK(gpt2 || c.is_llama(),
-              "--to-gguf: GGUF export supports gpt2 and the llama family (llama, qwen2, mistral, phi3), not {}",
+              "--to-gguf: GGUF export supports gpt2 and the llama family (llama, qwen2, mistral, qwen3, phi3), not {}",
               c.model_type);
   const bool phi3 = c.model_type == "phi3";
   // phi3 goes to llama.cpp's phi3 architecture (fused attn_qkv, ffn_up = gate|up, NEOX RoPE);
@@ -141,10 +141,16 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
               "--to-gguf: sliding_window {} < context {}: llama.cpp's {} architecture would attend to the full "
               "context; refusing rather than writing a model that computes something else",
               c.sliding_window, c.max_position_embeddings, phi3 ? "phi3" : "llama");
+  // llama.cpp's qwen3 (the q/k norms, Arch::qk_norm) reads no attention biases.
+  LATHE_CHECK(!c.qk_norm || !c.attention_bias,
+              "--to-gguf: {} with attention_bias true: llama.cpp's qwen3 architecture has no q/k/v/o biases; "
+              "export the Hugging Face directory only (drop --to-gguf)",
+              c.model_type);
   // llama.cpp: llama (and mistral, converted as llama) use NORM RoPE -> q/k rows permuted;
-  // qwen2 and phi3 use NEOX RoPE (HF's rotate_half) natively; gpt2 has no RoPE.
+  // qwen2, phi3 and qwen3 (per-head q/k norms: attn_q_norm / attn_k_norm) use NEOX RoPE (HF's rotate_half)
+  // natively; gpt2 has no RoPE.
   const bool qwen = c.model_type == "qwen2";
-  const std::string arch = gpt2 ? "gpt2" : qwen ? "qwen2" : phi3 ? "phi3" : "llama";
+  const std::string arch = gpt2 ? "gpt2" : c.qk_norm ? "qwen3" : qwen ? "qwen2" : phi3 ? "phi3" : "llama";
   const bool permute = arch == "llama";
   const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim(), C = c.hidden_size;
 
@@ -168,7 +174,8 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
     add_rope_scaling(w, c, arch);
     // llama.cpp takes n_embd / n_head as the head width unless these are given (as its
     // convert_hf_to_gguf.py writes them for an explicit head_dim): Mistral-Nemo's 5120 / 32 heads of 128.
-    if (H * D != C) {
+    // (Qwen3's config.json always has head_dim: written whatever its value, as convert_hf_to_gguf.py does.)
+    if (H * D != C || arch == "qwen3") {
       w.add_u32(arch + ".attention.key_length", u32(D));
       w.add_u32(arch + ".attention.value_length", u32(D));
     }
@@ -192,13 +199,14 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
                                     {"model.norm.weight", "output_norm.weight"},
                                     {"lm_head.weight", "output.weight"}};
   static const NameMap llama_block = {
-      {"input_layernorm.weight", "attn_norm.weight"}, {"self_attn.q_proj.weight", "attn_q.weight"},
-      {"self_attn.k_proj.weight", "attn_k.weight"},   {"self_attn.v_proj.weight", "attn_v.weight"},
-      {"self_attn.q_proj.bias", "attn_q.bias"},       {"self_attn.k_proj.bias", "attn_k.bias"},
-      {"self_attn.v_proj.bias", "attn_v.bias"},       {"self_attn.o_proj.weight", "attn_output.weight"},
-      {"self_attn.o_proj.bias", "attn_output.bias"},  {"post_attention_layernorm.weight", "ffn_norm.weight"},
-      {"mlp.gate_proj.weight", "ffn_gate.weight"},    {"mlp.up_proj.weight", "ffn_up.weight"},
-      {"mlp.down_proj.weight", "ffn_down.weight"},
+      {"input_layernorm.weight", "attn_norm.weight"},    {"self_attn.q_proj.weight", "attn_q.weight"},
+      {"self_attn.k_proj.weight", "attn_k.weight"},      {"self_attn.v_proj.weight", "attn_v.weight"},
+      {"self_attn.q_proj.bias", "attn_q.bias"},          {"self_attn.k_proj.bias", "attn_k.bias"},
+      {"self_attn.v_proj.bias", "attn_v.bias"},          {"self_attn.o_proj.weight", "attn_output.weight"},
+      {"self_attn.o_proj.bias", "attn_output.bias"},     {"post_attention_layernorm.weight", "ffn_norm.weight"},
+      {"mlp.gate_proj.weight", "ffn_gate.weight"},       {"mlp.up_proj.weight", "ffn_up.weight"},
+      {"mlp.down_proj.weight", "ffn_down.weight"},       {"self_attn.q_norm.weight", "attn_q_norm.weight"},
+      {"self_attn.k_norm.weight", "attn_k_norm.weight"},
       // phi3's fused tensors, as llama.cpp's phi3 architecture reads them (ffn_up: gate rows first).
       {"self_attn.qkv_proj.weight", "attn_qkv.weight"}, {"mlp.gate_up_proj.weight", "ffn_up.weight"},
   };

@@ -11,6 +11,7 @@
 #include <set>
 #include <vector>
 
+#include "config/model_keys.h"
 #include "io/fs.h"
 #include "io/json.h"
 #include "io/safetensors.h"
@@ -50,7 +51,7 @@ const std::vector<FamilyRules>& family_rules() {
        "transformer.wte.weight",
        "lm_head.weight",
        {"transformer.wte.weight"}},
-      {{"llama", "qwen2", "mistral", "phi3"},  // phi3: qkv_proj, gate_up_proj (models/llama.cpp)
+      {{"llama", "qwen2", "mistral", "qwen3", "phi3"},  // phi3: qkv_proj, gate_up_proj (models/llama.cpp)
        {},
        {".rotary_emb.inv_freq"},  // rotary buffer of older checkpoints
        "model.embed_tokens.weight",
@@ -263,25 +264,6 @@ ModelConfig init_from_config(const ModelConfig& recipe_model, const std::string&
   const ModelConfig file = load_hf_config(dir);
   if (changes && !file.ignored_note().empty()) changes->push_back(file.ignored_note());
   if (recipe_model == file) return file;
-  // The HF names whose value sets a weight's shape or presence (the strict loader would refuse the
-  // directory's tensors, or worse, accept them with another meaning).
-  static const std::set<std::string> shapes = {"model_type",
-                                               "vocab_size",
-                                               "hidden_size",
-                                               "n_embd",
-                                               "num_hidden_layers",
-                                               "n_layer",
-                                               "num_attention_heads",
-                                               "n_head",
-                                               "num_key_value_heads",
-                                               "intermediate_size",
-                                               "n_inner",
-                                               "head_dim",
-                                               "tie_word_embeddings",
-                                               "attention_bias",
-                                               "mlp_bias",
-                                               "n_positions",
-                                               "n_ctx"};
   static const std::set<std::string> bookkeeping = {"architectures", "torch_dtype", "transformers_version"};
   const nlohmann::json a = file.to_hf_json(), b = recipe_model.to_hf_json();
   std::set<std::string> keys;
@@ -291,7 +273,8 @@ ModelConfig init_from_config(const ModelConfig& recipe_model, const std::string&
   for (const std::string& k : keys) {
     const nlohmann::json va = a.value(k, nlohmann::json()), vb = b.value(k, nlohmann::json());
     if (va == vb || bookkeeping.count(k)) continue;
-    LATHE_CHECK(!shapes.count(k),
+    LATHE_CHECK(!is_model_shape_key(k),  // config/model_keys.h: the loader would refuse DIR's tensors
+
                 "{}: model.{}: {} differs from {} of model.init_from's {}: init_from loads that directory's weights, "
                 "whose shapes follow its value (drop model.{} from the recipe, or start from a model of that shape)",
                 recipe_source, k, vb.dump(), va.dump(), path, k);

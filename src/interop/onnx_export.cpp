@@ -2,7 +2,8 @@
 // key/value heads, D head size, n_rep = H / KV, S new tokens, T = past + S:
 //   h = norm1(x)                                   [B, S, C]   (LayerNorm / RMSNorm, in fp32)
 //   q|k|v = h @ Wq|Wk|Wv (+ b)                     [B, S, H*D | KV*D]  (fused c_attn split by rows)
-//   -> [B, H|KV, S, D]; RoPE on q and k (llama family) from cos/sin tables gathered by position_ids
+//   -> [B, H|KV, S, D]; q, k RMSNorm over D (qwen3's per-head q_norm / k_norm, in fp32)
+//   RoPE on q and k (llama family) from cos/sin tables gathered by position_ids
 //   k, v = concat(past, new) on the sequence axis  [B, KV, T, D]  = present.{i}.key/value
 //   scores = q [B, KV, n_rep, S, D] @ k^T [B, KV, 1, D, T] (GQA by broadcasting, no copies of k/v)
 //   p = softmax(scores * 1/sqrt(D) + mask)         mask: causal by absolute position (past + i),
@@ -312,6 +313,10 @@ std::string Exporter::layer(const std::string& x, int64_t l) {
   std::string q = heads(linear(h, l, Role::QkvW, Role::QkvB, 0, H * D, "q"), H);              // [B, H, S, D]
   std::string k = heads(linear(h, l, Role::QkvW, Role::QkvB, H * D, (H + KV) * D, "k"), KV);  // [B, KV, S, D]
   std::string v = heads(linear(h, l, Role::QkvW, Role::QkvB, (H + KV) * D, (H + 2 * KV) * D, "v"), KV);
+  if (arch_.qk_norm) {  // Qwen3: RMSNorm over each head's D features (the last axis), before RoPE
+    q = norm(q, l, Role::QNormW, Role::None);
+    k = norm(k, l, Role::KNormW, Role::None);
+  }
   if (!arch_.learned_pos) {
     q = rope(q);
     k = rope(k);
@@ -391,7 +396,7 @@ std::string save_onnx(const Model& model, const std::string& path, const OnnxExp
   const ModelConfig& cfg = model.config();
   LATHE_CHECK(cfg.family == "gpt2" || cfg.family == "llama",
               "ONNX export: model_type '{}' (family '{}') has no ONNX graph builder; supported: gpt2, llama, qwen2, "
-              "mistral, phi3",
+              "mistral, qwen3, phi3",
               cfg.model_type, cfg.family);
   const char* act = cfg.is_gpt2() ? "gelu_new" : "silu";
   LATHE_CHECK(cfg.hidden_act == act, "ONNX export: {} with hidden_act '{}' is not supported (the graph builds {})",

@@ -26,6 +26,7 @@ size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shar
   const std::string what = fmt::format("activations of {} for batch {} x seq_len {}", cfg.model_type, B, T);
   auto mul = [&](std::initializer_list<int64_t> f) { return checked_product(f, what); };
   const bool gelu_mlp = cfg.is_gpt2();  // the Arch of each family (gpt2.cpp, llama.cpp)
+  const bool qk_norm = cfg.qk_norm;     // Arch::qk_norm (llama.cpp)
   const int64_t N = mul({B, T}), C = cfg.hidden_size, H = cfg.num_attention_heads, KV = cfg.num_key_value_heads,
                 D = cfg.head_dim(), Q = mul({checked_add(H, mul({2, KV}), what), D}), F = cfg.intermediate_size,
                 FF = gelu_mlp ? F : mul({2, F}), V = cfg.vocab_size, L = cfg.num_hidden_layers;
@@ -45,7 +46,8 @@ size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shar
   const int64_t scratch = std::max({static_cast<int64_t>(ops.attention_scratch_bytes(T, D)),
                                     static_cast<int64_t>(ops.layernorm_scratch_bytes(C)),
                                     static_cast<int64_t>(ops.rmsnorm_scratch_bytes(C)),
-                                    static_cast<int64_t>(ops.lm_head_loss_scratch_bytes(chunk_rows, V))});
+                                    static_cast<int64_t>(ops.lm_head_loss_scratch_bytes(chunk_rows, V)),
+                                    qk_norm ? static_cast<int64_t>(ops.head_rmsnorm_scratch_bytes(D)) : int64_t{0}});
   const DType act = ops.dtype;
   int64_t off = 0, soff = 0;  // bytes: of the (per-slot) arena, of the shared region when split
   const bool split = shared_bytes != nullptr;
@@ -77,6 +79,10 @@ size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shar
     a.ln1_mean = stat("ln1_mean", l, S);
     a.ln1_rstd = stat("ln1_rstd", l, S);
     a.qkv = take("qkv", l, mul({N, Q}), act);
+    if (qk_norm) {  // q and k before their norms, and the norms' rstd
+      a.qk_saved = take("qk_saved", l, mul({N, H + KV, D}), act);
+      a.qk_rstd = stat("qk_rstd", l, mul({N, H + KV}));
+    }
     a.att = take("att", l, mul({N, H, D}), act);
     a.lse = stat("lse", l, mul({B, H, T}));
     a.res1 = take("res1", l, mul({S, C}), act);
@@ -94,6 +100,10 @@ size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shar
     s.ln1_mean = stat("shared.ln1_mean", -1, S, kPass);
     s.ln1_rstd = stat("shared.ln1_rstd", -1, S, kPass);
     s.qkv = take("shared.qkv", -1, mul({N, Q}), act, kPass);
+    if (qk_norm) {
+      s.qk_saved = take("shared.qk_saved", -1, mul({N, H + KV, D}), act, kPass);
+      s.qk_rstd = stat("shared.qk_rstd", -1, mul({N, H + KV}), kPass);
+    }
     s.att = take("shared.att", -1, mul({N, H, D}), act, kPass);
     s.lse = stat("shared.lse", -1, mul({B, H, T}), kPass);
     s.res1 = take("shared.res1", -1, mul({S, C}), act, kPass);

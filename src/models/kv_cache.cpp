@@ -178,6 +178,12 @@ void decode_chunk(Model& model, KvCache& c, const int32_t* tokens, int64_t T, fl
     const LayerPtrs& lw = w.layers[static_cast<size_t>(l)];
     norm(ln, x, lw.ln1_w, lw.ln1_b, N);
     ops.matmul_forward(qkv, ln, model.compute_weight(lw.qkv_w), lw.qkv_b, N, C, Q, false);
+    if (arch.qk_norm) {  // per-head q and k norms before RoPE, as Model::qk_norm_forward
+      void* saved = grow(c.qk_saved_, N * (H + KV) * D);
+      float* qk_rstd = static_cast<float*>(grow(c.qk_rstd_, N * (H + KV)));
+      ops.head_rmsnorm_forward(qkv, saved, qk_rstd, lw.q_norm_w, N, H, D, Q, eps);
+      ops.head_rmsnorm_forward(at(qkv, H * D), at(saved, N * H * D), qk_rstd + N * H, lw.k_norm_w, N, KV, D, Q, eps);
+    }
     if (!arch.learned_pos) {  // rotate q and k at their absolute positions
       const int64_t rot = cfg.rotary_dim();
       const float* cs = c.rope_cos_.data() + pos * (rot / 2);

@@ -48,6 +48,8 @@ class KvCache {
   // [B*T, F], attention block output res1 [B*T, C], norm statistics [B*T], and the last rows
   // for the head [B, C].
   std::vector<float> x_, ln_, qkv_, att_, fc_, act_, res1_, mean_, rstd_, last_;
+  // Arch::qk_norm: the q/k rows before their norms [B*T, H + KV, D] and the norms' rstd.
+  std::vector<float> qk_saved_, qk_rstd_;
 };
 
 // Empty when `model` can decode with a KvCache, else why not (one sentence, for a note or error).

@@ -1,7 +1,7 @@
 // Llama family (HF LlamaForCausalLM; qwen2, mistral and phi3 map here): RMSNorm, rotary positions
 // (rotate_half), SwiGLU MLP, grouped-query attention, optional q/k/v(/o) biases, optional tied
-// lm_head. q/k/v and gate/up are separate HF tensors but adjacent in the flat buffer, so each
-// pair/triple runs as one GEMM: [q;k;v] is a [(H+2KV)*D, C] weight, [gate;up] a [2F, C] one.
+// lm_head, optional per-head q/k RMSNorm (qwen3). q/k/v and gate/up are separate HF tensors but adjacent in the flat
+// buffer, so each pair/triple runs as one GEMM: [q;k;v] is a [(H+2KV)*D, C] weight, [gate;up] a [2F, C] one.
 #include <fmt/format.h>
 
 #include "models/model.h"
@@ -38,6 +38,10 @@ std::unique_ptr<Model> build_llama(const ModelConfig& cfg, const ComputeSpec& co
       t.add(n("self_attn.k_proj.bias"), {KV * D}, Init::Zeros, 0, ShardRule::Column, false).as(Role::Continues, i);
       t.add(n("self_attn.v_proj.bias"), {KV * D}, Init::Zeros, 0, ShardRule::Column, false).as(Role::Continues, i);
     }
+    if (cfg.qk_norm) {  // Qwen3: per-head RMSNorm weights of q and k, replicated over tensor ranks
+      t.add(n("self_attn.q_norm.weight"), {D}, Init::Ones, 0, ShardRule::Replicated, false).as(Role::QNormW, i);
+      t.add(n("self_attn.k_norm.weight"), {D}, Init::Ones, 0, ShardRule::Replicated, false).as(Role::KNormW, i);
+    }
     t.add(n("self_attn.o_proj.weight"), {C, H * D}, Init::Normal, std, ShardRule::Row, true).as(Role::OW, i);
     if (o_bias) t.add(n("self_attn.o_proj.bias"), {C}, Init::Zeros, 0, ShardRule::Replicated, false).as(Role::OB, i);
     t.add(n("post_attention_layernorm.weight"), {C}, Init::Ones, 0, ShardRule::Replicated, false).as(Role::Ln2W, i);
@@ -63,6 +67,7 @@ std::unique_ptr<Model> build_llama(const ModelConfig& cfg, const ComputeSpec& co
   arch.o_bias = o_bias;
   arch.mlp_bias = false;
   arch.tied_lm_head = cfg.tie_word_embeddings;
+  arch.qk_norm = cfg.qk_norm;
   return std::make_unique<Model>(cfg, arch, std::move(t), compute);
 }
 

@@ -29,6 +29,9 @@ struct Arch {
   bool o_bias = true;
   bool mlp_bias = true;
   bool tied_lm_head = true;
+  // Per-head RMSNorm of q and k (weights [head_dim], Role::QNormW / KNormW) between the q|k|v GEMM
+  // and RoPE (Qwen3); its backward between RoPE's backward and the GEMM's.
+  bool qk_norm = false;
   // A pipeline stage's model (src/parallel/pipeline_stage.h) may hold only part of the network:
   // without `embedding` its table has no wte/wpe (the residual stream enters layer 0 from outside,
   // residual(0)); without `head` no final norm / lm_head (the stream leaves after its last layer).
@@ -45,6 +48,7 @@ struct LayerPtrs {
   float *ln2_w = nullptr, *ln2_b = nullptr;
   float *fc_w = nullptr, *fc_b = nullptr;      // gpt2: [F, C]; llama: gate|up [2F, C]
   float *proj_w = nullptr, *proj_b = nullptr;  // [C, F]
+  float *q_norm_w = nullptr, *k_norm_w = nullptr;  // [D] each (Arch::qk_norm)
 };
 struct ModelPtrs {
   float *wte = nullptr, *wpe = nullptr, *lnf_w = nullptr, *lnf_b = nullptr, *lm_head = nullptr;
@@ -299,6 +303,10 @@ class Model {
   void reduce_input_grad(int64_t N, int64_t S);
   // GELU / SwiGLU of layer l's MLP pre-activation (fc -> act).
   void mlp_activation_forward(int64_t l, int64_t N);
+  // Arch::qk_norm: the per-head q and k RMSNorms of layer l in place on a.qkv (forward), and their
+  // backward in place on dqkv_ (weight gradients summed over the tensor group's heads).
+  void qk_norm_forward(int64_t l, int64_t N);
+  void qk_norm_backward(int64_t l, int64_t N);
   // out[N, C] = in[N, K] @ w^T (+ bias): a GEMM whose input features may be split over
   // tensor-parallel ranks (reduce_from_tensor_region / reduce_scatter_to_sequence_region sum the
   // partial products before the bias).
@@ -388,6 +396,10 @@ class Model {
   struct LayerActs {
     void *ln1, *qkv, *att, *res1, *ln2, *fc, *act, *res2;
     float *ln1_mean, *ln1_rstd, *lse, *ln2_mean, *ln2_rstd;
+    // Arch::qk_norm: q then k rows before their norm [N, H + KV, D] (q block [N*H*D], then k), and
+    // their rstd [N*(H + KV)] (q then k); nullptr otherwise.
+    void* qk_saved;
+    float* qk_rstd;
   };
   std::vector<LayerActs> la_;
   void *emb_ = nullptr, *lnf_ = nullptr;
@@ -428,7 +440,7 @@ class ModelRegistry {
   };
   std::vector<std::pair<std::string, Entry>> entries_;
 };
-// The registry with the built-in families (gpt2; llama, qwen2, mistral).
+// The registry with the built-in families (gpt2; llama, qwen2, mistral, qwen3).
 ModelRegistry& model_registry();
 std::unique_ptr<Model> build_model(const ModelConfig& cfg, const ComputeSpec& compute = {});
 

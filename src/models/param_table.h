@@ -53,11 +53,13 @@ enum class Role : uint8_t {
   LnfW,
   LnfB,
   LmHead,
+  QNormW,  // Qwen3's per-head q RMSNorm weight [head_dim] (Arch::qk_norm)
+  KNormW,  // its k twin
 };
 inline const char* role_name(Role r) {
-  static const char* const names[] = {"none",   "continues", "wte",   "wpe",   "ln1_w",  "ln1_b", "qkv_w",
-                                      "qkv_b",  "o_w",       "o_b",   "ln2_w", "ln2_b",  "fc_w",  "fc_b",
-                                      "proj_w", "proj_b",    "lnf_w", "lnf_b", "lm_head"};
+  static const char* const names[] = {"none",   "continues", "wte",   "wpe",   "ln1_w",   "ln1_b",    "qkv_w",
+                                      "qkv_b",  "o_w",       "o_b",   "ln2_w", "ln2_b",   "fc_w",     "fc_b",
+                                      "proj_w", "proj_b",    "lnf_w", "lnf_b", "lm_head", "q_norm_w", "k_norm_w"};
   return names[static_cast<size_t>(r)];
 }
 

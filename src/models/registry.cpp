@@ -49,6 +49,7 @@ ModelRegistry& model_registry() {
     r.add("llama", build_llama, "src/models/llama.cpp");
     r.add("qwen2", build_llama, "src/models/llama.cpp (qwen2: q/k/v biases)");
     r.add("mistral", build_llama, "src/models/llama.cpp (mistral)");
+    r.add("qwen3", build_llama, "src/models/llama.cpp (qwen3: q/k norms)");
     r.add("phi3", build_llama, "src/models/llama.cpp (phi3: fused qkv_proj / gate_up_proj)");
     return r;
   }();

@@ -131,6 +131,12 @@ ModelPtrs Model::resolve(float* base) const {
       case Role::ProjB:
         *needed = arch_.mlp_bias;
         return lp ? &lp->proj_b : nullptr;
+      case Role::QNormW:
+        *needed = arch_.qk_norm;
+        return lp ? &lp->q_norm_w : nullptr;
+      case Role::KNormW:
+        *needed = arch_.qk_norm;
+        return lp ? &lp->k_norm_w : nullptr;
       default:
         return nullptr;
     }
@@ -195,6 +201,8 @@ ModelPtrs Model::resolve(float* base) const {
                                              {l.ln2_w, Role::Ln2W}, {l.ln2_b, Role::Ln2B},   {l.fc_w, Role::FcW},
                                              {l.fc_b, Role::FcB},   {l.proj_w, Role::ProjW}, {l.proj_b, Role::ProjB}};
     for (auto& [ptr, role] : roles) require(ptr, role, i);
+    require(l.q_norm_w, Role::QNormW, i);
+    require(l.k_norm_w, Role::KNormW, i);
   }
   if (arch_.tied_lm_head) m.lm_head = m.wte;
   return m;
@@ -379,6 +387,45 @@ void Model::mlp_activation_forward(int64_t l, int64_t N) {
     ops_->swiglu_forward(a.act, a.fc, N, F);
 }
 
+void Model::qk_norm_forward(int64_t l, int64_t N) {
+  const int64_t H = cfg_.num_attention_heads, KV = cfg_.num_key_value_heads, D = cfg_.head_dim(), Q = (H + 2 * KV) * D;
+  const float eps = static_cast<float>(cfg_.norm_eps);
+  const LayerPtrs& w = p_.layers[static_cast<size_t>(l)];
+  LayerActs& a = la_[static_cast<size_t>(l)];
+  ops_->head_rmsnorm_forward(a.qkv, a.qk_saved, a.qk_rstd, w.q_norm_w, N, H, D, Q, eps);
+  ops_->head_rmsnorm_forward(act_at(a.qkv, H * D), act_at(a.qk_saved, N * H * D), a.qk_rstd + N * H, w.k_norm_w, N, KV,
+                             D, Q, eps);
+}
+
+void Model::qk_norm_backward(int64_t l, int64_t N) {
+  const int64_t H = cfg_.num_attention_heads, KV = cfg_.num_key_value_heads, D = cfg_.head_dim(), Q = (H + 2 * KV) * D;
+  const LayerPtrs& w = p_.layers[static_cast<size_t>(l)];
+  const LayerPtrs& gw = g_.layers[static_cast<size_t>(l)];
+  LayerActs& a = la_[static_cast<size_t>(l)];
+  // Tensor parallel: this rank's heads give a partial sum of the replicated weights' gradients,
+  // summed over the group (rank order) before it is added once; whole: straight into the gradients.
+  const bool tp = hooks_.tp.tensor_parallel();
+  LATHE_CHECK(!tp || backend_->device() == DeviceKind::Host,
+              "tensor parallelism with q/k norms (qwen3) runs on host memory only for now (the {} backend's model is "
+              "in device memory); set parallel.tensor: 1",
+              backend_->name());
+  LATHE_CHECK(!tp || hooks_.tp.comm.all_reduce_f32 != nullptr,
+              "model: q/k norms under tensor parallelism need StepHooks::tp.comm.all_reduce_f32 "
+              "(parallel::attach_tensor_parallel installs it)");
+  if (tp) norm_acc_.assign(static_cast<size_t>(2 * D), 0.0f);
+  float* dq = tp ? norm_acc_.data() : gw.q_norm_w;
+  float* dk = tp ? norm_acc_.data() + D : gw.k_norm_w;
+  ops_->head_rmsnorm_backward(dqkv_, dq, a.qk_saved, w.q_norm_w, a.qk_rstd, N, H, D, Q, scratch_);
+  ops_->head_rmsnorm_backward(act_at(dqkv_, H * D), dk, act_at(a.qk_saved, N * H * D), w.k_norm_w, a.qk_rstd + N * H, N,
+                              KV, D, Q, scratch_);
+  if (!tp) return;
+  hooks_.tp.comm.all_reduce_f32(norm_acc_.data(), 2 * D);
+  for (int64_t c = 0; c < D; ++c) {
+    gw.q_norm_w[c] += norm_acc_[static_cast<size_t>(c)];
+    gw.k_norm_w[c] += norm_acc_[static_cast<size_t>(D + c)];
+  }
+}
+
 void Model::layer_forward(int64_t l, int64_t B, int64_t T) {
   trace::Scope span("layer forward", trace::Cat::Compute, l);
   layer_forward_into(l, B, T, true);
@@ -397,6 +444,7 @@ void Model::layer_forward_into(int64_t l, int64_t B, int64_t T, bool output) {
   norm_forward(l, false, S);
   ops_->matmul_forward(a.qkv, sp ? tp.gather_from_sequence_region_forward(a.ln1, gathered_, S * C) : a.ln1, cw(w.qkv_w),
                        w.qkv_b, N, C, Q, false);
+  if (arch_.qk_norm) qk_norm_forward(l, N);
   if (!arch_.learned_pos) {
     rope_tables_for(T);
     const int64_t rot = cfg_.rotary_dim();
@@ -545,6 +593,7 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
     ops_->rope_backward(dqkv_, rope_cos_, rope_sin_, B, T, H, D, rot, Q, doc_positions());
     ops_->rope_backward(act_at(dqkv_, H * D), rope_cos_, rope_sin_, B, T, KV, D, rot, Q, doc_positions());
   }
+  if (arch_.qk_norm) qk_norm_backward(l, N);
   // ln1 into the shared buffer, now that the fc GEMM's backward is done with ln2.
   if (plan_.recompute == Recompute::Selective) norm_forward(l, false, S);
   ops_->matmul_backward(dln_, gw.qkv_w, gw.qkv_b, dqkv_,

@@ -1,3 +1,10 @@
+// src/parallel/: parallelism applied to a model from outside it. parallelize() (this file) turns the
+// whole model and a layout into this rank's model (tensor shard, pipeline stage and executor);
+// DistOptimizer (dist_optimizer.h) is the one step path of every layout, host and device: bucketed
+// gradient reduction (grad_sync.h), ZeRO shards (flat_shards.h), the global norm and the update;
+// tensor_parallel.h holds the shard rules and the collectives (host groups, or NCCL:
+// tensor_parallel_device.cpp); pipeline_*.h the schedules and their executor; plan.h `lathe plan`.
+//
 // One rank's model from the whole model and the layout (issue 24 item 3): `parallelize` cuts the
 // rank's tensor shard of its pipeline stage, gives it its weights, attaches the tensor-parallel
 // collectives and the pipeline executor, and returns the RankModel the trainer computes with (the

@@ -49,7 +49,8 @@ Params split_params(const ModelConfig& cfg) {
   s.wpe = cfg.is_gpt2() ? cfg.max_position_embeddings * C : 0;
   s.head = cfg.tie_word_embeddings ? 0 : s.wte;
   s.final_norm = one.num_parameters() - s.layer - s.wte - s.wpe - s.head;
-  s.layer_repl = (cfg.is_gpt2() ? 4 * C : 2 * C) + (cfg.o_bias() ? C : 0) + (cfg.is_gpt2() ? C : 0);
+  s.layer_repl = (cfg.is_gpt2() ? 4 * C : 2 * C) + (cfg.o_bias() ? C : 0) + (cfg.is_gpt2() ? C : 0) +
+                 (cfg.qk_norm ? 2 * cfg.head_dim() : 0);  // q/k norm weights: replicated
   LATHE_CHECK(s.final_norm >= 0 && s.layer_repl <= s.layer, "internal: parameter split of {} ({} per layer, {} rest)",
               cfg.model_type, s.layer, s.final_norm);
   return s;
@@ -61,7 +62,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 enum class Split { Wide, Hidden, Fixed };
 Split split_of(std::string_view name) {
   if (name.rfind("shared.", 0) == 0) name.remove_prefix(7);
-  for (std::string_view w : {"qkv", "att", "lse", "fc", "act", "dqkv", "datt", "dfc", "dact"})
+  for (std::string_view w : {"qkv", "qk_saved", "qk_rstd", "att", "lse", "fc", "act", "dqkv", "datt", "dfc", "dact"})
     if (name == w) return Split::Wide;  // heads / MLP width: column-parallel outputs
   if (name == "scratch" || name == "rope_cos" || name == "rope_sin") return Split::Fixed;
   return Split::Hidden;  // [N, C] residual stream, norms and their statistics, losses

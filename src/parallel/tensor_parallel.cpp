@@ -321,6 +321,12 @@ void attach_tensor_parallel(Model& m, dist::Communicator& tp_group) {
                 "sequence parallel: no reduction for compute dtype {}", compute_dtype_name(dt));
     attach_sequence_parallel(m, group);
   }
+  // fp32 gradient sums of replicated weights whose gradients are partial per rank: the sequence-
+  // parallel norms' (above) and the q/k norms' (Arch::qk_norm: each rank normalises its own heads).
+  // Alone it does not turn sequence parallelism on (TpMappings::sequence_parallel needs all four).
+  m.hooks().tp.comm.all_reduce_f32 = [group](float* g, int64_t n) {
+    group->all_reduce(g, static_cast<size_t>(n), DType::F32);
+  };
   if (dt == DType::F32) {
     m.hooks().tp.comm.all_reduce = [group](void* buf, int64_t count) {
       group->all_reduce(buf, static_cast<size_t>(count), DType::F32);

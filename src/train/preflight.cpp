@@ -374,6 +374,7 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   if (!pf.ckpt.empty()) {
     pf.cs = read_checkpoint_state(pf.ckpt);
     exact = check_recipe_changes(r, opts, pf, log);
+    adapt_data_position(pf.cs, r, static_cast<int64_t>(pf.train_samples.size()), log);
     check_resume_state(pf.cs, r, static_cast<int64_t>(pf.train_samples.size()), exact, pf.ckpt, pf.blend_plan.get());
   }
 

@@ -105,7 +105,8 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
 
 // The checkpoint's state against the run that resumes it (step 5 above); `ckpt` names it in errors.
 // exact: the recipe has no breaking changes, so the loader position must be exactly where
-// `train_samples` samples per epoch put it (with forced changes only its range is checked).
+// `train_samples` samples per epoch put it (with forced changes only its range is checked, and
+// consumed_samples against the checkpoint's own global batch, which may have changed).
 // A blend (r.data.blend) has no loader epochs: position = step x global batch, and with `plan` the
 // recorded samples taken per dataset and the plan's hash up to there must match this run's plan.
 void check_resume_state(const CheckpointState& cs, const Recipe& r, int64_t train_samples, bool exact,

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "config/recipe_diff.h"
 #include "core/checked.h"
 #include "core/error.h"
 #include "data/blend_cache.h"
@@ -46,17 +47,33 @@ std::string resolve_checkpoint(const Recipe& r, const TrainOptions& opts, const 
 // whether the run continues exactly (no breaking change).
 bool check_recipe_changes(const Recipe& r, const TrainOptions& opts, const Preflight& pf, const PreflightLog& log) {
   const auto changes = diff_recipes(pf.cs.recipe, r.to_json());
-  std::string breaking, harmless;
-  for (const auto& c : changes)
-    (c.breaks_exactness ? breaking : harmless) += fmt::format("\n  {}: {} -> {}", c.key, c.before, c.after);
+  std::string breaking, harmless, shapes;
+  bool position_encoding = false;
+  for (const auto& c : changes) {
+    const std::string line = fmt::format("\n  {}: {} -> {}", c.key, c.before, c.after);
+    (c.breaks_exactness ? breaking : harmless) += line;
+    if (c.shape) shapes += line;
+    for (const char* k : {"model.rope_theta", "model.rope_scaling", "model.max_position_embeddings"})
+      position_encoding |= c.key == k;
+  }
+  if (!shapes.empty())
+    throw_error(
+        "{}: the recipe changes the model's shape against the checkpoint's:{}\n"
+        "The checkpoint's weights and moments have the old shapes, so no resume can load them "
+        "(--force-resume-changes does not apply to shape keys). Resume with the checkpoint's model "
+        "section ({}/recipe.yaml), or start a new run.",
+        pf.ckpt, shapes, pf.ckpt);
   if (!harmless.empty()) log.note("resume: recipe changes that keep the run exact (allowed):" + harmless);
   if (!breaking.empty()) {
     if (!opts.force_resume_changes)
       throw_error(
           "{}: the recipe differs from the checkpoint's in ways that change the training results:{}\n"
           "Resume with the checkpoint's recipe ({}/recipe.yaml), or pass --force-resume-changes to "
-          "continue anyway with these differences.",
-          pf.ckpt, breaking, pf.ckpt);
+          "continue anyway with these differences{}.",
+          pf.ckpt, breaking, pf.ckpt,
+          position_encoding ? " (a long-context continuation changes the position encoding on purpose: the "
+                              "weights, optimizer moments, schedule position and data position carry over)"
+                            : "");
     log.note(
         "resume: --force-resume-changes: continuing with changes that make this run differ from an "
         "uninterrupted one:" +
@@ -68,6 +85,27 @@ bool check_recipe_changes(const Recipe& r, const TrainOptions& opts, const Prefl
   return breaking.empty();
 }
 
+void adapt_data_position(CheckpointState& cs, const Recipe& r, int64_t train_samples, const PreflightLog& log) {
+  const nlohmann::json& tr = cs.recipe.contains("training") ? cs.recipe["training"] : nlohmann::json();
+  if (!tr.is_object() || !tr.contains("seq_len") || !tr["seq_len"].is_number_integer()) return;
+  const int64_t from = tr["seq_len"].get<int64_t>(), to = r.training.seq_len;
+  if (from == to || from <= 0) return;
+  const data::LoaderState at = cs.loader;
+  if (!r.data.blend.empty()) {
+    log.note(fmt::format("resume: training.seq_len {} -> {}: the blend continues at sample {} of its plan (the "
+                         "run's samples are counted; each is now {} tokens)",
+                         from, to, at.position, to));
+    return;
+  }
+  cs.loader = data::remap_seq_len(at, from, to, global_batch_samples(r), train_samples);
+  log.note(fmt::format(
+      "resume: training.seq_len {} -> {}: the checkpoint's data position (epoch {}, sample {} of {} tokens = {} "
+      "tokens into the epoch) continues at epoch {}, sample {} of {} tokens ({} tokens into the epoch, whole "
+      "batches of {}; the epoch's order is a new permutation of the {} samples of {} tokens)",
+      from, to, at.epoch, at.position, from, at.position * from, cs.loader.epoch, cs.loader.position, to,
+      cs.loader.position * to, global_batch_samples(r), train_samples, to));
+}
+
 void check_resume_state(const CheckpointState& cs, const Recipe& r, int64_t train_samples, bool exact,
                         const std::string& ckpt, const data::BlendPlan* plan) {
   const std::string sp = (fs::path(ckpt) / "state.json").string();
@@ -75,13 +113,16 @@ void check_resume_state(const CheckpointState& cs, const Recipe& r, int64_t trai
   LATHE_CHECK(cs.step <= r.training.steps,
               "{}: field 'step' is {}, beyond training.steps = {}; raise training.steps to continue", sp, cs.step,
               r.training.steps);
-  // One loader batch is one global batch (micro_batch_size x grad_accum_steps x parallel.data).
+  // One loader batch is one global batch (micro_batch_size x grad_accum_steps x parallel.data): the
+  // checkpoint's own (the batch may change with --force-resume-changes, e.g. fewer samples of a
+  // longer seq_len per step).
   const int64_t batches = cs.step;
-  const int64_t consumed = checked_mul(batches, G, "state.json step x global batch");
+  const int64_t G_ckpt = exact || !cs.recipe.is_object() ? G : recipe_global_batch(cs.recipe);
+  const int64_t consumed = checked_mul(batches, G_ckpt, "state.json step x global batch");
   LATHE_CHECK(cs.consumed_samples == consumed,
               "{}: field 'consumed_samples' is {} but step {} x global batch {} (training.micro_batch_size x "
-              "grad_accum_steps x parallel.data) = {}",
-              sp, cs.consumed_samples, cs.step, G, consumed);
+              "grad_accum_steps x parallel.data{}) = {}",
+              sp, cs.consumed_samples, cs.step, G_ckpt, G_ckpt == G ? "" : " of the checkpoint's recipe", consumed);
   // The loader hands out whole batches and starts a new epoch when the next batch would not fit,
   // so `batches` batches put it at exactly one (epoch, position).
   const int64_t per_epoch = train_samples / G;

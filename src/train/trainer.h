@@ -1,3 +1,9 @@
+// src/train/: the training run. train() (trainer.cpp) keeps the order of events; TrainSession
+// (session.h) opens the parts that own their state: RunLog, RunControl, Checkpointer (the format and
+// protocol in checkpoint*.cpp, resharding in reshard.cpp), Evaluator, AnomalyResponder, and the
+// StepContext train_step works on. It names no backend and includes no CUDA header: the step's
+// reduction, norm and update are parallel::DistOptimizer's, the kernels the backend's op tables.
+//
 // The training loop, one process or a data-parallel group of processes (opts.world; ranks split
 // every global batch and reduce gradients, parallel/): recipe -> model, data, optimizer, schedule; per step
 // gradient accumulation over micro-batches in the recipe's compute precision (fp16: the loss

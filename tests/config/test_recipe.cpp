@@ -7,6 +7,7 @@
 #include <regex>
 
 #include "config/recipe.h"
+#include "config/recipe_diff.h"
 #include "core/error.h"
 #include "io/fs.h"
 
@@ -294,7 +295,8 @@ TEST(Recipe, HeadDim) {
 }
 
 TEST(Recipe, ShippedConfigsLoad) {
-  for (const char* name : {"quickstart.yaml", "gpt2-124m.yaml", "llama-debug.yaml"}) {
+  for (const char* name : {"quickstart.yaml", "gpt2-124m.yaml", "llama-debug.yaml", "llama-debug-longctx.yaml",
+                           "plan/llama3.2-1b-8k.yaml"}) {
     std::string path = std::string(LATHE_SOURCE_DIR) + "/configs/" + name;
     Recipe r = load_recipe(path);
     EXPECT_EQ(r.source, path);
@@ -311,6 +313,14 @@ TEST(Recipe, ShippedConfigsLoad) {
   EXPECT_EQ(q.data.tokenizer, "byte");
   EXPECT_EQ(q.training.steps, 600);
   EXPECT_EQ(q.output.dir, "runs/quickstart");
+  // The long-context continuation keeps llama-debug.yaml's shape and optimizer, changes the RoPE.
+  Recipe s = load_recipe(std::string(LATHE_SOURCE_DIR) + "/configs/llama-debug.yaml");
+  Recipe l = load_recipe(std::string(LATHE_SOURCE_DIR) + "/configs/llama-debug-longctx.yaml");
+  EXPECT_EQ(l.model.rope_scaling.type, "llama3");
+  EXPECT_EQ(l.training.seq_len, 4 * s.training.seq_len);
+  EXPECT_EQ(l.output.dir, s.output.dir);
+  for (const auto& c : diff_recipes(s.to_json(), l.to_json()))
+    EXPECT_FALSE(c.shape || c.key.rfind("optimizer.", 0) == 0 || c.key.rfind("schedule.", 0) == 0) << c.key;
 }
 
 TEST(Recipe, CheckpointKeys) {

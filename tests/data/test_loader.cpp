@@ -231,3 +231,15 @@ TEST(Loader, Errors) {
   DataLoader dl(f.ds, ids, 2, 10, 0, false, 1);
   EXPECT_THROW(dl.restore({0, 1000}), lathe::Error);
 }
+
+// A resume that changes training.seq_len: the same epoch, as many tokens into it, whole batches,
+// never beyond the epoch's samples.
+TEST(Loader, RemapSeqLen) {
+  auto eq = [](LoaderState a, LoaderState b) { return a.epoch == b.epoch && a.position == b.position; };
+  EXPECT_TRUE(eq(remap_seq_len({2, 80}, 64, 256, 2, 41), {2, 20}));  // 5120 tokens either way
+  EXPECT_TRUE(eq(remap_seq_len({0, 12}, 64, 256, 2, 41), {0, 2}));   // 768 tokens -> 3 samples -> 1 batch
+  EXPECT_TRUE(eq(remap_seq_len({0, 10}, 256, 64, 4, 1000), {0, 40}));  // shorter samples: 4x the count
+  EXPECT_TRUE(eq(remap_seq_len({1, 40}, 64, 64, 8, 100), {1, 40}));    // unchanged length
+  EXPECT_TRUE(eq(remap_seq_len({0, 400}, 64, 256, 2, 41), {0, 41}));   // clamped: the epoch is over
+  EXPECT_THROW(remap_seq_len({0, 1}, 0, 64, 2, 10), lathe::Error);
+}

@@ -126,7 +126,7 @@ TEST_P(KvCacheFamily, BatchAndPrefillEqualStepwise) {
 
 INSTANTIATE_TEST_SUITE_P(Families, KvCacheFamily,
                          ::testing::Combine(::testing::Values("gpt2-debug", "llama-debug", "qwen2-debug",
-                                                              "mistral-head-dim"),
+                                                              "mistral-head-dim", "qwen3-debug"),
                                             ::testing::Values(1, 7)),
                          [](const auto& info) {
                            std::string n =
@@ -212,7 +212,7 @@ TEST_P(KvCacheLowp, MatchesFullRecomputeInTheSameDtype) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, KvCacheLowp,
-                         ::testing::Combine(::testing::Values("gpt2-debug", "llama-debug"),
+                         ::testing::Combine(::testing::Values("gpt2-debug", "llama-debug", "qwen3-debug"),
                                             ::testing::Values(DType::BF16, DType::F16)),
                          [](const auto& info) {
                            std::string n = std::get<0>(info.param) + "_" + compute_dtype_name(std::get<1>(info.param));

@@ -53,6 +53,7 @@ std::vector<Family> families() {
   return {{"gpt2", ModelConfig::preset("gpt2-debug")},
           {"llama_gqa", ModelConfig::preset("llama-debug")},  // 4 query heads, 2 kv heads
           {"qwen2", ModelConfig::preset("qwen2-debug")},
+          {"qwen3", ModelConfig::preset("qwen3-debug")},  // per-head q/k norms, head_dim 16 != 48 / 4
           {"llama_untied_bias", untied}};
 }
 

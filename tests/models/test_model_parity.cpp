@@ -128,3 +128,12 @@ TEST(ModelParity, MistralExplicitHeadDim) {
   ASSERT_NE(c.num_attention_heads * c.head_dim(), c.hidden_size);
   check({"mistral_head_dim", c}, 2, 12, "--transformers");
 }
+
+// Qwen3: per-head q/k RMSNorm before RoPE, head_dim 16 with hidden 48 (4 heads: q/o 64 wide), tied;
+// weights of std 0.3. The reference follows the published Qwen3Attention (transformers 4.45 has no
+// Qwen3); tests/models/test_qwen3.cpp checks the same at 1e-5 and that dropping q_norm fails.
+TEST(ModelParity, Qwen3QkNorm) {
+  ModelConfig c = cfg_of("qwen3-debug");
+  c.initializer_range = 0.3;
+  check({"qwen3", c}, 2, 8);
+}

@@ -165,7 +165,7 @@ TEST_P(RecomputeExact, LossesGradientsHooksAndAdamWStepsAreBitIdenticalToNone) {
 
 std::vector<Case> cases() {
   std::vector<Case> v;
-  for (const char* f : {"gpt2-debug", "llama-debug", "qwen2-debug", "llama_untied_bias"})
+  for (const char* f : {"gpt2-debug", "llama-debug", "qwen2-debug", "llama_untied_bias", "qwen3-debug"})
     for (DType dt : {DType::F32, DType::BF16})
       for (int t : {1, 2}) v.push_back({f, dt, t});
   return v;

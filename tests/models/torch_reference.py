@@ -3,7 +3,7 @@
 
 Reads the directory the C++ test wrote (HF model dir with config.json + model.safetensors, the
 token batches, lathe's logits/loss/gradients/parameters), rebuilds the model in plain PyTorch in
-float64 following HF's GPT-2 / Llama / Qwen2 / Mistral definitions, and compares. The safetensors
+float64 following HF's GPT-2 / Llama / Qwen2 / Mistral / Qwen3 definitions, and compares. The safetensors
 files are parsed here from the spec (8-byte header length + JSON + raw data), independently of
 lathe's reader. Exit code 1 on any mismatch above the tolerance. With --transformers the
 directory is also loaded by transformers in float32 and its logits, loss and gradients compared at
@@ -52,6 +52,7 @@ class Model(torch.nn.Module):
         self.cfg = cfg
         self.gpt2 = cfg["model_type"] == "gpt2"
         self.dtype = dtype
+        self.drop_q_norm = False  # a broken model for the oracle tests' negative check (qwen3)
         self.p = torch.nn.ParameterDict({k.replace(".", "/"): torch.nn.Parameter(v.to(dtype)) for k, v in sd.items()})
 
     def w(self, name):
@@ -112,8 +113,15 @@ class Model(torch.nn.Module):
                 q = lin(h, p + "self_attn.q_proj.weight", p + "self_attn.q_proj.bias")
                 k = lin(h, p + "self_attn.k_proj.weight", p + "self_attn.k_proj.bias")
                 v = lin(h, p + "self_attn.v_proj.weight", p + "self_attn.v_proj.bias")
-            q = q.view(B, T, H, D).transpose(1, 2)
-            k = k.view(B, T, KV, D).transpose(1, 2)
+            q = q.view(B, T, H, D)
+            k = k.view(B, T, KV, D)
+            if not self.gpt2 and self.has(p + "self_attn.q_norm.weight"):
+                # Qwen3Attention: RMSNorm over each head's D features of q and k, before RoPE.
+                if not self.drop_q_norm:
+                    q = rms(q, p + "self_attn.q_norm.weight")
+                k = rms(k, p + "self_attn.k_norm.weight")
+            q = q.transpose(1, 2)
+            k = k.transpose(1, 2)
             v = v.view(B, T, KV, D).transpose(1, 2)
             if not self.gpt2:
                 q = q * cos + rot(q) * sin

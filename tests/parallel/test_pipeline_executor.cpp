@@ -93,6 +93,8 @@ TEST(PipelineExecutor, Gpt2UnevenThreeStages) { run_case({"gpt2 p3 uneven", "gpt
 TEST(PipelineExecutor, Gpt2Interleaved) { run_case({"gpt2 p2 v2", "gpt2-debug", 4, 2, 2, 4, {}}); }
 TEST(PipelineExecutor, LlamaUntiedInterleavedThreeStages) { run_case({"llama p3 v2", "llama-debug", 6, 3, 2, 3, {}}); }
 
+TEST(PipelineExecutor, Qwen3TwoStages) { run_case({"qwen3 p2", "qwen3-debug", 4, 2, 1, 4, {}}); }
+
 TEST(PipelineStage, StageTablesSliceTheWholeTable) {
   // Every tensor of the whole model is held by its owner (a tied wte also by the last stage), and
   // the stage tables hold nothing else.

@@ -41,7 +41,7 @@ Machine machine(double peak_gflops = 1, double gbps = 8e9) {
 }  // namespace
 
 TEST(Plan, DataParallelMemoryIsLatheChecks) {
-  for (const char* preset : {"gpt2-debug", "llama-debug", "qwen2-debug"})
+  for (const char* preset : {"gpt2-debug", "llama-debug", "qwen2-debug", "qwen3-debug"})
     for (DType dt : {DType::F32, DType::BF16})
       for (Recompute rc : {Recompute::None, Recompute::Selective, Recompute::Full})
         for (int zero : {0, 1, 2}) {
@@ -264,7 +264,7 @@ TEST(Plan, TensorParallelMatchesTheRankModel) {
   // layer parameters exactly, and the same activation arena up to the 64-byte padding of each
   // buffer (the plan halves padded sizes, the rank model pads halved ones). Both split the
   // vocabulary tensors by rows (vocab parallel), so the parameter counts agree exactly.
-  for (const char* preset : {"gpt2-debug", "llama-debug", "qwen2-debug", "mistral-head-dim"})
+  for (const char* preset : {"gpt2-debug", "llama-debug", "qwen2-debug", "mistral-head-dim", "qwen3-debug"})
     for (int64_t t : {2, 4}) {
       if (std::string(preset) != "gpt2-debug" && t == 4) continue;  // 2 KV heads
       const Job j = job_of(preset, t, 2, 32, 2);

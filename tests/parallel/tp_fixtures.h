@@ -35,7 +35,9 @@ inline std::vector<Family> base_families() {
           {"qwen2", ModelConfig::preset("qwen2-debug"), {2}},      // q/k/v biases, tied
           {"llama_untied_bias", untied, {2}},
           // explicit head_dim: 4 heads of 32 (q/o 128 wide) with hidden 96; 2 heads of 32 per rank
-          {"mistral_head_dim", model_test::mistral_head_dim_config(0.1), {2}}};
+          {"mistral_head_dim", model_test::mistral_head_dim_config(0.1), {2}},
+          // per-head q/k norms (replicated weights, each rank its own heads), 4 heads of 16 in hidden 48
+          {"qwen3", ModelConfig::preset("qwen3-debug"), {2}}};
 }
 
 // Deterministic init, with biases and norm weights perturbed so that their use and gradients show.

@@ -380,6 +380,32 @@ TEST(Checkpoint, RecipeDiffClassification) {
     }
 }
 
+// A long-context continuation: the position encoding changes the math (allowed with
+// --force-resume-changes), a shape key never loads (config/model_keys.h); rope_scaling is one value.
+TEST(Checkpoint, RecipeDiffModelKeys) {
+  const json a = {{"model", {{"hidden_size", 48}, {"rope_theta", 1e4}, {"max_position_embeddings", 128},
+                             {"rope_scaling", nullptr}, {"n_positions", 128}}}};
+  json b = a;
+  b["model"]["rope_theta"] = 5e5;
+  b["model"]["max_position_embeddings"] = 512;
+  b["model"]["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 4.0}};
+  auto d = diff_recipes(a, b);
+  ASSERT_EQ(d.size(), 3u);
+  for (auto& c : d) {
+    EXPECT_TRUE(c.breaks_exactness) << c.key;
+    EXPECT_FALSE(c.shape) << c.key;
+  }
+  EXPECT_EQ(d[1].key, "model.rope_scaling");
+  EXPECT_EQ(d[1].before, "null");
+  EXPECT_EQ(d[1].after, R"({"factor":4.0,"rope_type":"llama3"})");
+  b = a;
+  b["model"]["hidden_size"] = 64;
+  b["model"]["n_positions"] = 256;  // GPT-2's learned position table
+  d = diff_recipes(a, b);
+  ASSERT_EQ(d.size(), 2u);
+  for (auto& c : d) EXPECT_TRUE(c.shape && c.breaks_exactness) << c.key;
+}
+
 TEST(Checkpoint, RecipeDiffPrecision) {
   const json fp32 = {{"training", {{"steps", 10}}}};  // a checkpoint from before the precision section
   json same = fp32;
