@@ -237,8 +237,8 @@ void read_phi3(const Reader& r, ModelConfig& c) {
              "{type, short_factor, long_factor}; remove it");
     json ls = {{"rope_type", "longrope"}};
     for (const char* k : {"short_factor", "long_factor"}) {
-      if (!io::JsonFields::find(rs, k)) fail(std::string(".") + k, "missing: phi3's longrope needs short_factor and "
-                                                                    "long_factor");
+      if (!io::JsonFields::find(rs, k))
+        fail(std::string(".") + k, "missing: phi3's longrope needs short_factor and long_factor");
       ls[k] = rs[k];
     }
     c.rope_scaling = RopeScaling::from_json(ls, r.source, r.prefix);
@@ -728,8 +728,8 @@ ModelConfig make_llama(const char* type, int64_t L, int64_t C, int64_t H, int64_
 }  // namespace
 
 std::vector<std::string> ModelConfig::preset_names() {
-  return {"gpt2-debug",  "gpt2-124m",     "gpt2-small-bench",  "llama-debug",
-          "qwen2-debug", "mistral-debug", "llama-small-bench", "qwen3-debug", "phi3-debug"};
+  return {"gpt2-debug",    "gpt2-124m",         "gpt2-small-bench", "llama-debug", "qwen2-debug",
+          "mistral-debug", "llama-small-bench", "qwen3-debug",      "phi3-debug"};
 }
 
 ModelConfig ModelConfig::preset(std::string_view name) {

@@ -19,8 +19,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
-#include <functional>
 #include <filesystem>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "config/model_config.h"
@@ -64,9 +64,7 @@ json phi3_json(const json& rope_scaling, const json& window, bool tied = false) 
 }
 
 json longrope(const char* type = "longrope") {
-  return {{"type", type},
-          {"short_factor", {1.0, 1.25, 1.5, 2.0, 2.5}},
-          {"long_factor", {1.5, 3.0, 5.0, 8.0, 12.0}}};
+  return {{"type", type}, {"short_factor", {1.0, 1.25, 1.5, 2.0, 2.5}}, {"long_factor", {1.5, 3.0, 5.0, 8.0, 12.0}}};
 }
 
 struct Case {
@@ -110,8 +108,8 @@ void swap_gate_up(Model& m) {
 }
 
 std::string run_oracle(const std::string& dir, const std::string& env = "") {
-  const std::string cmd = fmt::format("{} /usr/bin/python3 {}/tests/models/hf_rope_reference.py model {} 2>&1", env,
-                                      LATHE_SOURCE_DIR, dir);
+  const std::string cmd =
+      fmt::format("{} /usr/bin/python3 {}/tests/models/hf_rope_reference.py model {} 2>&1", env, LATHE_SOURCE_DIR, dir);
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) return "popen failed";
   std::string out;
@@ -143,11 +141,10 @@ std::string compare(const Case& c, Model& hf_model, Model& lathe_model, const st
   lathe_model.zero_grad();
   const float loss =
       static_cast<float>(lathe_model.forward_backward(toks.data(), tgts.data(), B, T, 1.0f / N, true) / N);
-  io::write_safetensors((dir / "outputs.safetensors").string(),
-                        {{"tokens", DType::I32, Shape{B, T}, toks.data()},
-                         {"targets", DType::I32, Shape{B, T}, tgts.data()},
-                         {"logits", DType::F32, Shape{B, T, V}, logits.data()},
-                         {"loss", DType::F32, Shape{}, &loss}});
+  io::write_safetensors((dir / "outputs.safetensors").string(), {{"tokens", DType::I32, Shape{B, T}, toks.data()},
+                                                                 {"targets", DType::I32, Shape{B, T}, tgts.data()},
+                                                                 {"logits", DType::F32, Shape{B, T, V}, logits.data()},
+                                                                 {"loss", DType::F32, Shape{}, &loss}});
   save_hf_tensors(lathe_model, lathe_model.grad_data(), (dir / "grads.safetensors").string());
   const std::string err = run_oracle(dir.string(), env);
   fs::remove_all(dir);

@@ -520,7 +520,8 @@ TEST(TensorParallel, Phi3FusedQkv) {
   }
   for (const char* n : {"model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"}) {
     const ParamSpec& s = whole->params().at(n);
-    EXPECT_TRUE(std::equal(back.begin() + s.offset, back.begin() + s.offset + s.numel(), whole->param_data() + s.offset))
+    EXPECT_TRUE(
+        std::equal(back.begin() + s.offset, back.begin() + s.offset + s.numel(), whole->param_data() + s.offset))
         << n;
   }
 }
