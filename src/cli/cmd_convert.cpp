@@ -121,10 +121,21 @@ req = json.load(open(sys.argv[1]))
 model = transformers.AutoModelForCausalLM.from_pretrained(req["dir"], torch_dtype=torch.float32,
                                                           attn_implementation="eager")
 model.eval()
+# phi3: transformers 4.45 applies sliding_window only in Phi3FlashAttention2, as flash-attn's
+# window_size=(S, S) (S + 1 keys; lathe's ModelConfig::layer_window); its eager mask has none, so
+# that window is given as a 4D additive mask, which the eager model uses as it is.
+win = model.config.sliding_window if model.config.model_type == "phi3" else None
+def mask(T):
+    if win is None:
+        return None
+    i, j = torch.arange(T).reshape(-1, 1), torch.arange(T).reshape(1, -1)
+    m = torch.zeros(T, T).masked_fill(~((j <= i) & (i - j <= win)), torch.finfo(torch.float32).min)
+    return m[None, None]
 out = []
 with torch.no_grad():
     for s in req["seqs"]:
-        out.append(model(torch.tensor([s], dtype=torch.long)).logits[0].float().numpy().reshape(-1))
+        out.append(model(torch.tensor([s], dtype=torch.long), attention_mask=mask(len(s)),
+                         use_cache=False).logits[0].float().numpy().reshape(-1))
 np.concatenate(out).astype("<f4").tofile(req["out"])
 print("transformers", transformers.__version__, "torch", torch.__version__)
 )PY";
@@ -254,7 +265,7 @@ int run_convert(int argc, char** argv) {
   app.add_option("--dtype", dtype_s, "output dtype: fp32, bf16 or fp16 (GGUF: fp32 or fp16)");
   app.add_option("--max-shard-size", shard_s, "shard model.safetensors above this size (default 5GB)");
   app.add_option("--resize-vocab", resize, "grow the vocabulary to N rows (new rows = mean embedding)");
-  app.add_option("--to-gguf", gguf, "also write a GGUF file for llama.cpp (gpt2, llama, qwen2, mistral, qwen3)");
+  app.add_option("--to-gguf", gguf, "also write a GGUF file for llama.cpp (gpt2, llama, qwen2, mistral, qwen3, phi3)");
   app.add_option("--gguf-pre", gguf_pre, "llama.cpp pre-tokenizer name (default: derived from the tokenizer)");
   app.add_option("--gguf-tokenizer", gguf_tok, "tokenizer for the GGUF (default: the directory's tokenizer files)");
   bool no_progress = false;

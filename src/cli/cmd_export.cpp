@@ -182,7 +182,7 @@ int run_export(int argc, char** argv) {
   app.add_option("--max-shard-size", shard_s, "shard model.safetensors above this size (default 5GB)");
   bool no_progress = false;
   app.add_flag("--no-progress", no_progress, "no progress bar / lines on stderr");
-  app.add_option("--to-gguf", gguf, "also write a GGUF file for llama.cpp (gpt2, llama, qwen2, mistral, qwen3)");
+  app.add_option("--to-gguf", gguf, "also write a GGUF file for llama.cpp (gpt2, llama, qwen2, mistral, qwen3, phi3)");
   app.add_option("--gguf-pre", gguf_pre, "llama.cpp pre-tokenizer name (default: derived from the tokenizer)");
   app.add_option("--gguf-tokenizer", gguf_tok, "tokenizer for the GGUF (default: the run's or the model directory's)");
   std::string onnx;

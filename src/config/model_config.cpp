@@ -16,7 +16,7 @@ namespace {
 
 using json = nlohmann::json;
 
-const std::vector<std::string> kModelTypes = {"gpt2", "llama", "qwen2", "mistral", "qwen3", "gpt_neox"};
+const std::vector<std::string> kModelTypes = {"gpt2", "llama", "qwen2", "mistral", "qwen3", "phi3", "gpt_neox"};
 
 // Keys of every PretrainedConfig that never change the forward math.
 const std::vector<std::string> kCommonKeys = {"model_type",
@@ -97,6 +97,8 @@ const std::vector<std::string> kMistralExtra = {"sliding_window", "layer_types"}
 // Qwen3Config: Qwen2's sliding-window keys (attention_bias, head_dim are llama keys).
 const std::vector<std::string> kQwen3Extra = {"use_sliding_window", "sliding_window", "max_window_layers",
                                               "layer_types"};
+// Phi3Config 4.45 (original_max_position_embeddings is in kLlamaKeys already).
+const std::vector<std::string> kPhi3Extra = {"sliding_window", "resid_pdrop", "embd_pdrop"};
 
 const std::vector<std::string> kDropoutKeys = {"resid_pdrop",           "embd_pdrop",        "attn_pdrop",
                                                "summary_first_dropout", "attention_dropout", "hidden_dropout"};
@@ -184,6 +186,7 @@ std::vector<std::string> ModelConfig::known_keys(std::string_view model_type) {
     if (model_type == "qwen2") keys.insert(keys.end(), kQwen2Extra.begin(), kQwen2Extra.end());
     if (model_type == "mistral") keys.insert(keys.end(), kMistralExtra.begin(), kMistralExtra.end());
     if (model_type == "qwen3") keys.insert(keys.end(), kQwen3Extra.begin(), kQwen3Extra.end());
+    if (model_type == "phi3") keys.insert(keys.end(), kPhi3Extra.begin(), kPhi3Extra.end());
   }
   return keys;
 }
@@ -259,6 +262,67 @@ void read_gpt_neox(const Reader& r, ModelConfig& c) {
     r.fail("rope_scaling", "is not supported for gpt_neox yet (plain RoPE only): give null or remove it");
 }
 
+// Phi3Config / Phi3ForCausalLM of transformers 4.45.2 (models/phi3), on top of the llama fields:
+//  - rope_scaling: exactly {type, short_factor, long_factor}; type "su" and "yarn" are renamed
+//    "longrope" by the config class (_rope_scaling_adjustment), anything else is refused by it.
+//    Phi3LongRoPEScaledRotaryEmbedding reads the top-level original_max_position_embeddings
+//    (class default 4096) and picks the factors per pass length (rope_frequencies).
+//  - no partial_rotary_factor, attention_bias or head_dim: the rotary class rotates the whole
+//    head of hidden_size / num_attention_heads; those keys are refused unless they change nothing.
+//  - sliding_window (null = none): see ModelConfig::layer_window.
+void read_phi3(const Reader& r, ModelConfig& c) {
+  const json& j = r.j;
+  c.rope_scaling.config_original_max_position_embeddings =
+      r.has("original_max_position_embeddings")
+          ? r.f.integer(j["original_max_position_embeddings"], "original_max_position_embeddings", 1, kMaxPositions)
+          : 4096;
+  if (r.has("rope_scaling") && !j["rope_scaling"].is_null()) {
+    const json& rs = j["rope_scaling"];
+    auto fail = [&](const std::string& k, const std::string& what) { r.fail("rope_scaling" + k, what); };
+    if (!rs.is_object()) fail("", fmt::format("expected an object or null, got '{}'", value_str(rs)));
+    const json* t = io::JsonFields::find(rs, "type");
+    if (!t) t = io::JsonFields::find(rs, "rope_type");
+    if (!t || !t->is_string())
+      fail(".type", "missing: phi3 needs {\"type\": \"longrope\", \"short_factor\": [...], \"long_factor\": [...]}");
+    const std::string type = t->get<std::string>();
+    if (type != "longrope" && type != "su" && type != "yarn")
+      fail(".type", fmt::format("'{}' is not supported by transformers 4.45's phi3 (longrope, or its old names su / "
+                                "yarn)",
+                                value_str(*t)));
+    for (auto it = rs.begin(); it != rs.end(); ++it)
+      if (it.key() != "type" && it.key() != "rope_type" && it.key() != "short_factor" && it.key() != "long_factor")
+        fail("." + value_str(it.key()),
+             "is not read by transformers 4.45's phi3, whose config class refuses a rope_scaling other than exactly "
+             "{type, short_factor, long_factor}; remove it");
+    json ls = {{"rope_type", "longrope"}};
+    for (const char* k : {"short_factor", "long_factor"}) {
+      if (!io::JsonFields::find(rs, k))
+        fail(std::string(".") + k, "missing: phi3's longrope needs short_factor and long_factor");
+      ls[k] = rs[k];
+    }
+    c.rope_scaling = RopeScaling::from_json(ls, r.source, r.prefix);
+    c.rope_scaling.old_type_key = true;  // Phi3Config reads rope_scaling["type"]
+    c.rope_scaling.config_original_max_position_embeddings =
+        r.has("original_max_position_embeddings")
+            ? r.f.integer(j["original_max_position_embeddings"], "original_max_position_embeddings", 1, kMaxPositions)
+            : 4096;
+  }
+  if (r.has("partial_rotary_factor") && r.get_double("partial_rotary_factor") != 1.0)
+    r.fail("partial_rotary_factor",
+           "transformers 4.45's phi3 does not implement it (it rotates the whole head: Phi-4-mini needs a later "
+           "transformers); not supported for phi3");
+  if (r.has("attention_bias") && r.get_bool("attention_bias"))
+    r.fail("attention_bias", "phi3 has no attention biases; true is not supported");
+  if (r.has("head_dim") && !j["head_dim"].is_null() &&
+      r.get_int("head_dim") != c.hidden_size / std::max<int64_t>(c.num_attention_heads, 1))
+    r.fail("head_dim", fmt::format("{}: transformers 4.45's phi3 always uses hidden_size / num_attention_heads = {}",
+                                   r.get_int("head_dim"), c.hidden_size / std::max<int64_t>(c.num_attention_heads, 1)));
+  c.attention_bias = false;
+  c.sliding_window = r.has("sliding_window") && !j["sliding_window"].is_null() ? r.get_int("sliding_window") : 0;
+  if (c.sliding_window < 0)
+    r.fail("sliding_window", fmt::format("{} must be >= 0 (or null: full attention)", c.sliding_window));
+}
+
 }  // namespace
 
 ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, bool strict_unknown) {
@@ -273,12 +337,13 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
   Reader r{j, source, key_prefix};
   ModelConfig c;
   if (!j.contains("model_type"))
-    throw_error("{}: {}model_type is missing (one of gpt2, llama, qwen2, mistral, qwen3, gpt_neox)", source,
+    throw_error("{}: {}model_type is missing (one of gpt2, llama, qwen2, mistral, qwen3, phi3, gpt_neox)", source,
                 key_prefix);
   c.model_type = r.get_string("model_type");
   if (std::find(kModelTypes.begin(), kModelTypes.end(), c.model_type) == kModelTypes.end())
-    r.fail("model_type",
-           fmt::format("'{}' is not supported (supported: gpt2, llama, qwen2, mistral, qwen3, gpt_neox)", c.model_type));
+    r.fail("model_type", fmt::format("'{}' is not supported (supported: gpt2, llama, qwen2, mistral, qwen3, phi3, "
+                                     "gpt_neox)",
+                                     c.model_type));
   c.family = family_of(c.model_type);
 
   // Unknown keys.
@@ -359,13 +424,14 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
   } else if (c.is_gpt_neox()) {
     read_gpt_neox(r, c);
   } else {
-    // LlamaConfig / Qwen2Config / MistralConfig / Qwen3Config class defaults.
+    // LlamaConfig / Qwen2Config / MistralConfig / Qwen3Config / Phi3Config class defaults.
     const bool qwen3 = c.model_type == "qwen3", qwen = c.model_type == "qwen2" || qwen3,
-               mistral = c.model_type == "mistral";
+               mistral = c.model_type == "mistral", phi3 = c.model_type == "phi3";
     c.qk_norm = qwen3;
-    if (!r.has("vocab_size")) c.vocab_size = qwen ? 151936 : 32000;
-    c.hidden_size = r.has_size("hidden_size") ? r.get_int("hidden_size") : 4096;
+    if (!r.has("vocab_size")) c.vocab_size = qwen ? 151936 : phi3 ? 32064 : 32000;
+    c.hidden_size = r.has_size("hidden_size") ? r.get_int("hidden_size") : phi3 ? 3072 : 4096;
     c.intermediate_size = r.has_size("intermediate_size") ? r.get_int("intermediate_size")
+                          : phi3                          ? 8192
                           : qwen                          ? 22016
                           : mistral                       ? 14336
                                                           : 11008;
@@ -377,11 +443,13 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
     c.max_position_embeddings = r.has_size("max_position_embeddings") ? r.get_int("max_position_embeddings")
                                 : qwen                                ? 32768
                                 : mistral                             ? 131072
+                                : phi3                                ? 4096
                                                                       : 2048;
-    c.norm_eps = r.has("rms_norm_eps") ? r.get_double("rms_norm_eps") : 1e-6;
+    c.norm_eps = r.has("rms_norm_eps") ? r.get_double("rms_norm_eps") : phi3 ? 1e-5 : 1e-6;
     c.rope_theta = r.has("rope_theta") ? r.get_double("rope_theta") : 10000.0;
     if (!j.contains("bos_token_id") && !qwen) c.bos_token_id = 1;
-    if (!j.contains("eos_token_id") && !qwen) c.eos_token_id = 2;
+    if (!j.contains("eos_token_id") && !qwen) c.eos_token_id = phi3 ? 32000 : 2;
+    if (!j.contains("pad_token_id") && phi3) c.pad_token_id = 32000;
     c.tie_word_embeddings = r.has("tie_word_embeddings") ? r.get_bool("tie_word_embeddings") : false;
     std::string act = r.has("hidden_act") ? r.get_string("hidden_act") : "silu";
     if (act != "silu" && act != "swish")
@@ -390,7 +458,9 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
     // transformers 4.45: LlamaConfig and MistralConfig take head_dim (MistralConfig reads 0 as absent:
     // `head_dim or hidden_size // num_attention_heads`); Qwen2Config has none in 4.45 but later
     // releases read it as llama does. validate() checks it (> 0, even).
-    if (r.has("head_dim") && !(mistral && r.get_int("head_dim") == 0)) {
+    if (phi3) {
+      read_phi3(r, c);
+    } else if (r.has("head_dim") && !(mistral && r.get_int("head_dim") == 0)) {
       c.explicit_head_dim = r.get_int("head_dim");
       if (c.explicit_head_dim <= 0)
         r.fail("head_dim",
@@ -398,7 +468,7 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
     } else if (qwen3) {
       c.explicit_head_dim = 128;  // Qwen3Config's default head_dim (not hidden_size / heads)
     }
-    read_rope_scaling(r, c, mistral, key_prefix);
+    if (!phi3) read_rope_scaling(r, c, mistral, key_prefix);
     if (r.has("rope_parameters")) {
       const json& rp = j["rope_parameters"];
       if (!rp.is_object()) r.fail("rope_parameters", fmt::format("expected an object, got '{}'", value_str(rp)));
@@ -447,6 +517,8 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
         c.sliding_layers.assign(static_cast<size_t>(std::max<int64_t>(c.num_hidden_layers, 0)), 0);
         for (int64_t l = mwl; l < c.num_hidden_layers; ++l) c.sliding_layers[static_cast<size_t>(l)] = 1;
       }
+    } else if (phi3) {
+      // read_phi3: no biases, sliding_window.
     } else if (mistral) {
       if (r.has("attention_bias") && r.get_bool("attention_bias"))
         r.fail("attention_bias", "mistral has no attention biases; true is not supported");
@@ -667,6 +739,7 @@ json ModelConfig::to_hf_json() const {
   j["architectures"] = {model_type == "qwen2"     ? "Qwen2ForCausalLM"
                         : model_type == "mistral" ? "MistralForCausalLM"
                         : model_type == "qwen3"   ? "Qwen3ForCausalLM"
+                        : model_type == "phi3"    ? "Phi3ForCausalLM"
                                                   : "LlamaForCausalLM"};
   j["hidden_size"] = hidden_size;
   j["intermediate_size"] = intermediate_size;
@@ -675,7 +748,7 @@ json ModelConfig::to_hf_json() const {
   j["num_key_value_heads"] = num_key_value_heads;
   // Always written, as transformers 4.45's LlamaConfig / MistralConfig save it (= hidden / heads
   // unless explicit); Qwen2Config 4.45 ignores it and derives the same value when not explicit.
-  j["head_dim"] = head_dim();
+  if (model_type != "phi3") j["head_dim"] = head_dim();  // Phi3Config 4.45 has none (hidden / heads)
   j["hidden_act"] = hidden_act.empty() ? "silu" : hidden_act;
   j["max_position_embeddings"] = max_position_embeddings;
   j["rms_norm_eps"] = norm_eps;
@@ -699,6 +772,10 @@ json ModelConfig::to_hf_json() const {
     j["max_window_layers"] = full;
   } else if (model_type == "mistral") {
     j["sliding_window"] = sliding_window > 0 ? json(sliding_window) : json(nullptr);
+  } else if (model_type == "phi3") {
+    j["sliding_window"] = sliding_window > 0 ? json(sliding_window) : json(nullptr);
+    j["resid_pdrop"] = 0.0;
+    j["embd_pdrop"] = 0.0;
   }
   if (!sliding_layers.empty()) {  // which layers slide, whatever the model type's own key says
     json lt = json::array();
@@ -746,8 +823,8 @@ ModelConfig make_llama(const char* type, int64_t L, int64_t C, int64_t H, int64_
 }  // namespace
 
 std::vector<std::string> ModelConfig::preset_names() {
-  return {"gpt2-debug",  "gpt2-124m",     "gpt2-small-bench",  "llama-debug",
-          "qwen2-debug", "mistral-debug", "llama-small-bench", "qwen3-debug", "gpt-neox-debug"};
+  return {"gpt2-debug",    "gpt2-124m",         "gpt2-small-bench", "llama-debug", "qwen2-debug",
+          "mistral-debug", "llama-small-bench", "qwen3-debug",      "phi3-debug",  "gpt-neox-debug"};
 }
 
 ModelConfig ModelConfig::preset(std::string_view name) {
@@ -776,6 +853,18 @@ ModelConfig ModelConfig::preset(std::string_view name) {
     c.tie_word_embeddings = true;
     c.rope_theta = 1000000.0;
     c.norm_eps = 1e-6;
+  } else if (name == "phi3-debug") {
+    // Phi-3 shape in small: longrope with original_max_position_embeddings 32 < max 128 (long
+    // factors for passes longer than 32 tokens), sliding_window 23 (24 keys, see layer_window).
+    c = make_llama("phi3", 2, 48, 4, 2, 96, 96, 128);
+    c.rope_scaling.type = "longrope";
+    c.rope_scaling.old_type_key = true;
+    c.rope_scaling.config_original_max_position_embeddings = 32;
+    c.rope_scaling.short_factor = {1.0, 1.25, 1.5, 2.0, 2.5, 3.0};
+    c.rope_scaling.long_factor = {1.0, 2.0, 4.0, 6.0, 9.0, 12.0};
+    c.sliding_window = 23;
+    c.bos_token_id = 1;
+    c.eos_token_id = c.pad_token_id = 95;
   } else if (name == "llama-small-bench") {
     c = make_llama("llama", 4, 256, 4, 2, 688, 32000, 1024);
   } else if (name == "gpt-neox-debug") {

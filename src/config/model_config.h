@@ -1,7 +1,8 @@
 // Model architecture hyper-parameters, read from / written to HF transformers config.json.
 // Two families share the code paths: "gpt2" (LayerNorm, learned positions, GELU-tanh MLP, Conv1D
 // weights) and "llama" (RMSNorm, rotate_half RoPE, SwiGLU, GQA) which also covers qwen2 (q/k/v
-// biases) and mistral (sliding window). Field meanings: shared/reference/hf-model-configs.md.
+// biases), mistral (sliding window) and phi3 (fused qkv_proj / gate_up_proj, Phi-3's longrope and
+// window: read_phi3 in model_config.cpp). Field meanings: shared/reference/hf-model-configs.md.
 #pragma once
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -23,8 +24,8 @@ constexpr int64_t kMaxIntermediateSize = int64_t{1} << 24;
 constexpr int64_t kMaxPositions = int64_t{1} << 26;  // max_position_embeddings, sliding_window
 
 struct ModelConfig {
-  std::string model_type;  // as in HF: "gpt2", "llama", "qwen2", "mistral", "qwen3", "gpt_neox"
-  std::string family;      // "gpt2", "llama" (qwen2, mistral, qwen3 -> llama) or "gpt_neox"
+  std::string model_type;  // as in HF: "gpt2", "llama", "qwen2", "mistral", "qwen3", "phi3", "gpt_neox"
+  std::string family;      // "gpt2", "llama" (qwen2, mistral, qwen3, phi3 -> llama) or "gpt_neox"
   int64_t vocab_size = 0, hidden_size = 0, num_hidden_layers = 0, num_attention_heads = 0,
           num_key_value_heads = 0;      // gpt2: num_key_value_heads == num_attention_heads
   int64_t intermediate_size = 0;        // gpt2: n_inner or 4*hidden
@@ -65,9 +66,12 @@ struct ModelConfig {
   // as empty, with sliding_window 0 when every layer is full_attention).
   std::vector<uint8_t> sliding_layers;
   // The attention window of layer l (0 = full attention).
+  // phi3: config.json's sliding_window S reaches S + 1 keys (j >= t - S). transformers 4.45.2's
+  // Phi3 applies the window only in Phi3FlashAttention2, as flash-attn's window_size=(S, S) (its
+  // eager and sdpa masks ignore sliding_window); Phi-3-mini-4k's S = 2047 is a 2048-key window.
   int64_t layer_window(int64_t l) const {
-    return sliding_window > 0 && (sliding_layers.empty() || sliding_layers[static_cast<size_t>(l)]) ? sliding_window
-                                                                                                    : 0;
+    if (!(sliding_window > 0 && (sliding_layers.empty() || sliding_layers[static_cast<size_t>(l)]))) return 0;
+    return model_type == "phi3" ? sliding_window + 1 : sliding_window;
   }
 
   // config.json `head_dim` (llama family): the width of one attention head when it is not
@@ -130,7 +134,7 @@ struct ModelConfig {
   std::string ignored_note() const;
 
   // A complete HF config.json that transformers 4.x loads: model_type, architectures
-  // (GPT2LMHeadModel / LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM), the family's
+  // (GPT2LMHeadModel / LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM / Phi3ForCausalLM), the family's
   // field names, torch_dtype "float32".
   nlohmann::json to_hf_json() const;
   // Heads divide hidden (unless head_dim is explicit), kv heads divide heads, sizes in (0, kMax...], head_dim even for
@@ -152,6 +156,7 @@ struct ModelConfig {
   //   llama-small-bench L=4  C=256 H=4 KV=2 I=688 V=32000 P=1024
   //   gpt-neox-debug    L=3  C=40  H=5 (D=8) I=72 V=83 P=96, rotary_pct 0.25, parallel residual,
   //                     exact GELU, untied (Pythia's shape, odd-ish sizes)
+  //   phi3-debug        as llama-debug, fused qkv / gate_up, longrope (original 32), sliding_window 23
   // Unknown name -> error listing the presets.
   static ModelConfig preset(std::string_view name);
   static std::vector<std::string> preset_names();

@@ -140,7 +140,6 @@ class Parser {
           "zero and overflows are only skipped, never corrected");
   }
 
-
   // model: base (preset | init_from | config) + explicit HF fields.
   void parse_model(const json& m, Recipe& r) {
     std::vector<std::string> bases;
@@ -191,9 +190,9 @@ class Parser {
     } else {
       bad("model",
           "give model.preset, model.init_from, model.config, or model.model_type (gpt2, llama, qwen2, "
-          "mistral, qwen3, gpt_neox) with its HF fields");
+          "mistral, qwen3, phi3, gpt_neox) with its HF fields");
     }
-    static const std::vector<std::string> types = {"gpt2", "llama", "qwen2", "mistral", "qwen3", "gpt_neox"};
+    static const std::vector<std::string> types = {"gpt2", "llama", "qwen2", "mistral", "qwen3", "phi3", "gpt_neox"};
     if (std::find(types.begin(), types.end(), mt) == types.end())
       bad("model.model_type", fmt::format("'{}' is not supported (supported: {})", mt, join(types)));
 
@@ -203,7 +202,8 @@ class Parser {
     for (auto& k : known) full.push_back("model." + k);
     for (auto& k : kModelBaseKeys) full.push_back("model." + k);
     for (auto it = explicit_.begin(); it != explicit_.end(); ++it) {
-      if (std::find(known.begin(), known.end(), it.key()) == known.end()) rep_.unknown("model." + it.key(), "key", full);
+      if (std::find(known.begin(), known.end(), it.key()) == known.end())
+        rep_.unknown("model." + it.key(), "key", full);
       static const std::set<std::string> dropout = {
           "resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "summary_first_dropout", "hidden_dropout"};
       if (dropout.count(it.key()) && !(it.value().is_number() && it.value().get<double>() == 0.0))
@@ -360,7 +360,6 @@ class Parser {
   }
 };
 
-
 // "a.b.c=value" applied to the JSON tree; returns the key path.
 std::string apply_override(json& root, const std::string& source, const std::string& ov) {
   const std::string what = fmt::format("{}: --set {}", source, excerpt(ov));
@@ -407,7 +406,6 @@ Recipe parse_recipe(const std::string& yaml_text, const std::string& source,
 Recipe load_recipe(const std::string& path, const std::vector<std::string>& overrides) {
   return parse_recipe(io::read_file(path), path, overrides);
 }
-
 
 json Recipe::to_json() const {
   json j;

@@ -274,7 +274,13 @@ RopeFrequencies rope_frequencies(const ModelConfig& c, int64_t seq_len) {
   out.attention_factor = static_cast<float>(r.attention_factor ? *r.attention_factor
                                             : factor <= 1.0     ? 1.0
                                                                 : std::sqrt(1 + std::log(factor) / std::log(orig)));
-  const std::vector<double>& ext = expanded > orig ? r.long_factor : r.short_factor;
+  // phi3 (transformers 4.45.2 Phi3LongRoPEScaledRotaryEmbedding, not the llama class): the long
+  // factors when this pass is longer than original_max_position_embeddings (seq_len > P0, with
+  // seq_len the keys' length: the whole sequence in training), else the short ones; its attention
+  // factor is the one above (max_position_embeddings / P0).
+  const bool phi3 = c.model_type == "phi3";
+  const bool use_long = phi3 ? seq_len > static_cast<int64_t>(orig) : expanded > orig;
+  const std::vector<double>& ext = use_long ? r.long_factor : r.short_factor;
   const float theta = static_cast<float>(c.rope_theta);
   out.inv_freq.resize(static_cast<size_t>(half));
   for (int64_t i = 0; i < half; ++i)

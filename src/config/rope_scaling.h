@@ -15,6 +15,8 @@
 //             class) the choice is static: long factors when the expanded context P0 * factor (or
 //             the top-level max_position_embeddings when config.json has a top-level
 //             original_max_position_embeddings P0) exceeds P0, whatever the sequence length.
+//             model_type phi3 follows Phi3LongRoPEScaledRotaryEmbedding instead: long factors when
+//             the pass's sequence length exceeds P0, short ones otherwise.
 // Every float step repeats torch's fp32 roundings so the default tables stay bit-identical to the
 // kernels' former theta-based ones and the others agree with transformers to an ulp or so.
 #pragma once
@@ -56,7 +58,8 @@ struct RopeFrequencies {
   float attention_factor = 1.0f;
 };
 
-// For `cfg` (llama family) and a pass whose sequence is `seq_len` tokens long (only dynamic reads it).
+// For `cfg` (llama family) and a pass whose sequence is `seq_len` tokens long (only dynamic and
+// phi3's longrope read it).
 RopeFrequencies rope_frequencies(const ModelConfig& cfg, int64_t seq_len);
 // Plain RoPE: inv_freq[i] = 1 / theta^(2i/dim), dim even, in torch's fp32 steps.
 std::vector<float> rope_default_inv_freq(int64_t dim, double theta);

@@ -51,8 +51,9 @@ void add_rope_scaling(io::GgufWriter& w, const ModelConfig& c, const std::string
   }
   if (r.type == "yarn") {
     if (r.attention_factor || r.beta_fast || r.beta_slow)
-      refuse("llama.cpp's yarn uses the default attention_factor (0.1 ln factor + 1) and beta_fast 32 / beta_slow "
-             "1; this config sets attention_factor/beta_fast/beta_slow");
+      refuse(
+          "llama.cpp's yarn uses the default attention_factor (0.1 ln factor + 1) and beta_fast 32 / beta_slow "
+          "1; this config sets attention_factor/beta_fast/beta_slow");
     w.add_string(arch + ".rope.scaling.type", "yarn");
     w.add_f32(arch + ".rope.scaling.factor", static_cast<float>(*r.factor));
     // transformers 4.45 computes yarn's correction range from max_position_embeddings.
@@ -61,9 +62,10 @@ void add_rope_scaling(io::GgufWriter& w, const ModelConfig& c, const std::string
   }
   const RopeFrequencies f = rope_frequencies(c, c.max_position_embeddings);
   if (r.type == "longrope" && f.attention_factor != 1.0f)
-    refuse(fmt::format("llama.cpp's {} graph applies no longrope attention factor (here {}; only its phi3 "
-                       "architecture reads longrope)",
-                       arch, f.attention_factor));
+    refuse(
+        fmt::format("llama.cpp's {} graph applies no longrope attention factor (here {}; only its phi3 "
+                    "architecture reads longrope)",
+                    arch, f.attention_factor));
   // llama3, longrope: divisors of the plain frequencies, as an F32 tensor [rot/2].
   const std::vector<float> plain = rope_default_inv_freq(c.rotary_dim(), c.rope_theta);
   std::vector<float> div(plain.size());
@@ -118,12 +120,21 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
   const bool gpt2 = c.is_gpt2();
   const bool neox = c.is_gpt_neox();
   LATHE_CHECK(gpt2 || neox || c.is_llama(),
-              "--to-gguf: GGUF export supports gpt2, gpt_neox and the llama family (llama, qwen2, mistral, qwen3), not {}",
+              "--to-gguf: GGUF export supports gpt2, gpt_neox and the llama family (llama, qwen2, mistral, qwen3, "
+              "phi3), not {}",
               c.model_type);
   if (neox)
     LATHE_CHECK(c.attention_bias,
                 "--to-gguf: gpt_neox without attention biases: llama.cpp's gptneox architecture "
                 "requires attn_qkv.bias and attn_output.bias");
+  const bool phi3 = c.model_type == "phi3";
+  // phi3 goes to llama.cpp's phi3 architecture (fused attn_qkv, ffn_up = gate|up, NEOX RoPE);
+  // longrope is refused: llama.cpp picks its short / long factors by the context size, not by the
+  // pass length as transformers' Phi3 (and lathe) do.
+  LATHE_CHECK(!phi3 || !c.rope_scaling.active(),
+              "--to-gguf: this phi3 has rope_scaling longrope: llama.cpp chooses its short or long factors by the "
+              "context size, transformers' Phi3 (and lathe) by each pass's length, so the GGUF would compute "
+              "something else; export it with --to-hf");
   if (gpt2 || neox)
     LATHE_CHECK(c.hidden_act == "gelu_new",
                 "--to-gguf: activation {} of this {} model: llama.cpp's {} architecture computes the tanh GELU "
@@ -135,22 +146,29 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
   else
     LATHE_CHECK(c.hidden_act == "silu", "--to-gguf: activation {}: llama.cpp's {} architecture computes SwiGLU (silu)",
                 c.hidden_act, c.model_type);
-  LATHE_CHECK(c.sliding_window == 0 || c.sliding_window >= c.max_position_embeddings,
-              "--to-gguf: sliding_window {} < context {}: llama.cpp's llama architecture would attend to the full "
+  // (A phi3 window reaches sliding_window + 1 keys, ModelConfig::layer_window. llama.cpp 0.3.36's
+  // phi3 attended to the full context with phi3.attention.sliding_window set, measured.)
+  LATHE_CHECK(c.sliding_window == 0 || c.sliding_window + (phi3 ? 1 : 0) >= c.max_position_embeddings,
+              "--to-gguf: sliding_window {} < context {}: llama.cpp's {} architecture would attend to the full "
               "context; refusing rather than writing a model that computes something else",
-              c.sliding_window, c.max_position_embeddings);
+              c.sliding_window, c.max_position_embeddings, phi3 ? "phi3" : "llama");
   // llama.cpp's qwen3 (the q/k norms, Arch::qk_norm) reads no attention biases.
   LATHE_CHECK(!c.qk_norm || !c.attention_bias,
               "--to-gguf: {} with attention_bias true: llama.cpp's qwen3 architecture has no q/k/v/o biases; "
               "export the Hugging Face directory only (drop --to-gguf)",
               c.model_type);
   // llama.cpp: llama (and mistral, converted as llama) use NORM RoPE -> q/k rows permuted;
-  // qwen2 and qwen3 (per-head q/k norms: attn_q_norm / attn_k_norm) use NEOX RoPE (HF's rotate_half)
+  // qwen2, phi3 and qwen3 (per-head q/k norms: attn_q_norm / attn_k_norm) use NEOX RoPE (HF's rotate_half)
   // natively; gpt2 has no RoPE.
   const bool qwen = c.model_type == "qwen2";
   // gptneox: NEOX RoPE (rotate_half) natively, its q|k|v fused as lathe's ([3][H][D], which
   // convert_hf_to_gguf.py makes of HF's per-head rows too), the parallel residual a key.
-  const std::string arch = gpt2 ? "gpt2" : neox ? "gptneox" : c.qk_norm ? "qwen3" : qwen ? "qwen2" : "llama";
+  const std::string arch = gpt2        ? "gpt2"
+                           : neox      ? "gptneox"
+                           : c.qk_norm ? "qwen3"
+                           : qwen      ? "qwen2"
+                           : phi3      ? "phi3"
+                                       : "llama";
   const bool permute = arch == "llama";
   const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim(), C = c.hidden_size;
 
@@ -204,14 +222,24 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
                                     {"model.norm.weight", "output_norm.weight"},
                                     {"lm_head.weight", "output.weight"}};
   static const NameMap llama_block = {
-      {"input_layernorm.weight", "attn_norm.weight"},    {"self_attn.q_proj.weight", "attn_q.weight"},
-      {"self_attn.k_proj.weight", "attn_k.weight"},      {"self_attn.v_proj.weight", "attn_v.weight"},
-      {"self_attn.q_proj.bias", "attn_q.bias"},          {"self_attn.k_proj.bias", "attn_k.bias"},
-      {"self_attn.v_proj.bias", "attn_v.bias"},          {"self_attn.o_proj.weight", "attn_output.weight"},
-      {"self_attn.o_proj.bias", "attn_output.bias"},     {"post_attention_layernorm.weight", "ffn_norm.weight"},
-      {"mlp.gate_proj.weight", "ffn_gate.weight"},       {"mlp.up_proj.weight", "ffn_up.weight"},
-      {"mlp.down_proj.weight", "ffn_down.weight"},       {"self_attn.q_norm.weight", "attn_q_norm.weight"},
+      {"input_layernorm.weight", "attn_norm.weight"},
+      {"self_attn.q_proj.weight", "attn_q.weight"},
+      {"self_attn.k_proj.weight", "attn_k.weight"},
+      {"self_attn.v_proj.weight", "attn_v.weight"},
+      {"self_attn.q_proj.bias", "attn_q.bias"},
+      {"self_attn.k_proj.bias", "attn_k.bias"},
+      {"self_attn.v_proj.bias", "attn_v.bias"},
+      {"self_attn.o_proj.weight", "attn_output.weight"},
+      {"self_attn.o_proj.bias", "attn_output.bias"},
+      {"post_attention_layernorm.weight", "ffn_norm.weight"},
+      {"mlp.gate_proj.weight", "ffn_gate.weight"},
+      {"mlp.up_proj.weight", "ffn_up.weight"},
+      {"mlp.down_proj.weight", "ffn_down.weight"},
+      {"self_attn.q_norm.weight", "attn_q_norm.weight"},
       {"self_attn.k_norm.weight", "attn_k_norm.weight"},
+      // phi3's fused tensors, as llama.cpp's phi3 architecture reads them (ffn_up: gate rows first).
+      {"self_attn.qkv_proj.weight", "attn_qkv.weight"},
+      {"mlp.gate_up_proj.weight", "ffn_up.weight"},
   };
   // gpt2 is always tied: no output.weight, llama.cpp uses token_embd for the head.
   static const NameMap gpt2_top = {{"transformer.wte.weight", "token_embd.weight"},

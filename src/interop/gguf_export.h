@@ -5,6 +5,7 @@
 //                     llama.cpp's interleaved (NORM) RoPE order.
 //   qwen2          -> "qwen2" (NEOX RoPE, no permutation, q/k/v biases).
 //   qwen3          -> "qwen3" (NEOX RoPE, attn_q_norm / attn_k_norm, attention.key_length; no biases).
+//   phi3           -> "phi3" (NEOX RoPE, fused attn_qkv, ffn_up = gate|up; no longrope, no window).
 //   gpt2           -> "gpt2" (LayerNorm with biases, learned positions, fused qkv; llama.cpp's
 //                     GELU reads a fp16 table, so its logits differ from lathe's by ~1e-3).
 // dtype F32 or F16 (1-D tensors stay F32, as llama.cpp's converter does). The tokenizer is written

@@ -301,8 +301,8 @@ void Exporter::embedding_and_mask() {
   const std::string kpos = op("Unsqueeze", {op("Range", {i64({0}, true), T, i64({1}, true)}), i64({0})});     // [1, T]
   const std::string qpos = op("Unsqueeze", {op("Range", {op("Sub", {T, S}), T, i64({1}, true)}), i64({1})});  // [S, 1]
   std::string allowed = op("LessOrEqual", {kpos, qpos});                                                      // [S, T]
-  if (cfg_.sliding_window > 0)
-    allowed = op("And", {allowed, op("Less", {op("Sub", {qpos, kpos}), i64({cfg_.sliding_window}, true)})});
+  if (cfg_.layer_window(0) > 0)  // the keys one layer's window reaches (phi3: sliding_window + 1)
+    allowed = op("And", {allowed, op("Less", {op("Sub", {qpos, kpos}), i64({cfg_.layer_window(0)}, true)})});
   const std::string pad =
       op("Unsqueeze", {op("Cast", {"attention_mask"}, {attr_int("to", static_cast<int64_t>(ElemType::Bool))}),
                        i64({1, 2, 3})});  // [B, 1, 1, 1, T]
@@ -404,7 +404,7 @@ std::string save_onnx(const Model& model, const std::string& path, const OnnxExp
   const ModelConfig& cfg = model.config();
   LATHE_CHECK(cfg.family == "gpt2" || cfg.family == "llama" || cfg.family == "gpt_neox",
               "ONNX export: model_type '{}' (family '{}') has no ONNX graph builder; supported: gpt2, llama, qwen2, "
-              "mistral, qwen3, gpt_neox",
+              "mistral, qwen3, phi3, gpt_neox",
               cfg.model_type, cfg.family);
   // gpt_neox: exact (gelu) or tanh (gelu_new) GELU, both built.
   const char* act = cfg.gelu_mlp() ? (cfg.gelu_exact() ? "gelu" : "gelu_new") : "silu";
@@ -418,6 +418,14 @@ std::string save_onnx(const Model& model, const std::string& path, const OnnxExp
               "--static-seq-len {} must be in [1, max_position_embeddings = {}] (leave it out for dynamic shapes "
               "with past key/values)",
               opts.static_seq_len, cfg.max_position_embeddings);
+  // phi3's longrope switches short / long factors with the sequence length (rope_frequencies):
+  // the graph's baked tables hold one set.
+  LATHE_CHECK(cfg.model_type != "phi3" || cfg.rope_scaling.type != "longrope" ||
+                  cfg.rope_scaling.short_factor == cfg.rope_scaling.long_factor,
+              "ONNX export: this phi3 has longrope with different short_factor and long_factor; transformers' Phi3 "
+              "picks them by the sequence length (long ones past original_max_position_embeddings = {}), which the "
+              "graph's baked cos/sin tables cannot follow; not exported",
+              cfg.rope_scaling.config_original_max_position_embeddings.value_or(0));
   // The graph applies sliding_window to every layer (one mask); mixed layers would need one each.
   LATHE_CHECK(cfg.sliding_layers.empty(),
               "ONNX export: the model's layers mix sliding-window and full attention (layer_types / "

@@ -224,6 +224,13 @@ void Model::build_rope_tables(int64_t seq_len) {
 // with positions restarting per document); all shorter ones share the plain tables. Called by the
 // forward only: a slot's backward uses the tables of its forward.
 void Model::rope_tables_for(int64_t T) {
+  if (cfg_.model_type == "phi3" && cfg_.rope_scaling.type == "longrope") {
+    // Phi3LongRoPEScaledRotaryEmbedding (transformers 4.45.2): short or long factors by the pass
+    // length T (its seq_len is the keys' length, whatever the position ids), rebuilt on a change.
+    const int64_t P0 = cfg_.rope_scaling.config_original_max_position_embeddings.value_or(T);
+    if ((T > P0) != (rope_len_[static_cast<size_t>(slot_)] > P0)) build_rope_tables(T);
+    return;
+  }
   if (cfg_.rope_scaling.type != "dynamic") return;
   const int64_t P = cfg_.max_position_embeddings;
   const int64_t L = doc_pos_.empty() ? T : int64_t{*std::max_element(doc_pos_.begin(), doc_pos_.end())} + 1;

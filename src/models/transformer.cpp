@@ -629,6 +629,16 @@ void Model::embedding_backward(const int32_t* tokens, int64_t B, int64_t T) {
   const void* dout = !seq_parallel() ? dres_
                      : vp            ? tp.reduce_scatter_to_sequence_region_backward(dres_, gathered_, SC)
                                      : tp.scatter_to_sequence_region_backward(dres_, gathered_, SC);
+  // phi3: transformers' Phi3Model builds nn.Embedding(..., padding_idx=pad_token_id), whose
+  // lookups of the pad token add no gradient to its row (a tied lm_head's still do): those tokens
+  // are given an id outside the vocabulary, which the kernel skips.
+  std::vector<int32_t> unpadded;
+  if (cfg_.model_type == "phi3" && cfg_.pad_token_id >= 0) {
+    unpadded.assign(tokens, tokens + B * T);
+    for (int32_t& t : unpadded)
+      if (t == cfg_.pad_token_id) t = -1;
+    tokens = unpadded.data();
+  }
   ops_->embedding_backward(g_.wte, g_.wpe, dout, to_backend(tokens, B * T, true), B, T, cfg_.hidden_size,
                            doc_positions(), vp ? vp->vocab_begin : 0, cfg_.vocab_size);
 }

@@ -37,6 +37,12 @@ ModelConfig shard_config(const ModelConfig& global, int tp, int rank) {
   divides(global.num_attention_heads, "num_attention_heads");
   divides(global.num_key_value_heads, "num_key_value_heads");
   divides(global.intermediate_size, "intermediate_size");
+  // phi3's qkv_proj holds q (H heads) then k and v (KV heads each) in one tensor: its tensor-parallel
+  // split is three equal sections (ParamSpec::sections), so grouped-query phi3 cannot be split.
+  LATHE_CHECK(global.model_type != "phi3" || global.num_attention_heads == global.num_key_value_heads,
+              "parallel.tensor = {}: phi3 with num_key_value_heads = {} != num_attention_heads = {} is not supported "
+              "(its fused qkv_proj has unequal q and k/v parts); use parallel.tensor: 1",
+              tp, global.num_key_value_heads, global.num_attention_heads);
   // Uneven shards are fine (vocab_shard); an empty one is not (a rank without vocabulary rows).
   LATHE_CHECK(global.vocab_size >= tp,
               "parallel.tensor = {} is more than model.vocab_size = {}: the embedding and the lm head are split by "

@@ -13,6 +13,7 @@ near-ties), each exported with `lathe convert --from-hf DIR --to-gguf FILE` (f32
   * spm    Llama with a SentencePiece BPE tokenizer.model (identity normalization, byte fallback)
   * byte   Llama with lathe's byte tokenizer (`--gguf-tokenizer byte`)
   * mistral_hd  Mistral with an explicit head_dim (4 x 32 != hidden 64), byte tokenizer
+  * phi3   Phi-3 (fused qkv_proj / gate_up_proj -> llama.cpp's phi3 architecture), byte tokenizer
 For each:
   * tokenization: llama.cpp's tokenize() (no BOS; special tokens parsed for byte-level BPE as lathe
     and HF match added tokens; not for SentencePiece, whose control pieces are plain text to
@@ -375,6 +376,37 @@ def check_rope_scaling(tmp, llama_dir):
               f"rope {kind}: refused ({p.stderr.strip()[-200:]})")
 
 
+def check_phi3(tmp):
+    """phi3 (GQA, untied) as llama.cpp's phi3 architecture: fused attn_qkv and ffn_up (gate rows
+    first), NEOX RoPE; logits, tokenization and greedy generation as the others. A longrope phi3
+    (llama.cpp picks its factors by the context size, transformers by the pass length) and a
+    sliding window shorter than the context (llama.cpp 0.3.36's phi3 attended to the full context
+    with phi3.attention.sliding_window set) are refused naming the reason."""
+    # The directory name becomes general.name; llama.cpp 0.3.36 fails to load this byte vocabulary
+    # ("unordered_map::at") when the name is "phi3" (a name-based special-token lookup), so "p3".
+    d = os.path.join(tmp, "p3")
+    randomize(transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None, sliding_window=None,
+        **llama_cfg(256))), 7).save_pretrained(d)
+    g = os.path.join(tmp, "p3.gguf")
+    export(d, g, ["--gguf-tokenizer", "byte"])
+    llm = check_model("phi3", d, g, "gpt-2", False, tok="byte")
+    check(llm.metadata.get("general.architecture") == "phi3", "phi3: general.architecture phi3")
+    for edit, needle in ((lambda c: c.update(rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
+                                                           "long_factor": [2.0] * 8},
+                                             original_max_position_embeddings=64), "rope_scaling longrope"),
+                         (lambda c: c.update(sliding_window=31), "sliding_window 31 < context 128")):
+        e = os.path.join(tmp, "phi3_edit")
+        shutil.rmtree(e, ignore_errors=True)
+        shutil.copytree(d, e)
+        c = json.load(open(os.path.join(e, "config.json")))
+        edit(c)
+        json.dump(c, open(os.path.join(e, "config.json"), "w"))
+        p = subprocess.run([LATHE, "convert", "--from-hf", e, "--to-gguf", e + ".gguf", "--gguf-tokenizer", "byte"],
+                           capture_output=True, text=True)
+        check(p.returncode != 0 and needle in p.stderr, f"phi3: GGUF refused: {p.stderr.strip()[-160:]}")
+
+
 def main():
     t0 = time.time()
     tmp = tempfile.mkdtemp(prefix="lathe_gguf_llama_cpp_")
@@ -471,6 +503,8 @@ def main():
     export(d, g, ["--gguf-tokenizer", "byte"])
     llm = check_model("mistral_hd", d, g, "gpt-2", False, tok="byte")
     check(llm.metadata.get("llama.attention.key_length") == "32", "mistral_hd: llama.attention.key_length 32")
+
+    check_phi3(tmp)
 
     shutil.rmtree(tmp)
     print(f"({time.time() - t0:.1f} s)")

@@ -57,7 +57,7 @@ def run(args, ok=True, env=None):
 
 
 def make(kind, d, tied=None):
-    torch.manual_seed({"gpt2": 1, "llama": 2, "qwen2": 3}[kind])
+    torch.manual_seed({"gpt2": 1, "llama": 2, "qwen2": 3, "phi3": 6}[kind])
     if kind == "gpt2":
         cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=256, n_positions=64,
                                       resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
@@ -68,6 +68,19 @@ def make(kind, d, tied=None):
                                        max_position_embeddings=64, tie_word_embeddings=False,
                                        rope_theta=10000.0)
         m = transformers.LlamaForCausalLM(cfg)
+    elif kind == "phi3":
+        # Phi3ForCausalLM: fused qkv_proj / gate_up_proj; longrope (old name "su") with original 8 < the
+        # 12-token sample (long factors) and = the 8-token one (short); sliding_window 11 = 12 keys
+        # (flash-attn's (11, 11)), no narrower than the samples (transformers' eager Phi3 ignores the
+        # window), narrower than training's seq_len 16.
+        cfg = transformers.Phi3Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, vocab_size=256,
+                                      max_position_embeddings=64, original_max_position_embeddings=8,
+                                      rope_scaling={"type": "su", "short_factor": [1.0, 1.5, 2.0, 3.0],
+                                                    "long_factor": [2.0, 4.0, 8.0, 16.0]},
+                                      sliding_window=11, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                      tie_word_embeddings=False)
+        m = transformers.Phi3ForCausalLM(cfg)
     else:
         cfg = transformers.Qwen2Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
                                        num_key_value_heads=2, intermediate_size=64, vocab_size=256,
@@ -241,12 +254,39 @@ def unused_keys_and_stop_ids(llama, tmp, data):
           "train: the run's config.json keeps the eos_token_id list")
 
 
+def phi3_checks(d, tmp):
+    """phi3 beyond the round trip: the exported config.json is Phi3Config's (architectures, the
+    3-key rope_scaling, original_max_position_embeddings, sliding_window); convert --verify; GGUF of
+    a longrope phi3 refused naming the reason (plain phi3: tests/interop/test_gguf_llama_cpp.py); the oracle tells a gate|up swap apart (lathe logits on a copy whose
+    gate_up_proj halves are swapped differ from transformers on the original)."""
+    out = os.path.join(tmp, "phi3_conv")
+    p = run(["convert", "--from-hf", d, "--to", out, "--verify"], ok=False)
+    check(p.returncode == 0 and "PASS" in p.stdout, f"phi3: convert --verify passes ({p.stdout[-300:]}{p.stderr[-300:]})")
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    check(cfg["architectures"] == ["Phi3ForCausalLM"] and cfg["rope_scaling"]["type"] == "longrope"
+          and len(cfg["rope_scaling"]) == 3 and cfg["original_max_position_embeddings"] == 8
+          and cfg["sliding_window"] == 11, f"phi3: exported config.json {json.dumps(cfg)[:300]}")
+    expect_fail(["convert", "--from-hf", d, "--to-gguf", os.path.join(tmp, "phi3.gguf")],
+                ["this phi3 has rope_scaling longrope"], "phi3 longrope: GGUF export refused naming the reason")
+    sw = os.path.join(tmp, "phi3_swapped")
+
+    def swap(t):
+        for k in t:
+            if k.endswith("gate_up_proj.weight"):
+                g, u = np.split(t[k], 2, axis=0)
+                t[k] = np.concatenate([u, g], axis=0)
+    edited_copy(d, sw, swap)
+    diff = maxdiff(lathe_logits(sw, tmp)[0], hf_logits(d))
+    check(diff > 1e-2, f"phi3: gate|up swapped differs from transformers (max abs diff {diff:.3g})")
+
+
 def main():
     tmp = tempfile.mkdtemp(prefix="lathe_hf_test_")
     data = os.path.join(tmp, "bytes")
     rng = np.random.default_rng(0)
     megatron_writer.write(data, [rng.integers(0, 256, 600) for _ in range(4)])
-    dirs = {k: roundtrip(k, tmp, data) for k in ("gpt2", "llama", "qwen2")}
+    dirs = {k: roundtrip(k, tmp, data) for k in ("gpt2", "llama", "qwen2", "phi3")}
+    phi3_checks(dirs["phi3"], tmp)
     llama = dirs["llama"]
     init_from_overrides(llama, tmp, data)
     unused_keys_and_stop_ids(llama, tmp, data)

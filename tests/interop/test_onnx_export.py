@@ -337,6 +337,50 @@ def check_sliding_window(tmp):
           f"(the window changes logits by {maxdiff(nowin, ref):.2e})")
 
 
+def check_phi3(tmp):
+    """phi3 through the llama graph (fused qkv_proj / gate_up_proj read by role): sliding_window 3
+    reaches 4 keys (flash-attn's (3, 3), as lathe computes it; its own oracle test is
+    tests/models/test_phi3.cpp), so lathe's logits are the reference, full and incremental; a
+    longrope phi3 (short and long factors picked by the length) is refused."""
+    d = os.path.join(tmp, "phi3")
+    torch.manual_seed(6)
+    cfg = transformers.Phi3Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                  intermediate_size=48, vocab_size=96, max_position_embeddings=64,
+                                  sliding_window=3, pad_token_id=0, tie_word_embeddings=False)
+    m = transformers.Phi3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        for layer in m.model.layers:  # q/k rows larger, so that the window matters
+            layer.self_attn.qkv_proj.weight[:48].mul_(10.0)
+    m.save_pretrained(d)
+    seq = np.random.default_rng(6).integers(0, 96, 12).tolist()
+    ref = lathe_logits(d, [seq], 96)[0]
+    path = os.path.join(tmp, "phi3.onnx")
+    run(["export", d, "--to-onnx", path])
+    r = Runner(path, cfg)
+    full, _ = r([seq])
+    logits, past = r([seq[:3]])
+    got = [logits[0]]
+    for t in range(3, len(seq)):
+        step, past = r([[seq[t]]], past=past)
+        got.append(step[0])
+    got = np.concatenate(got)
+    with torch.no_grad():
+        nowin = m(torch.tensor([seq])).logits[0].numpy()  # transformers' eager: no window
+    check(maxdiff(full[0], ref) < TOL and maxdiff(got, ref) < TOL and maxdiff(nowin, ref) > 1e-3,
+          f"phi3 sliding_window 3 (4 keys), full {maxdiff(full[0], ref):.2e} and prompt 3 + 9 steps "
+          f"{maxdiff(got, ref):.2e} vs lathe (the window changes logits by {maxdiff(nowin, ref):.2e})")
+    c = json.load(open(os.path.join(d, "config.json")))
+    c["rope_scaling"] = {"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}
+    c["original_max_position_embeddings"] = 16
+    json.dump(c, open(os.path.join(d, "config.json"), "w"))
+    p = subprocess.run([LATHE, "export", d, "--to-onnx", os.path.join(tmp, "phi3_long.onnx")], capture_output=True,
+                       text=True)
+    check(p.returncode != 0 and "different short_factor and long_factor" in p.stderr,
+          f"phi3 longrope: ONNX export refused ({p.stderr.strip()[-200:]})")
+
+
 def check_rope_scaling(tmp):
     """RoPE scaling baked into the tables: a llama with yarn (inv_freq ramp and the cos/sin
     attention factor) against transformers 4.45, full and incremental; a copy with llama3 scaling
@@ -441,6 +485,7 @@ def main():
         check_trained_run(tmp)
         check_auto_external(tmp)
         check_sliding_window(tmp)
+        check_phi3(tmp)
         check_rope_scaling(tmp)
         check_bad_input(tmp)
     finally:

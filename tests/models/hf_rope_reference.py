@@ -10,13 +10,14 @@
       / partial_rotary_factor, model.safetensors); DIR/outputs.safetensors holds tokens, targets,
       lathe's logits and loss, DIR/grads.safetensors lathe's gradients. transformers' own
       LlamaForCausalLM / Qwen2ForCausalLM (fp32, eager attention) loads the directory and computes
-      them; every tensor must agree within TOL of max|torch|.
+      them; every tensor must agree within TOL of max|torch|. Phi3ForCausalLM too (phi3_window_mask).
       partial_rotary_factor: transformers 4.45's llama computes cos/sin of the rotated width but
       apply_rotary_pos_emb multiplies the whole head by them (a shape error), so the oracle swaps in
       GPT-NeoX's partial rotation (modeling_gpt_neox: rotate q[..., :rot], pass q[..., rot:]).
 Exit code 1 on any mismatch.
 """
 import json
+import os
 import sys
 
 import numpy as np
@@ -78,6 +79,24 @@ def neox_partial_apply(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     return one(q), one(k)
 
 
+def phi3_window_mask(cfgd, toks):
+    """phi3 with a sliding_window S shorter than the pass: transformers 4.45.2 applies the window
+    only in Phi3FlashAttention2, as flash-attn's window_size=(S, S): query t sees keys
+    t - S .. t (S + 1 keys); its eager mask ignores the window. The oracle is the eager model with
+    that mask given as a 4D additive mask (_prepare_4d_causal_attention_mask_with_cache_position
+    uses a 4D mask as it is). PHI3_WINDOW_DELTA (tests only) widens it to show an off-by-one fails."""
+    S = cfgd.get("sliding_window")
+    if cfgd["model_type"] != "phi3" or S is None:
+        return None
+    S += int(os.environ.get("PHI3_WINDOW_DELTA", "0"))
+    B, T = toks.shape
+    i = torch.arange(T).reshape(-1, 1)
+    j = torch.arange(T).reshape(1, -1)
+    allowed = (j <= i) & (i - j <= S)
+    mask = torch.zeros(T, T).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    return mask[None, None].expand(B, 1, T, T)
+
+
 def model(d):
     cfgd = json.load(open(f"{d}/model/config.json"))
     if cfgd.get("partial_rotary_factor", 1.0) != 1.0:
@@ -88,7 +107,7 @@ def model(d):
     out = load_file(f"{d}/outputs.safetensors")
     grads = load_file(f"{d}/grads.safetensors")
     toks, tgts = out["tokens"].long(), out["targets"].long()
-    logits = m(input_ids=toks).logits
+    logits = m(input_ids=toks, attention_mask=phi3_window_mask(cfgd, toks), use_cache=False).logits
     V = logits.shape[-1]
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), tgts.reshape(-1))
     loss.backward()

@@ -487,3 +487,41 @@ TEST(TensorParallel, RegionPairsCallTheirCollectives) {
   tp.reduce_sequence_norm_grads(f32, 2);
   expect(entry("all_reduce_f32", f32, nullptr, 2));
 }
+
+// phi3's fused qkv_proj splits as three equal sections (q, k, v each over the ranks): grouped-query
+// phi3 (KV < H) is refused naming the heads; with KV == H a rank's shard holds its own q, k and v
+// heads (scatter then place restores the whole model).
+TEST(TensorParallel, Phi3FusedQkv) {
+  ModelConfig gqa = ModelConfig::preset("phi3-debug");
+  std::string e;
+  try {
+    (void)shard_config(gqa, 2);
+  } catch (const Error& x) {
+    e = x.what();
+  }
+  EXPECT_NE(e.find("phi3 with num_key_value_heads = 2 != num_attention_heads = 4"), std::string::npos) << e;
+  ModelConfig mha = gqa;
+  mha.num_key_value_heads = 4;
+  auto whole = build_model(mha);
+  whole->init_weights(3);
+  auto local = build_model(shard_config(mha, 2, 1));
+  scatter_shard(whole->params(), whole->param_data(), local->params(), local->param_data(), 1, 2);
+  const ParamSpec& g = whole->params().at("model.layers.0.self_attn.qkv_proj.weight");
+  const ParamSpec& l = local->params().at("model.layers.0.self_attn.qkv_proj.weight");
+  const int64_t C = mha.hidden_size, HD = 4 * mha.head_dim(), part = HD / 2;
+  for (int64_t sec = 0; sec < 3; ++sec)  // rank 1: the second half of each of q, k, v
+    EXPECT_EQ(local->param_data()[l.offset + sec * part * C], whole->param_data()[g.offset + (sec * HD + part) * C])
+        << sec;
+  std::vector<float> back(whole->num_params(), 0.0f);
+  for (int r = 0; r < 2; ++r) {
+    auto lr = build_model(shard_config(mha, 2, r));
+    scatter_shard(whole->params(), whole->param_data(), lr->params(), lr->param_data(), r, 2);
+    place_shard(whole->params(), back.data(), lr->params(), lr->param_data(), r, 2);
+  }
+  for (const char* n : {"model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"}) {
+    const ParamSpec& s = whole->params().at(n);
+    EXPECT_TRUE(
+        std::equal(back.begin() + s.offset, back.begin() + s.offset + s.numel(), whole->param_data() + s.offset))
+        << n;
+  }
+}
