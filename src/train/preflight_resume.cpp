@@ -92,9 +92,10 @@ void adapt_data_position(CheckpointState& cs, const Recipe& r, int64_t train_sam
   if (from == to || from <= 0) return;
   const data::LoaderState at = cs.loader;
   if (!r.data.blend.empty()) {
-    log.note(fmt::format("resume: training.seq_len {} -> {}: the blend continues at sample {} of its plan (the "
-                         "run's samples are counted; each is now {} tokens)",
-                         from, to, at.position, to));
+    log.note(
+        fmt::format("resume: training.seq_len {} -> {}: the blend continues at sample {} of its plan (the "
+                    "run's samples are counted; each is now {} tokens)",
+                    from, to, at.position, to));
     return;
   }
   cs.loader = data::remap_seq_len(at, from, to, global_batch_samples(r), train_samples);
@@ -117,8 +118,13 @@ void check_resume_state(const CheckpointState& cs, const Recipe& r, int64_t trai
   // checkpoint's own (the batch may change with --force-resume-changes, e.g. fewer samples of a
   // longer seq_len per step).
   const int64_t batches = cs.step;
+  // A resharded checkpoint (lathe checkpoint reshard) carries the new layout's parallel section, so
+  // under forced changes either batch may be the one its steps consumed.
   const int64_t G_ckpt = exact || !cs.recipe.is_object() ? G : recipe_global_batch(cs.recipe);
-  const int64_t consumed = checked_mul(batches, G_ckpt, "state.json step x global batch");
+  const int64_t consumed_here = checked_mul(batches, G, "state.json step x global batch");
+  const int64_t consumed = cs.consumed_samples == consumed_here
+                               ? consumed_here
+                               : checked_mul(batches, G_ckpt, "state.json step x global batch");
   LATHE_CHECK(cs.consumed_samples == consumed,
               "{}: field 'consumed_samples' is {} but step {} x global batch {} (training.micro_batch_size x "
               "grad_accum_steps x parallel.data{}) = {}",
