@@ -41,7 +41,6 @@ DistOptimizer::DistOptimizer(FlatState flat, dist::Communicator& data, const Dis
   LATHE_CHECK(k_, "distributed optimizer: the {} backend has no step ops in this build", flat.backend->name());
   LATHE_CHECK(zero_ >= 0 && zero_ <= 2, "parallel.zero must be 0, 1 or 2, got {}", zero_);
   LATHE_CHECK(cfg.bucket_elems > 0, "distributed optimizer: buckets of 0 elements");
-  optim::validate(cfg.optim);
   const size_t b = state_begin(), e = state_end();
   ranges_ = zero_ ? ranges_in_shard(ranges, b, e) : std::move(ranges);
   host_ = optim::make_optimizer(cfg.optim, e - b);

@@ -80,6 +80,7 @@ class DistOptimizer {
   size_t state_begin() const { return zero_ ? shards_.begin(data_.rank()) : 0; }
   size_t state_end() const { return zero_ ? shards_.end(data_.rank()) : shards_.total(); }
   double grad_clip() const { return cfg_.optim.grad_clip; }
+  size_t bucket_elems() const { return cfg_.bucket_elems; }
   bool device_path() const { return staged_; }
   // The host moments (sized state_end - state_begin): the checkpoint's view of the optimizer.
   optim::Optimizer& local() { return *host_; }

@@ -236,7 +236,7 @@ void TrainSession::report_startup() {
       .G = geo_.G,
       .copy_gbps = copy_gbps_,
       .moment_elems = opt_->state_end() - opt_->state_begin(),
-      .bucket_elems = static_cast<size_t>(std::max(1.0, r_.parallel.bucket_mb * (1 << 20) / 4)),
+      .bucket_elems = opt_->bucket_elems(),
       .pipeline = lay.pp > 1 ? &rm_->stage() : nullptr,
       .scaler = *scaler_,
       .resumed = !pf_.ckpt.empty(),

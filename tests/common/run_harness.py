@@ -52,3 +52,25 @@ def metrics(out):
 def records(out):
     """The metrics.jsonl records of OUT's training steps (those with a loss)."""
     return [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in l]
+
+
+# One step from an HF directory (`init_from`), checkpointed: the HF import / train / export tests
+# format it with init=, data=, out= (tests/interop/test_hf_roundtrip.py and the family tests).
+INIT_FROM_RECIPE = """
+model:
+  init_from: {init}
+data:
+  train: {data}
+  valid_fraction: 0.0
+optimizer:
+  lr: 1.0e-2
+training:
+  micro_batch_size: 2
+  seq_len: 16
+  steps: 1
+  eval_interval: 0
+  peak_gflops: 100
+output:
+  dir: {out}
+  checkpoint_every: 1
+"""

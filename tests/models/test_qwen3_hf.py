@@ -26,7 +26,9 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "common"))
 sys.path.insert(0, os.path.join(HERE, "..", "train"))
+from run_harness import INIT_FROM_RECIPE  # noqa: E402
 import megatron_writer  # noqa: E402
 import torch_reference_qwen3 as q3  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
@@ -79,24 +81,7 @@ def rel_diff(a, b):
     return max(float(np.abs(x - y).max()) for x, y in zip(a, b)) / scale
 
 
-RECIPE = """
-model:
-  init_from: {init}
-data:
-  train: {data}
-  valid_fraction: 0.0
-optimizer:
-  lr: 1.0e-2
-training:
-  micro_batch_size: 2
-  seq_len: 16
-  steps: 1
-  eval_interval: 0
-  peak_gflops: 100
-output:
-  dir: {out}
-  checkpoint_every: 1
-"""
+RECIPE = INIT_FROM_RECIPE
 
 
 def edited(src, dst, cfg_edit=None, tensors_edit=None):
