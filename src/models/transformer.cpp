@@ -236,9 +236,9 @@ void Model::init_weights(uint64_t seed) {
 double Model::flops_per_token(int64_t T) const {
   double n = static_cast<double>(num_params());
   if (arch_.learned_pos && p_.wpe) n -= static_cast<double>(cfg_.max_position_embeddings * cfg_.hidden_size);
-  // Attention scores and their weighted sum: 12 x (heads x head_dim) per layer and position (C
-  // unless head_dim is explicit).
-  return 6.0 * n + 12.0 * cfg_.num_hidden_layers * cfg_.attention_width() * static_cast<double>(T);
+  // Attention scores and their weighted sum: 12 x (heads x head_dim) per layer and key a position
+  // attends to (T, or the window of a sliding layer; heads x head_dim is C unless head_dim is explicit).
+  return 6.0 * n + 12.0 * static_cast<double>(cfg_.attention_width()) * cfg_.attention_keys_over_layers(T);
 }
 
 // Shapes used below (per micro-batch): N = B*T rows; C hidden; H query heads, KV key/value heads

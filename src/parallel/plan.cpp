@@ -26,7 +26,7 @@ std::string Layout::name() const {
 double flops_per_token(const ModelConfig& cfg, int64_t T) {
   double n = static_cast<double>(cfg.num_parameters());
   if (cfg.is_gpt2()) n -= static_cast<double>(cfg.max_position_embeddings * cfg.hidden_size);
-  return 6.0 * n + 12.0 * static_cast<double>(cfg.num_hidden_layers * cfg.attention_width()) * static_cast<double>(T);
+  return 6.0 * n + 12.0 * static_cast<double>(cfg.attention_width()) * cfg.attention_keys_over_layers(T);
 }
 
 namespace {
@@ -282,7 +282,8 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l, Schedule
   const double act_bytes = tokens_mb * static_cast<double>(C * act_size);
   const double tp_ar = ring(t, act_bytes, bw(t), true);
   const double per_layer_flops =
-      6.0 * static_cast<double>(ps.layer) + 12.0 * static_cast<double>(cfg.attention_width() * T);
+      6.0 * static_cast<double>(ps.layer) +
+      12.0 * static_cast<double>(cfg.attention_width()) * cfg.attention_keys_over_layers(T) / static_cast<double>(L);
   const double rest_flops = flops_per_token(cfg, T) - static_cast<double>(L) * per_layer_flops;  // head, embedding
   pipeline::Costs costs;
   std::vector<double> compute_rank(static_cast<size_t>(p), 0), tp_rank(static_cast<size_t>(p), 0);

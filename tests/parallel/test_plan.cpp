@@ -323,3 +323,16 @@ TEST(Plan, LongStepsExtendedFromShortSimulations) {
             "pipeline 1024 x virtual stages 1 is too deep for the schedule simulator (1024 x 4096 micro-batches x 1 > "
             "262144 steps)");
 }
+
+// The planner's FLOPs read the keys of sliding layers from the config alone, as the model does
+// (tests/models/test_registry.cpp FlopsCountWindowKeysOfSlidingLayers): window 3 on layers 0 and 2
+// at T = 7 counts 3 + 7 + 3 keys, not 3 x 7.
+TEST(Plan, FlopsCountWindowKeysOfSlidingLayers) {
+  ModelConfig c = model_test::mistral_head_dim_config();
+  c.num_hidden_layers = 3;
+  c.sliding_window = 3;
+  c.sliding_layers = {1, 0, 1};
+  auto m = build_model(c);
+  EXPECT_DOUBLE_EQ(plan::flops_per_token(c, 7), m->flops_per_token(7));
+  EXPECT_DOUBLE_EQ(plan::flops_per_token(c, 7) - plan::flops_per_token(c, 3), 12.0 * 128 * 4);  // layer 1: 7 - 3 keys
+}
