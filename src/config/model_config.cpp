@@ -302,8 +302,9 @@ void read_gpt_neox(const Reader& r, ModelConfig& c) {
   };
   c.partial_rotary_factor = alias("rotary_pct", "partial_rotary_factor", 0.25);
   c.rope_theta = alias("rotary_emb_base", "rope_theta", 10000.0);
-  if (r.has("rope_scaling") && !j["rope_scaling"].is_null())
-    r.fail("rope_scaling", "is not supported for gpt_neox yet (plain RoPE only): give null or remove it");
+  // transformers 4.45's GPTNeoXRotaryEmbedding is LlamaRotaryEmbedding (ROPE_INIT_FUNCTIONS over the
+  // rotary_pct dims): every rope_scaling type reads as the llama family's.
+  if (r.has("rope_scaling")) c.rope_scaling = RopeScaling::from_json(j["rope_scaling"], r.source, r.prefix);
 }
 
 // Phi3Config / Phi3ForCausalLM of transformers 4.45.2 (models/phi3), on top of the llama fields:
@@ -754,7 +755,7 @@ json ModelConfig::to_hf_json() const {
     j["layer_norm_eps"] = norm_eps;
     j["use_parallel_residual"] = parallel_residual;
     j["attention_bias"] = attention_bias;
-    j["rope_scaling"] = nullptr;
+    j["rope_scaling"] = rope_scaling.to_json();
     j["attention_dropout"] = 0.0;
     j["hidden_dropout"] = 0.0;
     return j;
