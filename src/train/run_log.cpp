@@ -14,6 +14,7 @@
 #include "core/blas_env.h"
 #include "core/error.h"
 #include "core/progress.h"
+#include "core/stop.h"
 #include "core/sysinfo.h"
 #include "io/fs.h"
 #include "kernels/cpu/isa.h"
@@ -69,14 +70,64 @@ void trim_metrics(const std::string& path, int64_t step) {
   io::atomic_write_file(path, kept);
 }
 
+namespace {
+
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%d %H:%M:%S UTC", &tm);
+  return buf;
+}
+
+}  // namespace
+
+LogFile::~LogFile() {
+  if (f_) std::fclose(f_);
+}
+
+void LogFile::open(const std::string& path, bool resumed, int64_t start_step) {
+  f_ = std::fopen(path.c_str(), resumed ? "a" : "w");
+  LATHE_CHECK(f_ != nullptr, "{}: cannot open the run log for writing (output.dir must be writable)", path);
+  const std::string marker =
+      resumed ? fmt::format("==== resumed at step {} ({}) ====", start_step, utc_now())
+              : fmt::format("==== lathe {} started ({}) ====", LATHE_VERSION, utc_now());
+  std::vector<std::string> pending = std::move(pending_);
+  pending_.clear();
+  line(marker);
+  for (const std::string& s : pending) line(s);
+}
+
+void LogFile::line(const std::string& s) {
+  if (!f_) {
+    pending_.push_back(s);
+    return;
+  }
+  std::fputs(s.c_str(), f_);
+  std::fputc('\n', f_);
+  std::fflush(f_);
+}
+
 void RunLog::log(const std::string& s) const {
+  if (rank0_) file_.line(s);
   if (rank0_ && !quiet_) fmt::print("{}\n", s);
   std::fflush(stdout);
 }
 
 void RunLog::say(const std::string& s) const {
+  if (rank0_) file_.line(s);
   if (rank0_) fmt::print("{}\n", s);
   std::fflush(stdout);
+}
+
+void RunLog::open_log_file(bool resumed, int64_t start_step) {
+  if (rank0_) file_.open((fs::path(r_.output.dir) / "train.log").string(), resumed, start_step);
+}
+
+void RunLog::fail(const std::exception& e) const {
+  if (rank0_ && file_.is_open())
+    file_.line(dynamic_cast<const Interrupted*>(&e) ? std::string(e.what()) : "error: " + std::string(e.what()));
 }
 
 void RunLog::startup(const StartupFacts& f) {

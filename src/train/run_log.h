@@ -10,6 +10,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "config/recipe.h"
 #include "models/model.h"
@@ -32,6 +33,24 @@ class MetricsWriter {
 
  private:
   std::FILE* f_;
+};
+
+// OUTPUT/train.log: every line rank 0 prints (also those --quiet keeps off stdout), written and
+// flushed line by line so that `tail -f` follows the run. Lines said before the run directory is
+// claimed wait in memory until open(). A resume appends after a marker line; a new run starts it over.
+class LogFile {
+ public:
+  LogFile() = default;
+  ~LogFile();
+  LogFile(const LogFile&) = delete;
+  LogFile& operator=(const LogFile&) = delete;
+  void open(const std::string& path, bool resumed, int64_t start_step);
+  void line(const std::string& s);
+  bool is_open() const { return f_ != nullptr; }
+
+ private:
+  std::FILE* f_ = nullptr;
+  std::vector<std::string> pending_;
 };
 
 // Keeps the records of steps <= `step` of the JSONL file `path` (a resumed run rewrites what came
@@ -73,6 +92,12 @@ class RunLog {
     return [this](const std::string& s) { say(s); };
   }
   PreflightLog preflight_log() const { return {log_fn(), say_fn()}; }
+  // OUTPUT/train.log, once the run directory is this run's (after claim_run_dir); the lines said so
+  // far go in first. `start_step` > 0 with `resumed`: appended after a "==== resumed" marker.
+  void open_log_file(bool resumed, int64_t start_step);
+  // The exception that ends the run, into train.log only (main() prints it to stderr): "error: ..."
+  // or, for a stop request honoured before any result was written (core/stop.h), its message.
+  void fail(const std::exception& e) const;
 
   // metrics.jsonl trimmed to start_step on a resume, recipe.yaml, run_info.json and the lines that
   // describe the run (model, layout, memory estimate, lathe plan's prediction, data).
@@ -98,6 +123,7 @@ class RunLog {
 
   const Recipe& r_;
   const bool rank0_, quiet_;
+  mutable LogFile file_;  // OUTPUT/train.log (rank 0)
   std::string metrics_path_;
   std::unique_ptr<MetricsWriter> metrics_, anomalies_;
   // Set by startup() for the step records.
