@@ -188,6 +188,7 @@ void RunLog::startup(const StartupFacts& f) {
   accum_ = f.accum;
   dp_ = f.dp;
   pp_ = f.pp;
+  start_step_ = f.start_step;
 }
 
 // OUTPUT/run_info.json: what ran where, for `lathe report` and for anyone comparing runs later.
@@ -257,10 +258,14 @@ void RunLog::open_records(bool resumed, bool anomaly_audit) {
   // Appended across resumes and rollbacks: it is the audit trail. Only written with the policy on.
   if (anomaly_audit)
     anomalies_ = std::make_unique<MetricsWriter>((fs::path(r_.output.dir) / "anomalies.jsonl").string(), resumed);
+  if (r_.output.tensorboard)
+    tensorboard_ = std::make_unique<TensorBoardWriter>((fs::path(r_.output.dir) / "tensorboard").string(),
+                                                       resumed ? start_step_ : 0, r_.to_yaml());
 }
 
-void RunLog::metrics(const nlohmann::json& j) {
+void RunLog::metrics(const nlohmann::json& j, const char* group) {
   if (metrics_) metrics_->write(j);
+  if (tensorboard_) tensorboard_->record(group, j);
 }
 
 void RunLog::audit(const nlohmann::json& j, const std::string& line) {
@@ -273,6 +278,7 @@ void RunLog::restart_metrics_at(int64_t step) {
   metrics_.reset();
   trim_metrics(metrics_path_, step);
   metrics_ = std::make_unique<MetricsWriter>(metrics_path_, true);
+  if (tensorboard_) tensorboard_->restart_at(step);
 }
 
 void RunLog::step(int64_t step, const StepStats& st, const optim::LossScaler& scaler, const AnomalyPolicy& anomaly) {
@@ -315,7 +321,7 @@ void RunLog::step(int64_t step, const StepStats& st, const optim::LossScaler& sc
     rec["anomalies"] = anomaly.state().anomalies;
     rec["lr_factor"] = st.lr_factor;
   }
-  metrics(rec);
+  metrics(rec, "train");
 
   // The precision, the loss scale this step carried (fp16) and the skipped steps so far.
   const std::string prec =
@@ -352,7 +358,8 @@ void RunLog::finish(int64_t peak_rss, int64_t train_peak_rss, int world_size, in
            {"peak_rss_mb_max_rank", peak_rss / 1e6},
            {"train_peak_rss_mb_max_rank", train_peak_rss / 1e6},
            {"skipped_steps", skipped_steps},
-           {"comm_exposed_s_total", comm_total_}});
+           {"comm_exposed_s_total", comm_total_}},
+          "run");
 }
 
 }  // namespace lathe

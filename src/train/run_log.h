@@ -18,6 +18,7 @@
 #include "parallel/pipeline_stage.h"
 #include "train/anomaly.h"
 #include "train/preflight.h"
+#include "train/tensorboard.h"
 #include "train/train_step.h"
 
 namespace lathe {
@@ -102,9 +103,12 @@ class RunLog {
   // metrics.jsonl trimmed to start_step on a resume, recipe.yaml, run_info.json and the lines that
   // describe the run (model, layout, memory estimate, lathe plan's prediction, data).
   void startup(const StartupFacts& f);
-  // metrics.jsonl (appended to on a resume) and, with the anomaly policy on, anomalies.jsonl.
+  // metrics.jsonl (appended to on a resume), with the anomaly policy on anomalies.jsonl, with
+  // output.tensorboard a new TensorBoard event file.
   void open_records(bool resumed, bool anomaly_audit);
-  void metrics(const nlohmann::json& j);
+  // One metrics.jsonl record; `group` names its TensorBoard tags: "train" (steps), "val", "tasks",
+  // "checkpoint", "run" (the end of the run).
+  void metrics(const nlohmann::json& j, const char* group);
   // One line of anomalies.jsonl and the same event as a log line.
   void audit(const nlohmann::json& j, const std::string& line);
   // After a rollback to `step`: the curves continue from the checkpoint, as after a resume.
@@ -126,6 +130,8 @@ class RunLog {
   mutable LogFile file_;  // OUTPUT/train.log (rank 0)
   std::string metrics_path_;
   std::unique_ptr<MetricsWriter> metrics_, anomalies_;
+  std::unique_ptr<TensorBoardWriter> tensorboard_;
+  int64_t start_step_ = 0;
   // Set by startup() for the step records.
   double peak_gflops_ = 0, flops_per_step_ = 0, memory_estimate_ = 0;
   int64_t G_ = 1, T_ = 1, accum_ = 1;
