@@ -90,9 +90,12 @@ LogFile::~LogFile() {
 void LogFile::open(const std::string& path, bool resumed, int64_t start_step) {
   f_ = std::fopen(path.c_str(), resumed ? "a" : "w");
   LATHE_CHECK(f_ != nullptr, "{}: cannot open the run log for writing (output.dir must be writable)", path);
-  const std::string marker =
-      resumed ? fmt::format("==== resumed at step {} ({}) ====", start_step, utc_now())
-              : fmt::format("==== lathe {} started ({}) ====", LATHE_VERSION, utc_now());
+  // The process and host: `lathe runs` tells a running run from a killed one by them.
+  char host[256] = {0};
+  ::gethostname(host, sizeof(host) - 1);
+  const std::string who = fmt::format("{}; pid {} on {}", utc_now(), static_cast<long>(::getpid()), host);
+  const std::string marker = resumed ? fmt::format("==== resumed at step {} ({}) ====", start_step, who)
+                                     : fmt::format("==== lathe {} started ({}) ====", LATHE_VERSION, who);
   std::vector<std::string> pending = std::move(pending_);
   pending_.clear();
   line(marker);
