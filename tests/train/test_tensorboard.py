@@ -91,7 +91,7 @@ def read_back(out):
     return acc, {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in tags["scalars"]}
 
 
-def compare(out, what):
+def compare(out, what, steps=6):
     acc, got = read_back(out)
     want = expected(out)
     check(sorted(got) == sorted(want), f"{what}: the scalar tags are metrics.jsonl's numeric fields "
@@ -100,7 +100,7 @@ def compare(out, what):
     check(not bad, f"{what}: every tag's (step, value) list equals metrics.jsonl's (differ: {bad[:5]})")
     nonmono = [t for t, v in got.items() if any(b[0] <= a[0] for a, b in zip(v, v[1:]))]
     check(not nonmono, f"{what}: every tag's steps strictly increasing ({nonmono[:5]})")
-    check(len(want.get("train/loss", [])) == 6, f"{what}: 6 loss points")
+    check(len(want.get("train/loss", [])) == steps, f"{what}: {steps} loss points")
     return acc
 
 
@@ -133,6 +133,19 @@ def main():
     files = sorted(glob.glob(os.path.join(out, "tensorboard", "events.out.tfevents.*")))
     check(len(files) == 2 and files[1].endswith("step0000000003"), f"a second event file: {files}")
     compare(out, "after the resume")
+
+    # An anomaly rollback (loss spikes at steps 5 and 7, test hook train/fault_plan.h) back to the
+    # step-4 checkpoint: metrics.jsonl restarts there, and so do the curves.
+    out = os.path.join(tmp, "rollback")
+    anomaly = {"enabled": True, "warmup_steps": 2, "grad_norm_z_threshold": 0, "lr_steps": 0, "rollback_after": 2,
+               "rollback_window": 3, "max_rollbacks": 3, "skip_samples": 0}
+    recipe = write_recipe(out, data, dict(training, steps=10, eval_interval=0, anomaly=anomaly),
+                          output={"dir": out, "tensorboard": True, "checkpoint_every": 2})
+    p = subprocess.run([LATHE, "train", recipe, "--quiet"], capture_output=True, text=True, timeout=600,
+                       env=dict(ENV, LATHE_TEST_LOSS_SPIKE_STEPS="5,7"))
+    events = [json.loads(l)["event"] for l in open(os.path.join(out, "anomalies.jsonl"))] if p.returncode == 0 else []
+    check("rollback" in events, f"the spikes roll the run back: {events} {p.stderr[-300:]}")
+    compare(out, "after a rollback", steps=10)
 
     out = os.path.join(tmp, "plain")
     p = subprocess.run([LATHE, "train", write_recipe(out, data, training), "--quiet"], capture_output=True, text=True,
