@@ -215,7 +215,9 @@ json describe_run(const fs::path& root, const fs::path& dir) {
   std::string error;
   json row;
   const std::string rel = fs::relative(dir, root).string();
-  row["run"] = rel == "." ? dir.filename().string() : rel;
+  fs::path whole = fs::absolute(dir).lexically_normal();  // "runs/x/" and "." have a name too
+  if (whole.filename().empty()) whole = whole.parent_path();
+  row["run"] = rel == "." ? whole.filename().string() : rel;
   row["path"] = dir.string();
   row["status"] = status_of(dir, m, t, last_step, error);
   if (!error.empty()) row["error"] = error;

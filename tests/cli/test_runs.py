@@ -130,6 +130,9 @@ def main():
     runs_drawn = set(re.findall(r'data-run="(\d+)" data-series="loss"', loss_plot))
     check(len(runs_drawn) == 6, f"overlaid loss curves of the six runs ({sorted(runs_drawn)})")
     check("<script" not in html and "http://" not in html.replace("http://www.w3.org/2000/svg", ""), "self-contained")
+    one = subprocess.run([LATHE, "runs", out["finished"] + "/", "--json"], capture_output=True, text=True, timeout=60)
+    check(one.returncode == 0 and [r["run"] for r in json.loads(one.stdout)] == ["finished"],
+          "a run directory itself (with a trailing slash) is one row named after it")
     p = subprocess.run([LATHE, "runs", os.path.join(tmp, "nope")], capture_output=True, text=True, timeout=60)
     check(p.returncode == 1 and "nope: not a directory" in p.stderr, "a missing DIR is named")
     return finish(tmp)
