@@ -163,6 +163,7 @@ int write_archive(const fs::path& run, const std::string& out, bool with_model, 
   for (const Member& x : members) {
     if (x.source.empty()) {
       w.add(x.name, x.data);
+      bar.add(static_cast<int64_t>(x.data.size()));
     } else {
       lathe::io::Xxh64 h;  // the bytes archived are the bytes hashed (a file changed meanwhile is refused)
       w.add(x.name, x.size, [&](const auto& write) {

@@ -14,6 +14,7 @@ lathe archive --verify FILE (issue 29 item 6).
 """
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -109,6 +110,23 @@ def main():
     p = lathe("archive", "--verify", flipped)
     check(p.returncode == 1 and flipped in p.stderr and ("damaged" in p.stderr), "a flipped byte of the archive fails "
           "verification: " + p.stderr.strip()[:300])
+
+    cut = os.path.join(tmp, "cut.tar.zst")
+    open(cut, "wb").write(read(a1)[:len(read(a1)) // 2])
+    p = lathe("archive", "--verify", cut)
+    check(p.returncode == 1 and cut in p.stderr and "truncated" in p.stderr, "a truncated archive: " + p.stderr[-200:])
+
+    # A large archive (a 72 MB file in model/) shows progress: plain lines on stderr off a terminal.
+    open(os.path.join(run, "model", "big.bin"), "wb").write(np.random.default_rng(1).bytes(72 << 20))
+    big = os.path.join(tmp, "big.tar.zst")
+    p = lathe("archive", run, "--out", big, "--with-model")
+    lines = [l for l in p.stderr.splitlines() if l.startswith("archive " + big)]
+    check(p.returncode == 0 and len(lines) >= 2 and "100.0%" in lines[-1]
+          and re.search(r" (\d+)/\1 bytes", lines[-1]), f"progress lines, the last at the total: {lines[-1:]}")
+    p = lathe("archive", run, "--out", big, "--with-model", "--no-progress")
+    check(p.returncode == 0 and "100.0%" not in p.stderr, "--no-progress: none")
+    check(lathe("archive", "--verify", big).returncode == 0, "the large archive verifies")
+    os.remove(big)
 
     p = lathe("archive", run, "--out", os.path.join(tmp, "x.tar.zst"), "--with-checkpoint", "5")
     check(p.returncode == 1 and "has no complete checkpoint of step 5 (it has steps 3, 6)" in p.stderr,
