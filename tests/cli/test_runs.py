@@ -53,7 +53,15 @@ def wait_for(cond, what, limit=300):
 
 def main():
     tmp = tempfile.mkdtemp(prefix="lathe_runs_")
-    data = patterned_data(tmp, np.random.default_rng(0))
+    rng = np.random.default_rng(0)
+    data = patterned_data(tmp, rng)
+    tasks = os.path.join(tmp, "tasks.jsonl")  # multiple-choice items (as tests/train/test_eval_tasks_training.py)
+    with open(tasks, "w") as f:
+        for i in range(6):
+            ctx = [(i + j) * 3 % 96 for j in range(8)]
+            endings = [[int(x) for x in rng.integers(0, 96, 2)] for _ in range(3)]
+            f.write(json.dumps({"context_ids": ctx, "ending_ids": endings, "label": i % 3}) + "\n")
+    TRAINING.update(eval_tasks=tasks, eval_tasks_interval=3)
     root = os.path.join(tmp, "runs")
     os.makedirs(os.path.join(root, "group"))
     out = {k: os.path.join(root, k) for k in ["finished", "stopped", "sigint", "crashed", "killed", "old"]}
@@ -70,7 +78,8 @@ def main():
     with open(os.path.join(out["old"], "metrics.jsonl"), "a") as f:
         f.write('{"step":4,"loss":4.4')
     # A long run, SIGINT once it has trained a step; another killed (SIGKILL) while it trains.
-    long = dict(TRAINING, steps=1000000, eval_interval=0)
+    long = {k: v for k, v in TRAINING.items() if not k.startswith("eval_tasks")}
+    long.update(steps=1000000, eval_interval=0)
     procs = {}
     for k in ["sigint", "killed"]:
         procs[k] = subprocess.Popen([LATHE, "train", write_recipe(out[k], data, long), "--quiet"], env=ENV,
@@ -114,7 +123,9 @@ def main():
     tps = sorted(r["tokens_per_s"] for r in steps)
     check(abs(f["tokens_per_s"] - (tps[2] + tps[3]) / 2) < 1e-9 * tps[3], "median tokens/s")
     check(abs(f["step_time_s"] - sum(r["ms_per_step"] for r in steps) / 1e3) < 1e-9, "time in steps")
-    check(f["tasks_acc"] is None, "no tasks: tasks_acc null")
+    accs = [r["tasks_acc"] for r in recs if "tasks_acc" in r]
+    check(len(accs) == 2 and f["tasks_acc"] == accs[-1], f"task accuracy: the last tasks_acc ({f['tasks_acc']})")
+    check(rows["killed"]["tasks_acc"] is None, "no tasks: tasks_acc null")
     h = {k: rows[k]["recipe_hash"] for k in rows}
     check(h["finished"] == h["group/stopped"] and h["finished"] != h["crashed"] and re.fullmatch("[0-9a-f]{16}", h["finished"]),
           f"recipe hash: one recipe in two directories shares it, another differs ({h})")
