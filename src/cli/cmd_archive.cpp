@@ -84,8 +84,10 @@ fs::path choose_checkpoint(const fs::path& run, const std::string& which) {
   const auto ck = lathe::list_checkpoints(run.string());
   std::string have;
   for (const auto& [s, d] : ck) have += (have.empty() ? "" : ", ") + std::to_string(s);
-  LATHE_CHECK(!ck.empty(), "{}: no complete checkpoint in {}/checkpoints (drop --with-checkpoint, or train with "
-              "output.checkpoint_every)", run.string(), run.string());
+  LATHE_CHECK(!ck.empty(),
+              "{}: no complete checkpoint in {}/checkpoints (drop --with-checkpoint, or train with "
+              "output.checkpoint_every)",
+              run.string(), run.string());
   if (which == "latest") return ck.back().second;
   int64_t step = -1;
   try {
@@ -98,8 +100,8 @@ fs::path choose_checkpoint(const fs::path& run, const std::string& which) {
               have);
   for (const auto& [s, d] : ck)
     if (s == step) return d;
-  lathe::throw_error("--with-checkpoint {}: {} has no complete checkpoint of step {} (it has steps {})", which, run.string(),
-              step, have);
+  lathe::throw_error("--with-checkpoint {}: {} has no complete checkpoint of step {} (it has steps {})", which,
+                     run.string(), step, have);
 }
 
 std::vector<Member> collect(const fs::path& run, const std::string& name, bool with_model, const std::string& ckpt) {
@@ -122,8 +124,10 @@ std::vector<Member> collect(const fs::path& run, const std::string& name, bool w
     lathe::verify_checkpoint(dir.string());  // a damaged checkpoint is not archived as if it were sound
     add_tree(m, dir, name + "/checkpoints/" + dir.filename().string());
   }
-  LATHE_CHECK(!m.empty(), "{}: not a lathe run directory (no recipe.yaml, metrics.jsonl or train.log; pass the "
-              "output.dir of a `lathe train` run)", run.string());
+  LATHE_CHECK(!m.empty(),
+              "{}: not a lathe run directory (no recipe.yaml, metrics.jsonl or train.log; pass the "
+              "output.dir of a `lathe train` run)",
+              run.string());
   return m;
 }
 
@@ -138,9 +142,10 @@ int write_archive(const fs::path& run, const std::string& out, bool with_model, 
   LATHE_CHECK(fs::is_directory(run), "{}: not a directory (pass the output.dir of a `lathe train` run)", run.string());
   const fs::path canon = fs::weakly_canonical(run);
   const std::string name = canon.filename().string();
-  std::vector<lathe::io::PathUse> in = {{run.string() + "/checkpoints", "the run's checkpoints/", lathe::io::PathUse::Dir},
-                                        {run.string() + "/model", "the run's model/", lathe::io::PathUse::Dir},
-                                        {run.string() + "/tensorboard", "the run's tensorboard/", lathe::io::PathUse::Dir}};
+  std::vector<lathe::io::PathUse> in = {
+      {run.string() + "/checkpoints", "the run's checkpoints/", lathe::io::PathUse::Dir},
+      {run.string() + "/model", "the run's model/", lathe::io::PathUse::Dir},
+      {run.string() + "/tensorboard", "the run's tensorboard/", lathe::io::PathUse::Dir}};
   for (const char* f : kLogs) in.push_back({(run / f).string(), fmt::format("the run's {}", f)});
   lathe::io::check_output_paths(in, {{out, "--out"}});
   std::vector<Member> members = collect(run, name, with_model, ckpt);
@@ -173,8 +178,10 @@ int write_archive(const fs::path& run, const std::string& out, bool with_model, 
           bar.add(static_cast<int64_t>(n));
         });
       });
-      LATHE_CHECK(lathe::io::hex64(h.digest()) == x.hash, "{}: changed while it was archived (run `lathe archive` "
-                  "again once the run is not writing it)", x.source);
+      LATHE_CHECK(lathe::io::hex64(h.digest()) == x.hash,
+                  "{}: changed while it was archived (run `lathe archive` "
+                  "again once the run is not writing it)",
+                  x.source);
     }
   }
   w.finish();
@@ -202,8 +209,8 @@ Manifest parse_manifest(const std::string& file, const std::string& text) {
     f >> hash >> size;
     std::getline(f, path);
     const size_t start = path.find_first_not_of(' ');
-    LATHE_CHECK(hash.size() == 16 && start != std::string::npos,
-                "{}: MANIFEST line {} is not 'XXH64  size  path': {}", file, n, lathe::io::excerpt(line));
+    LATHE_CHECK(hash.size() == 16 && start != std::string::npos, "{}: MANIFEST line {} is not 'XXH64  size  path': {}",
+                file, n, lathe::io::excerpt(line));
     path = path.substr(start);
     m.files[path] = {hash, size};
     m.order.push_back(path);
@@ -242,9 +249,10 @@ int verify_archive(const std::string& file) {
     if (it == man->files.end()) return;
     const std::string hash = lathe::io::hex64(h->digest());
     if (hash != it->second.first || got != it->second.second)
-      bad.push_back(fmt::format("{}: XXH64 {} over {} bytes, the MANIFEST says {} over {} bytes (this file's bytes "
-                                "changed)",
-                                current, hash, got, it->second.first, it->second.second));
+      bad.push_back(
+          fmt::format("{}: XXH64 {} over {} bytes, the MANIFEST says {} over {} bytes (this file's bytes "
+                      "changed)",
+                      current, hash, got, it->second.first, it->second.second));
   };
   lathe::io::read_tar_zst(file, v);
   LATHE_CHECK(man.has_value(), "{}: an empty archive (no MANIFEST)", file);
@@ -255,7 +263,7 @@ int verify_archive(const std::string& file) {
     std::string msg;
     for (const auto& b : bad) msg += "\n  " + b;
     lathe::throw_error("{}: {} of {} files fail verification (the archive is damaged; archive the run again):{}", file,
-                bad.size(), man->order.size(), msg);
+                       bad.size(), man->order.size(), msg);
   }
   fmt::print("{}: OK: {} files, {} bytes, every XXH64 matches the MANIFEST\n", file, seen.size(), bytes);
   return 0;
@@ -287,7 +295,9 @@ int run_archive(int argc, char** argv) {
   return write_archive(run, out, with_model, ckpt, no_progress);
 }
 
-lathe::cli::Registrar reg("archive", "write or verify one reproducible .tar.zst archive of a run (logs, metrics, "
-                          "report; optionally the model or a checkpoint)", run_archive);
+lathe::cli::Registrar reg("archive",
+                          "write or verify one reproducible .tar.zst archive of a run (logs, metrics, "
+                          "report; optionally the model or a checkpoint)",
+                          run_archive);
 
 }  // namespace

@@ -255,8 +255,8 @@ std::string cell(const json& v, int digits = 4) {
 std::vector<std::string> columns(const json& r) {
   const json& s = r["schedule"];
   const std::string model = cell(r["model"]) + (r["parameters"].is_number()
-                                                     ? " " + lathe::progress::format_count(r["parameters"].get<double>())
-                                                     : std::string());
+                                                    ? " " + lathe::progress::format_count(r["parameters"].get<double>())
+                                                    : std::string());
   return {cell(r["run"]),
           cell(r["status"]),
           model,
@@ -274,8 +274,9 @@ std::vector<std::string> columns(const json& r) {
           cell(r["recipe_hash"])};
 }
 
-const std::vector<std::string> kHeader = {"run",  "status",   "model",    "data", "tokens", "steps", "schedule", "loss",
-                                          "val",  "best val", "tasks acc", "tok/s", "MFU", "time", "recipe hash"};
+const std::vector<std::string> kHeader = {"run",       "status",   "model", "data", "tokens",
+                                          "steps",     "schedule", "loss",  "val",  "best val",
+                                          "tasks acc", "tok/s",    "MFU",   "time", "recipe hash"};
 
 std::string text_table(const json& rows) {
   std::vector<std::vector<std::string>> t = {kHeader};
@@ -306,8 +307,8 @@ std::string html_table(const json& rows) {
        "output section.</p>\n";
   for (const json& r : rows)
     if (r.contains("error"))
-      h += "<p class=\"note\">" + lathe::report::esc(r["run"].get<std::string>() + ": " + r["error"].get<std::string>()) +
-           "</p>\n";
+      h += "<p class=\"note\">" +
+           lathe::report::esc(r["run"].get<std::string>() + ": " + r["error"].get<std::string>()) + "</p>\n";
   return h;
 }
 

@@ -1,9 +1,9 @@
 // The HTML report of `lathe report RUN_DIR... [--out FILE]` and `lathe runs DIR --html FILE`: one
-// self-contained HTML file (inline SVG drawn here, no script, no network) with the curves of one or several training runs overlaid: loss (raw and
-// smoothed) with validation loss, learning rate, gradient norm, tokens/s, MFU, the time breakdown
-// (every *_pct field of metrics.jsonl), loss scale and skipped steps, memory; and per run the
-// resolved recipe, run_info.json (hardware, version) when the run wrote one, and its checkpoints;
-// the anomaly policy's actions (anomalies.jsonl) as a table and as markers on the loss plot.
+// self-contained HTML file (inline SVG drawn here, no script, no network) with the curves of one or several training
+// runs overlaid: loss (raw and smoothed) with validation loss, learning rate, gradient norm, tokens/s, MFU, the time
+// breakdown (every *_pct field of metrics.jsonl), loss scale and skipped steps, memory; and per run the resolved
+// recipe, run_info.json (hardware, version) when the run wrote one, and its checkpoints; the anomaly policy's actions
+// (anomalies.jsonl) as a table and as markers on the loss plot.
 //
 // Input is what `lathe train` writes to output.dir: metrics.jsonl (one JSON object per line;
 // records with "step" are plotted by field; a record repeated for a step after a resume replaces
@@ -22,11 +22,11 @@ namespace lathe::report {
 struct Run {
   std::string dir, label;
   std::map<std::string, std::map<int64_t, double>> series;  // field -> step -> value (NaN = gap)
-  nlohmann::json end = nlohmann::json::object();                                // the final record (peak memory)
+  nlohmann::json end = nlohmann::json::object();            // the final record (peak memory)
   std::vector<std::string> notes;
   std::string recipe, info;
   std::vector<std::string> checkpoints;
-  std::vector<nlohmann::json> anomalies;                // anomalies.jsonl (training.anomaly), in order
+  std::vector<nlohmann::json> anomalies;      // anomalies.jsonl (training.anomaly), in order
   std::map<int64_t, double> anomaly_markers;  // step -> loss of each detected anomaly
 };
 

@@ -39,7 +39,7 @@ std::string header(const std::string& name, uint64_t size) {
   octal(h + 108, 8, 0);
   octal(h + 116, 8, 0);
   octal(h + 124, 12, size);
-  octal(h + 136, 12, 0);     // mtime: fixed, for reproducible archives
+  octal(h + 136, 12, 0);  // mtime: fixed, for reproducible archives
   std::memset(h + 148, ' ', 8);
   h[156] = '0';
   std::memcpy(h + 257, "ustar", 6);
@@ -97,8 +97,10 @@ void TarZstWriter::add(const std::string& name, uint64_t size,
     put(p, n);
     wrote += n;
   });
-  LATHE_CHECK(wrote == size, "{}: {} bytes written to the archive, {} expected (did the file change while it was "
-              "archived?)", name, wrote, size);
+  LATHE_CHECK(wrote == size,
+              "{}: {} bytes written to the archive, {} expected (did the file change while it was "
+              "archived?)",
+              name, wrote, size);
   static const char zeros[kBlock] = {0};
   if (size % kBlock) put(zeros, kBlock - size % kBlock);
 }
@@ -150,8 +152,10 @@ void read_tar_zst(const std::string& path, const TarVisitor& v) {
       LATHE_CHECK(sum == parse_octal(hdr.data() + 148, 8),
                   "{}: the tar header at byte {} of the archive's data has a bad checksum (the archive is damaged)",
                   path, consumed);
-      LATHE_CHECK(hdr[156] == '0' || hdr[156] == '\0', "{}: member at byte {} is not a regular file (type '{}'); "
-                  "lathe archives hold only files", path, consumed, hdr[156]);
+      LATHE_CHECK(hdr[156] == '0' || hdr[156] == '\0',
+                  "{}: member at byte {} is not a regular file (type '{}'); "
+                  "lathe archives hold only files",
+                  path, consumed, hdr[156]);
       const std::string prefix(hdr.data() + 345, strnlen(hdr.data() + 345, 155));
       const std::string base(hdr.data(), strnlen(hdr.data(), 100));
       const std::string name = prefix.empty() ? base : prefix + "/" + base;
@@ -174,17 +178,20 @@ void read_tar_zst(const std::string& path, const TarVisitor& v) {
     while (in.pos < in.size) {
       ZSTD_outBuffer o{obuf.data(), obuf.size(), 0};
       last = ZSTD_decompressStream(d.get(), &o, &in);
-      LATHE_CHECK(!ZSTD_isError(last),
-                  "{}: zstd decompression failed near compressed byte {}: {} (the archive is damaged or not a .tar.zst)",
-                  path, read + in.pos, ZSTD_getErrorName(last));
+      LATHE_CHECK(
+          !ZSTD_isError(last),
+          "{}: zstd decompression failed near compressed byte {}: {} (the archive is damaged or not a .tar.zst)", path,
+          read + in.pos, ZSTD_getErrorName(last));
       feed(obuf.data(), o.pos);
     }
     read += got;
   }
-  LATHE_CHECK(last == 0 && read > 0, "{}: truncated: the zstd frame ends early after {} bytes (the archive is "
-              "incomplete; write it again)", path, read);
-  LATHE_CHECK(ended && left == 0, "{}: the tar stream ends without its end-of-archive blocks (the archive is incomplete)",
-              path);
+  LATHE_CHECK(last == 0 && read > 0,
+              "{}: truncated: the zstd frame ends early after {} bytes (the archive is "
+              "incomplete; write it again)",
+              path, read);
+  LATHE_CHECK(ended && left == 0,
+              "{}: the tar stream ends without its end-of-archive blocks (the archive is incomplete)", path);
 }
 
 }  // namespace lathe::io

@@ -11,9 +11,7 @@ namespace lathe {
 
 namespace {
 
-double now_wall() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
+double now_wall() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
 
 // The protobuf wire format, as much as the Event message needs.
 struct Pb {

@@ -1,8 +1,6 @@
 // io/tar_zst.h: members written and read back in order with their bytes; a name longer than 100
 // bytes goes through the ustar prefix; a name that cannot be split is refused naming it; the same
 // members give the same bytes; a damaged header checksum is named.
-#include "io/tar_zst.h"
-
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -12,6 +10,8 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "io/tar_zst.h"
 
 using namespace lathe::io;
 

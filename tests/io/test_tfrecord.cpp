@@ -1,9 +1,6 @@
 // io/tfrecord.h: CRC32C (Castagnoli) against published check values (RFC 3720 B.4, the iSCSI
 // test vectors), TensorFlow's mask, and the record framing.
-#include "io/tfrecord.h"
-
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <cstdio>
@@ -13,6 +10,8 @@
 #include <iterator>
 #include <string>
 #include <vector>
+
+#include "io/tfrecord.h"
 
 using namespace lathe::io;
 
@@ -60,7 +59,8 @@ TEST(TfRecord, Framing) {
 }
 
 TEST(TfRecord, WriterAppendsFramedRecords) {
-  const auto path = std::filesystem::temp_directory_path() / ("lathe_test_tfrecord_" + std::to_string(::getpid()) + ".bin");
+  const auto path =
+      std::filesystem::temp_directory_path() / ("lathe_test_tfrecord_" + std::to_string(::getpid()) + ".bin");
   {
     TfRecordWriter w(path.string());
     w.write("a");
