@@ -23,7 +23,9 @@ void octal(char* field, size_t width, uint64_t v) {  // width-1 digits and a NUL
 
 // The ustar header of a regular file: the name in `name` (<= 100 bytes) or split at a '/' into
 // prefix (<= 155) and name.
-std::string header(const std::string& name, uint64_t size) {
+}  // namespace
+
+std::string ustar_header(const std::string& name, uint64_t size) {
   char h[kBlock] = {0};
   std::string prefix, base = name;
   if (name.size() > 100) {
@@ -33,12 +35,16 @@ std::string header(const std::string& name, uint64_t size) {
     prefix = name.substr(0, cut);
     base = name.substr(cut + 1);
   }
-  LATHE_CHECK(size < (uint64_t{1} << 33), "{}: {} bytes, more than a ustar member holds (8 GiB)", name, size);
   std::memcpy(h, base.data(), base.size());
   octal(h + 100, 8, 0644);
   octal(h + 108, 8, 0);
   octal(h + 116, 8, 0);
-  octal(h + 124, 12, size);
+  if (size < (uint64_t{1} << 33)) {
+    octal(h + 124, 12, size);
+  } else {  // 8 GiB and more: the base-256 size of GNU tar and star (big-endian, first byte 0x80)
+    h[124] = static_cast<char>(0x80);
+    for (int i = 0; i < 8; ++i) h[135 - i] = static_cast<char>((size >> (8 * i)) & 0xFF);
+  }
   octal(h + 136, 12, 0);  // mtime: fixed, for reproducible archives
   std::memset(h + 148, ' ', 8);
   h[156] = '0';
@@ -54,6 +60,8 @@ std::string header(const std::string& name, uint64_t size) {
   return std::string(h, kBlock);
 }
 
+namespace {
+
 uint64_t parse_octal(const char* f, size_t width) {
   uint64_t v = 0;
   for (size_t i = 0; i < width && f[i] >= '0' && f[i] <= '7'; ++i) v = v * 8 + static_cast<uint64_t>(f[i] - '0');
@@ -61,6 +69,14 @@ uint64_t parse_octal(const char* f, size_t width) {
 }
 
 }  // namespace
+
+uint64_t ustar_size(const char* header) {
+  const auto* f = reinterpret_cast<const unsigned char*>(header + 124);
+  if (f[0] != 0x80) return parse_octal(header + 124, 12);
+  uint64_t v = 0;
+  for (int i = 1; i < 12; ++i) v = v << 8 | f[i];
+  return v;
+}
 
 TarZstWriter::TarZstWriter(const std::string& path, int level) : out_(path), cctx_(ZSTD_createCCtx()) {
   LATHE_CHECK(cctx_ != nullptr, "{}: ZSTD_createCCtx failed (out of memory?)", path);
@@ -90,7 +106,7 @@ void TarZstWriter::put(const void* data, size_t n) {
 
 void TarZstWriter::add(const std::string& name, uint64_t size,
                        const std::function<void(const std::function<void(const void*, size_t)>&)>& fill) {
-  const std::string h = header(name, size);
+  const std::string h = ustar_header(name, size);
   put(h.data(), h.size());
   uint64_t wrote = 0;
   fill([&](const void* p, size_t n) {
@@ -159,7 +175,7 @@ void read_tar_zst(const std::string& path, const TarVisitor& v) {
       const std::string prefix(hdr.data() + 345, strnlen(hdr.data() + 345, 155));
       const std::string base(hdr.data(), strnlen(hdr.data(), 100));
       const std::string name = prefix.empty() ? base : prefix + "/" + base;
-      left = parse_octal(hdr.data() + 124, 12);
+      left = ustar_size(hdr.data());
       pad = (kBlock - left % kBlock) % kBlock;
       consumed += kBlock + left + pad;
       hdr.clear();

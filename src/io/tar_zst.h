@@ -17,6 +17,12 @@ struct ZSTD_DCtx_s;
 
 namespace lathe::io {
 
+// The 512-byte ustar header of a regular file (exposed for tests): a name over 100 bytes is split at
+// a '/' into prefix and name (refused when it cannot be); a size of 8 GiB or more is written in
+// base-256 (GNU tar, star and Python's tarfile read it). ustar_size reads either form back.
+std::string ustar_header(const std::string& name, uint64_t size);
+uint64_t ustar_size(const char* header);
+
 class TarZstWriter {
  public:
   TarZstWriter(const std::string& path, int level = 6);  // written to a temporary file until finish()

@@ -1,6 +1,7 @@
 // io/tar_zst.h: members written and read back in order with their bytes; a name longer than 100
 // bytes goes through the ustar prefix; a name that cannot be split is refused naming it; the same
 // members give the same bytes; a damaged header checksum is named.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -92,4 +93,20 @@ TEST(TarZst, NotZstdNamed) {
     EXPECT_NE(std::string(e.what()).find(p + ": zstd decompression failed"), std::string::npos) << e.what();
   }
   std::filesystem::remove(p);
+}
+
+TEST(TarZst, HeaderSizes) {
+  // Below 8 GiB: 11 octal digits; from 8 GiB on: base-256 (0x80, then the big-endian value).
+  const std::string small = ustar_header("a", 1000);
+  EXPECT_EQ(small.substr(124, 12), std::string("00000001750") + '\0');
+  EXPECT_EQ(ustar_size(small.data()), 1000u);
+  const uint64_t big = (uint64_t{1} << 33) + 12345;  // 8 GiB + 12345
+  const std::string h = ustar_header("b", big);
+  EXPECT_EQ(static_cast<unsigned char>(h[124]), 0x80u);
+  EXPECT_EQ(ustar_size(h.data()), big);
+  EXPECT_EQ(ustar_size(ustar_header("c", (uint64_t{1} << 33) - 1).data()), (uint64_t{1} << 33) - 1);
+  // The header checksum covers the base-256 bytes as it does the octal ones (GNU tar's rule).
+  unsigned sum = 0;
+  for (size_t i = 0; i < 512; ++i) sum += (i >= 148 && i < 156) ? ' ' : static_cast<unsigned char>(h[i]);
+  EXPECT_EQ(h.substr(148, 6), fmt::format("{:06o}", sum));
 }
