@@ -9,7 +9,8 @@
 //     session's first step;
 //   * every numeric field of each metrics.jsonl record as a scalar (simple_value), tag
 //     "GROUP/FIELD": train/loss, train/lr, ..., val/val_loss, tasks/tasks_acc, checkpoint/checkpoint_s,
-//     run/peak_rss_mb_max_rank (the end record). Booleans and strings are not scalars.
+//     run/peak_rss_mb_max_rank (the end record). Booleans and strings are not scalars; a non-finite
+//     value (null in metrics.jsonl) is written as the NaN or Inf it was.
 // Written by rank 0 only (train/run_log.h).
 #pragma once
 #include <cstdint>

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
+#include <zstd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -109,4 +110,26 @@ TEST(TarZst, HeaderSizes) {
   unsigned sum = 0;
   for (size_t i = 0; i < 512; ++i) sum += (i >= 148 && i < 156) ? ' ' : static_cast<unsigned char>(h[i]);
   EXPECT_EQ(h.substr(148, 6), fmt::format("{:06o}", sum));
+}
+
+TEST(TarZst, DamagedHeaderNamed) {
+  // The archive's tar stream with one byte of the second header's name changed, recompressed.
+  const std::string p = tmp_path("e");
+  write(p);
+  const std::string z = slurp(p);
+  std::string tar(ZSTD_getFrameContentSize(z.data(), z.size()) == ZSTD_CONTENTSIZE_UNKNOWN ? 1 << 20 : 0, '\0');
+  tar.resize(ZSTD_decompress(tar.data(), tar.size(), z.data(), z.size()));
+  tar[1024 + 4] ^= 1;  // headers: MANIFEST at 0, its data block at 512, run/empty at 1024
+  std::string again(ZSTD_compressBound(tar.size()), '\0');
+  again.resize(ZSTD_compress(again.data(), again.size(), tar.data(), tar.size(), 3));
+  std::ofstream(p, std::ios::binary | std::ios::trunc) << again;
+  try {
+    read_all(p);
+    FAIL();
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find(p + ": the tar header at byte 1024 of the archive's data has a bad checksum"),
+              std::string::npos)
+        << e.what();
+  }
+  std::filesystem::remove(p);
 }
