@@ -195,6 +195,7 @@ struct Recipe {
     // and at the end; 0 = none (a SIGTERM/SIGINT still writes one).
     int64_t checkpoint_every = 0;
     int64_t keep_last = 0;  // keep the newest N checkpoints; 0 = keep all
+    bool tensorboard = false;  // TensorBoard event files in dir/tensorboard/ (train/tensorboard.h)
   } output;
 
   // Things the recipe says that lathe accepts but ignores (e.g. precision.loss_scale for bf16):

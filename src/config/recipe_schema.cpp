@@ -335,6 +335,8 @@ std::vector<Field> output_and_parallel() {
       row(key<&R::output, &Ou::checkpoint_every>("output.checkpoint_every")
               .in(0, kMaxSteps, " (0 = no periodic checkpoints)")),
       row(key<&R::output, &Ou::keep_last>("output.keep_last").in(0, kMaxKeepLast, " (0 = keep every checkpoint)")),
+      // Only in the resolved recipe when set: the recipes (and checkpoints) of runs without it stay as they were.
+      row(key<&R::output, &Ou::tensorboard>("output.tensorboard").since_later().only_if("output.tensorboard")),
       row(key<&R::parallel, &Pa::data>("parallel.data")
               .in(0, kMaxRanks, " (0 = all processes not used by tensor/pipeline)")),
       row(key<&R::parallel, &Pa::tensor>("parallel.tensor").in(1, kMaxRanks, " (1 = no tensor parallelism)")),

@@ -108,7 +108,8 @@ void Checkpointer::save(int64_t done, double lr) {
   p_.log.metrics({{"step", done},
                   {"checkpoint_s", info.seconds_complete},
                   {"checkpoint_total_s", info.seconds_total},
-                  {"checkpoint_mb", mb}});
+                  {"checkpoint_mb", mb}},
+                 "checkpoint");
 }
 
 // The whole model's weights and moments on tensor-parallel (or pipeline) rank 0 of each replica

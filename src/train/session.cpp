@@ -75,14 +75,19 @@ TrainSession::TrainSession(const Recipe& recipe, const TrainOptions& opts)
   geo_.T = r_.training.seq_len;
   geo_.accum = r_.training.grad_accum_steps;
   geo_.G = geo_.B * geo_.accum * dp;
-  open_inputs();
-  open_model();
-  restore_counters();
-  open_optimizer();
-  open_resume();
-  report_startup();
-  open_data();
-  open_parts();
+  try {
+    open_inputs();
+    open_model();
+    restore_counters();
+    open_optimizer();
+    open_resume();
+    report_startup();
+    open_data();
+    open_parts();
+  } catch (const std::exception& e) {
+    log_.fail(e);  // into train.log once it is open (main() prints it to stderr)
+    throw;
+  }
 }
 
 TrainSession::~TrainSession() = default;
@@ -97,6 +102,7 @@ void TrainSession::open_inputs() {
   // Before any write, after preflight's errors (as `lathe check` orders them): a new run never reuses
   // a directory that holds another run (--overwrite moves it aside).
   claim_run_dir(r_, opts_.resume.empty() ? r_.training.resume : opts_.resume, opts_.overwrite, world_, log_.say_fn());
+  log_.open_log_file(!pf_.ckpt.empty(), pf_.ckpt.empty() ? 0 : pf_.cs.step);  // OUTPUT/train.log
   // data.tokenizer, the EOD settings and training.eval_tasks' items: loaded and checked by preflight.
   const DocumentOptions& docs = pf_.docs;
   if (docs.any())

@@ -45,6 +45,7 @@ class TrainSession {
   Evaluator& eval() { return *eval_; }
   Checkpointer& ckpt() { return *ckpt_; }
   AnomalyResponder& anomaly() { return *responder_; }
+  const RunLog& log() const { return log_; }
 
   // After step `step` (0-based): the loss for the result, the health a checkpoint records, the
   // metrics record and log line.

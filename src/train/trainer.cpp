@@ -1,6 +1,7 @@
 #include "train/trainer.h"
 
 #include <cstdint>
+#include <exception>
 #include <optional>
 
 #include "train/session.h"
@@ -8,9 +9,10 @@
 
 namespace lathe {
 
+namespace {
+
 // The order of events of a run; every part is set up and owned by the session (train/session.h).
-TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
-  TrainSession s(recipe, opts);  // layout, preflight, rank model, optimizer, resume, startup report, data
+TrainResult run_steps(TrainSession& s) {
   StepStats prev;
   for (int64_t step = s.start_step(); step < s.steps(); ++step) {
     s.control().before_step(step);  // profiler window
@@ -33,6 +35,18 @@ TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
     if (stop) return s.stopped(done, stop);
   }
   return s.finish();  // final validation and tasks, HF directory, peak memory, sample
+}
+
+}  // namespace
+
+TrainResult train(const Recipe& recipe, const TrainOptions& opts) {
+  TrainSession s(recipe, opts);  // layout, preflight, rank model, optimizer, resume, startup report, data
+  try {
+    return run_steps(s);
+  } catch (const std::exception& e) {
+    s.log().fail(e);  // the error that ends the run, into OUTPUT/train.log too
+    throw;
+  }
 }
 
 }  // namespace lathe
