@@ -49,12 +49,10 @@ Model::Model(ModelConfig cfg, Arch arch, ParamTable table, ComputeSpec compute)
   }
   if (weights) p_ = resolve(backend_param_data());
   if (grads) g_ = resolve(backend_grad_data());
-  // Per-layer sliding windows (ModelConfig::layer_window) name the whole network's layers; a
-  // pipeline stage's config keeps only its own layer count (parallel/pipeline_stage.cpp).
+  // Per-layer sliding windows (ModelConfig::layer_window): one entry per layer of this model (a
+  // pipeline stage's config holds its own layers' entries, parallel/pipeline_stage.cpp).
   LATHE_CHECK(cfg_.sliding_layers.empty() || static_cast<int64_t>(cfg_.sliding_layers.size()) == cfg_.num_hidden_layers,
-              "model: {} per-layer sliding-window entries (layer_types / max_window_layers) for {} layers: a model "
-              "whose layers mix sliding and full attention cannot be split into pipeline stages yet (use "
-              "parallel.pipeline: 1)",
+              "internal: {} per-layer sliding-window entries (layer_types / max_window_layers) for {} layers",
               cfg_.sliding_layers.size(), cfg_.num_hidden_layers);
   // Which block's backward completes each tensor's gradient (StepHooks numbering).
   const int64_t L = cfg_.num_hidden_layers;
