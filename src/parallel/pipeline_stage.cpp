@@ -85,9 +85,10 @@ ParamTable stage_table(const ParamTable& whole, const PipelineLayout& layout) {
   ParamTable t;
   for (const ParamSpec& s : whole.specs()) {
     if (!layout.holds(s, layout.rank)) continue;
-    t.add(s.name, s.shape, s.init, s.init_std, s.shard, s.decay, s.hf_transposed)
-        .as(s.role, s.layer >= 0 ? local_layer(s.layer) : -1)
-        .in_sections(s.sections);
+    ParamSpec& l = t.add(s.name, s.shape, s.init, s.init_std, s.shard, s.decay, s.hf_transposed)
+                       .as(s.role, s.layer >= 0 ? local_layer(s.layer) : -1);
+    l.sections = s.sections;
+    l.section_units = s.section_units;
   }
   return t;
 }
