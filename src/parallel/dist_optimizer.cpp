@@ -124,13 +124,14 @@ void DistOptimizer::begin_micro_batch() {
 }
 
 double DistOptimizer::end_micro_batch(bool last) {
+  double waited = 0;  // the weight gathers' waits, then the gradients'
   if (gather_) {
-    gather_->end_pass();
+    waited = gather_->end_pass();
     in_pass_ = false;
     stale_ = true;  // the released pages read as zeros until gathered again
   }
-  if (zero_ != 3 || !sync_ || last) return 0.0;
-  const double waited = sync_->finish();
+  if (zero_ != 3 || !sync_ || last) return waited;
+  waited += sync_->finish();
   const size_t b = state_begin(), n = state_end() - b;
   float* g = flat_.grads + b;
   if (!acc_live_) {

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 
 #include "core/error.h"
@@ -94,10 +95,12 @@ void ParamGather::issue(int64_t pos) {
 void ParamGather::wait(int64_t pos) {
   Slot& s = slots_[static_cast<size_t>(pos)];
   if (s.ready) return;
+  const auto t0 = std::chrono::steady_clock::now();
   {
     trace::Scope span("wait for weight gather", trace::Cat::Comm);
     for (auto& w : s.works) w->wait();
   }
+  waited_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   s.works.clear();
   s.ready = true;
   note(Op::Wait, pos);
@@ -138,7 +141,7 @@ void ParamGather::before_block(int64_t block, bool backward) {
   cur_ = p;
 }
 
-void ParamGather::end_pass() {
+double ParamGather::end_pass() {
   for (int64_t q = std::max<int64_t>(cur_, 0); q < positions(); ++q) {
     Slot& s = slots_[static_cast<size_t>(q)];
     if (!s.issued) continue;
@@ -147,6 +150,9 @@ void ParamGather::end_pass() {
   }
   for (auto& s : slots_) s = Slot{};
   cur_ = -1;
+  const double waited = waited_s_;
+  waited_s_ = 0;
+  return waited;
 }
 
 void ParamGather::gather_whole() {

@@ -42,8 +42,9 @@ class ParamGather {
   // The hook: block's weights are complete when it returns; the previous block's are released and
   // the next `prefetch` blocks' gathers issued.
   void before_block(int64_t block, bool backward);
-  // After a pass: gathers in flight waited for, every gathered block released.
-  void end_pass();
+  // After a pass: gathers in flight waited for, every gathered block released. Returns the seconds
+  // the pass spent waiting for gathers (the communication compute did not hide).
+  double end_pass();
   // Every weight complete on this rank (checkpoints, evaluation, export): one all-gather of the shards.
   void gather_whole();
 
@@ -84,6 +85,7 @@ class ParamGather {
   int64_t cur_ = -1;         // the position computing
   std::vector<Event> events_;
   size_t released_bytes_ = 0;
+  double waited_s_ = 0;  // this pass
 };
 
 }  // namespace lathe::parallel
