@@ -327,8 +327,17 @@ class Parser {
         bad("parallel.prefetch", fmt::format("{} applies to parallel.zero = 3 only (this recipe has parallel.zero = {}); "
                                              "remove it or set parallel.zero: 3",
                                              p.prefetch, p.zero));
+      if (p.shard_group != 0)
+        bad("parallel.shard_group",
+            fmt::format("{} applies to parallel.zero = 3 only (this recipe has parallel.zero = {}); remove it or set "
+                        "parallel.zero: 3",
+                        p.shard_group, p.zero));
       return;
     }
+    if (p.shard_group > 0 && p.data > 0 && p.data % p.shard_group != 0)
+      bad("parallel.shard_group", fmt::format("{} does not divide parallel.data = {}: choose a divisor of the data "
+                                              "degree (0 = all data ranks)",
+                                              p.shard_group, p.data));
     auto refuse = [&](const std::string& key, const std::string& value, const std::string& fix) {
       bad(key, fmt::format("{} with parallel.zero = 3 is not supported yet (ZeRO 3 shards the weights over data "
                            "parallelism alone, on the CPU, in fp32); {}",

@@ -37,7 +37,7 @@ std::string MemoryEstimate::breakdown() const {
   if (param_shards > 1)
     s = fmt::format("params {} (1/{} shard + {} blocks gathered, prefetch {}) + grads {} (1/{} shard + blocks in backward)",
                     format_bytes(param_bytes), param_shards, format_bytes(gather_bytes), prefetch,
-                    format_bytes(grad_bytes), param_shards);
+                    format_bytes(grad_bytes), moment_shards);
   if (optimizer_moments > 0)
     s += fmt::format(" + optimizer moments ({}{}) {}", optimizer_moments,
                      moment_shards > 1 ? fmt::format(", 1/{} shard per rank", moment_shards) : std::string(),
@@ -99,7 +99,8 @@ MemoryEstimate estimate_memory(const ModelConfig& cfg, int64_t B, int64_t T, int
   return e;
 }
 
-void shard_parameters(MemoryEstimate& e, const ModelConfig& cfg, int64_t shards, int prefetch) {
+void shard_parameters(MemoryEstimate& e, const ModelConfig& cfg, int64_t shards, int prefetch,
+                      int64_t weight_shards) {
   LATHE_CHECK(shards >= 1 && prefetch >= 0, "internal: {} weight shards, prefetch {}", shards, prefetch);
   if (shards == 1) return;
   const std::string what = "ZeRO 3 memory";
@@ -123,10 +124,11 @@ void shard_parameters(MemoryEstimate& e, const ModelConfig& cfg, int64_t shards,
     window = std::max(window, sum);
   }
   const int64_t shard = (e.num_params + shards - 1) / shards;
-  e.param_shards = shards;
+  const int64_t ws = weight_shards > 0 ? weight_shards : shards;
+  e.param_shards = ws;
   e.prefetch = prefetch;
   e.gather_bytes = checked_mul(window, 4, what);
-  e.param_bytes = checked_add(checked_mul(shard, 4, what), e.gather_bytes, what);
+  e.param_bytes = checked_add(checked_mul((e.num_params + ws - 1) / ws, 4, what), e.gather_bytes, what);
   // Gradients written and not yet reduced: a block's (a tied wte's from the head's backward until
   // the embedding's, with a layer's on top).
   const int64_t pending = std::max(std::max(wte + wpe, head), (cfg.tie_word_embeddings ? wte : 0) + layer);

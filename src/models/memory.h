@@ -62,7 +62,9 @@ MemoryEstimate estimate_memory(const ModelConfig& cfg, int64_t B, int64_t T, int
 // head) gathered; grads = the shard + the largest block's gradients awaiting their reduction (+ a
 // tied embedding's, written from the head's backward until the embedding's). Address space stays
 // the whole model's (the flat buffers are reserved whole; only their resident pages shrink).
-void shard_parameters(MemoryEstimate& e, const ModelConfig& cfg, int64_t shards, int prefetch);
+// Hybrid sharding: the weights over weight_shards ranks (parallel.shard_group; 0 = shards).
+void shard_parameters(MemoryEstimate& e, const ModelConfig& cfg, int64_t shards, int prefetch,
+                      int64_t weight_shards = 0);
 
 // Memory this process can use: the smallest of physical RAM (MemTotal in /proc/meminfo), the
 // cgroup limit (memory.max) and RLIMIT_AS. `source` says which one bounds it.

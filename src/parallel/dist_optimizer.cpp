@@ -97,7 +97,24 @@ void DistOptimizer::set_grad_norm_group(dist::Communicator& group, std::vector<s
 
 void DistOptimizer::set_param_blocks(std::vector<ParamGather::Ranges> blocks, int prefetch) {
   if (zero_ != 3 || data_.size() == 1) return;
-  gather_ = std::make_unique<ParamGather>(data_, flat_.params, shards_, std::move(blocks), prefetch);
+  const int n = data_.size(), s = cfg_.shard_group == 0 ? n : cfg_.shard_group;
+  LATHE_CHECK(s >= 1 && n % s == 0,
+              "parallel.shard_group = {} does not divide parallel.data = {}: choose a divisor of the data degree (0 = "
+              "all {} data ranks)",
+              cfg_.shard_group, n, n);
+  weight_shards_ = FlatShards::merged(shards_, n / s);
+  dist::Communicator* group = &data_;
+  if (s < n) {  // collective over data: every rank splits both groups, in this order
+    const int R = n / s, r = data_.rank();
+    shard_group_ = data_.split(r % R, r / R, data_.name() + "-shard");
+    replicas_ = data_.split(r / R, r % R, data_.name() + "-replica");
+    group = shard_group_.get();
+  }
+  gather_ = std::make_unique<ParamGather>(*group, flat_.params, weight_shards_, std::move(blocks), prefetch);
+  // From here only the shards are resident: the weights (loaded whole) and the gradients outside them.
+  gather_->release_whole();
+  stale_ = true;
+  sync_->release_outside_shard();
 }
 
 void DistOptimizer::before_block(int64_t block, bool backward) {
@@ -227,6 +244,12 @@ void DistOptimizer::step(double lr, int64_t step, float grad_scale) {
   if (zero_ == 0 || data_.size() == 1) return;  // each rank applied the whole update
   if (gather_) {  // ZeRO 3: the other shards are gathered block by block when the next pass needs them
     stale_ = true;
+    if (replicas_) {  // hybrid: this rank's weight shard from the updates of its replicas' gradient shards
+      const int R = replicas_->size(), first = data_.rank() - data_.rank() % R;
+      std::vector<size_t> counts(static_cast<size_t>(R));
+      for (int j = 0; j < R; ++j) counts[static_cast<size_t>(j)] = shards_.size(first + j);
+      replicas_->all_gather(flat_.params + b, flat_.params + shards_.begin(first), counts, DType::F32);
+    }
     return;
   }
   if (staged_) flat_.backend->synchronize();    // the shard's update is complete

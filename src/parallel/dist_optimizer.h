@@ -57,6 +57,8 @@ struct FlatState {
 struct DistOptimizerConfig {
   optim::OptimConfig optim;  // the recipe's optimizer section (name, betas, eps, weight decay, grad_clip)
   int zero = 0;              // parallel.zero
+  // ZeRO 3, parallel.shard_group S (0: the whole data group): hybrid sharding, below.
+  int shard_group = 0;
   size_t bucket_elems = 1;   // parallel.bucket_mb * 2^20 / 4
   // Device models: issue buckets from the grads_ready hook during backward (false: all after
   // backward; so under tensor parallelism, whose hooks' NCCL collectives on another communicator
@@ -99,6 +101,12 @@ class DistOptimizer {
   // ZeRO 3 with several data ranks (host models): the weights outside this rank's shard are
   // gathered per block (parallel/param_gather.h) from the model's before_block hook, which should
   // feed before_block(). blocks: Model::param_ranges_by_block(). Nothing otherwise.
+  // Hybrid sharding (shard_group S < N data ranks, R = N / S): gradients and moments stay sharded
+  // over all N ranks (every reduction in data-rank order: bit-identical to ZeRO 0), the weights
+  // over S: rank r holds the weight shard of the R consecutive ranks r - r % R ... (the merge of
+  // their gradient shards), assembled after each update by an all-gather among those R ranks
+  // (replicas), and gathers blocks from the S ranks r % R, r % R + R, ... (its shard group: the
+  // ranks of one node when the job is launched with mpirun --map-by node).
   void set_param_blocks(std::vector<ParamGather::Ranges> blocks, int prefetch);
   bool gathers() const { return gather_ != nullptr; }
   ParamGather* param_gather() { return gather_.get(); }  // tests
@@ -159,6 +167,8 @@ class DistOptimizer {
   dist::Communicator* move_ = nullptr;                // where buckets and weight shards travel
   std::unique_ptr<GradSync> sync_;                    // several data ranks
   std::unique_ptr<ParamGather> gather_;               // ZeRO 3 with several data ranks
+  FlatShards weight_shards_;                          // ZeRO 3: the weights' (merged under hybrid sharding)
+  std::unique_ptr<dist::Communicator> shard_group_, replicas_;  // hybrid sharding
   bool stale_ = false;    // ZeRO 3: the weights outside the shard are not this step's
   bool in_pass_ = false;  // ZeRO 3: between begin_micro_batch and end_micro_batch
   std::vector<float> acc_;  // ZeRO 3 with accumulation: the shard's sum of the reduced micro-batches

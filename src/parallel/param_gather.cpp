@@ -155,6 +155,17 @@ double ParamGather::end_pass() {
   return waited;
 }
 
+void ParamGather::release_whole() {
+  LATHE_CHECK(cur_ < 0, "ZeRO 3: the whole model released in the middle of a pass (position {})", cur_);
+  const int me = group_.rank();
+  static const uintptr_t kPage = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  for (auto [lo, hi] : minus({{0, shards_.total()}}, shards_.begin(me), shards_.end(me))) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(params_ + lo), z = reinterpret_cast<uintptr_t>(params_ + hi);
+    const uintptr_t pa = (a + kPage - 1) & ~(kPage - 1), pz = z & ~(kPage - 1);
+    if (pz > pa && ::madvise(reinterpret_cast<void*>(pa), pz - pa, MADV_DONTNEED) == 0) released_bytes_ += pz - pa;
+  }
+}
+
 void ParamGather::gather_whole() {
   LATHE_CHECK(cur_ < 0, "ZeRO 3: the whole model gathered in the middle of a pass (position {})", cur_);
   const int me = group_.rank();

@@ -47,6 +47,8 @@ class ParamGather {
   double end_pass();
   // Every weight complete on this rank (checkpoints, evaluation, export): one all-gather of the shards.
   void gather_whole();
+  // Every page outside this rank's shard handed back (after the weights were loaded whole).
+  void release_whole();
 
   // What happened, in order (tests): a gather issued, waited for, or a block's pages released.
   enum class Op { Issue, Wait, Release };

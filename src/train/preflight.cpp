@@ -403,7 +403,8 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   }
   MemoryEstimate est =
       estimate_memory(per_rank, B, T, kMoments, r.parallel.zero > 0 ? data : 1, spec.dtype, rc, per_rank_shard);
-  if (r.parallel.zero == 3) shard_parameters(est, per_rank, data, static_cast<int>(r.parallel.prefetch));
+  if (r.parallel.zero == 3)
+    shard_parameters(est, per_rank, data, static_cast<int>(r.parallel.prefetch), r.parallel.shard_group);
   check_memory_fits(est, per_rank, r.source);
   const MachineMemory mm = machine_memory();
   log.ok(fmt::format("memory{}: {} fits ({} {})", sharded || r.parallel.zero == 3 ? " per rank" : "", est.breakdown(), mm.source,

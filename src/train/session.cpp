@@ -158,6 +158,7 @@ void TrainSession::open_optimizer() {
   parallel::DistOptimizerConfig cfg;
   cfg.optim = optimizer_config(r_);
   cfg.zero = static_cast<int>(r_.parallel.zero);
+  cfg.shard_group = static_cast<int>(r_.parallel.shard_group);
   cfg.bucket_elems = static_cast<size_t>(std::max(1.0, r_.parallel.bucket_mb * (1 << 20) / 4));
   // Device models overlap the buckets with backward except under tensor parallelism: its hooks'
   // NCCL collectives (another communicator) would then run while buckets are in flight, and NCCL

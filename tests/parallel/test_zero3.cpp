@@ -142,6 +142,7 @@ struct TrainSetup {
   int dp = 2, zero = 0, prefetch = 1, accum = 1, steps = 3;
   const char* optimizer = "adamw";
   bool abs_sums = false;
+  int shard_group = 0;
 };
 
 TrainRun train(const TrainSetup& s) {
@@ -159,6 +160,7 @@ TrainRun train(const TrainSetup& s) {
     dc.optim.name = s.optimizer;
     dc.zero = s.zero;
     dc.bucket_elems = 5000;
+    dc.shard_group = s.shard_group;
     parallel::DistOptimizer opt(
         parallel::FlatState{&model->backend(), model->backend_param_data(), model->backend_grad_data(), P}, c, dc,
         ranges);
@@ -214,7 +216,9 @@ TrainRun train(const TrainSetup& s) {
     }
     if (opt.gathers() && c.rank() == 0) {
       out.released = opt.param_gather()->released_bytes();
-      const size_t se = opt.shards().end(0);  // rank 0's shard is the front: look behind it
+      // rank 0's weight shard is the front (hybrid: its replicas' gradient shards): look behind it
+      const int per = s.shard_group ? s.dp / s.shard_group : 1;
+      const size_t se = opt.shards().end(per - 1);
       for (size_t i = se + 4096; i < P && !out.zeros_outside; ++i) out.zeros_outside = model->param_data()[i] == 0.0f;
     }
     opt.gather_whole();
@@ -239,6 +243,7 @@ struct ModelCase {
   int dp;
   const char* optimizer;
   int prefetch;
+  int shard_group = 0;  // hybrid sharding (0: all data ranks)
 };
 
 class Zero3Models : public ::testing::TestWithParam<ModelCase> {};
@@ -246,10 +251,13 @@ class Zero3Models : public ::testing::TestWithParam<ModelCase> {};
 TEST_P(Zero3Models, BitIdenticalToZero0) {
   const ModelCase mc = GetParam();
   TrainSetup s{mc.preset, mc.dp, 0, mc.prefetch, 1, 3, mc.optimizer};
+  s.shard_group = mc.shard_group;
   const TrainRun ref = train(s);
   s.zero = 3;
   const TrainRun z3 = train(s);
-  expect_identical(ref, z3, fmt::format("{} dp {} {} prefetch {}", mc.preset, mc.dp, mc.optimizer, mc.prefetch));
+  expect_identical(ref, z3,
+                   fmt::format("{} dp {} {} prefetch {} shard group {}", mc.preset, mc.dp, mc.optimizer, mc.prefetch,
+                               mc.shard_group));
   EXPECT_GT(z3.released, 0u) << "no weight page was handed back";
   EXPECT_TRUE(z3.zeros_outside) << "the weights outside rank 0's shard stayed resident after the pass";
 }
@@ -259,10 +267,15 @@ INSTANTIATE_TEST_SUITE_P(Layouts, Zero3Models,
                                            ModelCase{"llama-debug", 2, "lamb", 0},
                                            ModelCase{"llama-debug", 3, "adamw", 2},
                                            ModelCase{"gpt2-debug", 2, "adamw", 0},
-                                           ModelCase{"gpt2-debug", 2, "adamw", 2}),
+                                           ModelCase{"gpt2-debug", 2, "adamw", 2},
+                                           // hybrid sharding: weights over 2 ranks, gradients/moments over 4
+                                           ModelCase{"gpt2-debug", 4, "adamw", 1, 2},
+                                           ModelCase{"llama-debug", 4, "lamb", 2, 2},
+                                           ModelCase{"llama-debug", 6, "adamw", 1, 3}),
                          [](const ::testing::TestParamInfo<ModelCase>& i) {
-                           return fmt::format("{}_dp{}_{}_prefetch{}", std::string(i.param.preset).substr(0, 4),
-                                              i.param.dp, i.param.optimizer, i.param.prefetch);
+                           return fmt::format("{}_dp{}_{}_prefetch{}{}", std::string(i.param.preset).substr(0, 4),
+                                              i.param.dp, i.param.optimizer, i.param.prefetch,
+                                              i.param.shard_group ? fmt::format("_shard{}", i.param.shard_group) : "");
                          });
 
 // With grad accumulation ZeRO 3 reduce-scatters each micro-batch (no rank keeps a whole gradient

@@ -9,6 +9,7 @@ gathered per block (src/parallel/param_gather.h).
   * a ZeRO 3 checkpoint (DP=2, step 3) resumed in one process at ZeRO 0 and at DP=2 ZeRO 1: the
     layout-free checkpoint continues the run (one process: within float reassociation; DP=2 ZeRO 1:
     bit-identical to the uninterrupted ZeRO 0 run);
+  * hybrid sharding (parallel.shard_group 2 at DP=4): bit-identical to ZeRO 0;
   * the combinations not supported yet are refused by `lathe check`, naming the keys.
 Runs with 1 OpenMP thread per rank."""
 import os
@@ -60,7 +61,10 @@ def refusals(data):
              ({"parallel__zero": 3, "parallel__pipeline": 2}, ["parallel.pipeline", "parallel.zero = 3"]),
              ({"parallel__zero": 3, "precision__compute": "bf16"}, ["precision.compute", "bf16", "parallel.zero = 3"]),
              ({"parallel__zero": 2, "parallel__prefetch": 2}, ["parallel.prefetch", "parallel.zero = 3 only"]),
-             ({"parallel__zero": 4}, ["parallel.zero"])]
+             ({"parallel__zero": 4}, ["parallel.zero"]),
+             ({"parallel__zero": 1, "parallel__shard_group": 2}, ["parallel.shard_group", "parallel.zero = 3 only"]),
+             ({"parallel__zero": 3, "parallel__data": 4, "parallel__shard_group": 3},
+              ["parallel.shard_group", "3 does not divide parallel.data = 4"])]
     for i, (kw, want) in enumerate(cases):
         r = recipe(data, "gpt2-debug", os.path.join(TMP, f"refuse{i}"), **kw)
         p = subprocess.run([LATHE, "check", r], capture_output=True, text=True, env=ENV, timeout=120)
@@ -93,6 +97,11 @@ def main():
     b3 = train(3, data, "gpt2-debug", "gpt2_dp3_zero0", optimizer__name="lamb")
     z3 = train(3, data, "gpt2-debug", "gpt2_dp3_zero3", optimizer__name="lamb", parallel__zero=3)
     same(z3, b3, "gpt2-debug DP=3 LAMB ZeRO 3")
+
+    # Hybrid sharding: weights over groups of 2, gradients and moments over all 4 (rank-ordered sums).
+    h0 = train(4, data, "llama-debug", "hsdp_zero0", **ck)
+    h3 = train(4, data, "llama-debug", "hsdp_zero3", parallel__zero=3, parallel__shard_group=2, **ck)
+    same(h3, h0, "llama-debug DP=4 ZeRO 3 shard_group 2")
 
     # Grad accumulation: a reduce-scatter per micro-batch (ranks first, then micro-batches).
     a0 = train(2, data, "llama-debug", "accum_zero0", training__grad_accum_steps=3)
