@@ -403,8 +403,13 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   }
   MemoryEstimate est =
       estimate_memory(per_rank, B, T, kMoments, r.parallel.zero > 0 ? data : 1, spec.dtype, rc, per_rank_shard);
-  if (r.parallel.zero == 3)
+  if (r.parallel.zero == 3) {
+    LATHE_CHECK(r.parallel.shard_group == 0 || data % r.parallel.shard_group == 0,
+                "{}: parallel.shard_group = {} does not divide the data degree {} of this job: choose a divisor (0 = "
+                "all data ranks)",
+                r.source, r.parallel.shard_group, data);
     shard_parameters(est, per_rank, data, static_cast<int>(r.parallel.prefetch), r.parallel.shard_group);
+  }
   check_memory_fits(est, per_rank, r.source);
   const MachineMemory mm = machine_memory();
   log.ok(fmt::format("memory{}: {} fits ({} {})", sharded || r.parallel.zero == 3 ? " per rank" : "", est.breakdown(), mm.source,

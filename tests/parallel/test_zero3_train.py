@@ -72,9 +72,15 @@ def refusals(data):
         check(p.returncode != 0 and all(w in text for w in want), f"lathe check refuses {kw} naming {want}")
         if not (p.returncode != 0 and all(w in text for w in want)):
             print(text[-1500:])
+    r = recipe(data, "gpt2-debug", os.path.join(TMP, "world"), parallel__zero=3, parallel__shard_group=3)
+    p = subprocess.run([LATHE, "check", r, "--world", "4"], capture_output=True, text=True, env=ENV, timeout=120)
+    ok = p.returncode != 0 and "parallel.shard_group = 3 does not divide the data degree 4" in p.stdout + p.stderr
+    check(ok, "lathe check --world 4 refuses parallel.shard_group 3, naming the data degree")
     r = recipe(data, "gpt2-debug", os.path.join(TMP, "accept"), parallel__zero=3, parallel__prefetch=2)
     p = subprocess.run([LATHE, "check", r], capture_output=True, text=True, env=ENV, timeout=120)
-    check(p.returncode == 0, "lathe check accepts parallel.zero: 3 with parallel.prefetch: 2")
+    p = subprocess.run([LATHE, "check", r, "--world", "4"], capture_output=True, text=True, env=ENV, timeout=120)
+    check(p.returncode == 0 and "1/4 shard + " in p.stdout + p.stderr,
+          "lathe check --world 4 accepts parallel.zero: 3 with parallel.prefetch: 2 and counts the shards")
     if p.returncode != 0:
         print(p.stdout[-1500:], p.stderr[-1500:])
 
