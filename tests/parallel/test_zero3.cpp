@@ -135,6 +135,7 @@ struct TrainRun {
   std::vector<double> abs_sum;  // with `abs_sums`: sum over ranks and micro-batches of |gradient| (step 1)
   size_t released = 0;          // ZeRO 3: weight bytes handed back on rank 0
   bool zeros_outside = false;   // ZeRO 3: a released weight read as 0 after a step (not resident)
+  size_t grads_kept = 0;        // nonzero gradients outside rank 0's shard after a micro-batch but the last
 };
 
 struct TrainSetup {
@@ -196,6 +197,8 @@ TrainRun train(const TrainSetup& s) {
         opt.begin_micro_batch();
         loss += model->forward_backward(tok.data(), tgt.data(), B, T, scale, true);
         opt.end_micro_batch(m + 1 == s.accum);
+        if (m + 1 < s.accum && c.rank() == 0)  // reduce-scattered already: only the shard's sum is kept
+          for (size_t i = opt.shards().end(0); i < P; ++i) out.grads_kept += model->grad_data()[i] != 0.0f;
       }
       opt.set_last_backward(false);
       opt.reduce_grads();
@@ -300,6 +303,8 @@ TEST(Zero3Accumulation, PerMicroBatchReductionWithinFp32RoundingOfZero0) {
       ASSERT_LE(std::fabs(a - b), 2 * (K - 1) * u * ref.abs_sum[i]) << "element " << i << " dp " << dp;
     }
     EXPECT_GT(differ, 0u) << "the orders should differ somewhere (else this test proves nothing)";
+    EXPECT_EQ(z3.grads_kept, 0u) << "gradients outside the shard kept across micro-batches";
+    EXPECT_GT(ref.grads_kept, 0u);  // ZeRO 0 accumulates the whole buffer
     EXPECT_EQ(ref.losses[0], z3.losses[0]);  // the first step's forward reads the same weights
     for (size_t i = 1; i < ref.losses.size(); ++i)
       EXPECT_NEAR(ref.losses[i], z3.losses[i], 1e-4 * std::fabs(ref.losses[i])) << "step " << i + 1;
