@@ -144,6 +144,7 @@ struct TrainSetup {
   const char* optimizer = "adamw";
   bool abs_sums = false;
   int shard_group = 0;
+  Recompute recompute = Recompute::None;
 };
 
 TrainRun train(const TrainSetup& s) {
@@ -152,7 +153,7 @@ TrainRun train(const TrainSetup& s) {
   dist::run_threads(s.dp, [&](dist::Communicator& c) {
     auto model = build_model(ModelConfig::preset(s.preset));
     model->init_weights(11);
-    model->allocate(B, T);
+    model->allocate(B, T, 0, s.recompute);
     const size_t P = model->num_params();
     std::vector<optim::ParamRange> ranges;
     for (const ParamSpec& sp : model->params().specs())
@@ -280,6 +281,17 @@ INSTANTIATE_TEST_SUITE_P(Layouts, Zero3Models,
                                               i.param.dp, i.param.optimizer, i.param.prefetch,
                                               i.param.shard_group ? fmt::format("_shard{}", i.param.shard_group) : "");
                          });
+
+// Full recompute re-runs a layer's forward inside its backward: on the weights gathered for the backward.
+TEST(Zero3Recompute, FullRecomputeBitIdenticalToZero0) {
+  for (const char* preset : {"gpt2-debug", "llama-debug"}) {
+    TrainSetup s{preset, 2, 0, 1, 1, 3, "adamw"};
+    s.recompute = Recompute::Full;
+    const TrainRun ref = train(s);
+    s.zero = 3;
+    expect_identical(ref, train(s), fmt::format("{} recompute full", preset));
+  }
+}
 
 // With grad accumulation ZeRO 3 reduce-scatters each micro-batch (no rank keeps a whole gradient
 // buffer across micro-batches): sum over ranks, then over micro-batches, where ZeRO 0 sums each
