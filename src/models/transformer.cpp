@@ -64,6 +64,19 @@ Model::Model(ModelConfig cfg, Arch arch, ParamTable table, ComputeSpec compute)
     grad_ranges_by_block_.push_back(table_.ranges([&](const ParamSpec& s) { return block_of(s) == block; }));
 }
 
+std::vector<std::vector<std::pair<size_t, size_t>>> Model::param_ranges_by_block() const {
+  const int64_t L = cfg_.num_hidden_layers;
+  auto block_of = [L](const ParamSpec& s) -> int64_t {
+    return s.layer >= 0 ? s.layer + 1 : (s.role == Role::Wte || s.role == Role::Wpe) ? 0 : L + 1;
+  };
+  std::vector<std::vector<std::pair<size_t, size_t>>> out;
+  for (int64_t block = 0; block < L + 2; ++block)
+    out.push_back(table_.ranges([&](const ParamSpec& s) {
+      return block_of(s) == block || (block == L + 1 && arch_.tied_lm_head && s.role == Role::Wte);
+    }));
+  return out;
+}
+
 void Model::set_tensor_shard(const TensorShard& shard) {
   LATHE_CHECK(max_B_ == 0, "internal: set_tensor_shard after allocate (the activation arena's layout depends on it)");
   LATHE_CHECK(shard.parts >= 1 && (shard.global_vocab == 0 || shard.global_vocab >= cfg_.vocab_size),

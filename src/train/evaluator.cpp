@@ -118,6 +118,12 @@ void Evaluator::score_tasks(int64_t at) {
                        static_cast<double>(c[2]) / n, c[0], now_seconds() - t0));
 }
 
+bool Evaluator::due(int64_t done, bool last) const {
+  if (last) return false;
+  return (!subset_.empty() && r_.training.eval_interval > 0 && done % r_.training.eval_interval == 0) ||
+         (!mc_items_.empty() && tasks_interval_ > 0 && done % tasks_interval_ == 0);
+}
+
 void Evaluator::maybe(int64_t done, bool last) {
   if (last) return;
   const int64_t steps = r_.training.steps;

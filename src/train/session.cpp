@@ -164,6 +164,7 @@ void TrainSession::open_optimizer() {
   parallel::DistOptimizerConfig cfg;
   cfg.optim = optimizer_config(r_);
   cfg.zero = static_cast<int>(r_.parallel.zero);
+  cfg.shard_group = static_cast<int>(r_.parallel.shard_group);
   cfg.bucket_elems = static_cast<size_t>(std::max(1.0, r_.parallel.bucket_mb * (1 << 20) / 4));
   // Device models overlap the buckets with backward except under tensor parallelism: its hooks'
   // NCCL collectives (another communicator) would then run while buckets are in flight, and NCCL
@@ -201,7 +202,12 @@ void TrainSession::open_optimizer() {
   if (rm_->sharded()) opt.set_grad_norm_group(r_.parallel.zero > 0 ? world_ : *topo_->replica(), rm_->owned());
   if (opt.reduces())  // keeps the tensor-parallel hooks
     model.hooks().grads_ready = [&opt](size_t b, size_t e) { opt.grads_ready(b, e); };
+  // ZeRO 3 (parallel/param_gather.h): each block's weights gathered before it runs.
+  opt.set_param_blocks(model.param_ranges_by_block(), static_cast<int>(r_.parallel.prefetch));
+  if (opt.gathers()) model.hooks().before_block = [&opt](int64_t block, bool bwd) { opt.before_block(block, bwd); };
 }
+
+void TrainSession::whole_weights() { opt_->gather_whole(); }
 
 void TrainSession::open_resume() {
   const std::string& ckpt = pf_.ckpt;
@@ -330,6 +336,7 @@ TrainResult TrainSession::finish() {
   // copy of the weights): the figure the memory estimate and `lathe plan` predict.
   int64_t train_peak_rss = static_cast<int64_t>(peak_rss_bytes());
   if (world_.size() > 1) world_.all_reduce(&train_peak_rss, 1, DType::I64, dist::ReduceOp::Max);
+  whole_weights();  // ZeRO 3: the final validation and the HF directory read every weight
   result_.final_val_loss = eval_->final();
   result_.model_dir = (fs::path(r_.output.dir) / "model").string();
   Model& final_model = ckpt_->export_final(result_.model_dir);

@@ -52,6 +52,9 @@ class TrainSession {
   void record(int64_t step, const StepStats& st);
   // The checkpoint after `done` steps (and the newest one in the result).
   void save_checkpoint(int64_t done, double lr);
+  // ZeRO 3: every weight complete on this rank before what reads them outside a training step
+  // (validation, checkpoints, HF directories; collective over the data group). Nothing otherwise.
+  void whole_weights();
   // Step `done` finished the loop's work for the step (validation, checkpoint).
   void completed(int64_t done) { result_.end_step = done; }
   // A stop before the end (signal or --stop-after; the checkpoint is saved): says why and how to go on.

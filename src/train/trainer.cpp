@@ -27,10 +27,13 @@ TrainResult run_steps(TrainSession& s) {
     }
     const int64_t done = step + 1;
     const bool last = done == s.steps();
+    if (s.eval().due(done, last) || s.ckpt().export_due(done, last) || s.ckpt().due(done, last))
+      s.whole_weights();                   // ZeRO 3: gathered for what reads them next
     s.eval().maybe(done, last);            // validation, multiple-choice tasks
     s.ckpt().maybe_export_hf(done, last);  // output.save_every
     s.completed(done);
     const StopRequest stop = s.control().stop_requested(done, last);  // signal or --stop-after, all ranks
+    if (stop) s.whole_weights();
     if (s.ckpt().due(done, last) || stop) s.save_checkpoint(done, st.lr);
     if (stop) return s.stopped(done, stop);
   }
