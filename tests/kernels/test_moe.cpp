@@ -7,11 +7,17 @@
 //   * "+=" for the weight gradients and "=" for dx (buffers pre-filled);
 //   * a router tie (the lower expert index wins), an expert that receives no token, the stable
 //     permutation on a hand-made example, bad expert indices refused;
-//   * bit-identical results for 1 and 2 OpenMP threads.
+//   * bit-identical results for 1 and 2 OpenMP threads;
+//   * transformers 4.45.2 as the oracle (torch_reference_moe.py): MixtralSparseMoeBlock and
+//     Qwen2MoeSparseMoeBlock, load_balancing_loss_func, router_z_loss_func; values and every gradient.
 #include <gtest/gtest.h>
 #include <omp.h>
+#include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <string>
 #include <vector>
@@ -132,9 +138,9 @@ struct Buffers {
     up.assign(S * s.F, kNaN);
     act.assign(S * s.F, kNaN);
     y.assign(S * s.C, kNaN);
-    acts = MoeActs{logits.data(),     probs.data(),   topk_idx.data(),   topk_w.data(), offsets.data(),
-                   slot_token.data(), slot_k.data(),  token_slot.data(), xp.data(),     gate.data(),
-                   up.data(),         act.data(),     y.data()};
+    acts = MoeActs{logits.data(),     probs.data(),  topk_idx.data(),   topk_w.data(), offsets.data(),
+                   slot_token.data(), slot_k.data(), token_slot.data(), xp.data(),     gate.data(),
+                   up.data(),         act.data(),    y.data()};
   }
 };
 
@@ -167,8 +173,8 @@ KernelRun run_kernel(const Params& pd, const MoeShape& s, const VecD& Gd) {
   r.dw3.assign(w3.size(), kPrefill);
   r.dw2.assign(w2.size(), kPrefill);
   VecF scratch(cpu::moe_backward_scratch_floats(s), kNaN);
-  cpu::moe_backward(r.dx.data(), r.dwr.data(), r.dw1.data(), r.dw3.data(), r.dw2.data(), G.data(), dladd.data(),
-                    b.acts, x.data(), wr.data(), w1.data(), w3.data(), w2.data(), s, scratch.data());
+  cpu::moe_backward(r.dx.data(), r.dwr.data(), r.dw1.data(), r.dw3.data(), r.dw2.data(), G.data(), dladd.data(), b.acts,
+                    x.data(), wr.data(), w1.data(), w3.data(), w2.data(), s, scratch.data());
   r.idx = b.topk_idx;
   r.offsets = b.offsets;
   return r;
@@ -356,4 +362,79 @@ TEST(Moe, BitIdenticalAcrossThreadCounts) {
     EXPECT_EQ(a.aux, r->aux);
     EXPECT_EQ(a.z_sum, r->z_sum);
   }
+}
+
+// ================================== transformers oracle ===================================
+
+namespace {
+
+namespace fs = std::filesystem;
+
+void write_bin(const fs::path& dir, const char* name, const VecF& v) {
+  std::ofstream f(dir / (std::string(name) + ".bin"), std::ios::binary);
+  f.write(reinterpret_cast<const char*>(v.data()), static_cast<std::streamsize>(v.size() * sizeof(float)));
+  ASSERT_TRUE(f.good()) << "could not write " << (dir / name).string();
+}
+
+VecF minus_prefill_f(const VecF& g) {
+  VecF r(g.size());
+  for (size_t i = 0; i < g.size(); ++i) r[i] = g[i] - kPrefill;
+  return r;
+}
+
+// Runs the block as `kernel_family` computes it and asks torch_reference_moe.py whether it equals
+// transformers' `oracle_family`; returns the script's exit code (output in `log`).
+int oracle(const MoeShape& s, const char* kernel_family, const char* oracle_family, uint64_t seed, std::string& log) {
+  MoeShape ks = s;
+  ks.renormalize = std::string(kernel_family) == "mixtral";
+  Rng rng(seed);
+  const Params p = random_params(ks, rng);
+  const VecD G = to_double(randn(static_cast<size_t>(s.N * s.C), rng, 1.0f));
+  const KernelRun r = run_kernel(p, ks, G);
+  const fs::path dir = fs::temp_directory_path() / ("lathe_moe_oracle_" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  auto f = [](const VecD& v) { return VecF(v.begin(), v.end()); };
+  write_bin(dir, "x", f(p.x));
+  write_bin(dir, "wr", f(p.wr));
+  write_bin(dir, "w1", f(p.w1));
+  write_bin(dir, "w3", f(p.w3));
+  write_bin(dir, "w2", f(p.w2));
+  write_bin(dir, "g", f(G));
+  write_bin(dir, "out", r.out);
+  write_bin(dir, "aux", VecF{static_cast<float>(r.aux)});
+  write_bin(dir, "z", VecF{static_cast<float>(r.z_sum / s.N)});
+  write_bin(dir, "dx", r.dx);
+  write_bin(dir, "dwr", minus_prefill_f(r.dwr));
+  write_bin(dir, "dw1", minus_prefill_f(r.dw1));
+  write_bin(dir, "dw3", minus_prefill_f(r.dw3));
+  write_bin(dir, "dw2", minus_prefill_f(r.dw2));
+  const std::string cmd = std::string("/usr/bin/python3 ") + LATHE_SOURCE_DIR +
+                          "/tests/kernels/torch_reference_moe.py check " + dir.string() + " " + oracle_family + " " +
+                          std::to_string(s.N) + " " + std::to_string(s.C) + " " + std::to_string(s.F) + " " +
+                          std::to_string(s.E) + " " + std::to_string(s.k) + " 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (pipe == nullptr) return -1;
+  char buf[512];
+  while (fgets(buf, sizeof(buf), pipe) != nullptr) log += buf;
+  const int status = pclose(pipe);
+  fs::remove_all(dir);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+}  // namespace
+
+TEST(MoeOracle, MixtralAndQwen2MoeBlocksInTransformers) {
+  if (!fs::exists("/usr/bin/python3")) GTEST_SKIP() << "/usr/bin/python3 (torch, transformers 4.45.2) not found";
+  MoeShape s;
+  s.N = 33, s.C = 16, s.F = 24, s.E = 8, s.k = 2;
+  for (const char* family : {"mixtral", "qwen2_moe"}) {
+    std::string log;
+    const int rc = oracle(s, family, family, 91, log);
+    EXPECT_EQ(rc, 0) << family << " differs from transformers:\n" << log;
+    if (rc == 0) std::printf("%s", log.c_str());
+  }
+  // Negative control: the kernel without renormalisation is NOT Mixtral.
+  std::string log;
+  EXPECT_EQ(oracle(s, "qwen2_moe", "mixtral", 91, log), 1) << "the oracle did not catch a wrong block:\n" << log;
 }

@@ -96,8 +96,7 @@ void moe_router_forward(float* probs, int32_t* topk_idx, float* topk_w, const fl
 }
 
 void moe_router_backward(float* dlogits, const float* dtopk_w, const float* dlogits_add, const float* probs,
-                         const int32_t* topk_idx, int64_t N, int64_t E, int64_t k, MoeScore score,
-                         bool renormalize) {
+                         const int32_t* topk_idx, int64_t N, int64_t E, int64_t k, MoeScore score, bool renormalize) {
 #pragma omp parallel for schedule(static) if (N * E >= kParallelMin)
   for (int64_t n = 0; n < N; ++n) {
     const float* p = probs + n * E;
@@ -126,8 +125,8 @@ void moe_router_backward(float* dlogits, const float* dtopk_w, const float* dlog
 
 // ========================================= permutation ==========================================
 
-void moe_permute(int32_t* offsets, int32_t* slot_token, int32_t* slot_k, int32_t* token_slot,
-                 const int32_t* topk_idx, int64_t N, int64_t E, int64_t k) {
+void moe_permute(int32_t* offsets, int32_t* slot_token, int32_t* slot_k, int32_t* token_slot, const int32_t* topk_idx,
+                 int64_t N, int64_t E, int64_t k) {
   const int64_t S = N * k;
   LATHE_CHECK(S <= INT32_MAX, "moe permute: N*k={} slots do not fit int32; use smaller micro-batches", S);
   std::vector<int64_t> count(static_cast<size_t>(E) + 1, 0);
@@ -207,7 +206,7 @@ void moe_experts_backward(float* dxp, float* dw1, float* dw3, float* dw2, const 
     for (int64_t i = 0; i < M * F; ++i) {
       const float sg = sigmoidf(g[i]);
       const float da = dg[i];
-      du[i] = da * g[i] * sg;                              // silu(g) = g * sigmoid(g)
+      du[i] = da * g[i] * sg;                                // silu(g) = g * sigmoid(g)
       dg[i] = da * u[i] * sg * (1.0f + g[i] * (1.0f - sg));  // silu'(g)
     }
     matmul_backward(dxp + r0 * C, dw1 + e * F * C, nullptr, dg, xp + r0 * C, w1 + e * F * C, M, C, F);
@@ -310,8 +309,7 @@ void moe_load_stats(double* psum, int64_t* counts, const float* probs, const int
 double moe_aux_loss(const double* psum, const int64_t* counts, int64_t rows, int64_t E) {
   LATHE_CHECK(rows > 0, "moe aux loss: rows={} must be positive", rows);
   double sum = 0.0;
-  for (int64_t e = 0; e < E; ++e)
-    sum += (static_cast<double>(counts[e]) / rows) * (psum[e] / rows);
+  for (int64_t e = 0; e < E; ++e) sum += (static_cast<double>(counts[e]) / rows) * (psum[e] / rows);
   return static_cast<double>(E) * sum;
 }
 

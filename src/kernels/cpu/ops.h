@@ -211,12 +211,11 @@ void moe_router_forward(float* probs, int32_t* topk_idx, float* topk_w, const fl
 // dlogits[N,E] = gradient through the scores and the (renormalised) top-k weights from
 // dtopk_w[N,k] (overwrites); plus dlogits_add[N,E] if not null (aux / z-loss gradients).
 void moe_router_backward(float* dlogits, const float* dtopk_w, const float* dlogits_add, const float* probs,
-                         const int32_t* topk_idx, int64_t N, int64_t E, int64_t k, MoeScore score,
-                         bool renormalize);
+                         const int32_t* topk_idx, int64_t N, int64_t E, int64_t k, MoeScore score, bool renormalize);
 // Stable counting sort of the N*k assignments by expert id: offsets[E+1], slot_token, slot_k,
 // token_slot (all overwritten). Checks every index is in [0, E).
-void moe_permute(int32_t* offsets, int32_t* slot_token, int32_t* slot_k, int32_t* token_slot,
-                 const int32_t* topk_idx, int64_t N, int64_t E, int64_t k);
+void moe_permute(int32_t* offsets, int32_t* slot_token, int32_t* slot_k, int32_t* token_slot, const int32_t* topk_idx,
+                 int64_t N, int64_t E, int64_t k);
 // xp[slot, :] = x[slot_token[slot], :]  (S = N*k slots).
 void moe_gather(float* xp, const float* x, const int32_t* slot_token, int64_t S, int64_t C);
 // dx[n, :] = sum over j in order of dxp[token_slot[n*k+j], :]  (overwrites).
