@@ -242,10 +242,12 @@ TEST(Moe, SoftmaxNotRenormalisedQwen2) {
   check_block(random_params(s, rng), s, 22, "softmax");
 }
 
-TEST(Moe, SigmoidRenormalised) {
-  const MoeShape s = odd_shape(MoeScore::sigmoid, true);
-  Rng rng(31);
-  check_block(random_params(s, rng), s, 32, "sigmoid+renorm");
+TEST(Moe, SigmoidWithAndWithoutRenormalisation) {
+  for (bool renorm : {true, false}) {
+    const MoeShape s = odd_shape(MoeScore::sigmoid, renorm);
+    Rng rng(31 + renorm);
+    check_block(random_params(s, rng), s, 33 + renorm, renorm ? "sigmoid+renorm" : "sigmoid");
+  }
 }
 
 TEST(Moe, TopOneAndTopAll) {
