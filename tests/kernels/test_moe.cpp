@@ -41,6 +41,7 @@ constexpr double kAuxCoef = 0.3, kZCoef = 0.05;
 
 struct Params {
   VecD x, wr, w1, w3, w2;
+  VecD select_bias;  // [E] or empty: DeepSeek-V3's selection-only bias
 };
 
 struct RefResult {
@@ -78,8 +79,9 @@ RefResult ref_forward(const Params& p, const MoeShape& s, const std::vector<int>
       if (!frozen.empty()) {
         best = frozen[n * k + j];
       } else {
+        auto rank = [&](int64_t e) { return p.select_bias.empty() ? pr[e] : pr[e] + p.select_bias[e]; };
         for (int64_t e = 0; e < E; ++e)
-          if (!taken[e] && (best < 0 || pr[e] > pr[best])) best = static_cast<int>(e);
+          if (!taken[e] && (best < 0 || rank(e) > rank(best))) best = static_cast<int>(e);
       }
       taken[best] = true;
       r.idx[n * k + j] = best;
@@ -159,7 +161,9 @@ KernelRun run_kernel(const Params& pd, const MoeShape& s, const VecD& Gd) {
   Buffers b(s);
   KernelRun r;
   r.out.assign(s.N * s.C, kNaN);
-  cpu::moe_forward(r.out.data(), b.acts, x.data(), wr.data(), w1.data(), w3.data(), w2.data(), s);
+  const VecF bias = f(pd.select_bias);
+  cpu::moe_forward(r.out.data(), b.acts, x.data(), wr.data(), w1.data(), w3.data(), w2.data(), s,
+                   bias.empty() ? nullptr : bias.data());
   std::vector<double> psum(s.E, 0.0);
   std::vector<int64_t> counts(s.E, 0);
   cpu::moe_load_stats(psum.data(), counts.data(), b.probs.data(), b.topk_idx.data(), s.N, s.E, s.k);
@@ -301,6 +305,36 @@ TEST(Moe, RouterTieInTheBlock) {
 }
 
 // ====================================== router and permutation ======================================
+
+// DeepSeek-V3's aux-loss-free bias: it changes the choice only; the weights are the unbiased
+// scores of the chosen experts (renormalised or not).
+TEST(Moe, SelectBiasChangesTheChoiceNotTheWeights) {
+  const VecF logits = {0, 1, 2, 3};
+  const VecF bias = {10, 0, 0, 0};
+  for (bool renorm : {false, true}) {
+    VecF probs(4), w(2);
+    std::vector<int32_t> idx(2);
+    cpu::moe_router_forward(probs.data(), idx.data(), w.data(), logits.data(), 1, 4, 2, MoeScore::sigmoid, renorm,
+                            bias.data());
+    EXPECT_EQ(idx, (std::vector<int32_t>{0, 3}));
+    const float s = renorm ? probs[0] + probs[3] : 1.0f;
+    EXPECT_EQ(w[0], probs[0] / s);
+    EXPECT_EQ(w[1], probs[3] / s);
+  }
+  // In the block: every gradient still matches with the biased choice frozen.
+  const MoeShape s = odd_shape(MoeScore::sigmoid, true);
+  Rng rng(101);
+  Params p = random_params(s, rng);
+  p.select_bias = {0.0, -0.3, 0.2, 0.5};
+  check_block(p, s, 102, "select bias");
+}
+
+TEST(Moe, SelectBiasUpdateFollowsTheLoadError) {
+  const std::vector<int64_t> counts = {5, 3, 4, 4};  // mean 4
+  VecF bias = {0.5f, 0.5f, 0.5f, 0.5f};
+  cpu::moe_update_select_bias(bias.data(), counts.data(), 4, 0.125f);
+  EXPECT_EQ(bias, (VecF{0.375f, 0.625f, 0.5f, 0.5f}));
+}
 
 TEST(Moe, RouterTiesLowerIndexWins) {
   const VecF logits = {1, 3, 3, 0, /**/ 2, 2, 2, 2, /**/ 0, 5, -1, 5};

@@ -66,7 +66,7 @@ void score_row_backward(float* dl, const float* dp, const float* p, int64_t E, M
 // ============================================ router ============================================
 
 void moe_router_forward(float* probs, int32_t* topk_idx, float* topk_w, const float* logits, int64_t N, int64_t E,
-                        int64_t k, MoeScore score, bool renormalize) {
+                        int64_t k, MoeScore score, bool renormalize, const float* select_bias) {
   LATHE_CHECK(E > 0 && k >= 1 && k <= E, "moe router: top-k k={} must be in [1, E={}]", k, E);
 #pragma omp parallel for schedule(static) if (N * E >= kParallelMin)
   for (int64_t n = 0; n < N; ++n) {
@@ -76,6 +76,7 @@ void moe_router_forward(float* probs, int32_t* topk_idx, float* topk_w, const fl
     float* w = topk_w + n * k;
     // k passes of an arg-max over the experts not chosen yet: strict '>' keeps the lower index
     // on ties (and a NaN never displaces a choice, so the k indices are always distinct).
+    auto rank = [&](int64_t e) { return select_bias != nullptr ? p[e] + select_bias[e] : p[e]; };
     float wsum = 0.0f;
     for (int64_t j = 0; j < k; ++j) {
       int64_t best = -1;
@@ -83,7 +84,7 @@ void moe_router_forward(float* probs, int32_t* topk_idx, float* topk_w, const fl
         bool taken = false;
         for (int64_t i = 0; i < j; ++i) taken = taken || idx[i] == e;
         if (taken) continue;
-        if (best < 0 || p[e] > p[best]) best = e;
+        if (best < 0 || rank(e) > rank(best)) best = e;
       }
       idx[j] = static_cast<int32_t>(best);
       w[j] = p[best];
@@ -254,10 +255,10 @@ void moe_combine_backward(float* dy, float* dtopk_w, const float* dout, const fl
 // ========================================== the block ===========================================
 
 void moe_forward(float* out, const MoeActs& a, const float* x, const float* wr, const float* w1, const float* w3,
-                 const float* w2, const MoeShape& s) {
+                 const float* w2, const MoeShape& s, const float* select_bias) {
   check_shape(s);
   matmul_forward(a.logits, x, wr, nullptr, s.N, s.C, s.E);
-  moe_router_forward(a.probs, a.topk_idx, a.topk_w, a.logits, s.N, s.E, s.k, s.score, s.renormalize);
+  moe_router_forward(a.probs, a.topk_idx, a.topk_w, a.logits, s.N, s.E, s.k, s.score, s.renormalize, select_bias);
   moe_permute(a.offsets, a.slot_token, a.slot_k, a.token_slot, a.topk_idx, s.N, s.E, s.k);
   moe_gather(a.xp, x, a.slot_token, s.N * s.k, s.C);
   moe_experts_forward(a.y, a.gate, a.up, a.act, a.xp, w1, w3, w2, a.offsets, s.E, s.C, s.F);
@@ -354,6 +355,16 @@ double moe_z_loss(float* dlogits, const float* logits, int64_t N, int64_t E, flo
   double total = 0.0;
   for (int64_t n = 0; n < N; ++n) total += sq[n];  // row order: independent of the thread count
   return total;
+}
+
+void moe_update_select_bias(float* bias, const int64_t* counts, int64_t E, float rate) {
+  int64_t total = 0;
+  for (int64_t e = 0; e < E; ++e) total += counts[e];
+  // Compare counts[e] * E with the total: the exact integer form of counts[e] vs the mean.
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t load = counts[e] * E;
+    bias[e] += load < total ? rate : load > total ? -rate : 0.0f;
+  }
 }
 
 }  // namespace lathe::cpu

@@ -206,8 +206,13 @@ struct MoeActs {
 };
 
 // Router scores and top-k from logits[N,E] (any source): probs[N,E], topk_idx[N,k], topk_w[N,k].
+// select_bias[E] (nullable; DeepSeek-V3's aux-loss-free e_score_correction_bias): the choice ranks
+// probs + select_bias, the weights stay the unbiased probs of the chosen experts.
 void moe_router_forward(float* probs, int32_t* topk_idx, float* topk_w, const float* logits, int64_t N, int64_t E,
-                        int64_t k, MoeScore score, bool renormalize);
+                        int64_t k, MoeScore score, bool renormalize, const float* select_bias = nullptr);
+// DeepSeek-V3's update of that bias from one step's load (counts[E] assignments, e.g. from
+// moe_load_stats): bias[e] += rate * sign(mean count - counts[e]) (underloaded experts rise).
+void moe_update_select_bias(float* bias, const int64_t* counts, int64_t E, float rate);
 // dlogits[N,E] = gradient through the scores and the (renormalised) top-k weights from
 // dtopk_w[N,k] (overwrites); plus dlogits_add[N,E] if not null (aux / z-loss gradients).
 void moe_router_backward(float* dlogits, const float* dtopk_w, const float* dlogits_add, const float* probs,
@@ -236,9 +241,10 @@ void moe_combine(float* out, const float* y, const float* topk_w, const int32_t*
 void moe_combine_backward(float* dy, float* dtopk_w, const float* dout, const float* y, const float* topk_w,
                           const int32_t* token_slot, int64_t N, int64_t k, int64_t C);
 
-// The whole block: fills every buffer of acts and out[N,C] (overwrites).
+// The whole block: fills every buffer of acts and out[N,C] (overwrites). select_bias[E]: as in
+// moe_router_forward (nullable).
 void moe_forward(float* out, const MoeActs& acts, const float* x, const float* wr, const float* w1, const float* w3,
-                 const float* w2, const MoeShape& s);
+                 const float* w2, const MoeShape& s, const float* select_bias = nullptr);
 // dx[N,C] = input gradient (overwrites: expert path + router path); dwr[E,C], dw1, dw3, dw2 +=.
 // dlogits_add[N,E] (nullable): extra router-logit gradient (moe_aux_loss_backward, moe_z_loss).
 // scratch: at least moe_backward_scratch_floats(s) floats.
