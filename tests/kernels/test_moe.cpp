@@ -6,7 +6,8 @@
 //     frozen (it is piecewise constant: no gradient flows through it);
 //   * "+=" for the weight gradients and "=" for dx (buffers pre-filled);
 //   * a router tie (the lower expert index wins), an expert that receives no token, the stable
-//     permutation on a hand-made example, bad expert indices refused;
+//     permutation on a hand-made example, bad expert indices refused, DeepSeek-V3's selection bias
+//     and its update;
 //   * bit-identical results for 1 and 2 OpenMP threads;
 //   * transformers 4.45.2 as the oracle (torch_reference_moe.py): MixtralSparseMoeBlock and
 //     Qwen2MoeSparseMoeBlock, load_balancing_loss_func, router_z_loss_func; values and every gradient.
