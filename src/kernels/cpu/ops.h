@@ -165,4 +165,107 @@ double vocab_parallel_softmax_rows(float* s, float* losses, const int32_t* targe
 void check_vocab_parallel_args(const int32_t* targets, int64_t N, int64_t C, int64_t V, int64_t chunk_rows,
                                bool backward, bool have_grads, const VocabParallel& vp);
 
+// ---- mixture of experts (issue 28; kernels/cpu/moe.cpp) ----------------------------------------
+// One sparse MoE block (Mixtral / Qwen2-MoE / OLMoE): N tokens x[N,C], E experts, top-k routing,
+// SwiGLU experts of width F in Mixtral's layout w1 = gate [E,F,C], w3 = up [E,F,C], w2 = down [E,C,F]:
+//   logits[N,E] = x @ wr^T                     (router weight wr[E,C]; matmul_forward)
+//   probs       = softmax(logits) (fp32, over E) or sigmoid(logits)
+//   topk_idx[N,k], topk_w[N,k]: the k largest probs of each row, in descending order, ties broken
+//                 by the lower expert index; optionally renormalised to sum 1 (Mixtral;
+//                 Qwen2-MoE's norm_topk_prob)
+//   slots: the N*k (token, j) pairs sorted by expert id, stably (ties in token order): expert e
+//          owns rows [offsets[e], offsets[e+1]) of the permuted buffers (dropless: always N*k rows)
+//   xp[slot] = x[slot_token[slot]];  y[slot] = w2_e (silu(w1_e xp) * (w3_e xp))   per expert e
+//   out[n] = sum over j = 0..k-1 in order of topk_w[n,j] * y[token_slot[n*k+j]]
+// No atomics anywhere; each expert's GEMMs run single-threaded inside one OpenMP loop over the
+// experts, so every result is bit-identical for any thread count.
+// The selection itself is piecewise constant: no gradient flows through the choice of experts.
+enum class MoeScore { softmax, sigmoid };
+
+struct MoeShape {
+  int64_t N = 0, C = 0, F = 0, E = 0, k = 0;
+  MoeScore score = MoeScore::softmax;
+  bool renormalize = true;  // divide the top-k weights by their sum
+};
+
+// What the forward saves for the backward: caller-owned buffers of the sizes given.
+struct MoeActs {
+  float* logits = nullptr;        // [N, E]
+  float* probs = nullptr;         // [N, E]
+  int32_t* topk_idx = nullptr;    // [N, k]
+  float* topk_w = nullptr;        // [N, k]
+  int32_t* offsets = nullptr;     // [E + 1]
+  int32_t* slot_token = nullptr;  // [N*k] slot -> token
+  int32_t* slot_k = nullptr;      // [N*k] slot -> j (which of the token's k choices)
+  int32_t* token_slot = nullptr;  // [N*k] n*k + j -> slot
+  float* xp = nullptr;            // [N*k, C] gathered inputs, expert-major
+  float* gate = nullptr;          // [N*k, F] w1 xp (pre-activation)
+  float* up = nullptr;            // [N*k, F] w3 xp
+  float* act = nullptr;           // [N*k, F] silu(gate) * up
+  float* y = nullptr;             // [N*k, C] expert outputs
+};
+
+// Router scores and top-k from logits[N,E] (any source): probs[N,E], topk_idx[N,k], topk_w[N,k].
+// select_bias[E] (nullable; DeepSeek-V3's aux-loss-free e_score_correction_bias): the choice ranks
+// probs + select_bias, the weights stay the unbiased probs of the chosen experts.
+void moe_router_forward(float* probs, int32_t* topk_idx, float* topk_w, const float* logits, int64_t N, int64_t E,
+                        int64_t k, MoeScore score, bool renormalize, const float* select_bias = nullptr);
+// DeepSeek-V3's update of that bias from one step's load (counts[E] assignments, e.g. from
+// moe_load_stats): bias[e] += rate * sign(mean count - counts[e]) (underloaded experts rise).
+void moe_update_select_bias(float* bias, const int64_t* counts, int64_t E, float rate);
+// dlogits[N,E] = gradient through the scores and the (renormalised) top-k weights from
+// dtopk_w[N,k] (overwrites); plus dlogits_add[N,E] if not null (aux / z-loss gradients).
+void moe_router_backward(float* dlogits, const float* dtopk_w, const float* dlogits_add, const float* probs,
+                         const int32_t* topk_idx, int64_t N, int64_t E, int64_t k, MoeScore score, bool renormalize);
+// Stable counting sort of the N*k assignments by expert id: offsets[E+1], slot_token, slot_k,
+// token_slot (all overwritten). Checks every index is in [0, E).
+void moe_permute(int32_t* offsets, int32_t* slot_token, int32_t* slot_k, int32_t* token_slot, const int32_t* topk_idx,
+                 int64_t N, int64_t E, int64_t k);
+// xp[slot, :] = x[slot_token[slot], :]  (S = N*k slots).
+void moe_gather(float* xp, const float* x, const int32_t* slot_token, int64_t S, int64_t C);
+// dx[n, :] = sum over j in order of dxp[token_slot[n*k+j], :]  (overwrites).
+void moe_gather_backward(float* dx, const float* dxp, const int32_t* token_slot, int64_t N, int64_t k, int64_t C);
+// Grouped SwiGLU expert MLP over the permuted rows (see above); experts with no rows are skipped.
+// gate, up, act, y [S, F|C] are overwritten.
+void moe_experts_forward(float* y, float* gate, float* up, float* act, const float* xp, const float* w1,
+                         const float* w3, const float* w2, const int32_t* offsets, int64_t E, int64_t C, int64_t F);
+// dxp[S,C] = input gradient (overwrites); dw1/dw3 [E,F,C], dw2 [E,C,F] += (rows of expert e only).
+// scratch: at least 2 * S * F floats (S = offsets[E]).
+void moe_experts_backward(float* dxp, float* dw1, float* dw3, float* dw2, const float* dy, const float* xp,
+                          const float* gate, const float* up, const float* act, const float* w1, const float* w3,
+                          const float* w2, const int32_t* offsets, int64_t E, int64_t C, int64_t F, float* scratch);
+// out[N,C] = weighted sum of the token's k expert outputs, in j order (overwrites).
+void moe_combine(float* out, const float* y, const float* topk_w, const int32_t* token_slot, int64_t N, int64_t k,
+                 int64_t C);
+// dy[slot, :] = topk_w[n,j] * dout[n, :] (overwrites); dtopk_w[n,j] = <dout[n], y[slot]> (overwrites).
+void moe_combine_backward(float* dy, float* dtopk_w, const float* dout, const float* y, const float* topk_w,
+                          const int32_t* token_slot, int64_t N, int64_t k, int64_t C);
+
+// The whole block: fills every buffer of acts and out[N,C] (overwrites). select_bias[E]: as in
+// moe_router_forward (nullable).
+void moe_forward(float* out, const MoeActs& acts, const float* x, const float* wr, const float* w1, const float* w3,
+                 const float* w2, const MoeShape& s, const float* select_bias = nullptr);
+// dx[N,C] = input gradient (overwrites: expert path + router path); dwr[E,C], dw1, dw3, dw2 +=.
+// dlogits_add[N,E] (nullable): extra router-logit gradient (moe_aux_loss_backward, moe_z_loss).
+// scratch: at least moe_backward_scratch_floats(s) floats.
+void moe_backward(float* dx, float* dwr, float* dw1, float* dw3, float* dw2, const float* dout,
+                  const float* dlogits_add, const MoeActs& acts, const float* x, const float* wr, const float* w1,
+                  const float* w3, const float* w2, const MoeShape& s, float* scratch);
+size_t moe_backward_scratch_floats(const MoeShape& s);
+
+// Load-balancing loss in transformers' load_balancing_loss_func form: with f_e = (number of top-k
+// assignments to e) / rows and P_e = (sum of probs[:, e]) / rows,  aux = E * sum_e f_e * P_e.
+// Statistics accumulate (+=) over calls so the loss can span several layers as transformers'
+// concatenation does: psum[E] += column sums of probs, counts[E] += assignments per expert.
+void moe_load_stats(double* psum, int64_t* counts, const float* probs, const int32_t* topk_idx, int64_t N, int64_t E,
+                    int64_t k);
+double moe_aux_loss(const double* psum, const int64_t* counts, int64_t rows, int64_t E);
+// dlogits[N,E] += coef * d aux / d logits of these N rows (f is constant: counts / rows of the
+// whole set the loss spans; rows its total row count), through the same score function.
+void moe_aux_loss_backward(float* dlogits, const float* probs, const int64_t* counts, int64_t rows, int64_t N,
+                           int64_t E, float coef, MoeScore score);
+// Router z-loss: returns sum over the N rows of logsumexp(logits[n])^2 (the mean divides by the
+// row count); if dlogits != nullptr, dlogits += grad_scale * 2 * lse_n * softmax(logits[n]).
+double moe_z_loss(float* dlogits, const float* logits, int64_t N, int64_t E, float grad_scale);
+
 }  // namespace lathe::cpu
