@@ -80,7 +80,7 @@ struct ParamSpec {
   int64_t sections = 1;
   // Unequal sections (grouped-query phi3's qkv_proj: H, KV, KV heads): each section's share of
   // dim 0 in units (rows = units[k] x rows / sum(units)); empty = `sections` equal ones.
-  std::vector<int64_t> section_units;
+  std::vector<int64_t> section_units{};
   int64_t numel() const { return lathe::numel(shape); }
   // t.add(...).as(Role::QkvW, i)
   ParamSpec& as(Role r, int64_t layer_index = -1) {
