@@ -1,0 +1,280 @@
+// Block attention for context parallelism (issue 27; contract in ops.h, "block attention"): the
+// rows of one rank's queries against one block of keys/values that may come from another rank,
+// masked by global positions, and the log-sum-exp merge of the blocks' partial results.
+//
+// Forward, per (batch row, query head), query tiles of 16 rows: the online softmax of flash
+// attention over the block's key tiles of 16 (running max m, running sum l, accumulator acc),
+// then out = acc / l and lse = m + log(l). A key tile none of whose keys any row of the query tile
+// may see (before every row's document or window start, or after every row's position) is skipped.
+// Backward, per (batch row, kv head) so that one thread owns a kv head's dk, dv and the dq of its
+// query heads (fixed summation order, no atomics): P = exp(S - lse) with the FINAL lse, Di from the
+// final out, then the usual dS = P * (dP - Di) * scale products, tile by tile.
+//
+// Plain loops over 16 x 16 tiles (the compiler vectorises the D-long inner loops): this is the
+// correctness-first version; the register-blocked tile_gemm of attention.cpp is not reused here
+// because that file is being changed concurrently (softcap) and its helpers are file-local.
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "core/error.h"
+#include "kernels/cpu/ops.h"
+
+namespace lathe::cpu {
+namespace {
+
+constexpr int64_t kTile = 16;
+constexpr int64_t kMaxD = 512;  // stack tiles of [16, D]
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+std::atomic<int64_t> g_block_fwd{0}, g_block_bwd{0};
+
+void check_block(const char* fn, const BlockAttention& a) {
+  LATHE_CHECK(a.B >= 1 && a.Tq >= 0 && a.Tk >= 0 && a.H >= 1 && a.KVH >= 1 && a.D >= 1,
+              "{}: invalid shape B={} Tq={} Tk={} H={} KVH={} D={}", fn, a.B, a.Tq, a.Tk, a.H, a.KVH, a.D);
+  LATHE_CHECK(a.H % a.KVH == 0, "{}: n_head {} is not a multiple of n_kv_head {}", fn, a.H, a.KVH);
+  LATHE_CHECK(a.D <= kMaxD, "{}: head size {} above the block kernel's {} (attention_block.cpp kMaxD)", fn, a.D,
+              kMaxD);
+  LATHE_CHECK(a.window >= 0, "{}: window = {} must be >= 0 (0 = no sliding window)", fn, a.window);
+  LATHE_CHECK((a.Tq == 0 || a.q_pos) && (a.Tk == 0 || a.k_pos), "{}: q_pos and k_pos are required", fn);
+  for (int64_t i = 1; i < a.Tq; ++i)
+    LATHE_CHECK(a.q_pos[i] > a.q_pos[i - 1], "{}: q_pos[{}] = {} after {}: positions must increase", fn, i,
+                a.q_pos[i], a.q_pos[i - 1]);
+  for (int64_t j = 1; j < a.Tk; ++j)
+    LATHE_CHECK(a.k_pos[j] > a.k_pos[j - 1], "{}: k_pos[{}] = {} after {}: positions must increase", fn, j,
+                a.k_pos[j], a.k_pos[j - 1]);
+  if (a.q_doc)
+    for (int64_t i = 0; i < a.B * a.Tq; ++i)
+      LATHE_CHECK(a.q_doc[i] >= 0 && a.q_doc[i] <= a.q_pos[i % a.Tq],
+                  "{}: q_doc[{}, {}] = {}: a document starts at or before its token's position {} (and >= 0)", fn,
+                  i / a.Tq, i % a.Tq, a.q_doc[i], a.q_pos[i % a.Tq]);
+}
+
+// Visible key positions of the rows of one query tile: [lo[r], hi[r]].
+struct RowBounds {
+  int64_t lo[kTile], hi[kTile];
+  int64_t nr = 0;
+  RowBounds(const BlockAttention& a, int64_t b, int64_t i0) : nr(std::min(kTile, a.Tq - i0)) {
+    for (int64_t r = 0; r < nr; ++r) {
+      const int64_t i = i0 + r;
+      hi[r] = a.q_pos[i];
+      int64_t l = a.q_doc ? a.q_doc[b * a.Tq + i] : std::numeric_limits<int64_t>::min();
+      if (a.window > 0) l = std::max(l, hi[r] - a.window + 1);
+      lo[r] = l;
+    }
+  }
+  bool visible(int64_t r, int64_t kp) const { return kp <= hi[r] && kp >= lo[r]; }
+  // Some row sees some key position in [kmin, kmax] (exact for contiguous positions).
+  bool any(int64_t kmin, int64_t kmax) const {
+    for (int64_t r = 0; r < nr; ++r)
+      if (lo[r] <= kmax && hi[r] >= kmin && lo[r] <= hi[r]) return true;
+    return false;
+  }
+};
+
+inline float dot(const float* x, const float* y, int64_t D) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t d = 0; d < D; ++d) acc += x[d] * y[d];
+  return acc;
+}
+
+// Scores of one tile: s[r][c] = scale * q_r . k_c where visible, else -inf.
+void tile_scores(const BlockAttention& a, const RowBounds& rb, const float* q0, const float* k0, int64_t j0,
+                 int64_t nc, float scale, float s[kTile][kTile]) {
+  for (int64_t r = 0; r < rb.nr; ++r)
+    for (int64_t c = 0; c < nc; ++c)
+      s[r][c] = rb.visible(r, a.k_pos[j0 + c]) ? scale * dot(q0 + r * a.ldq, k0 + c * a.ldk, a.D) : kNegInf;
+}
+
+// One (batch row, query head) of the forward.
+void forward_head(const BlockAttention& a, int64_t b, int64_t h, float* out, int64_t ldo, float* lse) {
+  const int64_t D = a.D, g = h / (a.H / a.KVH);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const float* q = a.q + b * a.Tq * a.ldq + h * D;
+  const float* k = a.k + b * a.Tk * a.ldk + g * D;
+  const float* v = a.v + b * a.Tk * a.ldv + g * D;
+  float* o = out + b * a.Tq * ldo + h * D;
+  float* l_out = lse + (b * a.H + h) * a.Tq;
+  int64_t tiles = 0;
+  for (int64_t i0 = 0; i0 < a.Tq; i0 += kTile) {
+    const RowBounds rb(a, b, i0);
+    float m[kTile], l[kTile], acc[kTile][kMaxD], s[kTile][kTile];
+    for (int64_t r = 0; r < rb.nr; ++r) {
+      m[r] = kNegInf;
+      l[r] = 0.0f;
+      std::fill(acc[r], acc[r] + D, 0.0f);
+    }
+    for (int64_t j0 = 0; j0 < a.Tk; j0 += kTile) {
+      const int64_t nc = std::min(kTile, a.Tk - j0);
+      if (!rb.any(a.k_pos[j0], a.k_pos[j0 + nc - 1])) continue;
+      ++tiles;
+      tile_scores(a, rb, q + i0 * a.ldq, k + j0 * a.ldk, j0, nc, scale, s);
+      for (int64_t r = 0; r < rb.nr; ++r) {
+        float mt = kNegInf;
+        for (int64_t c = 0; c < nc; ++c) mt = std::max(mt, s[r][c]);
+        if (mt == kNegInf) continue;  // no visible key of this tile for this row
+        const float mn = std::max(m[r], mt);
+        const float alpha = m[r] == kNegInf ? 0.0f : std::exp(m[r] - mn);
+        float sum = 0.0f;
+        for (int64_t d = 0; d < D; ++d) acc[r][d] *= alpha;
+        for (int64_t c = 0; c < nc; ++c) {
+          if (s[r][c] == kNegInf) continue;
+          const float p = std::exp(s[r][c] - mn);
+          sum += p;
+          const float* vr = v + (j0 + c) * a.ldv;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) acc[r][d] += p * vr[d];
+        }
+        l[r] = l[r] * alpha + sum;
+        m[r] = mn;
+      }
+    }
+    for (int64_t r = 0; r < rb.nr; ++r) {
+      float* orow = o + (i0 + r) * ldo;
+      if (l[r] > 0.0f) {
+        const float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < D; ++d) orow[d] = acc[r][d] * inv;
+        l_out[i0 + r] = m[r] + std::log(l[r]);
+      } else {
+        std::fill(orow, orow + D, 0.0f);
+        l_out[i0 + r] = kNegInf;
+      }
+    }
+  }
+  g_block_fwd.fetch_add(tiles, std::memory_order_relaxed);
+}
+
+// Query head h of batch row b against the block's kv head g (the work of one head inside one
+// backward task): dq rows += (summed over the block's key tiles first), dk, dv rows +=.
+int64_t backward_head(const BlockAttention& a, int64_t b, int64_t h, const float* out, const float* dout, int64_t ldo,
+                      const float* lse, float* dq, int64_t lddq, float* dk, int64_t lddk, float* dv, int64_t lddv) {
+  const int64_t D = a.D, g = h / (a.H / a.KVH);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const float* q = a.q + b * a.Tq * a.ldq + h * D;
+  const float* k = a.k + b * a.Tk * a.ldk + g * D;
+  const float* v = a.v + b * a.Tk * a.ldv + g * D;
+  const float* o = out + b * a.Tq * ldo + h * D;
+  const float* dO = dout + b * a.Tq * ldo + h * D;
+  const float* l = lse + (b * a.H + h) * a.Tq;
+  float* dqh = dq + b * a.Tq * lddq + h * D;
+  float* dkg = dk + b * a.Tk * lddk + g * D;
+  float* dvg = dv + b * a.Tk * lddv + g * D;
+  int64_t tiles = 0;
+  for (int64_t i0 = 0; i0 < a.Tq; i0 += kTile) {
+    const RowBounds rb(a, b, i0);
+    float Di[kTile], dqt[kTile][kMaxD], p[kTile][kTile], ds[kTile][kTile];
+    for (int64_t r = 0; r < rb.nr; ++r) {
+      Di[r] = dot(dO + (i0 + r) * ldo, o + (i0 + r) * ldo, D);
+      std::fill(dqt[r], dqt[r] + D, 0.0f);
+    }
+    bool touched = false;
+    for (int64_t j0 = 0; j0 < a.Tk; j0 += kTile) {
+      const int64_t nc = std::min(kTile, a.Tk - j0);
+      if (!rb.any(a.k_pos[j0], a.k_pos[j0 + nc - 1])) continue;
+      ++tiles;
+      touched = true;
+      tile_scores(a, rb, q + i0 * a.ldq, k + j0 * a.ldk, j0, nc, scale, p);
+      for (int64_t r = 0; r < rb.nr; ++r) {
+        const float li = l[i0 + r];
+        const float* dor = dO + (i0 + r) * ldo;
+        for (int64_t c = 0; c < nc; ++c) {
+          const bool vis = p[r][c] != kNegInf && li != kNegInf;
+          p[r][c] = vis ? std::exp(p[r][c] - li) : 0.0f;
+          ds[r][c] = vis ? p[r][c] * (dot(dor, v + (j0 + c) * a.ldv, D) - Di[r]) * scale : 0.0f;
+        }
+      }
+      for (int64_t r = 0; r < rb.nr; ++r)
+        for (int64_t c = 0; c < nc; ++c) {
+          if (ds[r][c] == 0.0f) continue;
+          const float* kr = k + (j0 + c) * a.ldk;
+          const float w = ds[r][c];
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) dqt[r][d] += w * kr[d];
+        }
+      for (int64_t c = 0; c < nc; ++c) {
+        float* dkr = dkg + (j0 + c) * lddk;
+        float* dvr = dvg + (j0 + c) * lddv;
+        for (int64_t r = 0; r < rb.nr; ++r) {
+          const float* qr = q + (i0 + r) * a.ldq;
+          const float* dor = dO + (i0 + r) * ldo;
+          const float w = ds[r][c], pw = p[r][c];
+          if (pw == 0.0f && w == 0.0f) continue;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) {
+            dkr[d] += w * qr[d];
+            dvr[d] += pw * dor[d];
+          }
+        }
+      }
+    }
+    if (!touched) continue;
+    for (int64_t r = 0; r < rb.nr; ++r) {
+      float* dqr = dqh + (i0 + r) * lddq;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) dqr[d] += dqt[r][d];
+    }
+  }
+  return tiles;
+}
+
+}  // namespace
+
+void attention_block_forward(const BlockAttention& a, float* out, int64_t ldo, float* lse) {
+  check_block("attention_block_forward", a);
+  const int max_thr = omp_get_max_threads();
+#pragma omp parallel for schedule(static) num_threads(max_thr)
+  for (int64_t bh = 0; bh < a.B * a.H; ++bh) forward_head(a, bh / a.H, bh % a.H, out, ldo, lse);
+}
+
+void attention_block_backward(const BlockAttention& a, const float* out, const float* dout, int64_t ldo,
+                              const float* lse, float* dq, int64_t lddq, float* dk, int64_t lddk, float* dv,
+                              int64_t lddv) {
+  check_block("attention_block_backward", a);
+  const int64_t rep = a.H / a.KVH;
+  const int max_thr = omp_get_max_threads();
+  // One task per (b, kv head): it alone writes that kv head's dk, dv and its query heads' dq.
+#pragma omp parallel for schedule(static) num_threads(max_thr)
+  for (int64_t bg = 0; bg < a.B * a.KVH; ++bg) {
+    const int64_t b = bg / a.KVH, g = bg % a.KVH;
+    int64_t tiles = 0;
+    for (int64_t h = g * rep; h < (g + 1) * rep; ++h)
+      tiles += backward_head(a, b, h, out, dout, ldo, lse, dq, lddq, dk, lddk, dv, lddv);
+    g_block_bwd.fetch_add(tiles, std::memory_order_relaxed);
+  }
+}
+
+void attention_lse_merge(float* out, float* lse, const float* out_b, const float* lse_b, int64_t B, int64_t T,
+                         int64_t H, int64_t D, int64_t ldo) {
+  const int max_thr = omp_get_max_threads();
+#pragma omp parallel for schedule(static) num_threads(max_thr)
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    const int64_t b = bh / H, h = bh % H;
+    for (int64_t t = 0; t < T; ++t) {
+      float& la = lse[bh * T + t];
+      const float lb = lse_b[bh * T + t];
+      float* oa = out + (b * T + t) * ldo + h * D;
+      const float* ob = out_b + (b * T + t) * ldo + h * D;
+      if (lb == kNegInf) continue;
+      if (la == kNegInf) {
+        std::copy(ob, ob + D, oa);
+        la = lb;
+        continue;
+      }
+      const float mx = std::max(la, lb);
+      const float wa = std::exp(la - mx), wb = std::exp(lb - mx), sum = wa + wb;
+      const float ca = wa / sum, cb = wb / sum;
+      for (int64_t d = 0; d < D; ++d) oa[d] = ca * oa[d] + cb * ob[d];
+      la = mx + std::log(sum);
+    }
+  }
+}
+
+AttentionTiles attention_block_tiles() {
+  return {g_block_fwd.load(std::memory_order_relaxed), g_block_bwd.load(std::memory_order_relaxed)};
+}
+
+}  // namespace lathe::cpu
