@@ -340,6 +340,15 @@ class Parser {
     need(p.pipeline > 1 || (p.virtual_stages == 1 && p.stage_layers.empty()),
          p.virtual_stages != 1 ? "parallel.virtual_stages" : "parallel.stage_layers",
          "applies to pipeline parallelism only: set parallel.pipeline > 1 or remove it");
+    // Context parallelism: 2 x context equal chunks of every sample (parallel/context_parallel.h).
+    need(p.context <= 1 || t.seq_len % (2 * p.context) == 0, "parallel.context",
+         fmt::format("{}: training.seq_len {} is not divisible by 2 x context = {} (each context rank holds two of "
+                     "2 x context equal chunks); choose a seq_len that is a multiple of {}",
+                     p.context, t.seq_len, 2 * p.context, 2 * p.context));
+    need(p.context <= 1, "parallel.context",
+         fmt::format("{}: context parallelism is not yet wired into training (the kernels and the context-parallel "
+                     "attention exist: parallel/context_parallel.h; issue 27); use parallel.context: 1",
+                     p.context));
     // A watchdog below 1 s aborts the first all-reduce of any real job (1e-300 passed before);
     // above ~116 days it is no watchdog at all (and the clock arithmetic overflows).
     need(p.timeout_s == 0 || (p.timeout_s >= kMinTimeoutS && p.timeout_s <= kMaxTimeoutS), "parallel.timeout_s",

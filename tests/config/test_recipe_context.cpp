@@ -1,0 +1,70 @@
+// parallel.context and parallel.context_impl (issue 27): defaults, errors naming the values, and
+// recipes without them serialising as before (checkpoints and run directories unchanged).
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "config/recipe.h"
+#include "core/error.h"
+
+using namespace lathe;
+
+namespace {
+
+const char* kRecipe = R"(
+model:
+  preset: gpt2-debug
+  n_layer: 2
+  vocab_size: 256
+data:
+  train: data/shakespeare_byte
+  tokenizer: byte
+training:
+  micro_batch_size: 2
+  seq_len: 128
+  steps: 10
+output:
+  dir: runs/test
+)";
+
+std::string error_of(const std::vector<std::string>& sets) {
+  try {
+    parse_recipe(kRecipe, "recipe.yaml", sets);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(RecipeContext, DefaultsAndJsonUnchanged) {
+  const Recipe r = parse_recipe(kRecipe, "recipe.yaml", {});
+  EXPECT_EQ(r.parallel.context, 1);
+  EXPECT_EQ(r.parallel.context_impl, "ring");
+  const std::string j = r.to_json().dump();
+  EXPECT_EQ(j.find("context"), std::string::npos) << j;  // absent while at the default
+  const Recipe r1 = parse_recipe(kRecipe, "recipe.yaml", {"parallel.context=1", "parallel.context_impl=allgather"});
+  EXPECT_EQ(r1.parallel.context_impl, "allgather");
+}
+
+TEST(RecipeContext, ErrorsNameTheValues) {
+  std::string m = error_of({"parallel.context=3"});
+  EXPECT_NE(m.find("parallel.context"), std::string::npos) << m;
+  EXPECT_NE(m.find("128"), std::string::npos) << m;
+  EXPECT_NE(m.find("multiple of 6"), std::string::npos) << m;
+  m = error_of({"parallel.context=0"});
+  EXPECT_NE(m.find("parallel.context"), std::string::npos) << m;
+  m = error_of({"parallel.context_impl=ulysses"});
+  EXPECT_NE(m.find("parallel.context_impl"), std::string::npos) << m;
+  EXPECT_NE(m.find("ring"), std::string::npos) << m;
+}
+
+// Training at context > 1 is refused with a "not yet" error until it is wired (never accepted
+// silently).
+TEST(RecipeContext, TrainingAtContextTwoIsRefusedNotYet) {
+  const std::string m = error_of({"parallel.context=2"});
+  EXPECT_NE(m.find("parallel.context"), std::string::npos) << m;
+  EXPECT_NE(m.find("not yet"), std::string::npos) << m;
+}
+
+}  // namespace
