@@ -2,10 +2,12 @@
 #include "parallel/context_parallel.h"
 
 #include <algorithm>
+#include <memory>
 #include <utility>
 
 #include "core/error.h"
 #include "kernels/cpu/ops.h"
+#include "models/model.h"
 
 namespace lathe::parallel {
 namespace {
@@ -46,8 +48,7 @@ ContextAttention::ContextAttention(dist::Communicator& group, ContextImpl impl, 
               "context attention: invalid shape B={} H={} KVH={} D={}", s.B, s.H, s.KVH, s.D);
   for (int r = 0; r < N_; ++r) rows_.push_back(context_rows(s.T, N_, r));
   Tl_ = s.T / N_;
-  kv_floats_ = s.B * Tl_ * 2 * s.KVH * s.D;
-  const size_t kv = static_cast<size_t>(kv_floats_);
+  const size_t kv = static_cast<size_t>(s.B * Tl_ * 2 * s.KVH * s.D);
   const size_t copies = impl == ContextImpl::AllGather ? static_cast<size_t>(N_) : 1;
   kv_a_.resize(kv * copies);
   dkv_a_.resize(kv * copies);
@@ -60,44 +61,43 @@ ContextAttention::ContextAttention(dist::Communicator& group, ContextImpl impl, 
   lse_b_.resize(static_cast<size_t>(s.B * s.H * Tl_));
 }
 
+ContextAttention::Call ContextAttention::call(const char* fn, int64_t B, int64_t window, const int32_t* q_doc) const {
+  LATHE_CHECK(B >= 1 && B <= s_.B, "{}: micro-batch {} outside [1, {}] (the context attention's allocation)", fn, B,
+              s_.B);
+  LATHE_CHECK(window >= 0, "{}: window = {} must be >= 0 (0 = none)", fn, window);
+  return Call{B, window, B * Tl_ * 2 * s_.KVH * s_.D, q_doc};
+}
+
 // kv[B, Tl, 2 KVH D] <- the K | V columns of this rank's qkv rows.
-void ContextAttention::pack_kv(float* kv, const float* qkv) const {
+void ContextAttention::pack_kv(float* kv, const float* qkv, int64_t B) const {
   const int64_t W = (s_.H + 2 * s_.KVH) * s_.D, KV = 2 * s_.KVH * s_.D;
-  for (int64_t n = 0; n < s_.B * Tl_; ++n) std::copy_n(qkv + n * W + s_.H * s_.D, KV, kv + n * KV);
+  for (int64_t n = 0; n < B * Tl_; ++n) std::copy_n(qkv + n * W + s_.H * s_.D, KV, kv + n * KV);
 }
 
-void ContextAttention::forward_block(float* out, float* lse, const float* qkv, const float* kv, int src,
-                                     const int32_t* q_doc) const {
+cpu::BlockAttention ContextAttention::block(const Call& c, const float* qkv, const float* kv, int src) const {
   cpu::BlockAttention a;
-  a.B = s_.B, a.Tq = Tl_, a.Tk = Tl_, a.H = s_.H, a.KVH = s_.KVH, a.D = s_.D;
+  a.B = c.B, a.Tq = Tl_, a.Tk = Tl_, a.H = s_.H, a.KVH = s_.KVH, a.D = s_.D;
   a.q = qkv, a.ldq = (s_.H + 2 * s_.KVH) * s_.D;
   a.k = kv, a.v = kv + s_.KVH * s_.D, a.ldk = a.ldv = 2 * s_.KVH * s_.D;
   a.q_pos = rows_[static_cast<size_t>(rank_)].data(), a.k_pos = rows_[static_cast<size_t>(src)].data();
-  a.q_doc = q_doc, a.window = s_.window;
-  cpu::attention_block_forward(a, out, s_.H * s_.D, lse);
+  a.q_doc = c.q_doc, a.window = c.window;
+  return a;
 }
 
-void ContextAttention::backward_block(float* dq, float* dkv, const float* dout, const float* qkv, const float* out,
-                                      const float* lse, const float* kv, int src, const int32_t* q_doc) const {
-  cpu::BlockAttention a;
-  a.B = s_.B, a.Tq = Tl_, a.Tk = Tl_, a.H = s_.H, a.KVH = s_.KVH, a.D = s_.D;
-  a.q = qkv, a.ldq = (s_.H + 2 * s_.KVH) * s_.D;
-  a.k = kv, a.v = kv + s_.KVH * s_.D, a.ldk = a.ldv = 2 * s_.KVH * s_.D;
-  a.q_pos = rows_[static_cast<size_t>(rank_)].data(), a.k_pos = rows_[static_cast<size_t>(src)].data();
-  a.q_doc = q_doc, a.window = s_.window;
-  cpu::attention_block_backward(a, out, dout, s_.H * s_.D, lse, dq, a.ldq, dkv, a.ldk, dkv + s_.KVH * s_.D, a.ldk);
-}
-
-void ContextAttention::forward(float* out, float* lse, const float* qkv, const int32_t* q_doc) {
+void ContextAttention::forward(float* out, float* lse, const float* qkv, const int32_t* q_doc, int64_t B,
+                               int64_t window) {
+  const Call c = call("context attention forward", B, window, q_doc);
   const int next = (rank_ + 1) % N_, prev = (rank_ + N_ - 1) % N_;
-  const size_t kv_bytes = static_cast<size_t>(kv_floats_) * sizeof(float);
+  const size_t kv_bytes = static_cast<size_t>(c.kv_floats) * sizeof(float);
+  const int64_t ldo = s_.H * s_.D;
   float* cur = kv_a_.data();
   if (impl_ == ContextImpl::AllGather) {
-    pack_kv(kv_a_.data() + static_cast<size_t>(rank_) * kv_floats_, qkv);
-    group_.all_gather(kv_a_.data() + static_cast<size_t>(rank_) * kv_floats_, kv_a_.data(),
-                      std::vector<size_t>(static_cast<size_t>(N_), static_cast<size_t>(kv_floats_)), DType::F32);
+    float* own = kv_a_.data() + static_cast<size_t>(rank_) * c.kv_floats;
+    pack_kv(own, qkv, B);
+    group_.all_gather(own, kv_a_.data(), std::vector<size_t>(static_cast<size_t>(N_), static_cast<size_t>(c.kv_floats)),
+                      DType::F32);
   } else {
-    pack_kv(cur, qkv);
+    pack_kv(cur, qkv, B);
   }
   float* nxt = kv_b_.data();
   for (int step = 0; step < N_; ++step) {
@@ -105,12 +105,12 @@ void ContextAttention::forward(float* out, float* lse, const float* qkv, const i
     dist::WorkPtr w;
     if (impl_ == ContextImpl::Ring && step + 1 < N_)
       w = group_.sendrecv_async(cur, kv_bytes, next, nxt, kv_bytes, prev, kTagKv);  // overlaps the block
-    const float* kv = impl_ == ContextImpl::Ring ? cur : kv_a_.data() + static_cast<size_t>(src) * kv_floats_;
+    const float* kv = impl_ == ContextImpl::Ring ? cur : kv_a_.data() + static_cast<size_t>(src) * c.kv_floats;
     if (step == 0) {
-      forward_block(out, lse, qkv, kv, src, q_doc);
+      cpu::attention_block_forward(block(c, qkv, kv, src), out, ldo, lse);
     } else {
-      forward_block(out_b_.data(), lse_b_.data(), qkv, kv, src, q_doc);
-      cpu::attention_lse_merge(out, lse, out_b_.data(), lse_b_.data(), s_.B, Tl_, s_.H, s_.D, s_.H * s_.D);
+      cpu::attention_block_forward(block(c, qkv, kv, src), out_b_.data(), ldo, lse_b_.data());
+      cpu::attention_lse_merge(out, lse, out_b_.data(), lse_b_.data(), B, Tl_, s_.H, s_.D, ldo);
     }
     if (w) {
       w->wait();
@@ -120,43 +120,48 @@ void ContextAttention::forward(float* out, float* lse, const float* qkv, const i
 }
 
 void ContextAttention::backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
-                                const int32_t* q_doc) {
+                                const int32_t* q_doc, int64_t B, int64_t window) {
+  const Call c = call("context attention backward", B, window, q_doc);
   const int next = (rank_ + 1) % N_, prev = (rank_ + N_ - 1) % N_;
-  const int64_t W = (s_.H + 2 * s_.KVH) * s_.D, KV = 2 * s_.KVH * s_.D;
-  const size_t kv_bytes = static_cast<size_t>(kv_floats_) * sizeof(float);
-  std::fill(dqkv, dqkv + s_.B * Tl_ * W, 0.0f);  // dq accumulates over the blocks
+  const int64_t W = (s_.H + 2 * s_.KVH) * s_.D, KV = 2 * s_.KVH * s_.D, ldo = s_.H * s_.D;
+  const size_t kv_bytes = static_cast<size_t>(c.kv_floats) * sizeof(float);
+  const size_t n_kv = static_cast<size_t>(c.kv_floats);
+  // One block's backward: dq += into dqkv, dk/dv += into dkv (a packed K|V-shaped buffer).
+  auto run_block = [&](float* dkv, const float* kv, int src) {
+    cpu::attention_block_backward(block(c, qkv, kv, src), out, dout, ldo, lse, dqkv, W, dkv, KV, dkv + s_.KVH * s_.D,
+                                  KV);
+  };
+  std::fill(dqkv, dqkv + B * Tl_ * W, 0.0f);  // dq accumulates over the blocks
   const float* own_dkv = nullptr;
   if (impl_ == ContextImpl::AllGather) {
-    float* own = kv_a_.data() + static_cast<size_t>(rank_) * kv_floats_;
-    pack_kv(own, qkv);
-    group_.all_gather(own, kv_a_.data(), std::vector<size_t>(static_cast<size_t>(N_), static_cast<size_t>(kv_floats_)),
-                      DType::F32);
-    std::fill(dkv_a_.begin(), dkv_a_.end(), 0.0f);
+    float* own = kv_a_.data() + static_cast<size_t>(rank_) * n_kv;
+    pack_kv(own, qkv, B);
+    const std::vector<size_t> counts(static_cast<size_t>(N_), n_kv);
+    group_.all_gather(own, kv_a_.data(), counts, DType::F32);
+    std::fill(dkv_a_.begin(), dkv_a_.begin() + static_cast<std::ptrdiff_t>(N_ * n_kv), 0.0f);
     for (int step = 0; step < N_; ++step) {
       const int src = (rank_ - step + N_) % N_;
-      const size_t off = static_cast<size_t>(src) * kv_floats_;
-      backward_block(dqkv, dkv_a_.data() + off, dout, qkv, out, lse, kv_a_.data() + off, src, q_doc);
+      run_block(dkv_a_.data() + static_cast<size_t>(src) * n_kv, kv_a_.data() + static_cast<size_t>(src) * n_kv, src);
     }
     // dK/dV of this rank's rows: the group's contributions summed in rank order (in place into
     // this rank's segment, the layout reduce_scatter stages in pieces).
-    float* mine = dkv_a_.data() + static_cast<size_t>(rank_) * kv_floats_;
-    group_.reduce_scatter(dkv_a_.data(), mine, std::vector<size_t>(static_cast<size_t>(N_), static_cast<size_t>(kv_floats_)),
-                          DType::F32);
+    float* mine = dkv_a_.data() + static_cast<size_t>(rank_) * n_kv;
+    group_.reduce_scatter(dkv_a_.data(), mine, counts, DType::F32);
     own_dkv = mine;
   } else {
     float *cur = kv_a_.data(), *nxt = kv_b_.data(), *dcur = dkv_a_.data(), *dnxt = dkv_b_.data();
-    pack_kv(cur, qkv);
-    std::fill(dcur, dcur + kv_floats_, 0.0f);
+    pack_kv(cur, qkv, B);
+    std::fill(dcur, dcur + n_kv, 0.0f);
     for (int step = 0; step < N_; ++step) {
       const int src = (rank_ - step + N_) % N_;
       dist::WorkPtr w;
       if (step + 1 < N_) w = group_.sendrecv_async(cur, kv_bytes, next, nxt, kv_bytes, prev, kTagKv);
       if (step == 0) {
-        backward_block(dqkv, dcur, dout, qkv, out, lse, cur, src, q_doc);
+        run_block(dcur, cur, src);
       } else {  // this block's own contribution, then added to what the earlier ranks summed
-        std::fill(dkv_tmp_.begin(), dkv_tmp_.end(), 0.0f);
-        backward_block(dqkv, dkv_tmp_.data(), dout, qkv, out, lse, cur, src, q_doc);
-        for (int64_t i = 0; i < kv_floats_; ++i) dcur[i] += dkv_tmp_[static_cast<size_t>(i)];
+        std::fill(dkv_tmp_.begin(), dkv_tmp_.begin() + static_cast<std::ptrdiff_t>(n_kv), 0.0f);
+        run_block(dkv_tmp_.data(), cur, src);
+        for (size_t i = 0; i < n_kv; ++i) dcur[i] += dkv_tmp_[i];
       }
       if (w) {
         w->wait();
@@ -170,7 +175,37 @@ void ContextAttention::backward(float* dqkv, const float* dout, const float* qkv
     }
     own_dkv = dcur;
   }
-  for (int64_t n = 0; n < s_.B * Tl_; ++n) std::copy_n(own_dkv + n * KV, KV, dqkv + n * W + s_.H * s_.D);
+  for (int64_t n = 0; n < B * Tl_; ++n) std::copy_n(own_dkv + n * KV, KV, dqkv + n * W + s_.H * s_.D);
+}
+
+void attach_context_parallel(Model& m, dist::Communicator& group, ContextImpl impl, int64_t B, int64_t T) {
+  check_context_split(T, group.size());
+  TensorShard shard = m.tensor_shard();
+  shard.context_T = T;
+  m.set_tensor_shard(shard);
+  const ModelConfig& c = m.config();
+  auto ca = std::make_shared<ContextAttention>(
+      group, impl, ContextAttentionShape{B, T, c.num_attention_heads, c.num_key_value_heads, c.head_dim()});
+  m.hooks().cp.attention_forward = [ca](float* out, float* lse, const float* qkv, const int32_t* ds, int64_t b,
+                                        int64_t window) { ca->forward(out, lse, qkv, ds, b, window); };
+  m.hooks().cp.attention_backward = [ca](float* dqkv, const float* dout, const float* qkv, const float* out,
+                                         const float* lse, const int32_t* ds, int64_t b, int64_t window) {
+    ca->backward(dqkv, dout, qkv, out, lse, ds, b, window);
+  };
+}
+
+void context_batch(const std::vector<int32_t>& rows, int64_t B, int64_t T, const int32_t* full, int32_t* local) {
+  const int64_t Tl = static_cast<int64_t>(rows.size());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < Tl; ++i) local[b * Tl + i] = full[b * T + rows[static_cast<size_t>(i)]];
+}
+
+void context_positions(const std::vector<int32_t>& rows, int64_t B, int64_t T, const int32_t* positions_full,
+                       int32_t* positions) {
+  const int64_t Tl = static_cast<int64_t>(rows.size());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < Tl; ++i)
+      positions[b * Tl + i] = positions_full ? positions_full[b * T + rows[static_cast<size_t>(i)]] : rows[i];
 }
 
 }  // namespace lathe::parallel

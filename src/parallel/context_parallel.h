@@ -28,6 +28,11 @@
 #include <vector>
 
 #include "dist/comm.h"
+#include "kernels/cpu/ops.h"
+
+namespace lathe {
+class Model;
+}
 
 namespace lathe::parallel {
 
@@ -42,8 +47,7 @@ void check_context_split(int64_t T, int N);
 std::vector<int32_t> context_rows(int64_t T, int N, int r);
 
 struct ContextAttentionShape {
-  int64_t B = 0, T = 0, H = 0, KVH = 0, D = 0;  // T: the whole sequence
-  int64_t window = 0;                           // sliding window, 0 = none
+  int64_t B = 0, T = 0, H = 0, KVH = 0, D = 0;  // B: the largest micro-batch; T: the whole sequence
 };
 
 // Attention over one context group. Collective: every rank of `group` calls forward / backward in
@@ -58,24 +62,44 @@ class ContextAttention {
   // qkv[B, Tl, (H + 2 KVH) D] packed as attention_forward's, this rank's rows; q_doc[B, Tl] the
   // global position of each row's document start, or nullptr (causal over the whole sequence).
   // out[B, Tl, H D] (overwritten), lse[B, H, Tl] (fp32), as attention_forward's for these rows.
-  void forward(float* out, float* lse, const float* qkv, const int32_t* q_doc);
+  // B <= the shape's B; window: sliding window of this call (0 = none; per layer in a model).
+  void forward(float* out, float* lse, const float* qkv, const int32_t* q_doc, int64_t B, int64_t window = 0);
   // dqkv[B, Tl, (H + 2 KVH) D] (overwritten) from dout[B, Tl, H D] and forward's out and lse.
   void backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
-                const int32_t* q_doc);
+                const int32_t* q_doc, int64_t B, int64_t window = 0);
 
  private:
-  void pack_kv(float* kv, const float* qkv) const;
-  void forward_block(float* out, float* lse, const float* qkv, const float* kv, int src, const int32_t* q_doc) const;
-  void backward_block(float* dq, float* dkv, const float* dout, const float* qkv, const float* out,
-                      const float* lse, const float* kv, int src, const int32_t* q_doc) const;
+  // The block kernels' description of this rank's queries against source rank src's K/V.
+  struct Call {
+    int64_t B = 0, window = 0, kv_floats = 0;  // kv_floats: one rank's packed K|V [B, Tl, 2 KVH D]
+    const int32_t* q_doc = nullptr;
+  };
+  Call call(const char* fn, int64_t B, int64_t window, const int32_t* q_doc) const;
+  void pack_kv(float* kv, const float* qkv, int64_t B) const;
+  cpu::BlockAttention block(const Call& c, const float* qkv, const float* kv, int src) const;
 
   dist::Communicator& group_;
   ContextImpl impl_;
   ContextAttentionShape s_;
   int N_ = 1, rank_ = 0;
-  int64_t Tl_ = 0, kv_floats_ = 0;  // kv_floats_: one rank's packed K|V [B, Tl, 2 KVH D]
+  int64_t Tl_ = 0;
   std::vector<std::vector<int32_t>> rows_;
   std::vector<float> kv_a_, kv_b_, dkv_a_, dkv_b_, dkv_tmp_, out_b_, lse_b_;
 };
+
+// Makes `m` (unallocated, fp32 host) a context-parallel rank's model: TensorShard::context_T = T (the
+// RoPE tables cover the whole sequence, positions are global) and StepHooks::cp calling a
+// ContextAttention over `group` for micro-batches of up to B samples. Then allocate(B, T / N) and
+// before each pass set_documents(global document starts or nullptr, global positions) for this
+// rank's rows (context_rows; context_batch below). `group` must outlive the model's passes.
+void attach_context_parallel(Model& m, dist::Communicator& group, ContextImpl impl, int64_t B, int64_t T);
+
+// This rank's rows of a batch of whole samples: tokens/targets [B, T] -> [B, Tl] (rows of
+// context_rows), and the per-row arrays Model::set_documents takes: doc_start [B, Tl] (global
+// document starts, from doc_start_full [B, T] as models/documents.h builds it; nullptr: none) and
+// positions [B, Tl] (positions_full [B, T] restarting per document, or nullptr: the global position).
+void context_batch(const std::vector<int32_t>& rows, int64_t B, int64_t T, const int32_t* full, int32_t* local);
+void context_positions(const std::vector<int32_t>& rows, int64_t B, int64_t T, const int32_t* positions_full,
+                       int32_t* positions);
 
 }  // namespace lathe::parallel

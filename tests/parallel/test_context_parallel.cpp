@@ -89,7 +89,7 @@ Result context(const Case& c, const Inputs& in, ContextImpl impl) {
   r.lse.assign(c.B * c.H * c.T, NAN);
   r.dqkv.assign(in.qkv.size(), NAN);
   dist::run_threads(c.N, [&](dist::Communicator& g) {
-    parallel::ContextAttention ca(g, impl, {c.B, c.T, c.H, c.KVH, c.D, c.window});
+    parallel::ContextAttention ca(g, impl, {c.B, c.T, c.H, c.KVH, c.D});
     const auto& rows = ca.rows();
     const int64_t Tl = ca.local_rows();
     std::vector<float> qkv(c.B * Tl * W), dout(c.B * Tl * HD), out(c.B * Tl * HD), lse(c.B * c.H * Tl),
@@ -103,8 +103,8 @@ Result context(const Case& c, const Inputs& in, ContextImpl impl) {
         if (in.docs()) qdoc[b * Tl + i] = in.ds[b * c.T + t];
       }
     const int32_t* qd = in.docs() ? qdoc.data() : nullptr;
-    ca.forward(out.data(), lse.data(), qkv.data(), qd);
-    ca.backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), qd);
+    ca.forward(out.data(), lse.data(), qkv.data(), qd, c.B, c.window);
+    ca.backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), qd, c.B, c.window);
     for (int64_t b = 0; b < c.B; ++b)
       for (int64_t i = 0; i < Tl; ++i) {
         const int64_t t = rows[i];
