@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "kernels/cpu/ops.h"
+#include "models/documents.h"
 #include "models/model.h"
 
 namespace lathe::parallel {
@@ -206,6 +207,28 @@ void context_positions(const std::vector<int32_t>& rows, int64_t B, int64_t T, c
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < Tl; ++i)
       positions[b * Tl + i] = positions_full ? positions_full[b * T + rows[static_cast<size_t>(i)]] : rows[i];
+}
+
+void set_context_pass(Model& m, const DocumentOptions& o, const std::vector<int32_t>& rows, const int32_t* tokens,
+                      const int32_t* targets, int64_t B, int64_t T, std::vector<int32_t>& tokens_l,
+                      std::vector<int32_t>& targets_l, std::vector<int32_t>& ds, std::vector<int32_t>& pos) {
+  const int64_t Tl = static_cast<int64_t>(rows.size());
+  const size_t n = static_cast<size_t>(B * T), nl = static_cast<size_t>(B * Tl);
+  tokens_l.resize(nl);
+  targets_l.resize(nl);
+  context_batch(rows, B, T, tokens, tokens_l.data());
+  context_batch(rows, B, T, targets, targets_l.data());
+  std::vector<int32_t> full_ds, full_pos;
+  if (o.model_needs_documents()) {
+    full_ds.resize(n);
+    full_pos.resize(n);
+    documents_from_eod(tokens, B, T, o.eod, full_ds.data(), full_pos.data());
+  }
+  ds.resize(nl);
+  pos.resize(nl);
+  if (o.document_attention) context_batch(rows, B, T, full_ds.data(), ds.data());
+  context_positions(rows, B, T, o.reset_positions ? full_pos.data() : nullptr, pos.data());
+  m.set_documents(o.document_attention ? ds.data() : nullptr, pos.data(), B, Tl);
 }
 
 }  // namespace lathe::parallel

@@ -32,6 +32,7 @@
 
 namespace lathe {
 class Model;
+struct DocumentOptions;
 }
 
 namespace lathe::parallel {
@@ -101,5 +102,13 @@ void attach_context_parallel(Model& m, dist::Communicator& group, ContextImpl im
 void context_batch(const std::vector<int32_t>& rows, int64_t B, int64_t T, const int32_t* full, int32_t* local);
 void context_positions(const std::vector<int32_t>& rows, int64_t B, int64_t T, const int32_t* positions_full,
                        int32_t* positions);
+
+// Before a pass of a context rank over whole samples tokens / targets [B, T]: this rank's rows into
+// tokens_l / targets_l [B, Tl], and the model's documents set for them (set_documents: global
+// document starts under data.attention: document, positions restarting per document under
+// data.reset_position_ids, else the global positions). ds / pos: scratch reused between calls.
+void set_context_pass(Model& m, const DocumentOptions& o, const std::vector<int32_t>& rows, const int32_t* tokens,
+                      const int32_t* targets, int64_t B, int64_t T, std::vector<int32_t>& tokens_l,
+                      std::vector<int32_t>& targets_l, std::vector<int32_t>& ds, std::vector<int32_t>& pos);
 
 }  // namespace lathe::parallel

@@ -4,13 +4,15 @@
 
 #include "dist/nccl_comm.h"
 #include "models/recompute.h"
+#include "parallel/context_parallel.h"
 #include "parallel/tensor_parallel.h"
 
 namespace lathe::parallel {
 
 Topology::Topology(dist::Communicator& w, const Recipe::Parallel& p)
     : world(w),
-      lay(RankLayout::of(w.rank(), w.size(), static_cast<int>(p.tensor), static_cast<int>(p.pipeline))),
+      lay(RankLayout::of(w.rank(), w.size(), static_cast<int>(p.tensor), static_cast<int>(p.pipeline),
+                         static_cast<int>(p.context))),
       groups(make_process_groups(w, lay)) {}
 
 ParallelConfig ParallelConfig::of(const Recipe& r) {
@@ -69,6 +71,12 @@ std::unique_ptr<RankModel> parallelize(std::unique_ptr<Model> whole, Topology& t
       m.model_->allocate(B, T, 2, rc);
     if (m.pipe_ && cfg.stage_through_host) m.pipe_->set_stage_through_host(true);
     m.owned_ = m.share_->owned_ranges();
+  }
+  if (lay.cp > 1) {  // context: this rank's rows of every sample; attention across the context group
+    LATHE_CHECK(!m.sharded_, "{}: parallel.context > 1 with tensor or pipeline parallelism is not supported yet",
+                cfg.source);
+    attach_context_parallel(*m.model_, *topo.groups.cp, parse_context_impl(cfg.parallel.context_impl), B, T);
+    m.model_->allocate(B, T / lay.cp, 0, parse_recompute(cfg.recompute, cfg.source + ": recompute"));
   }
   const Model& w = m.whole_ ? *m.whole_ : *m.model_;
   m.whole_cfg_ = w.config();

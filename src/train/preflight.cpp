@@ -282,9 +282,15 @@ static void preflight_tokens_and_tasks(const Recipe& r, const PreflightLog& log,
 }
 
 void resolve_layout(Recipe& r, int64_t world) {
-  const int64_t t = r.parallel.tensor, p = r.parallel.pipeline;
-  const int64_t data = r.parallel.data ? r.parallel.data : world / (t * p);
-  LATHE_CHECK(data * t * p == world,
+  const int64_t t = r.parallel.tensor, p = r.parallel.pipeline, c = r.parallel.context;
+  const int64_t data = r.parallel.data ? r.parallel.data : world / (t * p * c);
+  if (c > 1)
+    LATHE_CHECK(data * t * p * c == world,
+                "parallel.data {} x parallel.tensor {} x parallel.pipeline {} x parallel.context {} = {} but the job "
+                "has {} process{} (mpirun -np): make the product equal the number of processes (parallel.data 0 = "
+                "the rest)",
+                data, t, p, c, data * t * p * c, world, world == 1 ? "" : "es");
+  LATHE_CHECK(data * t * p * c == world,
               "parallel.data {} x parallel.tensor {} x parallel.pipeline {} = {} but the job has {} process{} "
               "(mpirun -np): make the product equal the number of processes (parallel.data 0 = the rest)",
               data, t, p, data * t * p, world, world == 1 ? "" : "es");
@@ -343,7 +349,8 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   ComputeSpec spec = compute_spec(r);
   // device: cuda runs the layouts parallel/parallelize.h lists.
   parallel::check_device_layout(
-      r, static_cast<int>(std::max<int64_t>(1, r.parallel.data) * r.parallel.tensor * r.parallel.pipeline));
+      r, static_cast<int>(std::max<int64_t>(1, r.parallel.data) * r.parallel.tensor * r.parallel.pipeline *
+                          r.parallel.context));
   // With tensor or pipeline parallelism this is the whole model, which only holds weights (each
   // rank trains its shard of its stage): no gradient buffer.
   const bool sharded = r.parallel.tensor > 1 || r.parallel.pipeline > 1;
@@ -456,7 +463,11 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
         parallel::pipeline_layout(r, pf.model->config().num_hidden_layers, pf.model->arch().tied_lm_head, 0);
     log.ok(parallel::describe_pipeline(pl));
   }
-  if (r.parallel.tensor == 1 && r.parallel.pipeline == 1 && !check_only) {
+  if (r.parallel.context > 1)  // each rank holds T / context rows of every sample (parallel/context_parallel.h)
+    log.ok(fmt::format("context parallel {} ({}): {} of {} positions per rank, 2 chunks of {}", r.parallel.context,
+                       r.parallel.context_impl, T / r.parallel.context, T, T / (2 * r.parallel.context)));
+  // Context parallelism: the trainer allocates the model for its rows once the context group exists.
+  if (r.parallel.tensor == 1 && r.parallel.pipeline == 1 && r.parallel.context == 1 && !check_only) {
     pf.model->allocate(B, T, kMoments, rc);
   }
   if (!pf.ckpt.empty() && check_only) {

@@ -43,6 +43,12 @@ struct StepContext {
   FaultPlan& faults;              // tests' injected faults (train/fault_plan.h); empty: none
   std::vector<int32_t> inputs{};  // the step's rows, filled by the loader
   std::vector<int32_t> targets{};
+  // Context parallelism (parallel/context_parallel.h): this rank's rows of each sample (empty:
+  // none) and its place in the context group; the rows of the step's micro-batches taken from
+  // inputs / targets.
+  std::vector<int32_t> cp_rows{};
+  int cp_rank = 0;
+  std::vector<int32_t> cp_inputs{}, cp_targets{};
 };
 
 struct StepStats {
