@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "config/recipe.h"
@@ -59,12 +60,19 @@ TEST(RecipeContext, ErrorsNameTheValues) {
   EXPECT_NE(m.find("ring"), std::string::npos) << m;
 }
 
-// Training at context > 1 is refused with a "not yet" error until it is wired (never accepted
-// silently).
-TEST(RecipeContext, TrainingAtContextTwoIsRefusedNotYet) {
-  const std::string m = error_of({"parallel.context=2"});
-  EXPECT_NE(m.find("parallel.context"), std::string::npos) << m;
-  EXPECT_NE(m.find("not yet"), std::string::npos) << m;
+// Context 2 trains on the CPU in fp32; what it does not compose with yet is refused naming the key
+// (never accepted silently).
+TEST(RecipeContext, WhatIsNotSupportedYetIsRefusedByKey) {
+  EXPECT_EQ(error_of({"parallel.context=2"}), "");
+  const std::pair<std::string, std::string> cases[] = {{"parallel.tensor=2", "parallel.tensor"},
+                                                        {"parallel.pipeline=2", "parallel.pipeline"},
+                                                        {"precision.compute=bf16", "precision.compute"},
+                                                        {"device=cuda", "device"}};
+  for (const auto& [set, key] : cases) {
+    const std::string m = error_of({"parallel.context=2", set});
+    EXPECT_NE(m.find(key), std::string::npos) << set << ": " << m;
+    EXPECT_NE(m.find("not supported yet"), std::string::npos) << set << ": " << m;
+  }
 }
 
 }  // namespace
