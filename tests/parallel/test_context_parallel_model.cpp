@@ -137,6 +137,13 @@ void check_family(const char* name, const ModelConfig& cfg) {
 TEST(ContextParallelModel, Gpt2LearnedPositions) { check_family("gpt2", ModelConfig::preset("gpt2-debug")); }
 TEST(ContextParallelModel, LlamaGqaRope) { check_family("llama_gqa", ModelConfig::preset("llama-debug")); }
 TEST(ContextParallelModel, Qwen3QkNorm) { check_family("qwen3", ModelConfig::preset("qwen3-debug")); }
+// Sliding window of 7 keys (Mistral's), shorter than a chunk at N = 2 and longer at N = 4.
+TEST(ContextParallelModel, LlamaSlidingWindow) {
+  ModelConfig c = ModelConfig::preset("llama-debug");
+  c.sliding_window = 7;
+  c.validate("LlamaSlidingWindow");
+  check_family("llama_window7", c);
+}
 
 // Documents matter: the same model without them differs (the test is not blind to the masks).
 TEST(ContextParallelModel, DocumentsChangeTheResult) {

@@ -12,6 +12,7 @@ data 2 with ZeRO 1 (4 processes), and the refusals that name the keys.
 Runs with 1 OpenMP thread per rank (the ranks share this machine's cores)."""
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -38,7 +39,13 @@ def series(out, key):
 
 def train(np_, data, preset, name, **kw):
     out = os.path.join(TMP, name)
-    p, dt = run(np_, ["train", mpi_train.write_recipe(data, preset, out, TRAINING, **kw), "--quiet"])
+    recompute = kw.pop("recompute", None)
+    path = mpi_train.write_recipe(data, preset, out, TRAINING, **kw)
+    if recompute:
+        r = json.load(open(path))
+        r["recompute"] = recompute
+        json.dump(r, open(path, "w"))
+    p, dt = run(np_, ["train", path, "--quiet"])
     if p.returncode != 0:
         print(p.stdout[-2000:], p.stderr[-3000:])
     check(p.returncode == 0, f"{name}: mpirun -np {np_} trains ({dt:.1f} s)")
@@ -73,6 +80,24 @@ def main():
                            parallel__context_impl="allgather", **kw)
                 same = series(ag, "loss") == series(ring, "loss") and series(ag, "grad_norm") == series(ring, "grad_norm")
                 check(same, f"{preset} {label}: context=2 allgather and ring give bit-identical losses and norms")
+    # Full recompute re-runs each layer's forward (and its ring) in the backward: the same numbers.
+    rc_one = train(1, data, "llama-debug", "rc_one", recompute="full", **DOCS)
+    rc_cp = train(2, data, "llama-debug", "rc_cp2", recompute="full", parallel__context=2, **DOCS)
+    compare(rc_cp, rc_one, "llama documents recompute=full context=2")
+    # Checkpoints stay layout-free: saved at context 2 (step 4), resumed in one process.
+    full = os.path.join(TMP, "llama-debug_causal_cp2")
+    res = os.path.join(TMP, "ck_cp2")
+    rpath = mpi_train.write_recipe(data, "llama-debug", res, TRAINING, parallel__context=2, output__checkpoint_every=4)
+    p, _ = run(2, ["train", rpath, "--quiet", "--stop-after", "4"])
+    check(p.returncode == 0 and os.path.isdir(os.path.join(res, "checkpoints", "step_00000004")),
+          "context=2 saves a checkpoint at step 4")
+    p, _ = run(1, ["train", mpi_train.write_recipe(data, "llama-debug", res, TRAINING), "--quiet", "--resume", "auto"])
+    if p.returncode != 0:
+        print(p.stdout[-2000:], p.stderr[-2000:])
+    got, want = series(res, "loss")[4:] if p.returncode == 0 else [], series(full, "loss")[4:]
+    w = worst_rel(got, want)
+    check(p.returncode == 0 and w < 1e-5,
+          f"resume at context 1 from a context=2 checkpoint (step 4): {len(got)} losses within 1e-5 (worst {w:.1e})")
     # context 2 x data 2, ZeRO 1 (4 processes) against one process with the same global batch.
     one = train(1, data, "llama-debug", "dp2_one", training__grad_accum_steps=4)
     both = train(4, data, "llama-debug", "cp2_dp2", parallel__context=2, parallel__zero=1)
