@@ -408,11 +408,15 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
           *std::max_element(r.parallel.stage_layers.begin(), r.parallel.stage_layers.end()) * r.parallel.virtual_stages;
     per_rank.num_hidden_layers = std::max<int64_t>(1, std::min(most, r.model.num_hidden_layers));
   }
-  const MemoryEstimate est =
-      estimate_memory(per_rank, B, T, kMoments, r.parallel.zero > 0 ? data : 1, spec.dtype, rc, per_rank_shard);
+  // Context parallelism: activations of T / context rows per rank (RoPE tables of T positions); ZeRO
+  // shards over data x context ranks. Not counted: the ring's / all-gather's K/V buffers.
+  const int64_t cp = r.parallel.context, T_rank = T / std::max<int64_t>(1, cp);
+  if (cp > 1) per_rank_shard.context_T = T;
+  const MemoryEstimate est = estimate_memory(per_rank, B, T_rank, kMoments, r.parallel.zero > 0 ? data * cp : 1,
+                                             spec.dtype, rc, per_rank_shard);
   check_memory_fits(est, per_rank, r.source);
   const MachineMemory mm = machine_memory();
-  log.ok(fmt::format("memory{}: {} fits ({} {})", sharded ? " per rank" : "", est.breakdown(), mm.source,
+  log.ok(fmt::format("memory{}: {} fits ({} {})", sharded || cp > 1 ? " per rank" : "", est.breakdown(), mm.source,
                      mm.bytes > 0 ? format_bytes(mm.bytes) : std::string("unknown")));
   if (!pf.ckpt.empty()) {
     pf.model = build_model(r.model, spec);  // weights come from the checkpoint below

@@ -116,6 +116,10 @@ void RunLog::startup(const StartupFacts& f) {
   if (f.pp > 1)
     log(parallel::describe_pipeline(*f.pipeline) +
         fmt::format("; {} of {} parameters on this rank", P, f.whole_params));
+  if (r_.parallel.context > 1)
+    log(fmt::format("context parallel: {} ranks per sequence ({} attention), {} of {} positions on each (chunks i "
+                    "and 2N-1-i); replicated gradients reduced over data x context",
+                    r_.parallel.context, r_.parallel.context_impl, f.T / r_.parallel.context, f.T));
   if (f.dp > 1)
     log(fmt::format(
         "data parallel: {} ranks, global batch {} samples ({} per rank as {} x {}), ZeRO {}, buckets of {:.1f} MB",
