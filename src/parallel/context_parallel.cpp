@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "core/trace.h"
 #include "kernels/cpu/ops.h"
 #include "models/documents.h"
 #include "models/model.h"
@@ -107,6 +108,7 @@ void ContextAttention::forward(float* out, float* lse, const float* qkv, const i
     if (impl_ == ContextImpl::Ring && step + 1 < N_)
       w = group_.sendrecv_async(cur, kv_bytes, next, nxt, kv_bytes, prev, kTagKv);  // overlaps the block
     const float* kv = impl_ == ContextImpl::Ring ? cur : kv_a_.data() + static_cast<size_t>(src) * c.kv_floats;
+    trace::Scope span("context attention block forward", trace::Cat::Compute, src);  // arg: the K/V's rank
     if (step == 0) {
       cpu::attention_block_forward(block(c, qkv, kv, src), out, ldo, lse);
     } else {
@@ -114,6 +116,7 @@ void ContextAttention::forward(float* out, float* lse, const float* qkv, const i
       cpu::attention_lse_merge(out, lse, out_b_.data(), lse_b_.data(), B, Tl_, s_.H, s_.D, ldo);
     }
     if (w) {
+      trace::Scope wait_span("context ring wait (K/V)", trace::Cat::Comm, step);
       w->wait();
       std::swap(cur, nxt);
     }
@@ -129,6 +132,7 @@ void ContextAttention::backward(float* dqkv, const float* dout, const float* qkv
   const size_t n_kv = static_cast<size_t>(c.kv_floats);
   // One block's backward: dq += into dqkv, dk/dv += into dkv (a packed K|V-shaped buffer).
   auto run_block = [&](float* dkv, const float* kv, int src) {
+    trace::Scope span("context attention block backward", trace::Cat::Compute, src);
     cpu::attention_block_backward(block(c, qkv, kv, src), out, dout, ldo, lse, dqkv, W, dkv, KV, dkv + s_.KVH * s_.D,
                                   KV);
   };
@@ -165,11 +169,13 @@ void ContextAttention::backward(float* dqkv, const float* dout, const float* qkv
         for (size_t i = 0; i < n_kv; ++i) dcur[i] += dkv_tmp_[i];
       }
       if (w) {
+        trace::Scope wait_span("context ring wait (K/V)", trace::Cat::Comm, step);
         w->wait();
         std::swap(cur, nxt);
       }
       // The dK/dV summed so far move on with their K/V; the N-th hop hands each owner its own.
       if (N_ > 1) {
+        trace::Scope dkv_span("context ring dK/dV exchange", trace::Cat::Comm, step);
         group_.sendrecv(dcur, kv_bytes, next, dnxt, kv_bytes, prev, kTagDkv);
         std::swap(dcur, dnxt);
       }

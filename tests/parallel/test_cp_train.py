@@ -8,7 +8,8 @@ validation loss, for a tiny GPT-2 (learned positions) and a tiny Llama (GQA, RoP
 packed documents (data.attention: document, positions restarting per document, the loss masked
 after EOD). At context 2 the ring and the all-gather variants sum the same numbers in the same
 order (a + b = b + a for the two ranks' dK/dV), so their runs are bit-identical. Also context 2 x
-data 2 with ZeRO 1 (4 processes), and the refusals that name the keys.
+data 2 with ZeRO 1 (4 processes), context 4, full recompute, a context-2 checkpoint resumed in one
+process, and the refusals that name the keys.
 Runs with 1 OpenMP thread per rank (the ranks share this machine's cores)."""
 import json
 import os
@@ -80,6 +81,12 @@ def main():
                            parallel__context_impl="allgather", **kw)
                 same = series(ag, "loss") == series(ring, "loss") and series(ag, "grad_norm") == series(ring, "grad_norm")
                 check(same, f"{preset} {label}: context=2 allgather and ring give bit-identical losses and norms")
+    # context 4 (8 chunks of 4 positions), documents, all-gather.
+    one4 = os.path.join(TMP, "llama-debug_documents_one")
+    cp4 = train(4, data, "llama-debug", "cp4_docs", parallel__context=4, parallel__context_impl="allgather", **DOCS)
+    compare(cp4, one4, "llama documents context=4 allgather")
+    cp4r = train(4, data, "llama-debug", "cp4_docs_ring", parallel__context=4, **DOCS)
+    compare(cp4r, one4, "llama documents context=4 ring")
     # Full recompute re-runs each layer's forward (and its ring) in the backward: the same numbers.
     rc_one = train(1, data, "llama-debug", "rc_one", recompute="full", **DOCS)
     rc_cp = train(2, data, "llama-debug", "rc_cp2", recompute="full", parallel__context=2, **DOCS)
