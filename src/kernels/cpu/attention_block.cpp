@@ -23,6 +23,7 @@
 
 #include "core/error.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/vec_math.h"
 
 namespace lathe::cpu {
 namespace {
@@ -82,12 +83,42 @@ inline float dot(const float* x, const float* y, int64_t D) {
   return acc;
 }
 
-// Scores of one tile: s[r][c] = scale * q_r . k_c where visible, else -inf.
-void tile_scores(const BlockAttention& a, const RowBounds& rb, const float* q0, const float* k0, int64_t j0,
+// kt[d][c] = rows j0 + c of x (row stride ld), transposed: the products below then run along 16
+// contiguous columns (vectorised) instead of one D-long reduction per score.
+void pack_tile_t(float kt[][kTile], const float* x, int64_t ld, int64_t nc, int64_t D) {
+  for (int64_t c = 0; c < kTile; ++c)
+    for (int64_t d = 0; d < D; ++d) kt[d][c] = c < nc ? x[c * ld + d] : 0.0f;
+}
+
+// s[r][c] = alpha * sum_d x_r[d] * kt[d][c] for the nr rows of x (row stride ld), all 16 columns.
+void tile_products(float s[kTile][kTile], const float* x, int64_t ld, int64_t nr, const float kt[][kTile], int64_t D,
+                   float alpha) {
+  for (int64_t r = 0; r < nr; ++r) {
+    float acc[kTile] = {};
+    const float* xr = x + r * ld;
+    for (int64_t d = 0; d < D; ++d) {
+      const float xd = xr[d];
+#pragma omp simd
+      for (int64_t c = 0; c < kTile; ++c) acc[c] += xd * kt[d][c];
+    }
+    for (int64_t c = 0; c < kTile; ++c) s[r][c] = alpha * acc[c];
+  }
+}
+
+// dst[c] = exp(src[c] - shift) for the 16 columns of a tile row (vec_math's polynomial, as the
+// attention kernels use; -inf gives 0). shift must be finite.
+inline void exp_row(float* dst, const float* src, float shift) {
+  for (int p = 0; p < vec::kParts; ++p)
+    vec::store(dst + p * vec::kW, vec::expv(vec::load(src + p * vec::kW) - vec::splat(shift)));
+}
+
+// Scores of one tile: s[r][c] = scale * q_r . k_c where visible, else -inf (kt: the K tile packed).
+void tile_scores(const BlockAttention& a, const RowBounds& rb, const float* q0, const float kt[][kTile], int64_t j0,
                  int64_t nc, float scale, float s[kTile][kTile]) {
+  tile_products(s, q0, a.ldq, rb.nr, kt, a.D, scale);
   for (int64_t r = 0; r < rb.nr; ++r)
-    for (int64_t c = 0; c < nc; ++c)
-      s[r][c] = rb.visible(r, a.k_pos[j0 + c]) ? scale * dot(q0 + r * a.ldq, k0 + c * a.ldk, a.D) : kNegInf;
+    for (int64_t c = 0; c < kTile; ++c)
+      if (c >= nc || !rb.visible(r, a.k_pos[j0 + c])) s[r][c] = kNegInf;
 }
 
 // One (batch row, query head) of the forward.
@@ -102,7 +133,7 @@ void forward_head(const BlockAttention& a, int64_t b, int64_t h, float* out, int
   int64_t tiles = 0;
   for (int64_t i0 = 0; i0 < a.Tq; i0 += kTile) {
     const RowBounds rb(a, b, i0);
-    float m[kTile], l[kTile], acc[kTile][kMaxD], s[kTile][kTile];
+    float m[kTile], l[kTile], acc[kTile][kMaxD], s[kTile][kTile], kt[kMaxD][kTile];
     for (int64_t r = 0; r < rb.nr; ++r) {
       m[r] = kNegInf;
       l[r] = 0.0f;
@@ -112,18 +143,20 @@ void forward_head(const BlockAttention& a, int64_t b, int64_t h, float* out, int
       const int64_t nc = std::min(kTile, a.Tk - j0);
       if (!rb.any(a.k_pos[j0], a.k_pos[j0 + nc - 1])) continue;
       ++tiles;
-      tile_scores(a, rb, q + i0 * a.ldq, k + j0 * a.ldk, j0, nc, scale, s);
+      pack_tile_t(kt, k + j0 * a.ldk, a.ldk, nc, D);
+      tile_scores(a, rb, q + i0 * a.ldq, kt, j0, nc, scale, s);
       for (int64_t r = 0; r < rb.nr; ++r) {
         float mt = kNegInf;
         for (int64_t c = 0; c < nc; ++c) mt = std::max(mt, s[r][c]);
         if (mt == kNegInf) continue;  // no visible key of this tile for this row
         const float mn = std::max(m[r], mt);
-        const float alpha = m[r] == kNegInf ? 0.0f : std::exp(m[r] - mn);
-        float sum = 0.0f;
+        const float alpha = m[r] == kNegInf ? 0.0f : vec::exp1(m[r] - mn);
+        float sum = 0.0f, e[kTile];
+        exp_row(e, s[r], mn);
         for (int64_t d = 0; d < D; ++d) acc[r][d] *= alpha;
         for (int64_t c = 0; c < nc; ++c) {
           if (s[r][c] == kNegInf) continue;
-          const float p = std::exp(s[r][c] - mn);
+          const float p = e[c];
           sum += p;
           const float* vr = v + (j0 + c) * a.ldv;
 #pragma omp simd
@@ -166,7 +199,8 @@ int64_t backward_head(const BlockAttention& a, int64_t b, int64_t h, const float
   int64_t tiles = 0;
   for (int64_t i0 = 0; i0 < a.Tq; i0 += kTile) {
     const RowBounds rb(a, b, i0);
-    float Di[kTile], dqt[kTile][kMaxD], p[kTile][kTile], ds[kTile][kTile];
+    float Di[kTile], dqt[kTile][kMaxD], p[kTile][kTile], ds[kTile][kTile], kt[kMaxD][kTile], vt[kMaxD][kTile],
+        dp[kTile][kTile];
     for (int64_t r = 0; r < rb.nr; ++r) {
       Di[r] = dot(dO + (i0 + r) * ldo, o + (i0 + r) * ldo, D);
       std::fill(dqt[r], dqt[r] + D, 0.0f);
@@ -177,15 +211,19 @@ int64_t backward_head(const BlockAttention& a, int64_t b, int64_t h, const float
       if (!rb.any(a.k_pos[j0], a.k_pos[j0 + nc - 1])) continue;
       ++tiles;
       touched = true;
-      tile_scores(a, rb, q + i0 * a.ldq, k + j0 * a.ldk, j0, nc, scale, p);
+      pack_tile_t(kt, k + j0 * a.ldk, a.ldk, nc, D);
+      pack_tile_t(vt, v + j0 * a.ldv, a.ldv, nc, D);
+      tile_scores(a, rb, q + i0 * a.ldq, kt, j0, nc, scale, p);
+      tile_products(dp, dO + i0 * ldo, ldo, rb.nr, vt, D, 1.0f);  // dP = dO V^T
       for (int64_t r = 0; r < rb.nr; ++r) {
         const float li = l[i0 + r];
-        const float* dor = dO + (i0 + r) * ldo;
-        for (int64_t c = 0; c < nc; ++c) {
-          const bool vis = p[r][c] != kNegInf && li != kNegInf;
-          p[r][c] = vis ? std::exp(p[r][c] - li) : 0.0f;
-          ds[r][c] = vis ? p[r][c] * (dot(dor, v + (j0 + c) * a.ldv, D) - Di[r]) * scale : 0.0f;
+        if (li == kNegInf) {  // a row that sees no key at all (not under a causal mask): no gradient
+          std::fill(p[r], p[r] + kTile, 0.0f);
+          std::fill(ds[r], ds[r] + kTile, 0.0f);
+          continue;
         }
+        exp_row(p[r], p[r], li);  // masked (-inf) scores give 0
+        for (int64_t c = 0; c < kTile; ++c) ds[r][c] = p[r][c] * (dp[r][c] - Di[r]) * scale;
       }
       for (int64_t r = 0; r < rb.nr; ++r)
         for (int64_t c = 0; c < nc; ++c) {
