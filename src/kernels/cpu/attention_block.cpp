@@ -30,6 +30,7 @@ namespace {
 
 constexpr int64_t kTile = 16;
 constexpr int64_t kMaxD = 512;  // stack tiles of [16, D]
+constexpr int kParts16 = static_cast<int>(kTile) / vec::kW;  // hardware vectors per 16 floats
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 std::atomic<int64_t> g_block_fwd{0}, g_block_bwd{0};
 
@@ -68,6 +69,12 @@ struct RowBounds {
     }
   }
   bool visible(int64_t r, int64_t kp) const { return kp <= hi[r] && kp >= lo[r]; }
+  // Every row sees every key position in [kmin, kmax] (a tile with nothing to mask).
+  bool all(int64_t kmin, int64_t kmax) const {
+    for (int64_t r = 0; r < nr; ++r)
+      if (lo[r] > kmin || hi[r] < kmax) return false;
+    return true;
+  }
   // Some row sees some key position in [kmin, kmax] (exact for contiguous positions).
   bool any(int64_t kmin, int64_t kmax) const {
     for (int64_t r = 0; r < nr; ++r)
@@ -94,14 +101,39 @@ void pack_tile_t(float kt[][kTile], const float* x, int64_t ld, int64_t nc, int6
 void tile_products(float s[kTile][kTile], const float* x, int64_t ld, int64_t nr, const float kt[][kTile], int64_t D,
                    float alpha) {
   for (int64_t r = 0; r < nr; ++r) {
-    float acc[kTile] = {};
+    vec::vf acc[kParts16] = {};
     const float* xr = x + r * ld;
     for (int64_t d = 0; d < D; ++d) {
-      const float xd = xr[d];
-#pragma omp simd
-      for (int64_t c = 0; c < kTile; ++c) acc[c] += xd * kt[d][c];
+      const vec::vf xd = vec::splat(xr[d]);
+      for (int p = 0; p < kParts16; ++p) acc[p] += xd * vec::load(kt[d] + p * vec::kW);
     }
-    for (int64_t c = 0; c < kTile; ++c) s[r][c] = alpha * acc[c];
+    for (int p = 0; p < kParts16; ++p) vec::store(s[r] + p * vec::kW, acc[p] * alpha);
+  }
+}
+
+// y_i[d] = y_i[d] * y_scale + sum_j w(i, j) * x_j[d] for rows i < ni of y (stride ldy) and j < nj of
+// x (stride ldx), w(i, j) = w[i * w_is + j * w_js]; each row's columns in blocks of 16 held in
+// registers across the sum over j (the sum runs in j order: the same bits as adding term by term).
+void tile_axpy(float* y, int64_t ldy, int64_t ni, float y_scale, const float* w, int64_t w_is, int64_t w_js,
+               const float* x, int64_t ldx, int64_t nj, int64_t D) {
+  for (int64_t i = 0; i < ni; ++i) {
+    float* yi = y + i * ldy;
+    int64_t d0 = 0;
+    for (; d0 + kTile <= D; d0 += kTile) {
+      vec::vf r[kParts16];
+      for (int p = 0; p < kParts16; ++p) r[p] = vec::load(yi + d0 + p * vec::kW) * y_scale;
+      for (int64_t j = 0; j < nj; ++j) {
+        const vec::vf wij = vec::splat(w[i * w_is + j * w_js]);
+        const float* xj = x + j * ldx + d0;
+        for (int p = 0; p < kParts16; ++p) r[p] += wij * vec::load(xj + p * vec::kW);
+      }
+      for (int p = 0; p < kParts16; ++p) vec::store(yi + d0 + p * vec::kW, r[p]);
+    }
+    for (int64_t d = d0; d < D; ++d) {  // head sizes not a multiple of 16
+      float r = yi[d] * y_scale;
+      for (int64_t j = 0; j < nj; ++j) r += w[i * w_is + j * w_js] * x[j * ldx + d];
+      yi[d] = r;
+    }
   }
 }
 
@@ -116,6 +148,7 @@ inline void exp_row(float* dst, const float* src, float shift) {
 void tile_scores(const BlockAttention& a, const RowBounds& rb, const float* q0, const float kt[][kTile], int64_t j0,
                  int64_t nc, float scale, float s[kTile][kTile]) {
   tile_products(s, q0, a.ldq, rb.nr, kt, a.D, scale);
+  if (nc == kTile && rb.all(a.k_pos[j0], a.k_pos[j0 + nc - 1])) return;
   for (int64_t r = 0; r < rb.nr; ++r)
     for (int64_t c = 0; c < kTile; ++c)
       if (c >= nc || !rb.visible(r, a.k_pos[j0 + c])) s[r][c] = kNegInf;
@@ -152,16 +185,10 @@ void forward_head(const BlockAttention& a, int64_t b, int64_t h, float* out, int
         const float mn = std::max(m[r], mt);
         const float alpha = m[r] == kNegInf ? 0.0f : vec::exp1(m[r] - mn);
         float sum = 0.0f, e[kTile];
-        exp_row(e, s[r], mn);
-        for (int64_t d = 0; d < D; ++d) acc[r][d] *= alpha;
-        for (int64_t c = 0; c < nc; ++c) {
-          if (s[r][c] == kNegInf) continue;
-          const float p = e[c];
-          sum += p;
-          const float* vr = v + (j0 + c) * a.ldv;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) acc[r][d] += p * vr[d];
-        }
+        exp_row(e, s[r], mn);  // masked scores (-inf) give exactly 0
+        for (int64_t c = 0; c < nc; ++c) sum += e[c];
+        // acc = acc * alpha + sum_c e[c] v_c
+        tile_axpy(acc[r], kMaxD, 1, alpha, e, 0, 1, v + j0 * a.ldv, a.ldv, nc, D);
         l[r] = l[r] * alpha + sum;
         m[r] = mn;
       }
@@ -225,29 +252,10 @@ int64_t backward_head(const BlockAttention& a, int64_t b, int64_t h, const float
         exp_row(p[r], p[r], li);  // masked (-inf) scores give 0
         for (int64_t c = 0; c < kTile; ++c) ds[r][c] = p[r][c] * (dp[r][c] - Di[r]) * scale;
       }
-      for (int64_t r = 0; r < rb.nr; ++r)
-        for (int64_t c = 0; c < nc; ++c) {
-          if (ds[r][c] == 0.0f) continue;
-          const float* kr = k + (j0 + c) * a.ldk;
-          const float w = ds[r][c];
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) dqt[r][d] += w * kr[d];
-        }
-      for (int64_t c = 0; c < nc; ++c) {
-        float* dkr = dkg + (j0 + c) * lddk;
-        float* dvr = dvg + (j0 + c) * lddv;
-        for (int64_t r = 0; r < rb.nr; ++r) {
-          const float* qr = q + (i0 + r) * a.ldq;
-          const float* dor = dO + (i0 + r) * ldo;
-          const float w = ds[r][c], pw = p[r][c];
-          if (pw == 0.0f && w == 0.0f) continue;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) {
-            dkr[d] += w * qr[d];
-            dvr[d] += pw * dor[d];
-          }
-        }
-      }
+      // dQ tile += dS K,  dK += dS^T Q,  dV += P^T dO  (rows of this tile)
+      tile_axpy(&dqt[0][0], kMaxD, rb.nr, 1.0f, &ds[0][0], kTile, 1, k + j0 * a.ldk, a.ldk, nc, D);
+      tile_axpy(dkg + j0 * lddk, lddk, nc, 1.0f, &ds[0][0], 1, kTile, q + i0 * a.ldq, a.ldq, rb.nr, D);
+      tile_axpy(dvg + j0 * lddv, lddv, nc, 1.0f, &p[0][0], 1, kTile, dO + i0 * ldo, ldo, rb.nr, D);
     }
     if (!touched) continue;
     for (int64_t r = 0; r < rb.nr; ++r) {
