@@ -354,8 +354,6 @@ class Parser {
     not_yet(p.tensor == 1, "parallel.tensor", fmt::format("tensor parallelism ({})", p.tensor));
     not_yet(p.pipeline == 1, "parallel.pipeline", fmt::format("pipeline parallelism ({})", p.pipeline));
     not_yet(r.device == "cpu", "device", fmt::format("device: {}", r.device));
-    not_yet(r.precision.compute == "fp32", "precision.compute",
-            fmt::format("precision.compute: {} (context-parallel attention is fp32 only for now)", r.precision.compute));
     not_yet(t.eval_tasks.empty(), "training.eval_tasks", "training.eval_tasks");
     // A watchdog below 1 s aborts the first all-reduce of any real job (1e-300 passed before);
     // above ~116 days it is no watchdog at all (and the clock arithmetic overflows).

@@ -95,10 +95,9 @@ void Model::check_documents_shape(int64_t B, int64_t T) const {
 }
 
 void Model::check_context_attention() const {
-  LATHE_CHECK(compute_dtype() == DType::F32 && !on_device(),
-              "parallel.context: context-parallel attention runs on fp32 CPU models only for now (this model computes "
-              "in {} on {}); use precision.compute: fp32 and device: cpu, or parallel.context: 1",
-              dtype_name(compute_dtype()), on_device() ? "a device" : "the CPU");
+  LATHE_CHECK(!on_device(),
+              "parallel.context: context-parallel attention runs on CPU models only for now; use device: cpu, or "
+              "parallel.context: 1");
   LATHE_CHECK(shard_.context_T > 0, "context attention hooks set on a model without TensorShard::context_T");
   LATHE_CHECK(arch_.learned_pos || (cfg_.rope_scaling.type != "dynamic" && cfg_.rope_scaling.type != "longrope"),
               "parallel.context: RoPE scaling '{}' depends on the pass length and is not supported with context "

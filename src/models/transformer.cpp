@@ -456,8 +456,7 @@ void Model::layer_forward_into(int64_t l, int64_t B, int64_t T, bool output) {
   }
   if (hooks_.cp.active()) {
     check_context_attention();
-    hooks_.cp.attention_forward(static_cast<float*>(a.att), a.lse, static_cast<const float*>(a.qkv), doc_starts(), B,
-                                cfg_.layer_window(l));
+    hooks_.cp.attention_forward(a.att, a.lse, a.qkv, doc_starts(), B, cfg_.layer_window(l));
   } else {
     ops_->attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D, scratch_, doc_starts(), cfg_.layer_window(l));
   }
@@ -606,9 +605,7 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
   // Attention: res1 = x + o(attn(qkv(norm1(x))))
   if (!arch_.parallel_residual) o_backward();
   if (hooks_.cp.active())
-    hooks_.cp.attention_backward(static_cast<float*>(dqkv_), static_cast<const float*>(datt_),
-                                 static_cast<const float*>(a.qkv), static_cast<const float*>(a.att), a.lse,
-                                 doc_starts(), B, cfg_.layer_window(l));
+    hooks_.cp.attention_backward(dqkv_, datt_, a.qkv, a.att, a.lse, doc_starts(), B, cfg_.layer_window(l));
   else
     ops_->attention_backward(dqkv_, datt_, a.qkv, a.att, a.lse, B, T, H, KV, D, scratch_, doc_starts(),
                              cfg_.layer_window(l));

@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "core/trace.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/storage.h"
 #include "models/documents.h"
 #include "models/model.h"
 
@@ -185,6 +186,47 @@ void ContextAttention::backward(float* dqkv, const float* dout, const float* qkv
   for (int64_t n = 0; n < B * Tl_; ++n) std::copy_n(own_dkv + n * KV, KV, dqkv + n * W + s_.H * s_.D);
 }
 
+namespace {
+// 16-bit compute (bf16 / fp16 tables): the rank's rows widened to fp32, the fp32 context attention,
+// each output rounded once (as the tables' own attention: fp32 math on widened copies).
+template <class P>
+void widen(float* dst, const void* src, int64_t n) {
+  P::to_f32(dst, static_cast<const uint16_t*>(src), n);
+}
+template <class P>
+void narrow(void* dst, const float* src, int64_t n) {
+  P::from_f32(static_cast<uint16_t*>(dst), src, n);
+}
+struct Widened {
+  std::vector<float> qkv, out, dout, dqkv;
+};
+template <class P>
+void attach_half(Model& m, std::shared_ptr<ContextAttention> ca, int64_t B, int64_t Tl) {
+  const ModelConfig& c = m.config();
+  const int64_t W = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim();
+  const int64_t O = c.num_attention_heads * c.head_dim();
+  auto w = std::make_shared<Widened>();
+  w->qkv.resize(static_cast<size_t>(B * Tl * W));
+  w->dqkv.resize(w->qkv.size());
+  w->out.resize(static_cast<size_t>(B * Tl * O));
+  w->dout.resize(w->out.size());
+  m.hooks().cp.attention_forward = [ca, w, W, O, Tl](void* out, float* lse, const void* qkv, const int32_t* ds,
+                                                     int64_t b, int64_t window) {
+    widen<P>(w->qkv.data(), qkv, b * Tl * W);
+    ca->forward(w->out.data(), lse, w->qkv.data(), ds, b, window);
+    narrow<P>(out, w->out.data(), b * Tl * O);
+  };
+  m.hooks().cp.attention_backward = [ca, w, W, O, Tl](void* dqkv, const void* dout, const void* qkv, const void* out,
+                                                      const float* lse, const int32_t* ds, int64_t b, int64_t window) {
+    widen<P>(w->qkv.data(), qkv, b * Tl * W);
+    widen<P>(w->out.data(), out, b * Tl * O);
+    widen<P>(w->dout.data(), dout, b * Tl * O);
+    ca->backward(w->dqkv.data(), w->dout.data(), w->qkv.data(), w->out.data(), lse, ds, b, window);
+    narrow<P>(dqkv, w->dqkv.data(), b * Tl * W);
+  };
+}
+}  // namespace
+
 void attach_context_parallel(Model& m, dist::Communicator& group, ContextImpl impl, int64_t B, int64_t T) {
   check_context_split(T, group.size());
   TensorShard shard = m.tensor_shard();
@@ -193,11 +235,19 @@ void attach_context_parallel(Model& m, dist::Communicator& group, ContextImpl im
   const ModelConfig& c = m.config();
   auto ca = std::make_shared<ContextAttention>(
       group, impl, ContextAttentionShape{B, T, c.num_attention_heads, c.num_key_value_heads, c.head_dim()});
-  m.hooks().cp.attention_forward = [ca](float* out, float* lse, const float* qkv, const int32_t* ds, int64_t b,
-                                        int64_t window) { ca->forward(out, lse, qkv, ds, b, window); };
-  m.hooks().cp.attention_backward = [ca](float* dqkv, const float* dout, const float* qkv, const float* out,
+  const DType dt = m.compute_dtype();
+  if (dt == DType::BF16) return attach_half<cpu::Bf16>(m, ca, B, T / group.size());
+  if (dt == DType::F16) return attach_half<cpu::Fp16>(m, ca, B, T / group.size());
+  LATHE_CHECK(dt == DType::F32, "parallel.context: compute dtype {} has no context-parallel attention",
+              dtype_name(dt));
+  m.hooks().cp.attention_forward = [ca](void* out, float* lse, const void* qkv, const int32_t* ds, int64_t b,
+                                        int64_t window) {
+    ca->forward(static_cast<float*>(out), lse, static_cast<const float*>(qkv), ds, b, window);
+  };
+  m.hooks().cp.attention_backward = [ca](void* dqkv, const void* dout, const void* qkv, const void* out,
                                          const float* lse, const int32_t* ds, int64_t b, int64_t window) {
-    ca->backward(dqkv, dout, qkv, out, lse, ds, b, window);
+    ca->backward(static_cast<float*>(dqkv), static_cast<const float*>(dout), static_cast<const float*>(qkv),
+                 static_cast<const float*>(out), lse, ds, b, window);
   };
 }
 

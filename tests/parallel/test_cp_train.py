@@ -6,7 +6,7 @@ replicated weights' gradients are summed over the data x context ranks. The orac
 process with the same recipe: losses and gradient norms within 1e-5 relative over 8 steps, and the
 validation loss, for a tiny GPT-2 (learned positions) and a tiny Llama (GQA, RoPE), causal and with
 packed documents (data.attention: document, positions restarting per document, the loss masked
-after EOD). At context 2 the ring and the all-gather variants sum the same numbers in the same
+after EOD), and bf16 / fp16. At context 2 the ring and the all-gather variants sum the same numbers in the same
 order (a + b = b + a for the two ranks' dK/dV), so their runs are bit-identical. Also context 2 x
 data 2 with ZeRO 1 (4 processes), context 4, full recompute, a context-2 checkpoint resumed in one
 process, and the refusals that name the keys.
@@ -59,11 +59,11 @@ def worst_rel(a, b):
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
-def compare(got, ref, what):
+def compare(got, ref, what, tol=1e-5):
     for key in ("loss", "grad_norm", "val_loss"):
         a, b = series(got, key), series(ref, key)
         w = worst_rel(a, b)
-        check(w < 1e-5, f"{what}: {len(a)} {key} values within 1e-5 of one process (worst {w:.1e})")
+        check(w < tol, f"{what}: {len(a)} {key} values within {tol:g} of one process (worst {w:.1e})")
 
 
 def main():
@@ -87,6 +87,13 @@ def main():
     compare(cp4, one4, "llama documents context=4 allgather")
     cp4r = train(4, data, "llama-debug", "cp4_docs_ring", parallel__context=4, **DOCS)
     compare(cp4r, one4, "llama documents context=4 ring")
+    # bf16 / fp16 tables: fp32 attention on widened rows, each output rounded once, as the tables'
+    # own attention; the two sum in other orders, so a 16-bit output may round the other way (one
+    # bf16 ulp is 2^-8 relative): measured 3e-5 (losses) and 2e-4 (norms) after 8 steps.
+    for prec in ("bf16", "fp16"):
+        p_one = train(1, data, "llama-debug", f"{prec}_one", precision__compute=prec, **DOCS)
+        p_cp = train(2, data, "llama-debug", f"{prec}_cp2", precision__compute=prec, parallel__context=2, **DOCS)
+        compare(p_cp, p_one, f"llama documents {prec} context=2", tol=2e-3)
     # Full recompute re-runs each layer's forward (and its ring) in the backward: the same numbers.
     rc_one = train(1, data, "llama-debug", "rc_one", recompute="full", **DOCS)
     rc_cp = train(2, data, "llama-debug", "rc_cp2", recompute="full", parallel__context=2, **DOCS)
@@ -122,8 +129,8 @@ def main():
     refused(1, ["parallel.context=3"], ["parallel.context", "32", "multiple of 6"], "seq_len not divisible by 2 x context")
     refused(2, ["parallel.context=2", "parallel.tensor=2"], ["parallel.tensor", "parallel.context", "not supported yet"],
             "context with tensor parallelism (not yet)")
-    refused(2, ["parallel.context=2", "precision.compute=bf16"], ["precision.compute", "not supported yet"],
-            "context with bf16 (not yet)")
+    refused(2, ["parallel.context=2", "parallel.pipeline=2"], ["parallel.pipeline", "not supported yet"],
+            "context with pipeline parallelism (not yet)")
     refused(3, ["parallel.context=2"], ["parallel.context 2", "3 processes"], "3 processes at context 2")
     return 1 if failures else 0
 
