@@ -82,14 +82,14 @@ Result one_rank(const Case& c, const Inputs& in) {
 }
 
 // Every context rank on its own thread; each writes its rows of the whole-sequence result.
-Result context(const Case& c, const Inputs& in, ContextImpl impl) {
+Result context(const Case& c, const Inputs& in, ContextImpl impl, int64_t alloc_B = 0) {
   const int64_t W = (c.H + 2 * c.KVH) * c.D, HD = c.H * c.D;
   Result r;
   r.out.assign(c.B * c.T * HD, NAN);
   r.lse.assign(c.B * c.H * c.T, NAN);
   r.dqkv.assign(in.qkv.size(), NAN);
   dist::run_threads(c.N, [&](dist::Communicator& g) {
-    parallel::ContextAttention ca(g, impl, {c.B, c.T, c.H, c.KVH, c.D});
+    parallel::ContextAttention ca(g, impl, {std::max(c.B, alloc_B), c.T, c.H, c.KVH, c.D});
     const auto& rows = ca.rows();
     const int64_t Tl = ca.local_rows();
     std::vector<float> qkv(c.B * Tl * W), dout(c.B * Tl * HD), out(c.B * Tl * HD), lse(c.B * c.H * Tl),
@@ -177,6 +177,19 @@ TEST(ContextParallel, DocumentsEqualOneRank) {
 TEST(ContextParallel, SlidingWindowEqualsOneRank) {
   for (int N : {2, 3})
     for (int64_t window : {3, 30}) check({N, 1, 2 * N * 17, 2, 2, 8, 11, window});
+}
+
+// A micro-batch smaller than the allocation (the last validation batch): the same as allocated to it.
+TEST(ContextParallel, SmallerMicroBatchThanAllocated) {
+  const Case c{3, 2, 2 * 3 * 11, 4, 2, 8, 9};
+  const Inputs in = make_inputs(c);
+  const Result ref = one_rank(c, in);
+  for (ContextImpl impl : {ContextImpl::Ring, ContextImpl::AllGather}) {
+    const Result got = context(c, in, impl, 5);
+    expect_close(got.out, ref.out, 2e-5, name(c, "B=2 of 5 out"));
+    expect_close(got.dqkv, ref.dqkv, 5e-5, name(c, "B=2 of 5 dqkv"));
+    EXPECT_TRUE(same_bits(got.dqkv, context(c, in, impl).dqkv)) << name(c, "B=2 of 5 vs of 2");
+  }
 }
 
 TEST(ContextParallel, HeadSize64) { check({2, 1, 2 * 2 * 40, 4, 2, 64, 50}); }
