@@ -337,6 +337,14 @@ class Parser {
          fmt::format("true with parallel.tensor = {}: micro_batch_size {} x seq_len {} = {} rows do not split "
                      "evenly over the tensor-parallel ranks; choose a batch and seq_len whose product divides by {}",
                      p.tensor, t.micro_batch_size, t.seq_len, t.micro_batch_size * t.seq_len, p.tensor));
+    // With context parallelism a rank's pass holds seq_len / context positions of each sample.
+    need(!p.sequence || p.tensor <= 1 || p.context <= 1 || t.seq_len % (2 * p.context) != 0 ||
+             (t.micro_batch_size * (t.seq_len / p.context)) % p.tensor == 0,
+         "parallel.sequence",
+         fmt::format("true with parallel.tensor = {} and parallel.context = {}: micro_batch_size {} x seq_len / "
+                     "context {} = {} rows per rank do not split evenly over the tensor-parallel ranks",
+                     p.tensor, p.context, t.micro_batch_size, t.seq_len / std::max<int64_t>(1, p.context),
+                     t.micro_batch_size * (t.seq_len / std::max<int64_t>(1, p.context)), p.tensor));
     need(p.pipeline > 1 || (p.virtual_stages == 1 && p.stage_layers.empty()),
          p.virtual_stages != 1 ? "parallel.virtual_stages" : "parallel.stage_layers",
          "applies to pipeline parallelism only: set parallel.pipeline > 1 or remove it");
@@ -351,7 +359,6 @@ class Parser {
            fmt::format("{} with parallel.context = {} is not supported yet (issue 27); use parallel.context: 1",
                        what, p.context));
     };
-    not_yet(p.tensor == 1, "parallel.tensor", fmt::format("tensor parallelism ({})", p.tensor));
     not_yet(p.pipeline == 1, "parallel.pipeline", fmt::format("pipeline parallelism ({})", p.pipeline));
     not_yet(r.device == "cpu", "device", fmt::format("device: {}", r.device));
     not_yet(t.eval_tasks.empty(), "training.eval_tasks", "training.eval_tasks");

@@ -65,8 +65,13 @@ TEST(RecipeContext, ErrorsNameTheValues) {
 TEST(RecipeContext, WhatIsNotSupportedYetIsRefusedByKey) {
   EXPECT_EQ(error_of({"parallel.context=2"}), "");
   EXPECT_EQ(error_of({"parallel.context=2", "precision.compute=bf16"}), "");
-  const std::pair<std::string, std::string> cases[] = {{"parallel.tensor=2", "parallel.tensor"},
-                                                        {"parallel.pipeline=2", "parallel.pipeline"},
+  EXPECT_EQ(error_of({"parallel.context=2", "parallel.tensor=2", "parallel.sequence=true"}), "");
+  // micro_batch_size 1 x seq_len 128 rows split over 4 tensor ranks, but 128 / 64 = 2 rows per context rank do not.
+  const std::string m = error_of({"parallel.context=64", "parallel.tensor=4", "parallel.sequence=true",
+                                  "training.micro_batch_size=1"});
+  EXPECT_NE(m.find("parallel.context = 64"), std::string::npos) << m;
+  EXPECT_NE(m.find("2 rows per rank"), std::string::npos) << m;
+  const std::pair<std::string, std::string> cases[] = {{"parallel.pipeline=2", "parallel.pipeline"},
                                                         {"device=cuda", "device"}};
   for (const auto& [set, key] : cases) {
     const std::string m = error_of({"parallel.context=2", set});

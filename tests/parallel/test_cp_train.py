@@ -8,7 +8,7 @@ validation loss, for a tiny GPT-2 (learned positions) and a tiny Llama (GQA, RoP
 packed documents (data.attention: document, positions restarting per document, the loss masked
 after EOD), and bf16 / fp16. At context 2 the ring and the all-gather variants sum the same numbers in the same
 order (a + b = b + a for the two ranks' dK/dV), so their runs are bit-identical. Also context 2 x
-data 2 with ZeRO 1 (4 processes), context 4, full recompute, a context-2 checkpoint resumed in one
+data 2 with ZeRO 1 and tensor 2 (+ sequence parallel) x context 2 (4 processes), context 4, full recompute, a context-2 checkpoint resumed in one
 process, and the refusals that name the keys.
 Runs with 1 OpenMP thread per rank (the ranks share this machine's cores)."""
 import json
@@ -87,6 +87,15 @@ def main():
     compare(cp4, one4, "llama documents context=4 allgather")
     cp4r = train(4, data, "llama-debug", "cp4_docs_ring", parallel__context=4, **DOCS)
     compare(cp4r, one4, "llama documents context=4 ring")
+    # tensor 2 x context 2 (4 processes; ranks tensor fastest, then context): each tensor shard's heads
+    # attend across the context pair; with sequence parallelism too; GPT-2's vocab-parallel tied head.
+    for preset in ("llama-debug", "gpt2-debug"):
+        ref = os.path.join(TMP, f"{preset}_documents_one")
+        tc = train(4, data, preset, f"{preset}_tp2_cp2", parallel__context=2, parallel__tensor=2, **DOCS)
+        compare(tc, ref, f"{preset} documents tensor=2 x context=2")
+    tcs = train(4, data, "llama-debug", "tp2_cp2_sp", parallel__context=2, parallel__tensor=2,
+                parallel__sequence=True, **DOCS)
+    compare(tcs, os.path.join(TMP, "llama-debug_documents_one"), "llama documents tensor=2 (+SP) x context=2")
     # bf16 / fp16 tables: fp32 attention on widened rows, each output rounded once, as the tables'
     # own attention; the two sum in other orders, so a 16-bit output may round the other way (one
     # bf16 ulp is 2^-8 relative): measured 3e-5 (losses) and 2e-4 (norms) after 8 steps.
@@ -127,8 +136,6 @@ def main():
         if p.returncode == 0 or not all(n in text for n in needles):
             print(text[-1500:])
     refused(1, ["parallel.context=3"], ["parallel.context", "32", "multiple of 6"], "seq_len not divisible by 2 x context")
-    refused(2, ["parallel.context=2", "parallel.tensor=2"], ["parallel.tensor", "parallel.context", "not supported yet"],
-            "context with tensor parallelism (not yet)")
     refused(2, ["parallel.context=2", "parallel.pipeline=2"], ["parallel.pipeline", "not supported yet"],
             "context with pipeline parallelism (not yet)")
     refused(3, ["parallel.context=2"], ["parallel.context 2", "3 processes"], "3 processes at context 2")
