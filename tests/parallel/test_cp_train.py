@@ -121,6 +121,17 @@ def main():
     w = worst_rel(got, want)
     check(p.returncode == 0 and w < 1e-5,
           f"resume at context 1 from a context=2 checkpoint (step 4): {len(got)} losses within 1e-5 (worst {w:.1e})")
+    # ... and a tensor 2 x context 2 checkpoint (the tensor shards gathered into the whole model).
+    res2 = os.path.join(TMP, "ck_tp2_cp2")
+    rp2 = mpi_train.write_recipe(data, "llama-debug", res2, TRAINING, parallel__context=2, parallel__tensor=2,
+                                 output__checkpoint_every=4)
+    p, _ = run(4, ["train", rp2, "--quiet", "--stop-after", "4"])
+    check(p.returncode == 0, "tensor=2 x context=2 saves a checkpoint at step 4")
+    p, _ = run(1, ["train", mpi_train.write_recipe(data, "llama-debug", res2, TRAINING), "--quiet", "--resume", "auto"])
+    got = series(res2, "loss")[4:] if p.returncode == 0 else []
+    w = worst_rel(got, want)
+    check(p.returncode == 0 and w < 1e-5,
+          f"resume at context 1 from a tensor=2 x context=2 checkpoint: {len(got)} losses within 1e-5 (worst {w:.1e})")
     # context 2 x data 2, ZeRO 1 (4 processes) against one process with the same global batch.
     one = train(1, data, "llama-debug", "dp2_one", training__grad_accum_steps=4)
     both = train(4, data, "llama-debug", "cp2_dp2", parallel__context=2, parallel__zero=1)
