@@ -150,6 +150,12 @@ def main():
     refused(2, ["parallel.context=2", "parallel.pipeline=2"], ["parallel.pipeline", "not supported yet"],
             "context with pipeline parallelism (not yet)")
     refused(3, ["parallel.context=2"], ["parallel.context 2", "3 processes"], "3 processes at context 2")
+    # lathe plan does not model context parallelism: it says so instead of planning without it.
+    p, _ = run(1, ["plan", mpi_train.write_recipe(data, "llama-debug", os.path.join(TMP, "plan"), TRAINING),
+                   "--world", "4", "--set", "parallel.context=2"])
+    text = p.stdout + p.stderr
+    check(p.returncode != 0 and "parallel.context = 2" in text and "does not model" in text,
+          "lathe plan refuses parallel.context > 1, naming it")
     return 1 if failures else 0
 
 
