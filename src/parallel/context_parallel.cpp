@@ -2,6 +2,8 @@
 #include "parallel/context_parallel.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <memory>
 #include <utility>
 
@@ -16,7 +18,23 @@ namespace lathe::parallel {
 namespace {
 // Point-to-point tags of the ring (a pair's messages with one tag arrive in order).
 constexpr int kTagKv = 2701, kTagDkv = 2702;
+std::atomic<int64_t> g_wait_ns{0};
+// Adds the time from its construction to its end to context_comm_wait_seconds().
+class WaitClock {
+ public:
+  WaitClock() : t0_(std::chrono::steady_clock::now()) {}
+  ~WaitClock() {
+    g_wait_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0_)
+                            .count(),
+                        std::memory_order_relaxed);
+  }
+
+ private:
+  std::chrono::steady_clock::time_point t0_;
+};
 }  // namespace
+
+double context_comm_wait_seconds() { return static_cast<double>(g_wait_ns.load(std::memory_order_relaxed)) * 1e-9; }
 
 ContextImpl parse_context_impl(const std::string& s) {
   if (s == "ring") return ContextImpl::Ring;
@@ -97,6 +115,7 @@ void ContextAttention::forward(float* out, float* lse, const float* qkv, const i
   if (impl_ == ContextImpl::AllGather) {
     float* own = kv_a_.data() + static_cast<size_t>(rank_) * c.kv_floats;
     pack_kv(own, qkv, B);
+    const WaitClock clock;
     group_.all_gather(own, kv_a_.data(), std::vector<size_t>(static_cast<size_t>(N_), static_cast<size_t>(c.kv_floats)),
                       DType::F32);
   } else {
@@ -118,6 +137,7 @@ void ContextAttention::forward(float* out, float* lse, const float* qkv, const i
     }
     if (w) {
       trace::Scope wait_span("context ring wait (K/V)", trace::Cat::Comm, step);
+      const WaitClock clock;
       w->wait();
       std::swap(cur, nxt);
     }
@@ -143,7 +163,10 @@ void ContextAttention::backward(float* dqkv, const float* dout, const float* qkv
     float* own = kv_a_.data() + static_cast<size_t>(rank_) * n_kv;
     pack_kv(own, qkv, B);
     const std::vector<size_t> counts(static_cast<size_t>(N_), n_kv);
-    group_.all_gather(own, kv_a_.data(), counts, DType::F32);
+    {
+      const WaitClock clock;
+      group_.all_gather(own, kv_a_.data(), counts, DType::F32);
+    }
     std::fill(dkv_a_.begin(), dkv_a_.begin() + static_cast<std::ptrdiff_t>(N_ * n_kv), 0.0f);
     for (int step = 0; step < N_; ++step) {
       const int src = (rank_ - step + N_) % N_;
@@ -152,7 +175,10 @@ void ContextAttention::backward(float* dqkv, const float* dout, const float* qkv
     // dK/dV of this rank's rows: the group's contributions summed in rank order (in place into
     // this rank's segment, the layout reduce_scatter stages in pieces).
     float* mine = dkv_a_.data() + static_cast<size_t>(rank_) * n_kv;
-    group_.reduce_scatter(dkv_a_.data(), mine, counts, DType::F32);
+    {
+      const WaitClock clock;
+      group_.reduce_scatter(dkv_a_.data(), mine, counts, DType::F32);
+    }
     own_dkv = mine;
   } else {
     float *cur = kv_a_.data(), *nxt = kv_b_.data(), *dcur = dkv_a_.data(), *dnxt = dkv_b_.data();
@@ -171,12 +197,14 @@ void ContextAttention::backward(float* dqkv, const float* dout, const float* qkv
       }
       if (w) {
         trace::Scope wait_span("context ring wait (K/V)", trace::Cat::Comm, step);
+        const WaitClock clock;
         w->wait();
         std::swap(cur, nxt);
       }
       // The dK/dV summed so far move on with their K/V; the N-th hop hands each owner its own.
       if (N_ > 1) {
         trace::Scope dkv_span("context ring dK/dV exchange", trace::Cat::Comm, step);
+        const WaitClock clock;
         group_.sendrecv(dcur, kv_bytes, next, dnxt, kv_bytes, prev, kTagDkv);
         std::swap(dcur, dnxt);
       }

@@ -42,6 +42,11 @@ enum class ContextImpl { Ring, AllGather };
 ContextImpl parse_context_impl(const std::string& s);
 const char* context_impl_name(ContextImpl impl);
 
+// Seconds this process has spent waiting for the context group's K/V and dK/dV exchanges (the ring's
+// waits after each block's compute, the all-gathers and reduce-scatters): the communication the
+// compute did not hide. Cumulative since the process started (the trainer records per-step deltas).
+double context_comm_wait_seconds();
+
 // Errors naming the values unless T splits into 2N chunks (T % (2N) == 0, N >= 1).
 void check_context_split(int64_t T, int N);
 // Global positions of context rank r's rows, increasing: chunks r and 2N-1-r of T / (2N).

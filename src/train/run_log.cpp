@@ -266,6 +266,10 @@ void RunLog::step(int64_t step, const StepStats& st, const optim::LossScaler& sc
                         {"skipped", st.skipped},
                         {"skipped_steps", skipped_total},
                         {"eta_s", eta_s}};
+  if (r_.parallel.context > 1) {  // rank 0's waits for the context group's K/V, dK/dV (in compute_pct)
+    rec["context_comm_exposed_ms"] = st.context_wait_s * 1e3;
+    rec["context_comm_exposed_pct"] = 100.0 * st.context_wait_s / dt;
+  }
   if (pp_ > 1)  // the schedule's idle share of the step, (p-1)/(v m + p-1) (not measured)
     rec["bubble_pct"] = 100 * pipeline::bubble_formula(pp_, accum_, r_.parallel.virtual_stages);
   if (anomaly.enabled()) {  // the policy's verdict and the factor this step's lr carried

@@ -72,6 +72,7 @@ StepStats train_step(StepContext& c, int64_t step, const StepStats& prev) {
   }
   if (!c.cp_rows.empty()) {  // context parallelism: this rank's rows of each sample (parallel/context_parallel.h)
     const int64_t Tl = static_cast<int64_t>(c.cp_rows.size());
+    const double wait0 = parallel::context_comm_wait_seconds();
     std::vector<int32_t> ds, pos;
     for (int64_t m = 0; m < accum; ++m) {
       trace::Scope span("forward+backward micro-batch", trace::Cat::Compute, m);
@@ -80,6 +81,7 @@ StepStats train_step(StepContext& c, int64_t step, const StepStats& prev) {
       opt.set_last_backward(m + 1 == accum);
       loss_sum += model.forward_backward(c.cp_inputs.data(), c.cp_targets.data(), B, Tl, grad_scale, true);
     }
+    st.context_wait_s = parallel::context_comm_wait_seconds() - wait0;
   }
   for (int64_t m = 0; m < (pipe || !c.cp_rows.empty() ? 0 : accum); ++m) {
     trace::Scope span("forward+backward micro-batch", trace::Cat::Compute, m);

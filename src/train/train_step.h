@@ -59,6 +59,7 @@ struct StepStats {
   AnomalyDecision anomaly;  // the anomaly policy's verdict (skip: no update either)
   double lr_factor = 1;     // the anomaly policy's multiplier in lr
   double data_wait_s = 0, comm_wait_s = 0, optimizer_s = 0, seconds = 0;
+  double context_wait_s = 0;  // context parallelism: waits for the context group's K/V and dK/dV
 };
 
 // One optimizer step of this rank: its micro-batches (gradients accumulate, the loss gradient

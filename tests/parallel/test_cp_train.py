@@ -76,6 +76,9 @@ def main():
             one = train(1, data, preset, f"{preset}_{label}_one", **kw)
             ring = train(2, data, preset, f"{preset}_{label}_cp2", parallel__context=2, **kw)
             compare(ring, one, f"{preset} {label} context=2 ring")
+            waits = series(ring, "context_comm_exposed_ms")
+            check(len(waits) == 8 and all(w >= 0 for w in waits) and not series(one, "context_comm_exposed_ms"),
+                  f"{preset} {label}: context=2 steps record their exposed context communication, one process none")
             if label == "documents" or preset == "llama-debug":
                 ag = train(2, data, preset, f"{preset}_{label}_cp2_ag", parallel__context=2,
                            parallel__context_impl="allgather", **kw)
