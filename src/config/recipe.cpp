@@ -359,7 +359,6 @@ class Parser {
            fmt::format("{} with parallel.context = {} is not supported yet (issue 27); use parallel.context: 1",
                        what, p.context));
     };
-    not_yet(p.pipeline == 1, "parallel.pipeline", fmt::format("pipeline parallelism ({})", p.pipeline));
     not_yet(r.device == "cpu", "device", fmt::format("device: {}", r.device));
     not_yet(t.eval_tasks.empty(), "training.eval_tasks", "training.eval_tasks");
     not_yet(r.model.rope_scaling.type != "dynamic" && r.model.rope_scaling.type != "longrope", "model.rope_scaling",

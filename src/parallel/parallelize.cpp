@@ -66,12 +66,10 @@ std::unique_ptr<RankModel> parallelize(std::unique_ptr<Model> whole, Topology& t
     // 5. PP: the executor, one activation arena per micro-batch the schedule holds at once.
     // Context (tensor x context): the shard's attention across the context group, T / cp rows.
     const Recompute rc = parse_recompute(cfg.recompute, cfg.source + ": recompute");
-    if (lay.cp > 1) {
-      LATHE_CHECK(pp == 1, "{}: parallel.context > 1 with pipeline parallelism is not supported yet", cfg.source);
+    if (lay.cp > 1)
       attach_context_parallel(*m.model_, *topo.groups.cp, parse_context_impl(cfg.parallel.context_impl), B, T);
-    }
     if (pp > 1)
-      m.pipe_ = std::make_unique<PipelineExecutor>(*m.model_, m.stage_, *topo.groups.pp, B, T, 2, rc);
+      m.pipe_ = std::make_unique<PipelineExecutor>(*m.model_, m.stage_, *topo.groups.pp, B, T / lay.cp, 2, rc);
     else
       m.model_->allocate(B, T / lay.cp, 2, rc);
     if (m.pipe_ && cfg.stage_through_host) m.pipe_->set_stage_through_host(true);

@@ -62,15 +62,30 @@ StepStats train_step(StepContext& c, int64_t step, const StepStats& prev) {
   }
   const float grad_scale = 1.0f / static_cast<float>(targets_kept) * static_cast<float>(st.loss_scale);
   std::vector<int32_t> doc_start, positions;
-  if (pipe) {  // the schedule runs every micro-batch; the data-parallel reduction follows it
+  if (pipe && !c.cp_rows.empty()) {  // pipeline x context: every micro-batch's rows of this rank first
+    const int64_t Tl = static_cast<int64_t>(c.cp_rows.size());
+    const double wait0 = parallel::context_comm_wait_seconds();
+    c.cp_inputs.resize(static_cast<size_t>(accum * B * Tl));
+    c.cp_targets.resize(c.cp_inputs.size());
+    parallel::context_batch(c.cp_rows, accum * B, T, c.inputs.data(), c.cp_inputs.data());
+    parallel::context_batch(c.cp_rows, accum * B, T, c.targets.data(), c.cp_targets.data());
+    std::vector<int32_t> in_l, tg_l, ds, pos;
+    loss_sum = pipe->step(c.cp_inputs.data(), c.cp_targets.data(), grad_scale, [&](int64_t m) {
+      parallel::set_context_pass(model, c.docs, c.cp_rows, c.inputs.data() + m * B * T, c.targets.data() + m * B * T,
+                                 B, T, in_l, tg_l, ds, pos);
+    });
+    st.context_wait_s = parallel::context_comm_wait_seconds() - wait0;
+  } else if (pipe) {  // the schedule runs every micro-batch; the data-parallel reduction follows it
     loss_sum = pipe->step(c.inputs.data(), c.targets.data(), grad_scale, [&](int64_t m) {
       set_batch_documents(model, c.docs, c.inputs.data() + m * B * T, B, T, doc_start, positions);
     });
+  }
+  if (pipe) {
     opt.set_last_backward(true);
     opt.grads_ready(0, model.num_params());
     opt.set_last_backward(false);
   }
-  if (!c.cp_rows.empty()) {  // context parallelism: this rank's rows of each sample (parallel/context_parallel.h)
+  if (!c.cp_rows.empty() && !pipe) {  // context parallelism: this rank's rows of each sample (parallel/context_parallel.h)
     const int64_t Tl = static_cast<int64_t>(c.cp_rows.size());
     const double wait0 = parallel::context_comm_wait_seconds();
     std::vector<int32_t> ds, pos;

@@ -71,8 +71,9 @@ TEST(RecipeContext, WhatIsNotSupportedYetIsRefusedByKey) {
                                   "training.micro_batch_size=1"});
   EXPECT_NE(m.find("parallel.context = 64"), std::string::npos) << m;
   EXPECT_NE(m.find("2 rows per rank"), std::string::npos) << m;
-  const std::pair<std::string, std::string> cases[] = {{"parallel.pipeline=2", "parallel.pipeline"},
-                                                        {"device=cuda", "device"}};
+  EXPECT_EQ(error_of({"parallel.context=2", "parallel.pipeline=2"}), "");
+  const std::pair<std::string, std::string> cases[] = {{"device=cuda", "device"},
+                                                        {"training.eval_tasks=tasks.jsonl", "training.eval_tasks"}};
   for (const auto& [set, key] : cases) {
     const std::string m = error_of({"parallel.context=2", set});
     EXPECT_NE(m.find(key), std::string::npos) << set << ": " << m;
