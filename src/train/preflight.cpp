@@ -455,10 +455,15 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
                     last_rows == shard.vocab_size ? fmt::format("{}", shard.vocab_size)
                                                   : fmt::format("{} (first ranks) or {}", shard.vocab_size, last_rows),
                     ts.vocab(shard)));
-    // One rank's figure (its shard of the parameters, its activations; sequence parallelism's saving).
-    log.ok(fmt::format(
-        "memory per tensor-parallel rank: {}",
-        estimate_memory(shard, B, T, kMoments, r.parallel.zero > 0 ? data : 1, spec.dtype, rc, ts).breakdown()));
+    // One rank's figure (its shard of the parameters, its activations; sequence parallelism's saving;
+    // with context parallelism T / context rows, ZeRO over data x context).
+    const int64_t ctx = std::max<int64_t>(1, r.parallel.context);
+    TensorShard ts_rank = ts;
+    if (ctx > 1) ts_rank.context_T = T;
+    log.ok(fmt::format("memory per tensor-parallel rank: {}",
+                       estimate_memory(shard, B, T / ctx, kMoments, r.parallel.zero > 0 ? data * ctx : 1, spec.dtype,
+                                       rc, ts_rank)
+                           .breakdown()));
   }
   if (r.parallel.pipeline > 1) {
     // The stages and the schedule must work for this model (errors name the values); the trainer
