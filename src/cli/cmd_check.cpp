@@ -41,8 +41,9 @@ int run_check(int argc, char** argv) {
   };
   ok(fmt::format("recipe {} is valid", path));
   lathe::resolve_layout(r, world);
-  ok(fmt::format("layout: {} process{} = parallel.data {} x tensor {} x pipeline {}; ZeRO {}; global batch {} samples",
+  ok(fmt::format("layout: {} process{} = parallel.data {} x tensor {} x pipeline {}{}; ZeRO {}; global batch {} samples",
                  world, world == 1 ? "" : "es", r.parallel.data, r.parallel.tensor, r.parallel.pipeline,
+                 r.parallel.context > 1 ? fmt::format(" x context {}", r.parallel.context) : std::string(),
                  r.parallel.zero, lathe::global_batch_samples(r)));
   auto note = [](const std::string& l) {
     fmt::print("note {}\n", l);

@@ -80,6 +80,13 @@ int run_plan(int argc, char** argv) {
   }
 
   lathe::Recipe r = lathe::load_recipe(path, sets);
+  // The planner enumerates data x tensor x pipeline layouts only: a recipe asking for context
+  // parallelism is told so rather than planned as if it had none (issue 27).
+  if (r.parallel.context > 1)
+    lathe::throw_error(
+        "{}: parallel.context = {}: lathe plan does not model context parallelism yet; plan the layout with "
+        "--set parallel.context=1 (context divides each rank's activations by about the context degree)",
+        path, r.parallel.context);
   lathe::plan::Job job;
   job.model = r.model;
   job.world = world;

@@ -346,6 +346,8 @@ class Parser {
     if (p.tensor > 1) refuse("parallel.tensor", std::to_string(p.tensor), "set parallel.tensor: 1 or parallel.zero <= 2");
     if (p.pipeline > 1)
       refuse("parallel.pipeline", std::to_string(p.pipeline), "set parallel.pipeline: 1 or parallel.zero <= 2");
+    if (p.context > 1)
+      refuse("parallel.context", std::to_string(p.context), "set parallel.context: 1 or parallel.zero <= 2");
     if (r.device != "cpu") refuse("device", r.device, "use device: cpu or parallel.zero <= 2");
     if (r.precision.compute != "fp32")
       refuse("precision.compute", r.precision.compute, "use precision.compute: fp32 or parallel.zero <= 2");
@@ -370,9 +372,32 @@ class Parser {
                      "evenly over the tensor-parallel ranks; choose a batch and seq_len whose product divides by {}",
                      p.tensor, t.micro_batch_size, t.seq_len, t.micro_batch_size * t.seq_len, p.tensor));
     check_zero3(r);
+    // With context parallelism a rank's pass holds seq_len / context positions of each sample.
+    need(!p.sequence || p.tensor <= 1 || p.context <= 1 || t.seq_len % (2 * p.context) != 0 ||
+             (t.micro_batch_size * (t.seq_len / p.context)) % p.tensor == 0,
+         "parallel.sequence",
+         fmt::format("true with parallel.tensor = {} and parallel.context = {}: micro_batch_size {} x seq_len / "
+                     "context {} = {} rows per rank do not split evenly over the tensor-parallel ranks",
+                     p.tensor, p.context, t.micro_batch_size, t.seq_len / std::max<int64_t>(1, p.context),
+                     t.micro_batch_size * (t.seq_len / std::max<int64_t>(1, p.context)), p.tensor));
     need(p.pipeline > 1 || (p.virtual_stages == 1 && p.stage_layers.empty()),
          p.virtual_stages != 1 ? "parallel.virtual_stages" : "parallel.stage_layers",
          "applies to pipeline parallelism only: set parallel.pipeline > 1 or remove it");
+    // Context parallelism: 2 x context equal chunks of every sample (parallel/context_parallel.h).
+    need(p.context <= 1 || t.seq_len % (2 * p.context) == 0, "parallel.context",
+         fmt::format("{}: training.seq_len {} is not divisible by 2 x context = {} (each context rank holds two of "
+                     "2 x context equal chunks); choose a seq_len that is a multiple of {}",
+                     p.context, t.seq_len, 2 * p.context, 2 * p.context));
+    // What context parallelism does not run yet: refused naming the key (never ignored).
+    auto not_yet = [&](bool ok, const std::string& key, const std::string& what) {
+      need(ok || p.context <= 1, key,
+           fmt::format("{} with parallel.context = {} is not supported yet (issue 27); use parallel.context: 1",
+                       what, p.context));
+    };
+    not_yet(r.device == "cpu", "device", fmt::format("device: {}", r.device));
+    not_yet(t.eval_tasks.empty(), "training.eval_tasks", "training.eval_tasks");
+    not_yet(r.model.rope_scaling.type != "dynamic" && r.model.rope_scaling.type != "longrope", "model.rope_scaling",
+            fmt::format("RoPE scaling '{}' (its tables depend on the pass length)", r.model.rope_scaling.type));
     // A watchdog below 1 s aborts the first all-reduce of any real job (1e-300 passed before);
     // above ~116 days it is no watchdog at all (and the clock arithmetic overflows).
     need(p.timeout_s == 0 || (p.timeout_s >= kMinTimeoutS && p.timeout_s <= kMaxTimeoutS), "parallel.timeout_s",

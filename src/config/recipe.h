@@ -190,6 +190,11 @@ struct Recipe {
     int64_t shard_group = 0;  // ZeRO 3: weights sharded over groups of this many data ranks (0: all)
     double bucket_mb = 25;   // gradient reduction bucket size (fp32 MB), > 0
     double timeout_s = 300;  // a collective not done after this long aborts the job (0 = never)
+    // Context parallelism (parallel/context_parallel.h, issue 27): each sample's sequence cut over
+    // `context` ranks (2 x context load-balanced chunks); ranks ordered tensor, context, data,
+    // pipeline. context_impl: how attention reaches the other ranks' keys (ring | allgather).
+    int64_t context = 1;
+    std::string context_impl = "ring";
   } parallel;
   struct Output {
     std::string dir = "runs/default";

@@ -358,6 +358,14 @@ std::vector<Field> output_and_parallel() {
               .only_if("parallel.shard_group")),
       row(key<&R::parallel, &Pa::bucket_mb>("parallel.bucket_mb").between(0, kOpen, 65536, kClosed)),
       row(key<&R::parallel, &Pa::timeout_s>("parallel.timeout_s")),  // 0 or [1 s, 1e7 s]: recipe.cpp
+      row(key<&R::parallel, &Pa::context>("parallel.context")
+              .in(1, kMaxRanks, " (1 = no context parallelism)")
+              .only_if("parallel.context")
+              .since_later()),
+      row(key<&R::parallel, &Pa::context_impl>("parallel.context_impl")
+              .choice({"ring", "allgather"})
+              .only_if("parallel.context")
+              .since_later()),
   };
 }
 

@@ -406,6 +406,18 @@ void Communicator::all_gather(const void* send, void* recv, const std::vector<si
   all_gather_async(send, recv, counts, dtype)->wait();
 }
 void Communicator::broadcast(void* buf, size_t bytes, int root) { broadcast_async(buf, bytes, root)->wait(); }
+WorkPtr Communicator::sendrecv_async(const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes,
+                                     int src, int tag) {
+  LATHE_CHECK(dst >= 0 && dst < size_ && dst != rank_ && src >= 0 && src < size_ && src != rank_,
+              "{}: sendrecv to rank {} from rank {} (both must be other ranks of the group)", describe(), dst, src);
+  return issue("sendrecv", [=, this] { do_sendrecv(send, send_bytes, dst, recv, recv_bytes, src, tag); },
+               static_cast<int64_t>(send_bytes + recv_bytes));
+}
+void Communicator::sendrecv(const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes, int src,
+                            int tag) {
+  sendrecv_async(send, send_bytes, dst, recv, recv_bytes, src, tag)->wait();
+}
+
 void Communicator::send(const void* buf, size_t bytes, int dst, int tag) { send_async(buf, bytes, dst, tag)->wait(); }
 void Communicator::recv(void* buf, size_t bytes, int src, int tag) { recv_async(buf, bytes, src, tag)->wait(); }
 void Communicator::barrier() {

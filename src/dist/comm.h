@@ -124,6 +124,14 @@ class Communicator {
   WorkPtr send_async(const void* buf, size_t bytes, int dst, int tag);
   void recv(void* buf, size_t bytes, int src, int tag);
   WorkPtr recv_async(void* buf, size_t bytes, int src, int tag);
+  // Exchange as one operation: send_bytes of `send` go to dst while recv_bytes from src arrive in
+  // `recv` (MPI_Sendrecv; NCCL: a grouped send + recv), so a ring where every rank sends to its
+  // next and receives from its previous cannot deadlock whatever the message size (MPI_Send of a
+  // large message may wait for its receiver). dst and src may be equal; neither may be this rank.
+  // send and recv must not overlap. Matched by tag as send / recv.
+  void sendrecv(const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes, int src, int tag);
+  WorkPtr sendrecv_async(const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes, int src,
+                         int tag);
   void barrier();
 
   // Training step shown by the watchdog when an operation of this group times out.
@@ -150,6 +158,12 @@ class Communicator {
   virtual void do_broadcast(void* buf, size_t bytes, int root) = 0;
   virtual void do_send(const void* buf, size_t bytes, int dst, int tag) = 0;
   virtual void do_recv(void* buf, size_t bytes, int src, int tag) = 0;
+  // Default: do_send then do_recv (right where a send never waits for its receiver: threads).
+  virtual void do_sendrecv(const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes, int src,
+                           int tag) {
+    do_send(send, send_bytes, dst, tag);
+    do_recv(recv, recv_bytes, src, tag);
+  }
   virtual void do_barrier() = 0;
   // Collective over this whole group. members: the ranks of this group that share this rank's
   // color, in new-rank order (empty when color < 0: then return nullptr).

@@ -120,6 +120,19 @@ class MpiCommunicator final : public Communicator {
     check_mpi(MPI_Send(buf, as_count(bytes, describe()), MPI_BYTE, dst, tag, comm_), "Send", describe());
   }
 
+  void do_sendrecv(const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes, int src,
+                   int tag) override {
+    MPI_Status st;
+    check_mpi(MPI_Sendrecv(send, as_count(send_bytes, describe()), MPI_BYTE, dst, tag, recv,
+                           as_count(recv_bytes, describe()), MPI_BYTE, src, tag, comm_, &st),
+              "Sendrecv", describe());
+    int got = 0;
+    MPI_Get_count(&st, MPI_BYTE, &got);
+    LATHE_CHECK(static_cast<size_t>(got) == recv_bytes,
+                "{}: sendrecv expected {} bytes from rank {} tag {}, but {} bytes arrived", describe(), recv_bytes, src,
+                tag, got);
+  }
+
   void do_recv(void* buf, size_t bytes, int src, int tag) override {
     MPI_Status st;
     check_mpi(MPI_Recv(buf, as_count(bytes, describe()), MPI_BYTE, src, tag, comm_, &st), "Recv", describe());

@@ -186,6 +186,17 @@ class NcclCommunicator final : public Communicator {
     run("recv", [&] { check(ncclRecv(buf, bytes, ncclUint8, src, comm_, stream_), "ncclRecv"); });
   }
 
+  // One group: the send and the receive progress together (a ring cannot deadlock).
+  void do_sendrecv(const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes, int src,
+                   int) override {
+    run("sendrecv", [&] {
+      check(ncclGroupStart(), "ncclGroupStart");
+      if (send_bytes) check(ncclSend(send, send_bytes, ncclUint8, dst, comm_, stream_), "ncclSend");
+      if (recv_bytes) check(ncclRecv(recv, recv_bytes, ncclUint8, src, comm_, stream_), "ncclRecv");
+      check(ncclGroupEnd(), "ncclGroupEnd");
+    });
+  }
+
   void do_barrier() override {
     run("barrier",
         [&] { check(ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, comm_, stream_), "ncclAllReduce"); });

@@ -145,8 +145,10 @@ size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shar
   (m ? m->dact_ : sink) = take("dact", -1, mul({N, F}), act, kPass);
   if (sp) (m ? m->gathered_ : sink) = take("gathered", -1, mul({NG, C}), act, kPass);
   (m ? m->scratch_ : sink) = take("scratch", -1, scratch, DType::U8, kPass);
-  (m ? m->rope_cos_ : fsink) = stat("rope_cos", -1, mul({T, D}) / 2);
-  (m ? m->rope_sin_ : fsink) = stat("rope_sin", -1, mul({T, D}) / 2);
+  // RoPE tables: one row per position a pass may hold (context parallelism: the whole sequence's).
+  const int64_t RT = std::max(T, shard.context_T);
+  (m ? m->rope_cos_ : fsink) = stat("rope_cos", -1, mul({RT, D}) / 2);
+  (m ? m->rope_sin_ : fsink) = stat("rope_sin", -1, mul({RT, D}) / 2);
   if (m) m->chunk_rows_ = chunk_rows;
   if (plan) {
     plan->bytes = static_cast<size_t>(off);
@@ -215,7 +217,8 @@ void Model::allocate(int64_t B, int64_t T, int optimizer_moments, Recompute reco
 // Tables [max_T_, rot/2] of the current slot, with the frequencies of a pass of seq_len tokens.
 void Model::build_rope_tables(int64_t seq_len) {
   const RopeFrequencies f = rope_frequencies(cfg_, seq_len);
-  ops_->rope_tables(rope_cos_, rope_sin_, max_T_, cfg_.rotary_dim() / 2, f.inv_freq.data(), f.attention_factor);
+  ops_->rope_tables(rope_cos_, rope_sin_, std::max(max_T_, shard_.context_T), cfg_.rotary_dim() / 2, f.inv_freq.data(),
+                    f.attention_factor);
   rope_len_[static_cast<size_t>(slot_)] = seq_len;
 }
 

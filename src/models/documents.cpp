@@ -67,8 +67,10 @@ void Model::set_documents(const int32_t* doc_start, const int32_t* positions, in
     for (int64_t b = 0; b < B; ++b)
       for (int64_t t = 0; t < T; ++t) {
         const int32_t p = positions[b * T + t];
-        LATHE_CHECK(p >= 0 && p <= t, "set_documents: position {} of token {} of sample {} is outside [0, {}]", p, t, b,
-                    t);
+        // Context parallelism: the rows' global positions, anywhere in the whole sequence.
+        const int64_t hi = shard_.context_T > 0 ? shard_.context_T - 1 : t;
+        LATHE_CHECK(p >= 0 && p <= hi, "set_documents: position {} of token {} of sample {} is outside [0, {}]", p, t,
+                    b, hi);
       }
     doc_pos_.assign(positions, positions + n);
   }
@@ -90,6 +92,20 @@ void Model::check_documents_shape(int64_t B, int64_t T) const {
               "a {}x{} pass while documents for {}x{} are set: call set_documents for this batch (or with nullptr "
               "for plain causal attention)",
               B, T, docs_B_, docs_T_);
+}
+
+void Model::check_context_attention() const {
+  LATHE_CHECK(!on_device(),
+              "parallel.context: context-parallel attention runs on CPU models only for now; use device: cpu, or "
+              "parallel.context: 1");
+  LATHE_CHECK(shard_.context_T > 0, "context attention hooks set on a model without TensorShard::context_T");
+  LATHE_CHECK(arch_.learned_pos || (cfg_.rope_scaling.type != "dynamic" && cfg_.rope_scaling.type != "longrope"),
+              "parallel.context: RoPE scaling '{}' depends on the pass length and is not supported with context "
+              "parallelism yet; use parallel.context: 1",
+              cfg_.rope_scaling.type);
+  LATHE_CHECK(!arch_.learned_pos || shard_.context_T <= cfg_.max_position_embeddings,
+              "parallel.context: the sequence of {} tokens exceeds the learned position table of {} rows",
+              shard_.context_T, cfg_.max_position_embeddings);
 }
 
 }  // namespace lathe

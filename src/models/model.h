@@ -102,6 +102,21 @@ struct ActivationPlan {
   size_t shared_bytes = 0;  // a split layout (several slots): the transient entries' region
 };
 
+// Context parallelism (parallel/context_parallel.h, issue 27): the attention of this rank's rows
+// across the context group, in place of the op table's attention. Host buffers of the model's
+// compute dtype laid out as Ops::attention_*'s for this rank's B x T rows (qkv [B, T, (H + 2 KV) D],
+// out [B, T, H D]; lse [B, H, T] fp32); doc_start: the rows' GLOBAL document starts (set_documents)
+// or nullptr; window: the layer's sliding window (0 = none). The model's TensorShard::context_T is
+// the whole sequence.
+struct ContextHooks {
+  std::function<void(void* out, float* lse, const void* qkv, const int32_t* doc_start, int64_t B, int64_t window)>
+      attention_forward;
+  std::function<void(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
+                     const int32_t* doc_start, int64_t B, int64_t window)>
+      attention_backward;
+  bool active() const { return static_cast<bool>(attention_forward); }
+};
+
 // Called by the model at fixed points of a pass (all optional). Parallelism, recompute and
 // pipeline schedules attach here from outside; the model itself knows nothing of them.
 struct StepHooks {
@@ -114,6 +129,8 @@ struct StepHooks {
   // vocabulary shard, called as the named forward/backward pairs of models/tp_mappings.h.
   // Unset: the layers are whole.
   TpMappings tp;
+  // Context parallelism: unset, attention runs over the pass's own rows.
+  ContextHooks cp;
 };
 
 // The initial values of one tensor of the table (what Model::init_weights writes at s.offset):
@@ -348,6 +365,9 @@ class Model {
   // have refilled the same host array); the backward of the pass reuses the forward's copy.
   const int32_t* to_backend(const int32_t* host, int64_t n, bool tokens, bool pass_start = false);
   void check_documents_shape(int64_t B, int64_t T) const;
+  // Context parallelism's attention hooks are usable here (host model, context_T set, RoPE
+  // without sequence-length-dependent scaling); errors name what is not.
+  void check_context_attention() const;
   // The weight a kernel of the op table reads for the fp32 master `m`: the master itself in an
   // fp32 model, else the element at the same offset of the compute-dtype copy (nullptr stays null).
   const void* cw(const float* m) const {

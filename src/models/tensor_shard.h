@@ -23,6 +23,10 @@ struct TensorShard {
   // / reduce_norm_grads move the rows).
   int64_t parts = 1;
   bool sequence_parallel = false;
+  // > 0: context parallelism (parallel/context_parallel.h): this model's passes hold some rows of
+  // sequences of context_T tokens, at their global positions (set_documents positions < context_T;
+  // the RoPE tables cover context_T positions), and attention runs through StepHooks::cp.
+  int64_t context_T = 0;
 
   // The vocabulary token ids and targets range over.
   int64_t vocab(const ModelConfig& cfg) const { return global_vocab > 0 ? global_vocab : cfg.vocab_size; }
@@ -35,7 +39,8 @@ struct TensorShard {
 };
 
 inline bool operator==(const TensorShard& a, const TensorShard& b) {
-  return a.global_vocab == b.global_vocab && a.parts == b.parts && a.sequence_parallel == b.sequence_parallel;
+  return a.global_vocab == b.global_vocab && a.parts == b.parts && a.sequence_parallel == b.sequence_parallel &&
+         a.context_T == b.context_T;
 }
 
 }  // namespace lathe

@@ -465,7 +465,12 @@ void Model::layer_forward_into(int64_t l, int64_t B, int64_t T, bool output) {
     ops_->rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, D, rot, Q, doc_positions());
     ops_->rope_forward(act_at(a.qkv, H * D), rope_cos_, rope_sin_, B, T, KV, D, rot, Q, doc_positions());
   }
-  ops_->attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D, scratch_, doc_starts(), cfg_.layer_window(l));
+  if (hooks_.cp.active()) {
+    check_context_attention();
+    hooks_.cp.attention_forward(a.att, a.lse, a.qkv, doc_starts(), B, cfg_.layer_window(l));
+  } else {
+    ops_->attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D, scratch_, doc_starts(), cfg_.layer_window(l));
+  }
   row_parallel_forward(a.res1, a.att, w.o_w, w.o_b, N, H * D, C);
   ops_->residual_forward(a.res1, a.res1, x, S * C);
   norm_forward(l, true, S);
@@ -610,8 +615,11 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
                 S);
   // Attention: res1 = x + o(attn(qkv(norm1(x))))
   if (!arch_.parallel_residual) o_backward();
-  ops_->attention_backward(dqkv_, datt_, a.qkv, a.att, a.lse, B, T, H, KV, D, scratch_, doc_starts(),
-                           cfg_.layer_window(l));
+  if (hooks_.cp.active())
+    hooks_.cp.attention_backward(dqkv_, datt_, a.qkv, a.att, a.lse, doc_starts(), B, cfg_.layer_window(l));
+  else
+    ops_->attention_backward(dqkv_, datt_, a.qkv, a.att, a.lse, B, T, H, KV, D, scratch_, doc_starts(),
+                             cfg_.layer_window(l));
   if (!arch_.learned_pos) {
     const int64_t rot = cfg_.rotary_dim();
     ops_->rope_backward(dqkv_, rope_cos_, rope_sin_, B, T, H, D, rot, Q, doc_positions());

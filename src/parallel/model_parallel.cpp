@@ -5,10 +5,14 @@
 
 namespace lathe::parallel {
 
-RankLayout RankLayout::of(int rank, int world, int tp, int pp) {
+RankLayout RankLayout::of(int rank, int world, int tp, int pp, int cp) {
   LATHE_CHECK(tp >= 1 && pp >= 1 && world % (tp * pp) == 0 && rank >= 0 && rank < world,
               "internal: rank {} of {} with tensor {} x pipeline {}", rank, world, tp, pp);
+  LATHE_CHECK(cp >= 1 && (world / (tp * pp)) % cp == 0, "internal: context {} does not divide the {} data ranks", cp,
+              world / (tp * pp));
   RankLayout l;
+  l.cp = cp;
+  l.cp_rank = (rank / tp) % cp;
   l.tp = tp;
   l.pp = pp;
   l.dp = world / (tp * pp);
@@ -20,6 +24,8 @@ RankLayout RankLayout::of(int rank, int world, int tp, int pp) {
 
 ProcessGroups make_process_groups(dist::Communicator& world, const RankLayout& l) {
   ProcessGroups g;
+  // Context: the cp consecutive (after tensor) ranks of one data rank.
+  if (l.cp > 1) g.cp = world.split((l.pp_rank * l.dp + l.dp_rank) / l.cp * l.tp + l.tp_rank, l.cp_rank, "cp");
   if (!l.model_parallel()) return g;  // the world is the data group
   // Colors number the groups; keys order a group's ranks by the coordinate that varies in it.
   if (l.tp > 1) g.tp = world.split(l.pp_rank * l.dp + l.dp_rank, l.tp_rank, "tp");

@@ -27,9 +27,17 @@ namespace lathe::parallel {
 struct RankLayout {
   int tp = 1, dp = 1, pp = 1;
   int tp_rank = 0, dp_rank = 0, pp_rank = 0;
+  // Context parallelism (parallel/context_parallel.h; tensor = pipeline = 1 for now): the ranks are
+  // ordered tensor, context, data, pipeline, and the context ranks of one data rank hold the same
+  // samples' rows. dp / dp_rank above count the gradient group (data x context ranks: replicated
+  // weights' gradients are reduced over it); samples_dp() / samples_dp_rank() the data ranks proper
+  // (which samples a rank reads).
+  int cp = 1, cp_rank = 0;
+  int samples_dp() const { return dp / cp; }
+  int samples_dp_rank() const { return dp_rank / cp; }
   // The layout of world rank `rank` of `world` ranks with tensor degree tp and pipeline degree pp
   // (world must be a multiple of tp * pp: train/session.cpp checks it with the recipe's names).
-  static RankLayout of(int rank, int world, int tp, int pp);
+  static RankLayout of(int rank, int world, int tp, int pp, int cp = 1);
   bool model_parallel() const { return tp > 1 || pp > 1; }
 };
 
@@ -40,6 +48,7 @@ struct ProcessGroups {
   std::unique_ptr<dist::Communicator> pp;       // pipeline group: same data and tensor rank (pp > 1)
   std::unique_ptr<dist::Communicator> dp;       // data group: same tensor and pipeline rank (tp or pp > 1)
   std::unique_ptr<dist::Communicator> replica;  // the tp x pp ranks of one data rank (tp > 1 and pp > 1)
+  std::unique_ptr<dist::Communicator> cp;       // context group: the context ranks of one data rank (cp > 1)
   // Tensor rank 0 on pipeline rank 0 of each replica, keyed by data rank (tp or pp > 1): they
   // write the whole-model checkpoints and share the writing of the moments.
   std::unique_ptr<dist::Communicator> ckpt_writers;

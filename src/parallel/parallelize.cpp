@@ -4,13 +4,15 @@
 
 #include "dist/nccl_comm.h"
 #include "models/recompute.h"
+#include "parallel/context_parallel.h"
 #include "parallel/tensor_parallel.h"
 
 namespace lathe::parallel {
 
 Topology::Topology(dist::Communicator& w, const Recipe::Parallel& p)
     : world(w),
-      lay(RankLayout::of(w.rank(), w.size(), static_cast<int>(p.tensor), static_cast<int>(p.pipeline))),
+      lay(RankLayout::of(w.rank(), w.size(), static_cast<int>(p.tensor), static_cast<int>(p.pipeline),
+                         static_cast<int>(p.context))),
       groups(make_process_groups(w, lay)) {}
 
 ParallelConfig ParallelConfig::of(const Recipe& r) {
@@ -62,13 +64,20 @@ std::unique_ptr<RankModel> parallelize(std::unique_ptr<Model> whole, Topology& t
         attach_tensor_parallel(*m.model_, *topo.groups.tp);
     }
     // 5. PP: the executor, one activation arena per micro-batch the schedule holds at once.
+    // Context (tensor x context): the shard's attention across the context group, T / cp rows.
     const Recompute rc = parse_recompute(cfg.recompute, cfg.source + ": recompute");
+    if (lay.cp > 1)
+      attach_context_parallel(*m.model_, *topo.groups.cp, parse_context_impl(cfg.parallel.context_impl), B, T);
     if (pp > 1)
-      m.pipe_ = std::make_unique<PipelineExecutor>(*m.model_, m.stage_, *topo.groups.pp, B, T, 2, rc);
+      m.pipe_ = std::make_unique<PipelineExecutor>(*m.model_, m.stage_, *topo.groups.pp, B, T / lay.cp, 2, rc);
     else
-      m.model_->allocate(B, T, 2, rc);
+      m.model_->allocate(B, T / lay.cp, 2, rc);
     if (m.pipe_ && cfg.stage_through_host) m.pipe_->set_stage_through_host(true);
     m.owned_ = m.share_->owned_ranges();
+  }
+  if (lay.cp > 1 && !m.sharded_) {  // context: this rank's rows of every sample; attention across the group
+    attach_context_parallel(*m.model_, *topo.groups.cp, parse_context_impl(cfg.parallel.context_impl), B, T);
+    m.model_->allocate(B, T / lay.cp, 0, parse_recompute(cfg.recompute, cfg.source + ": recompute"));
   }
   const Model& w = m.whole_ ? *m.whole_ : *m.model_;
   m.whole_cfg_ = w.config();

@@ -6,6 +6,7 @@
 
 #include "core/timer.h"
 #include "core/trace.h"
+#include "parallel/context_parallel.h"
 #include "train/trainer.h"
 
 namespace lathe {
@@ -71,16 +72,53 @@ Evaluator::Evaluator(const Recipe& r, Topology& topo, RankModel& rm,
                      std::min<int64_t>(static_cast<int64_t>(valid_samples_.size()), r.training.eval_batches * B));
 }
 
+// Context parallelism (parallel/context_parallel.h): this rank's rows of each sample, as
+// evaluate_samples does whole samples; the loss sum and target count are this rank's rows' (the
+// caller sums them over the data x context ranks).
+static std::pair<double, int64_t> evaluate_context(Model& model, const data::IndexedDataset& ds,
+                                            const std::vector<int64_t>& samples, int64_t B, int64_t T,
+                                            const DocumentOptions& docs, const std::vector<int32_t>& rows,
+                                            const EvalForward* forward) {
+  std::vector<int32_t> window(static_cast<size_t>(T + 1)), in(static_cast<size_t>(B * T)),
+      tg(static_cast<size_t>(B * T)), in_l, tg_l, ds_l, pos_l;
+  double sum = 0;
+  int64_t tokens = 0;
+  for (size_t i = 0; i < samples.size(); i += static_cast<size_t>(B)) {
+    const int64_t b = std::min<int64_t>(B, static_cast<int64_t>(samples.size() - i));
+    for (int64_t r = 0; r < b; ++r) {
+      ds.read_global(samples[i + r] * T, T + 1, window.data());
+      std::copy(window.begin(), window.begin() + T, in.begin() + r * T);
+      std::copy(window.begin() + 1, window.end(), tg.begin() + r * T);
+    }
+    if (docs.mask_loss) mask_loss_after_eod(in.data(), tg.data(), b * T, docs.eod);
+    parallel::set_context_pass(model, docs, rows, in.data(), tg.data(), b, T, in_l, tg_l, ds_l, pos_l);
+    tokens += std::count_if(tg_l.begin(), tg_l.end(), [](int32_t t) { return t >= 0; });
+    sum += forward ? (*forward)(in_l.data(), tg_l.data(), b)
+                   : model.forward_backward(in_l.data(), tg_l.data(), b, static_cast<int64_t>(rows.size()), 0.0f, false);
+  }
+  return {tokens ? sum / static_cast<double>(tokens) : 0.0, tokens};
+}
+
 std::pair<double, int64_t> Evaluator::evaluate(const std::vector<int64_t>& set) {
   const int dp = topo_.lay.dp;
   std::vector<int64_t> mine;
-  for (size_t i = static_cast<size_t>(topo_.lay.dp_rank); i < set.size(); i += static_cast<size_t>(dp))
+  // Data ranks split the samples; the context ranks of one data rank take the same ones.
+  for (size_t i = static_cast<size_t>(topo_.lay.samples_dp_rank()); i < set.size();
+       i += static_cast<size_t>(topo_.lay.samples_dp()))
     mine.push_back(set[i]);
   // Pipeline: every stage takes part in each batch's forward (the stage model holds the documents).
   parallel::PipelineExecutor* pipe = rm_.pipe();
   const EvalForward pipe_forward = [&](const int32_t* in, const int32_t* tg, int64_t b) {
     return pipe->forward_loss(in, tg, b, nullptr);
   };
+  if (topo_.lay.cp > 1) {
+    const auto rows = parallel::context_rows(T_, topo_.lay.cp, topo_.lay.cp_rank);
+    auto [mean, tokens] =
+        evaluate_context(rm_.model(), *valid_ds_, mine, B_, T_, docs_, rows, pipe ? &pipe_forward : nullptr);
+    double st[2] = {mean * static_cast<double>(tokens), static_cast<double>(tokens)};
+    topo_.data().all_reduce(st, 2, DType::F64);
+    return {st[1] > 0 ? st[0] / st[1] : 0.0, static_cast<int64_t>(st[1])};
+  }
   auto [mean, tokens] = evaluate_samples(rm_.model(), *valid_ds_, mine, B_, T_, &docs_, pipe ? &pipe_forward : nullptr);
   double st[2] = {mean * static_cast<double>(tokens), static_cast<double>(tokens)};
   if (dp > 1) topo_.data().all_reduce(st, 2, DType::F64);

@@ -282,9 +282,15 @@ static void preflight_tokens_and_tasks(const Recipe& r, const PreflightLog& log,
 }
 
 void resolve_layout(Recipe& r, int64_t world) {
-  const int64_t t = r.parallel.tensor, p = r.parallel.pipeline;
-  const int64_t data = r.parallel.data ? r.parallel.data : world / (t * p);
-  LATHE_CHECK(data * t * p == world,
+  const int64_t t = r.parallel.tensor, p = r.parallel.pipeline, c = r.parallel.context;
+  const int64_t data = r.parallel.data ? r.parallel.data : world / (t * p * c);
+  if (c > 1)
+    LATHE_CHECK(data * t * p * c == world,
+                "parallel.data {} x parallel.tensor {} x parallel.pipeline {} x parallel.context {} = {} but the job "
+                "has {} process{} (mpirun -np): make the product equal the number of processes (parallel.data 0 = "
+                "the rest)",
+                data, t, p, c, data * t * p * c, world, world == 1 ? "" : "es");
+  LATHE_CHECK(data * t * p * c == world,
               "parallel.data {} x parallel.tensor {} x parallel.pipeline {} = {} but the job has {} process{} "
               "(mpirun -np): make the product equal the number of processes (parallel.data 0 = the rest)",
               data, t, p, data * t * p, world, world == 1 ? "" : "es");
@@ -343,7 +349,8 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   ComputeSpec spec = compute_spec(r);
   // device: cuda runs the layouts parallel/parallelize.h lists.
   parallel::check_device_layout(
-      r, static_cast<int>(std::max<int64_t>(1, r.parallel.data) * r.parallel.tensor * r.parallel.pipeline));
+      r, static_cast<int>(std::max<int64_t>(1, r.parallel.data) * r.parallel.tensor * r.parallel.pipeline *
+                          r.parallel.context));
   // With tensor or pipeline parallelism this is the whole model, which only holds weights (each
   // rank trains its shard of its stage): no gradient buffer.
   const bool sharded = r.parallel.tensor > 1 || r.parallel.pipeline > 1;
@@ -401,9 +408,13 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
           *std::max_element(r.parallel.stage_layers.begin(), r.parallel.stage_layers.end()) * r.parallel.virtual_stages;
     per_rank.num_hidden_layers = std::max<int64_t>(1, std::min(most, r.model.num_hidden_layers));
   }
-  MemoryEstimate est =
-      estimate_memory(per_rank, B, T, kMoments, r.parallel.zero > 0 ? data : 1, spec.dtype, rc, per_rank_shard);
-  if (r.parallel.zero == 3) {
+  // Context parallelism: activations of T / context rows per rank (RoPE tables of T positions); ZeRO
+  // shards over data x context ranks. Not counted: the ring's / all-gather's K/V buffers.
+  const int64_t cp = r.parallel.context, T_rank = T / std::max<int64_t>(1, cp);
+  if (cp > 1) per_rank_shard.context_T = T;
+  MemoryEstimate est = estimate_memory(per_rank, B, T_rank, kMoments, r.parallel.zero > 0 ? data * cp : 1, spec.dtype,
+                                       rc, per_rank_shard);
+  if (r.parallel.zero == 3) {  // the recipe refuses ZeRO 3 with context > 1
     LATHE_CHECK(r.parallel.shard_group == 0 || data % r.parallel.shard_group == 0,
                 "{}: parallel.shard_group = {} does not divide the data degree {} of this job: choose a divisor (0 = "
                 "all data ranks)",
@@ -412,7 +423,8 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   }
   check_memory_fits(est, per_rank, r.source);
   const MachineMemory mm = machine_memory();
-  log.ok(fmt::format("memory{}: {} fits ({} {})", sharded || r.parallel.zero == 3 ? " per rank" : "", est.breakdown(), mm.source,
+  log.ok(fmt::format("memory{}: {} fits ({} {})", sharded || cp > 1 || r.parallel.zero == 3 ? " per rank" : "",
+                     est.breakdown(), mm.source,
                      mm.bytes > 0 ? format_bytes(mm.bytes) : std::string("unknown")));
   if (!pf.ckpt.empty()) {
     pf.model = build_model(r.model, spec);  // weights come from the checkpoint below
@@ -451,10 +463,15 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
                     last_rows == shard.vocab_size ? fmt::format("{}", shard.vocab_size)
                                                   : fmt::format("{} (first ranks) or {}", shard.vocab_size, last_rows),
                     ts.vocab(shard)));
-    // One rank's figure (its shard of the parameters, its activations; sequence parallelism's saving).
-    log.ok(fmt::format(
-        "memory per tensor-parallel rank: {}",
-        estimate_memory(shard, B, T, kMoments, r.parallel.zero > 0 ? data : 1, spec.dtype, rc, ts).breakdown()));
+    // One rank's figure (its shard of the parameters, its activations; sequence parallelism's saving;
+    // with context parallelism T / context rows, ZeRO over data x context).
+    const int64_t ctx = std::max<int64_t>(1, r.parallel.context);
+    TensorShard ts_rank = ts;
+    if (ctx > 1) ts_rank.context_T = T;
+    log.ok(fmt::format("memory per tensor-parallel rank: {}",
+                       estimate_memory(shard, B, T / ctx, kMoments, r.parallel.zero > 0 ? data * ctx : 1, spec.dtype,
+                                       rc, ts_rank)
+                           .breakdown()));
   }
   if (r.parallel.pipeline > 1) {
     // The stages and the schedule must work for this model (errors name the values); the trainer
@@ -463,7 +480,11 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
         parallel::pipeline_layout(r, pf.model->config().num_hidden_layers, pf.model->arch().tied_lm_head, 0);
     log.ok(parallel::describe_pipeline(pl));
   }
-  if (r.parallel.tensor == 1 && r.parallel.pipeline == 1 && !check_only) {
+  if (r.parallel.context > 1)  // each rank holds T / context rows of every sample (parallel/context_parallel.h)
+    log.ok(fmt::format("context parallel {} ({}): {} of {} positions per rank, 2 chunks of {}", r.parallel.context,
+                       r.parallel.context_impl, T / r.parallel.context, T, T / (2 * r.parallel.context)));
+  // Context parallelism: the trainer allocates the model for its rows once the context group exists.
+  if (r.parallel.tensor == 1 && r.parallel.pipeline == 1 && r.parallel.context == 1 && !check_only) {
     pf.model->allocate(B, T, kMoments, rc);
   }
   if (!pf.ckpt.empty() && check_only) {

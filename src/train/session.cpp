@@ -13,6 +13,7 @@
 #include "core/sysinfo.h"
 #include "core/trace.h"
 #include "eval/generate.h"
+#include "parallel/context_parallel.h"
 #include "parallel/plan.h"
 #include "parallel/tensor_parallel.h"
 #include "tokenizer/tokenizer.h"
@@ -67,7 +68,7 @@ TrainSession::TrainSession(const Recipe& recipe, const TrainOptions& opts)
       log_(r_, world_.rank() == 0, opts.quiet) {
   check_layout(r_, world_);
   topo_ = std::make_unique<Topology>(world_, r_.parallel);
-  const int dp = topo_->lay.dp;
+  const int dp = topo_->lay.samples_dp();  // data ranks proper (context ranks share their samples)
   control_ = std::make_unique<RunControl>(opts, r_, world_, dp, log_);
   if (r_.training.threads > 0) omp_set_num_threads(r_.training.threads);
   threads_ = omp_get_max_threads();
@@ -240,7 +241,7 @@ void TrainSession::report_startup() {
       .world_size = world_.size(),
       .tp = lay.tp,
       .pp = lay.pp,
-      .dp = lay.dp,
+      .dp = lay.samples_dp(),
       .threads = threads_,
       .B = geo_.B,
       .T = geo_.T,
@@ -265,7 +266,7 @@ void TrainSession::report_startup() {
 // each dataset (data/blend.h). Ranks take their rows of each global batch.
 void TrainSession::open_data() {
   const auto& plan = pf_.blend_plan;
-  const int64_t first_row = topo_->lay.dp_rank * geo_.B * geo_.accum;
+  const int64_t first_row = topo_->lay.samples_dp_rank() * geo_.B * geo_.accum;
   loader_ = plan ? std::make_unique<data::DataLoader>(pf_.blend_ds, plan, geo_.G, geo_.T, r_.data.prefetch, first_row,
                                                       geo_.B * geo_.accum)
                  : std::make_unique<data::DataLoader>(pf_.train_ds, pf_.train_samples, geo_.G, geo_.T,
@@ -306,6 +307,10 @@ void TrainSession::open_parts() {
   const size_t rows = static_cast<size_t>(geo_.B * geo_.accum * geo_.T);
   step_->inputs.resize(rows);
   step_->targets.resize(rows);
+  if (topo_->lay.cp > 1) {  // context parallelism: the rows of every sample this rank holds
+    step_->cp_rows = parallel::context_rows(geo_.T, topo_->lay.cp, topo_->lay.cp_rank);
+    step_->cp_rank = topo_->lay.cp_rank;
+  }
   // A blend is one pass over its plan (sized for the rollbacks by preflight): its "epoch" is the plan.
   const int64_t epoch_samples = static_cast<int64_t>(plan ? plan->dataset.size() : pf_.train_samples.size());
   responder_ = std::make_unique<AnomalyResponder>(AnomalyResponder::Parts{r_, *topo_, *rm_, *opt_, *loader_, *scaler_,
@@ -346,7 +351,9 @@ TrainResult TrainSession::finish() {
   world_.barrier();  // the model directory is complete before any rank returns
 
   const std::unique_ptr<tok::Tokenizer>& tokenizer = pf_.tokenizer;
-  if (log_.rank0() && opts_.sample_at_end && tokenizer) {
+  if (log_.rank0() && opts_.sample_at_end && tokenizer && topo_->lay.cp > 1)
+    log_.log("sample: not generated (parallel.context > 1: this rank's model holds only its rows of a sequence)");
+  if (log_.rank0() && opts_.sample_at_end && tokenizer && topo_->lay.cp == 1) {
     std::vector<int32_t> prompt = tokenizer->encode("\n");
     if (prompt.empty()) prompt.push_back(0);
     SamplingOptions so;

@@ -9,6 +9,7 @@
 #include "core/timer.h"
 #include "core/trace.h"
 #include "optim/clip.h"
+#include "parallel/context_parallel.h"
 
 namespace lathe {
 
@@ -55,20 +56,49 @@ StepStats train_step(StepContext& c, int64_t step, const StepStats& prev) {
   if (c.docs.mask_loss) {
     double kept =
         static_cast<double>(mask_loss_after_eod(c.inputs.data(), c.targets.data(), accum * B * T, c.docs.eod));
+    if (c.cp_rank > 0) kept = 0;  // the context ranks of a data rank hold the same samples: counted once
     if (data.size() > 1) data.all_reduce(&kept, 1, DType::F64);
     targets_kept = std::max<int64_t>(1, static_cast<int64_t>(kept));
   }
   const float grad_scale = 1.0f / static_cast<float>(targets_kept) * static_cast<float>(st.loss_scale);
   std::vector<int32_t> doc_start, positions;
-  if (pipe) {  // the schedule runs every micro-batch; the data-parallel reduction follows it
+  if (pipe && !c.cp_rows.empty()) {  // pipeline x context: every micro-batch's rows of this rank first
+    const int64_t Tl = static_cast<int64_t>(c.cp_rows.size());
+    const double wait0 = parallel::context_comm_wait_seconds();
+    c.cp_inputs.resize(static_cast<size_t>(accum * B * Tl));
+    c.cp_targets.resize(c.cp_inputs.size());
+    parallel::context_batch(c.cp_rows, accum * B, T, c.inputs.data(), c.cp_inputs.data());
+    parallel::context_batch(c.cp_rows, accum * B, T, c.targets.data(), c.cp_targets.data());
+    std::vector<int32_t> in_l, tg_l, ds, pos;
+    loss_sum = pipe->step(c.cp_inputs.data(), c.cp_targets.data(), grad_scale, [&](int64_t m) {
+      parallel::set_context_pass(model, c.docs, c.cp_rows, c.inputs.data() + m * B * T, c.targets.data() + m * B * T,
+                                 B, T, in_l, tg_l, ds, pos);
+    });
+    st.context_wait_s = parallel::context_comm_wait_seconds() - wait0;
+  } else if (pipe) {  // the schedule runs every micro-batch; the data-parallel reduction follows it
     loss_sum = pipe->step(c.inputs.data(), c.targets.data(), grad_scale, [&](int64_t m) {
       set_batch_documents(model, c.docs, c.inputs.data() + m * B * T, B, T, doc_start, positions);
     });
+  }
+  if (pipe) {
     opt.set_last_backward(true);
     opt.grads_ready(0, model.num_params());
     opt.set_last_backward(false);
   }
-  for (int64_t m = 0; m < (pipe ? 0 : accum); ++m) {
+  if (!c.cp_rows.empty() && !pipe) {  // context parallelism: this rank's rows of each sample (parallel/context_parallel.h)
+    const int64_t Tl = static_cast<int64_t>(c.cp_rows.size());
+    const double wait0 = parallel::context_comm_wait_seconds();
+    std::vector<int32_t> ds, pos;
+    for (int64_t m = 0; m < accum; ++m) {
+      trace::Scope span("forward+backward micro-batch", trace::Cat::Compute, m);
+      const int32_t *in = c.inputs.data() + m * B * T, *tg = c.targets.data() + m * B * T;
+      parallel::set_context_pass(model, c.docs, c.cp_rows, in, tg, B, T, c.cp_inputs, c.cp_targets, ds, pos);
+      opt.set_last_backward(m + 1 == accum);
+      loss_sum += model.forward_backward(c.cp_inputs.data(), c.cp_targets.data(), B, Tl, grad_scale, true);
+    }
+    st.context_wait_s = parallel::context_comm_wait_seconds() - wait0;
+  }
+  for (int64_t m = 0; m < (pipe || !c.cp_rows.empty() ? 0 : accum); ++m) {
     trace::Scope span("forward+backward micro-batch", trace::Cat::Compute, m);
     // Device models: micro-batch m+1's ids start their (pinned, async) copy now, overlapping m's
     // compute (Model::stage_inputs; nothing on the CPU).

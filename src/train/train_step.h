@@ -43,6 +43,12 @@ struct StepContext {
   FaultPlan& faults;              // tests' injected faults (train/fault_plan.h); empty: none
   std::vector<int32_t> inputs{};  // the step's rows, filled by the loader
   std::vector<int32_t> targets{};
+  // Context parallelism (parallel/context_parallel.h): this rank's rows of each sample (empty:
+  // none) and its place in the context group; the rows of the step's micro-batches taken from
+  // inputs / targets.
+  std::vector<int32_t> cp_rows{};
+  int cp_rank = 0;
+  std::vector<int32_t> cp_inputs{}, cp_targets{};
 };
 
 struct StepStats {
@@ -53,6 +59,7 @@ struct StepStats {
   AnomalyDecision anomaly;  // the anomaly policy's verdict (skip: no update either)
   double lr_factor = 1;     // the anomaly policy's multiplier in lr
   double data_wait_s = 0, comm_wait_s = 0, optimizer_s = 0, seconds = 0;
+  double context_wait_s = 0;  // context parallelism: waits for the context group's K/V and dK/dV
 };
 
 // One optimizer step of this rank: its micro-batches (gradients accumulate, the loss gradient

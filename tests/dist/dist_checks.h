@@ -180,6 +180,31 @@ inline void send_recv(Communicator& c) {
   w1->wait(), w2->wait(), w3->wait();
 }
 
+// A ring exchange of large messages (4 MiB: beyond MPI's eager limit, where MPI_Send waits for the
+// receiver and a ring of plain sends would deadlock), several rounds in order, async then waited.
+inline void sendrecv_ring(Communicator& c) {
+  const int n = c.size();
+  if (n < 2) return;
+  const int next = (c.rank() + 1) % n, prev = (c.rank() + n - 1) % n;
+  const size_t count = size_t{1} << 20;
+  std::vector<int32_t> cur(count), nxt(count, -1);
+  for (size_t i = 0; i < count; ++i) cur[i] = static_cast<int32_t>(c.rank() * 7 + static_cast<int>(i % 1000));
+  for (int step = 1; step < n; ++step) {
+    auto w = c.sendrecv_async(cur.data(), count * 4, next, nxt.data(), count * 4, prev, 9);
+    w->wait();
+    std::swap(cur, nxt);
+    const int src = (c.rank() - step + n) % n;  // whose block this rank holds now
+    EXPECT_EQ(cur[0], src * 7);
+    EXPECT_EQ(cur[count - 1], src * 7 + static_cast<int>((count - 1) % 1000));
+  }
+  // small messages; with two ranks dst and src are the same peer
+  int32_t got[2] = {-1, -1};
+  int32_t two[2] = {c.rank(), c.rank() + 100};
+  c.sendrecv(two, 8, next, got, 8, prev, 3);
+  EXPECT_EQ(got[0], prev);
+  EXPECT_EQ(got[1], prev + 100);
+}
+
 inline void split(Communicator& c) {
   const int n = c.size();
   auto g = c.split(c.rank() % 2, -c.rank(), "parity");  // reversed order inside each parity group

@@ -43,6 +43,9 @@ TEST_P(CommThreads, BroadcastFromEveryRoot) {
 TEST_P(CommThreads, SendRecvMatchesByTagInOrder) {
   run_threads(GetParam(), [](Communicator& c) { testing_checks::send_recv(c); });
 }
+TEST_P(CommThreads, SendRecvRingOfLargeMessages) {
+  run_threads(GetParam(), [](Communicator& c) { testing_checks::sendrecv_ring(c); });
+}
 TEST_P(CommThreads, SplitIntoSubGroups) {
   run_threads(GetParam(), [](Communicator& c) { testing_checks::split(c); });
 }

@@ -18,6 +18,7 @@ TEST(CommMpi, ReduceScatterInPieces) { testing_checks::reduce_scatter_in_pieces(
 TEST(CommMpi, AllGather) { testing_checks::all_gather(*world); }
 TEST(CommMpi, Broadcast) { testing_checks::broadcast(*world); }
 TEST(CommMpi, SendRecv) { testing_checks::send_recv(*world); }
+TEST(CommMpi, SendRecvRingOfLargeMessages) { testing_checks::sendrecv_ring(*world); }
 TEST(CommMpi, Split) { testing_checks::split(*world); }
 TEST(CommMpi, AsyncOrder) { testing_checks::async_order(*world); }
 

@@ -133,6 +133,50 @@ struct AttentionTiles {
 };
 AttentionTiles attention_tiles();
 
+// ---- block attention: context parallelism (issue 27; kernels/cpu/attention_block.cpp) -----------
+// One block of attention between Tq query rows and Tk key/value rows that need not be the same
+// rows: the sequence is cut across ranks and each rank attends its rows to every rank's keys, one
+// block at a time, the blocks merged by their log-sum-exp (attention_lse_merge). Rows are given by
+// their GLOBAL positions (q_pos[Tq], k_pos[Tk], both strictly increasing, the same for every batch
+// row). Key j is visible to query i iff k_pos[j] <= q_pos[i] (causal), k_pos[j] >= q_doc[b, i]
+// when q_doc != nullptr ([B, Tq]: the global position of the query's document start) and
+// k_pos[j] > q_pos[i] - window when window > 0 (sliding window, as attention_forward).
+// Strided views: element d of head h of row i of batch b is q[(b*Tq + i)*ldq + h*D + d] (likewise
+// k, v with Tk, ldk, ldv and kv head g = h / (H / KVH)), so a packed qkv row serves directly.
+// Work in [16 query x 16 key] tiles per query head; a tile with no visible pair is skipped, not
+// computed (counted by attention_block_tiles()). fp32; deterministic (fixed order, no atomics) and
+// independent of the thread count.
+struct BlockAttention {
+  int64_t B = 0, Tq = 0, Tk = 0, H = 0, KVH = 0, D = 0;
+  const float* q = nullptr;
+  int64_t ldq = 0;
+  const float* k = nullptr;
+  int64_t ldk = 0;
+  const float* v = nullptr;
+  int64_t ldv = 0;
+  const int32_t* q_pos = nullptr;  // [Tq]
+  const int32_t* k_pos = nullptr;  // [Tk]
+  const int32_t* q_doc = nullptr;  // [B, Tq] or nullptr
+  int64_t window = 0;
+};
+// out[(b*Tq + i)*ldo + h*D + d] (overwritten) and lse[B, H, Tq] (fp32) of this block alone; a query
+// row that sees no key of the block gets out = 0 and lse = -inf (the identity of the merge).
+void attention_block_forward(const BlockAttention& a, float* out, int64_t ldo, float* lse);
+// The flash-attention backward of one block given the FINAL out, lse (after every block was merged)
+// and dout (rows as out, stride ldo): with Di = sum_d dout[i,d] * out[i,d] and P = exp(S - lse),
+//   dq += dS K,  dk += dS^T Q,  dv += P^T dO,  dS = P * (dO V^T - Di) * scale.
+// All three ACCUMULATE (+=) into strided views laid out as q, k, v (strides lddq, lddk, lddv).
+void attention_block_backward(const BlockAttention& a, const float* out, const float* dout, int64_t ldo,
+                              const float* lse, float* dq, int64_t lddq, float* dk, int64_t lddk, float* dv,
+                              int64_t lddv);
+// (out, lse) <- the merge of (out, lse) and (out_b, lse_b), rows [B, T] of H heads of D (stride
+// ldo), lse [B, H, T]: l = log(exp(lse) + exp(lse_b)), out = exp(lse - l) out + exp(lse_b - l) out_b,
+// in fp32. lse = -inf on one side takes the other side's values exactly.
+void attention_lse_merge(float* out, float* lse, const float* out_b, const float* lse_b, int64_t B, int64_t T,
+                         int64_t H, int64_t D, int64_t ldo);
+// [16 x 16] tiles computed by the block kernels since the process started (per query head).
+AttentionTiles attention_block_tiles();
+
 // ---- lm head + softmax + cross-entropy, fused and chunked over rows ---------------------------
 // For x[N,C] and the output embedding w[V,C] (tied wte or a separate lm_head):
 //   logits = x @ w^T; loss_n = logsumexp(logits_n) - logits_n[target_n]
