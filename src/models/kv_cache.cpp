@@ -22,6 +22,12 @@ std::string kv_cache_unsupported_reason(const Model& model) {
   if (model.hooks().tp.tensor_parallel())
     return "the KV cache does not decode a model whose layers are split by tensor parallelism";
   if (model.backend().device() != DeviceKind::Host) return "the KV cache decodes on the cpu backend only";
+  const Arch& a = model.arch();
+  if (a.sandwich_norm || a.norm_weight_offset != 0.0f || a.geglu || a.embed_scale)
+    return fmt::format(
+        "the KV cache does not decode {} yet (sandwich norms, 1 + w norms, GeGLU, embedding scale); "
+        "its soft caps and score scale are in place",
+        model.config().model_type);
   return {};
 }
 
@@ -91,11 +97,13 @@ void store(void* p, int64_t i, float x, DType dt) {
 // [B, T, H*D] in the compute dtype; k/v cache [B, KV, Tmax, D] fp32. Scale 1/sqrt(D), softmax in
 // fp32 with the max subtracted, as attention_forward; 16-bit tables widen q|k|v to fp32 and round
 // the output once, as their attention kernels do. window > 0: query position i sees keys
-// j > i - window only (the layer's sliding window, as the kernels).
+// j > i - window only (the layer's sliding window, as the kernels). scale > 0 replaces 1/sqrt(D) and
+// softcap > 0 caps each score to softcap * tanh(s / softcap) (Gemma 2), as the kernels.
 void cached_attention(void* out, const void* qkv, const float* kc, const float* vc, int64_t B, int64_t T, int64_t pos,
-                      int64_t Tmax, int64_t H, int64_t KV, int64_t D, int64_t Q, DType dt, int64_t window) {
+                      int64_t Tmax, int64_t H, int64_t KV, int64_t D, int64_t Q, DType dt, int64_t window,
+                      float scale_arg, float softcap) {
   const int64_t group = H / KV;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const float scale = scale_arg > 0.0f ? scale_arg : 1.0f / std::sqrt(static_cast<float>(D));
   const int64_t jobs = B * H * T;
   // Worth threads only when there are several queries or a long cache.
 #pragma omp parallel if (jobs * (pos + T) * D >= (1 << 16))
@@ -114,6 +122,7 @@ void cached_attention(void* out, const void* qkv, const float* kc, const float* 
         float s = 0.0f;
         for (int64_t d = 0; d < D; ++d) s += q[d] * k[j * D + d];
         p[j] = s * scale;
+        if (softcap > 0.0f) p[j] = softcap * std::tanh(p[j] / softcap);
         mx = std::max(mx, p[j]);
       }
       float sum = 0.0f;
@@ -204,7 +213,8 @@ void decode_chunk(Model& model, KvCache& c, const int32_t* tokens, int64_t T, fl
             vc[dst + d] = load(qkv, row + (H + KV + g) * D + d, dt);
           }
         }
-    cached_attention(att, qkv, kc, vc, B, T, pos, c.Tmax_, H, KV, D, Q, dt, cfg.layer_window(l));
+    cached_attention(att, qkv, kc, vc, B, T, pos, c.Tmax_, H, KV, D, Q, dt, cfg.layer_window(l), cfg.attention_scale(),
+                     cfg.attn_softcap());
     ops.matmul_forward(res1, att, model.compute_weight(lw.o_w), lw.o_b, N, H * D, C, false);
     ops.residual_forward(res1, res1, x, N * C);
     norm(ln, arch.parallel_residual ? x : res1, lw.ln2_w, lw.ln2_b, N);  // as Model::norm_forward
@@ -226,6 +236,7 @@ void decode_chunk(Model& model, KvCache& c, const int32_t* tokens, int64_t T, fl
   for (int64_t b = 0; b < B; ++b) std::memcpy(at(last, b * C), at(x, (b * T + T - 1) * C), static_cast<size_t>(C) * es);
   norm(ln, last, w.lnf_w, w.lnf_b, B);
   ops.logits_forward(logits, ln, model.compute_weight(w.lm_head), B, C, V);
+  apply_final_softcap(cfg, logits, B * V);
 }
 
 }  // namespace lathe

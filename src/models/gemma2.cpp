@@ -1,0 +1,141 @@
+// Gemma 2 (transformers 4.45.2 Gemma2ForCausalLM): the llama body (RMSNorm, rotate_half RoPE,
+// grouped-query attention, a gate|up MLP) with four norms per layer (input, post-attention,
+// pre-feedforward, post-feedforward: Arch::sandwich_norm), RMSNorm scaling by (1 + w) with
+// zero-initialised weights (Arch::norm_weight_offset), a GeGLU MLP with the tanh GELU (Arch::geglu),
+// embeddings times sqrt(hidden_size) (Arch::embed_scale), the lm head tied to the embedding, and
+// from the config: scores scaled by 1/sqrt(query_pre_attn_scalar), attention and final logit
+// soft-capping (kernel arguments) and sliding windows on the even layers (ModelConfig::sliding_layers).
+//
+// Where this runs: one process on host memory (check_gemma2_support). The (1 + w) weights and the
+// embedding scale are formed on the host; a device-resident model, tensor / sequence parallelism and
+// pipeline stages are refused until they are done there.
+#include <fmt/format.h>
+
+#include <cmath>
+
+#include "core/dtype.h"
+#include "kernels/cpu/storage.h"
+#include "models/model.h"
+
+namespace lathe {
+
+std::unique_ptr<Model> build_gemma2(const ModelConfig& cfg, const ComputeSpec& compute) {
+  LATHE_CHECK(cfg.tie_word_embeddings, "model: gemma2's lm head is the embedding (tie_word_embeddings must be true)");
+  const int64_t C = cfg.hidden_size, V = cfg.vocab_size, F = cfg.intermediate_size, L = cfg.num_hidden_layers,
+                H = cfg.num_attention_heads, KV = cfg.num_key_value_heads, D = cfg.head_dim();
+  const float std = static_cast<float>(cfg.initializer_range);
+  ParamTable t;
+  t.add("model.embed_tokens.weight", {V, C}, Init::Normal, std, ShardRule::Vocab, true).as(Role::Wte);
+  for (int64_t i = 0; i < L; ++i) {
+    auto n = [&](const char* s) { return fmt::format("model.layers.{}.{}", i, s); };
+    // Gemma2RMSNorm: weights start at 0 (the scale is 1 + w).
+    t.add(n("input_layernorm.weight"), {C}, Init::Zeros, 0, ShardRule::Replicated, false).as(Role::Ln1W, i);
+    t.add(n("self_attn.q_proj.weight"), {H * D, C}, Init::Normal, std, ShardRule::Column, true).as(Role::QkvW, i);
+    t.add(n("self_attn.k_proj.weight"), {KV * D, C}, Init::Normal, std, ShardRule::Column, true).as(Role::Continues, i);
+    t.add(n("self_attn.v_proj.weight"), {KV * D, C}, Init::Normal, std, ShardRule::Column, true).as(Role::Continues, i);
+    t.add(n("self_attn.o_proj.weight"), {C, H * D}, Init::Normal, std, ShardRule::Row, true).as(Role::OW, i);
+    t.add(n("post_attention_layernorm.weight"), {C}, Init::Zeros, 0, ShardRule::Replicated, false)
+        .as(Role::PostAttnNormW, i);
+    t.add(n("pre_feedforward_layernorm.weight"), {C}, Init::Zeros, 0, ShardRule::Replicated, false).as(Role::Ln2W, i);
+    t.add(n("post_feedforward_layernorm.weight"), {C}, Init::Zeros, 0, ShardRule::Replicated, false)
+        .as(Role::PostFfnNormW, i);
+    t.add(n("mlp.gate_proj.weight"), {F, C}, Init::Normal, std, ShardRule::Column, true).as(Role::FcW, i);
+    t.add(n("mlp.up_proj.weight"), {F, C}, Init::Normal, std, ShardRule::Column, true).as(Role::Continues, i);
+    t.add(n("mlp.down_proj.weight"), {C, F}, Init::Normal, std, ShardRule::Row, true).as(Role::ProjW, i);
+  }
+  t.add("model.norm.weight", {C}, Init::Zeros, 0, ShardRule::Replicated, false).as(Role::LnfW);
+
+  Arch arch;
+  arch.layernorm = false;
+  arch.learned_pos = false;
+  arch.gelu_mlp = false;
+  arch.qkv_bias = false;
+  arch.o_bias = false;
+  arch.mlp_bias = false;
+  arch.tied_lm_head = true;
+  arch.sandwich_norm = true;
+  arch.norm_weight_offset = 1.0f;
+  arch.geglu = true;
+  arch.embed_scale = true;
+  return std::make_unique<Model>(cfg, arch, std::move(t), compute);
+}
+
+void Model::check_gemma2_support() const {
+  if (!arch_.sandwich_norm && arch_.norm_weight_offset == 0.0f && !arch_.embed_scale) return;
+  LATHE_CHECK(!on_device(),
+              "model: {} runs on host memory only for now (its (1 + w) norm weights and embedding scale are formed on "
+              "the host; the attention / lm-head soft caps and GeGLU have CUDA kernels); use backend: cpu",
+              cfg_.model_type);
+  LATHE_CHECK(shard_.parts <= 1,
+              "model: {} under tensor parallelism is not implemented yet (sandwich norms are not split); set "
+              "parallel.tensor: 1",
+              cfg_.model_type);
+  LATHE_CHECK(arch_.embedding && arch_.head,
+              "model: {} in pipeline stages is not implemented yet; set parallel.pipeline: 1", cfg_.model_type);
+}
+
+const float* Model::norm_weight(const float* w, int64_t n) {
+  if (arch_.norm_weight_offset == 0.0f) return w;
+  norm_w_.resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) norm_w_[static_cast<size_t>(i)] = arch_.norm_weight_offset + w[i];
+  return norm_w_.data();
+}
+
+void Model::post_norm_forward(void* out, const void* in, float* rstd, const float* w, const void* residual,
+                              int64_t rows) {
+  const int64_t C = cfg_.hidden_size;
+  ops_->rmsnorm_forward(out, rstd, in, norm_weight(w, C), rows, C, static_cast<float>(cfg_.norm_eps));
+  ops_->residual_forward(out, out, residual, rows * C);
+}
+
+void Model::post_norm_backward(float* dw, const void* dout, const void* in, const float* w, const float* rstd,
+                               int64_t rows) {
+  const int64_t C = cfg_.hidden_size;
+  backend_->memset(dln_, 0, static_cast<size_t>(rows * C) * static_cast<size_t>(act_size_));
+  norm_backward(dln_, dw, nullptr, dout, in, w, nullptr, rstd, rows);
+}
+
+// transformers: `normalizer = torch.tensor(hidden_size**0.5, dtype=hidden_states.dtype)`, then
+// hidden_states * normalizer in that dtype (one rounding of the product).
+void Model::scale_by_normalizer(void* x, int64_t n) const {
+  const double root = std::sqrt(static_cast<double>(cfg_.hidden_size));
+  switch (ops_->dtype) {
+    case DType::F32: {
+      const float s = static_cast<float>(root);
+      auto* p = static_cast<float*>(x);
+      for (int64_t i = 0; i < n; ++i) p[i] *= s;
+      return;
+    }
+    case DType::BF16:
+    case DType::F16: {
+      auto* p = static_cast<uint16_t*>(x);
+      const bool bf = ops_->dtype == DType::BF16;
+      const float r32 = static_cast<float>(root);
+      uint16_t s16 = 0;
+      float s = 0.0f, v = 0.0f;
+      if (bf) {
+        cpu::Bf16::from_f32(&s16, &r32, 1);
+        cpu::Bf16::to_f32(&s, &s16, 1);
+      } else {
+        cpu::Fp16::from_f32(&s16, &r32, 1);
+        cpu::Fp16::to_f32(&s, &s16, 1);
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        if (bf) {
+          cpu::Bf16::to_f32(&v, p + i, 1);
+          v *= s;
+          cpu::Bf16::from_f32(p + i, &v, 1);
+        } else {
+          cpu::Fp16::to_f32(&v, p + i, 1);
+          v *= s;
+          cpu::Fp16::from_f32(p + i, &v, 1);
+        }
+      }
+      return;
+    }
+    default:
+      throw_error("model: embedding scale in compute dtype {} is not implemented", compute_dtype_name(ops_->dtype));
+  }
+}
+
+}  // namespace lathe
