@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """transformers 4.45.2 oracle for tests/models/test_gemma2.cpp.
 
-`check DIR [--break-softcap | --break-window | --break-scale]`: DIR holds what the C++ test wrote
+`check DIR [--break-softcap | --break-final | --break-window | --break-scale]`: DIR holds what the C++ test wrote
 (model/ = lathe's HF export: config.json + model.safetensors; batches, outputs = lathe's logits and
 loss, grads = lathe's gradient of every tensor). transformers' Gemma2ForCausalLM loads model/ in
 float32 with eager attention (use_cache=False: Debian's torch 1.13), and its logits, loss and every
 gradient must be within 1e-5 of lathe's (max |lathe - hf| / max |hf| per tensor). The --break-*
-flags load a deliberately different model (no attention soft cap, no sliding window, the score
-scale 1/sqrt(head_dim)): the comparison must then fail, which shows each feature is seen.
+flags load a deliberately different model (no attention soft cap, no final soft cap, no sliding
+window, the score scale 1/sqrt(head_dim)): the comparison must then fail, which shows each feature
+is seen.
 Exit code 1 on a mismatch.
 """
 import json
@@ -30,6 +31,8 @@ def check(d, flags):
     hf_cfg = transformers.Gemma2Config.from_pretrained(f"{d}/model")
     if "--break-softcap" in flags:
         hf_cfg.attn_logit_softcapping = None
+    if "--break-final" in flags:
+        hf_cfg.final_logit_softcapping = None
     if "--break-window" in flags:
         hf_cfg.sliding_window = 10**6
     if "--break-scale" in flags:
