@@ -11,6 +11,7 @@
 // pipeline stages are refused until they are done there.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/dtype.h"
@@ -97,45 +98,41 @@ void Model::post_norm_backward(float* dw, const void* dout, const void* in, cons
 
 // transformers: `normalizer = torch.tensor(hidden_size**0.5, dtype=hidden_states.dtype)`, then
 // hidden_states * normalizer in that dtype (one rounding of the product).
-void Model::scale_by_normalizer(void* x, int64_t n) const {
-  const double root = std::sqrt(static_cast<double>(cfg_.hidden_size));
-  switch (ops_->dtype) {
-    case DType::F32: {
-      const float s = static_cast<float>(root);
-      auto* p = static_cast<float*>(x);
-      for (int64_t i = 0; i < n; ++i) p[i] *= s;
-      return;
-    }
-    case DType::BF16:
-    case DType::F16: {
-      auto* p = static_cast<uint16_t*>(x);
-      const bool bf = ops_->dtype == DType::BF16;
-      const float r32 = static_cast<float>(root);
-      uint16_t s16 = 0;
-      float s = 0.0f, v = 0.0f;
-      if (bf) {
-        cpu::Bf16::from_f32(&s16, &r32, 1);
-        cpu::Bf16::to_f32(&s, &s16, 1);
-      } else {
-        cpu::Fp16::from_f32(&s16, &r32, 1);
-        cpu::Fp16::to_f32(&s, &s16, 1);
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        if (bf) {
-          cpu::Bf16::to_f32(&v, p + i, 1);
-          v *= s;
-          cpu::Bf16::from_f32(p + i, &v, 1);
-        } else {
-          cpu::Fp16::to_f32(&v, p + i, 1);
-          v *= s;
-          cpu::Fp16::from_f32(p + i, &v, 1);
-        }
-      }
-      return;
-    }
-    default:
-      throw_error("model: embedding scale in compute dtype {} is not implemented", compute_dtype_name(ops_->dtype));
+void scale_by_sqrt_hidden(DType dt, int64_t hidden, void* x, int64_t n) {
+  const float root = static_cast<float>(std::sqrt(static_cast<double>(hidden)));
+  if (dt == DType::F32) {
+    auto* p = static_cast<float*>(x);
+    for (int64_t i = 0; i < n; ++i) p[i] *= root;
+    return;
+  }
+  LATHE_CHECK(dt == DType::BF16 || dt == DType::F16, "model: embedding scale in compute dtype {} is not implemented",
+              compute_dtype_name(dt));
+  auto* p = static_cast<uint16_t*>(x);
+  auto to32 = [dt](float* d, const uint16_t* s, int64_t k) {
+    if (dt == DType::BF16)
+      cpu::Bf16::to_f32(d, s, k);
+    else
+      cpu::Fp16::to_f32(d, s, k);
+  };
+  auto from32 = [dt](uint16_t* d, const float* s, int64_t k) {
+    if (dt == DType::BF16)
+      cpu::Bf16::from_f32(d, s, k);
+    else
+      cpu::Fp16::from_f32(d, s, k);
+  };
+  uint16_t s16 = 0;
+  float s = 0.0f;
+  from32(&s16, &root, 1);  // the normalizer in the compute dtype
+  to32(&s, &s16, 1);
+  float buf[256];
+  for (int64_t i0 = 0; i0 < n; i0 += 256) {
+    const int64_t k = std::min<int64_t>(256, n - i0);
+    to32(buf, p + i0, k);
+    for (int64_t i = 0; i < k; ++i) buf[i] *= s;
+    from32(p + i0, buf, k);
   }
 }
+
+void Model::scale_by_normalizer(void* x, int64_t n) const { scale_by_sqrt_hidden(ops_->dtype, cfg_.hidden_size, x, n); }
 
 }  // namespace lathe

@@ -22,12 +22,6 @@ std::string kv_cache_unsupported_reason(const Model& model) {
   if (model.hooks().tp.tensor_parallel())
     return "the KV cache does not decode a model whose layers are split by tensor parallelism";
   if (model.backend().device() != DeviceKind::Host) return "the KV cache decodes on the cpu backend only";
-  const Arch& a = model.arch();
-  if (a.sandwich_norm || a.norm_weight_offset != 0.0f || a.geglu || a.embed_scale)
-    return fmt::format(
-        "the KV cache does not decode {} yet (sandwich norms, 1 + w norms, GeGLU, embedding scale); "
-        "its soft caps and score scale are in place",
-        model.config().model_type);
   return {};
 }
 
@@ -177,12 +171,20 @@ void decode_chunk(Model& model, KvCache& c, const int32_t* tokens, int64_t T, fl
   // nullptr: row t of the table passed; generation is one document, so no document positions).
   ops.embedding_forward(x, tokens, model.compute_weight(w.wte), w.wpe ? model.compute_weight(w.wpe + pos * C) : nullptr,
                         B, T, C, nullptr, 0, V);
+  if (arch.embed_scale) scale_by_sqrt_hidden(dt, C, x, N * C);  // gemma2, as Model::embedding_forward
   auto norm = [&](void* out, const void* in, const float* nw, const float* nb, int64_t rows) {
-    if (arch.layernorm)
+    if (arch.layernorm) {
       ops.layernorm_forward(out, mean, rstd, in, nw, nb, rows, C, eps);
-    else
-      ops.rmsnorm_forward(out, rstd, in, nw, rows, C, eps);
+      return;
+    }
+    if (arch.norm_weight_offset != 0.0f) {  // gemma2's 1 + w, as Model::norm_weight
+      float* nwo = static_cast<float*>(grow(c.norm_w_, C));
+      for (int64_t i = 0; i < C; ++i) nwo[i] = arch.norm_weight_offset + nw[i];
+      nw = nwo;
+    }
+    ops.rmsnorm_forward(out, rstd, in, nw, rows, C, eps);
   };
+  void* post = arch.sandwich_norm ? grow(c.post_, N * C) : nullptr;
   for (int64_t l = 0; l < L; ++l) {
     const LayerPtrs& lw = w.layers[static_cast<size_t>(l)];
     norm(ln, x, lw.ln1_w, lw.ln1_b, N);
@@ -215,7 +217,12 @@ void decode_chunk(Model& model, KvCache& c, const int32_t* tokens, int64_t T, fl
         }
     cached_attention(att, qkv, kc, vc, B, T, pos, c.Tmax_, H, KV, D, Q, dt, cfg.layer_window(l), cfg.attention_scale(),
                      cfg.attn_softcap());
-    ops.matmul_forward(res1, att, model.compute_weight(lw.o_w), lw.o_b, N, H * D, C, false);
+    if (arch.sandwich_norm) {  // res1 = x + norm(o(attn)), as Model::layer_forward_into
+      ops.matmul_forward(post, att, model.compute_weight(lw.o_w), lw.o_b, N, H * D, C, false);
+      norm(res1, post, lw.post_attn_w, nullptr, N);
+    } else {
+      ops.matmul_forward(res1, att, model.compute_weight(lw.o_w), lw.o_b, N, H * D, C, false);
+    }
     ops.residual_forward(res1, res1, x, N * C);
     norm(ln, arch.parallel_residual ? x : res1, lw.ln2_w, lw.ln2_b, N);  // as Model::norm_forward
     ops.matmul_forward(fc, ln, model.compute_weight(lw.fc_w), lw.fc_b, N, C, FF, false);
@@ -223,9 +230,16 @@ void decode_chunk(Model& model, KvCache& c, const int32_t* tokens, int64_t T, fl
       ops.gelu_erf_forward(act, fc, N * F);
     else if (arch.gelu_mlp)
       ops.gelu_forward(act, fc, N * F);
+    else if (arch.geglu)
+      ops.geglu_forward(act, fc, N, F);
     else
       ops.swiglu_forward(act, fc, N, F);
-    ops.matmul_forward(x, act, model.compute_weight(lw.proj_w), lw.proj_b, N, F, C, false);
+    if (arch.sandwich_norm) {  // x = res1 + norm(mlp)
+      ops.matmul_forward(post, act, model.compute_weight(lw.proj_w), lw.proj_b, N, F, C, false);
+      norm(x, post, lw.post_ffn_w, nullptr, N);
+    } else {
+      ops.matmul_forward(x, act, model.compute_weight(lw.proj_w), lw.proj_b, N, F, C, false);
+    }
     ops.residual_forward(x, x, res1, N * C);  // x is the next layer's input
   }
   c.pos_ = pos + T;

@@ -489,5 +489,8 @@ std::unique_ptr<Model> build_gemma2(const ModelConfig& cfg, const ComputeSpec& c
 // softcap.cpp): logits[i] <- cap * tanh(logits[i] / cap), as the lm-head loss kernels compute it;
 // nothing when the config has no cap.
 void apply_final_softcap(const ModelConfig& cfg, float* logits, int64_t n);
+// Gemma 2's embedding scale (models/gemma2.cpp): x[0, n) in compute dtype dt (host memory) times
+// sqrt(hidden) rounded to dt, as transformers' normalizer; fp32, bf16 and fp16.
+void scale_by_sqrt_hidden(DType dt, int64_t hidden, void* x, int64_t n);
 
 }  // namespace lathe
