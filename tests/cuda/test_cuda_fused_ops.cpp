@@ -444,7 +444,7 @@ TEST(CudaFusedOps, LmHeadLossVocabParallelMatchesTheWholeVocabulary) {
       vp.global_V = V;
       const double got = cuda::lm_head_loss<DType::F32>(d_losses.as<float>(), d_dx.p, d_dw.as<float>(), d_x.p, d_w.p,
                                                         d_t.as<int32_t>(), N, C, V, grad_scale, true, d_scratch.p, R,
-                                                        one_shard ? &vp : nullptr);
+                                                        one_shard ? &vp : nullptr, 0.0f);
       if (!one_shard) {
         whole = got;
         whole_losses = d_losses.get<float>(N);
@@ -477,9 +477,9 @@ TEST(CudaFusedOps, LmHeadLossVocabParallelMatchesTheWholeVocabulary) {
             d_scratch(cuda::lm_head_loss_scratch_bytes<DType::F32>(R, rows[r]));
         d_w.put(w_r);
         d_dw.put(dw_r);
-        sums[r] =
-            cuda::lm_head_loss<DType::F32>(d_losses.as<float>(), d_dx.p, d_dw.as<float>(), d_x.p, d_w.p,
-                                           d_t.as<int32_t>(), N, C, rows[r], grad_scale, true, d_scratch.p, R, &vp);
+        sums[r] = cuda::lm_head_loss<DType::F32>(d_losses.as<float>(), d_dx.p, d_dw.as<float>(), d_x.p, d_w.p,
+                                                 d_t.as<int32_t>(), N, C, rows[r], grad_scale, true, d_scratch.p, R,
+                                                 &vp, 0.0f);
         losses[r] = d_losses.get<float>(N);
         dx[r] = d_dx.get<float>(N * C);
         dw[r] = d_dw.get<float>(dw_r.size());
