@@ -299,6 +299,7 @@ void Model::embedding_forward(const int32_t* tokens, int64_t B, int64_t T) {
     tp.reduce_scatter_to_sequence_region_forward(gathered_, emb_, S * C);
   else
     tp.scatter_to_sequence_region_forward(gathered_, emb_, S * C);
+  if (arch_.embed_scale) scale_by_normalizer(emb_, S * C);  // gemma2: this rank's rows
 }
 
 const VocabParallel* Model::vocab_parallel() const {
@@ -667,12 +668,12 @@ void Model::embedding_backward(const int32_t* tokens, int64_t B, int64_t T) {
   const VocabParallel* vp = vocab_parallel();
   const int64_t S = stream_rows(B, T, true), SC = S * cfg_.hidden_size;
   const TpMappings& tp = hooks_.tp;
+  // gemma2: the embedding was scaled by sqrt(hidden) (host memory: check_gemma2_support); so is its
+  // gradient (this rank's rows, before they are gathered).
+  if (arch_.embed_scale) scale_by_normalizer(dres_, SC);
   const void* dout = !seq_parallel() ? dres_
                      : vp            ? tp.reduce_scatter_to_sequence_region_backward(dres_, gathered_, SC)
                                      : tp.scatter_to_sequence_region_backward(dres_, gathered_, SC);
-  // gemma2: the embedding was scaled by sqrt(hidden) (host, one process: check_gemma2_support); so
-  // is its gradient.
-  if (arch_.embed_scale) scale_by_normalizer(dres_, SC);
   // phi3 and gemma2: transformers' Phi3Model / Gemma2Model build nn.Embedding(..., padding_idx=pad_token_id), whose
   // lookups of the pad token add no gradient to its row (a tied lm_head's still do): those tokens
   // are given an id outside the vocabulary, which the kernel skips.
@@ -750,7 +751,7 @@ void Model::head_logits(int64_t B, int64_t T, float* logits) {
   std::vector<float> local(static_cast<size_t>(B * T * cfg_.vocab_size));
   ops_->logits_forward(local.data(), lnf_, cw(p_.lm_head), B * T, cfg_.hidden_size, cfg_.vocab_size);
   hooks_.tp.gather_from_tensor_region_forward(local.data(), logits, B * T, cfg_.vocab_size);
-  apply_final_softcap(cfg_, logits, B * T * cfg_.vocab_size);
+  apply_final_softcap(cfg_, logits, B * T * global_vocab());  // every shard's columns
 }
 
 void Model::forward_last_logits(const int32_t* tokens, int64_t B, int64_t T, float* logits) {
@@ -774,7 +775,7 @@ void Model::forward_last_logits(const int32_t* tokens, int64_t B, int64_t T, flo
     ops_->logits_forward(vp ? local.data() + b * V : logits + b * V, act_at(lnf_, (b * T + T - 1) * C), cw(p_.lm_head),
                          1, C, V);
   if (vp) hooks_.tp.gather_from_tensor_region_forward(local.data(), logits, B, V);
-  apply_final_softcap(cfg_, logits, B * V);
+  apply_final_softcap(cfg_, logits, B * global_vocab());  // every shard's columns
 }
 
 }  // namespace lathe
