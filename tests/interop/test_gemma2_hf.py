@@ -10,6 +10,9 @@ and norm weights perturbed, saved by transformers (config.json as it writes it):
   * round trip: `lathe convert --from-hf D --to OUT` writes the same tensors byte for byte and a
     config.json transformers reads as the same Gemma2Config (every field it defines);
   * `convert --verify` PASS;
+  * train a step from it (init_from, recompute selective), `lathe export`: transformers loads the
+    export and its logits equal lathe's, the step changed them; the gemma2-debug preset in bf16:
+    interrupted and resumed == uninterrupted (byte-identical final weights);
   * refused with the reason: GGUF and ONNX export, hidden_activation silu, a missing tensor.
 """
 import json
@@ -21,6 +24,12 @@ import tempfile
 
 import numpy as np
 import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "common"))
+sys.path.insert(0, os.path.join(HERE, "..", "train"))
+from run_harness import INIT_FROM_RECIPE  # noqa: E402
+import megatron_writer  # noqa: E402
 
 try:
     import transformers
@@ -92,6 +101,56 @@ def lathe_logits(d, tmp):
     return res
 
 
+BF16 = """
+recompute: full
+precision:
+  compute: bf16
+model:
+  preset: gemma2-debug
+data:
+  train: {data}
+  valid_fraction: 0.0
+optimizer:
+  lr: 1.0e-2
+training:
+  micro_batch_size: 2
+  seq_len: 16
+  steps: 4
+  eval_interval: 0
+  peak_gflops: 100
+output:
+  dir: {out}
+  checkpoint_every: 1
+"""
+
+
+def train_export_resume(tmp, d):
+    data = os.path.join(tmp, "data")
+    rng = np.random.default_rng(1)
+    megatron_writer.write(data, [rng.integers(0, 101, 600) for _ in range(4)])
+    run_dir, recipe = os.path.join(tmp, "run"), os.path.join(tmp, "g.yaml")
+    open(recipe, "w").write("\nrecompute: selective" + INIT_FROM_RECIPE.format(init=d, data=data, out=run_dir))
+    run(["train", recipe])
+    exp = os.path.join(tmp, "export")
+    run(["export", run_dir, "--to", exp])
+    trained_hf = hf_logits(exp)
+    e = reldiff(lathe_logits(exp, tmp), trained_hf)
+    check(e < TOL, f"exported trained model: transformers equals lathe (relative {e:.2e})")
+    moved = reldiff(trained_hf, hf_logits(d))
+    check(moved > 1e-4, f"the training step changed the logits (by {moved:.3g} relative)")
+    outs = []
+    for name, stop in (("bf16_whole", None), ("bf16_resumed", 2)):
+        out, rec = os.path.join(tmp, name), os.path.join(tmp, name + ".yaml")
+        open(rec, "w").write(BF16.format(data=data, out=out))
+        if stop:
+            run(["train", rec, "--stop-after", str(stop)])
+            run(["train", rec, "--resume", "auto"])
+        else:
+            run(["train", rec])
+        outs.append(open(os.path.join(out, "model", "model.safetensors"), "rb").read())
+    check(outs[0] == outs[1], "bf16 + full recompute: resumed run's weights equal the uninterrupted run's")
+
+
 def reldiff(a, b):
     scale = max(float(np.abs(y).max()) for y in b)
     return max(float(np.abs(x - y).max()) for x, y in zip(a, b)) / scale
@@ -133,6 +192,8 @@ def main():
         p = run(["convert", "--from-hf", d, "--verify"], ok=False)
         check(p.returncode == 0 and "PASS" in p.stdout + p.stderr,
               f"convert --verify passes ({(p.stdout + p.stderr).strip()[-300:]})")
+
+        train_export_resume(tmp, d)
 
         # Refusals, each naming the reason.
         p = run(["convert", "--from-hf", d, "--to-gguf", os.path.join(tmp, "g.gguf")], ok=False)
