@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 TIMING_KEYS = re.compile(r"(_ms|_s|_s_total|_pct|_mb|_mib|_gb|_seconds|_time|xxh64)$|^(ms_|time|wall|elapsed|eta)|^bytes$|rss|mfu|"
                          r"gflops|throughput")
 # Files whose bytes hold the time, host or absolute paths.
-SKIP_FILES = {"run_info.json", "recipe.yaml", "trace.json"}
+SKIP_FILES = {"run_info.json", "recipe.yaml", "trace.json", "train.log"}  # train.log: dates and pids in its markers
 # Log text that varies from run to run: numbers followed by a time/speed unit, paths of the run.
 LOG_NOISE = [re.compile(p) for p in (r"[0-9.]+ ?(ms|s|µs|us|min|h|tok/s|GFLOP/s|TFLOP/s|%|MiB|GiB|KiB|MB|GB|B/s|GB/s)(?![A-Za-z])",
                                      r"ETA [0-9:]+", r"[0-9.]+ (tokens/s|Gbit/s|GB/s|GFLOP/s)",

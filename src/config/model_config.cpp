@@ -153,6 +153,50 @@ void read_rope_scaling(const Reader& r, ModelConfig& c, bool mistral, std::strin
   }
 }
 
+// transformers v5's `rope_parameters`: rope_theta, partial_rotary_factor and the rope_scaling keys
+// in one object ({"rope_type": "llama3", "rope_theta": 500000, "factor": 8, ...}). Read into the
+// same fields as the 4.45 keys (and written back in the 4.45 form); a value given both ways must agree.
+void read_rope_parameters(const Reader& r, ModelConfig& c, bool mistral, std::string_view key_prefix) {
+  const json& rp = r.j["rope_parameters"];
+  if (!rp.is_object()) r.fail("rope_parameters", fmt::format("expected an object, got '{}'", value_str(rp)));
+  json scaling = rp;
+  if (const auto it = rp.find("rope_theta"); it != rp.end()) {
+    const double t = r.f.number(*it, "rope_parameters.rope_theta", 0.0, true);
+    if (r.has("rope_theta") && t != c.rope_theta)
+      r.fail("rope_parameters.rope_theta", fmt::format("{} conflicts with rope_theta = {}", t, c.rope_theta));
+    c.rope_theta = t;
+    scaling.erase("rope_theta");
+  }
+  if (const auto it = rp.find("partial_rotary_factor"); it != rp.end()) {
+    const double f = r.f.number(*it, "rope_parameters.partial_rotary_factor", 0.0, true);
+    if (r.has("partial_rotary_factor") && f != c.partial_rotary_factor)
+      r.fail("rope_parameters.partial_rotary_factor",
+             fmt::format("{} conflicts with partial_rotary_factor = {}", f, c.partial_rotary_factor));
+    if (mistral && f != 1.0)
+      r.fail("rope_parameters.partial_rotary_factor",
+             "transformers' mistral rotates the whole head; use model_type llama, or remove the key");
+    c.partial_rotary_factor = f;
+    scaling.erase("partial_rotary_factor");
+  }
+  if (scaling.empty()) return;  // only rope_theta: plain RoPE
+  RopeScaling s = RopeScaling::from_json(scaling, r.source, key_prefix, "rope_parameters");
+  if (!s.active()) return;
+  if (mistral)
+    r.fail("rope_parameters.rope_type", fmt::format("'{}': transformers 4.45's mistral computes plain RoPE only; use "
+                                                    "model_type llama, or rope_type default",
+                                                    s.type));
+  s.config_original_max_position_embeddings = c.rope_scaling.config_original_max_position_embeddings;
+  if (c.rope_scaling.active()) {
+    RopeScaling a = c.rope_scaling, b = s;
+    a.old_type_key = b.old_type_key = false;
+    if (!(a == b))
+      r.fail("rope_parameters", fmt::format("{} conflicts with rope_scaling {} (give one of them)",
+                                            io::json_excerpt(scaling), io::json_excerpt(c.rope_scaling.to_json())));
+    return;
+  }
+  c.rope_scaling = s;
+}
+
 // GPTNeoXConfig (transformers 4.45) fields and class defaults (vocab_size, token ids and
 // initializer_range are read by the caller).
 void read_gpt_neox(const Reader& r, ModelConfig& c) {
@@ -196,8 +240,9 @@ void read_gpt_neox(const Reader& r, ModelConfig& c) {
   };
   c.partial_rotary_factor = alias("rotary_pct", "partial_rotary_factor", 0.25);
   c.rope_theta = alias("rotary_emb_base", "rope_theta", 10000.0);
-  if (r.has("rope_scaling") && !j["rope_scaling"].is_null())
-    r.fail("rope_scaling", "is not supported for gpt_neox yet (plain RoPE only): give null or remove it");
+  // transformers 4.45's GPTNeoXRotaryEmbedding is LlamaRotaryEmbedding (ROPE_INIT_FUNCTIONS over the
+  // rotary_pct dims): every rope_scaling type reads as the llama family's.
+  if (r.has("rope_scaling")) c.rope_scaling = RopeScaling::from_json(j["rope_scaling"], r.source, r.prefix);
 }
 
 // Phi3Config / Phi3ForCausalLM of transformers 4.45.2 (models/phi3), on top of the llama fields:
@@ -409,28 +454,7 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
       c.explicit_head_dim = 128;  // Qwen3Config's default head_dim (not hidden_size / heads)
     }
     if (!phi3) read_rope_scaling(r, c, mistral, key_prefix);
-    if (r.has("rope_parameters")) {
-      const json& rp = j["rope_parameters"];
-      if (!rp.is_object()) r.fail("rope_parameters", fmt::format("expected an object, got '{}'", value_str(rp)));
-      for (auto it = rp.begin(); it != rp.end(); ++it) {
-        const std::string& k = it.key();
-        if (k == "rope_type" || k == "type") {
-          if (!it.value().is_string() || it.value().get<std::string>() != "default")
-            r.fail("rope_parameters." + k,
-                   fmt::format("'{}' is not supported (only 'default': plain RoPE)", value_str(it.value())));
-        } else if (k == "rope_theta") {
-          if (!it.value().is_number())
-            r.fail("rope_parameters.rope_theta", fmt::format("expected a number, got '{}'", value_str(it.value())));
-          double t = it.value().get<double>();
-          if (!std::isfinite(t)) r.fail("rope_parameters.rope_theta", fmt::format("{} is not a finite number", t));
-          if (r.has("rope_theta") && t != c.rope_theta)
-            r.fail("rope_parameters.rope_theta", fmt::format("{} conflicts with rope_theta = {}", t, c.rope_theta));
-          c.rope_theta = t;
-        } else {
-          r.fail("rope_parameters." + value_str(k), "is not supported (RoPE scaling is not implemented)");
-        }
-      }
-    }
+    if (r.has("rope_parameters")) read_rope_parameters(r, c, mistral, key_prefix);
     if (r.has("mlp_bias") && r.get_bool("mlp_bias"))
       r.fail("mlp_bias", "true is not supported (MLP without biases only)");
     if (qwen) {
@@ -689,7 +713,7 @@ json ModelConfig::to_hf_json() const {
     j["layer_norm_eps"] = norm_eps;
     j["use_parallel_residual"] = parallel_residual;
     j["attention_bias"] = attention_bias;
-    j["rope_scaling"] = nullptr;
+    j["rope_scaling"] = rope_scaling.to_json();
     j["attention_dropout"] = 0.0;
     j["hidden_dropout"] = 0.0;
     return j;

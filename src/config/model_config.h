@@ -85,6 +85,17 @@ struct ModelConfig {
     if (!(sliding_window > 0 && (sliding_layers.empty() || sliding_layers[static_cast<size_t>(l)]))) return 0;
     return model_type == "phi3" ? sliding_window + 1 : sliding_window;
   }
+  // The keys one query position is counted as attending to, summed over the layers, for the FLOPs
+  // convention 12 x (heads x head_dim) x keys per layer (PaLM's, which counts T keys for causal
+  // attention): T for a full layer, min(T, window) for a sliding one.
+  double attention_keys_over_layers(int64_t T) const {
+    double keys = 0;
+    for (int64_t l = 0; l < num_hidden_layers; ++l) {
+      const int64_t w = layer_window(l);
+      keys += static_cast<double>(w > 0 && w < T ? w : T);
+    }
+    return keys;
+  }
 
   // config.json `head_dim` (llama family): the width of one attention head when it is not
   // hidden_size / num_attention_heads (Mistral-Nemo: 5120 / 32 heads of 128; Qwen3-0.6B: 1024 / 16

@@ -322,6 +322,38 @@ class Parser {
          fmt::format("{} exceeds optimizer.lr = {}", s.min_lr, r.optimizer.lr));
   }
 
+  // parallel.zero = 3 (parallel/param_gather.h) runs data parallelism alone, on the CPU, in fp32 so far.
+  void check_zero3(const Recipe& r) const {
+    const auto& p = r.parallel;
+    if (p.zero != 3) {
+      if (p.prefetch != 1)
+        bad("parallel.prefetch", fmt::format("{} applies to parallel.zero = 3 only (this recipe has parallel.zero = {}); "
+                                             "remove it or set parallel.zero: 3",
+                                             p.prefetch, p.zero));
+      if (p.shard_group != 0)
+        bad("parallel.shard_group",
+            fmt::format("{} applies to parallel.zero = 3 only (this recipe has parallel.zero = {}); remove it or set "
+                        "parallel.zero: 3",
+                        p.shard_group, p.zero));
+      return;
+    }
+    if (p.shard_group > 0 && p.data > 0 && p.data % p.shard_group != 0)
+      bad("parallel.shard_group", fmt::format("{} does not divide parallel.data = {}: choose a divisor of the data "
+                                              "degree (0 = all data ranks)",
+                                              p.shard_group, p.data));
+    auto refuse = [&](const std::string& key, const std::string& value, const std::string& fix) {
+      bad(key, fmt::format("{} with parallel.zero = 3 is not supported yet (ZeRO 3 shards the weights over data "
+                           "parallelism alone, on the CPU, in fp32); {}",
+                           value, fix));
+    };
+    if (p.tensor > 1) refuse("parallel.tensor", std::to_string(p.tensor), "set parallel.tensor: 1 or parallel.zero <= 2");
+    if (p.pipeline > 1)
+      refuse("parallel.pipeline", std::to_string(p.pipeline), "set parallel.pipeline: 1 or parallel.zero <= 2");
+    if (r.device != "cpu") refuse("device", r.device, "use device: cpu or parallel.zero <= 2");
+    if (r.precision.compute != "fp32")
+      refuse("precision.compute", r.precision.compute, "use precision.compute: fp32 or parallel.zero <= 2");
+  }
+
   void check_output_parallel_precision(const Recipe& r) const {
     const auto& t = r.training;
     auto need = [&](bool ok, const std::string& path, const std::string& msg) {
@@ -340,6 +372,7 @@ class Parser {
          fmt::format("true with parallel.tensor = {}: micro_batch_size {} x seq_len {} = {} rows do not split "
                      "evenly over the tensor-parallel ranks; choose a batch and seq_len whose product divides by {}",
                      p.tensor, t.micro_batch_size, t.seq_len, t.micro_batch_size * t.seq_len, p.tensor));
+    check_zero3(r);
     need(p.pipeline > 1 || (p.virtual_stages == 1 && p.stage_layers.empty()),
          p.virtual_stages != 1 ? "parallel.virtual_stages" : "parallel.stage_layers",
          "applies to pipeline parallelism only: set parallel.pipeline > 1 or remove it");

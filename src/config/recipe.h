@@ -184,7 +184,10 @@ struct Recipe {
     std::vector<int64_t> stage_layers;
     int64_t zero = 0;        // 0: replicated optimizer; 1, 2: moments sharded, gradients reduce-scattered;
                              // 2: only the gradient shard kept after the reduction (parallel/grad_sync.h)
-                             // (2 does not free the rest of the gradient buffer yet)
+                             // (2 does not free the rest of the gradient buffer yet);
+                             // 3: also the fp32 weights sharded, gathered per block (parallel/param_gather.h)
+    int64_t prefetch = 1;    // ZeRO 3: blocks whose all-gather is issued ahead of the block computing (0..2)
+    int64_t shard_group = 0;  // ZeRO 3: weights sharded over groups of this many data ranks (0: all)
     double bucket_mb = 25;   // gradient reduction bucket size (fp32 MB), > 0
     double timeout_s = 300;  // a collective not done after this long aborts the job (0 = never)
   } parallel;
@@ -195,6 +198,7 @@ struct Recipe {
     // and at the end; 0 = none (a SIGTERM/SIGINT still writes one).
     int64_t checkpoint_every = 0;
     int64_t keep_last = 0;  // keep the newest N checkpoints; 0 = keep all
+    bool tensorboard = false;  // TensorBoard event files in dir/tensorboard/ (train/tensorboard.h)
   } output;
 
   // Things the recipe says that lathe accepts but ignores (e.g. precision.loss_scale for bf16):

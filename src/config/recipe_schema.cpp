@@ -335,6 +335,8 @@ std::vector<Field> output_and_parallel() {
       row(key<&R::output, &Ou::checkpoint_every>("output.checkpoint_every")
               .in(0, kMaxSteps, " (0 = no periodic checkpoints)")),
       row(key<&R::output, &Ou::keep_last>("output.keep_last").in(0, kMaxKeepLast, " (0 = keep every checkpoint)")),
+      // Only in the resolved recipe when set: the recipes (and checkpoints) of runs without it stay as they were.
+      row(key<&R::output, &Ou::tensorboard>("output.tensorboard").since_later().only_if("output.tensorboard")),
       row(key<&R::parallel, &Pa::data>("parallel.data")
               .in(0, kMaxRanks, " (0 = all processes not used by tensor/pipeline)")),
       row(key<&R::parallel, &Pa::tensor>("parallel.tensor").in(1, kMaxRanks, " (1 = no tensor parallelism)")),
@@ -345,7 +347,15 @@ std::vector<Field> output_and_parallel() {
               .since_later()),
       row(key<&R::parallel, &Pa::stage_layers>("parallel.stage_layers", &kStageLayers).since_later()),
       row(key<&R::parallel, &Pa::zero>("parallel.zero")
-              .in(0, 2, " (0: replicated optimizer, 1: sharded moments, 2: also gradients)")),
+              .in(0, 3, " (0: replicated optimizer, 1: sharded moments, 2: also gradients, 3: also weights)")),
+      row(key<&R::parallel, &Pa::prefetch>("parallel.prefetch")
+              .in(0, 2, " (ZeRO 3: blocks gathered ahead of the one computing; 0 = none)")
+              .since_later()
+              .only_if("parallel.prefetch")),
+      row(key<&R::parallel, &Pa::shard_group>("parallel.shard_group")
+              .in(0, kMaxRanks, " (ZeRO 3: weights sharded within groups of this many data ranks; 0 = all)")
+              .since_later()
+              .only_if("parallel.shard_group")),
       row(key<&R::parallel, &Pa::bucket_mb>("parallel.bucket_mb").between(0, kOpen, 65536, kClosed)),
       row(key<&R::parallel, &Pa::timeout_s>("parallel.timeout_s")),  // 0 or [1 s, 1e7 s]: recipe.cpp
   };

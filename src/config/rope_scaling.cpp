@@ -52,11 +52,12 @@ float pos_freq(int64_t i, int64_t dim, float theta) {
 
 }  // namespace
 
-RopeScaling RopeScaling::from_json(const json& j, std::string_view source, std::string_view prefix) {
+RopeScaling RopeScaling::from_json(const json& j, std::string_view source, std::string_view prefix,
+                                   std::string_view object) {
   RopeScaling r;
   if (j.is_null()) return r;
   auto fail = [&](const std::string& key, const std::string& what) {
-    throw_error("{}: {}rope_scaling{}{}: {}", source, prefix, key.empty() ? "" : ".", key, what);
+    throw_error("{}: {}{}{}{}: {}", source, prefix, object, key.empty() ? "" : ".", key, what);
   };
   io::JsonFields f{io::JsonFields::Style::Expected, [&](const std::string& key, const std::string& what) {
                      fail(key, what);
@@ -65,8 +66,9 @@ RopeScaling RopeScaling::from_json(const json& j, std::string_view source, std::
   const json* rt = io::JsonFields::find(j, "rope_type");
   const json* ot = io::JsonFields::find(j, "type");
   if (!rt && !ot)
-    fail("rope_type", "missing (give rope_type: default, linear, dynamic, yarn, llama3 or longrope, or set "
-                      "rope_scaling to null)");
+    fail("rope_type", fmt::format("missing (give rope_type: default, linear, dynamic, yarn, llama3 or longrope, "
+                                  "or set {} to null)",
+                                  object));
   const std::string type = f.string(rt ? *rt : *ot, rt ? "rope_type" : "type");
   if (rt && ot && f.string(*ot, "type") != type)
     fail("type", fmt::format("'{}' conflicts with rope_type '{}' (remove the old key 'type')", f.string(*ot, "type"),

@@ -48,7 +48,10 @@ struct RopeScaling {
 
   // Parses a config.json rope_scaling object (null -> none). Errors "<source>: <prefix>rope_scaling.KEY:
   // ..." name the key and the fix. Unknown types and keys are refused (transformers warns and ignores).
-  static RopeScaling from_json(const nlohmann::json& j, std::string_view source, std::string_view prefix);
+  // `object` names the key in errors: rope_scaling, or rope_parameters (transformers v5's form, whose
+  // rope_theta and partial_rotary_factor the caller takes out first).
+  static RopeScaling from_json(const nlohmann::json& j, std::string_view source, std::string_view prefix,
+                               std::string_view object = "rope_scaling");
   nlohmann::json to_json() const;  // null when type is ""
 };
 

@@ -142,6 +142,10 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
               "--to-gguf: this phi3 has rope_scaling longrope: llama.cpp chooses its short or long factors by the "
               "context size, transformers' Phi3 (and lathe) by each pass's length, so the GGUF would compute "
               "something else; export it with --to-hf");
+  LATHE_CHECK(!neox || !c.rope_scaling.active(),
+              "--to-gguf: this gpt_neox has rope_scaling '{}': lathe writes RoPE scaling for llama.cpp's llama "
+              "architecture only (not checked against its gptneox graph); export a model without it",
+              c.rope_scaling.type);
   if (gpt2 || neox)
     LATHE_CHECK(c.hidden_act == "gelu_new",
                 "--to-gguf: activation {} of this {} model: llama.cpp's {} architecture computes the tanh GELU "

@@ -25,7 +25,7 @@ std::unique_ptr<Model> build_llama(const ModelConfig& cfg, const ComputeSpec& co
     if (phi3) {
       t.add(n("self_attn.qkv_proj.weight"), {(H + 2 * KV) * D, C}, Init::Normal, std, ShardRule::Column, true)
           .as(Role::QkvW, i)
-          .in_sections(3);  // tensor parallel: q, k, v split on their own (shard_config: only H == KV)
+          .in_sections({H, KV, KV});  // tensor parallel: q, k, v heads split on their own
     } else {
       t.add(n("self_attn.q_proj.weight"), {H * D, C}, Init::Normal, std, ShardRule::Column, true).as(Role::QkvW, i);
       t.add(n("self_attn.k_proj.weight"), {KV * D, C}, Init::Normal, std, ShardRule::Column, true)

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <fstream>
 #include <sstream>
+#include <vector>
 
 #include "core/checked.h"
 #include "core/error.h"
@@ -33,6 +34,10 @@ std::string format_count(int64_t n) {
 
 std::string MemoryEstimate::breakdown() const {
   std::string s = fmt::format("params {} + grads {}", format_bytes(param_bytes), format_bytes(grad_bytes));
+  if (param_shards > 1)
+    s = fmt::format("params {} (1/{} shard + {} blocks gathered, prefetch {}) + grads {} (1/{} shard + blocks in backward)",
+                    format_bytes(param_bytes), param_shards, format_bytes(gather_bytes), prefetch,
+                    format_bytes(grad_bytes), moment_shards);
   if (optimizer_moments > 0)
     s += fmt::format(" + optimizer moments ({}{}) {}", optimizer_moments,
                      moment_shards > 1 ? fmt::format(", 1/{} shard per rank", moment_shards) : std::string(),
@@ -92,6 +97,42 @@ MemoryEstimate estimate_memory(const ModelConfig& cfg, int64_t B, int64_t T, int
     total = checked_add(total, part, what);
   (void)total;  // total_bytes() recomputes it; this proves it fits
   return e;
+}
+
+void shard_parameters(MemoryEstimate& e, const ModelConfig& cfg, int64_t shards, int prefetch,
+                      int64_t weight_shards) {
+  LATHE_CHECK(shards >= 1 && prefetch >= 0, "internal: {} weight shards, prefetch {}", shards, prefetch);
+  if (shards == 1) return;
+  const std::string what = "ZeRO 3 memory";
+  const int64_t C = cfg.hidden_size, L = std::max<int64_t>(1, cfg.num_hidden_layers);
+  const int64_t wte = checked_mul(cfg.vocab_size, C, what);
+  const int64_t wpe = cfg.is_gpt2() ? checked_mul(cfg.max_position_embeddings, C, what) : 0;
+  const int64_t head = wte + 2 * C;  // the lm head (or the tied wte) and the final norm
+  const int64_t body = e.num_params - wte - wpe - (cfg.tie_word_embeddings ? 0 : wte) - 2 * C;
+  const int64_t layer = (std::max<int64_t>(body, 0) + L - 1) / L;
+  // The pass visits embedding, L layers, head, L layers, embedding; at most 1 + prefetch
+  // consecutive blocks are gathered at once (parallel/param_gather.h).
+  std::vector<int64_t> seq = {wte + wpe};
+  for (int64_t i = 0; i < std::min<int64_t>(L, prefetch + 1); ++i) seq.push_back(layer);  // longer runs: same sums
+  seq.push_back(head);
+  for (int64_t i = 0; i < std::min<int64_t>(L, prefetch + 1); ++i) seq.push_back(layer);
+  seq.push_back(wte + wpe);
+  int64_t window = 0;
+  for (size_t i = 0; i < seq.size(); ++i) {
+    int64_t sum = 0;
+    for (size_t k = i; k < std::min(seq.size(), i + 1 + static_cast<size_t>(prefetch)); ++k) sum += seq[k];
+    window = std::max(window, sum);
+  }
+  const int64_t shard = (e.num_params + shards - 1) / shards;
+  const int64_t ws = weight_shards > 0 ? weight_shards : shards;
+  e.param_shards = ws;
+  e.prefetch = prefetch;
+  e.gather_bytes = checked_mul(window, 4, what);
+  e.param_bytes = checked_add(checked_mul((e.num_params + ws - 1) / ws, 4, what), e.gather_bytes, what);
+  // Gradients written and not yet reduced: a block's (a tied wte's from the head's backward until
+  // the embedding's, with a layer's on top).
+  const int64_t pending = std::max(std::max(wte + wpe, head), (cfg.tie_word_embeddings ? wte : 0) + layer);
+  e.grad_bytes = checked_mul(checked_add(shard, pending, what), 4, what);
 }
 
 namespace {

@@ -29,6 +29,11 @@ struct MemoryEstimate {
   int64_t batch = 0, seq_len = 0;         // the (B, T) the activations are sized for; 0 = none
   int optimizer_moments = 0;
   int64_t moment_shards = 1;  // ZeRO: each rank holds 1/moment_shards of the moments
+  // ZeRO 3 (shard_parameters): each rank holds 1/param_shards of the weights and gradients, plus
+  // gather_bytes of gathered blocks (included in param_bytes) and the gradients of the blocks in
+  // backward (included in grad_bytes).
+  int64_t param_shards = 1, gather_bytes = 0;
+  int prefetch = 0;
   // Sequence parallelism (a tensor-parallel shard with sequence_parallel): the stream is
   // sharded over sequence_parts ranks, and the arena is sequence_saving_bytes smaller than the same
   // shard's without it (the norms' and residuals' rows / tp, less one gathered [N, C] buffer).
@@ -51,6 +56,15 @@ struct MemoryEstimate {
 MemoryEstimate estimate_memory(const ModelConfig& cfg, int64_t B, int64_t T, int optimizer_moments,
                                int64_t moment_shards = 1, DType compute_dtype = DType::F32,
                                Recompute recompute = Recompute::None, const TensorShard& shard = {});
+
+// ZeRO 3 (parallel/param_gather.h) over `shards` data ranks with `prefetch` blocks gathered ahead:
+// params = the 1/shards shard + (1 + prefetch) x the largest block (embedding, a decoder layer, the
+// head) gathered; grads = the shard + the largest block's gradients awaiting their reduction (+ a
+// tied embedding's, written from the head's backward until the embedding's). Address space stays
+// the whole model's (the flat buffers are reserved whole; only their resident pages shrink).
+// Hybrid sharding: the weights over weight_shards ranks (parallel.shard_group; 0 = shards).
+void shard_parameters(MemoryEstimate& e, const ModelConfig& cfg, int64_t shards, int prefetch,
+                      int64_t weight_shards = 0);
 
 // Memory this process can use: the smallest of physical RAM (MemTotal in /proc/meminfo), the
 // cgroup limit (memory.max) and RLIMIT_AS. `source` says which one bounds it.

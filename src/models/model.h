@@ -244,6 +244,9 @@ class Model {
   // passes upload their own ids the same way. Both do nothing on host-memory models.
   void stage_inputs(const int32_t* tokens, const int32_t* targets, int64_t n);
   void drop_staged_inputs();
+  // The flat parameter ranges each block's passes read (StepHooks numbering; a tied wte in the
+  // embedding's and the head's): what a ZeRO 3 run gathers before a block (parallel/param_gather.h).
+  std::vector<std::vector<std::pair<size_t, size_t>>> param_ranges_by_block() const;
   void set_hooks(StepHooks hooks) { hooks_ = std::move(hooks); }
   StepHooks& hooks() { return hooks_; }
   const StepHooks& hooks() const { return hooks_; }

@@ -100,6 +100,9 @@ struct ParamSpec {
   // q|k|v): the number of equal sections, each split over the tensor-parallel ranks on its own, so
   // that a rank's rows are its heads of q, of k and of v (not the first third of the fused rows).
   int64_t sections = 1;
+  // Unequal sections (grouped-query phi3's qkv_proj: H, KV, KV heads): each section's share of
+  // dim 0 in units (rows = units[k] x rows / sum(units)); empty = `sections` equal ones.
+  std::vector<int64_t> section_units;
   int64_t numel() const { return lathe::numel(shape); }
   // t.add(...).as(Role::QkvW, i)
   ParamSpec& as(Role r, int64_t layer_index = -1) {
@@ -109,6 +112,12 @@ struct ParamSpec {
   }
   ParamSpec& in_sections(int64_t n) {
     sections = n;
+    section_units.clear();
+    return *this;
+  }
+  ParamSpec& in_sections(std::vector<int64_t> units) {
+    sections = static_cast<int64_t>(units.size());
+    section_units = std::move(units);
     return *this;
   }
 };

@@ -49,12 +49,10 @@ Model::Model(ModelConfig cfg, Arch arch, ParamTable table, ComputeSpec compute)
   }
   if (weights) p_ = resolve(backend_param_data());
   if (grads) g_ = resolve(backend_grad_data());
-  // Per-layer sliding windows (ModelConfig::layer_window) name the whole network's layers; a
-  // pipeline stage's config keeps only its own layer count (parallel/pipeline_stage.cpp).
+  // Per-layer sliding windows (ModelConfig::layer_window): one entry per layer of this model (a
+  // pipeline stage's config holds its own layers' entries, parallel/pipeline_stage.cpp).
   LATHE_CHECK(cfg_.sliding_layers.empty() || static_cast<int64_t>(cfg_.sliding_layers.size()) == cfg_.num_hidden_layers,
-              "model: {} per-layer sliding-window entries (layer_types / max_window_layers) for {} layers: a model "
-              "whose layers mix sliding and full attention cannot be split into pipeline stages yet (use "
-              "parallel.pipeline: 1)",
+              "internal: {} per-layer sliding-window entries (layer_types / max_window_layers) for {} layers",
               cfg_.sliding_layers.size(), cfg_.num_hidden_layers);
   // Which block's backward completes each tensor's gradient (StepHooks numbering).
   const int64_t L = cfg_.num_hidden_layers;
@@ -65,6 +63,19 @@ Model::Model(ModelConfig cfg, Arch arch, ParamTable table, ComputeSpec compute)
   for (int64_t block = 0; block < L + 2; ++block)
     grad_ranges_by_block_.push_back(table_.ranges([&](const ParamSpec& s) { return block_of(s) == block; }));
   check_gemma2_support();  // device and pipeline stages here; tensor parallelism (set later) per pass
+}
+
+std::vector<std::vector<std::pair<size_t, size_t>>> Model::param_ranges_by_block() const {
+  const int64_t L = cfg_.num_hidden_layers;
+  auto block_of = [L](const ParamSpec& s) -> int64_t {
+    return s.layer >= 0 ? s.layer + 1 : (s.role == Role::Wte || s.role == Role::Wpe) ? 0 : L + 1;
+  };
+  std::vector<std::vector<std::pair<size_t, size_t>>> out;
+  for (int64_t block = 0; block < L + 2; ++block)
+    out.push_back(table_.ranges([&](const ParamSpec& s) {
+      return block_of(s) == block || (block == L + 1 && arch_.tied_lm_head && s.role == Role::Wte);
+    }));
+  return out;
 }
 
 void Model::set_tensor_shard(const TensorShard& shard) {
@@ -245,9 +256,9 @@ void Model::init_weights(uint64_t seed) {
 double Model::flops_per_token(int64_t T) const {
   double n = static_cast<double>(num_params());
   if (arch_.learned_pos && p_.wpe) n -= static_cast<double>(cfg_.max_position_embeddings * cfg_.hidden_size);
-  // Attention scores and their weighted sum: 12 x (heads x head_dim) per layer and position (C
-  // unless head_dim is explicit).
-  return 6.0 * n + 12.0 * cfg_.num_hidden_layers * cfg_.attention_width() * static_cast<double>(T);
+  // Attention scores and their weighted sum: 12 x (heads x head_dim) per layer and key a position
+  // attends to (T, or the window of a sliding layer; heads x head_dim is C unless head_dim is explicit).
+  return 6.0 * n + 12.0 * static_cast<double>(cfg_.attention_width()) * cfg_.attention_keys_over_layers(T);
 }
 
 // Shapes used below (per micro-batch): N = B*T rows; C hidden; H query heads, KV key/value heads

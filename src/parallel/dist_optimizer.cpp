@@ -39,7 +39,9 @@ DistOptimizer::DistOptimizer(FlatState flat, dist::Communicator& data, const Dis
       shards_(flat.size, data.size(), optim::kChunk) {
   LATHE_CHECK(flat.backend && flat.params && flat.grads, "distributed optimizer: no parameter or gradient buffer");
   LATHE_CHECK(k_, "distributed optimizer: the {} backend has no step ops in this build", flat.backend->name());
-  LATHE_CHECK(zero_ >= 0 && zero_ <= 2, "parallel.zero must be 0, 1 or 2, got {}", zero_);
+  LATHE_CHECK(zero_ >= 0 && zero_ <= 3, "parallel.zero must be 0, 1, 2 or 3, got {}", zero_);
+  LATHE_CHECK(zero_ < 3 || !staged_ || data.size() == 1,
+              "parallel.zero = 3 runs on host models only so far (device: cpu); use parallel.zero <= 2 on a device");
   LATHE_CHECK(cfg.bucket_elems > 0, "distributed optimizer: buckets of 0 elements");
   const size_t b = state_begin(), e = state_end();
   ranges_ = zero_ ? ranges_in_shard(ranges, b, e) : std::move(ranges);
@@ -51,7 +53,7 @@ DistOptimizer::DistOptimizer(FlatState flat, dist::Communicator& data, const Dis
   }
   if (data.size() == 1) return;
   move_ = &data_;
-  int sync_zero = zero_;
+  int sync_zero = std::min(zero_, 2);  // ZeRO 3 reduces the gradients as 2 (per micro-batch)
   if (staged_) {
     // Collective over data: NCCL's unique id is broadcast over it and the GPUs checked distinct. The
     // host test path stands a second host group of the same ranks in for NCCL. The device group's
@@ -93,6 +95,72 @@ void DistOptimizer::set_grad_norm_group(dist::Communicator& group, std::vector<s
   }
 }
 
+void DistOptimizer::set_param_blocks(std::vector<ParamGather::Ranges> blocks, int prefetch) {
+  if (zero_ != 3 || data_.size() == 1) return;
+  const int n = data_.size(), s = cfg_.shard_group == 0 ? n : cfg_.shard_group;
+  LATHE_CHECK(s >= 1 && n % s == 0,
+              "parallel.shard_group = {} does not divide parallel.data = {}: choose a divisor of the data degree (0 = "
+              "all {} data ranks)",
+              cfg_.shard_group, n, n);
+  weight_shards_ = FlatShards::merged(shards_, n / s);
+  dist::Communicator* group = &data_;
+  if (s < n) {  // collective over data: every rank splits both groups, in this order
+    const int R = n / s, r = data_.rank();
+    shard_group_ = data_.split(r % R, r / R, data_.name() + "-shard");
+    replicas_ = data_.split(r / R, r % R, data_.name() + "-replica");
+    group = shard_group_.get();
+  }
+  gather_ = std::make_unique<ParamGather>(*group, flat_.params, weight_shards_, std::move(blocks), prefetch);
+  // From here only the shards are resident: the weights (loaded whole) and the gradients outside them.
+  gather_->release_whole();
+  stale_ = true;
+  sync_->release_outside_shard();
+}
+
+void DistOptimizer::before_block(int64_t block, bool backward) {
+  if (!gather_) return;
+  if (in_pass_) {
+    gather_->before_block(block, backward);
+    return;
+  }
+  LATHE_CHECK(!stale_,
+              "ZeRO 3: a pass outside a training micro-batch (block {}) on sharded weights; internal: "
+              "DistOptimizer::gather_whole() must come first",
+              block);
+}
+
+void DistOptimizer::gather_whole() {
+  if (!gather_ || !stale_) return;
+  trace::Scope span("gather the whole model (ZeRO 3)", trace::Cat::Comm);
+  gather_->gather_whole();
+  stale_ = false;
+}
+
+void DistOptimizer::begin_micro_batch() {
+  if (gather_) in_pass_ = true;
+}
+
+double DistOptimizer::end_micro_batch(bool last) {
+  double waited = 0;  // the weight gathers' waits, then the gradients'
+  if (gather_) {
+    waited = gather_->end_pass();
+    in_pass_ = false;
+    stale_ = true;  // the released pages read as zeros until gathered again
+  }
+  if (zero_ != 3 || !sync_ || last) return waited;
+  waited += sync_->finish();
+  const size_t b = state_begin(), n = state_end() - b;
+  float* g = flat_.grads + b;
+  if (!acc_live_) {
+    acc_.assign(g, g + n);
+    acc_live_ = true;
+  } else {
+    for (size_t i = 0; i < n; ++i) acc_[i] += g[i];
+  }
+  std::fill(g, g + n, 0.0f);  // the next micro-batch accumulates from zero (the rest was released)
+  return waited;
+}
+
 void DistOptimizer::zero_grads() {
   if (sync_ && !staged_)
     sync_->zero_grads();  // ZeRO 2: only the shard (the rest was released as zeros)
@@ -101,12 +169,20 @@ void DistOptimizer::zero_grads() {
 }
 
 void DistOptimizer::grads_ready(size_t begin, size_t end) {
-  if (!last_backward_ || !sync_) return;
+  if ((!last_backward_ && zero_ != 3) || !sync_) return;
   if (staged_ && !cfg_.overlap) return;  // all of them in reduce_grads
   sync_->ready(begin, end);
 }
 
-double DistOptimizer::reduce_grads() { return sync_ ? sync_->finish() : 0.0; }
+double DistOptimizer::reduce_grads() {
+  const double waited = sync_ ? sync_->finish() : 0.0;
+  if (acc_live_) {  // ZeRO 3: the earlier micro-batches' reduced sum, in micro-batch order
+    float* g = flat_.grads + state_begin();
+    for (size_t i = 0; i < acc_.size(); ++i) g[i] = acc_[i] + g[i];
+    acc_live_ = false;
+  }
+  return waited;
+}
 
 double DistOptimizer::grad_norm() {
   const float* g = flat_.grads;
@@ -166,6 +242,16 @@ void DistOptimizer::step(double lr, int64_t step, float grad_scale) {
   else
     k_->adamw_step(p, g, m, v, ranges_, optim::step_hyper(cfg_.optim), lr, step, grad_scale);
   if (zero_ == 0 || data_.size() == 1) return;  // each rank applied the whole update
+  if (gather_) {  // ZeRO 3: the other shards are gathered block by block when the next pass needs them
+    stale_ = true;
+    if (replicas_) {  // hybrid: this rank's weight shard from the updates of its replicas' gradient shards
+      const int R = replicas_->size(), first = data_.rank() - data_.rank() % R;
+      std::vector<size_t> counts(static_cast<size_t>(R));
+      for (int j = 0; j < R; ++j) counts[static_cast<size_t>(j)] = shards_.size(first + j);
+      replicas_->all_gather(flat_.params + b, flat_.params + shards_.begin(first), counts, DType::F32);
+    }
+    return;
+  }
   if (staged_) flat_.backend->synchronize();    // the shard's update is complete
   move_->all_gather(flat_.params + b, flat_.params, shards_.sizes(), DType::F32);
 }

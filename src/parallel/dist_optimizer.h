@@ -8,7 +8,8 @@
 //   * the global gradient norm: the whole buffer, the shards' chunk sums under ZeRO, or, under
 //     tensor/pipeline parallelism, the elements this rank counts summed over a norm group;
 //   * the AdamW / LAMB update of this rank's part ([state_begin, state_end): its shard under ZeRO
-//     1/2), then the shards all-gathered; LAMB's per-tensor norms gather chunk sums over the data
+//     1/2/3), then the shards all-gathered (ZeRO 1/2; ZeRO 3 gathers them block by block when the
+//     next pass needs them: parallel/param_gather.h); LAMB's per-tensor norms gather chunk sums over the data
 //     group (ZeRO) and the tensor group (split tensors).
 //
 // The kernels are the backend's step ops (kernels/step_ops.h: the CPU table is optim/'s own
@@ -41,6 +42,7 @@
 #include "optim/optimizer.h"
 #include "parallel/flat_shards.h"
 #include "parallel/grad_sync.h"
+#include "parallel/param_gather.h"
 
 namespace lathe::parallel {
 
@@ -55,6 +57,8 @@ struct FlatState {
 struct DistOptimizerConfig {
   optim::OptimConfig optim;  // the recipe's optimizer section (name, betas, eps, weight decay, grad_clip)
   int zero = 0;              // parallel.zero
+  // ZeRO 3, parallel.shard_group S (0: the whole data group): hybrid sharding, below.
+  int shard_group = 0;
   size_t bucket_elems = 1;   // parallel.bucket_mb * 2^20 / 4
   // Device models: issue buckets from the grads_ready hook during backward (false: all after
   // backward; so under tensor parallelism, whose hooks' NCCL collectives on another communicator
@@ -94,16 +98,41 @@ class DistOptimizer {
   // ZeRO). `group` must outlive the optimizer.
   void set_grad_norm_group(dist::Communicator& group, std::vector<std::pair<size_t, size_t>> owned);
 
+  // ZeRO 3 with several data ranks (host models): the weights outside this rank's shard are
+  // gathered per block (parallel/param_gather.h) from the model's before_block hook, which should
+  // feed before_block(). blocks: Model::param_ranges_by_block(). Nothing otherwise.
+  // Hybrid sharding (shard_group S < N data ranks, R = N / S): gradients and moments stay sharded
+  // over all N ranks (every reduction in data-rank order: bit-identical to ZeRO 0), the weights
+  // over S: rank r holds the weight shard of the R consecutive ranks r - r % R ... (the merge of
+  // their gradient shards), assembled after each update by an all-gather among those R ranks
+  // (replicas), and gathers blocks from the S ranks r % R, r % R + R, ... (its shard group: the
+  // ranks of one node when the job is launched with mpirun --map-by node).
+  void set_param_blocks(std::vector<ParamGather::Ranges> blocks, int prefetch);
+  bool gathers() const { return gather_ != nullptr; }
+  ParamGather* param_gather() { return gather_.get(); }  // tests
+  void before_block(int64_t block, bool backward);
+  // ZeRO 3: every weight complete on this rank (before a checkpoint, an evaluation or an export;
+  // collective over the data group). A pass outside a training micro-batch while they are not is an
+  // error. Nothing otherwise.
+  void gather_whole();
+
   // The step's events, in order.
-  // Zeroes the gradients before the first micro-batch (ZeRO 2 on the host: only the shard).
+  // Zeroes the gradients before the first micro-batch (ZeRO 2/3 on the host: only the shard).
   void zero_grads();
+  // Around each micro-batch's forward_backward (ZeRO 3; nothing otherwise): the weights are
+  // gathered per block in between; after it the gathers are released and, unless it was the last
+  // micro-batch, its gradients reduce-scattered at once and added to the shard's sum (so no rank
+  // holds a whole gradient buffer across micro-batches). Returns the seconds spent waiting.
+  void begin_micro_batch();
+  double end_micro_batch(bool last);
   // True when the data group has several ranks: the model's grads_ready hook should feed
   // grads_ready() (StepHooks::grads_ready).
   bool reduces() const { return sync_ != nullptr; }
   // The gradients of the micro-batch now in backward are the step's final ones (the last one).
   void set_last_backward(bool last) { last_backward_ = last; }
   // From the model's grads_ready hook (or a pipeline after its schedule): [begin, end) is final.
-  // Only during the last backward; a bucket whose elements are all final is issued at once.
+  // Only during the last backward (ZeRO 3: every backward); a bucket whose elements are all final
+  // is issued at once.
   void grads_ready(size_t begin, size_t end);
   // After the step's backward: the buckets not yet issued are, and all are waited for. Returns the
   // seconds spent waiting (the communication backward did not hide); 0 in one process.
@@ -137,6 +166,13 @@ class DistOptimizer {
   std::unique_ptr<dist::Communicator> device_group_;  // device path with several data ranks
   dist::Communicator* move_ = nullptr;                // where buckets and weight shards travel
   std::unique_ptr<GradSync> sync_;                    // several data ranks
+  std::unique_ptr<ParamGather> gather_;               // ZeRO 3 with several data ranks
+  FlatShards weight_shards_;                          // ZeRO 3: the weights' (merged under hybrid sharding)
+  std::unique_ptr<dist::Communicator> shard_group_, replicas_;  // hybrid sharding
+  bool stale_ = false;    // ZeRO 3: the weights outside the shard are not this step's
+  bool in_pass_ = false;  // ZeRO 3: between begin_micro_batch and end_micro_batch
+  std::vector<float> acc_;  // ZeRO 3 with accumulation: the shard's sum of the reduced micro-batches
+  bool acc_live_ = false;
   bool last_backward_ = false;
   dist::Communicator* tp_ = nullptr;  // LAMB under tensor parallelism
   std::vector<bool> tp_split_;

@@ -18,6 +18,15 @@ FlatShards::FlatShards(size_t total, int ranks, size_t align) {
   bounds_[n] = total;
 }
 
+FlatShards FlatShards::merged(const FlatShards& fine, int per) {
+  LATHE_CHECK(per >= 1 && fine.ranks() % per == 0, "FlatShards: {} shards cannot be merged {} at a time", fine.ranks(),
+              per);
+  FlatShards c;
+  c.bounds_.clear();
+  for (int r = 0; r <= fine.ranks(); r += per) c.bounds_.push_back(fine.bounds_[static_cast<size_t>(r)]);
+  return c;
+}
+
 std::vector<size_t> FlatShards::sizes() const {
   std::vector<size_t> s(static_cast<size_t>(ranks()));
   for (int r = 0; r < ranks(); ++r) s[static_cast<size_t>(r)] = size(r);

@@ -16,6 +16,9 @@ class FlatShards {
   // total elements split over `ranks` at multiples of `align` (the last shard takes the tail; a
   // shard may be empty when there are fewer aligned blocks than ranks).
   FlatShards(size_t total, int ranks, size_t align);
+  FlatShards() = default;  // no ranks, no elements
+  // Every `per` consecutive shards of `fine` merged into one (fine.ranks() / per shards).
+  static FlatShards merged(const FlatShards& fine, int per);
 
   int ranks() const { return static_cast<int>(bounds_.size()) - 1; }
   size_t total() const { return bounds_.back(); }
@@ -29,7 +32,7 @@ class FlatShards {
   std::vector<size_t> overlap(size_t b, size_t e) const;
 
  private:
-  std::vector<size_t> bounds_;  // ranks + 1 offsets, bounds_[0] = 0, bounds_[ranks] = total
+  std::vector<size_t> bounds_ = {0};  // ranks + 1 offsets, bounds_[0] = 0, bounds_[ranks] = total
 };
 
 }  // namespace lathe::parallel

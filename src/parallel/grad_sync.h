@@ -53,6 +53,8 @@ class GradSync {
   // Zeroes the gradients before a step's first micro-batch: the whole buffer, or for zero 2 only
   // the shard (the rest was zeroed when it was released).
   void zero_grads();
+  // zero 2: the whole buffer outside this rank's shard becomes zeros, its pages handed back.
+  void release_outside_shard() { release_outside_shard(0, shards_.total()); }
 
  private:
   struct Bucket {

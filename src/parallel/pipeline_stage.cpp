@@ -85,9 +85,10 @@ ParamTable stage_table(const ParamTable& whole, const PipelineLayout& layout) {
   ParamTable t;
   for (const ParamSpec& s : whole.specs()) {
     if (!layout.holds(s, layout.rank)) continue;
-    t.add(s.name, s.shape, s.init, s.init_std, s.shard, s.decay, s.hf_transposed)
-        .as(s.role, s.layer >= 0 ? local_layer(s.layer) : -1)
-        .in_sections(s.sections);
+    ParamSpec& l = t.add(s.name, s.shape, s.init, s.init_std, s.shard, s.decay, s.hf_transposed)
+                       .as(s.role, s.layer >= 0 ? local_layer(s.layer) : -1);
+    l.sections = s.sections;
+    l.section_units = s.section_units;
   }
   return t;
 }
@@ -95,6 +96,15 @@ ParamTable stage_table(const ParamTable& whole, const PipelineLayout& layout) {
 std::unique_ptr<Model> build_stage_model(const Model& whole, const PipelineLayout& layout) {
   ModelConfig cfg = whole.config();
   cfg.num_hidden_layers = layout.local_layers;
+  // Per-layer sliding windows (qwen2 max_window_layers, layer_types, Gemma 2's alternation) follow
+  // their layers into the stage: local layer c.local_first + i is global layer c.global_first + i.
+  if (!cfg.sliding_layers.empty()) {
+    const std::vector<uint8_t> global = cfg.sliding_layers;
+    cfg.sliding_layers.assign(static_cast<size_t>(layout.local_layers), 0);
+    for (const auto& c : layout.chunks)
+      for (int64_t i = 0; i < c.count; ++i)
+        cfg.sliding_layers[static_cast<size_t>(c.local_first + i)] = global[static_cast<size_t>(c.global_first + i)];
+  }
   Arch arch = whole.arch();
   arch.embedding = layout.first();
   arch.head = layout.last();

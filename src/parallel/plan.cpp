@@ -11,6 +11,7 @@
 #include "core/checked.h"
 #include "core/error.h"
 #include "core/timer.h"
+#include "models/memory.h"
 #include "dist/comm.h"
 #include "models/model.h"
 #include "parallel/pipeline_schedule.h"
@@ -26,7 +27,7 @@ std::string Layout::name() const {
 double flops_per_token(const ModelConfig& cfg, int64_t T) {
   double n = static_cast<double>(cfg.num_parameters());
   if (cfg.is_gpt2()) n -= static_cast<double>(cfg.max_position_embeddings * cfg.hidden_size);
-  return 6.0 * n + 12.0 * static_cast<double>(cfg.num_hidden_layers * cfg.attention_width()) * static_cast<double>(T);
+  return 6.0 * n + 12.0 * static_cast<double>(cfg.attention_width()) * cfg.attention_keys_over_layers(T);
 }
 
 namespace {
@@ -153,6 +154,8 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l, Schedule
     e.reject = std::move(why);
     return e;
   };
+  if (l.zero == 3 && (t > 1 || p > 1 || job.compute != DType::F32))
+    return reject("ZeRO 3 runs data parallelism alone in fp32 so far (tensor 1, pipeline 1)");
   if (cfg.num_attention_heads % t)
     return reject(fmt::format("tensor {} does not divide num_attention_heads {}", t, cfg.num_attention_heads));
   if (cfg.num_key_value_heads % t)
@@ -271,6 +274,13 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l, Schedule
                                   once_acts[ru], what);
     // A gradient bucket is at most the rank's gradient buffer.
     mem.comm = d > 1 ? checked_add(comm, staging(std::min(int64_t{25} << 20, mem.grads)), what) : comm;
+    if (l.zero == 3) {  // the weights and gradients sharded too, plus the blocks gathered (prefetch 1)
+      MemoryEstimate z;
+      z.num_params = n;
+      shard_parameters(z, cfg, d, 1);
+      mem.params = z.param_bytes;
+      mem.grads = z.grad_bytes;
+    }
     if (r == 0 || mem.total() > e.memory.total()) e.memory = mem;
   }
   e.fits = mach.memory_bytes <= 0 || e.memory.total() <= mach.memory_bytes;
@@ -282,7 +292,8 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l, Schedule
   const double act_bytes = tokens_mb * static_cast<double>(C * act_size);
   const double tp_ar = ring(t, act_bytes, bw(t), true);
   const double per_layer_flops =
-      6.0 * static_cast<double>(ps.layer) + 12.0 * static_cast<double>(cfg.attention_width() * T);
+      6.0 * static_cast<double>(ps.layer) +
+      12.0 * static_cast<double>(cfg.attention_width()) * cfg.attention_keys_over_layers(T) / static_cast<double>(L);
   const double rest_flops = flops_per_token(cfg, T) - static_cast<double>(L) * per_layer_flops;  // head, embedding
   pipeline::Costs costs;
   std::vector<double> compute_rank(static_cast<size_t>(p), 0), tp_rank(static_cast<size_t>(p), 0);
@@ -313,6 +324,7 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l, Schedule
   // Gradients of the largest rank (fp32), reduced over the data group of t x d consecutive ranks.
   const int64_t grad_bytes = 4 * *std::max_element(rank_params.begin(), rank_params.end());
   e.dp_s = ring(d, static_cast<double>(grad_bytes), bw(t * d), true);
+  if (l.zero == 3) e.dp_s *= 1.5;  // reduce-scatter + two all-gathers (forward, backward) vs an all-reduce
   e.step_s = e.pipeline_s + e.dp_s;
   const double tokens = static_cast<double>(job.global_batch) * static_cast<double>(T);
   e.tokens_per_s = e.step_s > 0 ? tokens / e.step_s : 0;
@@ -331,8 +343,9 @@ std::vector<Estimate> enumerate(const Job& job, const Machine& m) {
       const int64_t d = job.world / t / p;
       for (bool sp : {false, true}) {
         if (sp && t == 1) continue;
-        for (int zero = 0; zero <= 2; ++zero) {
+        for (int zero = 0; zero <= 3; ++zero) {
           if (zero > 0 && d == 1) continue;
+          if (zero == 3 && (t > 1 || p > 1 || job.compute != DType::F32)) continue;
           for (Recompute rc : {Recompute::None, Recompute::Selective, Recompute::Full})
             for (int64_t v : job.virtual_stages)
               if (v == 1 || p > 1) out.push_back(estimate(job, m, Layout{d, t, p, sp, zero, rc, v}, &cache));

@@ -113,8 +113,8 @@ Estimate estimate(const Job& job, const Machine& m, const Layout& l, ScheduleCac
 // with data > 1, three recompute modes), valid ones sorted: fitting first, then by tokens/s.
 std::vector<Estimate> enumerate(const Job& job, const Machine& m);
 
-// Model FLOPs per token (Model::flops_per_token's convention: 6 N + 12 L (H D) T, N without position
-// embeddings).
+// Model FLOPs per token (Model::flops_per_token's convention: 6 N + 12 (H D) x the keys per position
+// summed over the layers, T or a sliding layer's window; N without position embeddings).
 double flops_per_token(const ModelConfig& cfg, int64_t T);
 
 nlohmann::json to_json(const Estimate& e);

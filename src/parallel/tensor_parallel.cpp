@@ -37,12 +37,6 @@ ModelConfig shard_config(const ModelConfig& global, int tp, int rank) {
   divides(global.num_attention_heads, "num_attention_heads");
   divides(global.num_key_value_heads, "num_key_value_heads");
   divides(global.intermediate_size, "intermediate_size");
-  // phi3's qkv_proj holds q (H heads) then k and v (KV heads each) in one tensor: its tensor-parallel
-  // split is three equal sections (ParamSpec::sections), so grouped-query phi3 cannot be split.
-  LATHE_CHECK(global.model_type != "phi3" || global.num_attention_heads == global.num_key_value_heads,
-              "parallel.tensor = {}: phi3 with num_key_value_heads = {} != num_attention_heads = {} is not supported "
-              "(its fused qkv_proj has unequal q and k/v parts); use parallel.tensor: 1",
-              tp, global.num_key_value_heads, global.num_attention_heads);
   // Uneven shards are fine (vocab_shard); an empty one is not (a rank without vocabulary rows).
   LATHE_CHECK(global.vocab_size >= tp,
               "parallel.tensor = {} is more than model.vocab_size = {}: the embedding and the lm head are split by "
@@ -107,17 +101,28 @@ std::vector<SliceRun> shard_runs(const ParamSpec& g, const ParamSpec& l, int ran
     return runs;
   }
   if (g.shard == ShardRule::Column) {
-    // dim 0 = S sections of s rows; rank r holds rows [k*s + r*s/tp, k*s + (r+1)*s/tp) of each.
+    // dim 0 = S sections of s_k rows (equal, or ParamSpec::section_units); rank r holds rows
+    // [r*s_k/tp, (r+1)*s_k/tp) of each section, the sections' parts one after the other.
     const int64_t S = g.sections, rows = g.shape[0];
-    LATHE_CHECK(S >= 1 && rows % S == 0, "internal: '{}' has {} rows in {} sections", g.name, rows, S);
-    const int64_t s = rows / S;
-    LATHE_CHECK(s % tp == 0, "tensor parallel: '{}' has sections of {} rows, which {} ranks cannot split evenly",
-                g.name, s, tp);
-    const int64_t part = s / tp;
+    std::vector<int64_t> units = g.section_units;
+    if (units.empty()) units.assign(static_cast<size_t>(S), 1);
+    int64_t total_units = 0;
+    for (int64_t u : units) total_units += u;
+    LATHE_CHECK(S >= 1 && static_cast<int64_t>(units.size()) == S && total_units > 0 && rows % total_units == 0,
+                "internal: '{}' has {} rows in {} sections", g.name, rows, S);
+    int64_t global_row = 0, local_row = 0;
+    for (int64_t u : units) {
+      const int64_t s = u * (rows / total_units);
+      LATHE_CHECK(s % tp == 0, "tensor parallel: '{}' has a section of {} rows, which {} ranks cannot split evenly",
+                  g.name, s, tp);
+      const int64_t part = s / tp;
+      runs.push_back({(global_row + rank * part) * inner, local_row * inner, part * inner});
+      global_row += s;
+      local_row += part;
+    }
     Shape want = g.shape;
-    want[0] = part * S;
+    want[0] = local_row;
     if (l.shape != want) bad_shape();
-    for (int64_t k = 0; k < S; ++k) runs.push_back({(k * s + rank * part) * inner, k * part * inner, part * inner});
     return runs;
   }
   // Row: a [O, I] weight split along I (dim 1).
@@ -170,6 +175,7 @@ ParamTable rank_table(const ParamTable& global, const ParamTable& local, int ran
     s.role = l.role;
     s.layer = l.layer;
     s.sections = l.sections;
+    s.section_units = l.section_units;
   }
   return t;
 }

@@ -108,7 +108,8 @@ void Checkpointer::save(int64_t done, double lr) {
   p_.log.metrics({{"step", done},
                   {"checkpoint_s", info.seconds_complete},
                   {"checkpoint_total_s", info.seconds_total},
-                  {"checkpoint_mb", mb}});
+                  {"checkpoint_mb", mb}},
+                 "checkpoint");
 }
 
 // The whole model's weights and moments on tensor-parallel (or pipeline) rank 0 of each replica
@@ -145,9 +146,14 @@ void Checkpointer::save_sharded(const CheckpointState& st, CheckpointSaveInfo& i
   p_.rm.release_whole();
 }
 
+bool Checkpointer::export_due(int64_t done, bool last) const {
+  const Recipe& r = p_.r;
+  return r.output.save_every > 0 && done % r.output.save_every == 0 && !last;
+}
+
 void Checkpointer::maybe_export_hf(int64_t done, bool last) {
   const Recipe& r = p_.r;
-  if (r.output.save_every <= 0 || done % r.output.save_every != 0 || last) return;
+  if (!export_due(done, last)) return;
   const std::string dir = (fs::path(r.output.dir) / fmt::format("step_{:08d}", done)).string();
   Model& w = p_.rm.current_whole();  // collective with tensor parallelism
   if (p_.log.rank0()) write_model_dir(w, dir, r);

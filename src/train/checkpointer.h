@@ -56,6 +56,7 @@ class Checkpointer {
   // output.save_every: an HF model directory OUTPUT/step_XXXXXXXX (not at the final step, which
   // writes OUTPUT/model).
   void maybe_export_hf(int64_t done, bool last);
+  bool export_due(int64_t done, bool last) const;  // maybe_export_hf writes a directory
   // OUTPUT/model at the end of the run; returns the whole model (for the sample).
   Model& export_final(const std::string& dir);
   // The newest checkpoint this process wrote ("" none).

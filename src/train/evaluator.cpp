@@ -111,10 +111,17 @@ void Evaluator::score_tasks(int64_t at) {
   log_.metrics({{"step", at},
                 {"tasks_acc", static_cast<double>(c[1]) / n},
                 {"tasks_acc_norm", static_cast<double>(c[2]) / n},
-                {"tasks_items", c[0]}});
+                {"tasks_items", c[0]}},
+               "tasks");
   log_.log(fmt::format("step {:>6}/{} | tasks {}: acc {:.4f} | acc_norm {:.4f} ({} items, {:.1f} s)", at,
                        r_.training.steps, r_.training.eval_tasks, static_cast<double>(c[1]) / n,
                        static_cast<double>(c[2]) / n, c[0], now_seconds() - t0));
+}
+
+bool Evaluator::due(int64_t done, bool last) const {
+  if (last) return false;
+  return (!subset_.empty() && r_.training.eval_interval > 0 && done % r_.training.eval_interval == 0) ||
+         (!mc_items_.empty() && tasks_interval_ > 0 && done % tasks_interval_ == 0);
 }
 
 void Evaluator::maybe(int64_t done, bool last) {
@@ -123,7 +130,7 @@ void Evaluator::maybe(int64_t done, bool last) {
   if (!subset_.empty() && r_.training.eval_interval > 0 && done % r_.training.eval_interval == 0) {
     trace::Scope span("validation", trace::Cat::Eval, done);
     auto [vl, vt] = evaluate(subset_);
-    log_.metrics(validation_record(done, vl, vt));
+    log_.metrics(validation_record(done, vl, vt), "val");
     log_.log(vt ? fmt::format("step {:>6}/{} | validation loss {:.4f} ({} tokens)", done, steps, vl, vt)
                 : fmt::format("step {:>6}/{} | validation: {}", done, steps, kNoValidationTargets));
   }
@@ -137,7 +144,7 @@ double Evaluator::final() {
                              valid_samples_.begin() + std::min<int64_t>(valid_samples_.size(), 256 * B_));
     auto [vl, vt] = evaluate(set);
     loss = vl;
-    log_.metrics(validation_record(r_.training.steps, vl, vt));
+    log_.metrics(validation_record(r_.training.steps, vl, vt), "val");
     log_.log(vt ? fmt::format("final validation loss {:.4f} over {} tokens", vl, vt)
                 : fmt::format("final validation: {}", kNoValidationTargets));
   }

@@ -28,6 +28,7 @@ class Evaluator {
   // After step `done` (1-based) but the last: validation every training.eval_interval steps, the
   // tasks every training.eval_tasks_interval (default: eval_interval).
   void maybe(int64_t done, bool last);
+  bool due(int64_t done, bool last) const;  // maybe() evaluates something
   // The end of the run: validation on (up to 256 batches of) the whole split, then the tasks.
   // Returns the validation loss (-1 without validation data).
   double final();

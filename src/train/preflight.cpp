@@ -401,11 +401,18 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
           *std::max_element(r.parallel.stage_layers.begin(), r.parallel.stage_layers.end()) * r.parallel.virtual_stages;
     per_rank.num_hidden_layers = std::max<int64_t>(1, std::min(most, r.model.num_hidden_layers));
   }
-  const MemoryEstimate est =
+  MemoryEstimate est =
       estimate_memory(per_rank, B, T, kMoments, r.parallel.zero > 0 ? data : 1, spec.dtype, rc, per_rank_shard);
+  if (r.parallel.zero == 3) {
+    LATHE_CHECK(r.parallel.shard_group == 0 || data % r.parallel.shard_group == 0,
+                "{}: parallel.shard_group = {} does not divide the data degree {} of this job: choose a divisor (0 = "
+                "all data ranks)",
+                r.source, r.parallel.shard_group, data);
+    shard_parameters(est, per_rank, data, static_cast<int>(r.parallel.prefetch), r.parallel.shard_group);
+  }
   check_memory_fits(est, per_rank, r.source);
   const MachineMemory mm = machine_memory();
-  log.ok(fmt::format("memory{}: {} fits ({} {})", sharded ? " per rank" : "", est.breakdown(), mm.source,
+  log.ok(fmt::format("memory{}: {} fits ({} {})", sharded || r.parallel.zero == 3 ? " per rank" : "", est.breakdown(), mm.source,
                      mm.bytes > 0 ? format_bytes(mm.bytes) : std::string("unknown")));
   if (!pf.ckpt.empty()) {
     pf.model = build_model(r.model, spec);  // weights come from the checkpoint below

@@ -273,7 +273,7 @@ void validate_layout(const ModelConfig& cfg, const CheckpointLayout& to) {
   in_range("--tensor", to.tensor, 1, kMaxRanks, "");
   in_range("--pipeline", to.pipeline, 1, kMaxRanks, "");
   in_range("--data", to.data, 1, kMaxRanks, "");
-  in_range("--zero", to.zero, 0, 2, " (0: replicated optimizer, 1: sharded moments, 2: also gradients)");
+  in_range("--zero", to.zero, 0, 3, " (0: replicated optimizer, 1: sharded moments, 2: also gradients, 3: also weights)");
   // Each degree is at most 2^20, so the product fits in int64.
   LATHE_CHECK(to.tensor * to.pipeline * to.data <= kMaxRanks,
               "--tensor {} x --pipeline {} x --data {} is more than {} ranks", to.tensor, to.pipeline, to.data,

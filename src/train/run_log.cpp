@@ -14,6 +14,7 @@
 #include "core/blas_env.h"
 #include "core/error.h"
 #include "core/progress.h"
+#include "core/stop.h"
 #include "core/sysinfo.h"
 #include "io/fs.h"
 #include "kernels/cpu/isa.h"
@@ -69,14 +70,67 @@ void trim_metrics(const std::string& path, int64_t step) {
   io::atomic_write_file(path, kept);
 }
 
+namespace {
+
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%d %H:%M:%S UTC", &tm);
+  return buf;
+}
+
+}  // namespace
+
+LogFile::~LogFile() {
+  if (f_) std::fclose(f_);
+}
+
+void LogFile::open(const std::string& path, bool resumed, int64_t start_step) {
+  f_ = std::fopen(path.c_str(), resumed ? "a" : "w");
+  LATHE_CHECK(f_ != nullptr, "{}: cannot open the run log for writing (output.dir must be writable)", path);
+  // The process and host: `lathe runs` tells a running run from a killed one by them.
+  char host[256] = {0};
+  ::gethostname(host, sizeof(host) - 1);
+  const std::string who = fmt::format("{}; pid {} on {}", utc_now(), static_cast<long>(::getpid()), host);
+  const std::string marker = resumed ? fmt::format("==== resumed at step {} ({}) ====", start_step, who)
+                                     : fmt::format("==== lathe {} started ({}) ====", LATHE_VERSION, who);
+  std::vector<std::string> pending = std::move(pending_);
+  pending_.clear();
+  line(marker);
+  for (const std::string& s : pending) line(s);
+}
+
+void LogFile::line(const std::string& s) {
+  if (!f_) {
+    pending_.push_back(s);
+    return;
+  }
+  std::fputs(s.c_str(), f_);
+  std::fputc('\n', f_);
+  std::fflush(f_);
+}
+
 void RunLog::log(const std::string& s) const {
+  if (rank0_) file_.line(s);
   if (rank0_ && !quiet_) fmt::print("{}\n", s);
   std::fflush(stdout);
 }
 
 void RunLog::say(const std::string& s) const {
+  if (rank0_) file_.line(s);
   if (rank0_) fmt::print("{}\n", s);
   std::fflush(stdout);
+}
+
+void RunLog::open_log_file(bool resumed, int64_t start_step) {
+  if (rank0_) file_.open((fs::path(r_.output.dir) / "train.log").string(), resumed, start_step);
+}
+
+void RunLog::fail(const std::exception& e) const {
+  if (rank0_ && file_.is_open())
+    file_.line(dynamic_cast<const Interrupted*>(&e) ? std::string(e.what()) : "error: " + std::string(e.what()));
 }
 
 void RunLog::startup(const StartupFacts& f) {
@@ -137,6 +191,7 @@ void RunLog::startup(const StartupFacts& f) {
   accum_ = f.accum;
   dp_ = f.dp;
   pp_ = f.pp;
+  start_step_ = f.start_step;
 }
 
 // OUTPUT/run_info.json: what ran where, for `lathe report` and for anyone comparing runs later.
@@ -206,10 +261,14 @@ void RunLog::open_records(bool resumed, bool anomaly_audit) {
   // Appended across resumes and rollbacks: it is the audit trail. Only written with the policy on.
   if (anomaly_audit)
     anomalies_ = std::make_unique<MetricsWriter>((fs::path(r_.output.dir) / "anomalies.jsonl").string(), resumed);
+  if (r_.output.tensorboard)
+    tensorboard_ = std::make_unique<TensorBoardWriter>((fs::path(r_.output.dir) / "tensorboard").string(),
+                                                       resumed ? start_step_ : 0, r_.to_yaml());
 }
 
-void RunLog::metrics(const nlohmann::json& j) {
+void RunLog::metrics(const nlohmann::json& j, const char* group) {
   if (metrics_) metrics_->write(j);
+  if (tensorboard_) tensorboard_->record(group, j);
 }
 
 void RunLog::audit(const nlohmann::json& j, const std::string& line) {
@@ -222,6 +281,7 @@ void RunLog::restart_metrics_at(int64_t step) {
   metrics_.reset();
   trim_metrics(metrics_path_, step);
   metrics_ = std::make_unique<MetricsWriter>(metrics_path_, true);
+  if (tensorboard_) tensorboard_->restart_at(step);
 }
 
 void RunLog::step(int64_t step, const StepStats& st, const optim::LossScaler& scaler, const AnomalyPolicy& anomaly) {
@@ -264,7 +324,7 @@ void RunLog::step(int64_t step, const StepStats& st, const optim::LossScaler& sc
     rec["anomalies"] = anomaly.state().anomalies;
     rec["lr_factor"] = st.lr_factor;
   }
-  metrics(rec);
+  metrics(rec, "train");
 
   // The precision, the loss scale this step carried (fp16) and the skipped steps so far.
   const std::string prec =
@@ -301,7 +361,8 @@ void RunLog::finish(int64_t peak_rss, int64_t train_peak_rss, int world_size, in
            {"peak_rss_mb_max_rank", peak_rss / 1e6},
            {"train_peak_rss_mb_max_rank", train_peak_rss / 1e6},
            {"skipped_steps", skipped_steps},
-           {"comm_exposed_s_total", comm_total_}});
+           {"comm_exposed_s_total", comm_total_}},
+          "run");
 }
 
 }  // namespace lathe

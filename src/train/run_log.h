@@ -10,6 +10,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "config/recipe.h"
 #include "models/model.h"
@@ -17,6 +18,7 @@
 #include "parallel/pipeline_stage.h"
 #include "train/anomaly.h"
 #include "train/preflight.h"
+#include "train/tensorboard.h"
 #include "train/train_step.h"
 
 namespace lathe {
@@ -32,6 +34,24 @@ class MetricsWriter {
 
  private:
   std::FILE* f_;
+};
+
+// OUTPUT/train.log: every line rank 0 prints (also those --quiet keeps off stdout), written and
+// flushed line by line so that `tail -f` follows the run. Lines said before the run directory is
+// claimed wait in memory until open(). A resume appends after a marker line; a new run starts it over.
+class LogFile {
+ public:
+  LogFile() = default;
+  ~LogFile();
+  LogFile(const LogFile&) = delete;
+  LogFile& operator=(const LogFile&) = delete;
+  void open(const std::string& path, bool resumed, int64_t start_step);
+  void line(const std::string& s);
+  bool is_open() const { return f_ != nullptr; }
+
+ private:
+  std::FILE* f_ = nullptr;
+  std::vector<std::string> pending_;
 };
 
 // Keeps the records of steps <= `step` of the JSONL file `path` (a resumed run rewrites what came
@@ -73,13 +93,22 @@ class RunLog {
     return [this](const std::string& s) { say(s); };
   }
   PreflightLog preflight_log() const { return {log_fn(), say_fn()}; }
+  // OUTPUT/train.log, once the run directory is this run's (after claim_run_dir); the lines said so
+  // far go in first. `start_step` > 0 with `resumed`: appended after a "==== resumed" marker.
+  void open_log_file(bool resumed, int64_t start_step);
+  // The exception that ends the run, into train.log only (main() prints it to stderr): "error: ..."
+  // or, for a stop request honoured before any result was written (core/stop.h), its message.
+  void fail(const std::exception& e) const;
 
   // metrics.jsonl trimmed to start_step on a resume, recipe.yaml, run_info.json and the lines that
   // describe the run (model, layout, memory estimate, lathe plan's prediction, data).
   void startup(const StartupFacts& f);
-  // metrics.jsonl (appended to on a resume) and, with the anomaly policy on, anomalies.jsonl.
+  // metrics.jsonl (appended to on a resume), with the anomaly policy on anomalies.jsonl, with
+  // output.tensorboard a new TensorBoard event file.
   void open_records(bool resumed, bool anomaly_audit);
-  void metrics(const nlohmann::json& j);
+  // One metrics.jsonl record; `group` names its TensorBoard tags: "train" (steps), "val", "tasks",
+  // "checkpoint", "run" (the end of the run).
+  void metrics(const nlohmann::json& j, const char* group);
   // One line of anomalies.jsonl and the same event as a log line.
   void audit(const nlohmann::json& j, const std::string& line);
   // After a rollback to `step`: the curves continue from the checkpoint, as after a resume.
@@ -98,8 +127,11 @@ class RunLog {
 
   const Recipe& r_;
   const bool rank0_, quiet_;
+  mutable LogFile file_;  // OUTPUT/train.log (rank 0)
   std::string metrics_path_;
   std::unique_ptr<MetricsWriter> metrics_, anomalies_;
+  std::unique_ptr<TensorBoardWriter> tensorboard_;
+  int64_t start_step_ = 0;
   // Set by startup() for the step records.
   double peak_gflops_ = 0, flops_per_step_ = 0, memory_estimate_ = 0;
   int64_t G_ = 1, T_ = 1, accum_ = 1;

@@ -75,14 +75,19 @@ TrainSession::TrainSession(const Recipe& recipe, const TrainOptions& opts)
   geo_.T = r_.training.seq_len;
   geo_.accum = r_.training.grad_accum_steps;
   geo_.G = geo_.B * geo_.accum * dp;
-  open_inputs();
-  open_model();
-  restore_counters();
-  open_optimizer();
-  open_resume();
-  report_startup();
-  open_data();
-  open_parts();
+  try {
+    open_inputs();
+    open_model();
+    restore_counters();
+    open_optimizer();
+    open_resume();
+    report_startup();
+    open_data();
+    open_parts();
+  } catch (const std::exception& e) {
+    log_.fail(e);  // into train.log once it is open (main() prints it to stderr)
+    throw;
+  }
 }
 
 TrainSession::~TrainSession() = default;
@@ -97,6 +102,7 @@ void TrainSession::open_inputs() {
   // Before any write, after preflight's errors (as `lathe check` orders them): a new run never reuses
   // a directory that holds another run (--overwrite moves it aside).
   claim_run_dir(r_, opts_.resume.empty() ? r_.training.resume : opts_.resume, opts_.overwrite, world_, log_.say_fn());
+  log_.open_log_file(!pf_.ckpt.empty(), pf_.ckpt.empty() ? 0 : pf_.cs.step);  // OUTPUT/train.log
   // data.tokenizer, the EOD settings and training.eval_tasks' items: loaded and checked by preflight.
   const DocumentOptions& docs = pf_.docs;
   if (docs.any())
@@ -158,6 +164,7 @@ void TrainSession::open_optimizer() {
   parallel::DistOptimizerConfig cfg;
   cfg.optim = optimizer_config(r_);
   cfg.zero = static_cast<int>(r_.parallel.zero);
+  cfg.shard_group = static_cast<int>(r_.parallel.shard_group);
   cfg.bucket_elems = static_cast<size_t>(std::max(1.0, r_.parallel.bucket_mb * (1 << 20) / 4));
   // Device models overlap the buckets with backward except under tensor parallelism: its hooks'
   // NCCL collectives (another communicator) would then run while buckets are in flight, and NCCL
@@ -195,7 +202,12 @@ void TrainSession::open_optimizer() {
   if (rm_->sharded()) opt.set_grad_norm_group(r_.parallel.zero > 0 ? world_ : *topo_->replica(), rm_->owned());
   if (opt.reduces())  // keeps the tensor-parallel hooks
     model.hooks().grads_ready = [&opt](size_t b, size_t e) { opt.grads_ready(b, e); };
+  // ZeRO 3 (parallel/param_gather.h): each block's weights gathered before it runs.
+  opt.set_param_blocks(model.param_ranges_by_block(), static_cast<int>(r_.parallel.prefetch));
+  if (opt.gathers()) model.hooks().before_block = [&opt](int64_t block, bool bwd) { opt.before_block(block, bwd); };
 }
+
+void TrainSession::whole_weights() { opt_->gather_whole(); }
 
 void TrainSession::open_resume() {
   const std::string& ckpt = pf_.ckpt;
@@ -324,6 +336,7 @@ TrainResult TrainSession::finish() {
   // copy of the weights): the figure the memory estimate and `lathe plan` predict.
   int64_t train_peak_rss = static_cast<int64_t>(peak_rss_bytes());
   if (world_.size() > 1) world_.all_reduce(&train_peak_rss, 1, DType::I64, dist::ReduceOp::Max);
+  whole_weights();  // ZeRO 3: the final validation and the HF directory read every weight
   result_.final_val_loss = eval_->final();
   result_.model_dir = (fs::path(r_.output.dir) / "model").string();
   Model& final_model = ckpt_->export_final(result_.model_dir);

@@ -45,12 +45,16 @@ class TrainSession {
   Evaluator& eval() { return *eval_; }
   Checkpointer& ckpt() { return *ckpt_; }
   AnomalyResponder& anomaly() { return *responder_; }
+  const RunLog& log() const { return log_; }
 
   // After step `step` (0-based): the loss for the result, the health a checkpoint records, the
   // metrics record and log line.
   void record(int64_t step, const StepStats& st);
   // The checkpoint after `done` steps (and the newest one in the result).
   void save_checkpoint(int64_t done, double lr);
+  // ZeRO 3: every weight complete on this rank before what reads them outside a training step
+  // (validation, checkpoints, HF directories; collective over the data group). Nothing otherwise.
+  void whole_weights();
   // Step `done` finished the loop's work for the step (validation, checkpoint).
   void completed(int64_t done) { result_.end_step = done; }
   // A stop before the end (signal or --stop-after; the checkpoint is saved): says why and how to go on.

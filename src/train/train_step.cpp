@@ -76,14 +76,16 @@ StepStats train_step(StepContext& c, int64_t step, const StepStats& prev) {
       model.stage_inputs(c.inputs.data() + s * B * T, c.targets.data() + s * B * T, B * T);
     set_batch_documents(model, c.docs, c.inputs.data() + m * B * T, B, T, doc_start, positions);
     opt.set_last_backward(m + 1 == accum);  // gradients are final during the last micro-batch's backward
+    opt.begin_micro_batch();                 // ZeRO 3: weights gathered per block from here
     loss_sum +=
         model.forward_backward(c.inputs.data() + m * B * T, c.targets.data() + m * B * T, B, T, grad_scale, true);
+    st.comm_wait_s += opt.end_micro_batch(m + 1 == accum);  // ZeRO 3: released; reduced unless the last
   }
   opt.set_last_backward(false);
   model.drop_staged_inputs();  // the loader refills these arrays for the next step
   if (c.faults.stall_rank == data.rank() && c.faults.stall_step == step + 1)  // a hung rank (tests/parallel)
     std::this_thread::sleep_for(std::chrono::hours(1));
-  st.comm_wait_s = opt.reduce_grads();  // the buckets backward did not issue, and the wait for all
+  st.comm_wait_s += opt.reduce_grads();  // the buckets backward did not issue, and the wait for all
   if (data.size() > 1) data.all_reduce(&loss_sum, 1, DType::F64);
   st.loss = loss_sum / static_cast<double>(targets_kept);
   if (inject_non_finite(c.faults, step + 1) && opt.state_end() > opt.state_begin())

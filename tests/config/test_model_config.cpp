@@ -271,7 +271,7 @@ TEST(ModelConfig, UnknownKeys) {
 
 TEST(ModelConfig, UnsupportedKeys) {
   expect_error(kLlama, "rope_scaling", json{{"type", "ntk"}, {"factor", 2.0}}, {"rope_scaling.type", "'ntk'"});
-  expect_error(kLlama, "rope_parameters", json{{"rope_type", "llama3"}}, {"rope_parameters.rope_type", "llama3"});
+  expect_error(kLlama, "rope_parameters", json{{"rope_type", "ntk"}}, {"rope_parameters.rope_type", "'ntk'"});
   expect_error(kLlama, "mlp_bias", true, {"mlp_bias"});
   expect_error(kLlama, "hidden_act", "gelu", {"hidden_act", "gelu"});
   expect_error(kGpt2, "activation_function", "relu", {"activation_function", "relu"});
@@ -541,4 +541,46 @@ TEST(ModelConfig, ParseGptNeox) {
   ModelConfig g = ModelConfig::preset("gpt2-debug");
   g.parallel_residual = true;
   EXPECT_THROW(g.validate("x"), Error);
+}
+
+// transformers v5 folds rope_theta, partial_rotary_factor and the rope_scaling keys into one
+// `rope_parameters` object (issue 25): a scaled Llama 3.1 written that way reads as the 4.45 form,
+// a value given both ways must agree, and its keys are checked as rope_scaling's are.
+TEST(ModelConfig, TransformersV5RopeParameters) {
+  const json llama3 = {{"rope_type", "llama3"},        {"factor", 8.0},
+                       {"low_freq_factor", 1.0},       {"high_freq_factor", 4.0},
+                       {"original_max_position_embeddings", 8192}};
+  json old = json::parse(kLlama);
+  old["rope_scaling"] = llama3;
+  old["rope_theta"] = 500000.0;
+  old["partial_rotary_factor"] = 0.5;
+  json v5 = json::parse(kLlama);
+  v5.erase("rope_scaling");
+  v5["rope_parameters"] = llama3;
+  v5["rope_parameters"]["rope_theta"] = 500000.0;
+  v5["rope_parameters"]["partial_rotary_factor"] = 0.5;
+  const ModelConfig a = ModelConfig::from_hf_json(old, "old"), b = ModelConfig::from_hf_json(v5, "v5");
+  EXPECT_EQ(b.rope_scaling.type, "llama3");
+  EXPECT_DOUBLE_EQ(b.rope_theta, 500000.0);
+  EXPECT_DOUBLE_EQ(b.partial_rotary_factor, 0.5);
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(b.to_hf_json()["rope_scaling"], a.to_hf_json()["rope_scaling"]);  // written in the 4.45 form
+
+  json both = v5;  // the same scaling both ways is accepted; a different one is refused
+  both["rope_scaling"] = llama3;
+  EXPECT_EQ(ModelConfig::from_hf_json(both, "both").rope_scaling, b.rope_scaling);
+  both["rope_scaling"]["factor"] = 4.0;
+  expect_error(both.dump().c_str(), "rope_theta", 500000.0, {"rope_parameters", "conflicts with rope_scaling"});
+  json other = v5;
+  other["partial_rotary_factor"] = 1.0;
+  expect_error(other.dump().c_str(), "rope_theta", 500000.0, {"rope_parameters.partial_rotary_factor", "conflicts"});
+  json bad = v5;
+  bad["rope_parameters"]["mscale"] = 1.0;
+  expect_error(bad.dump().c_str(), "rope_theta", 500000.0, {"rope_parameters.mscale", "DeepSeek"});
+  json missing = v5;
+  missing["rope_parameters"].erase("factor");
+  expect_error(missing.dump().c_str(), "rope_theta", 500000.0, {"rope_parameters.factor", "missing"});
+  json mistral = json::parse(kMistral);
+  mistral["rope_parameters"] = {{"rope_type", "linear"}, {"factor", 2.0}};
+  expect_error(mistral.dump().c_str(), "rope_theta", 10000.0, {"rope_parameters.rope_type", "mistral"});
 }

@@ -16,7 +16,7 @@ so that attention and RoPE matter, norms and biases perturbed:
     equal to transformers with llama.cpp's fp16 GELU table emulated (1e-4)
   * ONNX export (exact GELU + parallel residual, tanh GELU + sequential) run by onnxruntime
   * refused with the reason: GGUF of an exact-GELU model (llama.cpp computes the tanh GELU),
-    hidden_act relu, rope_scaling, a missing tensor
+    hidden_act relu, a missing tensor; rope_scaling types equal transformers
 """
 import json
 import os
@@ -93,6 +93,13 @@ def hf_logits(m):
     m.eval()
     with torch.no_grad():
         return [m(torch.tensor([t])).logits[0].numpy() for t in TOKENS]
+
+
+def hf_logits_of(d, tokens):
+    m = transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32, attn_implementation="eager")
+    m.eval()
+    with torch.no_grad():
+        return m(torch.tensor([tokens])).logits[0].numpy()
 
 
 def lathe_logits(d, tmp):
@@ -244,6 +251,42 @@ def onnx_runtime(tmp, cases):
                         f"and one step with past key/values (relative {e:.2e})")
 
 
+def rope_scaled(tmp, d, edited):
+    """transformers 4.45's GPT-NeoX rotary class is Llama's: each rope_scaling type over the rotary_pct
+    dims, equal to transformers (and moved from the plain model, so the check is not vacuous).
+    dynamic at max_position_embeddings 8 < T = 12 recomputes the frequencies from the length."""
+    plain = hf_logits(d)
+    for name, scaling, max_pos in (("linear", {"type": "linear", "factor": 2.0}, None),
+                                   ("dynamic", {"rope_type": "dynamic", "factor": 2.0}, 8),
+                                   ("yarn", {"rope_type": "yarn", "factor": 4.0}, None),
+                                   ("llama3", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                               "high_freq_factor": 4.0,
+                                               "original_max_position_embeddings": 16}, None)):
+        def edit(c, scaling=scaling, max_pos=max_pos):
+            c["rope_scaling"] = scaling
+            if max_pos:
+                c["max_position_embeddings"] = max_pos
+        p = edited("rope_" + name, edit_cfg=edit)
+        check(p.returncode == 0, f"rope_scaling {name} accepted: {p.stderr.strip()[:300]}")
+        dst = os.path.join(tmp, "rope_" + name)
+        ours, _ = lathe_logits(dst, tmp)
+        # transformers' dynamic class keeps the frequencies of the longest pass so far (a later
+        # shorter pass above max_position_embeddings reuses them): a fresh model per sequence.
+        theirs = hf_logits(dst) if name != "dynamic" else [hf_logits_of(dst, t) for t in TOKENS]
+        e, moved = reldiff(ours, theirs), reldiff(theirs, plain)
+        check(e < TOL and moved > 1e-4,
+              f"gpt_neox rope_scaling {name}: lathe equals transformers (relative {e:.2e}; "
+              f"{moved:.2e} from plain RoPE)")
+    p = run(["convert", "--from-hf", os.path.join(tmp, "rope_linear"), "--to-gguf", os.path.join(tmp, "r.gguf")],
+            ok=False)
+    check(p.returncode != 0 and "rope_scaling 'linear'" in p.stderr and "gptneox" in p.stderr,
+          f"GGUF of a scaled gpt_neox refused with the reason: {p.stderr.strip()[-300:]}")
+    conv = os.path.join(tmp, "rope_yarn_conv")
+    run(["convert", "--from-hf", os.path.join(tmp, "rope_yarn"), "--to", conv])
+    cfg = json.load(open(os.path.join(conv, "config.json")))
+    check(cfg.get("rope_scaling", {}).get("factor") == 4.0, f"rope_scaling written back ({cfg.get('rope_scaling')})")
+
+
 def main():
     tmp = tempfile.mkdtemp(prefix="lathe_neox_test_")
     data = os.path.join(tmp, "bytes")
@@ -309,8 +352,7 @@ def main():
     p = edited("relu", edit_cfg=lambda c: c.update(hidden_act="relu"))
     check(p.returncode != 0 and "hidden_act" in p.stderr and "relu" in p.stderr,
           f"hidden_act relu refused naming the key: {p.stderr.strip()[:300]}")
-    p = edited("scaled", edit_cfg=lambda c: c.update(rope_scaling={"type": "linear", "factor": 2.0}))
-    check(p.returncode != 0 and "rope_scaling" in p.stderr, f"rope_scaling refused: {p.stderr.strip()[:300]}")
+    rope_scaled(tmp, d, edited)
     p = edited("missing", edit_sd=lambda sd: sd.pop("gpt_neox.layers.1.attention.query_key_value.bias"))
     check(p.returncode != 0 and "gpt_neox.layers.1.attention.query_key_value.bias" in p.stderr,
           f"a missing tensor is named: {p.stderr.strip()[:300]}")

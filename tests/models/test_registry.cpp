@@ -96,6 +96,23 @@ TEST(ModelMemory, ExplicitHeadDimSizes) {
   EXPECT_DOUBLE_EQ(m->flops_per_token(T), 6.0 * static_cast<double>(c.num_parameters()) + 12.0 * L * HD * T);
 }
 
+// Sliding layers count the keys in their window, not T (issue 25: FLOPs and MFU of windowed
+// models). Layers 0 and 2 slide with window 3 at T = 7; layer 1 is full: keys 3 + 7 + 3 = 13.
+TEST(ModelMemory, FlopsCountWindowKeysOfSlidingLayers) {
+  ModelConfig c = model_test::mistral_head_dim_config();
+  c.num_hidden_layers = 3;
+  c.sliding_window = 3;
+  c.sliding_layers = {1, 0, 1};
+  const int64_t HD = 128, T = 7;
+  EXPECT_DOUBLE_EQ(c.attention_keys_over_layers(T), 13.0);
+  EXPECT_DOUBLE_EQ(c.attention_keys_over_layers(2), 6.0);  // a window >= T is full attention
+  auto m = build_model(c);
+  const double expected = 6.0 * static_cast<double>(c.num_parameters()) + 12.0 * HD * 13.0;
+  EXPECT_DOUBLE_EQ(m->flops_per_token(T), expected);
+  c.sliding_layers.clear();  // every layer slides
+  EXPECT_DOUBLE_EQ(c.attention_keys_over_layers(T), 9.0);
+}
+
 // The arena used to be sized as the sum of the unrounded sizes + 4096 floats of slack while each
 // slice was rounded up to 16 floats: with many layers and an odd token count the slices outgrew
 // it ("internal: activation arena overflow"). It is now sized by the same walk that cuts it.

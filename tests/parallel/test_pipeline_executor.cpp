@@ -28,6 +28,7 @@ struct Case {
   const char* preset;
   int64_t layers, p, v, m;
   std::vector<int64_t> stage_layers;
+  std::vector<uint8_t> sliding = {};  // per-layer sliding-window flags (window 5 < T = 16), empty = none
 };
 
 void run_case(const Case& c) {
@@ -35,6 +36,10 @@ void run_case(const Case& c) {
   ModelConfig cfg = ModelConfig::preset(c.preset);
   cfg.num_hidden_layers = c.layers;
   if (std::string(c.preset) == "llama-debug") cfg.tie_word_embeddings = false;
+  if (!c.sliding.empty()) {
+    cfg.sliding_window = 5;
+    cfg.sliding_layers = c.sliding;
+  }
   const int64_t B = 2, T = 16, N = B * T;
   auto whole = build_model(cfg);
   whole->init_weights(11);
@@ -93,6 +98,14 @@ TEST(PipelineExecutor, Gpt2UnevenThreeStages) { run_case({"gpt2 p3 uneven", "gpt
 TEST(PipelineExecutor, Gpt2Interleaved) { run_case({"gpt2 p2 v2", "gpt2-debug", 4, 2, 2, 4, {}}); }
 TEST(PipelineExecutor, LlamaUntiedInterleavedThreeStages) { run_case({"llama p3 v2", "llama-debug", 6, 3, 2, 3, {}}); }
 
+// Layers that mix sliding and full attention keep their own windows in every stage (the flags are
+// not symmetric across stages, so a stage reading the whole model's first entries would differ).
+TEST(PipelineExecutor, MixedSlidingLayersTwoStages) {
+  run_case({"qwen2 mixed windows p2", "qwen2-debug", 4, 2, 1, 4, {}, {1, 1, 0, 1}});
+}
+TEST(PipelineExecutor, MixedSlidingLayersInterleaved) {
+  run_case({"qwen2 mixed windows p2 v2", "qwen2-debug", 4, 2, 2, 4, {}, {1, 0, 0, 1}});
+}
 TEST(PipelineExecutor, Qwen3TwoStages) { run_case({"qwen3 p2", "qwen3-debug", 4, 2, 1, 4, {}}); }
 
 TEST(PipelineStage, StageTablesSliceTheWholeTable) {

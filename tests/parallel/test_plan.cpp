@@ -70,6 +70,26 @@ TEST(Plan, DataParallelMemoryIsLatheChecks) {
         }
 }
 
+// ZeRO 3 (parallel/param_gather.h): the plan's weights and gradients per rank are what preflight
+// (lathe check --world) computes: the 1/d shard plus the gathered blocks (prefetch 1).
+TEST(Plan, Zero3MemoryIsLatheChecks) {
+  for (const char* preset : {"gpt2-debug", "llama-debug"}) {
+    const int64_t d = 4;
+    const Job j = job_of(preset, d, 3, 40, 24);
+    const Estimate e = plan::estimate(j, machine(), Layout{d, 1, 1, false, 3, Recompute::None});
+    ASSERT_TRUE(e.reject.empty()) << e.reject;
+    MemoryEstimate ref = estimate_memory(j.model, 3, 40, 2, d, DType::F32, Recompute::None);
+    const int64_t whole = ref.param_bytes;
+    shard_parameters(ref, j.model, d, 1);
+    EXPECT_EQ(e.memory.params, ref.param_bytes) << preset;
+    EXPECT_EQ(e.memory.grads, ref.grad_bytes) << preset;
+    EXPECT_EQ(ref.param_bytes, (whole / 4 + d - 1) / d * 4 + ref.gather_bytes);
+    EXPECT_NE(ref.breakdown().find("1/4 shard"), std::string::npos) << ref.breakdown();
+    const Estimate tp = plan::estimate(j, machine(), Layout{2, 2, 1, false, 3, Recompute::None});
+    EXPECT_NE(tp.reject.find("ZeRO 3"), std::string::npos) << tp.reject;
+  }
+}
+
 TEST(Plan, HandComputedTwoByTwo) {
   // gpt2-debug: L=2, C=48, H=4, V=96, 128 positions, tied; B=2, T=16, 8 samples -> m = 4.
   const Job j = job_of("gpt2-debug", 4, 2, 16, 8);
@@ -142,8 +162,9 @@ TEST(Plan, InvalidLayoutsExcludedWithTheReason) {
   // llama-debug: 4 heads, 2 KV heads, 2 layers, vocabulary 96, intermediate 96.
   Job j = job_of("llama-debug", 4, 1, 16, 8);
   const auto all = plan::enumerate(j, machine());
-  // (t, p, d) triples of 4: (1,1,4) 9 layouts, (1,2,2) 9, (1,4,1) 3, (2,1,2) 18, (2,2,1) 6, (4,1,1) 6.
-  EXPECT_EQ(all.size(), 51u);
+  // (t, p, d) triples of 4: (1,1,4) 12 layouts (ZeRO 0..3), (1,2,2) 9, (1,4,1) 3, (2,1,2) 18, (2,2,1) 6,
+  // (4,1,1) 6.
+  EXPECT_EQ(all.size(), 54u);
   bool seen_kv = false, seen_layers = false, tail_invalid = false;
   for (const auto& e : all) {
     if (e.layout.tensor == 4) {
@@ -322,4 +343,17 @@ TEST(Plan, LongStepsExtendedFromShortSimulations) {
   EXPECT_EQ(plan::estimate(deep, m, Layout{1, 1, 1024, false, 0, Recompute::None, 1}).reject,
             "pipeline 1024 x virtual stages 1 is too deep for the schedule simulator (1024 x 4096 micro-batches x 1 > "
             "262144 steps)");
+}
+
+// The planner's FLOPs read the keys of sliding layers from the config alone, as the model does
+// (tests/models/test_registry.cpp FlopsCountWindowKeysOfSlidingLayers): window 3 on layers 0 and 2
+// at T = 7 counts 3 + 7 + 3 keys, not 3 x 7.
+TEST(Plan, FlopsCountWindowKeysOfSlidingLayers) {
+  ModelConfig c = model_test::mistral_head_dim_config();
+  c.num_hidden_layers = 3;
+  c.sliding_window = 3;
+  c.sliding_layers = {1, 0, 1};
+  auto m = build_model(c);
+  EXPECT_DOUBLE_EQ(plan::flops_per_token(c, 7), m->flops_per_token(7));
+  EXPECT_DOUBLE_EQ(plan::flops_per_token(c, 7) - plan::flops_per_token(c, 3), 12.0 * 128 * 4);  // layer 1: 7 - 3 keys
 }

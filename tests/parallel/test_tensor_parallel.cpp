@@ -49,7 +49,9 @@ std::vector<Family> families() {
   f.insert(f.end(), {{"gpt2_v50257", gpt2_v, {2}},
                      {"gpt2_h6_v97", gpt2_h6, {2, 3}},
                      {"llama_gqa_v101", llama_v, {2}},
-                     {"qwen2_tied_v101", qwen2_v, {2}}});
+                     {"qwen2_tied_v101", qwen2_v, {2}},
+                     // fused qkv_proj with unequal q and k/v sections (4 query heads, 2 KV heads)
+                     {"phi3_gqa", ModelConfig::preset("phi3-debug"), {2}}});
   return f;
 }
 
@@ -488,29 +490,21 @@ TEST(TensorParallel, RegionPairsCallTheirCollectives) {
   expect(entry("all_reduce_f32", f32, nullptr, 2));
 }
 
-// phi3's fused qkv_proj splits as three equal sections (q, k, v each over the ranks): grouped-query
-// phi3 (KV < H) is refused naming the heads; with KV == H a rank's shard holds its own q, k and v
-// heads (scatter then place restores the whole model).
-TEST(TensorParallel, Phi3FusedQkv) {
-  ModelConfig gqa = ModelConfig::preset("phi3-debug");
-  std::string e;
-  try {
-    (void)shard_config(gqa, 2);
-  } catch (const Error& x) {
-    e = x.what();
-  }
-  EXPECT_NE(e.find("phi3 with num_key_value_heads = 2 != num_attention_heads = 4"), std::string::npos) << e;
-  ModelConfig mha = gqa;
-  mha.num_key_value_heads = 4;
+namespace {
+void phi3_sections_case(const ModelConfig& mha) {
   auto whole = build_model(mha);
   whole->init_weights(3);
   auto local = build_model(shard_config(mha, 2, 1));
   scatter_shard(whole->params(), whole->param_data(), local->params(), local->param_data(), 1, 2);
   const ParamSpec& g = whole->params().at("model.layers.0.self_attn.qkv_proj.weight");
   const ParamSpec& l = local->params().at("model.layers.0.self_attn.qkv_proj.weight");
-  const int64_t C = mha.hidden_size, HD = 4 * mha.head_dim(), part = HD / 2;
-  for (int64_t sec = 0; sec < 3; ++sec)  // rank 1: the second half of each of q, k, v
-    EXPECT_EQ(local->param_data()[l.offset + sec * part * C], whole->param_data()[g.offset + (sec * HD + part) * C])
+  const int64_t C = mha.hidden_size, D = mha.head_dim(), H = mha.num_attention_heads, KV = mha.num_key_value_heads;
+  // rank 1: the second half of each of q (H heads), k and v (KV heads each)
+  const int64_t global_first[3] = {H / 2 * D, (H + KV / 2) * D, (H + KV + KV / 2) * D};
+  const int64_t local_first[3] = {0, H / 2 * D, (H / 2 + KV / 2) * D};
+  ASSERT_EQ(l.shape[0], (H + 2 * KV) / 2 * D);
+  for (int64_t sec = 0; sec < 3; ++sec)
+    EXPECT_EQ(local->param_data()[l.offset + local_first[sec] * C], whole->param_data()[g.offset + global_first[sec] * C])
         << sec;
   std::vector<float> back(whole->num_params(), 0.0f);
   for (int r = 0; r < 2; ++r) {
@@ -523,5 +517,18 @@ TEST(TensorParallel, Phi3FusedQkv) {
     EXPECT_TRUE(
         std::equal(back.begin() + s.offset, back.begin() + s.offset + s.numel(), whole->param_data() + s.offset))
         << n;
+  }
+}
+}  // namespace
+
+// phi3's fused qkv_proj splits as three sections of H, KV and KV heads (q, k, v each over the
+// ranks): a rank's shard holds its own q, k and v heads, grouped-query (KV < H) or not, and
+// scatter then place restores the whole model.
+TEST(TensorParallel, Phi3FusedQkv) {
+  for (int64_t kv : {2, 4}) {
+    ModelConfig mha = ModelConfig::preset("phi3-debug");  // 4 query heads
+    mha.num_key_value_heads = kv;
+    SCOPED_TRACE(fmt::format("kv heads {}", kv));
+    phi3_sections_case(mha);
   }
 }

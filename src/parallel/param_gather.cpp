@@ -1,0 +1,175 @@
+#include "parallel/param_gather.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+
+#include "core/error.h"
+#include "core/trace.h"
+
+namespace lathe::parallel {
+
+namespace {
+
+// Sorted, adjacent runs merged.
+ParamGather::Ranges normalised(ParamGather::Ranges r) {
+  std::sort(r.begin(), r.end());
+  ParamGather::Ranges out;
+  for (const auto& [b, e] : r) {
+    if (b >= e) continue;
+    if (!out.empty() && out.back().second >= b)
+      out.back().second = std::max(out.back().second, e);
+    else
+      out.push_back({b, e});
+  }
+  return out;
+}
+
+// `from` without the elements of [b, e).
+ParamGather::Ranges minus(const ParamGather::Ranges& from, size_t b, size_t e) {
+  ParamGather::Ranges out;
+  for (const auto& [lo, hi] : from) {
+    if (hi <= b || lo >= e) {
+      out.push_back({lo, hi});
+      continue;
+    }
+    if (lo < b) out.push_back({lo, b});
+    if (hi > e) out.push_back({e, hi});
+  }
+  return out;
+}
+
+}  // namespace
+
+ParamGather::ParamGather(dist::Communicator& group, float* params, const FlatShards& shards,
+                         std::vector<Ranges> blocks, int prefetch)
+    : group_(group), params_(params), shards_(shards), prefetch_(prefetch) {
+  LATHE_CHECK(params != nullptr, "ZeRO 3: no parameter buffer to gather into");
+  LATHE_CHECK(prefetch >= 0 && prefetch <= 2, "parallel.prefetch must be 0, 1 or 2, got {}", prefetch);
+  LATHE_CHECK(shards.ranks() == group.size(), "ZeRO 3: {} shards for a data-parallel group of {}", shards.ranks(),
+              group.size());
+  LATHE_CHECK(blocks.size() >= 2, "ZeRO 3: {} blocks (a model has an embedding and a head at least)", blocks.size());
+  for (auto& b : blocks) {
+    b = normalised(std::move(b));
+    LATHE_CHECK(b.empty() || b.back().second <= shards.total(),
+                "ZeRO 3: a block's range ends at {}, past the buffer of {} elements", b.back().second, shards.total());
+    blocks_.push_back(std::move(b));
+  }
+  slots_.resize(static_cast<size_t>(positions()));
+}
+
+ParamGather::~ParamGather() {
+  for (auto& s : slots_)
+    for (auto& w : s.works) try {
+        if (w) w->wait();
+      } catch (...) {  // reported by whoever waited first; nothing to add while unwinding
+      }
+}
+
+std::pair<int64_t, bool> ParamGather::at(int64_t pos) const {
+  const int64_t n = static_cast<int64_t>(blocks_.size());
+  return pos < n ? std::pair{pos, false} : std::pair{2 * (n - 1) - pos, true};
+}
+
+void ParamGather::note(Op op, int64_t pos) {
+  if (!record_events) return;
+  const auto [block, backward] = at(pos);
+  events_.push_back({op, block, backward});
+}
+
+void ParamGather::issue(int64_t pos) {
+  Slot& s = slots_[static_cast<size_t>(pos)];
+  s.issued = true;
+  note(Op::Issue, pos);
+  const int me = group_.rank();
+  for (const auto& [b, e] : blocks_[static_cast<size_t>(at(pos).first)]) {
+    // This rank's part of [b, e) is already in place (send aliases its own segment of recv).
+    const size_t mine = std::max(b, std::min(e, shards_.begin(me)));
+    s.works.push_back(group_.all_gather_async(params_ + mine, params_ + b, shards_.overlap(b, e), DType::F32));
+  }
+}
+
+void ParamGather::wait(int64_t pos) {
+  Slot& s = slots_[static_cast<size_t>(pos)];
+  if (s.ready) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  {
+    trace::Scope span("wait for weight gather", trace::Cat::Comm);
+    for (auto& w : s.works) w->wait();
+  }
+  waited_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  s.works.clear();
+  s.ready = true;
+  note(Op::Wait, pos);
+}
+
+void ParamGather::release(int64_t pos, int64_t keep_lo, int64_t keep_hi) {
+  const int me = group_.rank();
+  Ranges r = minus(blocks_[static_cast<size_t>(at(pos).first)], shards_.begin(me), shards_.end(me));
+  for (int64_t q = std::max<int64_t>(keep_lo, 0); q < std::min(keep_hi, positions()); ++q)
+    for (const auto& [b, e] : blocks_[static_cast<size_t>(at(q).first)]) r = minus(r, b, e);
+  note(Op::Release, pos);
+  static const uintptr_t kPage = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  for (const auto& [lo, hi] : r) {  // whole pages only: the edges may hold a neighbour's weights
+    const uintptr_t a = reinterpret_cast<uintptr_t>(params_ + lo), z = reinterpret_cast<uintptr_t>(params_ + hi);
+    const uintptr_t pa = (a + kPage - 1) & ~(kPage - 1), pz = z & ~(kPage - 1);
+    if (pz > pa && ::madvise(reinterpret_cast<void*>(pa), pz - pa, MADV_DONTNEED) == 0) released_bytes_ += pz - pa;
+  }
+}
+
+void ParamGather::before_block(int64_t block, bool backward) {
+  const int64_t n = static_cast<int64_t>(blocks_.size());
+  LATHE_CHECK(block >= 0 && block < n && !(backward && block == n - 1),
+              "ZeRO 3: before_block({}, {}) outside the model's blocks 0..{}", block, backward, n - 1);
+  const int64_t p = backward ? 2 * (n - 1) - block : block;
+  LATHE_CHECK(p > cur_, "ZeRO 3: block {} ({}) requested after position {} of the pass: blocks out of order", block,
+              backward ? "backward" : "forward", cur_);
+  const int64_t keep_hi = p + prefetch_ + 1;
+  for (int64_t q = std::max<int64_t>(cur_, 0); q < p; ++q) {  // the previous block (and any skipped)
+    Slot& s = slots_[static_cast<size_t>(q)];
+    if (!s.issued) continue;
+    wait(q);
+    release(q, p, keep_hi);
+  }
+  if (!slots_[static_cast<size_t>(p)].issued) issue(p);
+  wait(p);
+  for (int64_t q = p + 1; q < std::min(keep_hi, positions()); ++q)
+    if (!slots_[static_cast<size_t>(q)].issued) issue(q);
+  cur_ = p;
+}
+
+double ParamGather::end_pass() {
+  for (int64_t q = std::max<int64_t>(cur_, 0); q < positions(); ++q) {
+    Slot& s = slots_[static_cast<size_t>(q)];
+    if (!s.issued) continue;
+    wait(q);
+    release(q, 0, 0);
+  }
+  for (auto& s : slots_) s = Slot{};
+  cur_ = -1;
+  const double waited = waited_s_;
+  waited_s_ = 0;
+  return waited;
+}
+
+void ParamGather::release_whole() {
+  LATHE_CHECK(cur_ < 0, "ZeRO 3: the whole model released in the middle of a pass (position {})", cur_);
+  const int me = group_.rank();
+  static const uintptr_t kPage = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  for (auto [lo, hi] : minus({{0, shards_.total()}}, shards_.begin(me), shards_.end(me))) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(params_ + lo), z = reinterpret_cast<uintptr_t>(params_ + hi);
+    const uintptr_t pa = (a + kPage - 1) & ~(kPage - 1), pz = z & ~(kPage - 1);
+    if (pz > pa && ::madvise(reinterpret_cast<void*>(pa), pz - pa, MADV_DONTNEED) == 0) released_bytes_ += pz - pa;
+  }
+}
+
+void ParamGather::gather_whole() {
+  LATHE_CHECK(cur_ < 0, "ZeRO 3: the whole model gathered in the middle of a pass (position {})", cur_);
+  const int me = group_.rank();
+  group_.all_gather(params_ + shards_.begin(me), params_, shards_.sizes(), DType::F32);
+}
+
+}  // namespace lathe::parallel

@@ -1,0 +1,93 @@
+// ZeRO 3 (parallel.zero: 3): the fp32 weights sharded over the data-parallel group like the
+// moments and the gradients (FlatShards: rank r owns [begin(r), end(r)) of the flat buffer), and
+// gathered block by block around the model's passes (StepHooks::before_block).
+//
+// The model keeps its flat parameter buffer [P] as address space: the pages of this rank's shard
+// stay resident (the fp32 master the optimizer updates), the others are filled by an all-gather of
+// a block's ranges right before the block runs (forward, and again before its backward), and handed
+// back to the OS (madvise MADV_DONTNEED, as ZeRO 2 does with gradient pages) once the pass has moved
+// on. Only whole pages inside a block's ranges and outside the shard are released; the pages at the
+// edges stay resident (a few KiB per tensor run). So between the blocks the resident weights are
+// the shard plus the blocks gathered: the one computing and up to `prefetch` ahead, whose
+// all-gathers run on the communicator's progress thread while the current block computes
+// (forward: block l+1, l+2 during l; backward: l-1, l-2).
+//
+// A training pass visits the positions
+//     (0,f) (1,f) ... (L,f) (L+1,f) (L,b) ... (1,b) (0,b)
+// (block 0 = embedding, 1..L = decoder layers, L+1 = head, whose forward and backward are one call);
+// before_block must be called in that order (a pass may stop early: end_pass()). Every gather is
+// an exact copy of the owners' values, so the model computes with the same bits as at ZeRO 0.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "dist/comm.h"
+#include "parallel/flat_shards.h"
+
+namespace lathe::parallel {
+
+class ParamGather {
+ public:
+  using Ranges = std::vector<std::pair<size_t, size_t>>;
+  // blocks[b]: the flat ranges block b reads (Model::param_ranges_by_block). `params` [shards.total()]
+  // must be page-backed memory this object may madvise. prefetch: 0..2 blocks gathered ahead.
+  ParamGather(dist::Communicator& group, float* params, const FlatShards& shards, std::vector<Ranges> blocks,
+              int prefetch);
+  ~ParamGather();  // waits for gathers still in flight
+  ParamGather(const ParamGather&) = delete;
+  ParamGather& operator=(const ParamGather&) = delete;
+
+  // The hook: block's weights are complete when it returns; the previous block's are released and
+  // the next `prefetch` blocks' gathers issued.
+  void before_block(int64_t block, bool backward);
+  // After a pass: gathers in flight waited for, every gathered block released. Returns the seconds
+  // the pass spent waiting for gathers (the communication compute did not hide).
+  double end_pass();
+  // Every weight complete on this rank (checkpoints, evaluation, export): one all-gather of the shards.
+  void gather_whole();
+  // Every page outside this rank's shard handed back (after the weights were loaded whole).
+  void release_whole();
+
+  // What happened, in order (tests): a gather issued, waited for, or a block's pages released.
+  enum class Op { Issue, Wait, Release };
+  struct Event {
+    Op op;
+    int64_t block;
+    bool backward;
+    bool operator==(const Event&) const = default;
+  };
+  const std::vector<Event>& events() const { return events_; }
+  void clear_events() { events_.clear(); }
+  bool record_events = false;
+  // Bytes handed back to the OS so far (whole pages; tests).
+  size_t released_bytes() const { return released_bytes_; }
+  int prefetch() const { return prefetch_; }
+
+ private:
+  int64_t positions() const { return 2 * static_cast<int64_t>(blocks_.size()) - 1; }
+  std::pair<int64_t, bool> at(int64_t pos) const;  // (block, backward) of a position
+  void issue(int64_t pos);
+  void wait(int64_t pos);
+  // pos's block's pages outside the shard and outside the blocks of positions [keep_lo, keep_hi).
+  void release(int64_t pos, int64_t keep_lo, int64_t keep_hi);
+  void note(Op op, int64_t pos);
+
+  dist::Communicator& group_;
+  float* params_;
+  const FlatShards& shards_;
+  std::vector<Ranges> blocks_;  // sorted, merged
+  int prefetch_;
+  struct Slot {
+    bool issued = false, ready = false;
+    std::vector<dist::WorkPtr> works;
+  };
+  std::vector<Slot> slots_;  // by position, this pass
+  int64_t cur_ = -1;         // the position computing
+  std::vector<Event> events_;
+  size_t released_bytes_ = 0;
+  double waited_s_ = 0;  // this pass
+};
+
+}  // namespace lathe::parallel
