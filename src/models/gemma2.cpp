@@ -6,9 +6,9 @@
 // from the config: scores scaled by 1/sqrt(query_pre_attn_scalar), attention and final logit
 // soft-capping (kernel arguments) and sliding windows on the even layers (ModelConfig::sliding_layers).
 //
-// Where this runs: host memory, one process or data / tensor / sequence parallel ranks
+// Where this runs: host memory, one process or data / tensor / sequence / pipeline parallel ranks
 // (check_gemma2_support). The (1 + w) weights and the embedding scale are formed on the host; a
-// device-resident model and pipeline stages are refused until they are done there.
+// device-resident model is refused until they are done there.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -67,8 +67,6 @@ void Model::check_gemma2_support() const {
               "model: {} runs on host memory only for now (its (1 + w) norm weights and embedding scale are formed on "
               "the host; the attention / lm-head soft caps and GeGLU have CUDA kernels); use backend: cpu",
               cfg_.model_type);
-  LATHE_CHECK(arch_.embedding && arch_.head,
-              "model: {} in pipeline stages is not implemented yet; set parallel.pipeline: 1", cfg_.model_type);
 }
 
 const float* Model::norm_weight(const float* w, int64_t n) {

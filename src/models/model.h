@@ -337,8 +337,8 @@ class Model {
   // Arch::embed_scale: rows [0, n) of x (compute dtype, host memory) times sqrt(hidden_size) rounded to
   // the compute dtype: the embedding's forward and, on its gradient, its backward.
   void scale_by_normalizer(void* x, int64_t n) const;
-  // A gemma2 model runs where these are implemented: one process on host memory. Throws naming what
-  // is missing otherwise (called at construction and per pass).
+  // A gemma2 model runs where these are implemented: host memory (any data / tensor / sequence /
+  // pipeline layout). Throws naming what is missing otherwise (at construction and per pass).
   void check_gemma2_support() const;
   // out[N, C] = in[N, K] @ w^T (+ bias): a GEMM whose input features may be split over
   // tensor-parallel ranks (reduce_from_tensor_region / reduce_scatter_to_sequence_region sum the

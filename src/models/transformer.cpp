@@ -62,7 +62,7 @@ Model::Model(ModelConfig cfg, Arch arch, ParamTable table, ComputeSpec compute)
   grad_ranges_by_block_.clear();
   for (int64_t block = 0; block < L + 2; ++block)
     grad_ranges_by_block_.push_back(table_.ranges([&](const ParamSpec& s) { return block_of(s) == block; }));
-  check_gemma2_support();  // device and pipeline stages here; tensor parallelism (set later) per pass
+  check_gemma2_support();  // a device-resident model is refused here
 }
 
 std::vector<std::vector<std::pair<size_t, size_t>>> Model::param_ranges_by_block() const {
