@@ -65,7 +65,7 @@ void Model::check_gemma2_support() const {
   if (!arch_.sandwich_norm && arch_.norm_weight_offset == 0.0f && !arch_.embed_scale) return;
   LATHE_CHECK(!on_device(),
               "model: {} runs on host memory only for now (its (1 + w) norm weights and embedding scale are formed on "
-              "the host; the attention / lm-head soft caps and GeGLU have CUDA kernels); use backend: cpu",
+              "the host; the attention / lm-head soft caps and GeGLU have CUDA kernels); set device: cpu",
               cfg_.model_type);
 }
 
