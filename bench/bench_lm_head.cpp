@@ -160,7 +160,7 @@ int main(int argc, char** argv) {
     cpu::head::bench_tile_width_override = width;
     if (bf16)
       cpu::bf16_ops().lm_head_loss(losses.data(), dxh.data(), dw.data(), xh.data(), wh.data(), tg.data(), N, C, V, gs,
-                                   true, scratch_h.data(), chunk2, nullptr);
+                                   true, scratch_h.data(), chunk2, nullptr, 0.0f);
     else
       cpu::lm_head_loss_tiled(losses.data(), dx.data(), dw.data(), x.data(), w.data(), tg.data(), N, C, V, gs, true,
                               scratch.data(), chunk2, width);

@@ -140,9 +140,10 @@ int main(int argc, char** argv) {
       for (int i = 0; i < 2; ++i) o.residual_forward(y.p(), y.p(), x.p(), N * C);
     });
     add("attention fwd", true,
-        [&] { o.attention_forward(y.p(), lse.f(), x.p(), B, T, H, KV, D, scratch.data(), nullptr, 0); });
-    add("attention bwd", true,
-        [&] { o.attention_backward(g.p(), y.p(), x.p(), y.p(), lse.f(), B, T, H, KV, D, scratch.data(), nullptr, 0); });
+        [&] { o.attention_forward(y.p(), lse.f(), x.p(), B, T, H, KV, D, scratch.data(), nullptr, 0, 0.0f, 0.0f); });
+    add("attention bwd", true, [&] {
+      o.attention_backward(g.p(), y.p(), x.p(), y.p(), lse.f(), B, T, H, KV, D, scratch.data(), nullptr, 0, 0.0f, 0.0f);
+    });
     add("embedding fwd+bwd", false, [&] {
       o.embedding_forward(y.p(), tok.data(), w.p(), gpt2 ? x.p() : nullptr, B, T, C, nullptr, 0, V);
       o.embedding_backward(gw.f(), nullptr, g.p(), tok.data(), B, T, C, nullptr, 0, V);
@@ -164,7 +165,7 @@ int main(int argc, char** argv) {
     });
     add(fmt::format("lm_head_loss fwd+bwd (V={})", V), false, [&] {
       o.lm_head_loss(losses.f(), y.p(), gw.f(), x.p(), w.p(), tok.data(), N, C, V, 1.0f / N, true, scratch.data(),
-                     chunk, nullptr);
+                     chunk, nullptr, 0.0f);
     });
   }
   fmt::print("{} B={} T={} threads={} blas={}\n{:<44}", argv[1], B, T, omp_get_max_threads(), blas_kernel_name(), "op");

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <set>
 
+#include "config/hf_reader.h"
 #include "config/recipe.h"  // closest_match
 #include "core/checked.h"
 #include "core/error.h"
@@ -15,8 +16,11 @@ namespace lathe {
 namespace {
 
 using json = nlohmann::json;
+using hf_config::Reader;
+using hf_config::value_str;
 
-const std::vector<std::string> kModelTypes = {"gpt2", "llama", "qwen2", "mistral", "qwen3", "phi3", "gpt_neox"};
+const std::vector<std::string> kModelTypes = {"gpt2",  "llama", "qwen2",    "mistral",
+                                              "qwen3", "phi3",  "gpt_neox", "gemma2"};
 
 // Keys of every PretrainedConfig that never change the forward math.
 const std::vector<std::string> kCommonKeys = {"model_type",
@@ -103,74 +107,6 @@ const std::vector<std::string> kPhi3Extra = {"sliding_window", "resid_pdrop", "e
 const std::vector<std::string> kDropoutKeys = {"resid_pdrop",           "embd_pdrop",        "attn_pdrop",
                                                "summary_first_dropout", "attention_dropout", "hidden_dropout"};
 
-// A value quoted in an error message, bounded (config.json is untrusted: a 1 MB string or a deep
-// array must not be copied into the message whole).
-std::string value_str(const json& v) {
-  if (!v.is_string()) return io::json_excerpt(v);
-  const std::string& s = v.get_ref<const std::string&>();
-  return s.size() <= 120 ? s : s.substr(0, 120) + "...";
-}
-
-// Typed access with errors "<source>: <prefix><key>: expected ..., got '...'".
-struct Reader {
-  const json& j;
-  std::string_view source, prefix;
-  io::JsonFields f{io::JsonFields::Style::Expected,
-                   [source = source, prefix = prefix](const std::string& key, const std::string& what) {
-                     throw_error("{}: {}{}: {}", source, prefix, key, what);
-                   },
-                   value_str};
-
-  [[noreturn]] void fail(const std::string& key, const std::string& what) const { f.fail(key, what); }
-  bool has(const std::string& k) const { return io::JsonFields::find(j, k) != nullptr; }
-  int64_t get_int(const std::string& k) const { return f.integer(j.at(k), k); }
-  double get_double(const std::string& k) const { return f.number(j.at(k), k); }
-  // Size fields: null is not "absent" (HF would crash on it); say so rather than take a default.
-  bool has_size(const std::string& k) const {
-    if (j.contains(k) && j.at(k).is_null())
-      fail(k, "expected an integer, got null (remove the key to use the default, or give the value)");
-    return has(k);
-  }
-  bool get_bool(const std::string& k) const { return f.boolean(j.at(k), k); }
-  std::string get_string(const std::string& k) const { return f.string(j.at(k), k); }
-  // Token ids: integer, null (absent) or a list of integers (first is used).
-  // Ids are int32 tokens; -1 is the old "none" spelling (written back as null).
-  int64_t get_token(const std::string& k) const {
-    const json& v = j.at(k);
-    if (v.is_null()) return -1;
-    int64_t id = 0;
-    if (v.is_number_integer()) {
-      id = v.get<int64_t>();
-    } else if (v.is_array() && !v.empty() && v[0].is_number_integer()) {
-      for (auto& e : v)
-        if (!e.is_number_integer()) fail(k, fmt::format("expected integers, got '{}'", value_str(v)));
-      id = v[0].get<int64_t>();
-    } else {
-      fail(k, fmt::format("expected an integer token id, got '{}'", value_str(v)));
-    }
-    if (v.is_number_unsigned() || (v.is_array() && v[0].is_number_unsigned()))
-      if (id < 0) id = INT64_MAX;  // above 2^63: reported below as out of range
-    if (id < -1 || id > INT32_MAX)
-      fail(k, fmt::format("token id {} is out of range (0 .. {}, or null for none)", value_str(v.is_array() ? v[0] : v),
-                          INT32_MAX));
-    return id;
-  }
-  // Set `out` from the first present key of `names`; two present with different values is an
-  // error (e.g. gpt2 "n_embd" and its alias "hidden_size").
-  bool int_alias(std::initializer_list<const char*> names, int64_t* out) const {
-    const char* found = nullptr;
-    for (const char* n : names) {
-      if (!has_size(n)) continue;
-      int64_t v = get_int(n);
-      if (found && v != *out)
-        fail(n, fmt::format("{} conflicts with {}{} = {}; give only one of them", v, prefix, found, *out));
-      if (!found) *out = v;
-      found = n;
-    }
-    return found != nullptr;
-  }
-};
-
 std::string family_of(const std::string& mt) { return mt == "gpt2" || mt == "gpt_neox" ? mt : "llama"; }
 
 }  // namespace
@@ -181,6 +117,8 @@ std::vector<std::string> ModelConfig::known_keys(std::string_view model_type) {
     keys.insert(keys.end(), kGpt2Keys.begin(), kGpt2Keys.end());
   } else if (model_type == "gpt_neox") {
     keys.insert(keys.end(), kGptNeoxKeys.begin(), kGptNeoxKeys.end());
+  } else if (model_type == "gemma2") {
+    keys.insert(keys.end(), gemma2_keys().begin(), gemma2_keys().end());
   } else {
     keys.insert(keys.end(), kLlamaKeys.begin(), kLlamaKeys.end());
     if (model_type == "qwen2") keys.insert(keys.end(), kQwen2Extra.begin(), kQwen2Extra.end());
@@ -382,12 +320,12 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
   Reader r{j, source, key_prefix};
   ModelConfig c;
   if (!j.contains("model_type"))
-    throw_error("{}: {}model_type is missing (one of gpt2, llama, qwen2, mistral, qwen3, phi3, gpt_neox)", source,
-                key_prefix);
+    throw_error("{}: {}model_type is missing (one of gpt2, llama, qwen2, mistral, qwen3, phi3, gpt_neox, gemma2)",
+                source, key_prefix);
   c.model_type = r.get_string("model_type");
   if (std::find(kModelTypes.begin(), kModelTypes.end(), c.model_type) == kModelTypes.end())
     r.fail("model_type", fmt::format("'{}' is not supported (supported: gpt2, llama, qwen2, mistral, qwen3, phi3, "
-                                     "gpt_neox)",
+                                     "gpt_neox, gemma2)",
                                      c.model_type));
   c.family = family_of(c.model_type);
 
@@ -468,6 +406,8 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
     c.rope_theta = 10000.0;
   } else if (c.is_gpt_neox()) {
     read_gpt_neox(r, c);
+  } else if (c.model_type == "gemma2") {
+    read_gemma2(r, c);
   } else {
     // LlamaConfig / Qwen2Config / MistralConfig / Qwen3Config / Phi3Config class defaults.
     const bool qwen3 = c.model_type == "qwen3", qwen = c.model_type == "qwen2" || qwen3,
@@ -658,6 +598,19 @@ void ModelConfig::validate(std::string_view source, std::string_view prefix) con
   }
   finite_positive("norm_eps", norm_eps);
   finite_positive("initializer_range", initializer_range);
+  // gemma2's fields (config/gemma2_config.cpp): the score scale and the two soft caps.
+  const bool gemma2 = model_type == "gemma2";
+  LATHE_CHECK(
+      gemma2 || (query_pre_attn_scalar == 0 && attn_logit_softcapping == 0 && final_logit_softcapping == 0),
+      "{}: {}query_pre_attn_scalar / attn_logit_softcapping / final_logit_softcapping are gemma2 fields ({} has "
+      "none)",
+      source, prefix, model_type);
+  LATHE_CHECK(!gemma2 || (std::isfinite(query_pre_attn_scalar) && query_pre_attn_scalar > 0),
+              "{}: {} = {} must be a finite number > 0", source, hf("query_pre_attn_scalar"), query_pre_attn_scalar);
+  for (auto [name, v] : {std::pair{"attn_logit_softcapping", attn_logit_softcapping},
+                         std::pair{"final_logit_softcapping", final_logit_softcapping}})
+    LATHE_CHECK(std::isfinite(v) && v >= 0 && v <= 3e38, "{}: {} = {} must be a finite number >= 0 (0 / null = none)",
+                source, hf(name), v);
   LATHE_CHECK(sliding_window >= 0 && sliding_window <= kMaxPositions, "{}: {} = {} must be in [0, {}] (0 = none)",
               source, hf("sliding_window"), sliding_window, kMaxPositions);
   for (auto [name, id] : {std::pair{"bos_token_id", bos_token_id}, std::pair{"eos_token_id", eos_token_id},
@@ -708,7 +661,8 @@ int64_t ModelConfig::num_parameters() const {
   int64_t block = sum({mul({2, C}), mul({C, H, hd}), mul({2, C, KV, hd}), mul({H, hd, C}), mul({3, C, F})});
   if (qkv_bias()) block = sum({block, mul({H, hd}), mul({2, KV, hd})});
   if (o_bias()) block = sum({block, C});
-  if (qk_norm) block = sum({block, mul({2, hd})});  // q_norm, k_norm weights [head_dim]
+  if (qk_norm) block = sum({block, mul({2, hd})});                // q_norm, k_norm weights [head_dim]
+  if (model_type == "gemma2") block = sum({block, mul({2, C})});  // post-attention / post-feedforward norms
   return sum({mul({V, C}), mul({L, block}), C, tie_word_embeddings ? 0 : mul({V, C})});
 }
 
@@ -740,6 +694,10 @@ json ModelConfig::to_hf_json() const {
     j["scale_attn_weights"] = true;
     j["scale_attn_by_inverse_layer_idx"] = false;
     j["reorder_and_upcast_attn"] = false;
+    return j;
+  }
+  if (model_type == "gemma2") {
+    gemma2_to_hf_json(*this, j);
     return j;
   }
   if (is_gpt_neox()) {
@@ -828,7 +786,13 @@ bool operator==(const ModelConfig& a, const ModelConfig& b) {
          a.hidden_act == b.hidden_act && a.bos_token_id == b.bos_token_id && a.eos_token_id == b.eos_token_id &&
          a.eos_token_ids == b.eos_token_ids && a.pad_token_id == b.pad_token_id &&
          a.sliding_window == b.sliding_window && a.sliding_layers == b.sliding_layers && a.head_dim() == b.head_dim() &&
-         a.qk_norm == b.qk_norm && a.parallel_residual == b.parallel_residual;
+         a.qk_norm == b.qk_norm && a.parallel_residual == b.parallel_residual &&
+         a.query_pre_attn_scalar == b.query_pre_attn_scalar && a.attn_logit_softcapping == b.attn_logit_softcapping &&
+         a.final_logit_softcapping == b.final_logit_softcapping;
+}
+
+float ModelConfig::attention_scale() const {
+  return query_pre_attn_scalar > 0.0 ? static_cast<float>(1.0 / std::sqrt(query_pre_attn_scalar)) : 0.0f;
 }
 
 }  // namespace lathe

@@ -50,6 +50,18 @@ struct ModelConfig {
   // partial_rotary_factor, its rotary_emb_base rope_theta, its attention_bias (q/k/v and dense
   // biases) attention_bias, its hidden_act "gelu" the exact (erf) GELU.
   bool parallel_residual = false;
+  // Addition. gemma2 (config/gemma2_config.cpp): query_pre_attn_scalar (attention scores scaled by
+  // 1/sqrt(it) instead of 1/sqrt(head_dim); 0 = absent), attn_logit_softcapping (scores s ->
+  // cap * tanh(s / cap) before the softmax) and final_logit_softcapping (the same on the lm head's
+  // logits); 0 = none. The gemma2 body (sandwich norms, (1 + w) RMSNorm, embedding x sqrt(hidden),
+  // GeGLU) follows from model_type (Arch, models/model.h).
+  double query_pre_attn_scalar = 0.0;
+  double attn_logit_softcapping = 0.0, final_logit_softcapping = 0.0;
+  // The attention kernels' score scale: 1/sqrt(query_pre_attn_scalar) (as transformers: a double
+  // rounded to float once), or 0 = the kernels' 1/sqrt(head_dim).
+  float attention_scale() const;
+  float attn_softcap() const { return static_cast<float>(attn_logit_softcapping); }
+  float final_softcap() const { return static_cast<float>(final_logit_softcapping); }
   // -1 = absent; a list (eos) -> its first id. gpt2 defaults 50256 only when vocab_size > 50256.
   int64_t bos_token_id = -1, eos_token_id = -1, pad_token_id = -1;
   // config.json's eos_token_id when it is a list of several ids (Llama 3.x Instruct: <|end_of_text|>,

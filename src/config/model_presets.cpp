@@ -46,8 +46,8 @@ ModelConfig make_llama(const char* type, int64_t L, int64_t C, int64_t H, int64_
 }  // namespace
 
 std::vector<std::string> ModelConfig::preset_names() {
-  return {"gpt2-debug",    "gpt2-124m",         "gpt2-small-bench", "llama-debug", "qwen2-debug",
-          "mistral-debug", "llama-small-bench", "qwen3-debug",      "phi3-debug",  "gpt-neox-debug"};
+  return {"gpt2-debug",        "gpt2-124m",   "gpt2-small-bench", "llama-debug",    "qwen2-debug", "mistral-debug",
+          "llama-small-bench", "qwen3-debug", "phi3-debug",       "gpt-neox-debug", "gemma2-debug"};
 }
 
 ModelConfig ModelConfig::preset(std::string_view name) {
@@ -100,6 +100,22 @@ ModelConfig ModelConfig::preset(std::string_view name) {
     c.attention_bias = true;
     c.bos_token_id = 0;
     c.eos_token_id = 2;
+  } else if (name == "gemma2-debug") {
+    // Gemma 2's shape in small: 3 layers (sliding window 5 on layers 0 and 2), 4 heads of 16 (64
+    // wide, hidden 48) over 2 kv heads, scores scaled by 1/sqrt(20), soft caps 50 / 30, tied.
+    c = make_llama("gemma2", 3, 48, 4, 2, 64, 101, 128);
+    c.explicit_head_dim = 16;
+    c.hidden_act = "gelu_pytorch_tanh";
+    c.tie_word_embeddings = true;
+    c.norm_eps = 1e-6;
+    c.query_pre_attn_scalar = 20.0;
+    c.attn_logit_softcapping = 50.0;
+    c.final_logit_softcapping = 30.0;
+    c.sliding_window = 5;
+    c.sliding_layers = {1, 0, 1};
+    c.bos_token_id = 2;
+    c.eos_token_id = 1;
+    c.pad_token_id = 0;
   } else {
     std::string list;
     for (auto& n : preset_names()) list += (list.empty() ? "" : ", ") + n;

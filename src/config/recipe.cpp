@@ -190,9 +190,10 @@ class Parser {
     } else {
       bad("model",
           "give model.preset, model.init_from, model.config, or model.model_type (gpt2, llama, qwen2, "
-          "mistral, qwen3, phi3, gpt_neox) with its HF fields");
+          "mistral, qwen3, phi3, gpt_neox, gemma2) with its HF fields");
     }
-    static const std::vector<std::string> types = {"gpt2", "llama", "qwen2", "mistral", "qwen3", "phi3", "gpt_neox"};
+    static const std::vector<std::string> types = {"gpt2",  "llama", "qwen2",    "mistral",
+                                                   "qwen3", "phi3",  "gpt_neox", "gemma2"};
     if (std::find(types.begin(), types.end(), mt) == types.end())
       bad("model.model_type", fmt::format("'{}' is not supported (supported: {})", mt, join(types)));
 
@@ -214,7 +215,8 @@ class Parser {
     json merged = base.is_null() ? json::object() : base;
     if (!base.is_null() && merged.value("model_type", "") != mt) {
       std::string from = merged.value("model_type", "");
-      if ((from == "gpt2") != (mt == "gpt2") || (from == "gpt_neox") != (mt == "gpt_neox"))
+      if ((from == "gpt2") != (mt == "gpt2") || (from == "gpt_neox") != (mt == "gpt_neox") ||
+          (from == "gemma2") != (mt == "gemma2"))
         bad("model.model_type", fmt::format("'{}' cannot replace model_type '{}' of {} (different architecture "
                                             "family); drop the base or use a matching one",
                                             mt, from, base_desc));
@@ -242,8 +244,9 @@ class Parser {
           for (const auto& other : g) merged.erase(other);
     // A base's head_dim equal to its hidden_size / num_attention_heads is derived (transformers and
     // to_hf_json write it into every llama-family config.json): overriding the width or the heads
-    // derives it again, unless model.head_dim is given too. (Not qwen3: its absent head_dim is 128.)
-    if (mt != "gpt2" && mt != "gpt_neox" && mt != "qwen3" && !explicit_.contains("head_dim") &&
+    // derives it again, unless model.head_dim is given too. (Not qwen3 / gemma2: their absent head_dim
+    // is 128 / 256.)
+    if (mt != "gpt2" && mt != "gpt_neox" && mt != "qwen3" && mt != "gemma2" && !explicit_.contains("head_dim") &&
         (explicit_.contains("hidden_size") || explicit_.contains("num_attention_heads"))) {
       const json *hd = io::JsonFields::find(merged, "head_dim"), *c = io::JsonFields::find(merged, "hidden_size"),
                  *h = io::JsonFields::find(merged, "num_attention_heads");

@@ -119,6 +119,13 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
               dtype_name(dtype));
   const bool gpt2 = c.is_gpt2();
   const bool neox = c.is_gpt_neox();
+  // llama.cpp has a gemma2 architecture, but it picks the score scale from its model size (1/sqrt(head_dim),
+  // or hidden/heads for 27B) instead of query_pre_attn_scalar, and the writer here has none of its
+  // tensors (post norms, 1 + w norm weights) yet.
+  LATHE_CHECK(c.model_type != "gemma2",
+              "--to-gguf: gemma2 GGUF export is not implemented yet (llama.cpp's gemma2 architecture needs the "
+              "post-attention / post-feedforward norms, 1 + w norm weights and soft-cap metadata, and derives the "
+              "score scale from the model size rather than query_pre_attn_scalar); export the HF directory instead");
   LATHE_CHECK(gpt2 || neox || c.is_llama(),
               "--to-gguf: GGUF export supports gpt2, gpt_neox and the llama family (llama, qwen2, mistral, qwen3, "
               "phi3), not {}",

@@ -402,6 +402,10 @@ io::onnx::Graph Exporter::build() {
 
 std::string save_onnx(const Model& model, const std::string& path, const OnnxExportOptions& opts) {
   const ModelConfig& cfg = model.config();
+  LATHE_CHECK(cfg.model_type != "gemma2",
+              "ONNX export: gemma2 is not supported yet (the graph builder has no sandwich norms, (1 + w) RMSNorm, "
+              "GeGLU, embedding scale, query_pre_attn_scalar, soft caps or per-layer windows); export the HF "
+              "directory (lathe export) instead");
   LATHE_CHECK(cfg.family == "gpt2" || cfg.family == "llama" || cfg.family == "gpt_neox",
               "ONNX export: model_type '{}' (family '{}') has no ONNX graph builder; supported: gpt2, llama, qwen2, "
               "mistral, qwen3, phi3, gpt_neox",

@@ -107,6 +107,9 @@ struct Ops {
   void (*gelu_erf_backward)(void* dinp, const void* inp, const void* dout, int64_t n) = nullptr;
   void (*swiglu_forward)(void* out, const void* inp, int64_t N, int64_t F) = nullptr;
   void (*swiglu_backward)(void* dinp, const void* inp, const void* dout, int64_t N, int64_t F) = nullptr;
+  // GeGLU (Gemma 2): gelu_tanh(gate) * up on the same gate|up layout, the same contract as swiglu.
+  void (*geglu_forward)(void* out, const void* inp, int64_t N, int64_t F) = nullptr;
+  void (*geglu_backward)(void* dinp, const void* inp, const void* dout, int64_t N, int64_t F) = nullptr;
   void (*residual_forward)(void* out, const void* a, const void* b, int64_t n) = nullptr;
   // out[N, C] += bias[C] (bias fp32): the bias of a row-parallel GEMM, added once after the
   // tensor-parallel reduction of the partial products (src/parallel/tensor_parallel.h).
@@ -128,11 +131,14 @@ struct Ops {
   // doc_start [B, T] (nullptr: plain causal): token t attends to keys [doc_start[b,t], t] only
   // (documents packed in a sample; kernels/cpu/ops.h states the contract). window > 0: sliding
   // window, token t also sees only keys j > t - window (0 = none; >= T is none too).
+  // scale: the score scale (0 = 1/sqrt(D)); softcap > 0: scores capped to softcap * tanh(s / softcap)
+  // before the softmax (Gemma 2; 0 = none).
   void (*attention_forward)(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                            int64_t D, void* scratch, const int32_t* doc_start, int64_t window) = nullptr;
+                            int64_t D, void* scratch, const int32_t* doc_start, int64_t window, float scale,
+                            float softcap) = nullptr;
   void (*attention_backward)(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
                              int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch,
-                             const int32_t* doc_start, int64_t window) = nullptr;
+                             const int32_t* doc_start, int64_t window, float scale, float softcap) = nullptr;
   size_t (*attention_scratch_bytes)(int64_t T, int64_t D) = nullptr;
 
   // ---- lm head + softmax + cross-entropy, chunked over rows ------------------------------------
@@ -143,9 +149,11 @@ struct Ops {
   // holds it, 0 elsewhere) all-reduced (sum), so losses (and the returned sum) are the whole
   // vocabulary's, the same on every rank. dw gets this shard's rows; dx receives this shard's
   // PARTIAL input gradient (dlogits_local @ w): the caller sums dx across the group.
+  // softcap > 0 (Gemma 2's final_logit_softcapping): every logit l becomes softcap * tanh(l / softcap)
+  // before the softmax and the loss, and dlogits are multiplied by 1 - tanh^2 (0 = none).
   double (*lm_head_loss)(float* losses, void* dx, float* dw, const void* x, const void* w, const int32_t* targets,
                          int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, void* scratch,
-                         int64_t chunk_rows, const VocabParallel* vp) = nullptr;
+                         int64_t chunk_rows, const VocabParallel* vp, float softcap) = nullptr;
   size_t (*lm_head_loss_scratch_bytes)(int64_t chunk_rows, int64_t V) = nullptr;
 
   // ---- fp32 logits (evaluation, generation) -----------------------------------------------------
@@ -310,6 +318,8 @@ void for_each_op(const Ops& o, F&& f) {
   LATHE_OP(gelu_erf_backward);
   LATHE_OP(swiglu_forward);
   LATHE_OP(swiglu_backward);
+  LATHE_OP(geglu_forward);
+  LATHE_OP(geglu_backward);
   LATHE_OP(residual_forward);
   LATHE_OP(bias_add);
   LATHE_OP(rope_tables);
@@ -324,7 +334,7 @@ void for_each_op(const Ops& o, F&& f) {
 #undef LATHE_OP
 }
 // A slot added to Ops but not to the list above would escape the completeness check of ops_for.
-static_assert(sizeof(Ops) == offsetof(Ops, matmul_forward) + 31 * sizeof(void (*)()),
+static_assert(sizeof(Ops) == offsetof(Ops, matmul_forward) + 33 * sizeof(void (*)()),
               "Ops gained or lost a slot: update for_each_op");
 
 }  // namespace lathe

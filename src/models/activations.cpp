@@ -25,8 +25,9 @@ size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shar
   // --batch/--seq-len is refused instead of wrapping into a small arena that kernels overrun.
   const std::string what = fmt::format("activations of {} for batch {} x seq_len {}", cfg.model_type, B, T);
   auto mul = [&](std::initializer_list<int64_t> f) { return checked_product(f, what); };
-  const bool gelu_mlp = cfg.gelu_mlp();  // the Arch of each family (gpt2.cpp, llama.cpp, gpt_neox.cpp)
-  const bool qk_norm = cfg.qk_norm;      // Arch::qk_norm (llama.cpp)
+  const bool gelu_mlp = cfg.gelu_mlp();              // the Arch of each family (gpt2.cpp, llama.cpp, gpt_neox.cpp)
+  const bool qk_norm = cfg.qk_norm;                  // Arch::qk_norm (llama.cpp)
+  const bool sandwich = cfg.model_type == "gemma2";  // Arch::sandwich_norm (gemma2.cpp)
   const int64_t N = mul({B, T}), C = cfg.hidden_size, H = cfg.num_attention_heads, KV = cfg.num_key_value_heads,
                 D = cfg.head_dim(), Q = mul({checked_add(H, mul({2, KV}), what), D}), F = cfg.intermediate_size,
                 FF = gelu_mlp ? F : mul({2, F}), V = cfg.vocab_size, L = cfg.num_hidden_layers;
@@ -85,12 +86,20 @@ size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shar
     }
     a.att = take("att", l, mul({N, H, D}), act);
     a.lse = stat("lse", l, mul({B, H, T}));
+    if (sandwich) {  // the attention output before its norm, and the norm's rstd
+      a.attn_out = take("attn_out", l, mul({S, C}), act);
+      a.attn_out_rstd = stat("attn_out_rstd", l, S);
+    }
     a.res1 = take("res1", l, mul({S, C}), act);
     if (!selective) a.ln2 = take("ln2", l, mul({S, C}), act);
     a.ln2_mean = stat("ln2_mean", l, S);
     a.ln2_rstd = stat("ln2_rstd", l, S);
     a.fc = take("fc", l, mul({N, FF}), act);
     if (!selective) a.act = take("act", l, mul({N, F}), act);
+    if (sandwich) {  // the MLP output before its norm, and the norm's rstd
+      a.mlp_out = take("mlp_out", l, mul({S, C}), act);
+      a.mlp_out_rstd = stat("mlp_out_rstd", l, S);
+    }
     a.res2 = take("res2", l, mul({S, C}), act);
   }
   // The set shared by every layer: whichever layer runs (forward, or backward's recompute) writes it.
@@ -112,6 +121,12 @@ size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shar
     s.ln2_rstd = stat("shared.ln2_rstd", -1, S, kPass);
     s.fc = take("shared.fc", -1, mul({N, FF}), act, kPass);
     s.act = take("shared.act", -1, mul({N, F}), act, kPass);
+    if (sandwich) {
+      s.attn_out = take("shared.attn_out", -1, mul({S, C}), act, kPass);
+      s.attn_out_rstd = stat("shared.attn_out_rstd", -1, S, kPass);
+      s.mlp_out = take("shared.mlp_out", -1, mul({S, C}), act, kPass);
+      s.mlp_out_rstd = stat("shared.mlp_out_rstd", -1, S, kPass);
+    }
     for (int64_t l = 0; l < L; ++l) {
       LayerActs& a = layer(l);
       void* res2 = a.res2;

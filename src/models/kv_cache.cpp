@@ -91,11 +91,13 @@ void store(void* p, int64_t i, float x, DType dt) {
 // [B, T, H*D] in the compute dtype; k/v cache [B, KV, Tmax, D] fp32. Scale 1/sqrt(D), softmax in
 // fp32 with the max subtracted, as attention_forward; 16-bit tables widen q|k|v to fp32 and round
 // the output once, as their attention kernels do. window > 0: query position i sees keys
-// j > i - window only (the layer's sliding window, as the kernels).
+// j > i - window only (the layer's sliding window, as the kernels). scale > 0 replaces 1/sqrt(D) and
+// softcap > 0 caps each score to softcap * tanh(s / softcap) (Gemma 2), as the kernels.
 void cached_attention(void* out, const void* qkv, const float* kc, const float* vc, int64_t B, int64_t T, int64_t pos,
-                      int64_t Tmax, int64_t H, int64_t KV, int64_t D, int64_t Q, DType dt, int64_t window) {
+                      int64_t Tmax, int64_t H, int64_t KV, int64_t D, int64_t Q, DType dt, int64_t window,
+                      float scale_arg, float softcap) {
   const int64_t group = H / KV;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const float scale = scale_arg > 0.0f ? scale_arg : 1.0f / std::sqrt(static_cast<float>(D));
   const int64_t jobs = B * H * T;
   // Worth threads only when there are several queries or a long cache.
 #pragma omp parallel if (jobs * (pos + T) * D >= (1 << 16))
@@ -114,6 +116,7 @@ void cached_attention(void* out, const void* qkv, const float* kc, const float* 
         float s = 0.0f;
         for (int64_t d = 0; d < D; ++d) s += q[d] * k[j * D + d];
         p[j] = s * scale;
+        if (softcap > 0.0f) p[j] = softcap * std::tanh(p[j] / softcap);
         mx = std::max(mx, p[j]);
       }
       float sum = 0.0f;
@@ -168,12 +171,20 @@ void decode_chunk(Model& model, KvCache& c, const int32_t* tokens, int64_t T, fl
   // nullptr: row t of the table passed; generation is one document, so no document positions).
   ops.embedding_forward(x, tokens, model.compute_weight(w.wte), w.wpe ? model.compute_weight(w.wpe + pos * C) : nullptr,
                         B, T, C, nullptr, 0, V);
+  if (arch.embed_scale) scale_by_sqrt_hidden(dt, C, x, N * C);  // gemma2, as Model::embedding_forward
   auto norm = [&](void* out, const void* in, const float* nw, const float* nb, int64_t rows) {
-    if (arch.layernorm)
+    if (arch.layernorm) {
       ops.layernorm_forward(out, mean, rstd, in, nw, nb, rows, C, eps);
-    else
-      ops.rmsnorm_forward(out, rstd, in, nw, rows, C, eps);
+      return;
+    }
+    if (arch.norm_weight_offset != 0.0f) {  // gemma2's 1 + w, as Model::norm_weight
+      float* nwo = static_cast<float*>(grow(c.norm_w_, C));
+      for (int64_t i = 0; i < C; ++i) nwo[i] = arch.norm_weight_offset + nw[i];
+      nw = nwo;
+    }
+    ops.rmsnorm_forward(out, rstd, in, nw, rows, C, eps);
   };
+  void* post = arch.sandwich_norm ? grow(c.post_, N * C) : nullptr;
   for (int64_t l = 0; l < L; ++l) {
     const LayerPtrs& lw = w.layers[static_cast<size_t>(l)];
     norm(ln, x, lw.ln1_w, lw.ln1_b, N);
@@ -204,8 +215,14 @@ void decode_chunk(Model& model, KvCache& c, const int32_t* tokens, int64_t T, fl
             vc[dst + d] = load(qkv, row + (H + KV + g) * D + d, dt);
           }
         }
-    cached_attention(att, qkv, kc, vc, B, T, pos, c.Tmax_, H, KV, D, Q, dt, cfg.layer_window(l));
-    ops.matmul_forward(res1, att, model.compute_weight(lw.o_w), lw.o_b, N, H * D, C, false);
+    cached_attention(att, qkv, kc, vc, B, T, pos, c.Tmax_, H, KV, D, Q, dt, cfg.layer_window(l), cfg.attention_scale(),
+                     cfg.attn_softcap());
+    if (arch.sandwich_norm) {  // res1 = x + norm(o(attn)), as Model::layer_forward_into
+      ops.matmul_forward(post, att, model.compute_weight(lw.o_w), lw.o_b, N, H * D, C, false);
+      norm(res1, post, lw.post_attn_w, nullptr, N);
+    } else {
+      ops.matmul_forward(res1, att, model.compute_weight(lw.o_w), lw.o_b, N, H * D, C, false);
+    }
     ops.residual_forward(res1, res1, x, N * C);
     norm(ln, arch.parallel_residual ? x : res1, lw.ln2_w, lw.ln2_b, N);  // as Model::norm_forward
     ops.matmul_forward(fc, ln, model.compute_weight(lw.fc_w), lw.fc_b, N, C, FF, false);
@@ -213,9 +230,16 @@ void decode_chunk(Model& model, KvCache& c, const int32_t* tokens, int64_t T, fl
       ops.gelu_erf_forward(act, fc, N * F);
     else if (arch.gelu_mlp)
       ops.gelu_forward(act, fc, N * F);
+    else if (arch.geglu)
+      ops.geglu_forward(act, fc, N, F);
     else
       ops.swiglu_forward(act, fc, N, F);
-    ops.matmul_forward(x, act, model.compute_weight(lw.proj_w), lw.proj_b, N, F, C, false);
+    if (arch.sandwich_norm) {  // x = res1 + norm(mlp)
+      ops.matmul_forward(post, act, model.compute_weight(lw.proj_w), lw.proj_b, N, F, C, false);
+      norm(x, post, lw.post_ffn_w, nullptr, N);
+    } else {
+      ops.matmul_forward(x, act, model.compute_weight(lw.proj_w), lw.proj_b, N, F, C, false);
+    }
     ops.residual_forward(x, x, res1, N * C);  // x is the next layer's input
   }
   c.pos_ = pos + T;
@@ -226,6 +250,7 @@ void decode_chunk(Model& model, KvCache& c, const int32_t* tokens, int64_t T, fl
   for (int64_t b = 0; b < B; ++b) std::memcpy(at(last, b * C), at(x, (b * T + T - 1) * C), static_cast<size_t>(C) * es);
   norm(ln, last, w.lnf_w, w.lnf_b, B);
   ops.logits_forward(logits, ln, model.compute_weight(w.lm_head), B, C, V);
+  apply_final_softcap(cfg, logits, B * V);
 }
 
 }  // namespace lathe

@@ -50,6 +50,9 @@ class KvCache {
   std::vector<float> x_, ln_, qkv_, att_, fc_, act_, res1_, mean_, rstd_, last_;
   // Arch::qk_norm: the q/k rows before their norms [B*T, H + KV, D] and the norms' rstd.
   std::vector<float> qk_saved_, qk_rstd_;
+  // Arch::sandwich_norm: the attention's / MLP's output before its norm [B*T, C]; Arch::norm_weight_offset:
+  // the offset + w weights of the norm being run [C].
+  std::vector<float> post_, norm_w_;
 };
 
 // Empty when `model` can decode with a KvCache, else why not (one sentence, for a note or error).

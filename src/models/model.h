@@ -37,6 +37,17 @@ struct Arch {
   bool parallel_residual = false;
   // The GELU MLP's activation is the exact (erf) GELU (gelu_erf_*), not the tanh approximation.
   bool gelu_exact = false;
+  // Gemma 2 (models/gemma2.cpp):
+  //  * sandwich_norm: the attention output and the MLP output are RMSNormed before their residual
+  //    adds (Role::PostAttnNormW, PostFfnNormW): res1 = x + n(o(attn)), res2 = res1 + n(mlp);
+  //  * norm_weight_offset: every RMSNorm scales by (offset + w) (Gemma's 1 + w, weights zero-init);
+  //  * geglu: the gate|up MLP's gate activation is the tanh GELU (geglu_*), not SiLU;
+  //  * embed_scale: the embedding rows are multiplied by sqrt(hidden_size), rounded to the compute
+  //    dtype as transformers' normalizer is (its backward scales the gradient likewise).
+  bool sandwich_norm = false;
+  float norm_weight_offset = 0.0f;
+  bool geglu = false;
+  bool embed_scale = false;
   // A pipeline stage's model (src/parallel/pipeline_stage.h) may hold only part of the network:
   // without `embedding` its table has no wte/wpe (the residual stream enters layer 0 from outside,
   // residual(0)); without `head` no final norm / lm_head (the stream leaves after its last layer).
@@ -51,9 +62,10 @@ struct LayerPtrs {
   float *qkv_w = nullptr, *qkv_b = nullptr;  // [(H+2KV)*D, C], q|k|v contiguous
   float *o_w = nullptr, *o_b = nullptr;      // [C, H*D]
   float *ln2_w = nullptr, *ln2_b = nullptr;
-  float *fc_w = nullptr, *fc_b = nullptr;      // gpt2: [F, C]; llama: gate|up [2F, C]
-  float *proj_w = nullptr, *proj_b = nullptr;  // [C, F]
-  float *q_norm_w = nullptr, *k_norm_w = nullptr;  // [D] each (Arch::qk_norm)
+  float *fc_w = nullptr, *fc_b = nullptr;               // gpt2: [F, C]; llama: gate|up [2F, C]
+  float *proj_w = nullptr, *proj_b = nullptr;           // [C, F]
+  float *q_norm_w = nullptr, *k_norm_w = nullptr;       // [D] each (Arch::qk_norm)
+  float *post_attn_w = nullptr, *post_ffn_w = nullptr;  // [C] each (Arch::sandwich_norm)
 };
 struct ModelPtrs {
   float *wte = nullptr, *wpe = nullptr, *lnf_w = nullptr, *lnf_b = nullptr, *lm_head = nullptr;
@@ -332,6 +344,19 @@ class Model {
   // backward in place on dqkv_ (weight gradients summed over the tensor group's heads).
   void qk_norm_forward(int64_t l, int64_t N);
   void qk_norm_backward(int64_t l, int64_t N);
+  // Gemma 2's body options (models/gemma2.cpp). norm_weight: the weights an RMSNorm kernel reads,
+  // w itself, or with Arch::norm_weight_offset offset + w in norm_w_ (valid until the next call).
+  const float* norm_weight(const float* w, int64_t n);
+  // Arch::sandwich_norm: out = RMSNorm(in) with weight w (rstd saved), then out += residual; its
+  // backward: d(in) into dln_ (overwritten) from dout (the residual stream's gradient, unchanged).
+  void post_norm_forward(void* out, const void* in, float* rstd, const float* w, const void* residual, int64_t rows);
+  void post_norm_backward(float* dw, const void* dout, const void* in, const float* w, const float* rstd, int64_t rows);
+  // Arch::embed_scale: rows [0, n) of x (compute dtype, host memory) times sqrt(hidden_size) rounded to
+  // the compute dtype: the embedding's forward and, on its gradient, its backward.
+  void scale_by_normalizer(void* x, int64_t n) const;
+  // A gemma2 model runs where these are implemented: host memory (any data / tensor / sequence /
+  // pipeline layout). Throws naming what is missing otherwise (at construction and per pass).
+  void check_gemma2_support() const;
   // out[N, C] = in[N, K] @ w^T (+ bias): a GEMM whose input features may be split over
   // tensor-parallel ranks (reduce_from_tensor_region / reduce_scatter_to_sequence_region sum the
   // partial products before the bias).
@@ -428,6 +453,10 @@ class Model {
     // their rstd [N*(H + KV)] (q then k); nullptr otherwise.
     void* qk_saved;
     float* qk_rstd;
+    // Arch::sandwich_norm: the attention's and the MLP's output before their norms [S, C] and the
+    // norms' rstd [S]; nullptr otherwise.
+    void *attn_out, *mlp_out;
+    float *attn_out_rstd, *mlp_out_rstd;
   };
   std::vector<LayerActs> la_;
   void *emb_ = nullptr, *lnf_ = nullptr;
@@ -435,6 +464,7 @@ class Model {
   // the row-parallel GEMMs' partial output, the gathered residual gradient); nullptr otherwise.
   void* gathered_ = nullptr;
   std::vector<float> norm_acc_;  // [2C] norm weight/bias gradients of one pass's rows (norm_backward)
+  std::vector<float> norm_w_;    // Arch::norm_weight_offset: offset + w of the norm being run
   float *lnf_mean_ = nullptr, *lnf_rstd_ = nullptr, *losses_ = nullptr;
   void *dres_ = nullptr, *dln_ = nullptr, *dqkv_ = nullptr, *datt_ = nullptr, *dfc_ = nullptr, *dact_ = nullptr;
   void* scratch_ = nullptr;
@@ -476,5 +506,14 @@ std::unique_ptr<Model> build_model(const ModelConfig& cfg, const ComputeSpec& co
 std::unique_ptr<Model> build_gpt2(const ModelConfig& cfg, const ComputeSpec& compute = {});
 std::unique_ptr<Model> build_llama(const ModelConfig& cfg, const ComputeSpec& compute = {});
 std::unique_ptr<Model> build_gpt_neox(const ModelConfig& cfg, const ComputeSpec& compute = {});  // gpt_neox.cpp
+std::unique_ptr<Model> build_gemma2(const ModelConfig& cfg, const ComputeSpec& compute = {});    // gemma2.cpp
+
+// Final-logit soft-capping of returned fp32 host logits (Gemma 2's final_logit_softcapping; models/
+// softcap.cpp): logits[i] <- cap * tanh(logits[i] / cap), as the lm-head loss kernels compute it;
+// nothing when the config has no cap.
+void apply_final_softcap(const ModelConfig& cfg, float* logits, int64_t n);
+// Gemma 2's embedding scale (models/gemma2.cpp): x[0, n) in compute dtype dt (host memory) times
+// sqrt(hidden) rounded to dt, as transformers' normalizer; fp32, bf16 and fp16.
+void scale_by_sqrt_hidden(DType dt, int64_t hidden, void* x, int64_t n);
 
 }  // namespace lathe

@@ -53,13 +53,35 @@ enum class Role : uint8_t {
   LnfW,
   LnfB,
   LmHead,
-  QNormW,  // Qwen3's per-head q RMSNorm weight [head_dim] (Arch::qk_norm)
-  KNormW,  // its k twin
+  QNormW,         // Qwen3's per-head q RMSNorm weight [head_dim] (Arch::qk_norm)
+  KNormW,         // its k twin
+  PostAttnNormW,  // Gemma 2's post_attention_layernorm: RMSNorm of the attention output (Arch::sandwich_norm)
+  PostFfnNormW,   // Gemma 2's post_feedforward_layernorm: RMSNorm of the MLP output
 };
 inline const char* role_name(Role r) {
-  static const char* const names[] = {"none",   "continues", "wte",   "wpe",   "ln1_w",   "ln1_b",    "qkv_w",
-                                      "qkv_b",  "o_w",       "o_b",   "ln2_w", "ln2_b",   "fc_w",     "fc_b",
-                                      "proj_w", "proj_b",    "lnf_w", "lnf_b", "lm_head", "q_norm_w", "k_norm_w"};
+  static const char* const names[] = {"none",
+                                      "continues",
+                                      "wte",
+                                      "wpe",
+                                      "ln1_w",
+                                      "ln1_b",
+                                      "qkv_w",
+                                      "qkv_b",
+                                      "o_w",
+                                      "o_b",
+                                      "ln2_w",
+                                      "ln2_b",
+                                      "fc_w",
+                                      "fc_b",
+                                      "proj_w",
+                                      "proj_b",
+                                      "lnf_w",
+                                      "lnf_b",
+                                      "lm_head",
+                                      "q_norm_w",
+                                      "k_norm_w",
+                                      "post_attn_norm_w",
+                                      "post_ffn_norm_w"};
   return names[static_cast<size_t>(r)];
 }
 

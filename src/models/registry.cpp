@@ -51,6 +51,7 @@ ModelRegistry& model_registry() {
     r.add("mistral", build_llama, "src/models/llama.cpp (mistral)");
     r.add("qwen3", build_llama, "src/models/llama.cpp (qwen3: q/k norms)");
     r.add("gpt_neox", build_gpt_neox, "src/models/gpt_neox.cpp");
+    r.add("gemma2", build_gemma2, "src/models/gemma2.cpp");
     r.add("phi3", build_llama, "src/models/llama.cpp (phi3: fused qkv_proj / gate_up_proj)");
     return r;
   }();

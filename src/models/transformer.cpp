@@ -62,6 +62,7 @@ Model::Model(ModelConfig cfg, Arch arch, ParamTable table, ComputeSpec compute)
   grad_ranges_by_block_.clear();
   for (int64_t block = 0; block < L + 2; ++block)
     grad_ranges_by_block_.push_back(table_.ranges([&](const ParamSpec& s) { return block_of(s) == block; }));
+  check_gemma2_support();  // a device-resident model is refused here
 }
 
 std::vector<std::vector<std::pair<size_t, size_t>>> Model::param_ranges_by_block() const {
@@ -148,6 +149,12 @@ ModelPtrs Model::resolve(float* base) const {
       case Role::KNormW:
         *needed = arch_.qk_norm;
         return lp ? &lp->k_norm_w : nullptr;
+      case Role::PostAttnNormW:
+        *needed = arch_.sandwich_norm;
+        return lp ? &lp->post_attn_w : nullptr;
+      case Role::PostFfnNormW:
+        *needed = arch_.sandwich_norm;
+        return lp ? &lp->post_ffn_w : nullptr;
       default:
         return nullptr;
     }
@@ -214,6 +221,8 @@ ModelPtrs Model::resolve(float* base) const {
     for (auto& [ptr, role] : roles) require(ptr, role, i);
     require(l.q_norm_w, Role::QNormW, i);
     require(l.k_norm_w, Role::KNormW, i);
+    require(l.post_attn_w, Role::PostAttnNormW, i);
+    require(l.post_ffn_w, Role::PostFfnNormW, i);
   }
   if (arch_.tied_lm_head) m.lm_head = m.wte;
   return m;
@@ -267,6 +276,7 @@ void Model::embedding_forward(const int32_t* tokens, int64_t B, int64_t T) {
   trace::Scope span("embedding forward", trace::Cat::Compute);
   LATHE_CHECK(B <= max_B_ && T <= max_T_, "batch {}x{} exceeds the allocated {}x{}", B, T, max_B_, max_T_);
   check_compute_weights();  // every pass starts here
+  check_gemma2_support();
   LATHE_DIMS;
   const int64_t V = global_vocab();
   for (int64_t i = 0; i < N; ++i)
@@ -291,6 +301,7 @@ void Model::embedding_forward(const int32_t* tokens, int64_t B, int64_t T) {
   const TpMappings& tp = hooks_.tp;
   if (!sp) {
     if (vp) tp.reduce_from_tensor_region_forward(emb_, N * C);
+    if (arch_.embed_scale) scale_by_normalizer(emb_, N * C);  // gemma2 (host, one process: check_gemma2_support)
     return;
   }
   const int64_t pad = S * shard_.parts - N;
@@ -299,6 +310,7 @@ void Model::embedding_forward(const int32_t* tokens, int64_t B, int64_t T) {
     tp.reduce_scatter_to_sequence_region_forward(gathered_, emb_, S * C);
   else
     tp.scatter_to_sequence_region_forward(gathered_, emb_, S * C);
+  if (arch_.embed_scale) scale_by_normalizer(emb_, S * C);  // gemma2: this rank's rows
 }
 
 const VocabParallel* Model::vocab_parallel() const {
@@ -342,6 +354,7 @@ void Model::reduce_input_grad(int64_t N, int64_t S) {
 void Model::norm_backward(void* dx, float* dw, float* db, const void* dout, const void* x, const float* w,
                           const float* mean, const float* rstd, int64_t rows) {
   const int64_t C = cfg_.hidden_size;
+  if (!arch_.layernorm) w = norm_weight(w, C);  // gemma2's 1 + w (w itself otherwise)
   auto run = [&](int64_t r0, int64_t n, float* gw, float* gb) {
     if (arch_.layernorm)
       ops_->layernorm_backward(act_at(dx, r0 * C), gw, gb, act_at(dout, r0 * C), act_at(x, r0 * C), w, mean + r0,
@@ -387,7 +400,7 @@ void Model::norm_forward(int64_t l, bool second, int64_t rows) {
   if (arch_.layernorm)
     ops_->layernorm_forward(out, mean, rstd, in, second ? w.ln2_w : w.ln1_w, second ? w.ln2_b : w.ln1_b, rows, C, eps);
   else
-    ops_->rmsnorm_forward(out, rstd, in, second ? w.ln2_w : w.ln1_w, rows, C, eps);
+    ops_->rmsnorm_forward(out, rstd, in, norm_weight(second ? w.ln2_w : w.ln1_w, C), rows, C, eps);
 }
 
 void Model::mlp_activation_forward(int64_t l, int64_t N) {
@@ -397,6 +410,8 @@ void Model::mlp_activation_forward(int64_t l, int64_t N) {
     ops_->gelu_erf_forward(a.act, a.fc, N * F);
   else if (arch_.gelu_mlp)
     ops_->gelu_forward(a.act, a.fc, N * F);
+  else if (arch_.geglu)
+    ops_->geglu_forward(a.act, a.fc, N, F);
   else
     ops_->swiglu_forward(a.act, a.fc, N, F);
 }
@@ -469,10 +484,16 @@ void Model::layer_forward_into(int64_t l, int64_t B, int64_t T, bool output) {
     check_context_attention();
     hooks_.cp.attention_forward(a.att, a.lse, a.qkv, doc_starts(), B, cfg_.layer_window(l));
   } else {
-    ops_->attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D, scratch_, doc_starts(), cfg_.layer_window(l));
+    ops_->attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D, scratch_, doc_starts(), cfg_.layer_window(l),
+                            cfg_.attention_scale(), cfg_.attn_softcap());
   }
-  row_parallel_forward(a.res1, a.att, w.o_w, w.o_b, N, H * D, C);
-  ops_->residual_forward(a.res1, a.res1, x, S * C);
+  if (arch_.sandwich_norm) {  // res1 = x + norm(o(attn)) (gemma2)
+    row_parallel_forward(a.attn_out, a.att, w.o_w, w.o_b, N, H * D, C);
+    post_norm_forward(a.res1, a.attn_out, a.attn_out_rstd, w.post_attn_w, x, S);
+  } else {
+    row_parallel_forward(a.res1, a.att, w.o_w, w.o_b, N, H * D, C);
+    ops_->residual_forward(a.res1, a.res1, x, S * C);
+  }
   norm_forward(l, true, S);
   // GELU MLP: fc and its GELU in one op (CUDA: cuBLASLt's GELU epilogue; CPU: the same pair). Not
   // under selective recompute, which recomputes the activation alone (mlp_activation_forward) and
@@ -486,7 +507,14 @@ void Model::layer_forward_into(int64_t l, int64_t B, int64_t T, bool output) {
                          w.fc_b, N, C, FF, false);
     mlp_activation_forward(l, N);
   }
-  if (!output) return;  // backward reads nothing past the MLP activation
+  // Backward reads nothing past the MLP activation, except the sandwich's MLP output and its norm
+  // statistics (recomputed here: res2 is rewritten with the values it holds).
+  if (!output && !arch_.sandwich_norm) return;
+  if (arch_.sandwich_norm) {  // res2 = res1 + norm(mlp) (gemma2)
+    row_parallel_forward(a.mlp_out, a.act, w.proj_w, w.proj_b, N, F, C);
+    post_norm_forward(a.res2, a.mlp_out, a.mlp_out_rstd, w.post_ffn_w, a.res1, S);
+    return;
+  }
   row_parallel_forward(a.res2, a.act, w.proj_w, w.proj_b, N, F, C);
   ops_->residual_forward(a.res2, a.res2, a.res1, S * C);
 }
@@ -524,7 +552,7 @@ void Model::final_norm_forward(int64_t B, int64_t T) {
   if (arch_.layernorm)
     ops_->layernorm_forward(out, lnf_mean_, lnf_rstd_, x, p_.lnf_w, p_.lnf_b, S, C, eps);
   else
-    ops_->rmsnorm_forward(out, lnf_rstd_, x, p_.lnf_w, S, C, eps);
+    ops_->rmsnorm_forward(out, lnf_rstd_, x, norm_weight(p_.lnf_w, C), S, C, eps);
   if (sp) hooks_.tp.gather_from_sequence_region_forward(gathered_, lnf_, S * C);
 }
 
@@ -544,8 +572,9 @@ double Model::head_loss(const int32_t* targets, int64_t B, int64_t T, float grad
   // targets are range-checked by lm_head_loss
   float* dlm = arch_.tied_lm_head ? g_.wte : g_.lm_head;
   const VocabParallel* vp = vocab_parallel();
-  const double loss_sum = ops_->lm_head_loss(losses_, dln_, dlm, lnf_, cw(p_.lm_head), to_backend(targets, N, false), N,
-                                             C, V, grad_scale, backward, scratch_, chunk_rows_, vp);
+  const double loss_sum =
+      ops_->lm_head_loss(losses_, dln_, dlm, lnf_, cw(p_.lm_head), to_backend(targets, N, false), N, C, V, grad_scale,
+                         backward, scratch_, chunk_rows_, vp, cfg_.final_softcap());
   if (!backward) return loss_sum;
   // Each vocab shard's dlogits @ w covers its vocabulary rows only: summed over the group (the head
   // is a column-parallel region; with sequence parallelism the backward of final_norm_forward's
@@ -588,23 +617,36 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
     norm_forward(l, true, S);  // ln2 from res1 (its statistics are rewritten with the same values)
     mlp_activation_forward(l, N);
   }
-  // MLP: res2 = res1 + proj(act(fc(norm2(res1))))
+  // MLP: res2 = res1 + proj(act(fc(norm2(res1)))); gemma2: res1 + norm(proj(...)), whose d(proj)
+  // goes to dln_ (free until the fc GEMM's backward writes it).
+  const void* dmlp = dres_;
+  if (arch_.sandwich_norm) {
+    post_norm_backward(gw.post_ffn_w, dres_, a.mlp_out, w.post_ffn_w, a.mlp_out_rstd, S);
+    dmlp = dln_;
+  }
   ops_->matmul_backward(dact_, gw.proj_w, gw.proj_b,
-                        sp ? tp.reduce_scatter_to_sequence_region_backward(dres_, gathered_, S * C) : dres_, a.act,
+                        sp ? tp.reduce_scatter_to_sequence_region_backward(dmlp, gathered_, S * C) : dmlp, a.act,
                         cw(w.proj_w), N, F, C, false);
   // Attention's output projection reads d(res1): dres_ once ln2's gradient is added (sequential),
   // or with the parallel residual (res2 = x + o(...) + mlp(norm2(x))) dres_ as it is now, before
   // ln2's gradient goes to x.
   auto o_backward = [&] {
+    const void* datt_out = dres_;
+    if (arch_.sandwich_norm) {  // res1 = x + norm(o(attn)): d(o) into dln_ (ln2's backward is done with it)
+      post_norm_backward(gw.post_attn_w, dres_, a.attn_out, w.post_attn_w, a.attn_out_rstd, S);
+      datt_out = dln_;
+    }
     ops_->matmul_backward(datt_, gw.o_w, gw.o_b,
-                          sp ? tp.reduce_scatter_to_sequence_region_backward(dres_, gathered_, S * C) : dres_, a.att,
-                          cw(w.o_w), N, H * D, C, false);
+                          sp ? tp.reduce_scatter_to_sequence_region_backward(datt_out, gathered_, S * C) : datt_out,
+                          a.att, cw(w.o_w), N, H * D, C, false);
   };
   if (arch_.parallel_residual) o_backward();
   if (arch_.gelu_mlp && arch_.gelu_exact)
     ops_->gelu_erf_backward(dfc_, a.fc, dact_, N * F);
   else if (arch_.gelu_mlp)
     ops_->gelu_backward(dfc_, a.fc, dact_, N * F);
+  else if (arch_.geglu)
+    ops_->geglu_backward(dfc_, a.fc, dact_, N, F);
   else
     ops_->swiglu_backward(dfc_, a.fc, dact_, N, F);
   ops_->matmul_backward(dln_, gw.fc_w, gw.fc_b, dfc_,
@@ -619,7 +661,7 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
     hooks_.cp.attention_backward(dqkv_, datt_, a.qkv, a.att, a.lse, doc_starts(), B, cfg_.layer_window(l));
   else
     ops_->attention_backward(dqkv_, datt_, a.qkv, a.att, a.lse, B, T, H, KV, D, scratch_, doc_starts(),
-                             cfg_.layer_window(l));
+                             cfg_.layer_window(l), cfg_.attention_scale(), cfg_.attn_softcap());
   if (!arch_.learned_pos) {
     const int64_t rot = cfg_.rotary_dim();
     ops_->rope_backward(dqkv_, rope_cos_, rope_sin_, B, T, H, D, rot, Q, doc_positions());
@@ -645,14 +687,17 @@ void Model::embedding_backward(const int32_t* tokens, int64_t B, int64_t T) {
   const VocabParallel* vp = vocab_parallel();
   const int64_t S = stream_rows(B, T, true), SC = S * cfg_.hidden_size;
   const TpMappings& tp = hooks_.tp;
+  // gemma2: the embedding was scaled by sqrt(hidden) (host memory: check_gemma2_support); so is its
+  // gradient (this rank's rows, before they are gathered).
+  if (arch_.embed_scale) scale_by_normalizer(dres_, SC);
   const void* dout = !seq_parallel() ? dres_
                      : vp            ? tp.reduce_scatter_to_sequence_region_backward(dres_, gathered_, SC)
                                      : tp.scatter_to_sequence_region_backward(dres_, gathered_, SC);
-  // phi3: transformers' Phi3Model builds nn.Embedding(..., padding_idx=pad_token_id), whose
+  // phi3 and gemma2: transformers' Phi3Model / Gemma2Model build nn.Embedding(..., padding_idx=pad_token_id), whose
   // lookups of the pad token add no gradient to its row (a tied lm_head's still do): those tokens
   // are given an id outside the vocabulary, which the kernel skips.
   std::vector<int32_t> unpadded;
-  if (cfg_.model_type == "phi3" && cfg_.pad_token_id >= 0) {
+  if ((cfg_.model_type == "phi3" || cfg_.model_type == "gemma2") && cfg_.pad_token_id >= 0) {
     unpadded.assign(tokens, tokens + B * T);
     for (int32_t& t : unpadded)
       if (t == cfg_.pad_token_id) t = -1;
@@ -711,10 +756,12 @@ void Model::head_logits(int64_t B, int64_t T, float* logits) {
     ops_->logits_forward(static_cast<float*>(d.data()), lnf_, cw(p_.lm_head), B * T, cfg_.hidden_size, cfg_.vocab_size);
     backend_->copy(logits, d.data(), n * sizeof(float), CopyKind::DeviceToHost);
     backend_->synchronize();
+    apply_final_softcap(cfg_, logits, B * T * cfg_.vocab_size);
     return;
   }
   if (!vocab_parallel()) {
     ops_->logits_forward(logits, lnf_, cw(p_.lm_head), B * T, cfg_.hidden_size, cfg_.vocab_size);
+    apply_final_softcap(cfg_, logits, B * T * cfg_.vocab_size);
     return;
   }
   // Vocab parallel: this rank's columns [B*T, V_local], then every rank's gathered into [B*T, V].
@@ -723,6 +770,7 @@ void Model::head_logits(int64_t B, int64_t T, float* logits) {
   std::vector<float> local(static_cast<size_t>(B * T * cfg_.vocab_size));
   ops_->logits_forward(local.data(), lnf_, cw(p_.lm_head), B * T, cfg_.hidden_size, cfg_.vocab_size);
   hooks_.tp.gather_from_tensor_region_forward(local.data(), logits, B * T, cfg_.vocab_size);
+  apply_final_softcap(cfg_, logits, B * T * global_vocab());  // every shard's columns
 }
 
 void Model::forward_last_logits(const int32_t* tokens, int64_t B, int64_t T, float* logits) {
@@ -739,12 +787,14 @@ void Model::forward_last_logits(const int32_t* tokens, int64_t B, int64_t T, flo
                            C, V);
     backend_->copy(logits, d.data(), static_cast<size_t>(B * V) * sizeof(float), CopyKind::DeviceToHost);
     backend_->synchronize();
+    apply_final_softcap(cfg_, logits, B * V);
     return;
   }
   for (int64_t b = 0; b < B; ++b)
     ops_->logits_forward(vp ? local.data() + b * V : logits + b * V, act_at(lnf_, (b * T + T - 1) * C), cw(p_.lm_head),
                          1, C, V);
   if (vp) hooks_.tp.gather_from_tensor_region_forward(local.data(), logits, B, V);
+  apply_final_softcap(cfg_, logits, B * global_vocab());  // every shard's columns
 }
 
 }  // namespace lathe

@@ -140,8 +140,10 @@ void expect_close(const std::vector<float>& got, const std::vector<float>& want,
 // ---- attention -----------------------------------------------------------------------------------
 struct AttnCase {
   int64_t B, T, H, KVH, D;
-  double p_new_doc;    // < 0: no documents
-  int64_t window = 0;  // sliding window (0: none)
+  double p_new_doc;      // < 0: no documents
+  int64_t window = 0;    // sliding window (0: none)
+  float softcap = 0.0f;  // attention logit soft cap (Gemma 2; 0: none)
+  float scale = 0.0f;    // score scale (0: 1/sqrt(D))
 };
 
 std::vector<int32_t> make_docs(int64_t B, int64_t T, double p, uint32_t seed) {
@@ -156,29 +158,35 @@ std::vector<int32_t> make_docs(int64_t B, int64_t T, double p, uint32_t seed) {
 
 void cuda_attention_forward(DType dt, void* out, float* lse, const void* qkv, const AttnCase& c, const int32_t* ds) {
   if (dt == DType::F32)
-    cuda::attention_forward<DType::F32>(out, lse, qkv, c.B, c.T, c.H, c.KVH, c.D, nullptr, ds, c.window);
+    cuda::attention_forward<DType::F32>(out, lse, qkv, c.B, c.T, c.H, c.KVH, c.D, nullptr, ds, c.window, c.scale,
+                                        c.softcap);
   else
-    cuda::attention_forward<DType::BF16>(out, lse, qkv, c.B, c.T, c.H, c.KVH, c.D, nullptr, ds, c.window);
+    cuda::attention_forward<DType::BF16>(out, lse, qkv, c.B, c.T, c.H, c.KVH, c.D, nullptr, ds, c.window, c.scale,
+                                         c.softcap);
 }
 void cuda_attention_backward(DType dt, void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
                              const AttnCase& c, const int32_t* ds) {
   if (dt == DType::F32)
-    cuda::attention_backward<DType::F32>(dqkv, dout, qkv, out, lse, c.B, c.T, c.H, c.KVH, c.D, nullptr, ds, c.window);
+    cuda::attention_backward<DType::F32>(dqkv, dout, qkv, out, lse, c.B, c.T, c.H, c.KVH, c.D, nullptr, ds, c.window,
+                                         c.scale, c.softcap);
   else
-    cuda::attention_backward<DType::BF16>(dqkv, dout, qkv, out, lse, c.B, c.T, c.H, c.KVH, c.D, nullptr, ds, c.window);
+    cuda::attention_backward<DType::BF16>(dqkv, dout, qkv, out, lse, c.B, c.T, c.H, c.KVH, c.D, nullptr, ds, c.window,
+                                          c.scale, c.softcap);
 }
 
 TEST(CudaFusedOps, AttentionMatchesCpuForwardAndBackward) {
   REQUIRE_GPU();
   const AttnCase cases[] = {
-      {2, 67, 4, 2, 64, -1.0},       // GQA, odd T across two tiles
-      {1, 130, 3, 1, 128, 0.03},     // D = 128, documents, MQA
-      {2, 1, 2, 2, 40, -1.0},        // one token, D padded to 64
-      {1, 200, 2, 2, 16, 0.2},       // many short documents
-      {1, 129, 6, 3, 80, 0.01},      // D padded to 128, documents crossing tiles
-      {2, 300, 4, 2, 64, -1.0, 70},  // sliding window across tiles (issue 25)
-      {1, 259, 3, 1, 40, 0.02, 65},  // window with documents
-      {1, 130, 2, 2, 16, -1.0, 1},   // window of one key: each token's own value
+      {2, 67, 4, 2, 64, -1.0},                    // GQA, odd T across two tiles
+      {1, 130, 3, 1, 128, 0.03},                  // D = 128, documents, MQA
+      {2, 1, 2, 2, 40, -1.0},                     // one token, D padded to 64
+      {1, 200, 2, 2, 16, 0.2},                    // many short documents
+      {1, 129, 6, 3, 80, 0.01},                   // D padded to 128, documents crossing tiles
+      {2, 300, 4, 2, 64, -1.0, 70},               // sliding window across tiles (issue 25)
+      {1, 259, 3, 1, 40, 0.02, 65},               // window with documents
+      {1, 130, 2, 2, 16, -1.0, 1},                // window of one key: each token's own value
+      {2, 131, 4, 2, 64, -1.0, 0, 0.7f, 0.2f},    // soft cap and score scale (Gemma 2), GQA
+      {1, 259, 3, 1, 40, 0.02, 65, 0.5f, 0.15f},  // soft cap with documents and a window
   };
   for (DType dt : {DType::F32, DType::BF16}) {
     const Ops& cpu = ops_for(cpu_backend(), dt);
@@ -186,7 +194,8 @@ TEST(CudaFusedOps, AttentionMatchesCpuForwardAndBackward) {
       const std::string name = compute_dtype_name(dt) + " B=" + std::to_string(c.B) + " T=" + std::to_string(c.T) +
                                " H=" + std::to_string(c.H) + " KVH=" + std::to_string(c.KVH) +
                                " D=" + std::to_string(c.D) + (c.p_new_doc >= 0 ? " docs" : "") +
-                               (c.window > 0 ? " window=" + std::to_string(c.window) : "");
+                               (c.window > 0 ? " window=" + std::to_string(c.window) : "") +
+                               (c.softcap > 0 ? " softcap=" + std::to_string(c.softcap) : "");
       SCOPED_TRACE(name);
       const int64_t nqkv = c.B * c.T * (c.H + 2 * c.KVH) * c.D, nout = c.B * c.T * c.H * c.D, nlse = c.B * c.H * c.T;
       const std::vector<uint8_t> qkv = encode(randn(nqkv, 1), dt), dout = encode(randn(nout, 2), dt);
@@ -199,9 +208,9 @@ TEST(CudaFusedOps, AttentionMatchesCpuForwardAndBackward) {
       std::vector<float> lse(nlse);
       std::vector<uint8_t> scratch(cpu.attention_scratch_bytes(c.T, c.D));
       cpu.attention_forward(out.data(), lse.data(), qkv.data(), c.B, c.T, c.H, c.KVH, c.D, scratch.data(), ds_host,
-                            c.window);
+                            c.window, c.scale, c.softcap);
       cpu.attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), c.B, c.T, c.H, c.KVH, c.D,
-                             scratch.data(), ds_host, c.window);
+                             scratch.data(), ds_host, c.window, c.scale, c.softcap);
 
       // GPU
       Dev d_qkv(qkv.size()), d_dout(dout.size()), d_out(out.size()), d_dqkv(dqkv.size()), d_lse(nlse * 4),
@@ -263,7 +272,7 @@ TEST(CudaFusedOps, AttentionTimingGpt2Shape) {
 TEST(CudaFusedOps, AttentionRefusesHeadDimAbove128) {
   REQUIRE_GPU();
   try {
-    cuda::attention_forward<DType::F32>(nullptr, nullptr, nullptr, 1, 4, 2, 2, 160, nullptr, nullptr, 0);
+    cuda::attention_forward<DType::F32>(nullptr, nullptr, nullptr, 1, 4, 2, 2, 160, nullptr, nullptr, 0, 0.0f, 0.0f);
     FAIL() << "expected an error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("head dim 160"), std::string::npos) << e.what();
@@ -272,10 +281,12 @@ TEST(CudaFusedOps, AttentionRefusesHeadDimAbove128) {
 
 // ---- lm head loss and logits -----------------------------------------------------------------------
 double cuda_lm_head(DType dt, float* losses, void* dx, float* dw, const void* x, const void* w, const int32_t* t,
-                    int64_t N, int64_t C, int64_t V, float gs, bool backward, void* scratch, int64_t R) {
+                    int64_t N, int64_t C, int64_t V, float gs, bool backward, void* scratch, int64_t R,
+                    float cap = 0.0f) {
   return dt == DType::F32
-             ? cuda::lm_head_loss<DType::F32>(losses, dx, dw, x, w, t, N, C, V, gs, backward, scratch, R, nullptr)
-             : cuda::lm_head_loss<DType::BF16>(losses, dx, dw, x, w, t, N, C, V, gs, backward, scratch, R, nullptr);
+             ? cuda::lm_head_loss<DType::F32>(losses, dx, dw, x, w, t, N, C, V, gs, backward, scratch, R, nullptr, cap)
+             : cuda::lm_head_loss<DType::BF16>(losses, dx, dw, x, w, t, N, C, V, gs, backward, scratch, R, nullptr,
+                                               cap);
 }
 size_t cuda_lm_scratch(DType dt, int64_t R, int64_t V) {
   return dt == DType::F32 ? cuda::lm_head_loss_scratch_bytes<DType::F32>(R, V)
@@ -289,67 +300,69 @@ TEST(CudaFusedOps, LmHeadLossMatchesCpu) {
   std::vector<int32_t> targets(N);
   std::mt19937 rng(5);
   for (int64_t n = 0; n < N; ++n) targets[n] = (n % 7 == 3) ? -1 : static_cast<int32_t>(rng() % V);
-  for (DType dt : {DType::F32, DType::BF16}) {
-    SCOPED_TRACE(compute_dtype_name(dt));
-    if (dt == DType::BF16 && !cpu::bf16_matmul_available()) {
-      ADD_FAILURE() << "the CPU bf16 reference needs oneDNN (libdnnl-dev)";
-      continue;
-    }
-    const Ops& cpu = ops_for(cpu_backend(), dt);
-    const std::vector<uint8_t> x = encode(randn(N * C, 11), dt), w = encode(randn(V * C, 12, 0.3f), dt);
-    const std::vector<float> dw0 = randn(V * C, 13, 0.01f);  // dw accumulates (+=)
-
-    std::vector<float> losses(N), dw = dw0;
-    std::vector<uint8_t> dx(N * C * elem_size(dt));
-    std::vector<uint8_t> scratch(cpu.lm_head_loss_scratch_bytes(R, V));
-    const double want = cpu.lm_head_loss(losses.data(), dx.data(), dw.data(), x.data(), w.data(), targets.data(), N, C,
-                                         V, grad_scale, true, scratch.data(), R, nullptr);
-
-    Dev d_x(x.size()), d_w(w.size()), d_t(N * 4), d_losses(N * 4), d_dx(dx.size()), d_dw(dw0.size() * 4),
-        d_scratch(cuda_lm_scratch(dt, R, V));
-    d_x.put(x);
-    d_w.put(w);
-    d_t.put(targets);
-    d_dw.put(dw0);
-    const double got = cuda_lm_head(dt, d_losses.as<float>(), d_dx.p, d_dw.as<float>(), d_x.p, d_w.p, d_t.as<int32_t>(),
-                                    N, C, V, grad_scale, true, d_scratch.p, R);
-    EXPECT_NEAR(got, want, (dt == DType::F32 ? 1e-5 : 1e-2) * std::fabs(want)) << "loss sum";
-    const std::vector<float> g_losses = d_losses.get<float>(N);
-    expect_close(g_losses, losses, tolerance(dt), "losses");
-    for (int64_t n = 0; n < N; ++n) {
-      if (targets[n] < 0) {
-        EXPECT_EQ(g_losses[n], 0.0f) << "ignored row " << n;
+  // cap 2: final logit soft-capping (Gemma 2) with logits of size ~ sqrt(C) * 0.3, well past the cap
+  for (const float cap : {0.0f, 2.0f})
+    for (DType dt : {DType::F32, DType::BF16}) {
+      SCOPED_TRACE(compute_dtype_name(dt) + " softcap " + std::to_string(cap));
+      if (dt == DType::BF16 && !cpu::bf16_matmul_available()) {
+        ADD_FAILURE() << "the CPU bf16 reference needs oneDNN (libdnnl-dev)";
+        continue;
       }
+      const Ops& cpu = ops_for(cpu_backend(), dt);
+      const std::vector<uint8_t> x = encode(randn(N * C, 11), dt), w = encode(randn(V * C, 12, 0.3f), dt);
+      const std::vector<float> dw0 = randn(V * C, 13, 0.01f);  // dw accumulates (+=)
+
+      std::vector<float> losses(N), dw = dw0;
+      std::vector<uint8_t> dx(N * C * elem_size(dt));
+      std::vector<uint8_t> scratch(cpu.lm_head_loss_scratch_bytes(R, V));
+      const double want = cpu.lm_head_loss(losses.data(), dx.data(), dw.data(), x.data(), w.data(), targets.data(), N,
+                                           C, V, grad_scale, true, scratch.data(), R, nullptr, cap);
+
+      Dev d_x(x.size()), d_w(w.size()), d_t(N * 4), d_losses(N * 4), d_dx(dx.size()), d_dw(dw0.size() * 4),
+          d_scratch(cuda_lm_scratch(dt, R, V));
+      d_x.put(x);
+      d_w.put(w);
+      d_t.put(targets);
+      d_dw.put(dw0);
+      const double got = cuda_lm_head(dt, d_losses.as<float>(), d_dx.p, d_dw.as<float>(), d_x.p, d_w.p,
+                                      d_t.as<int32_t>(), N, C, V, grad_scale, true, d_scratch.p, R, cap);
+      EXPECT_NEAR(got, want, (dt == DType::F32 ? 1e-5 : 1e-2) * std::fabs(want)) << "loss sum";
+      const std::vector<float> g_losses = d_losses.get<float>(N);
+      expect_close(g_losses, losses, tolerance(dt), "losses");
+      for (int64_t n = 0; n < N; ++n) {
+        if (targets[n] < 0) {
+          EXPECT_EQ(g_losses[n], 0.0f) << "ignored row " << n;
+        }
+      }
+      const std::vector<uint8_t> g_dx = d_dx.get<uint8_t>(dx.size());
+      const std::vector<float> g_dw = d_dw.get<float>(dw0.size());
+      expect_close(decode(g_dx, dt), decode(dx, dt), tolerance(dt), "dx");
+      expect_close(g_dw, dw, tolerance(dt), "dw");
+
+      // Deterministic: the same call again (dw restarted) gives the same bits.
+      d_dw.put(dw0);
+      const double again = cuda_lm_head(dt, d_losses.as<float>(), d_dx.p, d_dw.as<float>(), d_x.p, d_w.p,
+                                        d_t.as<int32_t>(), N, C, V, grad_scale, true, d_scratch.p, R, cap);
+      EXPECT_EQ(again, got);
+      EXPECT_TRUE(d_dx.get<uint8_t>(dx.size()) == g_dx);
+      EXPECT_TRUE(d_dw.get<float>(dw0.size()) == g_dw);
+
+      // Forward only: the same losses, dx and dw untouched.
+      d_dw.put(dw0);
+      const double fwd = cuda_lm_head(dt, d_losses.as<float>(), nullptr, nullptr, d_x.p, d_w.p, d_t.as<int32_t>(), N, C,
+                                      V, grad_scale, false, d_scratch.p, R, cap);
+      EXPECT_EQ(fwd, got);
+
+      // logits_forward against the CPU table's.
+      std::vector<float> logits(N * V);
+      cpu.logits_forward(logits.data(), x.data(), w.data(), N, C, V);
+      Dev d_logits(logits.size() * 4);
+      if (dt == DType::F32)
+        cuda::logits_forward<DType::F32>(d_logits.as<float>(), d_x.p, d_w.p, N, C, V);
+      else
+        cuda::logits_forward<DType::BF16>(d_logits.as<float>(), d_x.p, d_w.p, N, C, V);
+      expect_close(d_logits.get<float>(logits.size()), logits, dt == DType::F32 ? 5e-5 : 1e-3, "logits");
     }
-    const std::vector<uint8_t> g_dx = d_dx.get<uint8_t>(dx.size());
-    const std::vector<float> g_dw = d_dw.get<float>(dw0.size());
-    expect_close(decode(g_dx, dt), decode(dx, dt), tolerance(dt), "dx");
-    expect_close(g_dw, dw, tolerance(dt), "dw");
-
-    // Deterministic: the same call again (dw restarted) gives the same bits.
-    d_dw.put(dw0);
-    const double again = cuda_lm_head(dt, d_losses.as<float>(), d_dx.p, d_dw.as<float>(), d_x.p, d_w.p,
-                                      d_t.as<int32_t>(), N, C, V, grad_scale, true, d_scratch.p, R);
-    EXPECT_EQ(again, got);
-    EXPECT_TRUE(d_dx.get<uint8_t>(dx.size()) == g_dx);
-    EXPECT_TRUE(d_dw.get<float>(dw0.size()) == g_dw);
-
-    // Forward only: the same losses, dx and dw untouched.
-    d_dw.put(dw0);
-    const double fwd = cuda_lm_head(dt, d_losses.as<float>(), nullptr, nullptr, d_x.p, d_w.p, d_t.as<int32_t>(), N, C,
-                                    V, grad_scale, false, d_scratch.p, R);
-    EXPECT_EQ(fwd, got);
-
-    // logits_forward against the CPU table's.
-    std::vector<float> logits(N * V);
-    cpu.logits_forward(logits.data(), x.data(), w.data(), N, C, V);
-    Dev d_logits(logits.size() * 4);
-    if (dt == DType::F32)
-      cuda::logits_forward<DType::F32>(d_logits.as<float>(), d_x.p, d_w.p, N, C, V);
-    else
-      cuda::logits_forward<DType::BF16>(d_logits.as<float>(), d_x.p, d_w.p, N, C, V);
-    expect_close(d_logits.get<float>(logits.size()), logits, dt == DType::F32 ? 5e-5 : 1e-3, "logits");
-  }
 }
 
 TEST(CudaFusedOps, LmHeadLossRefusesOutOfRangeTargetBeforeWriting) {
@@ -431,7 +444,7 @@ TEST(CudaFusedOps, LmHeadLossVocabParallelMatchesTheWholeVocabulary) {
       vp.global_V = V;
       const double got = cuda::lm_head_loss<DType::F32>(d_losses.as<float>(), d_dx.p, d_dw.as<float>(), d_x.p, d_w.p,
                                                         d_t.as<int32_t>(), N, C, V, grad_scale, true, d_scratch.p, R,
-                                                        one_shard ? &vp : nullptr);
+                                                        one_shard ? &vp : nullptr, 0.0f);
       if (!one_shard) {
         whole = got;
         whole_losses = d_losses.get<float>(N);
@@ -464,9 +477,9 @@ TEST(CudaFusedOps, LmHeadLossVocabParallelMatchesTheWholeVocabulary) {
             d_scratch(cuda::lm_head_loss_scratch_bytes<DType::F32>(R, rows[r]));
         d_w.put(w_r);
         d_dw.put(dw_r);
-        sums[r] =
-            cuda::lm_head_loss<DType::F32>(d_losses.as<float>(), d_dx.p, d_dw.as<float>(), d_x.p, d_w.p,
-                                           d_t.as<int32_t>(), N, C, rows[r], grad_scale, true, d_scratch.p, R, &vp);
+        sums[r] = cuda::lm_head_loss<DType::F32>(d_losses.as<float>(), d_dx.p, d_dw.as<float>(), d_x.p, d_w.p,
+                                                 d_t.as<int32_t>(), N, C, rows[r], grad_scale, true, d_scratch.p, R,
+                                                 &vp, 0.0f);
         losses[r] = d_losses.get<float>(N);
         dx[r] = d_dx.get<float>(N * C);
         dw[r] = d_dw.get<float>(dw_r.size());

@@ -175,6 +175,22 @@ inline void ref_swiglu_bwd(VecD& dinp, const VecD& inp, const VecD& dout, int64_
     }
 }
 
+// GeGLU (Gemma 2): gelu_tanh(gate) * up on the same gate|up layout, and its gradient.
+inline void ref_geglu_fwd(VecD& out, const VecD& inp, int64_t N, int64_t F) {
+  out.assign(N * F, 0.0);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t f = 0; f < F; ++f) out[n * F + f] = ref_gelu(inp[n * 2 * F + f]) * inp[n * 2 * F + F + f];
+}
+inline void ref_geglu_bwd(VecD& dinp, const VecD& inp, const VecD& dout, int64_t N, int64_t F) {
+  dinp.assign(N * 2 * F, 0.0);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t f = 0; f < F; ++f) {
+      const double g = inp[n * 2 * F + f], u = inp[n * 2 * F + F + f], d = dout[n * F + f];
+      dinp[n * 2 * F + f] = d * u * ref_gelu_grad(g);
+      dinp[n * 2 * F + F + f] = d * ref_gelu(g);
+    }
+}
+
 // RoPE reference on x[B, T, stride], heads at column h*D; tables given as [T, rot/2] doubles
 // (rot: the rotated dims of a head, 0 = D; the rest pass through).
 // pos [B, T] (nullptr: t): the table row of each token.
@@ -217,9 +233,17 @@ inline void ref_rope_bwd(VecD& dx, const VecD& dy, const VecD& cs, const VecD& s
 
 struct AttnShape {
   int64_t B, T, H, KVH, D;
+  double scale = 0.0;    // score scale (0: 1/sqrt(D))
+  double softcap = 0.0;  // scores s -> softcap * tanh(s / softcap) before the softmax (0: none)
+  double score_scale() const { return scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(D)); }
+  double cap(double x) const { return softcap > 0 ? softcap * std::tanh(x / softcap) : x; }
+  // d cap(x) / dx from the capped value c
+  double cap_grad(double c) const { return softcap > 0 ? 1.0 - (c / softcap) * (c / softcap) : 1.0; }
 };
 inline void PrintTo(const AttnShape& s, std::ostream* os) {
   *os << "B=" << s.B << " T=" << s.T << " H=" << s.H << " KVH=" << s.KVH << " D=" << s.D;
+  if (s.scale > 0) *os << " scale=" << s.scale;
+  if (s.softcap > 0) *os << " softcap=" << s.softcap;
 }
 
 // The first key of every query [B*T] under documents (doc_start [B, T], empty = none) and a
@@ -241,7 +265,7 @@ inline std::vector<int64_t> ref_first_keys(const std::vector<int32_t>& doc_start
 inline void ref_attention_fwd(std::vector<double>& out, std::vector<double>& lse, const std::vector<double>& qkv,
                               const AttnShape& s, const int64_t* first = nullptr) {
   const int64_t ld = (s.H + 2 * s.KVH) * s.D, rep = s.H / s.KVH;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(s.D));
+  const double scale = s.score_scale();
   out.assign(s.B * s.T * s.H * s.D, 0.0);
   lse.assign(s.B * s.H * s.T, 0.0);
   std::vector<double> p(s.T);
@@ -255,7 +279,7 @@ inline void ref_attention_fwd(std::vector<double>& out, std::vector<double>& lse
           double acc = 0;
           for (int64_t d = 0; d < s.D; ++d)
             acc += qkv[(b * s.T + i) * ld + h * s.D + d] * qkv[(b * s.T + j) * ld + (s.H + g) * s.D + d];
-          p[j] = acc * scale;
+          p[j] = s.cap(acc * scale);
           m = std::max(m, p[j]);
         }
         double sum = 0;
@@ -274,8 +298,8 @@ inline void ref_attention_fwd(std::vector<double>& out, std::vector<double>& lse
 inline std::vector<double> ref_attention_bwd(const std::vector<double>& qkv, const std::vector<double>& dout,
                                              const AttnShape& s, const int64_t* first = nullptr) {
   const int64_t ld = (s.H + 2 * s.KVH) * s.D, rep = s.H / s.KVH, T = s.T, D = s.D;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  std::vector<double> dqkv(qkv.size(), 0.0), P(T * T), dP(T * T);
+  const double scale = s.score_scale();
+  std::vector<double> dqkv(qkv.size(), 0.0), P(T * T), dP(T * T), CG(T * T);
   auto Q = [&](int64_t b, int64_t t, int64_t h, int64_t d) { return qkv[(b * T + t) * ld + h * D + d]; };
   for (int64_t b = 0; b < s.B; ++b)
     for (int64_t h = 0; h < s.H; ++h) {
@@ -286,7 +310,8 @@ inline std::vector<double> ref_attention_bwd(const std::vector<double>& qkv, con
         for (int64_t j = j0; j <= i; ++j) {
           double acc = 0;
           for (int64_t d = 0; d < D; ++d) acc += Q(b, i, h, d) * qkv[(b * T + j) * ld + kc + d];
-          P[i * T + j] = acc * scale;
+          P[i * T + j] = s.cap(acc * scale);
+          CG[i * T + j] = s.cap_grad(P[i * T + j]);
           m = std::max(m, P[i * T + j]);
         }
         double sum = 0;
@@ -304,7 +329,7 @@ inline std::vector<double> ref_attention_bwd(const std::vector<double>& qkv, con
           rowdot += acc * P[i * T + j];
         }
         for (int64_t j = j0; j <= i; ++j) {
-          const double ds = P[i * T + j] * (dP[i * T + j] - rowdot) * scale;
+          const double ds = P[i * T + j] * (dP[i * T + j] - rowdot) * CG[i * T + j] * scale;
           for (int64_t d = 0; d < D; ++d) {
             dqkv[(b * T + i) * ld + h * D + d] += ds * qkv[(b * T + j) * ld + kc + d];
             dqkv[(b * T + j) * ld + kc + d] += ds * Q(b, i, h, d);
@@ -363,7 +388,8 @@ struct LossRef {
 
 // Naive reference: logits, log-softmax and gradients in double.
 inline LossRef ref_lm_head_loss(const std::vector<double>& x, const std::vector<double>& w,
-                                const std::vector<int32_t>& tg, int64_t N, int64_t C, int64_t V, double grad_scale) {
+                                const std::vector<int32_t>& tg, int64_t N, int64_t C, int64_t V, double grad_scale,
+                                double softcap = 0.0) {
   LossRef r;
   r.losses.assign(N, 0.0);
   r.dx.assign(N * C, 0.0);
@@ -373,7 +399,7 @@ inline LossRef ref_lm_head_loss(const std::vector<double>& x, const std::vector<
     for (int64_t v = 0; v < V; ++v) {
       double acc = 0;
       for (int64_t c = 0; c < C; ++c) acc += x[n * C + c] * w[v * C + c];
-      logits[v] = acc;
+      logits[v] = softcap > 0 ? softcap * std::tanh(acc / softcap) : acc;
     }
     if (tg[n] < 0) continue;
     const double m = *std::max_element(logits.begin(), logits.end());
@@ -383,7 +409,8 @@ inline LossRef ref_lm_head_loss(const std::vector<double>& x, const std::vector<
     r.losses[n] = lse - logits[tg[n]];
     r.total += r.losses[n];
     for (int64_t v = 0; v < V; ++v) {
-      const double g = (std::exp(logits[v] - lse) - (v == tg[n] ? 1.0 : 0.0)) * grad_scale;
+      const double th = softcap > 0 ? logits[v] / softcap : 0.0;
+      const double g = (std::exp(logits[v] - lse) - (v == tg[n] ? 1.0 : 0.0)) * grad_scale * (1.0 - th * th);
       for (int64_t c = 0; c < C; ++c) {
         r.dx[n * C + c] += g * w[v * C + c];
         r.dw[v * C + c] += g * x[n * C + c];

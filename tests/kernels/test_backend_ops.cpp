@@ -30,8 +30,8 @@
 #include <string>
 #include <vector>
 
-#include "config/rope_scaling.h"
 #include "backend_buffers.h"
+#include "config/rope_scaling.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/rng.h"
@@ -199,6 +199,16 @@ Ops make() {
     f32().swiglu_backward(dxv.data(), xv.data(), gv.data(), N, F);
     out(dx, dxv);
   };
+  o.geglu_forward = [](void* y, const void* x, int64_t N, int64_t F) {
+    VecF yv(N * F), xv = in(x, N * 2 * F);
+    f32().geglu_forward(yv.data(), xv.data(), N, F);
+    out(y, yv);
+  };
+  o.geglu_backward = [](void* dx, const void* x, const void* g, int64_t N, int64_t F) {
+    VecF dxv(N * 2 * F), xv = in(x, N * 2 * F), gv = in(g, N * F);
+    f32().geglu_backward(dxv.data(), xv.data(), gv.data(), N, F);
+    out(dx, dxv);
+  };
   o.residual_forward = [](void* y, const void* a, const void* b, int64_t n) {
     VecF yv(n), av = in(a, n), bv = in(b, n);
     f32().residual_forward(yv.data(), av.data(), bv.data(), n);
@@ -224,25 +234,26 @@ Ops make() {
     out(x, xv);
   };
   o.attention_forward = [](void* y, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                           int64_t D, void* scratch, const int32_t* ds, int64_t win) {
+                           int64_t D, void* scratch, const int32_t* ds, int64_t win, float sc, float cap) {
     VecF yv(B * T * H * D), qv = in(qkv, B * T * (H + 2 * KVH) * D);
-    f32().attention_forward(yv.data(), lse, qv.data(), B, T, H, KVH, D, scratch, ds, win);
+    f32().attention_forward(yv.data(), lse, qv.data(), B, T, H, KVH, D, scratch, ds, win, sc, cap);
     out(y, yv);
   };
   o.attention_backward = [](void* dqkv, const void* g, const void* qkv, const void* y, const float* lse, int64_t B,
-                            int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch, const int32_t* ds,
-                            int64_t win) {
+                            int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch, const int32_t* ds, int64_t win,
+                            float sc, float cap) {
     const int64_t nq = B * T * (H + 2 * KVH) * D, ny = B * T * H * D;
     VecF dqv(nq), gv = in(g, ny), qv = in(qkv, nq), yv = in(y, ny);
-    f32().attention_backward(dqv.data(), gv.data(), qv.data(), yv.data(), lse, B, T, H, KVH, D, scratch, ds, win);
+    f32().attention_backward(dqv.data(), gv.data(), qv.data(), yv.data(), lse, B, T, H, KVH, D, scratch, ds, win, sc,
+                             cap);
     out(dqkv, dqv);
   };
   o.lm_head_loss = [](float* losses, void* dx, float* dw, const void* x, const void* w, const int32_t* tg, int64_t N,
                       int64_t C, int64_t V, float gs, bool backward, void* scratch, int64_t chunk,
-                      const VocabParallel* vp) {
+                      const VocabParallel* vp, float cap) {
     VecF dxv(N * C), xv = in(x, N * C), wv = in(w, V * C);
     const double total = f32().lm_head_loss(losses, fp(dxv, dx), dw, xv.data(), wv.data(), tg, N, C, V, gs, backward,
-                                            scratch, chunk, vp);
+                                            scratch, chunk, vp, cap);
     out(dx, dxv);
     return total;
   };
@@ -591,6 +602,29 @@ void case_swiglu(const Target& t) {
     }
 }
 
+// GeGLU (Gemma 2's MLP): the tanh GELU of the gate times up, with the same extreme gates as swiglu.
+void case_geglu(const Target& t) {
+  for (int64_t N : kOdd)
+    for (int64_t F : kOdd) {
+      Run r{t, "geglu " + dims({N, F})};
+      Rng rng(650 + N * 100 + F);
+      VecF x = randn(N * 2 * F, rng, 3.0f);
+      x[0] = -40.0f;
+      x[x.size() / 2] = 40.0f;
+      x = r.act_in(x);
+      const VecF g = r.act_in(randn(N * F, rng));
+      VecD ref, rdx;
+      ref_geglu_fwd(ref, to_double(x), N, F);
+      ref_geglu_bwd(rdx, to_double(x), to_double(g), N, F);
+      auto dx = r.act(x, "x"), dg = r.act(g, "dout"), out = r.act(VecF(N * F, kNaN), "out"),
+           gx = r.act(VecF(N * 2 * F, kNaN), "dinp");
+      t.ops->geglu_forward(out->p(), dx->p(), N, F);
+      r.check(*out, ref, "forward");
+      t.ops->geglu_backward(gx->p(), dx->p(), dg->p(), N, F);
+      r.check(*gx, rdx, "backward");
+    }
+}
+
 void case_residual(const Target& t) {
   for (int64_t n : {1, 3, 31, 33, 67, 100003}) {
     Run r{t, "residual n=" + std::to_string(n)};
@@ -678,11 +712,11 @@ void case_attention(const Target& t) {
           auto dq = r.act(qkv, "qkv"), dg = r.act(g, "dout"), out = r.act(VecF(B * T * H * D, kNaN), "out"),
                lse = r.f32(VecF(B * H * T, kNaN), "lse"), gq = r.act(VecF(B * T * ld, kNaN), "dqkv");
           auto scratch = r.scratch(t.ops->attention_scratch_bytes(T, D));
-          t.ops->attention_forward(out->p(), lse->f(), dq->p(), B, T, H, KVH, D, scratch->p(), nullptr, 0);
+          t.ops->attention_forward(out->p(), lse->f(), dq->p(), B, T, H, KVH, D, scratch->p(), nullptr, 0, 0.0f, 0.0f);
           r.check(*out, ref, "forward out");
           r.check(*lse, rlse, "forward lse");
           t.ops->attention_backward(gq->p(), dg->p(), dq->p(), out->p(), lse->f(), B, T, H, KVH, D, scratch->p(),
-                                    nullptr, 0);
+                                    nullptr, 0, 0.0f, 0.0f);
           r.check(*gq, rdqkv, "dqkv");
         }
 }
@@ -738,11 +772,11 @@ void case_documents(const Target& t) {
     auto dq = r.act(qkv, "qkv"), dga = r.act(ga, "att dout"), aout = r.act(VecF(B * T * H * D, kNaN), "att out"),
          lse = r.f32(VecF(B * H * T, kNaN), "lse"), gq = r.act(VecF(B * T * ld, kNaN), "dqkv");
     auto scratch = r.scratch(t.ops->attention_scratch_bytes(T, D));
-    t.ops->attention_forward(aout->p(), lse->f(), dq->p(), B, T, H, KVH, D, scratch->p(), r.ints(ds), 0);
+    t.ops->attention_forward(aout->p(), lse->f(), dq->p(), B, T, H, KVH, D, scratch->p(), r.ints(ds), 0, 0.0f, 0.0f);
     r.check(*aout, aref, "attention forward out");
     r.check(*lse, alse, "attention forward lse");
     t.ops->attention_backward(gq->p(), dga->p(), dq->p(), aout->p(), lse->f(), B, T, H, KVH, D, scratch->p(),
-                              r.ints(ds), 0);
+                              r.ints(ds), 0, 0.0f, 0.0f);
     r.check(*gq, adq, "attention dqkv");
   }
 }
@@ -776,11 +810,11 @@ void case_window(const Target& t) {
                lse = r.f32(VecF(B * H * T, kNaN), "lse"), gq = r.act(VecF(B * T * ld, kNaN), "dqkv");
           const int32_t* dsp = docs ? r.ints(ds) : nullptr;
           auto scratch = r.scratch(t.ops->attention_scratch_bytes(T, D));
-          t.ops->attention_forward(out->p(), lse->f(), dq->p(), B, T, H, KVH, D, scratch->p(), dsp, window);
+          t.ops->attention_forward(out->p(), lse->f(), dq->p(), B, T, H, KVH, D, scratch->p(), dsp, window, 0.0f, 0.0f);
           r.check(*out, ref, "forward out");
           r.check(*lse, rlse, "forward lse");
           t.ops->attention_backward(gq->p(), dg->p(), dq->p(), out->p(), lse->f(), B, T, H, KVH, D, scratch->p(), dsp,
-                                    window);
+                                    window, 0.0f, 0.0f);
           r.check(*gq, rdqkv, "dqkv");
         }
 }
@@ -807,14 +841,14 @@ void case_lm_head_loss(const Target& t) {
                gx = r.act(VecF(N * C, kNaN), "dx"), gw = r.f32(pre_w, "dw");
           auto scratch = r.scratch(t.ops->lm_head_loss_scratch_bytes(std::min(chunk, N), V));
           const double total = t.ops->lm_head_loss(losses->f(), gx->p(), gw->f(), dx_in->p(), dw_in->p(), r.ints(tg), N,
-                                                   C, V, gs, true, scratch->p(), chunk, nullptr);
+                                                   C, V, gs, true, scratch->p(), chunk, nullptr, 0.0f);
           r.check(*losses, ref.losses, "losses");
           EXPECT_NEAR(total, ref.total, r.tol() * (1.0 + std::fabs(ref.total)) * N) << r.tag << " total";
           r.check(*gx, ref.dx, "dx");
           r.check(*gw, plus(pre_w, ref.dw), "dw (+=)");
           auto losses2 = r.f32(VecF(N, kNaN), "losses (forward only)");
           const double total2 = t.ops->lm_head_loss(losses2->f(), nullptr, nullptr, dx_in->p(), dw_in->p(), r.ints(tg),
-                                                    N, C, V, gs, false, scratch->p(), chunk, nullptr);
+                                                    N, C, V, gs, false, scratch->p(), chunk, nullptr, 0.0f);
           r.check(*losses2, ref.losses, "losses (forward only)");
           EXPECT_EQ(total, total2) << r.tag << " forward-only total differs from forward+backward";
         }
@@ -857,6 +891,7 @@ const std::vector<Case>& cases() {
       {"gelu", {"gelu_forward", "gelu_backward"}, case_gelu},
       {"gelu_erf", {"gelu_erf_forward", "gelu_erf_backward"}, case_gelu_erf},
       {"swiglu", {"swiglu_forward", "swiglu_backward"}, case_swiglu},
+      {"geglu", {"geglu_forward", "geglu_backward"}, case_geglu},
       {"residual", {"residual_forward"}, case_residual},
       {"bias_add", {"bias_add"}, case_bias_add},
       {"rope", {"rope_tables", "rope_forward", "rope_backward"}, case_rope},

@@ -213,7 +213,7 @@ TEST(BackendRegistry, CpuFp32TableIsTheOpsHKernelsBitForBit) {
     const double t1 = cpu::lm_head_loss(l1.data(), gx1.data(), gw1.data(), x.data(), w.data(), tok.data(), N, C, V,
                                         0.1f, true, sc1.data(), 16);
     const double t2 = o.lm_head_loss(l2.data(), gx2.data(), gw2.data(), x.data(), w.data(), tok.data(), N, C, V, 0.1f,
-                                     true, sc2.data(), 16, nullptr);
+                                     true, sc2.data(), 16, nullptr, 0.0f);
     EXPECT_EQ(t1, t2);
     same(l1, l2, "lm_head_loss losses");
     same(gx1, gx2, "lm_head_loss dx");
@@ -235,12 +235,12 @@ TEST(BackendRegistry, CpuFp32TableIsTheOpsHKernelsBitForBit) {
     VecF as1(o.attention_scratch_bytes(T, D) / 4), as2 = as1;
     const VecF dout = randn(N * H * D, rng);
     cpu::attention_forward(a1.data(), lse1.data(), qkv1.data(), B, T, H, KVH, D, as1.data());
-    o.attention_forward(a2.data(), lse2.data(), qkv2.data(), B, T, H, KVH, D, as2.data(), nullptr, 0);
+    o.attention_forward(a2.data(), lse2.data(), qkv2.data(), B, T, H, KVH, D, as2.data(), nullptr, 0, 0.0f, 0.0f);
     same(a1, a2, "attention_forward out");
     same(lse1, lse2, "attention_forward lse");
     cpu::attention_backward(dq1.data(), dout.data(), qkv1.data(), a1.data(), lse1.data(), B, T, H, KVH, D, as1.data());
     o.attention_backward(dq2.data(), dout.data(), qkv2.data(), a2.data(), lse2.data(), B, T, H, KVH, D, as2.data(),
-                         nullptr, 0);
+                         nullptr, 0, 0.0f, 0.0f);
     same(dq1, dq2, "attention_backward");
     EXPECT_EQ(o.attention_scratch_bytes(T, D), cpu::attention_scratch_floats(T, D) * sizeof(float));
     EXPECT_EQ(o.layernorm_scratch_bytes(C), cpu::layernorm_scratch_floats(C) * sizeof(float));

@@ -28,8 +28,17 @@ namespace {
 
 using lathe::test::error_of;
 
-// A preset, or "mistral-head-dim": model_fixtures.h's explicit head_dim (4 x 32 != hidden 96).
+// A preset, or "mistral-head-dim": model_fixtures.h's explicit head_dim (4 x 32 != hidden 96), or
+// "gemma2-capped": gemma2-debug with weights of std 0.4, soft caps 5 / 3 and window 4 that bind.
 ModelConfig config_of(const std::string& name) {
+  if (name == "gemma2-capped") {
+    ModelConfig c = ModelConfig::preset("gemma2-debug");
+    c.initializer_range = 0.4;
+    c.attn_logit_softcapping = 5.0;
+    c.final_logit_softcapping = 3.0;
+    c.sliding_window = 4;
+    return c;
+  }
   return name == "mistral-head-dim" ? model_test::mistral_head_dim_config(0.1) : ModelConfig::preset(name);
 }
 
@@ -126,7 +135,8 @@ TEST_P(KvCacheFamily, BatchAndPrefillEqualStepwise) {
 
 INSTANTIATE_TEST_SUITE_P(Families, KvCacheFamily,
                          ::testing::Combine(::testing::Values("gpt2-debug", "llama-debug", "qwen2-debug",
-                                                              "mistral-head-dim", "qwen3-debug", "gpt-neox-debug"),
+                                                              "mistral-head-dim", "qwen3-debug", "gpt-neox-debug",
+                                                              "gemma2-debug", "gemma2-capped"),
                                             ::testing::Values(1, 7)),
                          [](const auto& info) {
                            std::string n =
@@ -212,7 +222,8 @@ TEST_P(KvCacheLowp, MatchesFullRecomputeInTheSameDtype) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, KvCacheLowp,
-                         ::testing::Combine(::testing::Values("gpt2-debug", "llama-debug", "qwen3-debug"),
+                         ::testing::Combine(::testing::Values("gpt2-debug", "llama-debug", "qwen3-debug",
+                                                              "gemma2-debug"),
                                             ::testing::Values(DType::BF16, DType::F16)),
                          [](const auto& info) {
                            std::string n = std::get<0>(info.param) + "_" + compute_dtype_name(std::get<1>(info.param));

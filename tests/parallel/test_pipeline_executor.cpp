@@ -107,6 +107,12 @@ TEST(PipelineExecutor, MixedSlidingLayersInterleaved) {
   run_case({"qwen2 mixed windows p2 v2", "qwen2-debug", 4, 2, 2, 4, {}, {1, 0, 0, 1}});
 }
 TEST(PipelineExecutor, Qwen3TwoStages) { run_case({"qwen3 p2", "qwen3-debug", 4, 2, 1, 4, {}}); }
+// gemma2: the embedding scale on the first stage, sandwich and 1 + w norms, GeGLU, the soft-capped
+// head on the last (tied to the first stage's embedding), even layers sliding.
+TEST(PipelineExecutor, Gemma2TwoStages) { run_case({"gemma2 p2", "gemma2-debug", 4, 2, 1, 4, {}, {1, 0, 1, 0}}); }
+TEST(PipelineExecutor, Gemma2InterleavedThreeStages) {
+  run_case({"gemma2 p3 v2", "gemma2-debug", 6, 3, 2, 3, {}, {1, 0, 1, 0, 1, 0}});
+}
 
 TEST(PipelineStage, StageTablesSliceTheWholeTable) {
   // Every tensor of the whole model is held by its owner (a tied wte also by the last stage), and

@@ -198,7 +198,7 @@ TEST(TensorParallel, VocabParallelLossMatchesWholeVocabularyInEveryTable) {
     std::vector<uint16_t> dx(N * C * es / 2);
     std::vector<std::byte> scratch(ops->lm_head_loss_scratch_bytes(chunk, V));
     const double total = ops->lm_head_loss(losses.data(), dx.data(), dw.data(), xd.data(), wd.data(), tg.data(), N, C,
-                                           V, 0.1f, true, scratch.data(), chunk, nullptr);
+                                           V, 0.1f, true, scratch.data(), chunk, nullptr, 0.0f);
     const std::vector<float> dxf = from_dt(dx, N * C);
     const double tol = dt == DType::F32 ? 1e-5 : 2e-2;
     for (int tp : {2, 3, 5}) {  // 5 does not divide 96: shards of 20, 19, 19, 19, 19 rows
@@ -225,7 +225,7 @@ TEST(TensorParallel, VocabParallelLossMatchesWholeVocabularyInEveryTable) {
         std::vector<uint16_t> dxl(N * C * es / 2);
         std::vector<std::byte> sc(ops->lm_head_loss_scratch_bytes(chunk, Vl));
         const double t = ops->lm_head_loss(l.data(), dxl.data(), dwl.data(), xd.data(), wl.data(), tg.data(), N, C, Vl,
-                                           0.1f, true, sc.data(), chunk, &vp);
+                                           0.1f, true, sc.data(), chunk, &vp, 0.0f);
         const std::vector<float> dxp = from_dt(dxl, N * C);
         std::lock_guard<std::mutex> lock(mu);
         totals[static_cast<size_t>(r)] = t;

@@ -35,6 +35,16 @@ inline ModelConfig neox_h2_config() {
   return c;
 }
 
+// gemma2-debug with caps and a window that bind at weights of std 0.4 (as test_gemma2.cpp's parity).
+inline ModelConfig gemma2_tp_config() {
+  ModelConfig c = ModelConfig::preset("gemma2-debug");
+  c.initializer_range = 0.4;
+  c.attn_logit_softcapping = 5.0;
+  c.final_logit_softcapping = 3.0;
+  c.sliding_window = 4;
+  return c;
+}
+
 inline std::vector<Family> base_families() {
   ModelConfig untied = ModelConfig::preset("llama-debug");
   untied.tie_word_embeddings = false;
@@ -47,7 +57,9 @@ inline std::vector<Family> base_families() {
           {"mistral_head_dim", model_test::mistral_head_dim_config(0.1), {2}},
           // per-head q/k norms (replicated weights, each rank its own heads), 4 heads of 16 in hidden 48
           {"qwen3", ModelConfig::preset("qwen3-debug"), {2}},
-          {"gpt_neox_parallel_residual", neox_h2_config(), {2}}};
+          {"gpt_neox_parallel_residual", neox_h2_config(), {2}},
+          // sandwich norms (replicated), 1 + w norms, GeGLU, embedding scale, soft caps, even-layer windows
+          {"gemma2", gemma2_tp_config(), {2}}};
 }
 
 // Deterministic init, with biases and norm weights perturbed so that their use and gradients show.

@@ -28,6 +28,13 @@
 // block's keys start at its first row's bound (rounded down to 16), so at T = 8192 and window 1024
 // a query block computes about window + 32 keys instead of up to T. window >= T is no window.
 //
+// Score scale and soft-capping (Gemma 2, issue 25): scale (> 0; 0 = 1/sqrt(D)) replaces 1/sqrt(D),
+// and softcap > 0 caps every visible score s = scale * q.k to softcap * tanh(s / softcap) before the
+// softmax (transformers 4.45.2 Gemma2Attention: attn_weights / cap, tanh, * cap, then the mask).
+// Backward: with t = tanh(s / softcap), d s = dS_capped * (1 - t^2); the tile of P holds the raw
+// scores until dP is known, so the capped path needs no scratch beyond the uncapped one. softcap 0
+// runs exactly the code of before (bit-identical).
+//
 // Scratch per thread: two [Br, T] tiles (Br = clamp(T/2, 1, 64), so together at most one T x T
 // score tile for T >= 2), Br floats, and three [T, D] copies of one head (see tile_floats).
 #include <omp.h>
@@ -224,6 +231,21 @@ int64_t effective_window(const char* fn, int64_t window, int64_t T) {
   LATHE_CHECK(window >= 0, "{}: window = {} must be >= 0 (0 = no sliding window)", fn, window);
   return window >= T ? 0 : window;
 }
+// The score scale of a call (0 = 1/sqrt(D)) and the soft cap (0 = none); both finite and >= 0.
+struct Scores {
+  float scale = 0.0f, cap = 0.0f;
+};
+Scores check_scores(const char* fn, float scale, float softcap, int64_t D) {
+  LATHE_CHECK(std::isfinite(scale) && scale >= 0.0f, "{}: scale = {} must be finite and >= 0 (0 = 1/sqrt(head_dim))",
+              fn, scale);
+  LATHE_CHECK(std::isfinite(softcap) && softcap >= 0.0f, "{}: softcap = {} must be finite and >= 0 (0 = no capping)",
+              fn, softcap);
+  return {scale > 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(D)), softcap};
+}
+// s <- cap * tanh(s / cap) over n scores (as transformers: a division, tanh, a product).
+inline void cap_scores(float* s, int64_t n, float cap) {
+  for (int64_t j = 0; j < n; ++j) s[j] = cap * std::tanh(s[j] / cap);
+}
 // [16 x 16] score tiles computed since the start of the process (tests and benches read them).
 std::atomic<int64_t> g_tiles_forward{0}, g_tiles_backward{0};
 
@@ -265,12 +287,12 @@ namespace {
 // Query head h of batch row b: the work of one forward task (scratch S: this thread's tile_floats).
 // m: the document starts of batch row b ([T], see ops.h; nullptr = none) and the window (0 = none).
 void forward_head(float* out, float* lse, const float* qkv, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t b,
-                  int64_t h, const Mask& m, float* S) {
+                  int64_t h, const Mask& m, const Scores& sc, float* S) {
   const int64_t ld = (H + 2 * KVH) * D;  // qkv row stride
   const int64_t ldo = H * D;             // out row stride
   const int64_t rep = H / KVH, g = h / rep;
   const int64_t Br = m.plain() ? block_rows(T) : std::min(block_rows(T), kDocBlockRows);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const float scale = sc.scale;
   float* Kt = S + 2 * Br * T + Br;  // [D, T]
   float* Vc = Kt + D * T;           // [T, D]
   const float* q = qkv + b * T * ld + h * D;
@@ -295,6 +317,7 @@ void forward_head(float* out, float* lse, const float* qkv, int64_t T, int64_t H
       float* s = S + r * w;
       // keys [lo, hi) of the tile: the query's document (or 0) up to the query itself
       const int64_t lo = lo_p ? lo_p[r] : 0, hi = off + r + 1;
+      if (sc.cap > 0.0f) cap_scores(s + lo, hi - lo, sc.cap);
       const float mx = vec::row_max(s + lo, hi - lo);
       const float sum = static_cast<float>(vec::exp_shift_sum(s + lo, hi - lo, mx));
       vec::scale(s + lo, hi - lo, 1.0f / sum);
@@ -308,16 +331,44 @@ void forward_head(float* out, float* lse, const float* qkv, int64_t T, int64_t H
   g_tiles_forward.fetch_add(tiles, std::memory_order_relaxed);
 }
 
+// Soft-capped backward of one query block (sc.cap > 0): P holds the scaled raw scores s of rows
+// [0, nr) and dS holds dP = dO V^T; per visible key t = tanh(s / cap), P <- exp(cap t - lse) and
+// dS <- P (dP - D_i) (1 - t^2) scale, masked entries zeroed (as the uncapped path leaves them).
+void capped_probs_and_dscores(float* P, float* dS, float* Di, int64_t nr, int64_t w, int64_t off, const int32_t* lo_p,
+                              const float* l, const float* o, const float* dob, int64_t ldo, int64_t D,
+                              const Scores& sc) {
+  for (int64_t r = 0; r < nr; ++r) {
+    float* p = P + r * w;
+    float* dsr = dS + r * w;
+    const int64_t lo = lo_p ? lo_p[r] : 0, hi = off + r + 1;
+    const float* orow = o + r * ldo;
+    const float* drow = dob + r * ldo;
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t d = 0; d < D; ++d) acc += orow[d] * drow[d];
+    Di[r] = acc;
+    for (int64_t j = 0; j < lo; ++j) p[j] = dsr[j] = 0.0f;
+    for (int64_t j = lo; j < hi; ++j) {
+      const float t = std::tanh(p[j] / sc.cap);
+      const float pj = std::exp(sc.cap * t - l[r]);
+      p[j] = pj;
+      dsr[j] = pj * (dsr[j] - acc) * (1.0f - t * t) * sc.scale;
+    }
+    for (int64_t j = hi; j < w; ++j) p[j] = dsr[j] = 0.0f;
+  }
+}
+
 // kv head g of batch row b and every query head of its group: one backward task (dK, dV of the kv
 // head and dQ of its query heads, written by one thread in a fixed order; P: tile_floats).
 // m: the mask of batch row b (as forward_head).
 void backward_group(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int64_t T,
-                    int64_t H, int64_t KVH, int64_t D, int64_t b, int64_t g, const Mask& m, float* P) {
+                    int64_t H, int64_t KVH, int64_t D, int64_t b, int64_t g, const Mask& m, const Scores& sc,
+                    float* P) {
   const int64_t ld = (H + 2 * KVH) * D;
   const int64_t ldo = H * D;
   const int64_t rep = H / KVH;
   const int64_t Br = m.plain() ? block_rows(T) : std::min(block_rows(T), kDocBlockRows);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const float scale = sc.scale;
   float* dS = P + Br * T;   // [Br, T]
   float* Di = dS + Br * T;  // [Br]
   float* Kt = Di + Br;      // [D, T]
@@ -351,6 +402,14 @@ void backward_group(float* dqkv, const float* dout, const float* qkv, const floa
       const float* dob = dout_h + i0 * ldo;
       // P = exp(scale * Q K^T - lse), masked entries zeroed.
       tile_gemm(nr, w, D, scale, qb, ld, 1, Kt + k0, T, false, P, w, Causal::kN, off, lo_p);
+      if (sc.cap > 0.0f) {  // soft cap: dP first, then P and dS together from the raw scores
+        tile_gemm(nr, w, D, 1.0f, dob, ldo, 1, Vt + k0, T, false, dS, w, Causal::kN, off, lo_p);
+        capped_probs_and_dscores(P, dS, Di, nr, w, off, lo_p, l + i0, o + i0 * ldo, dob, ldo, D, sc);
+        tile_gemm(w, D, nr, 1.0f, P, 1, w, dob, ldo, true, dv + k0 * ld, ld, Causal::kKT, off, lo_p);
+        tile_gemm(nr, D, w, 1.0f, dS, w, 1, Kc + k0 * D, D, false, dq + i0 * ld, ld, Causal::kK, off, lo_p);
+        tile_gemm(w, D, nr, 1.0f, dS, 1, w, qb, ld, true, dk + k0 * ld, ld, Causal::kKT, off, lo_p);
+        continue;
+      }
       for (int64_t r = 0; r < nr; ++r) {
         float* p = P + r * w;
         const int64_t lo = lo_p ? lo_p[r] : 0, hi = off + r + 1;
@@ -406,10 +465,12 @@ void narrow_cols(uint16_t* dst, const float* src, int64_t T, int64_t ncols, int6
 
 template <class P>
 void attention_forward_half(void* out_v, float* lse, const void* qkv_v, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                            int64_t D, void* scratch_v, const int32_t* doc_start, int64_t window) {
+                            int64_t D, void* scratch_v, const int32_t* doc_start, int64_t window, float scale,
+                            float softcap) {
   check_shapes("attention_forward", B, T, H, KVH, D);
   check_documents("attention_forward", doc_start, B, T);
   const int64_t win = effective_window("attention_forward", window, T);
+  const Scores sc = check_scores("attention_forward", scale, softcap, D);
   auto* out = static_cast<uint16_t*>(out_v);
   const auto* qkv = static_cast<const uint16_t*>(qkv_v);
   const int64_t ld = (H + 2 * KVH) * D, ldo = H * D, rep = H / KVH;
@@ -428,7 +489,7 @@ void attention_forward_half(void* out_v, float* lse, const void* qkv_v, int64_t 
       P::to_f32(mini + t * 3 * D + 2 * D, row + t * ld + (H + KVH + g) * D, D);
     }
     forward_head(mo, lse + (b * H + h) * T, mini, T, 1, 1, D, 0, 0, Mask{doc_start ? doc_start + b * T : nullptr, win},
-                 S);
+                 sc, S);
     narrow_cols<P>(out + b * T * ldo + h * D, mo, T, D, ldo);
   }
 }
@@ -436,10 +497,11 @@ void attention_forward_half(void* out_v, float* lse, const void* qkv_v, int64_t 
 template <class P>
 void attention_backward_half(void* dqkv_v, const void* dout_v, const void* qkv_v, const void* out_v, const float* lse,
                              int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch_v,
-                             const int32_t* doc_start, int64_t window) {
+                             const int32_t* doc_start, int64_t window, float scale, float softcap) {
   check_shapes("attention_backward", B, T, H, KVH, D);
   check_documents("attention_backward", doc_start, B, T);
   const int64_t win = effective_window("attention_backward", window, T);
+  const Scores sc = check_scores("attention_backward", scale, softcap, D);
   auto* dqkv = static_cast<uint16_t*>(dqkv_v);
   const auto* dout = static_cast<const uint16_t*>(dout_v);
   const auto* qkv = static_cast<const uint16_t*>(qkv_v);
@@ -468,7 +530,7 @@ void attention_backward_half(void* dqkv_v, const void* dout_v, const void* qkv_v
       widen_cols<P>(mo, out + b * T * ldo + h * D, T, D, ldo);
       widen_cols<P>(mdo, dout + b * T * ldo + h * D, T, D, ldo);
       backward_group(dmini, mdo, mini, mo, lse + (b * H + h) * T, T, 1, 1, D, 0, 0,
-                     Mask{doc_start ? doc_start + b * T : nullptr, win}, P_);
+                     Mask{doc_start ? doc_start + b * T : nullptr, win}, sc, P_);
       for (int64_t t = 0; t < T; ++t)  // dq: this head's only (columns [0, D) of the [T, 3D] gradient)
         P::from_f32(dqkv + (b * T + t) * ld + h * D, dmini + t * 3 * D, D);
       for (int64_t t = 0; t < T; ++t)
@@ -485,24 +547,27 @@ void attention_backward_half(void* dqkv_v, const void* dout_v, const void* qkv_v
 }  // namespace
 
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                       int64_t D, float* scratch, const int32_t* doc_start, int64_t window) {
+                       int64_t D, float* scratch, const int32_t* doc_start, int64_t window, float scale,
+                       float softcap) {
   check_shapes("attention_forward", B, T, H, KVH, D);
   check_documents("attention_forward", doc_start, B, T);
   const int64_t win = effective_window("attention_forward", window, T);
+  const Scores sc = check_scores("attention_forward", scale, softcap, D);
   const int64_t per_thread = tile_floats(T, D);
   const int max_thr = omp_get_max_threads();
 #pragma omp parallel for schedule(static) num_threads(max_thr)
   for (int64_t bh = 0; bh < B * H; ++bh)
     forward_head(out, lse, qkv, T, H, KVH, D, bh / H, bh % H, Mask{doc_start ? doc_start + bh / H * T : nullptr, win},
-                 scratch + static_cast<int64_t>(omp_get_thread_num()) * per_thread);
+                 sc, scratch + static_cast<int64_t>(omp_get_thread_num()) * per_thread);
 }
 
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int64_t B,
                         int64_t T, int64_t H, int64_t KVH, int64_t D, float* scratch, const int32_t* doc_start,
-                        int64_t window) {
+                        int64_t window, float scale, float softcap) {
   check_shapes("attention_backward", B, T, H, KVH, D);
   check_documents("attention_backward", doc_start, B, T);
   const int64_t win = effective_window("attention_backward", window, T);
+  const Scores sc = check_scores("attention_backward", scale, softcap, D);
   const int64_t per_thread = tile_floats(T, D);
   const int max_thr = omp_get_max_threads();
   // One task per (b, kv head): it owns dK, dV of that kv head and dQ of every query head of its
@@ -510,7 +575,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
 #pragma omp parallel for schedule(static) num_threads(max_thr)
   for (int64_t bg = 0; bg < B * KVH; ++bg)
     backward_group(dqkv, dout, qkv, out, lse, T, H, KVH, D, bg / KVH, bg % KVH,
-                   Mask{doc_start ? doc_start + bg / KVH * T : nullptr, win},
+                   Mask{doc_start ? doc_start + bg / KVH * T : nullptr, win}, sc,
                    scratch + static_cast<int64_t>(omp_get_thread_num()) * per_thread);
 }
 
@@ -521,16 +586,16 @@ size_t scratch_bytes_half(int64_t T, int64_t D) {
          sizeof(float);
 }
 void forward_f32(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
-                 void* scratch, const int32_t* doc_start, int64_t window) {
+                 void* scratch, const int32_t* doc_start, int64_t window, float scale, float softcap) {
   attention_forward(static_cast<float*>(out), lse, static_cast<const float*>(qkv), B, T, H, KVH, D,
-                    static_cast<float*>(scratch), doc_start, window);
+                    static_cast<float*>(scratch), doc_start, window, scale, softcap);
 }
 void backward_f32(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse, int64_t B,
-                  int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch, const int32_t* doc_start,
-                  int64_t window) {
+                  int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch, const int32_t* doc_start, int64_t window,
+                  float scale, float softcap) {
   attention_backward(static_cast<float*>(dqkv), static_cast<const float*>(dout), static_cast<const float*>(qkv),
                      static_cast<const float*>(out), lse, B, T, H, KVH, D, static_cast<float*>(scratch), doc_start,
-                     window);
+                     window, scale, softcap);
 }
 size_t scratch_bytes_f32(int64_t T, int64_t D) { return attention_scratch_floats(T, D) * sizeof(float); }
 

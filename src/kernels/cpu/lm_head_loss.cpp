@@ -68,10 +68,13 @@ const typename S::T* tile_storage(const float* tile, typename S::T* dl16, int64_
 template <class S>
 double loss_tiled(float* losses, void* dx_v, float* dw, const void* x_v, const void* w_v, const int32_t* targets,
                   int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, void* scratch_v, int64_t chunk_rows,
-                  int64_t tile_width) {
+                  int64_t tile_width, float softcap) {
   using St = typename S::T;
   check_lm_head_args(targets, N, C, V, backward, dx_v, dw, chunk_rows);
   LATHE_CHECK(tile_width >= 1, "lm_head_loss: tile width must be >= 1, got {}", tile_width);
+  LATHE_CHECK(std::isfinite(softcap) && softcap >= 0.0f,
+              "lm_head_loss: softcap = {} must be finite and >= 0 (0 = no final logit soft-capping)", softcap);
+  const bool capped = softcap > 0.0f;
   const auto *x = as<S>(x_v), *w = as<S>(w_v);
   auto* dx = as<S>(dx_v);
   const int64_t R_max = std::min(chunk_rows, std::max<int64_t>(N, 1));
@@ -105,7 +108,8 @@ double loss_tiled(float* losses, void* dx_v, float* dw, const void* x_v, const v
     for (int64_t b = 0; b < tl.nb; ++b) {
       float* tile = logits + tl.offset(b);
       Gemm<S>::logits(tile, xc, w + tl.v0(b) * C, R, C, tl.vb(b));
-      head::tile_stats(tile, tl, b, tg, backward, st);
+      if (capped) head::softcap_logits(tile, R * tl.vb(b), softcap);
+      head::tile_stats(tile, tl, b, tg, backward && !capped, st);  // capped: the tile keeps the logits
     }
     head::combine(tl, tg, grad_scale, backward, st, losses + n0);
     double chunk_total = 0.0;
@@ -124,7 +128,10 @@ double loss_tiled(float* losses, void* dx_v, float* dw, const void* x_v, const v
       for (int64_t b = 0; b < tl.nb; ++b) {
         float* tile = logits + tl.offset(b);
         const int64_t vb = tl.vb(b);
-        head::tile_dlogits(tile, tl, b, tg, grad_scale, st);
+        if (capped)
+          head::tile_dlogits_capped(tile, tl, b, tg, grad_scale, st, softcap);
+        else
+          head::tile_dlogits(tile, tl, b, tg, grad_scale, st);
         const St* dl = tile_storage<S>(tile, dlog + tl.offset(b), R * vb);
         Gemm<S>::bwd_f32(acc, dw + tl.v0(b) * C, nullptr, dl, xc, w + tl.v0(b) * C, R, C, vb, true);
       }  // implicit barrier: every partial is complete
@@ -150,14 +157,16 @@ double loss_tiled(float* losses, void* dx_v, float* dw, const void* x_v, const v
 template <class S>
 double loss_t(float* losses, void* dx, float* dw, const void* x, const void* w, const int32_t* targets, int64_t N,
               int64_t C, int64_t V, float grad_scale, bool backward, void* scratch, int64_t chunk_rows,
-              const VocabParallel* vp) {
+              const VocabParallel* vp, float softcap) {
   if (vp != nullptr)
-    return lm_head_loss_vp<S>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows, *vp);
+    return lm_head_loss_vp<S>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows, *vp,
+                              softcap);
   const int64_t R = std::min(chunk_rows, std::max<int64_t>(N, 1));
   int64_t width =
       head::tile_width(R, V, omp_get_max_threads(), S::kFp32 ? head::kTileFloatsF32 : head::kTileFloatsHalf);
   if (!S::kFp32 && head::bench_tile_width_override > 0) width = head::bench_tile_width_override;
-  return loss_tiled<S>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows, width);
+  return loss_tiled<S>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows, width,
+                       softcap);
 }
 
 // fp32 logits [R, V] (tile layout), then for 16-bit storage the 16-bit dlogits [R, V], 64-byte aligned.
@@ -171,14 +180,16 @@ size_t scratch_bytes(int64_t chunk_rows, int64_t V) {
 
 double lm_head_loss_tiled(float* losses, float* dx, float* dw, const float* x, const float* w, const int32_t* targets,
                           int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, float* scratch,
-                          int64_t chunk_rows, int64_t tile_width) {
-  return loss_tiled<F32>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows, tile_width);
+                          int64_t chunk_rows, int64_t tile_width, float softcap) {
+  return loss_tiled<F32>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows, tile_width,
+                         softcap);
 }
 
 double lm_head_loss(float* losses, float* dx, float* dw, const float* x, const float* w, const int32_t* targets,
                     int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, float* scratch,
-                    int64_t chunk_rows) {
-  return loss_t<F32>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows, nullptr);
+                    int64_t chunk_rows, float softcap) {
+  return loss_t<F32>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows, nullptr,
+                     softcap);
 }
 
 template <class S>

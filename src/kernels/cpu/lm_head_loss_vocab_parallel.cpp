@@ -44,7 +44,7 @@ void check_vocab_parallel_args(const int32_t* targets, int64_t N, int64_t C, int
 }
 
 double vocab_parallel_softmax_rows(float* s, float* losses, const int32_t* targets, int64_t R, int64_t V,
-                                   float grad_scale, bool backward, const VocabParallel& vp) {
+                                   float grad_scale, bool backward, const VocabParallel& vp, float softcap) {
   // [R] row maxima, then [2R]: sums of exp, target logits. Host memory (the CPU backend's).
   std::vector<double> red(static_cast<size_t>(3 * R));
   double* mx = red.data();
@@ -62,7 +62,11 @@ double vocab_parallel_softmax_rows(float* s, float* losses, const int32_t* targe
     float* row = s + r * V;
     const int64_t t = local_target(r);
     tgt[r] = t >= 0 ? static_cast<double>(row[t]) : 0.0;  // before the exp overwrites it
-    sums[r] = targets[r] < 0 ? 0.0 : vec::exp_shift_sum(row, V, static_cast<float>(mx[r]));
+    const float m = static_cast<float>(mx[r]);
+    // capped: the row keeps the capped logits (the backward needs them for 1 - tanh^2)
+    sums[r] = targets[r] < 0   ? 0.0
+              : softcap > 0.0f ? vec::exp_shift_sum_nostore(row, V, m)
+                               : vec::exp_shift_sum(row, V, m);
   }
   if (vp.all_reduce) vp.all_reduce(vp.ctx, sums, 2 * R, false);
   double total = 0.0;
@@ -75,7 +79,16 @@ double vocab_parallel_softmax_rows(float* s, float* losses, const int32_t* targe
       continue;
     }
     losses[r] = static_cast<float>(mx[r] + std::log(sums[r]) - tgt[r]);
-    if (backward) {
+    if (backward && softcap > 0.0f) {
+      const float f = static_cast<float>(static_cast<double>(grad_scale) / sums[r]), m = static_cast<float>(mx[r]);
+      const int64_t t = local_target(r);
+      for (int64_t j = 0; j < V; ++j) {
+        const float th = row[j] / softcap;
+        float d = std::exp(row[j] - m) * f;
+        if (j == t) d -= grad_scale;
+        row[j] = d * (1.0f - th * th);
+      }
+    } else if (backward) {
       vec::scale(row, V, static_cast<float>(static_cast<double>(grad_scale) / sums[r]));
       const int64_t t = local_target(r);
       if (t >= 0) row[t] -= grad_scale;
@@ -90,9 +103,11 @@ double vocab_parallel_softmax_rows(float* s, float* losses, const int32_t* targe
 template <class S>
 double lm_head_loss_vp(float* losses, void* dx_v, float* dw, const void* x_v, const void* w_v, const int32_t* targets,
                        int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, void* scratch_v,
-                       int64_t chunk_rows, const VocabParallel& vp) {
+                       int64_t chunk_rows, const VocabParallel& vp, float softcap) {
   using St = typename S::T;
   check_vocab_parallel_args(targets, N, C, V, chunk_rows, backward, dx_v != nullptr && dw != nullptr, vp);
+  LATHE_CHECK(std::isfinite(softcap) && softcap >= 0.0f,
+              "lm_head_loss: softcap = {} must be finite and >= 0 (0 = no final logit soft-capping)", softcap);
   const auto *x = as<S>(x_v), *w = as<S>(w_v);
   auto* dx = as<S>(dx_v);
   float* logits = static_cast<float*>(scratch_v);
@@ -106,7 +121,8 @@ double lm_head_loss_vp(float* losses, void* dx_v, float* dw, const void* x_v, co
     const int64_t R = std::min(chunk_rows, N - n0);
     const St* xc = x + n0 * C;
     Gemm<S>::logits(logits, xc, w, R, C, V);
-    total += vocab_parallel_softmax_rows(logits, losses + n0, targets + n0, R, V, grad_scale, backward, vp);
+    if (softcap > 0.0f) head::softcap_logits(logits, R * V, softcap);
+    total += vocab_parallel_softmax_rows(logits, losses + n0, targets + n0, R, V, grad_scale, backward, vp, softcap);
     if (!backward) continue;
     if constexpr (S::kFp32) {
       Gemm<S>::bwd(dx + n0 * C, dw, nullptr, logits, xc, w, R, C, V);
@@ -121,7 +137,7 @@ double lm_head_loss_vp(float* losses, void* dx_v, float* dw, const void* x_v, co
 
 #define LATHE_VP(S)                                                                                            \
   template double lm_head_loss_vp<S>(float*, void*, float*, const void*, const void*, const int32_t*, int64_t, \
-                                     int64_t, int64_t, float, bool, void*, int64_t, const VocabParallel&);
+                                     int64_t, int64_t, float, bool, void*, int64_t, const VocabParallel&, float);
 LATHE_VP(F32)
 LATHE_VP(Bf16)
 LATHE_VP(Fp16)
@@ -129,8 +145,10 @@ LATHE_VP(Fp16)
 
 double lm_head_loss_vocab_parallel(float* losses, float* dx, float* dw, const float* x, const float* w,
                                    const int32_t* targets, int64_t N, int64_t C, int64_t V, float grad_scale,
-                                   bool backward, float* scratch, int64_t chunk_rows, const VocabParallel& vp) {
-  return lm_head_loss_vp<F32>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows, vp);
+                                   bool backward, float* scratch, int64_t chunk_rows, const VocabParallel& vp,
+                                   float softcap) {
+  return lm_head_loss_vp<F32>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows, vp,
+                              softcap);
 }
 
 }  // namespace lathe::cpu

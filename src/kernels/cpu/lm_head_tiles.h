@@ -123,6 +123,34 @@ inline void tile_dlogits(float* tile, const Tiling& tl, int64_t b, const int32_t
   }
 }
 
+// Final-logit soft-capping (Gemma 2): l <- cap * tanh(l / cap) over n logits, in place.
+inline void softcap_logits(float* s, int64_t n, float cap) {
+  for (int64_t j = 0; j < n; ++j) s[j] = cap * std::tanh(s[j] / cap);
+}
+
+// tile_dlogits for soft-capped logits: the tile holds the capped logits c (tile_stats ran with
+// store_exp = false; ignored rows are zeroed here). d c = exp(c - bmax) * f - grad_scale at the target,
+// then d l = d c * (1 - (c / cap)^2) (tanh' through the cap).
+inline void tile_dlogits_capped(float* tile, const Tiling& tl, int64_t b, const int32_t* targets, float grad_scale,
+                                const Stats& st, float cap) {
+  const int64_t v0 = tl.v0(b), vb = tl.vb(b);
+  for (int64_t r = 0; r < tl.R; ++r) {
+    float* s = tile + r * vb;
+    const int32_t t = targets[r];
+    if (t < 0) {
+      std::fill(s, s + vb, 0.0f);
+      continue;
+    }
+    const float m = st.bmax[r * tl.nb + b], f = st.factor[r * tl.nb + b];
+    for (int64_t j = 0; j < vb; ++j) {
+      const float th = s[j] / cap;
+      float d = std::exp(s[j] - m) * f;
+      if (j + v0 == t) d -= grad_scale;
+      s[j] = d * (1.0f - th * th);
+    }
+  }
+}
+
 }  // namespace lathe::cpu::head
 
 namespace lathe::cpu {
@@ -133,11 +161,11 @@ void check_lm_head_args(const int32_t* targets, int64_t N, int64_t C, int64_t V,
 // to exercise many tiles at small V). lm_head_loss uses head::tile_width(..., kTileFloatsF32).
 double lm_head_loss_tiled(float* losses, float* dx, float* dw, const float* x, const float* w, const int32_t* targets,
                           int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, float* scratch,
-                          int64_t chunk_rows, int64_t tile_width);
+                          int64_t chunk_rows, int64_t tile_width, float softcap = 0.0f);
 // The vocab-parallel lm_head_loss of storage type S (lm_head_loss_vocab_parallel.cpp; the contract
 // is kernels/backend.h's Ops::lm_head_loss). Same scratch as S's lm_head_loss.
 template <class S>
 double lm_head_loss_vp(float* losses, void* dx, float* dw, const void* x, const void* w, const int32_t* targets,
                        int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, void* scratch,
-                       int64_t chunk_rows, const VocabParallel& vp);
+                       int64_t chunk_rows, const VocabParallel& vp, float softcap = 0.0f);
 }  // namespace lathe::cpu

@@ -80,6 +80,9 @@ void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n);
 void swiglu_forward(float* out, const float* inp, int64_t N, int64_t F);
 // dinp[N,2F] = (d gate | d up) from dout[N,F] (overwrites dinp).
 void swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F);
+// GeGLU on the same fused gate|up layout (Gemma 2): out = gelu_tanh(gate) * up; backward as swiglu's.
+void geglu_forward(float* out, const float* inp, int64_t N, int64_t F);
+void geglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F);
 
 // out[n] = a[n] + b[n]  (out may alias a or b)
 void residual_forward(float* out, const float* a, const float* b, int64_t n);
@@ -116,14 +119,20 @@ void rope_backward(float* dx, const float* cos_table, const float* sin_table, in
 // Sliding window: with window > 0 token t also sees only keys j > t - window (HF Mistral's
 // sliding_window), i.e. keys [max(doc_start[b,t], t - window + 1), t]; tiles of keys before a
 // query block's first key are not computed. window >= T is the same as 0 (none); < 0 is an error.
+// Scores: s = scale * q.k with scale > 0, or 1/sqrt(D) for scale 0 (Gemma 2's
+// 1/sqrt(query_pre_attn_scalar)); softcap > 0 replaces every visible s by softcap * tanh(s / softcap)
+// before the softmax (Gemma 2's attn_logit_softcapping; 0 = none, the code of before). lse is the
+// log-sum-exp of the capped scores. Negative or non-finite scale / softcap are errors.
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                       int64_t D, float* scratch, const int32_t* doc_start = nullptr, int64_t window = 0);
+                       int64_t D, float* scratch, const int32_t* doc_start = nullptr, int64_t window = 0,
+                       float scale = 0.0f, float softcap = 0.0f);
 // dqkv[B, T, (H+2*KVH)*D] = gradient w.r.t. qkv (overwrites). Recomputes probabilities from lse.
 // Parallel over (b, kv head) so that the dk/dv of a kv head shared by several query heads are
 // summed by one thread in a fixed order.
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int64_t B,
                         int64_t T, int64_t H, int64_t KVH, int64_t D, float* scratch,
-                        const int32_t* doc_start = nullptr, int64_t window = 0);
+                        const int32_t* doc_start = nullptr, int64_t window = 0, float scale = 0.0f,
+                        float softcap = 0.0f);
 size_t attention_scratch_floats(int64_t T, int64_t D);  // per-call total (covers all threads)
 // Work counters of the attention kernels (every table, all threads), cumulative since the process
 // started: [16 queries x 16 keys] score tiles computed by forward (per query head) and by backward
@@ -187,9 +196,11 @@ AttentionTiles attention_block_tiles();
 // grad_scale is 1 / (number of target tokens in the whole global batch) so that accumulation over
 // micro-batches yields the mean over every token.
 // Returns the sum of the losses of this call (double accumulation).
+// softcap > 0 (Gemma 2's final_logit_softcapping): logits <- softcap * tanh(logits / softcap) before
+// the softmax, dlogits times 1 - tanh^2 (0 = none).
 double lm_head_loss(float* losses, float* dx, float* dw, const float* x, const float* w, const int32_t* targets,
                     int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, float* scratch,
-                    int64_t chunk_rows);
+                    int64_t chunk_rows, float softcap = 0.0f);
 
 // Vocab-parallel twin (tensor parallelism; contract in kernels/backend.h, Ops::lm_head_loss): w[V,C]
 // holds rows [vp.vocab_begin, +V) of vp.global_V; losses and the returned sum are the whole
@@ -197,14 +208,16 @@ double lm_head_loss(float* losses, float* dx, float* dw, const float* x, const f
 // it across the group). Same scratch as lm_head_loss.
 double lm_head_loss_vocab_parallel(float* losses, float* dx, float* dw, const float* x, const float* w,
                                    const int32_t* targets, int64_t N, int64_t C, int64_t V, float grad_scale,
-                                   bool backward, float* scratch, int64_t chunk_rows, const VocabParallel& vp);
+                                   bool backward, float* scratch, int64_t chunk_rows, const VocabParallel& vp,
+                                   float softcap = 0.0f);
 // The softmax / cross-entropy of one chunk of local logits s[R, V] (rows n0.. of targets and
 // losses) across the vocab-parallel group: max and sums all-reduced (vp.all_reduce, 2 calls), loss
 // per row; with backward, s becomes dlogits = (softmax - onehot) * grad_scale for this shard's
 // columns (ignored rows: 0). Shared by every CPU table's vocab-parallel path. Returns the rows' loss
 // sum (row order).
+// softcap > 0: s holds the capped logits and the dlogits include the cap's 1 - tanh^2.
 double vocab_parallel_softmax_rows(float* s, float* losses, const int32_t* targets, int64_t R, int64_t V,
-                                   float grad_scale, bool backward, const VocabParallel& vp);
+                                   float grad_scale, bool backward, const VocabParallel& vp, float softcap = 0.0f);
 // Checks shape, chunk and targets (< vp.global_V) of a vocab-parallel call; errors as lm_head_loss's.
 void check_vocab_parallel_args(const int32_t* targets, int64_t N, int64_t C, int64_t V, int64_t chunk_rows,
                                bool backward, bool have_grads, const VocabParallel& vp);

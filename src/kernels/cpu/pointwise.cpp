@@ -103,8 +103,9 @@ void bias_add_t(void* out_v, const float* bias, int64_t N, int64_t C) {
   }
 }
 
-// out[N, F] = silu(gate) * up from inp[N, 2F] = gate | up.
-template <class S>
+// out[N, F] = silu(gate) * up from inp[N, 2F] = gate | up; Gelu: gelu_tanh(gate) * up (GeGLU, Gemma 2's
+// gelu_pytorch_tanh MLP), the same loop with gelu_elem as the gate's activation.
+template <class S, bool Gelu = false>
 void swiglu_forward_t(void* out_v, const void* inp_v, int64_t N, int64_t F) {
   const auto* inp = as<S>(inp_v);
   auto* out = as<S>(out_v);
@@ -120,15 +121,16 @@ void swiglu_forward_t(void* out_v, const void* inp_v, int64_t N, int64_t F) {
 #pragma omp simd
       for (int64_t f = 0; f < F; ++f) {
         const float g = gate[f];
-        o[f] = g * sigmoid_vec(g) * up[f];
+        o[f] = Gelu ? gelu_elem(g) * up[f] : g * sigmoid_vec(g) * up[f];
       }
       write_row<S>(out + n * F, o, F);
     }
   }
 }
 
-// dinp[N, 2F] = (d gate | d up) from dout[N, F] (overwrites dinp).
-template <class S>
+// dinp[N, 2F] = (d gate | d up) from dout[N, F] (overwrites dinp). Gelu: the GeGLU's, d up = d * gelu(gate),
+// d gate = gelu'(gate) * d * up.
+template <class S, bool Gelu = false>
 void swiglu_backward_t(void* dinp_v, const void* inp_v, const void* dout_v, int64_t N, int64_t F) {
   const auto *inp = as<S>(inp_v), *dout = as<S>(dout_v);
   auto* dinp = as<S>(dinp_v);
@@ -147,10 +149,15 @@ void swiglu_backward_t(void* dinp_v, const void* inp_v, const void* dout_v, int6
 #pragma omp simd
       for (int64_t f = 0; f < F; ++f) {
         const float g = gate[f];
-        const float sg = sigmoid_vec(g);
         const float d = g_out[f];
-        dup[f] = d * g * sg;
-        dgate[f] = d * up[f] * sg * (1.0f + g * (1.0f - sg));
+        if constexpr (Gelu) {
+          dup[f] = d * gelu_elem(g);
+          dgate[f] = gelu_grad_elem(g, d * up[f]);
+        } else {
+          const float sg = sigmoid_vec(g);
+          dup[f] = d * g * sg;
+          dgate[f] = d * up[f] * sg * (1.0f + g * (1.0f - sg));
+        }
       }
       write_row<S>(dinp + n * 2 * F, dgate, 2 * F);
     }
@@ -167,6 +174,10 @@ void swiglu_forward(float* out, const float* inp, int64_t N, int64_t F) { swiglu
 void swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F) {
   swiglu_backward_t<F32>(dinp, inp, dout, N, F);
 }
+void geglu_forward(float* out, const float* inp, int64_t N, int64_t F) { swiglu_forward_t<F32, true>(out, inp, N, F); }
+void geglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F) {
+  swiglu_backward_t<F32, true>(dinp, inp, dout, N, F);
+}
 void residual_forward(float* out, const float* a, const float* b, int64_t n) { residual_forward_t<F32>(out, a, b, n); }
 void bias_add(float* out, const float* bias, int64_t N, int64_t C) { bias_add_t<F32>(out, bias, N, C); }
 
@@ -178,6 +189,8 @@ void add_pointwise(Ops& o) {
   o.gelu_erf_backward = gelu_backward_t<S, true>;
   o.swiglu_forward = swiglu_forward_t<S>;
   o.swiglu_backward = swiglu_backward_t<S>;
+  o.geglu_forward = swiglu_forward_t<S, true>;
+  o.geglu_backward = swiglu_backward_t<S, true>;
   o.residual_forward = residual_forward_t<S>;
   o.bias_add = bias_add_t<S>;
 }

@@ -46,9 +46,16 @@ struct Geometry {
   int64_t ld;   // qkv row stride (H + 2*KVH) * D
   int64_t ldo;  // out row stride H * D
   int64_t ntiles;
-  float scale;     // 1 / sqrt(D)
+  float scale;     // 1 / sqrt(D), or the caller's score scale (Gemma 2: 1 / sqrt(query_pre_attn_scalar))
   int64_t window;  // sliding window (0 = none)
+  float softcap;   // > 0: scores s <- softcap * tanh(s / softcap) before the softmax (0 = none)
 };
+
+// The score of a visible entry from the raw product q.k: scale, then the soft cap (tanh) if any.
+__device__ __forceinline__ float score(float qk, const Geometry& g) {
+  const float s = g.scale * qk;
+  return g.softcap > 0.0f ? g.softcap * tanhf(s / g.softcap) : s;
+}
 
 // dst[kTile, DP+1] <- rows [r0, r0 + n) of src (row stride ld, D columns), zero elsewhere.
 template <int DP, typename St>
@@ -154,7 +161,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int64_t key = j0 + tx + 16 * j;
-        s[i][j] = (key >= lo[i] && key <= hi[i]) ? g.scale * s[i][j] : -INFINITY;
+        s[i][j] = (key >= lo[i] && key <= hi[i]) ? score(s[i][j], g) : -INFINITY;
         mx = fmaxf(mx, s[i][j]);
       }
       mx = reduce16_max(mx);
@@ -239,7 +246,7 @@ template <int DP>
 __device__ __forceinline__ void probs_and_dscores(float (&p)[4][4], float (&dsc)[4][4], const float* sQ,
                                                   const float* sdO, const float* sK, const float* sV, const float* sL,
                                                   const float* sDi, const float* sLo, int64_t i0, int64_t nr,
-                                                  int64_t j0, int64_t nk, float scale, int ty, int tx) {
+                                                  int64_t j0, int64_t nk, const Geometry& g, int ty, int tx) {
   float dp[4][4];
   tile_dot<DP>(p, sQ, sK, ty, tx);
   tile_dot<DP>(dp, sdO, sV, ty, tx);
@@ -253,9 +260,13 @@ __device__ __forceinline__ void probs_and_dscores(float (&p)[4][4], float (&dsc)
       const int c = tx + 16 * j;
       const int64_t key = j0 + c;
       const bool visible = r < nr && c < nk && key <= qi && key >= lo;
-      const float pv = visible ? expf(scale * p[i][j] - sL[r]) : 0.0f;
+      const float s = score(p[i][j], g);
+      const float pv = visible ? expf(s - sL[r]) : 0.0f;
       p[i][j] = pv;
-      dsc[i][j] = visible ? pv * (dp[i][j] - sDi[r]) * scale : 0.0f;
+      // soft cap: d s / d (scale q.k) = 1 - tanh^2, tanh = s / softcap
+      const float th = g.softcap > 0.0f ? s / g.softcap : 0.0f;
+      const float dcap = g.softcap > 0.0f ? 1.0f - th * th : 1.0f;
+      dsc[i][j] = visible ? pv * (dp[i][j] - sDi[r]) * dcap * g.scale : 0.0f;
     }
   }
 }
@@ -305,7 +316,7 @@ __global__ void __launch_bounds__(kThreads)
       load_query_side<DP>(sQ, sdO, sL, sDi, sLo, qkv_b, out_b, dout_b, lse_bh, ds, g, h, i0, nr);
       __syncthreads();
       float p[4][4], dsc[4][4];
-      probs_and_dscores<DP>(p, dsc, sQ, sdO, sK, sV, sL, sDi, sLo, i0, nr, j0, nk, g.scale, ty, tx);
+      probs_and_dscores<DP>(p, dsc, sQ, sdO, sK, sV, sL, sDi, sLo, i0, nr, j0, nk, g, ty, tx);
 #pragma unroll
       for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -391,7 +402,7 @@ __global__ void __launch_bounds__(kThreads)
     load_tile<DP>(sV, qkv_b + (g.H + g.KVH + kvh) * g.D, j0, nk, g.ld, g.D);
     __syncthreads();
     float p[4][4], dsc[4][4];
-    probs_and_dscores<DP>(p, dsc, sQ, sdO, sK, sV, sL, sDi, sLo, i0, nr, j0, nk, g.scale, ty, tx);
+    probs_and_dscores<DP>(p, dsc, sQ, sdO, sK, sV, sL, sDi, sLo, i0, nr, j0, nk, g, ty, tx);
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -425,7 +436,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---- host side ---------------------------------------------------------------------------------
-Geometry check_geometry(const char* fn, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t window) {
+Geometry check_geometry(const char* fn, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t window,
+                        float scale, float softcap) {
   LATHE_CU_CHECK(B >= 1 && T >= 1 && H >= 1 && KVH >= 1 && D >= 1,
                  "{}: invalid shape B={} T={} H={} KVH={} D={} (all must be >= 1)", fn, B, T, H, KVH, D);
   LATHE_CU_CHECK(H % KVH == 0, "{}: n_head {} is not a multiple of n_kv_head {}; set n_kv_head to a divisor of n_head",
@@ -435,6 +447,10 @@ Geometry check_geometry(const char* fn, int64_t B, int64_t T, int64_t H, int64_t
                  "<= {} or the cpu backend",
                  fn, D, attn::kMaxHeadDim, attn::kMaxHeadDim);
   LATHE_CU_CHECK(window >= 0, "{}: window = {} must be >= 0 (0 = no sliding window)", fn, window);
+  LATHE_CU_CHECK(std::isfinite(scale) && scale >= 0.0f, "{}: scale = {} must be finite and >= 0 (0 = 1/sqrt(head_dim))",
+                 fn, scale);
+  LATHE_CU_CHECK(std::isfinite(softcap) && softcap >= 0.0f, "{}: softcap = {} must be finite and >= 0 (0 = no capping)",
+                 fn, softcap);
   LATHE_CU_CHECK(T < (int64_t{1} << 24), "{}: sequence length {} is above the CUDA attention kernel's limit 2^24", fn,
                  T);
   LATHE_CU_CHECK(attn::forward_blocks(B, T, H) <= attn::kMaxGrid && attn::dkdv_blocks(B, T, KVH) <= attn::kMaxGrid,
@@ -447,8 +463,9 @@ Geometry check_geometry(const char* fn, int64_t B, int64_t T, int64_t H, int64_t
   g.ld = (H + 2 * KVH) * D;
   g.ldo = H * D;
   g.ntiles = attn::num_tiles(T);
-  g.scale = 1.0f / std::sqrt(static_cast<float>(D));
+  g.scale = scale > 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(D));
   g.window = window >= T ? 0 : window;  // a window over the whole sample is none
+  g.softcap = softcap;
   return g;
 }
 
@@ -489,8 +506,8 @@ void backward_dp(St* dqkv, const St* dout, const St* qkv, const St* out, const f
 
 template <typename St>
 void forward_any(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
-                 const int32_t* doc_start, int64_t window) {
-  const Geometry g = check_geometry("attention_forward", B, T, H, KVH, D, window);
+                 const int32_t* doc_start, int64_t window, float scale, float softcap) {
+  const Geometry g = check_geometry("attention_forward", B, T, H, KVH, D, window, scale, softcap);
   auto* o = static_cast<St*>(out);
   const auto* x = static_cast<const St*>(qkv);
   switch (attn::head_dim_bucket(D)) {
@@ -507,8 +524,9 @@ void forward_any(void* out, float* lse, const void* qkv, int64_t B, int64_t T, i
 
 template <typename St>
 void backward_any(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse, int64_t B,
-                  int64_t T, int64_t H, int64_t KVH, int64_t D, const int32_t* doc_start, int64_t window) {
-  const Geometry g = check_geometry("attention_backward", B, T, H, KVH, D, window);
+                  int64_t T, int64_t H, int64_t KVH, int64_t D, const int32_t* doc_start, int64_t window, float scale,
+                  float softcap) {
+  const Geometry g = check_geometry("attention_backward", B, T, H, KVH, D, window, scale, softcap);
   auto* dx = static_cast<St*>(dqkv);
   const auto* dy = static_cast<const St*>(dout);
   const auto* x = static_cast<const St*>(qkv);
@@ -529,20 +547,21 @@ void backward_any(void* dqkv, const void* dout, const void* qkv, const void* out
 
 template <DType D>
 void attention_forward(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t Dh,
-                       void*, const int32_t* doc_start, int64_t window) {
-  forward_any<typename Elem<D>::T>(out, lse, qkv, B, T, H, KVH, Dh, doc_start, window);
+                       void*, const int32_t* doc_start, int64_t window, float scale, float softcap) {
+  forward_any<typename Elem<D>::T>(out, lse, qkv, B, T, H, KVH, Dh, doc_start, window, scale, softcap);
 }
 template <DType D>
 void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse, int64_t B,
-                        int64_t T, int64_t H, int64_t KVH, int64_t Dh, void*, const int32_t* doc_start,
-                        int64_t window) {
-  backward_any<typename Elem<D>::T>(dqkv, dout, qkv, out, lse, B, T, H, KVH, Dh, doc_start, window);
+                        int64_t T, int64_t H, int64_t KVH, int64_t Dh, void*, const int32_t* doc_start, int64_t window,
+                        float scale, float softcap) {
+  backward_any<typename Elem<D>::T>(dqkv, dout, qkv, out, lse, B, T, H, KVH, Dh, doc_start, window, scale, softcap);
 }
 size_t attention_scratch_bytes(int64_t, int64_t) { return 0; }
 
 LATHE_CUDA_INSTANTIATE(attention_forward, (void*, float*, const void*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                           void*, const int32_t*, int64_t))
-LATHE_CUDA_INSTANTIATE(attention_backward, (void*, const void*, const void*, const void*, const float*, int64_t,
-                                            int64_t, int64_t, int64_t, int64_t, void*, const int32_t*, int64_t))
+                                           void*, const int32_t*, int64_t, float, float))
+LATHE_CUDA_INSTANTIATE(attention_backward,
+                       (void*, const void*, const void*, const void*, const float*, int64_t, int64_t, int64_t, int64_t,
+                        int64_t, void*, const int32_t*, int64_t, float, float))
 
 }  // namespace lathe::cuda

@@ -187,11 +187,14 @@ std::string cudnn_unavailable_reason() {
 
 template <DType Dt>
 void cudnn_attention_forward(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                             int64_t D, void* scratch, const int32_t* doc_start, int64_t window) {
-  // A sliding window shorter than the sample runs lathe's kernels (as documents do).
-  const bool masked = doc_start || (window > 0 && window < T);
+                             int64_t D, void* scratch, const int32_t* doc_start, int64_t window, float scale,
+                             float softcap) {
+  // A sliding window shorter than the sample runs lathe's kernels (as documents do), and so does a
+  // score scale other than 1/sqrt(D) or soft-capping (Gemma 2): the SDPA graphs here are built with
+  // neither (cuDNN's graph has no tanh score modifier in this frontend path).
+  const bool masked = doc_start || (window > 0 && window < T) || scale > 0.0f || softcap > 0.0f;
   const Graphs* g = masked ? nullptr : graphs_for({B, T, H, KVH, D, Dt});
-  if (!g) return attention_forward<Dt>(out, lse, qkv, B, T, H, KVH, D, scratch, doc_start, window);
+  if (!g) return attention_forward<Dt>(out, lse, qkv, B, T, H, KVH, D, scratch, doc_start, window, scale, softcap);
   auto* base = static_cast<std::byte*>(const_cast<void*>(qkv));
   const int64_t e = 2;  // bytes per bf16 / fp16 element
   std::unordered_map<TensorPtr, void*> pack = {
@@ -202,10 +205,12 @@ void cudnn_attention_forward(void* out, float* lse, const void* qkv, int64_t B, 
 template <DType Dt>
 void cudnn_attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
                               int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch,
-                              const int32_t* doc_start, int64_t window) {
-  const bool masked = doc_start || (window > 0 && window < T);
+                              const int32_t* doc_start, int64_t window, float scale, float softcap) {
+  const bool masked = doc_start || (window > 0 && window < T) || scale > 0.0f || softcap > 0.0f;
   const Graphs* g = masked ? nullptr : graphs_for({B, T, H, KVH, D, Dt});
-  if (!g) return attention_backward<Dt>(dqkv, dout, qkv, out, lse, B, T, H, KVH, D, scratch, doc_start, window);
+  if (!g)
+    return attention_backward<Dt>(dqkv, dout, qkv, out, lse, B, T, H, KVH, D, scratch, doc_start, window, scale,
+                                  softcap);
   auto* base = static_cast<std::byte*>(const_cast<void*>(qkv));
   auto* dbase = static_cast<std::byte*>(dqkv);
   const int64_t e = 2;
@@ -230,25 +235,28 @@ std::string cudnn_unavailable_reason() {
 
 template <DType Dt>
 void cudnn_attention_forward(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                             int64_t D, void* scratch, const int32_t* doc_start, int64_t window) {
+                             int64_t D, void* scratch, const int32_t* doc_start, int64_t window, float scale,
+                             float softcap) {
   fail("cudnn attention: " + cudnn_unavailable_reason());
 }
 template <DType Dt>
 void cudnn_attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
                               int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, void* scratch,
-                              const int32_t* doc_start, int64_t window) {
+                              const int32_t* doc_start, int64_t window, float scale, float softcap) {
   fail("cudnn attention: " + cudnn_unavailable_reason());
 }
 
 #endif
 
 template void cudnn_attention_forward<DType::BF16>(void*, float*, const void*, int64_t, int64_t, int64_t, int64_t,
-                                                   int64_t, void*, const int32_t*, int64_t);
+                                                   int64_t, void*, const int32_t*, int64_t, float, float);
 template void cudnn_attention_forward<DType::F16>(void*, float*, const void*, int64_t, int64_t, int64_t, int64_t,
-                                                  int64_t, void*, const int32_t*, int64_t);
+                                                  int64_t, void*, const int32_t*, int64_t, float, float);
 template void cudnn_attention_backward<DType::BF16>(void*, const void*, const void*, const void*, const float*, int64_t,
-                                                    int64_t, int64_t, int64_t, int64_t, void*, const int32_t*, int64_t);
+                                                    int64_t, int64_t, int64_t, int64_t, void*, const int32_t*, int64_t,
+                                                    float, float);
 template void cudnn_attention_backward<DType::F16>(void*, const void*, const void*, const void*, const float*, int64_t,
-                                                   int64_t, int64_t, int64_t, int64_t, void*, const int32_t*, int64_t);
+                                                   int64_t, int64_t, int64_t, int64_t, void*, const int32_t*, int64_t,
+                                                   float, float);
 
 }  // namespace lathe::cuda

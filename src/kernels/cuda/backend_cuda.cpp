@@ -46,6 +46,8 @@ Ops make_ops() {
   o.gelu_erf_backward = gelu_erf_backward<D>;
   o.swiglu_forward = swiglu_forward<D>;
   o.swiglu_backward = swiglu_backward<D>;
+  o.geglu_forward = geglu_forward<D>;
+  o.geglu_backward = geglu_backward<D>;
   o.residual_forward = residual_forward<D>;
   o.bias_add = bias_add<D>;
   o.rope_tables = rope_tables;  // fp32 tables in every dtype

@@ -43,13 +43,26 @@ __global__ void check_targets_kernel(const int32_t* __restrict__ targets, int64_
   if (i < N && targets[i] >= V) atomicMin(first_bad, static_cast<unsigned long long>(i));
 }
 
+// Final-logit soft-capping (Gemma 2), in place on n fp32 logits: l <- cap * tanh(l / cap). The
+// softmax kernels below then read capped logits and, with cap > 0, multiply each dlogit by the
+// cap's derivative 1 - (l / cap)^2.
+__global__ void softcap_kernel(float* __restrict__ logits, int64_t n, float cap) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kCheckThreads + threadIdx.x;
+  if (i < n) logits[i] = cap * tanhf(logits[i] / cap);
+}
+__device__ __forceinline__ float cap_grad(float g, float capped, float cap) {
+  if (cap <= 0.0f) return g;
+  const float th = capped / cap;
+  return g * (1.0f - th * th);
+}
+
 // One block per row r of the chunk: logits[r, :] (fp32) -> loss; backward: dlogits (type G) of the
 // row, written to dl (which is `logits` itself for fp32: each element is read, then overwritten by
 // the same thread).
 template <typename G>
 __global__ void __launch_bounds__(kRowThreads)
     softmax_xent_kernel(float* __restrict__ losses, float* logits, G* dl, const int32_t* __restrict__ targets,
-                        int64_t V, float grad_scale, bool backward) {
+                        int64_t V, float grad_scale, bool backward, float cap) {
   __shared__ float red_f[kRowThreads / 32];
   __shared__ double red_d[kRowThreads / 32];
   const int64_t r = blockIdx.x;
@@ -76,7 +89,7 @@ __global__ void __launch_bounds__(kRowThreads)
   for (int64_t j = threadIdx.x; j < V; j += kRowThreads) {
     float g = expf(s[j] - m) * factor;
     if (j == t) g -= grad_scale;
-    store_f(d + j, g);
+    store_f(d + j, cap_grad(g, s[j], cap));
   }
 }
 
@@ -123,7 +136,8 @@ __global__ void __launch_bounds__(kRowThreads)
 template <typename G>
 __global__ void __launch_bounds__(kRowThreads)
     vp_apply_kernel(float* __restrict__ losses, float* logits, G* dl, const int32_t* __restrict__ targets, int64_t V,
-                    int64_t vocab_begin, int64_t R, const double* __restrict__ red, float grad_scale, bool backward) {
+                    int64_t vocab_begin, int64_t R, const double* __restrict__ red, float grad_scale, bool backward,
+                    float cap) {
   const int64_t r = blockIdx.x;
   float* s = logits + r * V;
   G* d = dl + r * V;
@@ -143,7 +157,7 @@ __global__ void __launch_bounds__(kRowThreads)
   for (int64_t j = threadIdx.x; j < V; j += kRowThreads) {
     float g = expf(s[j] - m) * factor;
     if (j == c) g -= grad_scale;
-    store_f(d + j, g);
+    store_f(d + j, cap_grad(g, s[j], cap));
   }
 }
 
@@ -177,8 +191,10 @@ struct VocabSplit {
 template <DType D>
 double lm_head_loss_impl(float* losses, void* dx_v, float* dw, const void* x_v, const void* w_v, const int32_t* targets,
                          int64_t N, int64_t C, int64_t V, float grad_scale, bool backward, void* scratch,
-                         int64_t chunk_rows, const VocabSplit* vs) {
+                         int64_t chunk_rows, const VocabSplit* vs, float cap) {
   LATHE_CU_CHECK(N >= 0 && C >= 1 && V >= 1, "lm_head_loss: invalid shape N={} C={} V={}", N, C, V);
+  LATHE_CU_CHECK(std::isfinite(cap) && cap >= 0.0f,
+                 "lm_head_loss: softcap = {} must be finite and >= 0 (0 = no final logit soft-capping)", cap);
   LATHE_CU_CHECK(chunk_rows >= 1, "lm_head_loss: chunk_rows must be >= 1, got {}", chunk_rows);
   LATHE_CU_CHECK(!backward || (dx_v != nullptr && dw != nullptr), "lm_head_loss: backward needs dx and dw buffers");
   if (vs)
@@ -227,11 +243,17 @@ double lm_head_loss_impl(float* losses, void* dx_v, float* dw, const void* x_v, 
     const lm_head::ChunkRows rows = lm_head::chunk_rows_of(c, N, chunk_rows);
     const St* xc = x + rows.first * C;
     gemm_nt_f32out<D>(logits, xc, w, rows.count, C, V, false);
+    if (cap > 0.0f) {
+      const int64_t n = rows.count * V;
+      softcap_kernel<<<static_cast<unsigned>((n + kCheckThreads - 1) / kCheckThreads), kCheckThreads, 0, st>>>(logits,
+                                                                                                               n, cap);
+      check_launch("lm_head_loss (final logit soft-capping)");
+    }
     const unsigned nrows = static_cast<unsigned>(rows.count);
     const int32_t* tc = targets + rows.first;
     if (vs == nullptr) {
       softmax_xent_kernel<G>
-          <<<nrows, kRowThreads, 0, st>>>(losses + rows.first, logits, dl, tc, V, grad_scale, backward);
+          <<<nrows, kRowThreads, 0, st>>>(losses + rows.first, logits, dl, tc, V, grad_scale, backward, cap);
       check_launch("lm_head_loss (softmax / cross-entropy)");
     } else {
       vp_row_max_kernel<<<nrows, kRowThreads, 0, st>>>(logits, V, red);
@@ -241,7 +263,7 @@ double lm_head_loss_impl(float* losses, void* dx_v, float* dw, const void* x_v, 
       check_launch("lm_head_loss (vocab-parallel row sums)");
       if (vs->all_reduce) vs->all_reduce(vs->ctx, red + rows.count, 2 * rows.count, false);
       vp_apply_kernel<G><<<nrows, kRowThreads, 0, st>>>(losses + rows.first, logits, dl, tc, V, vs->vocab_begin,
-                                                        rows.count, red, grad_scale, backward);
+                                                        rows.count, red, grad_scale, backward, cap);
       check_launch("lm_head_loss (vocab-parallel softmax / cross-entropy)");
     }
     if (backward) {
@@ -271,16 +293,17 @@ void logits_impl(float* logits, const void* x, const void* w, int64_t M, int64_t
 template <DType D>
 double lm_head_loss(float* losses, void* dx, float* dw, const void* x, const void* w, const int32_t* targets, int64_t N,
                     int64_t C, int64_t V, float grad_scale, bool backward, void* scratch, int64_t chunk_rows,
-                    const VocabParallel* vp) {
+                    const VocabParallel* vp, float softcap) {
   if (vp == nullptr)
     return lm_head_loss_impl<D>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows,
-                                nullptr);
+                                nullptr, softcap);
   VocabSplit vs;
   vs.vocab_begin = vp->vocab_begin;
   vs.global_V = vp->global_V;
   vs.all_reduce = vp->all_reduce;
   vs.ctx = vp->ctx;
-  return lm_head_loss_impl<D>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows, &vs);
+  return lm_head_loss_impl<D>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows, &vs,
+                              softcap);
 }
 template <DType D>
 size_t lm_head_loss_scratch_bytes(int64_t chunk_rows, int64_t V) {
@@ -292,11 +315,11 @@ void logits_forward(float* logits, const void* x, const void* w, int64_t M, int6
 }
 
 template double lm_head_loss<DType::F32>(float*, void*, float*, const void*, const void*, const int32_t*, int64_t,
-                                         int64_t, int64_t, float, bool, void*, int64_t, const VocabParallel*);
+                                         int64_t, int64_t, float, bool, void*, int64_t, const VocabParallel*, float);
 template double lm_head_loss<DType::BF16>(float*, void*, float*, const void*, const void*, const int32_t*, int64_t,
-                                          int64_t, int64_t, float, bool, void*, int64_t, const VocabParallel*);
+                                          int64_t, int64_t, float, bool, void*, int64_t, const VocabParallel*, float);
 template double lm_head_loss<DType::F16>(float*, void*, float*, const void*, const void*, const int32_t*, int64_t,
-                                         int64_t, int64_t, float, bool, void*, int64_t, const VocabParallel*);
+                                         int64_t, int64_t, float, bool, void*, int64_t, const VocabParallel*, float);
 template size_t lm_head_loss_scratch_bytes<DType::F32>(int64_t, int64_t);
 template size_t lm_head_loss_scratch_bytes<DType::BF16>(int64_t, int64_t);
 template size_t lm_head_loss_scratch_bytes<DType::F16>(int64_t, int64_t);

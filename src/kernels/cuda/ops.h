@@ -90,6 +90,10 @@ void swiglu_forward(void* out, const void* inp, int64_t N, int64_t F);
 template <DType D>
 void swiglu_backward(void* dinp, const void* inp, const void* dout, int64_t N, int64_t F);
 template <DType D>
+void geglu_forward(void* out, const void* inp, int64_t N, int64_t F);  // Gemma 2: gelu_tanh(gate) * up
+template <DType D>
+void geglu_backward(void* dinp, const void* inp, const void* dout, int64_t N, int64_t F);
+template <DType D>
 void residual_forward(void* out, const void* a, const void* b, int64_t n);
 template <DType D>
 void bias_add(void* out, const float* bias, int64_t N, int64_t C);
@@ -122,11 +126,11 @@ void convert(void* dst, DType dst_dtype, const void* src, DType src_dtype, int64
 // (device memory, trusted: clamped into [0, t], not validated); window as the CPU contract.
 template <DType D>
 void attention_forward(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t Dh,
-                       void* scratch, const int32_t* doc_start, int64_t window);
+                       void* scratch, const int32_t* doc_start, int64_t window, float scale, float softcap);
 template <DType D>
 void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse, int64_t B,
                         int64_t T, int64_t H, int64_t KVH, int64_t Dh, void* scratch, const int32_t* doc_start,
-                        int64_t window);
+                        int64_t window, float scale, float softcap);
 size_t attention_scratch_bytes(int64_t T, int64_t Dh);
 
 // ---- attention_cudnn.cpp: cuDNN's fused SDPA (model.attention_kernel: cudnn), bf16 and fp16 -------
@@ -137,11 +141,12 @@ size_t attention_scratch_bytes(int64_t T, int64_t Dh);
 std::string cudnn_unavailable_reason();
 template <DType D>
 void cudnn_attention_forward(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                             int64_t Dh, void* scratch, const int32_t* doc_start, int64_t window);
+                             int64_t Dh, void* scratch, const int32_t* doc_start, int64_t window, float scale,
+                             float softcap);
 template <DType D>
 void cudnn_attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
                               int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t Dh, void* scratch,
-                              const int32_t* doc_start, int64_t window);
+                              const int32_t* doc_start, int64_t window, float scale, float softcap);
 
 // ---- lm_head_loss.cu: fused lm head + softmax + cross-entropy in chunks of rows -------------------
 // Per chunk of R rows: logits [R, V] fp32 (gemm_nt_f32out), one block per row for max / exp-sum
@@ -154,7 +159,7 @@ void cudnn_attention_backward(void* dqkv, const void* dout, const void* qkv, con
 template <DType D>
 double lm_head_loss(float* losses, void* dx, float* dw, const void* x, const void* w, const int32_t* targets, int64_t N,
                     int64_t C, int64_t V, float grad_scale, bool backward, void* scratch, int64_t chunk_rows,
-                    const VocabParallel* vp);
+                    const VocabParallel* vp, float softcap);
 template <DType D>
 size_t lm_head_loss_scratch_bytes(int64_t chunk_rows, int64_t V);
 // logits[M, V] fp32 = x[M, C] @ w[V, C]^T (fp32 accumulation).

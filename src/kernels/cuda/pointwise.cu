@@ -66,6 +66,24 @@ __global__ void swiglu_backward_kernel(T* dinp, const T* inp, const T* dout, int
     dinp[n * 2 * F + f] = from_f<T>(d * u * sg * (1.0f + g * (1.0f - sg)));
   }
 }
+// GeGLU (Gemma 2): out = gelu_tanh(gate) * up on the same layout.
+template <class T>
+__global__ void geglu_forward_kernel(T* out, const T* inp, int64_t N, int64_t F) {
+  LATHE_GRID_LOOP(i, N * F) {
+    const int64_t n = i / F, f = i - n * F;
+    const float g = to_f(inp[n * 2 * F + f]), u = to_f(inp[n * 2 * F + F + f]);
+    out[i] = from_f<T>(gelu_f(g) * u);
+  }
+}
+template <class T>
+__global__ void geglu_backward_kernel(T* dinp, const T* inp, const T* dout, int64_t N, int64_t F) {
+  LATHE_GRID_LOOP(i, N * F) {
+    const int64_t n = i / F, f = i - n * F;
+    const float g = to_f(inp[n * 2 * F + f]), u = to_f(inp[n * 2 * F + F + f]), d = to_f(dout[i]);
+    dinp[n * 2 * F + F + f] = from_f<T>(d * gelu_f(g));
+    dinp[n * 2 * F + f] = from_f<T>(gelu_grad_f(g, d * u));
+  }
+}
 template <class T>
 __global__ void residual_kernel(T* out, const T* a, const T* b, int64_t n) {
   LATHE_GRID_LOOP(i, n) out[i] = from_f<T>(to_f(a[i]) + to_f(b[i]));
@@ -122,6 +140,20 @@ void swiglu_backward(void* dinp, const void* inp, const void* dout, int64_t N, i
   LATHE_CUDA_LAUNCHED(swiglu_backward_kernel);
 }
 template <DType D>
+void geglu_forward(void* out, const void* inp, int64_t N, int64_t F) {
+  if (N * F <= 0) return;
+  geglu_forward_kernel<<<blocks(N * F), kThreads, 0, stream()>>>(static_cast<E<D>*>(out), static_cast<const E<D>*>(inp),
+                                                                 N, F);
+  LATHE_CUDA_LAUNCHED(geglu_forward_kernel);
+}
+template <DType D>
+void geglu_backward(void* dinp, const void* inp, const void* dout, int64_t N, int64_t F) {
+  if (N * F <= 0) return;
+  geglu_backward_kernel<<<blocks(N * F), kThreads, 0, stream()>>>(
+      static_cast<E<D>*>(dinp), static_cast<const E<D>*>(inp), static_cast<const E<D>*>(dout), N, F);
+  LATHE_CUDA_LAUNCHED(geglu_backward_kernel);
+}
+template <DType D>
 void residual_forward(void* out, const void* a, const void* b, int64_t n) {
   if (n <= 0) return;
   residual_kernel<<<blocks(n), kThreads, 0, stream()>>>(static_cast<E<D>*>(out), static_cast<const E<D>*>(a),
@@ -141,6 +173,8 @@ LATHE_CUDA_INSTANTIATE(gelu_erf_forward, (void*, const void*, int64_t))
 LATHE_CUDA_INSTANTIATE(gelu_erf_backward, (void*, const void*, const void*, int64_t))
 LATHE_CUDA_INSTANTIATE(swiglu_forward, (void*, const void*, int64_t, int64_t))
 LATHE_CUDA_INSTANTIATE(swiglu_backward, (void*, const void*, const void*, int64_t, int64_t))
+LATHE_CUDA_INSTANTIATE(geglu_forward, (void*, const void*, int64_t, int64_t))
+LATHE_CUDA_INSTANTIATE(geglu_backward, (void*, const void*, const void*, int64_t, int64_t))
 LATHE_CUDA_INSTANTIATE(residual_forward, (void*, const void*, const void*, int64_t))
 LATHE_CUDA_INSTANTIATE(bias_add, (void*, const float*, int64_t, int64_t))
 
