@@ -235,8 +235,9 @@ TEST(AttentionBlock, EmptyBlocksSkipAllTilesAndMergeAsIdentity) {
     std::vector<float> dq(T * W, 0.0f);
     lathe::cpu::attention_block_backward(blk, out.data(), out.data(), H * D, lse.data(), dq.data(), W,
                                          dq.data() + H * D, W, dq.data() + (H + KVH) * D, W);
-    if (empty)
+    if (empty) {
       for (float x : dq) EXPECT_EQ(x, 0.0f);
+    }
     const auto t1 = lathe::cpu::attention_block_tiles();
     return std::make_pair(t1.forward - t0.forward, t1.backward - t0.backward);
   };
