@@ -25,7 +25,9 @@ const std::map<std::string, TypeKeys>& type_keys() {
       {"default", {{}, {}}},
       {"linear", {{"factor"}, {}}},
       {"dynamic", {{"factor"}, {"original_max_position_embeddings"}}},
-      {"yarn", {{"factor"}, {"attention_factor", "beta_fast", "beta_slow", "original_max_position_embeddings"}}},
+      {"yarn",
+       {{"factor"},
+        {"attention_factor", "beta_fast", "beta_slow", "original_max_position_embeddings", "mscale", "mscale_all_dim"}}},
       {"llama3", {{"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}, {}}},
       {"longrope", {{"short_factor", "long_factor"}, {"attention_factor", "factor", "original_max_position_embeddings"}}},
   };
@@ -89,7 +91,8 @@ RopeScaling RopeScaling::from_json(const json& j, std::string_view source, std::
     if (k == "rope_type" || k == "type") continue;
     if (!tk.required.count(k) && !tk.optional.count(k)) {
       if (k == "mscale" || k == "mscale_all_dim")
-        fail(k, "is DeepSeek's yarn variant, which transformers 4.45 does not compute; not supported (remove it)");
+        fail(k, fmt::format("is read by rope_type 'yarn' only (DeepSeek's attention factor), not by '{}'; remove it",
+                            type));
       fail(k, fmt::format("is not read by rope_type '{}' (it reads: {}); remove it", type,
                           join([&] {
                             std::set<std::string> all = tk.required;
@@ -113,6 +116,14 @@ RopeScaling RopeScaling::from_json(const json& j, std::string_view source, std::
   r.attention_factor = num("attention_factor", 0.0, true);
   r.beta_fast = num("beta_fast", 0.0, true);
   r.beta_slow = num("beta_slow", 0.0, true);
+  r.mscale = num("mscale", 0.0, true);
+  r.mscale_all_dim = num("mscale_all_dim", 0.0, true);
+  if (r.mscale.has_value() != r.mscale_all_dim.has_value())
+    fail(r.mscale ? "mscale" : "mscale_all_dim",
+         "transformers reads mscale and mscale_all_dim together (their ratio is the attention factor); give both, "
+         "or neither for the default 0.1 ln(factor) + 1");
+  if (r.mscale && r.attention_factor)
+    fail("attention_factor", "conflicts with mscale / mscale_all_dim, which set the attention factor; give one");
   r.low_freq_factor = num("low_freq_factor", 0.0, true);
   r.high_freq_factor = num("high_freq_factor", 0.0, true);
   if (const json* v = io::JsonFields::find(j, "original_max_position_embeddings"))
@@ -137,7 +148,8 @@ json RopeScaling::to_json() const {
   j[old_type_key ? "type" : "rope_type"] = type;
   for (auto [k, v] : {std::pair{"factor", factor}, std::pair{"attention_factor", attention_factor},
                       std::pair{"beta_fast", beta_fast}, std::pair{"beta_slow", beta_slow},
-                      std::pair{"low_freq_factor", low_freq_factor}, std::pair{"high_freq_factor", high_freq_factor}})
+                      std::pair{"low_freq_factor", low_freq_factor}, std::pair{"high_freq_factor", high_freq_factor},
+                      std::pair{"mscale", mscale}, std::pair{"mscale_all_dim", mscale_all_dim}})
     if (v) j[k] = *v;
   if (original_max_position_embeddings) j["original_max_position_embeddings"] = *original_max_position_embeddings;
   if (type == "longrope") {
@@ -241,7 +253,11 @@ RopeFrequencies rope_frequencies(const ModelConfig& c, int64_t seq_len) {
   }
   if (type == "yarn") {
     const double base = c.rope_theta, factor = *r.factor;
-    out.attention_factor = static_cast<float>(r.attention_factor ? *r.attention_factor : 0.1 * std::log(factor) + 1.0);
+    // transformers' get_mscale(scale, m) = 0.1 m ln(scale) + 1, or 1 when scale <= 1.
+    auto get_mscale = [&](double m) { return factor <= 1.0 ? 1.0 : 0.1 * m * std::log(factor) + 1.0; };
+    out.attention_factor = static_cast<float>(r.attention_factor ? *r.attention_factor
+                                              : r.mscale         ? get_mscale(*r.mscale) / get_mscale(*r.mscale_all_dim)
+                                                                 : 0.1 * std::log(factor) + 1.0);
     // transformers: `config.rope_scaling.get("beta_fast") or 32` (0 reads as absent).
     const double beta_fast = r.beta_fast && *r.beta_fast != 0 ? *r.beta_fast : 32;
     const double beta_slow = r.beta_slow && *r.beta_slow != 0 ? *r.beta_slow : 1;

@@ -7,7 +7,8 @@
 //   dynamic   NTK: default with theta' = theta * (factor*L/P - (factor-1))^(rot/(rot-2)) where
 //             L = the sequence length, only when L > P = max_position_embeddings (plain RoPE below)
 //   yarn      ramp blend of default and default/factor between the beta_fast/beta_slow correction
-//             dims of P; cos/sin x attention_factor (default 0.1 ln factor + 1)
+//             dims of P; cos/sin x attention_factor (default 0.1 ln factor + 1, or DeepSeek's
+//             mscale / mscale_all_dim ratio as later transformers compute it)
 //   llama3    per wavelength: /factor, kept, or the smooth blend (low/high_freq_factor,
 //             original_max_position_embeddings)
 //   longrope  default / (long_factor or short_factor); cos/sin x attention_factor
@@ -37,6 +38,9 @@ struct RopeScaling {
   std::string type;
   bool old_type_key = false;  // spelled "type" (the old key) rather than "rope_type"; kept on write
   std::optional<double> factor, attention_factor, beta_fast, beta_slow, low_freq_factor, high_freq_factor;
+  // yarn, DeepSeek's form (read by transformers after 4.45): with both, the cos/sin factor is
+  // mscale(factor, mscale) / mscale(factor, mscale_all_dim), mscale(s, m) = 0.1 m ln s + 1 (1 for s <= 1).
+  std::optional<double> mscale, mscale_all_dim;
   std::optional<int64_t> original_max_position_embeddings;  // inside rope_scaling
   std::vector<double> short_factor, long_factor;            // longrope, [rot/2] each
   // The top-level config.json key original_max_position_embeddings (Phi-3's spelling), which

@@ -50,10 +50,10 @@ void add_rope_scaling(io::GgufWriter& w, const ModelConfig& c, const std::string
     return;
   }
   if (r.type == "yarn") {
-    if (r.attention_factor || r.beta_fast || r.beta_slow)
+    if (r.attention_factor || r.beta_fast || r.beta_slow || r.mscale)
       refuse(
           "llama.cpp's yarn uses the default attention_factor (0.1 ln factor + 1) and beta_fast 32 / beta_slow "
-          "1; this config sets attention_factor/beta_fast/beta_slow");
+          "1; this config sets attention_factor/beta_fast/beta_slow/mscale");
     w.add_string(arch + ".rope.scaling.type", "yarn");
     w.add_f32(arch + ".rope.scaling.factor", static_cast<float>(*r.factor));
     // transformers 4.45 computes yarn's correction range from max_position_embeddings.

@@ -297,7 +297,13 @@ TEST(RopeScaling, RefusalsNameKeyAndFix) {
     e = err("llama", {{"type", "su"}, {"short_factor", {1.0}}, {"long_factor", {1.0}}});
     EXPECT_NE(e.find("write \"longrope\""), std::string::npos) << e;
     e = err("llama", {{"rope_type", "yarn"}, {"factor", 4.0}, {"mscale", 1.0}});
-    EXPECT_NE(e.find("rope_scaling.mscale"), std::string::npos) << e;
+    EXPECT_NE(e.find("rope_scaling.mscale: transformers reads mscale and mscale_all_dim together"), std::string::npos)
+        << e;
+    e = err("llama", {{"rope_type", "linear"}, {"factor", 4.0}, {"mscale", 1.0}, {"mscale_all_dim", 1.0}});
+    EXPECT_NE(e.find("is read by rope_type 'yarn' only"), std::string::npos) << e;
+    e = err("llama",
+            {{"rope_type", "yarn"}, {"factor", 4.0}, {"mscale", 1.0}, {"mscale_all_dim", 1.0}, {"attention_factor", 1.1}});
+    EXPECT_NE(e.find("rope_scaling.attention_factor: conflicts with mscale"), std::string::npos) << e;
     e = err("llama", {{"rope_type", "linear"}, {"factor", 2.0}, {"low_freq_factor", 1.0}});
     EXPECT_NE(e.find("rope_scaling.low_freq_factor: is not read by rope_type 'linear'"), std::string::npos) << e;
     e = err("llama", {{"factor", 2.0}});
@@ -318,4 +324,29 @@ TEST(RopeScaling, RefusalsNameKeyAndFix) {
             std::string::npos);
   EXPECT_EQ(error_of([&] { cfg_with("llama", {{"rope_type", "dynamic"}, {"factor", 2.0}}, 16).check_seq_len(17, "t"); }),
             "");
+}
+
+// DeepSeek's yarn (mscale, mscale_all_dim; transformers after 4.45): the cos/sin factor is
+// get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) with get_mscale(s, m) = 0.1 m ln s + 1,
+// the frequencies are yarn's own. Checked against that formula by hand and against the same model
+// given the ratio as attention_factor (which transformers 4.45, the oracle of the parity tests, reads).
+TEST(RopeScaling, YarnMscaleRatioIsTheAttentionFactor) {
+  const double factor = 40.0, m = 0.707, m_all = 1.0;
+  const double ratio = (0.1 * m * std::log(factor) + 1.0) / (0.1 * m_all * std::log(factor) + 1.0);
+  const ModelConfig ds =
+      cfg_with("llama", {{"rope_type", "yarn"}, {"factor", factor}, {"mscale", m}, {"mscale_all_dim", m_all}}, 64);
+  const ModelConfig af = cfg_with("llama", {{"rope_type", "yarn"}, {"factor", factor}, {"attention_factor", ratio}}, 64);
+  const RopeFrequencies a = rope_frequencies(ds, 64), b = rope_frequencies(af, 64);
+  EXPECT_EQ(a.inv_freq, b.inv_freq);
+  EXPECT_EQ(a.attention_factor, b.attention_factor);
+  EXPECT_NEAR(a.attention_factor, 0.92104, 1e-5);  // (0.0707 ln 40 + 1) / (0.1 ln 40 + 1) = 1.26081 / 1.36889
+  // DeepSeek-V2-Lite's config: equal mscales, a factor of exactly 1.
+  const ModelConfig lite =
+      cfg_with("llama", {{"rope_type", "yarn"}, {"factor", factor}, {"mscale", 0.707}, {"mscale_all_dim", 0.707}}, 64);
+  EXPECT_EQ(rope_frequencies(lite, 64).attention_factor, 1.0f);
+  // written back as given (config.json round trip)
+  const json out = ds.to_hf_json()["rope_scaling"];
+  EXPECT_EQ(out["mscale"], m);
+  EXPECT_EQ(out["mscale_all_dim"], m_all);
+  EXPECT_EQ(ModelConfig::from_hf_json(ds.to_hf_json(), "x", true), ds);
 }
