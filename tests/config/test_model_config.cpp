@@ -527,11 +527,19 @@ TEST(ModelConfig, ParseGptNeox) {
   const auto s = ModelConfig::from_hf_json(j, "cfg.json");
   EXPECT_FALSE(s.parallel_residual || s.gelu_exact());
   EXPECT_EQ(s.hidden_act, "gelu_new");
-  // Refused, naming the key: other activations, conflicting aliases, rope_scaling, tied heads, odd rotary dims.
+  // Refused, naming the key: other activations, conflicting aliases, an unknown rope_scaling type, tied heads,
+  // odd rotary dims.
   expect_error(kGptNeox, "hidden_act", "relu", {"hidden_act", "relu", "gelu"});
   expect_error(kGptNeox, "partial_rotary_factor", 0.5, {"partial_rotary_factor", "rotary_pct"});
   expect_error(kGptNeox, "rope_theta", 500.0, {"rope_theta", "rotary_emb_base"});
-  expect_error(kGptNeox, "rope_scaling", json{{"type", "linear"}, {"factor", 2.0}}, {"rope_scaling", "gpt_neox"});
+  expect_error(kGptNeox, "rope_scaling", json{{"type", "ntk"}, {"factor", 2.0}}, {"rope_scaling.type", "'ntk'"});
+  {  // every transformers type reads as the llama family's (GPTNeoXRotaryEmbedding is LlamaRotaryEmbedding)
+    json j = json::parse(kGptNeox);
+    j["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};
+    const ModelConfig c = ModelConfig::from_hf_json(j, "neox");
+    EXPECT_EQ(c.rope_scaling.type, "linear");
+    EXPECT_EQ(c.to_hf_json()["rope_scaling"], j["rope_scaling"]);
+  }
   expect_error(kGptNeox, "tie_word_embeddings", true, {"tie_word_embeddings", "embed_out"});
   json odd = json::parse(kGptNeox);
   odd.erase("partial_rotary_factor");
