@@ -46,6 +46,10 @@ struct Reader {
     return has(k);
   }
   bool get_bool(const std::string& k) const { return f.boolean(j.at(k), k); }
+  // A boolean key whose other value lathe does not compute: refused naming it and why.
+  void require_bool(const char* k, bool want, const char* why) const {
+    if (has(k) && get_bool(k) != want) fail(k, fmt::format("{} is not supported: {}", want ? "false" : "true", why));
+  }
   std::string get_string(const std::string& k) const { return f.string(j.at(k), k); }
   // Token ids: integer, null (absent) or a list of integers (first is used).
   // Ids are int32 tokens; -1 is the old "none" spelling (written back as null).

@@ -153,6 +153,38 @@ void read_rope_scaling(const Reader& r, ModelConfig& c, bool mistral, std::strin
   }
 }
 
+// Keys lathe does not read: refused when strict (a recipe), else listed with the reason (a
+// config.json); keys that would change the math if set (cross attention, dropout) are refused.
+void check_unread_keys(const Reader& r, ModelConfig& c, bool strict_unknown) {
+  const json& j = r.j;
+  const std::string_view source = r.source, key_prefix = r.prefix;
+  const auto known = ModelConfig::known_keys(c.model_type);
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    if (std::find(known.begin(), known.end(), it.key()) != known.end()) continue;
+    if (strict_unknown) {
+      std::string near = closest_match(it.key(), known);
+      throw_error("{}: unknown key '{}{}' for model_type {}{}", source, key_prefix, value_str(it.key()), c.model_type,
+                  near.empty() ? std::string() : fmt::format(" (did you mean '{}{}'?)", key_prefix, near));
+    }
+    c.ignored_keys.push_back(it.key());
+    c.ignored_reasons.push_back(fmt::format("not a field lathe's {} config reads", c.model_type));
+  }
+  // Keys that would change the math if set: reject rather than silently compute something else.
+  r.require_bool("add_cross_attention", false, "lathe trains decoder-only models");
+  r.require_bool("is_encoder_decoder", false, "lathe trains decoder-only models");
+  for (const auto& k : kDropoutKeys) {
+    if (!r.has(k)) continue;
+    double p = r.get_double(k);
+    if (p < 0 || p >= 1) r.fail(k, fmt::format("dropout probability {} outside [0, 1)", p));
+    if (strict_unknown && p != 0)
+      r.fail(k, fmt::format("{} is not supported: lathe does not implement dropout (set 0 or remove)", p));
+    if (p != 0) {  // a config.json: the weights still load; training runs without dropout
+      c.ignored_keys.push_back(k);
+      c.ignored_reasons.push_back(fmt::format("{}: lathe trains without dropout", p));
+    }
+  }
+}
+
 // transformers v5's `rope_parameters`: rope_theta, partial_rotary_factor and the rope_scaling keys
 // in one object ({"rope_type": "llama3", "rope_theta": 500000, "factor": 8, ...}). Read into the
 // same fields as the 4.45 keys (and written back in the 4.45 form); a value given both ways must agree.
@@ -329,36 +361,7 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
                                      c.model_type));
   c.family = family_of(c.model_type);
 
-  // Unknown keys.
-  const auto known = known_keys(c.model_type);
-  for (auto it = j.begin(); it != j.end(); ++it) {
-    if (std::find(known.begin(), known.end(), it.key()) != known.end()) continue;
-    if (strict_unknown) {
-      std::string near = closest_match(it.key(), known);
-      throw_error("{}: unknown key '{}{}' for model_type {}{}", source, key_prefix, value_str(it.key()), c.model_type,
-                  near.empty() ? std::string() : fmt::format(" (did you mean '{}{}'?)", key_prefix, near));
-    }
-    c.ignored_keys.push_back(it.key());
-    c.ignored_reasons.push_back(fmt::format("not a field lathe's {} config reads", c.model_type));
-  }
-  // Keys that would change the math if set: reject rather than silently compute something else.
-  auto require_bool = [&](const char* k, bool want, const char* why) {
-    if (r.has(k) && r.get_bool(k) != want)
-      r.fail(k, fmt::format("{} is not supported: {}", want ? "false" : "true", why));
-  };
-  require_bool("add_cross_attention", false, "lathe trains decoder-only models");
-  require_bool("is_encoder_decoder", false, "lathe trains decoder-only models");
-  for (const auto& k : kDropoutKeys) {
-    if (!r.has(k)) continue;
-    double p = r.get_double(k);
-    if (p < 0 || p >= 1) r.fail(k, fmt::format("dropout probability {} outside [0, 1)", p));
-    if (strict_unknown && p != 0)
-      r.fail(k, fmt::format("{} is not supported: lathe does not implement dropout (set 0 or remove)", p));
-    if (p != 0) {  // a config.json: the weights still load; training runs without dropout
-      c.ignored_keys.push_back(k);
-      c.ignored_reasons.push_back(fmt::format("{}: lathe trains without dropout", p));
-    }
-  }
+  check_unread_keys(r, c, strict_unknown);
 
   if (r.has_size("vocab_size")) c.vocab_size = r.get_int("vocab_size");
   if (r.has("initializer_range")) c.initializer_range = r.get_double("initializer_range");
@@ -397,11 +400,11 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
       r.fail("activation_function",
              fmt::format("'{}' is not supported (gelu_new or gelu_pytorch_tanh, both tanh-GELU)", act));
     c.hidden_act = "gelu_new";
-    require_bool("scale_attn_weights", true, "lathe always scales scores by 1/sqrt(head_dim)");
-    require_bool("scale_attn_by_inverse_layer_idx", false, "the extra 1/(layer+1) scaling is not implemented");
-    require_bool("reorder_and_upcast_attn", false, "not implemented");
+    r.require_bool("scale_attn_weights", true, "lathe always scales scores by 1/sqrt(head_dim)");
+    r.require_bool("scale_attn_by_inverse_layer_idx", false, "the extra 1/(layer+1) scaling is not implemented");
+    r.require_bool("reorder_and_upcast_attn", false, "not implemented");
     c.tie_word_embeddings = true;
-    require_bool("tie_word_embeddings", true, "GPT-2's lm_head is always tied to wte in lathe");
+    r.require_bool("tie_word_embeddings", true, "GPT-2's lm_head is always tied to wte in lathe");
     c.attention_bias = false;
     c.rope_theta = 10000.0;
   } else if (c.is_gpt_neox()) {

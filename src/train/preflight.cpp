@@ -297,6 +297,49 @@ void resolve_layout(Recipe& r, int64_t world) {
   r.parallel.data = data;
 }
 
+// One rank's memory figure (parameters, gradients, two moments, activations for micro_batch_size x
+// seq_len), refused with the numbers before anything is allocated. Per process: ZeRO 1/2 divide the
+// moments by the data degree, ZeRO 3 also the weights and gradients.
+static void check_rank_memory(const Recipe& r, int64_t B, int64_t T, DType dtype, bool sharded, const PreflightLog& log) {
+  const int64_t data = std::max<int64_t>(1, r.parallel.data);
+  const Recompute rc = parse_recompute(r.recompute, r.source + ": recompute");
+  // Tensor / pipeline parallelism: one rank's share, not the whole model (which no rank holds):
+  // its tensor shard with the most layers a pipeline rank gets (embedding and head counted as if
+  // every stage had them; one micro-batch's activations; `lathe plan` has the exact per-stage figure).
+  ModelConfig per_rank = r.model;
+  TensorShard per_rank_shard;
+  if (r.parallel.tensor > 1) {
+    per_rank = parallel::shard_config(r.model, static_cast<int>(r.parallel.tensor));
+    per_rank_shard = parallel::tensor_shard(r.model, static_cast<int>(r.parallel.tensor), r.parallel.sequence);
+  }
+  if (r.parallel.pipeline > 1) {
+    const int64_t chunks = r.parallel.pipeline * r.parallel.virtual_stages;
+    int64_t most = (r.model.num_hidden_layers + chunks - 1) / chunks * r.parallel.virtual_stages;
+    if (!r.parallel.stage_layers.empty())
+      most =
+          *std::max_element(r.parallel.stage_layers.begin(), r.parallel.stage_layers.end()) * r.parallel.virtual_stages;
+    per_rank.num_hidden_layers = std::max<int64_t>(1, std::min(most, r.model.num_hidden_layers));
+  }
+  // Context parallelism: activations of T / context rows per rank (RoPE tables of T positions); ZeRO
+  // shards over data x context ranks. Not counted: the ring's / all-gather's K/V buffers.
+  const int64_t cp = r.parallel.context, T_rank = T / std::max<int64_t>(1, cp);
+  if (cp > 1) per_rank_shard.context_T = T;
+  MemoryEstimate est = estimate_memory(per_rank, B, T_rank, kMoments, r.parallel.zero > 0 ? data * cp : 1, dtype,
+                                       rc, per_rank_shard);
+  if (r.parallel.zero == 3) {  // the recipe refuses ZeRO 3 with context > 1
+    LATHE_CHECK(r.parallel.shard_group == 0 || data % r.parallel.shard_group == 0,
+                "{}: parallel.shard_group = {} does not divide the data degree {} of this job: choose a divisor (0 = "
+                "all data ranks)",
+                r.source, r.parallel.shard_group, data);
+    shard_parameters(est, per_rank, data, static_cast<int>(r.parallel.prefetch), r.parallel.shard_group);
+  }
+  check_memory_fits(est, per_rank, r.source);
+  const MachineMemory mm = machine_memory();
+  log.ok(fmt::format("memory{}: {} fits ({} {})", sharded || cp > 1 || r.parallel.zero == 3 ? " per rank" : "",
+                     est.breakdown(), mm.source,
+                     mm.bytes > 0 ? format_bytes(mm.bytes) : std::string("unknown")));
+}
+
 Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLog& log, bool check_only) {
   Preflight pf;
   const int64_t B = r.training.micro_batch_size, T = r.training.seq_len;
@@ -388,44 +431,9 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   // 6. the model (and the optimizer it comes with): the whole memory figure first (parameters,
   // gradients, two moments, activations for micro_batch_size x seq_len), refused with the numbers
   // before anything is allocated.
-  // Per process: ZeRO 1/2 divide the moments by the data degree.
+  check_rank_memory(r, B, T, spec.dtype, sharded, log);
   const int64_t data = std::max<int64_t>(1, r.parallel.data);
   const Recompute rc = parse_recompute(r.recompute, r.source + ": recompute");
-  // Tensor / pipeline parallelism: one rank's share, not the whole model (which no rank holds):
-  // its tensor shard with the most layers a pipeline rank gets (embedding and head counted as if
-  // every stage had them; one micro-batch's activations; `lathe plan` has the exact per-stage figure).
-  ModelConfig per_rank = r.model;
-  TensorShard per_rank_shard;
-  if (r.parallel.tensor > 1) {
-    per_rank = parallel::shard_config(r.model, static_cast<int>(r.parallel.tensor));
-    per_rank_shard = parallel::tensor_shard(r.model, static_cast<int>(r.parallel.tensor), r.parallel.sequence);
-  }
-  if (r.parallel.pipeline > 1) {
-    const int64_t chunks = r.parallel.pipeline * r.parallel.virtual_stages;
-    int64_t most = (r.model.num_hidden_layers + chunks - 1) / chunks * r.parallel.virtual_stages;
-    if (!r.parallel.stage_layers.empty())
-      most =
-          *std::max_element(r.parallel.stage_layers.begin(), r.parallel.stage_layers.end()) * r.parallel.virtual_stages;
-    per_rank.num_hidden_layers = std::max<int64_t>(1, std::min(most, r.model.num_hidden_layers));
-  }
-  // Context parallelism: activations of T / context rows per rank (RoPE tables of T positions); ZeRO
-  // shards over data x context ranks. Not counted: the ring's / all-gather's K/V buffers.
-  const int64_t cp = r.parallel.context, T_rank = T / std::max<int64_t>(1, cp);
-  if (cp > 1) per_rank_shard.context_T = T;
-  MemoryEstimate est = estimate_memory(per_rank, B, T_rank, kMoments, r.parallel.zero > 0 ? data * cp : 1, spec.dtype,
-                                       rc, per_rank_shard);
-  if (r.parallel.zero == 3) {  // the recipe refuses ZeRO 3 with context > 1
-    LATHE_CHECK(r.parallel.shard_group == 0 || data % r.parallel.shard_group == 0,
-                "{}: parallel.shard_group = {} does not divide the data degree {} of this job: choose a divisor (0 = "
-                "all data ranks)",
-                r.source, r.parallel.shard_group, data);
-    shard_parameters(est, per_rank, data, static_cast<int>(r.parallel.prefetch), r.parallel.shard_group);
-  }
-  check_memory_fits(est, per_rank, r.source);
-  const MachineMemory mm = machine_memory();
-  log.ok(fmt::format("memory{}: {} fits ({} {})", sharded || cp > 1 || r.parallel.zero == 3 ? " per rank" : "",
-                     est.breakdown(), mm.source,
-                     mm.bytes > 0 ? format_bytes(mm.bytes) : std::string("unknown")));
   if (!pf.ckpt.empty()) {
     pf.model = build_model(r.model, spec);  // weights come from the checkpoint below
   } else if (!r.init_from.empty()) {
