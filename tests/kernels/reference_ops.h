@@ -7,9 +7,33 @@
 #include <cmath>
 #include <cstdint>
 #include <ostream>
+#include <random>
 #include <vector>
 
 namespace lathe::test {
+
+// Deterministic N(0, sd) values (std::mt19937 seeded with `seed`), shared by the attention tests.
+inline std::vector<float> randn(size_t n, uint32_t seed, float sd = 1.0f) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> dist(0.0f, sd);
+  std::vector<float> v(n);
+  for (auto& x : v) x = dist(gen);
+  return v;
+}
+
+// doc_start [B, T] from document lengths drawn in [1, max_len] (a length-1 document every so often),
+// the last one cut by the sample's end.
+inline std::vector<int32_t> random_docs(int64_t B, int64_t T, int64_t max_len, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::vector<int32_t> ds(static_cast<size_t>(B * T));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T;) {
+      const int64_t len = gen() % 4 == 0 ? 1 : 1 + static_cast<int64_t>(gen() % max_len);
+      for (int64_t i = t; i < std::min(T, t + len); ++i) ds[static_cast<size_t>(b * T + i)] = static_cast<int32_t>(t);
+      t += len;
+    }
+  return ds;
+}
 
 using VecD = std::vector<double>;
 

@@ -16,31 +16,15 @@
 #include <vector>
 
 #include "core/error.h"
+#include "reference_ops.h"
 #include "kernels/cpu/ops.h"
 
 namespace {
 
 using lathe::cpu::BlockAttention;
 
-std::vector<float> randn(size_t n, uint32_t seed, float sd = 1.0f) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> dist(0.0f, sd);
-  std::vector<float> v(n);
-  for (auto& x : v) x = dist(gen);
-  return v;
-}
-
-std::vector<int32_t> random_docs(int64_t B, int64_t T, int64_t max_len, uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::vector<int32_t> ds(B * T);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T;) {
-      const int64_t len = gen() % 4 == 0 ? 1 : 1 + static_cast<int64_t>(gen() % max_len);
-      for (int64_t i = t; i < std::min(T, t + len); ++i) ds[b * T + i] = static_cast<int32_t>(t);
-      t += len;
-    }
-  return ds;
-}
+using lathe::test::randn;
+using lathe::test::random_docs;
 
 struct Case {
   int64_t B, T, H, KVH, D, N;  // N ranks: 2N chunks of T / (2N)
