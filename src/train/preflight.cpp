@@ -300,9 +300,8 @@ void resolve_layout(Recipe& r, int64_t world) {
 // One rank's memory figure (parameters, gradients, two moments, activations for micro_batch_size x
 // seq_len), refused with the numbers before anything is allocated. Per process: ZeRO 1/2 divide the
 // moments by the data degree, ZeRO 3 also the weights and gradients.
-static void check_rank_memory(const Recipe& r, int64_t B, int64_t T, DType dtype, bool sharded, const PreflightLog& log) {
-  const int64_t data = std::max<int64_t>(1, r.parallel.data);
-  const Recompute rc = parse_recompute(r.recompute, r.source + ": recompute");
+static void check_rank_memory(const Recipe& r, int64_t B, int64_t T, int64_t data, Recompute rc, DType dtype,
+                              bool sharded, const PreflightLog& log) {
   // Tensor / pipeline parallelism: one rank's share, not the whole model (which no rank holds):
   // its tensor shard with the most layers a pipeline rank gets (embedding and head counted as if
   // every stage had them; one micro-batch's activations; `lathe plan` has the exact per-stage figure).
@@ -431,9 +430,9 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   // 6. the model (and the optimizer it comes with): the whole memory figure first (parameters,
   // gradients, two moments, activations for micro_batch_size x seq_len), refused with the numbers
   // before anything is allocated.
-  check_rank_memory(r, B, T, spec.dtype, sharded, log);
   const int64_t data = std::max<int64_t>(1, r.parallel.data);
   const Recompute rc = parse_recompute(r.recompute, r.source + ": recompute");
+  check_rank_memory(r, B, T, data, rc, spec.dtype, sharded, log);
   if (!pf.ckpt.empty()) {
     pf.model = build_model(r.model, spec);  // weights come from the checkpoint below
   } else if (!r.init_from.empty()) {
