@@ -6,11 +6,14 @@
 //   RoPE on q and k (llama family) from cos/sin tables gathered by position_ids
 //   k, v = concat(past, new) on the sequence axis  [B, KV, T, D]  = present.{i}.key/value
 //   scores = q [B, KV, n_rep, S, D] @ k^T [B, KV, 1, D, T] (GQA by broadcasting, no copies of k/v)
-//   p = softmax(scores * 1/sqrt(D) + mask)         mask: causal by absolute position (past + i),
+//   p = softmax(cap(scores * scale) + mask)        scale 1/sqrt(D) (gemma2: query_pre_attn_scalar), cap the
+//                                                  gemma2 soft cap; mask: causal by absolute position (past + i),
 //                                                  attention_mask padding, the sliding window
-//   o = (p @ v) -> [B, S, H*D] @ Wo (+ b); x += o
-//   x += mlp(norm2(x))                             GELU-tanh (c_fc, c_proj) or SwiGLU (gate, up, down)
-// logits = norm_f(x) @ lm_head^T (tied: a Transpose of the embedding, stored once).
+//                                                  (one mask per distinct layer window)
+//   o = (p @ v) -> [B, S, H*D] @ Wo (+ b); x += o  (gemma2's sandwich norms: x += norm(o))
+//   x += mlp(norm2(x))                             GELU-tanh (c_fc, c_proj), SwiGLU or GeGLU (gate, up, down)
+// logits = norm_f(x) @ lm_head^T (tied: a Transpose of the embedding, stored once); gemma2 scales
+// the embedding by sqrt(C), its norms by (1 + w) and caps the logits.
 // fp16 graphs keep weights, activations, past/present and logits in fp16 and compute the norms,
 // GELU and softmax in fp32 (Cast around them), as HF models do in fp16; norm weights stay fp32.
 #include "interop/onnx_export.h"
@@ -187,6 +190,22 @@ class Exporter {
     check_fp16(m_.param_data() + run[0]->offset + r0, r1 - r0, 0, name, type);
     return init(name, type, {r1 - r0}, encode(m_.param_data() + run[0]->offset + r0, r1 - r0, type, name));
   }
+  // gemma2's RMSNorm scales by (offset + w) in fp32 (transformers: 1.0 + weight.float()); the sum is
+  // baked into the fp32 initializer, named after the tensor with an ".offset" suffix.
+  std::string offset_vector(const RoleRun& run) {
+    const int64_t n = run_rows(run);
+    const float* w = m_.param_data() + run[0]->offset;
+    std::vector<float> sum(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) sum[static_cast<size_t>(i)] = arch_.norm_weight_offset + w[i];
+    const std::string name = run[0]->name + ".offset";
+    return init(name, ElemType::Float, {n}, encode(sum.data(), n, ElemType::Float, name));
+  }
+  // cap * tanh(x / cap) in fp32 (gemma2's attention and final logit soft caps); cap 0: x unchanged.
+  std::string softcap(const std::string& x, float cap) {
+    if (cap == 0.0f) return x;
+    const auto F = ElemType::Float;
+    return op("Mul", {op("Tanh", {op("Div", {x, scalar(cap, F)})}), scalar(cap, F)});
+  }
   // y = x @ W[r0:r1]^T (+ b[r0:r1]) for the weight role `w` and bias role `b` (when the model has it).
   std::string linear(const std::string& x, int64_t layer, Role w, Role b, int64_t r0, int64_t r1,
                      const char* suffix = "") {
@@ -199,7 +218,8 @@ class Exporter {
   std::string norm(const std::string& x, int64_t layer, Role w, Role b) {
     const std::string xf = to_f32(x);
     const RoleRun& wr = need(layer, w);
-    const std::string W = vector(wr, 0, run_rows(wr), "", ElemType::Float);
+    const std::string W =
+        arch_.norm_weight_offset == 0.0f ? vector(wr, 0, run_rows(wr), "", ElemType::Float) : offset_vector(wr);
     const float eps = static_cast<float>(cfg_.norm_eps);
     std::string y;
     if (arch_.layernorm) {
@@ -257,7 +277,8 @@ class Exporter {
   std::set<std::string> consts_;
   std::string prefix_;
   int64_t n_ = 0;
-  std::string x0_, cos_, sin_, bias_, wte_;
+  std::string x0_, cos_, sin_, wte_;
+  std::map<int64_t, std::string> bias_;  // the additive mask of each layer window (0: none)
 };
 
 void Exporter::embedding_and_mask() {
@@ -267,6 +288,8 @@ void Exporter::embedding_and_mask() {
   wte_ = init(wte[0]->name, act_, wte[0]->shape,
               encode(m_.param_data() + wte[0]->offset, wte[0]->numel(), act_, wte[0]->name));
   x0_ = op("Gather", {wte_, "input_ids"});  // [B, S, C]
+  if (arch_.embed_scale)  // gemma2: x sqrt(hidden), the factor rounded to the activation dtype as transformers'
+    x0_ = op("Mul", {x0_, scalar(static_cast<float>(std::sqrt(static_cast<double>(cfg_.hidden_size))), act_)});
   if (arch_.learned_pos) {
     const RoleRun& wpe = need(-1, Role::Wpe);
     check_fp16(m_.param_data() + wpe[0]->offset, wpe[0]->shape[0], wpe[0]->shape[1], wpe[0]->name, act_);
@@ -300,16 +323,23 @@ void Exporter::embedding_and_mask() {
   const std::string T = op("Gather", {op("Shape", {"attention_mask"}), i64({1}, true)});
   const std::string kpos = op("Unsqueeze", {op("Range", {i64({0}, true), T, i64({1}, true)}), i64({0})});     // [1, T]
   const std::string qpos = op("Unsqueeze", {op("Range", {op("Sub", {T, S}), T, i64({1}, true)}), i64({1})});  // [S, 1]
-  std::string allowed = op("LessOrEqual", {kpos, qpos});                                                      // [S, T]
-  if (cfg_.layer_window(0) > 0)  // the keys one layer's window reaches (phi3: sliding_window + 1)
-    allowed = op("And", {allowed, op("Less", {op("Sub", {qpos, kpos}), i64({cfg_.layer_window(0)}, true)})});
-  const std::string pad =
-      op("Unsqueeze", {op("Cast", {"attention_mask"}, {attr_int("to", static_cast<int64_t>(ElemType::Bool))}),
-                       i64({1, 2, 3})});  // [B, 1, 1, 1, T]
-  bias_ = op("Where",
-             {op("And", {allowed, pad}), scalar(0.0f, ElemType::Float),
-              scalar(std::numeric_limits<float>::lowest(), ElemType::Float)},
-             {}, "mask/bias");
+  const std::string causal = op("LessOrEqual", {kpos, qpos});                                                 // [S, T]
+  std::string pad;
+  // One mask per distinct layer window, in layer order (gemma2 and layer_types alternate sliding and
+  // full layers); the first is named mask/bias.
+  for (int64_t l = 0; l < cfg_.num_hidden_layers; ++l) {
+    const int64_t w = cfg_.layer_window(l);  // the keys the layer's window reaches (phi3: sliding_window + 1)
+    if (bias_.count(w) != 0) continue;
+    std::string allowed = causal;
+    if (w > 0) allowed = op("And", {allowed, op("Less", {op("Sub", {qpos, kpos}), i64({w}, true)})});
+    if (pad.empty())
+      pad = op("Unsqueeze", {op("Cast", {"attention_mask"}, {attr_int("to", static_cast<int64_t>(ElemType::Bool))}),
+                             i64({1, 2, 3})});  // [B, 1, 1, 1, T]
+    bias_[w] = op("Where",
+                  {op("And", {allowed, pad}), scalar(0.0f, ElemType::Float),
+                   scalar(std::numeric_limits<float>::lowest(), ElemType::Float)},
+                  {}, bias_.empty() ? "mask/bias" : fmt::format("mask/bias_window{}", w));
+  }
 }
 
 std::string Exporter::layer(const std::string& x, int64_t l) {
@@ -328,7 +358,7 @@ std::string Exporter::layer(const std::string& x, int64_t l) {
     k = rope(k);
   }
   const bool fp16 = act_ == ElemType::Float16;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const float scale = cfg_.attention_scale() != 0.0f ? cfg_.attention_scale() : 1.0f / std::sqrt(static_cast<float>(D));
   // fp16: scale q before the product so the fp16 scores cannot overflow; fp32: after, as lathe.
   if (fp16) q = op("Mul", {q, scalar(scale, act_)});
   if (o_.static_seq_len == 0) {
@@ -341,11 +371,14 @@ std::string Exporter::layer(const std::string& x, int64_t l) {
   const std::string kt = op("Transpose", {op("Unsqueeze", {k, i64({2})})}, {attr_ints("perm", {0, 1, 2, 4, 3})});
   std::string s = to_f32(op("MatMul", {q5, kt}));  // [B, KV, n_rep, S, T]
   if (!fp16) s = op("Mul", {s, scalar(scale, ElemType::Float)});
-  const std::string p = to_act(op("Softmax", {op("Add", {s, bias_})}, {attr_int("axis", -1)}));
+  s = softcap(s, cfg_.attn_softcap());  // gemma2: cap * tanh(s / cap), before the mask
+  const std::string p = to_act(op("Softmax", {op("Add", {s, bias_.at(cfg_.layer_window(l))})}, {attr_int("axis", -1)}));
   std::string o = op("MatMul", {p, op("Unsqueeze", {v, i64({2})})});  // [B, KV, n_rep, S, D]
   o = op("Reshape", {op("Transpose", {op("Reshape", {o, i64({0, H, -1, D})})}, {attr_ints("perm", {0, 2, 1, 3})}),
                      i64({0, 0, H * D})});  // [B, S, H*D]
-  const std::string x1 = op("Add", {x, linear(o, l, Role::OW, Role::OB, 0, C)});
+  std::string attn = linear(o, l, Role::OW, Role::OB, 0, C);
+  if (arch_.sandwich_norm) attn = norm(attn, l, Role::PostAttnNormW, Role::None);  // gemma2
+  const std::string x1 = op("Add", {x, attn});
   // The MLP's norm reads x + attn, or with the parallel residual (gpt_neox) the layer input.
   const std::string h2 = norm(arch_.parallel_residual ? x : x1, l, Role::Ln2W, Role::Ln2B);
   const int64_t F = cfg_.intermediate_size;
@@ -353,12 +386,14 @@ std::string Exporter::layer(const std::string& x, int64_t l) {
   if (arch_.gelu_mlp) {
     const std::string fc = linear(h2, l, Role::FcW, Role::FcB, 0, F);
     a = arch_.gelu_exact ? gelu_erf(fc) : gelu_tanh(fc);
-  } else {  // silu(gate) * up; gate|up are rows [0, F) and [F, 2F) of the FcW run
+  } else {  // act(gate) * up, act SiLU or (gemma2's GeGLU) the tanh GELU; gate|up are rows [0, F) and [F, 2F) of FcW
     const std::string gate = linear(h2, l, Role::FcW, Role::FcB, 0, F, "gate");
     const std::string up = linear(h2, l, Role::FcW, Role::FcB, F, 2 * F, "up");
-    a = op("Mul", {op("Mul", {gate, op("Sigmoid", {gate})}), up});
+    a = op("Mul", {arch_.geglu ? gelu_tanh(gate) : op("Mul", {gate, op("Sigmoid", {gate})}), up});
   }
-  return op("Add", {x1, linear(a, l, Role::ProjW, Role::ProjB, 0, C)}, {}, fmt::format("layers.{}/out", l));
+  std::string mlp = linear(a, l, Role::ProjW, Role::ProjB, 0, C);
+  if (arch_.sandwich_norm) mlp = norm(mlp, l, Role::PostFfnNormW, Role::None);  // gemma2
+  return op("Add", {x1, mlp}, {}, fmt::format("layers.{}/out", l));
 }
 
 io::onnx::Graph Exporter::build() {
@@ -394,7 +429,15 @@ io::onnx::Graph Exporter::build() {
     const RoleRun& lm = need(-1, Role::LmHead);
     head = weight_t(lm, 0, run_rows(lm), "");
   }
-  op("MatMul", {h, head}, {}, "logits");
+  if (cfg_.final_softcap() == 0.0f) {
+    op("MatMul", {h, head}, {}, "logits");
+  } else {  // gemma2: cap * tanh(logits / cap) in fp32
+    const std::string capped = softcap(to_f32(op("MatMul", {h, head})), cfg_.final_softcap());
+    op(act_ == ElemType::Float ? "Identity" : "Cast", {capped},
+       act_ == ElemType::Float ? std::vector<Attribute>{}
+                               : std::vector<Attribute>{attr_int("to", static_cast<int64_t>(act_))},
+       "logits");
+  }
   return std::move(g_);
 }
 
@@ -402,16 +445,13 @@ io::onnx::Graph Exporter::build() {
 
 std::string save_onnx(const Model& model, const std::string& path, const OnnxExportOptions& opts) {
   const ModelConfig& cfg = model.config();
-  LATHE_CHECK(cfg.model_type != "gemma2",
-              "ONNX export: gemma2 is not supported yet (the graph builder has no sandwich norms, (1 + w) RMSNorm, "
-              "GeGLU, embedding scale, query_pre_attn_scalar, soft caps or per-layer windows); export the HF "
-              "directory (lathe export) instead");
   LATHE_CHECK(cfg.family == "gpt2" || cfg.family == "llama" || cfg.family == "gpt_neox",
               "ONNX export: model_type '{}' (family '{}') has no ONNX graph builder; supported: gpt2, llama, qwen2, "
-              "mistral, qwen3, phi3, gpt_neox",
+              "mistral, qwen3, phi3, gemma2, gpt_neox",
               cfg.model_type, cfg.family);
   // gpt_neox: exact (gelu) or tanh (gelu_new) GELU, both built.
-  const char* act = cfg.gelu_mlp() ? (cfg.gelu_exact() ? "gelu" : "gelu_new") : "silu";
+  const char* act =
+      cfg.gelu_mlp() ? (cfg.gelu_exact() ? "gelu" : "gelu_new") : (model.arch().geglu ? "gelu_pytorch_tanh" : "silu");
   LATHE_CHECK(cfg.hidden_act == act, "ONNX export: {} with hidden_act '{}' is not supported (the graph builds {})",
               cfg.model_type, cfg.hidden_act, act);
   LATHE_CHECK(opts.dtype == DType::F32 || opts.dtype == DType::F16,
@@ -430,10 +470,6 @@ std::string save_onnx(const Model& model, const std::string& path, const OnnxExp
               "picks them by the sequence length (long ones past original_max_position_embeddings = {}), which the "
               "graph's baked cos/sin tables cannot follow; not exported",
               cfg.rope_scaling.config_original_max_position_embeddings.value_or(0));
-  // The graph applies sliding_window to every layer (one mask); mixed layers would need one each.
-  LATHE_CHECK(cfg.sliding_layers.empty(),
-              "ONNX export: the model's layers mix sliding-window and full attention (layer_types / "
-              "max_window_layers); the ONNX graph has one attention mask for every layer, so it is not exported");
   Exporter ex(model, opts);
   const io::onnx::Graph g = ex.build();
   io::onnx::ModelProtoInfo info;

@@ -13,7 +13,8 @@ and norm weights perturbed, saved by transformers (config.json as it writes it):
   * train a step from it (init_from, recompute selective), `lathe export`: transformers loads the
     export and its logits equal lathe's, the step changed them; the gemma2-debug preset in bf16:
     interrupted and resumed == uninterrupted (byte-identical final weights);
-  * refused with the reason: GGUF and ONNX export, hidden_activation silu, a missing tensor.
+  * refused with the reason: GGUF export, hidden_activation silu, a missing tensor (ONNX export is
+    checked against transformers in tests/interop/test_onnx_export.py).
 """
 import json
 import os
@@ -199,8 +200,6 @@ def main():
         p = run(["convert", "--from-hf", d, "--to-gguf", os.path.join(tmp, "g.gguf")], ok=False)
         check(p.returncode != 0 and "gemma2 GGUF export is not implemented" in p.stderr,
               f"GGUF export refused with the reason ({p.stderr.strip()[-200:]})")
-        p = run(["export", d, "--to-onnx", os.path.join(tmp, "m.onnx")], ok=False)
-        check(p.returncode != 0 and "gemma2" in p.stderr, f"ONNX export refused ({p.stderr.strip()[-200:]})")
         bad = os.path.join(tmp, "bad")
         shutil.copytree(d, bad)
         cfg = json.load(open(os.path.join(bad, "config.json")))

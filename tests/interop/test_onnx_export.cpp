@@ -46,7 +46,8 @@ TEST(OnnxExport, RefusesAFamilyWithoutAGraphBuilder) {
   c.family = "ssm";
   auto m = build_llama(c);
   expect_refused(
-      *m, {}, {"model_type 'mamba'", "family 'ssm'", "supported: gpt2, llama, qwen2, mistral, qwen3, phi3, gpt_neox"});
+      *m, {},
+      {"model_type 'mamba'", "family 'ssm'", "supported: gpt2, llama, qwen2, mistral, qwen3, phi3, gemma2, gpt_neox"});
 }
 
 TEST(OnnxExport, RefusesAnActivationTheGraphDoesNotBuild) {

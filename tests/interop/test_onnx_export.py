@@ -381,6 +381,63 @@ def check_phi3(tmp):
           f"phi3 longrope: ONNX export refused ({p.stderr.strip()[-200:]})")
 
 
+def check_gemma2(tmp):
+    """gemma2 (sandwich norms, (1 + w) RMSNorm baked into fp32 initializers, GeGLU, embedding x
+    sqrt(hidden), query_pre_attn_scalar, attention and final logit soft caps, sliding layers 0 and 2
+    with window 4 < 12 tokens: a mask per window) against transformers' Gemma2ForCausalLM, eager,
+    use_cache=False: full sequence and prompt 3 + 9 incremental steps within 1e-4; the caps and the
+    window bind (transformers without them differs by far more); fp16 within 4x the error that rounding the weights to fp16 alone makes."""
+    d = os.path.join(tmp, "gemma2")
+    torch.manual_seed(25)
+    cfg = transformers.Gemma2Config(num_hidden_layers=3, hidden_size=48, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, intermediate_size=64, vocab_size=101,
+                                    max_position_embeddings=64, query_pre_attn_scalar=20, sliding_window=4,
+                                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+    m = transformers.Gemma2ForCausalLM(cfg)
+    with torch.no_grad():
+        for p_ in m.parameters():
+            p_.normal_(0.0, 0.5) if p_.dim() >= 2 else p_.copy_(0.1 * torch.randn_like(p_))
+    m.save_pretrained(d, safe_serialization=True)
+    seq = np.random.default_rng(25).integers(0, 101, 12).tolist()
+
+    def hf(**kw):
+        mm = transformers.Gemma2ForCausalLM.from_pretrained(d, attn_implementation="eager", **kw).eval()
+        with torch.no_grad():
+            return mm(torch.tensor([seq]), use_cache=False).logits[0].numpy()
+    ref = hf()
+    loose = min(maxdiff(hf(attn_logit_softcapping=None), ref), maxdiff(hf(final_logit_softcapping=None), ref),
+                maxdiff(hf(sliding_window=64), ref))
+    path = os.path.join(tmp, "gemma2.onnx")
+    run(["export", d, "--to-onnx", path])
+    check_graph(path, cfg, False)
+    r = Runner(path, cfg)
+    full, _ = r([seq])
+    logits, past = r([seq[:3]])
+    got = [logits[0]]
+    for t in range(3, len(seq)):
+        step, past = r([[seq[t]]], past=past)
+        got.append(step[0])
+    got = np.concatenate(got)
+    check(maxdiff(full[0], ref) < TOL and maxdiff(got, ref) < TOL and loose > 1e-2,
+          f"gemma2 vs transformers: full {maxdiff(full[0], ref):.2e}, prompt 3 + 9 steps {maxdiff(got, ref):.2e} "
+          f"(without a cap or the window transformers differs by at least {loose:.2e})")
+    path16 = os.path.join(tmp, "gemma2_16.onnx")
+    run(["export", d, "--to-onnx", path16, "--dtype", "fp16"])
+    r16 = Runner(path16, cfg)
+    l16, _ = r16([seq])
+    # The bound is the model's own sensitivity to fp16: transformers on the fp16-rounded weights (computing
+    # in fp32) gives the error of rounding the weights alone (7.2e-3 here: matrices of std 0.5 amplify it);
+    # the graph also rounds every activation once or twice per op, an error of the same order, so 4x it.
+    mm = transformers.Gemma2ForCausalLM.from_pretrained(d, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p_ in mm.parameters():
+            p_.copy_(p_.half().float())
+        w16 = maxdiff(mm(torch.tensor([seq]), use_cache=False).logits[0].numpy(), ref)
+    bound = 4 * w16
+    check(maxdiff(l16[0], ref) < bound, f"gemma2 fp16 graph vs transformers fp32: {maxdiff(l16[0], ref):.2e} "
+          f"(bound {bound:.2e})")
+
+
 def check_rope_scaling(tmp):
     """RoPE scaling baked into the tables: a llama with yarn (inv_freq ramp and the cos/sin
     attention factor) against transformers 4.45, full and incremental; a copy with llama3 scaling
@@ -486,6 +543,7 @@ def main():
         check_auto_external(tmp)
         check_sliding_window(tmp)
         check_phi3(tmp)
+        check_gemma2(tmp)
         check_rope_scaling(tmp)
         check_bad_input(tmp)
     finally:
