@@ -282,8 +282,11 @@ void read_gpt_neox(const Reader& r, ModelConfig& c) {
 //    "longrope" by the config class (_rope_scaling_adjustment), anything else is refused by it.
 //    Phi3LongRoPEScaledRotaryEmbedding reads the top-level original_max_position_embeddings
 //    (class default 4096) and picks the factors per pass length (rope_frequencies).
-//  - no partial_rotary_factor, attention_bias or head_dim: the rotary class rotates the whole
-//    head of hidden_size / num_attention_heads; those keys are refused unless they change nothing.
+//  - partial_rotary_factor (Phi-4-mini: 0.75): read as later transformers' Phi3 does (4.45's
+//    rotates the whole head): the first int(head_dim x factor) dims rotate, longrope's factors
+//    have one entry per rotated pair (validate_rope); the rest pass.
+//  - no attention_bias or head_dim: the projections are sized hidden_size / num_attention_heads per
+//    head; those keys are refused unless they change nothing.
 //  - sliding_window (null = none): see ModelConfig::layer_window.
 void read_phi3(const Reader& r, ModelConfig& c) {
   const json& j = r.j;
@@ -322,10 +325,7 @@ void read_phi3(const Reader& r, ModelConfig& c) {
             ? r.f.integer(j["original_max_position_embeddings"], "original_max_position_embeddings", 1, kMaxPositions)
             : 4096;
   }
-  if (r.has("partial_rotary_factor") && r.get_double("partial_rotary_factor") != 1.0)
-    r.fail("partial_rotary_factor",
-           "transformers 4.45's phi3 does not implement it (it rotates the whole head: Phi-4-mini needs a later "
-           "transformers); not supported for phi3");
+  if (r.has("partial_rotary_factor")) c.partial_rotary_factor = r.get_double("partial_rotary_factor");
   if (r.has("attention_bias") && r.get_bool("attention_bias"))
     r.fail("attention_bias", "phi3 has no attention biases; true is not supported");
   if (r.has("head_dim") && !j["head_dim"].is_null() &&

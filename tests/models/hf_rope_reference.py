@@ -97,13 +97,35 @@ def phi3_window_mask(cfgd, toks):
     return mask[None, None].expand(B, 1, T, T)
 
 
+def phi3_partial_rotary(m):
+    """Phi-4-mini's partial_rotary_factor as later transformers' Phi3 computes it (4.45.2 rotates
+    the whole head): the rotary classes built over rot = int(head_dim x factor) dims (longrope's
+    factors one per rotated pair, its attention factor unchanged), applied by neox_partial_apply."""
+    ph = transformers.models.phi3.modeling_phi3
+    c = m.config
+    rot = int(c.hidden_size // c.num_attention_heads * c.partial_rotary_factor)
+    for layer in m.model.layers:
+        a = layer.self_attn
+        if c.rope_scaling is None:
+            a.rotary_emb = ph.Phi3RotaryEmbedding(rot, max_position_embeddings=c.max_position_embeddings,
+                                                  base=c.rope_theta)
+        else:
+            a.rotary_emb = ph.Phi3LongRoPEScaledRotaryEmbedding(rot, c)
+
+
 def model(d):
     cfgd = json.load(open(f"{d}/model/config.json"))
     if cfgd.get("partial_rotary_factor", 1.0) != 1.0:
         transformers.models.llama.modeling_llama.apply_rotary_pos_emb = neox_partial_apply
         transformers.models.qwen2.modeling_qwen2.apply_rotary_pos_emb = neox_partial_apply
+        transformers.models.phi3.modeling_phi3.apply_rotary_pos_emb = neox_partial_apply
+        # 4.45's Phi3Config wants head_dim / 2 longrope factors; later releases count the rotated
+        # pairs (lathe's validate_rope checks that count).
+        transformers.models.phi3.configuration_phi3.Phi3Config._rope_scaling_validation = lambda self: None
     m = transformers.AutoModelForCausalLM.from_pretrained(f"{d}/model", torch_dtype=torch.float32,
                                                          attn_implementation="eager")
+    if cfgd["model_type"] == "phi3" and cfgd.get("partial_rotary_factor", 1.0) != 1.0:
+        phi3_partial_rotary(m)
     out = load_file(f"{d}/outputs.safetensors")
     grads = load_file(f"{d}/grads.safetensors")
     toks, tgts = out["tokens"].long(), out["targets"].long()

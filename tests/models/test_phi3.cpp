@@ -67,6 +67,13 @@ json longrope(const char* type = "longrope") {
   return {{"type", type}, {"short_factor", {1.0, 1.25, 1.5, 2.0, 2.5}}, {"long_factor", {1.5, 3.0, 5.0, 8.0, 12.0}}};
 }
 
+// Phi-4-mini's partial rotary: 0.6 of head_dim 10 -> the first 6 dims rotate (3 frequencies).
+json partial(json j) {
+  j["partial_rotary_factor"] = 0.6;
+  return j;
+}
+json longrope3() { return {{"type", "longrope"}, {"short_factor", {1.0, 1.5, 2.0}}, {"long_factor", {2.0, 4.0, 9.0}}}; }
+
 struct Case {
   std::string name;
   ModelConfig cfg;
@@ -82,6 +89,8 @@ std::vector<Case> cases() {
       {"longrope_long", cfg(phi3_json(longrope("su"), nullptr)), 24},
       {"window", cfg(phi3_json(nullptr, 5)), 20},
       {"window_longrope", cfg(phi3_json(longrope(), 5)), 24},
+      {"partial", cfg(partial(phi3_json(nullptr, nullptr))), 20},
+      {"partial_longrope_long", cfg(partial(phi3_json(longrope3(), nullptr))), 24},
   };
 }
 
@@ -281,9 +290,9 @@ TEST(Phi3, RefusalsNameKeyAndFix) {
     edit(j);
     return error_of([&] { ModelConfig::from_hf_json(j, "config.json"); });
   };
-  std::string e = err([](json& j) { j["partial_rotary_factor"] = 0.75; });
-  EXPECT_NE(e.find("partial_rotary_factor"), std::string::npos) << e;
-  EXPECT_NE(e.find("not supported for phi3"), std::string::npos) << e;
+  // partial rotary: longrope's factors count the rotated pairs (0.6 x 10 -> 3), not the head's 5.
+  std::string e = err([](json& j) { j["partial_rotary_factor"] = 0.6; });
+  EXPECT_NE(e.find("short_factor has 5 entries"), std::string::npos) << e;
   e = err([](json& j) { j["rope_scaling"]["factor"] = 4.0; });
   EXPECT_NE(e.find("rope_scaling.factor: is not read by transformers 4.45's phi3"), std::string::npos) << e;
   e = err([](json& j) { j["rope_scaling"]["type"] = "linear"; });
