@@ -114,6 +114,11 @@ struct Ops {
   // out[N, C] += bias[C] (bias fp32): the bias of a row-parallel GEMM, added once after the
   // tensor-parallel reduction of the partial products (src/parallel/tensor_parallel.h).
   void (*bias_add)(void* out, const float* bias, int64_t N, int64_t C) = nullptr;
+  // x[n] = x[n] * s in place: the product in fp32, rounded once to the table's dtype (gemma2's
+  // embedding scale sqrt(hidden) and its gradient; the caller rounds s to the dtype as HF does).
+  void (*scale_forward)(void* x, float s, int64_t n) = nullptr;
+  // out[n] = offset + w[n] in fp32 (gemma2's (1 + w) RMSNorm weights, formed where w lives).
+  void (*offset_weights)(float* out, const float* w, float offset, int64_t n) = nullptr;
 
   // ---- rotary position embedding (tables fp32 [T, rot/2]) ---------------------------------------
   // rope_tables: inv_freq is host memory [half] (config/rope_scaling.h computes it; the CUDA slot
@@ -322,6 +327,8 @@ void for_each_op(const Ops& o, F&& f) {
   LATHE_OP(geglu_backward);
   LATHE_OP(residual_forward);
   LATHE_OP(bias_add);
+  LATHE_OP(scale_forward);
+  LATHE_OP(offset_weights);
   LATHE_OP(rope_tables);
   LATHE_OP(rope_forward);
   LATHE_OP(rope_backward);
@@ -334,7 +341,7 @@ void for_each_op(const Ops& o, F&& f) {
 #undef LATHE_OP
 }
 // A slot added to Ops but not to the list above would escape the completeness check of ops_for.
-static_assert(sizeof(Ops) == offsetof(Ops, matmul_forward) + 33 * sizeof(void (*)()),
+static_assert(sizeof(Ops) == offsetof(Ops, matmul_forward) + 35 * sizeof(void (*)()),
               "Ops gained or lost a slot: update for_each_op");
 
 }  // namespace lathe

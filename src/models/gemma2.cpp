@@ -6,9 +6,8 @@
 // from the config: scores scaled by 1/sqrt(query_pre_attn_scalar), attention and final logit
 // soft-capping (kernel arguments) and sliding windows on the even layers (ModelConfig::sliding_layers).
 //
-// Where this runs: host memory, one process or data / tensor / sequence / pipeline parallel ranks
-// (check_gemma2_support). The (1 + w) weights and the embedding scale are formed on the host; a
-// device-resident model is refused until they are done there.
+// Where this runs: any backend (the (1 + w) weights and the embedding scale are the ops table's
+// offset_weights and scale_forward), one process or data / tensor / sequence / pipeline parallel ranks.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -61,19 +60,12 @@ std::unique_ptr<Model> build_gemma2(const ModelConfig& cfg, const ComputeSpec& c
   return std::make_unique<Model>(cfg, arch, std::move(t), compute);
 }
 
-void Model::check_gemma2_support() const {
-  if (!arch_.sandwich_norm && arch_.norm_weight_offset == 0.0f && !arch_.embed_scale) return;
-  LATHE_CHECK(!on_device(),
-              "model: {} runs on host memory only for now (its (1 + w) norm weights and embedding scale are formed on "
-              "the host; the attention / lm-head soft caps and GeGLU have CUDA kernels); set device: cpu",
-              cfg_.model_type);
-}
-
 const float* Model::norm_weight(const float* w, int64_t n) {
   if (arch_.norm_weight_offset == 0.0f) return w;
-  norm_w_.resize(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) norm_w_[static_cast<size_t>(i)] = arch_.norm_weight_offset + w[i];
-  return norm_w_.data();
+  if (norm_w_.size() < static_cast<size_t>(n)) norm_w_.resize(*backend_, static_cast<size_t>(n), DType::F32);
+  auto* out = static_cast<float*>(norm_w_.data());
+  ops_->offset_weights(out, w, arch_.norm_weight_offset, n);  // where w lives (host or device)
+  return out;
 }
 
 void Model::post_norm_forward(void* out, const void* in, float* rstd, const float* w, const void* residual,
@@ -91,42 +83,26 @@ void Model::post_norm_backward(float* dw, const void* dout, const void* in, cons
 }
 
 // transformers: `normalizer = torch.tensor(hidden_size**0.5, dtype=hidden_states.dtype)`, then
-// hidden_states * normalizer in that dtype (one rounding of the product).
-void scale_by_sqrt_hidden(DType dt, int64_t hidden, void* x, int64_t n) {
+// hidden_states * normalizer in that dtype (one rounding of the product: the ops' scale_forward).
+float sqrt_hidden_in(DType dt, int64_t hidden) {
   const float root = static_cast<float>(std::sqrt(static_cast<double>(hidden)));
-  if (dt == DType::F32) {
-    auto* p = static_cast<float*>(x);
-    for (int64_t i = 0; i < n; ++i) p[i] *= root;
-    return;
-  }
+  if (dt == DType::F32) return root;
   LATHE_CHECK(dt == DType::BF16 || dt == DType::F16, "model: embedding scale in compute dtype {} is not implemented",
               compute_dtype_name(dt));
-  auto* p = static_cast<uint16_t*>(x);
-  auto to32 = [dt](float* d, const uint16_t* s, int64_t k) {
-    if (dt == DType::BF16)
-      cpu::Bf16::to_f32(d, s, k);
-    else
-      cpu::Fp16::to_f32(d, s, k);
-  };
-  auto from32 = [dt](uint16_t* d, const float* s, int64_t k) {
-    if (dt == DType::BF16)
-      cpu::Bf16::from_f32(d, s, k);
-    else
-      cpu::Fp16::from_f32(d, s, k);
-  };
   uint16_t s16 = 0;
   float s = 0.0f;
-  from32(&s16, &root, 1);  // the normalizer in the compute dtype
-  to32(&s, &s16, 1);
-  float buf[256];
-  for (int64_t i0 = 0; i0 < n; i0 += 256) {
-    const int64_t k = std::min<int64_t>(256, n - i0);
-    to32(buf, p + i0, k);
-    for (int64_t i = 0; i < k; ++i) buf[i] *= s;
-    from32(p + i0, buf, k);
+  if (dt == DType::BF16) {
+    cpu::Bf16::from_f32(&s16, &root, 1);
+    cpu::Bf16::to_f32(&s, &s16, 1);
+  } else {
+    cpu::Fp16::from_f32(&s16, &root, 1);
+    cpu::Fp16::to_f32(&s, &s16, 1);
   }
+  return s;
 }
 
-void Model::scale_by_normalizer(void* x, int64_t n) const { scale_by_sqrt_hidden(ops_->dtype, cfg_.hidden_size, x, n); }
+void Model::scale_by_normalizer(void* x, int64_t n) const {
+  ops_->scale_forward(x, sqrt_hidden_in(ops_->dtype, cfg_.hidden_size), n);
+}
 
 }  // namespace lathe

@@ -171,7 +171,7 @@ void decode_chunk(Model& model, KvCache& c, const int32_t* tokens, int64_t T, fl
   // nullptr: row t of the table passed; generation is one document, so no document positions).
   ops.embedding_forward(x, tokens, model.compute_weight(w.wte), w.wpe ? model.compute_weight(w.wpe + pos * C) : nullptr,
                         B, T, C, nullptr, 0, V);
-  if (arch.embed_scale) scale_by_sqrt_hidden(dt, C, x, N * C);  // gemma2, as Model::embedding_forward
+  if (arch.embed_scale) ops.scale_forward(x, sqrt_hidden_in(dt, C), N * C);  // gemma2, as Model::embedding_forward
   auto norm = [&](void* out, const void* in, const float* nw, const float* nb, int64_t rows) {
     if (arch.layernorm) {
       ops.layernorm_forward(out, mean, rstd, in, nw, nb, rows, C, eps);

@@ -351,12 +351,9 @@ class Model {
   // backward: d(in) into dln_ (overwritten) from dout (the residual stream's gradient, unchanged).
   void post_norm_forward(void* out, const void* in, float* rstd, const float* w, const void* residual, int64_t rows);
   void post_norm_backward(float* dw, const void* dout, const void* in, const float* w, const float* rstd, int64_t rows);
-  // Arch::embed_scale: rows [0, n) of x (compute dtype, host memory) times sqrt(hidden_size) rounded to
+  // Arch::embed_scale: rows [0, n) of x (compute dtype, backend memory) times sqrt(hidden_size) rounded to
   // the compute dtype: the embedding's forward and, on its gradient, its backward.
   void scale_by_normalizer(void* x, int64_t n) const;
-  // A gemma2 model runs where these are implemented: host memory (any data / tensor / sequence /
-  // pipeline layout). Throws naming what is missing otherwise (at construction and per pass).
-  void check_gemma2_support() const;
   // out[N, C] = in[N, K] @ w^T (+ bias): a GEMM whose input features may be split over
   // tensor-parallel ranks (reduce_from_tensor_region / reduce_scatter_to_sequence_region sum the
   // partial products before the bias).
@@ -464,7 +461,7 @@ class Model {
   // the row-parallel GEMMs' partial output, the gathered residual gradient); nullptr otherwise.
   void* gathered_ = nullptr;
   std::vector<float> norm_acc_;  // [2C] norm weight/bias gradients of one pass's rows (norm_backward)
-  std::vector<float> norm_w_;    // Arch::norm_weight_offset: offset + w of the norm being run
+  DeviceBuffer norm_w_;          // Arch::norm_weight_offset: offset + w of the norm being run (fp32)
   float *lnf_mean_ = nullptr, *lnf_rstd_ = nullptr, *losses_ = nullptr;
   void *dres_ = nullptr, *dln_ = nullptr, *dqkv_ = nullptr, *datt_ = nullptr, *dfc_ = nullptr, *dact_ = nullptr;
   void* scratch_ = nullptr;
@@ -512,8 +509,8 @@ std::unique_ptr<Model> build_gemma2(const ModelConfig& cfg, const ComputeSpec& c
 // softcap.cpp): logits[i] <- cap * tanh(logits[i] / cap), as the lm-head loss kernels compute it;
 // nothing when the config has no cap.
 void apply_final_softcap(const ModelConfig& cfg, float* logits, int64_t n);
-// Gemma 2's embedding scale (models/gemma2.cpp): x[0, n) in compute dtype dt (host memory) times
-// sqrt(hidden) rounded to dt, as transformers' normalizer; fp32, bf16 and fp16.
-void scale_by_sqrt_hidden(DType dt, int64_t hidden, void* x, int64_t n);
+// Gemma 2's embedding scale (models/gemma2.cpp): sqrt(hidden) rounded to the compute dtype dt, as
+// transformers' normalizer (fp32, bf16 and fp16); the ops' scale_forward multiplies by it.
+float sqrt_hidden_in(DType dt, int64_t hidden);
 
 }  // namespace lathe

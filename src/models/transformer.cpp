@@ -62,7 +62,6 @@ Model::Model(ModelConfig cfg, Arch arch, ParamTable table, ComputeSpec compute)
   grad_ranges_by_block_.clear();
   for (int64_t block = 0; block < L + 2; ++block)
     grad_ranges_by_block_.push_back(table_.ranges([&](const ParamSpec& s) { return block_of(s) == block; }));
-  check_gemma2_support();  // a device-resident model is refused here
 }
 
 std::vector<std::vector<std::pair<size_t, size_t>>> Model::param_ranges_by_block() const {
@@ -276,7 +275,6 @@ void Model::embedding_forward(const int32_t* tokens, int64_t B, int64_t T) {
   trace::Scope span("embedding forward", trace::Cat::Compute);
   LATHE_CHECK(B <= max_B_ && T <= max_T_, "batch {}x{} exceeds the allocated {}x{}", B, T, max_B_, max_T_);
   check_compute_weights();  // every pass starts here
-  check_gemma2_support();
   LATHE_DIMS;
   const int64_t V = global_vocab();
   for (int64_t i = 0; i < N; ++i)
@@ -301,7 +299,7 @@ void Model::embedding_forward(const int32_t* tokens, int64_t B, int64_t T) {
   const TpMappings& tp = hooks_.tp;
   if (!sp) {
     if (vp) tp.reduce_from_tensor_region_forward(emb_, N * C);
-    if (arch_.embed_scale) scale_by_normalizer(emb_, N * C);  // gemma2 (host, one process: check_gemma2_support)
+    if (arch_.embed_scale) scale_by_normalizer(emb_, N * C);  // gemma2
     return;
   }
   const int64_t pad = S * shard_.parts - N;
@@ -687,7 +685,7 @@ void Model::embedding_backward(const int32_t* tokens, int64_t B, int64_t T) {
   const VocabParallel* vp = vocab_parallel();
   const int64_t S = stream_rows(B, T, true), SC = S * cfg_.hidden_size;
   const TpMappings& tp = hooks_.tp;
-  // gemma2: the embedding was scaled by sqrt(hidden) (host memory: check_gemma2_support); so is its
+  // gemma2: the embedding was scaled by sqrt(hidden); so is its
   // gradient (this rank's rows, before they are gathered).
   if (arch_.embed_scale) scale_by_normalizer(dres_, SC);
   const void* dout = !seq_parallel() ? dres_

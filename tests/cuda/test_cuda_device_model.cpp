@@ -1,12 +1,12 @@
 // Device-resident models (device: cuda). Here, without a GPU: the CPU path's backend buffers are
 // its host buffers and the staging calls do nothing; the stand-in cuda backend has no step
 // kernels; device layouts the device path lacks are refused naming the key. On a GPU
-// (tests/cuda/run_on_gpu.sh runs tests/cuda/test_*): whole-model parity CUDA vs CPU for GPT-2 and Llama — fp32 loss and
-// gradients within 1e-5 relative (gradient: norm of the difference over the norm), bf16 within
-// 2e-2 (loss) / 5e-2 (gradients) of the CPU fp32 reference (bf16 rounding of activations and
-// weights, ~3 significant digits) — one AdamW step on the device vs optim/ on the CPU (1e-5
-// relative: a few ulp from FMA contraction), logits, and bit-identical repeats on the same GPU.
-// Without a GPU those cases are SKIPPED with the CUDA runtime's reason, never passed.
+// (tests/cuda/run_on_gpu.sh runs tests/cuda/test_*): whole-model parity CUDA vs CPU for GPT-2, Llama and Gemma 2 — fp32
+// loss and gradients within 1e-5 relative (gradient: norm of the difference over the norm), bf16 within 2e-2 (loss) /
+// 5e-2 (gradients) of the CPU fp32 reference (bf16 rounding of activations and weights, ~3 significant digits) — one
+// AdamW step on the device vs optim/ on the CPU (1e-5 relative: a few ulp from FMA contraction), logits, and
+// bit-identical repeats on the same GPU. Without a GPU those cases are SKIPPED with the CUDA runtime's reason, never
+// passed.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -186,6 +186,6 @@ TEST_P(DeviceParity, Bf16WithinStatedToleranceOfCpuFp32) {
   EXPECT_EQ(c.grads, b.grads);
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, DeviceParity, ::testing::Values("gpt2-debug", "llama-debug"));
+INSTANTIATE_TEST_SUITE_P(Families, DeviceParity, ::testing::Values("gpt2-debug", "llama-debug", "gemma2-debug"));
 
 }  // namespace

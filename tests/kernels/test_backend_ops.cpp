@@ -219,6 +219,11 @@ Ops make() {
     f32().bias_add(yv.data(), bias, N, C);
     out(y, yv);
   };
+  o.scale_forward = [](void* x, float sc, int64_t n) {
+    VecF xv = in(x, n);
+    f32().scale_forward(xv.data(), sc, n);
+    out(x, xv);
+  };
   // In place on rows of `stride` elements: widen the whole span the kernel touches (bf16 -> fp32
   // -> bf16 is exact for the columns it leaves alone).
   o.rope_forward = [](void* x, const float* cs, const float* sn, int64_t B, int64_t T, int64_t H, int64_t D,
@@ -656,6 +661,27 @@ void case_bias_add(const Target& t) {
     }
 }
 
+// In-place scale (gemma2's embedding x sqrt(hidden), rounded to the dtype by the caller) and the
+// fp32 norm weight offset (its 1 + w).
+void case_scale(const Target& t) {
+  for (int64_t n : {1, 3, 67, 100003}) {
+    Run r{t, "scale n=" + std::to_string(n)};
+    Rng rng(760 + n);
+    const VecF x = r.act_in(randn(n, rng, 3.0f));
+    const float sc = r.act_in(VecF{std::sqrt(48.0f)})[0];
+    VecD ref(n);
+    for (int64_t i = 0; i < n; ++i) ref[i] = static_cast<double>(x[i]) * sc;
+    auto dx = r.act(x, "x");
+    t.ops->scale_forward(dx->p(), sc, n);
+    r.check_elementwise(*dx, ref, "forward");
+    const VecF w = randn(n, rng);
+    auto dw = r.f32(w, "w"), dout = r.f32(VecF(n, kNaN), "out");
+    t.ops->offset_weights(dout->f(), dw->f(), 1.0f, n);
+    const VecF got = dout->down();
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(got[i], 1.0f + w[i]) << r.tag << " offset_weights element " << i;
+  }
+}
+
 void case_rope(const Target& t) {
   for (int64_t B : {1, 3})
     for (int64_t T : kOdd)
@@ -894,6 +920,7 @@ const std::vector<Case>& cases() {
       {"geglu", {"geglu_forward", "geglu_backward"}, case_geglu},
       {"residual", {"residual_forward"}, case_residual},
       {"bias_add", {"bias_add"}, case_bias_add},
+      {"scale", {"scale_forward", "offset_weights"}, case_scale},
       {"rope", {"rope_tables", "rope_forward", "rope_backward"}, case_rope},
       {"attention", {"attention_forward", "attention_backward", "attention_scratch_bytes"}, case_attention},
       {"documents",

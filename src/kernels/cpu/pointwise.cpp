@@ -1,4 +1,5 @@
-// Pointwise ops: GELU (tanh approximation; and exact, erf: gelu_erf_*), SwiGLU, residual add, bias add; one template
+// Pointwise ops: GELU (tanh approximation; and exact, erf: gelu_erf_*), SwiGLU, GeGLU, residual add, bias add, scale,
+// the norm weight offset; one template
 // per kernel for every storage type (kernels/cpu/storage.h): 16-bit blocks and rows are widened, the fp32 formula of
 // pointwise_math.h runs on them, the result is rounded once.
 //
@@ -84,6 +85,28 @@ void residual_forward_t(void* out_v, const void* a_v, const void* b_v, int64_t n
     for (int64_t i = 0; i < len; ++i) o[i] = x[i] + y[i];
     write_row<S>(out + i0, o, len);
   }
+}
+
+// x = x * s, rounded once (s already in the dtype's precision: the caller's).
+template <class S>
+void scale_forward_t(void* x_v, float s, int64_t n) {
+  auto* x = as<S>(x_v);
+  const int64_t nb = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t i0 = b * kBlock, len = std::min(kBlock, n - i0);
+    float xb[kStackBlock<S>];
+    float* row = update_row<S>(xb, x + i0, len);
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) row[i] *= s;
+    write_row<S>(x + i0, row, len);
+  }
+}
+
+// out = offset + w, fp32 in every table.
+void offset_weights_f32(float* out, const float* w, float offset, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = offset + w[i];
 }
 
 // out[N, C] += bias[C].
@@ -193,6 +216,8 @@ void add_pointwise(Ops& o) {
   o.geglu_backward = swiglu_backward_t<S, true>;
   o.residual_forward = residual_forward_t<S>;
   o.bias_add = bias_add_t<S>;
+  o.scale_forward = scale_forward_t<S>;
+  o.offset_weights = offset_weights_f32;
 }
 LATHE_CPU_ADD_SLOTS(add_pointwise)
 

@@ -50,7 +50,9 @@ Ops make_ops() {
   o.geglu_backward = geglu_backward<D>;
   o.residual_forward = residual_forward<D>;
   o.bias_add = bias_add<D>;
-  o.rope_tables = rope_tables;  // fp32 tables in every dtype
+  o.scale_forward = scale_forward<D>;
+  o.offset_weights = offset_weights;  // fp32 in every dtype
+  o.rope_tables = rope_tables;        // fp32 tables in every dtype
   o.rope_forward = rope_forward<D>;
   o.rope_backward = rope_backward<D>;
   o.attention_forward = attention_forward<D>;

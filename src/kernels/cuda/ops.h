@@ -97,6 +97,9 @@ template <DType D>
 void residual_forward(void* out, const void* a, const void* b, int64_t n);
 template <DType D>
 void bias_add(void* out, const float* bias, int64_t N, int64_t C);
+template <DType D>
+void scale_forward(void* x, float s, int64_t n);  // x *= s, one rounding (gemma2's embedding scale)
+void offset_weights(float* out, const float* w, float offset, int64_t n);  // fp32 offset + w (gemma2's 1 + w)
 
 // ---- rope.cu -------------------------------------------------------------------------------------
 // Tables computed on the device from a host inv_freq [half] with the CPU kernel's roundings (fp32

@@ -93,6 +93,14 @@ __global__ void bias_add_kernel(T* out, const float* bias, int64_t N, int64_t C)
   LATHE_GRID_LOOP(i, N * C) out[i] = from_f<T>(to_f(out[i]) + bias[i % C]);
 }
 
+template <class T>
+__global__ void scale_kernel(T* x, float s, int64_t n) {
+  LATHE_GRID_LOOP(i, n) x[i] = from_f<T>(to_f(x[i]) * s);
+}
+__global__ void offset_weights_kernel(float* out, const float* w, float offset, int64_t n) {
+  LATHE_GRID_LOOP(i, n) out[i] = offset + w[i];
+}
+
 template <DType D>
 using E = typename Elem<D>::T;
 
@@ -167,6 +175,18 @@ void bias_add(void* out, const float* bias, int64_t N, int64_t C) {
   LATHE_CUDA_LAUNCHED(bias_add_kernel);
 }
 
+template <DType D>
+void scale_forward(void* x, float s, int64_t n) {
+  if (n <= 0) return;
+  scale_kernel<<<blocks(n), kThreads, 0, stream()>>>(static_cast<E<D>*>(x), s, n);
+  LATHE_CUDA_LAUNCHED(scale_kernel);
+}
+void offset_weights(float* out, const float* w, float offset, int64_t n) {
+  if (n <= 0) return;
+  offset_weights_kernel<<<blocks(n), kThreads, 0, stream()>>>(out, w, offset, n);
+  LATHE_CUDA_LAUNCHED(offset_weights_kernel);
+}
+
 LATHE_CUDA_INSTANTIATE(gelu_forward, (void*, const void*, int64_t))
 LATHE_CUDA_INSTANTIATE(gelu_backward, (void*, const void*, const void*, int64_t))
 LATHE_CUDA_INSTANTIATE(gelu_erf_forward, (void*, const void*, int64_t))
@@ -177,5 +197,6 @@ LATHE_CUDA_INSTANTIATE(geglu_forward, (void*, const void*, int64_t, int64_t))
 LATHE_CUDA_INSTANTIATE(geglu_backward, (void*, const void*, const void*, int64_t, int64_t))
 LATHE_CUDA_INSTANTIATE(residual_forward, (void*, const void*, const void*, int64_t))
 LATHE_CUDA_INSTANTIATE(bias_add, (void*, const float*, int64_t, int64_t))
+LATHE_CUDA_INSTANTIATE(scale_forward, (void*, float, int64_t))
 
 }  // namespace lathe::cuda
