@@ -310,6 +310,10 @@ TEST(AttentionBlock, RejectsUnorderedPositionsAndBadDocuments) {
   EXPECT_THROW(lathe::cpu::attention_block_forward(a, out.data(), D, lse.data()), lathe::Error);
   a.q_pos = good.data(), a.q_doc = doc.data();
   EXPECT_THROW(lathe::cpu::attention_block_forward(a, out.data(), D, lse.data()), lathe::Error);
+  // document starts that decrease along the rows are no segmentation (each row sees one key run)
+  std::vector<int32_t> decreasing = {0, 0, 2, 1};
+  a.q_doc = decreasing.data();
+  EXPECT_THROW(lathe::cpu::attention_block_forward(a, out.data(), D, lse.data()), lathe::Error);
 }
 
 }  // namespace
