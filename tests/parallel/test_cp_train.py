@@ -10,7 +10,8 @@ after EOD), and bf16 / fp16. At context 2 the ring and the all-gather variants s
 order (a + b = b + a for the two ranks' dK/dV), so their runs are bit-identical. Also context 2 x
 data 2 with ZeRO 1, tensor 2 (+ sequence parallel) x context 2 and pipeline 2 x context 2 (4
 processes), context 4, full recompute, a context-2 checkpoint resumed in one
-process, and the refusals that name the keys.
+process and a one-process checkpoint resumed at context 2, `lathe checkpoint reshard --context` both ways
+(each resumed equal to the uninterrupted context-2 run), and the refusals that name the keys.
 Runs with 1 OpenMP thread per rank (the ranks share this machine's cores)."""
 import json
 import os
@@ -141,6 +142,43 @@ def main():
     w = worst_rel(got, want)
     check(p.returncode == 0 and w < 1e-5,
           f"resume at context 1 from a tensor=2 x context=2 checkpoint: {len(got)} losses within 1e-5 (worst {w:.1e})")
+    # ... and the other way: a one-process checkpoint resumed at context 2.
+    res12 = os.path.join(TMP, "ck_cp1")
+    p, _ = run(1, ["train", mpi_train.write_recipe(data, "llama-debug", res12, TRAINING, output__checkpoint_every=4),
+                   "--quiet", "--stop-after", "4"])
+    check(p.returncode == 0, "context=1 saves a checkpoint at step 4")
+    p, _ = run(2, ["train", mpi_train.write_recipe(data, "llama-debug", res12, TRAINING, parallel__context=2), "--quiet",
+                   "--resume", "auto"])
+    if p.returncode != 0:
+        print(p.stdout[-2000:], p.stderr[-2000:])
+    got = series(res12, "loss")[4:] if p.returncode == 0 else []
+    w = worst_rel(got, want)
+    check(p.returncode == 0 and w < 1e-5,
+          f"resume at context 2 from a one-process checkpoint (step 4): {len(got)} losses within 1e-5 of the "
+          f"uninterrupted context=2 run (worst {w:.1e})")
+    # lathe checkpoint reshard --context: from the context-2 checkpoint to context 1 (resumed in one
+    # process) and from the one-process checkpoint to context 2 (files of 2 writers, resumed at context 2).
+    for src, ctx, np_, name in ((res, 1, 1, "rs_to_cp1"), (res12, 2, 2, "rs_to_cp2")):
+        dst = os.path.join(TMP, name)
+        step = os.path.join(src, "checkpoints", "step_00000004")
+        p, _ = run(1, ["checkpoint", "reshard", step, "--to", dst, "--context", str(ctx)])
+        ok = p.returncode == 0 and (f"x context {ctx}" in p.stdout) == (ctx > 1)
+        if ctx > 1:
+            ok = ok and "x context 2 (ZeRO 0; 2 ranks)" in p.stdout and "of-00002" in p.stdout
+        check(ok, f"lathe checkpoint reshard --context {ctx} names the layout it writes")
+        if not ok:
+            print(p.stdout[-1500:], p.stderr[-1500:])
+        kw = {"parallel__context": ctx} if ctx > 1 else {}
+        p, _ = run(np_, ["train", mpi_train.write_recipe(data, "llama-debug", dst, TRAINING, **kw), "--quiet",
+                         "--resume", "auto"])
+        got = series(dst, "loss") if p.returncode == 0 else []
+        w = worst_rel(got, want)
+        check(p.returncode == 0 and w < 1e-5,
+              f"a checkpoint resharded to --context {ctx} resumes at context {ctx}: {len(got)} losses within 1e-5 "
+              f"of the uninterrupted context=2 run (worst {w:.1e})")
+    p, _ = run(1, ["checkpoint", "info", os.path.join(res, "checkpoints", "step_00000004")])
+    check(p.returncode == 0 and "data 1 x context 2 (ZeRO 0; 2 ranks)" in p.stdout,
+          "lathe checkpoint info names a context-2 checkpoint's layout")
     # context 2 x data 2, ZeRO 1 (4 processes) against one process with the same global batch.
     one = train(1, data, "llama-debug", "dp2_one", training__grad_accum_steps=4)
     both = train(4, data, "llama-debug", "cp2_dp2", parallel__context=2, parallel__zero=1)
