@@ -11,7 +11,8 @@ order (a + b = b + a for the two ranks' dK/dV), so their runs are bit-identical.
 data 2 with ZeRO 1, tensor 2 (+ sequence parallel) x context 2 and pipeline 2 x context 2 (4
 processes), context 4, full recompute, a context-2 checkpoint resumed in one
 process and a one-process checkpoint resumed at context 2, `lathe checkpoint reshard --context` both ways
-(each resumed equal to the uninterrupted context-2 run), and the refusals that name the keys.
+(each resumed equal to the uninterrupted context-2 run), `lathe plan` listing context degrees, and the
+refusals that name the keys.
 Runs with 1 OpenMP thread per rank (the ranks share this machine's cores)."""
 import json
 import os
@@ -197,12 +198,14 @@ def main():
     refused(2, ["parallel.context=2", "training.eval_tasks=tasks.jsonl"], ["training.eval_tasks", "not supported yet"],
             "context with training.eval_tasks (not yet)")
     refused(3, ["parallel.context=2"], ["parallel.context 2", "3 processes"], "3 processes at context 2")
-    # lathe plan does not model context parallelism: it says so instead of planning without it.
+    # lathe plan models context parallelism: context degrees listed, a rank's activations fall with them.
     p, _ = run(1, ["plan", mpi_train.write_recipe(data, "llama-debug", os.path.join(TMP, "plan"), TRAINING),
-                   "--world", "4", "--set", "parallel.context=2"])
-    text = p.stdout + p.stderr
-    check(p.returncode != 0 and "parallel.context = 2" in text and "does not model" in text,
-          "lathe plan refuses parallel.context > 1, naming it")
+                   "--world", "4", "--set", "parallel.context=2", "--json", "--peak-gflops", "10", "--link-gbps", "10"])
+    lay = json.loads(p.stdout)["layouts"] if p.returncode == 0 else []
+    act = {l["context"]: l["memory"]["activations"] for l in lay
+           if l["valid"] and l["data"] * l["context"] == 4 and l["zero"] == 0 and l["recompute"] == "none"}
+    check(p.returncode == 0 and sorted(act) == [1, 2, 4] and act[4] < act[2] < act[1],
+          f"lathe plan lists context 1, 2, 4 with per-rank activations falling ({act})")
     return 1 if failures else 0
 
 
