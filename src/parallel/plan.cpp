@@ -172,6 +172,45 @@ ContextCost context_cost(const Job& job, const Layout& l, double attn_flops, dou
   return x;
 }
 
+// Why the model or the sequence cannot take layout l ("" = they can): head, width and layer splits,
+// and what a run refuses with context parallelism (config/recipe.cpp).
+std::string shape_reject(const Job& job, const Layout& l) {
+  const ModelConfig& cfg = job.model;
+  const int64_t t = l.tensor, p = l.pipeline, c = l.context, B = job.micro_batch, T = job.seq_len;
+  const int64_t L = cfg.num_hidden_layers;
+  auto reject = [](std::string why) { return why; };
+  if (l.zero == 3 && (t > 1 || p > 1 || job.compute != DType::F32))
+    return reject("ZeRO 3 runs data parallelism alone in fp32 so far (tensor 1, pipeline 1)");
+  if (cfg.num_attention_heads % t)
+    return reject(fmt::format("tensor {} does not divide num_attention_heads {}", t, cfg.num_attention_heads));
+  if (cfg.num_key_value_heads % t)
+    return reject(fmt::format("tensor {} does not divide num_key_value_heads {}", t, cfg.num_key_value_heads));
+  if (cfg.intermediate_size % t)
+    return reject(fmt::format("tensor {} does not divide intermediate_size {}", t, cfg.intermediate_size));
+  if (cfg.vocab_size < t)  // uneven vocabulary shards are fine (parallel/tensor_parallel.h), empty ones are not
+    return reject(
+        fmt::format("tensor {} is more than vocab_size {} (vocab-parallel embedding and head)", t, cfg.vocab_size));
+  const int64_t v = l.virtual_stages, S = p * v;
+  if (L % p) return reject(fmt::format("pipeline {} does not divide num_hidden_layers {}", p, L));
+  if (v > 1 && L % S)
+    return reject(fmt::format("pipeline {} x virtual stages {} does not divide num_hidden_layers {}", p, v, L));
+  if (c > 1) {  // what a run refuses with context parallelism (config/recipe.cpp)
+    if (l.zero == 3) return reject(fmt::format("ZeRO 3 with context {}: runs refuse it (parallel.zero <= 2)", c));
+    if (T % (2 * c))
+      return reject(fmt::format("context {} does not split seq_len {} into 2 x {} equal chunks", c, T, c));
+    if (cfg.rope_scaling.type == "dynamic" || cfg.rope_scaling.type == "longrope")
+      return reject(fmt::format("context {}: RoPE scaling '{}' is not supported with context parallelism yet", c,
+                                cfg.rope_scaling.type));
+    if (l.sequence && (B * (T / c)) % t)
+      return reject(fmt::format("sequence parallel: tensor {} does not divide micro_batch_size {} x seq_len / "
+                                "context {} = {} rows",
+                                t, B, c, B * (T / c)));
+  } else if (l.sequence && T % t) {
+    return reject(fmt::format("sequence parallel: tensor {} does not divide seq_len {}", t, T));
+  }
+  return "";
+}
+
 }  // namespace
 
 struct ScheduleCache {
@@ -212,35 +251,8 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l, Schedule
     e.reject = std::move(why);
     return e;
   };
-  if (l.zero == 3 && (t > 1 || p > 1 || job.compute != DType::F32))
-    return reject("ZeRO 3 runs data parallelism alone in fp32 so far (tensor 1, pipeline 1)");
-  if (cfg.num_attention_heads % t)
-    return reject(fmt::format("tensor {} does not divide num_attention_heads {}", t, cfg.num_attention_heads));
-  if (cfg.num_key_value_heads % t)
-    return reject(fmt::format("tensor {} does not divide num_key_value_heads {}", t, cfg.num_key_value_heads));
-  if (cfg.intermediate_size % t)
-    return reject(fmt::format("tensor {} does not divide intermediate_size {}", t, cfg.intermediate_size));
-  if (cfg.vocab_size < t)  // uneven vocabulary shards are fine (parallel/tensor_parallel.h), empty ones are not
-    return reject(
-        fmt::format("tensor {} is more than vocab_size {} (vocab-parallel embedding and head)", t, cfg.vocab_size));
+  if (std::string why = shape_reject(job, l); !why.empty()) return reject(std::move(why));
   const int64_t v = l.virtual_stages, S = p * v;
-  if (L % p) return reject(fmt::format("pipeline {} does not divide num_hidden_layers {}", p, L));
-  if (v > 1 && L % S)
-    return reject(fmt::format("pipeline {} x virtual stages {} does not divide num_hidden_layers {}", p, v, L));
-  if (c > 1) {  // what a run refuses with context parallelism (config/recipe.cpp)
-    if (l.zero == 3) return reject(fmt::format("ZeRO 3 with context {}: runs refuse it (parallel.zero <= 2)", c));
-    if (T % (2 * c))
-      return reject(fmt::format("context {} does not split seq_len {} into 2 x {} equal chunks", c, T, c));
-    if (cfg.rope_scaling.type == "dynamic" || cfg.rope_scaling.type == "longrope")
-      return reject(fmt::format("context {}: RoPE scaling '{}' is not supported with context parallelism yet", c,
-                                cfg.rope_scaling.type));
-    if (l.sequence && (B * (T / c)) % t)
-      return reject(fmt::format("sequence parallel: tensor {} does not divide micro_batch_size {} x seq_len / "
-                                "context {} = {} rows",
-                                t, B, c, B * (T / c)));
-  } else if (l.sequence && T % t) {
-    return reject(fmt::format("sequence parallel: tensor {} does not divide seq_len {}", t, T));
-  }
   if (job.global_batch % (B * d))
     return reject(
         fmt::format("global batch {} is not a multiple of micro_batch_size {} x data {}", job.global_batch, B, d));

@@ -1,4 +1,4 @@
-// `lathe plan`: every data x tensor x pipeline layout of a job (with sequence parallel on/off, ZeRO
+// `lathe plan`: every data x context x tensor x pipeline layout of a job (with sequence parallel on/off, ZeRO
 // 0/1/2, recompute none/selective/full), its validity for the model (with the reason when not), the
 // memory each rank needs and a predicted step time, sorted by predicted tokens/s (issue 10).
 //
@@ -36,8 +36,17 @@
 // then the data-parallel gradient reduction (ring all-reduce, or reduce-scatter + all-gather with
 // ZeRO: the same 2 (d-1)/d of the fp32 gradient bytes), not overlapped. Ring collectives cost
 // 2 (n-1)/n x bytes / bandwidth (all-reduce) or (n-1)/n (all-gather, reduce-scatter), no latency
-// term. Ranks are ordered tensor fastest, then data, then pipeline: a group whose ranks all lie on
-// one node (gpus_per_node) uses the intra-node bandwidth, others the inter-node one.
+// term. Ranks are ordered tensor fastest, then context, then data, then pipeline: a group whose
+// ranks all lie on one node (gpus_per_node) uses the intra-node bandwidth, others the inter-node one.
+//
+// Context parallelism c (issue 27, parallel/context_parallel.h): a rank's passes hold T / c rows of
+// each sample (activations of T / c rows, RoPE tables of T; compute / c, the causal work being
+// load-balanced), ZeRO shards and the gradient reduction span data x context, and the comm buffers
+// add ContextAttention's (ring: 5 K|V blocks of the rank's rows; all-gather: 2 c). Each layer's
+// K/V exchange per micro-batch: the ring passes c - 1 blocks, each hidden behind one block's
+// attention up to its time, and sends dK/dV c hops after the blocks (not hidden); the all-gather's
+// all-gather (forward) and all-gather + reduce-scatter (backward) are not hidden. These seconds are
+// part of the stage costs the schedule simulates (cp_s: their sum per step).
 #pragma once
 #include <cstdint>
 #include <nlohmann/json.hpp>

@@ -153,15 +153,14 @@ TEST(PlanContext, RefusedLayoutsNamed) {
   r.model.rope_scaling.type = "dynamic";
   r.model.rope_scaling.factor = 2.0;
   EXPECT_NE(plan::estimate(r, machine(), ctx(2, 2)).reject.find("RoPE scaling 'dynamic'"), std::string::npos);
-  Layout sp = ctx(1, 2, 0, Recompute::None, 2);
+  // sequence parallel splits the rank's rows: micro_batch_size x seq_len / context over tensor
+  Layout sp = ctx(1, 2, 0, Recompute::None, 4);
   sp.sequence = true;
-  const Job odd = job_of("llama-debug", 4, 1, 4, 4);  // 1 x 4 / 2 = 2 rows over tensor 2: fine
-  EXPECT_EQ(plan::estimate(odd, machine(), sp).reject, "");
-  const Job bad = job_of("llama-debug", 4, 1, 4, 4);
-  Layout sp4 = ctx(1, 2, 0, Recompute::None, 2);
-  sp4.sequence = true;
-  sp4.context = 2;
-  EXPECT_EQ(plan::estimate(bad, machine(), sp4).reject, "");
+  const Job g8 = job_of("gpt2-debug", 8, 1, 4, 4);  // 4 heads; 1 x 4 / 2 = 2 rows over tensor 4
+  EXPECT_EQ(plan::estimate(g8, machine(), sp).reject,
+            "sequence parallel: tensor 4 does not divide micro_batch_size 1 x seq_len / context 2 = 2 rows");
+  const Job g8b = job_of("gpt2-debug", 8, 2, 8, 4);  // 2 x 8 / 2 = 8 rows: fine
+  EXPECT_EQ(plan::estimate(g8b, machine(), sp).reject, "");
 }
 
 TEST(PlanContext, EnumerateListsContextDegrees) {
