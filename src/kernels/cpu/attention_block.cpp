@@ -50,6 +50,10 @@ void check_block(const char* fn, const BlockAttention& a) {
               "{}: invalid shape B={} Tq={} Tk={} H={} KVH={} D={}", fn, a.B, a.Tq, a.Tk, a.H, a.KVH, a.D);
   LATHE_CHECK(a.H % a.KVH == 0, "{}: n_head {} is not a multiple of n_kv_head {}", fn, a.H, a.KVH);
   LATHE_CHECK(a.window >= 0, "{}: window = {} must be >= 0 (0 = no sliding window)", fn, a.window);
+  LATHE_CHECK(std::isfinite(a.scale) && a.scale >= 0.0f,
+              "{}: scale = {} must be finite and >= 0 (0 = 1/sqrt(head_dim))", fn, a.scale);
+  LATHE_CHECK(std::isfinite(a.softcap) && a.softcap >= 0.0f,
+              "{}: softcap = {} must be finite and >= 0 (0 = no capping)", fn, a.softcap);
   LATHE_CHECK((a.Tq == 0 || a.q_pos) && (a.Tk == 0 || a.k_pos), "{}: q_pos and k_pos are required", fn);
   for (int64_t i = 1; i < a.Tq; ++i)
     LATHE_CHECK(a.q_pos[i] > a.q_pos[i - 1], "{}: q_pos[{}] = {} after {}: positions must increase", fn, i,
@@ -141,6 +145,11 @@ void band_gemm(Shape shape, const Band& bd, int64_t M, int64_t N, int64_t K, flo
   if (j < N) tiles::tail_cols(M, j, N, K, alpha, A, a_rs, a_cs, B, ldb, accumulate, C, ldc);
 }
 
+// The score scale of a block: a.scale, or 1/sqrt(D) (0).
+float score_scale(const BlockAttention& a) {
+  return a.scale > 0.0f ? a.scale : 1.0f / std::sqrt(static_cast<float>(a.D));
+}
+
 int64_t block_rows(const BlockAttention& a) { return a.q_doc || a.window > 0 ? kDocRows : kRows; }
 
 // Per-thread scratch floats (see the file comment) and its allocation for every thread.
@@ -162,7 +171,7 @@ void transpose_padded(float* x, const float* src, const BlockAttention& a, int64
 // One (batch row, query head) of the forward (S: this thread's scratch).
 void forward_head(const BlockAttention& a, int64_t b, int64_t h, float* out, int64_t ldo, float* lse, float* S) {
   const int64_t D = a.D, g = h / (a.H / a.KVH), tkp = round16(a.Tk), br = block_rows(a);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const float scale = score_scale(a), cap = a.softcap;
   float* Kt = S + 2 * br * tkp + br;  // [D, Tk16]
   float* Vc = Kt + 2 * D * tkp;       // [Tk, D]
   const float* q = a.q + b * a.Tq * a.ldq + h * D;
@@ -190,6 +199,8 @@ void forward_head(const BlockAttention& a, int64_t b, int64_t h, float* out, int
         l[i0 + r] = kNegInf;
         continue;
       }
+      if (cap > 0.0f)  // as transformers' Gemma2Attention: a division, tanh, a product
+        for (int64_t j = lo; j < hi; ++j) s[j] = cap * std::tanh(s[j] / cap);
       const float mx = vec::row_max(s + lo, hi - lo);
       const float sum = static_cast<float>(vec::exp_shift_sum(s + lo, hi - lo, mx));
       vec::scale(s + lo, hi - lo, 1.0f / sum);
@@ -203,6 +214,36 @@ void forward_head(const BlockAttention& a, int64_t b, int64_t h, float* out, int
   g_block_fwd.fetch_add(tiles, std::memory_order_relaxed);
 }
 
+// dQ[i0:] += dS K[k0:],  dK[k0:] += dS^T Q[i0:] for one band (dq, dk: its first rows; Kc: [Tk, D]).
+void grads_from_ds(const BlockAttention& a, const Band& bd, const float* dS, const float* Kc, const float* qb,
+                   float* dq, int64_t lddq, float* dk, int64_t lddk) {
+  band_gemm(Shape::kRowsKeys, bd, bd.nr, a.D, bd.w, 1.0f, dS, bd.wp, 1, Kc + bd.k0 * a.D, a.D, true, dq, lddq);
+  band_gemm(Shape::kKeysRows, bd, bd.w, a.D, bd.nr, 1.0f, dS, 1, bd.wp, qb, a.ldq, true, dk, lddk);
+}
+
+// Soft-capped backward of one band: P holds the scaled raw scores s, dS holds dP = dO V^T; per
+// visible key t = tanh(s / cap), P <- exp(cap t - lse), dS <- P (dP - Di) (1 - t^2) scale, the rest
+// zero (as attention.cpp's capped path). l, o, dob: the band's first rows.
+void capped_probs(const BlockAttention& a, const Band& bd, float* P, float* dS, const float* l, const float* o,
+                  const float* dob, int64_t ldo, float scale) {
+  const float cap = a.softcap;
+  for (int64_t r = 0; r < bd.nr; ++r) {
+    float* p = P + r * bd.wp;
+    float* dsr = dS + r * bd.wp;
+    const int64_t lo = bd.lo[r], hi = l[r] == kNegInf ? lo : bd.hi[r];
+    float di = 0.0f;
+    for (int64_t d = 0; d < a.D; ++d) di += o[r * ldo + d] * dob[r * ldo + d];
+    for (int64_t j = lo; j < hi; ++j) {
+      const float t = std::tanh(p[j] / cap);
+      const float pj = vec::exp1(cap * t - l[r]);
+      p[j] = pj;
+      dsr[j] = pj * (dsr[j] - di) * (1.0f - t * t) * scale;
+    }
+    std::fill(p, p + lo, 0.0f), std::fill(dsr, dsr + lo, 0.0f);
+    std::fill(p + hi, p + bd.wp, 0.0f), std::fill(dsr + hi, dsr + bd.wp, 0.0f);
+  }
+}
+
 // The views of one backward task: the final out, dout (stride ldo), lse and the gradients.
 struct Grads {
   const float *out, *dout, *lse;
@@ -214,7 +255,7 @@ struct Grads {
 // Batch row b, kv head g and every query head of its group (one backward task; P: scratch).
 void backward_group(const BlockAttention& a, int64_t b, int64_t g, const Grads& gr, float* P) {
   const int64_t D = a.D, rep = a.H / a.KVH, tkp = round16(a.Tk), br = block_rows(a);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const float scale = score_scale(a);
   float* dS = P + br * tkp;    // [Br, Tk16]
   float* Di = dS + br * tkp;   // [Br]
   float* Kt = Di + br;         // [D, Tk16]
@@ -240,6 +281,14 @@ void backward_group(const BlockAttention& a, int64_t b, int64_t g, const Grads& 
       const float* dob = dO + i0 * gr.ldo;
       // P = exp(scale * Q K^T - lse) over each row's run, zero elsewhere
       band_gemm(Shape::kScores, bd, bd.nr, bd.wp, D, scale, qb, a.ldq, 1, Kt + bd.k0, tkp, false, P, bd.wp);
+      if (a.softcap > 0.0f) {  // dP first, then P and dS together from the raw scores
+        band_gemm(Shape::kScores, bd, bd.nr, bd.wp, D, 1.0f, dob, gr.ldo, 1, Vt + bd.k0, tkp, false, dS, bd.wp);
+        capped_probs(a, bd, P, dS, l + i0, o + i0 * gr.ldo, dob, gr.ldo, scale);
+        band_gemm(Shape::kKeysRows, bd, bd.w, D, bd.nr, 1.0f, P, 1, bd.wp, dob, gr.ldo, true, dv + bd.k0 * gr.lddv,
+                  gr.lddv);
+        grads_from_ds(a, bd, dS, Kc, qb, dq + i0 * gr.lddq, gr.lddq, dk + bd.k0 * gr.lddk, gr.lddk);
+        continue;
+      }
       for (int64_t r = 0; r < bd.nr; ++r) {
         float* p = P + r * bd.wp;
         const float li = l[i0 + r];
@@ -270,11 +319,7 @@ void backward_group(const BlockAttention& a, int64_t b, int64_t g, const Grads& 
         for (int64_t j = lo; j < hi; ++j) dsr[j] = p[j] * (dsr[j] - di) * scale;
         std::fill(dsr + hi, dsr + bd.wp, 0.0f);
       }
-      // dQ[i0:] += dS K[k0:],  dK[k0:] += dS^T Q[i0:]
-      band_gemm(Shape::kRowsKeys, bd, bd.nr, D, bd.w, 1.0f, dS, bd.wp, 1, Kc + bd.k0 * D, D, true,
-                dq + i0 * gr.lddq, gr.lddq);
-      band_gemm(Shape::kKeysRows, bd, bd.w, D, bd.nr, 1.0f, dS, 1, bd.wp, qb, a.ldq, true, dk + bd.k0 * gr.lddk,
-                gr.lddk);
+      grads_from_ds(a, bd, dS, Kc, qb, dq + i0 * gr.lddq, gr.lddq, dk + bd.k0 * gr.lddk, gr.lddk);
     }
   }
   g_block_bwd.fetch_add(tiles, std::memory_order_relaxed);
