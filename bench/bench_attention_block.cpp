@@ -62,8 +62,8 @@ void bench(int64_t T, int64_t H, int64_t D, int iters) {
   const double bbwd = time_ms(
       [&] {
         std::fill(dqkv.data(), dqkv.data() + dqkv.size(), 0.0f);
-        cpu::attention_block_backward(a, out.data(), dout.data(), ldo, lse.data(), dqkv.data(), ld,
-                                      dqkv.data() + H * D, ld, dqkv.data() + (H + KVH) * D, ld);
+        cpu::attention_block_backward(a, out.data(), dout.data(), ldo, lse.data(), dqkv.data(), ld, dqkv.data() + H * D,
+                                      ld, dqkv.data() + (H + KVH) * D, ld);
       },
       iters);
   std::printf(

@@ -172,8 +172,8 @@ int run_plan(int argc, char** argv) {
   fmt::print(
       "{:>3} {:>4} {:>6} {:>4} {:>2} {:>3} {:>3} {:>4} {:>9} {:>5}  {:>8} {:>8} {:>13} {:>6} {:>8} {:>4}  {:>9} {:>10} "
       "{:>5} {:>7} {:>5}\n",
-      "#", "data", "tensor", "pipe", "vp", "ctx", "sp", "zero", "recompute", "mb", "par+grad", "moments", "activ.(held)",
-      "comm", "total", "fits", "step s", "tokens/s", "MFU%", "bubble%", "comm%");
+      "#", "data", "tensor", "pipe", "vp", "ctx", "sp", "zero", "recompute", "mb", "par+grad", "moments",
+      "activ.(held)", "comm", "total", "fits", "step s", "tokens/s", "MFU%", "bubble%", "comm%");
   int64_t shown = 0, valid = 0;
   for (const auto& e : all) {
     if (!e.reject.empty()) continue;

@@ -262,10 +262,10 @@ void attach_context_parallel(Model& m, dist::Communicator& group, ContextImpl im
   shard.context_T = T;
   m.set_tensor_shard(shard);
   const ModelConfig& c = m.config();
-  auto ca = std::make_shared<ContextAttention>(
-      group, impl,
-      ContextAttentionShape{B, T, c.num_attention_heads, c.num_key_value_heads, c.head_dim(), c.attention_scale(),
-                            c.attn_softcap()});
+  auto ca =
+      std::make_shared<ContextAttention>(group, impl,
+                                         ContextAttentionShape{B, T, c.num_attention_heads, c.num_key_value_heads,
+                                                               c.head_dim(), c.attention_scale(), c.attn_softcap()});
   const DType dt = m.compute_dtype();
   if (dt == DType::BF16) return attach_half<cpu::Bf16>(m, ca, B, T / group.size());
   if (dt == DType::F16) return attach_half<cpu::Fp16>(m, ca, B, T / group.size());

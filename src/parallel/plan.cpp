@@ -119,9 +119,9 @@ Sched run_schedule_uncached(const pipeline::Spec& spec, const pipeline::Costs& c
 // One rank's K|V rows of one micro-batch (fp32, the rank's kv heads): what a ring step passes on.
 int64_t context_kv_bytes(const Job& job, const Layout& l) {
   const ModelConfig& cfg = job.model;
-  return checked_product({job.micro_batch, job.seq_len / l.context, 2 * cfg.num_key_value_heads / l.tensor,
-                          cfg.head_dim(), 4},
-                         "plan: context K/V bytes");
+  return checked_product(
+      {job.micro_batch, job.seq_len / l.context, 2 * cfg.num_key_value_heads / l.tensor, cfg.head_dim(), 4},
+      "plan: context K/V bytes");
 }
 
 // ContextAttention's buffers (allocated once per rank): ring: its K|V, the next one, two travelling
@@ -131,8 +131,7 @@ int64_t context_buffers(const Job& job, const Layout& l) {
   if (l.context <= 1) return 0;
   const ModelConfig& cfg = job.model;
   const int64_t kv = context_kv_bytes(job, l), rows = job.micro_batch * (job.seq_len / l.context);
-  const int64_t H = cfg.num_attention_heads / l.tensor, KVH = cfg.num_key_value_heads / l.tensor,
-                D = cfg.head_dim();
+  const int64_t H = cfg.num_attention_heads / l.tensor, KVH = cfg.num_key_value_heads / l.tensor, D = cfg.head_dim();
   int64_t n = job.context_allgather ? 2 * l.context * kv : 5 * kv;
   n += rows * H * (D + 1) * 4;
   if (job.compute != DType::F32) n += 2 * rows * (H + 2 * KVH) * D * 4 + 2 * rows * H * D * 4;
@@ -202,9 +201,10 @@ std::string shape_reject(const Job& job, const Layout& l) {
       return reject(fmt::format("context {}: RoPE scaling '{}' is not supported with context parallelism yet", c,
                                 cfg.rope_scaling.type));
     if (l.sequence && (B * (T / c)) % t)
-      return reject(fmt::format("sequence parallel: tensor {} does not divide micro_batch_size {} x seq_len / "
-                                "context {} = {} rows",
-                                t, B, c, B * (T / c)));
+      return reject(
+          fmt::format("sequence parallel: tensor {} does not divide micro_batch_size {} x seq_len / "
+                      "context {} = {} rows",
+                      t, B, c, B * (T / c)));
   } else if (l.sequence && T % t) {
     return reject(fmt::format("sequence parallel: tensor {} does not divide seq_len {}", t, T));
   }
@@ -385,8 +385,8 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l, Schedule
       6.0 * static_cast<double>(ps.layer) +
       12.0 * static_cast<double>(cfg.attention_width()) * cfg.attention_keys_over_layers(T) / static_cast<double>(L);
   const double rest_flops = flops_per_token(cfg, T) - static_cast<double>(L) * per_layer_flops;  // head, embedding
-  const ContextCost cx = context_cost(job, l, per_layer_flops - 6.0 * static_cast<double>(ps.layer), tokens_mb / t / peak,
-                                      bw(t * c));
+  const ContextCost cx =
+      context_cost(job, l, per_layer_flops - 6.0 * static_cast<double>(ps.layer), tokens_mb / t / peak, bw(t * c));
   e.cp_bytes_fwd = cx.bytes_fwd;
   e.cp_bytes_bwd = cx.bytes_bwd;
   pipeline::Costs costs;
@@ -491,7 +491,7 @@ nlohmann::json to_json(const Estimate& e) {
                  {"comm", e.memory.comm},
                  {"total", e.memory.total()}};
   j["fits"] = e.fits;
-  j["time"] = {{"compute_s", e.compute_s},   {"tp_s", e.tp_s},     {"pp_s", e.pp_s},    {"dp_s", e.dp_s},
+  j["time"] = {{"compute_s", e.compute_s},   {"tp_s", e.tp_s},     {"pp_s", e.pp_s},     {"dp_s", e.dp_s},
                {"pipeline_s", e.pipeline_s}, {"step_s", e.step_s}, {"bubble", e.bubble}, {"cp_s", e.cp_s}};
   if (e.layout.context > 1) j["context_bytes_per_layer"] = {{"forward", e.cp_bytes_fwd}, {"backward", e.cp_bytes_bwd}};
   j["tokens_per_s"] = e.tokens_per_s;

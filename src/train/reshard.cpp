@@ -285,10 +285,10 @@ void validate_layout(const ModelConfig& cfg, const CheckpointLayout& to) {
               "--zero 2 or less",
               to.context);
   // Each degree is at most 2^20: the product of two fits in int64, checked before the next.
-  LATHE_CHECK(to.tensor * to.pipeline <= kMaxRanks && to.tensor * to.pipeline * to.data <= kMaxRanks &&
-                  to.world() <= kMaxRanks,
-              "--tensor {} x --pipeline {} x --data {} x --context {} is more than {} ranks", to.tensor, to.pipeline,
-              to.data, to.context, kMaxRanks);
+  LATHE_CHECK(
+      to.tensor * to.pipeline <= kMaxRanks && to.tensor * to.pipeline * to.data <= kMaxRanks && to.world() <= kMaxRanks,
+      "--tensor {} x --pipeline {} x --data {} x --context {} is more than {} ranks", to.tensor, to.pipeline, to.data,
+      to.context, kMaxRanks);
   if (to.tensor > 1) {
     try {
       parallel::shard_config(cfg, static_cast<int>(to.tensor));

@@ -117,7 +117,7 @@ TEST(PlanContext, RingAndAllGatherBytesPerLayer) {
       Layout l = ctx(2, c, 0, Recompute::None, t);
       const Estimate ring = plan::estimate(j, machine(), l);
       ASSERT_TRUE(ring.reject.empty()) << ring.reject;
-      EXPECT_EQ(ring.cp_bytes_fwd, (c - 1) * kv);  // K/V passed on c - 1 times
+      EXPECT_EQ(ring.cp_bytes_fwd, (c - 1) * kv);           // K/V passed on c - 1 times
       EXPECT_EQ(ring.cp_bytes_bwd, (c - 1) * kv + c * kv);  // again, and dK/dV c hops home
       j.context_allgather = true;
       const Estimate ag = plan::estimate(j, machine(), l);
@@ -146,9 +146,11 @@ TEST(PlanContext, GradientsReducedOverDataTimesContext) {
 
 TEST(PlanContext, RefusedLayoutsNamed) {
   const Job j = job_of("llama-debug", 4, 1, 60, 4);
-  EXPECT_EQ(plan::estimate(j, machine(), ctx(1, 4)).reject, "context 4 does not split seq_len 60 into 2 x 4 equal chunks");
+  EXPECT_EQ(plan::estimate(j, machine(), ctx(1, 4)).reject,
+            "context 4 does not split seq_len 60 into 2 x 4 equal chunks");
   const Job k = job_of("llama-debug", 4, 1, 64, 4);
-  EXPECT_EQ(plan::estimate(k, machine(), ctx(2, 2, 3)).reject, "ZeRO 3 with context 2: runs refuse it (parallel.zero <= 2)");
+  EXPECT_EQ(plan::estimate(k, machine(), ctx(2, 2, 3)).reject,
+            "ZeRO 3 with context 2: runs refuse it (parallel.zero <= 2)");
   Job r = k;
   r.model.rope_scaling.type = "dynamic";
   r.model.rope_scaling.factor = 2.0;

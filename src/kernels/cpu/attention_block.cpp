@@ -114,8 +114,8 @@ struct Band {
 //   kKeysRows (M = keys, k = rows, A = P^T or dS^T): A(c, r) == 0 unless lo[r] <= c < hi[r]: the
 //     sum of key rows [c, c + mr) runs over the query rows whose run meets them.
 enum class Shape { kScores, kRowsKeys, kKeysRows };
-void band_gemm(Shape shape, const Band& bd, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
-               int64_t a_rs, int64_t a_cs, const float* B, int64_t ldb, bool accumulate, float* C, int64_t ldc) {
+void band_gemm(Shape shape, const Band& bd, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t a_rs,
+               int64_t a_cs, const float* B, int64_t ldb, bool accumulate, float* C, int64_t ldc) {
   const int32_t *lo = bd.lo, *hi = bd.hi;
   auto k_range = [&](int64_t i, int64_t mr) -> std::pair<int64_t, int64_t> {
     if (shape == Shape::kRowsKeys) return {lo[i], std::max<int64_t>(lo[i], hi[i + mr - 1])};
@@ -135,8 +135,8 @@ void band_gemm(Shape shape, const Band& bd, int64_t M, int64_t N, int64_t K, flo
     for (int64_t i = i_begin; i < i_end; i += tiles::kMR) {
       const int64_t mr = std::min(tiles::kMR, i_end - i);
       const auto [k0, k1] = k_range(i, mr);
-      tiles::micro_rows<NV>(mr, k1 - k0, alpha, A + i * a_rs + k0 * a_cs, a_rs, a_cs, B + k0 * ldb + j, ldb,
-                            accumulate, C + i * ldc + j, ldc);
+      tiles::micro_rows<NV>(mr, k1 - k0, alpha, A + i * a_rs + k0 * a_cs, a_rs, a_cs, B + k0 * ldb + j, ldb, accumulate,
+                            C + i * ldc + j, ldc);
     }
   };
   int64_t j = 0;
@@ -189,8 +189,7 @@ void forward_head(const BlockAttention& a, int64_t b, int64_t h, float* out, int
     }
     tiles += bd.tiles();
     // S = scale * Q K[k0:]^T, then each row's softmax over its run (zero elsewhere)
-    band_gemm(Shape::kScores, bd, bd.nr, bd.wp, D, scale, q + i0 * a.ldq, a.ldq, 1, Kt + bd.k0, tkp, false, S,
-              bd.wp);
+    band_gemm(Shape::kScores, bd, bd.nr, bd.wp, D, scale, q + i0 * a.ldq, a.ldq, 1, Kt + bd.k0, tkp, false, S, bd.wp);
     for (int64_t r = 0; r < bd.nr; ++r) {
       float* s = S + r * bd.wp;
       const int64_t lo = bd.lo[r], hi = bd.hi[r];
@@ -256,11 +255,11 @@ struct Grads {
 void backward_group(const BlockAttention& a, int64_t b, int64_t g, const Grads& gr, float* P) {
   const int64_t D = a.D, rep = a.H / a.KVH, tkp = round16(a.Tk), br = block_rows(a);
   const float scale = score_scale(a);
-  float* dS = P + br * tkp;    // [Br, Tk16]
-  float* Di = dS + br * tkp;   // [Br]
-  float* Kt = Di + br;         // [D, Tk16]
-  float* Vt = Kt + D * tkp;    // [D, Tk16]
-  float* Kc = Vt + D * tkp;    // [Tk, D]
+  float* dS = P + br * tkp;   // [Br, Tk16]
+  float* Di = dS + br * tkp;  // [Br]
+  float* Kt = Di + br;        // [D, Tk16]
+  float* Vt = Kt + D * tkp;   // [D, Tk16]
+  float* Kc = Vt + D * tkp;   // [Tk, D]
   transpose_padded(Kt, a.k + b * a.Tk * a.ldk + g * D, a, a.ldk);
   transpose_padded(Vt, a.v + b * a.Tk * a.ldv + g * D, a, a.ldv);
   tiles::pack_head(Kc, a.k + b * a.Tk * a.ldk + g * D, a.Tk, D, a.ldk);

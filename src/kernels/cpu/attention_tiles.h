@@ -20,7 +20,7 @@ namespace lathe::cpu::tiles {
 
 using vec::vf;
 constexpr int kColsBig = vec::kW == 16 ? 64 : 16;  // columns of the wide block (a multiple of 16)
-constexpr int64_t kMR = 6;                          // rows of one micro tile
+constexpr int64_t kMR = 6;                         // rows of one micro tile
 
 template <int MR, int NV>
 inline void micro(int64_t K, float alpha, const float* A, int64_t a_rs, int64_t a_cs, const float* B, int64_t ldb,
