@@ -180,6 +180,26 @@ def main():
     p, _ = run(1, ["checkpoint", "info", os.path.join(res, "checkpoints", "step_00000004")])
     check(p.returncode == 0 and "data 1 x context 2 (ZeRO 0; 2 ranks)" in p.stdout,
           "lathe checkpoint info names a context-2 checkpoint's layout")
+    # training.eval_tasks under context 2: the context ranks share the items (scored by a plain copy of
+    # the whole model); the counts equal one process's at every scoring.
+    tasks = os.path.join(TMP, "tasks.jsonl")
+    with open(tasks, "w") as f:
+        for i in range(9):  # odd: the two context ranks score 5 and 4 items
+            k = i % 4 + 1
+            ctx = [(3 * i + j) * k % 96 for j in range(5 + 3 * i)]  # some longer than seq_len 32: cut
+            right = [(3 * i + len(ctx) + j) * k % 96 for j in range(3)]
+            endings = [[(i + 7) % 96, 11], right, [(5 * i) % 96]]
+            f.write(json.dumps({"context_ids": ctx, "ending_ids": endings, "label": 1}) + "\n")
+    kw = {"training__eval_tasks": tasks, "training__eval_tasks_interval": 4}
+    t_one = train(1, data, "llama-debug", "tasks_one", **kw)
+    t_cp = train(2, data, "llama-debug", "tasks_cp2", parallel__context=2, **kw)
+
+    def tasks_of(out):
+        return [(r["step"], r["tasks_items"], r["tasks_acc"], r["tasks_acc_norm"]) for r in records(out)
+                if "tasks_acc" in r]
+    got, ref = tasks_of(t_cp), tasks_of(t_one)
+    check(len(ref) == 2 and all(r[1] == 9 for r in ref) and got == ref,
+          f"training.eval_tasks at context 2: every scoring equals one process's ({got} vs {ref})")
     # context 2 x data 2, ZeRO 1 (4 processes) against one process with the same global batch.
     one = train(1, data, "llama-debug", "dp2_one", training__grad_accum_steps=4)
     both = train(4, data, "llama-debug", "cp2_dp2", parallel__context=2, parallel__zero=1)
@@ -195,8 +215,9 @@ def main():
         if p.returncode == 0 or not all(n in text for n in needles):
             print(text[-1500:])
     refused(1, ["parallel.context=3"], ["parallel.context", "32", "multiple of 6"], "seq_len not divisible by 2 x context")
-    refused(2, ["parallel.context=2", "training.eval_tasks=tasks.jsonl"], ["training.eval_tasks", "not supported yet"],
-            "context with training.eval_tasks (not yet)")
+    refused(4, ["parallel.context=2", "parallel.tensor=2", "training.eval_tasks=tasks.jsonl"],
+            ["training.eval_tasks", "parallel.tensor = 2", "not supported yet"],
+            "context x tensor with training.eval_tasks (not yet)")
     refused(3, ["parallel.context=2"], ["parallel.context 2", "3 processes"], "3 processes at context 2")
     # lathe plan models context parallelism: context degrees listed, a rank's activations fall with them.
     p, _ = run(1, ["plan", mpi_train.write_recipe(data, "llama-debug", os.path.join(TMP, "plan"), TRAINING),
