@@ -11,8 +11,8 @@ order (a + b = b + a for the two ranks' dK/dV), so their runs are bit-identical.
 data 2 with ZeRO 1, tensor 2 (+ sequence parallel) x context 2 and pipeline 2 x context 2 (4
 processes), context 4, full recompute, a context-2 checkpoint resumed in one
 process and a one-process checkpoint resumed at context 2, `lathe checkpoint reshard --context` both ways
-(each resumed equal to the uninterrupted context-2 run), `lathe plan` listing context degrees, and the
-refusals that name the keys.
+(each resumed equal to the uninterrupted context-2 run), training.eval_tasks at context 2 equal to one
+process's, `lathe plan` listing context degrees, and the refusals that name the keys.
 Runs with 1 OpenMP thread per rank (the ranks share this machine's cores)."""
 import json
 import os
