@@ -1,4 +1,5 @@
 // lathe checkpoint reshard SRC_STEP_DIR --to DST_RUN_DIR [--tensor T] [--pipeline P] [--data D] [--zero Z]
+//                          [--context C]
 //   Rewrites a checkpoint as a run of another parallel layout would have saved it
 //   (DST_RUN_DIR/checkpoints/step_XXXXXXXX + latest, atomic; train/reshard.h). Degrees not given
 //   keep the source's. Resume it with `lathe train RECIPE --set output.dir=DST_RUN_DIR --resume auto`
@@ -24,13 +25,14 @@ namespace {
 void usage() {
   std::fprintf(stderr,
                "usage: lathe checkpoint reshard SRC_STEP_DIR --to DST_RUN_DIR [--tensor T] [--pipeline P] [--data D] "
-               "[--zero Z]\n"
+               "[--zero Z] [--context C]\n"
                "       lathe checkpoint info CHECKPOINT_DIR [--verify] [--json]\n");
 }
 
 std::string layout_str(const CheckpointLayout& l) {
-  return fmt::format("tensor {} x pipeline {} x data {} (ZeRO {}; {} rank{})", l.tensor, l.pipeline, l.data, l.zero,
-                     l.world(), l.world() == 1 ? "" : "s");
+  return fmt::format("tensor {} x pipeline {} x data {}{} (ZeRO {}; {} rank{})", l.tensor, l.pipeline, l.data,
+                     l.context > 1 ? fmt::format(" x context {}", l.context) : std::string(), l.zero, l.world(),
+                     l.world() == 1 ? "" : "s");
 }
 
 // "a, b, c" for a few files; the first and last two with a count for many (a --data 1000 layout
@@ -45,13 +47,14 @@ int run_reshard(int argc, char** argv) {
   CLI::App app{"Rewrite a checkpoint for another parallel layout (tensor x pipeline x data, ZeRO stage)",
                "lathe checkpoint reshard"};
   std::string src, dst;
-  int64_t tensor = 0, pipeline = 0, data = 0, zero = -1;
+  int64_t tensor = 0, pipeline = 0, data = 0, zero = -1, context = 0;
   app.add_option("src", src, "checkpoint directory (RUN/checkpoints/step_XXXXXXXX)")->required();
   app.add_option("--to", dst, "output run directory: the checkpoint goes to DST/checkpoints/step_XXXXXXXX")->required();
   app.add_option("--tensor", tensor, "tensor-parallel degree (default: the source's)");
   app.add_option("--pipeline", pipeline, "pipeline-parallel degree (default: the source's)");
   app.add_option("--data", data, "data-parallel degree (default: the source's)");
   app.add_option("--zero", zero, "ZeRO stage 0, 1 or 2 (default: the source's)");
+  app.add_option("--context", context, "context-parallel degree (default: the source's)");
   LATHE_CLI_PARSE(app, argc, argv);
   const CheckpointLayout from = checkpoint_layout(read_checkpoint_state(src));
   CheckpointLayout to = from;
@@ -60,6 +63,7 @@ int run_reshard(int argc, char** argv) {
   if (app.count("--pipeline")) to.pipeline = pipeline;
   if (app.count("--data")) to.data = data;
   if (app.count("--zero")) to.zero = zero;
+  if (app.count("--context")) to.context = context;
   StopSignalGuard stop;  // SIGINT/SIGTERM: stop at a safe point, remove what this run began
   const ReshardResult r = reshard_checkpoint(src, dst, to);
   fmt::print("resharded {}\n  from {}\n  to   {}\nwrote {} ({:.1f} MB: {})\n", src, layout_str(r.from),
@@ -96,7 +100,8 @@ int run_info(int argc, char** argv) {
         {"dir", dir},
         {"step", st.step},
         {"consumed_samples", st.consumed_samples},
-        {"layout", {{"tensor", l.tensor}, {"pipeline", l.pipeline}, {"data", l.data}, {"zero", l.zero}}},
+        {"layout",
+         {{"tensor", l.tensor}, {"pipeline", l.pipeline}, {"data", l.data}, {"zero", l.zero}, {"context", l.context}}},
         {"writers", st.world_size},
         {"parameters", params},
         {"optimizer", st.optimizer},

@@ -1,6 +1,6 @@
 // lathe plan RECIPE --world N [--memory-gb G] [--peak-gflops F] [--link-gbps B] [--intra-gbps B]
 //            [--gpus-per-node K] [--global-batch S] [--top K] [--json] [--set key=value ...]:
-// every data x tensor x pipeline layout of an N-process job (sequence parallel, ZeRO 0/1/2,
+// every data x context x tensor x pipeline layout of an N-process job (sequence parallel, ZeRO 0/1/2,
 // recompute none/selective/full), the memory per rank and a predicted step time
 // (parallel/plan.h), sorted by predicted tokens/s; layouts the model cannot take are listed with
 // the reason. Without --peak-gflops / --link-gbps the figures are measured on this machine (a GEMM
@@ -80,14 +80,8 @@ int run_plan(int argc, char** argv) {
   }
 
   lathe::Recipe r = lathe::load_recipe(path, sets);
-  // The planner enumerates data x tensor x pipeline layouts only: a recipe asking for context
-  // parallelism is told so rather than planned as if it had none (issue 27).
-  if (r.parallel.context > 1)
-    lathe::throw_error(
-        "{}: parallel.context = {}: lathe plan does not model context parallelism yet; plan the layout with "
-        "--set parallel.context=1 (context divides each rank's activations by about the context degree)",
-        path, r.parallel.context);
   lathe::plan::Job job;
+  job.context_allgather = r.parallel.context_impl == "allgather";
   job.model = r.model;
   job.world = world;
   job.micro_batch = r.training.micro_batch_size;
@@ -172,14 +166,14 @@ int run_plan(int argc, char** argv) {
       "schedule 1F1B (vp > 1: interleaved 1F1B); memory per rank in {} (its heaviest pipeline stage): fp32 parameters "
       "+ gradients (+ "
       "compute-dtype weight copies), AdamW moments, activations (micro-batches held), comm buffers (messages, "
-      "reduction staging); comm% = "
-      "tensor + pipeline + data-parallel time over the step (not overlapped)\n\n",
+      "reduction staging, context K/V buffers); comm% = "
+      "tensor + pipeline + data-parallel time + the context exchange compute does not hide, over the step\n\n",
       in_gb ? "GB" : "MB");
   fmt::print(
-      "{:>3} {:>4} {:>6} {:>4} {:>2} {:>3} {:>4} {:>9} {:>5}  {:>8} {:>8} {:>13} {:>6} {:>8} {:>4}  {:>9} {:>10} {:>5} "
-      "{:>7} {:>5}\n",
-      "#", "data", "tensor", "pipe", "vp", "sp", "zero", "recompute", "mb", "par+grad", "moments", "activ.(held)",
-      "comm", "total", "fits", "step s", "tokens/s", "MFU%", "bubble%", "comm%");
+      "{:>3} {:>4} {:>6} {:>4} {:>2} {:>3} {:>3} {:>4} {:>9} {:>5}  {:>8} {:>8} {:>13} {:>6} {:>8} {:>4}  {:>9} {:>10} "
+      "{:>5} {:>7} {:>5}\n",
+      "#", "data", "tensor", "pipe", "vp", "ctx", "sp", "zero", "recompute", "mb", "par+grad", "moments",
+      "activ.(held)", "comm", "total", "fits", "step s", "tokens/s", "MFU%", "bubble%", "comm%");
   int64_t shown = 0, valid = 0;
   for (const auto& e : all) {
     if (!e.reject.empty()) continue;
@@ -187,12 +181,12 @@ int run_plan(int argc, char** argv) {
     if (top > 0 && shown >= top) continue;
     ++shown;
     const auto& l = e.layout;
-    const double comm = e.step_s > 0 ? (e.tp_s + e.pp_s + e.dp_s) / e.step_s : 0;
+    const double comm = e.step_s > 0 ? (e.tp_s + e.pp_s + e.dp_s + e.cp_s) / e.step_s : 0;
     fmt::print(
-        "{:>3} {:>4} {:>6} {:>4} {:>2} {:>3} {:>4} {:>9} {:>5}  {:>8} {:>8} {:>13} {:>6} {:>8} {:>4}  {:>9.4g} "
+        "{:>3} {:>4} {:>6} {:>4} {:>2} {:>3} {:>3} {:>4} {:>9} {:>5}  {:>8} {:>8} {:>13} {:>6} {:>8} {:>4}  {:>9.4g} "
         "{:>10.0f} "
         "{:>5.1f} {:>7.1f} {:>5.1f}\n",
-        shown, l.data, l.tensor, l.pipeline, l.virtual_stages, l.sequence ? "on" : "-", l.zero,
+        shown, l.data, l.tensor, l.pipeline, l.virtual_stages, l.context, l.sequence ? "on" : "-", l.zero,
         lathe::recompute_name(l.recompute), e.micro_batches,
         gb(e.memory.params + e.memory.grads + e.memory.compute_weights), gb(e.memory.moments),
         fmt::format("{} ({})", gb(e.memory.activations), e.memory.in_flight), gb(e.memory.comm), gb(e.memory.total()),

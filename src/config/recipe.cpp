@@ -398,7 +398,9 @@ class Parser {
                        what, p.context));
     };
     not_yet(r.device == "cpu", "device", fmt::format("device: {}", r.device));
-    not_yet(t.eval_tasks.empty(), "training.eval_tasks", "training.eval_tasks");
+    not_yet(t.eval_tasks.empty() || (p.tensor <= 1 && p.pipeline <= 1), "training.eval_tasks",
+            fmt::format("training.eval_tasks with parallel.tensor = {} and parallel.pipeline = {}", p.tensor,
+                        p.pipeline));
     not_yet(r.model.rope_scaling.type != "dynamic" && r.model.rope_scaling.type != "longrope", "model.rope_scaling",
             fmt::format("RoPE scaling '{}' (its tables depend on the pass length)", r.model.rope_scaling.type));
     // A watchdog below 1 s aborts the first all-reduce of any real job (1e-300 passed before);

@@ -103,10 +103,6 @@ void Model::check_context_attention() const {
               "parallel.context: RoPE scaling '{}' depends on the pass length and is not supported with context "
               "parallelism yet; use parallel.context: 1",
               cfg_.rope_scaling.type);
-  LATHE_CHECK(cfg_.attention_scale() == 0.0f && cfg_.attn_softcap() == 0.0f,
-              "parallel.context: {} has query_pre_attn_scalar / attn_logit_softcapping, which the context-parallel "
-              "attention does not apply yet; use parallel.context: 1",
-              cfg_.model_type);
   LATHE_CHECK(!arch_.learned_pos || shard_.context_T <= cfg_.max_position_embeddings,
               "parallel.context: the sequence of {} tokens exceeds the learned position table of {} rows",
               shard_.context_T, cfg_.max_position_embeddings);

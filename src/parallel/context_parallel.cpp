@@ -102,6 +102,7 @@ cpu::BlockAttention ContextAttention::block(const Call& c, const float* qkv, con
   a.k = kv, a.v = kv + s_.KVH * s_.D, a.ldk = a.ldv = 2 * s_.KVH * s_.D;
   a.q_pos = rows_[static_cast<size_t>(rank_)].data(), a.k_pos = rows_[static_cast<size_t>(src)].data();
   a.q_doc = c.q_doc, a.window = c.window;
+  a.scale = s_.scale, a.softcap = s_.softcap;
   return a;
 }
 
@@ -261,8 +262,10 @@ void attach_context_parallel(Model& m, dist::Communicator& group, ContextImpl im
   shard.context_T = T;
   m.set_tensor_shard(shard);
   const ModelConfig& c = m.config();
-  auto ca = std::make_shared<ContextAttention>(
-      group, impl, ContextAttentionShape{B, T, c.num_attention_heads, c.num_key_value_heads, c.head_dim()});
+  auto ca =
+      std::make_shared<ContextAttention>(group, impl,
+                                         ContextAttentionShape{B, T, c.num_attention_heads, c.num_key_value_heads,
+                                                               c.head_dim(), c.attention_scale(), c.attn_softcap()});
   const DType dt = m.compute_dtype();
   if (dt == DType::BF16) return attach_half<cpu::Bf16>(m, ca, B, T / group.size());
   if (dt == DType::F16) return attach_half<cpu::Fp16>(m, ca, B, T / group.size());

@@ -54,6 +54,7 @@ std::vector<int32_t> context_rows(int64_t T, int N, int r);
 
 struct ContextAttentionShape {
   int64_t B = 0, T = 0, H = 0, KVH = 0, D = 0;  // B: the largest micro-batch; T: the whole sequence
+  float scale = 0.0f, softcap = 0.0f;           // Gemma 2's score scale and soft cap (0 = none)
 };
 
 // Attention over one context group. Collective: every rank of `group` calls forward / backward in

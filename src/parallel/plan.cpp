@@ -19,9 +19,10 @@
 namespace lathe::plan {
 
 std::string Layout::name() const {
-  return fmt::format("data {} x tensor {} x pipeline {}{}{}, ZeRO {}, recompute {}", data, tensor, pipeline,
+  return fmt::format("data {} x tensor {} x pipeline {}{}{}{}, ZeRO {}, recompute {}", data, tensor, pipeline,
                      virtual_stages > 1 ? fmt::format(" (virtual {})", virtual_stages) : std::string(),
-                     sequence ? " +sp" : "", zero, recompute_name(recompute));
+                     context > 1 ? fmt::format(" x context {}", context) : std::string(), sequence ? " +sp" : "", zero,
+                     recompute_name(recompute));
 }
 
 double flops_per_token(const ModelConfig& cfg, int64_t T) {
@@ -114,6 +115,102 @@ Sched run_schedule_uncached(const pipeline::Spec& spec, const pipeline::Costs& c
   return out;
 }
 
+// ---- context parallelism (issue 27; parallel/context_parallel.h) ----------------------------
+// One rank's K|V rows of one micro-batch (fp32, the rank's kv heads): what a ring step passes on.
+int64_t context_kv_bytes(const Job& job, const Layout& l) {
+  const ModelConfig& cfg = job.model;
+  return checked_product(
+      {job.micro_batch, job.seq_len / l.context, 2 * cfg.num_key_value_heads / l.tensor, cfg.head_dim(), 4},
+      "plan: context K/V bytes");
+}
+
+// ContextAttention's buffers (allocated once per rank): ring: its K|V, the next one, two travelling
+// dK|dV and one block's contribution; all-gather: every rank's K|V and dK|dV; both one block's out
+// and lse; a 16-bit compute dtype adds the widened qkv, dqkv, out and dout of the rank's rows.
+int64_t context_buffers(const Job& job, const Layout& l) {
+  if (l.context <= 1) return 0;
+  const ModelConfig& cfg = job.model;
+  const int64_t kv = context_kv_bytes(job, l), rows = job.micro_batch * (job.seq_len / l.context);
+  const int64_t H = cfg.num_attention_heads / l.tensor, KVH = cfg.num_key_value_heads / l.tensor, D = cfg.head_dim();
+  int64_t n = job.context_allgather ? 2 * l.context * kv : 5 * kv;
+  n += rows * H * (D + 1) * 4;
+  if (job.compute != DType::F32) n += 2 * rows * (H + 2 * KVH) * D * 4 + 2 * rows * H * D * 4;
+  return n;
+}
+
+// Per layer and micro-batch: the bytes a rank sends and the seconds of exchange the attention
+// compute does not hide. attn_flops: attention FLOPs per token and layer (forward + backward, the
+// 12 (H D) keys term); s_per_flop_row: seconds per FLOP of one of the rank's rows (rows / tensor /
+// peak). The ring sends its K/V c - 1 times, each transfer overlapped with one block's attention
+// (1/c of the layer's): exposed max(0, transfer - block); its backward sends K/V the same way and
+// then dK/dV c times after each block, not overlapped. The all-gather sends the same c - 1 blocks
+// in one collective before the attention (not overlapped), backward an all-gather and a
+// reduce-scatter of as many bytes.
+struct ContextCost {
+  int64_t bytes_fwd = 0, bytes_bwd = 0;
+  double fwd_s = 0, bwd_s = 0;
+};
+ContextCost context_cost(const Job& job, const Layout& l, double attn_flops, double s_per_flop_row,
+                         double bytes_per_s) {
+  ContextCost x;
+  const int64_t c = l.context;
+  if (c <= 1) return x;
+  const int64_t kv = context_kv_bytes(job, l);
+  const double hop = static_cast<double>(kv) / bytes_per_s;
+  const double block_fwd = attn_flops / 3 * s_per_flop_row / static_cast<double>(c), block_bwd = 2 * block_fwd;
+  x.bytes_fwd = (c - 1) * kv;
+  if (job.context_allgather) {
+    x.bytes_bwd = 2 * (c - 1) * kv;
+    x.fwd_s = static_cast<double>(c - 1) * hop;
+    x.bwd_s = 2 * x.fwd_s;
+  } else {
+    x.bytes_bwd = (2 * c - 1) * kv;
+    x.fwd_s = static_cast<double>(c - 1) * std::max(0.0, hop - block_fwd);
+    x.bwd_s = static_cast<double>(c - 1) * std::max(0.0, hop - block_bwd) + static_cast<double>(c) * hop;
+  }
+  return x;
+}
+
+// Why the model or the sequence cannot take layout l ("" = they can): head, width and layer splits,
+// and what a run refuses with context parallelism (config/recipe.cpp).
+std::string shape_reject(const Job& job, const Layout& l) {
+  const ModelConfig& cfg = job.model;
+  const int64_t t = l.tensor, p = l.pipeline, c = l.context, B = job.micro_batch, T = job.seq_len;
+  const int64_t L = cfg.num_hidden_layers;
+  auto reject = [](std::string why) { return why; };
+  if (l.zero == 3 && (t > 1 || p > 1 || job.compute != DType::F32))
+    return reject("ZeRO 3 runs data parallelism alone in fp32 so far (tensor 1, pipeline 1)");
+  if (cfg.num_attention_heads % t)
+    return reject(fmt::format("tensor {} does not divide num_attention_heads {}", t, cfg.num_attention_heads));
+  if (cfg.num_key_value_heads % t)
+    return reject(fmt::format("tensor {} does not divide num_key_value_heads {}", t, cfg.num_key_value_heads));
+  if (cfg.intermediate_size % t)
+    return reject(fmt::format("tensor {} does not divide intermediate_size {}", t, cfg.intermediate_size));
+  if (cfg.vocab_size < t)  // uneven vocabulary shards are fine (parallel/tensor_parallel.h), empty ones are not
+    return reject(
+        fmt::format("tensor {} is more than vocab_size {} (vocab-parallel embedding and head)", t, cfg.vocab_size));
+  const int64_t v = l.virtual_stages, S = p * v;
+  if (L % p) return reject(fmt::format("pipeline {} does not divide num_hidden_layers {}", p, L));
+  if (v > 1 && L % S)
+    return reject(fmt::format("pipeline {} x virtual stages {} does not divide num_hidden_layers {}", p, v, L));
+  if (c > 1) {  // what a run refuses with context parallelism (config/recipe.cpp)
+    if (l.zero == 3) return reject(fmt::format("ZeRO 3 with context {}: runs refuse it (parallel.zero <= 2)", c));
+    if (T % (2 * c))
+      return reject(fmt::format("context {} does not split seq_len {} into 2 x {} equal chunks", c, T, c));
+    if (cfg.rope_scaling.type == "dynamic" || cfg.rope_scaling.type == "longrope")
+      return reject(fmt::format("context {}: RoPE scaling '{}' is not supported with context parallelism yet", c,
+                                cfg.rope_scaling.type));
+    if (l.sequence && (B * (T / c)) % t)
+      return reject(
+          fmt::format("sequence parallel: tensor {} does not divide micro_batch_size {} x seq_len / "
+                      "context {} = {} rows",
+                      t, B, c, B * (T / c)));
+  } else if (l.sequence && T % t) {
+    return reject(fmt::format("sequence parallel: tensor {} does not divide seq_len {}", t, T));
+  }
+  return "";
+}
+
 }  // namespace
 
 struct ScheduleCache {
@@ -147,29 +244,15 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l, Schedule
   const ModelConfig& cfg = job.model;
   Estimate e;
   e.layout = l;
-  const int64_t t = l.tensor, p = l.pipeline, d = l.data, B = job.micro_batch, T = job.seq_len;
+  const int64_t t = l.tensor, p = l.pipeline, d = l.data, c = l.context, B = job.micro_batch, T = job.seq_len;
   const int64_t L = cfg.num_hidden_layers, C = cfg.hidden_size;
-  LATHE_CHECK(t * p * d == job.world, "internal: layout {} for world {}", l.name(), job.world);
+  LATHE_CHECK(c >= 1 && t * p * d * c == job.world, "internal: layout {} for world {}", l.name(), job.world);
   auto reject = [&](std::string why) {
     e.reject = std::move(why);
     return e;
   };
-  if (l.zero == 3 && (t > 1 || p > 1 || job.compute != DType::F32))
-    return reject("ZeRO 3 runs data parallelism alone in fp32 so far (tensor 1, pipeline 1)");
-  if (cfg.num_attention_heads % t)
-    return reject(fmt::format("tensor {} does not divide num_attention_heads {}", t, cfg.num_attention_heads));
-  if (cfg.num_key_value_heads % t)
-    return reject(fmt::format("tensor {} does not divide num_key_value_heads {}", t, cfg.num_key_value_heads));
-  if (cfg.intermediate_size % t)
-    return reject(fmt::format("tensor {} does not divide intermediate_size {}", t, cfg.intermediate_size));
-  if (cfg.vocab_size < t)  // uneven vocabulary shards are fine (parallel/tensor_parallel.h), empty ones are not
-    return reject(
-        fmt::format("tensor {} is more than vocab_size {} (vocab-parallel embedding and head)", t, cfg.vocab_size));
+  if (std::string why = shape_reject(job, l); !why.empty()) return reject(std::move(why));
   const int64_t v = l.virtual_stages, S = p * v;
-  if (L % p) return reject(fmt::format("pipeline {} does not divide num_hidden_layers {}", p, L));
-  if (v > 1 && L % S)
-    return reject(fmt::format("pipeline {} x virtual stages {} does not divide num_hidden_layers {}", p, v, L));
-  if (l.sequence && T % t) return reject(fmt::format("sequence parallel: tensor {} does not divide seq_len {}", t, T));
   if (job.global_batch % (B * d))
     return reject(
         fmt::format("global batch {} is not a multiple of micro_batch_size {} x data {}", job.global_batch, B, d));
@@ -203,7 +286,13 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l, Schedule
   // rank's V / t columns, as the rank model's arena does (parallel/tensor_parallel.h).
   ModelConfig act_cfg = cfg;
   act_cfg.vocab_size = ceil_div(cfg.vocab_size, t);
-  const ActivationPlan ap = Model::plan_activations(act_cfg, B, T, ComputeSpec{nullptr, job.compute}, l.recompute);
+  // Context parallelism: each rank's passes hold T / c rows of every sample (its RoPE tables cover
+  // the T positions, TensorShard::context_T, as preflight counts them).
+  const int64_t Tr = T / c;
+  TensorShard act_shard;
+  if (c > 1) act_shard.context_T = T;
+  const ActivationPlan ap =
+      Model::plan_activations(act_cfg, B, Tr, ComputeSpec{nullptr, job.compute}, l.recompute, act_shard);
   std::vector<int64_t> first(static_cast<size_t>(S)), rank_layers(static_cast<size_t>(p), 0);
   for (int64_t k = 0, acc = 0; k < S; acc += e.stage_layers[static_cast<size_t>(k)], ++k) {
     first[static_cast<size_t>(k)] = acc;
@@ -243,7 +332,7 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l, Schedule
   // the data-parallel gradient buckets (parallel.bucket_mb, 25 MB by default) and the tensor
   // all-reduces of one activation can run at once (two progress threads); a tied embedding's
   // gradient sum between the first and last stage runs alone, after the schedule.
-  const int64_t act_bytes_mb = checked_product({B, T, C, act_size}, what);
+  const int64_t act_bytes_mb = checked_product({B, Tr, C, act_size}, what);
   auto staging = [](int64_t x) {
     constexpr auto cap = static_cast<int64_t>(dist::Communicator::kReduceStagingBytes);
     return x <= cap / 2 ? x : cap;
@@ -252,9 +341,10 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l, Schedule
   int64_t reductions = t > 1 ? staging(act_bytes_mb) : 0;
   if (p > 1 && cfg.tie_word_embeddings) reductions = std::max(reductions, staging(4 * ceil_div(ps.wte, t)));
   comm = checked_add(comm, reductions, what);
+  comm = checked_add(comm, context_buffers(job, l), what);
   const int64_t layer_params = ps.layer_repl + ceil_div(ps.layer - ps.layer_repl, t);
   std::vector<int64_t> rank_params(static_cast<size_t>(p));
-  const int64_t moment_shards = l.zero > 0 ? d : 1;
+  const int64_t moment_shards = l.zero > 0 ? d * c : 1;  // ZeRO shards over data x context
   for (int64_t r = 0; r < p; ++r) {
     const auto ru = static_cast<size_t>(r);
     int64_t n = checked_mul(layer_params, rank_layers[ru], what);
@@ -273,7 +363,7 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l, Schedule
                                               checked_mul(input_acts[ru], mem.in_flight, what), what),
                                   once_acts[ru], what);
     // A gradient bucket is at most the rank's gradient buffer.
-    mem.comm = d > 1 ? checked_add(comm, staging(std::min(int64_t{25} << 20, mem.grads)), what) : comm;
+    mem.comm = d * c > 1 ? checked_add(comm, staging(std::min(int64_t{25} << 20, mem.grads)), what) : comm;
     if (l.zero == 3) {  // the weights and gradients sharded too, plus the blocks gathered (prefetch 1)
       MemoryEstimate z;
       z.num_params = n;
@@ -288,15 +378,20 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l, Schedule
   // ---- step time ----
   auto bw = [&](int64_t span) { return (span <= mach.gpus_per_node ? mach.intra_gbps : mach.inter_gbps) * 1e9 / 8; };
   const double peak = mach.peak_gflops * 1e9;
-  const double tokens_mb = static_cast<double>(B * T);
+  const double tokens_mb = static_cast<double>(B * Tr);  // this rank's rows of a micro-batch
   const double act_bytes = tokens_mb * static_cast<double>(C * act_size);
   const double tp_ar = ring(t, act_bytes, bw(t), true);
   const double per_layer_flops =
       6.0 * static_cast<double>(ps.layer) +
       12.0 * static_cast<double>(cfg.attention_width()) * cfg.attention_keys_over_layers(T) / static_cast<double>(L);
   const double rest_flops = flops_per_token(cfg, T) - static_cast<double>(L) * per_layer_flops;  // head, embedding
+  const ContextCost cx =
+      context_cost(job, l, per_layer_flops - 6.0 * static_cast<double>(ps.layer), tokens_mb / t / peak, bw(t * c));
+  e.cp_bytes_fwd = cx.bytes_fwd;
+  e.cp_bytes_bwd = cx.bytes_bwd;
   pipeline::Costs costs;
-  std::vector<double> compute_rank(static_cast<size_t>(p), 0), tp_rank(static_cast<size_t>(p), 0);
+  std::vector<double> compute_rank(static_cast<size_t>(p), 0), tp_rank(static_cast<size_t>(p), 0),
+      cp_rank(static_cast<size_t>(p), 0);
   for (int64_t k = 0; k < S; ++k) {
     const double layers = static_cast<double>(e.stage_layers[static_cast<size_t>(k)]);
     double fwd_flops = layers * per_layer_flops / 3;
@@ -309,21 +404,26 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l, Schedule
     // few doubles per row, left out.
     if (k == 0) tp_f += tp_ar;
     if (k == S - 1) tp_b += tp_ar;
-    costs.forward_per_stage.push_back(fwd + tp_f);
-    costs.backward_per_stage.push_back(2 * fwd + recompute + tp_b);
+    // The context group's exchange of each layer (again in the backward under full recompute).
+    const double cp_f = layers * cx.fwd_s, cp_b = layers * (cx.bwd_s + (l.recompute == Recompute::Full ? cx.fwd_s : 0));
+    costs.forward_per_stage.push_back(fwd + tp_f + cp_f);
+    costs.backward_per_stage.push_back(2 * fwd + recompute + tp_b + cp_b);
     compute_rank[static_cast<size_t>(k % p)] += static_cast<double>(m) * (3 * fwd + recompute);
     tp_rank[static_cast<size_t>(k % p)] += static_cast<double>(m) * (tp_f + tp_b);
+    cp_rank[static_cast<size_t>(k % p)] += static_cast<double>(m) * (cp_f + cp_b);
   }
   costs.p2p = p > 1 ? act_bytes / (l.sequence ? t : 1) / bw(job.world) : 0;
   const Sched sim = run_schedule(spec, costs, job.sim_limit, cache);
   e.compute_s = *std::max_element(compute_rank.begin(), compute_rank.end());
   e.tp_s = *std::max_element(tp_rank.begin(), tp_rank.end());
+  e.cp_s = *std::max_element(cp_rank.begin(), cp_rank.end());
   e.pp_s = p > 1 ? 2.0 * static_cast<double>(m * v) * costs.p2p : 0;
   e.pipeline_s = sim.makespan;
   e.bubble = sim.bubble;
-  // Gradients of the largest rank (fp32), reduced over the data group of t x d consecutive ranks.
+  // Gradients of the largest rank (fp32), reduced over the data x context group of t x c x d
+  // consecutive ranks.
   const int64_t grad_bytes = 4 * *std::max_element(rank_params.begin(), rank_params.end());
-  e.dp_s = ring(d, static_cast<double>(grad_bytes), bw(t * d), true);
+  e.dp_s = ring(d * c, static_cast<double>(grad_bytes), bw(t * c * d), true);
   if (l.zero == 3) e.dp_s *= 1.5;  // reduce-scatter + two all-gathers (forward, backward) vs an all-reduce
   e.step_s = e.pipeline_s + e.dp_s;
   const double tokens = static_cast<double>(job.global_batch) * static_cast<double>(T);
@@ -340,15 +440,18 @@ std::vector<Estimate> enumerate(const Job& job, const Machine& m) {
     if (job.world % t) continue;
     for (int64_t p = 1; p <= job.world / t; ++p) {
       if ((job.world / t) % p) continue;
-      const int64_t d = job.world / t / p;
-      for (bool sp : {false, true}) {
-        if (sp && t == 1) continue;
-        for (int zero = 0; zero <= 3; ++zero) {
-          if (zero > 0 && d == 1) continue;
-          if (zero == 3 && (t > 1 || p > 1 || job.compute != DType::F32)) continue;
-          for (Recompute rc : {Recompute::None, Recompute::Selective, Recompute::Full})
-            for (int64_t v : job.virtual_stages)
-              if (v == 1 || p > 1) out.push_back(estimate(job, m, Layout{d, t, p, sp, zero, rc, v}, &cache));
+      for (int64_t c = 1; c <= job.world / t / p; ++c) {
+        if ((job.world / t / p) % c) continue;
+        const int64_t d = job.world / t / p / c;
+        for (bool sp : {false, true}) {
+          if (sp && t == 1) continue;
+          for (int zero = 0; zero <= 3; ++zero) {
+            if (zero > 0 && d * c == 1) continue;
+            if (zero == 3 && (t > 1 || p > 1 || c > 1 || job.compute != DType::F32)) continue;
+            for (Recompute rc : {Recompute::None, Recompute::Selective, Recompute::Full})
+              for (int64_t v : job.virtual_stages)
+                if (v == 1 || p > 1) out.push_back(estimate(job, m, Layout{d, t, p, sp, zero, rc, v, c}, &cache));
+          }
         }
       }
     }
@@ -366,6 +469,7 @@ nlohmann::json to_json(const Estimate& e) {
   nlohmann::json j{{"data", e.layout.data},
                    {"tensor", e.layout.tensor},
                    {"pipeline", e.layout.pipeline},
+                   {"context", e.layout.context},
                    {"virtual_stages", e.layout.virtual_stages},
                    {"sequence", e.layout.sequence},
                    {"zero", e.layout.zero},
@@ -387,8 +491,9 @@ nlohmann::json to_json(const Estimate& e) {
                  {"comm", e.memory.comm},
                  {"total", e.memory.total()}};
   j["fits"] = e.fits;
-  j["time"] = {{"compute_s", e.compute_s},   {"tp_s", e.tp_s},     {"pp_s", e.pp_s},    {"dp_s", e.dp_s},
-               {"pipeline_s", e.pipeline_s}, {"step_s", e.step_s}, {"bubble", e.bubble}};
+  j["time"] = {{"compute_s", e.compute_s},   {"tp_s", e.tp_s},     {"pp_s", e.pp_s},     {"dp_s", e.dp_s},
+               {"pipeline_s", e.pipeline_s}, {"step_s", e.step_s}, {"bubble", e.bubble}, {"cp_s", e.cp_s}};
+  if (e.layout.context > 1) j["context_bytes_per_layer"] = {{"forward", e.cp_bytes_fwd}, {"backward", e.cp_bytes_bwd}};
   j["tokens_per_s"] = e.tokens_per_s;
   j["mfu"] = e.mfu;
   return j;

@@ -1,4 +1,4 @@
-// `lathe plan`: every data x tensor x pipeline layout of a job (with sequence parallel on/off, ZeRO
+// `lathe plan`: every data x context x tensor x pipeline layout of a job (with sequence parallel on/off, ZeRO
 // 0/1/2, recompute none/selective/full), its validity for the model (with the reason when not), the
 // memory each rank needs and a predicted step time, sorted by predicted tokens/s (issue 10).
 //
@@ -36,8 +36,17 @@
 // then the data-parallel gradient reduction (ring all-reduce, or reduce-scatter + all-gather with
 // ZeRO: the same 2 (d-1)/d of the fp32 gradient bytes), not overlapped. Ring collectives cost
 // 2 (n-1)/n x bytes / bandwidth (all-reduce) or (n-1)/n (all-gather, reduce-scatter), no latency
-// term. Ranks are ordered tensor fastest, then data, then pipeline: a group whose ranks all lie on
-// one node (gpus_per_node) uses the intra-node bandwidth, others the inter-node one.
+// term. Ranks are ordered tensor fastest, then context, then data, then pipeline: a group whose
+// ranks all lie on one node (gpus_per_node) uses the intra-node bandwidth, others the inter-node one.
+//
+// Context parallelism c (issue 27, parallel/context_parallel.h): a rank's passes hold T / c rows of
+// each sample (activations of T / c rows, RoPE tables of T; compute / c, the causal work being
+// load-balanced), ZeRO shards and the gradient reduction span data x context, and the comm buffers
+// add ContextAttention's (ring: 5 K|V blocks of the rank's rows; all-gather: 2 c). Each layer's
+// K/V exchange per micro-batch: the ring passes c - 1 blocks, each hidden behind one block's
+// attention up to its time, and sends dK/dV c hops after the blocks (not hidden); the all-gather's
+// all-gather (forward) and all-gather + reduce-scatter (backward) are not hidden. These seconds are
+// part of the stage costs the schedule simulates (cp_s: their sum per step).
 #pragma once
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -72,6 +81,8 @@ struct Job {
   // simulations (the steady phase adds the same time per group of p micro-batches); pipelines too
   // deep even for those are rejected with the reason.
   int64_t sim_limit = int64_t{1} << 18;
+  // Context parallelism's K/V exchange (parallel.context_impl): ring (false) or all-gather (true).
+  bool context_allgather = false;
 };
 
 struct Layout {
@@ -80,7 +91,8 @@ struct Layout {
   int zero = 0;
   Recompute recompute = Recompute::None;
   int64_t virtual_stages = 1;  // > 1: interleaved 1F1B with this many chunks per rank
-  std::string name() const;    // "d8 t2 p4 sp zero1 full"
+  int64_t context = 1;         // context parallelism (issue 27): each rank holds T / context rows
+  std::string name() const;    // "data 8 x tensor 2 x pipeline 4 +sp, ZeRO 1, recompute full"
 };
 
 struct Memory {
@@ -100,6 +112,11 @@ struct Estimate {
   // Seconds per optimizer step: compute (no comm), tensor collectives, pipeline messages, the
   // pipeline's idle share (bubble) and data-parallel reduction; step = pipeline + dp.
   double compute_s = 0, tp_s = 0, pp_s = 0, dp_s = 0, pipeline_s = 0, step_s = 0;
+  // Context parallelism: the K/V (and dK/dV) bytes one rank sends per layer per micro-batch, forward
+  // and backward, and the seconds of that exchange per step the attention compute does not hide
+  // (part of the stages' costs, so of pipeline_s; cp_s alone for the comm% column).
+  int64_t cp_bytes_fwd = 0, cp_bytes_bwd = 0;
+  double cp_s = 0;
   double bubble = 0;  // idle share of the pipeline part (simulated)
   double tokens_per_s = 0, mfu = 0;
 };
@@ -109,8 +126,9 @@ Estimate estimate(const Job& job, const Machine& m, const Layout& l);
 // The same with the schedule simulations remembered across calls (enumerate's).
 struct ScheduleCache;
 Estimate estimate(const Job& job, const Machine& m, const Layout& l, ScheduleCache* cache);
-// Every layout of job.world (divisor triples, sequence parallel only with tensor > 1, ZeRO 1/2 only
-// with data > 1, three recompute modes), valid ones sorted: fitting first, then by tokens/s.
+// Every layout of job.world (divisor quadruples data x context x tensor x pipeline, sequence parallel
+// only with tensor > 1, ZeRO 1/2 only with data x context > 1, three recompute modes), valid ones
+// sorted: fitting first, then by tokens/s.
 std::vector<Estimate> enumerate(const Job& job, const Machine& m);
 
 // Model FLOPs per token (Model::flops_per_token's convention: 6 N + 12 (H D) x the keys per position

@@ -126,11 +126,30 @@ std::pair<double, int64_t> Evaluator::evaluate(const std::vector<int64_t>& set) 
 }
 
 // Multiple-choice accuracy (eval/eval_tasks.h). Contexts are cut to seq_len.
+// Context parallelism: the rank's model holds T / context rows of a pass and attends across the
+// group, so the endings (one short sequence each) are scored by a plain copy of the whole model,
+// allocated for one sequence and given the current weights before each scoring (context ranks hold
+// every weight; the recipe refuses eval_tasks with context x tensor or pipeline). The context ranks
+// share the items as data ranks do (topo_.lay.dp counts data x context).
+Model& Evaluator::context_scorer() {
+  Model& m = rm_.model();
+  if (!context_copy_) {
+    context_copy_ = build_model(m.config(), ComputeSpec{nullptr, m.compute_dtype(), /*gradients=*/false});
+    context_copy_->allocate(1, std::min<int64_t>(T_, m.config().max_position_embeddings));
+  }
+  LATHE_CHECK(context_copy_->num_params() == m.num_params(),
+              "internal: the context scorer has {} parameters, the rank's model {}", context_copy_->num_params(),
+              m.num_params());
+  std::copy_n(m.param_data(), m.num_params(), context_copy_->param_data());
+  context_copy_->refresh_compute_weights();
+  return *context_copy_;
+}
+
 void Evaluator::score_tasks(int64_t at) {
   trace::Scope span("eval tasks", trace::Cat::Eval, at);
   const double t0 = now_seconds();
   const int dp = topo_.lay.dp;
-  Model& model = rm_.model();
+  Model& model = topo_.lay.cp > 1 ? context_scorer() : rm_.model();
   // Pipeline: the stages run each ending's forward together; the last one has the logits and
   // scores, its counts reach the other stages by an all-reduce (theirs are zero).
   parallel::PipelineExecutor* pipe = rm_.pipe();

@@ -37,6 +37,8 @@ class Evaluator {
   // {mean loss, target tokens} over `set`, every rank's share summed.
   std::pair<double, int64_t> evaluate(const std::vector<int64_t>& set);
   void score_tasks(int64_t at);
+  // Context parallelism: the model the tasks are scored with (see score_tasks).
+  Model& context_scorer();
 
   const Recipe& r_;
   Topology& topo_;
@@ -47,6 +49,7 @@ class Evaluator {
   const DocumentOptions& docs_;
   const int64_t B_, T_, tasks_interval_;
   RunLog& log_;
+  std::unique_ptr<Model> context_copy_;  // context parallelism's scorer, made at the first scoring
 };
 
 }  // namespace lathe

@@ -54,7 +54,8 @@ CheckpointLayout checkpoint_layout(const CheckpointState& st) {
   l.pipeline = parallel_field(st.recipe, "pipeline", 1);
   l.data = parallel_field(st.recipe, "data", 0);
   l.zero = parallel_field(st.recipe, "zero", 0);
-  if (l.data <= 0) l.data = st.world_size;
+  l.context = parallel_field(st.recipe, "context", 1);
+  if (l.data <= 0) l.data = std::max<int64_t>(1, st.world_size / std::max<int64_t>(1, l.context));
   return l;
 }
 
@@ -273,15 +274,21 @@ void validate_layout(const ModelConfig& cfg, const CheckpointLayout& to) {
   in_range("--tensor", to.tensor, 1, kMaxRanks, "");
   in_range("--pipeline", to.pipeline, 1, kMaxRanks, "");
   in_range("--data", to.data, 1, kMaxRanks, "");
+  in_range("--context", to.context, 1, kMaxRanks, "");
   in_range("--zero", to.zero, 0, 3, " (0: replicated optimizer, 1: sharded moments, 2: also gradients, 3: also weights)");
   LATHE_CHECK(to.zero != 3 || (to.tensor == 1 && to.pipeline == 1),
               "--zero 3 with --tensor {} --pipeline {}: ZeRO 3 shards the weights over data parallelism alone (a run "
               "would refuse this layout); give --tensor 1 --pipeline 1, or --zero 2 or less",
               to.tensor, to.pipeline);
-  // Each degree is at most 2^20, so the product fits in int64.
-  LATHE_CHECK(to.tensor * to.pipeline * to.data <= kMaxRanks,
-              "--tensor {} x --pipeline {} x --data {} is more than {} ranks", to.tensor, to.pipeline, to.data,
-              kMaxRanks);
+  LATHE_CHECK(to.zero != 3 || to.context == 1,
+              "--zero 3 with --context {}: a run refuses ZeRO 3 with context parallelism; give --context 1, or "
+              "--zero 2 or less",
+              to.context);
+  // Each degree is at most 2^20: the product of two fits in int64, checked before the next.
+  LATHE_CHECK(
+      to.tensor * to.pipeline <= kMaxRanks && to.tensor * to.pipeline * to.data <= kMaxRanks && to.world() <= kMaxRanks,
+      "--tensor {} x --pipeline {} x --data {} x --context {} is more than {} ranks", to.tensor, to.pipeline, to.data,
+      to.context, kMaxRanks);
   if (to.tensor > 1) {
     try {
       parallel::shard_config(cfg, static_cast<int>(to.tensor));
@@ -349,10 +356,10 @@ ReshardResult reshard_checkpoint(const std::string& src, const std::string& dst_
   const size_t P = model->num_params();
   // Every data rank of a ZeRO run holds a share of the flat moments: more ranks than elements
   // would write empty shard files by the thousand (H1).
-  LATHE_CHECK(moment_names.empty() || to.data <= static_cast<int64_t>(P),
-              "--data {}: the model has {} parameters, so at most {} data-parallel ranks can each hold a share of "
-              "the optimizer moments; give a smaller --data",
-              to.data, P, P);
+  LATHE_CHECK(moment_names.empty() || to.writers() <= static_cast<int64_t>(P),
+              "--data {} x --context {}: the model has {} parameters, so at most {} data x context ranks can each "
+              "hold a share of the optimizer moments; give a smaller --data or --context",
+              to.data, to.context, P, P);
   throw_if_stopped("lathe checkpoint reshard", kUndone);
   std::vector<std::vector<float>> moments(moment_names.size(), std::vector<float>(P));
   OfflineCheckpoint parts;
@@ -363,16 +370,16 @@ ReshardResult reshard_checkpoint(const std::string& src, const std::string& dst_
     for (size_t i = 0; i < moments.size(); ++i) all.buffers.push_back({moment_names[i], moments[i].data()});
     load_moments_sharded(ck, table, table, 0, 1, all);
     // The writers' cut of a run of layout `to` (see the header).
-    std::vector<size_t> begin(static_cast<size_t>(to.data) + 1, 0);
+    std::vector<size_t> begin(static_cast<size_t>(to.writers()) + 1, 0);
     if (to.tensor == 1 && to.pipeline == 1) {
-      const parallel::FlatShards sh(P, static_cast<int>(to.data), optim::kChunk);
+      const parallel::FlatShards sh(P, static_cast<int>(to.writers()), optim::kChunk);
       for (int r = 0; r < sh.ranks(); ++r) begin[static_cast<size_t>(r) + 1] = sh.end(r);
     } else {
-      const std::vector<size_t> cut = dist::even_counts(P, static_cast<int>(to.data));
+      const std::vector<size_t> cut = dist::even_counts(P, static_cast<int>(to.writers()));
       for (size_t r = 0; r < cut.size(); ++r) begin[r + 1] = begin[r] + cut[r];
     }
     parts.shard_files = to.world() > 1;
-    for (int64_t r = 0; r < to.data; ++r) {
+    for (int64_t r = 0; r < to.writers(); ++r) {
       MomentSlice m;
       m.begin = begin[static_cast<size_t>(r)];
       m.end = begin[static_cast<size_t>(r) + 1];
@@ -391,6 +398,7 @@ ReshardResult reshard_checkpoint(const std::string& src, const std::string& dst_
   par["pipeline"] = to.pipeline;
   par["data"] = to.data;
   par["zero"] = to.zero;
+  if (to.context > 1 || par.contains("context")) par["context"] = to.context;
   CheckpointSaveInfo info;
   throw_if_stopped("lathe checkpoint reshard", kUndone);
   try {

@@ -17,7 +17,9 @@
 //   T > 1 or P > 1               optimizer-rankRRRRR-of-DDDDD.safetensors: data rank r's
 //                                dist::even_counts(P, D) range of the whole model's flat moments
 //                                (written by the first rank of each data-parallel replica)
-// The ZeRO stage does not change the files; it is recorded in the recipe (parallel.zero).
+// The ZeRO stage does not change the files; it is recorded in the recipe (parallel.zero). Context
+// parallelism C (issue 27) writes as D x C data ranks would (D above stands for D x C), and is
+// recorded in the recipe (parallel.context).
 #pragma once
 #include <cstdint>
 #include <map>
@@ -35,9 +37,12 @@ class SafetensorsFile;
 }
 
 // A run's parallel layout (recipe section `parallel`, data resolved to a number).
+// context: the context-parallel degree (issue 27). Its ranks share their samples but each holds the
+// whole model, so they write as data ranks do: the files of data x context "writers" (writers()).
 struct CheckpointLayout {
-  int64_t tensor = 1, pipeline = 1, data = 1, zero = 0;
-  int64_t world() const { return tensor * pipeline * data; }
+  int64_t tensor = 1, pipeline = 1, data = 1, zero = 0, context = 1;
+  int64_t writers() const { return data * context; }
+  int64_t world() const { return tensor * pipeline * data * context; }
 };
 // The layout of the run that wrote a checkpoint, from its recipe's parallel section (data 0, as in
 // recipes written before it was resolved, is read from the shard files: world.world_size).

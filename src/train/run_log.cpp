@@ -232,12 +232,8 @@ void RunLog::write_run_info(const StartupFacts& f, double peak, const char* peak
 // What `lathe plan` predicts for this very layout (same peak; this machine's copy bandwidth), so a
 // run shows how far it is from its plan.
 void RunLog::plan_line(const StartupFacts& f, double peak) const {
-  if (r_.parallel.context > 1) {  // not modelled by lathe plan yet (issue 27): said, not guessed
-    log(fmt::format("plan for this layout: not predicted (lathe plan does not model parallel.context = {} yet)",
-                    r_.parallel.context));
-    return;
-  }
   lathe::plan::Job job;
+  job.context_allgather = r_.parallel.context_impl == "allgather";
   job.model = f.whole_cfg;
   job.world = f.world_size;
   job.micro_batch = f.B;
@@ -252,6 +248,7 @@ void RunLog::plan_line(const StartupFacts& f, double peak) const {
   l.data = f.dp;
   l.tensor = f.tp;
   l.pipeline = f.pp;
+  l.context = r_.parallel.context;
   l.virtual_stages = r_.parallel.virtual_stages;
   l.zero = static_cast<int>(r_.parallel.zero);
   l.recompute = f.model.recompute();

@@ -76,9 +76,10 @@ def main():
     p = run("plan", recipe, "--world", 8, "--json", *fixed)
     j = json.loads(p.stdout)
     lay = j["layouts"]
-    triples = {(l["data"], l["tensor"], l["pipeline"]) for l in lay}
-    want = {(8 // (t * pp), t, pp) for t in (1, 2, 4, 8) for pp in (1, 2, 4, 8) if 8 % (t * pp) == 0}
-    check(triples == want, f"every data x tensor x pipeline triple of 8 is listed ({len(want)})")
+    quads = {(l["data"], l["tensor"], l["pipeline"], l["context"]) for l in lay}
+    want = {(8 // (t * pp * c), t, pp, c) for t in (1, 2, 4, 8) for pp in (1, 2, 4, 8) for c in (1, 2, 4, 8)
+            if 8 % (t * pp * c) == 0}
+    check(quads == want, f"every data x tensor x pipeline x context quadruple of 8 is listed ({len(want)})")
     rej = {(l["tensor"], l["pipeline"]): l.get("reject", "") for l in lay if not l["valid"]}
     check(rej.get((8, 1)) == "tensor 8 does not divide num_attention_heads 4", "tensor 8 rejected: heads")
     check(rej.get((1, 4)) == "pipeline 4 does not divide num_hidden_layers 2", "pipeline 4 rejected: layers")
@@ -87,7 +88,7 @@ def main():
     check(all(l["micro_batches"] * 4 * l["data"] == 64 for l in valid), "micro-batches = global batch / (B x data)")
     check(any(l["pipeline"] == 2 and l["tensor"] == 2 and l["sequence"] for l in valid), "t2 x p2 + sp is valid")
     check(not any(l["sequence"] and l["tensor"] == 1 for l in lay), "sequence parallel only with tensor > 1")
-    check(not any(l["zero"] > 0 and l["data"] == 1 for l in lay), "ZeRO only with data > 1")
+    check(not any(l["zero"] > 0 and l["data"] * l["context"] == 1 for l in lay), "ZeRO only with data x context > 1")
     fits = [l for l in valid if l["fits"]]
     tps = [l["tokens_per_s"] for l in fits]
     check(len(fits) == len(valid) and tps == sorted(tps, reverse=True), "sorted by predicted tokens/s")

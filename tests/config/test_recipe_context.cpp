@@ -72,10 +72,17 @@ TEST(RecipeContext, WhatIsNotSupportedYetIsRefusedByKey) {
   EXPECT_NE(m.find("parallel.context = 64"), std::string::npos) << m;
   EXPECT_NE(m.find("2 rows per rank"), std::string::npos) << m;
   EXPECT_EQ(error_of({"parallel.context=2", "parallel.pipeline=2"}), "");
-  const std::pair<std::string, std::string> cases[] = {{"device=cuda", "device"},
-                                                        {"training.eval_tasks=tasks.jsonl", "training.eval_tasks"}};
-  for (const auto& [set, key] : cases) {
-    const std::string m = error_of({"parallel.context=2", set});
+  // training.eval_tasks is scored by a copy of the whole model: context alone or with data only.
+  EXPECT_EQ(error_of({"parallel.context=2", "training.eval_tasks=tasks.jsonl"}), "");
+  const std::pair<std::vector<std::string>, std::string> cases[] = {
+      {{"device=cuda"}, "device"},
+      {{"training.eval_tasks=tasks.jsonl", "parallel.tensor=2"}, "training.eval_tasks"},
+      {{"training.eval_tasks=tasks.jsonl", "parallel.pipeline=2"}, "training.eval_tasks"}};
+  for (const auto& [sets, key] : cases) {
+    std::vector<std::string> all = sets;
+    all.push_back("parallel.context=2");
+    const std::string m = error_of(all);
+    const std::string set = sets[0];
     EXPECT_NE(m.find(key), std::string::npos) << set << ": " << m;
     EXPECT_NE(m.find("not supported yet"), std::string::npos) << set << ": " << m;
   }

@@ -30,6 +30,7 @@ struct Case {
   int64_t B, T, H, KVH, D, N;  // N ranks: 2N chunks of T / (2N)
   int64_t max_doc = 0;          // 0: causal, else random documents up to this length
   int64_t window = 0;
+  float scale = 0.0f, softcap = 0.0f;  // Gemma 2's score scale and soft cap (0 = none)
 };
 
 // Global rows of rank r: chunks r and 2N-1-r.
@@ -52,9 +53,9 @@ Whole one_rank(const Case& c, const std::vector<float>& qkv, const std::vector<f
   w.dqkv.assign(qkv.size(), NAN);
   std::vector<float> scratch(lathe::cpu::attention_scratch_floats(c.T, c.D));
   lathe::cpu::attention_forward(w.out.data(), w.lse.data(), qkv.data(), c.B, c.T, c.H, c.KVH, c.D, scratch.data(), ds,
-                                c.window);
+                                c.window, c.scale, c.softcap);
   lathe::cpu::attention_backward(w.dqkv.data(), dout.data(), qkv.data(), w.out.data(), w.lse.data(), c.B, c.T, c.H,
-                                 c.KVH, c.D, scratch.data(), ds, c.window);
+                                 c.KVH, c.D, scratch.data(), ds, c.window, c.scale, c.softcap);
   return w;
 }
 
@@ -90,6 +91,7 @@ Whole blocked(const Case& c, const std::vector<float>& qkv, const std::vector<fl
     a.q = lq[r].data(), a.ldq = W, a.k = lq[s].data() + HD, a.ldk = W, a.v = lq[s].data() + HD + c.KVH * c.D,
     a.ldv = W;
     a.q_pos = rows[r].data(), a.k_pos = rows[s].data(), a.window = c.window;
+    a.scale = c.scale, a.softcap = c.softcap;
     if (ds) {
       qdoc.resize(c.B * Tl);
       for (int64_t b = 0; b < c.B; ++b)
@@ -189,6 +191,21 @@ TEST(AttentionBlock, LoadBalancedChunksEqualOneRankWindow) {
 }
 
 TEST(AttentionBlock, HeadSize64) { check_case({1, 2 * 2 * 50, 4, 2, 64, 2, 60}); }
+
+// Gemma 2: a score scale other than 1/sqrt(D) and soft-capped scores, as the one-rank kernel's
+// trailing arguments (itself checked against transformers in test_ops_attention / test_gemma2).
+TEST(AttentionBlock, ScoreScaleAndSoftCapEqualOneRank) {
+  for (int64_t N : {2, 3})
+    for (int64_t max_doc : {0, 30})
+      for (float cap : {0.0f, 1.5f, 50.0f}) {
+        Case c{2, 2 * N * 19, 4, 2, 16, N, max_doc};
+        c.scale = 0.7f, c.softcap = cap;
+        check_case(c);
+        c.window = 9;
+        check_case(c);
+      }
+  check_case({1, 2 * 2 * 40, 4, 2, 64, 2, 0, 0, 0.125f, 30.0f});
+}
 
 // A broken merge is caught (the test is not blind to the merge).
 TEST(AttentionBlock, BrokenMergeFails) {
@@ -309,6 +326,10 @@ TEST(AttentionBlock, RejectsUnorderedPositionsAndBadDocuments) {
   a.q_pos = unordered.data(), a.k_pos = good.data();
   EXPECT_THROW(lathe::cpu::attention_block_forward(a, out.data(), D, lse.data()), lathe::Error);
   a.q_pos = good.data(), a.q_doc = doc.data();
+  EXPECT_THROW(lathe::cpu::attention_block_forward(a, out.data(), D, lse.data()), lathe::Error);
+  // document starts that decrease along the rows are no segmentation (each row sees one key run)
+  std::vector<int32_t> decreasing = {0, 0, 2, 1};
+  a.q_doc = decreasing.data();
   EXPECT_THROW(lathe::cpu::attention_block_forward(a, out.data(), D, lse.data()), lathe::Error);
 }
 

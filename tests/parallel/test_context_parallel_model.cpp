@@ -2,8 +2,8 @@
 // thread communicator: N ranks each holding chunks i and 2N-1-i of every sample (embedding, norms,
 // MLP and loss on their rows, positions global, attention across the group) give, summed over the
 // group, the loss and the gradients of one model over the whole sequence. GPT-2 (learned
-// positions), Llama GQA (RoPE) and Qwen3 (q/k norms); causal, documents (length-1 ones, ones crossing
-// chunks) and documents with positions restarting per document; ring and all-gather; context 2
+// positions), Llama GQA (RoPE), Qwen3 (q/k norms) and Gemma 2 (score scale, soft caps); causal, documents (length-1
+// ones, ones crossing chunks) and documents with positions restarting per document; ring and all-gather; context 2
 // and 4. The attention weights are scaled up so that attention is far from uniform.
 #include <gtest/gtest.h>
 
@@ -137,6 +137,9 @@ void check_family(const char* name, const ModelConfig& cfg) {
 TEST(ContextParallelModel, Gpt2LearnedPositions) { check_family("gpt2", ModelConfig::preset("gpt2-debug")); }
 TEST(ContextParallelModel, LlamaGqaRope) { check_family("llama_gqa", ModelConfig::preset("llama-debug")); }
 TEST(ContextParallelModel, Qwen3QkNorm) { check_family("qwen3", ModelConfig::preset("qwen3-debug")); }
+// Gemma 2: query_pre_attn_scalar's score scale and attn_logit_softcapping in the block kernel, the
+// alternating sliding window, the embedding scale and the final logit soft cap on the rank's rows.
+TEST(ContextParallelModel, Gemma2ScaleSoftcapWindow) { check_family("gemma2", ModelConfig::preset("gemma2-debug")); }
 // Sliding window of 7 keys (Mistral's), shorter than a chunk at N = 2 and longer at N = 4.
 TEST(ContextParallelModel, LlamaSlidingWindow) {
   ModelConfig c = ModelConfig::preset("llama-debug");

@@ -10,7 +10,9 @@ after EOD), and bf16 / fp16. At context 2 the ring and the all-gather variants s
 order (a + b = b + a for the two ranks' dK/dV), so their runs are bit-identical. Also context 2 x
 data 2 with ZeRO 1, tensor 2 (+ sequence parallel) x context 2 and pipeline 2 x context 2 (4
 processes), context 4, full recompute, a context-2 checkpoint resumed in one
-process, and the refusals that name the keys.
+process and a one-process checkpoint resumed at context 2, `lathe checkpoint reshard --context` both ways
+(each resumed equal to the uninterrupted context-2 run), training.eval_tasks at context 2 equal to one
+process's, `lathe plan` listing context degrees, and the refusals that name the keys.
 Runs with 1 OpenMP thread per rank (the ranks share this machine's cores)."""
 import json
 import os
@@ -141,6 +143,63 @@ def main():
     w = worst_rel(got, want)
     check(p.returncode == 0 and w < 1e-5,
           f"resume at context 1 from a tensor=2 x context=2 checkpoint: {len(got)} losses within 1e-5 (worst {w:.1e})")
+    # ... and the other way: a one-process checkpoint resumed at context 2.
+    res12 = os.path.join(TMP, "ck_cp1")
+    p, _ = run(1, ["train", mpi_train.write_recipe(data, "llama-debug", res12, TRAINING, output__checkpoint_every=4),
+                   "--quiet", "--stop-after", "4"])
+    check(p.returncode == 0, "context=1 saves a checkpoint at step 4")
+    p, _ = run(2, ["train", mpi_train.write_recipe(data, "llama-debug", res12, TRAINING, parallel__context=2), "--quiet",
+                   "--resume", "auto"])
+    if p.returncode != 0:
+        print(p.stdout[-2000:], p.stderr[-2000:])
+    got = series(res12, "loss")[4:] if p.returncode == 0 else []
+    w = worst_rel(got, want)
+    check(p.returncode == 0 and w < 1e-5,
+          f"resume at context 2 from a one-process checkpoint (step 4): {len(got)} losses within 1e-5 of the "
+          f"uninterrupted context=2 run (worst {w:.1e})")
+    # lathe checkpoint reshard --context: from the context-2 checkpoint to context 1 (resumed in one
+    # process) and from the one-process checkpoint to context 2 (files of 2 writers, resumed at context 2).
+    for src, ctx, np_, name in ((res, 1, 1, "rs_to_cp1"), (res12, 2, 2, "rs_to_cp2")):
+        dst = os.path.join(TMP, name)
+        step = os.path.join(src, "checkpoints", "step_00000004")
+        p, _ = run(1, ["checkpoint", "reshard", step, "--to", dst, "--context", str(ctx)])
+        ok = p.returncode == 0 and (f"x context {ctx}" in p.stdout) == (ctx > 1)
+        if ctx > 1:
+            ok = ok and "x context 2 (ZeRO 0; 2 ranks)" in p.stdout and "of-00002" in p.stdout
+        check(ok, f"lathe checkpoint reshard --context {ctx} names the layout it writes")
+        if not ok:
+            print(p.stdout[-1500:], p.stderr[-1500:])
+        kw = {"parallel__context": ctx} if ctx > 1 else {}
+        p, _ = run(np_, ["train", mpi_train.write_recipe(data, "llama-debug", dst, TRAINING, **kw), "--quiet",
+                         "--resume", "auto"])
+        got = series(dst, "loss") if p.returncode == 0 else []
+        w = worst_rel(got, want)
+        check(p.returncode == 0 and w < 1e-5,
+              f"a checkpoint resharded to --context {ctx} resumes at context {ctx}: {len(got)} losses within 1e-5 "
+              f"of the uninterrupted context=2 run (worst {w:.1e})")
+    p, _ = run(1, ["checkpoint", "info", os.path.join(res, "checkpoints", "step_00000004")])
+    check(p.returncode == 0 and "data 1 x context 2 (ZeRO 0; 2 ranks)" in p.stdout,
+          "lathe checkpoint info names a context-2 checkpoint's layout")
+    # training.eval_tasks under context 2: the context ranks share the items (scored by a plain copy of
+    # the whole model); the counts equal one process's at every scoring.
+    tasks = os.path.join(TMP, "tasks.jsonl")
+    with open(tasks, "w") as f:
+        for i in range(9):  # odd: the two context ranks score 5 and 4 items
+            k = i % 4 + 1
+            ctx = [(3 * i + j) * k % 96 for j in range(5 + 3 * i)]  # some longer than seq_len 32: cut
+            right = [(3 * i + len(ctx) + j) * k % 96 for j in range(3)]
+            endings = [[(i + 7) % 96, 11], right, [(5 * i) % 96]]
+            f.write(json.dumps({"context_ids": ctx, "ending_ids": endings, "label": 1}) + "\n")
+    kw = {"training__eval_tasks": tasks, "training__eval_tasks_interval": 4}
+    t_one = train(1, data, "llama-debug", "tasks_one", **kw)
+    t_cp = train(2, data, "llama-debug", "tasks_cp2", parallel__context=2, **kw)
+
+    def tasks_of(out):
+        return [(r["step"], r["tasks_items"], r["tasks_acc"], r["tasks_acc_norm"]) for r in records(out)
+                if "tasks_acc" in r]
+    got, ref = tasks_of(t_cp), tasks_of(t_one)
+    check(len(ref) == 2 and all(r[1] == 9 for r in ref) and got == ref,
+          f"training.eval_tasks at context 2: every scoring equals one process's ({got} vs {ref})")
     # context 2 x data 2, ZeRO 1 (4 processes) against one process with the same global batch.
     one = train(1, data, "llama-debug", "dp2_one", training__grad_accum_steps=4)
     both = train(4, data, "llama-debug", "cp2_dp2", parallel__context=2, parallel__zero=1)
@@ -156,15 +215,18 @@ def main():
         if p.returncode == 0 or not all(n in text for n in needles):
             print(text[-1500:])
     refused(1, ["parallel.context=3"], ["parallel.context", "32", "multiple of 6"], "seq_len not divisible by 2 x context")
-    refused(2, ["parallel.context=2", "training.eval_tasks=tasks.jsonl"], ["training.eval_tasks", "not supported yet"],
-            "context with training.eval_tasks (not yet)")
+    refused(4, ["parallel.context=2", "parallel.tensor=2", "training.eval_tasks=tasks.jsonl"],
+            ["training.eval_tasks", "parallel.tensor = 2", "not supported yet"],
+            "context x tensor with training.eval_tasks (not yet)")
     refused(3, ["parallel.context=2"], ["parallel.context 2", "3 processes"], "3 processes at context 2")
-    # lathe plan does not model context parallelism: it says so instead of planning without it.
+    # lathe plan models context parallelism: context degrees listed, a rank's activations fall with them.
     p, _ = run(1, ["plan", mpi_train.write_recipe(data, "llama-debug", os.path.join(TMP, "plan"), TRAINING),
-                   "--world", "4", "--set", "parallel.context=2"])
-    text = p.stdout + p.stderr
-    check(p.returncode != 0 and "parallel.context = 2" in text and "does not model" in text,
-          "lathe plan refuses parallel.context > 1, naming it")
+                   "--world", "4", "--set", "parallel.context=2", "--json", "--peak-gflops", "10", "--link-gbps", "10"])
+    lay = json.loads(p.stdout)["layouts"] if p.returncode == 0 else []
+    act = {l["context"]: l["memory"]["activations"] for l in lay
+           if l["valid"] and l["data"] * l["context"] == 4 and l["zero"] == 0 and l["recompute"] == "none"}
+    check(p.returncode == 0 and sorted(act) == [1, 2, 4] and act[4] < act[2] < act[1],
+          f"lathe plan lists context 1, 2, 4 with per-rank activations falling ({act})")
     return 1 if failures else 0
 
 

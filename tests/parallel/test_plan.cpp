@@ -163,8 +163,9 @@ TEST(Plan, InvalidLayoutsExcludedWithTheReason) {
   Job j = job_of("llama-debug", 4, 1, 16, 8);
   const auto all = plan::enumerate(j, machine());
   // (t, p, d) triples of 4: (1,1,4) 12 layouts (ZeRO 0..3), (1,2,2) 9, (1,4,1) 3, (2,1,2) 18, (2,2,1) 6,
-  // (4,1,1) 6.
-  EXPECT_EQ(all.size(), 54u);
+  // (4,1,1) 6; with context c (ZeRO 0..2 over data x context): (t, p, c, d) = (1,1,2,2) 9, (1,1,4,1) 9,
+  // (1,2,2,1) 9, (2,1,2,1) 18.
+  EXPECT_EQ(all.size(), 99u);
   bool seen_kv = false, seen_layers = false, tail_invalid = false;
   for (const auto& e : all) {
     if (e.layout.tensor == 4) {

@@ -190,7 +190,8 @@ def main():
 
     p, _ = run(1, ["checkpoint", "info", ck, "--json"])
     info = json.loads(p.stdout) if p.returncode == 0 else {}
-    check(info.get("layout") == {"tensor": 2, "pipeline": 1, "data": 2, "zero": 0} and info.get("step") == 5,
+    want_layout = {"tensor": 2, "pipeline": 1, "data": 2, "zero": 0, "context": 1}
+    check(info.get("layout") == want_layout and info.get("step") == 5,
           f"lathe checkpoint info --json names the layout and step ({info.get('layout')})")
     n_params = sum(v.size for k, v in assemble(ck).items() if "/" not in k)
     check(info.get("parameters") == n_params and info.get("pieces", 0) >= info.get("weights", 0) + info.get("moments", 0),

@@ -264,6 +264,10 @@ TEST(Reshard, LayoutsTheModelCannotTakeAreRefusedNamingTheValue) {
   EXPECT_NE(e.find("--zero 4"), std::string::npos) << e;
   e = err({2, 1, 1, 3});  // ZeRO 3 runs on data parallelism alone
   EXPECT_NE(e.find("--zero 3 with --tensor 2"), std::string::npos) << e;
+  e = err({1, 1, 1, 0, 0});
+  EXPECT_NE(e.find("--context 0"), std::string::npos) << e;
+  e = err({1, 1, 1, 3, 2});  // a run refuses ZeRO 3 with context parallelism
+  EXPECT_NE(e.find("--zero 3 with --context 2"), std::string::npos) << e;
   EXPECT_FALSE(fs::exists(fs::path(out) / "checkpoints" / "step_00000003"));  // nothing half-written
   EXPECT_EQ(err({1, 1, 1, 0}), "");
   e = err({1, 1, 1, 0});  // never overwrites

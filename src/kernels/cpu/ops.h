@@ -167,6 +167,9 @@ struct BlockAttention {
   const int32_t* k_pos = nullptr;  // [Tk]
   const int32_t* q_doc = nullptr;  // [B, Tq] or nullptr
   int64_t window = 0;
+  // Gemma 2 (as attention_forward's trailing arguments): the score scale (0 = 1/sqrt(D)) and the
+  // soft cap of every visible score, softcap * tanh(scale q.k / softcap) (0 = none).
+  float scale = 0.0f, softcap = 0.0f;
 };
 // out[(b*Tq + i)*ldo + h*D + d] (overwritten) and lse[B, H, Tq] (fp32) of this block alone; a query
 // row that sees no key of the block gets out = 0 and lse = -inf (the identity of the merge).

@@ -154,6 +154,9 @@ void check(const char* fn, const BlockAttention& a) {
   LATHE_CU_CHECK(a.D >= 1 && a.D <= kMaxHead, "{}: head size {} outside [1, {}] (attention_block.cu kMaxHead)", fn,
                  a.D, kMaxHead);
   LATHE_CU_CHECK(a.window >= 0, "{}: window = {} must be >= 0", fn, a.window);
+  LATHE_CU_CHECK(a.scale == 0.0f && a.softcap == 0.0f,
+                 "{}: score scale {} / soft cap {}: the CUDA block kernel applies neither yet (the CPU one does)", fn,
+                 a.scale, a.softcap);
 }
 
 }  // namespace
