@@ -47,7 +47,9 @@ if ! $PY -c "import importlib.metadata as m, tokenizers, sentencepiece, transfor
 assert (m.version('tokenizers'), m.version('transformers'), m.version('gguf')) == ('0.20.3', '4.45.2', '0.10.0')
 import onnx, onnxruntime, tensorboard
 assert (m.version('onnx'), m.version('onnxruntime')) == ('1.17.0', '1.20.1')
-assert m.version('tensorboard') == '2.20.0'" 2>/dev/null; then
+assert m.version('tensorboard') == '2.20.0'
+import scikit_build_core, nanobind
+assert (m.version('scikit-build-core'), m.version('nanobind')) == ('1.1.2', '3.1.0')" 2>/dev/null; then
   echo "setup: installing PyPI packages of requirements-test.txt for $PY"
   $PY -m pip install -q --break-system-packages -r "$(dirname "$0")/requirements-test.txt"
 fi
