@@ -5,6 +5,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
@@ -27,8 +28,8 @@ struct PyModel {
   std::string path;
 
   Model& model() { return *src.model; }
-  // Rows of ids checked against the vocabulary and the positions; activations for B x T.
-  void prepare(const int32_t* ids, int64_t B, int64_t T, const char* what) {
+  // Rows of ids checked against the vocabulary and the positions; activations for alloc_B x T.
+  void prepare(const int32_t* ids, int64_t B, int64_t T, const char* what, int64_t alloc_B) {
     const ModelConfig& c = model().config();
     LATHE_CHECK(B >= 1 && T >= 1, "Model.{}: ids has shape [{}, {}]; give at least one row of one token", what, B, T);
     LATHE_CHECK(T <= c.max_position_embeddings, "Model.{}: {} tokens per row exceed the model's max_position_embeddings {}",
@@ -36,8 +37,8 @@ struct PyModel {
     for (int64_t i = 0; i < B * T; ++i)
       LATHE_CHECK(ids[i] >= 0 && ids[i] < c.vocab_size, "Model.{}: token id {} at row {} position {} outside [0, {})",
                   what, ids[i], i / T, i % T, c.vocab_size);
-    if (model().max_batch() < B || model().max_seq() < T)
-      model().allocate(std::max(B, model().max_batch()), std::max(T, model().max_seq()));
+    if (model().max_batch() < alloc_B || model().max_seq() < T)
+      model().allocate(std::max(alloc_B, model().max_batch()), std::max(T, model().max_seq()));
   }
 };
 
@@ -54,13 +55,15 @@ std::unique_ptr<PyModel> from_pretrained(const std::string& path, const std::str
 
 nb::ndarray<nb::numpy, float, nb::ndim<3>> logits(PyModel& m, IdsIn ids) {
   const int64_t B = static_cast<int64_t>(ids.shape(0)), T = static_cast<int64_t>(ids.shape(1));
-  m.prepare(ids.data(), B, T, "logits");
+  m.prepare(ids.data(), B, T, "logits", 1);
   const int64_t V = m.model().config().vocab_size;
   auto* out = new std::vector<float>(static_cast<size_t>(B * T * V));
   nb::capsule owner(out, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
   {
     nb::gil_scoped_release release;
-    m.model().forward_logits(ids.data(), B, T, out->data());
+    // One row at a time, as `lathe logits` computes them: a row's logits do not depend on the
+    // other rows of the batch (a batched GEMM may round differently), bit for bit.
+    for (int64_t b = 0; b < B; ++b) m.model().forward_logits(ids.data() + b * T, 1, T, out->data() + b * T * V);
   }
   return nb::ndarray<nb::numpy, float, nb::ndim<3>>(out->data(), {size_t(B), size_t(T), size_t(V)}, owner);
 }
@@ -70,7 +73,7 @@ nb::ndarray<nb::numpy, float, nb::ndim<3>> logits(PyModel& m, IdsIn ids) {
 double loss(PyModel& m, IdsIn ids) {
   const int64_t B = static_cast<int64_t>(ids.shape(0)), T = static_cast<int64_t>(ids.shape(1));
   LATHE_CHECK(T >= 2, "Model.loss: rows of {} token(s); the loss needs at least 2 (inputs and the next token)", T);
-  m.prepare(ids.data(), B, T, "loss");
+  m.prepare(ids.data(), B, T, "loss", B);
   std::vector<int32_t> in(static_cast<size_t>(B * (T - 1))), tgt(in.size());
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t + 1 < T; ++t) {

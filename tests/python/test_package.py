@@ -13,11 +13,12 @@ package against the lathe binary of the same tree:
     2 workers; decode
   * IndexedDataset items are read-only views of the .bin mmap (no own data, shared memory between
     two views of one item) with the shard's dtype and the file's tokens; .sizes
-  * Model.from_pretrained (model directory and run directory): logits equal `lathe logits` bit for
-    bit; loss equals the cross-entropy of those logits; greedy generate equals `lathe generate`
+  * Model.from_pretrained (model directory and run directory): logits [2, T, V] equal `lathe logits`
+    bit for bit; loss equals the cross-entropy of those logits; greedy generate equals `lathe generate`
   * lathe.plan equals `lathe plan --json`'s layouts; lathe.check equals `lathe check`'s lines
   * a KeyboardInterrupt raised by on_step at step 5 leaves a checkpoint of step 5 and is raised;
-    resume="auto" then finishes with the CLI's losses; a ValueError of on_step propagates
+    resume="auto" then finishes with the CLI's losses; SIGINT to the process (Ctrl-C) at step 2
+    leaves a checkpoint of step 2 and raises KeyboardInterrupt; a ValueError of on_step propagates
 Skips (77) when the build requirements are not installed (bash scripts/setup.sh --test installs
 them). Not run under the sanitizers (the ASan pass of scripts/test.sh runs no py_* test: the
 extension would need the ASan runtime preloaded into python).
@@ -25,6 +26,7 @@ extension would need the ASan runtime preloaded into python).
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -178,7 +180,7 @@ def inner(tmp):
         check(True, "ds[len] raises IndexError")
 
     # --- Model
-    ids = np.array([tok.encode("ROMEO: But soft, what ligh"), tok.encode("First Citizen:\nBefore we pr")],
+    ids = np.array([tok.encode("ROMEO: But soft, what l"), tok.encode("First Citizen:\nBefore w")],
                    dtype=np.int64)
     lf = os.path.join(tmp, "logits.f32")
     cli_ok(["logits", "--model", res.model_dir, "--out", lf] +
@@ -221,10 +223,24 @@ def inner(tmp):
         check(False, "KeyboardInterrupt raised by on_step is raised by train")
     except KeyboardInterrupt as e:
         check(str(e) == "stop from on_step", f"KeyboardInterrupt raised by on_step is raised by train ({e})")
-    ck = sorted(os.listdir(os.path.join(out_ki, "checkpoints"))) if os.path.isdir(os.path.join(out_ki, "checkpoints")) else []
-    check(len(ck) == 1 and ck[0].endswith("5"), f"a checkpoint of step 5 was saved ({ck})")
+    ckdir = os.path.join(out_ki, "checkpoints")
+    ck = sorted(c for c in os.listdir(ckdir) if c.startswith("step_")) if os.path.isdir(ckdir) else []
+    check(ck == ["step_00000005"], f"a checkpoint of step 5 was saved ({ck})")
     res2 = lathe.train(recipe, dict(sets, **{"output.dir": out_ki}), resume="auto", quiet=True)
     check(res2.start_step == 5 and res2.losses == want[5:], "resume='auto' continues at step 6 with the CLI's losses")
+
+    out_sig = os.path.join(tmp, "sig")
+
+    def sigint(rec):  # Ctrl-C: SIGINT to this process while training
+        if rec.get("step") == 2 and "loss" in rec:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    try:
+        lathe.train(recipe, dict(sets, **{"output.dir": out_sig}), on_step=sigint, quiet=True)
+        check(False, "SIGINT during lathe.train raises KeyboardInterrupt")
+    except KeyboardInterrupt as e:
+        saved = os.path.isdir(os.path.join(out_sig, "checkpoints", "step_00000002"))
+        check("SIGINT" in str(e) and saved, f"SIGINT: a checkpoint of step 2, then KeyboardInterrupt ({e})")
 
     def bad(rec):
         raise ValueError("bad callback")
