@@ -20,9 +20,10 @@ RUNTIME_PKGS=(build-essential cmake pkg-config git
       libopenblas-openmp-dev libyaml-cpp-dev nlohmann-json3-dev libcli11-dev libfmt-dev
       libsentencepiece-dev libpcre2-dev libzstd-dev zlib1g-dev zstd openmpi-bin libopenmpi-dev libdnnl-dev)
 # sentencepiece (spm_train/spm_encode): tokenizer oracle; libjemalloc2: PyTorch's allocator in bench/;
-# ca-certificates: pip's downloads.
+# ca-certificates: pip's downloads; python3-venv, ninja-build: tests/python/test_package.py's venv and
+# the pip build of the extension (scikit-build-core, offline, takes CMake and Ninja from the system).
 TEST_PKGS=(libgtest-dev libgmock-dev libbenchmark-dev sentencepiece libjemalloc2 ca-certificates
-      python3 python3-pip python3-numpy python3-torch python3-pil chromium)
+      python3 python3-pip python3-venv python3-numpy python3-torch python3-pil chromium ninja-build)
 PKGS=("${RUNTIME_PKGS[@]}")
 [ "$TEST" = 1 ] && PKGS+=("${TEST_PKGS[@]}")
 missing=()
