@@ -179,6 +179,12 @@ def inner(tmp):
     except IndexError:
         check(True, "ds[len] raises IndexError")
 
+    try:
+        lathe.IndexedDataset(os.path.join(tmp, "nope"))
+        check(False, "IndexedDataset of a missing prefix raises lathe.Error")
+    except lathe.Error as e:
+        check("nope.idx" in str(e), f"IndexedDataset of a missing prefix raises lathe.Error ({e})")
+
     # --- Model
     ids = np.array([tok.encode("ROMEO: But soft, what l"), tok.encode("First Citizen:\nBefore w")],
                    dtype=np.int64)
@@ -195,6 +201,13 @@ def inner(tmp):
     ce = np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1)) + x.max(-1) - np.take_along_axis(
         x, ids[:, 1:, None], -1)[..., 0]
     check(abs(m.loss(ids) - ce.mean()) < 1e-4, f"Model.loss {m.loss(ids):.6f} == the logits' cross-entropy {ce.mean():.6f}")
+    for bad_ids, what in ((np.array([[1, 2, 256]]), "token id 256"), (np.zeros((1, 300), np.int32), "300 tokens"),
+                          (np.array([[0.5, 1.0]]), "integer array")):
+        try:
+            m.logits(bad_ids)
+            check(False, f"Model.logits refuses {what}")
+        except (lathe.Error, TypeError) as e:
+            check(what in str(e), f"Model.logits refuses {what} ({type(e).__name__}: {e})")
     prompt = "ROMEO:"
     g = cli_ok(["generate", "--model", res.model_dir, "--prompt", prompt, "--max-new-tokens", "24",
                 "--temperature", "0"], "generate").stdout
