@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.environ.get("LATHE_SOURCE_DIR", os.path.abspath(os.path.join(HERE, "..", "..")))
@@ -254,6 +255,14 @@ def inner(tmp):
     except KeyboardInterrupt as e:
         saved = os.path.isdir(os.path.join(out_sig, "checkpoints", "step_00000002"))
         check("SIGINT" in str(e) and saved, f"SIGINT: a checkpoint of step 2, then KeyboardInterrupt ({e})")
+
+    try:  # after lathe.train, SIGINT is Python's again (lathe's handler was removed)
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):
+            time.sleep(0.01)
+        check(False, "after lathe.train, SIGINT raises Python's KeyboardInterrupt again")
+    except KeyboardInterrupt:
+        check(True, "after lathe.train, SIGINT raises Python's KeyboardInterrupt again")
 
     def bad(rec):
         raise ValueError("bad callback")
