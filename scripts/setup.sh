@@ -20,9 +20,10 @@ RUNTIME_PKGS=(build-essential cmake pkg-config git
       libopenblas-openmp-dev libyaml-cpp-dev nlohmann-json3-dev libcli11-dev libfmt-dev
       libsentencepiece-dev libpcre2-dev libzstd-dev zlib1g-dev zstd openmpi-bin libopenmpi-dev libdnnl-dev)
 # sentencepiece (spm_train/spm_encode): tokenizer oracle; libjemalloc2: PyTorch's allocator in bench/;
-# ca-certificates: pip's downloads.
+# ca-certificates: pip's downloads; python3-venv, ninja-build: tests/python/test_package.py's venv and
+# the pip build of the extension (scikit-build-core, offline, takes CMake and Ninja from the system).
 TEST_PKGS=(libgtest-dev libgmock-dev libbenchmark-dev sentencepiece libjemalloc2 ca-certificates
-      python3 python3-pip python3-numpy python3-torch python3-pil chromium)
+      python3 python3-pip python3-venv python3-numpy python3-torch python3-pil chromium ninja-build)
 PKGS=("${RUNTIME_PKGS[@]}")
 [ "$TEST" = 1 ] && PKGS+=("${TEST_PKGS[@]}")
 missing=()
@@ -47,7 +48,9 @@ if ! $PY -c "import importlib.metadata as m, tokenizers, sentencepiece, transfor
 assert (m.version('tokenizers'), m.version('transformers'), m.version('gguf')) == ('0.20.3', '4.45.2', '0.10.0')
 import onnx, onnxruntime, tensorboard
 assert (m.version('onnx'), m.version('onnxruntime')) == ('1.17.0', '1.20.1')
-assert m.version('tensorboard') == '2.20.0'" 2>/dev/null; then
+assert m.version('tensorboard') == '2.20.0'
+import scikit_build_core, nanobind
+assert (m.version('scikit-build-core'), m.version('nanobind')) == ('1.1.2', '3.1.0')" 2>/dev/null; then
   echo "setup: installing PyPI packages of requirements-test.txt for $PY"
   $PY -m pip install -q --break-system-packages -r "$(dirname "$0")/requirements-test.txt"
 fi

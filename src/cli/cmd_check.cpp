@@ -13,8 +13,7 @@
 
 #include "cli/command.h"
 #include "config/recipe.h"
-#include "train/preflight.h"
-#include "train/run_dir.h"
+#include "train/check.h"
 
 namespace {
 
@@ -39,25 +38,11 @@ int run_check(int argc, char** argv) {
     fmt::print("ok   {}\n", l);
     std::fflush(stdout);
   };
-  ok(fmt::format("recipe {} is valid", path));
-  lathe::resolve_layout(r, world);
-  ok(fmt::format("layout: {} process{} = parallel.data {} x tensor {} x pipeline {}{}; ZeRO {}; global batch {} samples",
-                 world, world == 1 ? "" : "es", r.parallel.data, r.parallel.tensor, r.parallel.pipeline,
-                 r.parallel.context > 1 ? fmt::format(" x context {}", r.parallel.context) : std::string(),
-                 r.parallel.zero, lathe::global_batch_samples(r)));
   auto note = [](const std::string& l) {
     fmt::print("note {}\n", l);
     std::fflush(stdout);
   };
-  lathe::preflight(r, opts, lathe::PreflightLog{ok, note}, /*check_only=*/true);
-  // The run-directory check `lathe train` makes right after preflight (train/run_dir.h).
-  if (!opts.overwrite) {
-    const std::string refusal = lathe::run_dir_refusal(r, opts.resume.empty() ? r.training.resume : opts.resume);
-    if (!refusal.empty()) lathe::throw_error("{}", refusal);
-    ok(fmt::format("output.dir {} holds no other run", r.output.dir));
-  } else {
-    note(fmt::format("--overwrite: a run in output.dir {} would be moved aside", r.output.dir));
-  }
+  lathe::check_recipe(r, path, opts, world, lathe::PreflightLog{ok, note});
   fmt::print("ok   lathe train {} can start\n", path);
   return 0;
 }

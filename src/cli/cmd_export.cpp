@@ -29,6 +29,7 @@
 #include "io/onnx_writer.h"
 #include "tokenizer/tokenizer.h"
 #include "train/checkpoint.h"
+#include "train/model_source.h"
 
 namespace lathe::cli {
 
@@ -42,81 +43,12 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct Source {
-  std::unique_ptr<Model> model;
-  std::string tokenizer;  // data.tokenizer of the run ("", "byte" or a path)
-  std::string hf_dir;     // set when the source is an HF directory (its tokenizer files are copied)
-  std::string read_dir;   // the directory the weights were read from (checkpoint or HF directory)
-  std::string desc;
-};
-
-// Non-throwing probes (a symlink loop or an unreadable entry answers "no"; the reader that
-// opens the file afterwards names the problem).
-bool regular(const fs::path& p) {
-  std::error_code ec;
-  return fs::is_regular_file(p, ec);
-}
-bool present(const fs::path& p) {
-  std::error_code ec;
-  return fs::exists(p, ec);
-}
-bool is_checkpoint_dir(const fs::path& p) { return present(p / "state.json"); }
-bool is_hf_dir(const fs::path& p) {
-  return regular(p / "config.json") &&
-         (present(p / "model.safetensors") || present(p / "model.safetensors.index.json"));
-}
-
-// data.tokenizer recorded by `lathe train` in DIR/lathe.json ("" when absent).
-std::string recorded_tokenizer(const fs::path& meta) {
-  if (!present(meta)) return "";
-  const nlohmann::json j = io::read_json_file(meta.string());  // depth-checked, errors name the file
-  if (!j.is_object() || !j.contains("tokenizer")) return "";
-  LATHE_CHECK(j["tokenizer"].is_string(), "{}: field 'tokenizer' must be a string, got {}", meta.string(),
-              io::json_type_name(j["tokenizer"]));
-  return j["tokenizer"].get<std::string>();
-}
+using Source = ModelSource;
 
 Source load_source(const std::string& path) {
-  Source s;
-  fs::path p(path);
-  std::error_code dir_ec;
-  LATHE_CHECK(fs::is_directory(p, dir_ec),
-              "{}: not a directory (expected a checkpoint, run or Hugging Face model directory)", path);
-  std::string ckpt;
-  if (is_checkpoint_dir(p)) {
-    ckpt = p.string();
-  } else if (present(p / "checkpoints")) {
-    std::string log;
-    ckpt = find_latest_checkpoint(p.string(), &log);
-    if (!log.empty()) fmt::print("{}", log.back() == '\n' ? log : log + "\n");
-    LATHE_CHECK(!ckpt.empty() || is_hf_dir(p / "model"),
-                "{}: no complete checkpoint under {}/checkpoints and no final model directory {}/model", path, path,
-                path);
-  }
-  if (!ckpt.empty()) {
-    CheckpointState st = read_checkpoint_state(ckpt);
-    auto model = build_model(checkpoint_model_config(ckpt));
-    load_checkpoint(ckpt, *model, nullptr);
-    s.model = std::move(model);
-    if (st.recipe.contains("data") && st.recipe["data"].contains("tokenizer") &&
-        st.recipe["data"]["tokenizer"].is_string())
-      s.tokenizer = st.recipe["data"]["tokenizer"].get<std::string>();
-    s.desc = fmt::format("checkpoint {} (step {})", ckpt, st.step);
-    s.read_dir = ckpt;
-    return s;
-  }
-  const fs::path hf = is_hf_dir(p) ? p : p / "model";
-  LATHE_CHECK(is_hf_dir(hf),
-              "{}: neither a checkpoint (state.json), a run directory (checkpoints/ or model/) nor a Hugging Face "
-              "model directory (config.json + model.safetensors)",
-              path);
-  std::string report;
-  s.model = load_hf_model(hf.string(), &report);
-  s.hf_dir = hf.string();
-  s.read_dir = s.hf_dir;
-  s.tokenizer = recorded_tokenizer(hf / "lathe.json");
-  s.desc = fmt::format("Hugging Face directory {} ({})", hf.string(), report);
-  return s;
+  return load_model_source(path, [](const std::string& log) {
+    fmt::print("{}", log.back() == '\n' ? log : log + "\n");
+  });
 }
 
 // What the export reads (the source's directory, the tokenizer files) and writes (--to and the

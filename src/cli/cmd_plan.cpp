@@ -21,8 +21,7 @@
 #include "core/timer.h"
 #include "models/memory.h"
 #include "parallel/plan.h"
-#include "train/peak.h"
-#include "train/preflight.h"
+#include "train/plan_job.h"
 
 namespace {
 
@@ -80,70 +79,23 @@ int run_plan(int argc, char** argv) {
   }
 
   lathe::Recipe r = lathe::load_recipe(path, sets);
-  lathe::plan::Job job;
-  job.context_allgather = r.parallel.context_impl == "allgather";
-  job.model = r.model;
-  job.world = world;
-  job.micro_batch = r.training.micro_batch_size;
-  job.seq_len = r.training.seq_len;
-  job.global_batch = global_batch > 0 ? global_batch
-                                      : r.training.micro_batch_size * r.training.grad_accum_steps *
-                                            (r.parallel.data > 0 ? r.parallel.data : world);
-  job.compute = lathe::compute_spec(r).dtype;
-  std::sort(virtual_stages.begin(), virtual_stages.end());
-  virtual_stages.erase(std::unique(virtual_stages.begin(), virtual_stages.end()), virtual_stages.end());
-  job.virtual_stages = virtual_stages;
-
-  lathe::plan::Machine m;
-  std::string peak_src, link_src, mem_src;
-  if (peak > 0) {
-    peak_src = "given";
-  } else if (r.training.peak_gflops > 0) {
-    peak = r.training.peak_gflops;
-    peak_src = "the recipe's training.peak_gflops";
-  } else {
-    peak = lathe::measure_peak_gflops();
-    peak_src = "measured here: fp32 GEMM probe with this process's threads";
-  }
-  if (link > 0) {
-    link_src = "given";
-  } else {
-    link = lathe::plan::measure_copy_gbps();
-    link_src = "measured here: memcpy, as ranks on one machine exchange through shared memory";
-  }
-  m.peak_gflops = peak;
-  m.inter_gbps = link;
-  m.intra_gbps = intra > 0 ? intra : link;
-  m.gpus_per_node = gpus_per_node > 0 ? gpus_per_node : world;
-  if (memory_gb > 0) {
-    m.memory_bytes = static_cast<int64_t>(memory_gb * 1e9);
-    mem_src = "given";
-  } else {
-    const lathe::MachineMemory mm = lathe::machine_memory();
-    m.memory_bytes = mm.bytes / world;
-    mem_src = mm.bytes > 0 ? fmt::format("{} / world {}", mm.source, world) : "unknown: everything fits";
-  }
-
-  const std::vector<lathe::plan::Estimate> all = lathe::plan::enumerate(job, m);
+  lathe::PlanAssumptions a;
+  a.world = world;
+  a.global_batch = global_batch;
+  a.gpus_per_node = gpus_per_node;
+  a.memory_gb = memory_gb;
+  a.peak_gflops = peak;
+  a.link_gbps = link;
+  a.intra_gbps = intra;
+  a.virtual_stages = virtual_stages;
+  const lathe::JobPlan p = lathe::plan_job(r, path, a);
+  const lathe::plan::Job& job = p.job;
+  const lathe::plan::Machine& m = p.machine;
+  const std::vector<lathe::plan::Estimate>& all = p.all;
+  const std::string &peak_src = p.peak_src, &link_src = p.link_src, &mem_src = p.mem_src;
+  peak = p.machine.peak_gflops;
   if (json) {
-    nlohmann::json j{{"recipe", path},
-                     {"world", world},
-                     {"global_batch", job.global_batch},
-                     {"micro_batch_size", job.micro_batch},
-                     {"seq_len", job.seq_len},
-                     {"params", r.model.num_parameters()},
-                     {"machine",
-                      {{"peak_gflops", peak},
-                       {"peak_source", peak_src},
-                       {"inter_gbps", m.inter_gbps},
-                       {"intra_gbps", m.intra_gbps},
-                       {"link_source", link_src},
-                       {"gpus_per_node", m.gpus_per_node},
-                       {"memory_bytes", m.memory_bytes},
-                       {"memory_source", mem_src}}},
-                     {"layouts", nlohmann::json::array()}};
-    for (const auto& e : all) j["layouts"].push_back(lathe::plan::to_json(e));
-    fmt::print("{}\n", j.dump(1));
+    fmt::print("{}\n", lathe::plan_json(p, r, path).dump(1));
     return 0;
   }
   // Memory columns in GB, or MB for models where every figure is below a GB.

@@ -11,6 +11,7 @@
 #include "core/blas_env.h"
 #include "core/cpu_isa.h"
 #include "core/error.h"
+#include "core/error_message.h"
 #include "core/stop.h"
 #include "dist/comm.h"
 
@@ -84,17 +85,7 @@ int main(int argc, char** argv) {
     std::fflush(stderr);
     lathe::dist::end_job_after_error(e.exit_code());  // no rank of an MPI job waits for this one
     return e.exit_code();
-  } catch (const lathe::Error& e) {
-    return fail(e.what());
-  } catch (const std::bad_alloc&) {
-    return fail(
-        "out of memory: an allocation failed (a dimension, batch or file too large for this machine's memory; lower "
-        "it or free memory)");
-  } catch (const std::filesystem::filesystem_error& e) {
-    return fail(e.what());  // names the operation and the path(s)
-  } catch (const nlohmann::json::exception& e) {
-    return fail(fmt::format("unexpected JSON value: {} (a file field has the wrong type)", e.what()));
   } catch (const std::exception& e) {
-    return fail(e.what());
+    return fail(lathe::error_message(e));  // bad_alloc, filesystem and JSON errors explained
   }
 }

@@ -1,6 +1,7 @@
 #include "core/blas_env.h"
 
 #include <cblas.h>
+#include <fmt/format.h>
 #include <sched.h>
 #include <unistd.h>
 
@@ -71,10 +72,9 @@ OmpLoad omp_load() {
 
 bool OmpLoad::oversubscribed() const { return threads * local_ranks + other_busy > cpus; }
 
-void ensure_fast_runtime(int argc, char** argv) {
-  (void)argc;
-  if (std::getenv("LATHE_RUNTIME_SET") != nullptr) return;  // already re-executed once
-  bool changed = false;
+RuntimeSettings fast_runtime_settings() {
+  RuntimeSettings out;
+  if (std::getenv("LATHE_RUNTIME_SET") != nullptr) return out;  // already re-executed once
   // OpenBLAS 0.3.21 (Debian 12) knows no AVX-512 AMD core: Zen 4/5 get its AVX2 "Haswell"/"Zen"
   // kernels (sgemm ~105 GFLOP/s on one Zen 5 core against 180-210 with "SkylakeX"; the small GPT-2
   // step at T=256 1.15 s -> 0.6 s), and some Xeons get the generic "Prescott". Where the CPU has
@@ -88,28 +88,34 @@ void ensure_fast_runtime(int argc, char** argv) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
-      setenv("OPENBLAS_CORETYPE", "SkylakeX", 1);
-      changed = true;
+      out.env.emplace_back("OPENBLAS_CORETYPE", "SkylakeX");
     }
   }
   if (std::getenv("OMP_WAIT_POLICY") == nullptr && std::getenv("GOMP_SPINCOUNT") == nullptr) {
     const OmpLoad l = omp_load();
     if (l.oversubscribed()) {
-      setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+      out.env.emplace_back("OMP_WAIT_POLICY", "PASSIVE");
       const long local_rank = env_count("OMPI_COMM_WORLD_LOCAL_RANK") + env_count("MPI_LOCALRANKID");
       if (local_rank == 0) {
-        std::fprintf(stderr,
-                     "lathe: note: %d OpenMP threads x %d local process(es) + %d other busy task(s) > %d CPUs: "
-                     "threads wait passively (OMP_WAIT_POLICY=PASSIVE; set OMP_WAIT_POLICY or GOMP_SPINCOUNT to "
-                     "choose)\n",
-                     l.threads, l.local_ranks, l.other_busy, l.cpus);
+        out.note = fmt::format(
+            "lathe: note: {} OpenMP threads x {} local process(es) + {} other busy task(s) > {} CPUs: "
+            "threads wait passively (OMP_WAIT_POLICY=PASSIVE; set OMP_WAIT_POLICY or GOMP_SPINCOUNT to "
+            "choose)\n",
+            l.threads, l.local_ranks, l.other_busy, l.cpus);
       }
     } else {
-      setenv("GOMP_SPINCOUNT", kSpinCount, 1);
+      out.env.emplace_back("GOMP_SPINCOUNT", kSpinCount);
     }
-    changed = true;
   }
-  if (!changed) return;
+  return out;
+}
+
+void ensure_fast_runtime(int argc, char** argv) {
+  (void)argc;
+  const RuntimeSettings s = fast_runtime_settings();
+  if (!s.note.empty()) std::fputs(s.note.c_str(), stderr);
+  if (s.env.empty()) return;
+  for (const auto& [name, value] : s.env) setenv(name.c_str(), value.c_str(), 1);
   setenv("LATHE_RUNTIME_SET", "1", 1);
   execv("/proc/self/exe", argv);
   std::fprintf(stderr, "lathe: note: could not re-execute with the tuned OpenBLAS/OpenMP settings; running as is\n");

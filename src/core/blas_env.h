@@ -17,6 +17,8 @@
 //    OMP_WAIT_POLICY or GOMP_SPINCOUNT set by the user are always kept.
 #pragma once
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace lathe {
 
@@ -36,6 +38,15 @@ struct OmpLoad {
   bool oversubscribed() const;
 };
 OmpLoad omp_load();
+
+// What ensure_fast_runtime() sets: the variables missing from the environment (name, value; none
+// when LATHE_RUNTIME_SET is set) and the note line to print ("" for none). The Python package
+// (python/lathe/__init__.py) applies them before its extension loads OpenBLAS and libgomp.
+struct RuntimeSettings {
+  std::vector<std::pair<std::string, std::string>> env;
+  std::string note;
+};
+RuntimeSettings fast_runtime_settings();
 
 // Call first thing in main() (lathe calls it for invocations that run a command, not for --help or
 // --version). Returns only if no re-exec was needed (or it failed).

@@ -407,6 +407,11 @@ int64_t IndexedDataset::sequence_offset(size_t i) const {
   return load<int64_t>(idx_ + kHeaderBytes + 4 * num_sequences_ + 8 * i) / static_cast<int64_t>(dtype_size(dtype_));
 }
 
+const void* IndexedDataset::sequence_data(size_t i) const {
+  const int64_t off = sequence_offset(i);  // range-checked; validated against the .bin size on open
+  return bin_ ? bin_ + static_cast<size_t>(off) * dtype_size(dtype_) : nullptr;
+}
+
 void IndexedDataset::read_global(int64_t start, int64_t count, int32_t* out) const {
   LATHE_CHECK(start >= 0 && count >= 0 && start + count <= total_tokens_,
               "{}.bin: read of tokens [{}, {}) out of range (dataset has {} tokens)", prefix_, start, start + count,

@@ -79,6 +79,9 @@ class IndexedDataset {
 
   // Tokens [start, start+count) of the concatenation of all sequences, converted to int32.
   void read_global(int64_t start, int64_t count, int32_t* out) const;
+  // The tokens of sequence i in place, in dtype() (sequence_length(i) of them; nullptr when the
+  // dataset is empty): a zero-copy view of the .bin mmap, valid while this object lives.
+  const void* sequence_data(size_t i) const;
   // All sequence_length(i) tokens of sequence i.
   void read_sequence(size_t i, int32_t* out) const;
   // Largest token id (full scan with OpenMP, cached); -1 for an empty dataset. Throws naming the

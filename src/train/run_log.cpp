@@ -275,6 +275,7 @@ void RunLog::open_records(bool resumed, bool anomaly_audit) {
 void RunLog::metrics(const nlohmann::json& j, const char* group) {
   if (metrics_) metrics_->write(j);
   if (tensorboard_) tensorboard_->record(group, j);
+  if (rank0_ && on_metrics_) on_metrics_(j);
 }
 
 void RunLog::audit(const nlohmann::json& j, const std::string& line) {

@@ -82,6 +82,8 @@ class RunLog {
   RunLog(const Recipe& r, bool rank0, bool quiet) : r_(r), rank0_(rank0), quiet_(quiet) {}
 
   bool rank0() const { return rank0_; }
+  // Called with each metrics.jsonl record (TrainOptions::on_metrics), rank 0 only.
+  void set_metrics_hook(std::function<void(const nlohmann::json&)> fn) { on_metrics_ = std::move(fn); }
   // A routine line (silenced by --quiet).
   void log(const std::string& s) const;
   // A line printed even with --quiet: resume decisions, stops, anomalies (what state the run is in).
@@ -128,6 +130,7 @@ class RunLog {
   const Recipe& r_;
   const bool rank0_, quiet_;
   mutable LogFile file_;  // OUTPUT/train.log (rank 0)
+  std::function<void(const nlohmann::json&)> on_metrics_;
   std::string metrics_path_;
   std::unique_ptr<MetricsWriter> metrics_, anomalies_;
   std::unique_ptr<TensorBoardWriter> tensorboard_;

@@ -66,6 +66,7 @@ TrainSession::TrainSession(const Recipe& recipe, const TrainOptions& opts)
       world_(opts.world ? *opts.world : *own_world_),
       r_(recipe),
       log_(r_, world_.rank() == 0, opts.quiet) {
+  log_.set_metrics_hook(opts.on_metrics);
   check_layout(r_, world_);
   topo_ = std::make_unique<Topology>(world_, r_.parallel);
   const int dp = topo_->lay.samples_dp();  // data ranks proper (context ranks share their samples)

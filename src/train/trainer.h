@@ -71,6 +71,9 @@ struct TrainOptions {
   // --profile-steps A-B: record the steps A..B (1-based, inclusive) with the profiler and write
   // OUTPUT/trace/rankRRRRR.json (Chrome trace events). 0 = off.
   int64_t profile_first = 0, profile_last = 0;
+  // Called on rank 0 with each metrics.jsonl record as it is written (the Python package's
+  // lathe.train(on_step=...)); it may throw to end the run. Unset: nothing.
+  std::function<void(const nlohmann::json&)> on_metrics;
   // Faults tests inject (train/fault_plan.h); `lathe train` fills it from the LATHE_TEST_*
   // environment variables. Empty: none.
   FaultPlan faults;

@@ -4,7 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "core/blas_env.h"
 
@@ -43,6 +46,39 @@ TEST(OmpLoad, ReadsThreadsAndLocalRanksFromTheEnvironment) {
   EXPECT_TRUE(l.oversubscribed() == (15 + l.other_busy > l.cpus));
   unsetenv("OMPI_COMM_WORLD_LOCAL_SIZE");
   if (old_threads) setenv("OMP_NUM_THREADS", saved.c_str(), 1); else unsetenv("OMP_NUM_THREADS");
+}
+
+// fast_runtime_settings(): what `lathe` re-executes with and the Python package applies. The user's
+// own settings are kept; without them the wait policy is decided by omp_load(); with
+// LATHE_RUNTIME_SET (after the re-exec, or once the package applied them) nothing more.
+TEST(FastRuntime, SettingsKeepTheUsersAndFollowTheLoad) {
+  auto saved = [](const char* n) { const char* v = std::getenv(n); return v ? std::optional<std::string>(v) : std::nullopt; };
+  const char* names[] = {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "LATHE_RUNTIME_SET", "OPENBLAS_CORETYPE"};
+  std::vector<std::optional<std::string>> old;
+  for (const char* n : names) old.push_back(saved(n));
+  setenv("OPENBLAS_CORETYPE", "Haswell", 1);  // the user's: kept
+  setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+  unsetenv("GOMP_SPINCOUNT");
+  unsetenv("LATHE_RUNTIME_SET");
+  RuntimeSettings s = fast_runtime_settings();
+  EXPECT_TRUE(s.env.empty());
+  EXPECT_EQ(s.note, "");
+  unsetenv("OMP_WAIT_POLICY");
+  s = fast_runtime_settings();
+  ASSERT_EQ(s.env.size(), 1u);
+  // Which one depends on this machine's load at the moment (omp_load): either answer is whole.
+  if (s.env[0].first == "OMP_WAIT_POLICY") {
+    EXPECT_EQ(s.env[0].second, "PASSIVE");
+    EXPECT_NE(s.note.find("threads wait passively"), std::string::npos) << s.note;
+  } else {
+    EXPECT_EQ(s.env[0], (std::pair<std::string, std::string>("GOMP_SPINCOUNT", kSpinCount)));
+    EXPECT_EQ(s.note, "");
+  }
+  setenv("LATHE_RUNTIME_SET", "1", 1);
+  EXPECT_TRUE(fast_runtime_settings().env.empty());
+  for (size_t i = 0; i < old.size(); ++i) {
+    if (old[i]) setenv(names[i], old[i]->c_str(), 1); else unsetenv(names[i]);
+  }
 }
 
 }  // namespace

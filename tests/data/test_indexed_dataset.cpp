@@ -125,6 +125,17 @@ TEST_P(RoundTrip, WriteRead) {
     std::vector<int32_t> got(docs[i].size());
     ds.read_sequence(i, got.data());
     EXPECT_EQ(got, docs[i]) << "sequence " << i;
+    // sequence_data(i): the same tokens in place, in the shard's dtype (the Python package's views).
+    const unsigned char* raw = static_cast<const unsigned char*>(ds.sequence_data(i));
+    for (size_t k = 0; k < docs[i].size(); ++k) {
+      int64_t v = 0;
+      const unsigned char* e = raw + k * lathe::dtype_size(dt);
+      if (dt == DType::U8) v = *e;
+      if (dt == DType::U16) v = *reinterpret_cast<const uint16_t*>(e);
+      if (dt == DType::I32) v = *reinterpret_cast<const int32_t*>(e);
+      if (dt == DType::I64) v = *reinterpret_cast<const int64_t*>(e);
+      ASSERT_EQ(v, docs[i][k]) << "sequence_data " << i << " token " << k;
+    }
     stream.insert(stream.end(), docs[i].begin(), docs[i].end());
     for (int32_t t : docs[i]) mx = std::max(mx, t);
   }
@@ -139,6 +150,7 @@ TEST_P(RoundTrip, WriteRead) {
   std::vector<int32_t> one(1);
   EXPECT_THROW(ds.read_global(static_cast<int64_t>(ntok), 1, one.data()), lathe::Error);
   EXPECT_THROW(ds.sequence_length(docs.size()), lathe::Error);
+  EXPECT_THROW(ds.sequence_data(docs.size()), lathe::Error);
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, RoundTrip, ::testing::Values(DType::U16, DType::I32, DType::U8, DType::I64));
@@ -150,6 +162,7 @@ TEST(IndexedDataset, EmptyDataset) {
   EXPECT_EQ(ds.num_sequences(), 0u);
   EXPECT_EQ(ds.total_tokens(), 0);
   EXPECT_EQ(ds.max_token_id(), -1);
+  EXPECT_THROW(ds.sequence_data(0), lathe::Error);
 }
 
 // Section 3's worked example, bytes transcribed from the spec.
