@@ -27,6 +27,12 @@ std::string Layout::name() const {
 double flops_per_token(const ModelConfig& cfg, int64_t T) {
   double n = static_cast<double>(cfg.num_parameters());
   if (cfg.is_gpt2()) n -= static_cast<double>(cfg.max_position_embeddings * cfg.hidden_size);
+  // Mixture of experts: a token runs through num_experts_per_tok of each layer's experts (active
+  // parameters, as Model::flops_per_token).
+  if (cfg.moe())
+    n -= static_cast<double>(cfg.num_hidden_layers) *
+         static_cast<double>(cfg.num_local_experts - cfg.num_experts_per_tok) * 3.0 *
+         static_cast<double>(cfg.hidden_size) * static_cast<double>(cfg.intermediate_size);
   return 6.0 * n + 12.0 * static_cast<double>(cfg.attention_width()) * cfg.attention_keys_over_layers(T);
 }
 

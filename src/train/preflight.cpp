@@ -297,6 +297,28 @@ void resolve_layout(Recipe& r, int64_t world) {
   r.parallel.data = data;
 }
 
+// Mixture of experts (issue 28; models/moe_layer.cpp): the layouts it runs in (one process or data
+// parallel with ZeRO 0-2, fp32 on the cpu, no recompute); the rest refused naming the key.
+static void check_moe_layout(const Recipe& r, const ModelConfig& m, const PreflightLog& log) {
+  if (!m.moe()) return;
+  auto refuse = [&](const char* key, const std::string& value, const char* fix) {
+    throw_error("{}: {} {}: a mixture-of-experts model ({}) does not support it yet; {}", r.source, key, value,
+                m.model_type, fix);
+  };
+  if (r.parallel.tensor > 1) refuse("parallel.tensor", std::to_string(r.parallel.tensor), "set parallel.tensor: 1");
+  if (r.parallel.pipeline > 1)
+    refuse("parallel.pipeline", std::to_string(r.parallel.pipeline), "set parallel.pipeline: 1");
+  if (r.parallel.context > 1) refuse("parallel.context", std::to_string(r.parallel.context), "set parallel.context: 1");
+  if (r.parallel.zero >= 3) refuse("parallel.zero", std::to_string(r.parallel.zero), "set parallel.zero to 0, 1 or 2");
+  if (r.recompute != "none") refuse("recompute", r.recompute, "set recompute: none");
+  if (r.precision.compute != "fp32")
+    refuse("precision.compute", r.precision.compute, "set precision.compute: fp32 (the MoE kernels are fp32)");
+  if (r.device != "cpu") refuse("device", r.device, "set device: cpu (the MoE kernels are cpu kernels)");
+  log.ok(fmt::format("mixture of experts: {} experts, top-{}, aux loss coefficient {}{}", m.num_local_experts,
+                     m.num_experts_per_tok, m.moe_aux_coef(),
+                     m.output_router_logits ? "" : " (output_router_logits false: the aux loss is reported only)"));
+}
+
 // One rank's memory figure (parameters, gradients, two moments, activations for micro_batch_size x
 // seq_len), refused with the numbers before anything is allocated. Per process: ZeRO 1/2 divide the
 // moments by the data degree, ZeRO 3 also the weights and gradients.
@@ -451,6 +473,7 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
     pf.model = build_model(r.model, spec);
   }
   log.ok(fmt::format("model {}: {} parameters", r.model.model_type, pf.model->num_params()));
+  check_moe_layout(r, pf.model->config(), log);
   if (r.parallel.tensor > 1) {
     // Heads, KV heads and the MLP width must split evenly (the vocabulary may split unevenly); the
     // trainer builds each rank's model from this config and keeps pf.model (unallocated) as the
