@@ -298,7 +298,8 @@ void resolve_layout(Recipe& r, int64_t world) {
 }
 
 // Mixture of experts (issue 28; models/moe_layer.cpp): the layouts it runs in (one process or data
-// parallel with ZeRO 0-2, fp32 on the cpu, no recompute); the rest refused naming the key.
+// parallel with ZeRO 0-3: its expert weights and gradients are slices of the flat buffers; fp32 on
+// the cpu, no recompute); the rest refused naming the key.
 static void check_moe_layout(const Recipe& r, const ModelConfig& m, const PreflightLog& log) {
   if (!m.moe()) return;
   auto refuse = [&](const char* key, const std::string& value, const char* fix) {
@@ -309,7 +310,6 @@ static void check_moe_layout(const Recipe& r, const ModelConfig& m, const Prefli
   if (r.parallel.pipeline > 1)
     refuse("parallel.pipeline", std::to_string(r.parallel.pipeline), "set parallel.pipeline: 1");
   if (r.parallel.context > 1) refuse("parallel.context", std::to_string(r.parallel.context), "set parallel.context: 1");
-  if (r.parallel.zero >= 3) refuse("parallel.zero", std::to_string(r.parallel.zero), "set parallel.zero to 0, 1 or 2");
   if (r.recompute != "none") refuse("recompute", r.recompute, "set recompute: none");
   if (r.precision.compute != "fp32")
     refuse("precision.compute", r.precision.compute, "set precision.compute: fp32 (the MoE kernels are fp32)");
@@ -453,6 +453,9 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   // gradients, two moments, activations for micro_batch_size x seq_len), refused with the numbers
   // before anything is allocated.
   const int64_t data = std::max<int64_t>(1, r.parallel.data);
+  // Before the per-rank figure (whose tensor shard of a MoE model would fail less clearly).
+  check_moe_layout(r, pf.ckpt.empty() && !r.init_from.empty() ? init_from_config(r.model, r.init_from, r.source) : r.model,
+                   log);
   const Recompute rc = parse_recompute(r.recompute, r.source + ": recompute");
   check_rank_memory(r, B, T, data, rc, spec.dtype, sharded, log);
   if (!pf.ckpt.empty()) {
@@ -473,7 +476,6 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
     pf.model = build_model(r.model, spec);
   }
   log.ok(fmt::format("model {}: {} parameters", r.model.model_type, pf.model->num_params()));
-  check_moe_layout(r, pf.model->config(), log);
   if (r.parallel.tensor > 1) {
     // Heads, KV heads and the MLP width must split evenly (the vocabulary may split unevenly); the
     // trainer builds each rank's model from this config and keeps pf.model (unallocated) as the
