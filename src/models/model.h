@@ -379,6 +379,9 @@ class Model {
   // pipeline layout). Throws naming what is missing otherwise (at construction and per pass).
   void check_gemma2_support() const;
   // ---- mixture of experts (models/moe_layer.cpp) ----
+  // resolve()'s place for a MoE role (router, experts' w1 / w3 / w2) in `lp` (nullable), needed when
+  // `moe`; nullptr for any other role.
+  static float** moe_slot(Role r, LayerPtrs* lp, bool moe, bool* needed);
   // Where a MoE model runs (host fp32, one process or data parallel): throws naming the key.
   void check_moe_support() const;
   // Layer l's MoE block: res2 = res1 + moe(ln2) (load statistics of the pass accumulated), and its

@@ -75,6 +75,22 @@ std::unique_ptr<Model> build_mixtral(const ModelConfig& cfg, const ComputeSpec& 
   return std::make_unique<Model>(cfg, arch, std::move(t), compute);
 }
 
+float** Model::moe_slot(Role r, LayerPtrs* lp, bool moe, bool* needed) {
+  *needed = moe;
+  switch (r) {
+    case Role::RouterW:
+      return lp ? &lp->router_w : nullptr;
+    case Role::ExpertW1:
+      return lp ? &lp->exp_w1 : nullptr;
+    case Role::ExpertW3:
+      return lp ? &lp->exp_w3 : nullptr;
+    case Role::ExpertW2:
+      return lp ? &lp->exp_w2 : nullptr;
+    default:
+      return nullptr;
+  }
+}
+
 void Model::check_moe_support() const {
   if (arch_.moe_experts == 0) return;
   const std::string& mt = cfg_.model_type;

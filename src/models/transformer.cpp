@@ -158,20 +158,8 @@ ModelPtrs Model::resolve(float* base) const {
       case Role::PostFfnNormW:
         *needed = arch_.sandwich_norm;
         return lp ? &lp->post_ffn_w : nullptr;
-      case Role::RouterW:  // mixture of experts (models/moe_layer.cpp)
-        *needed = arch_.moe_experts > 0;
-        return lp ? &lp->router_w : nullptr;
-      case Role::ExpertW1:
-        *needed = arch_.moe_experts > 0;
-        return lp ? &lp->exp_w1 : nullptr;
-      case Role::ExpertW3:
-        *needed = arch_.moe_experts > 0;
-        return lp ? &lp->exp_w3 : nullptr;
-      case Role::ExpertW2:
-        *needed = arch_.moe_experts > 0;
-        return lp ? &lp->exp_w2 : nullptr;
-      default:
-        return nullptr;
+      default:  // the router and experts (models/moe_layer.cpp), or no place
+        return moe_slot(r, lp, arch_.moe_experts > 0, needed);
     }
   };
   // Fused groups (q|k|v, gate|up) are a role tensor followed by its Continues tensors: their
