@@ -162,6 +162,8 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l, Schedule
   };
   if (l.zero == 3 && (t > 1 || p > 1 || job.compute != DType::F32))
     return reject("ZeRO 3 runs data parallelism alone in fp32 so far (tensor 1, pipeline 1)");
+  if (cfg.moe() && (t > 1 || p > 1 || l.recompute != Recompute::None || job.compute != DType::F32))
+    return reject("a mixture-of-experts model runs data parallelism alone in fp32 without recompute so far");
   if (cfg.num_attention_heads % t)
     return reject(fmt::format("tensor {} does not divide num_attention_heads {}", t, cfg.num_attention_heads));
   if (cfg.num_key_value_heads % t)
