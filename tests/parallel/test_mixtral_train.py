@@ -6,7 +6,8 @@ parallel over 2 ranks (2 micro-batches each) with ZeRO 1, 2 and 3 must give its 
 norms and moe_aux_loss metrics within 1e-5 relative (the expert weights and gradients are slices of
 the flat buffers; the aux loss is the token-weighted mean of the micro-batches'). The layouts a MoE
 model does not support yet are refused naming the key: parallel.tensor, parallel.pipeline, parallel.context,
-recompute, precision.compute bf16.
+recompute, precision.compute bf16. A run stopped after step 3 and resumed from its checkpoint gives
+the uninterrupted run's bits.
 """
 import os
 import shutil
@@ -50,6 +51,13 @@ def main():
         mpi_train.same_run(dp, one, f"mixtral data 2 ZeRO {zero}")
         e = rel(series(dp, "moe_aux_loss"), aux)
         check(e <= 1e-5, f"mixtral data 2 ZeRO {zero}: moe_aux_loss matches one process (max rel {e:.2e})")
+    # Stopped after step 3 (checkpoint at 3), resumed: the uninterrupted run's bits.
+    cut = os.path.join(TMP, "cut")
+    path = model_recipe(data, MODEL, cut, PIPELINE_TRAINING, output__checkpoint_every=3)
+    mpi_train.train_checked(1, path, cut, "mixtral stop after 3", ("--stop-after", "3"))
+    mpi_train.train_checked(1, path, cut, "mixtral resume", ("--resume", "auto"))
+    for key in ("loss", "grad_norm", "moe_aux_loss"):
+        check(series(cut, key) == series(one, key), f"stop at 3 + resume: {key} bit-identical to uninterrupted")
     refused(2, data, "tp2", "parallel.tensor", parallel__tensor=2)
     refused(2, data, "pp2", "parallel.pipeline", parallel__pipeline=2)
     refused(2, data, "cp2", "parallel.context", parallel__context=2)
