@@ -27,10 +27,13 @@ using lathe::test::error_of;
 
 namespace {
 
-// mixtral-debug with weights of std 0.5 (attention, RoPE and the router's choices all matter).
+// mixtral-debug with weights of std 0.25: attention, RoPE and the router's choices all matter (the
+// oracle prints aux loss 2.37, 1 being balanced, and router probabilities up to 0.94) while the
+// router softmax is not so saturated that fp32 rounding nears the tolerance (worst gradient 2.6e-6
+// here; std 0.5 gave 1e-4).
 ModelConfig parity_cfg() {
   ModelConfig c = ModelConfig::preset("mixtral-debug");
-  c.initializer_range = 0.3;
+  c.initializer_range = 0.25;
   return c;
 }
 
