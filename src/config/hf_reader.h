@@ -98,4 +98,9 @@ struct ModelConfig;
 const std::vector<std::string>& gemma2_keys();
 void read_gemma2(const hf_config::Reader& r, ModelConfig& c);
 void gemma2_to_hf_json(const ModelConfig& c, nlohmann::json& j);
+// config/mixtral_config.cpp (issue 28): MixtralConfig's keys, its reader and the mixtral part of
+// ModelConfig::to_hf_json.
+const std::vector<std::string>& mixtral_keys();
+void read_mixtral(const hf_config::Reader& r, ModelConfig& c);
+void mixtral_to_hf_json(const ModelConfig& c, nlohmann::json& j);
 }  // namespace lathe

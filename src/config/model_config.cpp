@@ -20,7 +20,7 @@ using hf_config::Reader;
 using hf_config::value_str;
 
 const std::vector<std::string> kModelTypes = {"gpt2",  "llama", "qwen2",    "mistral",
-                                              "qwen3", "phi3",  "gpt_neox", "gemma2"};
+                                              "qwen3", "phi3",  "gpt_neox", "gemma2", "mixtral"};
 
 // Keys of every PretrainedConfig that never change the forward math.
 const std::vector<std::string> kCommonKeys = {"model_type",
@@ -119,6 +119,8 @@ std::vector<std::string> ModelConfig::known_keys(std::string_view model_type) {
     keys.insert(keys.end(), kGptNeoxKeys.begin(), kGptNeoxKeys.end());
   } else if (model_type == "gemma2") {
     keys.insert(keys.end(), gemma2_keys().begin(), gemma2_keys().end());
+  } else if (model_type == "mixtral") {  // config/mixtral_config.cpp
+    keys.insert(keys.end(), mixtral_keys().begin(), mixtral_keys().end());
   } else {
     keys.insert(keys.end(), kLlamaKeys.begin(), kLlamaKeys.end());
     if (model_type == "qwen2") keys.insert(keys.end(), kQwen2Extra.begin(), kQwen2Extra.end());
@@ -352,12 +354,13 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
   Reader r{j, source, key_prefix};
   ModelConfig c;
   if (!j.contains("model_type"))
-    throw_error("{}: {}model_type is missing (one of gpt2, llama, qwen2, mistral, qwen3, phi3, gpt_neox, gemma2)",
+    throw_error("{}: {}model_type is missing (one of gpt2, llama, qwen2, mistral, qwen3, phi3, gpt_neox, gemma2, "
+                "mixtral)",
                 source, key_prefix);
   c.model_type = r.get_string("model_type");
   if (std::find(kModelTypes.begin(), kModelTypes.end(), c.model_type) == kModelTypes.end())
     r.fail("model_type", fmt::format("'{}' is not supported (supported: gpt2, llama, qwen2, mistral, qwen3, phi3, "
-                                     "gpt_neox, gemma2)",
+                                     "gpt_neox, gemma2, mixtral)",
                                      c.model_type));
   c.family = family_of(c.model_type);
 
@@ -411,6 +414,8 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
     read_gpt_neox(r, c);
   } else if (c.model_type == "gemma2") {
     read_gemma2(r, c);
+  } else if (c.model_type == "mixtral") {  // config/mixtral_config.cpp
+    read_mixtral(r, c);
   } else {
     // LlamaConfig / Qwen2Config / MistralConfig / Qwen3Config / Phi3Config class defaults.
     const bool qwen3 = c.model_type == "qwen3", qwen = c.model_type == "qwen2" || qwen3,
@@ -623,6 +628,18 @@ void ModelConfig::validate(std::string_view source, std::string_view prefix) con
   for (int64_t id : eos_token_ids)
     LATHE_CHECK(id >= 0 && id <= INT32_MAX, "{}: {}eos_token_id: {} in the list is out of range (0 .. {})", source,
                 prefix, id, INT32_MAX);
+  // Mixture of experts (config/mixtral_config.cpp): mixtral only, experts and top-k in range.
+  LATHE_CHECK(num_local_experts == 0 || model_type == "mixtral",
+              "{}: {}num_local_experts is a mixtral field ({} has no mixture of experts)", source, prefix, model_type);
+  LATHE_CHECK(model_type != "mixtral" || (num_local_experts >= 1 && num_local_experts <= kMaxMoeExperts),
+              "{}: {} = {} must be in [1, {}]", source, hf("num_local_experts"), num_local_experts, kMaxMoeExperts);
+  LATHE_CHECK(!moe() || (num_experts_per_tok >= 1 && num_experts_per_tok <= num_local_experts),
+              "{}: {} = {} must be in [1, num_local_experts = {}]", source, hf("num_experts_per_tok"),
+              num_experts_per_tok, num_local_experts);
+  LATHE_CHECK(std::isfinite(router_aux_loss_coef) && router_aux_loss_coef >= 0 && std::isfinite(router_z_loss_coef) &&
+                  router_z_loss_coef >= 0,
+              "{}: {} = {} and {} = {} must be finite numbers >= 0", source, hf("router_aux_loss_coef"),
+              router_aux_loss_coef, hf("router_z_loss_coef"), router_z_loss_coef);
   // The parameter count is the largest product formed from these fields; it must fit 64 bits.
   (void)num_parameters();
 }
@@ -661,7 +678,9 @@ int64_t ModelConfig::num_parameters() const {
     return sum({mul({V, C}), mul({L, block}), mul({2, C}), tie_word_embeddings ? 0 : mul({V, C})});
   }
   const int64_t hd = head_dim(), H = num_attention_heads, KV = num_key_value_heads;
-  int64_t block = sum({mul({2, C}), mul({C, H, hd}), mul({2, C, KV, hd}), mul({H, hd, C}), mul({3, C, F})});
+  // The MLP: gate, up, down; a mixture of experts: E of them and the router [E, C].
+  const int64_t mlp = moe() ? sum({mul({num_local_experts, 3, C, F}), mul({num_local_experts, C})}) : mul({3, C, F});
+  int64_t block = sum({mul({2, C}), mul({C, H, hd}), mul({2, C, KV, hd}), mul({H, hd, C}), mlp});
   if (qkv_bias()) block = sum({block, mul({H, hd}), mul({2, KV, hd})});
   if (o_bias()) block = sum({block, C});
   if (qk_norm) block = sum({block, mul({2, hd})});                // q_norm, k_norm weights [head_dim]
@@ -701,6 +720,10 @@ json ModelConfig::to_hf_json() const {
   }
   if (model_type == "gemma2") {
     gemma2_to_hf_json(*this, j);
+    return j;
+  }
+  if (model_type == "mixtral") {  // config/mixtral_config.cpp
+    mixtral_to_hf_json(*this, j);
     return j;
   }
   if (is_gpt_neox()) {
@@ -791,7 +814,10 @@ bool operator==(const ModelConfig& a, const ModelConfig& b) {
          a.sliding_window == b.sliding_window && a.sliding_layers == b.sliding_layers && a.head_dim() == b.head_dim() &&
          a.qk_norm == b.qk_norm && a.parallel_residual == b.parallel_residual &&
          a.query_pre_attn_scalar == b.query_pre_attn_scalar && a.attn_logit_softcapping == b.attn_logit_softcapping &&
-         a.final_logit_softcapping == b.final_logit_softcapping;
+         a.final_logit_softcapping == b.final_logit_softcapping && a.num_local_experts == b.num_local_experts &&
+         a.num_experts_per_tok == b.num_experts_per_tok && a.norm_topk_prob == b.norm_topk_prob &&
+         a.output_router_logits == b.output_router_logits && a.router_aux_loss_coef == b.router_aux_loss_coef &&
+         a.router_z_loss_coef == b.router_z_loss_coef;
 }
 
 float ModelConfig::attention_scale() const {

@@ -22,6 +22,7 @@ constexpr int64_t kMaxHiddenSize = int64_t{1} << 20;  // hidden_size / n_embd, h
 constexpr int64_t kMaxLayers = int64_t{1} << 16;      // num_hidden_layers / n_layer
 constexpr int64_t kMaxIntermediateSize = int64_t{1} << 24;
 constexpr int64_t kMaxPositions = int64_t{1} << 26;  // max_position_embeddings, sliding_window
+constexpr int64_t kMaxMoeExperts = int64_t{1} << 16;  // num_local_experts (mixture of experts)
 
 struct ModelConfig {
   std::string model_type;  // as in HF: "gpt2", "llama", "qwen2", "mistral", "qwen3", "phi3", "gpt_neox"
@@ -106,6 +107,21 @@ struct ModelConfig {
   // eps norm_eps) after the projections, before RoPE. Set by from_hf_json for model_type qwen3.
   bool qk_norm = false;
 
+  // ---- mixture of experts (issue 28; config/mixtral_config.cpp, models/moe_layer.cpp) ----------
+  // Addition. mixtral: every layer's MLP is a sparse MoE block of num_local_experts SwiGLU experts
+  // of width intermediate_size, num_experts_per_tok of them per token (softmax -> top-k ->
+  // renormalised when norm_topk_prob). 0 experts = the dense MLP. router_aux_loss_coef x the
+  // load-balancing loss is added to the training loss when output_router_logits is true (as
+  // transformers' MixtralForCausalLM does); router_z_loss_coef (lathe only, 0 = off) adds that
+  // coefficient x the mean router z-loss (ST-MoE).
+  int64_t num_local_experts = 0, num_experts_per_tok = 0;
+  bool norm_topk_prob = true, output_router_logits = false;
+  double router_aux_loss_coef = 0.0, router_z_loss_coef = 0.0;
+  bool moe() const { return num_local_experts > 0; }
+  // The coefficient of the aux loss in the training loss (0 unless output_router_logits).
+  double moe_aux_coef() const { return output_router_logits ? router_aux_loss_coef : 0.0; }
+  // ---- end mixture of experts ----
+
   // The width of one attention head: explicit_head_dim, else hidden_size / num_attention_heads.
   int64_t head_dim() const {
     if (explicit_head_dim > 0) return explicit_head_dim;
@@ -180,6 +196,7 @@ struct ModelConfig {
   //   gpt-neox-debug    L=3  C=40  H=5 (D=8) I=72 V=83 P=96, rotary_pct 0.25, parallel residual,
   //                     exact GELU, untied (Pythia's shape, odd-ish sizes)
   //   phi3-debug        as llama-debug, fused qkv / gate_up, longrope (original 32), sliding_window 23
+  //   mixtral-debug     L=2 C=48 H=4 KV=2, 5 experts of I=40, top-2, aux loss 0.02 on, V=96 P=128
   // Unknown name -> error listing the presets.
   static ModelConfig preset(std::string_view name);
   static std::vector<std::string> preset_names();

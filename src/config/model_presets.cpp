@@ -47,7 +47,8 @@ ModelConfig make_llama(const char* type, int64_t L, int64_t C, int64_t H, int64_
 
 std::vector<std::string> ModelConfig::preset_names() {
   return {"gpt2-debug",        "gpt2-124m",   "gpt2-small-bench", "llama-debug",    "qwen2-debug", "mistral-debug",
-          "llama-small-bench", "qwen3-debug", "phi3-debug",       "gpt-neox-debug", "gemma2-debug"};
+          "llama-small-bench", "qwen3-debug", "phi3-debug",       "gpt-neox-debug", "gemma2-debug",
+          "mixtral-debug"};
 }
 
 ModelConfig ModelConfig::preset(std::string_view name) {
@@ -116,6 +117,17 @@ ModelConfig ModelConfig::preset(std::string_view name) {
     c.bos_token_id = 2;
     c.eos_token_id = 1;
     c.pad_token_id = 0;
+  } else if (name == "mixtral-debug") {
+    // Mixtral in small (issue 28): 2 layers, 4 heads over 2 kv heads, 5 experts of width 40, top-2,
+    // the aux loss on (output_router_logits) with Mixtral's 0.02.
+    c = make_llama("mixtral", 2, 48, 4, 2, 40, 96, 128);
+    c.rope_theta = 1e6;
+    c.num_local_experts = 5;
+    c.num_experts_per_tok = 2;
+    c.output_router_logits = true;
+    c.router_aux_loss_coef = 0.02;
+    c.bos_token_id = 1;
+    c.eos_token_id = 2;
   } else {
     std::string list;
     for (auto& n : preset_names()) list += (list.empty() ? "" : ", ") + n;

@@ -126,6 +126,11 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
               "--to-gguf: gemma2 GGUF export is not implemented yet (llama.cpp's gemma2 architecture needs the "
               "post-attention / post-feedforward norms, 1 + w norm weights and soft-cap metadata, and derives the "
               "score scale from the model size rather than query_pre_attn_scalar); export the HF directory instead");
+  LATHE_CHECK(!c.moe(),
+              "--to-gguf: {} (mixture of experts) GGUF export is not implemented yet (llama.cpp's stacked-expert "
+              "tensors ffn_gate_exps / ffn_up_exps / ffn_down_exps and the expert metadata are not written); export the "
+              "HF directory instead",
+              c.model_type);
   LATHE_CHECK(gpt2 || neox || c.is_llama(),
               "--to-gguf: GGUF export supports gpt2, gpt_neox and the llama family (llama, qwen2, mistral, qwen3, "
               "phi3), not {}",

@@ -445,6 +445,10 @@ io::onnx::Graph Exporter::build() {
 
 std::string save_onnx(const Model& model, const std::string& path, const OnnxExportOptions& opts) {
   const ModelConfig& cfg = model.config();
+  LATHE_CHECK(!cfg.moe(),
+              "ONNX export: {} (mixture of experts) is not supported yet (the graph builder has no router, top-k or "
+              "expert dispatch); export the HF directory (lathe export) instead",
+              cfg.model_type);
   LATHE_CHECK(cfg.family == "gpt2" || cfg.family == "llama" || cfg.family == "gpt_neox",
               "ONNX export: model_type '{}' (family '{}') has no ONNX graph builder; supported: gpt2, llama, qwen2, "
               "mistral, qwen3, phi3, gemma2, gpt_neox",

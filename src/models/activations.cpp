@@ -28,6 +28,7 @@ size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shar
   const bool gelu_mlp = cfg.gelu_mlp();              // the Arch of each family (gpt2.cpp, llama.cpp, gpt_neox.cpp)
   const bool qk_norm = cfg.qk_norm;                  // Arch::qk_norm (llama.cpp)
   const bool sandwich = cfg.model_type == "gemma2";  // Arch::sandwich_norm (gemma2.cpp)
+  const bool moe = cfg.moe();                        // Arch::moe_experts (moe_layer.cpp)
   const int64_t N = mul({B, T}), C = cfg.hidden_size, H = cfg.num_attention_heads, KV = cfg.num_key_value_heads,
                 D = cfg.head_dim(), Q = mul({checked_add(H, mul({2, KV}), what), D}), F = cfg.intermediate_size,
                 FF = gelu_mlp ? F : mul({2, F}), V = cfg.vocab_size, L = cfg.num_hidden_layers;
@@ -70,8 +71,29 @@ size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shar
   const bool full = recompute == Recompute::Full, selective = recompute == Recompute::Selective;
   LayerActs unused{};
   auto layer = [&](int64_t l) -> LayerActs& { return m ? m->la_[static_cast<size_t>(l)] : unused; };
+  // Mixture of experts: what the MoE block's forward saves per layer (fp32; kernels/cpu/ops.h
+  // MoeActs), N*k dropless slots. Kept whatever the recompute mode (a MoE model refuses recompute;
+  // the plans of `lathe plan` count them).
+  const int64_t ME = moe ? cfg.num_local_experts : 0, MK = moe ? cfg.num_experts_per_tok : 0, NK = mul({N, MK});
+  auto moe_acts = [&](int64_t l) {
+    cpu::MoeActs& m = layer(l).moe;
+    m.logits = stat("moe_logits", l, mul({N, ME}));
+    m.probs = stat("moe_probs", l, mul({N, ME}));
+    m.topk_idx = static_cast<int32_t*>(take("moe_topk_idx", l, NK, DType::I32));
+    m.topk_w = stat("moe_topk_w", l, NK);
+    m.offsets = static_cast<int32_t*>(take("moe_offsets", l, ME + 1, DType::I32));
+    m.slot_token = static_cast<int32_t*>(take("moe_slot_token", l, NK, DType::I32));
+    m.slot_k = static_cast<int32_t*>(take("moe_slot_k", l, NK, DType::I32));
+    m.token_slot = static_cast<int32_t*>(take("moe_token_slot", l, NK, DType::I32));
+    m.xp = stat("moe_xp", l, mul({NK, C}));
+    m.gate = stat("moe_gate", l, mul({NK, F}));
+    m.up = stat("moe_up", l, mul({NK, F}));
+    m.act = stat("moe_act", l, mul({NK, F}));
+    m.y = stat("moe_y", l, mul({NK, C}));
+  };
   for (int64_t l = 0; l < L; ++l) {
     LayerActs& a = layer(l);
+    if (moe) moe_acts(l);
     if (full) {  // only the output, which is the next layer's (or the final norm's) input
       a.res2 = take("res2", l, mul({S, C}), act);
       continue;
@@ -94,8 +116,8 @@ size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shar
     if (!selective) a.ln2 = take("ln2", l, mul({S, C}), act);
     a.ln2_mean = stat("ln2_mean", l, S);
     a.ln2_rstd = stat("ln2_rstd", l, S);
-    a.fc = take("fc", l, mul({N, FF}), act);
-    if (!selective) a.act = take("act", l, mul({N, F}), act);
+    if (!moe) a.fc = take("fc", l, mul({N, FF}), act);
+    if (!selective && !moe) a.act = take("act", l, mul({N, F}), act);
     if (sandwich) {  // the MLP output before its norm, and the norm's rstd
       a.mlp_out = take("mlp_out", l, mul({S, C}), act);
       a.mlp_out_rstd = stat("mlp_out_rstd", l, S);
@@ -156,8 +178,16 @@ size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shar
   (m ? m->dln_ : sink) = take("dln", -1, mul({N, C}), act, kPass);
   (m ? m->dqkv_ : sink) = take("dqkv", -1, mul({N, Q}), act, kPass);
   (m ? m->datt_ : sink) = take("datt", -1, mul({N, H, D}), act, kPass);
-  (m ? m->dfc_ : sink) = take("dfc", -1, mul({N, FF}), act, kPass);
-  (m ? m->dact_ : sink) = take("dact", -1, mul({N, F}), act, kPass);
+  if (!moe) {
+    (m ? m->dfc_ : sink) = take("dfc", -1, mul({N, FF}), act, kPass);
+    (m ? m->dact_ : sink) = take("dact", -1, mul({N, F}), act, kPass);
+  } else {  // the MoE block's backward scratch and the balancing losses' router-logit gradient
+    cpu::MoeShape ms;
+    ms.N = N, ms.C = C, ms.F = F, ms.E = ME, ms.k = MK;
+    (m ? m->moe_scratch_ : fsink) =
+        stat("moe_scratch", -1, static_cast<int64_t>(cpu::moe_backward_scratch_floats(ms)), kPass);
+    (m ? m->moe_dlogits_ : fsink) = stat("moe_dlogits", -1, mul({N, ME}), kPass);
+  }
   if (sp) (m ? m->gathered_ : sink) = take("gathered", -1, mul({NG, C}), act, kPass);
   (m ? m->scratch_ : sink) = take("scratch", -1, scratch, DType::U8, kPass);
   // RoPE tables: one row per position a pass may hold (context parallelism: the whole sequence's).
@@ -198,6 +228,10 @@ void Model::allocate(int64_t B, int64_t T, int optimizer_moments, Recompute reco
   LATHE_CHECK(!arch_.learned_pos || T <= cfg_.max_position_embeddings,
               "seq_len {} exceeds the model's max_position_embeddings {}", T, cfg_.max_position_embeddings);
   LATHE_CHECK(T <= kMaxPositions, "seq_len {} exceeds lathe's maximum {}", T, kMaxPositions);
+  LATHE_CHECK(arch_.moe_experts == 0 || recompute == Recompute::None,
+              "recompute: {}: a mixture-of-experts model ({}) does not support activation recompute yet; set recompute: "
+              "none",
+              recompute_name(recompute), cfg_.model_type);
   if (B == max_B_ && T == max_T_ && recompute == plan_.recompute && slots == slots_) return;
   // Before any allocation: refuse what cannot fit, with the figures (models/memory.h). The figures
   // are the host's: a device-resident model's allocations fail with the backend's error instead.

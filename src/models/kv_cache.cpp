@@ -22,6 +22,8 @@ std::string kv_cache_unsupported_reason(const Model& model) {
   if (model.hooks().tp.tensor_parallel())
     return "the KV cache does not decode a model whose layers are split by tensor parallelism";
   if (model.backend().device() != DeviceKind::Host) return "the KV cache decodes on the cpu backend only";
+  if (model.arch().moe_experts > 0)
+    return "the KV cache has no mixture-of-experts layer yet (generation recomputes the context per token)";
   return {};
 }
 

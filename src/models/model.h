@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "config/model_config.h"
 #include "core/buffer.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/ops.h"  // MoeActs (mixture of experts)
 #include "models/param_table.h"
 #include "models/recompute.h"
 #include "models/tensor_shard.h"
@@ -54,6 +56,15 @@ struct Arch {
   // A tied wte is held whenever either is. The body itself knows nothing of pipelines.
   bool embedding = true;
   bool head = true;
+  // ---- mixture of experts (issue 28; models/moe_layer.cpp, kernels/cpu/moe.cpp) ----
+  // moe_experts > 0: every layer's MLP is a sparse MoE block (Role::RouterW, ExpertW1/W3/W2) of
+  // that many SwiGLU experts, moe_top_k per token, scores softmax and the top-k weights divided by
+  // their sum when moe_renormalize. moe_aux_loss_coef x the load-balancing loss over the pass's
+  // layers and tokens (and moe_z_loss_coef x the mean router z-loss) join the loss.
+  int64_t moe_experts = 0, moe_top_k = 0;
+  bool moe_renormalize = true;
+  float moe_aux_loss_coef = 0.0f, moe_z_loss_coef = 0.0f;
+  // ---- end mixture of experts ----
 };
 
 // Pointers to one layer's tensors inside a flat buffer (parameters or gradients).
@@ -66,6 +77,8 @@ struct LayerPtrs {
   float *proj_w = nullptr, *proj_b = nullptr;           // [C, F]
   float *q_norm_w = nullptr, *k_norm_w = nullptr;       // [D] each (Arch::qk_norm)
   float *post_attn_w = nullptr, *post_ffn_w = nullptr;  // [C] each (Arch::sandwich_norm)
+  // Arch::moe_experts: router [E, C], experts' w1 / w3 [E, F, C] and w2 [E, C, F]
+  float *router_w = nullptr, *exp_w1 = nullptr, *exp_w3 = nullptr, *exp_w2 = nullptr;
 };
 struct ModelPtrs {
   float *wte = nullptr, *wpe = nullptr, *lnf_w = nullptr, *lnf_b = nullptr, *lm_head = nullptr;
@@ -309,6 +322,14 @@ class Model {
   static ActivationPlan plan_activations(const ModelConfig& cfg, int64_t B, int64_t T, const ComputeSpec& compute = {},
                                          Recompute recompute = Recompute::None, const TensorShard& shard = {});
 
+  // Mixture of experts (Arch::moe_experts): the last pass's load-balancing loss (over its layers
+  // and tokens, transformers' load_balancing_loss_func) and mean router z-loss, unweighted, and
+  // the target count the pass's loss sum weighted them by (head_loss adds
+  // n x (aux_coef x aux + z_coef x z) to the returned sum). NaN / 0 before a pass with a loss.
+  double moe_aux_loss() const { return moe_aux_; }
+  double moe_z_loss() const { return moe_z_; }
+  int64_t moe_loss_targets() const { return moe_targets_; }
+
   // 6*N + 12*L*(H*D)*T FLOP per token (N excludes position embeddings; H*D = C unless head_dim is
   // explicit), the convention of the bench.
   double flops_per_token(int64_t T) const;
@@ -354,6 +375,20 @@ class Model {
   // Arch::embed_scale: rows [0, n) of x (compute dtype, backend memory) times sqrt(hidden_size) rounded to
   // the compute dtype: the embedding's forward and, on its gradient, its backward.
   void scale_by_normalizer(void* x, int64_t n) const;
+  // ---- mixture of experts (models/moe_layer.cpp) ----
+  // resolve()'s place for a MoE role (router, experts' w1 / w3 / w2) in `lp` (nullable), needed when
+  // `moe`; nullptr for any other role.
+  static float** moe_slot(Role r, LayerPtrs* lp, bool moe, bool* needed);
+  // Where a MoE model runs (host fp32, one process or data parallel): throws naming the key.
+  void check_moe_support() const;
+  // Layer l's MoE block: res2 = res1 + moe(ln2) (load statistics of the pass accumulated), and its
+  // backward: d(ln2) into dln_ (overwritten) from dres_, the router's aux / z-loss gradients added.
+  void moe_layer_forward(int64_t l, int64_t N);
+  void moe_layer_backward(int64_t l, int64_t N);
+  // Start of a pass: zero the load statistics. head_loss: the pass's aux / z losses and their
+  // weight n x grad_scale (n = the micro-batch's targets); returns what joins the loss sum.
+  void moe_begin_pass();
+  double moe_head_loss(const int32_t* targets, int64_t N, float grad_scale);
   // out[N, C] = in[N, K] @ w^T (+ bias): a GEMM whose input features may be split over
   // tensor-parallel ranks (reduce_from_tensor_region / reduce_scatter_to_sequence_region sum the
   // partial products before the bias).
@@ -454,6 +489,8 @@ class Model {
     // norms' rstd [S]; nullptr otherwise.
     void *attn_out, *mlp_out;
     float *attn_out_rstd, *mlp_out_rstd;
+    // Arch::moe_experts: what the MoE block's forward saves (kernels/cpu/ops.h MoeActs; fp32).
+    cpu::MoeActs moe;
   };
   std::vector<LayerActs> la_;
   void *emb_ = nullptr, *lnf_ = nullptr;
@@ -465,6 +502,15 @@ class Model {
   float *lnf_mean_ = nullptr, *lnf_rstd_ = nullptr, *losses_ = nullptr;
   void *dres_ = nullptr, *dln_ = nullptr, *dqkv_ = nullptr, *datt_ = nullptr, *dfc_ = nullptr, *dact_ = nullptr;
   void* scratch_ = nullptr;
+  // Mixture of experts: the backward's scratch and the aux / z-loss router gradient [N, E]
+  // (transient), the pass's load statistics and losses (moe_begin_pass / moe_head_loss).
+  float *moe_scratch_ = nullptr, *moe_dlogits_ = nullptr;
+  std::vector<double> moe_psum_;
+  std::vector<int64_t> moe_counts_;
+  int64_t moe_rows_ = 0, moe_targets_ = 0;
+  double moe_aux_ = std::numeric_limits<double>::quiet_NaN(), moe_z_ = std::numeric_limits<double>::quiet_NaN(),
+         moe_z_sum_ = 0.0;
+  float moe_grad_weight_ = 0.0f;  // n x grad_scale of the pass (0: no backward)
   float *rope_cos_ = nullptr, *rope_sin_ = nullptr;
   // RoPE tables of each slot: the sequence length their frequencies were computed for (dynamic NTK
   // scaling depends on it; rope_tables_for() rebuilds the current slot's when a pass differs).
@@ -504,6 +550,7 @@ std::unique_ptr<Model> build_gpt2(const ModelConfig& cfg, const ComputeSpec& com
 std::unique_ptr<Model> build_llama(const ModelConfig& cfg, const ComputeSpec& compute = {});
 std::unique_ptr<Model> build_gpt_neox(const ModelConfig& cfg, const ComputeSpec& compute = {});  // gpt_neox.cpp
 std::unique_ptr<Model> build_gemma2(const ModelConfig& cfg, const ComputeSpec& compute = {});    // gemma2.cpp
+std::unique_ptr<Model> build_mixtral(const ModelConfig& cfg, const ComputeSpec& compute = {});   // mixtral.cpp
 
 // Final-logit soft-capping of returned fp32 host logits (Gemma 2's final_logit_softcapping; models/
 // softcap.cpp): logits[i] <- cap * tanh(logits[i] / cap), as the lm-head loss kernels compute it;

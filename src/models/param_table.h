@@ -57,6 +57,11 @@ enum class Role : uint8_t {
   KNormW,         // its k twin
   PostAttnNormW,  // Gemma 2's post_attention_layernorm: RMSNorm of the attention output (Arch::sandwich_norm)
   PostFfnNormW,   // Gemma 2's post_feedforward_layernorm: RMSNorm of the MLP output
+  // ---- mixture of experts (Arch::moe_experts; models/moe_layer.cpp) ----
+  RouterW,   // block_sparse_moe.gate.weight [E, C]
+  ExpertW1,  // experts.0.w1 (gate) [F, C]; experts 1..E-1 continue it: [E, F, C] in the flat buffer
+  ExpertW3,  // experts.0.w3 (up), continued likewise: [E, F, C]
+  ExpertW2,  // experts.0.w2 (down) [C, F], continued likewise: [E, C, F]
 };
 inline const char* role_name(Role r) {
   static const char* const names[] = {"none",
@@ -81,7 +86,11 @@ inline const char* role_name(Role r) {
                                       "q_norm_w",
                                       "k_norm_w",
                                       "post_attn_norm_w",
-                                      "post_ffn_norm_w"};
+                                      "post_ffn_norm_w",
+                                      "router_w",
+                                      "expert_w1",
+                                      "expert_w3",
+                                      "expert_w2"};
   return names[static_cast<size_t>(r)];
 }
 

@@ -62,6 +62,7 @@ Model::Model(ModelConfig cfg, Arch arch, ParamTable table, ComputeSpec compute)
   grad_ranges_by_block_.clear();
   for (int64_t block = 0; block < L + 2; ++block)
     grad_ranges_by_block_.push_back(table_.ranges([&](const ParamSpec& s) { return block_of(s) == block; }));
+  check_moe_support();  // a MoE model anywhere but host fp32
 }
 
 std::vector<std::vector<std::pair<size_t, size_t>>> Model::param_ranges_by_block() const {
@@ -133,11 +134,13 @@ ModelPtrs Model::resolve(float* base) const {
         *needed = arch_.layernorm;
         return lp ? &lp->ln2_b : nullptr;
       case Role::FcW:
+        *needed = arch_.moe_experts == 0;
         return lp ? &lp->fc_w : nullptr;
       case Role::FcB:
         *needed = arch_.mlp_bias;
         return lp ? &lp->fc_b : nullptr;
       case Role::ProjW:
+        *needed = arch_.moe_experts == 0;
         return lp ? &lp->proj_w : nullptr;
       case Role::ProjB:
         *needed = arch_.mlp_bias;
@@ -154,8 +157,8 @@ ModelPtrs Model::resolve(float* base) const {
       case Role::PostFfnNormW:
         *needed = arch_.sandwich_norm;
         return lp ? &lp->post_ffn_w : nullptr;
-      default:
-        return nullptr;
+      default:  // the router and experts (models/moe_layer.cpp), or no place
+        return moe_slot(r, lp, arch_.moe_experts > 0, needed);
     }
   };
   // Fused groups (q|k|v, gate|up) are a role tensor followed by its Continues tensors: their
@@ -168,6 +171,8 @@ ModelPtrs Model::resolve(float* base) const {
     if (group->role == Role::QkvW) want = Q * C;
     if (group->role == Role::QkvB) want = Q;
     if (group->role == Role::FcW) want = FF * C;
+    if (group->role == Role::ExpertW1 || group->role == Role::ExpertW3 || group->role == Role::ExpertW2)
+      want = arch_.moe_experts * cfg_.intermediate_size * C;
     if (want >= 0 && group_numel != want)
       throw_error("model table: '{}' ({} of layer {}) and the tensors continuing it hold {} values; the body reads {}",
                   group->name, role_name(group->role), group->layer, group_numel, want);
@@ -195,7 +200,9 @@ ModelPtrs Model::resolve(float* base) const {
     LATHE_CHECK(*p == nullptr, "model table: role {} of layer {} is given twice (second: '{}')", role_name(s.role),
                 s.layer, s.name);
     *p = base + s.offset;
-    if (s.role == Role::QkvW || s.role == Role::QkvB || s.role == Role::FcW) group = &s, group_numel = s.numel();
+    if (s.role == Role::QkvW || s.role == Role::QkvB || s.role == Role::FcW || s.role == Role::ExpertW1 ||
+        s.role == Role::ExpertW3 || s.role == Role::ExpertW2)
+      group = &s, group_numel = s.numel();
   }
   close_group();
   // Every role this Arch needs must be present.
@@ -222,6 +229,9 @@ ModelPtrs Model::resolve(float* base) const {
     require(l.k_norm_w, Role::KNormW, i);
     require(l.post_attn_w, Role::PostAttnNormW, i);
     require(l.post_ffn_w, Role::PostFfnNormW, i);
+    const std::pair<float*, Role> moe[] = {
+        {l.router_w, Role::RouterW}, {l.exp_w1, Role::ExpertW1}, {l.exp_w3, Role::ExpertW3}, {l.exp_w2, Role::ExpertW2}};
+    for (auto& [ptr, role] : moe) require(ptr, role, i);
   }
   if (arch_.tied_lm_head) m.lm_head = m.wte;
   return m;
@@ -255,6 +265,10 @@ void Model::init_weights(uint64_t seed) {
 double Model::flops_per_token(int64_t T) const {
   double n = static_cast<double>(num_params());
   if (arch_.learned_pos && p_.wpe) n -= static_cast<double>(cfg_.max_position_embeddings * cfg_.hidden_size);
+  // Mixture of experts: a token runs through k of the E experts of each layer (active parameters).
+  if (arch_.moe_experts > 0)
+    n -= static_cast<double>(cfg_.num_hidden_layers) * static_cast<double>(arch_.moe_experts - arch_.moe_top_k) * 3.0 *
+         static_cast<double>(cfg_.hidden_size) * static_cast<double>(cfg_.intermediate_size);
   // Attention scores and their weighted sum: 12 x (heads x head_dim) per layer and key a position
   // attends to (T, or the window of a sliding layer; heads x head_dim is C unless head_dim is explicit).
   return 6.0 * n + 12.0 * static_cast<double>(cfg_.attention_width()) * cfg_.attention_keys_over_layers(T);
@@ -275,6 +289,8 @@ void Model::embedding_forward(const int32_t* tokens, int64_t B, int64_t T) {
   trace::Scope span("embedding forward", trace::Cat::Compute);
   LATHE_CHECK(B <= max_B_ && T <= max_T_, "batch {}x{} exceeds the allocated {}x{}", B, T, max_B_, max_T_);
   check_compute_weights();  // every pass starts here
+  check_moe_support();
+  if (arch_.moe_experts > 0) moe_begin_pass();
   LATHE_DIMS;
   const int64_t V = global_vocab();
   for (int64_t i = 0; i < N; ++i)
@@ -493,6 +509,10 @@ void Model::layer_forward_into(int64_t l, int64_t B, int64_t T, bool output) {
     ops_->residual_forward(a.res1, a.res1, x, S * C);
   }
   norm_forward(l, true, S);
+  if (arch_.moe_experts > 0) {  // res2 = res1 + moe(ln2) (models/moe_layer.cpp)
+    moe_layer_forward(l, N);
+    return;
+  }
   // GELU MLP: fc and its GELU in one op (CUDA: cuBLASLt's GELU epilogue; CPU: the same pair). Not
   // under selective recompute, which recomputes the activation alone (mlp_activation_forward) and
   // must reproduce the forward's bits. (The exact GELU has no fused form: fc, then its GELU.)
@@ -570,9 +590,14 @@ double Model::head_loss(const int32_t* targets, int64_t B, int64_t T, float grad
   // targets are range-checked by lm_head_loss
   float* dlm = arch_.tied_lm_head ? g_.wte : g_.lm_head;
   const VocabParallel* vp = vocab_parallel();
-  const double loss_sum =
+  double loss_sum =
       ops_->lm_head_loss(losses_, dln_, dlm, lnf_, cw(p_.lm_head), to_backend(targets, N, false), N, C, V, grad_scale,
                          backward, scratch_, chunk_rows_, vp, cfg_.final_softcap());
+  // Mixture of experts: the balancing losses join a training pass's loss (models/moe_layer.cpp).
+  if (arch_.moe_experts > 0) {
+    const double moe = moe_head_loss(targets, N, backward ? grad_scale : 0.0f);
+    if (backward) loss_sum += moe;
+  }
   if (!backward) return loss_sum;
   // Each vocab shard's dlogits @ w covers its vocabulary rows only: summed over the group (the head
   // is a column-parallel region; with sequence parallelism the backward of final_norm_forward's
@@ -615,16 +640,6 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
     norm_forward(l, true, S);  // ln2 from res1 (its statistics are rewritten with the same values)
     mlp_activation_forward(l, N);
   }
-  // MLP: res2 = res1 + proj(act(fc(norm2(res1)))); gemma2: res1 + norm(proj(...)), whose d(proj)
-  // goes to dln_ (free until the fc GEMM's backward writes it).
-  const void* dmlp = dres_;
-  if (arch_.sandwich_norm) {
-    post_norm_backward(gw.post_ffn_w, dres_, a.mlp_out, w.post_ffn_w, a.mlp_out_rstd, S);
-    dmlp = dln_;
-  }
-  ops_->matmul_backward(dact_, gw.proj_w, gw.proj_b,
-                        sp ? tp.reduce_scatter_to_sequence_region_backward(dmlp, gathered_, S * C) : dmlp, a.act,
-                        cw(w.proj_w), N, F, C, false);
   // Attention's output projection reads d(res1): dres_ once ln2's gradient is added (sequential),
   // or with the parallel residual (res2 = x + o(...) + mlp(norm2(x))) dres_ as it is now, before
   // ln2's gradient goes to x.
@@ -638,19 +653,33 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
                           sp ? tp.reduce_scatter_to_sequence_region_backward(datt_out, gathered_, S * C) : datt_out,
                           a.att, cw(w.o_w), N, H * D, C, false);
   };
-  if (arch_.parallel_residual) o_backward();
-  if (arch_.gelu_mlp && arch_.gelu_exact)
-    ops_->gelu_erf_backward(dfc_, a.fc, dact_, N * F);
-  else if (arch_.gelu_mlp)
-    ops_->gelu_backward(dfc_, a.fc, dact_, N * F);
-  else if (arch_.geglu)
-    ops_->geglu_backward(dfc_, a.fc, dact_, N, F);
-  else
-    ops_->swiglu_backward(dfc_, a.fc, dact_, N, F);
-  ops_->matmul_backward(dln_, gw.fc_w, gw.fc_b, dfc_,
-                        sp ? tp.gather_from_sequence_region_forward(a.ln2, gathered_, S * C) : a.ln2, cw(w.fc_w), N, C,
-                        FF, false);
-  reduce_input_grad(N, S);
+  if (arch_.moe_experts > 0) {  // res2 = res1 + moe(ln2): d(ln2) into dln_ (models/moe_layer.cpp)
+    moe_layer_backward(l, N);
+  } else {
+    // MLP: res2 = res1 + proj(act(fc(norm2(res1)))); gemma2: res1 + norm(proj(...)), whose d(proj)
+    // goes to dln_ (free until the fc GEMM's backward writes it).
+    const void* dmlp = dres_;
+    if (arch_.sandwich_norm) {
+      post_norm_backward(gw.post_ffn_w, dres_, a.mlp_out, w.post_ffn_w, a.mlp_out_rstd, S);
+      dmlp = dln_;
+    }
+    ops_->matmul_backward(dact_, gw.proj_w, gw.proj_b,
+                          sp ? tp.reduce_scatter_to_sequence_region_backward(dmlp, gathered_, S * C) : dmlp, a.act,
+                          cw(w.proj_w), N, F, C, false);
+    if (arch_.parallel_residual) o_backward();
+    if (arch_.gelu_mlp && arch_.gelu_exact)
+      ops_->gelu_erf_backward(dfc_, a.fc, dact_, N * F);
+    else if (arch_.gelu_mlp)
+      ops_->gelu_backward(dfc_, a.fc, dact_, N * F);
+    else if (arch_.geglu)
+      ops_->geglu_backward(dfc_, a.fc, dact_, N, F);
+    else
+      ops_->swiglu_backward(dfc_, a.fc, dact_, N, F);
+    ops_->matmul_backward(dln_, gw.fc_w, gw.fc_b, dfc_,
+                          sp ? tp.gather_from_sequence_region_forward(a.ln2, gathered_, S * C) : a.ln2, cw(w.fc_w), N, C,
+                          FF, false);
+    reduce_input_grad(N, S);
+  }
   norm_backward(dres_, gw.ln2_w, gw.ln2_b, dln_, arch_.parallel_residual ? x : a.res1, w.ln2_w, a.ln2_mean, a.ln2_rstd,
                 S);
   // Attention: res1 = x + o(attn(qkv(norm1(x))))

@@ -28,6 +28,12 @@ std::string Layout::name() const {
 double flops_per_token(const ModelConfig& cfg, int64_t T) {
   double n = static_cast<double>(cfg.num_parameters());
   if (cfg.is_gpt2()) n -= static_cast<double>(cfg.max_position_embeddings * cfg.hidden_size);
+  // Mixture of experts: a token runs through num_experts_per_tok of each layer's experts (active
+  // parameters, as Model::flops_per_token).
+  if (cfg.moe())
+    n -= static_cast<double>(cfg.num_hidden_layers) *
+         static_cast<double>(cfg.num_local_experts - cfg.num_experts_per_tok) * 3.0 *
+         static_cast<double>(cfg.hidden_size) * static_cast<double>(cfg.intermediate_size);
   return 6.0 * n + 12.0 * static_cast<double>(cfg.attention_width()) * cfg.attention_keys_over_layers(T);
 }
 
@@ -180,6 +186,8 @@ std::string shape_reject(const Job& job, const Layout& l) {
   auto reject = [](std::string why) { return why; };
   if (l.zero == 3 && (t > 1 || p > 1 || job.compute != DType::F32))
     return reject("ZeRO 3 runs data parallelism alone in fp32 so far (tensor 1, pipeline 1)");
+  if (cfg.moe() && (t > 1 || p > 1 || c > 1 || l.recompute != Recompute::None || job.compute != DType::F32))
+    return reject("a mixture-of-experts model runs data parallelism alone in fp32 without recompute so far");
   if (cfg.num_attention_heads % t)
     return reject(fmt::format("tensor {} does not divide num_attention_heads {}", t, cfg.num_attention_heads));
   if (cfg.num_key_value_heads % t)

@@ -297,6 +297,28 @@ void resolve_layout(Recipe& r, int64_t world) {
   r.parallel.data = data;
 }
 
+// Mixture of experts (issue 28; models/moe_layer.cpp): the layouts it runs in (one process or data
+// parallel with ZeRO 0-3: its expert weights and gradients are slices of the flat buffers; fp32 on
+// the cpu, no recompute); the rest refused naming the key.
+static void check_moe_layout(const Recipe& r, const ModelConfig& m, const PreflightLog& log) {
+  if (!m.moe()) return;
+  auto refuse = [&](const char* key, const std::string& value, const char* fix) {
+    throw_error("{}: {} {}: a mixture-of-experts model ({}) does not support it yet; {}", r.source, key, value,
+                m.model_type, fix);
+  };
+  if (r.parallel.tensor > 1) refuse("parallel.tensor", std::to_string(r.parallel.tensor), "set parallel.tensor: 1");
+  if (r.parallel.pipeline > 1)
+    refuse("parallel.pipeline", std::to_string(r.parallel.pipeline), "set parallel.pipeline: 1");
+  if (r.parallel.context > 1) refuse("parallel.context", std::to_string(r.parallel.context), "set parallel.context: 1");
+  if (r.recompute != "none") refuse("recompute", r.recompute, "set recompute: none");
+  if (r.precision.compute != "fp32")
+    refuse("precision.compute", r.precision.compute, "set precision.compute: fp32 (the MoE kernels are fp32)");
+  if (r.device != "cpu") refuse("device", r.device, "set device: cpu (the MoE kernels are cpu kernels)");
+  log.ok(fmt::format("mixture of experts: {} experts, top-{}, aux loss coefficient {}{}", m.num_local_experts,
+                     m.num_experts_per_tok, m.moe_aux_coef(),
+                     m.output_router_logits ? "" : " (output_router_logits false: the aux loss is reported only)"));
+}
+
 // One rank's memory figure (parameters, gradients, two moments, activations for micro_batch_size x
 // seq_len), refused with the numbers before anything is allocated. Per process: ZeRO 1/2 divide the
 // moments by the data degree, ZeRO 3 also the weights and gradients.
@@ -431,6 +453,9 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   // gradients, two moments, activations for micro_batch_size x seq_len), refused with the numbers
   // before anything is allocated.
   const int64_t data = std::max<int64_t>(1, r.parallel.data);
+  // Before the per-rank figure (whose tensor shard of a MoE model would fail less clearly).
+  check_moe_layout(r, pf.ckpt.empty() && !r.init_from.empty() ? init_from_config(r.model, r.init_from, r.source) : r.model,
+                   log);
   const Recompute rc = parse_recompute(r.recompute, r.source + ": recompute");
   check_rank_memory(r, B, T, data, rc, spec.dtype, sharded, log);
   if (!pf.ckpt.empty()) {

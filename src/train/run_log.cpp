@@ -328,6 +328,7 @@ void RunLog::step(int64_t step, const StepStats& st, const optim::LossScaler& sc
     rec["context_comm_exposed_ms"] = st.context_wait_s * 1e3;
     rec["context_comm_exposed_pct"] = 100.0 * st.context_wait_s / dt;
   }
+  if (std::isfinite(st.moe_aux_loss)) rec["moe_aux_loss"] = st.moe_aux_loss;  // mixture of experts
   if (pp_ > 1)  // the schedule's idle share of the step, (p-1)/(v m + p-1) (not measured)
     rec["bubble_pct"] = 100 * pipeline::bubble_formula(pp_, accum_, r_.parallel.virtual_stages);
   if (anomaly.enabled()) {  // the policy's verdict and the factor this step's lr carried

@@ -45,6 +45,7 @@ StepStats train_step(StepContext& c, int64_t step, const StepStats& prev) {
   st.step = step + 1;
   st.loss_scale = c.scaler.scale();
   double loss_sum = 0;
+  double moe_aux_sum = 0;  // mixture of experts: sum over micro-batches of aux x their targets
   opt.zero_grads();  // ZeRO 2: only the shard (the rest was released as zeros)
   {
     trace::Scope span("data wait", trace::Cat::Data);
@@ -109,6 +110,7 @@ StepStats train_step(StepContext& c, int64_t step, const StepStats& prev) {
     opt.begin_micro_batch();                 // ZeRO 3: weights gathered per block from here
     loss_sum +=
         model.forward_backward(c.inputs.data() + m * B * T, c.targets.data() + m * B * T, B, T, grad_scale, true);
+    if (model.arch().moe_experts > 0) moe_aux_sum += model.moe_aux_loss() * static_cast<double>(model.moe_loss_targets());
     st.comm_wait_s += opt.end_micro_batch(m + 1 == accum);  // ZeRO 3: released; reduced unless the last
   }
   opt.set_last_backward(false);
@@ -118,6 +120,10 @@ StepStats train_step(StepContext& c, int64_t step, const StepStats& prev) {
   st.comm_wait_s += opt.reduce_grads();  // the buckets backward did not issue, and the wait for all
   if (data.size() > 1) data.all_reduce(&loss_sum, 1, DType::F64);
   st.loss = loss_sum / static_cast<double>(targets_kept);
+  if (model.arch().moe_experts > 0) {
+    if (data.size() > 1) data.all_reduce(&moe_aux_sum, 1, DType::F64);
+    st.moe_aux_loss = moe_aux_sum / static_cast<double>(targets_kept);
+  }
   if (inject_non_finite(c.faults, step + 1) && opt.state_end() > opt.state_begin())
     model.grad_data()[opt.state_begin()] = INFINITY;
   if (const double spike = inject_loss_spike(c.faults, step + 1); spike != 1.0) {

@@ -60,6 +60,9 @@ struct StepStats {
   double lr_factor = 1;     // the anomaly policy's multiplier in lr
   double data_wait_s = 0, comm_wait_s = 0, optimizer_s = 0, seconds = 0;
   double context_wait_s = 0;  // context parallelism: waits for the context group's K/V and dK/dV
+  // Mixture of experts: the load-balancing loss (unweighted; the token-weighted mean of the
+  // micro-batches', over every data rank); NaN for a dense model.
+  double moe_aux_loss = NAN;
 };
 
 // One optimizer step of this rank: its micro-batches (gradients accumulate, the loss gradient

@@ -358,3 +358,23 @@ TEST(Plan, FlopsCountWindowKeysOfSlidingLayers) {
   EXPECT_DOUBLE_EQ(plan::flops_per_token(c, 7), m->flops_per_token(7));
   EXPECT_DOUBLE_EQ(plan::flops_per_token(c, 7) - plan::flops_per_token(c, 3), 12.0 * 128 * 4);  // layer 1: 7 - 3 keys
 }
+
+// Mixture of experts (issue 28): FLOPs of the active experts as the model counts them, every expert
+// in the parameter (memory) figure, and only the layouts a MoE model runs (data parallel, ZeRO 0-3,
+// fp32, no recompute) left unrejected.
+TEST(Plan, MixtureOfExpertsFlopsAndLayouts) {
+  const ModelConfig c = ModelConfig::preset("mixtral-debug");
+  auto m = build_model(c);
+  EXPECT_DOUBLE_EQ(plan::flops_per_token(c, 16), m->flops_per_token(16));
+  EXPECT_EQ(static_cast<int64_t>(m->num_params()), c.num_parameters());
+  const auto all = plan::enumerate(job_of("mixtral-debug", 2, 1, 16, 4), machine());
+  int valid = 0;
+  for (const auto& e : all) {
+    const Layout& l = e.layout;
+    const bool runs = l.tensor == 1 && l.pipeline == 1 && l.recompute == Recompute::None;
+    EXPECT_EQ(e.reject.empty(), runs) << l.name() << ": " << e.reject;
+    if (!runs) EXPECT_NE(e.reject.find("mixture-of-experts"), std::string::npos) << l.name();
+    valid += runs ? 1 : 0;
+  }
+  EXPECT_EQ(valid, 4);  // data 2 with ZeRO 0, 1, 2, 3
+}
