@@ -105,6 +105,15 @@ struct ModelConfig {
   // Addition. Qwen3: per-head RMSNorm of q and k (self_attn.q_norm / k_norm, weight [head_dim],
   // eps norm_eps) after the projections, before RoPE. Set by from_hf_json for model_type qwen3.
   bool qk_norm = false;
+  // --- olmo2 (config/olmo2_config.cpp): set by from_hf_json and the preset for model_type olmo2 ---
+  // post_norm: no input / pre-MLP norms; the attention's and the MLP's outputs are RMSNormed before
+  // their residual adds (post_attention_layernorm, post_feedforward_layernorm): Arch::pre_norm false
+  // with Arch::sandwich_norm. qk_norm_full: RMSNorm of the whole q projection (weight [heads x
+  // head_dim]) and of the whole k projection ([kv_heads x head_dim]) before RoPE (Arch::qk_norm_full;
+  // unlike qk_norm's per-head norm).
+  bool post_norm = false;
+  bool qk_norm_full = false;
+  // --- end olmo2 ---
 
   // The width of one attention head: explicit_head_dim, else hidden_size / num_attention_heads.
   int64_t head_dim() const {
@@ -180,6 +189,8 @@ struct ModelConfig {
   //   gpt-neox-debug    L=3  C=40  H=5 (D=8) I=72 V=83 P=96, rotary_pct 0.25, parallel residual,
   //                     exact GELU, untied (Pythia's shape, odd-ish sizes)
   //   phi3-debug        as llama-debug, fused qkv / gate_up, longrope (original 32), sliding_window 23
+  //   olmo2-debug       L=3 C=60 H=6 (D=10) KV=2 I=72 V=97 P=128, post norms, whole-projection q/k
+  //                     norms, rope_theta 5e5, untied
   // Unknown name -> error listing the presets.
   static ModelConfig preset(std::string_view name);
   static std::vector<std::string> preset_names();

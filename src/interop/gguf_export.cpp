@@ -126,6 +126,10 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
               "--to-gguf: gemma2 GGUF export is not implemented yet (llama.cpp's gemma2 architecture needs the "
               "post-attention / post-feedforward norms, 1 + w norm weights and soft-cap metadata, and derives the "
               "score scale from the model size rather than query_pre_attn_scalar); export the HF directory instead");
+  LATHE_CHECK(c.model_type != "olmo2",  // olmo2
+              "--to-gguf: olmo2 GGUF export is not implemented yet (llama.cpp's olmo2 architecture needs its "
+              "post-attention / post-feedforward norms and whole-projection attn_q_norm / attn_k_norm tensors); export "
+              "the HF directory instead");
   LATHE_CHECK(gpt2 || neox || c.is_llama(),
               "--to-gguf: GGUF export supports gpt2, gpt_neox and the llama family (llama, qwen2, mistral, qwen3, "
               "phi3), not {}",

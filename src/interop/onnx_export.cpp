@@ -406,6 +406,9 @@ std::string save_onnx(const Model& model, const std::string& path, const OnnxExp
               "ONNX export: gemma2 is not supported yet (the graph builder has no sandwich norms, (1 + w) RMSNorm, "
               "GeGLU, embedding scale, query_pre_attn_scalar, soft caps or per-layer windows); export the HF "
               "directory (lathe export) instead");
+  LATHE_CHECK(cfg.model_type != "olmo2",  // olmo2
+              "ONNX export: olmo2 is not supported yet (the graph builder has no post-only norms or whole-projection "
+              "q/k norms); export the HF directory (lathe export) instead");
   LATHE_CHECK(cfg.family == "gpt2" || cfg.family == "llama" || cfg.family == "gpt_neox",
               "ONNX export: model_type '{}' (family '{}') has no ONNX graph builder; supported: gpt2, llama, qwen2, "
               "mistral, qwen3, phi3, gpt_neox",

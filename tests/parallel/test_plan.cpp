@@ -48,7 +48,7 @@ Machine machine(double peak_gflops = 1, double gbps = 8e9) {
 }  // namespace
 
 TEST(Plan, DataParallelMemoryIsLatheChecks) {
-  for (const char* preset : {"gpt2-debug", "llama-debug", "qwen2-debug", "qwen3-debug"})
+  for (const char* preset : {"gpt2-debug", "llama-debug", "qwen2-debug", "qwen3-debug", "olmo2-debug"})
     for (DType dt : {DType::F32, DType::BF16})
       for (Recompute rc : {Recompute::None, Recompute::Selective, Recompute::Full})
         for (int zero : {0, 1, 2}) {
@@ -200,6 +200,17 @@ TEST(Plan, InvalidLayoutsExcludedWithTheReason) {
   odd.model.vocab_size = 1;
   EXPECT_EQ(plan::estimate(odd, machine(), Layout{1, 2, 1, false, 0, Recompute::None}).reject,
             "tensor 2 is more than vocab_size 1 (vocab-parallel embedding and head)");
+}
+
+// olmo2: tensor parallelism is refused by the model (whole-projection q/k norms), so by the plan too.
+TEST(Plan, Olmo2TensorParallelExcluded) {
+  const Job j = job_of("olmo2-debug", 2, 1, 16, 4);
+  EXPECT_EQ(plan::estimate(j, machine(), Layout{1, 2, 1, false, 0, Recompute::None}).reject,
+            "tensor parallelism with whole-projection q/k norms (olmo2) is not implemented");
+  EXPECT_EQ(plan::estimate(j, machine(), Layout{2, 1, 1, false, 0, Recompute::None}).reject, "");
+  EXPECT_EQ(plan::estimate(job_of("olmo2-debug", 3, 1, 16, 4), machine(), Layout{1, 1, 3, false, 0, Recompute::None})
+                .reject,
+            "");
 }
 
 TEST(Plan, KnobsMoveTheFiguresTheRightWay) {
