@@ -368,14 +368,20 @@ class Model {
   // A gemma2 model runs where these are implemented: host memory (any data / tensor / sequence /
   // pipeline layout). Throws naming what is missing otherwise (at construction and per pass).
   void check_gemma2_support() const;
-  // OLMo 2's options (Arch::pre_norm false, qk_norm_full) run on host memory without tensor
-  // parallelism (models/olmo2.cpp); throws naming what is missing otherwise.
+  // OLMo 2's options (Arch::pre_norm false, qk_norm_full) run on host memory (models/olmo2.cpp);
+  // throws naming what is missing otherwise.
   void check_olmo2_support() const;
   // The input a column-parallel GEMM of layer l reads: the norm's output (ln1 / ln2), or without
   // pre-norms the stream itself (x / res1). And the backward of that norm: its gradient from dln_
   // added into dres_ (without pre-norms dln_ itself is added).
   const void* block_input(int64_t l, bool second) const;
   void block_input_backward(int64_t l, bool second, int64_t S);
+  // Arch::qk_norm_full under tensor parallelism (host memory): one norm (q or k) of N tokens whose
+  // rows this rank holds W of `full` elements of, the sums reduced over the tensor group.
+  void qk_norm_full_tp_forward(void* x, void* saved, float* rstd, const float* w, int64_t N, int64_t W, int64_t full,
+                               int64_t stride);
+  void qk_norm_full_tp_backward(void* dx, float* dw, const void* saved, const float* w, const float* rstd, int64_t N,
+                                int64_t W, int64_t full, int64_t stride);
   // out[N, C] = in[N, K] @ w^T (+ bias): a GEMM whose input features may be split over
   // tensor-parallel ranks (reduce_from_tensor_region / reduce_scatter_to_sequence_region sum the
   // partial products before the bias).

@@ -6,12 +6,18 @@
 // and q / k RMSNormed over the whole projection before RoPE (Arch::qk_norm_full): q_norm.weight
 // [H*D], k_norm.weight [KV*D], one norm per token over all heads together.
 //
-// Where this runs: host memory, one process or data / pipeline parallel ranks (check_olmo2_support).
-// Tensor parallelism would split a token's q (k) row over ranks, so its norm needs the sum of
-// squares reduced across the group; not done, refused. The kernels used (rmsnorm, head_rmsnorm
-// with one "head" of H*D) exist on CUDA too, but the device path is untested, so it is refused.
+// Where this runs: host memory, one process or data / tensor / sequence / pipeline parallel ranks
+// (check_olmo2_support). Tensor parallelism splits a token's q (k) row over the ranks' heads, so the
+// norm's sum of squares (forward) and its backward's sum of g w xhat are reduced over the group
+// (qk_norm_full_tp_*). The kernels used by one process (rmsnorm, head_rmsnorm with one "head" of
+// H*D) exist on CUDA too, but the device path is untested, so it is refused.
 #include <fmt/format.h>
 
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kernels/cpu/storage.h"
 #include "models/model.h"
 
 namespace lathe {
@@ -29,8 +35,8 @@ std::unique_ptr<Model> build_olmo2(const ModelConfig& cfg, const ComputeSpec& co
     t.add(n("self_attn.q_proj.weight"), {H * D, C}, Init::Normal, std, ShardRule::Column, true).as(Role::QkvW, i);
     t.add(n("self_attn.k_proj.weight"), {KV * D, C}, Init::Normal, std, ShardRule::Column, true).as(Role::Continues, i);
     t.add(n("self_attn.v_proj.weight"), {KV * D, C}, Init::Normal, std, ShardRule::Column, true).as(Role::Continues, i);
-    // Whole-projection norms: a tensor shard would hold its heads' columns (Column), but the norm
-    // itself needs every head's sum of squares (check_olmo2_support refuses tensor parallelism).
+    // Whole-projection norms: a tensor shard holds its heads' columns (Column); the norm's sums are
+    // reduced over the group (qk_norm_full_tp_forward / backward).
     t.add(n("self_attn.q_norm.weight"), {H * D}, Init::Ones, 0, ShardRule::Column, false).as(Role::QNormW, i);
     t.add(n("self_attn.k_norm.weight"), {KV * D}, Init::Ones, 0, ShardRule::Column, false).as(Role::KNormW, i);
     t.add(n("self_attn.o_proj.weight"), {C, H * D}, Init::Normal, std, ShardRule::Row, true).as(Role::OW, i);
@@ -66,11 +72,94 @@ void Model::check_olmo2_support() const {
               "model: {} (post norms only, whole-projection q/k norms) runs on host memory only for now (its CUDA "
               "path is untested); set device: cpu",
               cfg_.model_type);
-  LATHE_CHECK(!arch_.qk_norm_full || shard_.parts <= 1,
-              "model: {} under tensor parallelism ({} ranks) is not implemented: its q_norm / k_norm normalise each "
-              "token's whole q and k projections, whose heads the ranks split (the sum of squares would need a "
-              "reduction across the tensor group); set parallel.tensor: 1 (data and pipeline parallelism work)",
-              cfg_.model_type, shard_.parts);
+}
+
+namespace {
+
+// Row i (n elements) of a host buffer of compute dtype dt, as fp32, and back.
+void load_row(float* dst, const void* src, int64_t i, int64_t n, DType dt) {
+  if (dt == DType::F32) {
+    std::memcpy(dst, static_cast<const float*>(src) + i, static_cast<size_t>(n) * sizeof(float));
+    return;
+  }
+  const auto* h = static_cast<const uint16_t*>(src) + i;
+  if (dt == DType::BF16)
+    cpu::Bf16::to_f32(dst, h, n);
+  else
+    cpu::Fp16::to_f32(dst, h, n);
+}
+void store_row(void* dst, int64_t i, const float* src, int64_t n, DType dt) {
+  if (dt == DType::F32) {
+    std::memcpy(static_cast<float*>(dst) + i, src, static_cast<size_t>(n) * sizeof(float));
+    return;
+  }
+  auto* h = static_cast<uint16_t*>(dst) + i;
+  if (dt == DType::BF16)
+    cpu::Bf16::from_f32(h, src, n);
+  else
+    cpu::Fp16::from_f32(h, src, n);
+}
+
+}  // namespace
+
+// One norm (q or k) of N tokens: this rank's W = width elements of each token at x + n * stride (the
+// head_rmsnorm layout with one head), of the whole row's `full` elements over the tensor group.
+void Model::qk_norm_full_tp_forward(void* x, void* saved, float* rstd, const float* w, int64_t N, int64_t W,
+                                    int64_t full, int64_t stride) {
+  LATHE_CHECK(hooks_.tp.tensor_parallel() && hooks_.tp.comm.all_reduce_f32 != nullptr,
+              "model: a tensor-parallel shard ({} parts) with whole-projection q/k norms needs the group's "
+              "StepHooks::tp.comm.all_reduce_f32 (parallel::attach_tensor_parallel installs it)",
+              shard_.parts);
+  const DType dt = ops_->dtype;
+  LATHE_CHECK(dt == DType::F32 || dt == DType::BF16 || dt == DType::F16,
+              "model: whole-projection q/k norms under tensor parallelism in compute dtype {} are not implemented",
+              compute_dtype_name(dt));
+  const float eps = static_cast<float>(cfg_.norm_eps), inv = 1.0f / static_cast<float>(full);
+  std::vector<float> row(static_cast<size_t>(W)), ss(static_cast<size_t>(N));
+  for (int64_t n = 0; n < N; ++n) {  // saved = the rows (backward's input); this rank's sums of squares
+    load_row(row.data(), x, n * stride, W, dt);
+    store_row(saved, n * W, row.data(), W, dt);
+    float s = 0.0f;
+    for (int64_t c = 0; c < W; ++c) s += row[c] * row[c];
+    ss[n] = s;
+  }
+  hooks_.tp.comm.all_reduce_f32(ss.data(), N);  // the whole row's, in rank order
+  for (int64_t n = 0; n < N; ++n) {
+    const float r = 1.0f / std::sqrt(ss[n] * inv + eps);
+    rstd[n] = r;
+    load_row(row.data(), saved, n * W, W, dt);
+    for (int64_t c = 0; c < W; ++c) row[c] = w[c] * (row[c] * r);
+    store_row(x, n * stride, row.data(), W, dt);
+  }
+}
+
+// Its backward: the rows of dx hold d(out) and are overwritten with d(in); dw[W] (this rank's
+// columns of the weight) += sum over tokens of dout * xhat. d(in) = (g w - xhat b) r with
+// b = sum over the WHOLE row of g w xhat / full: reduced over the group.
+void Model::qk_norm_full_tp_backward(void* dx, float* dw, const void* saved, const float* w, const float* rstd,
+                                     int64_t N, int64_t W, int64_t full, int64_t stride) {
+  const DType dt = ops_->dtype;
+  const float inv = 1.0f / static_cast<float>(full);
+  std::vector<float> g(static_cast<size_t>(W)), x(static_cast<size_t>(W)), b(static_cast<size_t>(N));
+  for (int64_t n = 0; n < N; ++n) {
+    load_row(g.data(), dx, n * stride, W, dt);
+    load_row(x.data(), saved, n * W, W, dt);
+    float s = 0.0f;
+    for (int64_t c = 0; c < W; ++c) s += g[c] * w[c] * (x[c] * rstd[n]);
+    b[n] = s;
+  }
+  hooks_.tp.comm.all_reduce_f32(b.data(), N);
+  for (int64_t n = 0; n < N; ++n) {
+    load_row(g.data(), dx, n * stride, W, dt);
+    load_row(x.data(), saved, n * W, W, dt);
+    const float r = rstd[n], bn = b[n] * inv;
+    for (int64_t c = 0; c < W; ++c) {
+      const float xhat = x[c] * r;
+      dw[c] += g[c] * xhat;
+      g[c] = (g[c] * w[c] - xhat * bn) * r;
+    }
+    store_row(dx, n * stride, g.data(), W, dt);
+  }
 }
 
 const void* Model::block_input(int64_t l, bool second) const {

@@ -85,7 +85,6 @@ void Model::set_tensor_shard(const TensorShard& shard) {
               "internal: tensor shard of {} parts over {} vocabulary rows for a model holding {}", shard.parts,
               shard.global_vocab, cfg_.vocab_size);
   shard_ = shard;
-  check_olmo2_support();  // a tensor-parallel shard of an olmo2 model is refused here
 }
 
 ModelPtrs Model::resolve(float* base) const {
@@ -426,6 +425,13 @@ void Model::qk_norm_forward(int64_t l, int64_t N) {
   const float eps = static_cast<float>(cfg_.norm_eps);
   const LayerPtrs& w = p_.layers[static_cast<size_t>(l)];
   LayerActs& a = la_[static_cast<size_t>(l)];
+  if (arch_.qk_norm_full && shard_.parts > 1) {  // olmo2, this rank's heads (models/olmo2.cpp)
+    const int64_t tp = shard_.parts;
+    qk_norm_full_tp_forward(a.qkv, a.qk_saved, a.qk_rstd, w.q_norm_w, N, H * D, tp * H * D, Q);
+    qk_norm_full_tp_forward(act_at(a.qkv, H * D), act_at(a.qk_saved, N * H * D), a.qk_rstd + N, w.k_norm_w, N, KV * D,
+                            tp * KV * D, Q);
+    return;
+  }
   if (arch_.qk_norm_full) {  // olmo2: one row of H*D (q) and one of KV*D (k) per token
     ops_->head_rmsnorm_forward(a.qkv, a.qk_saved, a.qk_rstd, w.q_norm_w, N, 1, H * D, Q, eps);
     ops_->head_rmsnorm_forward(act_at(a.qkv, H * D), act_at(a.qk_saved, N * H * D), a.qk_rstd + N, w.k_norm_w, N, 1,
@@ -442,7 +448,14 @@ void Model::qk_norm_backward(int64_t l, int64_t N) {
   const LayerPtrs& w = p_.layers[static_cast<size_t>(l)];
   const LayerPtrs& gw = g_.layers[static_cast<size_t>(l)];
   LayerActs& a = la_[static_cast<size_t>(l)];
-  if (arch_.qk_norm_full) {  // olmo2 (one process: check_olmo2_support refuses tensor parallelism)
+  if (arch_.qk_norm_full && shard_.parts > 1) {  // olmo2, this rank's heads (models/olmo2.cpp)
+    const int64_t tp = shard_.parts;
+    qk_norm_full_tp_backward(dqkv_, gw.q_norm_w, a.qk_saved, w.q_norm_w, a.qk_rstd, N, H * D, tp * H * D, Q);
+    qk_norm_full_tp_backward(act_at(dqkv_, H * D), gw.k_norm_w, act_at(a.qk_saved, N * H * D), w.k_norm_w,
+                             a.qk_rstd + N, N, KV * D, tp * KV * D, Q);
+    return;
+  }
+  if (arch_.qk_norm_full) {  // olmo2, one process
     ops_->head_rmsnorm_backward(dqkv_, gw.q_norm_w, a.qk_saved, w.q_norm_w, a.qk_rstd, N, 1, H * D, Q, scratch_);
     ops_->head_rmsnorm_backward(act_at(dqkv_, H * D), gw.k_norm_w, act_at(a.qk_saved, N * H * D), w.k_norm_w,
                                 a.qk_rstd + N, N, 1, KV * D, Q, scratch_);

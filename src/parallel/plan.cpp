@@ -156,8 +156,6 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l, Schedule
   };
   if (l.zero == 3 && (t > 1 || p > 1 || job.compute != DType::F32))
     return reject("ZeRO 3 runs data parallelism alone in fp32 so far (tensor 1, pipeline 1)");
-  if (cfg.qk_norm_full && t > 1)  // olmo2 (models/olmo2.cpp: check_olmo2_support)
-    return reject("tensor parallelism with whole-projection q/k norms (olmo2) is not implemented");
   if (cfg.num_attention_heads % t)
     return reject(fmt::format("tensor {} does not divide num_attention_heads {}", t, cfg.num_attention_heads));
   if (cfg.num_key_value_heads % t)

@@ -202,17 +202,6 @@ TEST(Plan, InvalidLayoutsExcludedWithTheReason) {
             "tensor 2 is more than vocab_size 1 (vocab-parallel embedding and head)");
 }
 
-// olmo2: tensor parallelism is refused by the model (whole-projection q/k norms), so by the plan too.
-TEST(Plan, Olmo2TensorParallelExcluded) {
-  const Job j = job_of("olmo2-debug", 2, 1, 16, 4);
-  EXPECT_EQ(plan::estimate(j, machine(), Layout{1, 2, 1, false, 0, Recompute::None}).reject,
-            "tensor parallelism with whole-projection q/k norms (olmo2) is not implemented");
-  EXPECT_EQ(plan::estimate(j, machine(), Layout{2, 1, 1, false, 0, Recompute::None}).reject, "");
-  EXPECT_EQ(plan::estimate(job_of("olmo2-debug", 3, 1, 16, 4), machine(), Layout{1, 1, 3, false, 0, Recompute::None})
-                .reject,
-            "");
-}
-
 TEST(Plan, KnobsMoveTheFiguresTheRightWay) {
   Job j = job_of("gpt2-124m", 8, 4, 512, 64, DType::BF16);
   j.model.vocab_size = 50304;  // padded to a multiple of 64 as Megatron / nanoGPT do, so tensor 2 divides it
