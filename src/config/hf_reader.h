@@ -103,4 +103,8 @@ void gemma2_to_hf_json(const ModelConfig& c, nlohmann::json& j);
 const std::vector<std::string>& mixtral_keys();
 void read_mixtral(const hf_config::Reader& r, ModelConfig& c);
 void mixtral_to_hf_json(const ModelConfig& c, nlohmann::json& j);
+// config/olmo2_config.cpp: Olmo2Config's defaults and checks over the llama reader's fields, and the
+// olmo2-debug preset.
+void read_olmo2(const hf_config::Reader& r, ModelConfig& c);
+ModelConfig make_olmo2_debug();
 }  // namespace lathe

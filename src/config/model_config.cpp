@@ -19,8 +19,8 @@ using json = nlohmann::json;
 using hf_config::Reader;
 using hf_config::value_str;
 
-const std::vector<std::string> kModelTypes = {"gpt2",  "llama", "qwen2",    "mistral",
-                                              "qwen3", "phi3",  "gpt_neox", "gemma2", "mixtral"};
+const std::vector<std::string> kModelTypes = {"gpt2", "llama",    "qwen2",  "mistral", "qwen3",
+                                              "phi3", "gpt_neox", "gemma2", "mixtral", "olmo2"};
 
 // Keys of every PretrainedConfig that never change the forward math.
 const std::vector<std::string> kCommonKeys = {"model_type",
@@ -354,13 +354,14 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
   Reader r{j, source, key_prefix};
   ModelConfig c;
   if (!j.contains("model_type"))
-    throw_error("{}: {}model_type is missing (one of gpt2, llama, qwen2, mistral, qwen3, phi3, gpt_neox, gemma2, "
-                "mixtral)",
-                source, key_prefix);
+    throw_error(
+        "{}: {}model_type is missing (one of gpt2, llama, qwen2, mistral, qwen3, phi3, gpt_neox, gemma2, "
+        "mixtral, olmo2)",
+        source, key_prefix);
   c.model_type = r.get_string("model_type");
   if (std::find(kModelTypes.begin(), kModelTypes.end(), c.model_type) == kModelTypes.end())
     r.fail("model_type", fmt::format("'{}' is not supported (supported: gpt2, llama, qwen2, mistral, qwen3, phi3, "
-                                     "gpt_neox, gemma2, mixtral)",
+                                     "gpt_neox, gemma2, mixtral, olmo2)",
                                      c.model_type));
   c.family = family_of(c.model_type);
 
@@ -527,6 +528,7 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
       if (n == 0 || n == static_cast<std::ptrdiff_t>(c.sliding_layers.size())) c.sliding_layers.clear();
     }
   }
+  if (c.model_type == "olmo2") read_olmo2(r, c);  // config/olmo2_config.cpp
   if (r.has("pretraining_tp")) (void)r.get_int("pretraining_tp");
   if (r.has("initializer_range") && c.initializer_range <= 0)
     r.fail("initializer_range", fmt::format("{} must be > 0", c.initializer_range));
@@ -684,6 +686,7 @@ int64_t ModelConfig::num_parameters() const {
   if (qkv_bias()) block = sum({block, mul({H, hd}), mul({2, KV, hd})});
   if (o_bias()) block = sum({block, C});
   if (qk_norm) block = sum({block, mul({2, hd})});                // q_norm, k_norm weights [head_dim]
+  if (qk_norm_full) block = sum({block, mul({H + KV, hd})});      // olmo2: q_norm [H*hd], k_norm [KV*hd]
   if (model_type == "gemma2") block = sum({block, mul({2, C})});  // post-attention / post-feedforward norms
   return sum({mul({V, C}), mul({L, block}), C, tie_word_embeddings ? 0 : mul({V, C})});
 }
@@ -748,6 +751,7 @@ json ModelConfig::to_hf_json() const {
                         : model_type == "mistral" ? "MistralForCausalLM"
                         : model_type == "qwen3"   ? "Qwen3ForCausalLM"
                         : model_type == "phi3"    ? "Phi3ForCausalLM"
+                        : model_type == "olmo2"   ? "Olmo2ForCausalLM"
                                                   : "LlamaForCausalLM"};
   j["hidden_size"] = hidden_size;
   j["intermediate_size"] = intermediate_size;
@@ -766,8 +770,9 @@ json ModelConfig::to_hf_json() const {
     j["original_max_position_embeddings"] = *rope_scaling.config_original_max_position_embeddings;
   if (partial_rotary_factor != 1.0) j["partial_rotary_factor"] = partial_rotary_factor;
   j["attention_dropout"] = 0.0;
-  if (model_type == "llama") {
+  if (model_type == "llama" || model_type == "olmo2") {
     j["attention_bias"] = attention_bias;
+    if (model_type == "olmo2") return j;  // Olmo2Config has no mlp_bias / pretraining_tp
     j["mlp_bias"] = false;
     j["pretraining_tp"] = 1;
   } else if (model_type == "qwen2" || model_type == "qwen3") {

@@ -106,6 +106,15 @@ struct ModelConfig {
   // Addition. Qwen3: per-head RMSNorm of q and k (self_attn.q_norm / k_norm, weight [head_dim],
   // eps norm_eps) after the projections, before RoPE. Set by from_hf_json for model_type qwen3.
   bool qk_norm = false;
+  // --- olmo2 (config/olmo2_config.cpp): set by from_hf_json and the preset for model_type olmo2 ---
+  // post_norm: no input / pre-MLP norms; the attention's and the MLP's outputs are RMSNormed before
+  // their residual adds (post_attention_layernorm, post_feedforward_layernorm): Arch::pre_norm false
+  // with Arch::sandwich_norm. qk_norm_full: RMSNorm of the whole q projection (weight [heads x
+  // head_dim]) and of the whole k projection ([kv_heads x head_dim]) before RoPE (Arch::qk_norm_full;
+  // unlike qk_norm's per-head norm).
+  bool post_norm = false;
+  bool qk_norm_full = false;
+  // --- end olmo2 ---
 
   // ---- mixture of experts (issue 28; config/mixtral_config.cpp, models/moe_layer.cpp) ----------
   // Addition. mixtral: every layer's MLP is a sparse MoE block of num_local_experts SwiGLU experts
@@ -197,6 +206,8 @@ struct ModelConfig {
   //                     exact GELU, untied (Pythia's shape, odd-ish sizes)
   //   phi3-debug        as llama-debug, fused qkv / gate_up, longrope (original 32), sliding_window 23
   //   mixtral-debug     L=2 C=48 H=4 KV=2, 5 experts of I=40, top-2, aux loss 0.02 on, V=96 P=128
+  //   olmo2-debug       L=3 C=60 H=6 (D=10) KV=2 I=72 V=97 P=128, post norms, whole-projection q/k
+  //                     norms, rope_theta 5e5, untied
   // Unknown name -> error listing the presets.
   static ModelConfig preset(std::string_view name);
   static std::vector<std::string> preset_names();

@@ -2,6 +2,7 @@
 // benchmarks, and GPT-2 124M. Each is validated.
 #include <fmt/format.h>
 
+#include "config/hf_reader.h"
 #include "config/model_config.h"
 #include "config/recipe.h"  // closest_match
 #include "core/error.h"
@@ -48,7 +49,7 @@ ModelConfig make_llama(const char* type, int64_t L, int64_t C, int64_t H, int64_
 std::vector<std::string> ModelConfig::preset_names() {
   return {"gpt2-debug",        "gpt2-124m",   "gpt2-small-bench", "llama-debug",    "qwen2-debug", "mistral-debug",
           "llama-small-bench", "qwen3-debug", "phi3-debug",       "gpt-neox-debug", "gemma2-debug",
-          "mixtral-debug"};
+          "mixtral-debug", "olmo2-debug"};
 }
 
 ModelConfig ModelConfig::preset(std::string_view name) {
@@ -128,6 +129,10 @@ ModelConfig ModelConfig::preset(std::string_view name) {
     c.router_aux_loss_coef = 0.02;
     c.bos_token_id = 1;
     c.eos_token_id = 2;
+  } else if (name == "olmo2-debug") {
+    // OLMo 2's shape in small (config/olmo2_config.cpp): 3 layers, 6 heads of 10 over 2 kv heads,
+    // post norms only, q/k norms over the whole projection (60 and 20 wide), untied, eps 1e-6.
+    c = make_olmo2_debug();
   } else {
     std::string list;
     for (auto& n : preset_names()) list += (list.empty() ? "" : ", ") + n;

@@ -190,10 +190,10 @@ class Parser {
     } else {
       bad("model",
           "give model.preset, model.init_from, model.config, or model.model_type (gpt2, llama, qwen2, "
-          "mistral, qwen3, phi3, gpt_neox, gemma2, mixtral) with its HF fields");
+          "mistral, qwen3, phi3, gpt_neox, gemma2, mixtral, olmo2) with its HF fields");
     }
-    static const std::vector<std::string> types = {"gpt2",  "llama",    "qwen2",  "mistral", "qwen3",
-                                                   "phi3",  "gpt_neox", "gemma2", "mixtral"};
+    static const std::vector<std::string> types = {"gpt2", "llama",    "qwen2",  "mistral", "qwen3",
+                                                   "phi3", "gpt_neox", "gemma2", "mixtral", "olmo2"};
     if (std::find(types.begin(), types.end(), mt) == types.end())
       bad("model.model_type", fmt::format("'{}' is not supported (supported: {})", mt, join(types)));
 
@@ -216,7 +216,8 @@ class Parser {
     if (!base.is_null() && merged.value("model_type", "") != mt) {
       std::string from = merged.value("model_type", "");
       if ((from == "gpt2") != (mt == "gpt2") || (from == "gpt_neox") != (mt == "gpt_neox") ||
-          (from == "gemma2") != (mt == "gemma2") || (from == "mixtral") != (mt == "mixtral"))
+          (from == "gemma2") != (mt == "gemma2") || (from == "mixtral") != (mt == "mixtral") ||
+          (from == "olmo2") != (mt == "olmo2"))
         bad("model.model_type", fmt::format("'{}' cannot replace model_type '{}' of {} (different architecture "
                                             "family); drop the base or use a matching one",
                                             mt, from, base_desc));
@@ -327,9 +328,10 @@ class Parser {
     const auto& p = r.parallel;
     if (p.zero != 3) {
       if (p.prefetch != 1)
-        bad("parallel.prefetch", fmt::format("{} applies to parallel.zero = 3 only (this recipe has parallel.zero = {}); "
-                                             "remove it or set parallel.zero: 3",
-                                             p.prefetch, p.zero));
+        bad("parallel.prefetch",
+            fmt::format("{} applies to parallel.zero = 3 only (this recipe has parallel.zero = {}); "
+                        "remove it or set parallel.zero: 3",
+                        p.prefetch, p.zero));
       if (p.shard_group != 0)
         bad("parallel.shard_group",
             fmt::format("{} applies to parallel.zero = 3 only (this recipe has parallel.zero = {}); remove it or set "
@@ -346,7 +348,8 @@ class Parser {
                            "parallelism alone, on the CPU, in fp32); {}",
                            value, fix));
     };
-    if (p.tensor > 1) refuse("parallel.tensor", std::to_string(p.tensor), "set parallel.tensor: 1 or parallel.zero <= 2");
+    if (p.tensor > 1)
+      refuse("parallel.tensor", std::to_string(p.tensor), "set parallel.tensor: 1 or parallel.zero <= 2");
     if (p.pipeline > 1)
       refuse("parallel.pipeline", std::to_string(p.pipeline), "set parallel.pipeline: 1 or parallel.zero <= 2");
     if (p.context > 1)
@@ -394,13 +397,13 @@ class Parser {
     // What context parallelism does not run yet: refused naming the key (never ignored).
     auto not_yet = [&](bool ok, const std::string& key, const std::string& what) {
       need(ok || p.context <= 1, key,
-           fmt::format("{} with parallel.context = {} is not supported yet (issue 27); use parallel.context: 1",
-                       what, p.context));
+           fmt::format("{} with parallel.context = {} is not supported yet (issue 27); use parallel.context: 1", what,
+                       p.context));
     };
     not_yet(r.device == "cpu", "device", fmt::format("device: {}", r.device));
-    not_yet(t.eval_tasks.empty() || (p.tensor <= 1 && p.pipeline <= 1), "training.eval_tasks",
-            fmt::format("training.eval_tasks with parallel.tensor = {} and parallel.pipeline = {}", p.tensor,
-                        p.pipeline));
+    not_yet(
+        t.eval_tasks.empty() || (p.tensor <= 1 && p.pipeline <= 1), "training.eval_tasks",
+        fmt::format("training.eval_tasks with parallel.tensor = {} and parallel.pipeline = {}", p.tensor, p.pipeline));
     not_yet(r.model.rope_scaling.type != "dynamic" && r.model.rope_scaling.type != "longrope", "model.rope_scaling",
             fmt::format("RoPE scaling '{}' (its tables depend on the pass length)", r.model.rope_scaling.type));
     // A watchdog below 1 s aborts the first all-reduce of any real job (1e-300 passed before);

@@ -131,6 +131,10 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
               "tensors ffn_gate_exps / ffn_up_exps / ffn_down_exps and the expert metadata are not written); export the "
               "HF directory instead",
               c.model_type);
+  LATHE_CHECK(c.model_type != "olmo2",  // olmo2
+              "--to-gguf: olmo2 GGUF export is not implemented yet (llama.cpp's olmo2 architecture needs its "
+              "post-attention / post-feedforward norms and whole-projection attn_q_norm / attn_k_norm tensors); export "
+              "the HF directory instead");
   LATHE_CHECK(gpt2 || neox || c.is_llama(),
               "--to-gguf: GGUF export supports gpt2, gpt_neox and the llama family (llama, qwen2, mistral, qwen3, "
               "phi3), not {}",

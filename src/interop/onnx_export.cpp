@@ -449,6 +449,9 @@ std::string save_onnx(const Model& model, const std::string& path, const OnnxExp
               "ONNX export: {} (mixture of experts) is not supported yet (the graph builder has no router, top-k or "
               "expert dispatch); export the HF directory (lathe export) instead",
               cfg.model_type);
+  LATHE_CHECK(cfg.model_type != "olmo2",  // olmo2
+              "ONNX export: olmo2 is not supported yet (the graph builder has no post-only norms or whole-projection "
+              "q/k norms); export the HF directory (lathe export) instead");
   LATHE_CHECK(cfg.family == "gpt2" || cfg.family == "llama" || cfg.family == "gpt_neox",
               "ONNX export: model_type '{}' (family '{}') has no ONNX graph builder; supported: gpt2, llama, qwen2, "
               "mistral, qwen3, phi3, gemma2, gpt_neox",

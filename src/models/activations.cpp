@@ -29,6 +29,11 @@ size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shar
   const bool qk_norm = cfg.qk_norm;                  // Arch::qk_norm (llama.cpp)
   const bool sandwich = cfg.model_type == "gemma2";  // Arch::sandwich_norm (gemma2.cpp)
   const bool moe = cfg.moe();                        // Arch::moe_experts (moe_layer.cpp)
+  // --- olmo2 (olmo2.cpp): post norms (sandwich buffers) without pre-norms (no ln1 / ln2 and their
+  // statistics); whole-projection q/k norms: the q|k rows saved as qk_norm's, one rstd each per token.
+  const bool post_only = cfg.post_norm, qk_full = cfg.qk_norm_full;
+  const bool sandwich_or_post = sandwich || post_only, qk_any = qk_norm || qk_full;
+  // --- end olmo2 ---
   const int64_t N = mul({B, T}), C = cfg.hidden_size, H = cfg.num_attention_heads, KV = cfg.num_key_value_heads,
                 D = cfg.head_dim(), Q = mul({checked_add(H, mul({2, KV}), what), D}), F = cfg.intermediate_size,
                 FF = gelu_mlp ? F : mul({2, F}), V = cfg.vocab_size, L = cfg.num_hidden_layers;
@@ -45,11 +50,12 @@ size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shar
   const bool cpu_half = std::string_view(ops.backend) == "cpu" && ops.dtype != DType::F32;
   const int64_t chunk_rows = std::min<int64_t>(N, cpu_half ? 512 : 256);
   // The scratch is shared by the kernels that need one (never two at a time): the backend says how much.
-  const int64_t scratch = std::max({static_cast<int64_t>(ops.attention_scratch_bytes(T, D)),
-                                    static_cast<int64_t>(ops.layernorm_scratch_bytes(C)),
-                                    static_cast<int64_t>(ops.rmsnorm_scratch_bytes(C)),
-                                    static_cast<int64_t>(ops.lm_head_loss_scratch_bytes(chunk_rows, V)),
-                                    qk_norm ? static_cast<int64_t>(ops.head_rmsnorm_scratch_bytes(D)) : int64_t{0}});
+  const int64_t scratch = std::max(
+      {static_cast<int64_t>(ops.attention_scratch_bytes(T, D)), static_cast<int64_t>(ops.layernorm_scratch_bytes(C)),
+       static_cast<int64_t>(ops.rmsnorm_scratch_bytes(C)),
+       static_cast<int64_t>(ops.lm_head_loss_scratch_bytes(chunk_rows, V)),
+       qk_norm ? static_cast<int64_t>(ops.head_rmsnorm_scratch_bytes(D)) : int64_t{0},
+       qk_full ? static_cast<int64_t>(ops.head_rmsnorm_scratch_bytes(mul({H, D}))) : int64_t{0}});
   const DType act = ops.dtype;
   int64_t off = 0, soff = 0;  // bytes: of the (per-slot) arena, of the shared region when split
   const bool split = shared_bytes != nullptr;
@@ -98,27 +104,31 @@ size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shar
       a.res2 = take("res2", l, mul({S, C}), act);
       continue;
     }
-    if (!selective) a.ln1 = take("ln1", l, mul({S, C}), act);
-    a.ln1_mean = stat("ln1_mean", l, S);
-    a.ln1_rstd = stat("ln1_rstd", l, S);
+    if (!post_only) {
+      if (!selective) a.ln1 = take("ln1", l, mul({S, C}), act);
+      a.ln1_mean = stat("ln1_mean", l, S);
+      a.ln1_rstd = stat("ln1_rstd", l, S);
+    }
     a.qkv = take("qkv", l, mul({N, Q}), act);
-    if (qk_norm) {  // q and k before their norms, and the norms' rstd
+    if (qk_any) {  // q and k before their norms, and the norms' rstd
       a.qk_saved = take("qk_saved", l, mul({N, H + KV, D}), act);
-      a.qk_rstd = stat("qk_rstd", l, mul({N, H + KV}));
+      a.qk_rstd = stat("qk_rstd", l, qk_full ? mul({N, 2}) : mul({N, H + KV}));
     }
     a.att = take("att", l, mul({N, H, D}), act);
     a.lse = stat("lse", l, mul({B, H, T}));
-    if (sandwich) {  // the attention output before its norm, and the norm's rstd
+    if (sandwich_or_post) {  // the attention output before its norm, and the norm's rstd
       a.attn_out = take("attn_out", l, mul({S, C}), act);
       a.attn_out_rstd = stat("attn_out_rstd", l, S);
     }
     a.res1 = take("res1", l, mul({S, C}), act);
-    if (!selective) a.ln2 = take("ln2", l, mul({S, C}), act);
-    a.ln2_mean = stat("ln2_mean", l, S);
-    a.ln2_rstd = stat("ln2_rstd", l, S);
+    if (!post_only) {
+      if (!selective) a.ln2 = take("ln2", l, mul({S, C}), act);
+      a.ln2_mean = stat("ln2_mean", l, S);
+      a.ln2_rstd = stat("ln2_rstd", l, S);
+    }
     if (!moe) a.fc = take("fc", l, mul({N, FF}), act);
     if (!selective && !moe) a.act = take("act", l, mul({N, F}), act);
-    if (sandwich) {  // the MLP output before its norm, and the norm's rstd
+    if (sandwich_or_post) {  // the MLP output before its norm, and the norm's rstd
       a.mlp_out = take("mlp_out", l, mul({S, C}), act);
       a.mlp_out_rstd = stat("mlp_out_rstd", l, S);
     }
@@ -127,23 +137,27 @@ size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shar
   // The set shared by every layer: whichever layer runs (forward, or backward's recompute) writes it.
   if (full) {
     LayerActs s{};
-    s.ln1 = take("shared.ln1", -1, mul({S, C}), act, kPass);
-    s.ln1_mean = stat("shared.ln1_mean", -1, S, kPass);
-    s.ln1_rstd = stat("shared.ln1_rstd", -1, S, kPass);
+    if (!post_only) {
+      s.ln1 = take("shared.ln1", -1, mul({S, C}), act, kPass);
+      s.ln1_mean = stat("shared.ln1_mean", -1, S, kPass);
+      s.ln1_rstd = stat("shared.ln1_rstd", -1, S, kPass);
+    }
     s.qkv = take("shared.qkv", -1, mul({N, Q}), act, kPass);
-    if (qk_norm) {
+    if (qk_any) {
       s.qk_saved = take("shared.qk_saved", -1, mul({N, H + KV, D}), act, kPass);
-      s.qk_rstd = stat("shared.qk_rstd", -1, mul({N, H + KV}), kPass);
+      s.qk_rstd = stat("shared.qk_rstd", -1, qk_full ? mul({N, 2}) : mul({N, H + KV}), kPass);
     }
     s.att = take("shared.att", -1, mul({N, H, D}), act, kPass);
     s.lse = stat("shared.lse", -1, mul({B, H, T}), kPass);
     s.res1 = take("shared.res1", -1, mul({S, C}), act, kPass);
-    s.ln2 = take("shared.ln2", -1, mul({S, C}), act, kPass);
-    s.ln2_mean = stat("shared.ln2_mean", -1, S, kPass);
-    s.ln2_rstd = stat("shared.ln2_rstd", -1, S, kPass);
+    if (!post_only) {
+      s.ln2 = take("shared.ln2", -1, mul({S, C}), act, kPass);
+      s.ln2_mean = stat("shared.ln2_mean", -1, S, kPass);
+      s.ln2_rstd = stat("shared.ln2_rstd", -1, S, kPass);
+    }
     s.fc = take("shared.fc", -1, mul({N, FF}), act, kPass);
     s.act = take("shared.act", -1, mul({N, F}), act, kPass);
-    if (sandwich) {
+    if (sandwich_or_post) {
       s.attn_out = take("shared.attn_out", -1, mul({S, C}), act, kPass);
       s.attn_out_rstd = stat("shared.attn_out_rstd", -1, S, kPass);
       s.mlp_out = take("shared.mlp_out", -1, mul({S, C}), act, kPass);
@@ -159,7 +173,7 @@ size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shar
     // ln1 and ln2 are never needed at the same time: forward's qkv GEMM consumes ln1 before ln2 is
     // written, and backward recomputes ln1 only after the fc GEMM's backward has read ln2. So one
     // buffer holds both.
-    void* ln = take("shared.ln", -1, mul({S, C}), act, kPass);
+    void* ln = post_only ? nullptr : take("shared.ln", -1, mul({S, C}), act, kPass);
     void* mlp_act = take("shared.act", -1, mul({N, F}), act, kPass);
     for (int64_t l = 0; l < L; ++l) {
       LayerActs& a = layer(l);
@@ -228,10 +242,11 @@ void Model::allocate(int64_t B, int64_t T, int optimizer_moments, Recompute reco
   LATHE_CHECK(!arch_.learned_pos || T <= cfg_.max_position_embeddings,
               "seq_len {} exceeds the model's max_position_embeddings {}", T, cfg_.max_position_embeddings);
   LATHE_CHECK(T <= kMaxPositions, "seq_len {} exceeds lathe's maximum {}", T, kMaxPositions);
-  LATHE_CHECK(arch_.moe_experts == 0 || recompute == Recompute::None,
-              "recompute: {}: a mixture-of-experts model ({}) does not support activation recompute yet; set recompute: "
-              "none",
-              recompute_name(recompute), cfg_.model_type);
+  LATHE_CHECK(
+      arch_.moe_experts == 0 || recompute == Recompute::None,
+      "recompute: {}: a mixture-of-experts model ({}) does not support activation recompute yet; set recompute: "
+      "none",
+      recompute_name(recompute), cfg_.model_type);
   if (B == max_B_ && T == max_T_ && recompute == plan_.recompute && slots == slots_) return;
   // Before any allocation: refuse what cannot fit, with the figures (models/memory.h). The figures
   // are the host's: a device-resident model's allocations fail with the backend's error instead.

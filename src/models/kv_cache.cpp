@@ -189,8 +189,14 @@ void decode_chunk(Model& model, KvCache& c, const int32_t* tokens, int64_t T, fl
   void* post = arch.sandwich_norm ? grow(c.post_, N * C) : nullptr;
   for (int64_t l = 0; l < L; ++l) {
     const LayerPtrs& lw = w.layers[static_cast<size_t>(l)];
-    norm(ln, x, lw.ln1_w, lw.ln1_b, N);
-    ops.matmul_forward(qkv, ln, model.compute_weight(lw.qkv_w), lw.qkv_b, N, C, Q, false);
+    if (arch.pre_norm) norm(ln, x, lw.ln1_w, lw.ln1_b, N);  // olmo2: the GEMM reads x itself
+    ops.matmul_forward(qkv, arch.pre_norm ? ln : x, model.compute_weight(lw.qkv_w), lw.qkv_b, N, C, Q, false);
+    if (arch.qk_norm_full) {  // olmo2: q and k normed over the whole projection, as Model::qk_norm_forward
+      void* saved = grow(c.qk_saved_, N * (H + KV) * D);
+      float* qk_rstd = static_cast<float*>(grow(c.qk_rstd_, N * 2));
+      ops.head_rmsnorm_forward(qkv, saved, qk_rstd, lw.q_norm_w, N, 1, H * D, Q, eps);
+      ops.head_rmsnorm_forward(at(qkv, H * D), at(saved, N * H * D), qk_rstd + N, lw.k_norm_w, N, 1, KV * D, Q, eps);
+    }
     if (arch.qk_norm) {  // per-head q and k norms before RoPE, as Model::qk_norm_forward
       void* saved = grow(c.qk_saved_, N * (H + KV) * D);
       float* qk_rstd = static_cast<float*>(grow(c.qk_rstd_, N * (H + KV)));
@@ -226,8 +232,9 @@ void decode_chunk(Model& model, KvCache& c, const int32_t* tokens, int64_t T, fl
       ops.matmul_forward(res1, att, model.compute_weight(lw.o_w), lw.o_b, N, H * D, C, false);
     }
     ops.residual_forward(res1, res1, x, N * C);
-    norm(ln, arch.parallel_residual ? x : res1, lw.ln2_w, lw.ln2_b, N);  // as Model::norm_forward
-    ops.matmul_forward(fc, ln, model.compute_weight(lw.fc_w), lw.fc_b, N, C, FF, false);
+    const void* in2 = arch.parallel_residual ? x : res1;
+    if (arch.pre_norm) norm(ln, in2, lw.ln2_w, lw.ln2_b, N);  // as Model::norm_forward
+    ops.matmul_forward(fc, arch.pre_norm ? ln : in2, model.compute_weight(lw.fc_w), lw.fc_b, N, C, FF, false);
     if (arch.gelu_mlp && arch.gelu_exact)
       ops.gelu_erf_forward(act, fc, N * F);
     else if (arch.gelu_mlp)

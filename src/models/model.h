@@ -50,6 +50,17 @@ struct Arch {
   float norm_weight_offset = 0.0f;
   bool geglu = false;
   bool embed_scale = false;
+  // --- OLMo 2 (models/olmo2.cpp) ---
+  //  * pre_norm false: no input / pre-MLP norms (no Role::Ln1W / Ln2W): the attention reads the
+  //    layer input x and the MLP reads res1 themselves; with sandwich_norm the layer is
+  //    res1 = x + n(o(attn(x))), res2 = res1 + n(mlp(res1)). Backward adds the GEMMs' input
+  //    gradients straight into the residual stream's.
+  //  * qk_norm_full: RMSNorm of each token's whole q projection (weight [H*D], Role::QNormW) and
+  //    whole k projection ([KV*D], Role::KNormW) between the q|k|v GEMM and RoPE (Qwen3's qk_norm
+  //    normalises each head on its own).
+  bool pre_norm = true;
+  bool qk_norm_full = false;
+  // --- end OLMo 2 ---
   // A pipeline stage's model (src/parallel/pipeline_stage.h) may hold only part of the network:
   // without `embedding` its table has no wte/wpe (the residual stream enters layer 0 from outside,
   // residual(0)); without `head` no final norm / lm_head (the stream leaves after its last layer).
@@ -75,7 +86,7 @@ struct LayerPtrs {
   float *ln2_w = nullptr, *ln2_b = nullptr;
   float *fc_w = nullptr, *fc_b = nullptr;               // gpt2: [F, C]; llama: gate|up [2F, C]
   float *proj_w = nullptr, *proj_b = nullptr;           // [C, F]
-  float *q_norm_w = nullptr, *k_norm_w = nullptr;       // [D] each (Arch::qk_norm)
+  float *q_norm_w = nullptr, *k_norm_w = nullptr;       // [D] each (Arch::qk_norm); [H*D], [KV*D] (qk_norm_full)
   float *post_attn_w = nullptr, *post_ffn_w = nullptr;  // [C] each (Arch::sandwich_norm)
   // Arch::moe_experts: router [E, C], experts' w1 / w3 [E, F, C] and w2 [E, C, F]
   float *router_w = nullptr, *exp_w1 = nullptr, *exp_w3 = nullptr, *exp_w2 = nullptr;
@@ -389,6 +400,20 @@ class Model {
   // weight n x grad_scale (n = the micro-batch's targets); returns what joins the loss sum.
   void moe_begin_pass();
   double moe_head_loss(const int32_t* targets, int64_t N, float grad_scale);
+  // OLMo 2's options (Arch::pre_norm false, qk_norm_full) run on host memory (models/olmo2.cpp);
+  // throws naming what is missing otherwise.
+  void check_olmo2_support() const;
+  // The input a column-parallel GEMM of layer l reads: the norm's output (ln1 / ln2), or without
+  // pre-norms the stream itself (x / res1). And the backward of that norm: its gradient from dln_
+  // added into dres_ (without pre-norms dln_ itself is added).
+  const void* block_input(int64_t l, bool second) const;
+  void block_input_backward(int64_t l, bool second, int64_t S);
+  // Arch::qk_norm_full under tensor parallelism (host memory): one norm (q or k) of N tokens whose
+  // rows this rank holds W of `full` elements of, the sums reduced over the tensor group.
+  void qk_norm_full_tp_forward(void* x, void* saved, float* rstd, const float* w, int64_t N, int64_t W, int64_t full,
+                               int64_t stride);
+  void qk_norm_full_tp_backward(void* dx, float* dw, const void* saved, const float* w, const float* rstd, int64_t N,
+                                int64_t W, int64_t full, int64_t stride);
   // out[N, C] = in[N, K] @ w^T (+ bias): a GEMM whose input features may be split over
   // tensor-parallel ranks (reduce_from_tensor_region / reduce_scatter_to_sequence_region sum the
   // partial products before the bias).
@@ -551,6 +576,7 @@ std::unique_ptr<Model> build_llama(const ModelConfig& cfg, const ComputeSpec& co
 std::unique_ptr<Model> build_gpt_neox(const ModelConfig& cfg, const ComputeSpec& compute = {});  // gpt_neox.cpp
 std::unique_ptr<Model> build_gemma2(const ModelConfig& cfg, const ComputeSpec& compute = {});    // gemma2.cpp
 std::unique_ptr<Model> build_mixtral(const ModelConfig& cfg, const ComputeSpec& compute = {});   // mixtral.cpp
+std::unique_ptr<Model> build_olmo2(const ModelConfig& cfg, const ComputeSpec& compute = {});     // olmo2.cpp
 
 // Final-logit soft-capping of returned fp32 host logits (Gemma 2's final_logit_softcapping; models/
 // softcap.cpp): logits[i] <- cap * tanh(logits[i] / cap), as the lm-head loss kernels compute it;

@@ -54,6 +54,7 @@ ModelRegistry& model_registry() {
     r.add("gemma2", build_gemma2, "src/models/gemma2.cpp");
     r.add("phi3", build_llama, "src/models/llama.cpp (phi3: fused qkv_proj / gate_up_proj)");
     r.add("mixtral", build_mixtral, "src/models/moe_layer.cpp (mixtral: sparse mixture of experts)");
+    r.add("olmo2", build_olmo2, "src/models/olmo2.cpp");  // olmo2
     return r;
   }();
   return reg;

@@ -63,6 +63,7 @@ Model::Model(ModelConfig cfg, Arch arch, ParamTable table, ComputeSpec compute)
   for (int64_t block = 0; block < L + 2; ++block)
     grad_ranges_by_block_.push_back(table_.ranges([&](const ParamSpec& s) { return block_of(s) == block; }));
   check_moe_support();  // a MoE model anywhere but host fp32
+  check_olmo2_support();
 }
 
 std::vector<std::vector<std::pair<size_t, size_t>>> Model::param_ranges_by_block() const {
@@ -114,6 +115,7 @@ ModelPtrs Model::resolve(float* base) const {
         *needed = !arch_.tied_lm_head && arch_.head;
         return layer < 0 ? &m.lm_head : nullptr;
       case Role::Ln1W:
+        *needed = arch_.pre_norm;
         return lp ? &lp->ln1_w : nullptr;
       case Role::Ln1B:
         *needed = arch_.layernorm;
@@ -129,6 +131,7 @@ ModelPtrs Model::resolve(float* base) const {
         *needed = arch_.o_bias;
         return lp ? &lp->o_b : nullptr;
       case Role::Ln2W:
+        *needed = arch_.pre_norm;
         return lp ? &lp->ln2_w : nullptr;
       case Role::Ln2B:
         *needed = arch_.layernorm;
@@ -146,10 +149,10 @@ ModelPtrs Model::resolve(float* base) const {
         *needed = arch_.mlp_bias;
         return lp ? &lp->proj_b : nullptr;
       case Role::QNormW:
-        *needed = arch_.qk_norm;
+        *needed = arch_.qk_norm || arch_.qk_norm_full;
         return lp ? &lp->q_norm_w : nullptr;
       case Role::KNormW:
-        *needed = arch_.qk_norm;
+        *needed = arch_.qk_norm || arch_.qk_norm_full;
         return lp ? &lp->k_norm_w : nullptr;
       case Role::PostAttnNormW:
         *needed = arch_.sandwich_norm;
@@ -229,8 +232,10 @@ ModelPtrs Model::resolve(float* base) const {
     require(l.k_norm_w, Role::KNormW, i);
     require(l.post_attn_w, Role::PostAttnNormW, i);
     require(l.post_ffn_w, Role::PostFfnNormW, i);
-    const std::pair<float*, Role> moe[] = {
-        {l.router_w, Role::RouterW}, {l.exp_w1, Role::ExpertW1}, {l.exp_w3, Role::ExpertW3}, {l.exp_w2, Role::ExpertW2}};
+    const std::pair<float*, Role> moe[] = {{l.router_w, Role::RouterW},
+                                           {l.exp_w1, Role::ExpertW1},
+                                           {l.exp_w3, Role::ExpertW3},
+                                           {l.exp_w2, Role::ExpertW2}};
     for (auto& [ptr, role] : moe) require(ptr, role, i);
   }
   if (arch_.tied_lm_head) m.lm_head = m.wte;
@@ -402,6 +407,7 @@ void Model::norm_backward(void* dx, float* dw, float* db, const void* dout, cons
 }
 
 void Model::norm_forward(int64_t l, bool second, int64_t rows) {
+  if (!arch_.pre_norm) return;  // olmo2: the GEMMs read the stream itself (block_input)
   const int64_t C = cfg_.hidden_size;
   const float eps = static_cast<float>(cfg_.norm_eps);
   const LayerPtrs& w = p_.layers[static_cast<size_t>(l)];
@@ -430,45 +436,6 @@ void Model::mlp_activation_forward(int64_t l, int64_t N) {
     ops_->swiglu_forward(a.act, a.fc, N, F);
 }
 
-void Model::qk_norm_forward(int64_t l, int64_t N) {
-  const int64_t H = cfg_.num_attention_heads, KV = cfg_.num_key_value_heads, D = cfg_.head_dim(), Q = (H + 2 * KV) * D;
-  const float eps = static_cast<float>(cfg_.norm_eps);
-  const LayerPtrs& w = p_.layers[static_cast<size_t>(l)];
-  LayerActs& a = la_[static_cast<size_t>(l)];
-  ops_->head_rmsnorm_forward(a.qkv, a.qk_saved, a.qk_rstd, w.q_norm_w, N, H, D, Q, eps);
-  ops_->head_rmsnorm_forward(act_at(a.qkv, H * D), act_at(a.qk_saved, N * H * D), a.qk_rstd + N * H, w.k_norm_w, N, KV,
-                             D, Q, eps);
-}
-
-void Model::qk_norm_backward(int64_t l, int64_t N) {
-  const int64_t H = cfg_.num_attention_heads, KV = cfg_.num_key_value_heads, D = cfg_.head_dim(), Q = (H + 2 * KV) * D;
-  const LayerPtrs& w = p_.layers[static_cast<size_t>(l)];
-  const LayerPtrs& gw = g_.layers[static_cast<size_t>(l)];
-  LayerActs& a = la_[static_cast<size_t>(l)];
-  // Tensor parallel: this rank's heads give a partial sum of the replicated weights' gradients,
-  // summed over the group (rank order) before it is added once; whole: straight into the gradients.
-  const bool tp = hooks_.tp.tensor_parallel();
-  LATHE_CHECK(!tp || backend_->device() == DeviceKind::Host,
-              "tensor parallelism with q/k norms (qwen3) runs on host memory only for now (the {} backend's model is "
-              "in device memory); set parallel.tensor: 1",
-              backend_->name());
-  LATHE_CHECK(!tp || hooks_.tp.comm.all_reduce_f32 != nullptr,
-              "model: q/k norms under tensor parallelism need StepHooks::tp.comm.all_reduce_f32 "
-              "(parallel::attach_tensor_parallel installs it)");
-  if (tp) norm_acc_.assign(static_cast<size_t>(2 * D), 0.0f);
-  float* dq = tp ? norm_acc_.data() : gw.q_norm_w;
-  float* dk = tp ? norm_acc_.data() + D : gw.k_norm_w;
-  ops_->head_rmsnorm_backward(dqkv_, dq, a.qk_saved, w.q_norm_w, a.qk_rstd, N, H, D, Q, scratch_);
-  ops_->head_rmsnorm_backward(act_at(dqkv_, H * D), dk, act_at(a.qk_saved, N * H * D), w.k_norm_w, a.qk_rstd + N * H, N,
-                              KV, D, Q, scratch_);
-  if (!tp) return;
-  hooks_.tp.comm.all_reduce_f32(norm_acc_.data(), 2 * D);
-  for (int64_t c = 0; c < D; ++c) {
-    gw.q_norm_w[c] += norm_acc_[static_cast<size_t>(c)];
-    gw.k_norm_w[c] += norm_acc_[static_cast<size_t>(D + c)];
-  }
-}
-
 void Model::layer_forward(int64_t l, int64_t B, int64_t T) {
   trace::Scope span("layer forward", trace::Cat::Compute, l);
   layer_forward_into(l, B, T, true);
@@ -485,9 +452,10 @@ void Model::layer_forward_into(int64_t l, int64_t B, int64_t T, bool output) {
   const TpMappings& tp = hooks_.tp;
   const void* x = layer_input(l);  // [S, C] residual stream in
   norm_forward(l, false, S);
-  ops_->matmul_forward(a.qkv, sp ? tp.gather_from_sequence_region_forward(a.ln1, gathered_, S * C) : a.ln1, cw(w.qkv_w),
+  const void* in1 = block_input(l, false);  // ln1, or x without pre-norms
+  ops_->matmul_forward(a.qkv, sp ? tp.gather_from_sequence_region_forward(in1, gathered_, S * C) : in1, cw(w.qkv_w),
                        w.qkv_b, N, C, Q, false);
-  if (arch_.qk_norm) qk_norm_forward(l, N);
+  if (arch_.qk_norm || arch_.qk_norm_full) qk_norm_forward(l, N);
   if (!arch_.learned_pos) {
     rope_tables_for(T);
     const int64_t rot = cfg_.rotary_dim();
@@ -513,15 +481,16 @@ void Model::layer_forward_into(int64_t l, int64_t B, int64_t T, bool output) {
     moe_layer_forward(l, N);
     return;
   }
+  const void* in2 = block_input(l, true);  // ln2, or res1 without pre-norms
   // GELU MLP: fc and its GELU in one op (CUDA: cuBLASLt's GELU epilogue; CPU: the same pair). Not
   // under selective recompute, which recomputes the activation alone (mlp_activation_forward) and
   // must reproduce the forward's bits. (The exact GELU has no fused form: fc, then its GELU.)
   if (arch_.gelu_mlp && !arch_.gelu_exact && plan_.recompute != Recompute::Selective)
     ops_->matmul_bias_gelu_forward(a.act, a.fc,
-                                   sp ? tp.gather_from_sequence_region_forward(a.ln2, gathered_, S * C) : a.ln2,
-                                   cw(w.fc_w), w.fc_b, N, C, FF);
+                                   sp ? tp.gather_from_sequence_region_forward(in2, gathered_, S * C) : in2, cw(w.fc_w),
+                                   w.fc_b, N, C, FF);
   else {
-    ops_->matmul_forward(a.fc, sp ? tp.gather_from_sequence_region_forward(a.ln2, gathered_, S * C) : a.ln2, cw(w.fc_w),
+    ops_->matmul_forward(a.fc, sp ? tp.gather_from_sequence_region_forward(in2, gathered_, S * C) : in2, cw(w.fc_w),
                          w.fc_b, N, C, FF, false);
     mlp_activation_forward(l, N);
   }
@@ -590,9 +559,8 @@ double Model::head_loss(const int32_t* targets, int64_t B, int64_t T, float grad
   // targets are range-checked by lm_head_loss
   float* dlm = arch_.tied_lm_head ? g_.wte : g_.lm_head;
   const VocabParallel* vp = vocab_parallel();
-  double loss_sum =
-      ops_->lm_head_loss(losses_, dln_, dlm, lnf_, cw(p_.lm_head), to_backend(targets, N, false), N, C, V, grad_scale,
-                         backward, scratch_, chunk_rows_, vp, cfg_.final_softcap());
+  double loss_sum = ops_->lm_head_loss(losses_, dln_, dlm, lnf_, cw(p_.lm_head), to_backend(targets, N, false), N, C, V,
+                                       grad_scale, backward, scratch_, chunk_rows_, vp, cfg_.final_softcap());
   // Mixture of experts: the balancing losses join a training pass's loss (models/moe_layer.cpp).
   if (arch_.moe_experts > 0) {
     const double moe = moe_head_loss(targets, N, backward ? grad_scale : 0.0f);
@@ -626,7 +594,6 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
   const LayerPtrs& w = p_.layers[static_cast<size_t>(l)];
   const LayerPtrs& gw = g_.layers[static_cast<size_t>(l)];
   LayerActs& a = la_[static_cast<size_t>(l)];
-  const void* x = layer_input(l);
   // Sequence parallelism: dres_, x, res1 and the norms hold this rank's S rows; the GEMMs' operands
   // of all N rows are gathered again here (Megatron does the same rather than keep them).
   const bool sp = seq_parallel();
@@ -675,13 +642,13 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
       ops_->geglu_backward(dfc_, a.fc, dact_, N, F);
     else
       ops_->swiglu_backward(dfc_, a.fc, dact_, N, F);
+    const void* in2 = block_input(l, true);  // ln2, or res1 without pre-norms
     ops_->matmul_backward(dln_, gw.fc_w, gw.fc_b, dfc_,
-                          sp ? tp.gather_from_sequence_region_forward(a.ln2, gathered_, S * C) : a.ln2, cw(w.fc_w), N, C,
+                          sp ? tp.gather_from_sequence_region_forward(in2, gathered_, S * C) : in2, cw(w.fc_w), N, C,
                           FF, false);
     reduce_input_grad(N, S);
   }
-  norm_backward(dres_, gw.ln2_w, gw.ln2_b, dln_, arch_.parallel_residual ? x : a.res1, w.ln2_w, a.ln2_mean, a.ln2_rstd,
-                S);
+  block_input_backward(l, true, S);
   // Attention: res1 = x + o(attn(qkv(norm1(x))))
   if (!arch_.parallel_residual) o_backward();
   if (hooks_.cp.active())
@@ -694,14 +661,15 @@ void Model::layer_backward(int64_t l, int64_t B, int64_t T) {
     ops_->rope_backward(dqkv_, rope_cos_, rope_sin_, B, T, H, D, rot, Q, doc_positions());
     ops_->rope_backward(act_at(dqkv_, H * D), rope_cos_, rope_sin_, B, T, KV, D, rot, Q, doc_positions());
   }
-  if (arch_.qk_norm) qk_norm_backward(l, N);
+  if (arch_.qk_norm || arch_.qk_norm_full) qk_norm_backward(l, N);
   // ln1 into the shared buffer, now that the fc GEMM's backward is done with ln2.
   if (plan_.recompute == Recompute::Selective) norm_forward(l, false, S);
+  const void* in1 = block_input(l, false);
   ops_->matmul_backward(dln_, gw.qkv_w, gw.qkv_b, dqkv_,
-                        sp ? tp.gather_from_sequence_region_forward(a.ln1, gathered_, S * C) : a.ln1, cw(w.qkv_w), N, C,
-                        Q, false);
+                        sp ? tp.gather_from_sequence_region_forward(in1, gathered_, S * C) : in1, cw(w.qkv_w), N, C, Q,
+                        false);
   reduce_input_grad(N, S);
-  norm_backward(dres_, gw.ln1_w, gw.ln1_b, dln_, x, w.ln1_w, a.ln1_mean, a.ln1_rstd, S);
+  block_input_backward(l, false, S);
 }
 
 void Model::embedding_backward(const int32_t* tokens, int64_t B, int64_t T) {

@@ -40,7 +40,8 @@ TEST(ModelRegistry, BuiltinsAndUnknownType) {
 
 TEST(ModelRegistry, EveryFamilyBuildsItsDebugPreset) {
   for (const char* p :
-       {"gpt2-debug", "llama-debug", "qwen2-debug", "mistral-debug", "gpt-neox-debug", "gemma2-debug"}) {
+       {"gpt2-debug", "llama-debug", "qwen2-debug", "mistral-debug", "gpt-neox-debug", "gemma2-debug",
+        "olmo2-debug"}) {
     ModelConfig c = ModelConfig::preset(p);
     auto m = build_model(c);
     EXPECT_EQ(static_cast<int64_t>(m->num_params()), c.num_parameters()) << p;
@@ -51,7 +52,8 @@ TEST(ModelRegistry, EveryFamilyBuildsItsDebugPreset) {
 
 TEST(ModelMemory, EstimateMatchesWhatTheModelAllocates) {
   for (const char* p :
-       {"gpt2-debug", "llama-debug", "qwen2-debug", "mistral-debug", "gpt-neox-debug", "gemma2-debug"}) {
+       {"gpt2-debug", "llama-debug", "qwen2-debug", "mistral-debug", "gpt-neox-debug", "gemma2-debug",
+        "olmo2-debug"}) {
     ModelConfig c = ModelConfig::preset(p);
     for (auto [B, T] : {std::pair<int64_t, int64_t>{1, 1}, {2, 7}, {3, 128}}) {
       auto m = build_model(c);

@@ -113,6 +113,9 @@ TEST(PipelineExecutor, Gemma2TwoStages) { run_case({"gemma2 p2", "gemma2-debug",
 TEST(PipelineExecutor, Gemma2InterleavedThreeStages) {
   run_case({"gemma2 p3 v2", "gemma2-debug", 6, 3, 2, 3, {}, {1, 0, 1, 0, 1, 0}});
 }
+// olmo2: post norms only and whole-projection q/k norms in every stage, the untied head on the last.
+TEST(PipelineExecutor, Olmo2TwoStages) { run_case({"olmo2 p2", "olmo2-debug", 4, 2, 1, 4, {}}); }
+TEST(PipelineExecutor, Olmo2InterleavedThreeStages) { run_case({"olmo2 p3 v2", "olmo2-debug", 6, 3, 2, 3, {}}); }
 
 TEST(PipelineStage, StageTablesSliceTheWholeTable) {
   // Every tensor of the whole model is held by its owner (a tied wte also by the last stage), and

@@ -23,12 +23,15 @@ Job job_of(const std::string& preset, int64_t world, int64_t B, int64_t T, int64
   // "mistral-head-dim": an explicit head_dim (q/o 4 x 32 wide, hidden 96; tests/models/model_fixtures.h)
   j.model = preset == "mistral-head-dim" ? model_test::mistral_head_dim_config()
             : preset == "gpt-neox-h2"    ? ModelConfig::preset("gpt-neox-debug")
+            : preset == "olmo2-v98"      ? ModelConfig::preset("olmo2-debug")
                                          : ModelConfig::preset(preset);
   // "gpt-neox-h2": gpt-neox-debug with 2 heads of 24 and vocabulary 102 (tp=2 divides them)
   if (preset == "gpt-neox-h2") {
     j.model.num_attention_heads = j.model.num_key_value_heads = 2;
     j.model.vocab_size = 102;
   }
+  // "olmo2-v98": olmo2-debug with vocabulary 98 (tp=2 splits it evenly)
+  if (preset == "olmo2-v98") j.model.vocab_size = 98;
   j.world = world;
   j.micro_batch = B;
   j.seq_len = T;
@@ -48,7 +51,7 @@ Machine machine(double peak_gflops = 1, double gbps = 8e9) {
 }  // namespace
 
 TEST(Plan, DataParallelMemoryIsLatheChecks) {
-  for (const char* preset : {"gpt2-debug", "llama-debug", "qwen2-debug", "qwen3-debug"})
+  for (const char* preset : {"gpt2-debug", "llama-debug", "qwen2-debug", "qwen3-debug", "olmo2-debug"})
     for (DType dt : {DType::F32, DType::BF16})
       for (Recompute rc : {Recompute::None, Recompute::Selective, Recompute::Full})
         for (int zero : {0, 1, 2}) {
@@ -294,7 +297,7 @@ TEST(Plan, TensorParallelMatchesTheRankModel) {
   // buffer (the plan halves padded sizes, the rank model pads halved ones). Both split the
   // vocabulary tensors by rows (vocab parallel), so the parameter counts agree exactly.
   for (const char* preset :
-       {"gpt2-debug", "llama-debug", "qwen2-debug", "mistral-head-dim", "qwen3-debug", "gpt-neox-h2"})
+       {"gpt2-debug", "llama-debug", "qwen2-debug", "mistral-head-dim", "qwen3-debug", "gpt-neox-h2", "olmo2-v98"})
     for (int64_t t : {2, 4}) {
       if (std::string(preset) != "gpt2-debug" && t == 4) continue;  // 2 KV heads
       const Job j = job_of(preset, t, 2, 32, 2);

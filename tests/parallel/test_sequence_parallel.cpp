@@ -199,11 +199,14 @@ TEST(SequenceParallel, ActivationArenaHoldsTheRanksRows) {
         if (e.label() == label) return e.count;
       return -1;
     };
-    for (const char* name : {"layers.0.ln1", "layers.1.res1", "layers.1.res2", "emb", "dres"}) {
+    // olmo2 has no pre-norms: its first norm output is the attention's post norm input.
+    const std::string norm = f.cfg.post_norm ? "layers.0.attn_out" : "layers.0.ln1";
+    for (const std::string& name : {norm, std::string("layers.1.res1"), std::string("layers.1.res2"),
+                                    std::string("emb"), std::string("dres")}) {
       EXPECT_EQ(count(a, name), N * C) << f.name << " " << name;
       EXPECT_EQ(count(s, name), N / 2 * C) << f.name << " " << name;
     }
-    EXPECT_EQ(count(s, "layers.0.ln1_rstd"), N / 2) << f.name;
+    EXPECT_EQ(count(s, norm + "_rstd"), N / 2) << f.name;
     EXPECT_EQ(count(s, "layers.0.qkv"), count(a, "layers.0.qkv")) << f.name;
     EXPECT_EQ(count(s, "gathered"), N * C) << f.name;
     EXPECT_EQ(count(a, "gathered"), -1) << f.name;

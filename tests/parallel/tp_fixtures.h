@@ -45,6 +45,13 @@ inline ModelConfig gemma2_tp_config() {
   return c;
 }
 
+// olmo2-debug at weights of std 0.4: attention, RoPE and the whole-projection norms matter.
+inline ModelConfig olmo2_tp_config() {
+  ModelConfig c = ModelConfig::preset("olmo2-debug");
+  c.initializer_range = 0.4;
+  return c;
+}
+
 inline std::vector<Family> base_families() {
   ModelConfig untied = ModelConfig::preset("llama-debug");
   untied.tie_word_embeddings = false;
@@ -59,7 +66,10 @@ inline std::vector<Family> base_families() {
           {"qwen3", ModelConfig::preset("qwen3-debug"), {2}},
           {"gpt_neox_parallel_residual", neox_h2_config(), {2}},
           // sandwich norms (replicated), 1 + w norms, GeGLU, embedding scale, soft caps, even-layer windows
-          {"gemma2", gemma2_tp_config(), {2}}};
+          {"gemma2", gemma2_tp_config(), {2}},
+          // post norms only, q/k norms over the whole projection (60 / 20 wide: each rank holds 3 of
+          // the 6 q heads and 1 of the 2 kv heads, the norms' sums reduced over the group)
+          {"olmo2", olmo2_tp_config(), {2}}};
 }
 
 // Deterministic init, with biases and norm weights perturbed so that their use and gradients show.
