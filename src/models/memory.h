@@ -63,6 +63,7 @@ MemoryEstimate estimate_memory(const ModelConfig& cfg, int64_t B, int64_t T, int
 // tied embedding's, written from the head's backward until the embedding's). Address space stays
 // the whole model's (the flat buffers are reserved whole; only their resident pages shrink).
 // Hybrid sharding: the weights over weight_shards ranks (parallel.shard_group; 0 = shards).
+// bf16/fp16 (e.compute_dtype): the compute copy likewise, the weight shard's plus the gathered blocks'.
 void shard_parameters(MemoryEstimate& e, const ModelConfig& cfg, int64_t shards, int prefetch,
                       int64_t weight_shards = 0);
 

@@ -221,6 +221,15 @@ class Model {
   void refresh_compute_weights();
   // Bytes of the weight copies (0 for fp32).
   size_t compute_weight_bytes() const { return cweights_.bytes(); }
+  // ZeRO 3 (parallel/param_gather.h; host models): the copies of [begin, end) of the flat buffer
+  // only (the weights this rank owns) are kept current between passes; the others are converted
+  // block by block as their fp32 weights are gathered (refresh_compute_weights(begin, end) per
+  // block range) and their pages handed back with them. From here refresh_compute_weights()
+  // converts [begin, end) and the forward's stale-copy check samples that range.
+  void keep_compute_weights(size_t begin, size_t end);
+  // The copies of [begin, end) from the fp32 weights (host models; a no-op for fp32).
+  void refresh_compute_weights(size_t begin, size_t end);
+  void* compute_weight_data() { return cweights_.size() ? cweights_.data() : nullptr; }
 
   // Preallocates every activation for up to B x T tokens. Called once before training;
   // forward/backward never allocate. First checks (models/memory.h) that parameters, gradients,
@@ -438,6 +447,7 @@ class Model {
   int stage_ids(const int32_t* host, int64_t n, int kind, bool prefetched);
   DeviceBuffer cweights_;  // compute-dtype copy of params_ (empty for fp32)
   bool cweights_refreshed_ = false;
+  size_t cw_begin_ = 0, cw_end_ = SIZE_MAX;  // keep_compute_weights (SIZE_MAX: the whole buffer)
   ModelPtrs p_, g_;
 
   // activations (pointers into acts_, laid out by plan_), sized for max_B_ x max_T_. void* ones are

@@ -95,7 +95,14 @@ void DistOptimizer::set_grad_norm_group(dist::Communicator& group, std::vector<s
   }
 }
 
-void DistOptimizer::set_param_blocks(std::vector<ParamGather::Ranges> blocks, int prefetch) {
+std::pair<size_t, size_t> DistOptimizer::weight_shard() const {
+  if (!gather_) return {0, shards_.total()};
+  const int g = shard_group_ ? shard_group_->rank() : data_.rank();  // the gathers' group
+  return {weight_shards_.begin(g), weight_shards_.end(g)};
+}
+
+void DistOptimizer::set_param_blocks(std::vector<ParamGather::Ranges> blocks, int prefetch,
+                                     ParamGather::ComputeCopy copy) {
   if (zero_ != 3 || data_.size() == 1) return;
   const int n = data_.size(), s = cfg_.shard_group == 0 ? n : cfg_.shard_group;
   LATHE_CHECK(s >= 1 && n % s == 0,
@@ -111,6 +118,7 @@ void DistOptimizer::set_param_blocks(std::vector<ParamGather::Ranges> blocks, in
     group = shard_group_.get();
   }
   gather_ = std::make_unique<ParamGather>(*group, flat_.params, weight_shards_, std::move(blocks), prefetch);
+  gather_->set_compute_copy(std::move(copy));
   // From here only the shards are resident: the weights (loaded whole) and the gradients outside them.
   gather_->release_whole();
   stale_ = true;

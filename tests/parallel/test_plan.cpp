@@ -90,6 +90,27 @@ TEST(Plan, Zero3MemoryIsLatheChecks) {
   }
 }
 
+// bf16/fp16 under ZeRO 3: the compute copy is sharded with the weights (the shard's plus the
+// gathered blocks', converted per block), in the plan as in lathe check.
+TEST(Plan, Zero3Bf16ComputeCopyIsSharded) {
+  for (DType dt : {DType::BF16, DType::F16}) {
+    const int64_t d = 4;
+    Job j = job_of("llama-debug", d, 3, 40, 24, dt);
+    j.model.num_hidden_layers = 16;  // the layers outweigh the embedding and head, as in a real model
+    const Estimate e = plan::estimate(j, machine(), Layout{d, 1, 1, false, 3, Recompute::None});
+    ASSERT_TRUE(e.reject.empty()) << e.reject;
+    MemoryEstimate ref = estimate_memory(j.model, 3, 40, 2, d, dt, Recompute::None);
+    const int64_t whole_copy = ref.compute_weight_bytes;
+    ASSERT_EQ(whole_copy, ref.num_params * 2);
+    shard_parameters(ref, j.model, d, 1);
+    EXPECT_EQ(e.memory.compute_weights, ref.compute_weight_bytes);
+    EXPECT_EQ(e.memory.params, ref.param_bytes);
+    // 2 bytes per element of exactly the fp32 figure's elements (shard + gathered window).
+    EXPECT_EQ(ref.compute_weight_bytes * 2, ref.param_bytes);
+    EXPECT_LT(ref.compute_weight_bytes, whole_copy);
+  }
+}
+
 TEST(Plan, HandComputedTwoByTwo) {
   // gpt2-debug: L=2, C=48, H=4, V=96, 128 positions, tied; B=2, T=16, 8 samples -> m = 4.
   const Job j = job_of("gpt2-debug", 4, 2, 16, 8);
