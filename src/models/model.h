@@ -87,6 +87,10 @@ struct ComputeSpec {
   // or pipeline parallel run, whose ranks each initialise or read their own share: no rank ever
   // holds every weight). param_data() is then null and every pass is an error.
   bool parameters = true;
+  // false: the parameter and gradient buffers (and a bf16/fp16 weight copy) are reserved zeroed but
+  // not made resident (core/buffer.h zero_untouched): a ZeRO 3 rank writes only its shard
+  // (init_weights(seed, begin, end)), so its startup holds the shard, not the whole model.
+  bool touch_parameters = true;
 };
 
 // One buffer of the activation arena: what it holds, how many elements of which dtype, and where.
@@ -149,6 +153,9 @@ struct StepHooks {
 // its own stream seeded by (seed, s.name), so a tensor-parallel shard can take its slice of
 // exactly the values one process would have.
 void init_param_values(const ParamSpec& s, uint64_t seed, float* out);
+// Elements [from, to) of the tensor only (out[0] is element `from`): the same values, the stream
+// advanced past the first `from` draws (two 64-bit draws per normal element).
+void init_param_values(const ParamSpec& s, uint64_t seed, float* out, int64_t from, int64_t to);
 
 class Model {
  public:
@@ -210,6 +217,10 @@ class Model {
   // values do not depend on the thread count or on the order tensors sit in the buffer.
   // Refreshes the compute-dtype weight copies.
   void init_weights(uint64_t seed);
+  // Only the elements [begin, end) of the flat buffer, with exactly the values init_weights gives
+  // them (each tensor's stream is advanced past the elements before the range; ZeRO 3's shard).
+  // Refreshes the compute copies of keep_compute_weights' range.
+  void init_weights(uint64_t seed, size_t begin, size_t end);
 
   // Compute-dtype copies of the weights (bf16/fp16 models; fp32 models read the masters and this
   // is a no-op). The GEMM and embedding kernels of a 16-bit table read one DeviceBuffer of the

@@ -40,9 +40,10 @@ Model::Model(ModelConfig cfg, Arch arch, ParamTable table, ComputeSpec compute)
   // Host parameters and gradients: the model's memory on the CPU backend, the staging copies of a
   // device-resident model (whose kernels read dparams_ / dgrads_, allocated here once).
   const bool weights = compute.parameters, grads = compute.parameters && compute.gradients;
-  if (weights) params_.resize(table_.total());
-  if (grads) grads_.resize(table_.total());
-  if (weights && compute.dtype != DType::F32) cweights_.resize(*backend_, table_.total(), compute.dtype);
+  if (weights) params_.resize(table_.total(), compute.touch_parameters);
+  if (grads) grads_.resize(table_.total(), compute.touch_parameters);
+  if (weights && compute.dtype != DType::F32)
+    cweights_.resize(*backend_, table_.total(), compute.dtype, compute.touch_parameters);
   if (on_device() && weights) {
     dparams_.resize(*backend_, table_.total(), DType::F32);
     if (grads) dgrads_.resize(*backend_, table_.total(), DType::F32);
@@ -243,6 +244,36 @@ void init_param_values(const ParamSpec& s, uint64_t seed, float* p) {
       break;
     }
   }
+}
+
+void init_param_values(const ParamSpec& s, uint64_t seed, float* p, int64_t from, int64_t to) {
+  LATHE_CHECK(0 <= from && from <= to && to <= s.numel(), "internal: elements [{}, {}) of '{}' ({} elements)", from,
+              to, s.name, s.numel());
+  switch (s.init) {
+    case Init::Zeros:
+    case Init::Ones:
+      std::fill(p, p + (to - from), s.init == Init::Ones ? 1.0f : 0.0f);
+      break;
+    case Init::Normal: {
+      Rng rng(seed ^ fnv1a(s.name));
+      for (int64_t i = 0; i < 2 * from; ++i) (void)rng.next_u64();  // Rng::normal draws two words
+      for (int64_t i = from; i < to; ++i) p[i - from] = rng.normal() * s.init_std;
+      break;
+    }
+  }
+}
+
+void Model::init_weights(uint64_t seed, size_t begin, size_t end) {
+  LATHE_CHECK(params_.size() == table_.total() && begin <= end && end <= table_.total(),
+              "model: init_weights of [{}, {}) on a model of {} parameters", begin, end, params_.size());
+  for (const ParamSpec& s : table_.specs()) {
+    const size_t lo = std::max(begin, s.offset), hi = std::min(end, s.offset + static_cast<size_t>(s.numel()));
+    if (lo < hi)
+      init_param_values(s, seed, params_.data() + lo, static_cast<int64_t>(lo - s.offset),
+                        static_cast<int64_t>(hi - s.offset));
+  }
+  upload_params();
+  refresh_compute_weights();
 }
 
 void Model::init_weights(uint64_t seed) {

@@ -95,6 +95,18 @@ void DistOptimizer::set_grad_norm_group(dist::Communicator& group, std::vector<s
   }
 }
 
+std::pair<size_t, size_t> DistOptimizer::weight_shard_of(size_t total, int rank, int ranks, int shard_group) {
+  const int s = shard_group == 0 ? ranks : shard_group;
+  LATHE_CHECK(ranks >= 1 && s >= 1 && ranks % s == 0 && rank >= 0 && rank < ranks,
+              "parallel.shard_group = {} does not divide parallel.data = {}: choose a divisor of the data degree (0 = "
+              "all {} data ranks)",
+              shard_group, ranks, ranks);
+  const int R = ranks / s;  // as set_param_blocks: merged shards of R consecutive ranks, gathered over rank / R
+  const FlatShards w = FlatShards::merged(FlatShards(total, ranks, optim::kChunk), R);
+  const int g = R > 1 ? rank / R : rank;
+  return {w.begin(g), w.end(g)};
+}
+
 std::pair<size_t, size_t> DistOptimizer::weight_shard() const {
   if (!gather_) return {0, shards_.total()};
   const int g = shard_group_ ? shard_group_->rank() : data_.rank();  // the gathers' group

@@ -114,6 +114,10 @@ class DistOptimizer {
   // ZeRO 3 with gathers: the flat range of the weights this rank keeps resident (its merged shard
   // under hybrid sharding); [0, P) otherwise.
   std::pair<size_t, size_t> weight_shard() const;
+  // The same range before the optimizer exists (a flat buffer of `total` elements, data rank
+  // `rank` of `ranks`, parallel.shard_group; ZeRO 3 with ranks > 1): what the rank initialises or
+  // reads at startup (train/session.cpp).
+  static std::pair<size_t, size_t> weight_shard_of(size_t total, int rank, int ranks, int shard_group);
   bool gathers() const { return gather_ != nullptr; }
   ParamGather* param_gather() { return gather_.get(); }  // tests
   void before_block(int64_t block, bool backward);

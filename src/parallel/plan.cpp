@@ -279,7 +279,7 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l, Schedule
       z.num_params = n;
       z.compute_dtype = job.compute;
       z.compute_weight_bytes = mem.compute_weights;
-      shard_parameters(z, cfg, d, 1);
+      shard_parameters(z, cfg, d, 1, 0, (int64_t{25} << 20) / 4);  // the default 25 MB buckets
       mem.params = z.param_bytes;
       mem.grads = z.grad_bytes;
       mem.compute_weights = z.compute_weight_bytes;

@@ -263,6 +263,16 @@ void load_weights_sharded(const CheckpointPieces& ck, const ParamTable& global, 
   }
 }
 
+void load_weights_range(const CheckpointPieces& ck, const ParamTable& table, size_t begin, size_t end, float* out) {
+  for (const ParamSpec& s : table.specs()) {
+    const size_t lo = std::max(begin, s.offset), hi = std::min(end, s.offset + static_cast<size_t>(s.numel()));
+    if (lo >= hi) continue;
+    ck.check(s.name, s.shape);
+    ck.read(s.name, static_cast<int64_t>(lo - s.offset), static_cast<int64_t>(hi - lo), out + lo);
+    check_values(ck.dir(), s.name, out + lo, static_cast<int64_t>(hi - lo), static_cast<int64_t>(lo - s.offset));
+  }
+}
+
 // ---- offline resharding --------------------------------------------------------------------
 
 void validate_layout(const ModelConfig& cfg, const CheckpointLayout& to) {

@@ -130,6 +130,20 @@ void TrainSession::open_model() {
     w.load_shard = [ckpt = pf_.ckpt](const ParamTable& whole, Model& local, int tp_rank, int tp) {
       load_weights_sharded(CheckpointPieces(ckpt), whole, local.params(), tp_rank, tp, local.param_data());
     };
+  if (pf_.shard_weights) {  // ZeRO 3: only this rank's weight shard, drawn or read (preflight.h)
+    Model& m = *pf_.model;
+    const auto [b, e] = parallel::DistOptimizer::weight_shard_of(m.num_params(), topo_->data().rank(),
+                                                                 topo_->data().size(),
+                                                                 static_cast<int>(r_.parallel.shard_group));
+    m.keep_compute_weights(b, e);
+    if (pf_.ckpt.empty()) {
+      m.init_weights(w.seed, b, e);
+    } else {
+      load_weights_range(CheckpointPieces(pf_.ckpt), m.params(), b, e, m.param_data());
+      m.refresh_compute_weights();
+    }
+    w.fresh = false;
+  }
   rm_ = parallel::parallelize(std::move(pf_.model), *topo_, cfg, w, geo_.B, geo_.T);
 }
 

@@ -80,7 +80,7 @@ TEST(Plan, Zero3MemoryIsLatheChecks) {
     ASSERT_TRUE(e.reject.empty()) << e.reject;
     MemoryEstimate ref = estimate_memory(j.model, 3, 40, 2, d, DType::F32, Recompute::None);
     const int64_t whole = ref.param_bytes;
-    shard_parameters(ref, j.model, d, 1);
+    shard_parameters(ref, j.model, d, 1, 0, (int64_t{25} << 20) / 4);
     EXPECT_EQ(e.memory.params, ref.param_bytes) << preset;
     EXPECT_EQ(e.memory.grads, ref.grad_bytes) << preset;
     EXPECT_EQ(ref.param_bytes, (whole / 4 + d - 1) / d * 4 + ref.gather_bytes);
@@ -102,7 +102,7 @@ TEST(Plan, Zero3Bf16ComputeCopyIsSharded) {
     MemoryEstimate ref = estimate_memory(j.model, 3, 40, 2, d, dt, Recompute::None);
     const int64_t whole_copy = ref.compute_weight_bytes;
     ASSERT_EQ(whole_copy, ref.num_params * 2);
-    shard_parameters(ref, j.model, d, 1);
+    shard_parameters(ref, j.model, d, 1, 0, (int64_t{25} << 20) / 4);
     EXPECT_EQ(e.memory.compute_weights, ref.compute_weight_bytes);
     EXPECT_EQ(e.memory.params, ref.param_bytes);
     // 2 bytes per element of exactly the fp32 figure's elements (shard + gathered window).

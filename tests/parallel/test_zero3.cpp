@@ -323,4 +323,42 @@ TEST(Zero3Accumulation, PerMicroBatchReductionWithinFp32RoundingOfZero0) {
   }
 }
 
+// Shard-only startup (train/session.cpp): init_weights(seed, begin, end) gives exactly the values
+// the whole init gives [begin, end) (each tensor's stream advanced past the elements before the
+// range), writes nothing outside it, and a model built with touch_parameters false reads zeros.
+TEST(Zero3Init, ShardInitIsTheWholeInitsRange) {
+  for (const char* preset : {"gpt2-debug", "llama-debug"}) {
+    auto whole = build_model(ModelConfig::preset(preset));
+    whole->init_weights(11);
+    const size_t P = whole->num_params();
+    for (int ranks : {2, 3, 5}) {
+      for (int r = 0; r < ranks; ++r) {
+        const auto [b, e] = parallel::DistOptimizer::weight_shard_of(P, r, ranks, 0);
+        ComputeSpec spec;
+        spec.touch_parameters = false;
+        auto part = build_model(ModelConfig::preset(preset), spec);
+        part->init_weights(11, b, e);
+        const float* w = whole->param_data();
+        const float* p = part->param_data();
+        size_t bad = 0, outside = 0;
+        for (size_t i = 0; i < P; ++i) {
+          if (i >= b && i < e)
+            bad += std::memcmp(&w[i], &p[i], sizeof(float)) != 0;
+          else
+            outside += p[i] != 0.0f;
+        }
+        EXPECT_EQ(bad, 0u) << preset << " rank " << r << " of " << ranks << " [" << b << ", " << e << ")";
+        EXPECT_EQ(outside, 0u) << preset << " rank " << r << " of " << ranks;
+      }
+    }
+    // An odd range straddling tensors, inside a tensor, and empty.
+    for (auto [b, e] : {std::pair<size_t, size_t>{7, P - 5}, {P / 3 + 1, P / 3 + 2}, {5, 5}}) {
+      auto part = build_model(ModelConfig::preset(preset));
+      part->init_weights(11, b, e);
+      EXPECT_EQ(std::memcmp(whole->param_data() + b, part->param_data() + b, (e - b) * sizeof(float)), 0)
+          << preset << " [" << b << ", " << e << ")";
+    }
+  }
+}
+
 }  // namespace
