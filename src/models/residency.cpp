@@ -177,4 +177,18 @@ void Model::check_compute_weights() const {
   }
 }
 
+// ZeRO 3's shard-only startup: the shard's values of init_weights(seed) (models/model.h).
+void Model::init_weights(uint64_t seed, size_t begin, size_t end) {
+  LATHE_CHECK(params_.size() == table_.total() && begin <= end && end <= table_.total(),
+              "model: init_weights of [{}, {}) on a model of {} parameters", begin, end, params_.size());
+  for (const ParamSpec& s : table_.specs()) {
+    const size_t lo = std::max(begin, s.offset), hi = std::min(end, s.offset + static_cast<size_t>(s.numel()));
+    if (lo < hi)
+      init_param_values(s, seed, params_.data() + lo, static_cast<int64_t>(lo - s.offset),
+                        static_cast<int64_t>(hi - s.offset));
+  }
+  upload_params();
+  refresh_compute_weights();
+}
+
 }  // namespace lathe

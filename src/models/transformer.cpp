@@ -229,23 +229,6 @@ ModelPtrs Model::resolve(float* base) const {
   return m;
 }
 
-void init_param_values(const ParamSpec& s, uint64_t seed, float* p) {
-  const int64_t n = s.numel();
-  switch (s.init) {
-    case Init::Zeros:
-      std::fill(p, p + n, 0.0f);
-      break;
-    case Init::Ones:
-      std::fill(p, p + n, 1.0f);
-      break;
-    case Init::Normal: {
-      Rng rng(seed ^ fnv1a(s.name));
-      for (int64_t i = 0; i < n; ++i) p[i] = rng.normal() * s.init_std;
-      break;
-    }
-  }
-}
-
 void init_param_values(const ParamSpec& s, uint64_t seed, float* p, int64_t from, int64_t to) {
   LATHE_CHECK(0 <= from && from <= to && to <= s.numel(), "internal: elements [{}, {}) of '{}' ({} elements)", from,
               to, s.name, s.numel());
@@ -263,18 +246,7 @@ void init_param_values(const ParamSpec& s, uint64_t seed, float* p, int64_t from
   }
 }
 
-void Model::init_weights(uint64_t seed, size_t begin, size_t end) {
-  LATHE_CHECK(params_.size() == table_.total() && begin <= end && end <= table_.total(),
-              "model: init_weights of [{}, {}) on a model of {} parameters", begin, end, params_.size());
-  for (const ParamSpec& s : table_.specs()) {
-    const size_t lo = std::max(begin, s.offset), hi = std::min(end, s.offset + static_cast<size_t>(s.numel()));
-    if (lo < hi)
-      init_param_values(s, seed, params_.data() + lo, static_cast<int64_t>(lo - s.offset),
-                        static_cast<int64_t>(hi - s.offset));
-  }
-  upload_params();
-  refresh_compute_weights();
-}
+void init_param_values(const ParamSpec& s, uint64_t seed, float* p) { init_param_values(s, seed, p, 0, s.numel()); }
 
 void Model::init_weights(uint64_t seed) {
   LATHE_CHECK(params_.size() == table_.total() || table_.total() == 0,
