@@ -322,7 +322,7 @@ class Parser {
          fmt::format("{} exceeds optimizer.lr = {}", s.min_lr, r.optimizer.lr));
   }
 
-  // parallel.zero = 3 (parallel/param_gather.h) runs data parallelism alone, on the CPU, so far.
+  // parallel.zero = 3 (parallel/param_gather.h) runs with data and tensor parallelism, on the CPU, so far.
   void check_zero3(const Recipe& r) const {
     const auto& p = r.parallel;
     if (p.zero != 3) {
@@ -343,10 +343,9 @@ class Parser {
                                               p.shard_group, p.data));
     auto refuse = [&](const std::string& key, const std::string& value, const std::string& fix) {
       bad(key, fmt::format("{} with parallel.zero = 3 is not supported yet (ZeRO 3 shards the weights over data "
-                           "parallelism alone, on the CPU); {}",
+                           "(and tensor) parallelism, on the CPU); {}",
                            value, fix));
     };
-    if (p.tensor > 1) refuse("parallel.tensor", std::to_string(p.tensor), "set parallel.tensor: 1 or parallel.zero <= 2");
     if (p.pipeline > 1)
       refuse("parallel.pipeline", std::to_string(p.pipeline), "set parallel.pipeline: 1 or parallel.zero <= 2");
     if (p.context > 1)

@@ -154,8 +154,7 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l, Schedule
     e.reject = std::move(why);
     return e;
   };
-  if (l.zero == 3 && (t > 1 || p > 1))
-    return reject("ZeRO 3 runs data parallelism alone so far (tensor 1, pipeline 1)");
+  if (l.zero == 3 && p > 1) return reject("ZeRO 3 does not run with pipeline parallelism yet (pipeline 1)");
   if (cfg.num_attention_heads % t)
     return reject(fmt::format("tensor {} does not divide num_attention_heads {}", t, cfg.num_attention_heads));
   if (cfg.num_key_value_heads % t)
@@ -348,7 +347,7 @@ std::vector<Estimate> enumerate(const Job& job, const Machine& m) {
         if (sp && t == 1) continue;
         for (int zero = 0; zero <= 3; ++zero) {
           if (zero > 0 && d == 1) continue;
-          if (zero == 3 && (t > 1 || p > 1)) continue;
+          if (zero == 3 && p > 1) continue;
           for (Recompute rc : {Recompute::None, Recompute::Selective, Recompute::Full})
             for (int64_t v : job.virtual_stages)
               if (v == 1 || p > 1) out.push_back(estimate(job, m, Layout{d, t, p, sp, zero, rc, v}, &cache));

@@ -434,7 +434,7 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   const int64_t data = std::max<int64_t>(1, r.parallel.data);
   const Recompute rc = parse_recompute(r.recompute, r.source + ": recompute");
   check_rank_memory(r, B, T, data, rc, spec.dtype, sharded, log);
-  pf.shard_weights = r.parallel.zero == 3 && data > 1 && r.init_from.empty() && !check_only;
+  pf.shard_weights = r.parallel.zero == 3 && data > 1 && r.init_from.empty() && !check_only && !sharded;
   if (pf.shard_weights) spec.touch_parameters = false;
   if (!pf.ckpt.empty()) {
     pf.model = build_model(r.model, spec);  // weights come from the checkpoint below

@@ -85,8 +85,8 @@ TEST(Plan, Zero3MemoryIsLatheChecks) {
     EXPECT_EQ(e.memory.grads, ref.grad_bytes) << preset;
     EXPECT_EQ(ref.param_bytes, (whole / 4 + d - 1) / d * 4 + ref.gather_bytes);
     EXPECT_NE(ref.breakdown().find("1/4 shard"), std::string::npos) << ref.breakdown();
-    const Estimate tp = plan::estimate(j, machine(), Layout{2, 2, 1, false, 3, Recompute::None});
-    EXPECT_NE(tp.reject.find("ZeRO 3"), std::string::npos) << tp.reject;
+    const Estimate pp = plan::estimate(j, machine(), Layout{2, 1, 2, false, 3, Recompute::None});
+    EXPECT_NE(pp.reject.find("ZeRO 3"), std::string::npos) << pp.reject;
   }
 }
 
@@ -183,9 +183,9 @@ TEST(Plan, InvalidLayoutsExcludedWithTheReason) {
   // llama-debug: 4 heads, 2 KV heads, 2 layers, vocabulary 96, intermediate 96.
   Job j = job_of("llama-debug", 4, 1, 16, 8);
   const auto all = plan::enumerate(j, machine());
-  // (t, p, d) triples of 4: (1,1,4) 12 layouts (ZeRO 0..3), (1,2,2) 9, (1,4,1) 3, (2,1,2) 18, (2,2,1) 6,
-  // (4,1,1) 6.
-  EXPECT_EQ(all.size(), 54u);
+  // (t, p, d) triples of 4: (1,1,4) 12 layouts (ZeRO 0..3), (1,2,2) 9, (1,4,1) 3, (2,1,2) 24 (ZeRO 0..3,
+  // with and without SP), (2,2,1) 6, (4,1,1) 6.
+  EXPECT_EQ(all.size(), 60u);
   bool seen_kv = false, seen_layers = false, tail_invalid = false;
   for (const auto& e : all) {
     if (e.layout.tensor == 4) {
