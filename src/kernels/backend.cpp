@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "core/buffer.h"
 #include "core/error.h"
 
 namespace lathe {
@@ -104,7 +105,7 @@ std::vector<std::pair<const Backend*, DType>> implemented_ops() {
   return out;
 }
 
-void DeviceBuffer::resize(const Backend& backend, size_t count, DType dtype) {
+void DeviceBuffer::resize(const Backend& backend, size_t count, DType dtype, bool touch) {
   release();
   backend_ = &backend;
   dtype_ = dtype;
@@ -113,7 +114,10 @@ void DeviceBuffer::resize(const Backend& backend, size_t count, DType dtype) {
               backend.name(), count, dtype_name(dtype));
   ptr_ = backend.alloc(count * dtype_size(dtype));
   count_ = count;
-  zero();
+  if (!touch && backend.device() == DeviceKind::Host)
+    zero_untouched(ptr_, bytes());
+  else
+    zero();
 }
 
 void DeviceBuffer::zero() {

@@ -276,7 +276,9 @@ class DeviceBuffer {
     return *this;
   }
 
-  void resize(const Backend& backend, size_t count, DType dtype);
+  // touch false on a host backend: zeroed without making the pages resident (core/buffer.h's
+  // zero_untouched); device memory is zeroed as always.
+  void resize(const Backend& backend, size_t count, DType dtype, bool touch = true);
   void zero();
   void* data() { return ptr_; }
   const void* data() const { return ptr_; }

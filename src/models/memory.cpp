@@ -100,7 +100,7 @@ MemoryEstimate estimate_memory(const ModelConfig& cfg, int64_t B, int64_t T, int
 }
 
 void shard_parameters(MemoryEstimate& e, const ModelConfig& cfg, int64_t shards, int prefetch,
-                      int64_t weight_shards) {
+                      int64_t weight_shards, int64_t bucket_elems) {
   LATHE_CHECK(shards >= 1 && prefetch >= 0, "internal: {} weight shards, prefetch {}", shards, prefetch);
   if (shards == 1) return;
   const std::string what = "ZeRO 3 memory";
@@ -129,10 +129,15 @@ void shard_parameters(MemoryEstimate& e, const ModelConfig& cfg, int64_t shards,
   e.prefetch = prefetch;
   e.gather_bytes = checked_mul(window, 4, what);
   e.param_bytes = checked_add(checked_mul((e.num_params + ws - 1) / ws, 4, what), e.gather_bytes, what);
+  // bf16/fp16: the compute copy of the weight shard and of the blocks gathered (converted per block).
+  if (e.compute_weight_bytes > 0)
+    e.compute_weight_bytes = checked_mul(checked_add((e.num_params + ws - 1) / ws, window, what),
+                                         static_cast<int64_t>(dtype_size(e.compute_dtype)), what);
   // Gradients written and not yet reduced: a block's (a tied wte's from the head's backward until
   // the embedding's, with a layer's on top).
-  const int64_t pending = std::max(std::max(wte + wpe, head), (cfg.tie_word_embeddings ? wte : 0) + layer);
-  e.grad_bytes = checked_mul(checked_add(shard, pending, what), 4, what);
+  const int64_t pending = checked_add(std::max(std::max(wte + wpe, head), (cfg.tie_word_embeddings ? wte : 0) + layer),
+                                      std::min(std::max<int64_t>(bucket_elems, 0), e.num_params), what);
+  e.grad_bytes = checked_mul(std::min(checked_add(shard, pending, what), e.num_params), 4, what);  // at most the buffer
 }
 
 namespace {

@@ -63,8 +63,12 @@ MemoryEstimate estimate_memory(const ModelConfig& cfg, int64_t B, int64_t T, int
 // tied embedding's, written from the head's backward until the embedding's). Address space stays
 // the whole model's (the flat buffers are reserved whole; only their resident pages shrink).
 // Hybrid sharding: the weights over weight_shards ranks (parallel.shard_group; 0 = shards).
+// bf16/fp16 (e.compute_dtype): the compute copy likewise, the weight shard's plus the gathered blocks'.
+// Gradients: a reduction bucket of `bucket_elems` fills over several blocks before it is reduced
+// and its pages outside the shard released (parallel/grad_sync.h), so one bucket is resident on top
+// of the block being written.
 void shard_parameters(MemoryEstimate& e, const ModelConfig& cfg, int64_t shards, int prefetch,
-                      int64_t weight_shards = 0);
+                      int64_t weight_shards = 0, int64_t bucket_elems = 0);
 
 // Memory this process can use: the smallest of physical RAM (MemTotal in /proc/meminfo), the
 // cgroup limit (memory.max) and RLIMIT_AS. `source` says which one bounds it.

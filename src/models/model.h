@@ -111,6 +111,10 @@ struct ComputeSpec {
   // or pipeline parallel run, whose ranks each initialise or read their own share: no rank ever
   // holds every weight). param_data() is then null and every pass is an error.
   bool parameters = true;
+  // false: the parameter and gradient buffers (and a bf16/fp16 weight copy) are reserved zeroed but
+  // not made resident (core/buffer.h zero_untouched): a ZeRO 3 rank writes only its shard
+  // (init_weights(seed, begin, end)), so its startup holds the shard, not the whole model.
+  bool touch_parameters = true;
 };
 
 // One buffer of the activation arena: what it holds, how many elements of which dtype, and where.
@@ -173,6 +177,9 @@ struct StepHooks {
 // its own stream seeded by (seed, s.name), so a tensor-parallel shard can take its slice of
 // exactly the values one process would have.
 void init_param_values(const ParamSpec& s, uint64_t seed, float* out);
+// Elements [from, to) of the tensor only (out[0] is element `from`): the same values, the stream
+// advanced past the first `from` draws (two 64-bit draws per normal element).
+void init_param_values(const ParamSpec& s, uint64_t seed, float* out, int64_t from, int64_t to);
 
 class Model {
  public:
@@ -234,6 +241,10 @@ class Model {
   // values do not depend on the thread count or on the order tensors sit in the buffer.
   // Refreshes the compute-dtype weight copies.
   void init_weights(uint64_t seed);
+  // Only the elements [begin, end) of the flat buffer, with exactly the values init_weights gives
+  // them (each tensor's stream is advanced past the elements before the range; ZeRO 3's shard).
+  // Refreshes the compute copies of keep_compute_weights' range.
+  void init_weights(uint64_t seed, size_t begin, size_t end);
 
   // Compute-dtype copies of the weights (bf16/fp16 models; fp32 models read the masters and this
   // is a no-op). The GEMM and embedding kernels of a 16-bit table read one DeviceBuffer of the
@@ -245,6 +256,15 @@ class Model {
   void refresh_compute_weights();
   // Bytes of the weight copies (0 for fp32).
   size_t compute_weight_bytes() const { return cweights_.bytes(); }
+  // ZeRO 3 (parallel/param_gather.h; host models): the copies of [begin, end) of the flat buffer
+  // only (the weights this rank owns) are kept current between passes; the others are converted
+  // block by block as their fp32 weights are gathered (refresh_compute_weights(begin, end) per
+  // block range) and their pages handed back with them. From here refresh_compute_weights()
+  // converts [begin, end) and the forward's stale-copy check samples that range.
+  void keep_compute_weights(size_t begin, size_t end);
+  // The copies of [begin, end) from the fp32 weights (host models; a no-op for fp32).
+  void refresh_compute_weights(size_t begin, size_t end);
+  void* compute_weight_data() { return cweights_.size() ? cweights_.data() : nullptr; }
 
   // Preallocates every activation for up to B x T tokens. Called once before training;
   // forward/backward never allocate. First checks (models/memory.h) that parameters, gradients,
@@ -495,6 +515,7 @@ class Model {
   int stage_ids(const int32_t* host, int64_t n, int kind, bool prefetched);
   DeviceBuffer cweights_;  // compute-dtype copy of params_ (empty for fp32)
   bool cweights_refreshed_ = false;
+  size_t cw_begin_ = 0, cw_end_ = SIZE_MAX;  // keep_compute_weights (SIZE_MAX: the whole buffer)
   ModelPtrs p_, g_;
 
   // activations (pointers into acts_, laid out by plan_), sized for max_B_ x max_T_. void* ones are

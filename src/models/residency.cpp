@@ -2,6 +2,7 @@
 // the host fp32 buffers and a device's), the input-id staging ring that overlaps the next
 // micro-batch's copy with this one's compute, and the compute-dtype copies of the weights (bf16 /
 // fp16 runs keep fp32 masters on the host side of the table and compute from these).
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -111,14 +112,23 @@ void Model::refresh_compute_weights() {
   // Every tensor (norm weights and biases too, which the kernels read in fp32 from the masters):
   // one conversion of the whole flat buffer is simpler than walking the GEMM weights and costs
   // about one pass over the parameters, small against a training step.
-  const int64_t n = static_cast<int64_t>(table_.total());
+  refresh_compute_weights(cw_begin_, std::min(cw_end_, table_.total()));
+  cweights_refreshed_ = true;
+}
+
+void Model::refresh_compute_weights(size_t begin, size_t end) {
+  if (cweights_.size() == 0 || begin >= end) return;
+  LATHE_CHECK(!on_device() && end <= table_.total(),
+              "model: the weight copies of [{}, {}) converted on a {} model of {} parameters (host models only)", begin,
+              end, backend_->name(), table_.total());
+  const int64_t n = static_cast<int64_t>(end - begin);
+  auto* dst = static_cast<uint16_t*>(cweights_.data()) + begin;
+  const float* src = params_.data() + begin;
   switch (cweights_.dtype()) {
     case DType::BF16:
-      cpu::convert_fp32_to_bf16(static_cast<uint16_t*>(cweights_.data()), params_.data(), n);
+      cpu::convert_fp32_to_bf16(dst, src, n);
       break;
     case DType::F16: {
-      auto* dst = static_cast<uint16_t*>(cweights_.data());
-      const float* src = params_.data();
 #pragma omp parallel for schedule(static) if (n >= (1 << 15))
       for (int64_t i = 0; i < n; ++i) dst[i] = fp32_to_fp16(src[i]);
       break;
@@ -126,7 +136,14 @@ void Model::refresh_compute_weights() {
     default:
       throw_error("model: no weight copies for compute dtype {}", compute_dtype_name(cweights_.dtype()));
   }
-  cweights_refreshed_ = true;
+}
+
+void Model::keep_compute_weights(size_t begin, size_t end) {
+  LATHE_CHECK(begin <= end && end <= table_.total() && !on_device(),
+              "model: keep_compute_weights({}, {}) on a {} model of {} parameters (host models only)", begin, end,
+              backend_->name(), table_.total());
+  cw_begin_ = begin;
+  cw_end_ = end;
 }
 
 void Model::check_compute_weights() const {
@@ -136,13 +153,16 @@ void Model::check_compute_weights() const {
               "refresh_compute_weights() after setting or loading the weights (init_weights and load_hf_weights do)",
               compute_dtype_name(cweights_.dtype()));
   if (on_device()) return;  // device copies are only refreshed as a whole (no per-pass sampling there)
-  const int64_t n = static_cast<int64_t>(table_.total());
+  // ZeRO 3 (keep_compute_weights): only this rank's range is current between passes.
+  const int64_t lo = static_cast<int64_t>(std::min(cw_begin_, table_.total()));
+  const int64_t n = static_cast<int64_t>(std::min(cw_end_, table_.total())) - lo;
+  if (n <= 0) return;
   const auto* copy = static_cast<const uint16_t*>(cweights_.data());
   const bool bf16 = cweights_.dtype() == DType::BF16;
   for (int64_t k = 0; k < kWeightSamples; ++k) {
     // Evenly spread samples, the last element included; 2 x 16-bit compares per sample.
-    const int64_t i = n <= 1 ? 0 : k * (n - 1) / (kWeightSamples - 1);
-    if (i >= n) break;
+    const int64_t i = lo + (n <= 1 ? 0 : k * (n - 1) / (kWeightSamples - 1));
+    if (i >= lo + n) break;
     const uint16_t want = bf16 ? fp32_to_bf16(params_.data()[i]) : fp32_to_fp16(params_.data()[i]);
     if (copy[i] == want) continue;
     const ParamSpec* owner = nullptr;
@@ -155,6 +175,20 @@ void Model::check_compute_weights() const {
         owner ? owner->name : std::string("?"), params_.data()[i],
         bf16 ? bf16_to_fp32(copy[i]) : fp16_to_fp32(copy[i]));
   }
+}
+
+// ZeRO 3's shard-only startup: the shard's values of init_weights(seed) (models/model.h).
+void Model::init_weights(uint64_t seed, size_t begin, size_t end) {
+  LATHE_CHECK(params_.size() == table_.total() && begin <= end && end <= table_.total(),
+              "model: init_weights of [{}, {}) on a model of {} parameters", begin, end, params_.size());
+  for (const ParamSpec& s : table_.specs()) {
+    const size_t lo = std::max(begin, s.offset), hi = std::min(end, s.offset + static_cast<size_t>(s.numel()));
+    if (lo < hi)
+      init_param_values(s, seed, params_.data() + lo, static_cast<int64_t>(lo - s.offset),
+                        static_cast<int64_t>(hi - s.offset));
+  }
+  upload_params();
+  refresh_compute_weights();
 }
 
 }  // namespace lathe

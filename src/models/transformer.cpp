@@ -40,9 +40,10 @@ Model::Model(ModelConfig cfg, Arch arch, ParamTable table, ComputeSpec compute)
   // Host parameters and gradients: the model's memory on the CPU backend, the staging copies of a
   // device-resident model (whose kernels read dparams_ / dgrads_, allocated here once).
   const bool weights = compute.parameters, grads = compute.parameters && compute.gradients;
-  if (weights) params_.resize(table_.total());
-  if (grads) grads_.resize(table_.total());
-  if (weights && compute.dtype != DType::F32) cweights_.resize(*backend_, table_.total(), compute.dtype);
+  if (weights) params_.resize(table_.total(), compute.touch_parameters);
+  if (grads) grads_.resize(table_.total(), compute.touch_parameters);
+  if (weights && compute.dtype != DType::F32)
+    cweights_.resize(*backend_, table_.total(), compute.dtype, compute.touch_parameters);
   if (on_device() && weights) {
     dparams_.resize(*backend_, table_.total(), DType::F32);
     if (grads) dgrads_.resize(*backend_, table_.total(), DType::F32);
@@ -242,22 +243,24 @@ ModelPtrs Model::resolve(float* base) const {
   return m;
 }
 
-void init_param_values(const ParamSpec& s, uint64_t seed, float* p) {
-  const int64_t n = s.numel();
+void init_param_values(const ParamSpec& s, uint64_t seed, float* p, int64_t from, int64_t to) {
+  LATHE_CHECK(0 <= from && from <= to && to <= s.numel(), "internal: elements [{}, {}) of '{}' ({} elements)", from,
+              to, s.name, s.numel());
   switch (s.init) {
     case Init::Zeros:
-      std::fill(p, p + n, 0.0f);
-      break;
     case Init::Ones:
-      std::fill(p, p + n, 1.0f);
+      std::fill(p, p + (to - from), s.init == Init::Ones ? 1.0f : 0.0f);
       break;
     case Init::Normal: {
       Rng rng(seed ^ fnv1a(s.name));
-      for (int64_t i = 0; i < n; ++i) p[i] = rng.normal() * s.init_std;
+      for (int64_t i = 0; i < 2 * from; ++i) (void)rng.next_u64();  // Rng::normal draws two words
+      for (int64_t i = from; i < to; ++i) p[i - from] = rng.normal() * s.init_std;
       break;
     }
   }
 }
+
+void init_param_values(const ParamSpec& s, uint64_t seed, float* p) { init_param_values(s, seed, p, 0, s.numel()); }
 
 void Model::init_weights(uint64_t seed) {
   LATHE_CHECK(params_.size() == table_.total() || table_.total() == 0,

@@ -95,7 +95,26 @@ void DistOptimizer::set_grad_norm_group(dist::Communicator& group, std::vector<s
   }
 }
 
-void DistOptimizer::set_param_blocks(std::vector<ParamGather::Ranges> blocks, int prefetch) {
+std::pair<size_t, size_t> DistOptimizer::weight_shard_of(size_t total, int rank, int ranks, int shard_group) {
+  const int s = shard_group == 0 ? ranks : shard_group;
+  LATHE_CHECK(ranks >= 1 && s >= 1 && ranks % s == 0 && rank >= 0 && rank < ranks,
+              "parallel.shard_group = {} does not divide parallel.data = {}: choose a divisor of the data degree (0 = "
+              "all {} data ranks)",
+              shard_group, ranks, ranks);
+  const int R = ranks / s;  // as set_param_blocks: merged shards of R consecutive ranks, gathered over rank / R
+  const FlatShards w = FlatShards::merged(FlatShards(total, ranks, optim::kChunk), R);
+  const int g = R > 1 ? rank / R : rank;
+  return {w.begin(g), w.end(g)};
+}
+
+std::pair<size_t, size_t> DistOptimizer::weight_shard() const {
+  if (!gather_) return {0, shards_.total()};
+  const int g = shard_group_ ? shard_group_->rank() : data_.rank();  // the gathers' group
+  return {weight_shards_.begin(g), weight_shards_.end(g)};
+}
+
+void DistOptimizer::set_param_blocks(std::vector<ParamGather::Ranges> blocks, int prefetch,
+                                     ParamGather::ComputeCopy copy) {
   if (zero_ != 3 || data_.size() == 1) return;
   const int n = data_.size(), s = cfg_.shard_group == 0 ? n : cfg_.shard_group;
   LATHE_CHECK(s >= 1 && n % s == 0,
@@ -111,6 +130,7 @@ void DistOptimizer::set_param_blocks(std::vector<ParamGather::Ranges> blocks, in
     group = shard_group_.get();
   }
   gather_ = std::make_unique<ParamGather>(*group, flat_.params, weight_shards_, std::move(blocks), prefetch);
+  gather_->set_compute_copy(std::move(copy));
   // From here only the shards are resident: the weights (loaded whole) and the gradients outside them.
   gather_->release_whole();
   stale_ = true;

@@ -107,7 +107,17 @@ class DistOptimizer {
   // their gradient shards), assembled after each update by an all-gather among those R ranks
   // (replicas), and gathers blocks from the S ranks r % R, r % R + R, ... (its shard group: the
   // ranks of one node when the job is launched with mpirun --map-by node).
-  void set_param_blocks(std::vector<ParamGather::Ranges> blocks, int prefetch);
+  // bf16/fp16 compute: `copy` is the model's compute-dtype copy (ParamGather::ComputeCopy), converted
+  // per gathered block and released with the weights; the caller keeps weight_shard()'s copy current
+  // (Model::keep_compute_weights).
+  void set_param_blocks(std::vector<ParamGather::Ranges> blocks, int prefetch, ParamGather::ComputeCopy copy = {});
+  // ZeRO 3 with gathers: the flat range of the weights this rank keeps resident (its merged shard
+  // under hybrid sharding); [0, P) otherwise.
+  std::pair<size_t, size_t> weight_shard() const;
+  // The same range before the optimizer exists (a flat buffer of `total` elements, data rank
+  // `rank` of `ranks`, parallel.shard_group; ZeRO 3 with ranks > 1): what the rank initialises or
+  // reads at startup (train/session.cpp).
+  static std::pair<size_t, size_t> weight_shard_of(size_t total, int rank, int ranks, int shard_group);
   bool gathers() const { return gather_ != nullptr; }
   ParamGather* param_gather() { return gather_.get(); }  // tests
   void before_block(int64_t block, bool backward);

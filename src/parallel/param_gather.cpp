@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 
 #include "core/error.h"
@@ -104,6 +105,8 @@ void ParamGather::wait(int64_t pos) {
   s.works.clear();
   s.ready = true;
   note(Op::Wait, pos);
+  if (copy_.data)  // bf16/fp16: the block's compute copy from the weights just gathered
+    for (const auto& [b, e] : blocks_[static_cast<size_t>(at(pos).first)]) copy_.convert(b, e);
 }
 
 void ParamGather::release(int64_t pos, int64_t keep_lo, int64_t keep_hi) {
@@ -112,12 +115,27 @@ void ParamGather::release(int64_t pos, int64_t keep_lo, int64_t keep_hi) {
   for (int64_t q = std::max<int64_t>(keep_lo, 0); q < std::min(keep_hi, positions()); ++q)
     for (const auto& [b, e] : blocks_[static_cast<size_t>(at(q).first)]) r = minus(r, b, e);
   note(Op::Release, pos);
+  release_ranges(r);
+}
+
+void ParamGather::release_ranges(const Ranges& r) {
   static const uintptr_t kPage = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  for (const auto& [lo, hi] : r) {  // whole pages only: the edges may hold a neighbour's weights
-    const uintptr_t a = reinterpret_cast<uintptr_t>(params_ + lo), z = reinterpret_cast<uintptr_t>(params_ + hi);
+  auto give_back = [&](const std::byte* base, size_t elem, size_t lo, size_t hi) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(base + lo * elem), z = reinterpret_cast<uintptr_t>(base + hi * elem);
     const uintptr_t pa = (a + kPage - 1) & ~(kPage - 1), pz = z & ~(kPage - 1);
     if (pz > pa && ::madvise(reinterpret_cast<void*>(pa), pz - pa, MADV_DONTNEED) == 0) released_bytes_ += pz - pa;
+  };
+  for (const auto& [lo, hi] : r) {  // whole pages only: the edges may hold a neighbour's weights
+    give_back(reinterpret_cast<const std::byte*>(params_), sizeof(float), lo, hi);
+    if (copy_.data) give_back(static_cast<const std::byte*>(copy_.data), copy_.elem_bytes, lo, hi);
   }
+}
+
+void ParamGather::set_compute_copy(ComputeCopy copy) {
+  LATHE_CHECK(cur_ < 0, "ZeRO 3: the compute copy set in the middle of a pass (position {})", cur_);
+  LATHE_CHECK(!copy.data || (copy.elem_bytes > 0 && copy.convert),
+              "ZeRO 3: a compute copy of {}-byte elements without a conversion", copy.elem_bytes);
+  copy_ = std::move(copy);
 }
 
 void ParamGather::before_block(int64_t block, bool backward) {
@@ -158,18 +176,14 @@ double ParamGather::end_pass() {
 void ParamGather::release_whole() {
   LATHE_CHECK(cur_ < 0, "ZeRO 3: the whole model released in the middle of a pass (position {})", cur_);
   const int me = group_.rank();
-  static const uintptr_t kPage = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  for (auto [lo, hi] : minus({{0, shards_.total()}}, shards_.begin(me), shards_.end(me))) {
-    const uintptr_t a = reinterpret_cast<uintptr_t>(params_ + lo), z = reinterpret_cast<uintptr_t>(params_ + hi);
-    const uintptr_t pa = (a + kPage - 1) & ~(kPage - 1), pz = z & ~(kPage - 1);
-    if (pz > pa && ::madvise(reinterpret_cast<void*>(pa), pz - pa, MADV_DONTNEED) == 0) released_bytes_ += pz - pa;
-  }
+  release_ranges(minus({{0, shards_.total()}}, shards_.begin(me), shards_.end(me)));
 }
 
 void ParamGather::gather_whole() {
   LATHE_CHECK(cur_ < 0, "ZeRO 3: the whole model gathered in the middle of a pass (position {})", cur_);
   const int me = group_.rank();
   group_.all_gather(params_ + shards_.begin(me), params_, shards_.sizes(), DType::F32);
+  if (copy_.data) copy_.convert(0, shards_.total());
 }
 
 }  // namespace lathe::parallel

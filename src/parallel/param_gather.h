@@ -20,6 +20,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -36,6 +37,19 @@ class ParamGather {
   ParamGather(dist::Communicator& group, float* params, const FlatShards& shards, std::vector<Ranges> blocks,
               int prefetch);
   ~ParamGather();  // waits for gathers still in flight
+
+  // bf16/fp16 compute (Model::keep_compute_weights): the model's compute-dtype copy of the flat
+  // buffer (`data`, `elem_bytes` per element, the same offsets), page-backed like `params`. Each
+  // block's copy is converted from its gathered fp32 weights (`convert(begin, end)` per range) when
+  // the gather is waited for, and its pages are released with the fp32 ones: the copy resident is
+  // the shard's plus the gathered blocks'. The gather moves the fp32 weights, so the copy is the
+  // rounding of exactly the weights one process holds.
+  struct ComputeCopy {
+    void* data = nullptr;
+    size_t elem_bytes = 0;
+    std::function<void(size_t, size_t)> convert;
+  };
+  void set_compute_copy(ComputeCopy copy);
   ParamGather(const ParamGather&) = delete;
   ParamGather& operator=(const ParamGather&) = delete;
 
@@ -73,12 +87,14 @@ class ParamGather {
   // pos's block's pages outside the shard and outside the blocks of positions [keep_lo, keep_hi).
   void release(int64_t pos, int64_t keep_lo, int64_t keep_hi);
   void note(Op op, int64_t pos);
+  void release_ranges(const Ranges& r);  // whole pages of r (and of the compute copy's r)
 
   dist::Communicator& group_;
   float* params_;
   const FlatShards& shards_;
   std::vector<Ranges> blocks_;  // sorted, merged
   int prefetch_;
+  ComputeCopy copy_;
   struct Slot {
     bool issued = false, ready = false;
     std::vector<dist::WorkPtr> works;

@@ -352,7 +352,8 @@ static void check_rank_memory(const Recipe& r, int64_t B, int64_t T, int64_t dat
                 "{}: parallel.shard_group = {} does not divide the data degree {} of this job: choose a divisor (0 = "
                 "all data ranks)",
                 r.source, r.parallel.shard_group, data);
-    shard_parameters(est, per_rank, data, static_cast<int>(r.parallel.prefetch), r.parallel.shard_group);
+    shard_parameters(est, per_rank, data, static_cast<int>(r.parallel.prefetch), r.parallel.shard_group,
+                     static_cast<int64_t>(std::max(1.0, r.parallel.bucket_mb * (1 << 20) / 4)));
   }
   check_memory_fits(est, per_rank, r.source);
   const MachineMemory mm = machine_memory();
@@ -458,6 +459,8 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
                    log);
   const Recompute rc = parse_recompute(r.recompute, r.source + ": recompute");
   check_rank_memory(r, B, T, data, rc, spec.dtype, sharded, log);
+  pf.shard_weights = r.parallel.zero == 3 && data > 1 && r.init_from.empty() && !check_only && !sharded;
+  if (pf.shard_weights) spec.touch_parameters = false;
   if (!pf.ckpt.empty()) {
     pf.model = build_model(r.model, spec);  // weights come from the checkpoint below
   } else if (!r.init_from.empty()) {
@@ -524,7 +527,7 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
     auto full = optim::make_optimizer(ocfg, pf.model->num_params());
     load_checkpoint(pf.ckpt, *pf.model, full.get());
     log.ok(fmt::format("checkpoint {}: step {}, files, tensor table, weights and moments valid", pf.ckpt, pf.cs.step));
-  } else if (!pf.ckpt.empty() && pf.table_only) {
+  } else if (!pf.ckpt.empty() && (pf.table_only || pf.shard_weights)) {
     // Sizes and checksums of every file; each rank reads its own weights and moments
     // (train/session.cpp), checking each tensor's shape against the table.
     verify_checkpoint(pf.ckpt);

@@ -64,6 +64,10 @@ struct Preflight {
   // Tensor / pipeline parallelism without init_from (train, not check): `model` is the whole
   // model's table only (no parameters); the ranks initialise or read their own shares.
   bool table_only = false;
+  // ZeRO 3 over several data ranks without init_from (train, not check): `model`'s buffers are
+  // reserved untouched and hold no weights yet; each rank initialises or reads its weight shard
+  // only (train/session.cpp), so startup holds the shard, not the whole model.
+  bool shard_weights = false;
   std::string init_report;  // load report of model.init_from ("" otherwise)
   // Step 7: data.tokenizer (null when unset), the EOD settings and training.eval_tasks' items.
   std::unique_ptr<tok::Tokenizer> tokenizer;

@@ -264,6 +264,16 @@ void load_weights_sharded(const CheckpointPieces& ck, const ParamTable& global, 
   }
 }
 
+void load_weights_range(const CheckpointPieces& ck, const ParamTable& table, size_t begin, size_t end, float* out) {
+  for (const ParamSpec& s : table.specs()) {
+    const size_t lo = std::max(begin, s.offset), hi = std::min(end, s.offset + static_cast<size_t>(s.numel()));
+    if (lo >= hi) continue;
+    ck.check(s.name, s.shape);
+    ck.read(s.name, static_cast<int64_t>(lo - s.offset), static_cast<int64_t>(hi - lo), out + lo);
+    check_values(ck.dir(), s.name, out + lo, static_cast<int64_t>(hi - lo), static_cast<int64_t>(lo - s.offset));
+  }
+}
+
 // ---- offline resharding --------------------------------------------------------------------
 
 void validate_layout(const ModelConfig& cfg, const CheckpointLayout& to) {
@@ -275,11 +285,12 @@ void validate_layout(const ModelConfig& cfg, const CheckpointLayout& to) {
   in_range("--pipeline", to.pipeline, 1, kMaxRanks, "");
   in_range("--data", to.data, 1, kMaxRanks, "");
   in_range("--context", to.context, 1, kMaxRanks, "");
-  in_range("--zero", to.zero, 0, 3, " (0: replicated optimizer, 1: sharded moments, 2: also gradients, 3: also weights)");
-  LATHE_CHECK(to.zero != 3 || (to.tensor == 1 && to.pipeline == 1),
-              "--zero 3 with --tensor {} --pipeline {}: ZeRO 3 shards the weights over data parallelism alone (a run "
-              "would refuse this layout); give --tensor 1 --pipeline 1, or --zero 2 or less",
-              to.tensor, to.pipeline);
+  in_range("--zero", to.zero, 0, 3,
+           " (0: replicated optimizer, 1: sharded moments, 2: also gradients, 3: also weights)");
+  LATHE_CHECK(to.zero != 3 || to.pipeline == 1,
+              "--zero 3 with --pipeline {}: ZeRO 3 does not run with pipeline parallelism yet (a run would refuse this "
+              "layout); give --pipeline 1, or --zero 2 or less",
+              to.pipeline);
   LATHE_CHECK(to.zero != 3 || to.context == 1,
               "--zero 3 with --context {}: a run refuses ZeRO 3 with context parallelism; give --context 1, or "
               "--zero 2 or less",

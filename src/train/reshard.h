@@ -110,6 +110,10 @@ void load_moments_sharded(const CheckpointPieces& ck, const ParamTable& global, 
 // by `local`), only the runs it holds. Values must be finite.
 void load_weights_sharded(const CheckpointPieces& ck, const ParamTable& global, const ParamTable& local, int rank,
                           int tp, float* out);
+// ZeRO 3 (a rank's weight shard): only the elements [begin, end) of the flat buffer laid out by
+// `table` (the whole model's) read into out[begin, end); the rest of `out` is not touched. Values
+// must be finite.
+void load_weights_range(const CheckpointPieces& ck, const ParamTable& table, size_t begin, size_t end, float* out);
 
 // Validates `to` against the checkpoint's model (tensor degree dividing heads, KV heads and the MLP
 // width; pipeline degree at most the layer count; ZeRO 0-2; world size); errors name the option

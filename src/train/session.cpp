@@ -131,6 +131,20 @@ void TrainSession::open_model() {
     w.load_shard = [ckpt = pf_.ckpt](const ParamTable& whole, Model& local, int tp_rank, int tp) {
       load_weights_sharded(CheckpointPieces(ckpt), whole, local.params(), tp_rank, tp, local.param_data());
     };
+  if (pf_.shard_weights) {  // ZeRO 3: only this rank's weight shard, drawn or read (preflight.h)
+    Model& m = *pf_.model;
+    const auto [b, e] = parallel::DistOptimizer::weight_shard_of(m.num_params(), topo_->data().rank(),
+                                                                 topo_->data().size(),
+                                                                 static_cast<int>(r_.parallel.shard_group));
+    m.keep_compute_weights(b, e);
+    if (pf_.ckpt.empty()) {
+      m.init_weights(w.seed, b, e);
+    } else {
+      load_weights_range(CheckpointPieces(pf_.ckpt), m.params(), b, e, m.param_data());
+      m.refresh_compute_weights();
+    }
+    w.fresh = false;
+  }
   rm_ = parallel::parallelize(std::move(pf_.model), *topo_, cfg, w, geo_.B, geo_.T);
 }
 
@@ -205,8 +219,16 @@ void TrainSession::open_optimizer() {
   if (opt.reduces())  // keeps the tensor-parallel hooks
     model.hooks().grads_ready = [&opt](size_t b, size_t e) { opt.grads_ready(b, e); };
   // ZeRO 3 (parallel/param_gather.h): each block's weights gathered before it runs.
-  opt.set_param_blocks(model.param_ranges_by_block(), static_cast<int>(r_.parallel.prefetch));
-  if (opt.gathers()) model.hooks().before_block = [&opt](int64_t block, bool bwd) { opt.before_block(block, bwd); };
+  // bf16/fp16: the compute copy converted per gathered block; only the shard's kept current.
+  parallel::ParamGather::ComputeCopy copy;
+  if (model.compute_weight_bytes() > 0)
+    copy = {model.compute_weight_data(), dtype_size(model.compute_dtype()),
+            [&model](size_t b, size_t e) { model.refresh_compute_weights(b, e); }};
+  opt.set_param_blocks(model.param_ranges_by_block(), static_cast<int>(r_.parallel.prefetch), std::move(copy));
+  if (opt.gathers()) {
+    model.hooks().before_block = [&opt](int64_t block, bool bwd) { opt.before_block(block, bwd); };
+    model.keep_compute_weights(opt.weight_shard().first, opt.weight_shard().second);
+  }
 }
 
 void TrainSession::whole_weights() { opt_->gather_whole(); }

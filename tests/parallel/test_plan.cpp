@@ -83,13 +83,34 @@ TEST(Plan, Zero3MemoryIsLatheChecks) {
     ASSERT_TRUE(e.reject.empty()) << e.reject;
     MemoryEstimate ref = estimate_memory(j.model, 3, 40, 2, d, DType::F32, Recompute::None);
     const int64_t whole = ref.param_bytes;
-    shard_parameters(ref, j.model, d, 1);
+    shard_parameters(ref, j.model, d, 1, 0, (int64_t{25} << 20) / 4);
     EXPECT_EQ(e.memory.params, ref.param_bytes) << preset;
     EXPECT_EQ(e.memory.grads, ref.grad_bytes) << preset;
     EXPECT_EQ(ref.param_bytes, (whole / 4 + d - 1) / d * 4 + ref.gather_bytes);
     EXPECT_NE(ref.breakdown().find("1/4 shard"), std::string::npos) << ref.breakdown();
-    const Estimate tp = plan::estimate(j, machine(), Layout{2, 2, 1, false, 3, Recompute::None});
-    EXPECT_NE(tp.reject.find("ZeRO 3"), std::string::npos) << tp.reject;
+    const Estimate pp = plan::estimate(j, machine(), Layout{2, 1, 2, false, 3, Recompute::None});
+    EXPECT_NE(pp.reject.find("ZeRO 3"), std::string::npos) << pp.reject;
+  }
+}
+
+// bf16/fp16 under ZeRO 3: the compute copy is sharded with the weights (the shard's plus the
+// gathered blocks', converted per block), in the plan as in lathe check.
+TEST(Plan, Zero3Bf16ComputeCopyIsSharded) {
+  for (DType dt : {DType::BF16, DType::F16}) {
+    const int64_t d = 4;
+    Job j = job_of("llama-debug", d, 3, 40, 24, dt);
+    j.model.num_hidden_layers = 16;  // the layers outweigh the embedding and head, as in a real model
+    const Estimate e = plan::estimate(j, machine(), Layout{d, 1, 1, false, 3, Recompute::None});
+    ASSERT_TRUE(e.reject.empty()) << e.reject;
+    MemoryEstimate ref = estimate_memory(j.model, 3, 40, 2, d, dt, Recompute::None);
+    const int64_t whole_copy = ref.compute_weight_bytes;
+    ASSERT_EQ(whole_copy, ref.num_params * 2);
+    shard_parameters(ref, j.model, d, 1, 0, (int64_t{25} << 20) / 4);
+    EXPECT_EQ(e.memory.compute_weights, ref.compute_weight_bytes);
+    EXPECT_EQ(e.memory.params, ref.param_bytes);
+    // 2 bytes per element of exactly the fp32 figure's elements (shard + gathered window).
+    EXPECT_EQ(ref.compute_weight_bytes * 2, ref.param_bytes);
+    EXPECT_LT(ref.compute_weight_bytes, whole_copy);
   }
 }
 
@@ -165,10 +186,10 @@ TEST(Plan, InvalidLayoutsExcludedWithTheReason) {
   // llama-debug: 4 heads, 2 KV heads, 2 layers, vocabulary 96, intermediate 96.
   Job j = job_of("llama-debug", 4, 1, 16, 8);
   const auto all = plan::enumerate(j, machine());
-  // (t, p, d) triples of 4: (1,1,4) 12 layouts (ZeRO 0..3), (1,2,2) 9, (1,4,1) 3, (2,1,2) 18, (2,2,1) 6,
-  // (4,1,1) 6; with context c (ZeRO 0..2 over data x context): (t, p, c, d) = (1,1,2,2) 9, (1,1,4,1) 9,
-  // (1,2,2,1) 9, (2,1,2,1) 18.
-  EXPECT_EQ(all.size(), 99u);
+  // (t, p, d) triples of 4: (1,1,4) 12 layouts (ZeRO 0..3), (1,2,2) 9, (1,4,1) 3, (2,1,2) 24 (ZeRO 0..3,
+  // with and without SP), (2,2,1) 6, (4,1,1) 6; with context c (ZeRO 0..2 over data x context):
+  // (t, p, c, d) = (1,1,2,2) 9, (1,1,4,1) 9, (1,2,2,1) 9, (2,1,2,1) 18.
+  EXPECT_EQ(all.size(), 105u);
   bool seen_kv = false, seen_layers = false, tail_invalid = false;
   for (const auto& e : all) {
     if (e.layout.tensor == 4) {
@@ -376,7 +397,9 @@ TEST(Plan, MixtureOfExpertsFlopsAndLayouts) {
     const Layout& l = e.layout;
     const bool runs = l.tensor == 1 && l.pipeline == 1 && l.recompute == Recompute::None;
     EXPECT_EQ(e.reject.empty(), runs) << l.name() << ": " << e.reject;
-    if (!runs) EXPECT_NE(e.reject.find("mixture-of-experts"), std::string::npos) << l.name();
+    if (!runs) {
+      EXPECT_NE(e.reject.find("mixture-of-experts"), std::string::npos) << l.name();
+    }
     valid += runs ? 1 : 0;
   }
   EXPECT_EQ(valid, 4);  // data 2 with ZeRO 0, 1, 2, 3

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "config/model_config.h"
+#include "core/dtype.h"
 #include "dist/comm.h"
 #include "models/model.h"
 #include "optim/clip.h"
@@ -320,6 +321,85 @@ TEST(Zero3Accumulation, PerMicroBatchReductionWithinFp32RoundingOfZero0) {
     EXPECT_EQ(ref.losses[0], z3.losses[0]);  // the first step's forward reads the same weights
     for (size_t i = 1; i < ref.losses.size(); ++i)
       EXPECT_NEAR(ref.losses[i], z3.losses[i], 1e-4 * std::fabs(ref.losses[i])) << "step " << i + 1;
+  }
+}
+
+// bf16/fp16 compute (ParamGather::ComputeCopy): when a block's gather is waited for, its compute
+// copy is converted from the gathered fp32 weights, so every block runs on the rounding of exactly
+// the owners' values; the copy's pages outside the shard are handed back with the weights'.
+TEST(ParamGather, ComputeCopyConvertedPerGatheredBlockAndReleased) {
+  for (int prefetch : {0, 1, 2}) {
+    dist::run_threads(2, [&](dist::Communicator& c) {
+      const auto blocks = toy_blocks();
+      const size_t P = 40000;
+      Pages buf(P);
+      auto* copy = static_cast<uint16_t*>(std::aligned_alloc(4096, (P * 2 + 4095) / 4096 * 4096));
+      parallel::FlatShards shards(P, c.size(), 1024);
+      for (size_t i = 0; i < P; ++i) {
+        const bool mine = i >= shards.begin(c.rank()) && i < shards.end(c.rank());
+        buf.p[i] = mine ? value_of(i) : -7.0f;
+        copy[i] = mine ? fp32_to_bf16(value_of(i)) : 0x7fc0;  // garbage outside the shard
+      }
+      ParamGather g(c, buf.p, shards, blocks, prefetch);
+      size_t converted = 0;
+      g.set_compute_copy({copy, 2, [&](size_t b, size_t e) {
+                            for (size_t i = b; i < e; ++i) copy[i] = fp32_to_bf16(buf.p[i]);
+                            converted += e - b;
+                          }});
+      for (int64_t b = 0; b < 4; ++b) {
+        g.before_block(b, false);
+        for (const auto& [lo, hi] : blocks[static_cast<size_t>(b)])
+          for (size_t i = lo; i < hi; ++i)
+            ASSERT_EQ(copy[i], fp32_to_bf16(value_of(i))) << "block " << b << " element " << i << " pf " << prefetch;
+      }
+      for (int64_t b = 2; b >= 0; --b) g.before_block(b, true);
+      g.end_pass();
+      EXPECT_GE(converted, P);  // every block, each time it was gathered
+      // Pages outside the shard went back: the copy reads zeros there (but at the edges).
+      size_t zeros = 0;
+      for (size_t i = 0; i < P; ++i) zeros += copy[i] == 0;
+      EXPECT_GT(zeros, P / 4) << "rank " << c.rank() << " pf " << prefetch;
+      EXPECT_GT(g.released_bytes(), 0u);
+      std::free(copy);
+    });
+  }
+}
+
+// Shard-only startup (train/session.cpp): init_weights(seed, begin, end) gives exactly the values
+// the whole init gives [begin, end) (each tensor's stream advanced past the elements before the
+// range), writes nothing outside it, and a model built with touch_parameters false reads zeros.
+TEST(Zero3Init, ShardInitIsTheWholeInitsRange) {
+  for (const char* preset : {"gpt2-debug", "llama-debug"}) {
+    auto whole = build_model(ModelConfig::preset(preset));
+    whole->init_weights(11);
+    const size_t P = whole->num_params();
+    for (int ranks : {2, 3, 5}) {
+      for (int r = 0; r < ranks; ++r) {
+        const auto [b, e] = parallel::DistOptimizer::weight_shard_of(P, r, ranks, 0);
+        ComputeSpec spec;
+        spec.touch_parameters = false;
+        auto part = build_model(ModelConfig::preset(preset), spec);
+        part->init_weights(11, b, e);
+        const float* w = whole->param_data();
+        const float* p = part->param_data();
+        size_t bad = 0, outside = 0;
+        for (size_t i = 0; i < P; ++i) {
+          if (i >= b && i < e)
+            bad += std::memcmp(&w[i], &p[i], sizeof(float)) != 0;
+          else
+            outside += p[i] != 0.0f;
+        }
+        EXPECT_EQ(bad, 0u) << preset << " rank " << r << " of " << ranks << " [" << b << ", " << e << ")";
+        EXPECT_EQ(outside, 0u) << preset << " rank " << r << " of " << ranks;
+      }
+    }
+    // An odd range straddling tensors, inside a tensor, and empty.
+    for (auto [b, e] : {std::pair<size_t, size_t>{7, P - 5}, {P / 3 + 1, P / 3 + 2}, {5, 5}}) {
+      auto part = build_model(ModelConfig::preset(preset));
+      part->init_weights(11, b, e);
+      EXPECT_EQ(std::memcmp(whole->param_data() + b, part->param_data() + b, (e - b) * sizeof(float)), 0)
+          << preset << " [" << b << ", " << e << ")";
+    }
   }
 }
 

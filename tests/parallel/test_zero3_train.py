@@ -9,7 +9,11 @@ gathered per block (src/parallel/param_gather.h).
   * a ZeRO 3 checkpoint (DP=2, step 3) resumed in one process at ZeRO 0 and at DP=2 ZeRO 1: the
     layout-free checkpoint continues the run (one process: within float reassociation; DP=2 ZeRO 1:
     bit-identical to the uninterrupted ZeRO 0 run);
+  * bf16 and fp16 compute (fp16 with overflowing loss scales skipping steps), prefetch 1 and 2, and
+    their checkpoints resumed at ZeRO 3 and ZeRO 1: bit-identical to ZeRO 0 of the same precision;
   * hybrid sharding (parallel.shard_group 2 at DP=4): bit-identical to ZeRO 0;
+  * DP=2 x TP=2 (llama-debug fp32; gpt2-debug bf16 with sequence parallelism): bit-identical to
+    ZeRO 0 at the same layout;
   * the combinations not supported yet are refused by `lathe check`, naming the keys.
 Runs with 1 OpenMP thread per rank."""
 import os
@@ -57,9 +61,7 @@ def same(a, b, what):
 
 
 def refusals(data):
-    cases = [({"parallel__zero": 3, "parallel__tensor": 2}, ["parallel.tensor", "parallel.zero = 3"]),
-             ({"parallel__zero": 3, "parallel__pipeline": 2}, ["parallel.pipeline", "parallel.zero = 3"]),
-             ({"parallel__zero": 3, "precision__compute": "bf16"}, ["precision.compute", "bf16", "parallel.zero = 3"]),
+    cases = [({"parallel__zero": 3, "parallel__pipeline": 2}, ["parallel.pipeline", "parallel.zero = 3"]),
              ({"parallel__zero": 2, "parallel__prefetch": 2}, ["parallel.prefetch", "parallel.zero = 3 only"]),
              ({"parallel__zero": 4}, ["parallel.zero"]),
              ({"parallel__zero": 1, "parallel__shard_group": 2}, ["parallel.shard_group", "parallel.zero = 3 only"]),
@@ -85,6 +87,39 @@ def refusals(data):
         print(p.stdout[-1500:], p.stderr[-1500:])
 
 
+def low_precision(data, ck):
+    """bf16 / fp16 compute: the fp32 masters sharded, each block's compute copy converted from its
+    gathered fp32 weights (the same rounding of the same values as ZeRO 0), so bit-identical; fp16
+    with a loss scale high enough that the first steps overflow and are skipped."""
+    fp16 = dict(precision__compute="fp16", precision__loss_scale={"initial": 2.0 ** 22, "growth_interval": 2})
+    for name, kw in (("bf16", dict(precision__compute="bf16")), ("fp16", fp16)):
+        b0 = train(2, data, "llama-debug", f"{name}_zero0", **ck, **kw)
+        for pf in (1, 2):
+            z3 = train(2, data, "llama-debug", f"{name}_zero3_pf{pf}", parallel__zero=3, parallel__prefetch=pf, **ck, **kw)
+            same(z3, b0, f"llama-debug {name} DP=2 ZeRO 3 prefetch {pf}")
+        if name == "fp16":
+            sc = mpi_train.series(z3, "loss_scale")
+            check(len(set(sc)) > 1 and sc == mpi_train.series(b0, "loss_scale"),
+                  f"fp16: the loss scale moved (overflow steps skipped) the same way as ZeRO 0: {sc}")
+        # Resume a bf16/fp16 ZeRO 3 checkpoint at ZeRO 3 and at ZeRO 1: the uninterrupted run's bits.
+        src = train(2, data, "llama-debug", f"{name}_resume_src", extra=("--stop-after", "3"), parallel__zero=3,
+                    **ck, **kw)
+        for z in (3, 1):
+            dst = os.path.join(TMP, f"{name}_resume_zero{z}")
+            shutil.copytree(src, dst)
+            p, _ = run(2, ["train", recipe(data, "llama-debug", dst, parallel__zero=z, **ck, **kw), "--quiet",
+                           "--resume", "auto"])
+            if p.returncode != 0:
+                print(p.stdout[-2000:], p.stderr[-2000:])
+            check(p.returncode == 0 and losses(dst) == losses(b0) and blob(dst) == blob(b0),
+                  f"{name}: the DP=2 ZeRO 3 checkpoint of step 3 resumed at ZeRO {z} is bit-identical to the "
+                  f"uninterrupted run")
+    z3 = train(2, data, "gpt2-debug", "gpt2_bf16_zero3", parallel__zero=3, parallel__prefetch=2,
+               precision__compute="bf16", **ck)
+    same(z3, train(2, data, "gpt2-debug", "gpt2_bf16_zero0", precision__compute="bf16", **ck),
+         "gpt2-debug (tied embedding) bf16 DP=2 ZeRO 3 prefetch 2")
+
+
 def main():
     if not MPIRUN:
         print("SKIPPED: mpirun not found (apt-get install openmpi-bin); this is not a pass")
@@ -103,6 +138,14 @@ def main():
     b3 = train(3, data, "gpt2-debug", "gpt2_dp3_zero0", optimizer__name="lamb")
     z3 = train(3, data, "gpt2-debug", "gpt2_dp3_zero3", optimizer__name="lamb", parallel__zero=3)
     same(z3, b3, "gpt2-debug DP=3 LAMB ZeRO 3")
+
+    low_precision(data, ck)
+
+    # ZeRO 3 x tensor parallelism: each tensor rank's slice sharded over its data group.
+    for preset, kw in (("llama-debug", {}), ("gpt2-debug", dict(parallel__sequence=True, precision__compute="bf16"))):
+        t0 = train(4, data, preset, f"{preset}_tp2_zero0", parallel__tensor=2, **kw, **ck)
+        t3 = train(4, data, preset, f"{preset}_tp2_zero3", parallel__tensor=2, parallel__zero=3, **kw, **ck)
+        same(t3, t0, f"{preset} DP=2 x TP=2 ZeRO 3 {kw}")
 
     # Hybrid sharding: weights over groups of 2, gradients and moments over all 4 (rank-ordered sums).
     h0 = train(4, data, "llama-debug", "hsdp_zero0", **ck)
