@@ -395,7 +395,7 @@ TEST(Plan, MixtureOfExpertsFlopsAndLayouts) {
   int valid = 0;
   for (const auto& e : all) {
     const Layout& l = e.layout;
-    const bool runs = l.tensor == 1 && l.pipeline == 1 && l.recompute == Recompute::None;
+    const bool runs = l.tensor == 1 && l.pipeline == 1 && l.context == 1 && l.recompute == Recompute::None;
     EXPECT_EQ(e.reject.empty(), runs) << l.name() << ": " << e.reject;
     if (!runs) {
       EXPECT_NE(e.reject.find("mixture-of-experts"), std::string::npos) << l.name();
