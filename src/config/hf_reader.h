@@ -97,6 +97,8 @@ struct ModelConfig;
 // gemma2 part of ModelConfig::to_hf_json.
 const std::vector<std::string>& gemma2_keys();
 void read_gemma2(const hf_config::Reader& r, ModelConfig& c);
+// config/phi3_config.cpp: Phi3Config's fields over the llama reader's.
+void read_phi3(const hf_config::Reader& r, ModelConfig& c);
 void gemma2_to_hf_json(const ModelConfig& c, nlohmann::json& j);
 // config/mixtral_config.cpp (issue 28): MixtralConfig's keys, its reader and the mixtral part of
 // ModelConfig::to_hf_json.
