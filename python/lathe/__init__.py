@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json as _json
 import os as _os
+import threading as _threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
@@ -124,6 +125,9 @@ class RunResult:
     resumed_from: str = ""  #: the checkpoint this call resumed from ("" for a fresh start)
 
 
+_train_lock = _threading.Lock()
+
+
 def train(recipe_or_path: Union[Recipe, PathLike], overrides: Optional[Mapping[str, Any]] = None,
           on_step: Optional[Callable[[Dict[str, Any]], None]] = None, resume: Optional[str] = None, *,
           overwrite: bool = False, quiet: bool = False, stop_after: int = 0) -> RunResult:
@@ -146,7 +150,15 @@ def train(recipe_or_path: Union[Recipe, PathLike], overrides: Optional[Mapping[s
     if on_step is not None:
         def callback(record: str) -> None:
             on_step(_json.loads(record))
-    r = _lathe.train(recipe._native, callback, resume or "", overwrite, quiet, int(stop_after))
+    # One run per process: the stop request (Ctrl-C), the signal handlers and the OpenMP state are
+    # process-wide, so a second run (another thread, or on_step itself) is refused, not interleaved.
+    if not _train_lock.acquire(blocking=False):
+        raise Error("lathe.train: another lathe.train is running in this process (the stop request, signal "
+                    "handlers and OpenMP state are process-wide); wait for it to return, or train in another process")
+    try:
+        r = _lathe.train(recipe._native, callback, resume or "", overwrite, quiet, int(stop_after))
+    finally:
+        _train_lock.release()
     return RunResult(output_dir=r["output_dir"], steps=r["steps"], losses=list(r["losses"]),
                      final_val_loss=r["final_val_loss"], start_step=r["start_step"], model_dir=r["model_dir"],
                      last_checkpoint=r["last_checkpoint"], resumed_from=r["resumed_from"])

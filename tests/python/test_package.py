@@ -18,7 +18,8 @@ package against the lathe binary of the same tree:
   * lathe.plan equals `lathe plan --json`'s layouts; lathe.check equals `lathe check`'s lines
   * a KeyboardInterrupt raised by on_step at step 5 leaves a checkpoint of step 5 and is raised;
     resume="auto" then finishes with the CLI's losses; SIGINT to the process (Ctrl-C) at step 2
-    leaves a checkpoint of step 2 and raises KeyboardInterrupt; a ValueError of on_step propagates
+    leaves a checkpoint of step 2 and raises KeyboardInterrupt; a ValueError of on_step propagates;
+    a second lathe.train while one runs (from on_step) raises lathe.Error and writes nothing
 Skips (77) when the build requirements are not installed (bash scripts/setup.sh --test installs
 them). Not run under the sanitizers (the ASan pass of scripts/test.sh runs no py_* test: the
 extension would need the ASan runtime preloaded into python).
@@ -121,7 +122,18 @@ def inner(tmp):
 
     t = threading.Thread(target=spin)
     t.start()
-    res = lathe.train(recipe, dict(sets, **{"output.dir": out_py}), on_step=seen.append, quiet=True)
+    nested = []
+
+    def on_step(rec):
+        seen.append(rec)
+        if not nested:  # a second run while this one trains is refused, not interleaved
+            try:
+                lathe.train(recipe, dict(sets, **{"output.dir": os.path.join(tmp, "nested")}), quiet=True)
+                nested.append("ran")
+            except lathe.Error as e:
+                nested.append(str(e))
+
+    res = lathe.train(recipe, dict(sets, **{"output.dir": out_py}), on_step=on_step, quiet=True)
     running[0] = False
     t.join()
     want = train_losses(out_cli)
@@ -135,6 +147,8 @@ def inner(tmp):
     check(res.steps == STEPS and res.output_dir == out_py and os.path.isdir(res.model_dir),
           f"RunResult: steps {res.steps}, output_dir, model_dir {res.model_dir}")
     check(res.final_val_loss == val_losses(out_cli)[-1], f"final_val_loss {res.final_val_loss} == the CLI's")
+    check(nested and "another lathe.train is running" in nested[0] and not os.path.exists(os.path.join(tmp, "nested")),
+          f"a second lathe.train during a run raises lathe.Error and writes nothing ({nested[:1]})")
     check(len(set(ticks)) > 2, f"another Python thread ran while training ({len(set(ticks))} distinct steps seen)")
     rc, msg = cli_error(["train", recipe] + cli_sets(dict(sets, **{"data.train": os.path.join(tmp, "nope"),
                                                                    "output.dir": os.path.join(tmp, "e1")})))
