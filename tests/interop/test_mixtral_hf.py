@@ -28,7 +28,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "common"))
 sys.path.insert(0, os.path.join(HERE, "..", "train"))
-from run_harness import INIT_FROM_RECIPE  # noqa: E402
+from run_harness import INIT_FROM_RECIPE, check, failures  # noqa: E402
 import megatron_writer  # noqa: E402
 
 try:
@@ -41,15 +41,9 @@ except ImportError as e:
 transformers.logging.set_verbosity_error()
 transformers.logging.disable_progress_bar()
 LATHE = os.environ.get("LATHE_BIN", "build/lathe")
-failures = []
 TOKENS = [[1, 5, 9, 90, 3, 3, 77, 55, 0, 12, 64, 28], [7, 7, 7, 8, 9, 10, 50, 1]]
 TOL = 1e-5
 
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        failures.append(what)
 
 
 def run(args, ok=True):
