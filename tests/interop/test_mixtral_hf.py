@@ -45,7 +45,6 @@ TOKENS = [[1, 5, 9, 90, 3, 3, 77, 55, 0, 12, 64, 28], [7, 7, 7, 8, 9, 10, 50, 1]
 TOL = 1e-5
 
 
-
 def run(args, ok=True):
     p = subprocess.run([LATHE] + args, capture_output=True, text=True, errors="replace")
     if ok and p.returncode != 0:
