@@ -110,6 +110,33 @@ def train_checked(np_, path, out, name, extra=()):
     return out
 
 
+# How far runs whose only difference is float summation order may drift apart, as a multiple of the
+# drift that summation order alone gives on this machine (order_tolerance).
+NOISE_FACTOR = 10
+
+
+def order_tolerance(one, controls, series_floor=1e-5, weights_floor=1e-4):
+    """Tolerances (series, weights) for comparing another layout's run with the one-process run `one`.
+
+    A layout (TP, PP, DP) changes only the order in which floats are summed; AdamW then turns the
+    rounding noise of near-zero gradients into whole steps, so the runs drift apart by an amount set
+    by this model, these steps and this machine's kernels (OpenBLAS's and oneDNN's blocking), not by
+    a constant. `controls` are one-process runs of the same global batch split into other
+    micro-batches (the same sequences and the same mean, summed in another order): equally valid
+    arithmetic, so their drift from `one` is the summation-order noise of this training here.
+    Returns NOISE_FACTOR x the largest such drift (losses and gradient norms; final weights relative
+    to each tensor's largest magnitude), never below the floors. Validation losses are not compared:
+    the evaluation reads eval_batches micro-batches, so another micro-batch size evaluates other
+    sequences. A wrong layout
+    (a missing all-reduce, a shard off by one) moves losses by 1e-3 or more from the first step."""
+    s = w = 0.0
+    for c in controls:
+        for key in ("loss", "grad_norm"):
+            s = max(s, rel(series(c, key), series(one, key)))
+        w = max(w, weights_close(c, one, float("inf"))[1])
+    return max(series_floor, NOISE_FACTOR * s), max(weights_floor, NOISE_FACTOR * w)
+
+
 def same_run(a, ref, what, steps=slice(None), tol=1e-5, ref_name="one process"):
     """Checks that run a's losses and gradient norms match run ref's within tol (relative)."""
     if not os.path.exists(os.path.join(a, "metrics.jsonl")):

@@ -4,13 +4,16 @@ The oracle is lathe in one process with the same recipe and global batch. TP=2 x
 (oversubscribed, 1 OpenMP thread each): each pipeline stage is split over two tensor ranks, the
 stage's activations pass between tensor rank t of one stage and tensor rank t of the next, and the
 tied wte (vocabulary-split) is summed between the first and last stage of each tensor rank. Losses
-and gradient norms differ from one process only by float summation order: tolerance 1e-5 relative
-over 5 steps (measured ~1e-8 on losses, ~3e-6 on norms), 1e-3 on the final weights after 5 AdamW steps
-(GPT-2 measures 4.5e-4, the figure of TP=2 alone on the same element; Llama 7e-5 within 1e-4).
+and gradient norms differ from one process only by float summation order: the tolerances are 10x
+the drift of one-process runs that split the same global batch into other micro-batches (the
+same arithmetic in another order, measured in the same test: mpi_train.order_tolerance), at least
+1e-5 relative on losses and norms and 1e-3 (GPT-2) / 1e-4 (Llama) on the final weights after 5
+AdamW steps. On an Intel Xeon with AMX (2026-12-02) the controls drift 6.9e-6 on the step-5
+gradient norm and 3.9e-4 on the weights; TP=2 x PP=2 1.1e-5 and 6.1e-4.
 Sequence parallelism on top gives the TP x PP run's bits exactly (it sums the same partials in the
 same order). Also interleaved 1F1B with Llama (GQA: KV heads split, untied lm_head), DP=2 x TP=2 x
 PP=2 on 8 ranks (ZeRO 1), bf16 against TP=2 in bf16, and checkpoints: a TP=2 x PP=2 checkpoint resumed at DP=4, at PP=4
-and in one process must continue within 1e-5 of the uninterrupted run, and `lathe checkpoint
+and in one process must continue within the same tolerance of the uninterrupted run, and `lathe checkpoint
 reshard` of it to DP=4 and back must give files byte-identical to resharding it to itself."""
 import filecmp
 import functools
@@ -23,8 +26,8 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from mpi_train import (ENV, LATHE, MPIRUN, check, failures, rel, same_run, series, val_losses,  # noqa: E402
-                       weights_close)
+from mpi_train import (ENV, LATHE, MPIRUN, check, failures, order_tolerance, rel, same_run, series,  # noqa: E402
+                       val_losses, weights_close)
 import mpi_train  # noqa: E402
 
 TMP = tempfile.mkdtemp(prefix="lathe_tp_pp_")
@@ -42,14 +45,17 @@ def main():
 
     # GPT-2 (tied, vocabulary-split wte on the first and last stage).
     one = train(1, data, "gpt2", "gpt2_one")
+    tol, wtol = order_tolerance(one, [train(1, data, "gpt2", f"gpt2_one_mb{m}", training__micro_batch_size=m,
+                                            training__grad_accum_steps=8 // m) for m in (4, 8)], weights_floor=1e-3)
+    print(f"gpt2: summation-order tolerances {tol:.2e} (losses, norms), {wtol:.2e} (weights)")
     tpp = train(4, data, "gpt2", "gpt2_tp2_pp2", **TPP)
-    same_run(tpp, one, "gpt2 TP=2 x PP=2 vs one process")
+    same_run(tpp, one, "gpt2 TP=2 x PP=2 vs one process", tol=tol)
     e = rel(val_losses(tpp), val_losses(one))
-    check(e <= 1e-5, f"gpt2 TP=2 x PP=2: validation losses match (max rel {e:.2e} <= 1e-5)")
-    # 1e-3: TP=2 alone measures 4.5e-4 here, on the same element (h.2.mlp.c_fc.bias[30]: AdamW turns
-    # the rounding noise of a near-zero gradient into a visible step); PP=2 alone 2e-6.
-    ok, worst = weights_close(tpp, one, 1e-3)
-    check(ok, f"gpt2 TP=2 x PP=2: final weights gathered from 4 ranks match (worst {worst:.2e} <= 1e-3)")
+    check(e <= tol, f"gpt2 TP=2 x PP=2: validation losses match (max rel {e:.2e} <= {tol:.2e})")
+    # Floor 1e-3: TP=2 alone measured 4.5e-4 on one element (h.2.mlp.c_fc.bias[30]: AdamW turns the
+    # rounding noise of a near-zero gradient into a visible step); PP=2 alone 2e-6.
+    ok, worst = weights_close(tpp, one, wtol)
+    check(ok, f"gpt2 TP=2 x PP=2: final weights gathered from 4 ranks match (worst {worst:.2e} <= {wtol:.2e})")
     info = json.load(open(os.path.join(tpp, "run_info.json")))
     check(info.get("tensor_parallel") == 2 and info.get("pipeline_parallel") == 2, "run_info records tensor 2 x pipeline 2")
 
@@ -60,10 +66,12 @@ def main():
 
     # Llama, GQA and untied lm_head, interleaved 1F1B (3 virtual stages of 1 layer per rank).
     lone = train(1, data, "llama", "llama_one")
+    ltol, lwtol = order_tolerance(lone, [train(1, data, "llama", "llama_one_mb4", training__micro_batch_size=4,
+                                               training__grad_accum_steps=2)])
     lint = train(4, data, "llama", "llama_tp2_pp2_v3", parallel__virtual_stages=3, **TPP)
-    same_run(lint, lone, "llama TP=2 x PP=2 interleaved vs one process")
-    ok, worst = weights_close(lint, lone, 1e-4)
-    check(ok, f"llama TP=2 x PP=2 interleaved: final weights match (worst {worst:.2e} <= 1e-4)")
+    same_run(lint, lone, "llama TP=2 x PP=2 interleaved vs one process", tol=ltol)
+    ok, worst = weights_close(lint, lone, lwtol)
+    check(ok, f"llama TP=2 x PP=2 interleaved: final weights match (worst {worst:.2e} <= {lwtol:.2e})")
 
     # bf16 with full recompute: the messages are bf16 activations. The oracle is TP=2 alone in bf16
     # (a half-width bf16 GEMM rounds differently from the whole one, so TP=2 bf16 is itself ~2% off
@@ -86,7 +94,7 @@ def main():
 
     # DP=2 x TP=2 x PP=2 on 8 ranks with ZeRO 1: 2 micro-batches per replica, the same global batch.
     d8 = train(8, data, "gpt2", "gpt2_dp2_tp2_pp2_zero1", training__grad_accum_steps=2, parallel__zero=1, **TPP)
-    same_run(d8, one, "gpt2 DP=2 x TP=2 x PP=2 (8 ranks) ZeRO 1 vs one process")
+    same_run(d8, one, "gpt2 DP=2 x TP=2 x PP=2 (8 ranks) ZeRO 1 vs one process", tol=tol)
 
     # Checkpoints: saved at TP=2 x PP=2 (step 3), resumed at other layouts; steps 4-5 against the
     # uninterrupted one-process run.
@@ -104,7 +112,7 @@ def main():
         check(p.returncode == 0, f"the TP=2 x PP=2 checkpoint resumes at {what}" +
               ("" if p.returncode == 0 else p.stderr[-800:]))
         if p.returncode == 0:
-            same_run(d, one, f"TP=2 x PP=2 -> {what}, steps 4-5", slice(3, None))
+            same_run(d, one, f"TP=2 x PP=2 -> {what}, steps 4-5", slice(3, None), tol=tol)
 
     # Offline: reshard to DP=4 x ZeRO 1 and back gives the files of resharding to TP=2 x PP=2 itself.
     def reshard(src, dst, *args):

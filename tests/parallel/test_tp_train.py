@@ -2,8 +2,11 @@
 
 The oracle is lathe in one process with the same recipe: tensor parallelism splits the heads and
 the MLP width over the ranks and sums the row-parallel partial products with an all-reduce, so the
-losses differ from one process only by float summation order (tolerance 1e-5 relative on losses
-and gradient norms, 1e-4 on the final weights, which pass through 10 AdamW steps). Also: DP=2 x
+losses differ from one process only by float summation order: the tolerances are 10x the drift
+of a one-process run that splits the same global batch into other micro-batches (the same
+arithmetic in another order, measured in the same test: mpi_train.order_tolerance), at least 1e-5
+relative on losses and gradient norms and 1e-4 on the final weights, which pass through 10 AdamW
+steps. Also: DP=2 x
 TP=2 on 4 ranks, a TP=2 checkpoint resumed in one process and a one-process checkpoint resumed at
 TP=2 (checkpoints hold the whole model), bit-identical repeat runs, LAMB (per-tensor norms across
 shards), a padded vocabulary (wte / lm_head are vocab-parallel: their rows split over the ranks),
@@ -25,8 +28,8 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from mpi_train import (ENV, MPIRUN, check, failures, rel, series, val_losses, weights,  # noqa: E402
-                       weights_close)
+from mpi_train import (ENV, MPIRUN, check, failures, order_tolerance, rel, series, val_losses,  # noqa: E402
+                       weights, weights_close)
 import mpi_train  # noqa: E402
 
 TMP = tempfile.mkdtemp(prefix="lathe_tp_")
@@ -61,18 +64,21 @@ def uneven_vocab(data):
     (the arithmetic is the same, only the split of V between the ranks moves)."""
     V, kw = 50257, {"model__vocab_size": 50257, "output__checkpoint_every": 5}
     one = train(1, data, "gpt2-debug", "gpt2_v50257_one", **kw)
+    tol, wtol = order_tolerance(one, [train(1, data, "gpt2-debug", "gpt2_v50257_one_mb4", training__micro_batch_size=4,
+                                            training__grad_accum_steps=1, **kw)])
     tp2 = train(2, data, "gpt2-debug", "gpt2_v50257_tp2", parallel__tensor=2, **kw)
     e = rel(series(tp2, "loss"), series(one, "loss"))
-    check(e <= 1e-5, f"gpt2 vocab 50257 (uneven shards): TP=2 losses over 10 steps match one process (max rel {e:.2e})")
+    check(e <= tol, f"gpt2 vocab 50257 (uneven shards): TP=2 losses over 10 steps match one process (max rel {e:.2e} "
+          f"<= {tol:.2e})")
     e = rel(series(tp2, "grad_norm"), series(one, "grad_norm"))
-    check(e <= 1e-5, f"gpt2 vocab 50257: TP=2 gradient norms match (max rel {e:.2e} <= 1e-5)")
+    check(e <= tol, f"gpt2 vocab 50257: TP=2 gradient norms match (max rel {e:.2e} <= {tol:.2e})")
     e = rel(val_losses(tp2), val_losses(one))
-    check(e <= 1e-5, f"gpt2 vocab 50257: TP=2 validation losses match (max rel {e:.2e})")
+    check(e <= tol, f"gpt2 vocab 50257: TP=2 validation losses match (max rel {e:.2e} <= {tol:.2e})")
     w = weights(tp2)
     rows = {k: v.shape[0] for k, v in w.items() if k.endswith("wte.weight")}
     check(rows == {"transformer.wte.weight": V}, f"gpt2 vocab 50257: the HF model of TP=2 has exactly {V} rows ({rows})")
-    ok, worst = weights_close(tp2, one, 1e-4)
-    check(ok, f"gpt2 vocab 50257: TP=2 final weights match one process (worst {worst:.2e} <= 1e-4)")
+    ok, worst = weights_close(tp2, one, wtol)
+    check(ok, f"gpt2 vocab 50257: TP=2 final weights match one process (worst {worst:.2e} <= {wtol:.2e})")
     # Sequence parallelism on top: the same bits (the uneven embedding partials are reduce-scattered).
     sp = train(2, data, "gpt2-debug", "gpt2_v50257_tp2_sp", parallel__sequence=True, parallel__tensor=2, **kw)
     check(series(sp, "loss") == series(tp2, "loss") and series(sp, "grad_norm") == series(tp2, "grad_norm"),
@@ -82,13 +88,15 @@ def uneven_vocab(data):
     tpp = train(4, data, "gpt2-debug", "gpt2_v50257_tp2_pp2", parallel__tensor=2, parallel__pipeline=2,
                 model__vocab_size=V)
     e = max(rel(series(tpp, "loss"), series(one, "loss")), rel(series(tpp, "grad_norm"), series(one, "grad_norm")))
-    check(e <= 1e-5, f"gpt2 vocab 50257: TP=2 x PP=2 losses and gradient norms match one process (max rel {e:.2e})")
+    check(e <= tol, f"gpt2 vocab 50257: TP=2 x PP=2 losses and gradient norms match one process (max rel {e:.2e})")
     # DP=2 x TP=2 with ZeRO 1 on 4 ranks: each data-parallel group holds one tensor rank's (uneven) buffer.
     one4 = train(1, data, "gpt2-debug", "gpt2_v50257_one_b4", training__grad_accum_steps=4, model__vocab_size=V)
+    tol4, _ = order_tolerance(one4, [train(1, data, "gpt2-debug", "gpt2_v50257_one_b4_mb8", training__micro_batch_size=8,
+                                           training__grad_accum_steps=1, model__vocab_size=V)])
     z = train(4, data, "gpt2-debug", "gpt2_v50257_dp2_tp2_zero1", parallel__tensor=2, parallel__zero=1,
               model__vocab_size=V)
     e = max(rel(series(z, "loss"), series(one4, "loss")), rel(series(z, "grad_norm"), series(one4, "grad_norm")))
-    check(e <= 1e-5, f"gpt2 vocab 50257: DP=2 x TP=2 ZeRO 1 losses and gradient norms match one process (max rel {e:.2e})")
+    check(e <= tol4, f"gpt2 vocab 50257: DP=2 x TP=2 ZeRO 1 losses and gradient norms match one process (max rel {e:.2e})")
     # The checkpoints hold the whole model (exactly V rows): TP=2 -> one process and one process -> TP=2.
     for src, np_, name in ((tp2, 1, "TP=2 -> one process"), (one, 2, "one process -> TP=2")):
         dst = os.path.join(TMP, "gpt2_v50257_" + name.replace(" ", "_").replace("=", "").replace(">", ""))
@@ -101,7 +109,7 @@ def uneven_vocab(data):
         check(p.returncode == 0, f"gpt2 vocab 50257: {name} resumes" + ("" if p.returncode == 0 else p.stderr[-800:]))
         if p.returncode == 0:
             e = rel(series(dst, "loss")[5:], series(one, "loss")[5:])
-            check(e <= 1e-5, f"gpt2 vocab 50257: {name}: steps 6-10 match the straight run (max rel {e:.2e})")
+            check(e <= tol, f"gpt2 vocab 50257: {name}: steps 6-10 match the straight run (max rel {e:.2e})")
     ck = os.path.join(tp2, "checkpoints", "step_00000005")
     from safetensors.numpy import load_file
     ckw = load_file(os.path.join(ck, "model.safetensors"))
@@ -171,15 +179,17 @@ def main():
     data = make_data()
     for preset in ("gpt2-debug", "llama-debug"):
         one = train(1, data, preset, f"{preset}_one")
+        tol, wtol = order_tolerance(one, [train(1, data, preset, f"{preset}_one_mb4", training__micro_batch_size=4,
+                                                training__grad_accum_steps=1)])
         tp2 = train(2, data, preset, f"{preset}_tp2", parallel__tensor=2)
         e = rel(series(tp2, "loss"), series(one, "loss"))
-        check(e <= 1e-5, f"{preset}: TP=2 losses over 10 steps match one process (max rel {e:.2e} <= 1e-5)")
+        check(e <= tol, f"{preset}: TP=2 losses over 10 steps match one process (max rel {e:.2e} <= {tol:.2e})")
         e = rel(series(tp2, "grad_norm"), series(one, "grad_norm"))
-        check(e <= 1e-5, f"{preset}: TP=2 gradient norms match (max rel {e:.2e} <= 1e-5)")
+        check(e <= tol, f"{preset}: TP=2 gradient norms match (max rel {e:.2e} <= {tol:.2e})")
         e = rel(val_losses(tp2), val_losses(one))
-        check(e <= 1e-5, f"{preset}: TP=2 validation losses match (max rel {e:.2e})")
-        ok, worst = weights_close(tp2, one, 1e-4)
-        check(ok, f"{preset}: TP=2 final weights (gathered into the HF model) match (worst {worst:.2e} <= 1e-4)")
+        check(e <= tol, f"{preset}: TP=2 validation losses match (max rel {e:.2e} <= {tol:.2e})")
+        ok, worst = weights_close(tp2, one, wtol)
+        check(ok, f"{preset}: TP=2 final weights (gathered into the HF model) match (worst {worst:.2e} <= {wtol:.2e})")
         # Sequence parallelism changes where rows live, not the arithmetic (tests/parallel/
         # test_sequence_parallel.cpp): the same bits as TP=2, hence within 1e-5 of one process.
         sp = train(2, data, preset, f"{preset}_tp2_sp", parallel__tensor=2, parallel__sequence=True)
@@ -189,19 +199,21 @@ def main():
         same = all(np.array_equal(a, b) for a, b in zip(weights(sp).values(), weights(tp2).values()))
         check(same and set(weights(sp)) == set(weights(tp2)), f"{preset}: TP=2 + SP final weights equal TP=2's")
         e = rel(series(sp, "loss"), series(one, "loss"))
-        check(e <= 1e-5, f"{preset}: TP=2 + SP losses match one process (max rel {e:.2e} <= 1e-5)")
+        check(e <= tol, f"{preset}: TP=2 + SP losses match one process (max rel {e:.2e} <= {tol:.2e})")
 
     # An explicit head_dim through the recipe (model.head_dim: 4 heads of 32, q/o 128 wide with hidden
     # 96): TP=2 (2 heads of 32 per rank) and TP=2 + SP against one process, same tolerances.
     hd = dict(model__hidden_size=96, model__num_attention_heads=4, model__num_key_value_heads=2,
               model__head_dim=32, model__intermediate_size=192)
     one = train(1, data, "mistral-debug", "mistral_hd_one", **hd)
+    tol, wtol = order_tolerance(one, [train(1, data, "mistral-debug", "mistral_hd_one_mb4", training__micro_batch_size=4,
+                                            training__grad_accum_steps=1, **hd)])
     tp2 = train(2, data, "mistral-debug", "mistral_hd_tp2", parallel__tensor=2, **hd)
     sp = train(2, data, "mistral-debug", "mistral_hd_tp2_sp", parallel__tensor=2, parallel__sequence=True, **hd)
     e = max(rel(series(tp2, "loss"), series(one, "loss")), rel(series(tp2, "grad_norm"), series(one, "grad_norm")))
-    ok, worst = weights_close(tp2, one, 1e-4)
+    ok, worst = weights_close(tp2, one, wtol)
     cfg = json.load(open(os.path.join(tp2, "model", "config.json")))
-    check(e <= 1e-5 and ok and cfg["head_dim"] == 32 and weights(tp2)["model.layers.0.self_attn.q_proj.weight"].shape
+    check(e <= tol and ok and cfg["head_dim"] == 32 and weights(tp2)["model.layers.0.self_attn.q_proj.weight"].shape
           == (128, 96), f"mistral head_dim 32 x 4 != hidden 96: TP=2 losses and gradient norms (max rel {e:.2e}) "
           f"and final weights ({worst:.2e}) match one process; config.json head_dim {cfg['head_dim']}")
     check(series(sp, "loss") == series(tp2, "loss") and series(sp, "grad_norm") == series(tp2, "grad_norm"),
