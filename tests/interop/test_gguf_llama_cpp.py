@@ -115,12 +115,15 @@ def randomize(m, seed):
     return m
 
 
-def gpt2_fp16_gelu(m, sites=None):
-    """transformers GPT-2 with llama.cpp's GELU: tanh GELU of the fp16-rounded input, looked up in a
-    fp16 table (so the output is fp16-rounded too); x <= -10 -> 0, x >= 10 -> x. With `sites` (a
-    list), each call appends (input, fp32 output before its fp16 rounding, output) and each MLP's
-    c_fc records the sum of |terms| of its outputs in `sites_mag` (for gelu_fp16_bound)."""
-    act = transformers.activations.NewGELUActivation()
+def fp16_gelu(m, sites=None):
+    """transformers GPT-2 or Gemma 2 with llama.cpp's GELU (ggml-cpu vec.h ggml_vec_gelu_f32 /
+    ggml_vec_geglu_f32 under GGML_GELU_FP16): tanh GELU of the fp16-rounded input, looked up in a
+    fp16 table (so the output is fp16-rounded too); x <= -10 -> 0, x >= 10 -> x. Gemma 2's GeGLU
+    multiplies that by up_proj's output, as llama.cpp's geglu does. With `sites` (a list), each
+    call appends (input, fp32 output before its fp16 rounding, output) and each GELU's input
+    projection (GPT-2's c_fc, Gemma 2's gate_proj) records the sum of |terms| of its outputs in
+    `sites_mag` (for gelu_fp16_bound)."""
+    act = transformers.activations.NewGELUActivation()  # = gelu_pytorch_tanh's function
 
     class F(torch.nn.Module):
         def forward(self, x):
@@ -131,12 +134,18 @@ def gpt2_fp16_gelu(m, sites=None):
                 sites.append((x.detach(), y32.detach(), y))
             return y
 
-    for blk in m.transformer.h:
-        blk.mlp.act = F()
+    if hasattr(m, "transformer"):  # GPT-2: transformers Conv1D, x @ weight[C, 4C] + bias
+        mlps = [(blk.mlp, "act", blk.mlp.c_fc,
+                 lambda mod, x: x.abs() @ mod.weight.detach().abs() + mod.bias.detach().abs())
+                for blk in m.transformer.h]
+    else:  # Gemma 2: act_fn(gate_proj(x)) * up_proj(x), Linear without bias
+        mlps = [(layer.mlp, "act_fn", layer.mlp.gate_proj, lambda mod, x: x.abs() @ mod.weight.detach().abs().T)
+                for layer in m.model.layers]
+    for mlp, attr, fc, mag in mlps:
+        setattr(mlp, attr, F())
         if sites is not None:
-            fc = blk.mlp.c_fc  # transformers Conv1D: x @ weight[C, 4C] + bias
-            hooks.append(fc.register_forward_hook(lambda mod, inp, out: sites_mag.append(
-                (inp[0].detach().abs() @ mod.weight.detach().abs() + mod.bias.detach().abs()).numpy())))
+            hooks.append(fc.register_forward_hook(
+                lambda mod, inp, out, mag=mag: sites_mag.append(mag(mod, inp[0].detach()).numpy())))
     return m
 
 
@@ -162,7 +171,8 @@ def fp16_tie_distance(v):
 
 
 def gelu_fp16_bound(m, ids, rows, cols):
-    """How far llama.cpp's fp16-table GELU may move each logit (rows[k], cols[k]) from the emulation.
+    """How far llama.cpp's fp16-table GELU may move each logit (rows[k], cols[k]) from the emulation
+    (GPT-2's c_fc or Gemma 2's gate_proj, 64 products and no bias in these models: the same gamma).
 
     Derivation. Both round the GELU input x to fp16, take the tanh GELU in fp32 and round that to
     fp16 (llama.cpp when it builds its table), round to nearest, but from fp32 values that differ
@@ -186,8 +196,8 @@ def gelu_fp16_bound(m, ids, rows, cols):
     models). No CPU's measurement enters: the bound is computed from this model and prompt."""
     sites = []
     sites_mag.clear()
-    mm = gpt2_fp16_gelu(m, sites)
-    logits = mm(torch.tensor([ids])).logits[0]
+    mm = fp16_gelu(m, sites)
+    logits = mm(torch.tensor([ids]), use_cache=False).logits[0]
     b = []
     for (x, y32, _), mag in zip(sites, sites_mag):
         x, y32 = x.numpy().astype(np.float64), y32.numpy().astype(np.float64)
@@ -240,6 +250,8 @@ def load_llama(gguf, vocab_only=False):
 
 
 def check_model(tag, model_dir, gguf, want_pre, special, hf_model=None, gpt2=False, tok=None):
+    """hf_model (GPT-2 or Gemma 2, whose GELU llama.cpp reads from a fp16 table): the logits are
+    compared to it with that table emulated, within the derived gelu_fp16_bound."""
     tok = tok or model_dir
     t0 = time.time()
     llm = load_llama(gguf)
@@ -267,11 +279,12 @@ def check_model(tag, model_dir, gguf, want_pre, special, hf_model=None, gpt2=Fal
     got = np.array(llm.scores[:len(ids)], dtype=np.float32)
     d = float(np.abs(got - ref).max())
     scale = float(np.abs(ref).max())
-    if not gpt2:
+    if hf_model is None:
         check(d <= 1e-4, f"{tag}: llama.cpp f32 logits vs lathe logits: max |diff| {d:.2e} <= 1e-4 (max |logit| {scale:.2f})")
     else:
         with torch.no_grad():
-            emu = gpt2_fp16_gelu(hf_model)(torch.tensor([ids])).logits[0].numpy()
+            exact = hf_model(torch.tensor([ids]), use_cache=False).logits[0].numpy()
+            emu = fp16_gelu(hf_model)(torch.tensor([ids]), use_cache=False).logits[0].numpy()
         diff = np.abs(got - emu)
         de = float(diff.max())
         # Each of the 64 largest differences against its own derived bound (gelu_fp16_bound): the
@@ -281,11 +294,16 @@ def check_model(tag, model_dir, gguf, want_pre, special, hf_model=None, gpt2=Fal
         bound = 1e-4 + gelu_fp16_bound(hf_model, ids, rows, cols)
         worst = int(np.argmax(diff[rows, cols] / bound))
         check(bool(np.all(diff[rows, cols] <= bound)),
-              f"{tag}: llama.cpp logits vs transformers GPT-2 with llama.cpp's fp16 GELU: max |diff| {de:.2e}; "
+              f"{tag}: llama.cpp logits vs transformers with llama.cpp's fp16 GELU: max |diff| {de:.2e}; "
               f"worst against its bound {diff[rows[worst], cols[worst]]:.2e} <= 1e-4 + one fp16 ulp per GELU "
               f"element propagated = {bound[worst]:.2e} (max |logit| {scale:.2f})")
-        check(d <= 5e-3, f"{tag}: llama.cpp logits vs lathe logits (exact GELU): max |diff| {d:.2e} <= 5e-3 "
-              "(llama.cpp's fp16 GELU table)")
+        if gpt2:
+            check(d <= 5e-3, f"{tag}: llama.cpp logits vs lathe logits (exact GELU): max |diff| {d:.2e} <= 5e-3 "
+                  "(llama.cpp's fp16 GELU table)")
+        else:  # the chain's other link: lathe's exact-GELU logits are transformers' (fp32 noise)
+            dl = float(np.abs(ref - exact).max())
+            check(dl <= 1e-4, f"{tag}: lathe logits vs transformers (exact GELU): max |diff| {dl:.2e} <= 1e-4 "
+                  f"(llama.cpp vs lathe, the fp16 GELU table's effect: {d:.2e})")
     # greedy generation, 50 tokens, llama.cpp's KV cache
     prompt = "It's 2026 and"
     pids = llm.tokenize(prompt.encode(), add_bos=False, special=special)
@@ -407,10 +425,45 @@ def check_phi3(tmp):
         check(p.returncode != 0 and needle in p.stderr, f"phi3: GGUF refused: {p.stderr.strip()[-160:]}")
 
 
-def main():
-    t0 = time.time()
-    tmp = tempfile.mkdtemp(prefix="lathe_gguf_llama_cpp_")
+def check_gemma2(tmp):
+    """Gemma 2 as llama.cpp's gemma2 architecture: 3 layers (0 and 2 slide, window 8 < the 20-token
+    prompt), 4 heads of 16 over 2 kv heads in hidden 64, query_pre_attn_scalar 24 (not head_dim:
+    lathe scales attn_q so that llama.cpp's fixed 1/sqrt(head_dim) gives 1/sqrt(24)), soft caps 2 / 2
+    (small enough to bind on these O(1) logits, and not llama.cpp's defaults 50 / 30), norm weights
+    w ~ 0.1 N(0, 1) written as 1 + w. Oracle: transformers 4.45.2 Gemma2 (eager) with llama.cpp's
+    fp16 GELU table emulated, within 1e-4 + gelu_fp16_bound; lathe's own logits equal transformers'
+    exact-GELU ones. Soft caps of null are refused (llama.cpp always caps)."""
+    d = os.path.join(tmp, "g2")
+    torch.manual_seed(8)
+    m = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=96, vocab_size=256, max_position_embeddings=128, query_pre_attn_scalar=24,
+        sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=2.0, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None, attn_implementation="eager"))
+    with torch.no_grad():
+        for p_ in m.parameters():
+            p_.normal_(0.0, 0.1) if p_.dim() >= 2 else p_.copy_(0.1 * torch.randn_like(p_))
+    m.save_pretrained(d)
+    g = os.path.join(tmp, "g2.gguf")
+    export(d, g, ["--gguf-tokenizer", "byte"])
+    llm = check_model("gemma2", d, g, "gpt-2", False, hf_model=m.eval(), tok="byte")
+    md = llm.metadata
+    check(md.get("general.architecture") == "gemma2" and md.get("gemma2.attention.sliding_window") == "8",
+          f"gemma2: architecture gemma2, sliding_window 8 ({md.get('general.architecture')}, "
+          f"{md.get('gemma2.attention.sliding_window')})")
+    e = os.path.join(tmp, "g2_nocap")
+    shutil.copytree(d, e)
+    c = json.load(open(os.path.join(e, "config.json")))
+    c["attn_logit_softcapping"] = None
+    json.dump(c, open(os.path.join(e, "config.json"), "w"))
+    p = subprocess.run([LATHE, "convert", "--from-hf", e, "--to-gguf", e + ".gguf", "--gguf-tokenizer", "byte"],
+                       capture_output=True, text=True)
+    check(p.returncode != 0 and "always soft-caps" in p.stderr, f"gemma2 without a cap: GGUF refused: "
+          f"{p.stderr.strip()[-160:]}")
 
+
+def check_core(tmp):
+    """gpt2, llama (+ RoPE scaling), qwen2, spm, byte, mistral_hd."""
     # --- GPT-2 with GPT-2's tokenizer files
     d = os.path.join(tmp, "gpt2")
     m = randomize(transformers.GPT2LMHeadModel(transformers.GPT2Config(
@@ -504,7 +557,18 @@ def main():
     llm = check_model("mistral_hd", d, g, "gpt-2", False, tok="byte")
     check(llm.metadata.get("llama.attention.key_length") == "32", "mistral_hd: llama.attention.key_length 32")
 
-    check_phi3(tmp)
+
+
+CHECKS = {"core": check_core, "phi3": check_phi3, "gemma2": check_gemma2}
+
+
+def main():
+    t0 = time.time()
+    tmp = tempfile.mkdtemp(prefix="lathe_gguf_llama_cpp_")
+
+    # `test_gguf_llama_cpp.py gemma2 phi3`: only those groups (a quicker run); none = all, in order
+    for name in sys.argv[1:] or CHECKS:
+        CHECKS[name](tmp)
 
     shutil.rmtree(tmp)
     print(f"({time.time() - t0:.1f} s)")
