@@ -462,6 +462,50 @@ def check_gemma2(tmp):
           f"{p.stderr.strip()[-160:]}")
 
 
+def check_olmo2(tmp):
+    """OLMo 2 as llama.cpp's olmo2 architecture: no pre-norms, post_attention_norm / post_ffw_norm
+    after the attention and the MLP, attn_q_norm / attn_k_norm over the whole q (64) and k (32)
+    projections, NEOX RoPE. 2 layers, 4 heads of 16 over 2 kv heads in hidden 64, byte tokenizer;
+    untied, and tied (llama.cpp's olmo2 requires output.weight: the embedding is written again).
+    Oracle: lathe's logits within 1e-4 (transformers 4.45.2 has no Olmo2; lathe's are checked
+    against tests/models/torch_reference_olmo2.py in tests/interop/test_olmo2_hf.py)."""
+    sys.path.insert(0, os.path.join(HERE, "..", "models"))
+    import torch_reference_olmo2 as o2
+    for tag, tied in (("olmo2", False), ("olmo2_tied", True)):
+        d = os.path.join(tmp, "o2" + ("t" if tied else ""))
+        os.makedirs(d)
+        cfg = {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "attention_bias": False,
+               "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "hidden_act": "silu",
+               "hidden_size": 64, "intermediate_size": 96, "max_position_embeddings": 128,
+               "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+               "rope_scaling": None, "rope_theta": 500000.0, "tie_word_embeddings": tied, "vocab_size": 256,
+               "torch_dtype": "float32"}
+        json.dump(cfg, open(os.path.join(d, "config.json"), "w"), indent=2)
+        m = randomize(o2.Olmo2ForCausalLM(cfg), 9)
+        params = dict(m.named_parameters())
+        if tied:
+            params.pop("lm_head.weight", None)
+        o2.write_st(os.path.join(d, "model.safetensors"), params)
+        g = d + ".gguf"
+        export(d, g, ["--gguf-tokenizer", "byte"])
+        llm = check_model(tag, d, g, "gpt-2", False, tok="byte")
+        check(llm.metadata.get("general.architecture") == "olmo2", f"{tag}: general.architecture olmo2")
+        del llm
+    # What llama.cpp's olmo2 cannot do, refused naming the reason.
+    for edit, needle in (({"head_dim": 32}, "olmo2 with head_dim 32 != hidden_size 64"),
+                         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "olmo2 with rope_scaling")):
+        e = os.path.join(tmp, "o2_edit")
+        shutil.rmtree(e, ignore_errors=True)
+        os.makedirs(e)
+        cfg = json.load(open(os.path.join(tmp, "o2", "config.json")))
+        cfg.update(edit)
+        json.dump(cfg, open(os.path.join(e, "config.json"), "w"))
+        o2.write_st(os.path.join(e, "model.safetensors"), dict(o2.Olmo2ForCausalLM(cfg).named_parameters()))
+        p = subprocess.run([LATHE, "convert", "--from-hf", e, "--to-gguf", e + ".gguf", "--gguf-tokenizer", "byte"],
+                           capture_output=True, text=True)
+        check(p.returncode != 0 and needle in p.stderr, f"olmo2: GGUF refused: {p.stderr.strip()[-160:]}")
+
+
 def check_core(tmp):
     """gpt2, llama (+ RoPE scaling), qwen2, spm, byte, mistral_hd."""
     # --- GPT-2 with GPT-2's tokenizer files
@@ -559,7 +603,7 @@ def check_core(tmp):
 
 
 
-CHECKS = {"core": check_core, "phi3": check_phi3, "gemma2": check_gemma2}
+CHECKS = {"core": check_core, "phi3": check_phi3, "gemma2": check_gemma2, "olmo2": check_olmo2}
 
 
 def main():
