@@ -17,13 +17,39 @@ uint32_t u32(int64_t v) { return static_cast<uint32_t>(v); }
 // {arch}.rope.scaling.*, llama3 (and longrope without an attention factor) as the rope_freqs
 // tensor of per-frequency divisors (llama.cpp: freq_i = base^(-2i/n_rot) / rope_freqs[i]). What
 // llama.cpp cannot reproduce is refused naming the key.
-void add_rope_scaling(io::GgufWriter& w, const ModelConfig& c, const std::string& arch) {
-  LATHE_CHECK(c.rotary_dim() == c.head_dim(),
+// phi3's longrope as convert_hf_to_gguf.py's Phi3MiniModel writes it: rope_factors_long /
+// rope_factors_short [rot/2], the attention factor and original_context_length (llama.cpp takes
+// the long factors when its context n_ctx exceeds it, the short ones otherwise).
+std::string add_phi3_longrope(io::GgufWriter& w, const ModelConfig& c, const std::string& arch) {
+  const RopeScaling& r = c.rope_scaling;
+  // As rope_frequencies: Phi-3's top-level original_max_position_embeddings, else the context.
+  const int64_t orig = r.config_original_max_position_embeddings.value_or(c.max_position_embeddings);
+  const float attn = rope_frequencies(c, c.max_position_embeddings).attention_factor;
+  w.add_u32(arch + ".rope.scaling.original_context_length", u32(orig));
+  w.add_f32(arch + ".rope.scaling.attn_factor", attn);
+  for (const auto& [name, f] : {std::pair{"rope_factors_long.weight", &r.long_factor},
+                                std::pair{"rope_factors_short.weight", &r.short_factor}}) {
+    std::vector<float> v(f->begin(), f->end());
+    const Shape shape = {static_cast<int64_t>(v.size())};
+    w.add_tensor_owned(name, shape, std::move(v), DType::F32);
+  }
+  return fmt::format(
+      "note: longrope: llama.cpp uses the long factors whenever its context n_ctx > {} and the short ones "
+      "otherwise, where transformers' Phi3 (and lathe) choose by each pass's length: the same for every pass "
+      "when n_ctx <= {}, for passes longer than {} otherwise (attention factor {})",
+      orig, orig, orig, attn);
+}
+
+std::string add_rope_scaling(io::GgufWriter& w, const ModelConfig& c, const std::string& arch) {
+  // (llama.cpp's phi3 rotates the first rope.dimension_count dims of a head, NEOX order, as
+  // transformers' partial rotary; its llama refuses n_rot != head_dim.)
+  LATHE_CHECK(c.rotary_dim() == c.head_dim() || arch == "phi3",
               "gguf export: partial_rotary_factor = {} ({} of {} dims rotate): llama.cpp's {} architecture requires "
               "rope.dimension_count = head_dim (it refuses to load the file otherwise); export a model without it",
               c.partial_rotary_factor, c.rotary_dim(), c.head_dim(), arch);
   const RopeScaling& r = c.rope_scaling;
-  if (!r.active()) return;
+  if (!r.active()) return "";
+  if (arch == "phi3" && r.type == "longrope") return add_phi3_longrope(w, c, arch);
   auto refuse = [&](const std::string& why) {
     throw_error("gguf export: rope_scaling type '{}': {}; export a model without it (rope_scaling null)", r.type, why);
   };
@@ -31,7 +57,7 @@ void add_rope_scaling(io::GgufWriter& w, const ModelConfig& c, const std::string
   if (r.type == "linear") {
     w.add_string(arch + ".rope.scaling.type", "linear");
     w.add_f32(arch + ".rope.scaling.factor", static_cast<float>(*r.factor));
-    return;
+    return "";
   }
   if (r.type == "yarn") {
     if (r.attention_factor || r.beta_fast || r.beta_slow || r.mscale)
@@ -42,7 +68,7 @@ void add_rope_scaling(io::GgufWriter& w, const ModelConfig& c, const std::string
     w.add_f32(arch + ".rope.scaling.factor", static_cast<float>(*r.factor));
     // transformers 4.45 computes yarn's correction range from max_position_embeddings.
     w.add_u32(arch + ".rope.scaling.original_context_length", static_cast<uint32_t>(c.max_position_embeddings));
-    return;
+    return "";
   }
   const RopeFrequencies f = rope_frequencies(c, c.max_position_embeddings);
   if (r.type == "longrope" && f.attention_factor != 1.0f)
@@ -56,6 +82,7 @@ void add_rope_scaling(io::GgufWriter& w, const ModelConfig& c, const std::string
   for (size_t i = 0; i < div.size(); ++i) div[i] = plain[i] / f.inv_freq[i];
   const Shape shape = {static_cast<int64_t>(div.size())};  // before div is moved from
   w.add_tensor_owned("rope_freqs.weight", shape, std::move(div), DType::F32);
+  return "";
 }
 
 // gemma2: llama.cpp scales q by 1/sqrt(head_dim), or 1/sqrt(hidden / heads) when it takes the
@@ -124,13 +151,6 @@ void check_gguf_exportable(const ModelConfig& c) {
                 "--to-gguf: gpt_neox without attention biases: llama.cpp's gptneox architecture "
                 "requires attn_qkv.bias and attn_output.bias");
   const bool phi3 = c.model_type == "phi3";
-  // phi3 goes to llama.cpp's phi3 architecture (fused attn_qkv, ffn_up = gate|up, NEOX RoPE);
-  // longrope is refused: llama.cpp picks its short / long factors by the context size, not by the
-  // pass length as transformers' Phi3 (and lathe) do.
-  LATHE_CHECK(!phi3 || !c.rope_scaling.active(),
-              "--to-gguf: this phi3 has rope_scaling longrope: llama.cpp chooses its short or long factors by the "
-              "context size, transformers' Phi3 (and lathe) by each pass's length, so the GGUF would compute "
-              "something else; export it with --to-hf");
   LATHE_CHECK(!neox || !c.rope_scaling.active(),
               "--to-gguf: this gpt_neox has rope_scaling '{}': lathe writes RoPE scaling for llama.cpp's llama "
               "architecture only (not checked against its gptneox graph); export a model without it",
@@ -159,7 +179,8 @@ void check_gguf_exportable(const ModelConfig& c) {
               c.model_type);
 }
 
-void add_gguf_hparams(io::GgufWriter& w, const ModelConfig& c, const std::string& arch) {
+std::string add_gguf_hparams(io::GgufWriter& w, const ModelConfig& c, const std::string& arch) {
+  std::string note;
   const int64_t H = c.num_attention_heads, D = c.head_dim(), C = c.hidden_size;
   w.add_u32(arch + ".context_length", u32(c.max_position_embeddings));
   w.add_u32(arch + ".embedding_length", u32(C));
@@ -178,7 +199,7 @@ void add_gguf_hparams(io::GgufWriter& w, const ModelConfig& c, const std::string
     w.add_f32(arch + ".rope.freq_base", static_cast<float>(c.rope_theta));
     w.add_f32(arch + ".attention.layer_norm_rms_epsilon", static_cast<float>(c.norm_eps));
     w.add_u32(arch + ".rope.dimension_count", u32(c.rotary_dim()));
-    add_rope_scaling(w, c, arch);
+    note = add_rope_scaling(w, c, arch);
     // llama.cpp takes n_embd / n_head as the head width unless these are given (as its
     // convert_hf_to_gguf.py writes them for an explicit head_dim): Mistral-Nemo's 5120 / 32 heads of 128.
     // (Qwen3's and Gemma 2's config.json always have head_dim: written whatever its value, as
@@ -195,6 +216,7 @@ void add_gguf_hparams(io::GgufWriter& w, const ModelConfig& c, const std::string
     w.add_f32(arch + ".final_logit_softcapping", c.final_softcap());
     w.add_u32(arch + ".attention.sliding_window", u32(c.sliding_window));
   }
+  return note;
 }
 
 std::vector<float> gguf_tensor_values(const ModelConfig& c, const std::string& arch, const std::string& gguf_name,

@@ -17,7 +17,8 @@ void check_gguf_exportable(const ModelConfig& c);
 std::string gguf_arch(const ModelConfig& c);
 
 // The {arch}.* hyperparameters (sizes, norms, RoPE and its scaling, gemma2's soft caps and window).
-void add_gguf_hparams(io::GgufWriter& w, const ModelConfig& c, const std::string& arch);
+// Returns a note for the export summary ("" = none): what a llama.cpp user must know to get lathe's results.
+std::string add_gguf_hparams(io::GgufWriter& w, const ModelConfig& c, const std::string& arch);
 
 // The values llama.cpp needs for tensor `gguf_name` (n floats at data) when they are not lathe's
 // own; empty = write data as stored. gemma2: norm weights as 1 + w (convert_hf_to_gguf.py's

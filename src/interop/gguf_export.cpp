@@ -86,7 +86,7 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
   w.add_string("general.architecture", arch);
   w.add_string("general.name", opts.name);
   w.add_u32("general.file_type", dtype == DType::F16 ? 1 : 0);
-  add_gguf_hparams(w, c, arch);
+  const std::string note = add_gguf_hparams(w, c, arch);
   w.add_u32(arch + ".vocab_size", static_cast<uint32_t>(c.vocab_size));
   std::string tok_desc = "no tokenizer (tokenizer.ggml.model = no_vocab)";
   if (!opts.tokenizer.empty()) {
@@ -188,8 +188,9 @@ std::string save_gguf(const Model& model, const std::string& path, const GgufExp
   if (arch == "olmo2" && c.tie_word_embeddings && embedding)
     w.add_tensor("output.weight", embedding_shape, embedding, dtype);
   const size_t n = w.write(path);
-  return fmt::format("wrote {} ({} tensors, {} metadata keys, {:.1f} MB, architecture {}{}, {})", path, w.num_tensors(),
-                     w.num_kv(), n / 1e6, arch, permute ? ", q/k rows permuted for NORM RoPE" : "", tok_desc);
+  return fmt::format("wrote {} ({} tensors, {} metadata keys, {:.1f} MB, architecture {}{}, {}{}{})", path,
+                     w.num_tensors(), w.num_kv(), n / 1e6, arch, permute ? ", q/k rows permuted for NORM RoPE" : "",
+                     tok_desc, note.empty() ? "" : "; ", note);
 }
 
 }  // namespace lathe

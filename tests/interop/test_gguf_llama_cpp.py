@@ -394,12 +394,43 @@ def check_rope_scaling(tmp, llama_dir):
               f"rope {kind}: refused ({p.stderr.strip()[-200:]})")
 
 
+def phi3_variant(tmp, base, name, edit):
+    e = os.path.join(tmp, name)
+    shutil.rmtree(e, ignore_errors=True)
+    shutil.copytree(base, e)
+    c = json.load(open(os.path.join(e, "config.json")))
+    edit(c)
+    json.dump(c, open(os.path.join(e, "config.json"), "w"))
+    return e
+
+
+def compare_logits(tag, d, g, ids, what, **llama_kw):
+    """llama.cpp's f32 logits for `ids` (one pass) vs `lathe logits` within 1e-4; returns lathe's."""
+    lathe(["logits", "--model", d, "--tokens", ",".join(map(str, ids)), "--out", g + ".logits"])
+    kw = dict(n_ctx=128, n_threads=2, logits_all=True, verbose=False, type_k=0, type_v=0)
+    kw.update(llama_kw)
+    llm = llama_cpp.Llama(model_path=g, **kw)
+    ref = np.fromfile(g + ".logits", dtype=np.float32).reshape(len(ids), llm.n_vocab())
+    llm.eval(ids)
+    got = np.array(llm.scores[:len(ids)], dtype=np.float32)
+    dd = float(np.abs(got - ref).max())
+    check(dd <= 1e-4, f"{tag}: llama.cpp f32 logits vs lathe, {what}: max |diff| {dd:.2e} <= 1e-4")
+    return ref
+
+
 def check_phi3(tmp):
     """phi3 (GQA, untied) as llama.cpp's phi3 architecture: fused attn_qkv and ffn_up (gate rows
-    first), NEOX RoPE; logits, tokenization and greedy generation as the others. A longrope phi3
-    (llama.cpp picks its factors by the context size, transformers by the pass length) and a
-    sliding window shorter than the context (llama.cpp 0.3.36's phi3 attended to the full context
-    with phi3.attention.sliding_window set) are refused naming the reason."""
+    first), NEOX RoPE; logits, tokenization and greedy generation as the others. Then:
+      * partial_rotary_factor 0.5 (8 of 16 dims rotate; phi3.rope.dimension_count 8): logits;
+      * longrope (rope_factors_long / rope_factors_short, rope.scaling.attn_factor,
+        original_context_length, as convert_hf_to_gguf.py's Phi3MiniModel): llama.cpp picks the
+        factors by its context size (long when n_ctx > original_max_position_embeddings 256),
+        transformers' Phi3 (and lathe) by the pass length: compared where the two agree, a 300-token
+        pass with n_ctx 512 (long) and a 40-token one with n_ctx 256 (short; llama.cpp rounds
+        n_ctx up to 256). The factors and the attention factor move lathe's logits (printed), so a
+        wrong one fails.
+    A sliding window shorter than the context (llama.cpp 0.3.36's phi3 attended to the full context
+    with phi3.attention.sliding_window set) is refused naming the reason."""
     # The directory name becomes general.name; llama.cpp 0.3.36 fails to load this byte vocabulary
     # ("unordered_map::at") when the name is "phi3" (a name-based special-token lookup), so "p3".
     d = os.path.join(tmp, "p3")
@@ -410,20 +441,41 @@ def check_phi3(tmp):
     export(d, g, ["--gguf-tokenizer", "byte"])
     llm = check_model("phi3", d, g, "gpt-2", False, tok="byte")
     check(llm.metadata.get("general.architecture") == "phi3", "phi3: general.architecture phi3")
-    for edit, needle in ((lambda c: c.update(rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
-                                                           "long_factor": [2.0] * 8},
-                                             original_max_position_embeddings=64), "rope_scaling longrope"),
-                         (lambda c: c.update(sliding_window=31), "sliding_window 31 < context 128")):
-        e = os.path.join(tmp, "phi3_edit")
-        shutil.rmtree(e, ignore_errors=True)
-        shutil.copytree(d, e)
-        c = json.load(open(os.path.join(e, "config.json")))
-        edit(c)
-        json.dump(c, open(os.path.join(e, "config.json"), "w"))
-        p = subprocess.run([LATHE, "convert", "--from-hf", e, "--to-gguf", e + ".gguf", "--gguf-tokenizer", "byte"],
-                           capture_output=True, text=True)
-        check(p.returncode != 0 and needle in p.stderr, f"phi3: GGUF refused: {p.stderr.strip()[-160:]}")
+    del llm
+    ids = [(7 * i + 3) % 256 for i in range(20)]
+    base = compare_logits("phi3", d, g, ids, "20 tokens")
 
+    e = phi3_variant(tmp, d, "p3_partial", lambda c: c.update(partial_rotary_factor=0.5))
+    export(e, e + ".gguf", ["--gguf-tokenizer", "byte"])
+    ref = compare_logits("phi3 partial_rotary_factor 0.5", e, e + ".gguf", ids, "20 tokens")
+    check(load_llama(e + ".gguf", vocab_only=True).metadata.get("phi3.rope.dimension_count") == "8",
+          f"phi3 partial: phi3.rope.dimension_count 8 (the partial rotation moves lathe's logits by "
+          f"{float(np.abs(ref - base).max()):.2e})")
+
+    rng = np.random.default_rng(3)
+    short, long_ = [float(x) for x in 1 + rng.random(8)], [float(x) for x in 2 + 6 * rng.random(8)]
+    e = phi3_variant(tmp, d, "p3_longrope", lambda c: c.update(
+        max_position_embeddings=512, original_max_position_embeddings=256,
+        rope_scaling={"type": "longrope", "short_factor": short, "long_factor": long_}))
+    out = export(e, e + ".gguf", ["--gguf-tokenizer", "byte"])
+    check("llama.cpp uses the long factors whenever its context n_ctx > 256" in out,
+          "phi3 longrope: the export says how llama.cpp picks the factors")
+    long_ids = [(5 * i + 1) % 256 for i in range(300)]
+    lr = compare_logits("phi3 longrope", e, e + ".gguf", long_ids, "a 300-token pass, n_ctx 512 (long factors)",
+                        n_ctx=512)
+    sr = compare_logits("phi3 longrope", e, e + ".gguf", long_ids[:40], "a 40-token pass, n_ctx 256 (short factors)",
+                        n_ctx=256)
+    lathe(["logits", "--model", d, "--tokens", ",".join(map(str, long_ids)), "--out", g + ".plain"])
+    plain = np.fromfile(g + ".plain", dtype=np.float32).reshape(lr.shape)
+    check(float(np.abs(lr - plain).max()) > 1e-2 and float(np.abs(sr - plain[:40]).max()) > 1e-2,
+          f"phi3 longrope: the long / short factors move lathe's logits by {float(np.abs(lr - plain).max()):.2e} / "
+          f"{float(np.abs(sr - plain[:40]).max()):.2e}")
+
+    e = phi3_variant(tmp, d, "phi3_edit", lambda c: c.update(sliding_window=31))
+    p = subprocess.run([LATHE, "convert", "--from-hf", e, "--to-gguf", e + ".gguf", "--gguf-tokenizer", "byte"],
+                       capture_output=True, text=True)
+    needle = "sliding_window 31 < context 128"
+    check(p.returncode != 0 and needle in p.stderr, f"phi3: GGUF refused: {p.stderr.strip()[-160:]}")
 
 def check_gemma2(tmp):
     """Gemma 2 as llama.cpp's gemma2 architecture: 3 layers (0 and 2 slide, window 8 < the 20-token
