@@ -13,7 +13,12 @@ near-ties), each exported with `lathe convert --from-hf DIR --to-gguf FILE` (f32
   * spm    Llama with a SentencePiece BPE tokenizer.model (identity normalization, byte fallback)
   * byte   Llama with lathe's byte tokenizer (`--gguf-tokenizer byte`)
   * mistral_hd  Mistral with an explicit head_dim (4 x 32 != hidden 64), byte tokenizer
-  * phi3   Phi-3 (fused qkv_proj / gate_up_proj -> llama.cpp's phi3 architecture), byte tokenizer
+  * phi3   Phi-3 (fused qkv_proj / gate_up_proj -> llama.cpp's phi3 architecture), byte tokenizer;
+           and with partial_rotary_factor 0.5, and with longrope (check_phi3)
+  * gemma2 Gemma 2 (1 + w norms, sandwich norms, soft caps, sliding window, query_pre_attn_scalar),
+           byte tokenizer, against transformers with llama.cpp's fp16 GELU (check_gemma2)
+  * olmo2  OLMo 2 (post norms only, whole-projection q/k norms), untied and tied, byte tokenizer
+           (check_olmo2)
 For each:
   * tokenization: llama.cpp's tokenize() (no BOS; special tokens parsed for byte-level BPE as lathe
     and HF match added tokens; not for SentencePiece, whose control pieces are plain text to
@@ -24,7 +29,8 @@ For each:
     table (ggml-cpu vec.h GGML_GELU_FP16), so GPT-2 is compared (a) to transformers' GPT-2 with
     that fp16 GELU emulated (the export itself is exact), within 1e-4 plus a bound derived for one
     fp16 ulp per GELU element (gelu_fp16_bound below), and (b) to lathe within 5e-3, the measured
-    effect of the table being 1.4e-3 on these logits (printed)
+    effect of the table being 1.4e-3 on these logits (printed). Gemma 2's GeGLU reads the same
+    table: compared the same way (a), and (b) lathe to transformers' exact-GELU Gemma 2 within 1e-4
   * greedy generation: 50 tokens by llama.cpp (KV cache, argmax), decoded by `lathe decode` and
     printed by `lathe generate`'s rule, equal `lathe generate --temperature 0 --max-new-tokens 50`
     (so the generated ids are compared, not llama.cpp's detokenizer)
