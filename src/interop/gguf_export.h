@@ -5,7 +5,15 @@
 //                     llama.cpp's interleaved (NORM) RoPE order.
 //   qwen2          -> "qwen2" (NEOX RoPE, no permutation, q/k/v biases).
 //   qwen3          -> "qwen3" (NEOX RoPE, attn_q_norm / attn_k_norm, attention.key_length; no biases).
-//   phi3           -> "phi3" (NEOX RoPE, fused attn_qkv, ffn_up = gate|up; no longrope, no window).
+//   phi3           -> "phi3" (NEOX RoPE, fused attn_qkv, ffn_up = gate|up; partial rotary as
+//                     rope.dimension_count; longrope as rope_factors_long / _short, which llama.cpp
+//                     picks by its context size, not by the pass length: noted; no window).
+//   gemma2         -> "gemma2" (norm weights written as 1 + w, post_attention_norm / post_ffw_norm,
+//                     soft caps, sliding_window; attn_q scaled for query_pre_attn_scalar; its GeGLU
+//                     reads llama.cpp's fp16 GELU table as gpt2's does).
+//   olmo2          -> "olmo2" (post norms only, whole-projection attn_q_norm / attn_k_norm; a tied
+//                     model writes output.weight too).
+// The per-family parts (refusals, metadata, value edits) are interop/gguf_arch.h.
 //   gpt2           -> "gpt2" (LayerNorm with biases, learned positions, fused qkv; llama.cpp's
 //                     GELU reads a fp16 table, so its logits differ from lathe's by ~1e-3).
 // dtype F32 or F16 (1-D tensors stay F32, as llama.cpp's converter does). The tokenizer is written

@@ -13,7 +13,7 @@ and norm weights perturbed, saved by transformers (config.json as it writes it):
   * train a step from it (init_from, recompute selective), `lathe export`: transformers loads the
     export and its logits equal lathe's, the step changed them; the gemma2-debug preset in bf16:
     interrupted and resumed == uninterrupted (byte-identical final weights);
-  * refused with the reason: GGUF export, hidden_activation silu, a missing tensor (ONNX export is
+  * refused with the reason: GGUF export without a final soft cap, hidden_activation silu, a missing tensor (ONNX export is
     checked against transformers in tests/interop/test_onnx_export.py).
 """
 import json
@@ -197,9 +197,16 @@ def main():
         train_export_resume(tmp, d)
 
         # Refusals, each naming the reason.
-        p = run(["convert", "--from-hf", d, "--to-gguf", os.path.join(tmp, "g.gguf")], ok=False)
-        check(p.returncode != 0 and "gemma2 GGUF export is not implemented" in p.stderr,
-              f"GGUF export refused with the reason ({p.stderr.strip()[-200:]})")
+        # (GGUF export is run by llama.cpp itself in tests/interop/test_gguf_llama_cpp.py; here only
+        # the refusal of what llama.cpp's gemma2 cannot do: no final cap.)
+        nocap = os.path.join(tmp, "nocap")
+        shutil.copytree(d, nocap)
+        cfg = json.load(open(os.path.join(nocap, "config.json")))
+        cfg["final_logit_softcapping"] = None
+        json.dump(cfg, open(os.path.join(nocap, "config.json"), "w"))
+        p = run(["convert", "--from-hf", nocap, "--to-gguf", os.path.join(tmp, "g.gguf")], ok=False)
+        check(p.returncode != 0 and "always soft-caps" in p.stderr,
+              f"GGUF export without a final cap refused with the reason ({p.stderr.strip()[-200:]})")
         bad = os.path.join(tmp, "bad")
         shutil.copytree(d, bad)
         cfg = json.load(open(os.path.join(bad, "config.json")))

@@ -13,7 +13,12 @@ near-ties), each exported with `lathe convert --from-hf DIR --to-gguf FILE` (f32
   * spm    Llama with a SentencePiece BPE tokenizer.model (identity normalization, byte fallback)
   * byte   Llama with lathe's byte tokenizer (`--gguf-tokenizer byte`)
   * mistral_hd  Mistral with an explicit head_dim (4 x 32 != hidden 64), byte tokenizer
-  * phi3   Phi-3 (fused qkv_proj / gate_up_proj -> llama.cpp's phi3 architecture), byte tokenizer
+  * phi3   Phi-3 (fused qkv_proj / gate_up_proj -> llama.cpp's phi3 architecture), byte tokenizer;
+           and with partial_rotary_factor 0.5, and with longrope (check_phi3)
+  * gemma2 Gemma 2 (1 + w norms, sandwich norms, soft caps, sliding window, query_pre_attn_scalar),
+           byte tokenizer, against transformers with llama.cpp's fp16 GELU (check_gemma2)
+  * olmo2  OLMo 2 (post norms only, whole-projection q/k norms), untied and tied, byte tokenizer
+           (check_olmo2)
 For each:
   * tokenization: llama.cpp's tokenize() (no BOS; special tokens parsed for byte-level BPE as lathe
     and HF match added tokens; not for SentencePiece, whose control pieces are plain text to
@@ -24,7 +29,8 @@ For each:
     table (ggml-cpu vec.h GGML_GELU_FP16), so GPT-2 is compared (a) to transformers' GPT-2 with
     that fp16 GELU emulated (the export itself is exact), within 1e-4 plus a bound derived for one
     fp16 ulp per GELU element (gelu_fp16_bound below), and (b) to lathe within 5e-3, the measured
-    effect of the table being 1.4e-3 on these logits (printed)
+    effect of the table being 1.4e-3 on these logits (printed). Gemma 2's GeGLU reads the same
+    table: compared the same way (a), and (b) lathe to transformers' exact-GELU Gemma 2 within 1e-4
   * greedy generation: 50 tokens by llama.cpp (KV cache, argmax), decoded by `lathe decode` and
     printed by `lathe generate`'s rule, equal `lathe generate --temperature 0 --max-new-tokens 50`
     (so the generated ids are compared, not llama.cpp's detokenizer)
@@ -115,12 +121,15 @@ def randomize(m, seed):
     return m
 
 
-def gpt2_fp16_gelu(m, sites=None):
-    """transformers GPT-2 with llama.cpp's GELU: tanh GELU of the fp16-rounded input, looked up in a
-    fp16 table (so the output is fp16-rounded too); x <= -10 -> 0, x >= 10 -> x. With `sites` (a
-    list), each call appends (input, fp32 output before its fp16 rounding, output) and each MLP's
-    c_fc records the sum of |terms| of its outputs in `sites_mag` (for gelu_fp16_bound)."""
-    act = transformers.activations.NewGELUActivation()
+def fp16_gelu(m, sites=None):
+    """transformers GPT-2 or Gemma 2 with llama.cpp's GELU (ggml-cpu vec.h ggml_vec_gelu_f32 /
+    ggml_vec_geglu_f32 under GGML_GELU_FP16): tanh GELU of the fp16-rounded input, looked up in a
+    fp16 table (so the output is fp16-rounded too); x <= -10 -> 0, x >= 10 -> x. Gemma 2's GeGLU
+    multiplies that by up_proj's output, as llama.cpp's geglu does. With `sites` (a list), each
+    call appends (input, fp32 output before its fp16 rounding, output) and each GELU's input
+    projection (GPT-2's c_fc, Gemma 2's gate_proj) records the sum of |terms| of its outputs in
+    `sites_mag` (for gelu_fp16_bound)."""
+    act = transformers.activations.NewGELUActivation()  # = gelu_pytorch_tanh's function
 
     class F(torch.nn.Module):
         def forward(self, x):
@@ -131,12 +140,18 @@ def gpt2_fp16_gelu(m, sites=None):
                 sites.append((x.detach(), y32.detach(), y))
             return y
 
-    for blk in m.transformer.h:
-        blk.mlp.act = F()
+    if hasattr(m, "transformer"):  # GPT-2: transformers Conv1D, x @ weight[C, 4C] + bias
+        mlps = [(blk.mlp, "act", blk.mlp.c_fc,
+                 lambda mod, x: x.abs() @ mod.weight.detach().abs() + mod.bias.detach().abs())
+                for blk in m.transformer.h]
+    else:  # Gemma 2: act_fn(gate_proj(x)) * up_proj(x), Linear without bias
+        mlps = [(layer.mlp, "act_fn", layer.mlp.gate_proj, lambda mod, x: x.abs() @ mod.weight.detach().abs().T)
+                for layer in m.model.layers]
+    for mlp, attr, fc, mag in mlps:
+        setattr(mlp, attr, F())
         if sites is not None:
-            fc = blk.mlp.c_fc  # transformers Conv1D: x @ weight[C, 4C] + bias
-            hooks.append(fc.register_forward_hook(lambda mod, inp, out: sites_mag.append(
-                (inp[0].detach().abs() @ mod.weight.detach().abs() + mod.bias.detach().abs()).numpy())))
+            hooks.append(fc.register_forward_hook(
+                lambda mod, inp, out, mag=mag: sites_mag.append(mag(mod, inp[0].detach()).numpy())))
     return m
 
 
@@ -162,7 +177,8 @@ def fp16_tie_distance(v):
 
 
 def gelu_fp16_bound(m, ids, rows, cols):
-    """How far llama.cpp's fp16-table GELU may move each logit (rows[k], cols[k]) from the emulation.
+    """How far llama.cpp's fp16-table GELU may move each logit (rows[k], cols[k]) from the emulation
+    (GPT-2's c_fc or Gemma 2's gate_proj, 64 products and no bias in these models: the same gamma).
 
     Derivation. Both round the GELU input x to fp16, take the tanh GELU in fp32 and round that to
     fp16 (llama.cpp when it builds its table), round to nearest, but from fp32 values that differ
@@ -186,8 +202,8 @@ def gelu_fp16_bound(m, ids, rows, cols):
     models). No CPU's measurement enters: the bound is computed from this model and prompt."""
     sites = []
     sites_mag.clear()
-    mm = gpt2_fp16_gelu(m, sites)
-    logits = mm(torch.tensor([ids])).logits[0]
+    mm = fp16_gelu(m, sites)
+    logits = mm(torch.tensor([ids]), use_cache=False).logits[0]
     b = []
     for (x, y32, _), mag in zip(sites, sites_mag):
         x, y32 = x.numpy().astype(np.float64), y32.numpy().astype(np.float64)
@@ -240,6 +256,8 @@ def load_llama(gguf, vocab_only=False):
 
 
 def check_model(tag, model_dir, gguf, want_pre, special, hf_model=None, gpt2=False, tok=None):
+    """hf_model (GPT-2 or Gemma 2, whose GELU llama.cpp reads from a fp16 table): the logits are
+    compared to it with that table emulated, within the derived gelu_fp16_bound."""
     tok = tok or model_dir
     t0 = time.time()
     llm = load_llama(gguf)
@@ -267,11 +285,12 @@ def check_model(tag, model_dir, gguf, want_pre, special, hf_model=None, gpt2=Fal
     got = np.array(llm.scores[:len(ids)], dtype=np.float32)
     d = float(np.abs(got - ref).max())
     scale = float(np.abs(ref).max())
-    if not gpt2:
+    if hf_model is None:
         check(d <= 1e-4, f"{tag}: llama.cpp f32 logits vs lathe logits: max |diff| {d:.2e} <= 1e-4 (max |logit| {scale:.2f})")
     else:
         with torch.no_grad():
-            emu = gpt2_fp16_gelu(hf_model)(torch.tensor([ids])).logits[0].numpy()
+            exact = hf_model(torch.tensor([ids]), use_cache=False).logits[0].numpy()
+            emu = fp16_gelu(hf_model)(torch.tensor([ids]), use_cache=False).logits[0].numpy()
         diff = np.abs(got - emu)
         de = float(diff.max())
         # Each of the 64 largest differences against its own derived bound (gelu_fp16_bound): the
@@ -281,11 +300,16 @@ def check_model(tag, model_dir, gguf, want_pre, special, hf_model=None, gpt2=Fal
         bound = 1e-4 + gelu_fp16_bound(hf_model, ids, rows, cols)
         worst = int(np.argmax(diff[rows, cols] / bound))
         check(bool(np.all(diff[rows, cols] <= bound)),
-              f"{tag}: llama.cpp logits vs transformers GPT-2 with llama.cpp's fp16 GELU: max |diff| {de:.2e}; "
+              f"{tag}: llama.cpp logits vs transformers with llama.cpp's fp16 GELU: max |diff| {de:.2e}; "
               f"worst against its bound {diff[rows[worst], cols[worst]]:.2e} <= 1e-4 + one fp16 ulp per GELU "
               f"element propagated = {bound[worst]:.2e} (max |logit| {scale:.2f})")
-        check(d <= 5e-3, f"{tag}: llama.cpp logits vs lathe logits (exact GELU): max |diff| {d:.2e} <= 5e-3 "
-              "(llama.cpp's fp16 GELU table)")
+        if gpt2:
+            check(d <= 5e-3, f"{tag}: llama.cpp logits vs lathe logits (exact GELU): max |diff| {d:.2e} <= 5e-3 "
+                  "(llama.cpp's fp16 GELU table)")
+        else:  # the chain's other link: lathe's exact-GELU logits are transformers' (fp32 noise)
+            dl = float(np.abs(ref - exact).max())
+            check(dl <= 1e-4, f"{tag}: lathe logits vs transformers (exact GELU): max |diff| {dl:.2e} <= 1e-4 "
+                  f"(llama.cpp vs lathe, the fp16 GELU table's effect: {d:.2e})")
     # greedy generation, 50 tokens, llama.cpp's KV cache
     prompt = "It's 2026 and"
     pids = llm.tokenize(prompt.encode(), add_bos=False, special=special)
@@ -376,12 +400,43 @@ def check_rope_scaling(tmp, llama_dir):
               f"rope {kind}: refused ({p.stderr.strip()[-200:]})")
 
 
+def phi3_variant(tmp, base, name, edit):
+    e = os.path.join(tmp, name)
+    shutil.rmtree(e, ignore_errors=True)
+    shutil.copytree(base, e)
+    c = json.load(open(os.path.join(e, "config.json")))
+    edit(c)
+    json.dump(c, open(os.path.join(e, "config.json"), "w"))
+    return e
+
+
+def compare_logits(tag, d, g, ids, what, **llama_kw):
+    """llama.cpp's f32 logits for `ids` (one pass) vs `lathe logits` within 1e-4; returns lathe's."""
+    lathe(["logits", "--model", d, "--tokens", ",".join(map(str, ids)), "--out", g + ".logits"])
+    kw = dict(n_ctx=128, n_threads=2, logits_all=True, verbose=False, type_k=0, type_v=0)
+    kw.update(llama_kw)
+    llm = llama_cpp.Llama(model_path=g, **kw)
+    ref = np.fromfile(g + ".logits", dtype=np.float32).reshape(len(ids), llm.n_vocab())
+    llm.eval(ids)
+    got = np.array(llm.scores[:len(ids)], dtype=np.float32)
+    dd = float(np.abs(got - ref).max())
+    check(dd <= 1e-4, f"{tag}: llama.cpp f32 logits vs lathe, {what}: max |diff| {dd:.2e} <= 1e-4")
+    return ref
+
+
 def check_phi3(tmp):
     """phi3 (GQA, untied) as llama.cpp's phi3 architecture: fused attn_qkv and ffn_up (gate rows
-    first), NEOX RoPE; logits, tokenization and greedy generation as the others. A longrope phi3
-    (llama.cpp picks its factors by the context size, transformers by the pass length) and a
-    sliding window shorter than the context (llama.cpp 0.3.36's phi3 attended to the full context
-    with phi3.attention.sliding_window set) are refused naming the reason."""
+    first), NEOX RoPE; logits, tokenization and greedy generation as the others. Then:
+      * partial_rotary_factor 0.5 (8 of 16 dims rotate; phi3.rope.dimension_count 8): logits;
+      * longrope (rope_factors_long / rope_factors_short, rope.scaling.attn_factor,
+        original_context_length, as convert_hf_to_gguf.py's Phi3MiniModel): llama.cpp picks the
+        factors by its context size (long when n_ctx > original_max_position_embeddings 256),
+        transformers' Phi3 (and lathe) by the pass length: compared where the two agree, a 300-token
+        pass with n_ctx 512 (long) and a 40-token one with n_ctx 256 (short; llama.cpp rounds
+        n_ctx up to 256). The factors and the attention factor move lathe's logits (printed), so a
+        wrong one fails.
+    A sliding window shorter than the context (llama.cpp 0.3.36's phi3 attended to the full context
+    with phi3.attention.sliding_window set) is refused naming the reason."""
     # The directory name becomes general.name; llama.cpp 0.3.36 fails to load this byte vocabulary
     # ("unordered_map::at") when the name is "phi3" (a name-based special-token lookup), so "p3".
     d = os.path.join(tmp, "p3")
@@ -392,25 +447,125 @@ def check_phi3(tmp):
     export(d, g, ["--gguf-tokenizer", "byte"])
     llm = check_model("phi3", d, g, "gpt-2", False, tok="byte")
     check(llm.metadata.get("general.architecture") == "phi3", "phi3: general.architecture phi3")
-    for edit, needle in ((lambda c: c.update(rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
-                                                           "long_factor": [2.0] * 8},
-                                             original_max_position_embeddings=64), "rope_scaling longrope"),
-                         (lambda c: c.update(sliding_window=31), "sliding_window 31 < context 128")):
-        e = os.path.join(tmp, "phi3_edit")
+    del llm
+    ids = [(7 * i + 3) % 256 for i in range(20)]
+    base = compare_logits("phi3", d, g, ids, "20 tokens")
+
+    e = phi3_variant(tmp, d, "p3_partial", lambda c: c.update(partial_rotary_factor=0.5))
+    export(e, e + ".gguf", ["--gguf-tokenizer", "byte"])
+    ref = compare_logits("phi3 partial_rotary_factor 0.5", e, e + ".gguf", ids, "20 tokens")
+    check(load_llama(e + ".gguf", vocab_only=True).metadata.get("phi3.rope.dimension_count") == "8",
+          f"phi3 partial: phi3.rope.dimension_count 8 (the partial rotation moves lathe's logits by "
+          f"{float(np.abs(ref - base).max()):.2e})")
+
+    rng = np.random.default_rng(3)
+    short, long_ = [float(x) for x in 1 + rng.random(8)], [float(x) for x in 2 + 6 * rng.random(8)]
+    e = phi3_variant(tmp, d, "p3_longrope", lambda c: c.update(
+        max_position_embeddings=512, original_max_position_embeddings=256,
+        rope_scaling={"type": "longrope", "short_factor": short, "long_factor": long_}))
+    out = export(e, e + ".gguf", ["--gguf-tokenizer", "byte"])
+    check("llama.cpp uses the long factors whenever its context n_ctx > 256" in out,
+          "phi3 longrope: the export says how llama.cpp picks the factors")
+    long_ids = [(5 * i + 1) % 256 for i in range(300)]
+    lr = compare_logits("phi3 longrope", e, e + ".gguf", long_ids, "a 300-token pass, n_ctx 512 (long factors)",
+                        n_ctx=512)
+    sr = compare_logits("phi3 longrope", e, e + ".gguf", long_ids[:40], "a 40-token pass, n_ctx 256 (short factors)",
+                        n_ctx=256)
+    lathe(["logits", "--model", d, "--tokens", ",".join(map(str, long_ids)), "--out", g + ".plain"])
+    plain = np.fromfile(g + ".plain", dtype=np.float32).reshape(lr.shape)
+    check(float(np.abs(lr - plain).max()) > 1e-2 and float(np.abs(sr - plain[:40]).max()) > 1e-2,
+          f"phi3 longrope: the long / short factors move lathe's logits by {float(np.abs(lr - plain).max()):.2e} / "
+          f"{float(np.abs(sr - plain[:40]).max()):.2e}")
+
+    e = phi3_variant(tmp, d, "phi3_edit", lambda c: c.update(sliding_window=31))
+    p = subprocess.run([LATHE, "convert", "--from-hf", e, "--to-gguf", e + ".gguf", "--gguf-tokenizer", "byte"],
+                       capture_output=True, text=True)
+    needle = "sliding_window 31 < context 128"
+    check(p.returncode != 0 and needle in p.stderr, f"phi3: GGUF refused: {p.stderr.strip()[-160:]}")
+
+def check_gemma2(tmp):
+    """Gemma 2 as llama.cpp's gemma2 architecture: 3 layers (0 and 2 slide, window 8 < the 20-token
+    prompt), 4 heads of 16 over 2 kv heads in hidden 64, query_pre_attn_scalar 24 (not head_dim:
+    lathe scales attn_q so that llama.cpp's fixed 1/sqrt(head_dim) gives 1/sqrt(24)), soft caps 2 / 2
+    (small enough to bind on these O(1) logits, and not llama.cpp's defaults 50 / 30), norm weights
+    w ~ 0.1 N(0, 1) written as 1 + w. Oracle: transformers 4.45.2 Gemma2 (eager) with llama.cpp's
+    fp16 GELU table emulated, within 1e-4 + gelu_fp16_bound; lathe's own logits equal transformers'
+    exact-GELU ones. Soft caps of null are refused (llama.cpp always caps)."""
+    d = os.path.join(tmp, "g2")
+    torch.manual_seed(8)
+    m = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=96, vocab_size=256, max_position_embeddings=128, query_pre_attn_scalar=24,
+        sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=2.0, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None, attn_implementation="eager"))
+    with torch.no_grad():
+        for p_ in m.parameters():
+            p_.normal_(0.0, 0.1) if p_.dim() >= 2 else p_.copy_(0.1 * torch.randn_like(p_))
+    m.save_pretrained(d)
+    g = os.path.join(tmp, "g2.gguf")
+    export(d, g, ["--gguf-tokenizer", "byte"])
+    llm = check_model("gemma2", d, g, "gpt-2", False, hf_model=m.eval(), tok="byte")
+    md = llm.metadata
+    check(md.get("general.architecture") == "gemma2" and md.get("gemma2.attention.sliding_window") == "8",
+          f"gemma2: architecture gemma2, sliding_window 8 ({md.get('general.architecture')}, "
+          f"{md.get('gemma2.attention.sliding_window')})")
+    e = os.path.join(tmp, "g2_nocap")
+    shutil.copytree(d, e)
+    c = json.load(open(os.path.join(e, "config.json")))
+    c["attn_logit_softcapping"] = None
+    json.dump(c, open(os.path.join(e, "config.json"), "w"))
+    p = subprocess.run([LATHE, "convert", "--from-hf", e, "--to-gguf", e + ".gguf", "--gguf-tokenizer", "byte"],
+                       capture_output=True, text=True)
+    check(p.returncode != 0 and "always soft-caps" in p.stderr, f"gemma2 without a cap: GGUF refused: "
+          f"{p.stderr.strip()[-160:]}")
+
+
+def check_olmo2(tmp):
+    """OLMo 2 as llama.cpp's olmo2 architecture: no pre-norms, post_attention_norm / post_ffw_norm
+    after the attention and the MLP, attn_q_norm / attn_k_norm over the whole q (64) and k (32)
+    projections, NEOX RoPE. 2 layers, 4 heads of 16 over 2 kv heads in hidden 64, byte tokenizer;
+    untied, and tied (llama.cpp's olmo2 requires output.weight: the embedding is written again).
+    Oracle: lathe's logits within 1e-4 (transformers 4.45.2 has no Olmo2; lathe's are checked
+    against tests/models/torch_reference_olmo2.py in tests/interop/test_olmo2_hf.py)."""
+    sys.path.insert(0, os.path.join(HERE, "..", "models"))
+    import torch_reference_olmo2 as o2
+    for tag, tied in (("olmo2", False), ("olmo2_tied", True)):
+        d = os.path.join(tmp, "o2" + ("t" if tied else ""))
+        os.makedirs(d)
+        cfg = {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "attention_bias": False,
+               "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "hidden_act": "silu",
+               "hidden_size": 64, "intermediate_size": 96, "max_position_embeddings": 128,
+               "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+               "rope_scaling": None, "rope_theta": 500000.0, "tie_word_embeddings": tied, "vocab_size": 256,
+               "torch_dtype": "float32"}
+        json.dump(cfg, open(os.path.join(d, "config.json"), "w"), indent=2)
+        m = randomize(o2.Olmo2ForCausalLM(cfg), 9)
+        params = dict(m.named_parameters())
+        if tied:
+            params.pop("lm_head.weight", None)
+        o2.write_st(os.path.join(d, "model.safetensors"), params)
+        g = d + ".gguf"
+        export(d, g, ["--gguf-tokenizer", "byte"])
+        llm = check_model(tag, d, g, "gpt-2", False, tok="byte")
+        check(llm.metadata.get("general.architecture") == "olmo2", f"{tag}: general.architecture olmo2")
+        del llm
+    # What llama.cpp's olmo2 cannot do, refused naming the reason.
+    for edit, needle in (({"head_dim": 32}, "olmo2 with head_dim 32 != hidden_size 64"),
+                         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "olmo2 with rope_scaling")):
+        e = os.path.join(tmp, "o2_edit")
         shutil.rmtree(e, ignore_errors=True)
-        shutil.copytree(d, e)
-        c = json.load(open(os.path.join(e, "config.json")))
-        edit(c)
-        json.dump(c, open(os.path.join(e, "config.json"), "w"))
+        os.makedirs(e)
+        cfg = json.load(open(os.path.join(tmp, "o2", "config.json")))
+        cfg.update(edit)
+        json.dump(cfg, open(os.path.join(e, "config.json"), "w"))
+        o2.write_st(os.path.join(e, "model.safetensors"), dict(o2.Olmo2ForCausalLM(cfg).named_parameters()))
         p = subprocess.run([LATHE, "convert", "--from-hf", e, "--to-gguf", e + ".gguf", "--gguf-tokenizer", "byte"],
                            capture_output=True, text=True)
-        check(p.returncode != 0 and needle in p.stderr, f"phi3: GGUF refused: {p.stderr.strip()[-160:]}")
+        check(p.returncode != 0 and needle in p.stderr, f"olmo2: GGUF refused: {p.stderr.strip()[-160:]}")
 
 
-def main():
-    t0 = time.time()
-    tmp = tempfile.mkdtemp(prefix="lathe_gguf_llama_cpp_")
-
+def check_core(tmp):
+    """gpt2, llama (+ RoPE scaling), qwen2, spm, byte, mistral_hd."""
     # --- GPT-2 with GPT-2's tokenizer files
     d = os.path.join(tmp, "gpt2")
     m = randomize(transformers.GPT2LMHeadModel(transformers.GPT2Config(
@@ -504,7 +659,18 @@ def main():
     llm = check_model("mistral_hd", d, g, "gpt-2", False, tok="byte")
     check(llm.metadata.get("llama.attention.key_length") == "32", "mistral_hd: llama.attention.key_length 32")
 
-    check_phi3(tmp)
+
+
+CHECKS = {"core": check_core, "phi3": check_phi3, "gemma2": check_gemma2, "olmo2": check_olmo2}
+
+
+def main():
+    t0 = time.time()
+    tmp = tempfile.mkdtemp(prefix="lathe_gguf_llama_cpp_")
+
+    # `test_gguf_llama_cpp.py gemma2 phi3`: only those groups (a quicker run); none = all, in order
+    for name in sys.argv[1:] or CHECKS:
+        CHECKS[name](tmp)
 
     shutil.rmtree(tmp)
     print(f"({time.time() - t0:.1f} s)")

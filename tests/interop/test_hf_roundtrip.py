@@ -242,7 +242,7 @@ def unused_keys_and_stop_ids(llama, tmp, data):
 def phi3_checks(d, tmp):
     """phi3 beyond the round trip: the exported config.json is Phi3Config's (architectures, the
     3-key rope_scaling, original_max_position_embeddings, sliding_window); convert --verify; GGUF of
-    a longrope phi3 refused naming the reason (plain phi3: tests/interop/test_gguf_llama_cpp.py); the oracle tells a gate|up swap apart (lathe logits on a copy whose
+    a phi3 with a sliding window refused naming the reason (plain and longrope phi3: tests/interop/test_gguf_llama_cpp.py); the oracle tells a gate|up swap apart (lathe logits on a copy whose
     gate_up_proj halves are swapped differ from transformers on the original)."""
     out = os.path.join(tmp, "phi3_conv")
     p = run(["convert", "--from-hf", d, "--to", out, "--verify"], ok=False)
@@ -252,7 +252,7 @@ def phi3_checks(d, tmp):
           and len(cfg["rope_scaling"]) == 3 and cfg["original_max_position_embeddings"] == 8
           and cfg["sliding_window"] == 11, f"phi3: exported config.json {json.dumps(cfg)[:300]}")
     expect_fail(["convert", "--from-hf", d, "--to-gguf", os.path.join(tmp, "phi3.gguf")],
-                ["this phi3 has rope_scaling longrope"], "phi3 longrope: GGUF export refused naming the reason")
+                ["sliding_window 11 < context"], "phi3 with a sliding window: GGUF export refused naming the reason")
     sw = os.path.join(tmp, "phi3_swapped")
 
     def swap(t):
