@@ -55,7 +55,8 @@ OmpLoad omp_load() {
   OmpLoad l;
   cpu_set_t set;
   CPU_ZERO(&set);
-  l.cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
+  l.cpus =
+      sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
   if (l.cpus < 1) l.cpus = 1;
   // OMP_NUM_THREADS may be a list ("4,2": the first level counts); libgomp's default is one per CPU.
   l.threads = static_cast<int>(env_count("OMP_NUM_THREADS"));
@@ -82,12 +83,12 @@ RuntimeSettings fast_runtime_settings() {
   const char* isa_cap = std::getenv("LATHE_CPU_ISA");
   const bool capped_to_avx2 = isa_cap != nullptr && std::strcmp(isa_cap, "avx2") == 0;
   const char* core = openblas_get_corename();
-  const bool avx2_kernels = std::strcmp(core, "Prescott") == 0 || std::strcmp(core, "Haswell") == 0 ||
-                            std::strcmp(core, "Zen") == 0;
+  const bool avx2_kernels =
+      std::strcmp(core, "Prescott") == 0 || std::strcmp(core, "Haswell") == 0 || std::strcmp(core, "Zen") == 0;
   if (std::getenv("OPENBLAS_CORETYPE") == nullptr && avx2_kernels && !capped_to_avx2) {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512dq")) {
       out.env.emplace_back("OPENBLAS_CORETYPE", "SkylakeX");
     }
   }
@@ -110,13 +111,37 @@ RuntimeSettings fast_runtime_settings() {
   return out;
 }
 
+namespace {
+
+std::string& note_store() {
+  static std::string note;
+  return note;
+}
+
+}  // namespace
+
+const std::string& runtime_note() { return note_store(); }
+
+void set_runtime_note(std::string note) {
+  while (!note.empty() && note.back() == '\n') note.pop_back();
+  note_store() = std::move(note);
+}
+
 void ensure_fast_runtime(int argc, char** argv) {
   (void)argc;
+  if (const char* carried = std::getenv("LATHE_RUNTIME_NOTE")) {  // printed before the re-execution
+    set_runtime_note(carried);
+    unsetenv("LATHE_RUNTIME_NOTE");
+  }
   const RuntimeSettings s = fast_runtime_settings();
-  if (!s.note.empty()) std::fputs(s.note.c_str(), stderr);
+  if (!s.note.empty()) {
+    std::fputs(s.note.c_str(), stderr);
+    set_runtime_note(s.note);
+  }
   if (s.env.empty()) return;
   for (const auto& [name, value] : s.env) setenv(name.c_str(), value.c_str(), 1);
   setenv("LATHE_RUNTIME_SET", "1", 1);
+  if (!runtime_note().empty()) setenv("LATHE_RUNTIME_NOTE", runtime_note().c_str(), 1);
   execv("/proc/self/exe", argv);
   std::fprintf(stderr, "lathe: note: could not re-execute with the tuned OpenBLAS/OpenMP settings; running as is\n");
 }

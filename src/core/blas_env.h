@@ -31,10 +31,10 @@ inline constexpr const char* kSpinCount = "20000";
 
 // What decides the wait policy at start.
 struct OmpLoad {
-  int cpus = 1;          // CPUs this process may run on (sched_getaffinity)
-  int threads = 1;       // OMP_NUM_THREADS (first level), else one per CPU
-  int local_ranks = 1;   // processes of this job on this host (Open MPI / MPICH / torchrun variables)
-  int other_busy = 0;    // runnable tasks other than this one (/proc/loadavg, median of 5 samples)
+  int cpus = 1;         // CPUs this process may run on (sched_getaffinity)
+  int threads = 1;      // OMP_NUM_THREADS (first level), else one per CPU
+  int local_ranks = 1;  // processes of this job on this host (Open MPI / MPICH / torchrun variables)
+  int other_busy = 0;   // runnable tasks other than this one (/proc/loadavg, median of 5 samples)
   bool oversubscribed() const;
 };
 OmpLoad omp_load();
@@ -51,6 +51,14 @@ RuntimeSettings fast_runtime_settings();
 // Call first thing in main() (lathe calls it for invocations that run a command, not for --help or
 // --version). Returns only if no re-exec was needed (or it failed).
 void ensure_fast_runtime(int argc, char** argv);
+
+// The note line printed for this process at start ("" for none; without the newline), which the
+// run log copies into OUTPUT/train.log (train/run_log.h): it is printed before the run directory
+// exists, by the process that re-executes itself, so the re-executed one finds it in the
+// environment (LATHE_RUNTIME_NOTE, read and removed by ensure_fast_runtime so that no child
+// process inherits it). The Python package sets the note its import printed.
+const std::string& runtime_note();
+void set_runtime_note(std::string note);
 
 // "SkylakeX", "Haswell", "Prescott", ... as OpenBLAS reports it.
 std::string blas_kernel_name();
