@@ -55,8 +55,7 @@ OmpLoad omp_load() {
   OmpLoad l;
   cpu_set_t set;
   CPU_ZERO(&set);
-  l.cpus =
-      sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
+  l.cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
   if (l.cpus < 1) l.cpus = 1;
   // OMP_NUM_THREADS may be a list ("4,2": the first level counts); libgomp's default is one per CPU.
   l.threads = static_cast<int>(env_count("OMP_NUM_THREADS"));
@@ -83,12 +82,12 @@ RuntimeSettings fast_runtime_settings() {
   const char* isa_cap = std::getenv("LATHE_CPU_ISA");
   const bool capped_to_avx2 = isa_cap != nullptr && std::strcmp(isa_cap, "avx2") == 0;
   const char* core = openblas_get_corename();
-  const bool avx2_kernels =
-      std::strcmp(core, "Prescott") == 0 || std::strcmp(core, "Haswell") == 0 || std::strcmp(core, "Zen") == 0;
+  const bool avx2_kernels = std::strcmp(core, "Prescott") == 0 || std::strcmp(core, "Haswell") == 0 ||
+                            std::strcmp(core, "Zen") == 0;
   if (std::getenv("OPENBLAS_CORETYPE") == nullptr && avx2_kernels && !capped_to_avx2) {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-        __builtin_cpu_supports("avx512dq")) {
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
       out.env.emplace_back("OPENBLAS_CORETYPE", "SkylakeX");
     }
   }

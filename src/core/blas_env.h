@@ -31,10 +31,10 @@ inline constexpr const char* kSpinCount = "20000";
 
 // What decides the wait policy at start.
 struct OmpLoad {
-  int cpus = 1;         // CPUs this process may run on (sched_getaffinity)
-  int threads = 1;      // OMP_NUM_THREADS (first level), else one per CPU
-  int local_ranks = 1;  // processes of this job on this host (Open MPI / MPICH / torchrun variables)
-  int other_busy = 0;   // runnable tasks other than this one (/proc/loadavg, median of 5 samples)
+  int cpus = 1;          // CPUs this process may run on (sched_getaffinity)
+  int threads = 1;       // OMP_NUM_THREADS (first level), else one per CPU
+  int local_ranks = 1;   // processes of this job on this host (Open MPI / MPICH / torchrun variables)
+  int other_busy = 0;    // runnable tasks other than this one (/proc/loadavg, median of 5 samples)
   bool oversubscribed() const;
 };
 OmpLoad omp_load();
@@ -53,7 +53,7 @@ RuntimeSettings fast_runtime_settings();
 void ensure_fast_runtime(int argc, char** argv);
 
 // The note line printed for this process at start ("" for none; without the newline), which the
-// run log copies into OUTPUT/train.log (train/run_log.h): it is printed before the run directory
+// run log copies into OUTPUT/train.log (train/run_log.cpp): it is printed before the run directory
 // exists, by the process that re-executes itself, so the re-executed one finds it in the
 // environment (LATHE_RUNTIME_NOTE, read and removed by ensure_fast_runtime so that no child
 // process inherits it). The Python package sets the note its import printed.

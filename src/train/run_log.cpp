@@ -87,7 +87,7 @@ LogFile::~LogFile() {
   if (f_) std::fclose(f_);
 }
 
-void LogFile::open(const std::string& path, bool resumed, int64_t start_step, const std::string& printed_earlier) {
+void LogFile::open(const std::string& path, bool resumed, int64_t start_step) {
   f_ = std::fopen(path.c_str(), resumed ? "a" : "w");
   LATHE_CHECK(f_ != nullptr, "{}: cannot open the run log for writing (output.dir must be writable)", path);
   // The process and host: `lathe runs` tells a running run from a killed one by them.
@@ -99,7 +99,9 @@ void LogFile::open(const std::string& path, bool resumed, int64_t start_step, co
   std::vector<std::string> pending = std::move(pending_);
   pending_.clear();
   line(marker);
-  if (!printed_earlier.empty()) line(printed_earlier);
+  // The runtime note this process printed to stderr before any log existed (before the re-execution,
+  // core/blas_env.h): the first line said, so the first after the marker.
+  if (!runtime_note().empty()) line(runtime_note());
   for (const std::string& s : pending) line(s);
 }
 
@@ -126,7 +128,7 @@ void RunLog::say(const std::string& s) const {
 }
 
 void RunLog::open_log_file(bool resumed, int64_t start_step) {
-  if (rank0_) file_.open((fs::path(r_.output.dir) / "train.log").string(), resumed, start_step, runtime_note());
+  if (rank0_) file_.open((fs::path(r_.output.dir) / "train.log").string(), resumed, start_step);
 }
 
 void RunLog::fail(const std::exception& e) const {
@@ -172,8 +174,7 @@ void RunLog::startup(const StartupFacts& f) {
     log(parallel::describe_pipeline(*f.pipeline) +
         fmt::format("; {} of {} parameters on this rank", P, f.whole_params));
   if (r_.parallel.context > 1)
-    log(
-        fmt::format("context parallel: {} ranks per sequence ({} attention), {} of {} positions on each (chunks i "
+    log(fmt::format("context parallel: {} ranks per sequence ({} attention), {} of {} positions on each (chunks i "
                     "and 2N-1-i); replicated gradients reduced over data x context",
                     r_.parallel.context, r_.parallel.context_impl, f.T / r_.parallel.context, f.T));
   if (f.dp > 1)

@@ -45,9 +45,7 @@ class LogFile {
   ~LogFile();
   LogFile(const LogFile&) = delete;
   LogFile& operator=(const LogFile&) = delete;
-  // `printed_earlier`: lines this process printed before any log existed (the runtime note of
-  // core/blas_env.h), written after the marker and before the pending lines; "" for none.
-  void open(const std::string& path, bool resumed, int64_t start_step, const std::string& printed_earlier = "");
+  void open(const std::string& path, bool resumed, int64_t start_step);
   void line(const std::string& s);
   bool is_open() const { return f_ != nullptr; }
 
@@ -98,8 +96,7 @@ class RunLog {
   }
   PreflightLog preflight_log() const { return {log_fn(), say_fn()}; }
   // OUTPUT/train.log, once the run directory is this run's (after claim_run_dir); the lines said so
-  // far go in first, after the runtime note printed at start (core/blas_env.h runtime_note()). `start_step` > 0 with
-  // `resumed`: appended after a "==== resumed" marker.
+  // far go in first. `start_step` > 0 with `resumed`: appended after a "==== resumed" marker.
   void open_log_file(bool resumed, int64_t start_step);
   // The exception that ends the run, into train.log only (main() prints it to stderr): "error: ..."
   // or, for a stop request honoured before any result was written (core/stop.h), its message.
