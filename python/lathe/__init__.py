@@ -26,6 +26,8 @@ _runtime.apply_runtime_settings()
 
 from . import _lathe  # noqa: E402  (after the settings: the extension loads OpenBLAS and libgomp)
 
+_lathe._set_runtime_note(_runtime.note)  # into each run's train.log, as the binary's note
+
 __version__: str = _lathe.__version__
 Error = _lathe.Error
 Error.__module__ = "lathe"

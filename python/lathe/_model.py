@@ -25,8 +25,16 @@ class Model:
 
     @classmethod
     def from_pretrained(cls, path: Union[str, "os.PathLike[str]"], dtype: str = "fp32") -> "Model":
-        """Loads the model at ``path``; ``dtype`` "fp32" (the precision of lathe's inference paths)."""
-        return cls(_lathe.Model.from_pretrained(os.fspath(path), dtype))
+        """Loads the model at ``path`` to compute in ``dtype``: "fp32" (as ``lathe logits``, ``eval`` and
+        ``generate``), "bf16" or "fp16" (as a run with ``precision.compute`` bf16 / fp16 computes:
+        the fp32 weights rounded once to 16 bits, activations stored in 16 bits, fp32 accumulation;
+        the logits are float32 either way, within the 16-bit rounding of the fp32 ones)."""
+        return cls(_lathe.Model.from_pretrained(os.fspath(path), str(dtype)))
+
+    @property
+    def dtype(self) -> str:
+        """The compute dtype: "fp32", "bf16" or "fp16"."""
+        return self._native.dtype
 
     @staticmethod
     def _ids(ids: Any, what: str) -> np.ndarray:

@@ -19,9 +19,14 @@ import sys
 
 _PROBE = "import json, lathe._lathe as m; e, n = m._runtime_settings(); print(json.dumps([e, n]))"
 
+#: The note line printed here ("" for none): the engine copies it into each run's train.log, as the
+#: binary does with the note it printed before re-executing itself.
+note = ""
+
 
 def apply_runtime_settings() -> None:
     """Put the binary's OpenBLAS/OpenMP settings into os.environ (before the extension loads)."""
+    global note
     if os.environ.get("LATHE_RUNTIME_SET") or os.environ.get("LATHE_RUNTIME_PROBE"):
         return  # already applied, or this is the probe itself
     probe_env = dict(os.environ, LATHE_RUNTIME_PROBE="1")
@@ -29,7 +34,8 @@ def apply_runtime_settings() -> None:
         out = subprocess.run([sys.executable, "-c", _PROBE], env=probe_env, capture_output=True, text=True,
                              timeout=60, check=True).stdout
     except (OSError, subprocess.SubprocessError) as e:  # not fatal: the engine runs with the defaults
-        sys.stderr.write(f"lathe: note: could not determine the OpenBLAS/OpenMP settings ({e}); running as is\n")
+        note = f"lathe: note: could not determine the OpenBLAS/OpenMP settings ({e}); running as is\n"
+        sys.stderr.write(note)
         os.environ["LATHE_RUNTIME_SET"] = "1"
         return
     settings, note = json.loads(out.strip().splitlines()[-1])

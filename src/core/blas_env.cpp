@@ -110,13 +110,37 @@ RuntimeSettings fast_runtime_settings() {
   return out;
 }
 
+namespace {
+
+std::string& note_store() {
+  static std::string note;
+  return note;
+}
+
+}  // namespace
+
+const std::string& runtime_note() { return note_store(); }
+
+void set_runtime_note(std::string note) {
+  while (!note.empty() && note.back() == '\n') note.pop_back();
+  note_store() = std::move(note);
+}
+
 void ensure_fast_runtime(int argc, char** argv) {
   (void)argc;
+  if (const char* carried = std::getenv("LATHE_RUNTIME_NOTE")) {  // printed before the re-execution
+    set_runtime_note(carried);
+    unsetenv("LATHE_RUNTIME_NOTE");
+  }
   const RuntimeSettings s = fast_runtime_settings();
-  if (!s.note.empty()) std::fputs(s.note.c_str(), stderr);
+  if (!s.note.empty()) {
+    std::fputs(s.note.c_str(), stderr);
+    set_runtime_note(s.note);
+  }
   if (s.env.empty()) return;
   for (const auto& [name, value] : s.env) setenv(name.c_str(), value.c_str(), 1);
   setenv("LATHE_RUNTIME_SET", "1", 1);
+  if (!runtime_note().empty()) setenv("LATHE_RUNTIME_NOTE", runtime_note().c_str(), 1);
   execv("/proc/self/exe", argv);
   std::fprintf(stderr, "lathe: note: could not re-execute with the tuned OpenBLAS/OpenMP settings; running as is\n");
 }

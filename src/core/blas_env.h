@@ -52,6 +52,14 @@ RuntimeSettings fast_runtime_settings();
 // --version). Returns only if no re-exec was needed (or it failed).
 void ensure_fast_runtime(int argc, char** argv);
 
+// The note line printed for this process at start ("" for none; without the newline), which the
+// run log copies into OUTPUT/train.log (train/run_log.cpp): it is printed before the run directory
+// exists, by the process that re-executes itself, so the re-executed one finds it in the
+// environment (LATHE_RUNTIME_NOTE, read and removed by ensure_fast_runtime so that no child
+// process inherits it). The Python package sets the note its import printed.
+const std::string& runtime_note();
+void set_runtime_note(std::string note);
+
 // "SkylakeX", "Haswell", "Prescott", ... as OpenBLAS reports it.
 std::string blas_kernel_name();
 

@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 #include "eval/generate.h"
+#include "kernels/backend.h"
 #include "python/bindings.h"
 #include "train/model_source.h"
 
@@ -32,8 +33,9 @@ struct PyModel {
   void prepare(const int32_t* ids, int64_t B, int64_t T, const char* what, int64_t alloc_B) {
     const ModelConfig& c = model().config();
     LATHE_CHECK(B >= 1 && T >= 1, "Model.{}: ids has shape [{}, {}]; give at least one row of one token", what, B, T);
-    LATHE_CHECK(T <= c.max_position_embeddings, "Model.{}: {} tokens per row exceed the model's max_position_embeddings {}",
-                what, T, c.max_position_embeddings);
+    LATHE_CHECK(T <= c.max_position_embeddings,
+                "Model.{}: {} tokens per row exceed the model's max_position_embeddings {}", what, T,
+                c.max_position_embeddings);
     for (int64_t i = 0; i < B * T; ++i)
       LATHE_CHECK(ids[i] >= 0 && ids[i] < c.vocab_size, "Model.{}: token id {} at row {} position {} outside [0, {})",
                   what, ids[i], i / T, i % T, c.vocab_size);
@@ -42,13 +44,43 @@ struct PyModel {
   }
 };
 
+// dtype "bf16" / "fp16": the model of a run trained with precision.compute bf16 / fp16 (the same
+// op table: activations and weight copies rounded to 16 bits, fp32 accumulation, fp32 logits).
+DType compute_dtype_of(const std::string& dtype) {
+  if (dtype == "fp32" || dtype == "float32") return DType::F32;
+  if (dtype == "bf16" || dtype == "bfloat16") return DType::BF16;
+  if (dtype == "fp16" || dtype == "float16") return DType::F16;
+  throw_error("Model.from_pretrained: dtype '{}' is not one of fp32, bf16, fp16", dtype);
+}
+
+// The fp32 model `src` as a model computing in `dt`: the same config and fp32 masters (copied: the
+// tables of one config are laid out alike whatever the dtype), their 16-bit copies rounded from them.
+// No gradient buffers (inference only: Model.loss runs the forward pass alone).
+std::unique_ptr<Model> in_compute_dtype(std::unique_ptr<Model> src, DType dt) {
+  if (dt == DType::F32) return src;
+  ComputeSpec cs;
+  cs.dtype = dt;
+  cs.gradients = false;
+  auto m = build_model(src->config(), cs);
+  const auto& a = src->params().specs();
+  const auto& b = m->params().specs();
+  LATHE_CHECK(a.size() == b.size() && m->num_params() == src->num_params(),
+              "Model.from_pretrained: the {} model's parameter table differs from the fp32 one's",
+              compute_dtype_name(dt));
+  for (size_t i = 0; i < a.size(); ++i)
+    LATHE_CHECK(a[i].name == b[i].name && a[i].offset == b[i].offset,
+                "Model.from_pretrained: tensor {} of the {} model is laid out unlike the fp32 one's", a[i].name,
+                compute_dtype_name(dt));
+  std::copy(src->param_data(), src->param_data() + src->num_params(), m->param_data());
+  m->refresh_compute_weights();
+  return m;
+}
+
 std::unique_ptr<PyModel> from_pretrained(const std::string& path, const std::string& dtype) {
-  LATHE_CHECK(dtype == "fp32",
-              "Model.from_pretrained: dtype '{}' is not supported: lathe's inference paths (lathe logits, eval, "
-              "generate) run fp32; use dtype='fp32'",
-              dtype);
+  const DType dt = compute_dtype_of(dtype);
   auto m = std::make_unique<PyModel>();
   m->src = load_model_source(path, [](const std::string& log) { fmt::print(stderr, "{}", log); });
+  m->src.model = in_compute_dtype(std::move(m->src.model), dt);
   m->path = path;
   return m;
 }
@@ -85,8 +117,8 @@ double loss(PyModel& m, IdsIn ids) {
   return sum / static_cast<double>(B * (T - 1));
 }
 
-std::vector<int32_t> generate(PyModel& m, const std::vector<int32_t>& prompt, int64_t max_new_tokens,
-                              float temperature, int64_t top_k, float top_p, uint64_t seed) {
+std::vector<int32_t> generate(PyModel& m, const std::vector<int32_t>& prompt, int64_t max_new_tokens, float temperature,
+                              int64_t top_k, float top_p, uint64_t seed) {
   LATHE_CHECK(!prompt.empty(), "Model.generate: prompt_ids is empty; give at least one token");
   LATHE_CHECK(max_new_tokens >= 1 && max_new_tokens <= (int64_t{1} << 24),
               "Model.generate: max_new_tokens = {} must be in [1, 2^24]", max_new_tokens);
@@ -118,6 +150,7 @@ void bind_model(nb::module_& m) {
       .def_static("from_pretrained", &from_pretrained, nb::arg("path"), nb::arg("dtype"))
       .def("config_json", [](PyModel& p) { return p.model().config().to_hf_json().dump(); })
       .def_prop_ro("source", [](const PyModel& p) { return p.src.desc; })
+      .def_prop_ro("dtype", [](PyModel& p) { return compute_dtype_name(p.model().compute_dtype()); })
       .def_prop_ro("tokenizer", [](const PyModel& p) { return p.src.tokenizer; })
       .def_prop_ro("hf_dir", [](const PyModel& p) { return p.src.hf_dir; })
       .def("logits", &logits, nb::arg("ids"))

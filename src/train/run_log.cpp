@@ -99,6 +99,9 @@ void LogFile::open(const std::string& path, bool resumed, int64_t start_step) {
   std::vector<std::string> pending = std::move(pending_);
   pending_.clear();
   line(marker);
+  // The runtime note this process printed to stderr before any log existed (before the re-execution,
+  // core/blas_env.h): the first line said, so the first after the marker.
+  if (!runtime_note().empty()) line(runtime_note());
   for (const std::string& s : pending) line(s);
 }
 

@@ -14,7 +14,11 @@ package against the lathe binary of the same tree:
   * IndexedDataset items are read-only views of the .bin mmap (no own data, shared memory between
     two views of one item) with the shard's dtype and the file's tokens; .sizes
   * Model.from_pretrained (model directory and run directory): logits [2, T, V] equal `lathe logits`
-    bit for bit; loss equals the cross-entropy of those logits; greedy generate equals `lathe generate`
+    bit for bit; loss equals the cross-entropy of those logits; greedy generate equals `lathe generate`;
+    dtype bf16 / fp16: logits and loss within the bound of 16-bit rounding of the fp32 ones, fp16
+    closer than bf16
+  * the `lathe` command pip put in the venv's bin/: --version and `lathe logits` equal the tree's binary's
+  * train.log's line after the marker is the OpenMP note import printed, if it printed one
   * lathe.plan equals `lathe plan --json`'s layouts; lathe.check equals `lathe check`'s lines
   * a KeyboardInterrupt raised by on_step at step 5 leaves a checkpoint of step 5 and is raised;
     resume="auto" then finishes with the CLI's losses; SIGINT to the process (Ctrl-C) at step 2
@@ -147,6 +151,11 @@ def inner(tmp):
     check(res.steps == STEPS and res.output_dir == out_py and os.path.isdir(res.model_dir),
           f"RunResult: steps {res.steps}, output_dir, model_dir {res.model_dir}")
     check(res.final_val_loss == val_losses(out_cli)[-1], f"final_val_loss {res.final_val_loss} == the CLI's")
+    # The OpenMP note import printed (if the CPUs were oversubscribed) before any run directory existed.
+    log = open(os.path.join(out_py, "train.log")).read().splitlines()
+    note = lathe._runtime.note.rstrip("\n")
+    check(log[1] == note if note else not log[1].startswith("lathe: note: "),
+          f"train.log's line after the marker is the runtime note import printed ({note[:60]!r}: {log[1][:60]!r})")
     check(nested and "another lathe.train is running" in nested[0] and not os.path.exists(os.path.join(tmp, "nested")),
           f"a second lathe.train during a run raises lathe.Error and writes nothing ({nested[:1]})")
     check(len(set(ticks)) > 2, f"another Python thread ran while training ({len(set(ticks))} distinct steps seen)")
@@ -228,6 +237,48 @@ def inner(tmp):
                 "--temperature", "0"], "generate").stdout
     new = m.generate(tok.encode(prompt), 24)
     check(prompt + tok.decode(new) + "\n" == g, f"Model.generate (greedy) == lathe generate ({g!r})")
+
+    # --- Model in bf16 / fp16 against fp32 (tests/models/test_model_bf16.cpp's bound): each rounding
+    # to the dtype (unit roundoff u = 2^-8 bf16, 2^-11 fp16) adds a relative error <= u; the logits
+    # of an L-layer model pass ~12 rounded activations per layer, d = 12 L + 1, independent errors
+    # grow as sqrt(d) u: max|half - fp32| / max|fp32| <= K u with K = ceil(2 sqrt(d)). fp16 must be
+    # closer than bf16 (the error comes from the storage precision, not from a wrong formula).
+    L = m.config["n_layer"]
+    K = int(np.ceil(2 * np.sqrt(12 * L + 1)))
+    lg32 = m.logits(ids)
+    err = {}
+    for dtype, u in (("bf16", 2.0 ** -8), ("fp16", 2.0 ** -11)):
+        mh = lathe.Model.from_pretrained(res.model_dir, dtype=dtype)
+        lh = mh.logits(ids)
+        err[dtype] = float(np.abs(lh.astype(np.float64) - lg32).max() / np.abs(lg32).max())
+        check(mh.dtype == dtype and lh.dtype == np.float32 and lh.shape == lg32.shape,
+              f"Model.from_pretrained(dtype={dtype!r}): {mh.dtype}, float32 logits {lh.shape}")
+        check(0 < err[dtype] <= K * u, f"{dtype} logits within K u = {K} x {u:.2e} of fp32's: {err[dtype]:.2e}")
+        lo32, loh = m.loss(ids), mh.loss(ids)
+        check(abs(loh - lo32) <= K * u * abs(lo32), f"{dtype} loss {loh:.6f} within K u of fp32's {lo32:.6f}")
+        first = int(np.argmax(mh.logits(np.array([tok.encode(prompt)]))[0, -1]))
+        new_h = mh.generate(tok.encode(prompt), 8)
+        check(len(new_h) == 8 and new_h[0] == first,
+              f"{dtype} greedy generate (KV cache) starts with the argmax of its own logits ({new_h[:3]})")
+    check(err["fp16"] < err["bf16"], f"fp16 closer to fp32 than bf16 ({err['fp16']:.2e} < {err['bf16']:.2e})")
+    try:
+        lathe.Model.from_pretrained(res.model_dir, dtype="int8")
+        check(False, "dtype='int8' raises lathe.Error")
+    except lathe.Error as e:
+        check("'int8'" in str(e) and "bf16" in str(e), f"dtype='int8' raises lathe.Error naming it ({e})")
+
+    # --- the lathe command pip installed into the venv's bin/: the binary of this tree
+    venv_lathe = os.path.join(sys.prefix, "bin", "lathe")
+    check(os.access(venv_lathe, os.X_OK), f"pip installed the lathe command ({venv_lathe})")
+    if os.access(venv_lathe, os.X_OK):
+        v = subprocess.run([venv_lathe, "--version"], capture_output=True, text=True, timeout=60).stdout.split()
+        check(v == ver, f"venv lathe --version == the tree's ({' '.join(v)})")
+        lf2 = os.path.join(tmp, "logits_venv.f32")
+        p = subprocess.run([venv_lathe, "logits", "--model", res.model_dir, "--out", lf2] +
+                           sum((["--tokens", ",".join(map(str, row))] for row in ids), []),
+                           capture_output=True, text=True, timeout=600)
+        check(p.returncode == 0 and open(lf2, "rb").read() == open(lf, "rb").read(),
+              "the venv's lathe logits == the tree's binary's, byte for byte")
 
     # --- plan / check
     pj = json.loads(cli_ok(["plan", recipe, "--world", "4", "--peak-gflops", "100", "--link-gbps", "10",

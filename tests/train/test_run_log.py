@@ -6,6 +6,10 @@
     the first session's lines kept, the second session's lines (resume decision, steps 4..6) after it
   * --quiet keeps the step lines off stdout but not out of train.log
   * an error that ends the run after the run directory is claimed is in train.log ("error: ...")
+  * the runtime note (core/blas_env.h: oversubscribed CPUs, printed to stderr by the process that
+    re-executes itself, before the run directory exists) is train.log's line after the marker
+The runs set OMP_WAIT_POLICY (the note is printed only when lathe chooses the wait policy), except
+the one that forces the note with more OpenMP threads than CPUs (training.threads 1 trains on one).
 """
 import json
 import os
@@ -22,8 +26,12 @@ from train_helpers import ENV, LATHE, check, finish, patterned_data, write_recip
 STEP = re.compile(r"^step +\d+/\d+ \| loss ")
 
 
-def lathe(args, ok=True):
-    p = subprocess.run([LATHE] + args, capture_output=True, text=True, env=ENV, timeout=600)
+# A wait policy of the user's: no runtime note, whatever the load of the machine.
+QUIET_ENV = dict(ENV, OMP_WAIT_POLICY="PASSIVE")
+
+
+def lathe(args, ok=True, env=QUIET_ENV):
+    p = subprocess.run([LATHE] + args, capture_output=True, text=True, env=env, timeout=600)
     if ok and p.returncode != 0:
         print(p.stdout, p.stderr)
     return p
@@ -48,6 +56,19 @@ def main():
     check(len(step_lines(p.stdout)) == 6, "6 step lines on stdout")
     check(any("validation" in l for l in log), "validation lines in train.log")
     check(any(l.startswith("peak resident memory") for l in log), "the final summary in train.log")
+
+    # More OpenMP threads than CPUs, the wait policy left to lathe: the note goes to stderr before
+    # lathe re-executes itself, and from there into train.log right after the marker.
+    out = os.path.join(tmp, "noted")
+    env = {k: v for k, v in ENV.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "LATHE_RUNTIME_SET",
+                                                     "LATHE_RUNTIME_NOTE")}
+    env["OMP_NUM_THREADS"] = str((os.cpu_count() or 1) + 1)
+    p = lathe(["train", write_recipe(out, data, dict(training, threads=1))], env=env)
+    notes = [l for l in p.stderr.splitlines() if l.startswith("lathe: note: ") and "OpenMP threads" in l]
+    log = open(os.path.join(out, "train.log")).read().splitlines()
+    check(p.returncode == 0 and len(notes) == 1, f"oversubscribed: one runtime note on stderr ({len(notes)})")
+    check(log[1:2] == notes and log[2:] == p.stdout.splitlines(),
+          f"the runtime note is train.log's line after the marker, then stdout's lines: {log[1:2]!r}")
 
     out = os.path.join(tmp, "resumed")
     recipe = write_recipe(out, data, training)
@@ -74,7 +95,7 @@ def main():
     out = os.path.join(tmp, "broken")
     recipe = write_recipe(out, data, dict(training, max_skipped_steps=2))
     p = subprocess.run([LATHE, "train", recipe], capture_output=True, text=True, timeout=600,
-                       env=dict(ENV, LATHE_TEST_NONFINITE_STEPS="1,2"))
+                       env=dict(QUIET_ENV, LATHE_TEST_NONFINITE_STEPS="1,2"))
     err = [l for l in p.stderr.splitlines() if ": error: " in l]
     check(p.returncode == 1 and bool(err), "non-finite steps end the run with an error")
     last = open(os.path.join(out, "train.log")).read().splitlines()[-1]
