@@ -187,8 +187,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   // One group: the send and the receive progress together (a ring cannot deadlock).
-  void do_sendrecv(const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes, int src,
-                   int) override {
+  void do_sendrecv(const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes, int src, int) override {
     run("sendrecv", [&] {
       check(ncclGroupStart(), "ncclGroupStart");
       if (send_bytes) check(ncclSend(send, send_bytes, ncclUint8, dst, comm_, stream_), "ncclSend");
@@ -262,6 +261,11 @@ class NcclCommunicator final : public Communicator {
 
   void do_host_all_gather(const void* send, void* recv, const std::vector<size_t>& bytes) override {
     host_->all_gather(send, recv, bytes, DType::U8);  // split's colors and keys live on the host
+  }
+
+  void do_host_all_to_all(const void* send, const std::vector<size_t>& send_bytes, void* recv,
+                          const std::vector<size_t>& recv_bytes) override {
+    host_->all_to_all(send, send_bytes, recv, recv_bytes, DType::U8);  // exchange_counts' counts are host values
   }
 
  private:

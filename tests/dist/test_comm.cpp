@@ -8,12 +8,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <thread>
-
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "core/error.h"
 #include "core/trace.h"
@@ -49,6 +48,9 @@ TEST_P(CommThreads, SendRecvRingOfLargeMessages) {
 TEST_P(CommThreads, SplitIntoSubGroups) {
   run_threads(GetParam(), [](Communicator& c) { testing_checks::split(c); });
 }
+TEST_P(CommThreads, AllToAllvWithPerPeerCountsAndAnEmptyReceiver) {
+  run_threads(GetParam(), [](Communicator& c) { testing_checks::all_to_allv(c); });
+}
 TEST_P(CommThreads, AsyncOperationsCompleteInIssueOrder) {
   run_threads(GetParam(), [](Communicator& c) { testing_checks::async_order(c); });
 }
@@ -63,6 +65,7 @@ TEST(CommThreads, LocalCommunicatorIsTheOneRankCase) {
   testing_checks::all_gather(*c);
   testing_checks::split(*c);
   testing_checks::async_order(*c);
+  testing_checks::all_to_allv(*c);
 }
 
 TEST(CommThreads, AnErrorOnOneRankEndsEveryRankWithThatError) {
