@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
-#include <cstdint>
 #include <cstdio>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -332,53 +332,46 @@ void Communicator::reduce_scatter_now(const void* send, void* recv, const std::v
 }
 
 WorkPtr Communicator::all_reduce_async(void* buf, size_t count, DType dtype, ReduceOp op) {
-  return issue(
-      "all_reduce",
-      [=, this] {
-        if (size_ == 1) return;
-        if (do_all_reduce(buf, count, dtype, op)) return;
-        const auto counts = even_counts(count, size_);
-        size_t offset = 0;
-        for (int r = 0; r < rank_; ++r) offset += counts[static_cast<size_t>(r)];
-        const size_t es = dtype_size(dtype);
-        // Reduce this rank's segment in place, then gather every segment in place.
-        char* mine = static_cast<char*>(buf) + offset * es;
-        reduce_scatter_now(buf, mine, counts, dtype, op);
-        std::vector<size_t> bytes(counts.size());
-        for (size_t j = 0; j < counts.size(); ++j) bytes[j] = counts[j] * es;
-        do_all_gather(mine, buf, bytes);
-      },
-      static_cast<int64_t>(count * dtype_size(dtype)));
+  return issue("all_reduce", [=, this] {
+    if (size_ == 1) return;
+    if (do_all_reduce(buf, count, dtype, op)) return;
+    const auto counts = even_counts(count, size_);
+    size_t offset = 0;
+    for (int r = 0; r < rank_; ++r) offset += counts[static_cast<size_t>(r)];
+    const size_t es = dtype_size(dtype);
+    // Reduce this rank's segment in place, then gather every segment in place.
+    char* mine = static_cast<char*>(buf) + offset * es;
+    reduce_scatter_now(buf, mine, counts, dtype, op);
+    std::vector<size_t> bytes(counts.size());
+    for (size_t j = 0; j < counts.size(); ++j) bytes[j] = counts[j] * es;
+    do_all_gather(mine, buf, bytes);
+  }, static_cast<int64_t>(count * dtype_size(dtype)));
 }
 
 WorkPtr Communicator::reduce_scatter_async(const void* send, void* recv, const std::vector<size_t>& counts, DType dtype,
                                            ReduceOp op) {
   size_t total = 0;
   for (size_t c : counts) total += c;
-  return issue(
-      "reduce_scatter", [=, this] { reduce_scatter_now(send, recv, counts, dtype, op); },
-      static_cast<int64_t>(total * dtype_size(dtype)));
+  return issue("reduce_scatter", [=, this] { reduce_scatter_now(send, recv, counts, dtype, op); },
+               static_cast<int64_t>(total * dtype_size(dtype)));
 }
 
 WorkPtr Communicator::all_gather_async(const void* send, void* recv, const std::vector<size_t>& counts, DType dtype) {
   LATHE_CHECK(counts.size() == static_cast<size_t>(size_), "{}: all_gather got {} counts for {} ranks", describe(),
               counts.size(), size_);
-  return issue(
-      "all_gather",
-      [=, this] {
-        const size_t es = dtype_size(dtype);
-        std::vector<size_t> bytes(counts.size());
-        for (size_t j = 0; j < counts.size(); ++j) bytes[j] = counts[j] * es;
-        // send may alias this rank's own segment of recv (implementations then skip that copy: MPI
-        // with MPI_IN_PLACE), so no private copy of a possibly large shard is made.
-        const char* own = static_cast<const char*>(send);
-        do_all_gather(own, recv, bytes);
-      },
-      static_cast<int64_t>([&] {
-        size_t t = 0;
-        for (size_t c : counts) t += c;
-        return t * dtype_size(dtype);
-      }()));
+  return issue("all_gather", [=, this] {
+    const size_t es = dtype_size(dtype);
+    std::vector<size_t> bytes(counts.size());
+    for (size_t j = 0; j < counts.size(); ++j) bytes[j] = counts[j] * es;
+    // send may alias this rank's own segment of recv (implementations then skip that copy: MPI
+    // with MPI_IN_PLACE), so no private copy of a possibly large shard is made.
+    const char* own = static_cast<const char*>(send);
+    do_all_gather(own, recv, bytes);
+  }, static_cast<int64_t>([&] {
+    size_t t = 0;
+    for (size_t c : counts) t += c;
+    return t * dtype_size(dtype);
+  }()));
 }
 
 WorkPtr Communicator::all_to_all_async(const void* send, const std::vector<size_t>& send_counts, void* recv,
@@ -423,26 +416,21 @@ std::vector<size_t> Communicator::exchange_counts(const std::vector<size_t>& sen
 
 WorkPtr Communicator::broadcast_async(void* buf, size_t bytes, int root) {
   LATHE_CHECK(root >= 0 && root < size_, "{}: broadcast root {} is not a rank", describe(), root);
-  return issue(
-      "broadcast",
-      [=, this] {
-        if (size_ > 1) do_broadcast(buf, bytes, root);
-      },
-      static_cast<int64_t>(bytes));
+  return issue("broadcast", [=, this] {
+    if (size_ > 1) do_broadcast(buf, bytes, root);
+  }, static_cast<int64_t>(bytes));
 }
 
 WorkPtr Communicator::send_async(const void* buf, size_t bytes, int dst, int tag) {
   LATHE_CHECK(dst >= 0 && dst < size_ && dst != rank_, "{}: send to rank {} (not another rank of the group)",
               describe(), dst);
-  return issue(
-      "send", [=, this] { do_send(buf, bytes, dst, tag); }, static_cast<int64_t>(bytes));
+  return issue("send", [=, this] { do_send(buf, bytes, dst, tag); }, static_cast<int64_t>(bytes));
 }
 
 WorkPtr Communicator::recv_async(void* buf, size_t bytes, int src, int tag) {
   LATHE_CHECK(src >= 0 && src < size_ && src != rank_, "{}: recv from rank {} (not another rank of the group)",
               describe(), src);
-  return issue(
-      "recv", [=, this] { do_recv(buf, bytes, src, tag); }, static_cast<int64_t>(bytes));
+  return issue("recv", [=, this] { do_recv(buf, bytes, src, tag); }, static_cast<int64_t>(bytes));
 }
 
 void Communicator::all_reduce(void* buf, size_t count, DType dtype, ReduceOp op) {
@@ -462,9 +450,8 @@ WorkPtr Communicator::sendrecv_async(const void* send, size_t send_bytes, int ds
                                      int src, int tag) {
   LATHE_CHECK(dst >= 0 && dst < size_ && dst != rank_ && src >= 0 && src < size_ && src != rank_,
               "{}: sendrecv to rank {} from rank {} (both must be other ranks of the group)", describe(), dst, src);
-  return issue(
-      "sendrecv", [=, this] { do_sendrecv(send, send_bytes, dst, recv, recv_bytes, src, tag); },
-      static_cast<int64_t>(send_bytes + recv_bytes));
+  return issue("sendrecv", [=, this] { do_sendrecv(send, send_bytes, dst, recv, recv_bytes, src, tag); },
+               static_cast<int64_t>(send_bytes + recv_bytes));
 }
 void Communicator::sendrecv(const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes, int src,
                             int tag) {

@@ -144,7 +144,8 @@ class Communicator {
   // large message may wait for its receiver). dst and src may be equal; neither may be this rank.
   // send and recv must not overlap. Matched by tag as send / recv.
   void sendrecv(const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes, int src, int tag);
-  WorkPtr sendrecv_async(const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes, int src, int tag);
+  WorkPtr sendrecv_async(const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes, int src,
+                         int tag);
   void barrier();
 
   // Training step shown by the watchdog when an operation of this group times out.

@@ -187,7 +187,8 @@ class NcclCommunicator final : public Communicator {
   }
 
   // One group: the send and the receive progress together (a ring cannot deadlock).
-  void do_sendrecv(const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes, int src, int) override {
+  void do_sendrecv(const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes, int src,
+                   int) override {
     run("sendrecv", [&] {
       check(ncclGroupStart(), "ncclGroupStart");
       if (send_bytes) check(ncclSend(send, send_bytes, ncclUint8, dst, comm_, stream_), "ncclSend");

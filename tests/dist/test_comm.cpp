@@ -8,11 +8,12 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <thread>
+
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <thread>
 
 #include "core/error.h"
 #include "core/trace.h"
