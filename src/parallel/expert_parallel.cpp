@@ -174,4 +174,7 @@ ExpertAttachment attach_expert_parallel(Model& m, dist::Communicator& data, int 
   return out;
 }
 
+LocalExperts::LocalExperts(Model& m) : m_(m), saved_(std::move(m.hooks().ep)) { m.hooks().ep = {}; }
+LocalExperts::~LocalExperts() { m_.hooks().ep = std::move(saved_); }
+
 }  // namespace lathe::parallel

@@ -33,9 +33,7 @@
 #include "dist/comm.h"
 #include "kernels/cpu/ops.h"
 
-namespace lathe {
-class Model;
-}
+#include "models/model.h"
 
 namespace lathe::parallel {
 
@@ -82,5 +80,20 @@ struct ExpertAttachment {
   std::unique_ptr<ExpertParallel> ep;
 };
 ExpertAttachment attach_expert_parallel(Model& m, dist::Communicator& data, int expert);
+
+// While it lives, the model runs every expert itself (its ExpertHooks cleared, restored at the end):
+// the weights are whole on every rank, so forward-only passes that the ranks do not run in step
+// (validation over uneven sample shares, task scoring, rank 0's sample) need no collective.
+class LocalExperts {
+ public:
+  explicit LocalExperts(Model& m);
+  ~LocalExperts();
+  LocalExperts(const LocalExperts&) = delete;
+  LocalExperts& operator=(const LocalExperts&) = delete;
+
+ private:
+  Model& m_;
+  ExpertHooks saved_;
+};
 
 }  // namespace lathe::parallel
