@@ -489,10 +489,10 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   // before anything is allocated.
   const int64_t data = std::max<int64_t>(1, r.parallel.data);
   // Before the per-rank figure (whose tensor shard of a MoE model would fail less clearly).
-  check_moe_layout(r, pf.ckpt.empty() && !r.init_from.empty() ? init_from_config(r.model, r.init_from, r.source) : r.model,
-                   log);
-  check_expert_layout(r, pf.ckpt.empty() && !r.init_from.empty() ? init_from_config(r.model, r.init_from, r.source) : r.model,
-                      data);
+  const ModelConfig moe_cfg =
+      pf.ckpt.empty() && !r.init_from.empty() ? init_from_config(r.model, r.init_from, r.source) : r.model;
+  check_moe_layout(r, moe_cfg, log);
+  check_expert_layout(r, moe_cfg, data);
   const Recompute rc = parse_recompute(r.recompute, r.source + ": recompute");
   check_rank_memory(r, B, T, data, rc, spec.dtype, sharded, log);
   pf.shard_weights = r.parallel.zero == 3 && data > 1 && r.init_from.empty() && !check_only && !sharded;
