@@ -327,8 +327,7 @@ static void check_expert_layout(const Recipe& r, const ModelConfig& m, int64_t d
   auto refuse = [&](const std::string& why, const std::string& fix) {
     throw_error("{}: parallel.expert = {}: {}; {}", r.source, ep, why, fix);
   };
-  if (!m.moe())
-    refuse(fmt::format("the model ({}) has no experts", m.model_type), "set parallel.expert: 1");
+  if (!m.moe()) refuse(fmt::format("the model ({}) has no experts", m.model_type), "set parallel.expert: 1");
   if (m.num_local_experts % ep != 0)
     refuse(fmt::format("does not divide the model's {} experts (num_local_experts)", m.num_local_experts),
            fmt::format("choose a divisor of {}", m.num_local_experts));
