@@ -195,6 +195,9 @@ struct Recipe {
     // pipeline. context_impl: how attention reaches the other ranks' keys (ring | allgather).
     int64_t context = 1;
     std::string context_impl = "ring";
+    // Expert parallelism (parallel/expert_parallel.h, issue 28): each MoE layer's experts spread over
+    // groups of `expert` consecutive data ranks (1 = every rank runs every expert).
+    int64_t expert = 1;
   } parallel;
   struct Output {
     std::string dir = "runs/default";

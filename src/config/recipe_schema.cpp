@@ -366,6 +366,10 @@ std::vector<Field> output_and_parallel() {
               .choice({"ring", "allgather"})
               .only_if("parallel.context")
               .since_later()),
+      row(key<&R::parallel, &Pa::expert>("parallel.expert")
+              .in(1, kMaxRanks, " (1 = no expert parallelism)")
+              .only_if("parallel.expert")
+              .since_later()),
   };
 }
 

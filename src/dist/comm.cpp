@@ -374,6 +374,46 @@ WorkPtr Communicator::all_gather_async(const void* send, void* recv, const std::
   }()));
 }
 
+WorkPtr Communicator::all_to_all_async(const void* send, const std::vector<size_t>& send_counts, void* recv,
+                                       const std::vector<size_t>& recv_counts, DType dtype) {
+  LATHE_CHECK(send_counts.size() == static_cast<size_t>(size_) && recv_counts.size() == static_cast<size_t>(size_),
+              "{}: all_to_all got {} send counts and {} receive counts for {} ranks", describe(), send_counts.size(),
+              recv_counts.size(), size_);
+  const size_t es = dtype_size(dtype);
+  std::vector<size_t> sb(send_counts.size()), rb(recv_counts.size());
+  size_t moved = 0;
+  for (size_t j = 0; j < sb.size(); ++j) {
+    sb[j] = send_counts[j] * es;
+    rb[j] = recv_counts[j] * es;
+    moved += sb[j] + rb[j];
+  }
+  if (size_ == 1)
+    LATHE_CHECK(sb[0] == rb[0], "{}: all_to_all sends {} elements to itself but expects {}", describe(), send_counts[0],
+                recv_counts[0]);
+  return issue(
+      "all_to_all", [=, this] { do_all_to_all(send, sb, recv, rb); }, static_cast<int64_t>(moved));
+}
+
+void Communicator::all_to_all(const void* send, const std::vector<size_t>& send_counts, void* recv,
+                              const std::vector<size_t>& recv_counts, DType dtype) {
+  all_to_all_async(send, send_counts, recv, recv_counts, dtype)->wait();
+}
+
+std::vector<size_t> Communicator::exchange_counts(const std::vector<size_t>& send_counts) {
+  LATHE_CHECK(send_counts.size() == static_cast<size_t>(size_), "{}: exchange_counts got {} counts for {} ranks",
+              describe(), send_counts.size(), size_);
+  std::vector<uint64_t> mine(send_counts.begin(), send_counts.end()), theirs(send_counts.size());
+  issue("exchange_counts", [&, this] {
+    if (size_ == 1) {
+      theirs = mine;
+      return;
+    }
+    const std::vector<size_t> bytes(mine.size(), sizeof(uint64_t));
+    do_host_all_to_all(mine.data(), bytes, theirs.data(), bytes);
+  })->wait();
+  return std::vector<size_t>(theirs.begin(), theirs.end());
+}
+
 WorkPtr Communicator::broadcast_async(void* buf, size_t bytes, int root) {
   LATHE_CHECK(root >= 0 && root < size_, "{}: broadcast root {} is not a rank", describe(), root);
   return issue("broadcast", [=, this] {

@@ -116,6 +116,20 @@ class Communicator {
   // of recv.
   void all_gather(const void* send, void* recv, const std::vector<size_t>& counts, DType dtype);
   WorkPtr all_gather_async(const void* send, void* recv, const std::vector<size_t>& counts, DType dtype);
+  // All-to-all with per-peer counts (MPI_Alltoallv): send holds send_counts[j] elements for rank j,
+  // blocks back to back in rank order; recv receives recv_counts[i] elements from rank i, back to
+  // back in rank order (sum(recv_counts) elements). recv_counts[i] must equal what rank i sends
+  // here: learn it first with exchange_counts. Zero counts are allowed in either direction. send and
+  // recv must not overlap. Pure data movement: no arithmetic, so the result is exact on every
+  // implementation. NCCL: device buffers, one grouped send/recv launch.
+  void all_to_all(const void* send, const std::vector<size_t>& send_counts, void* recv,
+                  const std::vector<size_t>& recv_counts, DType dtype);
+  WorkPtr all_to_all_async(const void* send, const std::vector<size_t>& send_counts, void* recv,
+                           const std::vector<size_t>& recv_counts, DType dtype);
+  // The counts step of an all_to_allv: rank j learns send_counts[j] of every rank. Returns recv_counts
+  // (element i: what rank i will send to this rank). Host values on every implementation (NCCL
+  // exchanges them over its host communicator). Collective.
+  std::vector<size_t> exchange_counts(const std::vector<size_t>& send_counts);
   void broadcast(void* buf, size_t bytes, int root);
   WorkPtr broadcast_async(void* buf, size_t bytes, int root);
   // Point to point: a message is matched by (peer, tag); messages between a pair with the same
@@ -182,6 +196,11 @@ class Communicator {
   // do_all_gather takes device buffers (NCCL) route this over their host communicator.
   virtual void do_host_all_gather(const void* send, void* recv, const std::vector<size_t>& bytes) {
     do_all_gather(send, recv, bytes);
+  }
+  // All-to-all of small HOST buffers (exchange_counts), routed as do_host_all_gather.
+  virtual void do_host_all_to_all(const void* send, const std::vector<size_t>& send_bytes, void* recv,
+                                  const std::vector<size_t>& recv_bytes) {
+    do_all_to_all(send, send_bytes, recv, recv_bytes);
   }
 
   const std::shared_ptr<Watchdog>& watchdog() const { return watchdog_; }

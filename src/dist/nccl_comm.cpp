@@ -264,6 +264,11 @@ class NcclCommunicator final : public Communicator {
     host_->all_gather(send, recv, bytes, DType::U8);  // split's colors and keys live on the host
   }
 
+  void do_host_all_to_all(const void* send, const std::vector<size_t>& send_bytes, void* recv,
+                          const std::vector<size_t>& recv_bytes) override {
+    host_->all_to_all(send, send_bytes, recv, recv_bytes, DType::U8);  // exchange_counts' counts are host values
+  }
+
  private:
   void bind() { check_cuda(cudaSetDevice(device_), "cudaSetDevice", describe()); }
 

@@ -157,6 +157,20 @@ struct ContextHooks {
   bool active() const { return static_cast<bool>(attention_forward); }
 };
 
+// Expert parallelism (parallel/expert_parallel.h, issue 28): the MoE block of layer `layer` with its
+// experts spread over an expert group, in place of cpu::moe_forward / moe_backward (same arguments
+// and contracts; the rows of each token's k choices travel to the rank owning the expert).
+struct ExpertHooks {
+  std::function<void(float* out, const cpu::MoeActs& a, const float* x, const float* wr, const float* w1,
+                     const float* w3, const float* w2, const cpu::MoeShape& s, int64_t layer)>
+      forward;
+  std::function<void(float* dx, float* dwr, float* dw1, float* dw3, float* dw2, const float* dout,
+                     const float* dlogits_add, const cpu::MoeActs& a, const float* x, const float* wr, const float* w1,
+                     const float* w3, const float* w2, const cpu::MoeShape& s, float* scratch, int64_t layer)>
+      backward;
+  bool active() const { return static_cast<bool>(forward); }
+};
+
 // Called by the model at fixed points of a pass (all optional). Parallelism, recompute and
 // pipeline schedules attach here from outside; the model itself knows nothing of them.
 struct StepHooks {
@@ -171,6 +185,8 @@ struct StepHooks {
   TpMappings tp;
   // Context parallelism: unset, attention runs over the pass's own rows.
   ContextHooks cp;
+  // Expert parallelism: unset, every expert runs here.
+  ExpertHooks ep;
 };
 
 // The initial values of one tensor of the table (what Model::init_weights writes at s.offset):

@@ -149,8 +149,12 @@ void Model::moe_layer_forward(int64_t l, int64_t N) {
   const LayerPtrs& w = p_.layers[static_cast<size_t>(l)];
   LayerActs& a = la_[static_cast<size_t>(l)];
   const cpu::MoeShape s = moe_shape(cfg_, arch_, N);
-  cpu::moe_forward(static_cast<float*>(a.res2), a.moe, static_cast<const float*>(a.ln2), w.router_w, w.exp_w1,
-                   w.exp_w3, w.exp_w2, s);
+  if (hooks_.ep.active())  // experts spread over the expert group (parallel/expert_parallel.h)
+    hooks_.ep.forward(static_cast<float*>(a.res2), a.moe, static_cast<const float*>(a.ln2), w.router_w, w.exp_w1,
+                      w.exp_w3, w.exp_w2, s, l);
+  else
+    cpu::moe_forward(static_cast<float*>(a.res2), a.moe, static_cast<const float*>(a.ln2), w.router_w, w.exp_w1,
+                     w.exp_w3, w.exp_w2, s);
   ops_->residual_forward(a.res2, a.res2, a.res1, N * cfg_.hidden_size);
   cpu::moe_load_stats(moe_psum_.data(), moe_counts_.data(), a.moe.probs, a.moe.topk_idx, N, s.E, s.k);
   moe_rows_ += N;
@@ -187,9 +191,14 @@ void Model::moe_layer_backward(int64_t l, int64_t N) {
     if (z_w != 0.0f) (void)cpu::moe_z_loss(moe_dlogits_, a.moe.logits, N, s.E, z_w / static_cast<float>(moe_rows_));
     dadd = moe_dlogits_;
   }
-  cpu::moe_backward(static_cast<float*>(dln_), gw.router_w, gw.exp_w1, gw.exp_w3, gw.exp_w2,
-                    static_cast<const float*>(dres_), dadd, a.moe, static_cast<const float*>(a.ln2), w.router_w,
-                    w.exp_w1, w.exp_w3, w.exp_w2, s, moe_scratch_);
+  if (hooks_.ep.active())
+    hooks_.ep.backward(static_cast<float*>(dln_), gw.router_w, gw.exp_w1, gw.exp_w3, gw.exp_w2,
+                       static_cast<const float*>(dres_), dadd, a.moe, static_cast<const float*>(a.ln2), w.router_w,
+                       w.exp_w1, w.exp_w3, w.exp_w2, s, moe_scratch_, l);
+  else
+    cpu::moe_backward(static_cast<float*>(dln_), gw.router_w, gw.exp_w1, gw.exp_w3, gw.exp_w2,
+                      static_cast<const float*>(dres_), dadd, a.moe, static_cast<const float*>(a.ln2), w.router_w,
+                      w.exp_w1, w.exp_w3, w.exp_w2, s, moe_scratch_);
 }
 
 }  // namespace lathe

@@ -86,6 +86,10 @@ std::unique_ptr<RankModel> parallelize(std::unique_ptr<Model> whole, Topology& t
   // 6. The shards hold the weights now; a resume rebuilds the whole model to read the moments.
   m.release_whole();
   m.model_->refresh_compute_weights();  // the weights are final (init, init_from or checkpoint)
+  // 7. Expert parallelism (data parallelism alone; preflight refuses the rest): the MoE blocks'
+  // experts over groups of parallel.expert consecutive data ranks.
+  if (cfg.parallel.expert > 1)
+    m.ep_ = attach_expert_parallel(*m.model_, topo.data(), static_cast<int>(cfg.parallel.expert));
   return rm;
 }
 

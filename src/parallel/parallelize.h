@@ -21,6 +21,7 @@
 #include "config/recipe.h"
 #include "dist/comm.h"
 #include "models/model.h"
+#include "parallel/expert_parallel.h"
 #include "parallel/model_parallel.h"
 #include "parallel/pipeline_executor.h"
 #include "parallel/pipeline_stage.h"
@@ -127,6 +128,7 @@ class RankModel {
 
   std::unique_ptr<Model> model_, whole_;
   std::unique_ptr<dist::Communicator> tp_device_;  // cfg.attach_tp's group (the device's NCCL group)
+  ExpertAttachment ep_;                            // parallel.expert > 1: the expert group and its hooks
   PipelineLayout stage_;
   std::unique_ptr<PipelineExecutor> pipe_;
   std::unique_ptr<RankShare> share_;

@@ -7,6 +7,7 @@
 #include "core/timer.h"
 #include "core/trace.h"
 #include "parallel/context_parallel.h"
+#include "parallel/expert_parallel.h"
 #include "train/trainer.h"
 
 namespace lathe {
@@ -101,6 +102,7 @@ static std::pair<double, int64_t> evaluate_context(Model& model, const data::Ind
 
 std::pair<double, int64_t> Evaluator::evaluate(const std::vector<int64_t>& set) {
   const int dp = topo_.lay.dp;
+  const parallel::LocalExperts local(rm_.model());  // expert parallelism: ranks' shares differ in size
   std::vector<int64_t> mine;
   // Data ranks split the samples; the context ranks of one data rank take the same ones.
   for (size_t i = static_cast<size_t>(topo_.lay.samples_dp_rank()); i < set.size();
@@ -150,6 +152,7 @@ void Evaluator::score_tasks(int64_t at) {
   const double t0 = now_seconds();
   const int dp = topo_.lay.dp;
   Model& model = topo_.lay.cp > 1 ? context_scorer() : rm_.model();
+  const parallel::LocalExperts local(model);  // expert parallelism: no collective while scoring
   // Pipeline: the stages run each ending's forward together; the last one has the logits and
   // scores, its counts reach the other stages by an all-reduce (theirs are zero).
   parallel::PipelineExecutor* pipe = rm_.pipe();

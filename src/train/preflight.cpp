@@ -319,6 +319,39 @@ static void check_moe_layout(const Recipe& r, const ModelConfig& m, const Prefli
                      m.output_router_logits ? "" : " (output_router_logits false: the aux loss is reported only)"));
 }
 
+// Expert parallelism (parallel.expert; parallel/expert_parallel.h): groups of `expert` data ranks
+// share each MoE layer's experts. Runs with data parallelism alone and ZeRO 0/1 so far.
+static void check_expert_layout(const Recipe& r, const ModelConfig& m, int64_t data) {
+  const int64_t ep = r.parallel.expert;
+  if (ep <= 1) return;
+  auto refuse = [&](const std::string& why, const std::string& fix) {
+    throw_error("{}: parallel.expert = {}: {}; {}", r.source, ep, why, fix);
+  };
+  if (!m.moe()) refuse(fmt::format("the model ({}) has no experts", m.model_type), "set parallel.expert: 1");
+  if (m.num_local_experts % ep != 0)
+    refuse(fmt::format("does not divide the model's {} experts (num_local_experts)", m.num_local_experts),
+           fmt::format("choose a divisor of {}", m.num_local_experts));
+  if (data % ep != 0)
+    refuse(fmt::format("does not divide the data degree {} (expert groups are carved from the data ranks)", data),
+           fmt::format("choose a divisor of {} or run {} x k processes", data, ep));
+  auto refuse_with = [&](const char* key, int64_t v) {
+    if (v > 1)
+      refuse(fmt::format("{} = {} with expert parallelism is not supported yet (it runs with data parallelism alone)",
+                         key, v),
+             fmt::format("set {}: 1 or parallel.expert: 1", key));
+  };
+  refuse_with("parallel.tensor", r.parallel.tensor);
+  refuse_with("parallel.pipeline", r.parallel.pipeline);
+  refuse_with("parallel.context", r.parallel.context);
+  if (r.parallel.zero >= 2)
+    refuse(fmt::format("parallel.zero = {} with expert parallelism is not supported yet (tested: ZeRO 0 and 1)",
+                       r.parallel.zero),
+           "set parallel.zero: 0 or 1, or parallel.expert: 1");
+  if (r.device != "cpu")
+    refuse(fmt::format("device: {} is not supported yet (the expert dispatch runs on host buffers)", r.device),
+           "set device: cpu or parallel.expert: 1");
+}
+
 // One rank's memory figure (parameters, gradients, two moments, activations for micro_batch_size x
 // seq_len), refused with the numbers before anything is allocated. Per process: ZeRO 1/2 divide the
 // moments by the data degree, ZeRO 3 also the weights and gradients.
@@ -455,8 +488,10 @@ Preflight preflight(const Recipe& r, const TrainOptions& opts, const PreflightLo
   // before anything is allocated.
   const int64_t data = std::max<int64_t>(1, r.parallel.data);
   // Before the per-rank figure (whose tensor shard of a MoE model would fail less clearly).
-  check_moe_layout(r, pf.ckpt.empty() && !r.init_from.empty() ? init_from_config(r.model, r.init_from, r.source) : r.model,
-                   log);
+  const ModelConfig moe_cfg =
+      pf.ckpt.empty() && !r.init_from.empty() ? init_from_config(r.model, r.init_from, r.source) : r.model;
+  check_moe_layout(r, moe_cfg, log);
+  check_expert_layout(r, moe_cfg, data);
   const Recompute rc = parse_recompute(r.recompute, r.source + ": recompute");
   check_rank_memory(r, B, T, data, rc, spec.dtype, sharded, log);
   pf.shard_weights = r.parallel.zero == 3 && data > 1 && r.init_from.empty() && !check_only && !sharded;

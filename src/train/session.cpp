@@ -14,6 +14,7 @@
 #include "core/trace.h"
 #include "eval/generate.h"
 #include "parallel/context_parallel.h"
+#include "parallel/expert_parallel.h"
 #include "parallel/plan.h"
 #include "parallel/tensor_parallel.h"
 #include "tokenizer/tokenizer.h"
@@ -386,6 +387,7 @@ TrainResult TrainSession::finish() {
     so.seed = static_cast<uint64_t>(r_.training.seed);
     so.vocab_limit = tokenizer->vocab_size();
     // The whole model: no collective on one rank. generate() clears the last batch's documents: causal.
+    const parallel::LocalExperts local(final_model);  // expert parallelism: every expert here
     auto ids = generate(final_model, prompt, so);
     log_.log("sample:\n" + tokenizer->decode(ids) + "\n");
   }

@@ -11,6 +11,7 @@
 #include <numeric>
 #include <vector>
 
+#include "core/error.h"
 #include "dist/comm.h"
 
 namespace testing_checks {
@@ -245,6 +246,60 @@ inline void async_order(Communicator& c) {
       EXPECT_EQ(bufs[k][i], want);
     }
   EXPECT_GE(c.issued(), 3u);
+}
+
+// all_to_allv: rank r sends rows(r, j) rows of `width` floats to rank j (zero for some pairs, and
+// the last rank of a group of 2+ receives nothing at all). The counts step (exchange_counts) must
+// report exactly what each peer sends; the rows must arrive whole, in source-rank order.
+inline size_t a2a_rows(int src, int dst, int n) {
+  if (n > 1 && dst == n - 1) return 0;                  // a peer that receives zero rows
+  return static_cast<size_t>((src * 2 + dst * 3) % 4);  // 0..3, zero for some pairs
+}
+inline float a2a_value(int src, int dst, size_t i) { return value(src, i) + static_cast<float>(100 * dst); }
+
+inline void all_to_allv(Communicator& c) {
+  const int n = c.size(), me = c.rank();
+  const size_t width = 5;
+  std::vector<size_t> send_counts(static_cast<size_t>(n));
+  std::vector<float> send;
+  for (int j = 0; j < n; ++j) {
+    const size_t cnt = a2a_rows(me, j, n) * width;
+    send_counts[static_cast<size_t>(j)] = cnt;
+    for (size_t i = 0; i < cnt; ++i) send.push_back(a2a_value(me, j, i));
+  }
+  const std::vector<size_t> recv_counts = c.exchange_counts(send_counts);
+  ASSERT_EQ(recv_counts.size(), static_cast<size_t>(n));
+  std::vector<float> want;
+  for (int i = 0; i < n; ++i) {
+    EXPECT_EQ(recv_counts[static_cast<size_t>(i)], a2a_rows(i, me, n) * width) << "from rank " << i;
+    for (size_t k = 0; k < a2a_rows(i, me, n) * width; ++k) want.push_back(a2a_value(i, me, k));
+  }
+  std::vector<float> recv(std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0}), -1.0f);
+  c.all_to_all(send.data(), send_counts, recv.data(), recv_counts, DType::F32);
+  EXPECT_EQ(recv, want);
+  // The async form, issued twice back to back (issue order), with int64 elements.
+  std::vector<int64_t> s64(send.size()), r1(recv.size()), r2(recv.size());
+  for (size_t i = 0; i < s64.size(); ++i) s64[i] = static_cast<int64_t>(me) * 1000000 + static_cast<int64_t>(i);
+  auto w1 = c.all_to_all_async(s64.data(), send_counts, r1.data(), recv_counts, DType::I64);
+  auto w2 = c.all_to_all_async(s64.data(), send_counts, r2.data(), recv_counts, DType::I64);
+  w2->wait();
+  w1->wait();
+  EXPECT_EQ(r1, r2);
+  size_t at = 0;
+  for (int i = 0; i < n; ++i) {
+    size_t off = 0;  // where rank i's block for me starts in its send buffer
+    for (int j = 0; j < me; ++j) off += a2a_rows(i, j, n) * width;
+    for (size_t k = 0; k < recv_counts[static_cast<size_t>(i)]; ++k)
+      EXPECT_EQ(r1[at++], static_cast<int64_t>(i) * 1000000 + static_cast<int64_t>(off + k));
+  }
+  // Everyone sends nothing: still a valid collective.
+  const std::vector<size_t> none(static_cast<size_t>(n), 0);
+  EXPECT_EQ(c.exchange_counts(none), none);
+  c.all_to_all(nullptr, none, nullptr, none, DType::F32);
+  // Wrong number of counts is named.
+  EXPECT_THROW(c.all_to_all(send.data(), std::vector<size_t>(static_cast<size_t>(n) + 1, 0), recv.data(), recv_counts,
+                            DType::F32),
+               lathe::Error);
 }
 
 }  // namespace testing_checks

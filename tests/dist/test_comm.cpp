@@ -49,6 +49,9 @@ TEST_P(CommThreads, SendRecvRingOfLargeMessages) {
 TEST_P(CommThreads, SplitIntoSubGroups) {
   run_threads(GetParam(), [](Communicator& c) { testing_checks::split(c); });
 }
+TEST_P(CommThreads, AllToAllvWithPerPeerCountsAndAnEmptyReceiver) {
+  run_threads(GetParam(), [](Communicator& c) { testing_checks::all_to_allv(c); });
+}
 TEST_P(CommThreads, AsyncOperationsCompleteInIssueOrder) {
   run_threads(GetParam(), [](Communicator& c) { testing_checks::async_order(c); });
 }
@@ -63,6 +66,7 @@ TEST(CommThreads, LocalCommunicatorIsTheOneRankCase) {
   testing_checks::all_gather(*c);
   testing_checks::split(*c);
   testing_checks::async_order(*c);
+  testing_checks::all_to_allv(*c);
 }
 
 TEST(CommThreads, AnErrorOnOneRankEndsEveryRankWithThatError) {

@@ -20,6 +20,7 @@ TEST(CommMpi, Broadcast) { testing_checks::broadcast(*world); }
 TEST(CommMpi, SendRecv) { testing_checks::send_recv(*world); }
 TEST(CommMpi, SendRecvRingOfLargeMessages) { testing_checks::sendrecv_ring(*world); }
 TEST(CommMpi, Split) { testing_checks::split(*world); }
+TEST(CommMpi, AllToAllv) { testing_checks::all_to_allv(*world); }
 TEST(CommMpi, AsyncOrder) { testing_checks::async_order(*world); }
 
 TEST(CommMpi, LaunchedAsExpected) {

@@ -229,8 +229,13 @@ class FakeDeviceComm final : public Communicator {
     need_device(recv, "all_gather");
     host().all_gather(send, recv, bytes, DType::U8);
   }
-  void do_all_to_all(const void*, const std::vector<size_t>&, void*, const std::vector<size_t>&) override {
-    throw Error("all_to_all: a device communicator reduces with its own kernels");
+  // Only the public all_to_all (device buffers) comes here: reductions take their own kernels
+  // (do_all_reduce / do_reduce_scatter below), and their host staging would fail need_device.
+  void do_all_to_all(const void* send, const std::vector<size_t>& sb, void* recv,
+                     const std::vector<size_t>& rb) override {
+    need_device(send, "all_to_all");
+    need_device(recv, "all_to_all");
+    host().all_to_all(send, sb, recv, rb, DType::U8);
   }
   void do_broadcast(void* buf, size_t bytes, int root) override {
     need_device(buf, "broadcast");
@@ -262,6 +267,14 @@ class FakeDeviceComm final : public Communicator {
   void do_host_all_gather(const void* send, void* recv, const std::vector<size_t>& bytes) override {
     host().all_gather(send, recv, bytes, DType::U8);
   }
+  void do_host_all_to_all(const void* send, const std::vector<size_t>& sb, void* recv,
+                          const std::vector<size_t>& rb) override {
+    ++*host_counts_;
+    host().all_to_all(send, sb, recv, rb, DType::U8);
+  }
+
+ public:
+  std::shared_ptr<std::atomic<int>> host_counts_ = std::make_shared<std::atomic<int>>(0);
 
  private:
   std::unique_ptr<Communicator> host_;
@@ -292,6 +305,35 @@ TEST(DeviceCommHooks, ReductionsAndSplitTakeTheDevicePaths) {
     EXPECT_EQ(g[3], 8.0f);
   });
   EXPECT_EQ(own->load(), 8);  // 4 all_reduce + 4 reduce_scatter, none through the host sum
+}
+
+// all_to_allv on a device communicator: the counts step runs on the host (host vectors), the rows
+// move with the device buffers through the implementation's all-to-all (NCCL: grouped send/recv).
+TEST(DeviceCommHooks, AllToAllvCountsOnTheHostRowsOnTheDevice) {
+  run_threads(3, [&](Communicator& world) {
+    auto dev = std::make_shared<std::set<const void*>>();
+    FakeDeviceComm d(world, dev, std::make_shared<std::atomic<int>>(0));
+    // Rank r sends r+j rows of one float to rank j, except that rank 2 receives nothing.
+    std::vector<size_t> send_counts(3);
+    std::vector<float> send;
+    for (int j = 0; j < 3; ++j) {
+      send_counts[static_cast<size_t>(j)] = j == 2 ? 0 : static_cast<size_t>(d.rank() + j);
+      for (size_t k = 0; k < send_counts[static_cast<size_t>(j)]; ++k) send.push_back(10.0f * d.rank() + j);
+    }
+    const auto recv_counts = d.exchange_counts(send_counts);  // host vectors: not in `dev`
+    EXPECT_EQ(d.host_counts_->load(), 1);
+    std::vector<float> recv(d.rank() == 2 ? 0 : 3 * static_cast<size_t>(d.rank()) + 3, -1.0f);
+    send.reserve(1);  // a non-null device pointer even when empty
+    recv.reserve(1);
+    dev->insert(send.data());
+    dev->insert(recv.data());
+    d.all_to_all(send.data(), send_counts, recv.data(), recv_counts, DType::F32);
+    std::vector<float> want;
+    for (int i = 0; i < 3; ++i)
+      for (size_t k = 0; k < (d.rank() == 2 ? 0 : static_cast<size_t>(i + d.rank())); ++k)
+        want.push_back(10.0f * i + d.rank());
+    EXPECT_EQ(recv, want);
+  });
 }
 
 TEST(WatchdogAbortHooks, RunBeforeTheJobEndsAndCanBeRemoved) {
