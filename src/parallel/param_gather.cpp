@@ -45,8 +45,8 @@ ParamGather::Ranges minus(const ParamGather::Ranges& from, size_t b, size_t e) {
 
 }  // namespace
 
-ParamGather::ParamGather(dist::Communicator& group, float* params, const FlatShards& shards,
-                         std::vector<Ranges> blocks, int prefetch)
+ParamGather::ParamGather(dist::Communicator& group, float* params, const FlatShards& shards, std::vector<Ranges> blocks,
+                         int prefetch)
     : group_(group), params_(params), shards_(shards), prefetch_(prefetch) {
   LATHE_CHECK(params != nullptr, "ZeRO 3: no parameter buffer to gather into");
   LATHE_CHECK(prefetch >= 0 && prefetch <= 2, "parallel.prefetch must be 0, 1 or 2, got {}", prefetch);
@@ -121,7 +121,8 @@ void ParamGather::release(int64_t pos, int64_t keep_lo, int64_t keep_hi) {
 void ParamGather::release_ranges(const Ranges& r) {
   static const uintptr_t kPage = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
   auto give_back = [&](const std::byte* base, size_t elem, size_t lo, size_t hi) {
-    const uintptr_t a = reinterpret_cast<uintptr_t>(base + lo * elem), z = reinterpret_cast<uintptr_t>(base + hi * elem);
+    const uintptr_t a = reinterpret_cast<uintptr_t>(base + lo * elem),
+                    z = reinterpret_cast<uintptr_t>(base + hi * elem);
     const uintptr_t pa = (a + kPage - 1) & ~(kPage - 1), pz = z & ~(kPage - 1);
     if (pz > pa && ::madvise(reinterpret_cast<void*>(pa), pz - pa, MADV_DONTNEED) == 0) released_bytes_ += pz - pa;
   };
@@ -145,7 +146,10 @@ void ParamGather::before_block(int64_t block, bool backward) {
   const int64_t p = backward ? 2 * (n - 1) - block : block;
   LATHE_CHECK(p > cur_, "ZeRO 3: block {} ({}) requested after position {} of the pass: blocks out of order", block,
               backward ? "backward" : "forward", cur_);
-  const int64_t keep_hi = p + prefetch_ + 1;
+  const int64_t hi = span_hi_ < 0 ? positions() : span_hi_;
+  LATHE_CHECK(p >= span_lo_ && p < hi, "ZeRO 3: block {} ({}) outside this pass's span of positions [{}, {})", block,
+              backward ? "backward" : "forward", span_lo_, hi);
+  const int64_t keep_hi = std::min(p + prefetch_ + 1, hi);
   for (int64_t q = std::max<int64_t>(cur_, 0); q < p; ++q) {  // the previous block (and any skipped)
     Slot& s = slots_[static_cast<size_t>(q)];
     if (!s.issued) continue;
@@ -154,9 +158,19 @@ void ParamGather::before_block(int64_t block, bool backward) {
   }
   if (!slots_[static_cast<size_t>(p)].issued) issue(p);
   wait(p);
-  for (int64_t q = p + 1; q < std::min(keep_hi, positions()); ++q)
+  for (int64_t q = p + 1; q < keep_hi; ++q)
     if (!slots_[static_cast<size_t>(q)].issued) issue(q);
   cur_ = p;
+}
+
+void ParamGather::begin_span(int64_t first, int64_t last, bool backward) {
+  const int64_t n = static_cast<int64_t>(blocks_.size());
+  LATHE_CHECK(cur_ < 0, "ZeRO 3: a span begun in the middle of a pass (position {})", cur_);
+  LATHE_CHECK(0 <= first && first <= last && last < n && !(backward && last == n - 1),
+              "ZeRO 3: span of blocks {}..{} ({}) outside the model's blocks 0..{}", first, last,
+              backward ? "backward" : "forward", n - 1);
+  span_lo_ = backward ? 2 * (n - 1) - last : first;
+  span_hi_ = (backward ? 2 * (n - 1) - first : last) + 1;
 }
 
 double ParamGather::end_pass() {
@@ -168,6 +182,8 @@ double ParamGather::end_pass() {
   }
   for (auto& s : slots_) s = Slot{};
   cur_ = -1;
+  span_lo_ = 0;
+  span_hi_ = -1;
   const double waited = waited_s_;
   waited_s_ = 0;
   return waited;

@@ -17,6 +17,13 @@
 // (block 0 = embedding, 1..L = decoder layers, L+1 = head, whose forward and backward are one call);
 // before_block must be called in that order (a pass may stop early: end_pass()). Every gather is
 // an exact copy of the owners' values, so the model computes with the same bits as at ZeRO 0.
+//
+// Pipeline parallelism (pipeline_executor.h) gathers per use: each Forward or Backward action of
+// the schedule (one micro-batch through one chunk of the stage's layers) is a pass of its own over
+// a span of positions (begin_span), and releases its blocks at its end. With 1F1B several
+// micro-batches are in flight, so a chunk's weights are gathered once per action (2 x micro-batches
+// per step, as without a pipeline) rather than kept for the step: the weights resident stay the shard
+// plus 1 + prefetch blocks, whatever the schedule holds in flight.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -56,6 +63,9 @@ class ParamGather {
   // The hook: block's weights are complete when it returns; the previous block's are released and
   // the next `prefetch` blocks' gathers issued.
   void before_block(int64_t block, bool backward);
+  // The next pass covers only blocks first..last in one direction (forward: first, ..., last;
+  // backward: last, ..., first), and prefetch stays inside it. Pipeline actions; end_pass() ends it.
+  void begin_span(int64_t first, int64_t last, bool backward);
   // After a pass: gathers in flight waited for, every gathered block released. Returns the seconds
   // the pass spent waiting for gathers (the communication compute did not hide).
   double end_pass();
@@ -78,6 +88,7 @@ class ParamGather {
   // Bytes handed back to the OS so far (whole pages; tests).
   size_t released_bytes() const { return released_bytes_; }
   int prefetch() const { return prefetch_; }
+  int64_t blocks() const { return static_cast<int64_t>(blocks_.size()); }
 
  private:
   int64_t positions() const { return 2 * static_cast<int64_t>(blocks_.size()) - 1; }
@@ -99,8 +110,9 @@ class ParamGather {
     bool issued = false, ready = false;
     std::vector<dist::WorkPtr> works;
   };
-  std::vector<Slot> slots_;  // by position, this pass
-  int64_t cur_ = -1;         // the position computing
+  std::vector<Slot> slots_;             // by position, this pass
+  int64_t cur_ = -1;                    // the position computing
+  int64_t span_lo_ = 0, span_hi_ = -1;  // this pass's positions [lo, hi); hi < 0: to the end
   std::vector<Event> events_;
   size_t released_bytes_ = 0;
   double waited_s_ = 0;  // this pass

@@ -227,6 +227,7 @@ void TrainSession::open_optimizer() {
   opt.set_param_blocks(model.param_ranges_by_block(), static_cast<int>(r_.parallel.prefetch), std::move(copy));
   if (opt.gathers()) {
     model.hooks().before_block = [&opt](int64_t block, bool bwd) { opt.before_block(block, bwd); };
+    if (rm_->pipe()) rm_->pipe()->set_param_gather(opt.param_gather());  // per Forward / Backward action
     model.keep_compute_weights(opt.weight_shard().first, opt.weight_shard().second);
   }
 }

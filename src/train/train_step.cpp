@@ -82,6 +82,9 @@ StepStats train_step(StepContext& c, int64_t step, const StepStats& prev) {
     });
   }
   if (pipe) {
+    // ZeRO 3: the executor gathered each action's blocks (parallel/param_gather.h) and released them.
+    st.comm_wait_s += pipe->gather_wait_s();
+    opt.end_micro_batch(true);  // the pages released: whole weights must be gathered again to be read
     opt.set_last_backward(true);
     opt.grads_ready(0, model.num_params());
     opt.set_last_backward(false);

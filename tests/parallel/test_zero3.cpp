@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "config/model_config.h"
+#include "core/error.h"
 #include "core/dtype.h"
 #include "dist/comm.h"
 #include "models/model.h"
@@ -125,6 +126,48 @@ TEST(ParamGather, PrefetchTwoKeepsAtMostThreeBlocksGathered) {
   EXPECT_EQ(live, 0) << show(got);
   const std::vector<Ev> head = {I(0, 0), W(0, 0), I(1, 0), I(2, 0), R(0, 0), W(1, 0), I(3, 0)};
   EXPECT_EQ(std::vector<Ev>(got.begin(), got.begin() + 7), head) << show(got);
+}
+
+// Pipeline actions (pipeline_executor.h): a pass over a span of blocks gathers only those, in the
+// span's direction, with the prefetch kept inside it; a block outside the span is refused.
+TEST(ParamGather, SpanGathersOnlyItsBlocksAndPrefetchStaysInside) {
+  std::vector<Ev> events;
+  dist::run_threads(2, [&](dist::Communicator& c) {
+    const auto blocks = toy_blocks();
+    const size_t P = 40000;
+    Pages buf(P);
+    parallel::FlatShards shards(P, c.size(), 1024);
+    for (size_t i = 0; i < P; ++i)
+      buf.p[i] = i >= shards.begin(c.rank()) && i < shards.end(c.rank()) ? value_of(i) : -7.0f;
+    ParamGather g(c, buf.p, shards, blocks, 2);
+    g.record_events = true;
+    auto use = [&](int64_t block, bool bwd) {
+      g.before_block(block, bwd);
+      for (const auto& [b, e] : blocks[static_cast<size_t>(block)])
+        for (size_t i = b; i < e; ++i) ASSERT_EQ(buf.p[i], value_of(i)) << "block " << block << " element " << i;
+    };
+    for (int mb = 0; mb < 2; ++mb) {  // two micro-batches' forward actions, then their backward
+      g.begin_span(1, 2, false);
+      use(1, false);
+      use(2, false);
+      g.end_pass();
+    }
+    g.begin_span(0, 2, true);
+    use(2, true);
+    use(1, true);
+    use(0, true);
+    g.end_pass();
+    g.begin_span(1, 2, false);
+    EXPECT_THROW(g.before_block(3, false), Error);  // the head is outside this action's span
+    g.end_pass();
+    EXPECT_THROW(g.begin_span(1, 3, true), Error);  // the head has no backward position
+    if (c.rank() == 0) events = g.events();
+  });
+  const std::vector<Ev> want = {I(1, 0), W(1, 0), I(2, 0), R(1, 0), W(2, 0), R(2, 0),  // micro-batch 0
+                                I(1, 0), W(1, 0), I(2, 0), R(1, 0), W(2, 0), R(2, 0),  // micro-batch 1
+                                I(2, 1), W(2, 1), I(1, 1), I(0, 1), R(2, 1), W(1, 1), R(1, 1), W(0, 1), R(0, 1)};
+  // The refused before_block issued nothing; its span ended empty.
+  EXPECT_EQ(events, want) << show(events);
 }
 
 // ---- whole models ----
