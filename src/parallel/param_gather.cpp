@@ -60,6 +60,8 @@ ParamGather::ParamGather(dist::Communicator& group, float* params, const FlatSha
     blocks_.push_back(std::move(b));
   }
   slots_.resize(static_cast<size_t>(positions()));
+  f32_ = blocks_;
+  low_.assign(blocks_.size(), {});
 }
 
 ParamGather::~ParamGather() {
@@ -86,11 +88,17 @@ void ParamGather::issue(int64_t pos) {
   s.issued = true;
   note(Op::Issue, pos);
   const int me = group_.rank();
-  for (const auto& [b, e] : blocks_[static_cast<size_t>(at(pos).first)]) {
-    // This rank's part of [b, e) is already in place (send aliases its own segment of recv).
+  const size_t block = static_cast<size_t>(at(pos).first);
+  // This rank's part of [b, e) is already in place (send aliases its own segment of recv).
+  auto gather = [&](std::byte* base, size_t elem, DType dt, size_t b, size_t e) {
     const size_t mine = std::max(b, std::min(e, shards_.begin(me)));
-    s.works.push_back(group_.all_gather_async(params_ + mine, params_ + b, shards_.overlap(b, e), DType::F32));
-  }
+    const std::vector<size_t> counts = shards_.overlap(b, e);
+    gathered_bytes_ += (e - b - counts[static_cast<size_t>(me)]) * elem;
+    s.works.push_back(group_.all_gather_async(base + mine * elem, base + b * elem, counts, dt));
+  };
+  for (const auto& [b, e] : f32_[block]) gather(reinterpret_cast<std::byte*>(params_), sizeof(float), DType::F32, b, e);
+  for (const auto& [b, e] : low_[block])
+    gather(static_cast<std::byte*>(copy_.data), copy_.elem_bytes, copy_.dtype, b, e);
 }
 
 void ParamGather::wait(int64_t pos) {
@@ -105,8 +113,8 @@ void ParamGather::wait(int64_t pos) {
   s.works.clear();
   s.ready = true;
   note(Op::Wait, pos);
-  if (copy_.data)  // bf16/fp16: the block's compute copy from the weights just gathered
-    for (const auto& [b, e] : blocks_[static_cast<size_t>(at(pos).first)]) copy_.convert(b, e);
+  if (copy_.data)  // bf16/fp16: the compute copy of the fp32 weights just gathered
+    for (const auto& [b, e] : f32_[static_cast<size_t>(at(pos).first)]) copy_.convert(b, e);
 }
 
 void ParamGather::release(int64_t pos, int64_t keep_lo, int64_t keep_hi) {
@@ -136,6 +144,22 @@ void ParamGather::set_compute_copy(ComputeCopy copy) {
   LATHE_CHECK(cur_ < 0, "ZeRO 3: the compute copy set in the middle of a pass (position {})", cur_);
   LATHE_CHECK(!copy.data || (copy.elem_bytes > 0 && copy.convert),
               "ZeRO 3: a compute copy of {}-byte elements without a conversion", copy.elem_bytes);
+  LATHE_CHECK(copy.compute_only.empty() || (copy.data && copy.compute_only.size() == blocks_.size() &&
+                                            dtype_size(copy.dtype) == copy.elem_bytes),
+              "ZeRO 3: compute-dtype gathers of {} blocks ({}-byte elements, dtype of {} bytes) for a model of {} "
+              "blocks",
+              copy.compute_only.size(), copy.elem_bytes, dtype_size(copy.dtype), blocks_.size());
+  f32_ = blocks_;
+  low_.assign(blocks_.size(), {});
+  for (size_t k = 0; k < copy.compute_only.size(); ++k) {
+    // low = the block's ranges inside compute_only; f32 = the rest.
+    Ranges rest = blocks_[k];
+    for (const auto& [b, e] : normalised(copy.compute_only[k])) rest = minus(rest, b, e);
+    Ranges low = blocks_[k];
+    for (const auto& [b, e] : rest) low = minus(low, b, e);
+    f32_[k] = std::move(rest);
+    low_[k] = std::move(low);
+  }
   copy_ = std::move(copy);
 }
 

@@ -31,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/dtype.h"
 #include "dist/comm.h"
 #include "parallel/flat_shards.h"
 
@@ -46,15 +47,21 @@ class ParamGather {
   ~ParamGather();  // waits for gathers still in flight
 
   // bf16/fp16 compute (Model::keep_compute_weights): the model's compute-dtype copy of the flat
-  // buffer (`data`, `elem_bytes` per element, the same offsets), page-backed like `params`. Each
-  // block's copy is converted from its gathered fp32 weights (`convert(begin, end)` per range) when
-  // the gather is waited for, and its pages are released with the fp32 ones: the copy resident is
-  // the shard's plus the gathered blocks'. The gather moves the fp32 weights, so the copy is the
-  // rounding of exactly the weights one process holds.
+  // buffer (`data`, `elem_bytes` per element, the same offsets), page-backed like `params`, its
+  // pages released with the fp32 ones: the copy resident is the shard's plus the gathered blocks'.
+  // Gathers in the compute dtype (FSDP2's mixed precision): the ranges of `compute_only[block]`,
+  // which the kernels read only through the copy (GEMM weights, embeddings), move as `dtype` (half
+  // the bytes of fp32) from the owners' copies, which the owners keep current (the rounding of
+  // their fp32 shard after each update: Model::keep_compute_weights), so the bits equal rounding
+  // after an fp32 gather. The rest (norm weights, biases: read in fp32) moves as fp32 and its copy
+  // is converted (`convert(begin, end)` per range) when the gather is waited for. compute_only
+  // empty: every range moves as fp32 and is converted.
   struct ComputeCopy {
     void* data = nullptr;
     size_t elem_bytes = 0;
     std::function<void(size_t, size_t)> convert;
+    DType dtype = DType::F32;
+    std::vector<Ranges> compute_only;  // by block; empty or one list per block
   };
   void set_compute_copy(ComputeCopy copy);
   ParamGather(const ParamGather&) = delete;
@@ -87,6 +94,8 @@ class ParamGather {
   bool record_events = false;
   // Bytes handed back to the OS so far (whole pages; tests).
   size_t released_bytes() const { return released_bytes_; }
+  // Bytes this rank received from the other ranks' shards by gathers so far (fp32 and compute dtype).
+  size_t gathered_bytes() const { return gathered_bytes_; }
   int prefetch() const { return prefetch_; }
   int64_t blocks() const { return static_cast<int64_t>(blocks_.size()); }
 
@@ -104,6 +113,8 @@ class ParamGather {
   float* params_;
   const FlatShards& shards_;
   std::vector<Ranges> blocks_;  // sorted, merged
+  // Per block: the ranges gathered as fp32 (then converted) and those gathered in the compute dtype.
+  std::vector<Ranges> f32_, low_;
   int prefetch_;
   ComputeCopy copy_;
   struct Slot {
@@ -115,6 +126,7 @@ class ParamGather {
   int64_t span_lo_ = 0, span_hi_ = -1;  // this pass's positions [lo, hi); hi < 0: to the end
   std::vector<Event> events_;
   size_t released_bytes_ = 0;
+  size_t gathered_bytes_ = 0;
   double waited_s_ = 0;  // this pass
 };
 

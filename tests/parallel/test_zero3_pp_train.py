@@ -11,6 +11,8 @@ the same layout at ZeRO 1, BIT-identical:
     last stage) and llama-debug with 6 layers, prefetch 1; Llama interleaved (virtual_stages 3,
     several chunks per rank) with prefetch 2; gpt2 bf16: losses, gradient norms, validation losses
     and the final model.safetensors equal to ZeRO 1's;
+  * bf16: the weight gathers move the GEMM weights and embeddings in bf16: metrics weight_gather_mb
+    between 0.5x and 0.6x the fp32 run's (norms and biases stay fp32), with the same bits as above;
   * a DP=2 x PP=2 ZeRO 3 checkpoint of step 3 resumed in one process: steps 4-5 within 1e-5 of the
     uninterrupted run (one process sums the micro-batches in another order);
   * `lathe check --world 4` accepts the layout and counts the stage's weight shard.
@@ -69,6 +71,13 @@ def main():
         z3 = train(4, data, family, f"{name}_zero3", parallel__zero=3, **DP2_PP2, **kw)
         same_bits(z3, z1, f"{family} DP=2 x PP=2 ZeRO 3 {kw}")
         runs[name] = z1
+        runs[name + "_zero3"] = z3
+
+    # bf16: the GEMM weights and embeddings gathered in bf16 (half the bytes; norms and biases fp32).
+    mb = {k: series(runs[k], "weight_gather_mb") for k in ("gpt2_zero3", "gpt2_bf16_zero3")}
+    ratio = mb["gpt2_bf16_zero3"][-1] / mb["gpt2_zero3"][-1] if mb["gpt2_zero3"] and mb["gpt2_zero3"][-1] else 0
+    check(0.5 <= ratio < 0.6, f"bf16 weight gathers move {ratio:.3f} x the bytes of fp32 ones (metrics "
+          f"weight_gather_mb {mb['gpt2_bf16_zero3'][-1:]} vs {mb['gpt2_zero3'][-1:]})")
 
     # The ZeRO 3 checkpoint (the whole model, gathered) resumed in one process (4 micro-batches).
     src = train(4, data, "gpt2", "resume_src", parallel__zero=3, extra=("--stop-after", "3"), **DP2_PP2)
