@@ -96,7 +96,23 @@ void ParamGather::issue(int64_t pos) {
     gathered_bytes_ += (e - b - counts[static_cast<size_t>(me)]) * elem;
     s.works.push_back(group_.all_gather_async(base + mine * elem, base + b * elem, counts, dt));
   };
-  for (const auto& [b, e] : f32_[block]) gather(reinterpret_cast<std::byte*>(params_), sizeof(float), DType::F32, b, e);
+  if (low_[block].empty() || f32_[block].size() <= 1) {
+    for (const auto& [b, e] : f32_[block])
+      gather(reinterpret_cast<std::byte*>(params_), sizeof(float), DType::F32, b, e);
+  } else {  // many small fp32 tensors: packed into one collective, unpacked in wait()
+    s.counts.assign(static_cast<size_t>(group_.size()), 0);
+    for (const auto& [b, e] : f32_[block]) {
+      const std::vector<size_t> c = shards_.overlap(b, e);
+      for (size_t r = 0; r < c.size(); ++r) s.counts[r] += c[r];
+      const size_t lo = std::max(b, shards_.begin(me)), hi = std::min(e, shards_.end(me));
+      if (lo < hi) s.send.insert(s.send.end(), params_ + lo, params_ + hi);
+      gathered_bytes_ += (e - b - c[static_cast<size_t>(me)]) * sizeof(float);
+    }
+    size_t total = 0;
+    for (size_t c : s.counts) total += c;
+    s.recv.resize(total);
+    s.works.push_back(group_.all_gather_async(s.send.data(), s.recv.data(), s.counts, DType::F32));
+  }
   for (const auto& [b, e] : low_[block])
     gather(static_cast<std::byte*>(copy_.data), copy_.elem_bytes, copy_.dtype, b, e);
 }
@@ -113,8 +129,28 @@ void ParamGather::wait(int64_t pos) {
   s.works.clear();
   s.ready = true;
   note(Op::Wait, pos);
+  if (!s.counts.empty()) unpack(s, static_cast<size_t>(at(pos).first));
   if (copy_.data)  // bf16/fp16: the compute copy of the fp32 weights just gathered
     for (const auto& [b, e] : f32_[static_cast<size_t>(at(pos).first)]) copy_.convert(b, e);
+}
+
+void ParamGather::unpack(Slot& s, size_t block) {
+  const int me = group_.rank();
+  size_t at = 0;  // rank r's pieces follow ranks 0..r-1's in recv, in the order of f32_[block]
+  for (int r = 0; r < group_.size(); ++r) {
+    for (const auto& [b, e] : f32_[block]) {
+      const size_t lo = std::max(b, shards_.begin(r)), hi = std::min(e, shards_.end(r));
+      if (lo >= hi) continue;
+      if (r != me)
+        std::copy(s.recv.begin() + static_cast<ptrdiff_t>(at), s.recv.begin() + static_cast<ptrdiff_t>(at + hi - lo),
+                  params_ + lo);
+      at += hi - lo;
+    }
+  }
+  LATHE_CHECK(at == s.recv.size(), "internal: ZeRO 3 unpacked {} of {} gathered elements", at, s.recv.size());
+  s.send = {};
+  s.recv = {};
+  s.counts.clear();
 }
 
 void ParamGather::release(int64_t pos, int64_t keep_lo, int64_t keep_hi) {
@@ -152,13 +188,12 @@ void ParamGather::set_compute_copy(ComputeCopy copy) {
   f32_ = blocks_;
   low_.assign(blocks_.size(), {});
   for (size_t k = 0; k < copy.compute_only.size(); ++k) {
-    // low = the block's ranges inside compute_only; f32 = the rest.
+    // f32 = the block's ranges outside compute_only; low = the whole block when it has any inside.
     Ranges rest = blocks_[k];
     for (const auto& [b, e] : normalised(copy.compute_only[k])) rest = minus(rest, b, e);
-    Ranges low = blocks_[k];
-    for (const auto& [b, e] : rest) low = minus(low, b, e);
+    const bool any_low = rest != blocks_[k];
     f32_[k] = std::move(rest);
-    low_[k] = std::move(low);
+    if (any_low) low_[k] = blocks_[k];
   }
   copy_ = std::move(copy);
 }

@@ -113,14 +113,21 @@ class ParamGather {
   float* params_;
   const FlatShards& shards_;
   std::vector<Ranges> blocks_;  // sorted, merged
-  // Per block: the ranges gathered as fp32 (then converted) and those gathered in the compute dtype.
+  // Per block: the ranges gathered as fp32 (then converted) and those gathered in the compute dtype
+  // (compute-dtype mode: the whole block, norms included, whose copies convert then overwrites with
+  // the same values, so that a block is one collective plus one packed fp32 one).
   std::vector<Ranges> f32_, low_;
   int prefetch_;
   ComputeCopy copy_;
   struct Slot {
     bool issued = false, ready = false;
     std::vector<dist::WorkPtr> works;
+    // Packed fp32 ranges (compute-dtype mode: a block's norms and biases, many small tensors, in
+    // one collective): this rank's pieces in order, and every rank's ([counts[r]] each, rank order).
+    std::vector<float> send, recv;
+    std::vector<size_t> counts;
   };
+  void unpack(Slot& s, size_t block);
   std::vector<Slot> slots_;             // by position, this pass
   int64_t cur_ = -1;                    // the position computing
   int64_t span_lo_ = 0, span_hi_ = -1;  // this pass's positions [lo, hi); hi < 0: to the end
