@@ -323,7 +323,7 @@ class Parser {
          fmt::format("{} exceeds optimizer.lr = {}", s.min_lr, r.optimizer.lr));
   }
 
-  // parallel.zero = 3 (parallel/param_gather.h) runs with data and tensor parallelism, on the CPU, so far.
+  // parallel.zero = 3 (parallel/param_gather.h) runs with data, tensor and pipeline parallelism, on the CPU, so far.
   void check_zero3(const Recipe& r) const {
     const auto& p = r.parallel;
     if (p.zero != 3) {
@@ -345,11 +345,9 @@ class Parser {
                                               p.shard_group, p.data));
     auto refuse = [&](const std::string& key, const std::string& value, const std::string& fix) {
       bad(key, fmt::format("{} with parallel.zero = 3 is not supported yet (ZeRO 3 shards the weights over data "
-                           "(and tensor) parallelism, on the CPU); {}",
+                           "(and tensor, pipeline) parallelism, on the CPU); {}",
                            value, fix));
     };
-    if (p.pipeline > 1)
-      refuse("parallel.pipeline", std::to_string(p.pipeline), "set parallel.pipeline: 1 or parallel.zero <= 2");
     if (p.context > 1)
       refuse("parallel.context", std::to_string(p.context), "set parallel.context: 1 or parallel.zero <= 2");
     if (r.device != "cpu") refuse("device", r.device, "use device: cpu or parallel.zero <= 2");

@@ -45,8 +45,8 @@ ParamGather::Ranges minus(const ParamGather::Ranges& from, size_t b, size_t e) {
 
 }  // namespace
 
-ParamGather::ParamGather(dist::Communicator& group, float* params, const FlatShards& shards,
-                         std::vector<Ranges> blocks, int prefetch)
+ParamGather::ParamGather(dist::Communicator& group, float* params, const FlatShards& shards, std::vector<Ranges> blocks,
+                         int prefetch)
     : group_(group), params_(params), shards_(shards), prefetch_(prefetch) {
   LATHE_CHECK(params != nullptr, "ZeRO 3: no parameter buffer to gather into");
   LATHE_CHECK(prefetch >= 0 && prefetch <= 2, "parallel.prefetch must be 0, 1 or 2, got {}", prefetch);
@@ -60,6 +60,8 @@ ParamGather::ParamGather(dist::Communicator& group, float* params, const FlatSha
     blocks_.push_back(std::move(b));
   }
   slots_.resize(static_cast<size_t>(positions()));
+  f32_ = blocks_;
+  low_.assign(blocks_.size(), {});
 }
 
 ParamGather::~ParamGather() {
@@ -86,11 +88,33 @@ void ParamGather::issue(int64_t pos) {
   s.issued = true;
   note(Op::Issue, pos);
   const int me = group_.rank();
-  for (const auto& [b, e] : blocks_[static_cast<size_t>(at(pos).first)]) {
-    // This rank's part of [b, e) is already in place (send aliases its own segment of recv).
+  const size_t block = static_cast<size_t>(at(pos).first);
+  // This rank's part of [b, e) is already in place (send aliases its own segment of recv).
+  auto gather = [&](std::byte* base, size_t elem, DType dt, size_t b, size_t e) {
     const size_t mine = std::max(b, std::min(e, shards_.begin(me)));
-    s.works.push_back(group_.all_gather_async(params_ + mine, params_ + b, shards_.overlap(b, e), DType::F32));
+    const std::vector<size_t> counts = shards_.overlap(b, e);
+    gathered_bytes_ += (e - b - counts[static_cast<size_t>(me)]) * elem;
+    s.works.push_back(group_.all_gather_async(base + mine * elem, base + b * elem, counts, dt));
+  };
+  if (low_[block].empty() || f32_[block].size() <= 1) {
+    for (const auto& [b, e] : f32_[block])
+      gather(reinterpret_cast<std::byte*>(params_), sizeof(float), DType::F32, b, e);
+  } else {  // many small fp32 tensors: packed into one collective, unpacked in wait()
+    s.counts.assign(static_cast<size_t>(group_.size()), 0);
+    for (const auto& [b, e] : f32_[block]) {
+      const std::vector<size_t> c = shards_.overlap(b, e);
+      for (size_t r = 0; r < c.size(); ++r) s.counts[r] += c[r];
+      const size_t lo = std::max(b, shards_.begin(me)), hi = std::min(e, shards_.end(me));
+      if (lo < hi) s.send.insert(s.send.end(), params_ + lo, params_ + hi);
+      gathered_bytes_ += (e - b - c[static_cast<size_t>(me)]) * sizeof(float);
+    }
+    size_t total = 0;
+    for (size_t c : s.counts) total += c;
+    s.recv.resize(total);
+    s.works.push_back(group_.all_gather_async(s.send.data(), s.recv.data(), s.counts, DType::F32));
   }
+  for (const auto& [b, e] : low_[block])
+    gather(static_cast<std::byte*>(copy_.data), copy_.elem_bytes, copy_.dtype, b, e);
 }
 
 void ParamGather::wait(int64_t pos) {
@@ -105,8 +129,28 @@ void ParamGather::wait(int64_t pos) {
   s.works.clear();
   s.ready = true;
   note(Op::Wait, pos);
-  if (copy_.data)  // bf16/fp16: the block's compute copy from the weights just gathered
-    for (const auto& [b, e] : blocks_[static_cast<size_t>(at(pos).first)]) copy_.convert(b, e);
+  if (!s.counts.empty()) unpack(s, static_cast<size_t>(at(pos).first));
+  if (copy_.data)  // bf16/fp16: the compute copy of the fp32 weights just gathered
+    for (const auto& [b, e] : f32_[static_cast<size_t>(at(pos).first)]) copy_.convert(b, e);
+}
+
+void ParamGather::unpack(Slot& s, size_t block) {
+  const int me = group_.rank();
+  size_t at = 0;  // rank r's pieces follow ranks 0..r-1's in recv, in the order of f32_[block]
+  for (int r = 0; r < group_.size(); ++r) {
+    for (const auto& [b, e] : f32_[block]) {
+      const size_t lo = std::max(b, shards_.begin(r)), hi = std::min(e, shards_.end(r));
+      if (lo >= hi) continue;
+      if (r != me)
+        std::copy(s.recv.begin() + static_cast<ptrdiff_t>(at), s.recv.begin() + static_cast<ptrdiff_t>(at + hi - lo),
+                  params_ + lo);
+      at += hi - lo;
+    }
+  }
+  LATHE_CHECK(at == s.recv.size(), "internal: ZeRO 3 unpacked {} of {} gathered elements", at, s.recv.size());
+  s.send = {};
+  s.recv = {};
+  s.counts.clear();
 }
 
 void ParamGather::release(int64_t pos, int64_t keep_lo, int64_t keep_hi) {
@@ -121,7 +165,8 @@ void ParamGather::release(int64_t pos, int64_t keep_lo, int64_t keep_hi) {
 void ParamGather::release_ranges(const Ranges& r) {
   static const uintptr_t kPage = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
   auto give_back = [&](const std::byte* base, size_t elem, size_t lo, size_t hi) {
-    const uintptr_t a = reinterpret_cast<uintptr_t>(base + lo * elem), z = reinterpret_cast<uintptr_t>(base + hi * elem);
+    const uintptr_t a = reinterpret_cast<uintptr_t>(base + lo * elem),
+                    z = reinterpret_cast<uintptr_t>(base + hi * elem);
     const uintptr_t pa = (a + kPage - 1) & ~(kPage - 1), pz = z & ~(kPage - 1);
     if (pz > pa && ::madvise(reinterpret_cast<void*>(pa), pz - pa, MADV_DONTNEED) == 0) released_bytes_ += pz - pa;
   };
@@ -135,6 +180,21 @@ void ParamGather::set_compute_copy(ComputeCopy copy) {
   LATHE_CHECK(cur_ < 0, "ZeRO 3: the compute copy set in the middle of a pass (position {})", cur_);
   LATHE_CHECK(!copy.data || (copy.elem_bytes > 0 && copy.convert),
               "ZeRO 3: a compute copy of {}-byte elements without a conversion", copy.elem_bytes);
+  LATHE_CHECK(copy.compute_only.empty() || (copy.data && copy.compute_only.size() == blocks_.size() &&
+                                            dtype_size(copy.dtype) == copy.elem_bytes),
+              "ZeRO 3: compute-dtype gathers of {} blocks ({}-byte elements, dtype of {} bytes) for a model of {} "
+              "blocks",
+              copy.compute_only.size(), copy.elem_bytes, dtype_size(copy.dtype), blocks_.size());
+  f32_ = blocks_;
+  low_.assign(blocks_.size(), {});
+  for (size_t k = 0; k < copy.compute_only.size(); ++k) {
+    // f32 = the block's ranges outside compute_only; low = the whole block when it has any inside.
+    Ranges rest = blocks_[k];
+    for (const auto& [b, e] : normalised(copy.compute_only[k])) rest = minus(rest, b, e);
+    const bool any_low = rest != blocks_[k];
+    f32_[k] = std::move(rest);
+    if (any_low) low_[k] = blocks_[k];
+  }
   copy_ = std::move(copy);
 }
 
@@ -145,7 +205,10 @@ void ParamGather::before_block(int64_t block, bool backward) {
   const int64_t p = backward ? 2 * (n - 1) - block : block;
   LATHE_CHECK(p > cur_, "ZeRO 3: block {} ({}) requested after position {} of the pass: blocks out of order", block,
               backward ? "backward" : "forward", cur_);
-  const int64_t keep_hi = p + prefetch_ + 1;
+  const int64_t hi = span_hi_ < 0 ? positions() : span_hi_;
+  LATHE_CHECK(p >= span_lo_ && p < hi, "ZeRO 3: block {} ({}) outside this pass's span of positions [{}, {})", block,
+              backward ? "backward" : "forward", span_lo_, hi);
+  const int64_t keep_hi = std::min(p + prefetch_ + 1, hi);
   for (int64_t q = std::max<int64_t>(cur_, 0); q < p; ++q) {  // the previous block (and any skipped)
     Slot& s = slots_[static_cast<size_t>(q)];
     if (!s.issued) continue;
@@ -154,9 +217,19 @@ void ParamGather::before_block(int64_t block, bool backward) {
   }
   if (!slots_[static_cast<size_t>(p)].issued) issue(p);
   wait(p);
-  for (int64_t q = p + 1; q < std::min(keep_hi, positions()); ++q)
+  for (int64_t q = p + 1; q < keep_hi; ++q)
     if (!slots_[static_cast<size_t>(q)].issued) issue(q);
   cur_ = p;
+}
+
+void ParamGather::begin_span(int64_t first, int64_t last, bool backward) {
+  const int64_t n = static_cast<int64_t>(blocks_.size());
+  LATHE_CHECK(cur_ < 0, "ZeRO 3: a span begun in the middle of a pass (position {})", cur_);
+  LATHE_CHECK(0 <= first && first <= last && last < n && !(backward && last == n - 1),
+              "ZeRO 3: span of blocks {}..{} ({}) outside the model's blocks 0..{}", first, last,
+              backward ? "backward" : "forward", n - 1);
+  span_lo_ = backward ? 2 * (n - 1) - last : first;
+  span_hi_ = (backward ? 2 * (n - 1) - first : last) + 1;
 }
 
 double ParamGather::end_pass() {
@@ -168,6 +241,8 @@ double ParamGather::end_pass() {
   }
   for (auto& s : slots_) s = Slot{};
   cur_ = -1;
+  span_lo_ = 0;
+  span_hi_ = -1;
   const double waited = waited_s_;
   waited_s_ = 0;
   return waited;

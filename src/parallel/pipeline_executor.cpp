@@ -76,6 +76,18 @@ void PipelineExecutor::receive(dist::Communicator& channel, void* buf, size_t by
   m_.backend().copy(buf, staging_.data(), bytes, CopyKind::HostToDevice);
 }
 
+void PipelineExecutor::span(int64_t first_block, int64_t last_block, bool backward) {
+  if (gather_) gather_->begin_span(first_block, last_block, backward);
+}
+
+void PipelineExecutor::gather(int64_t block, bool backward) {
+  if (gather_) gather_->before_block(block, backward);
+}
+
+void PipelineExecutor::end_span() {
+  if (gather_) gather_wait_s_ += gather_->end_pass();
+}
+
 int PipelineExecutor::take_slot(int64_t mb, int64_t chunk) {
   for (size_t i = 0; i < slot_owner_.size(); ++i)
     if (slot_owner_[i].first < 0) {
@@ -103,6 +115,9 @@ double PipelineExecutor::step(const int32_t* inputs, const int32_t* targets, flo
       static_cast<size_t>(m_.tensor_shard().rows_held(N) * m_.config().hidden_size) * dtype_size(m_.compute_dtype());
   const int r = layout_.rank;
   double loss = 0;
+  gather_wait_s_ = 0;
+  // ZeRO 3: the stage model's blocks are 0 = embedding, 1..L = its layers, L + 1 = head.
+  const int64_t head = gather_ ? gather_->blocks() - 1 : 0;
   for (const pipeline::Action& a : schedule_[static_cast<size_t>(r)]) {
     const int64_t k = a.chunk * p + r;  // virtual stage
     const PipelineLayout::Chunk& ch = layout_.chunks[static_cast<size_t>(a.chunk)];
@@ -117,10 +132,21 @@ double PipelineExecutor::step(const int32_t* inputs, const int32_t* targets, flo
       case Op::Forward: {
         m_.use_slot(k == 0 ? take_slot(a.mb, a.chunk) : slot_of(a.mb, a.chunk));
         if (docs) docs(a.mb);
-        if (k == 0) m_.embedding_forward(tok, B_, T_);
-        for (int64_t l = ch.local_first; l < ch.local_first + ch.count; ++l) m_.layer_forward(l, B_, T_);
+        span(k == 0 ? 0 : ch.local_first + 1, k == S - 1 ? head : ch.local_first + ch.count, false);
+        if (k == 0) {
+          gather(0, false);
+          m_.embedding_forward(tok, B_, T_);
+        }
+        for (int64_t l = ch.local_first; l < ch.local_first + ch.count; ++l) {
+          gather(l + 1, false);
+          m_.layer_forward(l, B_, T_);
+        }
         // The last virtual stage: the head's forward and backward at once (dres of this slot).
-        if (k == S - 1) loss += m_.head_loss(targets + a.mb * N, B_, T_, grad_scale, true);
+        if (k == S - 1) {
+          gather(head, false);
+          loss += m_.head_loss(targets + a.mb * N, B_, T_, grad_scale, true);
+        }
+        end_span();
         break;
       }
       case Op::SendAct: {
@@ -137,11 +163,17 @@ double PipelineExecutor::step(const int32_t* inputs, const int32_t* targets, flo
       case Op::Backward: {
         m_.use_slot(slot_of(a.mb, a.chunk));
         if (docs) docs(a.mb);
-        for (int64_t l = ch.local_first + ch.count - 1; l >= ch.local_first; --l) m_.layer_backward(l, B_, T_);
+        span(k == 0 ? 0 : ch.local_first + 1, ch.local_first + ch.count, true);
+        for (int64_t l = ch.local_first + ch.count - 1; l >= ch.local_first; --l) {
+          gather(l + 1, true);
+          m_.layer_backward(l, B_, T_);
+        }
         if (k == 0) {
+          gather(0, true);
           m_.embedding_backward(tok, B_, T_);
           release(a.mb, a.chunk);  // no gradient to send
         }
+        end_span();
         break;
       }
       case Op::SendGrad: {

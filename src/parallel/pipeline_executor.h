@@ -23,6 +23,7 @@
 
 #include "dist/comm.h"
 #include "models/model.h"
+#include "parallel/param_gather.h"
 #include "parallel/pipeline_stage.h"
 
 namespace lathe::parallel {
@@ -62,6 +63,13 @@ class PipelineExecutor {
   // flight instead of `sends_`' host copies.) Tests turn it on for a CPU stage (memcpy) to run the
   // same code.
   void set_stage_through_host(bool on) { staged_ = on; }
+  // ZeRO 3 (param_gather.h): each Forward / Backward action gathers its chunk's blocks (a span of
+  // its own, prefetch inside it) and releases them when done. The gather object outlives the
+  // executor's steps; nullptr: the stage's weights are whole. forward_loss / forward_logits need
+  // the whole weights (DistOptimizer::gather_whole) and gather nothing.
+  void set_param_gather(ParamGather* gather) { gather_ = gather; }
+  // Seconds the last step() waited for weight gathers (the communication compute did not hide).
+  double gather_wait_s() const { return gather_wait_s_; }
 
  private:
   int take_slot(int64_t mb, int64_t chunk);
@@ -90,6 +98,12 @@ class PipelineExecutor {
   void send(dist::Communicator& channel, const void* buf, size_t bytes);
   void receive(dist::Communicator& channel, void* buf, size_t bytes);  // blocking, staged when staged_
   bool staged_ = false;
+  ParamGather* gather_ = nullptr;
+  double gather_wait_s_ = 0;
+  // ZeRO 3: the span of one action begun, and a block's weights made whole before it runs.
+  void span(int64_t first_block, int64_t last_block, bool backward);
+  void gather(int64_t block, bool backward);
+  void end_span();
   std::vector<std::byte> staging_;  // a received message, or a blocking send's copy (staged_)
   // Channels: activations to the next rank / from the previous, gradients to the previous / from the next.
   std::unique_ptr<dist::Communicator> act_out_, act_in_, grad_out_, grad_in_;

@@ -184,7 +184,6 @@ std::string shape_reject(const Job& job, const Layout& l) {
   const int64_t t = l.tensor, p = l.pipeline, c = l.context, B = job.micro_batch, T = job.seq_len;
   const int64_t L = cfg.num_hidden_layers;
   auto reject = [](std::string why) { return why; };
-  if (l.zero == 3 && p > 1) return reject("ZeRO 3 does not run with pipeline parallelism yet (pipeline 1)");
   if (cfg.moe() && (t > 1 || p > 1 || c > 1 || l.recompute != Recompute::None || job.compute != DType::F32))
     return reject("a mixture-of-experts model runs data parallelism alone in fp32 without recompute so far");
   if (cfg.num_attention_heads % t)
@@ -378,7 +377,9 @@ Estimate estimate(const Job& job, const Machine& mach, const Layout& l, Schedule
       z.compute_weight_bytes = mem.compute_weights;
       shard_parameters(z, cfg, d, 1, 0, (int64_t{25} << 20) / 4);  // the default 25 MB buckets
       mem.params = z.param_bytes;
-      mem.grads = z.grad_bytes;
+      // A pipeline stage's gradients accumulate whole over the step's micro-batches and are reduced
+      // once after the schedule (parallel/pipeline_executor.h): not sharded during the step.
+      if (p == 1) mem.grads = z.grad_bytes;
       mem.compute_weights = z.compute_weight_bytes;
     }
     if (r == 0 || mem.total() > e.memory.total()) e.memory = mem;
@@ -457,7 +458,7 @@ std::vector<Estimate> enumerate(const Job& job, const Machine& m) {
           if (sp && t == 1) continue;
           for (int zero = 0; zero <= 3; ++zero) {
             if (zero > 0 && d * c == 1) continue;
-            if (zero == 3 && (p > 1 || c > 1)) continue;
+            if (zero == 3 && c > 1) continue;
             for (Recompute rc : {Recompute::None, Recompute::Selective, Recompute::Full})
               for (int64_t v : job.virtual_stages)
                 if (v == 1 || p > 1) out.push_back(estimate(job, m, Layout{d, t, p, sp, zero, rc, v, c}, &cache));

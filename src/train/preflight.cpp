@@ -387,6 +387,8 @@ static void check_rank_memory(const Recipe& r, int64_t B, int64_t T, int64_t dat
                 r.source, r.parallel.shard_group, data);
     shard_parameters(est, per_rank, data, static_cast<int>(r.parallel.prefetch), r.parallel.shard_group,
                      static_cast<int64_t>(std::max(1.0, r.parallel.bucket_mb * (1 << 20) / 4)));
+    // Pipeline: the stage's gradients stay whole through the step (reduced once after the schedule).
+    if (r.parallel.pipeline > 1) est.grad_bytes = checked_mul(est.num_params, 4, "ZeRO 3 memory");
   }
   check_memory_fits(est, per_rank, r.source);
   const MachineMemory mm = machine_memory();

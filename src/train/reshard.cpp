@@ -287,10 +287,6 @@ void validate_layout(const ModelConfig& cfg, const CheckpointLayout& to) {
   in_range("--context", to.context, 1, kMaxRanks, "");
   in_range("--zero", to.zero, 0, 3,
            " (0: replicated optimizer, 1: sharded moments, 2: also gradients, 3: also weights)");
-  LATHE_CHECK(to.zero != 3 || to.pipeline == 1,
-              "--zero 3 with --pipeline {}: ZeRO 3 does not run with pipeline parallelism yet (a run would refuse this "
-              "layout); give --pipeline 1, or --zero 2 or less",
-              to.pipeline);
   LATHE_CHECK(to.zero != 3 || to.context == 1,
               "--zero 3 with --context {}: a run refuses ZeRO 3 with context parallelism; give --context 1, or "
               "--zero 2 or less",

@@ -332,6 +332,8 @@ void RunLog::step(int64_t step, const StepStats& st, const optim::LossScaler& sc
     rec["context_comm_exposed_pct"] = 100.0 * st.context_wait_s / dt;
   }
   if (std::isfinite(st.moe_aux_loss)) rec["moe_aux_loss"] = st.moe_aux_loss;  // mixture of experts
+  // ZeRO 3: rank 0's bytes received by weight gathers this step (bf16/fp16: the GEMM weights in that dtype).
+  if (st.weight_gather_bytes >= 0) rec["weight_gather_mb"] = static_cast<double>(st.weight_gather_bytes) / (1 << 20);
   if (pp_ > 1)  // the schedule's idle share of the step, (p-1)/(v m + p-1) (not measured)
     rec["bubble_pct"] = 100 * pipeline::bubble_formula(pp_, accum_, r_.parallel.virtual_stages);
   if (anomaly.enabled()) {  // the policy's verdict and the factor this step's lr carried

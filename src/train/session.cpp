@@ -222,12 +222,26 @@ void TrainSession::open_optimizer() {
   // ZeRO 3 (parallel/param_gather.h): each block's weights gathered before it runs.
   // bf16/fp16: the compute copy converted per gathered block; only the shard's kept current.
   parallel::ParamGather::ComputeCopy copy;
-  if (model.compute_weight_bytes() > 0)
+  if (model.compute_weight_bytes() > 0) {
     copy = {model.compute_weight_data(), dtype_size(model.compute_dtype()),
             [&model](size_t b, size_t e) { model.refresh_compute_weights(b, e); }};
+    // Gathered in the compute dtype (half the bytes): the GEMM weights and embeddings, which the
+    // kernels read only through the compute copy (Model::cw); norms and biases stay fp32.
+    copy.dtype = model.compute_dtype();
+    parallel::ParamGather::Ranges low;
+    Role role = Role::None;
+    for (const ParamSpec& s : model.params().specs()) {
+      if (s.role != Role::Continues) role = s.role;  // k/v after q, up after gate
+      if (role == Role::Wte || role == Role::Wpe || role == Role::QkvW || role == Role::OW || role == Role::FcW ||
+          role == Role::ProjW || role == Role::LmHead)
+        low.push_back({s.offset, s.offset + static_cast<size_t>(s.numel())});
+    }
+    copy.compute_only.assign(model.param_ranges_by_block().size(), low);
+  }
   opt.set_param_blocks(model.param_ranges_by_block(), static_cast<int>(r_.parallel.prefetch), std::move(copy));
   if (opt.gathers()) {
     model.hooks().before_block = [&opt](int64_t block, bool bwd) { opt.before_block(block, bwd); };
+    if (rm_->pipe()) rm_->pipe()->set_param_gather(opt.param_gather());  // per Forward / Backward action
     model.keep_compute_weights(opt.weight_shard().first, opt.weight_shard().second);
   }
 }

@@ -47,6 +47,8 @@ StepStats train_step(StepContext& c, int64_t step, const StepStats& prev) {
   double loss_sum = 0;
   double moe_aux_sum = 0;  // mixture of experts: sum over micro-batches of aux x their targets
   opt.zero_grads();  // ZeRO 2: only the shard (the rest was released as zeros)
+  const parallel::ParamGather* gather = opt.param_gather();
+  const size_t gathered0 = gather ? gather->gathered_bytes() : 0;
   {
     trace::Scope span("data wait", trace::Cat::Data);
     st.data_wait_s = c.loader.next(c.inputs.data(), c.targets.data());
@@ -82,6 +84,9 @@ StepStats train_step(StepContext& c, int64_t step, const StepStats& prev) {
     });
   }
   if (pipe) {
+    // ZeRO 3: the executor gathered each action's blocks (parallel/param_gather.h) and released them.
+    st.comm_wait_s += pipe->gather_wait_s();
+    opt.end_micro_batch(true);  // the pages released: whole weights must be gathered again to be read
     opt.set_last_backward(true);
     opt.grads_ready(0, model.num_params());
     opt.set_last_backward(false);
@@ -118,6 +123,7 @@ StepStats train_step(StepContext& c, int64_t step, const StepStats& prev) {
   if (c.faults.stall_rank == data.rank() && c.faults.stall_step == step + 1)  // a hung rank (tests/parallel)
     std::this_thread::sleep_for(std::chrono::hours(1));
   st.comm_wait_s += opt.reduce_grads();  // the buckets backward did not issue, and the wait for all
+  if (gather) st.weight_gather_bytes = static_cast<int64_t>(gather->gathered_bytes() - gathered0);
   if (data.size() > 1) data.all_reduce(&loss_sum, 1, DType::F64);
   st.loss = loss_sum / static_cast<double>(targets_kept);
   if (model.arch().moe_experts > 0) {

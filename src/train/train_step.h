@@ -60,6 +60,7 @@ struct StepStats {
   double lr_factor = 1;     // the anomaly policy's multiplier in lr
   double data_wait_s = 0, comm_wait_s = 0, optimizer_s = 0, seconds = 0;
   double context_wait_s = 0;  // context parallelism: waits for the context group's K/V and dK/dV
+  int64_t weight_gather_bytes = -1;  // ZeRO 3: bytes this rank received by the step's weight gathers
   // Mixture of experts: the load-balancing loss (unweighted; the token-weighted mean of the
   // micro-batches', over every data rank); NaN for a dense model.
   double moe_aux_loss = NAN;

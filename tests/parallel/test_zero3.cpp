@@ -16,6 +16,7 @@
 
 #include "config/model_config.h"
 #include "core/dtype.h"
+#include "core/error.h"
 #include "dist/comm.h"
 #include "models/model.h"
 #include "optim/clip.h"
@@ -125,6 +126,48 @@ TEST(ParamGather, PrefetchTwoKeepsAtMostThreeBlocksGathered) {
   EXPECT_EQ(live, 0) << show(got);
   const std::vector<Ev> head = {I(0, 0), W(0, 0), I(1, 0), I(2, 0), R(0, 0), W(1, 0), I(3, 0)};
   EXPECT_EQ(std::vector<Ev>(got.begin(), got.begin() + 7), head) << show(got);
+}
+
+// Pipeline actions (pipeline_executor.h): a pass over a span of blocks gathers only those, in the
+// span's direction, with the prefetch kept inside it; a block outside the span is refused.
+TEST(ParamGather, SpanGathersOnlyItsBlocksAndPrefetchStaysInside) {
+  std::vector<Ev> events;
+  dist::run_threads(2, [&](dist::Communicator& c) {
+    const auto blocks = toy_blocks();
+    const size_t P = 40000;
+    Pages buf(P);
+    parallel::FlatShards shards(P, c.size(), 1024);
+    for (size_t i = 0; i < P; ++i)
+      buf.p[i] = i >= shards.begin(c.rank()) && i < shards.end(c.rank()) ? value_of(i) : -7.0f;
+    ParamGather g(c, buf.p, shards, blocks, 2);
+    g.record_events = true;
+    auto use = [&](int64_t block, bool bwd) {
+      g.before_block(block, bwd);
+      for (const auto& [b, e] : blocks[static_cast<size_t>(block)])
+        for (size_t i = b; i < e; ++i) ASSERT_EQ(buf.p[i], value_of(i)) << "block " << block << " element " << i;
+    };
+    for (int mb = 0; mb < 2; ++mb) {  // two micro-batches' forward actions, then their backward
+      g.begin_span(1, 2, false);
+      use(1, false);
+      use(2, false);
+      g.end_pass();
+    }
+    g.begin_span(0, 2, true);
+    use(2, true);
+    use(1, true);
+    use(0, true);
+    g.end_pass();
+    g.begin_span(1, 2, false);
+    EXPECT_THROW(g.before_block(3, false), Error);  // the head is outside this action's span
+    g.end_pass();
+    EXPECT_THROW(g.begin_span(1, 3, true), Error);  // the head has no backward position
+    if (c.rank() == 0) events = g.events();
+  });
+  const std::vector<Ev> want = {I(1, 0), W(1, 0), I(2, 0), R(1, 0), W(2, 0), R(2, 0),  // micro-batch 0
+                                I(1, 0), W(1, 0), I(2, 0), R(1, 0), W(2, 0), R(2, 0),  // micro-batch 1
+                                I(2, 1), W(2, 1), I(1, 1), I(0, 1), R(2, 1), W(1, 1), R(1, 1), W(0, 1), R(0, 1)};
+  // The refused before_block issued nothing; its span ended empty.
+  EXPECT_EQ(events, want) << show(events);
 }
 
 // ---- whole models ----
@@ -362,6 +405,74 @@ TEST(ParamGather, ComputeCopyConvertedPerGatheredBlockAndReleased) {
       EXPECT_GT(g.released_bytes(), 0u);
       std::free(copy);
     });
+  }
+}
+
+// Gathers in the compute dtype (FSDP2's mixed precision): the compute-only ranges move as bf16
+// from the owners' copies (the rounding of their fp32 shard), the rest as fp32 and converted. The
+// copy reads the same bits as after an fp32 gather, the fp32 masters of the bf16 ranges outside the
+// shard are not gathered, and the bytes received are about half (exactly: 4 per fp32 element, 2 per
+// bf16 element of the other rank's part).
+TEST(ParamGather, ComputeDtypeGathersMoveHalfTheBytesForTheSameBits) {
+  for (int prefetch : {0, 2}) {
+    size_t bytes[2] = {0, 0};
+    for (int low : {0, 1}) {
+      dist::run_threads(2, [&](dist::Communicator& c) {
+        const auto blocks = toy_blocks();
+        const size_t P = 40000;
+        Pages buf(P);
+        auto* copy = static_cast<uint16_t*>(std::aligned_alloc(4096, (P * 2 + 4095) / 4096 * 4096));
+        parallel::FlatShards shards(P, c.size(), 1024);
+        const size_t b0 = shards.begin(c.rank()), e0 = shards.end(c.rank());
+        for (size_t i = 0; i < P; ++i) {
+          const bool mine = i >= b0 && i < e0;
+          buf.p[i] = mine ? value_of(i) : -7.0f;
+          copy[i] = mine ? fp32_to_bf16(value_of(i)) : 0x7fc0;
+        }
+        ParamGather g(c, buf.p, shards, blocks, prefetch);
+        // "Norms" stay fp32: [8000, 9000) of the embedding block, [30000, 30500) of the head, and two
+        // of layer 2's ([20400, 20600) across the shards' edge): one range or several, packed.
+        const ParamGather::Ranges gemm = {{0, 8000}, {9000, 20400}, {20600, 25000}, {25100, 30000}, {30500, 40000}};
+        size_t converted = 0;
+        ParamGather::ComputeCopy cc{copy, 2, [&](size_t b, size_t e) {
+                                      for (size_t i = b; i < e; ++i) copy[i] = fp32_to_bf16(buf.p[i]);
+                                      converted += e - b;
+                                    }};
+        if (low) {
+          cc.dtype = DType::BF16;
+          cc.compute_only.assign(blocks.size(), gemm);
+        }
+        g.set_compute_copy(std::move(cc));
+        auto check_block = [&](int64_t b) {
+          for (const auto& [lo, hi] : blocks[static_cast<size_t>(b)])
+            for (size_t i = lo; i < hi; ++i) {
+              ASSERT_EQ(copy[i], fp32_to_bf16(value_of(i))) << "block " << b << " element " << i;
+              const bool norm = (i >= 8000 && i < 9000) || (i >= 30000 && i < 30500) || (i >= 20400 && i < 20600) ||
+                                (i >= 25000 && i < 25100);
+              if (norm || !low) ASSERT_EQ(buf.p[i], value_of(i)) << "block " << b << " fp32 element " << i;
+              if (low && !norm && (i < b0 || i >= e0))  // the fp32 master outside the shard: not moved
+                ASSERT_NE(buf.p[i], value_of(i)) << "gathered as fp32: " << i;
+            }
+        };
+        for (int64_t b = 0; b < 4; ++b) {
+          g.before_block(b, false);
+          check_block(b);
+        }
+        for (int64_t b = 2; b >= 0; --b) {
+          g.before_block(b, true);
+          check_block(b);
+        }
+        g.end_pass();
+        if (low) EXPECT_EQ(converted, size_t{3100});  // only the fp32 "norms" converted (5 visits)
+        EXPECT_EQ(shards.begin(1), size_t{20480});     // the packed pair straddles the edge
+        if (c.rank() == 0) bytes[low] = g.gathered_bytes();
+        std::free(copy);
+      });
+    }
+    EXPECT_GT(bytes[0], 0u);
+    const double ratio = static_cast<double>(bytes[1]) / static_cast<double>(bytes[0]);
+    EXPECT_GT(ratio, 0.5) << "prefetch " << prefetch;
+    EXPECT_LT(ratio, 0.55) << "prefetch " << prefetch << ": bf16 gathers move about half the bytes";
   }
 }
 

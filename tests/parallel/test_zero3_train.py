@@ -14,6 +14,7 @@ gathered per block (src/parallel/param_gather.h).
   * hybrid sharding (parallel.shard_group 2 at DP=4): bit-identical to ZeRO 0;
   * DP=2 x TP=2 (llama-debug fp32; gpt2-debug bf16 with sequence parallelism): bit-identical to
     ZeRO 0 at the same layout;
+  * (ZeRO 3 x pipeline parallelism: test_zero3_pp_train.py)
   * the combinations not supported yet are refused by `lathe check`, naming the keys.
 Runs with 1 OpenMP thread per rank."""
 import os
@@ -61,7 +62,7 @@ def same(a, b, what):
 
 
 def refusals(data):
-    cases = [({"parallel__zero": 3, "parallel__pipeline": 2}, ["parallel.pipeline", "parallel.zero = 3"]),
+    cases = [({"parallel__zero": 3, "parallel__context": 2}, ["parallel.context", "parallel.zero = 3"]),
              ({"parallel__zero": 2, "parallel__prefetch": 2}, ["parallel.prefetch", "parallel.zero = 3 only"]),
              ({"parallel__zero": 4}, ["parallel.zero"]),
              ({"parallel__zero": 1, "parallel__shard_group": 2}, ["parallel.shard_group", "parallel.zero = 3 only"]),

@@ -56,7 +56,7 @@ for name, extra, must in [
     ("pipeline deeper than the layers", ("--pipeline", "3"), ["--pipeline 3", "layers"]),
     ("data 0", ("--data", "0"), ["--data 0", "must be in"]),
     ("zero 4", ("--zero", "4"), ["--zero 4", "must be in"]),
-    ("zero 3 with pipeline parallelism", ("--zero", "3", "--pipeline", "2"), ["--zero 3 with --pipeline 2"]),
+    ("zero 3 with context parallelism", ("--zero", "3", "--context", "2"), ["--zero 3 with --context 2"]),
     ("tensor negative", ("--tensor", "-2"), ["--tensor -2"]),
     ("too many ranks", ("--tensor", "4", "--data", "1048576"), ["ranks"]),
 ]:
