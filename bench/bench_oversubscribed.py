@@ -12,6 +12,14 @@ interleaved, each figure is the median of --reps runs:
     so start-up and loading are not counted;
   * train: build/bench/bench_train_step gpt2-small-bench (L=4, C=256, H=4, V=50257) B=4 T=64, fp32,
     its own ms/step (median of --steps steps after a warm-up).
+--late: the load arrives AFTER lathe started (its start-up check saw the machine as it was, so it
+chose the bounded spin), as when another job starts during a long run:
+  * generate: the load starts when the prompt appears on lathe's stdout (model loaded, first token
+    not yet computed); ms/token = (time from then to exit for --tokens tokens - the same for 1
+    token) / (tokens - 1); the idle figure is measured the same way without load;
+  * train: `lathe train` (quickstart GPT-2, n_embd 256, byte vocabulary, micro-batch 4 x seq_len 64,
+    log_interval 1) for --steps + 4 steps; the load starts when step 2 is logged and the figure is
+    the median of the step times lathe logs from step 4 on (idle: the same steps without load).
 Each --env KEY=VALUE is added to lathe's environment (e.g. OMP_WAIT_POLICY=ACTIVE reproduces the
 old default; a user's own OMP_WAIT_POLICY / GOMP_SPINCOUNT are always respected by lathe).
 Prints the CPU model, lathe's wait policy line (if any) and the loaded/idle ratios.
@@ -20,6 +28,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -40,6 +49,11 @@ def cpu_model():
 NICE = 0
 
 
+def uptime():
+    with open("/proc/loadavg") as f:
+        return "load average " + " ".join(f.read().split()[:4]) + " (1/5/15 min, running/total tasks)"
+
+
 def set_nice():
     if NICE:
         os.nice(NICE)
@@ -51,11 +65,12 @@ def busy():
         pass
 
 
-def start_load(n):
+def start_load(n, settle=True):
     procs = [multiprocessing.Process(target=busy, daemon=True) for _ in range(n)]
     for p in procs:
         p.start()
-    time.sleep(0.3)  # let the scheduler settle them on the cores
+    if settle:
+        time.sleep(0.3)  # let the scheduler settle them on the cores
     return procs
 
 
@@ -96,6 +111,68 @@ def generate_ms_per_token(lathe, model, tokens, env):
     return 1000.0 * max(tn - t1, 0.0) / (tokens - 1), notes
 
 
+def generate_late(lathe, model, tokens, env, load_n):
+    """Seconds from the prompt's appearance on stdout (the load starts then) to exit."""
+    cmd = [lathe, "generate", "--model", model, "--prompt", "ROMEO:", "--seed", "1", "--max-new-tokens", str(tokens)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, preexec_fn=set_nice)
+    seen = b""
+    while b"ROMEO:" not in seen:
+        c = p.stdout.read(1)
+        if not c:
+            break
+        seen += c
+    t0 = time.perf_counter()
+    load = start_load(load_n, settle=False) if load_n else []
+    try:
+        out, err = p.communicate()
+        dt = time.perf_counter() - t0
+    finally:
+        stop_load(load)
+    if p.returncode != 0:
+        sys.exit(f"bench_oversubscribed: {' '.join(cmd)} failed ({p.returncode}):\n{err.decode(errors='replace')}")
+    notes = [l for l in err.decode(errors="replace").splitlines() if "lathe" in l and "note" in l]
+    return dt, notes
+
+
+def generate_late_ms_per_token(lathe, model, tokens, env, load_n):
+    t1, _ = generate_late(lathe, model, 1, env, load_n)
+    tn, notes = generate_late(lathe, model, tokens, env, load_n)
+    return 1000.0 * max(tn - t1, 0.0) / (tokens - 1), notes
+
+
+STEP_MS = re.compile(r"^step\s+(\d+)/\d+ .*\| ([0-9.]+) ms \|")
+
+
+def train_late_ms_per_step(lathe, data, tmp, steps, env, load_n):
+    out = os.path.join(tmp, "late_run")
+    cmd = [lathe, "train", os.path.join(ROOT, "configs", "quickstart.yaml"), "--set", f"data.train={data}",
+           "--set", f"output.dir={out}", "--overwrite", "--set", f"training.steps={steps + 4}",
+           "--set", "model.n_embd=256", "--set", "training.eval_interval=0", "--set", "schedule.warmup_steps=0",
+           "--set", "training.eval_batches=1", "--set", "training.log_interval=1",
+           "--set", "training.micro_batch_size=4", "--set", "training.seq_len=64"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, preexec_fn=set_nice,
+                         text=True, errors="replace")
+    load, times, lines = [], [], []
+    try:
+        for line in p.stdout:
+            lines.append(line)
+            m = STEP_MS.match(line)
+            if not m:
+                continue
+            step = int(m.group(1))
+            if step == 2 and load_n:
+                load = start_load(load_n, settle=False)
+            if step >= 4:
+                times.append(float(m.group(2)))
+        p.wait()
+    finally:
+        stop_load(load)
+    if p.returncode != 0 or not times:
+        sys.exit(f"bench_oversubscribed: {' '.join(cmd)} failed ({p.returncode}):\n{''.join(lines[-30:])}")
+    notes = [l.strip() for l in lines if "lathe" in l and "note" in l]
+    return statistics.median(times), notes
+
+
 def train_ms_per_step(bench, steps, env):
     _, r = run([bench, "gpt2-small-bench", "4", "64", str(steps)], env)
     notes = [l for l in r.stderr.splitlines() if "wait" in l.lower() or "oversubscri" in l.lower()]
@@ -111,6 +188,7 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--load", type=int, default=os.cpu_count(), help="busy processes when loaded")
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for lathe's environment")
+    ap.add_argument("--late", action="store_true", help="the load arrives after lathe started (see above)")
     ap.add_argument("--only", choices=["generate", "train"], help="measure only one of the two")
     ap.add_argument("--nice", type=int, default=0,
                     help="run lathe and the load at this nice value (root: e.g. -20 on a machine others share, "
@@ -125,9 +203,11 @@ def main():
         k, _, v = kv.partition("=")
         env[k] = v
     print(f"CPU: {cpu_model()}, {os.cpu_count()} online CPUs; lathe with {a.threads} threads; "
-          f"loaded = {a.load} busy processes; extra env: {' '.join(a.env) or '(none)'}")
+          f"loaded = {a.load} busy processes{' arriving after start' if a.late else ''}; "
+          f"extra env: {' '.join(a.env) or '(none)'}")
+    print(f"machine before: {uptime()}", flush=True)
     kinds = [a.only] if a.only else ["generate", "train"]
-    if "train" in kinds and not os.path.exists(bench):
+    if "train" in kinds and not a.late and not os.path.exists(bench):
         sys.exit(f"bench_oversubscribed: {bench} not found: cmake --build {a.build} --target bench_train_step")
     res = {(k, s): [] for k in kinds for s in ("idle", "loaded")}
     notes = set()
@@ -135,9 +215,23 @@ def main():
         # The model is made with passive waiting whatever --env says (it is not measured).
         prep_env = dict(env, OMP_WAIT_POLICY="PASSIVE")
         prep_env.pop("GOMP_SPINCOUNT", None)
-        model = prepare_model(lathe, tmp, prep_env) if "generate" in kinds else None
+        model = prepare_model(lathe, tmp, prep_env)
+        data = os.path.join(tmp, "shakespeare_byte")
         for rep in range(a.reps):
             for state in ("idle", "loaded") if rep % 2 == 0 else ("loaded", "idle"):
+                if a.late:
+                    n_load = a.load if state == "loaded" else 0
+                    if "generate" in kinds:
+                        ms, n = generate_late_ms_per_token(lathe, model, a.tokens, env, n_load)
+                        res[("generate", state)].append(ms)
+                        print(f"  generate {state} (late): {ms:.2f} ms/token", flush=True)
+                        notes.update(n)
+                    if "train" in kinds:
+                        ms, n = train_late_ms_per_step(lathe, data, tmp, a.steps, env, n_load)
+                        res[("train", state)].append(ms)
+                        print(f"  train {state} (late): {ms:.1f} ms/step", flush=True)
+                        notes.update(n)
+                    continue
                 load = start_load(a.load) if state == "loaded" else []
                 try:
                     if "generate" in kinds:
@@ -152,6 +246,7 @@ def main():
                         notes.update(n)
                 finally:
                     stop_load(load)
+    print(f"machine after: {uptime()}")
     for n in sorted(notes):
         print(f"  lathe said: {n}")
     unit = {"generate": "ms/token", "train": "ms/step"}

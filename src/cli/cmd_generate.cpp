@@ -11,6 +11,9 @@
 
 #include "cli/command.h"
 #include "cli/validators.h"
+#include "core/blas_env.h"
+#include "core/dtype.h"
+#include "core/parallel.h"
 #include "eval/generate.h"
 #include "interop/hf_weights.h"
 #include "io/fs.h"
@@ -102,7 +105,11 @@ int run_generate(int argc, char** argv) {
   // print what is new.
   std::vector<int32_t> out;
   std::string printed;
+  // Load that arrives mid-run: fewer threads (core/blas_env.h; fp32 only, where the thread count
+  // does not change the arithmetic).
+  lathe::LoadFollower follow(model->compute_dtype() == lathe::DType::F32 ? lathe::max_threads() : 1);
   lathe::generate(*model, ids, so, [&](int32_t t) {
+    if (const std::string note = follow.poll(); !note.empty()) fmt::print(stderr, "{}", note);
     out.push_back(t);
     std::string text = tokenizer->decode(out);
     if (text.size() > printed.size() && text.compare(0, printed.size(), printed) == 0) {

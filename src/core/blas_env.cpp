@@ -1,7 +1,9 @@
 #include "core/blas_env.h"
 
 #include <cblas.h>
+#include <dirent.h>
 #include <fmt/format.h>
+#include <omp.h>
 #include <sched.h>
 #include <unistd.h>
 
@@ -11,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -49,14 +52,96 @@ int other_runnable_tasks() {
   return std::max(samples[samples.size() / 2], 0);
 }
 
+// The CPUs this process may run on.
+int allowed_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  const int n =
+      sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
+  return n < 1 ? 1 : n;
+}
+
+// Threads of this process that are runnable now (state R in /proc/self/task/*/stat: the caller,
+// and OpenMP workers still spinning after a region).
+int own_running_threads() {
+  DIR* d = opendir("/proc/self/task");
+  if (d == nullptr) return 1;
+  int n = 0;
+  while (const dirent* e = readdir(d)) {
+    if (e->d_name[0] == '.') continue;
+    std::ifstream f(std::string("/proc/self/task/") + e->d_name + "/stat");
+    std::string line;
+    if (!std::getline(f, line)) continue;
+    const size_t close = line.rfind(')');  // the name may hold spaces and parentheses
+    if (close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'R') ++n;
+  }
+  closedir(d);
+  return std::max(n, 1);
+}
+
+double seconds_now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
 }  // namespace
+
+int procs_running(const std::string& proc_stat) {
+  std::istringstream in(proc_stat);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("procs_running ", 0) == 0) return std::atoi(line.c_str() + 14);
+  }
+  return -1;
+}
+
+int threads_for_load(int cpus, int max_threads, int other_busy) {
+  return std::clamp(cpus - std::max(other_busy, 0), 1, std::max(max_threads, 1));
+}
+
+LoadFollower::LoadFollower(int max_threads, int cpus)
+    : max_threads_(max_threads), threads_(max_threads), cpus_(cpus > 0 ? cpus : allowed_cpus()) {
+  const char* v = std::getenv("LATHE_FOLLOW_LOAD");
+  enabled_ = max_threads > 1 && !(v != nullptr && std::strcmp(v, "0") == 0);
+}
+
+int LoadFollower::observe(int other_busy) {
+  samples_.push_back(std::max(other_busy, 0));
+  if (static_cast<int>(samples_.size()) > kWindow) samples_.erase(samples_.begin());
+  std::vector<int> sorted = samples_;
+  std::sort(sorted.begin(), sorted.end());
+  // The lower median: switching (either way) needs a majority of the window, not a tie.
+  return threads_for_load(cpus_, max_threads_, sorted[(sorted.size() - 1) / 2]);
+}
+
+std::string LoadFollower::poll() {
+  if (!enabled_) return "";
+  const double now = seconds_now();
+  if (now - last_ < kLoadCheckSeconds) return "";
+  last_ = now;
+  std::ifstream f("/proc/stat");
+  std::stringstream text;
+  text << f.rdbuf();
+  const int running = procs_running(text.str());
+  if (running < 0) {  // no /proc/stat (not Linux?): keep the thread count
+    enabled_ = false;
+    return "";
+  }
+  const int other = std::max(running - own_running_threads(), 0);
+  const int want = observe(other);
+  if (want == threads_) return "";
+  threads_ = want;
+  omp_set_num_threads(want);
+  if (noted_ || want == max_threads_) return "";
+  noted_ = true;
+  return fmt::format(
+      "lathe: note: {} other busy task(s) arrived on {} CPUs: running {} thread(s) instead of {} while they "
+      "last (fp32 results do not depend on the thread count; LATHE_FOLLOW_LOAD=0 keeps {})\n",
+      other, cpus_, want, max_threads_, max_threads_);
+}
 
 OmpLoad omp_load() {
   OmpLoad l;
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  l.cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
-  if (l.cpus < 1) l.cpus = 1;
+  l.cpus = allowed_cpus();
   // OMP_NUM_THREADS may be a list ("4,2": the first level counts); libgomp's default is one per CPU.
   l.threads = static_cast<int>(env_count("OMP_NUM_THREADS"));
   if (l.threads == 0) l.threads = l.cpus;
@@ -82,12 +167,12 @@ RuntimeSettings fast_runtime_settings() {
   const char* isa_cap = std::getenv("LATHE_CPU_ISA");
   const bool capped_to_avx2 = isa_cap != nullptr && std::strcmp(isa_cap, "avx2") == 0;
   const char* core = openblas_get_corename();
-  const bool avx2_kernels = std::strcmp(core, "Prescott") == 0 || std::strcmp(core, "Haswell") == 0 ||
-                            std::strcmp(core, "Zen") == 0;
+  const bool avx2_kernels =
+      std::strcmp(core, "Prescott") == 0 || std::strcmp(core, "Haswell") == 0 || std::strcmp(core, "Zen") == 0;
   if (std::getenv("OPENBLAS_CORETYPE") == nullptr && avx2_kernels && !capped_to_avx2) {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512dq")) {
       out.env.emplace_back("OPENBLAS_CORETYPE", "SkylakeX");
     }
   }

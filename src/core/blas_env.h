@@ -31,10 +31,10 @@ inline constexpr const char* kSpinCount = "20000";
 
 // What decides the wait policy at start.
 struct OmpLoad {
-  int cpus = 1;          // CPUs this process may run on (sched_getaffinity)
-  int threads = 1;       // OMP_NUM_THREADS (first level), else one per CPU
-  int local_ranks = 1;   // processes of this job on this host (Open MPI / MPICH / torchrun variables)
-  int other_busy = 0;    // runnable tasks other than this one (/proc/loadavg, median of 5 samples)
+  int cpus = 1;         // CPUs this process may run on (sched_getaffinity)
+  int threads = 1;      // OMP_NUM_THREADS (first level), else one per CPU
+  int local_ranks = 1;  // processes of this job on this host (Open MPI / MPICH / torchrun variables)
+  int other_busy = 0;   // runnable tasks other than this one (/proc/loadavg, median of 5 samples)
   bool oversubscribed() const;
 };
 OmpLoad omp_load();
@@ -59,6 +59,56 @@ void ensure_fast_runtime(int argc, char** argv);
 // process inherits it). The Python package sets the note its import printed.
 const std::string& runtime_note();
 void set_runtime_note(std::string note);
+
+// Load that arrives AFTER start (issue 22 item 5). GOMP_SPINCOUNT and OMP_WAIT_POLICY are read
+// once when libgomp loads, so the start-up choice cannot follow the load; the thread count can.
+// With 2 threads on 2 cores and 2 busy processes arriving mid-run, every fork/join of a token's
+// ~30 tiny parallel regions waits for the other thread to get its time slice back (bounded spin:
+// ~4.5x slower per token than idle); on 1 thread there is nothing to wait for. LoadFollower
+// re-reads the load every kLoadCheckSeconds between units of work and sets omp_set_num_threads.
+//
+// Determinism rule: the thread count may change mid-run only where no kernel's arithmetic depends
+// on it. lathe's fp32 FORWARD kernels split rows, heads or output columns between threads (each
+// output is summed by one thread in a fixed order) and OpenBLAS sgemm/sgemv split the outputs, never
+// K, so fp32 inference gives the same bits on any thread count (tests/cli/test_load_follow.py checks
+// a run switched mid-way against unswitched ones). Training may NOT switch: the backward kernels sum
+// per-thread partials (layernorm/rmsnorm/embedding backward, lm_head_loss, ops.h "deterministic for
+// a fixed thread count"), and oneDNN's bf16 GEMMs may split K by thread count; so only fp32
+// `lathe generate` follows the load, training keeps its thread count and relies on the bounded spin.
+inline constexpr double kLoadCheckSeconds = 0.05;
+
+// "procs_running N" of /proc/stat (runnable tasks now, all CPUs, this process's threads included);
+// -1 when the text has no such line.
+int procs_running(const std::string& proc_stat);
+
+// Threads to use when `other_busy` runnable tasks that are not ours share `cpus` CPUs with a run
+// that wants `max_threads`: the CPUs left over, at least 1, at most max_threads.
+int threads_for_load(int cpus, int max_threads, int other_busy);
+
+class LoadFollower {
+ public:
+  // max_threads: the count to return to when the load goes (omp_get_max_threads() at start).
+  // Disabled (poll() does nothing) when max_threads is 1 or LATHE_FOLLOW_LOAD=0.
+  // cpus: the CPUs to share (0: those this process may run on).
+  explicit LoadFollower(int max_threads, int cpus = 0);
+  // Call between units of work (tokens), outside parallel regions. Every kLoadCheckSeconds it
+  // samples the load; the decision is the median of the last kWindow samples, so a compiler that
+  // starts or ends in between does not flip it. Returns a note line ("" for none) the first time it
+  // leaves max_threads.
+  std::string poll();
+  // The decision poll() makes from one sample of other runnable tasks: the thread count the median
+  // of the last kWindow samples asks for (does not set it).
+  int observe(int other_busy);
+  int threads() const { return threads_; }
+  bool enabled() const { return enabled_; }
+  static constexpr int kWindow = 5;
+
+ private:
+  int max_threads_, threads_, cpus_;
+  bool enabled_, noted_ = false;
+  double last_ = 0;
+  std::vector<int> samples_;
+};
 
 // "SkylakeX", "Haswell", "Prescott", ... as OpenBLAS reports it.
 std::string blas_kernel_name();

@@ -81,5 +81,53 @@ TEST(FastRuntime, SettingsKeepTheUsersAndFollowTheLoad) {
   }
 }
 
+// Load arriving mid-run (LoadFollower): /proc/stat's procs_running, the thread count the load
+// leaves room for, and the median window that keeps a few samples from flipping it.
+TEST(LoadFollower, ProcsRunningFromProcStat) {
+  const std::string stat =
+      "cpu  10132153 290696 3084719 46828483 16683 0 25195 0 0 0\n"
+      "cpu0 1393280 32966 572056 13343292 6130 0 17875 0 0 0\n"
+      "intr 1462898 0 0\nctxt 2345\nbtime 1700000000\nprocesses 3000\n"
+      "procs_running 7\nprocs_blocked 1\nsoftirq 1 2 3\n";
+  EXPECT_EQ(procs_running(stat), 7);
+  EXPECT_EQ(procs_running("cpu 1 2 3\nprocs_running 13"), 13);   // last line without a newline
+  EXPECT_EQ(procs_running("cpu 1 2 3\nprocs_blocked 4\n"), -1);  // no such line: unknown
+  EXPECT_EQ(procs_running("xprocs_running 3\n"), -1);             // the key starts the line
+}
+
+TEST(LoadFollower, ThreadsForLoad) {
+  EXPECT_EQ(threads_for_load(2, 2, 0), 2);   // idle: all threads
+  EXPECT_EQ(threads_for_load(2, 2, 1), 1);   // one core taken
+  EXPECT_EQ(threads_for_load(2, 2, 2), 1);   // both cores taken (issue 22): 1, never 0
+  EXPECT_EQ(threads_for_load(2, 2, 12), 1);
+  EXPECT_EQ(threads_for_load(16, 8, 4), 8);  // room to spare: the run's own count, not more
+  EXPECT_EQ(threads_for_load(16, 8, 10), 6);
+  EXPECT_EQ(threads_for_load(4, 4, -3), 4);  // a negative estimate counts as none
+}
+
+TEST(LoadFollower, LowerMedianOfTheLastFiveSamplesDecides) {
+  LoadFollower f(2, 2);  // 2 threads on 2 CPUs
+  // other busy tasks per sample -> threads; the window holds the last 5 samples.
+  const std::vector<std::pair<int, int>> seq = {
+      {0, 2}, {0, 2}, {0, 2}, {2, 2},  // one busy sample: stays
+      {2, 2},                          // [0 0 0 2 2]: still a minority
+      {2, 1},                          // [0 0 2 2 2]: drops to 1
+      {0, 1}, {0, 1},                  // [2 2 2 0 0]: stays at 1
+      {0, 2}};                         // [2 2 0 0 0]: back to 2
+  for (size_t i = 0; i < seq.size(); ++i) EXPECT_EQ(f.observe(seq[i].first), seq[i].second) << "sample " << i;
+}
+
+TEST(LoadFollower, DisabledForOneThreadOrByTheEnvironment) {
+  const char* v = std::getenv("LATHE_FOLLOW_LOAD");
+  const std::optional<std::string> old = v ? std::optional<std::string>(v) : std::nullopt;
+  unsetenv("LATHE_FOLLOW_LOAD");
+  EXPECT_FALSE(LoadFollower(1).enabled());
+  EXPECT_TRUE(LoadFollower(2).enabled());
+  setenv("LATHE_FOLLOW_LOAD", "0", 1);
+  EXPECT_FALSE(LoadFollower(2).enabled());
+  EXPECT_EQ(LoadFollower(2).poll(), "");
+  if (old) setenv("LATHE_FOLLOW_LOAD", old->c_str(), 1); else unsetenv("LATHE_FOLLOW_LOAD");
+}
+
 }  // namespace
 }  // namespace lathe
