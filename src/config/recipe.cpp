@@ -398,8 +398,6 @@ class Parser {
     not_yet(
         t.eval_tasks.empty() || (p.tensor <= 1 && p.pipeline <= 1), "training.eval_tasks",
         fmt::format("training.eval_tasks with parallel.tensor = {} and parallel.pipeline = {}", p.tensor, p.pipeline));
-    not_yet(r.model.rope_scaling.type != "dynamic" && r.model.rope_scaling.type != "longrope", "model.rope_scaling",
-            fmt::format("RoPE scaling '{}' (its tables depend on the pass length)", r.model.rope_scaling.type));
     // A watchdog below 1 s aborts the first all-reduce of any real job (1e-300 passed before);
     // above ~116 days it is no watchdog at all (and the clock arithmetic overflows).
     need(p.timeout_s == 0 || (p.timeout_s >= kMinTimeoutS && p.timeout_s <= kMaxTimeoutS), "parallel.timeout_s",

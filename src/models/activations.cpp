@@ -289,8 +289,11 @@ void Model::build_rope_tables(int64_t seq_len) {
 // Dynamic NTK: transformers recomputes the frequencies for a sequence longer than
 // max_position_embeddings, from max(position_ids) + 1 (the pass length, or the longest document
 // with positions restarting per document); all shorter ones share the plain tables. Called by the
-// forward only: a slot's backward uses the tables of its forward.
+// forward only: a slot's backward uses the tables of its forward. Under context parallelism the
+// pass holds T = context_T / C rows of each sample: the scaling is chosen from the whole sequence
+// (context_T, and set_documents' positions_len), as the single process chooses it.
 void Model::rope_tables_for(int64_t T) {
+  if (shard_.context_T > 0) T = shard_.context_T;
   if (cfg_.model_type == "phi3" && cfg_.rope_scaling.type == "longrope") {
     // Phi3LongRoPEScaledRotaryEmbedding (transformers 4.45.2): short or long factors by the pass
     // length T (its seq_len is the keys' length, whatever the position ids), rebuilt on a change.
@@ -300,7 +303,7 @@ void Model::rope_tables_for(int64_t T) {
   }
   if (cfg_.rope_scaling.type != "dynamic") return;
   const int64_t P = cfg_.max_position_embeddings;
-  const int64_t L = doc_pos_.empty() ? T : int64_t{*std::max_element(doc_pos_.begin(), doc_pos_.end())} + 1;
+  const int64_t L = doc_pos_.empty() ? T : doc_len_;
   if (std::max(L, P) != std::max(rope_len_[static_cast<size_t>(slot_)], P)) build_rope_tables(L);
 }
 

@@ -2,6 +2,8 @@
 // Model::set_documents (the model side of document attention; see models/documents.h).
 #include "models/documents.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "models/model.h"
 
@@ -51,10 +53,12 @@ void set_batch_documents(Model& model, const DocumentOptions& o, const int32_t* 
                       B, T);
 }
 
-void Model::set_documents(const int32_t* doc_start, const int32_t* positions, int64_t B, int64_t T) {
+void Model::set_documents(const int32_t* doc_start, const int32_t* positions, int64_t B, int64_t T,
+                          int64_t positions_len) {
   doc_start_.clear();
   doc_pos_.clear();
   docs_B_ = docs_T_ = 0;
+  doc_len_ = 0;
   if (doc_start == nullptr && positions == nullptr) return;
   LATHE_CHECK(B >= 1 && T >= 1 && B <= max_B_ && T <= max_T_,
               "set_documents: batch {}x{} is empty or exceeds the allocated {}x{}", B, T, max_B_, max_T_);
@@ -73,6 +77,14 @@ void Model::set_documents(const int32_t* doc_start, const int32_t* positions, in
                     b, hi);
       }
     doc_pos_.assign(positions, positions + n);
+    const int64_t local_len = int64_t{*std::max_element(doc_pos_.begin(), doc_pos_.end())} + 1;
+    // The whole samples' length is at least these rows' and, under context parallelism, at most
+    // the sequence (TensorShard::context_T; else this pass's T).
+    const int64_t whole_max = shard_.context_T > 0 ? shard_.context_T : T;
+    LATHE_CHECK(positions_len == 0 || (positions_len >= local_len && positions_len <= whole_max),
+                "set_documents: positions_len {} is outside [{}, {}] (max position + 1 of these rows, the sequence)",
+                positions_len, local_len, whole_max);
+    doc_len_ = positions_len > 0 ? positions_len : local_len;
   }
   docs_B_ = B;
   docs_T_ = T;
@@ -99,10 +111,6 @@ void Model::check_context_attention() const {
               "parallel.context: context-parallel attention runs on CPU models only for now; use device: cpu, or "
               "parallel.context: 1");
   LATHE_CHECK(shard_.context_T > 0, "context attention hooks set on a model without TensorShard::context_T");
-  LATHE_CHECK(arch_.learned_pos || (cfg_.rope_scaling.type != "dynamic" && cfg_.rope_scaling.type != "longrope"),
-              "parallel.context: RoPE scaling '{}' depends on the pass length and is not supported with context "
-              "parallelism yet; use parallel.context: 1",
-              cfg_.rope_scaling.type);
   LATHE_CHECK(!arch_.learned_pos || shard_.context_T <= cfg_.max_position_embeddings,
               "parallel.context: the sequence of {} tokens exceeds the learned position table of {} rows",
               shard_.context_T, cfg_.max_position_embeddings);

@@ -334,8 +334,11 @@ class Model {
   // position embedding and RoPE (nullptr: 0..T-1; each must be in [0, t]). Both are copied and stay
   // in force until the next call; a pass of another B x T while they are set is an error.
   // set_documents(nullptr, nullptr, 0, 0) returns to plain causal attention.
+  // positions_len: max(positions) + 1 over the WHOLE samples, which dynamic NTK RoPE scaling reads
+  // (a context-parallel rank holds some rows only, so the caller gives it; 0: from these rows).
   // (Defined in models/documents.cpp.)
-  void set_documents(const int32_t* doc_start, const int32_t* positions, int64_t B, int64_t T);
+  void set_documents(const int32_t* doc_start, const int32_t* positions, int64_t B, int64_t T,
+                     int64_t positions_len = 0);
 
   // Per-block passes over the activations of (B, T) (block numbering as in StepHooks). Forward
   // runs embedding, layers 0..L-1, head_loss in order; backward the reverse, after head_loss with
@@ -483,8 +486,8 @@ class Model {
   // have refilled the same host array); the backward of the pass reuses the forward's copy.
   const int32_t* to_backend(const int32_t* host, int64_t n, bool tokens, bool pass_start = false);
   void check_documents_shape(int64_t B, int64_t T) const;
-  // Context parallelism's attention hooks are usable here (host model, context_T set, RoPE
-  // without sequence-length-dependent scaling); errors name what is not.
+  // Context parallelism's attention hooks are usable here (host model, context_T set, learned
+  // positions within their table); errors name what is not.
   void check_context_attention() const;
   // The weight a kernel of the op table reads for the fp32 master `m`: the master itself in an
   // fp32 model, else the element at the same offset of the compute-dtype copy (nullptr stays null).
@@ -581,6 +584,7 @@ class Model {
   void build_rope_tables(int64_t seq_len);
   void rope_tables_for(int64_t T);
   std::vector<int32_t> doc_start_, doc_pos_;  // [docs_B_, docs_T_] each, or empty
+  int64_t doc_len_ = 0;                       // max(positions) + 1 of the whole samples (0: no positions)
   int64_t docs_B_ = 0, docs_T_ = 0;
 };
 

@@ -315,7 +315,10 @@ void set_context_pass(Model& m, const DocumentOptions& o, const std::vector<int3
   pos.resize(nl);
   if (o.document_attention) context_batch(rows, B, T, full_ds.data(), ds.data());
   context_positions(rows, B, T, o.reset_positions ? full_pos.data() : nullptr, pos.data());
-  m.set_documents(o.document_attention ? ds.data() : nullptr, pos.data(), B, Tl);
+  // max(position) + 1 over the whole samples (dynamic NTK RoPE reads it; this rank's rows may stop
+  // short of it): the one-process run's.
+  const int64_t len = o.reset_positions ? int64_t{*std::max_element(full_pos.begin(), full_pos.end())} + 1 : T;
+  m.set_documents(o.document_attention ? ds.data() : nullptr, pos.data(), B, Tl, len);
 }
 
 }  // namespace lathe::parallel

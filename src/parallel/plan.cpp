@@ -203,9 +203,6 @@ std::string shape_reject(const Job& job, const Layout& l) {
     if (l.zero == 3) return reject(fmt::format("ZeRO 3 with context {}: runs refuse it (parallel.zero <= 2)", c));
     if (T % (2 * c))
       return reject(fmt::format("context {} does not split seq_len {} into 2 x {} equal chunks", c, T, c));
-    if (cfg.rope_scaling.type == "dynamic" || cfg.rope_scaling.type == "longrope")
-      return reject(fmt::format("context {}: RoPE scaling '{}' is not supported with context parallelism yet", c,
-                                cfg.rope_scaling.type));
     if (l.sequence && (B * (T / c)) % t)
       return reject(
           fmt::format("sequence parallel: tensor {} does not divide micro_batch_size {} x seq_len / "

@@ -6,7 +6,8 @@ replicated weights' gradients are summed over the data x context ranks. The orac
 process with the same recipe: losses and gradient norms within 1e-5 relative over 8 steps, and the
 validation loss, for a tiny GPT-2 (learned positions) and a tiny Llama (GQA, RoPE), causal and with
 packed documents (data.attention: document, positions restarting per document, the loss masked
-after EOD), and bf16 / fp16. At context 2 the ring and the all-gather variants sum the same numbers in the same
+after EOD), and bf16 / fp16; RoPE scaling dynamic and Phi-3's longrope chosen from the whole
+sequence (`--rope-only` runs just those). At context 2 the ring and the all-gather variants sum the same numbers in the same
 order (a + b = b + a for the two ranks' dK/dV), so their runs are bit-identical. Also context 2 x
 data 2 with ZeRO 1, tensor 2 (+ sequence parallel) x context 2 and pipeline 2 x context 2 (4
 processes), context 4, full recompute, a context-2 checkpoint resumed in one
@@ -69,11 +70,31 @@ def compare(got, ref, what, tol=1e-5):
         check(w < tol, f"{what}: {len(a)} {key} values within {tol:g} of one process (worst {w:.1e})")
 
 
+def rope_scaling_cases(data):
+    """RoPE scaling that depends on the sequence length, at context 2: chosen from the whole sequence
+    (32 tokens), not a rank's 16 rows. Dynamic NTK with max_position_embeddings 16 < 32 (the scaled
+    frequencies; from 16 rows they would be the plain ones), causal and with positions restarting per
+    document (max position + 1 over the whole samples); Phi-3's longrope with
+    original_max_position_embeddings 16 (long factors for 32 tokens, short ones for 16)."""
+    dyn = {"model__max_position_embeddings": 16, "model__rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
+    for label, kw in (("causal", {}), ("documents", DOCS)):
+        one = train(1, data, "llama-debug", f"dynamic_{label}_one", **dyn, **kw)
+        cp = train(2, data, "llama-debug", f"dynamic_{label}_cp2", parallel__context=2, **dyn, **kw)
+        compare(cp, one, f"llama dynamic RoPE (max_position_embeddings 16) {label} context=2")
+    phi = {"model__original_max_position_embeddings": 16}
+    one = train(1, data, "phi3-debug", "longrope_one", **phi)
+    cp = train(2, data, "phi3-debug", "longrope_cp2", parallel__context=2, **phi)
+    compare(cp, one, "phi3 longrope (original_max_position_embeddings 16) context=2")
+
+
 def main():
     if not MPIRUN:
         print("SKIPPED: mpirun not found (apt-get install openmpi-bin); this is not a pass")
         return 1
     data = mpi_train.make_data(TMP)
+    rope_scaling_cases(data)
+    if sys.argv[1:] == ["--rope-only"]:  # just the cases above (a quick check)
+        return 1 if failures else 0
     for preset in ("gpt2-debug", "llama-debug"):
         for label, kw in (("causal", {}), ("documents", DOCS)):
             one = train(1, data, preset, f"{preset}_{label}_one", **kw)
