@@ -224,7 +224,7 @@ void TrainSession::open_optimizer() {
   parallel::ParamGather::ComputeCopy copy;
   if (model.compute_weight_bytes() > 0) {
     copy = {model.compute_weight_data(), dtype_size(model.compute_dtype()),
-            [&model](size_t b, size_t e) { model.refresh_compute_weights(b, e); }};
+            [&model](size_t b, size_t e) { model.refresh_compute_weights(b, e); }, DType::F32, {}};
     // Gathered in the compute dtype (half the bytes): the GEMM weights and embeddings, which the
     // kernels read only through the compute copy (Model::cw); norms and biases stay fp32.
     copy.dtype = model.compute_dtype();

@@ -388,7 +388,7 @@ TEST(ParamGather, ComputeCopyConvertedPerGatheredBlockAndReleased) {
       g.set_compute_copy({copy, 2, [&](size_t b, size_t e) {
                             for (size_t i = b; i < e; ++i) copy[i] = fp32_to_bf16(buf.p[i]);
                             converted += e - b;
-                          }});
+                          }, DType::F32, {}});
       for (int64_t b = 0; b < 4; ++b) {
         g.before_block(b, false);
         for (const auto& [lo, hi] : blocks[static_cast<size_t>(b)])
@@ -437,7 +437,7 @@ TEST(ParamGather, ComputeDtypeGathersMoveHalfTheBytesForTheSameBits) {
         ParamGather::ComputeCopy cc{copy, 2, [&](size_t b, size_t e) {
                                       for (size_t i = b; i < e; ++i) copy[i] = fp32_to_bf16(buf.p[i]);
                                       converted += e - b;
-                                    }};
+                                    }, DType::F32, {}};
         if (low) {
           cc.dtype = DType::BF16;
           cc.compute_only.assign(blocks.size(), gemm);
@@ -449,9 +449,12 @@ TEST(ParamGather, ComputeDtypeGathersMoveHalfTheBytesForTheSameBits) {
               ASSERT_EQ(copy[i], fp32_to_bf16(value_of(i))) << "block " << b << " element " << i;
               const bool norm = (i >= 8000 && i < 9000) || (i >= 30000 && i < 30500) || (i >= 20400 && i < 20600) ||
                                 (i >= 25000 && i < 25100);
-              if (norm || !low) ASSERT_EQ(buf.p[i], value_of(i)) << "block " << b << " fp32 element " << i;
-              if (low && !norm && (i < b0 || i >= e0))  // the fp32 master outside the shard: not moved
+              if (norm || !low) {
+                ASSERT_EQ(buf.p[i], value_of(i)) << "block " << b << " fp32 element " << i;
+              }
+              if (low && !norm && (i < b0 || i >= e0)) {  // the fp32 master outside the shard: not moved
                 ASSERT_NE(buf.p[i], value_of(i)) << "gathered as fp32: " << i;
+              }
             }
         };
         for (int64_t b = 0; b < 4; ++b) {
@@ -463,7 +466,9 @@ TEST(ParamGather, ComputeDtypeGathersMoveHalfTheBytesForTheSameBits) {
           check_block(b);
         }
         g.end_pass();
-        if (low) EXPECT_EQ(converted, size_t{3100});  // only the fp32 "norms" converted (5 visits)
+        if (low) {
+          EXPECT_EQ(converted, size_t{3100});  // only the fp32 "norms" converted (5 visits)
+        }
         EXPECT_EQ(shards.begin(1), size_t{20480});     // the packed pair straddles the edge
         if (c.rank() == 0) bytes[low] = g.gathered_bytes();
         std::free(copy);
