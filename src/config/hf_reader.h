@@ -108,5 +108,10 @@ void mixtral_to_hf_json(const ModelConfig& c, nlohmann::json& j);
 // config/olmo2_config.cpp: Olmo2Config's defaults and checks over the llama reader's fields, and the
 // olmo2-debug preset.
 void read_olmo2(const hf_config::Reader& r, ModelConfig& c);
+// config/qwen2_moe_config.cpp: Qwen2MoeConfig's keys, its reader and the qwen2_moe part of
+// ModelConfig::to_hf_json.
+const std::vector<std::string>& qwen2_moe_keys();
+void read_qwen2_moe(const hf_config::Reader& r, ModelConfig& c);
+void qwen2_moe_to_hf_json(const ModelConfig& c, nlohmann::json& j);
 ModelConfig make_olmo2_debug();
 }  // namespace lathe

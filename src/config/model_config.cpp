@@ -20,7 +20,8 @@ using hf_config::Reader;
 using hf_config::value_str;
 
 const std::vector<std::string> kModelTypes = {"gpt2", "llama",    "qwen2",  "mistral", "qwen3",
-                                              "phi3", "gpt_neox", "gemma2", "mixtral", "olmo2"};
+                                              "phi3", "gpt_neox", "gemma2", "mixtral", "olmo2",
+                                              "qwen2_moe"};
 
 // Keys of every PretrainedConfig that never change the forward math.
 const std::vector<std::string> kCommonKeys = {"model_type",
@@ -121,6 +122,8 @@ std::vector<std::string> ModelConfig::known_keys(std::string_view model_type) {
     keys.insert(keys.end(), gemma2_keys().begin(), gemma2_keys().end());
   } else if (model_type == "mixtral") {  // config/mixtral_config.cpp
     keys.insert(keys.end(), mixtral_keys().begin(), mixtral_keys().end());
+  } else if (model_type == "qwen2_moe") {  // config/qwen2_moe_config.cpp
+    keys.insert(keys.end(), qwen2_moe_keys().begin(), qwen2_moe_keys().end());
   } else {
     keys.insert(keys.end(), kLlamaKeys.begin(), kLlamaKeys.end());
     if (model_type == "qwen2") keys.insert(keys.end(), kQwen2Extra.begin(), kQwen2Extra.end());
@@ -295,12 +298,12 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
   if (!j.contains("model_type"))
     throw_error(
         "{}: {}model_type is missing (one of gpt2, llama, qwen2, mistral, qwen3, phi3, gpt_neox, gemma2, "
-        "mixtral, olmo2)",
+        "mixtral, olmo2, qwen2_moe)",
         source, key_prefix);
   c.model_type = r.get_string("model_type");
   if (std::find(kModelTypes.begin(), kModelTypes.end(), c.model_type) == kModelTypes.end())
     r.fail("model_type", fmt::format("'{}' is not supported (supported: gpt2, llama, qwen2, mistral, qwen3, phi3, "
-                                     "gpt_neox, gemma2, mixtral, olmo2)",
+                                     "gpt_neox, gemma2, mixtral, olmo2, qwen2_moe)",
                                      c.model_type));
   c.family = family_of(c.model_type);
 
@@ -356,6 +359,8 @@ ModelConfig ModelConfig::from_hf_json(const json& j, std::string_view source, st
     read_gemma2(r, c);
   } else if (c.model_type == "mixtral") {  // config/mixtral_config.cpp
     read_mixtral(r, c);
+  } else if (c.model_type == "qwen2_moe") {  // config/qwen2_moe_config.cpp
+    read_qwen2_moe(r, c);
   } else {
     // LlamaConfig / Qwen2Config / MistralConfig / Qwen3Config / Phi3Config class defaults.
     const bool qwen3 = c.model_type == "qwen3", qwen = c.model_type == "qwen2" || qwen3,
@@ -570,9 +575,16 @@ void ModelConfig::validate(std::string_view source, std::string_view prefix) con
     LATHE_CHECK(id >= 0 && id <= INT32_MAX, "{}: {}eos_token_id: {} in the list is out of range (0 .. {})", source,
                 prefix, id, INT32_MAX);
   // Mixture of experts (config/mixtral_config.cpp): mixtral only, experts and top-k in range.
-  LATHE_CHECK(num_local_experts == 0 || model_type == "mixtral",
+  const bool moe_family = model_type == "mixtral" || model_type == "qwen2_moe";
+  LATHE_CHECK(num_local_experts == 0 || moe_family,
               "{}: {}num_local_experts is a mixtral field ({} has no mixture of experts)", source, prefix, model_type);
-  LATHE_CHECK(model_type != "mixtral" || (num_local_experts >= 1 && num_local_experts <= kMaxMoeExperts),
+  LATHE_CHECK(shared_expert_intermediate_size == 0 || model_type == "qwen2_moe",
+              "{}: {}shared_expert_intermediate_size is a qwen2_moe field ({} has no shared expert)", source, prefix,
+              model_type);
+  LATHE_CHECK(shared_expert_intermediate_size >= 0 && shared_expert_intermediate_size <= kMaxIntermediateSize,
+              "{}: {} = {} must be in [0, {}]", source, hf("shared_expert_intermediate_size"),
+              shared_expert_intermediate_size, kMaxIntermediateSize);
+  LATHE_CHECK(!moe_family || (num_local_experts >= 1 && num_local_experts <= kMaxMoeExperts),
               "{}: {} = {} must be in [1, {}]", source, hf("num_local_experts"), num_local_experts, kMaxMoeExperts);
   LATHE_CHECK(!moe() || (num_experts_per_tok >= 1 && num_experts_per_tok <= num_local_experts),
               "{}: {} = {} must be in [1, num_local_experts = {}]", source, hf("num_experts_per_tok"),
@@ -620,7 +632,9 @@ int64_t ModelConfig::num_parameters() const {
   }
   const int64_t hd = head_dim(), H = num_attention_heads, KV = num_key_value_heads;
   // The MLP: gate, up, down; a mixture of experts: E of them and the router [E, C].
-  const int64_t mlp = moe() ? sum({mul({num_local_experts, 3, C, F}), mul({num_local_experts, C})}) : mul({3, C, F});
+  int64_t mlp = moe() ? sum({mul({num_local_experts, 3, C, F}), mul({num_local_experts, C})}) : mul({3, C, F});
+  // qwen2_moe: the shared expert's gate / up / down and its gate [1, C].
+  if (shared_expert_intermediate_size > 0) mlp = sum({mlp, mul({3, C, shared_expert_intermediate_size}), C});
   int64_t block = sum({mul({2, C}), mul({C, H, hd}), mul({2, C, KV, hd}), mul({H, hd, C}), mlp});
   if (qkv_bias()) block = sum({block, mul({H, hd}), mul({2, KV, hd})});
   if (o_bias()) block = sum({block, C});
@@ -666,6 +680,10 @@ json ModelConfig::to_hf_json() const {
   }
   if (model_type == "mixtral") {  // config/mixtral_config.cpp
     mixtral_to_hf_json(*this, j);
+    return j;
+  }
+  if (model_type == "qwen2_moe") {  // config/qwen2_moe_config.cpp
+    qwen2_moe_to_hf_json(*this, j);
     return j;
   }
   if (is_gpt_neox()) {
@@ -761,7 +779,9 @@ bool operator==(const ModelConfig& a, const ModelConfig& b) {
          a.final_logit_softcapping == b.final_logit_softcapping && a.num_local_experts == b.num_local_experts &&
          a.num_experts_per_tok == b.num_experts_per_tok && a.norm_topk_prob == b.norm_topk_prob &&
          a.output_router_logits == b.output_router_logits && a.router_aux_loss_coef == b.router_aux_loss_coef &&
-         a.router_z_loss_coef == b.router_z_loss_coef;
+         a.router_z_loss_coef == b.router_z_loss_coef &&
+         a.shared_expert_intermediate_size == b.shared_expert_intermediate_size &&
+         a.dense_intermediate_size == b.dense_intermediate_size;
 }
 
 float ModelConfig::attention_scale() const {

@@ -129,6 +129,13 @@ struct ModelConfig {
   bool moe() const { return num_local_experts > 0; }
   // The coefficient of the aux loss in the training loss (0 unless output_router_logits).
   double moe_aux_coef() const { return output_router_logits ? router_aux_loss_coef : 0.0; }
+  // qwen2_moe (config/qwen2_moe_config.cpp, models/moe_shared.cpp): each MoE layer also runs a
+  // shared SwiGLU expert of width shared_expert_intermediate_size on every token, its output times
+  // sigmoid(shared_expert_gate(x)) added to the routed output (0 = none). For qwen2_moe,
+  // intermediate_size holds the routed experts' width (config.json moe_intermediate_size) and
+  // dense_intermediate_size config.json's intermediate_size (the width of mlp_only_layers' dense
+  // MLPs, which lathe refuses; kept for the config.json round trip).
+  int64_t shared_expert_intermediate_size = 0, dense_intermediate_size = 0;
   // ---- end mixture of experts ----
 
   // The width of one attention head: explicit_head_dim, else hidden_size / num_attention_heads.
@@ -158,7 +165,7 @@ struct ModelConfig {
   bool qkv_bias() const { return is_gpt2() || attention_bias; }  // gpt_neox: attention_bias
   // Addition. The attention output projection carries a bias (gpt2 c_proj; llama attention_bias;
   // never for qwen2).
-  bool o_bias() const { return is_gpt2() || (attention_bias && model_type != "qwen2"); }
+  bool o_bias() const { return is_gpt2() || (attention_bias && model_type != "qwen2" && model_type != "qwen2_moe"); }
   // Addition. Number of trainable parameters (tied lm_head counted once). Checked arithmetic:
   // throws lathe::Error instead of wrapping.
   int64_t num_parameters() const;

@@ -49,7 +49,7 @@ ModelConfig make_llama(const char* type, int64_t L, int64_t C, int64_t H, int64_
 std::vector<std::string> ModelConfig::preset_names() {
   return {"gpt2-debug",        "gpt2-124m",   "gpt2-small-bench", "llama-debug",    "qwen2-debug", "mistral-debug",
           "llama-small-bench", "qwen3-debug", "phi3-debug",       "gpt-neox-debug", "gemma2-debug",
-          "mixtral-debug", "olmo2-debug"};
+          "mixtral-debug", "olmo2-debug", "qwen2-moe-debug"};
 }
 
 ModelConfig ModelConfig::preset(std::string_view name) {
@@ -133,6 +133,19 @@ ModelConfig ModelConfig::preset(std::string_view name) {
     // OLMo 2's shape in small (config/olmo2_config.cpp): 3 layers, 6 heads of 10 over 2 kv heads,
     // post norms only, q/k norms over the whole projection (60 and 20 wide), untied, eps 1e-6.
     c = make_olmo2_debug();
+  } else if (name == "qwen2-moe-debug") {
+    // Qwen2-MoE in small (config/qwen2_moe_config.cpp): 2 layers, 4 heads over 2 kv heads, q/k/v
+    // biases, 6 experts of width 24 (moe_intermediate_size), top-3 without renormalisation, a shared
+    // expert of width 56, the aux loss on with 0.02.
+    c = make_llama("qwen2_moe", 2, 48, 4, 2, 24, 96, 128);
+    c.dense_intermediate_size = 64;
+    c.shared_expert_intermediate_size = 56;
+    c.attention_bias = true;
+    c.num_local_experts = 6;
+    c.num_experts_per_tok = 3;
+    c.norm_topk_prob = false;
+    c.output_router_logits = true;
+    c.router_aux_loss_coef = 0.02;
   } else {
     std::string list;
     for (auto& n : preset_names()) list += (list.empty() ? "" : ", ") + n;

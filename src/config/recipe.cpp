@@ -190,10 +190,11 @@ class Parser {
     } else {
       bad("model",
           "give model.preset, model.init_from, model.config, or model.model_type (gpt2, llama, qwen2, "
-          "mistral, qwen3, phi3, gpt_neox, gemma2, mixtral, olmo2) with its HF fields");
+          "mistral, qwen3, phi3, gpt_neox, gemma2, mixtral, olmo2, qwen2_moe) with its HF fields");
     }
     static const std::vector<std::string> types = {"gpt2", "llama",    "qwen2",  "mistral", "qwen3",
-                                                   "phi3", "gpt_neox", "gemma2", "mixtral", "olmo2"};
+                                                   "phi3", "gpt_neox", "gemma2", "mixtral", "olmo2",
+                                                   "qwen2_moe"};
     if (std::find(types.begin(), types.end(), mt) == types.end())
       bad("model.model_type", fmt::format("'{}' is not supported (supported: {})", mt, join(types)));
 
@@ -217,7 +218,7 @@ class Parser {
       std::string from = merged.value("model_type", "");
       if ((from == "gpt2") != (mt == "gpt2") || (from == "gpt_neox") != (mt == "gpt_neox") ||
           (from == "gemma2") != (mt == "gemma2") || (from == "mixtral") != (mt == "mixtral") ||
-          (from == "olmo2") != (mt == "olmo2"))
+          (from == "olmo2") != (mt == "olmo2") || (from == "qwen2_moe") != (mt == "qwen2_moe"))
         bad("model.model_type", fmt::format("'{}' cannot replace model_type '{}' of {} (different architecture "
                                             "family); drop the base or use a matching one",
                                             mt, from, base_desc));

@@ -56,7 +56,7 @@ const std::vector<FamilyRules>& family_rules() {
        "lm_head.weight",
        {"transformer.wte.weight"}},
       {{"llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "mixtral",
-        "olmo2"},  // phi3: qkv_proj, gate_up_proj (models/llama.cpp); olmo2: models/olmo2.cpp
+        "olmo2", "qwen2_moe"},  // phi3: qkv_proj, gate_up_proj (models/llama.cpp); olmo2: models/olmo2.cpp
        {},
        {".rotary_emb.inv_freq"},  // rotary buffer of older checkpoints
        "model.embed_tokens.weight",

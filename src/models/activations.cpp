@@ -81,6 +81,7 @@ size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shar
   // MoeActs), N*k dropless slots. Kept whatever the recompute mode (a MoE model refuses recompute;
   // the plans of `lathe plan` count them).
   const int64_t ME = moe ? cfg.num_local_experts : 0, MK = moe ? cfg.num_experts_per_tok : 0, NK = mul({N, MK});
+  const int64_t FS = moe ? cfg.shared_expert_intermediate_size : 0;  // Arch::moe_shared_width
   auto moe_acts = [&](int64_t l) {
     cpu::MoeActs& m = layer(l).moe;
     m.logits = stat("moe_logits", l, mul({N, ME}));
@@ -96,6 +97,14 @@ size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shar
     m.up = stat("moe_up", l, mul({NK, F}));
     m.act = stat("moe_act", l, mul({NK, F}));
     m.y = stat("moe_y", l, mul({NK, C}));
+    if (FS > 0) {  // the shared expert (moe_shared.cpp)
+      LayerActs& a = layer(l);
+      a.sh_gate = stat("moe_sh_gate", l, mul({N, FS}));
+      a.sh_up = stat("moe_sh_up", l, mul({N, FS}));
+      a.sh_act = stat("moe_sh_act", l, mul({N, FS}));
+      a.sh_y = stat("moe_sh_y", l, mul({N, C}));
+      a.sh_sig = stat("moe_sh_sig", l, N);
+    }
   };
   for (int64_t l = 0; l < L; ++l) {
     LayerActs& a = layer(l);
@@ -201,6 +210,9 @@ size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shar
     (m ? m->moe_scratch_ : fsink) =
         stat("moe_scratch", -1, static_cast<int64_t>(cpu::moe_backward_scratch_floats(ms)), kPass);
     (m ? m->moe_dlogits_ : fsink) = stat("moe_dlogits", -1, mul({N, ME}), kPass);
+    if (FS > 0)  // dy, dx [N, C], dz [N], the expert backward's 2 N Fs (moe_shared.cpp)
+      (m ? m->moe_shared_scratch_ : fsink) = stat(
+          "moe_shared_scratch", -1, checked_add(mul({2, N, C}), checked_add(N, mul({2, N, FS}), what), what), kPass);
   }
   if (sp) (m ? m->gathered_ : sink) = take("gathered", -1, mul({NG, C}), act, kPass);
   (m ? m->scratch_ : sink) = take("scratch", -1, scratch, DType::U8, kPass);

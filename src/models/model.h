@@ -75,6 +75,10 @@ struct Arch {
   int64_t moe_experts = 0, moe_top_k = 0;
   bool moe_renormalize = true;
   float moe_aux_loss_coef = 0.0f, moe_z_loss_coef = 0.0f;
+  // moe_shared_width > 0 (Qwen2-MoE; models/moe_shared.cpp): each MoE block also runs a shared
+  // SwiGLU expert of that width on every token (Role::SharedW1/W3/W2) and adds its output times
+  // sigmoid(x . g) (Role::SharedGateW, g [1, C]) to the routed output.
+  int64_t moe_shared_width = 0;
   // ---- end mixture of experts ----
 };
 
@@ -90,6 +94,8 @@ struct LayerPtrs {
   float *post_attn_w = nullptr, *post_ffn_w = nullptr;  // [C] each (Arch::sandwich_norm)
   // Arch::moe_experts: router [E, C], experts' w1 / w3 [E, F, C] and w2 [E, C, F]
   float *router_w = nullptr, *exp_w1 = nullptr, *exp_w3 = nullptr, *exp_w2 = nullptr;
+  // Arch::moe_shared_width (Fs): the shared expert's gate / up [Fs, C], down [C, Fs], its gate [1, C]
+  float *sh_w1 = nullptr, *sh_w3 = nullptr, *sh_w2 = nullptr, *sh_gate_w = nullptr;
 };
 struct ModelPtrs {
   float *wte = nullptr, *wpe = nullptr, *lnf_w = nullptr, *lnf_b = nullptr, *lm_head = nullptr;
@@ -429,6 +435,14 @@ class Model {
   // resolve()'s place for a MoE role (router, experts' w1 / w3 / w2) in `lp` (nullable), needed when
   // `moe`; nullptr for any other role.
   static float** moe_slot(Role r, LayerPtrs* lp, bool moe, bool* needed);
+  // The shared expert's roles (models/moe_shared.cpp): its place in `lp`, needed when `shared`.
+  static bool moe_shared_role(Role r);
+  static float** moe_shared_slot(Role r, LayerPtrs* lp, bool shared, bool* needed);
+  // Arch::moe_shared_width: out[N,C] += sigmoid(ln2 . g) x shared_expert(ln2) of layer l (forward,
+  // saving what the backward reads), and its backward: dln_ += the input gradient from dres_, the
+  // shared weights' gradients +=.
+  void moe_shared_forward(int64_t l, int64_t N, float* out);
+  void moe_shared_backward(int64_t l, int64_t N);
   // Where a MoE model runs (host fp32, one process or data parallel): throws naming the key.
   void check_moe_support() const;
   // Layer l's MoE block: res2 = res1 + moe(ln2) (load statistics of the pass accumulated), and its
@@ -556,6 +570,9 @@ class Model {
     float *attn_out_rstd, *mlp_out_rstd;
     // Arch::moe_experts: what the MoE block's forward saves (kernels/cpu/ops.h MoeActs; fp32).
     cpu::MoeActs moe;
+    // Arch::moe_shared_width (Fs): the shared expert's gate / up / act [N, Fs], output y [N, C]
+    // and its sigmoid gate [N] (models/moe_shared.cpp); nullptr otherwise.
+    float *sh_gate = nullptr, *sh_up = nullptr, *sh_act = nullptr, *sh_y = nullptr, *sh_sig = nullptr;
   };
   std::vector<LayerActs> la_;
   void *emb_ = nullptr, *lnf_ = nullptr;
@@ -576,6 +593,8 @@ class Model {
   double moe_aux_ = std::numeric_limits<double>::quiet_NaN(), moe_z_ = std::numeric_limits<double>::quiet_NaN(),
          moe_z_sum_ = 0.0;
   float moe_grad_weight_ = 0.0f;  // n x grad_scale of the pass (0: no backward)
+  // Arch::moe_shared_width: the shared expert's backward scratch (transient; models/moe_shared.cpp).
+  float* moe_shared_scratch_ = nullptr;
   float *rope_cos_ = nullptr, *rope_sin_ = nullptr;
   // RoPE tables of each slot: the sequence length their frequencies were computed for (dynamic NTK
   // scaling depends on it; rope_tables_for() rebuilds the current slot's when a pass differs).
@@ -617,6 +636,7 @@ std::unique_ptr<Model> build_llama(const ModelConfig& cfg, const ComputeSpec& co
 std::unique_ptr<Model> build_gpt_neox(const ModelConfig& cfg, const ComputeSpec& compute = {});  // gpt_neox.cpp
 std::unique_ptr<Model> build_gemma2(const ModelConfig& cfg, const ComputeSpec& compute = {});    // gemma2.cpp
 std::unique_ptr<Model> build_mixtral(const ModelConfig& cfg, const ComputeSpec& compute = {});   // mixtral.cpp
+std::unique_ptr<Model> build_qwen2_moe(const ModelConfig& cfg, const ComputeSpec& compute = {});  // moe_shared.cpp
 std::unique_ptr<Model> build_olmo2(const ModelConfig& cfg, const ComputeSpec& compute = {});     // olmo2.cpp
 
 // Final-logit soft-capping of returned fp32 host logits (Gemma 2's final_logit_softcapping; models/

@@ -155,6 +155,7 @@ void Model::moe_layer_forward(int64_t l, int64_t N) {
   else
     cpu::moe_forward(static_cast<float*>(a.res2), a.moe, static_cast<const float*>(a.ln2), w.router_w, w.exp_w1,
                      w.exp_w3, w.exp_w2, s);
+  if (arch_.moe_shared_width > 0) moe_shared_forward(l, N, static_cast<float*>(a.res2));  // models/moe_shared.cpp
   ops_->residual_forward(a.res2, a.res2, a.res1, N * cfg_.hidden_size);
   cpu::moe_load_stats(moe_psum_.data(), moe_counts_.data(), a.moe.probs, a.moe.topk_idx, N, s.E, s.k);
   moe_rows_ += N;
@@ -199,6 +200,7 @@ void Model::moe_layer_backward(int64_t l, int64_t N) {
     cpu::moe_backward(static_cast<float*>(dln_), gw.router_w, gw.exp_w1, gw.exp_w3, gw.exp_w2,
                       static_cast<const float*>(dres_), dadd, a.moe, static_cast<const float*>(a.ln2), w.router_w,
                       w.exp_w1, w.exp_w3, w.exp_w2, s, moe_scratch_);
+  if (arch_.moe_shared_width > 0) moe_shared_backward(l, N);  // dln_ += (models/moe_shared.cpp)
 }
 
 }  // namespace lathe

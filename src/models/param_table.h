@@ -62,6 +62,11 @@ enum class Role : uint8_t {
   ExpertW1,  // experts.0.w1 (gate) [F, C]; experts 1..E-1 continue it: [E, F, C] in the flat buffer
   ExpertW3,  // experts.0.w3 (up), continued likewise: [E, F, C]
   ExpertW2,  // experts.0.w2 (down) [C, F], continued likewise: [E, C, F]
+  // ---- Qwen2-MoE's shared expert (Arch::moe_shared_width; models/moe_shared.cpp) ----
+  SharedW1,     // mlp.shared_expert.gate_proj.weight [Fs, C]
+  SharedW3,     // mlp.shared_expert.up_proj.weight [Fs, C]
+  SharedW2,     // mlp.shared_expert.down_proj.weight [C, Fs]
+  SharedGateW,  // mlp.shared_expert_gate.weight [1, C]
 };
 inline const char* role_name(Role r) {
   static const char* const names[] = {"none",
@@ -90,7 +95,11 @@ inline const char* role_name(Role r) {
                                       "router_w",
                                       "expert_w1",
                                       "expert_w3",
-                                      "expert_w2"};
+                                      "expert_w2",
+                                      "shared_w1",
+                                      "shared_w3",
+                                      "shared_w2",
+                                      "shared_gate_w"};
   return names[static_cast<size_t>(r)];
 }
 

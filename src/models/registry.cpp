@@ -55,6 +55,7 @@ ModelRegistry& model_registry() {
     r.add("phi3", build_llama, "src/models/llama.cpp (phi3: fused qkv_proj / gate_up_proj)");
     r.add("mixtral", build_mixtral, "src/models/moe_layer.cpp (mixtral: sparse mixture of experts)");
     r.add("olmo2", build_olmo2, "src/models/olmo2.cpp");  // olmo2
+    r.add("qwen2_moe", build_qwen2_moe, "src/models/moe_shared.cpp (qwen2_moe: experts + a gated shared expert)");
     return r;
   }();
   return reg;

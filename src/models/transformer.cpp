@@ -161,7 +161,8 @@ ModelPtrs Model::resolve(float* base) const {
       case Role::PostFfnNormW:
         *needed = arch_.sandwich_norm;
         return lp ? &lp->post_ffn_w : nullptr;
-      default:  // the router and experts (models/moe_layer.cpp), or no place
+      default:  // the router and experts (models/moe_layer.cpp), the shared expert (moe_shared.cpp), or no place
+        if (moe_shared_role(r)) return moe_shared_slot(r, lp, arch_.moe_shared_width > 0, needed);
         return moe_slot(r, lp, arch_.moe_experts > 0, needed);
     }
   };
@@ -236,7 +237,11 @@ ModelPtrs Model::resolve(float* base) const {
     const std::pair<float*, Role> moe[] = {{l.router_w, Role::RouterW},
                                            {l.exp_w1, Role::ExpertW1},
                                            {l.exp_w3, Role::ExpertW3},
-                                           {l.exp_w2, Role::ExpertW2}};
+                                           {l.exp_w2, Role::ExpertW2},
+                                           {l.sh_w1, Role::SharedW1},  // qwen2_moe's shared expert
+                                           {l.sh_w3, Role::SharedW3},
+                                           {l.sh_w2, Role::SharedW2},
+                                           {l.sh_gate_w, Role::SharedGateW}};
     for (auto& [ptr, role] : moe) require(ptr, role, i);
   }
   if (arch_.tied_lm_head) m.lm_head = m.wte;
