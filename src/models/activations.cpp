@@ -14,6 +14,64 @@
 
 namespace lathe {
 
+namespace {
+
+// Hands out the arena's buffers in walk order, 64-byte aligned: in the (per-slot) arena, or, when
+// the layout is split, the transient ones in the shared region; each recorded in the plan.
+struct ArenaCursor {
+  const std::string& what;
+  std::byte* base;
+  std::byte* shared;
+  ActivationPlan* plan;
+  bool split;
+  int64_t off = 0, soff = 0;  // bytes: of the (per-slot) arena, of the shared region when split
+
+  void* take(const char* name, int64_t layer, int64_t count, DType dtype, bool transient) {
+    const int64_t bytes = checked_mul(count, static_cast<int64_t>(dtype_size(dtype)), what);
+    int64_t& at = split && transient ? soff : off;
+    std::byte* from = split && transient ? shared : base;
+    if (plan) plan->entries.push_back({name, layer, count, dtype, static_cast<size_t>(at), transient});
+    void* p = from ? from + at : nullptr;
+    at = checked_add(at, checked_add(bytes, 63, what) / 64 * 64, what);  // keep 64-byte alignment
+    return p;
+  }
+  float* stat(const char* name, int64_t layer, int64_t count, bool transient = false) {
+    return static_cast<float*>(take(name, layer, count, DType::F32, transient));
+  }
+};
+
+// Mixture of experts: what layer l's MoE block saves (fp32; kernels/cpu/ops.h MoeActs) for N tokens
+// in NK = N*k dropless slots over ME experts of width F, and with FS > 0 the shared expert's
+// (moe_shared.cpp). Kept whatever the recompute mode (a MoE model refuses recompute; the plans of
+// `lathe plan` count them). LayerActs: Model's (private) per-layer set, deduced.
+template <class LayerActs, class Mul>
+void layout_moe_acts(ArenaCursor& ar, LayerActs& a, int64_t l, int64_t N, int64_t C, int64_t F, int64_t ME, int64_t NK,
+                     int64_t FS, const Mul& mul) {
+  cpu::MoeActs& m = a.moe;
+  m.logits = ar.stat("moe_logits", l, mul({N, ME}));
+  m.probs = ar.stat("moe_probs", l, mul({N, ME}));
+  m.topk_idx = static_cast<int32_t*>(ar.take("moe_topk_idx", l, NK, DType::I32, false));
+  m.topk_w = ar.stat("moe_topk_w", l, NK);
+  m.offsets = static_cast<int32_t*>(ar.take("moe_offsets", l, ME + 1, DType::I32, false));
+  m.slot_token = static_cast<int32_t*>(ar.take("moe_slot_token", l, NK, DType::I32, false));
+  m.slot_k = static_cast<int32_t*>(ar.take("moe_slot_k", l, NK, DType::I32, false));
+  m.token_slot = static_cast<int32_t*>(ar.take("moe_token_slot", l, NK, DType::I32, false));
+  m.xp = ar.stat("moe_xp", l, mul({NK, C}));
+  m.gate = ar.stat("moe_gate", l, mul({NK, F}));
+  m.up = ar.stat("moe_up", l, mul({NK, F}));
+  m.act = ar.stat("moe_act", l, mul({NK, F}));
+  m.y = ar.stat("moe_y", l, mul({NK, C}));
+  if (FS > 0) {  // the shared expert
+    a.sh_gate = ar.stat("moe_sh_gate", l, mul({N, FS}));
+    a.sh_up = ar.stat("moe_sh_up", l, mul({N, FS}));
+    a.sh_act = ar.stat("moe_sh_act", l, mul({N, FS}));
+    a.sh_y = ar.stat("moe_sh_y", l, mul({N, C}));
+    a.sh_sig = ar.stat("moe_sh_sig", l, N);
+  }
+}
+
+}  // namespace
+
 std::string ActivationEntry::label() const {
   return layer >= 0 ? fmt::format("layers.{}.{}", layer, name) : std::string(name);
 }
@@ -57,19 +115,13 @@ size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shar
        qk_norm ? static_cast<int64_t>(ops.head_rmsnorm_scratch_bytes(D)) : int64_t{0},
        qk_full ? static_cast<int64_t>(ops.head_rmsnorm_scratch_bytes(mul({H, D}))) : int64_t{0}});
   const DType act = ops.dtype;
-  int64_t off = 0, soff = 0;  // bytes: of the (per-slot) arena, of the shared region when split
   const bool split = shared_bytes != nullptr;
-  auto take = [&](const char* name, int64_t layer, int64_t count, DType dtype, bool transient = false) -> void* {
-    const int64_t bytes = checked_mul(count, static_cast<int64_t>(dtype_size(dtype)), what);
-    int64_t& at = split && transient ? soff : off;
-    std::byte* from = split && transient ? shared : base;
-    if (plan) plan->entries.push_back({name, layer, count, dtype, static_cast<size_t>(at), transient});
-    void* p = from ? from + at : nullptr;
-    at = checked_add(at, checked_add(bytes, 63, what) / 64 * 64, what);  // keep 64-byte alignment
-    return p;
+  ArenaCursor arena{what, base, shared, plan, split};
+  auto take = [&arena](const char* name, int64_t layer, int64_t count, DType dtype, bool transient = false) {
+    return arena.take(name, layer, count, dtype, transient);
   };
-  auto stat = [&](const char* name, int64_t layer, int64_t count, bool transient = false) {
-    return static_cast<float*>(take(name, layer, count, DType::F32, transient));
+  auto stat = [&arena](const char* name, int64_t layer, int64_t count, bool transient = false) {
+    return arena.stat(name, layer, count, transient);
   };
   constexpr bool kPass = true;  // transient: a working buffer of one pass
   // Per layer: what the recompute mode keeps (none: everything; the layout of none is the layout
@@ -77,38 +129,11 @@ size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shar
   const bool full = recompute == Recompute::Full, selective = recompute == Recompute::Selective;
   LayerActs unused{};
   auto layer = [&](int64_t l) -> LayerActs& { return m ? m->la_[static_cast<size_t>(l)] : unused; };
-  // Mixture of experts: what the MoE block's forward saves per layer (fp32; kernels/cpu/ops.h
-  // MoeActs), N*k dropless slots. Kept whatever the recompute mode (a MoE model refuses recompute;
-  // the plans of `lathe plan` count them).
   const int64_t ME = moe ? cfg.num_local_experts : 0, MK = moe ? cfg.num_experts_per_tok : 0, NK = mul({N, MK});
   const int64_t FS = moe ? cfg.shared_expert_intermediate_size : 0;  // Arch::moe_shared_width
-  auto moe_acts = [&](int64_t l) {
-    cpu::MoeActs& m = layer(l).moe;
-    m.logits = stat("moe_logits", l, mul({N, ME}));
-    m.probs = stat("moe_probs", l, mul({N, ME}));
-    m.topk_idx = static_cast<int32_t*>(take("moe_topk_idx", l, NK, DType::I32));
-    m.topk_w = stat("moe_topk_w", l, NK);
-    m.offsets = static_cast<int32_t*>(take("moe_offsets", l, ME + 1, DType::I32));
-    m.slot_token = static_cast<int32_t*>(take("moe_slot_token", l, NK, DType::I32));
-    m.slot_k = static_cast<int32_t*>(take("moe_slot_k", l, NK, DType::I32));
-    m.token_slot = static_cast<int32_t*>(take("moe_token_slot", l, NK, DType::I32));
-    m.xp = stat("moe_xp", l, mul({NK, C}));
-    m.gate = stat("moe_gate", l, mul({NK, F}));
-    m.up = stat("moe_up", l, mul({NK, F}));
-    m.act = stat("moe_act", l, mul({NK, F}));
-    m.y = stat("moe_y", l, mul({NK, C}));
-    if (FS > 0) {  // the shared expert (moe_shared.cpp)
-      LayerActs& a = layer(l);
-      a.sh_gate = stat("moe_sh_gate", l, mul({N, FS}));
-      a.sh_up = stat("moe_sh_up", l, mul({N, FS}));
-      a.sh_act = stat("moe_sh_act", l, mul({N, FS}));
-      a.sh_y = stat("moe_sh_y", l, mul({N, C}));
-      a.sh_sig = stat("moe_sh_sig", l, N);
-    }
-  };
   for (int64_t l = 0; l < L; ++l) {
     LayerActs& a = layer(l);
-    if (moe) moe_acts(l);
+    if (moe) layout_moe_acts(arena, a, l, N, C, F, ME, NK, FS, mul);
     if (full) {  // only the output, which is the next layer's (or the final norm's) input
       a.res2 = take("res2", l, mul({S, C}), act);
       continue;
@@ -222,12 +247,12 @@ size_t Model::layout_activations(const ModelConfig& cfg, const TensorShard& shar
   (m ? m->rope_sin_ : fsink) = stat("rope_sin", -1, mul({RT, D}) / 2);
   if (m) m->chunk_rows_ = chunk_rows;
   if (plan) {
-    plan->bytes = static_cast<size_t>(off);
+    plan->bytes = static_cast<size_t>(arena.off);
     plan->recompute = recompute;
-    plan->shared_bytes = static_cast<size_t>(soff);
+    plan->shared_bytes = static_cast<size_t>(arena.soff);
   }
-  if (split) *shared_bytes = static_cast<size_t>(soff);
-  return static_cast<size_t>(off);
+  if (split) *shared_bytes = static_cast<size_t>(arena.soff);
+  return static_cast<size_t>(arena.off);
 }
 
 int64_t Model::activation_floats(const ModelConfig& cfg, int64_t B, int64_t T, Recompute recompute) {
