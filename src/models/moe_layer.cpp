@@ -22,6 +22,7 @@
 
 #include "kernels/cpu/ops.h"
 #include "models/model.h"
+#include "models/moe_arch.h"
 
 namespace lathe {
 
@@ -46,7 +47,8 @@ std::unique_ptr<Model> build_mixtral(const ModelConfig& cfg, const ComputeSpec& 
     // every tensor keeps its Hugging Face name. Replicated: tensor parallelism is refused for MoE.
     t.add(n("block_sparse_moe.gate.weight"), {E, C}, Init::Normal, std, ShardRule::Replicated, true)
         .as(Role::RouterW, i);
-    const std::pair<const char*, Role> mats[] = {{"w1", Role::ExpertW1}, {"w3", Role::ExpertW3}, {"w2", Role::ExpertW2}};
+    const std::pair<const char*, Role> mats[] = {
+        {"w1", Role::ExpertW1}, {"w3", Role::ExpertW3}, {"w2", Role::ExpertW2}};
     for (const auto& [m, role] : mats)
       for (int64_t e = 0; e < E; ++e) {
         const bool down = role == Role::ExpertW2;
@@ -59,19 +61,7 @@ std::unique_ptr<Model> build_mixtral(const ModelConfig& cfg, const ComputeSpec& 
   if (!cfg.tie_word_embeddings)
     t.add("lm_head.weight", {V, C}, Init::Normal, std, ShardRule::Vocab, true).as(Role::LmHead);
 
-  Arch arch;
-  arch.layernorm = false;
-  arch.learned_pos = false;
-  arch.gelu_mlp = false;
-  arch.qkv_bias = false;
-  arch.o_bias = false;
-  arch.mlp_bias = false;
-  arch.tied_lm_head = cfg.tie_word_embeddings;
-  arch.moe_experts = E;
-  arch.moe_top_k = cfg.num_experts_per_tok;
-  arch.moe_renormalize = cfg.norm_topk_prob;
-  arch.moe_aux_loss_coef = static_cast<float>(cfg.moe_aux_coef());
-  arch.moe_z_loss_coef = static_cast<float>(cfg.router_z_loss_coef);
+  const Arch arch = moe_llama_arch(cfg, E, /*qkv_bias=*/false, /*shared_width=*/0);
   return std::make_unique<Model>(cfg, arch, std::move(t), compute);
 }
 

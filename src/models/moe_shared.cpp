@@ -14,6 +14,7 @@
 
 #include "kernels/cpu/ops.h"
 #include "models/model.h"
+#include "models/moe_arch.h"
 
 namespace lathe {
 
@@ -64,20 +65,7 @@ std::unique_ptr<Model> build_qwen2_moe(const ModelConfig& cfg, const ComputeSpec
   if (!cfg.tie_word_embeddings)
     t.add("lm_head.weight", {V, C}, Init::Normal, std, ShardRule::Vocab, true).as(Role::LmHead);
 
-  Arch arch;
-  arch.layernorm = false;
-  arch.learned_pos = false;
-  arch.gelu_mlp = false;
-  arch.qkv_bias = true;
-  arch.o_bias = false;
-  arch.mlp_bias = false;
-  arch.tied_lm_head = cfg.tie_word_embeddings;
-  arch.moe_experts = E;
-  arch.moe_top_k = cfg.num_experts_per_tok;
-  arch.moe_renormalize = cfg.norm_topk_prob;
-  arch.moe_aux_loss_coef = static_cast<float>(cfg.moe_aux_coef());
-  arch.moe_z_loss_coef = static_cast<float>(cfg.router_z_loss_coef);
-  arch.moe_shared_width = Fs;
+  const Arch arch = moe_llama_arch(cfg, E, /*qkv_bias=*/true, /*shared_width=*/Fs);
   return std::make_unique<Model>(cfg, arch, std::move(t), compute);
 }
 
