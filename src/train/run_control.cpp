@@ -2,11 +2,16 @@
 
 #include <fmt/format.h>
 
+#include <omp.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <atomic>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "core/error.h"
+#include "core/parallel.h"
 #include "core/stop.h"
 #include "core/trace.h"
 
@@ -43,7 +48,49 @@ SignalGuard::~SignalGuard() {
 RunControl::RunControl(const TrainOptions& opts, const Recipe& r, dist::Communicator& world, int dp, const RunLog& log)
     : opts_(opts), r_(r), world_(world), dp_(dp), log_(log), signals_(opts.handle_signals) {}
 
+RunControl::~RunControl() {
+  if (threads_ <= 0) return;
+  omp_set_num_threads(threads_);  // the reduction parts stay: rank threads of one process may still run
+}
+
+void RunControl::fix_threads(int threads) {
+  threads_ = threads;
+  int parts = threads;
+  if (const char* v = std::getenv("LATHE_REDUCTION_PARTS"); v != nullptr && *v != '\0') {
+    char* end = nullptr;
+    const long n = std::strtol(v, &end, 10);
+    LATHE_CHECK(*end == '\0' && n >= 1 && n <= 4096,
+                "LATHE_REDUCTION_PARTS={}: expected a whole number from 1 to 4096 (the partial sums of the "
+                "deterministic reductions; unset: the thread count at start, {})",
+                v, threads);
+    parts = static_cast<int>(n);
+  }
+  set_reduction_parts(parts);
+  // fp32 CPU kernels give the same bits on any thread count once the parts are fixed; oneDNN's
+  // 16-bit GEMMs and the device backends do not promise it, so their runs keep their count.
+  if (r_.device == "cpu" && r_.precision.compute == "fp32") load_ = std::make_unique<LoadFollower>(threads);
+  if (const char* v = std::getenv("LATHE_TEST_THREAD_CYCLE"); v != nullptr && *v != '\0') {
+    for (const char* p = v; *p != '\0';) {
+      char* end = nullptr;
+      const long n = std::strtol(p, &end, 10);
+      LATHE_CHECK(end != p && n >= 1 && n <= 4096, "LATHE_TEST_THREAD_CYCLE={}: expected thread counts like 2,1,3",
+                  v);
+      test_thread_cycle_.push_back(static_cast<int>(n));
+      p = *end == ',' ? end + 1 : end;
+      LATHE_CHECK(*end == ',' || *end == '\0', "LATHE_TEST_THREAD_CYCLE={}: expected thread counts like 2,1,3", v);
+    }
+    load_.reset();  // the cycle decides
+  }
+}
+
 void RunControl::before_step(int64_t step) {
+  if (!test_thread_cycle_.empty())
+    omp_set_num_threads(test_thread_cycle_[static_cast<size_t>(step) % test_thread_cycle_.size()]);
+  else if (load_)
+    if (std::string note = load_->poll(); !note.empty()) {
+      while (!note.empty() && note.back() == '\n') note.pop_back();
+      log_.say(note);
+    }
   if (opts_.profile_first > 0 && step + 1 == opts_.profile_first) {
     trace::start();
     trace::set_thread_name("main");

@@ -5,8 +5,11 @@
 #pragma once
 #include <csignal>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <vector>
 
+#include "core/blas_env.h"
 #include "dist/comm.h"
 #include "train/run_log.h"
 #include "train/trainer.h"
@@ -40,11 +43,20 @@ class RunControl {
  public:
   // `dp`: the data-parallel degree (the profile's metadata names it world_size).
   RunControl(const TrainOptions& opts, const Recipe& r, dist::Communicator& world, int dp, const RunLog& log);
+  // Puts back the thread count of fix_threads (in-process callers such as the Python package run
+  // more after a run).
+  ~RunControl();
 
   // --profile-steps A-B: recording starts before step A (1-based) and stops after step B, which
   // writes OUTPUT/trace/rankRRRRR.json. `step` is 0-based.
+  // Also, before each step: the thread count follows load that arrives or leaves mid-run (fp32 on
+  // the CPU only; core/blas_env.h, LoadFollower), said once in the log.
   void before_step(int64_t step);
   void after_step(int64_t step);
+  // From the session once the thread count is set: `threads` is the count to return to. Sets the
+  // reduction parts (core/parallel.h) to `threads`, or LATHE_REDUCTION_PARTS, for the whole run,
+  // so that a changed thread count changes no bit.
+  void fix_threads(int threads);
   // After step `done` (1-based; `last`: the run's final step): a signal on any rank (collective
   // over the world, every step) or --stop-after. The final step never stops early: it ends the run.
   StopRequest stop_requested(int64_t done, bool last);
@@ -58,6 +70,9 @@ class RunControl {
   const int dp_;
   const RunLog& log_;
   SignalGuard signals_;
+  int threads_ = 0;                     // fix_threads' count (0: not called)
+  std::unique_ptr<LoadFollower> load_;  // null: the thread count stays
+  std::vector<int> test_thread_cycle_;  // LATHE_TEST_THREAD_CYCLE: the thread count of step k is [k % n]
 };
 
 }  // namespace lathe

@@ -74,6 +74,7 @@ TrainSession::TrainSession(const Recipe& recipe, const TrainOptions& opts)
   control_ = std::make_unique<RunControl>(opts, r_, world_, dp, log_);
   if (r_.training.threads > 0) omp_set_num_threads(r_.training.threads);
   threads_ = omp_get_max_threads();
+  control_->fix_threads(threads_);  // reduction parts; the thread count may follow the load from here on
   geo_.B = r_.training.micro_batch_size;
   geo_.T = r_.training.seq_len;
   geo_.accum = r_.training.grad_accum_steps;

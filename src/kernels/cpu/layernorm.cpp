@@ -4,13 +4,14 @@
 // One template per kernel for every storage type (kernels/cpu/storage.h): 16-bit rows are widened
 // to fp32, the statistics, parameter gradients and the dinp sum are fp32, outputs rounded once.
 //
-// Rows are split among threads in fixed contiguous ranges. The parameter-gradient sums over rows
-// go to per-thread partials in the caller's scratch, then are combined in thread order, so the
-// result is deterministic for a fixed thread count.
+// The parameter-gradient sums over rows go to reduction_parts() partials (fixed contiguous row
+// ranges, core/parallel.h) in the caller's scratch, then are combined in part order, so the result
+// depends on the number of parts, not on how many threads share them.
 #include <omp.h>
 
 #include <cmath>
 
+#include "core/parallel.h"
 #include "kernels/cpu/op_slots.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/storage.h"
@@ -45,16 +46,16 @@ inline void layernorm_row(float* __restrict o, float* mean, float* rstd, const f
   *rstd = r;
 }
 
-// Below this many elements one thread does the work. The thread count orders the parameter-gradient
-// sums, so each table keeps its own threshold (the 16-bit ones, which also widen and round, fork later).
+// Below this many elements one thread does the work (the sums are the same either way: the parts
+// decide them). The 16-bit tables, which also widen and round, fork later.
 template <class S>
 constexpr int64_t kParallelMin = S::kFp32 ? 1 << 14 : 1 << 15;
 
-// Scratch: per thread 2C partial parameter gradients, then (16-bit storage) per thread 3C widened
-// rows (x, dout, dinp).
+// Scratch: per reduction part 2C partial parameter gradients, then (16-bit storage) per thread 3C
+// widened rows (x, dout, dinp); scratch_slots() covers both counts.
 template <class S>
 size_t scratch_floats(int64_t C) {
-  return static_cast<size_t>((S::kFp32 ? 2 : 5) * C * omp_get_max_threads());
+  return static_cast<size_t>((S::kFp32 ? 2 : 5) * C * scratch_slots());
 }
 template <class S>
 size_t scratch_bytes(int64_t C) {
@@ -84,50 +85,52 @@ void backward(void* dinp_v, float* dweight, float* dbias, const void* dout_v, co
               const float* mean, const float* rstd, int64_t N, int64_t C, void* scratch_v) {
   const float inv_c = 1.0f / static_cast<float>(C);
   float* scratch = static_cast<float*>(scratch_v);
-  const int64_t max_thr = omp_get_max_threads();
+  const int64_t parts = reduction_parts(), slots = scratch_slots();
   const auto *dout = as<S>(dout_v), *inp = as<S>(inp_v);
   auto* dinp = as<S>(dinp_v);
 #pragma omp parallel if (N * C >= kParallelMin<S>)
   {
-    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    // scratch[tid][0:C] = partial dweight, scratch[tid][C:2C] = partial dbias.
-    float* __restrict pw = scratch + tid * 2 * C;
-    float* __restrict pb = pw + C;
     // The widened rows of a 16-bit table (unused by F32, whose rows are read in place).
-    float* rows = S::kFp32 ? scratch : scratch + max_thr * 2 * C + tid * 3 * C;
-    for (int64_t c = 0; c < 2 * C; ++c) pw[c] = 0.0f;
-    const int64_t n0 = N * tid / nt, n1 = N * (tid + 1) / nt;
-    for (int64_t n = n0; n < n1; ++n) {
-      const float* __restrict x = read_row<S>(rows, inp + n * C, C);
-      const float* __restrict g = read_row<S>(rows + C, dout + n * C, C);
-      float* __restrict dx = update_row<S>(rows + 2 * C, dinp + n * C, C);
-      const float m = mean[n], r = rstd[n];
-      // dxhat = g * w;  dx = r * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
-      float sum_dxhat = 0.0f, sum_dxhat_xhat = 0.0f;
+    float* rows = S::kFp32 ? scratch : scratch + slots * 2 * C + omp_get_thread_num() * 3 * C;
+    // Part p sums rows [N p / parts, N (p + 1) / parts) into scratch[p][0:C] (dweight) and
+    // scratch[p][C:2C] (dbias), whichever thread runs it.
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < parts; ++p) {
+      float* __restrict pw = scratch + p * 2 * C;
+      float* __restrict pb = pw + C;
+      for (int64_t c = 0; c < 2 * C; ++c) pw[c] = 0.0f;
+      const int64_t n0 = N * p / parts, n1 = N * (p + 1) / parts;
+      for (int64_t n = n0; n < n1; ++n) {
+        const float* __restrict x = read_row<S>(rows, inp + n * C, C);
+        const float* __restrict g = read_row<S>(rows + C, dout + n * C, C);
+        float* __restrict dx = update_row<S>(rows + 2 * C, dinp + n * C, C);
+        const float m = mean[n], r = rstd[n];
+        // dxhat = g * w;  dx = r * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+        float sum_dxhat = 0.0f, sum_dxhat_xhat = 0.0f;
 #pragma omp simd reduction(+ : sum_dxhat, sum_dxhat_xhat)
-      for (int64_t c = 0; c < C; ++c) {
-        const float xhat = (x[c] - m) * r;
-        const float dxhat = g[c] * weight[c];
-        sum_dxhat += dxhat;
-        sum_dxhat_xhat += dxhat * xhat;
-        pw[c] += g[c] * xhat;
-        pb[c] += g[c];
+        for (int64_t c = 0; c < C; ++c) {
+          const float xhat = (x[c] - m) * r;
+          const float dxhat = g[c] * weight[c];
+          sum_dxhat += dxhat;
+          sum_dxhat_xhat += dxhat * xhat;
+          pw[c] += g[c] * xhat;
+          pb[c] += g[c];
+        }
+        const float a = sum_dxhat * inv_c, b = sum_dxhat_xhat * inv_c;
+        for (int64_t c = 0; c < C; ++c) {
+          const float xhat = (x[c] - m) * r;
+          dx[c] += (g[c] * weight[c] - a - xhat * b) * r;
+        }
+        write_row<S>(dinp + n * C, dx, C);
       }
-      const float a = sum_dxhat * inv_c, b = sum_dxhat_xhat * inv_c;
-      for (int64_t c = 0; c < C; ++c) {
-        const float xhat = (x[c] - m) * r;
-        dx[c] += (g[c] * weight[c] - a - xhat * b) * r;
-      }
-      write_row<S>(dinp + n * C, dx, C);
-    }
-#pragma omp barrier
-    // Combine partials in thread order; threads split the columns.
-    const int64_t c0 = C * tid / nt, c1 = C * (tid + 1) / nt;
-    for (int64_t c = c0; c < c1; ++c) {
+    }  // implicit barrier: every partial is complete
+    // Combine the partials in part order; threads split the columns.
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < C; ++c) {
       float sw = 0.0f, sb = 0.0f;
-      for (int64_t t = 0; t < nt; ++t) {
-        sw += scratch[t * 2 * C + c];
-        sb += scratch[t * 2 * C + C + c];
+      for (int64_t p = 0; p < parts; ++p) {
+        sw += scratch[p * 2 * C + c];
+        sb += scratch[p * 2 * C + C + c];
       }
       dweight[c] += sw;
       if (dbias != nullptr) dbias[c] += sb;

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/parallel.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/lm_head_tiles.h"
 #include "kernels/cpu/op_slots.h"
@@ -89,8 +90,9 @@ double loss_tiled(float* losses, void* dx_v, float* dw, const void* x_v, const v
   static thread_local std::vector<float> tls_partials;
   head::Stats& st = tls_stats;
   std::vector<float>& partials = tls_partials;
-  const int nthreads = omp_get_max_threads();
-  const int64_t nparts = S::kFp32 ? nthreads - 1 : nthreads;
+  // dx partial sums: part p owns a fixed run of the tiles, whichever thread runs it (core/parallel.h).
+  const int64_t parts = reduction_parts();
+  const int64_t nparts = S::kFp32 ? parts - 1 : parts;
 
   double total = 0.0;
   for (int64_t n0 = 0; n0 < N; n0 += chunk_rows) {
@@ -118,30 +120,31 @@ double loss_tiled(float* losses, void* dx_v, float* dw, const void* x_v, const v
     if (!backward) continue;
 
     St* dxc = dx + n0 * C;
-    float* dx0 = out_row<S>(partials.data() + (nthreads - 1) * RC, dxc);  // thread 0's partial
+    float* dx0 = out_row<S>(partials.data() + (parts - 1) * RC, dxc);  // part 0's partial
 #pragma omp parallel if (par)
     {
-      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-      float* acc = t == 0 ? dx0 : partials.data() + (t - 1) * RC;
-      std::fill(acc, acc + RC, 0.0f);
 #pragma omp for schedule(static)
-      for (int64_t b = 0; b < tl.nb; ++b) {
-        float* tile = logits + tl.offset(b);
-        const int64_t vb = tl.vb(b);
-        if (capped)
-          head::tile_dlogits_capped(tile, tl, b, tg, grad_scale, st, softcap);
-        else
-          head::tile_dlogits(tile, tl, b, tg, grad_scale, st);
-        const St* dl = tile_storage<S>(tile, dlog + tl.offset(b), R * vb);
-        Gemm<S>::bwd_f32(acc, dw + tl.v0(b) * C, nullptr, dl, xc, w + tl.v0(b) * C, R, C, vb, true);
+      for (int64_t p = 0; p < parts; ++p) {
+        float* acc = p == 0 ? dx0 : partials.data() + (p - 1) * RC;
+        std::fill(acc, acc + RC, 0.0f);
+        for (int64_t b = tl.nb * p / parts; b < tl.nb * (p + 1) / parts; ++b) {
+          float* tile = logits + tl.offset(b);
+          const int64_t vb = tl.vb(b);
+          if (capped)
+            head::tile_dlogits_capped(tile, tl, b, tg, grad_scale, st, softcap);
+          else
+            head::tile_dlogits(tile, tl, b, tg, grad_scale, st);
+          const St* dl = tile_storage<S>(tile, dlog + tl.offset(b), R * vb);
+          Gemm<S>::bwd_f32(acc, dw + tl.v0(b) * C, nullptr, dl, xc, w + tl.v0(b) * C, R, C, vb, true);
+        }
       }  // implicit barrier: every partial is complete
-      // dx = the partials summed in thread order (16-bit: rounded once).
-      if (nt > 1 || !S::kFp32) {
+      // dx = the partials summed in part order (16-bit: rounded once).
+      if (parts > 1 || !S::kFp32) {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < RC; i += 1024) {
           const int64_t n = std::min<int64_t>(1024, RC - i);
           float* sum = dx0 + i;
-          for (int p = 0; p + 1 < nt; ++p) {
+          for (int64_t p = 0; p + 1 < parts; ++p) {
             const float* src = partials.data() + p * RC + i;
             for (int64_t j = 0; j < n; ++j) sum[j] += src[j];
           }
@@ -163,7 +166,7 @@ double loss_t(float* losses, void* dx, float* dw, const void* x, const void* w, 
                               softcap);
   const int64_t R = std::min(chunk_rows, std::max<int64_t>(N, 1));
   int64_t width =
-      head::tile_width(R, V, omp_get_max_threads(), S::kFp32 ? head::kTileFloatsF32 : head::kTileFloatsHalf);
+      head::tile_width(R, V, reduction_parts(), S::kFp32 ? head::kTileFloatsF32 : head::kTileFloatsHalf);
   if (!S::kFp32 && head::bench_tile_width_override > 0) width = head::bench_tile_width_override;
   return loss_tiled<S>(losses, dx, dw, x, w, targets, N, C, V, grad_scale, backward, scratch, chunk_rows, width,
                        softcap);

@@ -3,13 +3,14 @@
 //   backward: with xhat = x * rstd and dxhat = dout * weight,
 //             dinp[N,C] += rstd * (dxhat - xhat * mean(dxhat * xhat)),  dweight[C] += sum_n dout * xhat.
 // One template per kernel for every storage type (kernels/cpu/storage.h), as layernorm.cpp.
-// Parameter-gradient partials per thread in the caller's scratch, combined in thread order
-// (deterministic for a fixed thread count).
+// Parameter-gradient partials per reduction part (core/parallel.h) in the caller's scratch,
+// combined in part order: the sums depend on the number of parts, not on the thread count.
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 
+#include "core/parallel.h"
 #include "kernels/cpu/op_slots.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/storage.h"
@@ -30,14 +31,15 @@ inline void rmsnorm_row(float* __restrict o, float* rstd, const float* __restric
   *rstd = r;
 }
 
-// As layernorm.cpp: the thread count orders the dweight sums, so each table keeps its threshold.
+// As layernorm.cpp: one thread below this many elements; the 16-bit tables fork later.
 template <class S>
 constexpr int64_t kParallelMin = S::kFp32 ? 1 << 14 : 1 << 15;
 
-// Scratch: per thread C partial dweight, then (16-bit storage) per thread 3C widened rows.
+// Scratch: per reduction part C partial dweight, then (16-bit storage) per thread 3C widened rows;
+// scratch_slots() covers both counts.
 template <class S>
 size_t scratch_floats(int64_t C) {
-  return static_cast<size_t>((S::kFp32 ? 1 : 4) * C * omp_get_max_threads());
+  return static_cast<size_t>((S::kFp32 ? 1 : 4) * C * scratch_slots());
 }
 template <class S>
 size_t scratch_bytes(int64_t C) {
@@ -66,38 +68,40 @@ void backward(void* dinp_v, float* dweight, const void* dout_v, const void* inp_
               const float* rstd, int64_t N, int64_t C, void* scratch_v) {
   const float inv_c = 1.0f / static_cast<float>(C);
   float* scratch = static_cast<float*>(scratch_v);
-  const int64_t max_thr = omp_get_max_threads();
+  const int64_t parts = reduction_parts(), slots = scratch_slots();
   const auto *dout = as<S>(dout_v), *inp = as<S>(inp_v);
   auto* dinp = as<S>(dinp_v);
 #pragma omp parallel if (N * C >= kParallelMin <S>)
   {
-    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    float* __restrict pw = scratch + tid * C;  // partial dweight of this thread
     // The widened rows of a 16-bit table (unused by F32, whose rows are read in place).
-    float* rows = S::kFp32 ? scratch : scratch + max_thr * C + tid * 3 * C;
-    for (int64_t c = 0; c < C; ++c) pw[c] = 0.0f;
-    const int64_t n0 = N * tid / nt, n1 = N * (tid + 1) / nt;
-    for (int64_t n = n0; n < n1; ++n) {
-      const float* __restrict x = read_row<S>(rows, inp + n * C, C);
-      const float* __restrict g = read_row<S>(rows + C, dout + n * C, C);
-      float* __restrict dx = update_row<S>(rows + 2 * C, dinp + n * C, C);
-      const float r = rstd[n];
-      float s = 0.0f;  // sum of dxhat * xhat
+    float* rows = S::kFp32 ? scratch : scratch + slots * C + omp_get_thread_num() * 3 * C;
+    // Part p sums rows [N p / parts, N (p + 1) / parts) into scratch[p][0:C], whichever thread runs it.
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < parts; ++p) {
+      float* __restrict pw = scratch + p * C;
+      for (int64_t c = 0; c < C; ++c) pw[c] = 0.0f;
+      const int64_t n0 = N * p / parts, n1 = N * (p + 1) / parts;
+      for (int64_t n = n0; n < n1; ++n) {
+        const float* __restrict x = read_row<S>(rows, inp + n * C, C);
+        const float* __restrict g = read_row<S>(rows + C, dout + n * C, C);
+        float* __restrict dx = update_row<S>(rows + 2 * C, dinp + n * C, C);
+        const float r = rstd[n];
+        float s = 0.0f;  // sum of dxhat * xhat
 #pragma omp simd reduction(+ : s)
-      for (int64_t c = 0; c < C; ++c) {
-        const float xhat = x[c] * r;
-        s += g[c] * weight[c] * xhat;
-        pw[c] += g[c] * xhat;
+        for (int64_t c = 0; c < C; ++c) {
+          const float xhat = x[c] * r;
+          s += g[c] * weight[c] * xhat;
+          pw[c] += g[c] * xhat;
+        }
+        const float b = s * inv_c;
+        for (int64_t c = 0; c < C; ++c) dx[c] += (g[c] * weight[c] - x[c] * r * b) * r;
+        write_row<S>(dinp + n * C, dx, C);
       }
-      const float b = s * inv_c;
-      for (int64_t c = 0; c < C; ++c) dx[c] += (g[c] * weight[c] - x[c] * r * b) * r;
-      write_row<S>(dinp + n * C, dx, C);
-    }
-#pragma omp barrier
-    const int64_t c0 = C * tid / nt, c1 = C * (tid + 1) / nt;
-    for (int64_t c = c0; c < c1; ++c) {
+    }  // implicit barrier: every partial is complete
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < C; ++c) {
       float sw = 0.0f;
-      for (int64_t t = 0; t < nt; ++t) sw += scratch[t * C + c];
+      for (int64_t p = 0; p < parts; ++p) sw += scratch[p * C + c];
       dweight[c] += sw;
     }
   }
@@ -136,48 +140,50 @@ void head_backward(void* dx_v, float* dweight, const void* saved_v, const float*
                    int64_t heads, int64_t D, int64_t stride, void* scratch_v) {
   const float inv_d = 1.0f / static_cast<float>(D);
   float* scratch = static_cast<float*>(scratch_v);
-  const int64_t max_thr = omp_get_max_threads(), rows = N * heads;
+  const int64_t parts = reduction_parts(), slots = scratch_slots(), rows = N * heads;
   auto* dx = as<S>(dx_v);
   const auto* saved = as<S>(saved_v);
 #pragma omp parallel if (rows * D >= kParallelMin <S>)
   {
-    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    float* __restrict pw = scratch + tid * D;           // partial dweight of this thread
-    float* work = scratch + max_thr * D + tid * 3 * D;  // x, dout as fp32, dx
-    for (int64_t c = 0; c < D; ++c) pw[c] = 0.0f;
-    const int64_t r0 = rows * tid / nt, r1 = rows * (tid + 1) / nt;
-    for (int64_t r = r0; r < r1; ++r) {
-      typename S::T* row = dx + (r / heads) * stride + (r % heads) * D;
-      const float* __restrict x = read_row<S>(work, saved + r * D, D);
-      float* __restrict g = work + D;  // a copy: the row is overwritten below
-      if constexpr (S::kFp32)
-        std::copy(row, row + D, g);
-      else
-        S::to_f32(g, row, D);
-      float* __restrict d = out_row<S>(work + 2 * D, row);
-      const float rs = rstd[r];
-      float s = 0.0f;  // sum of dxhat * xhat
+    float* work = scratch + slots * D + omp_get_thread_num() * 3 * D;  // x, dout as fp32, dx
+    // Part p sums rows [rows p / parts, rows (p + 1) / parts) into scratch[p][0:D].
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < parts; ++p) {
+      float* __restrict pw = scratch + p * D;
+      for (int64_t c = 0; c < D; ++c) pw[c] = 0.0f;
+      const int64_t r0 = rows * p / parts, r1 = rows * (p + 1) / parts;
+      for (int64_t r = r0; r < r1; ++r) {
+        typename S::T* row = dx + (r / heads) * stride + (r % heads) * D;
+        const float* __restrict x = read_row<S>(work, saved + r * D, D);
+        float* __restrict g = work + D;  // a copy: the row is overwritten below
+        if constexpr (S::kFp32)
+          std::copy(row, row + D, g);
+        else
+          S::to_f32(g, row, D);
+        float* __restrict d = out_row<S>(work + 2 * D, row);
+        const float rs = rstd[r];
+        float s = 0.0f;  // sum of dxhat * xhat
 #pragma omp simd reduction(+ : s)
-      for (int64_t c = 0; c < D; ++c) {
-        const float xhat = x[c] * rs;
-        s += g[c] * weight[c] * xhat;
-        pw[c] += g[c] * xhat;
+        for (int64_t c = 0; c < D; ++c) {
+          const float xhat = x[c] * rs;
+          s += g[c] * weight[c] * xhat;
+          pw[c] += g[c] * xhat;
+        }
+        const float b = s * inv_d;
+        for (int64_t c = 0; c < D; ++c) d[c] = (g[c] * weight[c] - x[c] * rs * b) * rs;
+        write_row<S>(row, d, D);
       }
-      const float b = s * inv_d;
-      for (int64_t c = 0; c < D; ++c) d[c] = (g[c] * weight[c] - x[c] * rs * b) * rs;
-      write_row<S>(row, d, D);
-    }
-#pragma omp barrier
-    const int64_t c0 = D * tid / nt, c1 = D * (tid + 1) / nt;
-    for (int64_t c = c0; c < c1; ++c) {
+    }  // implicit barrier
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < D; ++c) {
       float sw = 0.0f;
-      for (int64_t t = 0; t < nt; ++t) sw += scratch[t * D + c];
+      for (int64_t p = 0; p < parts; ++p) sw += scratch[p * D + c];
       dweight[c] += sw;
     }
   }
 }
 
-size_t head_scratch_bytes(int64_t D) { return static_cast<size_t>(4 * D * omp_get_max_threads()) * sizeof(float); }
+size_t head_scratch_bytes(int64_t D) { return static_cast<size_t>(4 * D * scratch_slots()) * sizeof(float); }
 
 }  // namespace
 
