@@ -68,13 +68,14 @@ void set_runtime_note(std::string note);
 // re-reads the load every kLoadCheckSeconds between units of work and sets omp_set_num_threads.
 //
 // Determinism rule: the thread count may change mid-run only where no kernel's arithmetic depends
-// on it. lathe's fp32 FORWARD kernels split rows, heads or output columns between threads (each
-// output is summed by one thread in a fixed order) and OpenBLAS sgemm/sgemv split the outputs, never
-// K, so fp32 inference gives the same bits on any thread count (tests/cli/test_load_follow.py checks
-// a run switched mid-way against unswitched ones). Training may NOT switch: the backward kernels sum
-// per-thread partials (layernorm/rmsnorm/embedding backward, lm_head_loss, ops.h "deterministic for
-// a fixed thread count"), and oneDNN's bf16 GEMMs may split K by thread count; so only fp32
-// `lathe generate` follows the load, training keeps its thread count and relies on the bounded spin.
+// on it. lathe's fp32 kernels split rows, heads or output columns between threads (each output is
+// summed by one thread in a fixed order), their reductions over rows sum a fixed number of parts
+// (core/parallel.h, reduction_parts: fixed for a training run at start), and OpenBLAS sgemm/sgemv
+// split the outputs, never K; so fp32 inference and fp32 training give the same bits on any thread
+// count (tests/cli/test_load_follow.py and tests/train/test_thread_follow.py check runs switched
+// mid-way against unswitched ones). `lathe generate` (fp32) polls between tokens, `lathe train`
+// (fp32 on the CPU) before each step (train/run_control.h). oneDNN's 16-bit GEMMs may split K by
+// thread count, so bf16/fp16 runs keep their count and rely on the bounded spin.
 inline constexpr double kLoadCheckSeconds = 0.05;
 
 // "procs_running N" of /proc/stat (runnable tasks now, all CPUs, this process's threads included);
