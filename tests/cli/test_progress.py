@@ -21,7 +21,8 @@ import megatron_writer  # noqa: E402
 
 LATHE = os.environ.get("LATHE_BIN") or os.path.join(os.environ.get("LATHE_BINARY_DIR", os.path.join(HERE, "..", "..", "build")), "lathe")
 TMP = tempfile.mkdtemp(prefix="lathe_progress_")
-ENV = {k: v for k, v in os.environ.items() if k != "LATHE_PROGRESS"}
+# OMP_WAIT_POLICY chosen here: on a loaded machine lathe would otherwise note its own choice on stderr.
+ENV = dict({k: v for k, v in os.environ.items() if k != "LATHE_PROGRESS"}, OMP_WAIT_POLICY="PASSIVE")
 failures = []
 
 
