@@ -11,7 +11,8 @@
 //  * Input gradients: "+=" or "=" as stated per function. LayerNorm/RMSNorm backward add into
 //    dinp because their input is the residual stream whose gradient already holds the skip path.
 //  * Nothing here allocates: scratch memory is passed in by the caller (sizes documented).
-//  * Results are deterministic for a fixed thread count (no atomics, fixed reduction order).
+//  * Results are deterministic (no atomics, fixed reduction order); the fp32 kernels give the same
+//    bits on any thread count for a fixed reduction_parts() (core/parallel.h).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -54,8 +55,8 @@ void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
                        int64_t N, int64_t C, float eps);
 // dinp[N,C] += ..., dweight[C] += ..., dbias[C] += ... (dbias may be null).
-// Deterministic parameter-gradient reduction: per-thread partial sums in `scratch`
-// (at least layernorm_scratch_floats(C) floats), combined in thread order.
+// Deterministic parameter-gradient reduction: reduction_parts() partial sums in `scratch`
+// (at least layernorm_scratch_floats(C) floats), combined in part order.
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                         const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
                         float* scratch);
