@@ -5,8 +5,8 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <atomic>
+#include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -53,34 +53,39 @@ RunControl::~RunControl() {
   omp_set_num_threads(threads_);  // the reduction parts stay: rank threads of one process may still run
 }
 
+namespace {
+
+// The comma-separated counts (each 1..4096) of environment variable `name`; empty when unset.
+std::vector<int> env_counts(const char* name, const char* expected) {
+  std::vector<int> counts;
+  const char* v = std::getenv(name);
+  for (const char* p = v; p != nullptr && *p != '\0';) {
+    char* end = nullptr;
+    const long n = std::strtol(p, &end, 10);
+    LATHE_CHECK(end != p && n >= 1 && n <= 4096 && (*end == ',' || *end == '\0'), "{}={}: expected {}", name, v,
+                expected);
+    counts.push_back(static_cast<int>(n));
+    p = *end == ',' ? end + 1 : end;
+  }
+  return counts;
+}
+
+}  // namespace
+
 void RunControl::fix_threads(int threads) {
   threads_ = threads;
-  int parts = threads;
-  if (const char* v = std::getenv("LATHE_REDUCTION_PARTS"); v != nullptr && *v != '\0') {
-    char* end = nullptr;
-    const long n = std::strtol(v, &end, 10);
-    LATHE_CHECK(*end == '\0' && n >= 1 && n <= 4096,
-                "LATHE_REDUCTION_PARTS={}: expected a whole number from 1 to 4096 (the partial sums of the "
-                "deterministic reductions; unset: the thread count at start, {})",
-                v, threads);
-    parts = static_cast<int>(n);
-  }
-  set_reduction_parts(parts);
+  const std::vector<int> parts = env_counts(
+      "LATHE_REDUCTION_PARTS",
+      "one whole number from 1 to 4096 (the partial sums of the deterministic reductions; unset: the thread count "
+      "at start)");
+  LATHE_CHECK(parts.size() <= 1, "LATHE_REDUCTION_PARTS={}: expected one number", std::getenv("LATHE_REDUCTION_PARTS"));
+  set_reduction_parts(parts.empty() ? threads : parts[0]);
+  test_thread_cycle_ = env_counts("LATHE_TEST_THREAD_CYCLE", "thread counts like 2,1,3");
   // fp32 CPU kernels give the same bits on any thread count once the parts are fixed; oneDNN's
-  // 16-bit GEMMs and the device backends do not promise it, so their runs keep their count.
-  if (r_.device == "cpu" && r_.precision.compute == "fp32") load_ = std::make_unique<LoadFollower>(threads);
-  if (const char* v = std::getenv("LATHE_TEST_THREAD_CYCLE"); v != nullptr && *v != '\0') {
-    for (const char* p = v; *p != '\0';) {
-      char* end = nullptr;
-      const long n = std::strtol(p, &end, 10);
-      LATHE_CHECK(end != p && n >= 1 && n <= 4096, "LATHE_TEST_THREAD_CYCLE={}: expected thread counts like 2,1,3",
-                  v);
-      test_thread_cycle_.push_back(static_cast<int>(n));
-      p = *end == ',' ? end + 1 : end;
-      LATHE_CHECK(*end == ',' || *end == '\0', "LATHE_TEST_THREAD_CYCLE={}: expected thread counts like 2,1,3", v);
-    }
-    load_.reset();  // the cycle decides
-  }
+  // 16-bit GEMMs and the device backends do not promise it, so their runs keep their count. A test
+  // cycle decides the count itself.
+  if (r_.device == "cpu" && r_.precision.compute == "fp32" && test_thread_cycle_.empty())
+    load_ = std::make_unique<LoadFollower>(threads);
 }
 
 void RunControl::before_step(int64_t step) {

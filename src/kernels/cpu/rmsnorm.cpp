@@ -46,6 +46,17 @@ size_t scratch_bytes(int64_t C) {
   return scratch_floats<S>(C) * sizeof(float);
 }
 
+// dweight[c] += the parts' partials (scratch[p][c], p < parts) summed in part order; called inside
+// a parallel region, whose threads split the columns.
+inline void add_parts(float* dweight, const float* scratch, int64_t parts, int64_t C) {
+#pragma omp for schedule(static)
+  for (int64_t c = 0; c < C; ++c) {
+    float sw = 0.0f;
+    for (int64_t p = 0; p < parts; ++p) sw += scratch[p * C + c];
+    dweight[c] += sw;
+  }
+}
+
 template <class S>
 void forward(void* out_v, float* rstd, const void* inp_v, const float* weight, int64_t N, int64_t C, float eps) {
   const auto* inp = as<S>(inp_v);
@@ -98,12 +109,7 @@ void backward(void* dinp_v, float* dweight, const void* dout_v, const void* inp_
         write_row<S>(dinp + n * C, dx, C);
       }
     }  // implicit barrier: every partial is complete
-#pragma omp for schedule(static)
-    for (int64_t c = 0; c < C; ++c) {
-      float sw = 0.0f;
-      for (int64_t p = 0; p < parts; ++p) sw += scratch[p * C + c];
-      dweight[c] += sw;
-    }
+    add_parts(dweight, scratch, parts, C);
   }
 }
 
@@ -174,12 +180,7 @@ void head_backward(void* dx_v, float* dweight, const void* saved_v, const float*
         write_row<S>(row, d, D);
       }
     }  // implicit barrier
-#pragma omp for schedule(static)
-    for (int64_t c = 0; c < D; ++c) {
-      float sw = 0.0f;
-      for (int64_t p = 0; p < parts; ++p) sw += scratch[p * D + c];
-      dweight[c] += sw;
-    }
+    add_parts(dweight, scratch, parts, D);
   }
 }
 
